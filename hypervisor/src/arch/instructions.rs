@@ -1,0 +1,459 @@
+//! Every privileged instruction the hypervisor executes, behind safe or
+//! narrowly unsafe wrappers. No other module of the hypervisor contains `asm!`
+//! (the boot stub lives in `loader/src/entry.rs`).
+//!
+//! VMX instructions report failure through RFLAGS (SDM 31.2 "Conventions"):
+//! CF=1 is VMfailInvalid, ZF=1 is VMfailValid with the reason in the
+//! VM-instruction error field. Each wrapper turns that into a [`VmFail`].
+
+use core::arch::asm;
+
+/// A failed VMX instruction (SDM 31.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmFail {
+    /// CF=1: no current VMCS, or the operand was invalid.
+    Invalid,
+    /// ZF=1: the VM-instruction error field says why.
+    Valid,
+}
+
+#[inline(always)]
+fn vm_result(rflags: u64) -> Result<(), VmFail> {
+    if rflags & 1 != 0 {
+        Err(VmFail::Invalid)
+    } else if rflags & (1 << 6) != 0 {
+        Err(VmFail::Valid)
+    } else {
+        Ok(())
+    }
+}
+
+/// Enters VMX operation with the VMXON region at physical address `region`.
+///
+/// # Safety
+/// `region` must be a 4 KiB-aligned, zeroed-then-revision-stamped page owned by
+/// the hypervisor for as long as VMX operation lasts, and CR4.VMXE must be set.
+pub unsafe fn vmxon(region: u64) -> Result<(), VmFail> {
+    let flags: u64;
+    // SAFETY: the caller upholds the VMXON preconditions; the operand is a
+    // stack slot holding the region's physical address.
+    unsafe {
+        asm!("vmxon [{0}]", "pushfq", "pop {1}", in(reg) &region, out(reg) flags);
+    }
+    vm_result(flags)
+}
+
+/// VMCLEAR: flushes and deactivates the VMCS at `vmcs`.
+///
+/// # Safety
+/// `vmcs` must be the physical address of a VMCS region owned by the hypervisor.
+pub unsafe fn vmclear(vmcs: u64) -> Result<(), VmFail> {
+    let flags: u64;
+    // SAFETY: per the caller's contract the operand names a hypervisor-owned VMCS.
+    unsafe {
+        asm!("vmclear [{0}]", "pushfq", "pop {1}", in(reg) &vmcs, out(reg) flags);
+    }
+    vm_result(flags)
+}
+
+/// VMPTRLD: makes the VMCS at `vmcs` current.
+///
+/// # Safety
+/// `vmcs` must be the physical address of a cleared, revision-stamped VMCS region.
+pub unsafe fn vmptrld(vmcs: u64) -> Result<(), VmFail> {
+    let flags: u64;
+    // SAFETY: per the caller's contract the operand names a valid VMCS region.
+    unsafe {
+        asm!("vmptrld [{0}]", "pushfq", "pop {1}", in(reg) &vmcs, out(reg) flags);
+    }
+    vm_result(flags)
+}
+
+/// VMREAD of `field` from the current VMCS.
+pub fn vmread(field: u32) -> Result<u64, VmFail> {
+    let value: u64;
+    let flags: u64;
+    // SAFETY: VMREAD only reads the current VMCS; with no current VMCS or a bad
+    // encoding it fails with flags set, which we report, and touches no memory.
+    unsafe {
+        asm!("vmread {0}, {1}", "pushfq", "pop {2}", out(reg) value, in(reg) field as u64, out(reg) flags);
+    }
+    vm_result(flags).map(|()| value)
+}
+
+/// VMWRITE of `value` to `field` in the current VMCS.
+///
+/// # Safety
+/// Writing host-state or control fields changes what the CPU does on the next
+/// VM entry and exit; the caller must write values that keep the hypervisor sound.
+pub unsafe fn vmwrite(field: u32, value: u64) -> Result<(), VmFail> {
+    let flags: u64;
+    // SAFETY: the caller vouches for the value; VMWRITE itself only writes the VMCS.
+    unsafe {
+        asm!("vmwrite {0}, {1}", "pushfq", "pop {2}", in(reg) field as u64, in(reg) value, out(reg) flags);
+    }
+    vm_result(flags)
+}
+
+/// INVEPT type 2 (all contexts): drops every cached EPT translation.
+pub fn invept_all() -> Result<(), VmFail> {
+    let desc = [0u64; 2];
+    let flags: u64;
+    // SAFETY: INVEPT only invalidates TLB entries derived from EPT; the
+    // descriptor is a valid 16-byte stack object.
+    unsafe {
+        asm!("invept {0}, [{1}]", "pushfq", "pop {2}", in(reg) 2u64, in(reg) desc.as_ptr(), out(reg) flags);
+    }
+    vm_result(flags)
+}
+
+/// Reads a model-specific register.
+///
+/// # Safety
+/// Reading an MSR the CPU does not implement raises #GP.
+pub unsafe fn rdmsr(msr: u32) -> u64 {
+    let (lo, hi): (u32, u32);
+    // SAFETY: the caller guarantees the MSR exists.
+    unsafe {
+        asm!("rdmsr", in("ecx") msr, out("eax") lo, out("edx") hi, options(nomem, nostack));
+    }
+    (lo as u64) | ((hi as u64) << 32)
+}
+
+/// Writes a model-specific register.
+///
+/// # Safety
+/// The MSR must exist and the value must not break the hypervisor.
+pub unsafe fn wrmsr(msr: u32, value: u64) {
+    // SAFETY: the caller guarantees the MSR and value are valid.
+    unsafe {
+        asm!("wrmsr", in("ecx") msr, in("eax") value as u32, in("edx") (value >> 32) as u32, options(nostack));
+    }
+}
+
+/// Executes CPUID for `(leaf, subleaf)` and returns `[eax, ebx, ecx, edx]`.
+pub fn cpuid(leaf: u32, subleaf: u32) -> [u32; 4] {
+    let r = core::arch::x86_64::__cpuid_count(leaf, subleaf);
+    [r.eax, r.ebx, r.ecx, r.edx]
+}
+
+/// XSETBV: loads XCR `index` with `value`.
+///
+/// # Safety
+/// CR4.OSXSAVE must be set and the value must be valid for the CPU, or #GP.
+pub unsafe fn xsetbv(index: u32, value: u64) {
+    // SAFETY: the caller validated the value against CPUID leaf 0xD.
+    unsafe {
+        asm!("xsetbv", in("ecx") index, in("eax") value as u32, in("edx") (value >> 32) as u32, options(nostack));
+    }
+}
+
+/// Reads CR0.
+pub fn read_cr0() -> u64 {
+    let v: u64;
+    // SAFETY: reading a control register has no side effects in ring 0.
+    unsafe { asm!("mov {}, cr0", out(reg) v, options(nomem, nostack)) };
+    v
+}
+
+/// Writes CR0.
+///
+/// # Safety
+/// The value must keep paging and protection as the hypervisor needs them.
+pub unsafe fn write_cr0(v: u64) {
+    // SAFETY: the caller guarantees the new value is consistent.
+    unsafe { asm!("mov cr0, {}", in(reg) v, options(nostack)) };
+}
+
+/// Reads CR3.
+pub fn read_cr3() -> u64 {
+    let v: u64;
+    // SAFETY: reading a control register has no side effects in ring 0.
+    unsafe { asm!("mov {}, cr3", out(reg) v, options(nomem, nostack)) };
+    v
+}
+
+/// Reads CR4.
+pub fn read_cr4() -> u64 {
+    let v: u64;
+    // SAFETY: reading a control register has no side effects in ring 0.
+    unsafe { asm!("mov {}, cr4", out(reg) v, options(nomem, nostack)) };
+    v
+}
+
+/// Writes CR4.
+///
+/// # Safety
+/// The value must keep PAE and every bit the hypervisor relies on.
+pub unsafe fn write_cr4(v: u64) {
+    // SAFETY: the caller guarantees the new value is consistent.
+    unsafe { asm!("mov cr4, {}", in(reg) v, options(nostack)) };
+}
+
+/// Writes one byte to an I/O port.
+///
+/// # Safety
+/// Port writes reach devices; the caller must own the port or be forwarding a
+/// guest access.
+pub unsafe fn outb(port: u16, v: u8) {
+    // SAFETY: the caller owns the port.
+    unsafe { asm!("out dx, al", in("dx") port, in("al") v, options(nomem, nostack)) };
+}
+
+/// Writes a 16-bit word to an I/O port.
+///
+/// # Safety
+/// As [`outb`].
+pub unsafe fn outw(port: u16, v: u16) {
+    // SAFETY: the caller owns the port.
+    unsafe { asm!("out dx, ax", in("dx") port, in("ax") v, options(nomem, nostack)) };
+}
+
+/// Writes a 32-bit word to an I/O port.
+///
+/// # Safety
+/// As [`outb`].
+pub unsafe fn outl(port: u16, v: u32) {
+    // SAFETY: the caller owns the port.
+    unsafe { asm!("out dx, eax", in("dx") port, in("eax") v, options(nomem, nostack)) };
+}
+
+/// Reads one byte from an I/O port.
+///
+/// # Safety
+/// Port reads can have side effects on devices.
+pub unsafe fn inb(port: u16) -> u8 {
+    let v: u8;
+    // SAFETY: the caller owns the port.
+    unsafe { asm!("in al, dx", in("dx") port, out("al") v, options(nomem, nostack)) };
+    v
+}
+
+/// Reads the time-stamp counter.
+pub fn rdtsc() -> u64 {
+    // SAFETY: RDTSC is unprivileged and side-effect free.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+/// Stops the CPU for good: interrupts off, then HLT forever.
+pub fn halt_forever() -> ! {
+    loop {
+        // SAFETY: CLI;HLT only stops this CPU.
+        unsafe { asm!("cli", "hlt", options(nomem, nostack)) };
+    }
+}
+
+/// A descriptor-table register image for LGDT/LIDT/SGDT.
+#[repr(C, packed)]
+#[derive(Clone, Copy, Default)]
+pub struct DescriptorTablePointer {
+    /// Table size minus one.
+    pub limit: u16,
+    /// Linear base address.
+    pub base: u64,
+}
+
+/// Loads the GDT register.
+///
+/// # Safety
+/// The table must stay valid and contain the selectors currently loaded.
+pub unsafe fn lgdt(p: &DescriptorTablePointer) {
+    // SAFETY: the caller guarantees the table outlives its use.
+    unsafe { asm!("lgdt [{}]", in(reg) p, options(readonly, nostack)) };
+}
+
+/// Loads the IDT register.
+///
+/// # Safety
+/// The table must stay valid for as long as exceptions may happen.
+pub unsafe fn lidt(p: &DescriptorTablePointer) {
+    // SAFETY: the caller guarantees the table outlives its use.
+    unsafe { asm!("lidt [{}]", in(reg) p, options(readonly, nostack)) };
+}
+
+/// Loads the task register.
+///
+/// # Safety
+/// `sel` must name an available 64-bit TSS descriptor in the current GDT.
+pub unsafe fn ltr(sel: u16) {
+    // SAFETY: the caller guarantees the descriptor is a valid TSS.
+    unsafe { asm!("ltr {0:x}", in(reg) sel, options(nostack)) };
+}
+
+/// Reloads CS with `code` (by a far return) and the data segments with `data`.
+///
+/// # Safety
+/// Both selectors must be valid in the current GDT.
+pub unsafe fn reload_segments(code: u16, data: u16) {
+    // SAFETY: the caller guarantees the selectors; the far return lands on the
+    // next instruction with the same stack.
+    unsafe {
+        asm!(
+            "push {code}",
+            "lea {tmp}, [rip + 2f]",
+            "push {tmp}",
+            "retfq",
+            "2:",
+            "mov ds, {data:x}",
+            "mov es, {data:x}",
+            "mov ss, {data:x}",
+            code = in(reg) code as u64,
+            data = in(reg) data,
+            tmp = out(reg) _,
+        );
+    }
+}
+
+/// Guest general-purpose registers that VMX does not keep in the VMCS
+/// (RSP and RIP live there). Saved and restored by [`vmx_run`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GuestRegs {
+    pub rax: u64,
+    pub rbx: u64,
+    pub rcx: u64,
+    pub rdx: u64,
+    pub rsi: u64,
+    pub rdi: u64,
+    pub rbp: u64,
+    pub r8: u64,
+    pub r9: u64,
+    pub r10: u64,
+    pub r11: u64,
+    pub r12: u64,
+    pub r13: u64,
+    pub r14: u64,
+    pub r15: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<GuestRegs>() == 15 * 8);
+
+/// Outcome of one [`vmx_run`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunOutcome {
+    /// The guest ran and a VM exit brought us back.
+    Exited,
+    /// VMLAUNCH/VMRESUME itself failed (the guest never ran).
+    EntryFailed(VmFail),
+}
+
+/// Enters the guest (VMLAUNCH when `launched` is false, else VMRESUME) with its
+/// general-purpose registers from `regs`, and returns at the next VM exit with
+/// them saved back into `regs`.
+///
+/// # Safety
+/// A VMCS must be current with complete, consistent guest, host and control
+/// state; its HOST_RIP/HOST_RSP are set here.
+pub unsafe fn vmx_run(regs: &mut GuestRegs, launched: bool) -> RunOutcome {
+    // SAFETY: the caller guarantees a complete VMCS; the trampoline keeps the
+    // System V callee-saved registers and the stack balanced on both paths.
+    let r = unsafe { vmx_run_raw(regs, launched as u64) };
+    match r {
+        0 => RunOutcome::Exited,
+        1 => RunOutcome::EntryFailed(VmFail::Invalid),
+        _ => RunOutcome::EntryFailed(VmFail::Valid),
+    }
+}
+
+use core::mem::offset_of;
+
+/// Returns 0 after a VM exit, 1 on VMfailInvalid, 2 on VMfailValid.
+#[unsafe(naked)]
+unsafe extern "C" fn vmx_run_raw(regs: *mut GuestRegs, launched: u64) -> u64 {
+    core::arch::naked_asm!(
+        // Callee-saved host registers, then the regs pointer at [rsp].
+        "push rbp",
+        "push rbx",
+        "push r12",
+        "push r13",
+        "push r14",
+        "push r15",
+        "push rdi",
+        // HOST_RSP = rsp, HOST_RIP = 3f (SDM 25.5 host-state area).
+        "mov rax, {host_rsp}",
+        "vmwrite rax, rsp",
+        "lea rbx, [rip + 3f]",
+        "mov rax, {host_rip}",
+        "vmwrite rax, rbx",
+        "test rsi, rsi",
+        "mov rax, [rdi + {rax}]",
+        "mov rbx, [rdi + {rbx}]",
+        "mov rcx, [rdi + {rcx}]",
+        "mov rdx, [rdi + {rdx}]",
+        "mov rsi, [rdi + {rsi}]",
+        "mov rbp, [rdi + {rbp}]",
+        "mov r8, [rdi + {r8}]",
+        "mov r9, [rdi + {r9}]",
+        "mov r10, [rdi + {r10}]",
+        "mov r11, [rdi + {r11}]",
+        "mov r12, [rdi + {r12}]",
+        "mov r13, [rdi + {r13}]",
+        "mov r14, [rdi + {r14}]",
+        "mov r15, [rdi + {r15}]",
+        "mov rdi, [rdi + {rdi}]",
+        "jnz 2f",
+        "vmlaunch",
+        "jmp 4f",
+        "2:",
+        "vmresume",
+        // Entry failed: CF or ZF tells which.
+        "4:",
+        "mov eax, 1",
+        "mov ecx, 2",
+        "cmovz eax, ecx",
+        "pop rdi",
+        "pop r15",
+        "pop r14",
+        "pop r13",
+        "pop r12",
+        "pop rbx",
+        "pop rbp",
+        "ret",
+        // VM exit: rsp = HOST_RSP, the regs pointer is at [rsp].
+        "3:",
+        "push rdi",
+        "mov rdi, [rsp + 8]",
+        "mov [rdi + {rax}], rax",
+        "mov [rdi + {rbx}], rbx",
+        "mov [rdi + {rcx}], rcx",
+        "mov [rdi + {rdx}], rdx",
+        "mov [rdi + {rsi}], rsi",
+        "mov [rdi + {rbp}], rbp",
+        "mov [rdi + {r8}], r8",
+        "mov [rdi + {r9}], r9",
+        "mov [rdi + {r10}], r10",
+        "mov [rdi + {r11}], r11",
+        "mov [rdi + {r12}], r12",
+        "mov [rdi + {r13}], r13",
+        "mov [rdi + {r14}], r14",
+        "mov [rdi + {r15}], r15",
+        "pop rax",
+        "mov [rdi + {rdi}], rax",
+        "pop rdi",
+        "pop r15",
+        "pop r14",
+        "pop r13",
+        "pop r12",
+        "pop rbx",
+        "pop rbp",
+        "xor eax, eax",
+        "ret",
+        host_rsp = const 0x6C14u32,
+        host_rip = const 0x6C16u32,
+        rax = const offset_of!(GuestRegs, rax),
+        rbx = const offset_of!(GuestRegs, rbx),
+        rcx = const offset_of!(GuestRegs, rcx),
+        rdx = const offset_of!(GuestRegs, rdx),
+        rsi = const offset_of!(GuestRegs, rsi),
+        rdi = const offset_of!(GuestRegs, rdi),
+        rbp = const offset_of!(GuestRegs, rbp),
+        r8 = const offset_of!(GuestRegs, r8),
+        r9 = const offset_of!(GuestRegs, r9),
+        r10 = const offset_of!(GuestRegs, r10),
+        r11 = const offset_of!(GuestRegs, r11),
+        r12 = const offset_of!(GuestRegs, r12),
+        r13 = const offset_of!(GuestRegs, r13),
+        r14 = const offset_of!(GuestRegs, r14),
+        r15 = const offset_of!(GuestRegs, r15),
+    );
+}

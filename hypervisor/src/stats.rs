@@ -1,0 +1,88 @@
+//! Per-reason exit counters.
+
+use crate::vmx::exit::{reason, reason_name};
+
+/// Counts of VM exits by basic reason.
+#[derive(Debug, Clone)]
+pub struct ExitCounters {
+    counts: [u64; reason::COUNT],
+    other: u64,
+}
+
+impl Default for ExitCounters {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ExitCounters {
+    /// All zero.
+    pub const fn new() -> Self {
+        Self { counts: [0; reason::COUNT], other: 0 }
+    }
+
+    /// Counts one exit with basic reason `r`.
+    pub fn record(&mut self, r: u16) {
+        match self.counts.get_mut(r as usize) {
+            Some(c) => *c += 1,
+            None => self.other += 1,
+        }
+    }
+
+    /// The count for basic reason `r`.
+    pub fn get(&self, r: u16) -> u64 {
+        self.counts.get(r as usize).copied().unwrap_or(0)
+    }
+
+    /// Total exits.
+    pub fn total(&self) -> u64 {
+        self.counts.iter().sum::<u64>() + self.other
+    }
+
+    /// Non-zero counters as `(name, count)`.
+    pub fn nonzero(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        self.counts
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| **c != 0)
+            .map(|(r, c)| (reason_name(r as u16), *c))
+            .chain((self.other != 0).then_some(("OTHER", self.other)))
+    }
+}
+
+impl core::fmt::Display for ExitCounters {
+    /// `CPUID=12 MSR_READ=3 ...`, the format the host launcher parses.
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let mut first = true;
+        for (name, c) in self.nonzero() {
+            if !first {
+                f.write_str(" ")?;
+            }
+            first = false;
+            write!(f, "{name}={c}")?;
+        }
+        if first {
+            f.write_str("none")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_and_formats() {
+        let mut c = ExitCounters::new();
+        assert_eq!(c.to_string(), "none");
+        for _ in 0..3 {
+            c.record(10);
+        }
+        c.record(52);
+        c.record(1000);
+        assert_eq!(c.get(10), 3);
+        assert_eq!(c.total(), 5);
+        assert_eq!(c.to_string(), "CPUID=3 PREEMPTION_TIMER=1 OTHER=1");
+    }
+}

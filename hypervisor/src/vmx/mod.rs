@@ -1,0 +1,6 @@
+//! VMX data: typed VMCS fields, capability arithmetic and the exit decoder.
+//! The instructions that act on them live in the binary's `arch` module.
+
+pub mod caps;
+pub mod exit;
+pub mod fields;

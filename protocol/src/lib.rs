@@ -1,0 +1,2 @@
+//! Control-channel wire format (filled in by the control-channel issue).
+#![no_std]

@@ -1,0 +1,2 @@
+//! Entry and return trampolines (filled in by the kprobe issue).
+#![no_std]
