@@ -9,7 +9,7 @@
 # goes through `sudo -n`. Prints the repository root on stdout.
 set -euo pipefail
 
-# shellcheck source=guest/lib.sh
+# shellcheck source=scripts/guest/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/guest/lib.sh"
 
 PACKAGES=(
@@ -17,7 +17,7 @@ PACKAGES=(
     grub-pc-bin grub-common xorriso mtools
     busybox-static cpio
     qemu-system-x86 socat
-    xz-utils zstd
+    xz-utils zstd lz4
     bc flex bison libelf-dev libssl-dev dwarves rsync kmod build-essential
     python3 file
 )

@@ -125,10 +125,16 @@ impl fmt::Debug for SetupHeader {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SetupHeader")
             .field("version", &format_args!("{:#06x}", self.version()))
-            .field("type_of_loader", &format_args!("{:#04x}", self.type_of_loader()))
+            .field(
+                "type_of_loader",
+                &format_args!("{:#04x}", self.type_of_loader()),
+            )
             .field("loadflags", &self.loadflags())
             .field("cmd_line_ptr", &format_args!("{:#x}", self.cmd_line_ptr()))
-            .field("ramdisk_image", &format_args!("{:#x}", self.ramdisk_image()))
+            .field(
+                "ramdisk_image",
+                &format_args!("{:#x}", self.ramdisk_image()),
+            )
             .field("ramdisk_size", &format_args!("{:#x}", self.ramdisk_size()))
             .finish_non_exhaustive()
     }
@@ -261,11 +267,27 @@ impl BootParams {
         *out = [0; BOOT_PARAMS_SIZE];
         put(out, offset_of!(Self, screen_info), &self.screen_info);
         put(out, offset_of!(Self, pad_040), &self.pad_040);
-        put(out, offset_of!(Self, acpi_rsdp_addr), &self.acpi_rsdp_addr.to_le_bytes());
+        put(
+            out,
+            offset_of!(Self, acpi_rsdp_addr),
+            &self.acpi_rsdp_addr.to_le_bytes(),
+        );
         put(out, offset_of!(Self, pad_078), &self.pad_078);
-        put(out, offset_of!(Self, ext_ramdisk_image), &self.ext_ramdisk_image.to_le_bytes());
-        put(out, offset_of!(Self, ext_ramdisk_size), &self.ext_ramdisk_size.to_le_bytes());
-        put(out, offset_of!(Self, ext_cmd_line_ptr), &self.ext_cmd_line_ptr.to_le_bytes());
+        put(
+            out,
+            offset_of!(Self, ext_ramdisk_image),
+            &self.ext_ramdisk_image.to_le_bytes(),
+        );
+        put(
+            out,
+            offset_of!(Self, ext_ramdisk_size),
+            &self.ext_ramdisk_size.to_le_bytes(),
+        );
+        put(
+            out,
+            offset_of!(Self, ext_cmd_line_ptr),
+            &self.ext_cmd_line_ptr.to_le_bytes(),
+        );
         put(out, offset_of!(Self, pad_0cc), &self.pad_0cc);
         put(out, offset_of!(Self, e820_entries), &[self.e820_entries]);
         put(out, offset_of!(Self, pad_1e9), &self.pad_1e9);
@@ -274,7 +296,11 @@ impl BootParams {
         put(out, offset_of!(Self, hdr), &self.hdr.0);
         put(out, offset_of!(Self, pad_290), &self.pad_290);
         for (i, e) in self.e820_table.iter().enumerate() {
-            put(out, offset_of!(Self, e820_table) + i * E820Entry::SIZE, &e.to_bytes());
+            put(
+                out,
+                offset_of!(Self, e820_table) + i * E820Entry::SIZE,
+                &e.to_bytes(),
+            );
         }
         put(out, offset_of!(Self, pad_cd0), &self.pad_cd0);
     }
@@ -304,7 +330,10 @@ impl BootParams {
         bp.hdr = SetupHeader(get(src, offset_of!(Self, hdr)));
         bp.pad_290 = get(src, offset_of!(Self, pad_290));
         for (i, e) in bp.e820_table.iter_mut().enumerate() {
-            *e = E820Entry::from_bytes(&get(src, offset_of!(Self, e820_table) + i * E820Entry::SIZE));
+            *e = E820Entry::from_bytes(&get(
+                src,
+                offset_of!(Self, e820_table) + i * E820Entry::SIZE,
+            ));
         }
         bp.pad_cd0 = get(src, offset_of!(Self, pad_cd0));
         bp
@@ -392,7 +421,11 @@ fn last_byte(addr: u64, len: u64) -> u64 {
 /// - the e820 table (an [`E820Map`] never holds more than the 128 entries
 ///   the zero page has room for);
 /// - `acpi_rsdp_addr` if given; `sentinel` stays 0.
-pub fn build(img: &BzImage<'_>, cfg: &GuestBootConfig, e820: &E820Map) -> Result<BootParams, BootError> {
+pub fn build(
+    img: &BzImage<'_>,
+    cfg: &GuestBootConfig,
+    e820: &E820Map,
+) -> Result<BootParams, BootError> {
     let max = img.cmdline_size();
     if u64::try_from(cfg.cmdline_len).map_or(true, |len| len > u64::from(max)) {
         return Err(BootError::CmdlineTooLong {
@@ -400,7 +433,9 @@ pub fn build(img: &BzImage<'_>, cfg: &GuestBootConfig, e820: &E820Map) -> Result
             max,
         });
     }
-    let above_4g = img.xloadflags().contains(XLoadFlags::CAN_BE_LOADED_ABOVE_4G);
+    let above_4g = img
+        .xloadflags()
+        .contains(XLoadFlags::CAN_BE_LOADED_ABOVE_4G);
     let cmdline_last = last_byte(cfg.cmdline_addr.as_u64(), cfg.cmdline_len as u64 + 1);
     if !above_4g && cmdline_last >= FOUR_GIB {
         return Err(BootError::TooHigh {

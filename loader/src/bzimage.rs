@@ -248,11 +248,17 @@ impl fmt::Debug for BzImage<'_> {
             .field("header_end", &format_args!("{:#x}", self.header_end))
             .field("loadflags", &self.loadflags)
             .field("xloadflags", &self.xloadflags)
-            .field("kernel_alignment", &format_args!("{:#x}", self.kernel_alignment))
+            .field(
+                "kernel_alignment",
+                &format_args!("{:#x}", self.kernel_alignment),
+            )
             .field("init_size", &format_args!("{:#x}", self.init_size))
             .field("pref_address", &format_args!("{:#x}", self.pref_address))
             .field("cmdline_size", &self.cmdline_size)
-            .field("initrd_addr_max", &format_args!("{:#x}", self.initrd_addr_max))
+            .field(
+                "initrd_addr_max",
+                &format_args!("{:#x}", self.initrd_addr_max),
+            )
             .finish()
     }
 }
@@ -297,7 +303,8 @@ pub fn parse(image: &[u8]) -> Result<BzImage<'_>, BzImageError> {
     if version < MIN_PROTOCOL {
         return Err(BzImageError::ProtocolTooOld { found: version });
     }
-    let header_end = hdr::JUMP_BASE + usize::from(read_u8(image, hdr::JUMP_OFFSET).ok_or(too_small)?);
+    let header_end =
+        hdr::JUMP_BASE + usize::from(read_u8(image, hdr::JUMP_OFFSET).ok_or(too_small)?);
     if !(hdr::MIN_END..=hdr::MAX_END).contains(&header_end) {
         return Err(BzImageError::BadHeaderLength { end: header_end });
     }
@@ -308,7 +315,8 @@ pub fn parse(image: &[u8]) -> Result<BzImage<'_>, BzImageError> {
         });
     }
 
-    let xloadflags = XLoadFlags::from_bits_retain(read_u16(image, hdr::XLOADFLAGS).ok_or(too_small)?);
+    let xloadflags =
+        XLoadFlags::from_bits_retain(read_u16(image, hdr::XLOADFLAGS).ok_or(too_small)?);
     if !xloadflags.contains(XLoadFlags::KERNEL_64) {
         return Err(BzImageError::No64BitEntry);
     }

@@ -270,8 +270,9 @@ impl E820Map {
 
     /// Carves `[base, base + len)` out of every RAM entry it overlaps,
     /// splitting an entry in two when the hole falls strictly inside it.
-    /// Entries of other kinds are left alone. Fails, changing nothing, when
-    /// the splits would need more than [`E820_MAX_ENTRIES`] entries.
+    /// Entries of other kinds are left alone, and the order of the entries is
+    /// kept (a sorted map stays sorted). Fails, changing nothing, when the
+    /// splits would need more than [`E820_MAX_ENTRIES`] entries.
     pub fn remove_range(&mut self, base: u64, len: u64) -> Result<(), E820Error> {
         if len == 0 {
             return Ok(());
@@ -317,9 +318,13 @@ impl E820Map {
                 (Some(piece), None) | (None, Some(piece)) => self.entries[i] = piece,
                 (Some(low), Some(high)) => {
                     self.entries[i] = low;
-                    // Capacity was checked above.
-                    self.entries[self.len] = high;
+                    // Capacity was checked above. The high piece goes right
+                    // after the low one, so a sorted map stays sorted; it
+                    // does not overlap the hole, so skip over it.
+                    self.entries.copy_within(i + 1..self.len, i + 2);
+                    self.entries[i + 1] = high;
                     self.len += 1;
+                    i += 1;
                 }
             }
             i += 1;

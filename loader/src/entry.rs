@@ -89,8 +89,10 @@ _start32:
     mov cr0, eax
 
     lgdt [hv_boot_gdt_ptr]
-    push 0x08
-    push offset hv_start64
+    mov eax, 0x08
+    push eax
+    mov eax, offset hv_start64
+    push eax
     retf
 
     .code64

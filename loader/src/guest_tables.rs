@@ -61,15 +61,18 @@ fn put_entry(out: &mut [u8; IDENTITY_TABLES_SIZE], page: usize, index: usize, va
 /// Fills `out` with page tables that identity map the first 4 GiB with
 /// 2 MiB pages, for `out` to be placed at guest-physical `base`:
 /// page 0 is the PML4 (load its address into CR3), page 1 the PDPT, pages
-/// 2 to 5 the page directories for each GiB. PML4[0] points at the PDPT and
-/// PDPT[0..4] at the directories; all other entries are zero.
+/// 2 to 5 the page directories for each GiB. `PML4[0]` points at the PDPT and
+/// `PDPT[0..4]` at the directories; all other entries are zero.
 ///
 /// # Panics
 ///
 /// If `base` is not 4 KiB aligned (a constant from [`crate::layout`] in
 /// practice, never guest input).
 pub fn write_identity_tables(out: &mut [u8; IDENTITY_TABLES_SIZE], base: Gpa) {
-    assert!(base.is_aligned(PAGE_SIZE), "page tables at {base:?} are not page aligned");
+    assert!(
+        base.is_aligned(PAGE_SIZE),
+        "page tables at {base:?} are not page aligned"
+    );
     out.fill(0);
     let page_addr = |page: usize| base.as_u64() + (page as u64) * PAGE_SIZE;
     let table = PTE_PRESENT | PTE_WRITABLE;

@@ -41,7 +41,11 @@ pub fn kernel_footprint(img: &BzImage<'_>) -> u64 {
 /// boot page tables), clear of every `(base, len)` in `avoid`. The lowest
 /// such address at or above `pref_address` wins; failing that, the lowest
 /// one above 1 MiB.
-pub fn plan_kernel_load(img: &BzImage<'_>, e820: &E820Map, avoid: &[(u64, u64)]) -> Result<Gpa, BootError> {
+pub fn plan_kernel_load(
+    img: &BzImage<'_>,
+    e820: &E820Map,
+    avoid: &[(u64, u64)],
+) -> Result<Gpa, BootError> {
     let align = kernel_load_alignment(img);
     let size = kernel_footprint(img);
     let preferred = img.pref_address().max(ONE_MIB);

@@ -121,6 +121,24 @@ fn remove_range_cases() {
     m.remove_range(2 * MIB, 3 * MIB).unwrap();
     assert_eq!(entries(&m), vec![(0, 2 * MIB, 1), (5 * MIB, 5 * MIB, 1)]);
 
+    // A split keeps the order of a sorted map.
+    let mut m = E820Map::from_entries(&[
+        ram(0, 10 * MIB),
+        reserved(10 * MIB, MIB),
+        ram(11 * MIB, MIB),
+    ])
+    .unwrap();
+    m.remove_range(2 * MIB, MIB).unwrap();
+    assert_eq!(
+        entries(&m),
+        vec![
+            (0, 2 * MIB, 1),
+            (3 * MIB, 7 * MIB, 1),
+            (10 * MIB, MIB, 2),
+            (11 * MIB, MIB, 1)
+        ]
+    );
+
     // Hole covering the start.
     let mut m = E820Map::from_entries(&[ram(4 * MIB, 4 * MIB)]).unwrap();
     m.remove_range(2 * MIB, 4 * MIB).unwrap();
@@ -132,9 +150,13 @@ fn remove_range_cases() {
     assert_eq!(entries(&m), vec![(4 * MIB, 2 * MIB, 1)]);
 
     // Hole covering whole entries, and spanning several.
-    let mut m = E820Map::from_entries(&[ram(0, MIB), ram(2 * MIB, MIB), ram(4 * MIB, 2 * MIB)]).unwrap();
+    let mut m =
+        E820Map::from_entries(&[ram(0, MIB), ram(2 * MIB, MIB), ram(4 * MIB, 2 * MIB)]).unwrap();
     m.remove_range(MIB / 2, 4 * MIB).unwrap();
-    assert_eq!(entries(&m), vec![(0, MIB / 2, 1), (9 * MIB / 2, 3 * MIB / 2, 1)]);
+    assert_eq!(
+        entries(&m),
+        vec![(0, MIB / 2, 1), (9 * MIB / 2, 3 * MIB / 2, 1)]
+    );
 
     // Exactly one entry.
     let mut m = E820Map::from_entries(&[ram(0, MIB), ram(2 * MIB, MIB)]).unwrap();
@@ -182,8 +204,11 @@ fn remove_range_split_when_full_changes_nothing() {
 fn hypervisor_carve_out_of_pc_map() {
     let mut m = pc_map();
     let before = m.total_ram();
-    m.remove_range(loader::layout::HV_RESERVED.0, loader::layout::HV_RESERVED_SIZE)
-        .unwrap();
+    m.remove_range(
+        loader::layout::HV_RESERVED.0,
+        loader::layout::HV_RESERVED_SIZE,
+    )
+    .unwrap();
     m.sanitize().unwrap();
     assert_eq!(m.total_ram(), before - loader::layout::HV_RESERVED_SIZE);
     assert!(m.is_ram(MIB, MIB));
@@ -210,18 +235,31 @@ fn sanitize_sorts_merges_and_drops_empty() {
     m.sanitize().unwrap();
     assert_eq!(
         entries(&m),
-        vec![(0, 2 * MIB, 1), (4 * MIB, 5 * MIB, 1), (10 * MIB, 2 * MIB, 2)]
+        vec![
+            (0, 2 * MIB, 1),
+            (4 * MIB, 5 * MIB, 1),
+            (10 * MIB, 2 * MIB, 2)
+        ]
     );
 }
 
 #[test]
 fn sanitize_gives_overlaps_to_the_non_ram_kind() {
-    let mut m = E820Map::from_entries(&[ram(0, 16 * MIB), reserved(4 * MIB, MIB), E820Entry::new(15 * MIB, 2 * MIB, E820Kind::Acpi)])
-        .unwrap();
+    let mut m = E820Map::from_entries(&[
+        ram(0, 16 * MIB),
+        reserved(4 * MIB, MIB),
+        E820Entry::new(15 * MIB, 2 * MIB, E820Kind::Acpi),
+    ])
+    .unwrap();
     m.sanitize().unwrap();
     assert_eq!(
         entries(&m),
-        vec![(0, 4 * MIB, 1), (4 * MIB, MIB, 2), (5 * MIB, 10 * MIB, 1), (15 * MIB, 2 * MIB, 3)]
+        vec![
+            (0, 4 * MIB, 1),
+            (4 * MIB, MIB, 2),
+            (5 * MIB, 10 * MIB, 1),
+            (15 * MIB, 2 * MIB, 3)
+        ]
     );
     assert_eq!(m.total_ram(), 14 * MIB);
 }
@@ -238,7 +276,13 @@ fn sanitize_is_idempotent_on_pc_map() {
 
 #[test]
 fn is_ram_cases() {
-    let m = E820Map::from_entries(&[ram(0, MIB), ram(MIB, MIB), reserved(2 * MIB, MIB), ram(3 * MIB, MIB)]).unwrap();
+    let m = E820Map::from_entries(&[
+        ram(0, MIB),
+        ram(MIB, MIB),
+        reserved(2 * MIB, MIB),
+        ram(3 * MIB, MIB),
+    ])
+    .unwrap();
     assert!(m.is_ram(0, MIB));
     assert!(m.is_ram(MIB / 2, MIB)); // across two touching RAM entries
     assert!(m.is_ram(0, 2 * MIB));
@@ -263,12 +307,21 @@ fn find_ram_cases() {
     assert_eq!(m.find_ram(0, 1, 0, u64::MAX, &[]), None);
     // Avoided ranges are skipped, rounding up to the alignment.
     let avoid = [(2 * MIB, 1), (4 * MIB + 5, 10)];
-    assert_eq!(m.find_ram(MIB, 2 * MIB, MIB, u64::MAX, &avoid), Some(6 * MIB));
+    assert_eq!(
+        m.find_ram(MIB, 2 * MIB, MIB, u64::MAX, &avoid),
+        Some(6 * MIB)
+    );
     // Avoid ranges in any order, overlapping each other.
     let avoid = [(7 * MIB, 2 * MIB), (2 * MIB, 5 * MIB), (3 * MIB, MIB)];
-    assert_eq!(m.find_ram(MIB, 2 * MIB, MIB, u64::MAX, &avoid), Some(10 * MIB));
+    assert_eq!(
+        m.find_ram(MIB, 2 * MIB, MIB, u64::MAX, &avoid),
+        Some(10 * MIB)
+    );
     // Zero-length avoid ranges avoid nothing.
-    assert_eq!(m.find_ram(MIB, 2 * MIB, MIB, u64::MAX, &[(2 * MIB, 0)]), Some(2 * MIB));
+    assert_eq!(
+        m.find_ram(MIB, 2 * MIB, MIB, u64::MAX, &[(2 * MIB, 0)]),
+        Some(2 * MIB)
+    );
     // Too big for any entry.
     assert_eq!(m.find_ram(GIB, 2 * MIB, 0, u64::MAX, &[]), None);
     // max_end bounds the end of the block.
@@ -280,7 +333,10 @@ fn find_ram_cases() {
     // Large alignment near the top of the address space does not overflow.
     let m3 = E820Map::from_entries(&[ram(u64::MAX - GIB, GIB)]).unwrap();
     assert_eq!(m3.find_ram(MIB, 1 << 63, 0, u64::MAX, &[]), None);
-    assert_eq!(m3.find_ram(MIB, 2 * MIB, 0, u64::MAX, &[(u64::MAX - 4, 4)]), Some(u64::MAX - GIB + 1));
+    assert_eq!(
+        m3.find_ram(MIB, 2 * MIB, 0, u64::MAX, &[(u64::MAX - 4, 4)]),
+        Some(u64::MAX - GIB + 1)
+    );
 }
 
 /// A random map of up to `max_entries` entries below 64 GiB, some
@@ -328,13 +384,25 @@ fn randomized_remove_range() {
 
         m.remove_range(base, len).unwrap();
 
+        // Still sorted.
+        for w in m.as_slice().windows(2) {
+            assert!(w[0].addr <= w[1].addr, "round {round}: unsorted {m:?}");
+        }
         // No RAM entry overlaps the hole.
         for e in m.iter().filter(|e| e.is_ram()) {
-            assert_eq!(overlap_len((e.addr as u128, e.end()), hole), 0, "round {round}: {e:?} overlaps {hole:x?}");
+            assert_eq!(
+                overlap_len((e.addr as u128, e.end()), hole),
+                0,
+                "round {round}: {e:?} overlaps {hole:x?}"
+            );
             assert!(e.size > 0, "round {round}: empty entry left");
         }
         // RAM went down by exactly the overlap.
-        assert_eq!(m.total_ram() as u128, total_before as u128 - removed, "round {round}");
+        assert_eq!(
+            m.total_ram() as u128,
+            total_before as u128 - removed,
+            "round {round}"
+        );
         // And every RAM byte outside the hole is still RAM.
         let after = ram_intervals(&m);
         let expected: Vec<(u128, u128)> = before
@@ -374,10 +442,17 @@ fn randomized_sanitize() {
         for (i, a) in s.iter().enumerate() {
             for b in &s[i + 1..] {
                 if a.kind == b.kind {
-                    assert!(a.end() < b.addr as u128 || b.end() < a.addr as u128, "round {round}: {a:?} {b:?}");
+                    assert!(
+                        a.end() < b.addr as u128 || b.end() < a.addr as u128,
+                        "round {round}: {a:?} {b:?}"
+                    );
                 }
                 if a.is_ram() || b.is_ram() {
-                    assert_eq!(overlap_len((a.addr as u128, a.end()), (b.addr as u128, b.end())), 0, "round {round}: {a:?} {b:?}");
+                    assert_eq!(
+                        overlap_len((a.addr as u128, a.end()), (b.addr as u128, b.end())),
+                        0,
+                        "round {round}: {a:?} {b:?}"
+                    );
                 }
             }
         }
@@ -414,11 +489,18 @@ fn randomized_find_ram() {
         // Small, page-granular maps so that a brute-force search is cheap.
         let mut m = E820Map::new();
         for _ in 0..rng.below(6) {
-            let kind = if rng.below(4) == 0 { E820Kind::Reserved } else { E820Kind::Ram };
-            m.add(rng.below(256) * 0x1000, rng.below(128) * 0x1000, kind).unwrap();
+            let kind = if rng.below(4) == 0 {
+                E820Kind::Reserved
+            } else {
+                E820Kind::Ram
+            };
+            m.add(rng.below(256) * 0x1000, rng.below(128) * 0x1000, kind)
+                .unwrap();
         }
         m.sanitize().unwrap();
-        let avoid: Vec<(u64, u64)> = (0..rng.below(4)).map(|_| (rng.below(256) * 0x1000, rng.below(32) * 0x1000)).collect();
+        let avoid: Vec<(u64, u64)> = (0..rng.below(4))
+            .map(|_| (rng.below(256) * 0x1000, rng.below(32) * 0x1000))
+            .collect();
         let size = (rng.below(16) + 1) * 0x1000;
         let align = 0x1000 << rng.below(4);
         let min_addr = rng.below(128) * 0x1000;
@@ -430,8 +512,11 @@ fn randomized_find_ram() {
             a % align == 0
                 && a >= min_addr
                 && a + size <= max_end
-                && m.iter().any(|e| e.is_ram() && e.addr <= a && e.end() >= (a + size) as u128)
-                && avoid.iter().all(|&(b, l)| l == 0 || a + size <= b || b + l <= a)
+                && m.iter()
+                    .any(|e| e.is_ram() && e.addr <= a && e.end() >= (a + size) as u128)
+                && avoid
+                    .iter()
+                    .all(|&(b, l)| l == 0 || a + size <= b || b + l <= a)
         };
         let brute = (0..400u64).map(|p| p * 0x1000).find(|&a| fits(a));
         assert_eq!(got, brute, "round {round}: map {m:?} avoid {avoid:x?} size {size:#x} align {align:#x} min {min_addr:#x} max {max_end:#x}");

@@ -12,13 +12,16 @@
 #   config    the kernel's build configuration (boot/config-*)
 #   release   the kernel release string, as `uname -r` prints it in the guest
 #   package   "<package name> <package version>"
+#   format    version of this layout (internal)
 # Prints the bzImage path on stdout.
 set -euo pipefail
 
-# shellcheck source=lib.sh
+# shellcheck source=scripts/guest/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 META=linux-image-amd64
+# Bump when the contents of the output directory change, to redo cached ones.
+FORMAT=2
 CACHE=$(hv_cache_dir)
 
 meta_version=$(hv_apt_candidate "$META")
@@ -38,7 +41,8 @@ release=${pkg#linux-image-}
 log "current Debian kernel: $pkg $pkg_version (via $META $meta_version)"
 
 out=$CACHE/debian-$(hv_sanitize_version "$pkg_version")
-if [[ -f $out/bzImage && -f $out/vmlinux && -f $out/release ]]; then
+if [[ -f $out/bzImage && -f $out/vmlinux && -f $out/release &&
+    "$(cat "$out/format" 2>/dev/null)" == "$FORMAT" ]]; then
     log "cached: $out"
     printf '%s\n' "$out/bzImage"
     exit 0
@@ -77,6 +81,7 @@ cp "$work/x/boot/vmlinuz-$release" "$stage/bzImage"
 cp "$work/x/boot/config-$release" "$stage/config"
 printf '%s\n' "$release" >"$stage/release"
 printf '%s %s\n' "$pkg" "$pkg_version" >"$stage/package"
+printf '%s\n' "$FORMAT" >"$stage/format"
 "$(dirname "${BASH_SOURCE[0]}")/extract-vmlinux.sh" "$stage/bzImage" "$stage/vmlinux" >/dev/null
 
 rm -rf "$out"

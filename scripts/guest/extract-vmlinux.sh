@@ -8,11 +8,12 @@
 # (xz, gzip, zstd, lz4, lzma, bzip2, or none), decompresses it and checks that
 # the result is an ELF file whose size matches the size the kernel build
 # appended to the payload. The result is a stripped vmlinux (no symbol table):
-# the decompressor's input, loadable at its PT_LOAD physical addresses.
+# the decompressor's input, loadable at its PT_LOAD physical addresses. The
+# KASLR relocation table that follows the ELF in the payload is dropped.
 # OUT defaults to vmlinux next to BZIMAGE. Prints OUT on stdout.
 set -euo pipefail
 
-# shellcheck source=lib.sh
+# shellcheck source=scripts/guest/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 (($# >= 1 && $# <= 2)) || die "usage: $0 BZIMAGE [OUT]"
@@ -89,6 +90,16 @@ payload "$body_length" | "${decomp[@]}" >"$tmp"
 size=$(stat -c %s "$tmp")
 if [[ -n $expect_size && $size -ne $expect_size ]]; then
     die "$bz: decompressed $size bytes, the image says $expect_size"
+fi
+# With KASLR the payload is the ELF followed by its relocation table
+# (vmlinux.relocs); cut the file at the end of the ELF section headers.
+elf_end=$(($(od -An -v -tu8 -j 40 -N 8 --endian=little "$tmp" | tr -d ' \n') +
+    $(od -An -v -tu2 -j 58 -N 2 --endian=little "$tmp" | tr -d ' \n') *
+    $(od -An -v -tu2 -j 60 -N 2 --endian=little "$tmp" | tr -d ' \n')))
+if ((elf_end < size)); then
+    log "dropping $((size - elf_end)) bytes of relocation data after the ELF"
+    truncate -s "$elf_end" "$tmp"
+    size=$elf_end
 fi
 chmod 644 "$tmp"
 mv -f "$tmp" "$out"

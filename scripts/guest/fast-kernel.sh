@@ -13,14 +13,15 @@
 # The output is rebuilt only when the source package version or the fragment
 # changes. The unpacked source ($CACHE/src/) and the build tree ($CACHE/build/)
 # are kept, so a changed fragment rebuilds incrementally. Environment:
-#   HVTRACE_JOBS   parallel make jobs (default: nproc)
+#   HVTRACE_JOBS            parallel make jobs (default: nproc)
+#   HVTRACE_FAST_FRAGMENT   another fragment instead of guest/fast-lane.config
 set -euo pipefail
 
-# shellcheck source=lib.sh
+# shellcheck source=scripts/guest/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 SRC_PKG=linux-source-6.12
-FRAGMENT=$HVTRACE_REPO/guest/fast-lane.config
+FRAGMENT=${HVTRACE_FAST_FRAGMENT:-$HVTRACE_REPO/guest/fast-lane.config}
 # Bump when the way the kernel is built changes, to invalidate cached outputs.
 RECIPE=1
 # Options the tracer and the guest harness rely on. Checked in the final
@@ -100,35 +101,40 @@ kmake=(make -C "$src" O="$build" ARCH=x86_64)
 # every 30 s (elapsed time and the latest output line). On failure, show the
 # tail of the log.
 run_logged() {
-    local what=$1 start=$SECONDS last=$SECONDS line= latest= rc
+    local what=$1 start=$SECONDS rc=0
     shift
     {
-        "$@" </dev/null 2>&1 || echo "__HVTRACE_RC=$?"
-    } | {
-        rc=0
-        while :; do
-            if IFS= read -r -t 5 line; then
-                if [[ $line == __HVTRACE_RC=* ]]; then
-                    rc=${line#__HVTRACE_RC=}
-                    continue
-                fi
-                printf '%s\n' "$line" >>"$logfile"
-                latest=$line
-            elif (($? <= 128)); then
-                break
-            fi
-            if ((SECONDS - last >= 30)); then
-                last=$SECONDS
-                log "$what: $((SECONDS - start)) s ... ${latest:0:100}"
-            fi
-        done
-        exit "$rc"
-    } || {
+        "$@" </dev/null 2>&1 || printf '\n__HVTRACE_RC=%s\n' "$?"
+    } | progress_filter "$what" "$start" || rc=$?
+    if ((rc != 0)); then
         log "$what FAILED; last lines of $logfile:"
         tail -n 40 "$logfile" | sed 's/^/    /' >&2
         exit 1
-    }
+    fi
     log "$what: done in $((SECONDS - start)) s"
+}
+
+# Copy stdin to $logfile, report progress, exit with the status found in the
+# "__HVTRACE_RC=" marker line.
+progress_filter() {
+    local what=$1 start=$2 last=$SECONDS line='' latest='' rc=0
+    while :; do
+        if IFS= read -r -t 5 line; then
+            if [[ $line == __HVTRACE_RC=* ]]; then
+                rc=${line#__HVTRACE_RC=}
+                continue
+            fi
+            printf '%s\n' "$line" >>"$logfile"
+            latest=$line
+        elif (($? <= 128)); then
+            break
+        fi
+        if ((SECONDS - last >= 30)); then
+            last=$SECONDS
+            log "$what: $((SECONDS - start)) s ... ${latest:0:100}"
+        fi
+    done
+    return "$rc"
 }
 
 # --- Configure: tinyconfig, merge the fragment, resolve dependencies.

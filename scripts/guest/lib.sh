@@ -10,6 +10,7 @@
 #   * cache entries are written under a temporary name and renamed into place,
 #     so an interrupted run never leaves a half-written entry behind.
 
+# shellcheck disable=SC2034 # used by the scripts that source this file
 HVTRACE_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 log() {

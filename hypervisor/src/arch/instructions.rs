@@ -229,6 +229,28 @@ pub unsafe fn inb(port: u16) -> u8 {
     v
 }
 
+/// Reads a 16-bit word from an I/O port.
+///
+/// # Safety
+/// As [`inb`].
+pub unsafe fn inw(port: u16) -> u16 {
+    let v: u16;
+    // SAFETY: the caller owns the port.
+    unsafe { asm!("in ax, dx", in("dx") port, out("ax") v, options(nomem, nostack)) };
+    v
+}
+
+/// Reads a 32-bit word from an I/O port.
+///
+/// # Safety
+/// As [`inb`].
+pub unsafe fn inl(port: u16) -> u32 {
+    let v: u32;
+    // SAFETY: the caller owns the port.
+    unsafe { asm!("in eax, dx", in("dx") port, out("eax") v, options(nomem, nostack)) };
+    v
+}
+
 /// Reads the time-stamp counter.
 pub fn rdtsc() -> u64 {
     // SAFETY: RDTSC is unprivileged and side-effect free.

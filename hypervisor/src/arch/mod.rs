@@ -1,0 +1,5 @@
+//! CPU-facing code of the bare-metal binary: the instruction wrappers (the
+//! only `asm!` in the hypervisor) and the host descriptor tables.
+
+pub mod cpu;
+pub mod instructions;

@@ -1,0 +1,390 @@
+//! The run loop and the exit handlers of the vCPU. Each exit is read once
+//! into a `RawExit`, decoded into a `VmExit`, counted, and handled here.
+
+use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
+use crate::hvprintln;
+use crate::vcpu::{Vmcs, VmConfig};
+use core::fmt;
+use hypervisor::policy::{self, CrWrite, MsrRead};
+use hypervisor::stats::ExitCounters;
+use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, RawExit, VmExit};
+use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
+use x86::vmx::vmcs::control::EntryControls;
+
+/// Why the guest stopped.
+#[derive(Debug, Clone, Copy)]
+pub enum StopReason {
+    /// The guest wrote SLP_EN to an ACPI PM1 control port.
+    PowerOff { port: u16, value: u32, size: u8 },
+    /// Triple fault: the guest is dead.
+    TripleFault,
+    /// INIT: the guest reset the machine.
+    Reset,
+    /// VM entry failed.
+    EntryFailed,
+    /// An exit we cannot handle.
+    Unhandled(u16),
+    /// A VMCS access failed.
+    Vmcs(VmcsError),
+    /// The guest touched memory that is not its own.
+    EptViolation { gpa: u64 },
+    /// EPT misconfiguration (a hypervisor bug).
+    EptMisconfig { gpa: u64 },
+}
+
+impl fmt::Display for StopReason {
+    fn fmt(&self, fm: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::PowerOff { .. } => write!(fm, "power off"),
+            Self::TripleFault => write!(fm, "triple fault"),
+            Self::Reset => write!(fm, "reset"),
+            Self::EntryFailed => write!(fm, "VM entry failed"),
+            Self::Unhandled(r) => write!(fm, "unhandled exit {} ({r})", reason_name(*r)),
+            Self::Vmcs(e) => write!(fm, "{e}"),
+            Self::EptViolation { gpa } => write!(fm, "EPT violation at guest-physical {gpa:#x}"),
+            Self::EptMisconfig { gpa } => write!(fm, "EPT misconfiguration at guest-physical {gpa:#x}"),
+        }
+    }
+}
+
+impl From<VmcsError> for StopReason {
+    fn from(e: VmcsError) -> Self {
+        Self::Vmcs(e)
+    }
+}
+
+/// What a handler wants next.
+enum Next {
+    /// Re-enter the guest.
+    Resume,
+    /// Stop the VM.
+    Stop(StopReason),
+}
+
+/// The vCPU's mutable state across exits.
+pub struct Vcpu {
+    pub regs: GuestRegs,
+    pub counters: ExitCounters,
+    cfg: VmConfig,
+}
+
+fn gpr(regs: &mut GuestRegs, n: u8) -> Option<&mut u64> {
+    Some(match n {
+        0 => &mut regs.rax,
+        1 => &mut regs.rcx,
+        2 => &mut regs.rdx,
+        3 => &mut regs.rbx,
+        5 => &mut regs.rbp,
+        6 => &mut regs.rsi,
+        7 => &mut regs.rdi,
+        8 => &mut regs.r8,
+        9 => &mut regs.r9,
+        10 => &mut regs.r10,
+        11 => &mut regs.r11,
+        12 => &mut regs.r12,
+        13 => &mut regs.r13,
+        14 => &mut regs.r14,
+        15 => &mut regs.r15,
+        _ => return None, // 4 = RSP lives in the VMCS
+    })
+}
+
+const GP: u8 = 13;
+const UD: u8 = 6;
+
+impl Vcpu {
+    pub fn new(cfg: VmConfig) -> Self {
+        Self { regs: GuestRegs::default(), counters: ExitCounters::new(), cfg }
+    }
+
+    /// Runs the guest until it stops.
+    pub fn run(&mut self) -> StopReason {
+        let mut launched = false;
+        loop {
+            // SAFETY: `vcpu::setup` filled the current VMCS completely.
+            let outcome = unsafe { insn::vmx_run(&mut self.regs, launched) };
+            if let RunOutcome::EntryFailed(e) = outcome {
+                let err = f::VM_INSTRUCTION_ERROR.read(&Vmcs).unwrap_or(0);
+                hvprintln!("error: {} failed: {e:?}, VM-instruction error {err}", if launched { "VMRESUME" } else { "VMLAUNCH" });
+                dump_vmcs();
+                return StopReason::EntryFailed;
+            }
+            launched = true;
+            let raw = match self.read_exit() {
+                Ok(r) => r,
+                Err(e) => return e.into(),
+            };
+            self.counters.record(raw.reason as u16);
+            let exit = decode(&raw);
+            match self.handle(exit) {
+                Ok(Next::Resume) => {}
+                Ok(Next::Stop(r)) => return r,
+                Err(e) => return e.into(),
+            }
+        }
+    }
+
+    fn read_exit(&self) -> Result<RawExit, VmcsError> {
+        let v = &Vmcs;
+        Ok(RawExit {
+            reason: f::EXIT_REASON.read(v)?,
+            qualification: f::EXIT_QUALIFICATION.read(v)?,
+            guest_physical: f::GUEST_PHYSICAL_ADDRESS.read(v)?,
+            guest_linear: f::GUEST_LINEAR_ADDRESS.read(v)?,
+            interruption_info: f::EXIT_INTERRUPTION_INFO.read(v)?,
+            rax: self.regs.rax,
+            rcx: self.regs.rcx,
+            rdx: self.regs.rdx,
+        })
+    }
+
+    /// Skips the instruction that exited; clears STI/MOV-SS blocking as the
+    /// instruction completing would (SDM 25.4.2).
+    fn advance(&mut self) -> Result<Next, VmcsError> {
+        let v = &mut Vmcs;
+        let len = f::EXIT_INSTRUCTION_LEN.read(v)? as u64;
+        let rip = f::GUEST_RIP.read(v)?;
+        f::GUEST_RIP.write(v, rip.wrapping_add(len))?;
+        let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
+        if intr & 3 != 0 {
+            f::GUEST_INTERRUPTIBILITY.write(v, intr & !3)?;
+        }
+        Ok(Next::Resume)
+    }
+
+    /// Injects a hardware exception at the faulting instruction (SDM 26.6).
+    fn inject(&mut self, vector: u8, error_code: Option<u32>) -> Result<Next, VmcsError> {
+        let v = &mut Vmcs;
+        let mut info = vector as u32 | (3 << 8) | (1 << 31);
+        if let Some(code) = error_code {
+            info |= 1 << 11;
+            f::ENTRY_EXCEPTION_ERROR_CODE.write(v, code)?;
+        }
+        f::ENTRY_INTERRUPTION_INFO.write(v, info)?;
+        Ok(Next::Resume)
+    }
+
+    fn handle(&mut self, exit: VmExit) -> Result<Next, VmcsError> {
+        match exit {
+            VmExit::Cpuid { leaf, subleaf } => {
+                let r = policy::filter_cpuid(leaf, subleaf, insn::cpuid(leaf, subleaf));
+                self.regs.rax = r[0] as u64;
+                self.regs.rbx = r[1] as u64;
+                self.regs.rcx = r[2] as u64;
+                self.regs.rdx = r[3] as u64;
+                self.advance()
+            }
+            VmExit::MsrRead { msr } => {
+                let real = if msr == policy::MSR_FEATURE_CONTROL {
+                    // SAFETY: IA32_FEATURE_CONTROL exists on every VMX CPU.
+                    unsafe { insn::rdmsr(msr) }
+                } else {
+                    0
+                };
+                match policy::msr_read(msr, real) {
+                    MsrRead::Value(val) => {
+                        self.regs.rax = val & 0xffff_ffff;
+                        self.regs.rdx = val >> 32;
+                        self.advance()
+                    }
+                    MsrRead::Fault => self.inject(GP, Some(0)),
+                }
+            }
+            VmExit::MsrWrite { msr, .. } => {
+                if policy::msr_write_faults(msr) {
+                    self.inject(GP, Some(0))
+                } else {
+                    self.advance()
+                }
+            }
+            VmExit::Xsetbv { xcr, value } => {
+                let leaf = insn::cpuid(0xd, 0);
+                let supported = leaf[0] as u64 | ((leaf[3] as u64) << 32);
+                let valid = xcr == 0 && value & 1 != 0 && value & !supported == 0 && (value & 4 == 0 || value & 2 != 0);
+                if valid {
+                    // SAFETY: validated against CPUID leaf 0xD and the SDM's
+                    // XCR0 rules; VMX root set CR4.OSXSAVE when XSAVE exists.
+                    unsafe { insn::xsetbv(xcr, value) };
+                    self.advance()
+                } else {
+                    self.inject(GP, Some(0))
+                }
+            }
+            VmExit::Cr(access) => self.cr_access(access),
+            VmExit::Io(io) => self.io(io),
+            VmExit::Vmcall | VmExit::VmxInstruction(_) => self.inject(UD, None),
+            VmExit::Invd => self.advance(),
+            VmExit::PreemptionTimer => Ok(Next::Resume),
+            VmExit::TripleFault => Ok(Next::Stop(StopReason::TripleFault)),
+            VmExit::Init => Ok(Next::Stop(StopReason::Reset)),
+            VmExit::EptViolation(e) => {
+                hvprintln!(
+                    "error: EPT violation: gpa {:#x} gla {:?} read={} write={} fetch={} allowed={:#x}",
+                    e.gpa, e.gla, e.read, e.write, e.fetch, e.allowed
+                );
+                dump_vmcs();
+                Ok(Next::Stop(StopReason::EptViolation { gpa: e.gpa }))
+            }
+            VmExit::EptMisconfig { gpa } => {
+                dump_vmcs();
+                Ok(Next::Stop(StopReason::EptMisconfig { gpa }))
+            }
+            VmExit::EntryFailure { reason, qualification } => {
+                hvprintln!("error: VM entry failed: reason {} ({reason}), qualification {qualification:#x}", reason_name(reason));
+                dump_vmcs();
+                Ok(Next::Stop(StopReason::EntryFailed))
+            }
+            other => {
+                let r = f::EXIT_REASON.read(&Vmcs)? as u16;
+                hvprintln!("error: unhandled exit {} ({r}): {other:?}", reason_name(r));
+                dump_vmcs();
+                Ok(Next::Stop(StopReason::Unhandled(r)))
+            }
+        }
+    }
+
+    fn cr_access(&mut self, access: CrAccess) -> Result<Next, VmcsError> {
+        let v = &mut Vmcs;
+        let (f0, f1) = self.cfg.fixed.cr0;
+        let (f40, f41) = self.cfg.fixed.cr4;
+        match access {
+            CrAccess::MovTo { cr, gpr: g } => {
+                let value = match gpr(&mut self.regs, g) {
+                    Some(r) => *r,
+                    None => f::GUEST_RSP.read(v)?,
+                };
+                match cr {
+                    0 => match policy::cr0_write(value, f0, f1) {
+                        CrWrite::Load { actual, shadow } => {
+                            let old = f::GUEST_CR0.read(v)?;
+                            f::GUEST_CR0.write(v, actual)?;
+                            f::CR0_READ_SHADOW.write(v, shadow)?;
+                            if (old ^ actual) & policy::CR0_PG != 0 {
+                                let efer = policy::efer_after_cr0(f::GUEST_IA32_EFER.read(v)?, actual);
+                                f::GUEST_IA32_EFER.write(v, efer)?;
+                                let mut ctl = f::ENTRY_CONTROLS.read(v)?;
+                                ctl &= !EntryControls::IA32E_MODE_GUEST.bits();
+                                if efer & policy::EFER_LMA != 0 {
+                                    ctl |= EntryControls::IA32E_MODE_GUEST.bits();
+                                }
+                                f::ENTRY_CONTROLS.write(v, ctl)?;
+                            }
+                            self.advance()
+                        }
+                        CrWrite::Fault => self.inject(GP, Some(0)),
+                    },
+                    4 => match policy::cr4_write(value, f40, f41) {
+                        CrWrite::Load { actual, shadow } => {
+                            f::GUEST_CR4.write(v, actual)?;
+                            f::CR4_READ_SHADOW.write(v, shadow)?;
+                            self.advance()
+                        }
+                        CrWrite::Fault => self.inject(GP, Some(0)),
+                    },
+                    3 => {
+                        f::GUEST_CR3.write(v, value)?;
+                        self.advance()
+                    }
+                    _ => Ok(Next::Stop(StopReason::Unhandled(28))),
+                }
+            }
+            CrAccess::MovFrom { cr: 3, gpr: g } => {
+                let value = f::GUEST_CR3.read(v)?;
+                match gpr(&mut self.regs, g) {
+                    Some(r) => *r = value,
+                    None => f::GUEST_RSP.write(v, value)?,
+                }
+                self.advance()
+            }
+            CrAccess::Clts => {
+                let ts = 1u64 << 3;
+                let c = f::GUEST_CR0.read(v)?;
+                f::GUEST_CR0.write(v, c & !ts)?;
+                let s = f::CR0_READ_SHADOW.read(v)?;
+                f::CR0_READ_SHADOW.write(v, s & !ts)?;
+                self.advance()
+            }
+            CrAccess::Lmsw { source } => {
+                // LMSW loads CR0[3:0] but cannot clear PE.
+                let s = f::CR0_READ_SHADOW.read(v)?;
+                let new = (s & !0xe) | (source as u64 & 0xf);
+                match policy::cr0_write(new, f0, f1) {
+                    CrWrite::Load { actual, shadow } => {
+                        f::GUEST_CR0.write(v, actual)?;
+                        f::CR0_READ_SHADOW.write(v, shadow)?;
+                        self.advance()
+                    }
+                    CrWrite::Fault => self.inject(GP, Some(0)),
+                }
+            }
+            CrAccess::MovFrom { .. } => Ok(Next::Stop(StopReason::Unhandled(28))),
+        }
+    }
+
+    fn io(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
+        if policy::CONTROL_PORTS.contains(&io.port) {
+            // Nothing answers on the control UART's ports for the guest.
+            if io.string {
+                if io.rep {
+                    self.regs.rcx = 0;
+                }
+            } else if io.input {
+                let mask = policy::floating_bus(io.size) as u64;
+                self.regs.rax = (self.regs.rax & !mask) | mask;
+            }
+            return self.advance();
+        }
+        let pm1 = self.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
+        if let Some((a, b)) = pm1 {
+            let ours = io.port == a || Some(io.port) == b;
+            if ours && !io.string {
+                if io.input {
+                    // SAFETY: forwarding the guest's own read of its PM1 control register.
+                    let val = unsafe {
+                        match io.size {
+                            1 => insn::inb(io.port) as u32,
+                            2 => insn::inw(io.port) as u32,
+                            _ => insn::inl(io.port),
+                        }
+                    } as u64;
+                    let mask = policy::floating_bus(io.size) as u64;
+                    self.regs.rax = (self.regs.rax & !mask) | (val & mask);
+                    return self.advance();
+                }
+                let value = (self.regs.rax & policy::floating_bus(io.size) as u64) as u32;
+                if value & policy::PM1_SLP_EN != 0 {
+                    self.advance()?;
+                    return Ok(Next::Stop(StopReason::PowerOff { port: io.port, value, size: io.size }));
+                }
+                forward_out(io.port, io.size, value);
+                return self.advance();
+            }
+        }
+        hvprintln!("error: unexpected I/O exit {io:?}");
+        Ok(Next::Stop(StopReason::Unhandled(30)))
+    }
+}
+
+/// Performs an OUT on behalf of the guest.
+pub fn forward_out(port: u16, size: u8, value: u32) {
+    // SAFETY: the guest asked for exactly this write to a port it owns
+    // (the ACPI PM1 control block).
+    unsafe {
+        match size {
+            1 => insn::outb(port, value as u8),
+            2 => insn::outw(port, value as u16),
+            _ => insn::outl(port, value),
+        }
+    }
+}
+
+/// Prints every VMCS field by name.
+pub fn dump_vmcs() {
+    hvprintln!("VMCS dump:");
+    for (name, enc) in f::ALL {
+        match Vmcs.read_raw(*enc) {
+            Some(val) => hvprintln!("  {name:<32} = {val:#018x}"),
+            None => hvprintln!("  {name:<32} = <unreadable>"),
+        }
+    }
+}

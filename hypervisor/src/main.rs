@@ -1,0 +1,109 @@
+//! The hvtrace hypervisor image (x86_64-unknown-none, Multiboot v1).
+//!
+//! Flow: the loader's boot stub enters `hv_entry64` in long mode; we set up
+//! our own descriptor tables and frame pool, refuse clearly if the CPU lacks
+//! VMX, load the guest kernel through the 64-bit boot protocol, build EPT and
+//! the VMCS, and run the guest until it powers off or dies.
+#![no_std]
+#![no_main]
+
+mod arch;
+mod exits;
+mod frames;
+mod guest;
+mod logger;
+mod phys;
+mod vcpu;
+
+use arch::instructions as insn;
+use exits::StopReason;
+use hypervisor::acpi;
+
+/// Version reported in the log and, later, over the control channel.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+extern "C" {
+    fn _start32();
+}
+
+/// Keeps the loader's boot stub (and with it the multiboot header) linked.
+#[used]
+static BOOT_ENTRY: unsafe extern "C" fn() = _start32;
+
+/// Called by the boot stub in 64-bit mode with the Multiboot magic and info address.
+#[unsafe(no_mangle)]
+pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
+    logger::init();
+    hvprintln!("hypervisor {VERSION} starting");
+    if let Err(e) = run(magic, mbi) {
+        hvprintln!("error: {e}");
+    }
+    insn::halt_forever()
+}
+
+/// A fatal error before the guest runs.
+enum Fatal {
+    Vmx(vcpu::VmxError),
+    Load(guest::LoadError),
+}
+
+impl core::fmt::Display for Fatal {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Vmx(e) => write!(f, "{e}"),
+            Self::Load(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<vcpu::VmxError> for Fatal {
+    fn from(e: vcpu::VmxError) -> Self {
+        Self::Vmx(e)
+    }
+}
+impl From<guest::LoadError> for Fatal {
+    fn from(e: guest::LoadError) -> Self {
+        Self::Load(e)
+    }
+}
+
+fn run(magic: u32, mbi: u32) -> Result<(), Fatal> {
+    let host = arch::cpu::init();
+    let (pool_start, pool_end) = frames::init();
+    log::info!("frame pool {pool_start:#x}..{pool_end:#x}");
+    vcpu::check_support()?;
+
+    let boot = guest::boot_info(magic, mbi)?;
+    let entry = guest::load(&boot)?;
+    log::info!(
+        "guest kernel loaded at {:#x}, entry {:#x}, RAM {} MiB, RSDP {:?}",
+        entry.load,
+        entry.rip,
+        boot.e820.total_ram() >> 20,
+        entry.rsdp
+    );
+    let fadt = entry.rsdp.and_then(|r| acpi::find_fadt(&phys::Phys, r));
+    if let Some(f) = fadt {
+        log::info!("ACPI PM1a control at port {:#x}", f.pm1a_cnt);
+    }
+    let cfg = vcpu::setup(&host, &boot, &entry, fadt)?;
+    log::info!("VMX ready, hypervisor memory in use {} KiB", frames::used() >> 10);
+
+    let mut vcpu = exits::Vcpu::new(cfg);
+    vcpu.regs.rsi = entry.boot_params;
+    hvprintln!("guest started");
+    let reason = vcpu.run();
+    hvprintln!("exit counts: {}", vcpu.counters);
+    hvprintln!("guest stopped: {reason}");
+    if let StopReason::PowerOff { port, value, size } = reason {
+        // Let the platform power off as the guest asked.
+        exits::forward_out(port, size, value);
+    }
+    Ok(())
+}
+
+#[panic_handler]
+fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
+    hvprintln!("error: hypervisor panic: {info}");
+    insn::halt_forever()
+}

@@ -1,0 +1,80 @@
+//! Raw access to physical memory. The boot stub identity-maps the first
+//! 4 GiB, so a physical address below that is also a pointer. All the
+//! pointer casting of the binary is here.
+
+use hypervisor::acpi::PhysRead;
+use hypervisor::addr::Hpa;
+
+/// Highest physical address (exclusive) the hypervisor's page tables map.
+pub const MAPPED_LIMIT: u64 = 1 << 32;
+
+fn check(addr: u64, len: usize) -> bool {
+    addr.checked_add(len as u64).is_some_and(|e| e <= MAPPED_LIMIT)
+}
+
+/// Copies `buf.len()` bytes from physical `addr`; `false` when out of the mapped range.
+pub fn read(addr: u64, buf: &mut [u8]) -> bool {
+    if !check(addr, buf.len()) {
+        return false;
+    }
+    // SAFETY: the range is identity mapped (checked above); it is read with
+    // volatile-free byte copies into a buffer we own, and firmware or guest
+    // memory has no Rust aliasing rules we could break by reading it.
+    unsafe { core::ptr::copy_nonoverlapping(addr as *const u8, buf.as_mut_ptr(), buf.len()) };
+    true
+}
+
+/// Copies `bytes` to physical `addr`; `false` when out of the mapped range.
+pub fn write(addr: u64, bytes: &[u8]) -> bool {
+    if !check(addr, bytes.len()) {
+        return false;
+    }
+    // SAFETY: the range is identity mapped; callers only write guest memory
+    // before the guest runs or frames of their own.
+    unsafe { core::ptr::copy_nonoverlapping(bytes.as_ptr(), addr as *mut u8, bytes.len()) };
+    true
+}
+
+/// Zeroes `len` bytes at physical `addr` (inside the mapped range).
+pub fn zero(addr: u64, len: usize) {
+    if check(addr, len) {
+        // SAFETY: identity mapped, and owned by the caller.
+        unsafe { core::ptr::write_bytes(addr as *mut u8, 0, len) };
+    }
+}
+
+/// A borrowed view of physical memory, e.g. a boot module.
+///
+/// The caller must not let the guest run while the slice is alive.
+pub fn slice(addr: u64, len: usize) -> Option<&'static [u8]> {
+    if !check(addr, len) {
+        return None;
+    }
+    // SAFETY: identity mapped; the memory is not written while the slice is
+    // used (the guest has not started, and the hypervisor only reads it).
+    Some(unsafe { core::slice::from_raw_parts(addr as *const u8, len) })
+}
+
+/// A hypervisor-owned frame as a table of 512 words.
+pub fn frame_mut(hpa: Hpa) -> &'static mut [u64; 512] {
+    assert!(hpa.0 % 4096 == 0 && check(hpa.0, 4096), "frame {:#x} outside mapped memory", hpa.0);
+    // SAFETY: frames come from the hypervisor's pool (page aligned, identity
+    // mapped, never given to the guest); each is used as one table by one owner.
+    unsafe { &mut *(hpa.0 as *mut [u64; 512]) }
+}
+
+/// A hypervisor-owned frame as bytes.
+pub fn frame_bytes_mut(hpa: Hpa) -> &'static mut [u8; 4096] {
+    assert!(hpa.0 % 4096 == 0 && check(hpa.0, 4096), "frame {:#x} outside mapped memory", hpa.0);
+    // SAFETY: as for `frame_mut`.
+    unsafe { &mut *(hpa.0 as *mut [u8; 4096]) }
+}
+
+/// Physical memory as seen by the ACPI readers.
+pub struct Phys;
+
+impl PhysRead for Phys {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+        read(addr, buf)
+    }
+}

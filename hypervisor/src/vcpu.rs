@@ -1,0 +1,378 @@
+//! VMX bring-up and the VMCS of the one vCPU (SDM chapter 24 "Virtual machine
+//! control structures", 25 "VMX non-root operation", 26 "VM entries").
+
+use crate::arch::cpu::{self, HostTables};
+use crate::arch::instructions::{self as insn, VmFail};
+use crate::frames;
+use crate::guest::{BootInfo, GuestEntry};
+use crate::phys;
+use core::fmt;
+use hypervisor::acpi::Fadt;
+use hypervisor::addr::Gpa;
+use hypervisor::ept::{self, Ept, EptError, MemType};
+use hypervisor::policy;
+use hypervisor::vmx::caps::{self, EptVpidCap, MissingControls, VmxBasic};
+use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
+use loader::layout;
+use x86::vmx::vmcs::control::{
+    EntryControls, ExitControls, PinbasedControls, PrimaryControls, SecondaryControls,
+};
+
+// Architectural MSRs (SDM Vol. 4).
+const IA32_FEATURE_CONTROL: u32 = 0x3a;
+const IA32_VMX_BASIC: u32 = 0x480;
+const IA32_VMX_PINBASED_CTLS: u32 = 0x481;
+const IA32_VMX_PROCBASED_CTLS: u32 = 0x482;
+const IA32_VMX_EXIT_CTLS: u32 = 0x483;
+const IA32_VMX_ENTRY_CTLS: u32 = 0x484;
+const IA32_VMX_MISC: u32 = 0x485;
+const IA32_VMX_CR0_FIXED0: u32 = 0x486;
+const IA32_VMX_CR0_FIXED1: u32 = 0x487;
+const IA32_VMX_CR4_FIXED0: u32 = 0x488;
+const IA32_VMX_CR4_FIXED1: u32 = 0x489;
+const IA32_VMX_PROCBASED_CTLS2: u32 = 0x48b;
+const IA32_VMX_EPT_VPID_CAP: u32 = 0x48c;
+const IA32_VMX_TRUE_PINBASED_CTLS: u32 = 0x48d;
+const IA32_VMX_TRUE_PROCBASED_CTLS: u32 = 0x48e;
+const IA32_VMX_TRUE_EXIT_CTLS: u32 = 0x48f;
+const IA32_VMX_TRUE_ENTRY_CTLS: u32 = 0x490;
+const IA32_PAT: u32 = 0x277;
+const IA32_EFER: u32 = 0xc000_0080;
+
+const CR4_OSXSAVE: u64 = 1 << 18;
+/// Guest stack for the 64-bit entry: the kernel's startup code does a far
+/// return before it sets up its own stack, so RSP must point at RAM. This is
+/// the otherwise unused page between the zero page and the boot page tables.
+const GUEST_BOOT_STACK: u64 = 0x8ff0;
+/// Preemption timer period in TSC ticks (scaled by IA32_VMX_MISC[4:0]).
+const TIMER_PERIOD_TSC: u64 = 1 << 24;
+
+/// Why VMX could not be set up.
+#[derive(Debug)]
+pub enum VmxError {
+    /// CPUID.1:ECX.VMX is clear.
+    NotSupported,
+    /// IA32_FEATURE_CONTROL is locked with VMX off.
+    DisabledByFirmware,
+    /// A control we need is missing.
+    Controls(MissingControls),
+    /// A VMX instruction failed.
+    Instruction(&'static str, VmFail, u32),
+    /// A VMCS field access failed.
+    Field(VmcsError),
+    /// EPT construction failed.
+    Ept(EptError),
+    /// The frame pool is exhausted.
+    OutOfMemory,
+    /// EPT lacks something we rely on.
+    EptCaps(&'static str),
+}
+
+impl fmt::Display for VmxError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NotSupported => write!(
+                f,
+                "VMX is not supported by this CPU; hvtrace needs Intel VT-x: run it under QEMU with nested KVM \
+                 (kvm_intel nested=1, qemu-system-x86_64 -enable-kvm -cpu host,+vmx) or in Bochs with a VMX cpu model"
+            ),
+            Self::DisabledByFirmware => write!(f, "VMX is disabled by the firmware (IA32_FEATURE_CONTROL locked with VMX off)"),
+            Self::Controls(m) => write!(f, "{m}"),
+            Self::Instruction(i, e, code) => write!(f, "{i} failed ({e:?}, VM-instruction error {code})"),
+            Self::Field(e) => write!(f, "{e}"),
+            Self::Ept(e) => write!(f, "{e}"),
+            Self::OutOfMemory => write!(f, "out of hypervisor memory"),
+            Self::EptCaps(m) => write!(f, "EPT lacks {m}"),
+        }
+    }
+}
+
+impl From<VmcsError> for VmxError {
+    fn from(e: VmcsError) -> Self {
+        Self::Field(e)
+    }
+}
+impl From<MissingControls> for VmxError {
+    fn from(e: MissingControls) -> Self {
+        Self::Controls(e)
+    }
+}
+impl From<EptError> for VmxError {
+    fn from(e: EptError) -> Self {
+        Self::Ept(e)
+    }
+}
+
+/// The current VMCS, reached through VMREAD/VMWRITE.
+pub struct Vmcs;
+
+impl VmcsIo for Vmcs {
+    fn read_raw(&self, encoding: u32) -> Option<u64> {
+        insn::vmread(encoding).ok()
+    }
+    fn write_raw(&mut self, encoding: u32, value: u64) -> bool {
+        // SAFETY: this VMCS belongs to the one vCPU, and every write goes
+        // through the typed fields of the setup and exit-handling code, which
+        // keep host state and controls consistent.
+        unsafe { insn::vmwrite(encoding, value).is_ok() }
+    }
+}
+
+fn msr(m: u32) -> u64 {
+    // SAFETY: only called for architectural VMX MSRs after CPUID said VMX
+    // exists, and for IA32_PAT / IA32_EFER, which every x86-64 CPU has.
+    unsafe { insn::rdmsr(m) }
+}
+
+/// First check: does the CPU have VMX at all?
+pub fn check_support() -> Result<(), VmxError> {
+    if insn::cpuid(1, 0)[2] & policy::CPUID_1_ECX_VMX == 0 {
+        return Err(VmxError::NotSupported);
+    }
+    Ok(())
+}
+
+/// Fixed-bit MSR values the exit handlers need.
+#[derive(Clone, Copy)]
+pub struct Fixed {
+    pub cr0: (u64, u64),
+    pub cr4: (u64, u64),
+}
+
+/// Enters VMX operation (SDM 24.7 "Enabling and entering VMX operation").
+fn vmxon(basic: VmxBasic) -> Result<Fixed, VmxError> {
+    let fc = msr(IA32_FEATURE_CONTROL);
+    if fc & 1 == 0 {
+        // SAFETY: the MSR is unlocked, so enabling VMX outside SMX and locking it is allowed.
+        unsafe { insn::wrmsr(IA32_FEATURE_CONTROL, fc | 1 | 4) };
+    } else if fc & 4 == 0 {
+        return Err(VmxError::DisabledByFirmware);
+    }
+    let fixed = Fixed {
+        cr0: (msr(IA32_VMX_CR0_FIXED0), msr(IA32_VMX_CR0_FIXED1)),
+        cr4: (msr(IA32_VMX_CR4_FIXED0), msr(IA32_VMX_CR4_FIXED1)),
+    };
+    let mut cr4 = insn::read_cr4() | policy::CR4_VMXE;
+    if insn::cpuid(1, 0)[2] & (1 << 26) != 0 {
+        // XSAVE exists: let VMX root execute XSETBV for the guest.
+        cr4 |= CR4_OSXSAVE;
+    }
+    // SAFETY: the fixed-bit MSRs say which CR0/CR4 values VMX operation
+    // needs; applying them keeps paging and protection on.
+    unsafe {
+        insn::write_cr0(caps::apply_fixed(insn::read_cr0(), fixed.cr0.0, fixed.cr0.1));
+        insn::write_cr4(caps::apply_fixed(cr4, fixed.cr4.0, fixed.cr4.1));
+    }
+    let region = frames::alloc().ok_or(VmxError::OutOfMemory)?;
+    phys::write(region.0, &basic.revision().to_le_bytes());
+    // SAFETY: the region is a zeroed, page-aligned pool frame stamped with
+    // the revision, never freed; CR4.VMXE is set above.
+    unsafe { insn::vmxon(region.0) }.map_err(|e| VmxError::Instruction("VMXON", e, 0))?;
+    Ok(fixed)
+}
+
+/// Builds the identity EPT: guest RAM write-back, the rest of the low 4 GiB
+/// (and anything else below the top of RAM) uncacheable, hypervisor memory absent.
+fn build_ept(b: &BootInfo, cap: EptVpidCap) -> Result<Ept, VmxError> {
+    if !cap.walk_length_4() || !cap.write_back() {
+        return Err(VmxError::EptCaps("4-level write-back paging structures"));
+    }
+    let mut store = frames::PoolTables;
+    let ept = Ept::new(&mut store)?;
+    let limit = ept::identity_limit(b.ram_top);
+    let big = cap.pages_2m();
+    let hv = (layout::HV_RESERVED.as_u64(), layout::HV_RESERVED_END.as_u64());
+    // Everything uncacheable first, then RAM on top as write-back.
+    ept.map_identity(&mut store, Gpa(0), Gpa(limit), ept::RWX, MemType::Uncacheable, big)?;
+    for e in b.e820.iter().filter(|e| e.is_ram()) {
+        let start = e.addr & !0xfff;
+        let end = (e.addr + e.size).next_multiple_of(0x1000).min(limit);
+        if start < end {
+            ept.map_identity(&mut store, Gpa(start), Gpa(end), ept::RWX, MemType::WriteBack, big)?;
+        }
+    }
+    ept.unmap(&mut store, Gpa(hv.0), Gpa(hv.1))?;
+    Ok(ept)
+}
+
+/// What the exit handlers need to know about the VM.
+pub struct VmConfig {
+    pub fixed: Fixed,
+    pub fadt: Option<Fadt>,
+    pub ept: Ept,
+}
+
+fn controls(word: &'static str, required: u32, optional: u32, cap_msr: u32) -> Result<u32, VmxError> {
+    Ok(caps::adjust_controls(word, required, optional, msr(cap_msr))?)
+}
+
+/// Creates and fills the VMCS for the guest described by `entry`.
+pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<Fadt>) -> Result<VmConfig, VmxError> {
+    let basic = VmxBasic(msr(IA32_VMX_BASIC));
+    let fixed = vmxon(basic)?;
+    let cap = EptVpidCap(msr(IA32_VMX_EPT_VPID_CAP));
+    let ept = build_ept(b, cap)?;
+
+    let vmcs = frames::alloc().ok_or(VmxError::OutOfMemory)?;
+    phys::write(vmcs.0, &basic.revision().to_le_bytes());
+    // SAFETY: a fresh revision-stamped pool frame.
+    unsafe { insn::vmclear(vmcs.0) }.map_err(|e| VmxError::Instruction("VMCLEAR", e, 0))?;
+    // SAFETY: the same frame, now clear.
+    unsafe { insn::vmptrld(vmcs.0) }.map_err(|e| VmxError::Instruction("VMPTRLD", e, 0))?;
+
+    let t = basic.has_true_controls();
+    let pin = controls("pin-based", 0, PinbasedControls::VMX_PREEMPTION_TIMER.bits(), if t { IA32_VMX_TRUE_PINBASED_CTLS } else { IA32_VMX_PINBASED_CTLS })?;
+    let proc1 = controls(
+        "primary processor-based",
+        (PrimaryControls::USE_IO_BITMAPS | PrimaryControls::USE_MSR_BITMAPS | PrimaryControls::SECONDARY_CONTROLS).bits(),
+        0,
+        if t { IA32_VMX_TRUE_PROCBASED_CTLS } else { IA32_VMX_PROCBASED_CTLS },
+    )?;
+    let proc2 = controls(
+        "secondary processor-based",
+        (SecondaryControls::ENABLE_EPT | SecondaryControls::UNRESTRICTED_GUEST).bits(),
+        (SecondaryControls::ENABLE_VPID
+            | SecondaryControls::ENABLE_RDTSCP
+            | SecondaryControls::ENABLE_INVPCID
+            | SecondaryControls::ENABLE_XSAVES_XRSTORS)
+            .bits(),
+        IA32_VMX_PROCBASED_CTLS2,
+    )?;
+    let exit = controls(
+        "VM-exit",
+        (ExitControls::HOST_ADDRESS_SPACE_SIZE | ExitControls::SAVE_IA32_EFER | ExitControls::LOAD_IA32_EFER).bits(),
+        (ExitControls::SAVE_IA32_PAT | ExitControls::LOAD_IA32_PAT).bits(),
+        if t { IA32_VMX_TRUE_EXIT_CTLS } else { IA32_VMX_EXIT_CTLS },
+    )?;
+    let entry_ctl = controls(
+        "VM-entry",
+        (EntryControls::IA32E_MODE_GUEST | EntryControls::LOAD_IA32_EFER).bits(),
+        EntryControls::LOAD_IA32_PAT.bits(),
+        if t { IA32_VMX_TRUE_ENTRY_CTLS } else { IA32_VMX_ENTRY_CTLS },
+    )?;
+    log::info!(
+        "VMX: revision {:#x}, pin {pin:#x} proc {proc1:#x} proc2 {proc2:#x} exit {exit:#x} entry {entry_ctl:#x}, EPT/VPID caps {:#x}",
+        basic.revision(),
+        cap.0
+    );
+
+    let v = &mut Vmcs;
+    f::PIN_BASED_CONTROLS.write(v, pin)?;
+    f::PRIMARY_PROC_CONTROLS.write(v, proc1)?;
+    f::SECONDARY_PROC_CONTROLS.write(v, proc2)?;
+    f::EXIT_CONTROLS.write(v, exit)?;
+    f::ENTRY_CONTROLS.write(v, entry_ctl)?;
+    f::EXCEPTION_BITMAP.write(v, 0)?;
+    f::CR3_TARGET_COUNT.write(v, 0)?;
+    f::EPT_POINTER.write(v, ept.eptp())?;
+    if proc2 & SecondaryControls::ENABLE_VPID.bits() != 0 {
+        f::VPID.write(v, 1)?;
+    }
+    if pin & PinbasedControls::VMX_PREEMPTION_TIMER.bits() != 0 {
+        let shift = msr(IA32_VMX_MISC) & 0x1f;
+        f::PREEMPTION_TIMER_VALUE.write(v, (TIMER_PERIOD_TSC >> shift).min(u32::MAX as u64) as u32)?;
+    }
+
+    // I/O bitmaps: the control UART, and the ACPI PM1 control ports so that
+    // the guest's power-off is seen.
+    let (io_a, io_b) = (frames::alloc().ok_or(VmxError::OutOfMemory)?, frames::alloc().ok_or(VmxError::OutOfMemory)?);
+    {
+        let (a, b2) = (phys::frame_bytes_mut(io_a), phys::frame_bytes_mut(io_b));
+        policy::io_bitmap_set(a, b2, policy::CONTROL_PORTS);
+        if let Some(fd) = fadt {
+            policy::io_bitmap_set(a, b2, fd.pm1a_cnt..=fd.pm1a_cnt + 1);
+            if let Some(p) = fd.pm1b_cnt {
+                policy::io_bitmap_set(a, b2, p..=p + 1);
+            }
+        }
+    }
+    f::IO_BITMAP_A.write(v, io_a.0)?;
+    f::IO_BITMAP_B.write(v, io_b.0)?;
+    let msr_bm = frames::alloc().ok_or(VmxError::OutOfMemory)?;
+    policy::msr_bitmap(phys::frame_bytes_mut(msr_bm), policy::INTERCEPTED_MSR_READS, policy::INTERCEPTED_MSR_WRITES);
+    f::MSR_BITMAP.write(v, msr_bm.0)?;
+
+    // Host state (SDM 25.5, checked per 27.2.2/27.2.3).
+    f::HOST_CR0.write(v, insn::read_cr0())?;
+    f::HOST_CR3.write(v, insn::read_cr3())?;
+    f::HOST_CR4.write(v, insn::read_cr4())?;
+    f::HOST_CS_SELECTOR.write(v, cpu::CODE)?;
+    for s in [f::HOST_SS_SELECTOR, f::HOST_DS_SELECTOR, f::HOST_ES_SELECTOR, f::HOST_FS_SELECTOR, f::HOST_GS_SELECTOR] {
+        s.write(v, cpu::DATA)?;
+    }
+    f::HOST_TR_SELECTOR.write(v, cpu::TSS)?;
+    f::HOST_FS_BASE.write(v, 0)?;
+    f::HOST_GS_BASE.write(v, 0)?;
+    f::HOST_TR_BASE.write(v, host.tss_base)?;
+    f::HOST_GDTR_BASE.write(v, host.gdt_base)?;
+    f::HOST_IDTR_BASE.write(v, 0)?;
+    f::HOST_IA32_SYSENTER_CS.write(v, 0)?;
+    f::HOST_IA32_SYSENTER_ESP.write(v, 0)?;
+    f::HOST_IA32_SYSENTER_EIP.write(v, 0)?;
+    f::HOST_IA32_EFER.write(v, msr(IA32_EFER))?;
+    if exit & ExitControls::LOAD_IA32_PAT.bits() != 0 {
+        f::HOST_IA32_PAT.write(v, msr(IA32_PAT))?;
+    }
+
+    // Guest state: 64-bit mode as the Linux 64-bit boot protocol wants it.
+    let cr0 = policy::CR0_PG | policy::CR0_NE | (1 << 4) | policy::CR0_PE;
+    f::GUEST_CR0.write(v, caps::apply_fixed(cr0, policy::cr0_host_mask(fixed.cr0.0), fixed.cr0.1))?;
+    f::CR0_GUEST_HOST_MASK.write(v, policy::cr0_host_mask(fixed.cr0.0))?;
+    f::CR0_READ_SHADOW.write(v, cr0)?;
+    let cr4 = 1u64 << 5; // PAE
+    f::GUEST_CR4.write(v, caps::apply_fixed(cr4, policy::cr4_host_mask(fixed.cr4.0), fixed.cr4.1))?;
+    f::CR4_GUEST_HOST_MASK.write(v, policy::cr4_host_mask(fixed.cr4.0))?;
+    f::CR4_READ_SHADOW.write(v, cr4)?;
+    f::GUEST_CR3.write(v, entry.cr3)?;
+    f::GUEST_DR7.write(v, 0x400)?;
+    f::GUEST_RSP.write(v, GUEST_BOOT_STACK)?;
+    f::GUEST_RIP.write(v, entry.rip)?;
+    f::GUEST_RFLAGS.write(v, 0x2)?;
+
+    let (code, data) = entry.selectors;
+    // Access rights (SDM 25.4.1): type, S, DPL, P, L, D/B, G; bit 16 = unusable.
+    const CODE64_AR: u32 = 0xa09b;
+    const DATA_AR: u32 = 0xc093;
+    f::GUEST_CS_SELECTOR.write(v, code)?;
+    f::GUEST_CS_BASE.write(v, 0)?;
+    f::GUEST_CS_LIMIT.write(v, 0xffff_ffff)?;
+    f::GUEST_CS_ACCESS_RIGHTS.write(v, CODE64_AR)?;
+    for (sel, base, limit, ar) in [
+        (f::GUEST_SS_SELECTOR, f::GUEST_SS_BASE, f::GUEST_SS_LIMIT, f::GUEST_SS_ACCESS_RIGHTS),
+        (f::GUEST_DS_SELECTOR, f::GUEST_DS_BASE, f::GUEST_DS_LIMIT, f::GUEST_DS_ACCESS_RIGHTS),
+        (f::GUEST_ES_SELECTOR, f::GUEST_ES_BASE, f::GUEST_ES_LIMIT, f::GUEST_ES_ACCESS_RIGHTS),
+        (f::GUEST_FS_SELECTOR, f::GUEST_FS_BASE, f::GUEST_FS_LIMIT, f::GUEST_FS_ACCESS_RIGHTS),
+        (f::GUEST_GS_SELECTOR, f::GUEST_GS_BASE, f::GUEST_GS_LIMIT, f::GUEST_GS_ACCESS_RIGHTS),
+    ] {
+        sel.write(v, data)?;
+        base.write(v, 0)?;
+        limit.write(v, 0xffff_ffff)?;
+        ar.write(v, DATA_AR)?;
+    }
+    f::GUEST_LDTR_SELECTOR.write(v, 0)?;
+    f::GUEST_LDTR_BASE.write(v, 0)?;
+    f::GUEST_LDTR_LIMIT.write(v, 0)?;
+    f::GUEST_LDTR_ACCESS_RIGHTS.write(v, 1 << 16)?;
+    f::GUEST_TR_SELECTOR.write(v, 0)?;
+    f::GUEST_TR_BASE.write(v, 0)?;
+    f::GUEST_TR_LIMIT.write(v, 0x67)?;
+    f::GUEST_TR_ACCESS_RIGHTS.write(v, 0x8b)?;
+    f::GUEST_GDTR_BASE.write(v, entry.gdt.0)?;
+    f::GUEST_GDTR_LIMIT.write(v, entry.gdt.1 as u32)?;
+    f::GUEST_IDTR_BASE.write(v, 0)?;
+    f::GUEST_IDTR_LIMIT.write(v, 0)?;
+    f::GUEST_IA32_EFER.write(v, policy::EFER_LME | policy::EFER_LMA)?;
+    if entry_ctl & EntryControls::LOAD_IA32_PAT.bits() != 0 {
+        f::GUEST_IA32_PAT.write(v, 0x0007_0406_0007_0406)?;
+    }
+    f::GUEST_IA32_DEBUGCTL.write(v, 0)?;
+    f::GUEST_IA32_SYSENTER_CS.write(v, 0)?;
+    f::GUEST_IA32_SYSENTER_ESP.write(v, 0)?;
+    f::GUEST_IA32_SYSENTER_EIP.write(v, 0)?;
+    f::GUEST_INTERRUPTIBILITY.write(v, 0)?;
+    f::GUEST_ACTIVITY_STATE.write(v, 0)?;
+    f::GUEST_PENDING_DEBUG_EXCEPTIONS.write(v, 0)?;
+    f::VMCS_LINK_POINTER.write(v, u64::MAX)?;
+
+    Ok(VmConfig { fixed, fadt, ept })
+}

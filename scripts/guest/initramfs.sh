@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Build the hvtrace guest initramfs: Debian's static busybox plus
+# guest/initramfs/init, as a gzip-compressed newc cpio archive.
+#
+# Output: $CACHE/initramfs-<busybox version>-<hash>.cpio.gz, where the hash
+# covers the init script, the busybox binary and the archive layout below.
+# The archive is written without needing root (device nodes and owners come
+# from the archive writer, not from the file system) and is reproducible:
+# every entry is owned by root with a fixed timestamp.
+# Prints the archive path on stdout.
+set -euo pipefail
+
+# shellcheck source=scripts/guest/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+INIT=$HVTRACE_REPO/guest/initramfs/init
+BUSYBOX=/bin/busybox
+# Bump when the archive layout in write_cpio below changes.
+LAYOUT=1
+
+[[ -f $INIT ]] || die "missing $INIT"
+hv_apt_ensure busybox-static python3
+[[ -x $BUSYBOX ]] || die "$BUSYBOX not found (package busybox-static)"
+# The dynamically linked busybox (package busybox) would not run in the guest.
+if ! file -b "$BUSYBOX" | grep -q 'statically linked'; then
+    die "$BUSYBOX is not statically linked; install busybox-static"
+fi
+
+CACHE=$(hv_cache_dir)
+bb_version=$(dpkg-query -W -f='${Version}' busybox-static)
+hash=$(hv_hash "$INIT" "$BUSYBOX" -- "layout $LAYOUT" "busybox $bb_version")
+out=$CACHE/initramfs-$(hv_sanitize_version "$bb_version")-$hash.cpio.gz
+
+if [[ -f $out ]]; then
+    log "cached: $out"
+    printf '%s\n' "$out"
+    exit 0
+fi
+
+log "building initramfs (busybox $bb_version, init $(sha256sum "$INIT" | cut -c1-12))"
+tmp=$(mktemp "$out.tmp.XXXXXX")
+trap 'rm -f "$tmp"' EXIT
+
+python3 - "$BUSYBOX" "$INIT" "$tmp" <<'PY'
+import gzip, sys
+
+busybox, init, out = sys.argv[1:4]
+entries = []  # (name, mode, data, rdev_major, rdev_minor)
+
+def d(name, mode=0o755):
+    entries.append((name, 0o040000 | mode, b"", 0, 0))
+
+def f(name, data, mode=0o644):
+    entries.append((name, 0o100000 | mode, data, 0, 0))
+
+def l(name, target):
+    entries.append((name, 0o120000 | 0o777, target.encode(), 0, 0))
+
+def c(name, major, minor, mode=0o600):
+    entries.append((name, 0o020000 | mode, b"", major, minor))
+
+for name in ["bin", "sbin", "usr", "usr/bin", "usr/sbin", "dev", "proc", "sys",
+             "run", "root", "etc", "mnt"]:
+    d(name)
+d("tmp", 0o1777)
+c("dev/console", 5, 1)
+c("dev/null", 1, 3, 0o666)
+c("dev/ttyS0", 4, 64, 0o660)
+f("bin/busybox", open(busybox, "rb").read(), 0o755)
+l("bin/sh", "busybox")
+f("init", open(init, "rb").read(), 0o755)
+f("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
+f("etc/group", b"root:x:0:\n")
+f("etc/hostname", b"hvtrace-guest\n")
+
+def pad4(n):
+    return (4 - n % 4) % 4
+
+blob = bytearray()
+for ino, (name, mode, data, rmaj, rmin) in enumerate(entries + [("TRAILER!!!", 0, b"", 0, 0)], 1):
+    nlink = 2 if mode & 0o170000 == 0o040000 else 1
+    if name == "TRAILER!!!":
+        ino = nlink = 0
+    fields = [ino, mode, 0, 0, nlink, 0, len(data), 0, 0, rmaj, rmin, len(name) + 1, 0]
+    hdr = b"070701" + b"".join(b"%08X" % v for v in fields)
+    blob += hdr + name.encode() + b"\0"
+    blob += b"\0" * pad4(len(hdr) + len(name) + 1)
+    blob += data + b"\0" * pad4(len(data))
+blob += b"\0" * pad4(len(blob))
+
+with open(out, "wb") as fh:
+    fh.write(gzip.compress(bytes(blob), compresslevel=9, mtime=0))
+PY
+
+chmod 644 "$tmp"
+mv -f "$tmp" "$out"
+trap - EXIT
+log "ready: $out ($(stat -c %s "$out") bytes)"
+printf '%s\n' "$out"
