@@ -72,6 +72,12 @@ fn c_str(addr: u32) -> &'static str {
     core::str::from_utf8(&bytes[..n]).unwrap_or("")
 }
 
+/// The firmware's ACPI RSDP, searched in the BIOS area.
+pub fn find_rsdp() -> Option<u64> {
+    let bios = phys::slice(acpi::BIOS_AREA.start, (acpi::BIOS_AREA.end - acpi::BIOS_AREA.start) as usize)?;
+    acpi::find_rsdp(bios, acpi::BIOS_AREA.start)
+}
+
 /// Reads the multiboot information and carves hypervisor memory out of the map.
 pub fn boot_info(magic: u32, mbi: u32) -> Result<BootInfo, LoadError> {
     let info_bytes = phys::slice(mbi as u64, multiboot::INFO_SIZE).ok_or(LoadError::Other("multiboot info out of range"))?;
@@ -124,12 +130,10 @@ pub struct GuestEntry {
     pub selectors: (u16, u16),
     /// Where the kernel's protected-mode part was copied.
     pub load: u64,
-    /// Firmware RSDP, if found.
-    pub rsdp: Option<u64>,
 }
 
 /// Loads the kernel, command line, boot_params, GDT and boot page tables.
-pub fn load(b: &BootInfo) -> Result<GuestEntry, LoadError> {
+pub fn load(b: &BootInfo, rsdp: Option<u64>) -> Result<GuestEntry, LoadError> {
     let image = phys::slice(b.kernel.0, b.kernel.1).ok_or(LoadError::Other("guest kernel module out of range"))?;
     let img = loader::parse_bzimage(image)?;
 
@@ -149,9 +153,6 @@ pub fn load(b: &BootInfo) -> Result<GuestEntry, LoadError> {
     }
     phys::write(layout::CMDLINE.as_u64(), cmd);
     phys::write(layout::CMDLINE.as_u64() + cmd.len() as u64, &[0]);
-
-    let bios = phys::slice(acpi::BIOS_AREA.start, (acpi::BIOS_AREA.end - acpi::BIOS_AREA.start) as usize);
-    let rsdp = bios.and_then(|a| acpi::find_rsdp(a, acpi::BIOS_AREA.start));
 
     let cfg = GuestBootConfig {
         cmdline_addr: layout::CMDLINE,
@@ -173,6 +174,5 @@ pub fn load(b: &BootInfo) -> Result<GuestEntry, LoadError> {
         gdt: (layout::GDT.as_u64(), (layout::GDT_SIZE - 1) as u16),
         selectors: (layout::GUEST_CODE_SELECTOR, layout::GUEST_DATA_SELECTOR),
         load: load.as_u64(),
-        rsdp,
     })
 }

@@ -35,10 +35,33 @@ static BOOT_ENTRY: unsafe extern "C" fn() = _start32;
 pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
     logger::init();
     hvprintln!("hypervisor {VERSION} starting");
-    if let Err(e) = run(magic, mbi) {
-        hvprintln!("error: {e}");
+    let host = arch::cpu::init();
+    let (pool_start, pool_end) = frames::init();
+    log::info!("frame pool {pool_start:#x}..{pool_end:#x}");
+    // Firmware tables first: they tell us how to power the machine off on
+    // any outcome below.
+    let rsdp = guest::find_rsdp();
+    let fadt = rsdp.and_then(|r| acpi::find_fadt(&phys::Phys, r));
+    match run(magic, mbi, &host, rsdp, fadt) {
+        Ok(StopReason::PowerOff { port, value, size }) => {
+            // Let the platform power off as the guest asked.
+            exits::forward_out(port, size, value);
+        }
+        Ok(_) => power_off(fadt),
+        Err(e) => {
+            hvprintln!("error: {e}");
+            power_off(fadt);
+        }
     }
     insn::halt_forever()
+}
+
+/// Powers the machine off through ACPI (S5 with SLP_TYP 0, as QEMU's and
+/// Bochs' firmware define it), or just halts when there is no FADT.
+fn power_off(fadt: Option<acpi::Fadt>) {
+    if let Some(f) = fadt {
+        exits::forward_out(f.pm1a_cnt, 2, hypervisor::policy::PM1_SLP_EN);
+    }
 }
 
 /// A fatal error before the guest runs.
@@ -67,26 +90,30 @@ impl From<guest::LoadError> for Fatal {
     }
 }
 
-fn run(magic: u32, mbi: u32) -> Result<(), Fatal> {
-    let host = arch::cpu::init();
-    let (pool_start, pool_end) = frames::init();
-    log::info!("frame pool {pool_start:#x}..{pool_end:#x}");
-    vcpu::check_support()?;
-
+/// Loads the guest, then runs it under VMX until it stops. The guest is
+/// loaded (and its kernel image checked) before VMX is looked at, so a bad
+/// kernel is reported the same way on every platform.
+fn run(
+    magic: u32,
+    mbi: u32,
+    host: &arch::cpu::HostTables,
+    rsdp: Option<u64>,
+    fadt: Option<acpi::Fadt>,
+) -> Result<StopReason, Fatal> {
     let boot = guest::boot_info(magic, mbi)?;
-    let entry = guest::load(&boot)?;
+    let entry = guest::load(&boot, rsdp)?;
     log::info!(
         "guest kernel loaded at {:#x}, entry {:#x}, RAM {} MiB, RSDP {:?}",
         entry.load,
         entry.rip,
         boot.e820.total_ram() >> 20,
-        entry.rsdp
+        rsdp
     );
-    let fadt = entry.rsdp.and_then(|r| acpi::find_fadt(&phys::Phys, r));
     if let Some(f) = fadt {
         log::info!("ACPI PM1a control at port {:#x}", f.pm1a_cnt);
     }
-    let cfg = vcpu::setup(&host, &boot, &entry, fadt)?;
+    vcpu::check_support()?;
+    let cfg = vcpu::setup(host, &boot, &entry, fadt)?;
     log::info!("VMX ready, hypervisor memory in use {} KiB", frames::used() >> 10);
 
     let mut vcpu = exits::Vcpu::new(cfg);
@@ -95,11 +122,7 @@ fn run(magic: u32, mbi: u32) -> Result<(), Fatal> {
     let reason = vcpu.run();
     hvprintln!("exit counts: {}", vcpu.counters);
     hvprintln!("guest stopped: {reason}");
-    if let StopReason::PowerOff { port, value, size } = reason {
-        // Let the platform power off as the guest asked.
-        exits::forward_out(port, size, value);
-    }
-    Ok(())
+    Ok(reason)
 }
 
 #[panic_handler]
