@@ -133,7 +133,7 @@ impl Ept {
         while a < end.0 {
             let pdpt = Self::next(store, self.root, index(a, 3))?;
             let pd = Self::next(store, pdpt, index(a, 2))?;
-            if allow_2m && a % MIB_2 == 0 && end.0 - a >= MIB_2 {
+            if allow_2m && a.is_multiple_of(MIB_2) && end.0 - a >= MIB_2 {
                 store.table(pd)[index(a, 1)] = a | leaf_bits | LARGE;
                 a += MIB_2;
             } else {
@@ -177,7 +177,7 @@ impl Ept {
             let e = store.table(pd)[index(a, 1)];
             if e & RWX == 0 {
                 a = (a / MIB_2 + 1) * MIB_2;
-            } else if e & LARGE != 0 && a % MIB_2 == 0 && end.0 - a >= MIB_2 {
+            } else if e & LARGE != 0 && a.is_multiple_of(MIB_2) && end.0 - a >= MIB_2 {
                 store.table(pd)[index(a, 1)] = 0;
                 a += MIB_2;
             } else {

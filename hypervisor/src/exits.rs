@@ -222,6 +222,8 @@ impl Vcpu {
                     "error: EPT violation: gpa {:#x} gla {:?} read={} write={} fetch={} allowed={:#x}",
                     e.gpa, e.gla, e.read, e.write, e.fetch, e.allowed
                 );
+                let leaf = self.cfg.ept.translate(&mut crate::frames::PoolTables, hypervisor::addr::Gpa(e.gpa & !0xfff));
+                hvprintln!("error: EPT entry for that page: {leaf:?}");
                 dump_vmcs();
                 Ok(Next::Stop(StopReason::EptViolation { gpa: e.gpa }))
             }

@@ -53,6 +53,20 @@ pub fn alloc() -> Option<Hpa> {
     Some(Hpa(f))
 }
 
+/// `len` bytes of contiguous zeroed frames (rounded up to whole pages).
+pub fn alloc_region(len: u64) -> Option<Hpa> {
+    let len = len.next_multiple_of(4096);
+    let mut p = POOL.lock();
+    if p.next.checked_add(len)? > p.end {
+        return None;
+    }
+    let start = p.next;
+    p.next += len;
+    drop(p);
+    phys::zero(start, len as usize);
+    Some(Hpa(start))
+}
+
 /// EPT tables come from the pool.
 pub struct PoolTables;
 

@@ -7,10 +7,13 @@
 #![no_std]
 #![no_main]
 
+extern crate alloc;
+
 mod arch;
 mod exits;
 mod frames;
 mod guest;
+mod heap;
 mod logger;
 mod phys;
 mod vcpu;
@@ -38,6 +41,10 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
     let host = arch::cpu::init();
     let (pool_start, pool_end) = frames::init();
     log::info!("frame pool {pool_start:#x}..{pool_end:#x}");
+    if heap::init().is_none() {
+        hvprintln!("error: hypervisor memory too small for the heap");
+        insn::halt_forever();
+    }
     // Firmware tables first: they tell us how to power the machine off on
     // any outcome below.
     let rsdp = guest::find_rsdp();
@@ -114,7 +121,12 @@ fn run(
     }
     vcpu::check_support()?;
     let cfg = vcpu::setup(host, &boot, &entry, fadt)?;
-    log::info!("VMX ready, hypervisor memory in use {} KiB", frames::used() >> 10);
+    log::info!(
+        "VMX ready, hypervisor memory in use {} KiB (heap {} of {} KiB)",
+        frames::used() >> 10,
+        heap::used() >> 10,
+        heap::HEAP_SIZE >> 10
+    );
 
     let mut vcpu = exits::Vcpu::new(cfg);
     vcpu.regs.rsi = entry.boot_params;

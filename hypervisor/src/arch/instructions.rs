@@ -95,18 +95,6 @@ pub unsafe fn vmwrite(field: u32, value: u64) -> Result<(), VmFail> {
     vm_result(flags)
 }
 
-/// INVEPT type 2 (all contexts): drops every cached EPT translation.
-pub fn invept_all() -> Result<(), VmFail> {
-    let desc = [0u64; 2];
-    let flags: u64;
-    // SAFETY: INVEPT only invalidates TLB entries derived from EPT; the
-    // descriptor is a valid 16-byte stack object.
-    unsafe {
-        asm!("invept {0}, [{1}]", "pushfq", "pop {2}", in(reg) 2u64, in(reg) desc.as_ptr(), out(reg) flags);
-    }
-    vm_result(flags)
-}
-
 /// Reads a model-specific register.
 ///
 /// # Safety
@@ -251,12 +239,6 @@ pub unsafe fn inl(port: u16) -> u32 {
     v
 }
 
-/// Reads the time-stamp counter.
-pub fn rdtsc() -> u64 {
-    // SAFETY: RDTSC is unprivileged and side-effect free.
-    unsafe { core::arch::x86_64::_rdtsc() }
-}
-
 /// Stops the CPU for good: interrupts off, then HLT forever.
 pub fn halt_forever() -> ! {
     loop {
@@ -282,15 +264,6 @@ pub struct DescriptorTablePointer {
 pub unsafe fn lgdt(p: &DescriptorTablePointer) {
     // SAFETY: the caller guarantees the table outlives its use.
     unsafe { asm!("lgdt [{}]", in(reg) p, options(readonly, nostack)) };
-}
-
-/// Loads the IDT register.
-///
-/// # Safety
-/// The table must stay valid for as long as exceptions may happen.
-pub unsafe fn lidt(p: &DescriptorTablePointer) {
-    // SAFETY: the caller guarantees the table outlives its use.
-    unsafe { asm!("lidt [{}]", in(reg) p, options(readonly, nostack)) };
 }
 
 /// Loads the task register.
