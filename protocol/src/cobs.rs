@@ -1,0 +1,405 @@
+//! Consistent Overhead Byte Stuffing (Cheshire and Baker, 1999).
+//!
+//! COBS removes every `0x00` from a message so that `0x00` can delimit frames
+//! on the wire: a receiver that lost track (line noise, a cut frame, joining in
+//! the middle) is back in step at the next zero byte.
+//!
+//! The encoding is a sequence of blocks. Each block is a *code byte* `n`
+//! (1..=255) followed by `n - 1` non-zero data bytes. A block with `n < 255`
+//! stands for its data followed by one zero; a block with `n == 255` stands for
+//! its 254 data bytes alone. The zero implied by the very last block is not
+//! part of the message.
+//!
+//! ```text
+//! message  11 22 00 33        encoded  03 11 22 02 33
+//! message  (empty)            encoded  01
+//! message  00                 encoded  01 01
+//! ```
+//!
+//! The encoder here is canonical: when the message ends right after a full
+//! 254-byte block it emits no trailing `01`. The decoder accepts that form and
+//! the non-canonical one.
+//!
+//! Overhead: at most one byte per 254 message bytes, plus one
+//! ([`max_encoded_len`]). Decoding never yields more bytes than it consumes.
+
+use alloc::vec::Vec;
+use core::fmt;
+use core::num::NonZeroU8;
+
+/// Data bytes in a full block (code byte `0xFF`).
+const FULL_BLOCK: u8 = 254;
+const FULL_BLOCK_LEN: usize = FULL_BLOCK as usize;
+
+/// The longest COBS encoding of a message of `len` bytes (without delimiter).
+pub const fn max_encoded_len(len: usize) -> usize {
+    // One code byte per started block of 254; saturates instead of wrapping
+    // for lengths no memory can hold.
+    len.saturating_add(len / FULL_BLOCK_LEN).saturating_add(1)
+}
+
+/// Appends the COBS encoding of `input` to `out`. `out` gains no `0x00`.
+///
+/// ```
+/// let mut out = Vec::new();
+/// protocol::cobs::encode(&[0x11, 0x22, 0x00, 0x33], &mut out);
+/// assert_eq!(out, [0x03, 0x11, 0x22, 0x02, 0x33]);
+/// ```
+pub fn encode(input: &[u8], out: &mut Vec<u8>) {
+    let mut enc = Encoder::begin(out);
+    for &b in input {
+        enc.push(out, b);
+    }
+    enc.finish(out);
+}
+
+/// Decodes one COBS-encoded message (without delimiter), appending it to `out`.
+///
+/// On error `out` may hold part of the message.
+///
+/// ```
+/// let mut out = Vec::new();
+/// protocol::cobs::decode(&[0x03, 0x11, 0x22, 0x02, 0x33], &mut out).unwrap();
+/// assert_eq!(out, [0x11, 0x22, 0x00, 0x33]);
+/// ```
+pub fn decode(input: &[u8], out: &mut Vec<u8>) -> Result<(), CobsError> {
+    if input.is_empty() {
+        return Err(CobsError::Empty);
+    }
+    let mut dec = Decoder::new();
+    for (offset, &b) in input.iter().enumerate() {
+        let Some(b) = NonZeroU8::new(b) else {
+            return Err(CobsError::ZeroByte { offset });
+        };
+        if let Some(byte) = dec.feed(b) {
+            out.push(byte);
+        }
+    }
+    dec.finish()
+}
+
+/// Why a byte sequence is not a COBS encoding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CobsError {
+    /// No bytes at all: every encoding has at least its first code byte.
+    Empty,
+    /// A `0x00` inside the encoded data, at this offset.
+    ZeroByte {
+        /// Offset of the zero byte in the encoded input.
+        offset: usize,
+    },
+    /// The input ended inside a block: its code byte promised `missing` more
+    /// data bytes (a frame cut short, or a corrupted code byte).
+    Truncated {
+        /// Data bytes still owed by the last block.
+        missing: u8,
+    },
+}
+
+impl fmt::Display for CobsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CobsError::Empty => write!(f, "empty COBS input (no code byte)"),
+            CobsError::ZeroByte { offset } => {
+                write!(f, "zero byte at offset {offset} inside COBS-encoded data")
+            }
+            CobsError::Truncated { missing } => write!(
+                f,
+                "COBS block cut short: {missing} more data byte(s) expected before the delimiter"
+            ),
+        }
+    }
+}
+
+impl core::error::Error for CobsError {}
+
+/// A streaming COBS encoder writing into a caller's `Vec`.
+///
+/// The code byte of the open block is a placeholder in `out` at `code_at`,
+/// patched when the block closes. The `Vec` is passed to each call rather than
+/// held, so that the same `Vec` can be inspected between calls.
+#[derive(Debug)]
+pub(crate) struct Encoder {
+    /// Index in `out` of the open block's code byte.
+    code_at: usize,
+    /// Data bytes in the open block (0..=254).
+    run: u8,
+    /// The last block is full (code 0xFF) and closed; the next byte opens a
+    /// new one. At the end of the message nothing more is written.
+    full: bool,
+}
+
+impl Encoder {
+    /// Starts a message at the end of `out`.
+    pub(crate) fn begin(out: &mut Vec<u8>) -> Self {
+        let code_at = out.len();
+        out.push(1);
+        Self {
+            code_at,
+            run: 0,
+            full: false,
+        }
+    }
+
+    /// Closes the open block with its code byte.
+    fn close(&mut self, out: &mut [u8]) {
+        if let Some(code) = out.get_mut(self.code_at) {
+            // run <= 254, so the code is at most 255.
+            *code = self.run.saturating_add(1);
+        }
+    }
+
+    /// Opens a new block at the end of `out`.
+    fn open(&mut self, out: &mut Vec<u8>) {
+        self.code_at = out.len();
+        out.push(1);
+        self.run = 0;
+        self.full = false;
+    }
+
+    /// Encodes one more message byte.
+    #[inline]
+    pub(crate) fn push(&mut self, out: &mut Vec<u8>, byte: u8) {
+        if self.full {
+            self.open(out);
+        }
+        if byte == 0 {
+            self.close(out);
+            self.open(out);
+        } else {
+            out.push(byte);
+            self.run = self.run.saturating_add(1);
+            if self.run == FULL_BLOCK {
+                self.close(out);
+                self.full = true;
+            }
+        }
+    }
+
+    /// Ends the message (no delimiter is written).
+    pub(crate) fn finish(mut self, out: &mut [u8]) {
+        if !self.full {
+            self.close(out);
+        }
+    }
+}
+
+/// A streaming COBS decoder: fed the non-zero bytes between two delimiters one
+/// at a time, it yields at most one message byte per input byte.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Decoder {
+    /// Data bytes still to come in the current block; 0 when the next byte is
+    /// a code byte.
+    remaining: u8,
+    /// The current block ends with an implied zero, to be yielded when the
+    /// next block starts (and dropped at the end of the message).
+    zero_pending: bool,
+}
+
+impl Decoder {
+    pub(crate) const fn new() -> Self {
+        Self {
+            remaining: 0,
+            zero_pending: false,
+        }
+    }
+
+    /// Consumes one encoded byte and returns the message byte it stands for,
+    /// if any. Code bytes yield the zero implied by the previous block.
+    #[inline]
+    pub(crate) fn feed(&mut self, byte: NonZeroU8) -> Option<u8> {
+        if self.remaining == 0 {
+            let out = if self.zero_pending { Some(0) } else { None };
+            self.zero_pending = byte.get() != 0xFF;
+            self.remaining = byte.get() - 1;
+            out
+        } else {
+            // Not zero in this branch: exact.
+            self.remaining = self.remaining.saturating_sub(1);
+            Some(byte.get())
+        }
+    }
+
+    /// Checks that the encoding ended on a block boundary.
+    pub(crate) fn finish(&self) -> Result<(), CobsError> {
+        match self.remaining {
+            0 => Ok(()),
+            missing => Err(CobsError::Truncated { missing }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use alloc::vec;
+
+    fn enc(input: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode(input, &mut out);
+        out
+    }
+
+    fn dec(input: &[u8]) -> Result<Vec<u8>, CobsError> {
+        let mut out = Vec::new();
+        decode(input, &mut out).map(|()| out)
+    }
+
+    fn roundtrip(input: &[u8]) {
+        let e = enc(input);
+        assert!(!e.contains(&0), "encoding contains a zero");
+        assert!(e.len() <= max_encoded_len(input.len()), "{} > max", e.len());
+        assert_eq!(dec(&e).as_deref(), Ok(input));
+    }
+
+    /// The worked examples of the COBS literature, both directions.
+    #[test]
+    fn reference_vectors() {
+        let run = |from: u8, to: u8| (from..=to).collect::<Vec<u8>>();
+        let cat = |parts: &[&[u8]]| parts.concat();
+        let cases: Vec<(Vec<u8>, Vec<u8>)> = vec![
+            (vec![], vec![0x01]),
+            (vec![0x00], vec![0x01, 0x01]),
+            (vec![0x00, 0x00], vec![0x01, 0x01, 0x01]),
+            (vec![0x00, 0x11, 0x00], vec![0x01, 0x02, 0x11, 0x01]),
+            (
+                vec![0x11, 0x22, 0x00, 0x33],
+                vec![0x03, 0x11, 0x22, 0x02, 0x33],
+            ),
+            (
+                vec![0x11, 0x22, 0x33, 0x44],
+                vec![0x05, 0x11, 0x22, 0x33, 0x44],
+            ),
+            (
+                vec![0x11, 0x00, 0x00, 0x00],
+                vec![0x02, 0x11, 0x01, 0x01, 0x01],
+            ),
+            // 254 non-zero bytes: one full block, no trailing code.
+            (run(0x01, 0xFE), cat(&[&[0xFF], &run(0x01, 0xFE)])),
+            // A zero, then 254 non-zero bytes.
+            (
+                cat(&[&[0x00], &run(0x01, 0xFE)]),
+                cat(&[&[0x01, 0xFF], &run(0x01, 0xFE)]),
+            ),
+            // 255 non-zero bytes: a full block, then a one-byte block.
+            (
+                run(0x01, 0xFF),
+                cat(&[&[0xFF], &run(0x01, 0xFE), &[0x02, 0xFF]]),
+            ),
+            // 254 non-zero bytes then a zero.
+            (
+                cat(&[&run(0x02, 0xFF), &[0x00]]),
+                cat(&[&[0xFF], &run(0x02, 0xFF), &[0x01, 0x01]]),
+            ),
+            // 253 non-zero bytes, a zero, one more.
+            (
+                cat(&[&run(0x03, 0xFF), &[0x00, 0x01]]),
+                cat(&[&[0xFE], &run(0x03, 0xFF), &[0x02, 0x01]]),
+            ),
+        ];
+        for (plain, encoded) in &cases {
+            assert_eq!(&enc(plain), encoded, "encode {plain:02x?}");
+            assert_eq!(dec(encoded).as_ref(), Ok(plain), "decode {encoded:02x?}");
+        }
+    }
+
+    #[test]
+    fn empty() {
+        assert_eq!(enc(&[]), [0x01]);
+        assert_eq!(dec(&[0x01]), Ok(vec![]));
+        assert_eq!(dec(&[]), Err(CobsError::Empty));
+    }
+
+    #[test]
+    fn non_zero_runs_around_the_block_size() {
+        for len in [1usize, 2, 253, 254, 255, 256, 507, 508, 509, 1000] {
+            let data = vec![0xAB; len];
+            let e = enc(&data);
+            // ceil(len / 254) code bytes, exactly.
+            assert_eq!(e.len(), len + len.div_ceil(254), "len {len}");
+            roundtrip(&data);
+        }
+        // Exactly 254: a single full block.
+        assert_eq!(enc(&[7; 254]).first(), Some(&0xFF));
+        assert_eq!(enc(&[7; 254]).len(), 255);
+        // Exactly 255: a full block and a block of one.
+        let e = enc(&[7; 255]);
+        assert_eq!((e[0], e[255], e[256]), (0xFF, 0x02, 7));
+        assert_eq!(e.len(), 257);
+    }
+
+    #[test]
+    fn all_zeros() {
+        for len in [1usize, 2, 254, 255, 1000] {
+            let data = vec![0u8; len];
+            let e = enc(&data);
+            assert_eq!(e, vec![0x01; len + 1]);
+            roundtrip(&data);
+        }
+    }
+
+    #[test]
+    fn mixed_roundtrips() {
+        let mut data = Vec::new();
+        for i in 0..3000u32 {
+            data.push(if i % 7 == 0 || i % 301 == 0 {
+                0
+            } else {
+                (i % 251) as u8
+            });
+            roundtrip(&data);
+        }
+    }
+
+    #[test]
+    fn non_canonical_trailing_block_is_accepted() {
+        // A full block followed by an explicit empty last block.
+        let mut e = vec![0xFF];
+        e.extend_from_slice(&[9u8; 254]);
+        e.push(0x01);
+        assert_eq!(dec(&e), Ok(vec![9u8; 254]));
+    }
+
+    #[test]
+    fn malformed() {
+        assert_eq!(
+            dec(&[0x05, 0x11, 0x22]),
+            Err(CobsError::Truncated { missing: 2 })
+        );
+        assert_eq!(dec(&[0xFF]), Err(CobsError::Truncated { missing: 254 }));
+        assert_eq!(
+            dec(&[0x02, 0x11, 0x00]),
+            Err(CobsError::ZeroByte { offset: 2 })
+        );
+        assert_eq!(dec(&[0x00]), Err(CobsError::ZeroByte { offset: 0 }));
+    }
+
+    #[test]
+    fn decoding_never_outgrows_its_input() {
+        // Every byte sequence of length <= 4 over a small alphabet.
+        let alphabet = [0x00u8, 0x01, 0x02, 0x03, 0xFE, 0xFF];
+        let mut inputs: Vec<Vec<u8>> = vec![vec![]];
+        let mut frontier: Vec<Vec<u8>> = vec![vec![]];
+        for _ in 0..4 {
+            frontier = frontier
+                .iter()
+                .flat_map(|p| {
+                    alphabet.iter().map(move |&a| {
+                        let mut q = p.clone();
+                        q.push(a);
+                        q
+                    })
+                })
+                .collect();
+            inputs.extend(frontier.iter().cloned());
+        }
+        for input in &inputs {
+            if let Ok(out) = dec(input) {
+                assert!(out.len() <= input.len(), "{input:02x?}");
+                // Re-encoding gives back a valid encoding of the same bytes.
+                assert_eq!(dec(&enc(&out)), Ok(out));
+            }
+        }
+    }
+}

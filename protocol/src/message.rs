@@ -1,0 +1,298 @@
+//! The messages of the control channel.
+//!
+//! Bodies are serialized with postcard, which encodes an enum variant as its
+//! index (a varint) and a struct as its fields in declaration order. So:
+//! **append new variants and fields at the end only, and bump
+//! [`PROTOCOL_VERSION`](crate::PROTOCOL_VERSION) for any change that an older
+//! peer would read differently** (a new field, a reordered or retyped one, a
+//! new variant that an old peer would receive).
+//!
+//! Enums are `#[non_exhaustive]` so that adding a variant does not break the
+//! code that matches on them in other crates.
+
+use alloc::string::String;
+use alloc::vec::Vec;
+use serde::{Deserialize, Serialize};
+
+/// One frame: the unit that is encoded, checked and delimited on the wire.
+///
+/// Both directions use it, so one decoder serves the hypervisor and the CLI.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Wire-format version of the sender, normally
+    /// [`PROTOCOL_VERSION`](crate::PROTOCOL_VERSION). Frames of any other
+    /// version fail to decode with
+    /// [`DecodeError::UnsupportedVersion`](crate::DecodeError::UnsupportedVersion).
+    pub version: u16,
+    /// Sequence number. For a request it is chosen by the client, and the
+    /// response to it carries the same number. Events carry the sender's own
+    /// event counter (wrapping), which lets the receiver spot gaps.
+    pub seq: u32,
+    /// What the frame says.
+    pub body: Body,
+}
+
+impl Frame {
+    /// A frame of the current [`PROTOCOL_VERSION`](crate::PROTOCOL_VERSION).
+    pub const fn new(seq: u32, body: Body) -> Self {
+        Self {
+            version: crate::PROTOCOL_VERSION,
+            seq,
+            body,
+        }
+    }
+
+    /// A request frame of the current version.
+    pub const fn request(seq: u32, request: Request) -> Self {
+        Self::new(seq, Body::Request(request))
+    }
+
+    /// A response frame of the current version. `seq` is the request's.
+    pub const fn response(seq: u32, response: Response) -> Self {
+        Self::new(seq, Body::Response(response))
+    }
+
+    /// An event frame of the current version.
+    pub const fn event(seq: u32, event: Event) -> Self {
+        Self::new(seq, Body::Event(event))
+    }
+}
+
+/// The three kinds of traffic. Not `#[non_exhaustive]`: a fourth kind would be
+/// a new protocol, not an extension of this one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Body {
+    /// CLI to hypervisor.
+    Request(Request),
+    /// Hypervisor to CLI, answering the request with the same `seq`.
+    Response(Response),
+    /// Hypervisor to CLI, unsolicited (log lines, trace records).
+    Event(Event),
+}
+
+/// A command from the CLI to the hypervisor. Each gets exactly one
+/// [`Response`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Request {
+    /// Opens a session. Answered by [`Response::Hello`], or by
+    /// [`Response::VersionMismatch`] when `version` is not the hypervisor's.
+    Hello {
+        /// The client's [`PROTOCOL_VERSION`](crate::PROTOCOL_VERSION).
+        version: u16,
+        /// Free-form client name and version, for logs.
+        client: String,
+    },
+    /// Asks for a [`StatusReport`].
+    Status,
+    /// Stops the guest: its vCPUs are no longer resumed.
+    Stop,
+    /// Answered by [`Response::Pong`] with the same nonce.
+    Ping {
+        /// Any value; echoed back.
+        nonce: u64,
+    },
+    /// Looks up guest kernel symbols matching a glob (`vfs_*`).
+    Syms {
+        /// The glob pattern.
+        glob: String,
+    },
+    /// Adds a probe, in kprobe_events syntax.
+    ProbeAdd {
+        /// The probe definition.
+        spec: String,
+    },
+    /// Removes the probe with this name.
+    ProbeDel {
+        /// The probe's name.
+        name: String,
+    },
+    /// Lists the probes.
+    ProbeList,
+    /// Starts streaming trace events.
+    TraceStart,
+    /// Stops streaming trace events.
+    TraceStop,
+    /// Runs a shell command in the guest. Served by the host-side launcher,
+    /// which owns the guest console; the hypervisor answers `Unsupported`.
+    Exec {
+        /// The command line for the guest's shell.
+        command: String,
+    },
+}
+
+/// The hypervisor's answer to a [`Request`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Response {
+    /// Session accepted.
+    Hello {
+        /// The hypervisor's [`PROTOCOL_VERSION`](crate::PROTOCOL_VERSION).
+        version: u16,
+        /// Free-form hypervisor name and version.
+        hypervisor: String,
+    },
+    /// Answer to [`Request::Status`].
+    Status(StatusReport),
+    /// Answer to [`Request::Ping`].
+    Pong {
+        /// The request's nonce.
+        nonce: u64,
+    },
+    /// The request was carried out and has nothing to report.
+    Ok,
+    /// The request failed.
+    Error {
+        /// The class of failure, for programs.
+        kind: ErrorKind,
+        /// One line for people.
+        message: String,
+    },
+    /// The peer speaks another protocol version; nothing else it sent was
+    /// understood.
+    VersionMismatch {
+        /// The version of the side that answers.
+        ours: u16,
+        /// The version the other side announced.
+        theirs: u16,
+    },
+    /// Answer to [`Request::Exec`].
+    Exec {
+        /// What the command printed (stdout and stderr interleaved).
+        output: String,
+        /// Its exit status.
+        status: i32,
+    },
+}
+
+impl Response {
+    /// A [`Response::Error`].
+    pub fn error(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Response::Error {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// Classes of failure in [`Response::Error`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The hypervisor does not implement this request (yet).
+    Unsupported,
+    /// The request frame could not be decoded.
+    Malformed,
+    /// The request is well-formed but its arguments are not acceptable.
+    InvalidArgument,
+    /// What the request names does not exist (symbol, probe).
+    NotFound,
+    /// What the request would create already exists.
+    AlreadyExists,
+    /// The request cannot be served in the current state (guest not booted).
+    NotReady,
+    /// A fixed-size table or the hypervisor heap is full.
+    OutOfResources,
+    /// A bug in the hypervisor.
+    Internal,
+}
+
+impl core::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(match self {
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Malformed => "malformed request",
+            ErrorKind::InvalidArgument => "invalid argument",
+            ErrorKind::NotFound => "not found",
+            ErrorKind::AlreadyExists => "already exists",
+            ErrorKind::NotReady => "not ready",
+            ErrorKind::OutOfResources => "out of resources",
+            ErrorKind::Internal => "internal error",
+        })
+    }
+}
+
+/// The hypervisor's state, answering [`Request::Status`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// Free-form hypervisor name and version.
+    pub hypervisor_version: String,
+    /// The hypervisor's [`PROTOCOL_VERSION`](crate::PROTOCOL_VERSION).
+    pub protocol_version: u16,
+    /// Number of vCPUs.
+    pub vcpus: u32,
+    /// Time since the hypervisor started, in nanoseconds.
+    pub uptime_ns: u64,
+    /// What the guest is doing.
+    pub guest_state: GuestState,
+    /// VM-exit counts by basic exit reason, the reasons that occurred only.
+    pub exits: Vec<ExitCount>,
+    /// All VM exits.
+    pub exits_total: u64,
+    /// Hypervisor heap in use, in bytes.
+    pub hv_memory_used: u64,
+    /// Hypervisor heap size, in bytes.
+    pub hv_memory_total: u64,
+    /// The task running on the reporting vCPU, once introspection knows it.
+    pub current_task: Option<TaskInfo>,
+}
+
+/// The guest's life cycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum GuestState {
+    /// Started, the kernel not yet found in memory.
+    Booting,
+    /// The kernel is running.
+    Running,
+    /// Halted by [`Request::Stop`] or by a fatal exit.
+    Stopped,
+}
+
+/// How many VM exits of one reason there were.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitCount {
+    /// Basic exit reason (SDM Appendix C).
+    pub reason: u16,
+    /// Its name (`EPT_VIOLATION`), so the CLI needs no table of its own.
+    pub name: String,
+    /// Exits with this reason.
+    pub count: u64,
+}
+
+/// A guest task, as introspection sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskInfo {
+    /// `task_struct.pid` (the thread id).
+    pub pid: i32,
+    /// `task_struct.comm`.
+    pub comm: String,
+    /// The vCPU it runs on.
+    pub cpu: u32,
+}
+
+/// An unsolicited message from the hypervisor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Event {
+    /// A log line of the hypervisor.
+    Log {
+        /// The line, without newline.
+        text: String,
+    },
+    /// Events were dropped (ring or channel full) since the last `Lost`.
+    Lost {
+        /// How many.
+        count: u64,
+    },
+    /// Trace records from one vCPU's ring. The payload layout is defined by
+    /// the tracer; this variant only carries it.
+    Trace {
+        /// The vCPU.
+        cpu: u32,
+        /// Time of the first record, in nanoseconds since the hypervisor started.
+        timestamp_ns: u64,
+        /// The records.
+        payload: Vec<u8>,
+    },
+}

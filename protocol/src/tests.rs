@@ -1,0 +1,540 @@
+//! Unit tests of the whole codec: every message round-trips, and the
+//! malformed-frame errors come out as documented.
+
+use alloc::string::{String, ToString};
+use alloc::vec;
+use alloc::vec::Vec;
+
+use crate::codec::{encode, DecodeError, EncodeError, FrameDecoder, MAX_FRAME, MAX_WIRE_FRAME};
+use crate::message::*;
+use crate::PROTOCOL_VERSION;
+
+fn status() -> StatusReport {
+    StatusReport {
+        hypervisor_version: "hvtrace 0.1.0".into(),
+        protocol_version: PROTOCOL_VERSION,
+        vcpus: 4,
+        uptime_ns: u64::MAX,
+        guest_state: GuestState::Running,
+        exits: vec![
+            ExitCount {
+                reason: 18,
+                name: "VMCALL".into(),
+                count: 1 << 40,
+            },
+            ExitCount {
+                reason: 48,
+                name: "EPT_VIOLATION".into(),
+                count: 3,
+            },
+        ],
+        exits_total: (1 << 40) + 3,
+        hv_memory_used: 1 << 20,
+        hv_memory_total: 1 << 26,
+        current_task: Some(TaskInfo {
+            pid: -1,
+            comm: "swapper/0".into(),
+            cpu: 3,
+        }),
+    }
+}
+
+/// At least one of every variant of every message enum.
+fn samples() -> Vec<Body> {
+    let mut stopped = status();
+    stopped.guest_state = GuestState::Stopped;
+    stopped.current_task = None;
+    let mut booting = status();
+    booting.guest_state = GuestState::Booting;
+    booting.exits.clear();
+    let mut bodies = vec![
+        Body::Request(Request::Hello {
+            version: PROTOCOL_VERSION,
+            client: "cli".into(),
+        }),
+        Body::Request(Request::Status),
+        Body::Request(Request::Stop),
+        Body::Request(Request::Ping {
+            nonce: 0x0123_4567_89AB_CDEF,
+        }),
+        Body::Request(Request::Syms { glob: "*".into() }),
+        Body::Request(Request::ProbeAdd {
+            spec: "p:p1 vfs_read".into(),
+        }),
+        Body::Request(Request::ProbeDel { name: "p1".into() }),
+        Body::Request(Request::ProbeList),
+        Body::Request(Request::TraceStart),
+        Body::Request(Request::TraceStop),
+        Body::Request(Request::Exec {
+            command: "cat /etc/hostname; echo $?".into(),
+        }),
+        Body::Response(Response::Hello {
+            version: PROTOCOL_VERSION,
+            hypervisor: "hv".into(),
+        }),
+        Body::Response(Response::Status(status())),
+        Body::Response(Response::Status(stopped)),
+        Body::Response(Response::Status(booting)),
+        Body::Response(Response::Pong { nonce: 1 }),
+        Body::Response(Response::Ok),
+        Body::Response(Response::VersionMismatch {
+            ours: 1,
+            theirs: u16::MAX,
+        }),
+        Body::Response(Response::Exec {
+            output: "hvtrace-guest\n0\n".into(),
+            status: -1,
+        }),
+        Body::Event(Event::Log {
+            text: "ünïcødé ✓".into(),
+        }),
+        Body::Event(Event::Lost { count: u64::MAX }),
+        Body::Event(Event::Trace {
+            cpu: 7,
+            timestamp_ns: 5,
+            payload: vec![0, 1, 0, 255],
+        }),
+        Body::Event(Event::Trace {
+            cpu: 0,
+            timestamp_ns: 0,
+            payload: vec![],
+        }),
+    ];
+    for kind in ERROR_KINDS {
+        bodies.push(Body::Response(Response::error(kind, kind.to_string())));
+    }
+    bodies
+}
+
+const ERROR_KINDS: [ErrorKind; 8] = [
+    ErrorKind::Unsupported,
+    ErrorKind::Malformed,
+    ErrorKind::InvalidArgument,
+    ErrorKind::NotFound,
+    ErrorKind::AlreadyExists,
+    ErrorKind::NotReady,
+    ErrorKind::OutOfResources,
+    ErrorKind::Internal,
+];
+
+/// The variant of a body, as a name. The matches have no wildcard, so a new
+/// variant does not compile until it is named here, and
+/// `samples_cover_every_variant` then wants a sample of it.
+fn variant(body: &Body) -> String {
+    let name = match body {
+        Body::Request(r) => match r {
+            Request::Hello { .. } => "Request::Hello",
+            Request::Status => "Request::Status",
+            Request::Stop => "Request::Stop",
+            Request::Ping { .. } => "Request::Ping",
+            Request::Syms { .. } => "Request::Syms",
+            Request::ProbeAdd { .. } => "Request::ProbeAdd",
+            Request::ProbeDel { .. } => "Request::ProbeDel",
+            Request::ProbeList => "Request::ProbeList",
+            Request::TraceStart => "Request::TraceStart",
+            Request::TraceStop => "Request::TraceStop",
+            Request::Exec { .. } => "Request::Exec",
+        },
+        Body::Response(r) => match r {
+            Response::Hello { .. } => "Response::Hello",
+            Response::Status(s) => {
+                return alloc::format!(
+                    "Response::Status/{}",
+                    match s.guest_state {
+                        GuestState::Booting => "Booting",
+                        GuestState::Running => "Running",
+                        GuestState::Stopped => "Stopped",
+                    }
+                )
+            }
+            Response::Pong { .. } => "Response::Pong",
+            Response::Ok => "Response::Ok",
+            Response::Error { kind, .. } => return alloc::format!("Response::Error/{kind:?}"),
+            Response::VersionMismatch { .. } => "Response::VersionMismatch",
+            Response::Exec { .. } => "Response::Exec",
+        },
+        Body::Event(e) => match e {
+            Event::Log { .. } => "Event::Log",
+            Event::Lost { .. } => "Event::Lost",
+            Event::Trace { .. } => "Event::Trace",
+        },
+    };
+    name.into()
+}
+
+/// Keep in step with the matches of `variant` (and with `ERROR_KINDS`, whose
+/// `match` below has no wildcard either).
+/// 10 requests, 4 plain responses, a status per guest state, one error per
+/// kind, 3 events.
+const VARIANTS: usize = 10 + 4 + 3 + 8 + 3;
+
+#[test]
+fn samples_cover_every_variant() {
+    // ErrorKind: exhaustive match, so a new kind must be listed.
+    for kind in ERROR_KINDS {
+        match kind {
+            ErrorKind::Unsupported
+            | ErrorKind::Malformed
+            | ErrorKind::InvalidArgument
+            | ErrorKind::NotFound
+            | ErrorKind::AlreadyExists
+            | ErrorKind::NotReady
+            | ErrorKind::OutOfResources
+            | ErrorKind::Internal => {}
+        }
+    }
+    let mut names: Vec<String> = samples().iter().map(variant).collect();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), VARIANTS, "{names:#?}");
+}
+
+fn encode_one(frame: &Frame) -> Vec<u8> {
+    let mut out = Vec::new();
+    encode(frame, &mut out).expect("encodes");
+    out
+}
+
+fn decode_all(bytes: &[u8]) -> Vec<Result<Frame, DecodeError>> {
+    FrameDecoder::new().feed(bytes).collect()
+}
+
+#[test]
+fn every_variant_roundtrips() {
+    for (i, body) in samples().into_iter().enumerate() {
+        let frame = Frame::new(i as u32 * 0x0101_0101, body);
+        let wire = encode_one(&frame);
+        assert_eq!(wire.first(), Some(&0));
+        assert_eq!(wire.last(), Some(&0));
+        assert!(
+            !wire[1..wire.len() - 1].contains(&0),
+            "interior zero in {frame:?}"
+        );
+        assert!(wire.len() <= MAX_WIRE_FRAME);
+        assert_eq!(decode_all(&wire), vec![Ok(frame.clone())], "{frame:?}");
+
+        // Byte by byte, the frame comes out at the final delimiter.
+        let mut dec = FrameDecoder::new();
+        let (last, head) = wire.split_last().unwrap();
+        for &b in head {
+            assert_eq!(dec.push_byte(b), None);
+        }
+        assert_eq!(dec.push_byte(*last), Some(Ok(frame)));
+    }
+}
+
+#[test]
+fn all_samples_in_one_stream() {
+    let frames: Vec<Frame> = samples()
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| Frame::new(i as u32, b))
+        .collect();
+    let mut wire = Vec::new();
+    for f in &frames {
+        encode(f, &mut wire).unwrap();
+    }
+    let got: Vec<Frame> = decode_all(&wire).into_iter().map(Result::unwrap).collect();
+    assert_eq!(got, frames);
+}
+
+#[test]
+fn encode_appends() {
+    let mut out = vec![0xAA];
+    encode(&Frame::request(1, Request::Status), &mut out).unwrap();
+    assert_eq!(out[0], 0xAA);
+    assert_eq!(
+        decode_all(&out[1..]),
+        vec![Ok(Frame::request(1, Request::Status))]
+    );
+}
+
+#[test]
+fn frame_overhead() {
+    // A Ping: body = Body tag, Request tag, 1-byte varint nonce.
+    let wire = encode_one(&Frame::request(0, Request::Ping { nonce: 5 }));
+    let body = 3;
+    assert_eq!(wire.len(), body + 13);
+    // The worst case: a nonce of 10 varint bytes.
+    let wire = encode_one(&Frame::request(0, Request::Ping { nonce: u64::MAX }));
+    assert_eq!(wire.len(), 2 + 10 + 13);
+}
+
+/// A Trace event whose payload (header + body) is exactly `len` bytes.
+fn trace_of_payload_len(len: usize) -> Frame {
+    // header 6, Body tag 1, Event tag 1, cpu 1, timestamp 1, vec length
+    // varint (2 bytes for 128..16384), then the bytes.
+    let data = len - 6 - 4 - 2;
+    Frame::event(
+        9,
+        Event::Trace {
+            cpu: 0,
+            timestamp_ns: 0,
+            payload: vec![0x5A; data],
+        },
+    )
+}
+
+#[test]
+fn max_frame_is_accepted_and_one_more_byte_is_not() {
+    let frame = trace_of_payload_len(MAX_FRAME);
+    let wire = encode_one(&frame);
+    assert_eq!(
+        wire.len(),
+        MAX_WIRE_FRAME,
+        "incompressible payload is the worst case"
+    );
+    assert_eq!(decode_all(&wire), vec![Ok(frame)]);
+
+    let mut out = vec![1, 2, 3];
+    let too_long = trace_of_payload_len(MAX_FRAME + 1);
+    assert_eq!(
+        encode(&too_long, &mut out),
+        Err(EncodeError::TooLong { len: MAX_FRAME + 1 })
+    );
+    assert_eq!(
+        out,
+        [1, 2, 3],
+        "a failed encode leaves the output as it was"
+    );
+
+    let huge = Frame::event(
+        0,
+        Event::Trace {
+            cpu: 0,
+            timestamp_ns: 0,
+            payload: vec![1; 100_000],
+        },
+    );
+    assert!(matches!(encode(&huge, &mut out), Err(EncodeError::TooLong { len }) if len > 100_000));
+    assert_eq!(out, [1, 2, 3]);
+}
+
+#[test]
+fn oversized_frame_is_reported_once_and_skipped() {
+    // Build a correctly encoded frame one byte beyond the limit by hand.
+    let payload = vec![0x11u8; MAX_FRAME + 1];
+    let mut raw = payload.clone();
+    raw.extend_from_slice(&crate::crc32::crc32(&payload).to_le_bytes());
+    let mut wire = vec![0];
+    crate::cobs::encode(&raw, &mut wire);
+    wire.push(0);
+    let good = Frame::request(3, Request::Status);
+    wire.extend(encode_one(&good));
+    let results = decode_all(&wire);
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert!(
+        matches!(results[0], Err(DecodeError::TooLong { .. })),
+        "{results:?}"
+    );
+    assert_eq!(results[1], Ok(good));
+}
+
+#[test]
+fn wrong_version_is_rejected_before_the_body() {
+    // The body bytes after a future version's header are garbage to us.
+    for version in [0, PROTOCOL_VERSION + 1, u16::MAX] {
+        let mut payload = Vec::new();
+        payload.extend_from_slice(&version.to_le_bytes());
+        payload.extend_from_slice(&77u32.to_le_bytes());
+        payload.extend_from_slice(&[0xFF; 40]);
+        let mut raw = payload.clone();
+        raw.extend_from_slice(&crate::crc32::crc32(&payload).to_le_bytes());
+        let mut wire = vec![0];
+        crate::cobs::encode(&raw, &mut wire);
+        wire.push(0);
+        assert_eq!(
+            decode_all(&wire),
+            vec![Err(DecodeError::UnsupportedVersion {
+                found: version,
+                seq: 77
+            })]
+        );
+    }
+    // A frame built with another version by `encode` too.
+    let frame = Frame {
+        version: 2,
+        seq: 5,
+        body: Body::Request(Request::Status),
+    };
+    assert_eq!(
+        decode_all(&encode_one(&frame)),
+        vec![Err(DecodeError::UnsupportedVersion { found: 2, seq: 5 })]
+    );
+}
+
+fn wire_from_payload(payload: &[u8]) -> Vec<u8> {
+    let mut raw = payload.to_vec();
+    raw.extend_from_slice(&crate::crc32::crc32(payload).to_le_bytes());
+    let mut wire = vec![0];
+    crate::cobs::encode(&raw, &mut wire);
+    wire.push(0);
+    wire
+}
+
+fn header(seq: u32) -> Vec<u8> {
+    let mut h = PROTOCOL_VERSION.to_le_bytes().to_vec();
+    h.extend_from_slice(&seq.to_le_bytes());
+    h
+}
+
+#[test]
+fn each_malformed_input_has_its_error() {
+    // Shorter than header + CRC.
+    for len in 1..10usize {
+        let mut wire = vec![0];
+        crate::cobs::encode(&vec![7u8; len], &mut wire);
+        wire.push(0);
+        assert_eq!(decode_all(&wire), vec![Err(DecodeError::Truncated { len })]);
+    }
+    // A COBS block cut by the delimiter.
+    assert!(matches!(
+        decode_all(&[0, 0x09, 1, 2, 0]).as_slice(),
+        [Err(DecodeError::Cobs(crate::cobs::CobsError::Truncated {
+            missing: 6
+        }))]
+    ));
+    // A CRC that does not match.
+    let mut payload = header(1);
+    payload.extend_from_slice(&[0, 1]); // Request::Status
+    let mut raw = payload.clone();
+    let crc = crate::crc32::crc32(&payload);
+    raw.extend_from_slice(&(crc ^ 1).to_le_bytes());
+    let mut wire = vec![0];
+    crate::cobs::encode(&raw, &mut wire);
+    wire.push(0);
+    assert_eq!(
+        decode_all(&wire),
+        vec![Err(DecodeError::Crc {
+            expected: crc ^ 1,
+            found: crc
+        })]
+    );
+    // A good CRC over a body of an unknown variant.
+    let mut payload = header(1);
+    payload.extend_from_slice(&[0, 99]);
+    assert!(
+        matches!(
+            decode_all(&wire_from_payload(&payload)).as_slice(),
+            [Err(DecodeError::Postcard(postcard::Error::SerdeDeCustom))]
+        ),
+        "{:?}",
+        decode_all(&wire_from_payload(&payload))
+    );
+    // A body cut short.
+    let mut payload = header(1);
+    payload.extend_from_slice(&[0, 3]); // Ping without its nonce
+    assert!(matches!(
+        decode_all(&wire_from_payload(&payload)).as_slice(),
+        [Err(DecodeError::Postcard(
+            postcard::Error::DeserializeUnexpectedEnd
+        ))]
+    ));
+    // No body at all.
+    assert!(matches!(
+        decode_all(&wire_from_payload(&header(1))).as_slice(),
+        [Err(DecodeError::Postcard(_))]
+    ));
+    // Bytes after a complete body.
+    let mut payload = header(1);
+    payload.extend_from_slice(&[0, 1, 0xAB, 0xCD]);
+    assert_eq!(
+        decode_all(&wire_from_payload(&payload)),
+        vec![Err(DecodeError::TrailingBytes { count: 2 })]
+    );
+    // Invalid UTF-8 in a string.
+    let mut payload = header(1);
+    payload.extend_from_slice(&[2, 0, 2, 0xC3, 0x28]); // Event::Log, bad UTF-8
+    assert!(matches!(
+        decode_all(&wire_from_payload(&payload)).as_slice(),
+        [Err(DecodeError::Postcard(
+            postcard::Error::DeserializeBadUtf8
+        ))]
+    ));
+}
+
+#[test]
+fn errors_display_as_one_line() {
+    let errors = [
+        DecodeError::Cobs(crate::cobs::CobsError::Truncated { missing: 3 }),
+        DecodeError::Cobs(crate::cobs::CobsError::Empty),
+        DecodeError::Cobs(crate::cobs::CobsError::ZeroByte { offset: 3 }),
+        DecodeError::TooLong { len: MAX_FRAME + 5 },
+        DecodeError::Truncated { len: 3 },
+        DecodeError::Crc {
+            expected: 0xDEAD_BEEF,
+            found: 0x1234,
+        },
+        DecodeError::UnsupportedVersion { found: 9, seq: 4 },
+        DecodeError::Postcard(postcard::Error::DeserializeBadVarint),
+        DecodeError::TrailingBytes { count: 1 },
+    ];
+    for e in errors {
+        let s = e.to_string();
+        assert!(!s.is_empty() && !s.contains('\n'), "{s:?}");
+    }
+    assert_eq!(
+        DecodeError::Crc {
+            expected: 0xDEAD_BEEF,
+            found: 0x1234
+        }
+        .to_string(),
+        "frame CRC mismatch: frame says 0xdeadbeef, contents hash to 0x00001234"
+    );
+    assert!(EncodeError::TooLong { len: 5000 }
+        .to_string()
+        .contains("5000"));
+}
+
+#[test]
+fn decoder_reset_drops_the_partial_frame() {
+    let good = Frame::request(1, Request::Stop);
+    let wire = encode_one(&good);
+    let mut dec = FrameDecoder::new();
+    assert_eq!(dec.feed(&wire[..wire.len() / 2]).count(), 0);
+    assert!(dec.buffered() > 0);
+    dec.reset();
+    assert_eq!(dec.buffered(), 0);
+    // The tail alone is garbage; then the frame again decodes.
+    let tail: Vec<_> = dec.feed(&wire[wire.len() / 2..]).collect();
+    assert!(tail.iter().all(Result::is_err));
+    assert_eq!(dec.feed(&wire).collect::<Vec<_>>(), vec![Ok(good)]);
+}
+
+#[test]
+fn feed_remainder_keeps_unread_bytes() {
+    let a = Frame::request(1, Request::Status);
+    let b = Frame::request(2, Request::Stop);
+    let mut wire = encode_one(&a);
+    wire.extend(encode_one(&b));
+    let mut dec = FrameDecoder::new();
+    let mut it = dec.feed(&wire);
+    assert_eq!(it.next(), Some(Ok(a)));
+    let rest = it.remainder();
+    assert!(!rest.is_empty());
+    assert_eq!(dec.feed(rest).collect::<Vec<_>>(), vec![Ok(b)]);
+}
+
+#[test]
+fn overhead_matches_the_documented_bound() {
+    const _: () = assert!(MAX_WIRE_FRAME == 4119);
+    for data_len in 0..=MAX_FRAME - 12 {
+        let frame = Frame::event(
+            u32::MAX,
+            Event::Trace {
+                cpu: 1,
+                timestamp_ns: 1,
+                payload: vec![0xA5; data_len],
+            },
+        );
+        let body = postcard::to_allocvec(&frame.body).unwrap().len();
+        let wire = encode_one(&frame).len();
+        if body <= 244 {
+            assert_eq!(wire - body, 13, "body {body}");
+        }
+        assert!(
+            wire - body <= 13 + (body + 10) / 254,
+            "body {body}: wire {wire}"
+        );
+    }
+}

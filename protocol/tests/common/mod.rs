@@ -1,0 +1,221 @@
+//! Shared by the integration tests and the benchmark: sample messages and a
+//! small deterministic RNG.
+#![allow(dead_code)]
+
+use protocol::{
+    encode, Body, ErrorKind, Event, ExitCount, Frame, GuestState, Request, Response, StatusReport,
+    TaskInfo, PROTOCOL_VERSION,
+};
+
+/// xorshift64* (Marsaglia; Vigna's multiplier): plenty for test inputs.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        // A zero state would stay zero.
+        Rng((seed ^ 0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform enough in `0..n` (n > 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
+    }
+
+    pub fn byte(&mut self) -> u8 {
+        (self.next_u64() >> 56) as u8
+    }
+
+    pub fn chance(&mut self, one_in: usize) -> bool {
+        self.below(one_in) == 0
+    }
+
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        (0..len).map(|_| self.byte()).collect()
+    }
+
+    pub fn text_upto(&mut self, max: usize) -> String {
+        let len = self.below(max);
+        self.text(len)
+    }
+
+    pub fn text(&mut self, len: usize) -> String {
+        const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyz_0123456789 ";
+        (0..len)
+            .map(|_| CHARS[self.below(CHARS.len())] as char)
+            .collect()
+    }
+}
+
+/// A status report shaped like a real one: a dozen exit reasons.
+pub fn status_report() -> StatusReport {
+    let reasons: [(u16, &str, u64); 12] = [
+        (0, "EXCEPTION_NMI", 12),
+        (1, "EXTERNAL_INTERRUPT", 1_234_567),
+        (7, "INTERRUPT_WINDOW", 4_321),
+        (10, "CPUID", 98_765),
+        (12, "HLT", 55_555),
+        (18, "VMCALL", 987_654_321),
+        (28, "CR_ACCESS", 4_444),
+        (30, "IO_INSTRUCTION", 3_141_592),
+        (31, "MSR_READ", 2_718),
+        (32, "MSR_WRITE", 27_182),
+        (48, "EPT_VIOLATION", 16_180),
+        (52, "PREEMPTION_TIMER", 10_000_000),
+    ];
+    StatusReport {
+        hypervisor_version: "hvtrace 0.1.0".into(),
+        protocol_version: PROTOCOL_VERSION,
+        vcpus: 2,
+        uptime_ns: 123_456_789_012,
+        guest_state: GuestState::Running,
+        exits: reasons
+            .iter()
+            .map(|&(reason, name, count)| ExitCount {
+                reason,
+                name: name.into(),
+                count,
+            })
+            .collect(),
+        exits_total: reasons.iter().map(|r| r.2).sum(),
+        hv_memory_used: 3 << 20,
+        hv_memory_total: 64 << 20,
+        current_task: Some(TaskInfo {
+            pid: 4242,
+            comm: "kworker/0:1".into(),
+            cpu: 1,
+        }),
+    }
+}
+
+/// One of each message, with varied field values.
+pub fn sample_bodies() -> Vec<Body> {
+    let mut bodies = vec![
+        Body::Request(Request::Hello {
+            version: PROTOCOL_VERSION,
+            client: "hvtrace-cli 0.1".into(),
+        }),
+        Body::Request(Request::Status),
+        Body::Request(Request::Stop),
+        Body::Request(Request::Ping { nonce: 0 }),
+        Body::Request(Request::Ping { nonce: u64::MAX }),
+        Body::Request(Request::Syms {
+            glob: "vfs_*".into(),
+        }),
+        Body::Request(Request::ProbeAdd {
+            spec: "p:myprobe do_sys_open dfd=%di".into(),
+        }),
+        Body::Request(Request::ProbeDel {
+            name: "myprobe".into(),
+        }),
+        Body::Request(Request::ProbeList),
+        Body::Request(Request::TraceStart),
+        Body::Request(Request::TraceStop),
+        Body::Response(Response::Hello {
+            version: PROTOCOL_VERSION,
+            hypervisor: "hvtrace 0.1.0".into(),
+        }),
+        Body::Response(Response::Status(status_report())),
+        Body::Response(Response::Pong { nonce: 0xDEAD_BEEF }),
+        Body::Response(Response::Ok),
+        Body::Response(Response::error(ErrorKind::Unsupported, "not yet")),
+        Body::Response(Response::VersionMismatch {
+            ours: PROTOCOL_VERSION,
+            theirs: 7,
+        }),
+        Body::Event(Event::Log {
+            text: "vcpu0: guest booted".into(),
+        }),
+        Body::Event(Event::Lost { count: 17 }),
+        Body::Event(Event::Trace {
+            cpu: 1,
+            timestamp_ns: 99,
+            payload: (0..=255).collect(),
+        }),
+        Body::Event(Event::Trace {
+            cpu: 0,
+            timestamp_ns: 0,
+            payload: vec![0; 300],
+        }),
+    ];
+    let mut idle = status_report();
+    idle.exits.clear();
+    idle.current_task = None;
+    idle.guest_state = GuestState::Booting;
+    bodies.push(Body::Response(Response::Status(idle)));
+    bodies
+}
+
+/// A random frame whose payload fits in `MAX_FRAME`.
+pub fn random_frame(rng: &mut Rng) -> Frame {
+    let seq = rng.next_u64() as u32;
+    let body = match rng.below(8) {
+        0 => Body::Request(Request::Ping {
+            nonce: rng.next_u64(),
+        }),
+        1 => Body::Request(Request::ProbeAdd {
+            spec: rng.text_upto(80),
+        }),
+        2 => Body::Response(Response::Pong {
+            nonce: rng.next_u64(),
+        }),
+        3 => Body::Response(Response::error(ErrorKind::NotFound, rng.text_upto(60))),
+        4 => Body::Event(Event::Log {
+            text: rng.text_upto(120),
+        }),
+        5 => Body::Event(Event::Lost {
+            count: rng.next_u64() >> rng.below(64),
+        }),
+        6 => {
+            let len = rng.below(600);
+            Body::Event(Event::Trace {
+                cpu: rng.below(4) as u32,
+                timestamp_ns: rng.next_u64(),
+                payload: rng.bytes(len),
+            })
+        }
+        _ => Body::Response(Response::Status(status_report())),
+    };
+    Frame::new(seq, body)
+}
+
+/// `frame` on the wire.
+pub fn wire(frame: &Frame) -> Vec<u8> {
+    let mut out = Vec::new();
+    encode(frame, &mut out).expect("sample frames encode");
+    out
+}
+
+/// A wire frame around an arbitrary payload (header + body), with a correct
+/// CRC: for feeding hostile bodies past the CRC check.
+pub fn wire_from_payload(payload: &[u8]) -> Vec<u8> {
+    let mut raw = payload.to_vec();
+    raw.extend_from_slice(&protocol::crc32::crc32(payload).to_le_bytes());
+    let mut out = vec![0];
+    protocol::cobs::encode(&raw, &mut out);
+    out.push(0);
+    out
+}
+
+/// The payload (header + body) of a wire frame made by `encode`.
+pub fn payload_of(wire: &[u8]) -> Vec<u8> {
+    let inner = &wire[1..wire.len() - 1];
+    let mut raw = Vec::new();
+    protocol::cobs::decode(inner, &mut raw).expect("a wire frame");
+    raw.truncate(raw.len() - protocol::CRC_LEN);
+    raw
+}
+
+/// Feeds `bytes` in one go and collects every result.
+pub fn decode_all(bytes: &[u8]) -> Vec<Result<Frame, protocol::DecodeError>> {
+    let mut dec = protocol::FrameDecoder::new();
+    dec.feed(bytes).collect()
+}
