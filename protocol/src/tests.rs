@@ -166,7 +166,7 @@ fn variant(body: &Body) -> String {
 /// `match` below has no wildcard either).
 /// 10 requests, 4 plain responses, a status per guest state, one error per
 /// kind, 3 events.
-const VARIANTS: usize = 10 + 4 + 3 + 8 + 3;
+const VARIANTS: usize = 11 + 4 + 3 + 8 + 4;
 
 #[test]
 fn samples_cover_every_variant() {
