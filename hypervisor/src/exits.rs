@@ -2,6 +2,7 @@
 //! into a `RawExit`, decoded into a `VmExit`, counted, and handled here.
 
 use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
+use crate::control::{Action, Control, StatusSource};
 use crate::hvprintln;
 use crate::vcpu::{Vmcs, VmConfig};
 use core::fmt;
@@ -30,6 +31,8 @@ pub enum StopReason {
     EptViolation { gpa: u64 },
     /// EPT misconfiguration (a hypervisor bug).
     EptMisconfig { gpa: u64 },
+    /// The host asked for it over the control channel.
+    HostStop,
 }
 
 impl fmt::Display for StopReason {
@@ -43,6 +46,7 @@ impl fmt::Display for StopReason {
             Self::Vmcs(e) => write!(fm, "{e}"),
             Self::EptViolation { gpa } => write!(fm, "EPT violation at guest-physical {gpa:#x}"),
             Self::EptMisconfig { gpa } => write!(fm, "EPT misconfiguration at guest-physical {gpa:#x}"),
+            Self::HostStop => write!(fm, "stopped by the host"),
         }
     }
 }
@@ -66,7 +70,22 @@ pub struct Vcpu {
     pub regs: GuestRegs,
     pub counters: ExitCounters,
     cfg: VmConfig,
+    control: Option<Control>,
+    tsc_hz: u64,
+    start_tsc: u64,
+    /// The preemption-timer value currently in the VMCS.
+    timer: u32,
+    /// Turns left before a host-requested stop, while its acknowledgement drains.
+    stopping: Option<u32>,
 }
+
+/// Preemption-timer periods: idle, and while the control channel has
+/// traffic in flight (SDM 26.5.1: the timer counts down at the TSC rate
+/// divided by 2^IA32_VMX_MISC[4:0]).
+const IDLE_TURNS_PER_SEC: u64 = 200;
+const BUSY_TURNS_PER_SEC: u64 = 5000;
+/// At most this many busy turns are spent draining output before a stop.
+const STOP_DRAIN_TURNS: u32 = 500;
 
 fn gpr(regs: &mut GuestRegs, n: u8) -> Option<&mut u64> {
     Some(match n {
@@ -93,13 +112,56 @@ const GP: u8 = 13;
 const UD: u8 = 6;
 
 impl Vcpu {
-    pub fn new(cfg: VmConfig) -> Self {
-        Self { regs: GuestRegs::default(), counters: ExitCounters::new(), cfg }
+    pub fn new(cfg: VmConfig, control: Option<Control>, tsc_hz: u64) -> Self {
+        Self { regs: GuestRegs::default(), counters: ExitCounters::new(), cfg, control, tsc_hz, start_tsc: insn::rdtsc(), timer: 0, stopping: None }
+    }
+
+    fn timer_value(&self, busy: bool) -> u32 {
+        let per_sec = if busy { BUSY_TURNS_PER_SEC } else { IDLE_TURNS_PER_SEC };
+        ((self.tsc_hz / per_sec) >> self.cfg.timer_shift).clamp(1, u32::MAX as u64) as u32
+    }
+
+    /// Gives the control channel a turn and sets the next timer period.
+    fn service(&mut self) -> Result<Next, VmcsError> {
+        let mut stop = false;
+        let mut busy = false;
+        if let Some(c) = self.control.as_mut() {
+            let src = StatusSource {
+                counters: &self.counters,
+                uptime_ns: crate::clock::tsc_to_ns(insn::rdtsc().wrapping_sub(self.start_tsc), self.tsc_hz),
+                memory_used: crate::frames::used(),
+                memory_total: loader::layout::HV_RESERVED_SIZE,
+            };
+            stop = c.poll(&src) == Action::Stop;
+            busy = c.busy();
+        }
+        if self.cfg.has_timer {
+            let t = self.timer_value(busy);
+            if t != self.timer {
+                f::PREEMPTION_TIMER_VALUE.write(&mut Vmcs, t)?;
+                self.timer = t;
+            }
+        }
+        if stop && self.stopping.is_none() {
+            // Keep the guest running a few turns so that the acknowledgement
+            // reaches the host before the machine goes away.
+            self.stopping = Some(STOP_DRAIN_TURNS);
+        }
+        if let Some(left) = self.stopping {
+            if !busy || left == 0 {
+                return Ok(Next::Stop(StopReason::HostStop));
+            }
+            self.stopping = Some(left - 1);
+        }
+        Ok(Next::Resume)
     }
 
     /// Runs the guest until it stops.
     pub fn run(&mut self) -> StopReason {
         let mut launched = false;
+        if let Err(e) = self.service() {
+            return e.into();
+        }
         loop {
             // SAFETY: `vcpu::setup` filled the current VMCS completely.
             let outcome = unsafe { insn::vmx_run(&mut self.regs, launched) };
@@ -214,7 +276,7 @@ impl Vcpu {
             VmExit::Io(io) => self.io(io),
             VmExit::Vmcall | VmExit::VmxInstruction(_) => self.inject(UD, None),
             VmExit::Invd => self.advance(),
-            VmExit::PreemptionTimer => Ok(Next::Resume),
+            VmExit::PreemptionTimer => self.service(),
             VmExit::TripleFault => Ok(Next::Stop(StopReason::TripleFault)),
             VmExit::Init => Ok(Next::Stop(StopReason::Reset)),
             VmExit::EptViolation(e) => {

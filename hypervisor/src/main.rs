@@ -10,12 +10,15 @@
 extern crate alloc;
 
 mod arch;
+mod clock;
+mod control;
 mod exits;
 mod frames;
 mod guest;
 mod heap;
 mod logger;
 mod phys;
+mod uart;
 mod vcpu;
 
 use arch::instructions as insn;
@@ -128,7 +131,14 @@ fn run(
         heap::HEAP_SIZE >> 10
     );
 
-    let mut vcpu = exits::Vcpu::new(cfg);
+    let tsc_hz = clock::calibrate_tsc();
+    let control = control::Control::new(loader::layout::CONTROL_PORT_BASE);
+    log::info!(
+        "TSC {} MHz; control channel {}",
+        tsc_hz / 1_000_000,
+        if control.is_some() { "on COM2" } else { "absent (no UART at COM2)" }
+    );
+    let mut vcpu = exits::Vcpu::new(cfg, control, tsc_hz);
     vcpu.regs.rsi = entry.boot_params;
     hvprintln!("guest started");
     let reason = vcpu.run();

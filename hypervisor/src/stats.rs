@@ -39,14 +39,20 @@ impl ExitCounters {
         self.counts.iter().sum::<u64>() + self.other
     }
 
-    /// Non-zero counters as `(name, count)`.
-    pub fn nonzero(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+    /// Non-zero counters as `(basic reason, name, count)`; reasons beyond the
+    /// table are summed under `u16::MAX`.
+    pub fn nonzero_with_reason(&self) -> impl Iterator<Item = (u16, &'static str, u64)> + '_ {
         self.counts
             .iter()
             .enumerate()
             .filter(|(_, c)| **c != 0)
-            .map(|(r, c)| (reason_name(r as u16), *c))
-            .chain((self.other != 0).then_some(("OTHER", self.other)))
+            .map(|(r, c)| (r as u16, reason_name(r as u16), *c))
+            .chain((self.other != 0).then_some((u16::MAX, "OTHER", self.other)))
+    }
+
+    /// Non-zero counters as `(name, count)`.
+    pub fn nonzero(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        self.nonzero_with_reason().map(|(_, name, c)| (name, c))
     }
 }
 
@@ -84,5 +90,7 @@ mod tests {
         assert_eq!(c.get(10), 3);
         assert_eq!(c.total(), 5);
         assert_eq!(c.to_string(), "CPUID=3 PREEMPTION_TIMER=1 OTHER=1");
+        let v: Vec<_> = c.nonzero_with_reason().collect();
+        assert_eq!(v, vec![(10, "CPUID", 3), (52, "PREEMPTION_TIMER", 1), (u16::MAX, "OTHER", 1)]);
     }
 }

@@ -44,8 +44,6 @@ const CR4_OSXSAVE: u64 = 1 << 18;
 /// return before it sets up its own stack, so RSP must point at RAM. This is
 /// the otherwise unused page between the zero page and the boot page tables.
 const GUEST_BOOT_STACK: u64 = 0x8ff0;
-/// Preemption timer period in TSC ticks (scaled by IA32_VMX_MISC[4:0]).
-const TIMER_PERIOD_TSC: u64 = 1 << 24;
 
 /// Why VMX could not be set up.
 #[derive(Debug)]
@@ -200,6 +198,10 @@ pub struct VmConfig {
     pub fixed: Fixed,
     pub fadt: Option<Fadt>,
     pub ept: Ept,
+    /// Whether the VMX preemption timer is on.
+    pub has_timer: bool,
+    /// IA32_VMX_MISC[4:0]: the timer counts TSC >> this.
+    pub timer_shift: u32,
 }
 
 fn controls(word: &'static str, required: u32, optional: u32, cap_msr: u32) -> Result<u32, VmxError> {
@@ -268,10 +270,8 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
     if proc2 & SecondaryControls::ENABLE_VPID.bits() != 0 {
         f::VPID.write(v, 1)?;
     }
-    if pin & PinbasedControls::VMX_PREEMPTION_TIMER.bits() != 0 {
-        let shift = msr(IA32_VMX_MISC) & 0x1f;
-        f::PREEMPTION_TIMER_VALUE.write(v, (TIMER_PERIOD_TSC >> shift).min(u32::MAX as u64) as u32)?;
-    }
+    let has_timer = pin & PinbasedControls::VMX_PREEMPTION_TIMER.bits() != 0;
+    let timer_shift = (msr(IA32_VMX_MISC) & 0x1f) as u32;
 
     // I/O bitmaps: the control UART, and the ACPI PM1 control ports so that
     // the guest's power-off is seen.
@@ -374,5 +374,5 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
     f::GUEST_PENDING_DEBUG_EXCEPTIONS.write(v, 0)?;
     f::VMCS_LINK_POINTER.write(v, u64::MAX)?;
 
-    Ok(VmConfig { fixed, fadt, ept })
+    Ok(VmConfig { fixed, fadt, ept, has_timer, timer_shift })
 }

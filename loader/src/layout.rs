@@ -261,7 +261,7 @@ const _: () = {
     let mut i = 0;
     while i < s.len() {
         assert!(s[i].0 + s[i].1 <= LOW_MEMORY_END);
-        assert!(s[i].0 % 8 == 0);
+        assert!(s[i].0.is_multiple_of(8));
         let mut j = i + 1;
         while j < s.len() {
             assert!(!ranges_overlap(s[i].0, s[i].1, s[j].0, s[j].1));
@@ -270,14 +270,14 @@ const _: () = {
         i += 1;
     }
     // Page tables are page aligned and consecutive: PML4, PDPT, PDs.
-    assert!(BOOT_PML4.0 % PAGE_SIZE == 0);
+    assert!(BOOT_PML4.0.is_multiple_of(PAGE_SIZE));
     assert!(BOOT_PDPT.0 == BOOT_PML4.0 + PAGE_SIZE);
     assert!(BOOT_PD.0 == BOOT_PDPT.0 + PAGE_SIZE);
     assert!(BOOT_PD.0 + BOOT_PD_COUNT * PAGE_SIZE == BOOT_PML4.0 + BOOT_TABLES_SIZE);
     // The hypervisor's reservation is 2 MiB aligned (EPT can leave it out
     // with whole large pages), above the low structures and below 4 GiB.
-    assert!(HV_RESERVED.0 % LARGE_PAGE_SIZE == 0);
-    assert!(HV_RESERVED_SIZE % LARGE_PAGE_SIZE == 0);
+    assert!(HV_RESERVED.0.is_multiple_of(LARGE_PAGE_SIZE));
+    assert!(HV_RESERVED_SIZE.is_multiple_of(LARGE_PAGE_SIZE));
     assert!(HV_RESERVED.0 >= ONE_MIB);
     assert!(HV_RESERVED_END.0 == 0x200_0000);
     assert!(HV_RESERVED_END.0 <= FOUR_GIB);

@@ -509,7 +509,7 @@ fn randomized_find_ram() {
         let got = m.find_ram(size, align, min_addr, max_end, &avoid);
 
         let fits = |a: u64| {
-            a % align == 0
+            a.is_multiple_of(align)
                 && a >= min_addr
                 && a + size <= max_end
                 && m.iter()

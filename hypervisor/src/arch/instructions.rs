@@ -239,6 +239,12 @@ pub unsafe fn inl(port: u16) -> u32 {
     v
 }
 
+/// Reads the time-stamp counter.
+pub fn rdtsc() -> u64 {
+    // SAFETY: RDTSC is unprivileged and has no side effects.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
 /// Stops the CPU for good: interrupts off, then HLT forever.
 pub fn halt_forever() -> ! {
     loop {

@@ -1,0 +1,182 @@
+//! The control channel in VMX root: framed requests from the host arrive on
+//! the COM2 UART, are answered from the hypervisor's own state, and the
+//! answers go back the same way. Served on the hypervisor's turns (the
+//! preemption timer), never by waiting: the guest is not stalled for the host.
+
+use crate::uart::Uart;
+use alloc::collections::VecDeque;
+use alloc::string::String;
+use alloc::vec::Vec;
+use protocol::{Body, DecodeError, ErrorKind, ExitCount, Frame, FrameDecoder, GuestState, Request, Response, StatusReport};
+
+/// What the rest of the hypervisor must do after a poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing.
+    None,
+    /// The host asked to power the guest off.
+    Stop,
+}
+
+/// Hypervisor state a status report is built from.
+pub struct StatusSource<'a> {
+    pub counters: &'a hypervisor::stats::ExitCounters,
+    pub uptime_ns: u64,
+    pub memory_used: u64,
+    pub memory_total: u64,
+}
+
+/// Channel counters, for the status report and the log.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ChannelStats {
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub frames_in: u64,
+    pub frames_out: u64,
+    pub bad_frames: u64,
+}
+
+/// Upper bound on queued output; past it new responses are dropped (and
+/// counted) rather than growing without end when nobody reads.
+const TX_LIMIT: usize = 64 * 1024;
+
+pub struct Control {
+    uart: Uart,
+    decoder: FrameDecoder,
+    tx: VecDeque<u8>,
+    pub stats: ChannelStats,
+    pub dropped_responses: u64,
+}
+
+impl Control {
+    /// Takes over the control UART, if one is there.
+    pub fn new(base: u16) -> Option<Self> {
+        Some(Self { uart: Uart::init(base)?, decoder: FrameDecoder::new(), tx: VecDeque::new(), stats: ChannelStats::default(), dropped_responses: 0 })
+    }
+
+    /// Whether output is still queued (the caller polls sooner then).
+    pub fn busy(&self) -> bool {
+        !self.tx.is_empty() || self.decoder.buffered() != 0
+    }
+
+    /// Moves bytes both ways and answers complete requests.
+    pub fn poll(&mut self, src: &StatusSource<'_>) -> Action {
+        let mut action = Action::None;
+        let mut buf = [0u8; 64];
+        loop {
+            let n = self.uart.read_available(&mut buf);
+            if n == 0 {
+                break;
+            }
+            self.stats.bytes_in += n as u64;
+            for &b in &buf[..n] {
+                match self.decoder.push_byte(b) {
+                    None => {}
+                    Some(Ok(frame)) => {
+                        self.stats.frames_in += 1;
+                        if self.answer(frame, src) == Action::Stop {
+                            action = Action::Stop;
+                        }
+                    }
+                    Some(Err(e)) => {
+                        self.stats.bad_frames += 1;
+                        self.reject(e);
+                    }
+                }
+            }
+        }
+        self.flush();
+        action
+    }
+
+    /// Pushes queued output into the UART's FIFO.
+    pub fn flush(&mut self) {
+        while !self.tx.is_empty() {
+            let (a, _) = self.tx.as_slices();
+            let n = self.uart.write_some(a);
+            if n == 0 {
+                break;
+            }
+            self.stats.bytes_out += n as u64;
+            self.tx.drain(..n);
+        }
+    }
+
+    fn send(&mut self, frame: &Frame) {
+        let mut out = Vec::new();
+        if protocol::encode(frame, &mut out).is_err() || self.tx.len() + out.len() > TX_LIMIT {
+            self.dropped_responses += 1;
+            return;
+        }
+        self.stats.frames_out += 1;
+        self.tx.extend(out);
+    }
+
+    fn reject(&mut self, e: DecodeError) {
+        // A frame of another version is answered so that the host can say
+        // clearly what is wrong; other damage is only counted (the sender
+        // times out and retries), since its sequence number is unknown.
+        if let DecodeError::UnsupportedVersion { found, seq } = e {
+            let mut f = Frame::response(seq, Response::VersionMismatch { ours: protocol::PROTOCOL_VERSION, theirs: found });
+            f.version = protocol::PROTOCOL_VERSION;
+            self.send(&f);
+        }
+    }
+
+    fn answer(&mut self, frame: Frame, src: &StatusSource<'_>) -> Action {
+        let seq = frame.seq;
+        let Body::Request(req) = frame.body else {
+            self.send(&Frame::response(seq, Response::error(ErrorKind::Malformed, "expected a request")));
+            return Action::None;
+        };
+        let (resp, action) = match req {
+            Request::Hello { version, .. } if version != protocol::PROTOCOL_VERSION => {
+                (Response::VersionMismatch { ours: protocol::PROTOCOL_VERSION, theirs: version }, Action::None)
+            }
+            Request::Hello { .. } => (
+                Response::Hello { version: protocol::PROTOCOL_VERSION, hypervisor: alloc::format!("hvtrace hypervisor {}", crate::VERSION) },
+                Action::None,
+            ),
+            Request::Ping { nonce } => (Response::Pong { nonce }, Action::None),
+            Request::Status => (Response::Status(status(src)), Action::None),
+            Request::Stop => (Response::Ok, Action::Stop),
+            other => (
+                Response::error(ErrorKind::Unsupported, alloc::format!("{} is not supported by this hypervisor yet", request_name(&other))),
+                Action::None,
+            ),
+        };
+        self.send(&Frame::response(seq, resp));
+        action
+    }
+}
+
+fn request_name(r: &Request) -> &'static str {
+    match r {
+        Request::Syms { .. } => "syms",
+        Request::ProbeAdd { .. } => "probe add",
+        Request::ProbeDel { .. } => "probe del",
+        Request::ProbeList => "probe list",
+        Request::TraceStart | Request::TraceStop => "trace",
+        Request::Exec { .. } => "exec (served by the host launcher)",
+        _ => "this request",
+    }
+}
+
+fn status(src: &StatusSource<'_>) -> StatusReport {
+    StatusReport {
+        hypervisor_version: String::from(crate::VERSION),
+        protocol_version: protocol::PROTOCOL_VERSION,
+        vcpus: 1,
+        uptime_ns: src.uptime_ns,
+        guest_state: GuestState::Running,
+        exits: src
+            .counters
+            .nonzero_with_reason()
+            .map(|(reason, name, count)| ExitCount { reason, name: String::from(name), count })
+            .collect(),
+        exits_total: src.counters.total(),
+        hv_memory_used: src.memory_used,
+        hv_memory_total: src.memory_total,
+        current_task: None,
+    }
+}
