@@ -158,7 +158,8 @@ verify_config() {
         fi
     done <"$FRAGMENT"
     for o in "${REQUIRED[@]}"; do
-        grep -qx "CONFIG_$o=y" "$cfg" || bad+=("CONFIG_$o=y (required)")
+        grep -qx "CONFIG_$o=y" "$FRAGMENT" && continue # checked above
+        grep -qx "CONFIG_$o=y" "$cfg" || bad+=("CONFIG_$o=y (required, not in the fragment)")
     done
     if ((${#bad[@]})); then
         log "ERROR: ${#bad[@]} option(s) did not end up as requested in $cfg:"

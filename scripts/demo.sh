@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job on built-in defaults: boot Debian's stock kernel as a VMX
+# guest of the hvtrace hypervisor (in Bochs here, QEMU+KVM where the host has
+# nested VMX) and run a command in it. Extra arguments go to `hvtrace run`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PATH="$HOME/.cargo/bin:$PATH"
+
+bash scripts/setup.sh >/dev/null
+bash scripts/guest/initramfs.sh >/dev/null
+bash scripts/guest/debian-kernel.sh >/dev/null
+
+if [ "$#" -eq 0 ]; then
+    set -- --exec 'uname -a' --exec 'cat /proc/cmdline'
+fi
+cargo run -q --release -p hvtrace -- run "$@"
