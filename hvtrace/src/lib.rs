@@ -1,1 +1,33 @@
+//! hvtrace, the host side: builds boot images, launches Bochs or QEMU with
+//! the hypervisor and a Linux guest, drives the guest's shell over the serial
+//! console and reads the hypervisor's log port.
+//!
+//! The library is what the `hvtrace` binary and the VM test suite share:
+//!
+//! ```no_run
+//! use hvtrace::{launch, Guest, RunConfig};
+//! let cfg = RunConfig::for_guest(Guest::Fast)?.with_hypervisor(hvtrace::hypervisor::build()?);
+//! let mut vm = launch(cfg)?;
+//! let uname = vm.exec("uname -r")?;
+//! let report = vm.poweroff()?;
+//! assert!(report.clean());
+//! # Ok::<(), anyhow::Error>(())
+//! ```
 
+pub mod bochs;
+pub mod cli;
+pub mod config;
+pub mod console;
+pub mod guest;
+pub mod host;
+pub mod hvlog;
+pub mod hypervisor;
+pub mod image;
+pub mod qemu;
+pub mod run;
+pub mod vm;
+
+pub use config::{Emulator, EmulatorChoice, Guest, RunConfig};
+pub use console::ExecResult;
+pub use hvlog::{ExitCounts, HvEvent, HvLog};
+pub use vm::{launch, StopReport, Vm};

@@ -1,1 +1,47 @@
-fn main(){}
+//! The `hvtrace` command.
+
+use std::process::ExitCode;
+
+use clap::error::ErrorKind;
+use clap::Parser;
+
+use hvtrace::cli::{one_line_error, Cli, Command};
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            return match e.kind() {
+                ErrorKind::DisplayHelp
+                | ErrorKind::DisplayVersion
+                | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+                    let _ = e.print();
+                    ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2))
+                }
+                _ => {
+                    eprintln!("hvtrace: error: {}", one_line_error(&e));
+                    ExitCode::from(2)
+                }
+            };
+        }
+    };
+    let result = match &cli.command {
+        Command::Run(args) => hvtrace::run::run(args),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("hvtrace: error: {}", one_line(&format!("{e:#}")));
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Joins the lines of a message, so every error is one line.
+fn one_line(text: &str) -> String {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}

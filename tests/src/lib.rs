@@ -1,1 +1,212 @@
+//! Helpers of the hvtrace VM test suite (the tests are in `tests/`).
+//!
+//! Booting a guest in Bochs takes from ten seconds to minutes, so each test
+//! boots once and checks many things on that boot, collecting every failed
+//! check before it fails ([`Checks`]). VM tests take [`vm_lock`] so that the
+//! tests of one binary never run two emulators at once (cargo runs the test
+//! binaries themselves one after another).
+//!
+//! A missing prerequisite (emulator, kernel, initramfs, hypervisor image)
+//! fails the test with a message; nothing is skipped.
+//!
+//! Environment:
+//! - `HVTRACE_HYPERVISOR`: use this hypervisor image instead of building it.
+//! - `HVTRACE_ROOT`: the repository root (for the guest scripts).
 
+use std::fmt::Debug;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use hvtrace::{Guest, RunConfig};
+
+/// Serializes the VM tests of one test binary.
+pub fn vm_lock() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    // A test that panicked while holding the lock leaves nothing behind.
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Unwraps a result, or fails the test with `what` and the error chain.
+pub fn must<T>(result: anyhow::Result<T>, what: &str) -> T {
+    match result {
+        Ok(value) => value,
+        Err(e) => panic!("{what}: {e:#}"),
+    }
+}
+
+/// The configuration for a built-in guest: kernel and initramfs from the
+/// guest scripts, Bochs, bare; `timeout` for the whole run.
+pub fn guest_config(guest: Guest, timeout: Duration) -> RunConfig {
+    let mut cfg = must(
+        RunConfig::for_guest(guest),
+        &format!("preparing the {guest:?} guest (kernel and initramfs)"),
+    );
+    cfg.timeout = timeout;
+    cfg
+}
+
+/// The kernel release that `uname -r` must print for `kernel`.
+pub fn expected_release(kernel: &Path) -> String {
+    must(
+        hvtrace::guest::release_of(kernel),
+        "reading the kernel release file",
+    )
+}
+
+/// The hypervisor image: `$HVTRACE_HYPERVISOR`, or built once per test binary.
+pub fn hypervisor_image() -> PathBuf {
+    static IMAGE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let image = IMAGE.get_or_init(|| {
+        if let Some(path) = std::env::var_os("HVTRACE_HYPERVISOR").filter(|p| !p.is_empty()) {
+            let path = PathBuf::from(path);
+            return match hvtrace::config::check_file("HVTRACE_HYPERVISOR", &path) {
+                Ok(()) => Ok(path),
+                Err(e) => Err(format!("{e:#}")),
+            };
+        }
+        hvtrace::hypervisor::build().map_err(|e| format!("{e:#}"))
+    });
+    match image {
+        Ok(path) => path.clone(),
+        Err(e) => panic!("the hypervisor image is needed: {e}"),
+    }
+}
+
+/// The `hvtrace` binary of this build profile, built if needed.
+pub fn hvtrace_bin() -> PathBuf {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let bin = BIN.get_or_init(build_hvtrace_bin);
+    match bin {
+        Ok(path) => path.clone(),
+        Err(e) => panic!("the hvtrace binary is needed: {e}"),
+    }
+}
+
+/// Builds the CLI next to this test binary: `<target>/<profile>/deps/<test>`
+/// gives `<target>/<profile>/hvtrace`.
+fn build_hvtrace_bin() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .ok_or("unexpected test binary location")?;
+    let target_dir = profile_dir
+        .parent()
+        .ok_or("unexpected test binary location")?;
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let mut cmd = Command::new("cargo");
+    cmd.args([
+        "build",
+        "-q",
+        "-p",
+        "hvtrace",
+        "--bin",
+        "hvtrace",
+        "--target-dir",
+    ])
+    .arg(target_dir)
+    .current_dir(env!("CARGO_MANIFEST_DIR"))
+    .stdin(Stdio::null());
+    if release {
+        cmd.arg("--release");
+    }
+    let status = cmd.status().map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build -p hvtrace failed ({status})"));
+    }
+    let bin = profile_dir.join("hvtrace");
+    if !bin.is_file() {
+        return Err(format!("{} was not built", bin.display()));
+    }
+    Ok(bin)
+}
+
+/// The flags of the first `flags` line of a `/proc/cpuinfo` text.
+pub fn cpuinfo_flags(cpuinfo: &str) -> Option<Vec<String>> {
+    cpuinfo.lines().find_map(|line| {
+        let (key, value) = line.split_once(':')?;
+        (key.trim() == "flags").then(|| value.split_whitespace().map(str::to_string).collect())
+    })
+}
+
+/// Collects failed checks, so that one boot reports everything it found.
+#[derive(Debug, Default)]
+pub struct Checks {
+    failures: Vec<String>,
+    passed: usize,
+}
+
+impl Checks {
+    /// No checks yet.
+    pub fn new() -> Checks {
+        Checks::default()
+    }
+
+    /// Records `what` as failed unless `ok`.
+    pub fn check(&mut self, ok: bool, what: impl Into<String>) {
+        if ok {
+            self.passed += 1;
+        } else {
+            self.failures.push(what.into());
+        }
+    }
+
+    /// Records a comparison.
+    pub fn eq<A: PartialEq<B> + Debug, B: Debug>(&mut self, what: &str, actual: A, expected: B) {
+        let ok = actual == expected;
+        self.check(ok, format!("{what}: got {actual:?}, expected {expected:?}"));
+    }
+
+    /// Records the result of a step; returns its value when it succeeded.
+    pub fn ok<T>(&mut self, what: &str, result: anyhow::Result<T>) -> Option<T> {
+        match result {
+            Ok(value) => {
+                self.passed += 1;
+                Some(value)
+            }
+            Err(e) => {
+                self.failures.push(format!("{what}: {e:#}"));
+                None
+            }
+        }
+    }
+
+    /// Fails the test with every failed check, if any.
+    pub fn finish(self) {
+        if !self.failures.is_empty() {
+            panic!(
+                "{} of {} checks failed:\n  - {}",
+                self.failures.len(),
+                self.failures.len() + self.passed,
+                self.failures.join("\n  - ")
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_line() {
+        let text = "processor\t: 0\nflags\t\t: fpu vme de pse\nflags\t\t: other\n";
+        assert_eq!(cpuinfo_flags(text).unwrap(), ["fpu", "vme", "de", "pse"]);
+        assert!(cpuinfo_flags("nothing").is_none());
+    }
+
+    #[test]
+    fn checks_collect() {
+        let mut c = Checks::new();
+        c.check(true, "fine");
+        c.eq("same", 1, 1);
+        c.finish();
+        let mut c = Checks::new();
+        c.eq("differs", "a", "b");
+        c.check(false, "second");
+        let result = std::panic::catch_unwind(move || c.finish());
+        assert!(result.is_err());
+    }
+}

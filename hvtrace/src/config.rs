@@ -1,0 +1,234 @@
+//! What to boot and how: the resolved configuration of one run.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::{guest, host};
+
+/// The guest command line used when none is given.
+pub const DEFAULT_APPEND: &str = "console=ttyS0,115200 panic=-1";
+/// Guest RAM given to the emulator, in MiB.
+pub const DEFAULT_MEMORY_MIB: u32 = 512;
+/// Wall-clock limit of a whole run.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Emulated instructions per second that Bochs assumes (its `ips`).
+pub const DEFAULT_BOCHS_IPS: u64 = 50_000_000;
+/// The Bochs CPU model: VMX with EPT, unrestricted guest and the preemption
+/// timer, and none of the features whose emulation is broken in Bochs 2.7.
+pub const DEFAULT_BOCHS_CPU: &str = "corei7_haswell_4770";
+
+/// The emulator that runs the hypervisor, as resolved for this host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Emulator {
+    /// Bochs, the VMX machine where the host has no VMX.
+    Bochs,
+    /// QEMU; `kvm` selects `-enable-kvm -cpu host,+vmx` over TCG.
+    Qemu { kvm: bool },
+}
+
+impl Emulator {
+    /// A short name for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Emulator::Bochs => "bochs",
+            Emulator::Qemu { kvm: true } => "qemu (kvm)",
+            Emulator::Qemu { kvm: false } => "qemu (tcg)",
+        }
+    }
+}
+
+impl fmt::Display for Emulator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The emulator the user asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum EmulatorChoice {
+    /// QEMU with KVM when the host has usable VMX, otherwise Bochs.
+    #[default]
+    Auto,
+    /// QEMU: KVM with nested VMX when the host has it, TCG otherwise.
+    Qemu,
+    /// Bochs.
+    Bochs,
+}
+
+impl EmulatorChoice {
+    /// Decides for this host.
+    pub fn resolve(self) -> Emulator {
+        let kvm = host::has_kvm_vmx();
+        match self {
+            EmulatorChoice::Auto if kvm => Emulator::Qemu { kvm: true },
+            EmulatorChoice::Auto => Emulator::Bochs,
+            EmulatorChoice::Qemu => Emulator::Qemu { kvm },
+            EmulatorChoice::Bochs => Emulator::Bochs,
+        }
+    }
+}
+
+/// The built-in guest kernels (see `scripts/guest/`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Guest {
+    /// Debian's stock kernel (6.1).
+    #[default]
+    Debian,
+    /// The small fast-lane kernel built from Debian's 6.12 sources.
+    Fast,
+}
+
+impl Guest {
+    /// The script that prints the path of this guest's bzImage.
+    pub fn script(self) -> &'static str {
+        match self {
+            Guest::Debian => "scripts/guest/debian-kernel.sh",
+            Guest::Fast => "scripts/guest/fast-kernel.sh",
+        }
+    }
+}
+
+/// Everything one run needs, with every default already resolved.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// The guest's bzImage.
+    pub kernel: PathBuf,
+    /// The guest's initramfs.
+    pub initrd: PathBuf,
+    /// The guest kernel command line.
+    pub append: String,
+    /// The emulator to run.
+    pub emulator: Emulator,
+    /// Guest RAM in MiB.
+    pub memory_mib: u32,
+    /// The hypervisor image; `None` boots the kernel bare, without it.
+    pub hypervisor: Option<PathBuf>,
+    /// Wall-clock limit of the whole run, from launch to power-off.
+    pub timeout: Duration,
+    /// Keep the run directory (it is always kept when the run fails).
+    pub keep_dir: bool,
+    /// Print milestones and hypervisor lines on stderr.
+    pub progress: bool,
+    /// Copy the guest console to stderr while the guest boots.
+    pub echo_boot_console: bool,
+    /// Bochs `ips`: emulated instructions per emulated second.
+    pub bochs_ips: u64,
+    /// Bochs CPU model.
+    pub bochs_cpu: String,
+}
+
+impl RunConfig {
+    /// A configuration with the defaults for everything but the guest files.
+    /// Boots under Bochs, bare (set [`RunConfig::hypervisor`] to boot under
+    /// the hypervisor).
+    pub fn new(kernel: impl Into<PathBuf>, initrd: impl Into<PathBuf>) -> RunConfig {
+        RunConfig {
+            kernel: kernel.into(),
+            initrd: initrd.into(),
+            append: DEFAULT_APPEND.to_string(),
+            emulator: Emulator::Bochs,
+            memory_mib: DEFAULT_MEMORY_MIB,
+            hypervisor: None,
+            timeout: DEFAULT_TIMEOUT,
+            keep_dir: false,
+            progress: true,
+            echo_boot_console: false,
+            bochs_ips: DEFAULT_BOCHS_IPS,
+            bochs_cpu: DEFAULT_BOCHS_CPU.to_string(),
+        }
+    }
+
+    /// A configuration for one of the built-in guests, with the kernel and
+    /// the initramfs from the guest scripts (which build them on first use).
+    pub fn for_guest(guest: Guest) -> Result<RunConfig> {
+        let kernel = guest::kernel(guest)?;
+        let initrd = guest::initrd()?;
+        Ok(RunConfig::new(kernel, initrd))
+    }
+
+    /// Boots under the given hypervisor image.
+    pub fn with_hypervisor(mut self, image: impl Into<PathBuf>) -> RunConfig {
+        self.hypervisor = Some(image.into());
+        self
+    }
+
+    /// Boots the kernel directly, without the hypervisor.
+    pub fn bare(mut self) -> RunConfig {
+        self.hypervisor = None;
+        self
+    }
+
+    /// Runs on the given emulator.
+    pub fn with_emulator(mut self, emulator: Emulator) -> RunConfig {
+        self.emulator = emulator;
+        self
+    }
+
+    /// True when the guest runs under the hypervisor.
+    pub fn under_hypervisor(&self) -> bool {
+        self.hypervisor.is_some()
+    }
+
+    /// Checks that every file exists and that the options fit together.
+    pub fn validate(&self) -> Result<()> {
+        check_file("kernel", &self.kernel)?;
+        check_file("initrd", &self.initrd)?;
+        if let Some(hv) = &self.hypervisor {
+            check_file("hypervisor image", hv)?;
+        }
+        if self.memory_mib < 64 {
+            bail!(
+                "--memory {} MiB is too small (at least 64)",
+                self.memory_mib
+            );
+        }
+        if self.append.contains(['\n', '\r']) {
+            bail!("--append must be a single line");
+        }
+        if self.bochs_ips == 0 {
+            bail!("the Bochs ips must be positive");
+        }
+        Ok(())
+    }
+}
+
+/// Fails unless `path` is an existing regular file.
+pub fn check_file(what: &str, path: &Path) -> Result<()> {
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("{what} {} not found", path.display()))?;
+    if !meta.is_file() {
+        bail!("{what} {} is not a regular file", path.display());
+    }
+    Ok(())
+}
+
+/// True when the command line turns KASLR off.
+pub fn disables_kaslr(append: &str) -> bool {
+    append.split_whitespace().any(|word| word == "nokaslr")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kaslr_detection() {
+        assert!(disables_kaslr("console=ttyS0 nokaslr"));
+        assert!(disables_kaslr("nokaslr"));
+        assert!(!disables_kaslr("console=ttyS0,115200 panic=-1"));
+        assert!(!disables_kaslr("hvtrace_nokaslr_test=1"));
+    }
+
+    #[test]
+    fn validate_reports_missing_files() {
+        let cfg = RunConfig::new("/nonexistent/bzImage", "/nonexistent/initrd");
+        let err = format!("{:#}", cfg.validate().unwrap_err());
+        assert!(
+            err.starts_with("kernel /nonexistent/bzImage not found"),
+            "{err}"
+        );
+    }
+}

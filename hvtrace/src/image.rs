@@ -1,0 +1,198 @@
+//! The run directory and the GRUB boot image for Bochs.
+//!
+//! Bochs boots a CD: GRUB loads the hypervisor as a Multiboot kernel with the
+//! guest bzImage and initramfs as modules. GRUB passes the rest of a `module`
+//! line (after the file) as the module string, which the hypervisor reads as
+//! `bzImage <guest cmdline>`; QEMU's `-initrd "bzImage <cmdline>,initrd"`
+//! yields the same strings. With `--bare` GRUB boots the kernel itself.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+
+use crate::config::RunConfig;
+use crate::host;
+
+/// File names of the guest files inside the run directory and the image.
+pub const KERNEL_NAME: &str = "bzImage";
+/// See [`KERNEL_NAME`].
+pub const INITRD_NAME: &str = "initrd";
+/// See [`KERNEL_NAME`].
+pub const HYPERVISOR_NAME: &str = "hypervisor";
+
+/// Creates a fresh, empty run directory under the system temp directory.
+pub fn create_run_dir() -> Result<PathBuf> {
+    static SEQ: AtomicU32 = AtomicU32::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let name = format!(
+        "hvtrace-run-{}-{}-{:08x}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed),
+        nanos
+    );
+    let dir = std::env::temp_dir().join(name);
+    std::fs::create_dir_all(&dir)
+        .with_context(|| format!("cannot create run directory {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Copies `from` to `dir/name`.
+pub fn stage_file(from: &Path, dir: &Path, name: &str) -> Result<PathBuf> {
+    let to = dir.join(name);
+    std::fs::copy(from, &to)
+        .with_context(|| format!("cannot copy {} to {}", from.display(), to.display()))?;
+    Ok(to)
+}
+
+/// Copies an ELF image without its debug sections (GRUB reads every byte of
+/// a module from the emulated CD, at about 23 M emulated instructions per
+/// MiB), or unchanged when objcopy is missing or fails.
+pub fn stage_stripped(from: &Path, dir: &Path, name: &str) -> Result<PathBuf> {
+    let to = dir.join(name);
+    if host::which("objcopy").is_some() {
+        let stripped = Command::new("objcopy")
+            .arg("--strip-debug")
+            .arg(from)
+            .arg(&to)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if stripped && to.is_file() {
+            return Ok(to);
+        }
+    }
+    stage_file(from, dir, name)
+}
+
+/// Quotes one word for GRUB's script parser: plain words stay as they are,
+/// others go in single quotes (GRUB, like a shell, has no escapes inside them).
+pub fn grub_quote(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_=,./:+@%".contains(c));
+    if plain {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// The guest command line as GRUB words.
+fn grub_args(append: &str) -> String {
+    append
+        .split_whitespace()
+        .map(grub_quote)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The grub.cfg that boots the hypervisor with the guest as modules, or with
+/// `bare` the guest kernel itself.
+pub fn grub_cfg(append: &str, bare: bool) -> String {
+    let args = grub_args(append);
+    let sep = if args.is_empty() { "" } else { " " };
+    let body = if bare {
+        format!("    linux /boot/{KERNEL_NAME}{sep}{args}\n    initrd /boot/{INITRD_NAME}\n")
+    } else {
+        format!(
+            "    multiboot /boot/{HYPERVISOR_NAME}\n    module /boot/{KERNEL_NAME} {KERNEL_NAME}{sep}{args}\n    module /boot/{INITRD_NAME} {INITRD_NAME}\n"
+        )
+    };
+    let title = if bare { "linux (bare)" } else { "hvtrace" };
+    format!("set timeout=0\nset default=0\nmenuentry \"{title}\" {{\n{body}    boot\n}}\n")
+}
+
+/// Builds `dir/boot.iso` for the run: GRUB plus the hypervisor (unless bare),
+/// the kernel and the initramfs.
+pub fn build_iso(dir: &Path, cfg: &RunConfig) -> Result<PathBuf> {
+    host::require_program(
+        "grub-mkrescue",
+        "grub-pc-bin, grub-common, xorriso and mtools",
+    )?;
+    let tree = dir.join("iso");
+    let boot = tree.join("boot");
+    std::fs::create_dir_all(boot.join("grub"))
+        .with_context(|| format!("cannot create {}", boot.display()))?;
+    stage_file(&cfg.kernel, &boot, KERNEL_NAME)?;
+    stage_file(&cfg.initrd, &boot, INITRD_NAME)?;
+    if let Some(hv) = &cfg.hypervisor {
+        stage_stripped(hv, &boot, HYPERVISOR_NAME)?;
+    }
+    let grub_cfg_path = boot.join("grub").join("grub.cfg");
+    std::fs::write(
+        &grub_cfg_path,
+        grub_cfg(&cfg.append, cfg.hypervisor.is_none()),
+    )
+    .with_context(|| format!("cannot write {}", grub_cfg_path.display()))?;
+
+    let iso = dir.join("boot.iso");
+    let output = Command::new("grub-mkrescue")
+        .args(["--locales=", "--fonts=", "--themes=", "-o"])
+        .arg(&iso)
+        .arg(&tree)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .output()
+        .context("cannot run grub-mkrescue")?;
+    let log = dir.join("grub-mkrescue.log");
+    let mut text = output.stdout.clone();
+    text.extend_from_slice(&output.stderr);
+    // The log is only for diagnosis; failing to write it changes nothing.
+    let _ = std::fs::write(&log, &text);
+    if !output.status.success() || !iso.is_file() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let last = stderr
+            .lines()
+            .rev()
+            .map(str::trim)
+            .find(|l| !l.is_empty())
+            .unwrap_or("no message");
+        bail!("grub-mkrescue failed ({}): {last}", output.status);
+    }
+    // The tree is no longer needed; the ISO holds copies of its files.
+    let _ = std::fs::remove_dir_all(&tree);
+    Ok(iso)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoting() {
+        assert_eq!(grub_quote("console=ttyS0,115200"), "console=ttyS0,115200");
+        assert_eq!(grub_quote("panic=-1"), "panic=-1");
+        assert_eq!(grub_quote("a$b"), "'a$b'");
+        assert_eq!(grub_quote("it's"), r"'it'\''s'");
+        assert_eq!(grub_quote("x;y"), "'x;y'");
+    }
+
+    #[test]
+    fn hypervisor_entry() {
+        let cfg = grub_cfg("console=ttyS0,115200 panic=-1", false);
+        assert!(cfg.starts_with("set timeout=0\nset default=0\n"));
+        assert!(cfg.contains("    multiboot /boot/hypervisor\n"));
+        assert!(cfg.contains("    module /boot/bzImage bzImage console=ttyS0,115200 panic=-1\n"));
+        assert!(cfg.contains("    module /boot/initrd initrd\n    boot\n}"));
+        assert!(!cfg.contains("linux "));
+    }
+
+    #[test]
+    fn bare_entry() {
+        let cfg = grub_cfg("console=ttyS0 quiet", true);
+        assert!(cfg.contains("    linux /boot/bzImage console=ttyS0 quiet\n"));
+        assert!(cfg.contains("    initrd /boot/initrd\n"));
+        assert!(!cfg.contains("multiboot"));
+        let empty = grub_cfg("", true);
+        assert!(empty.contains("    linux /boot/bzImage\n"));
+    }
+}

@@ -1,0 +1,857 @@
+//! One running virtual machine: the emulator process, its log port and the
+//! guest console, from launch to power-off.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::bochs;
+use crate::config::{Emulator, RunConfig};
+use crate::console::{self, ExecResult, Markers};
+use crate::hvlog::{HvEvent, HvLog};
+use crate::image;
+use crate::qemu;
+
+/// How long the emulator gets to connect to the serial listener.
+const SERIAL_CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the emulator gets to exit by itself after the guest stopped.
+const EXIT_GRACE: Duration = Duration::from_secs(15);
+/// How long one attempt to reach the shell waits before it sends again.
+const SYNC_RETRY: Duration = Duration::from_secs(15);
+/// How many lines of the emulator's own output are kept for messages.
+const TAIL_LINES: usize = 40;
+
+/// Where the reader thread copies the guest console.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum Echo {
+    Off = 0,
+    Stderr = 1,
+    Stdout = 2,
+}
+
+/// State shared with the reader threads.
+struct Shared {
+    inner: Mutex<Inner>,
+    cv: Condvar,
+    echo: AtomicU8,
+    progress: bool,
+    start: Instant,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Everything the guest wrote on the serial console.
+    console: Vec<u8>,
+    stdout_eof: bool,
+    stderr_eof: bool,
+    hv: HvLog,
+    /// The emulator's own last output lines (not the hypervisor's).
+    tail: VecDeque<String>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A reader thread that panicked leaves consistent data behind.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn note(&self, message: &str) {
+        if self.progress {
+            eprintln!("[{:7.1}s] {message}", self.start.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// What the guest's stop looked like.
+#[derive(Clone, Debug)]
+pub struct StopReport {
+    /// Why the guest stopped: the hypervisor's `guest stopped:` reason, or for
+    /// a bare guest `power off` when it powered off.
+    pub reason: String,
+    /// The hypervisor's exit counts, when it printed them.
+    pub exit_counts: Option<BTreeMap<String, u64>>,
+    /// Every hypervisor line, without the prefix.
+    pub hv_lines: Vec<String>,
+    /// From launch to the end of the emulator.
+    pub wall_time: Duration,
+    /// From launch to the guest shell answering.
+    pub boot_time: Option<Duration>,
+    /// How the emulator process ended (`None`: killed after the grace period).
+    pub emulator_status: Option<ExitStatus>,
+}
+
+impl StopReport {
+    /// True when the guest powered off.
+    pub fn clean(&self) -> bool {
+        self.reason == "power off"
+    }
+}
+
+/// A running emulator with the guest on its console.
+pub struct Vm {
+    cfg: RunConfig,
+    dir: PathBuf,
+    child: Child,
+    status: Option<ExitStatus>,
+    shared: Arc<Shared>,
+    serial: Option<TcpStream>,
+    readers: Vec<JoinHandle<()>>,
+    deadline: Instant,
+    boot_time: Option<Duration>,
+    markers: Markers,
+    seq: u32,
+    cursor: usize,
+    /// The run ended as it should; the run directory may go.
+    finished: bool,
+}
+
+/// Starts the emulator and waits until the guest shell answers.
+pub fn launch(cfg: RunConfig) -> Result<Vm> {
+    let mut vm = Vm::start(cfg)?;
+    vm.wait_ready()?;
+    Ok(vm)
+}
+
+impl Vm {
+    /// Builds what the emulator needs in a fresh run directory and starts it.
+    /// Returns once the emulator has connected the guest console; use
+    /// [`Vm::wait_ready`] to wait for the guest shell.
+    pub fn start(cfg: RunConfig) -> Result<Vm> {
+        cfg.validate()?;
+        let start = Instant::now();
+        let dir = image::create_run_dir()?;
+        let listener =
+            TcpListener::bind("127.0.0.1:0").context("cannot listen for the serial console")?;
+        let serial_port = listener.local_addr()?.port();
+        let mut command = match prepare(&cfg, &dir, serial_port) {
+            Ok(command) => command,
+            Err(e) => {
+                // Nothing ran yet: the messages say all there is to know.
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner::default()),
+            cv: Condvar::new(),
+            echo: AtomicU8::new(if cfg.echo_boot_console {
+                Echo::Stderr as u8
+            } else {
+                Echo::Off as u8
+            }),
+            progress: cfg.progress,
+            start,
+        });
+        let what = if cfg.under_hypervisor() {
+            "under the hypervisor"
+        } else {
+            "bare, without the hypervisor"
+        };
+        shared.note(&format!(
+            "starting {} ({what}); run directory {}",
+            cfg.emulator,
+            dir.display()
+        ));
+
+        let mut child = match command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+        {
+            Ok(child) => child,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                bail!("cannot start {}: {e}", cfg.emulator);
+            }
+        };
+        let mut readers = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            readers.push(spawn_line_reader(
+                out,
+                dir.join("emulator.stdout.log"),
+                shared.clone(),
+                true,
+            ));
+        }
+        if let Some(err) = child.stderr.take() {
+            readers.push(spawn_line_reader(
+                err,
+                dir.join("emulator.stderr.log"),
+                shared.clone(),
+                false,
+            ));
+        }
+        let deadline = start + cfg.timeout;
+        let mut vm = Vm {
+            cfg,
+            dir: dir.clone(),
+            child,
+            status: None,
+            shared,
+            serial: None,
+            readers,
+            deadline,
+            boot_time: None,
+            markers: Markers::unique(),
+            seq: 0,
+            cursor: 0,
+            finished: false,
+        };
+        let stream = vm.accept_serial(&listener)?;
+        let reader_stream = stream
+            .try_clone()
+            .context("cannot clone the serial socket")?;
+        vm.readers.push(spawn_serial_reader(
+            reader_stream,
+            dir.join("console.log"),
+            vm.shared.clone(),
+        ));
+        vm.serial = Some(stream);
+        Ok(vm)
+    }
+
+    /// Waits for the emulator to connect COM1 to the listener.
+    fn accept_serial(&mut self, listener: &TcpListener) -> Result<TcpStream> {
+        listener.set_nonblocking(true)?;
+        let until = (Instant::now() + SERIAL_CONNECT_TIMEOUT).min(self.deadline);
+        loop {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    stream.set_nonblocking(false)?;
+                    // Commands are short lines; send them at once.
+                    stream.set_nodelay(true)?;
+                    return Ok(stream);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(self.fail(anyhow!("serial listener failed: {e}"))),
+            }
+            if let Some(status) = self.poll_exit()? {
+                self.drain_readers();
+                let why = self.emulator_message();
+                return Err(self.fail(anyhow!(
+                    "{} exited ({status}) before connecting the serial console{why}",
+                    self.cfg.emulator
+                )));
+            }
+            if Instant::now() >= until {
+                return Err(self.fail(anyhow!(
+                    "{} did not connect the serial console within {} s",
+                    self.cfg.emulator,
+                    SERIAL_CONNECT_TIMEOUT.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until the guest shell answers: the guest's ready line, then a
+    /// marker echoed by the shell.
+    pub fn wait_ready(&mut self) -> Result<()> {
+        let ready = console::READY_LINE.as_bytes();
+        let deadline = self.deadline;
+        let ready_at = self.wait_for(
+            "the guest to boot (HVTRACE-GUEST-READY)",
+            deadline,
+            |inner| console::find(&inner.console, ready).map(|pos| pos + ready.len()),
+        )?;
+        self.shared.echo.store(Echo::Off as u8, Ordering::Relaxed);
+        self.shared
+            .note("guest ready line seen; waiting for its shell");
+        // Give the shell a moment to print its prompt before the first sync.
+        let prompt_by = (Instant::now() + Duration::from_secs(10)).min(deadline);
+        let prompt = console::PROMPT.as_bytes();
+        let _ = self.wait_quietly(prompt_by, |inner| {
+            console::find(&inner.console[ready_at..], prompt).map(|_| ())
+        });
+        let mut sent = Vec::new();
+        let after = loop {
+            self.seq += 1;
+            sent.push(self.seq);
+            let line = self.markers.sync_line(self.seq);
+            self.send(line.as_bytes())?;
+            let attempt_by = (Instant::now() + SYNC_RETRY).min(deadline);
+            let markers = self.markers.clone();
+            let numbers = sent.clone();
+            let found = self.wait_quietly(attempt_by, |inner| {
+                markers.find_sync(&inner.console, ready_at, &numbers)
+            })?;
+            if let Some(after) = found {
+                break after;
+            }
+            if Instant::now() >= deadline {
+                return Err(self.fail(self.timeout_error("the guest shell to answer")));
+            }
+        };
+        self.cursor = after;
+        let boot = self.shared.start.elapsed();
+        self.boot_time = Some(boot);
+        self.shared.echo.store(Echo::Off as u8, Ordering::Relaxed);
+        self.shared.note(&format!(
+            "guest shell ready (boot took {:.1} s)",
+            boot.as_secs_f64()
+        ));
+        Ok(())
+    }
+
+    /// Runs one shell command in the guest and returns its output and status.
+    pub fn exec(&mut self, cmd: &str) -> Result<ExecResult> {
+        let deadline = self.deadline;
+        self.exec_until(cmd, deadline)
+    }
+
+    /// Like [`Vm::exec`], with its own time limit (never past the run's).
+    pub fn exec_timeout(&mut self, cmd: &str, timeout: Duration) -> Result<ExecResult> {
+        let deadline = (Instant::now() + timeout).min(self.deadline);
+        self.exec_until(cmd, deadline)
+    }
+
+    fn exec_until(&mut self, cmd: &str, deadline: Instant) -> Result<ExecResult> {
+        if self.boot_time.is_none() {
+            bail!("the guest shell is not ready (call wait_ready first)");
+        }
+        self.seq += 1;
+        let n = self.seq;
+        let line = self.markers.exec_line(n, cmd);
+        if line.len() > console::MAX_LINE {
+            bail!(
+                "command too long for the guest tty ({} bytes, at most {})",
+                line.len(),
+                console::MAX_LINE
+            );
+        }
+        self.send(line.as_bytes())?;
+        let markers = self.markers.clone();
+        let from = self.cursor;
+        let what = format!("`{cmd}` to finish");
+        let (result, after) = self.wait_for(&what, deadline, |inner| {
+            markers.find_exec(&inner.console, from, n)
+        })?;
+        self.cursor = after;
+        Ok(result)
+    }
+
+    /// Sends raw bytes to the guest console.
+    pub fn send(&mut self, bytes: &[u8]) -> Result<()> {
+        let Some(stream) = self.serial.as_mut() else {
+            bail!("the serial console is not connected");
+        };
+        if let Err(e) = stream.write_all(bytes).and_then(|_| stream.flush()) {
+            return Err(self.fail(anyhow!("cannot write to the guest console: {e}")));
+        }
+        Ok(())
+    }
+
+    /// Powers the guest off (the shell exits, `/init` runs `poweroff -f`),
+    /// waits for the stop and for the emulator to end.
+    pub fn poweroff(mut self) -> Result<StopReport> {
+        // The shell may be gone already; the stop is what counts.
+        let _ = self.send(b"exit\n");
+        self.wait_stop()
+    }
+
+    /// Waits for the guest to stop by itself (for example after `poweroff`
+    /// sent by the caller), then for the emulator to end.
+    pub fn wait_stop(mut self) -> Result<StopReport> {
+        let deadline = self.deadline;
+        let bare = !self.cfg.under_hypervisor();
+        let from = self.cursor;
+        let power_down = console::POWER_DOWN.as_bytes();
+        // Wait for the stop: the hypervisor's line, or for a bare guest the
+        // kernel's power-down message or the end of the emulator.
+        let mut reason = None;
+        loop {
+            {
+                let inner = self.shared.lock();
+                if let Some(r) = &inner.hv.stopped {
+                    reason = Some(r.clone());
+                } else if let Some(e) = inner.hv.errors.first() {
+                    let e = e.clone();
+                    drop(inner);
+                    return Err(self.fail(anyhow!("the hypervisor reported an error: {e}")));
+                } else if bare
+                    && console::find(&inner.console[from.min(inner.console.len())..], power_down)
+                        .is_some()
+                {
+                    reason = Some("power off".to_string());
+                }
+            }
+            if reason.is_some() {
+                break;
+            }
+            if let Some(status) = self.poll_exit()? {
+                self.drain_readers();
+                let inner = self.shared.lock();
+                if let Some(r) = &inner.hv.stopped {
+                    reason = Some(r.clone());
+                } else if bare {
+                    // Bochs exits with status 1 on an ACPI power-off too.
+                    let acpi_off = inner.tail.iter().any(|l| l.contains("soft power off"));
+                    if status.success() || acpi_off {
+                        reason = Some("power off".to_string());
+                    }
+                }
+                drop(inner);
+                if reason.is_some() {
+                    break;
+                }
+                let why = self.emulator_message();
+                return Err(self.fail(anyhow!(
+                    "{} exited ({status}) before the guest stopped{why}",
+                    self.cfg.emulator
+                )));
+            }
+            if Instant::now() >= deadline {
+                return Err(self.fail(self.timeout_error("the guest to stop")));
+            }
+            self.wait_event(deadline);
+        }
+        let reason = reason.unwrap_or_default();
+        self.shared.note(&format!("guest stopped: {reason}"));
+        let emulator_status = self.wait_exit(EXIT_GRACE)?;
+        let inner = self.shared.lock();
+        let report = StopReport {
+            reason,
+            exit_counts: inner.hv.exit_counts.clone(),
+            hv_lines: inner.hv.lines.clone(),
+            wall_time: self.shared.start.elapsed(),
+            boot_time: self.boot_time,
+            emulator_status,
+        };
+        drop(inner);
+        self.finished = true;
+        Ok(report)
+    }
+
+    /// Connects the terminal to the guest console until the guest stops:
+    /// console output goes to stdout, stdin lines to the guest, and the end
+    /// of stdin powers the guest off. The run's time limit does not apply.
+    pub fn interact(mut self) -> Result<StopReport> {
+        let Some(stream) = self.serial.as_ref() else {
+            bail!("the serial console is not connected");
+        };
+        let mut to_guest = stream
+            .try_clone()
+            .context("cannot clone the serial socket")?;
+        {
+            // Show what the guest printed since the shell answered.
+            let inner = self.shared.lock();
+            let pending = &inner.console[self.cursor.min(inner.console.len())..];
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(pending).and_then(|_| out.flush());
+            self.shared
+                .echo
+                .store(Echo::Stdout as u8, Ordering::Relaxed);
+            self.cursor = inner.console.len();
+        }
+        let _ = to_guest.write_all(b"\n");
+        // The thread ends with stdin's end or the socket's; it is not joined,
+        // because a read of the terminal cannot be interrupted.
+        std::thread::spawn(move || {
+            let stdin = std::io::stdin();
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match stdin.lock().read_line(&mut line) {
+                    Ok(0) | Err(_) => {
+                        let _ = to_guest.write_all(b"exit\n");
+                        break;
+                    }
+                    Ok(_) => {
+                        if to_guest.write_all(line.as_bytes()).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+        self.deadline = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+        self.wait_stop()
+    }
+
+    /// Every hypervisor line so far, without the `hvtrace: ` prefix.
+    pub fn hv_lines(&self) -> Vec<String> {
+        self.shared.lock().hv.lines.clone()
+    }
+
+    /// The hypervisor's `error:` messages so far.
+    pub fn hv_errors(&self) -> Vec<String> {
+        self.shared.lock().hv.errors.clone()
+    }
+
+    /// True once the hypervisor printed `guest started`.
+    pub fn guest_started(&self) -> bool {
+        self.shared.lock().hv.guest_started
+    }
+
+    /// The exit counts of the hypervisor's last `exit counts:` line.
+    pub fn exit_counts(&self) -> Option<BTreeMap<String, u64>> {
+        self.shared.lock().hv.exit_counts.clone()
+    }
+
+    /// Everything the guest console showed so far.
+    pub fn console_text(&self) -> String {
+        String::from_utf8_lossy(&self.shared.lock().console).into_owned()
+    }
+
+    /// From launch to the guest shell answering, once it did.
+    pub fn boot_time(&self) -> Option<Duration> {
+        self.boot_time
+    }
+
+    /// Time since launch.
+    pub fn elapsed(&self) -> Duration {
+        self.shared.start.elapsed()
+    }
+
+    /// The run directory: boot image, emulator configuration and logs.
+    pub fn run_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The configuration of this run.
+    pub fn config(&self) -> &RunConfig {
+        &self.cfg
+    }
+
+    /// Waits for the emulator to end by itself (it does after a hypervisor
+    /// error, for example) and returns its status; `None` when it was still
+    /// running after `timeout` and was killed. Marks the run as failed, so the
+    /// run directory is kept.
+    pub fn wait_exit_or_kill(&mut self, timeout: Duration) -> Result<Option<ExitStatus>> {
+        self.finished = false;
+        self.wait_exit(timeout)
+    }
+
+    /// Ends a run whose failure was expected: kills the emulator and removes
+    /// the run directory (unless `keep_dir`).
+    pub fn close(mut self) {
+        self.kill();
+        self.finished = true;
+    }
+
+    /// Kills the emulator now.
+    pub fn kill(&mut self) {
+        if self.status.is_none() {
+            let _ = self.child.kill();
+            self.status = self.child.wait().ok();
+        }
+        self.serial = None;
+        self.drain_readers();
+    }
+
+    // ----- internals -----
+
+    /// Waits until `check` gives a value. Fails on a hypervisor error, a guest
+    /// stop, the emulator's end or the deadline.
+    fn wait_for<T>(
+        &mut self,
+        what: &str,
+        deadline: Instant,
+        mut check: impl FnMut(&Inner) -> Option<T>,
+    ) -> Result<T> {
+        loop {
+            {
+                let inner = self.shared.lock();
+                if let Some(value) = check(&inner) {
+                    return Ok(value);
+                }
+                if let Some(e) = inner.hv.errors.first() {
+                    let e = e.clone();
+                    drop(inner);
+                    return Err(self.fail(anyhow!("the hypervisor reported an error: {e}")));
+                }
+                if let Some(reason) = &inner.hv.stopped {
+                    let reason = reason.clone();
+                    drop(inner);
+                    return Err(self.fail(anyhow!(
+                        "the guest stopped ({reason}) while waiting for {what}"
+                    )));
+                }
+            }
+            if let Some(status) = self.poll_exit()? {
+                self.drain_readers();
+                if let Some(value) = check(&self.shared.lock()) {
+                    return Ok(value);
+                }
+                let error = self.shared.lock().hv.errors.first().cloned();
+                if let Some(e) = error {
+                    return Err(self.fail(anyhow!("the hypervisor reported an error: {e}")));
+                }
+                let why = self.emulator_message();
+                return Err(self.fail(anyhow!(
+                    "{} exited ({status}) while waiting for {what}{why}",
+                    self.cfg.emulator
+                )));
+            }
+            if Instant::now() >= deadline {
+                return Err(self.fail(self.timeout_error(what)));
+            }
+            self.wait_event(deadline);
+        }
+    }
+
+    /// Like [`Vm::wait_for`], but returns `Ok(None)` at `until` instead of
+    /// failing (the other failures still fail).
+    fn wait_quietly<T>(
+        &mut self,
+        until: Instant,
+        mut check: impl FnMut(&Inner) -> Option<T>,
+    ) -> Result<Option<T>> {
+        let far = self.deadline.max(until) + Duration::from_secs(1);
+        self.wait_for("the guest", far, |inner| {
+            if let Some(v) = check(inner) {
+                return Some(Some(v));
+            }
+            if Instant::now() >= until {
+                return Some(None);
+            }
+            None
+        })
+    }
+
+    /// Sleeps until a reader reports something or a short tick passes.
+    fn wait_event(&self, deadline: Instant) {
+        let tick = Duration::from_millis(200);
+        let left = deadline.saturating_duration_since(Instant::now()).min(tick);
+        let inner = self.shared.lock();
+        let _ = self.shared.cv.wait_timeout(inner, left);
+    }
+
+    fn poll_exit(&mut self) -> Result<Option<ExitStatus>> {
+        if self.status.is_none() {
+            self.status = self
+                .child
+                .try_wait()
+                .context("cannot check the emulator process")?;
+        }
+        Ok(self.status)
+    }
+
+    /// Waits up to `grace` for the emulator to end, then kills it.
+    fn wait_exit(&mut self, grace: Duration) -> Result<Option<ExitStatus>> {
+        let until = Instant::now() + grace;
+        loop {
+            if let Some(status) = self.poll_exit()? {
+                self.drain_readers();
+                return Ok(Some(status));
+            }
+            if Instant::now() >= until {
+                self.shared.note(&format!(
+                    "{} did not exit within {} s; killing it",
+                    self.cfg.emulator,
+                    grace.as_secs()
+                ));
+                self.kill();
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Gives the reader threads a moment to take the last output of an
+    /// emulator that ended.
+    fn drain_readers(&mut self) {
+        let until = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < until {
+            {
+                let inner = self.shared.lock();
+                if inner.stdout_eof && inner.stderr_eof {
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let done: Vec<_> = self.readers.iter().map(|r| r.is_finished()).collect();
+        let mut keep = Vec::new();
+        for (reader, finished) in self.readers.drain(..).zip(done) {
+            if finished {
+                let _ = reader.join();
+            } else {
+                keep.push(reader);
+            }
+        }
+        self.readers = keep;
+    }
+
+    /// `: <message>` from the emulator's last words, or nothing.
+    fn emulator_message(&self) -> String {
+        let inner = self.shared.lock();
+        let message = bochs::exit_message(inner.tail.iter().map(String::as_str)).or_else(|| {
+            inner
+                .tail
+                .iter()
+                .rev()
+                .map(|l| l.trim())
+                .find(|l| !l.is_empty() && !l.starts_with("==="))
+                .map(str::to_string)
+        });
+        match message {
+            Some(m) => format!(": {m}"),
+            None => String::new(),
+        }
+    }
+
+    fn timeout_error(&self, what: &str) -> anyhow::Error {
+        anyhow!(
+            "timed out after {} s waiting for {what} (limit {} s, see --timeout)",
+            self.shared.start.elapsed().as_secs(),
+            self.cfg.timeout.as_secs()
+        )
+    }
+
+    /// Marks the run as failed (its directory is kept) and passes `e` on.
+    fn fail(&mut self, e: anyhow::Error) -> anyhow::Error {
+        self.finished = false;
+        e
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.kill();
+        if self.finished && !self.cfg.keep_dir {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!("hvtrace: run directory kept: {}", self.dir.display());
+        }
+    }
+}
+
+/// Writes what the emulator needs into the run directory and returns the
+/// command that starts it there.
+fn prepare(cfg: &RunConfig, dir: &Path, serial_port: u16) -> Result<std::process::Command> {
+    match cfg.emulator {
+        Emulator::Bochs => {
+            image::build_iso(dir, cfg)?;
+            bochs::prepare(
+                dir,
+                &bochs::Machine {
+                    iso: "boot.iso",
+                    memory_mib: cfg.memory_mib,
+                    ips: cfg.bochs_ips,
+                    cpu_model: &cfg.bochs_cpu,
+                    serial_port,
+                },
+            )
+        }
+        Emulator::Qemu { kvm } => {
+            image::stage_file(&cfg.kernel, dir, image::KERNEL_NAME)?;
+            image::stage_file(&cfg.initrd, dir, image::INITRD_NAME)?;
+            let hv = match &cfg.hypervisor {
+                Some(hv) => Some(image::stage_file(hv, dir, image::HYPERVISOR_NAME)?),
+                None => None,
+            };
+            qemu::prepare(dir, cfg, kvm, hv.as_deref(), serial_port)
+        }
+    }
+}
+
+/// Reads the emulator's stdout or stderr line by line: logs it, feeds the
+/// hypervisor lines to the log digest and keeps a tail of the rest.
+fn spawn_line_reader(
+    stream: impl Read + Send + 'static,
+    log_path: PathBuf,
+    shared: Arc<Shared>,
+    is_stdout: bool,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut log = File::create(&log_path).ok();
+        let mut reader = BufReader::new(stream);
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            match reader.read_until(b'\n', &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            if let Some(log) = log.as_mut() {
+                let _ = log.write_all(&buf);
+            }
+            let line = String::from_utf8_lossy(&buf);
+            let line = line.trim_end_matches(['\r', '\n']);
+            let mut inner = shared.lock();
+            let first = !inner.hv.alive();
+            match inner.hv.push_line(line) {
+                Some(event) => {
+                    drop(inner);
+                    if first {
+                        shared.note("hypervisor started");
+                    }
+                    match event {
+                        HvEvent::GuestStarted => shared.note("guest started"),
+                        HvEvent::Error(e) => shared.note(&format!("hypervisor error: {e}")),
+                        HvEvent::GuestStopped(_) => {}
+                        HvEvent::ExitCounts(_) | HvEvent::Text(_) => {
+                            if let Some(body) = crate::hvlog::strip_prefix(line) {
+                                shared.note(&format!("hypervisor: {body}"));
+                            }
+                        }
+                    }
+                }
+                None => {
+                    inner.tail.push_back(line.to_string());
+                    if inner.tail.len() > TAIL_LINES {
+                        inner.tail.pop_front();
+                    }
+                    drop(inner);
+                }
+            }
+            shared.cv.notify_all();
+        }
+        let mut inner = shared.lock();
+        if is_stdout {
+            inner.stdout_eof = true;
+        } else {
+            inner.stderr_eof = true;
+        }
+        drop(inner);
+        shared.cv.notify_all();
+    })
+}
+
+/// Reads the guest console: logs it, keeps it and echoes it when asked.
+fn spawn_serial_reader(
+    mut stream: TcpStream,
+    log_path: PathBuf,
+    shared: Arc<Shared>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut log = File::create(&log_path).ok();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = match stream.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let data = &buf[..n];
+            if let Some(log) = log.as_mut() {
+                let _ = log.write_all(data);
+            }
+            match shared.echo.load(Ordering::Relaxed) {
+                x if x == Echo::Stderr as u8 => {
+                    let mut err = std::io::stderr().lock();
+                    let _ = err.write_all(data).and_then(|_| err.flush());
+                }
+                x if x == Echo::Stdout as u8 => {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(data).and_then(|_| out.flush());
+                }
+                _ => {}
+            }
+            shared.lock().console.extend_from_slice(data);
+            shared.cv.notify_all();
+        }
+        shared.cv.notify_all();
+    })
+}

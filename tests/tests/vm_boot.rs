@@ -1,0 +1,83 @@
+//! The guest boots under the hypervisor in Bochs: one boot per kernel, with
+//! every check on that boot.
+//!
+//! Run both: `cargo test -p hvtrace-tests --test vm_boot -- --nocapture`
+//! Only the fast-lane 6.12 kernel (tens of seconds):
+//!   `cargo test -p hvtrace-tests --test vm_boot fast_6_12`
+//! Only Debian's stock 6.1 kernel (minutes):
+//!   `cargo test -p hvtrace-tests --test vm_boot debian_6_1`
+
+use std::time::Duration;
+
+use hvtrace::{launch, Emulator, Guest};
+use hvtrace_tests::{
+    cpuinfo_flags, expected_release, guest_config, hypervisor_image, must, vm_lock, Checks,
+};
+
+fn boot_under_hypervisor(guest: Guest, timeout: Duration) {
+    let _vm = vm_lock();
+    let hypervisor = hypervisor_image();
+    let cfg = guest_config(guest, timeout)
+        .with_hypervisor(hypervisor)
+        .with_emulator(Emulator::Bochs);
+    let release = expected_release(&cfg.kernel);
+    let mut vm = must(
+        launch(cfg),
+        &format!("booting the {guest:?} guest under the hypervisor in Bochs"),
+    );
+    let mut checks = Checks::new();
+
+    checks.check(
+        vm.guest_started(),
+        "the hypervisor printed no `guest started` line",
+    );
+    if let Some(uname) = checks.ok("uname -r", vm.exec("uname -r")) {
+        checks.eq("uname -r", uname.output.trim(), release.as_str());
+    }
+    if let Some(cmdline) = checks.ok("cat /proc/cmdline", vm.exec("cat /proc/cmdline")) {
+        checks.check(
+            !hvtrace::config::disables_kaslr(&cmdline.output),
+            format!("/proc/cmdline has nokaslr: {:?}", cmdline.output),
+        );
+    }
+    if let Some(cpuinfo) = checks.ok("cat /proc/cpuinfo", vm.exec("cat /proc/cpuinfo")) {
+        match cpuinfo_flags(&cpuinfo.output) {
+            Some(flags) => checks.check(
+                !flags.iter().any(|f| f == "vmx"),
+                "the guest sees the vmx flag in /proc/cpuinfo",
+            ),
+            None => checks.check(
+                false,
+                format!("no flags line in /proc/cpuinfo: {:?}", cpuinfo.output),
+            ),
+        }
+    }
+
+    if let Some(report) = checks.ok("power off", vm.poweroff()) {
+        checks.eq("stop reason", report.reason.as_str(), "power off");
+        match &report.exit_counts {
+            Some(counts) => checks.check(
+                counts.get("CPUID").is_some_and(|&n| n > 0),
+                format!("no CPUID exits counted: {counts:?}"),
+            ),
+            None => checks.check(false, "the hypervisor printed no exit counts"),
+        }
+        eprintln!(
+            "{guest:?} under the hypervisor in Bochs: shell ready after {:.1} s, {:.1} s in all; exits {:?}",
+            report.boot_time.unwrap_or_default().as_secs_f64(),
+            report.wall_time.as_secs_f64(),
+            report.exit_counts.unwrap_or_default()
+        );
+    }
+    checks.finish();
+}
+
+#[test]
+fn fast_6_12_boots_under_hypervisor_in_bochs() {
+    boot_under_hypervisor(Guest::Fast, Duration::from_secs(600));
+}
+
+#[test]
+fn debian_6_1_boots_under_hypervisor_in_bochs() {
+    boot_under_hypervisor(Guest::Debian, Duration::from_secs(1200));
+}
