@@ -7,7 +7,7 @@ use crate::uart::Uart;
 use alloc::collections::VecDeque;
 use alloc::string::String;
 use alloc::vec::Vec;
-use protocol::{Body, DecodeError, ErrorKind, ExitCount, Frame, FrameDecoder, GuestState, Request, Response, StatusReport};
+use protocol::{Body, ChannelReport, DecodeError, ErrorKind, ExitCount, Frame, FrameDecoder, GuestState, Request, Response, StatusReport};
 
 /// What the rest of the hypervisor must do after a poll.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,16 +26,6 @@ pub struct StatusSource<'a> {
     pub memory_total: u64,
 }
 
-/// Channel counters, for the status report and the log.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct ChannelStats {
-    pub bytes_in: u64,
-    pub bytes_out: u64,
-    pub frames_in: u64,
-    pub frames_out: u64,
-    pub bad_frames: u64,
-}
-
 /// Upper bound on queued output; past it new responses are dropped (and
 /// counted) rather than growing without end when nobody reads.
 const TX_LIMIT: usize = 64 * 1024;
@@ -44,14 +34,13 @@ pub struct Control {
     uart: Uart,
     decoder: FrameDecoder,
     tx: VecDeque<u8>,
-    pub stats: ChannelStats,
-    pub dropped_responses: u64,
+    pub stats: ChannelReport,
 }
 
 impl Control {
     /// Takes over the control UART, if one is there.
     pub fn new(base: u16) -> Option<Self> {
-        Some(Self { uart: Uart::init(base)?, decoder: FrameDecoder::new(), tx: VecDeque::new(), stats: ChannelStats::default(), dropped_responses: 0 })
+        Some(Self { uart: Uart::init(base)?, decoder: FrameDecoder::new(), tx: VecDeque::new(), stats: ChannelReport::default() })
     }
 
     /// Whether output is still queued (the caller polls sooner then).
@@ -105,7 +94,7 @@ impl Control {
     fn send(&mut self, frame: &Frame) {
         let mut out = Vec::new();
         if protocol::encode(frame, &mut out).is_err() || self.tx.len() + out.len() > TX_LIMIT {
-            self.dropped_responses += 1;
+            self.stats.dropped += 1;
             return;
         }
         self.stats.frames_out += 1;
@@ -138,7 +127,7 @@ impl Control {
                 Action::None,
             ),
             Request::Ping { nonce } => (Response::Pong { nonce }, Action::None),
-            Request::Status => (Response::Status(status(src)), Action::None),
+            Request::Status => (Response::Status(status(src, self.stats)), Action::None),
             Request::Stop => (Response::Ok, Action::Stop),
             other => (
                 Response::error(ErrorKind::Unsupported, alloc::format!("{} is not supported by this hypervisor yet", request_name(&other))),
@@ -162,7 +151,7 @@ fn request_name(r: &Request) -> &'static str {
     }
 }
 
-fn status(src: &StatusSource<'_>) -> StatusReport {
+fn status(src: &StatusSource<'_>, channel: ChannelReport) -> StatusReport {
     StatusReport {
         hypervisor_version: String::from(crate::VERSION),
         protocol_version: protocol::PROTOCOL_VERSION,
@@ -178,5 +167,6 @@ fn status(src: &StatusSource<'_>) -> StatusReport {
         hv_memory_used: src.memory_used,
         hv_memory_total: src.memory_total,
         current_task: None,
+        channel,
     }
 }

@@ -229,12 +229,32 @@ pub struct StatusReport {
     pub exits: Vec<ExitCount>,
     /// All VM exits.
     pub exits_total: u64,
-    /// Hypervisor heap in use, in bytes.
+    /// Hypervisor memory in use (frames handed out, heap included), in bytes.
     pub hv_memory_used: u64,
-    /// Hypervisor heap size, in bytes.
+    /// Hypervisor memory reserved in all, in bytes.
     pub hv_memory_total: u64,
     /// The task running on the reporting vCPU, once introspection knows it.
     pub current_task: Option<TaskInfo>,
+    /// The control channel's own counters, as the hypervisor sees them.
+    pub channel: ChannelReport,
+}
+
+/// Control-channel counters kept by the hypervisor.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChannelReport {
+    /// Bytes received from the host.
+    pub bytes_in: u64,
+    /// Bytes sent to the host.
+    pub bytes_out: u64,
+    /// Well-formed frames received.
+    pub frames_in: u64,
+    /// Frames sent.
+    pub frames_out: u64,
+    /// Malformed frames received (garbage, cut frames, bad CRC, other
+    /// versions); each was skipped and decoding resumed at the next delimiter.
+    pub bad_frames: u64,
+    /// Responses dropped because the output queue was full.
+    pub dropped: u64,
 }
 
 /// The guest's life cycle.

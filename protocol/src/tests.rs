@@ -36,6 +36,14 @@ fn status() -> StatusReport {
             comm: "swapper/0".into(),
             cpu: 3,
         }),
+        channel: ChannelReport {
+            bytes_in: 1,
+            bytes_out: u64::MAX,
+            frames_in: 2,
+            frames_out: 3,
+            bad_frames: 4,
+            dropped: 5,
+        },
     }
 }
 

@@ -93,6 +93,14 @@ pub fn status_report() -> StatusReport {
             comm: "kworker/0:1".into(),
             cpu: 1,
         }),
+        channel: protocol::ChannelReport {
+            bytes_in: 4096,
+            bytes_out: 65_536,
+            frames_in: 40,
+            frames_out: 41,
+            bad_frames: 2,
+            dropped: 0,
+        },
     }
 }
 
