@@ -1,2 +1,69 @@
-//! Guest introspection: memory, page walk, kallsyms (filled in by the introspection issue).
-#![no_std]
+//! Reading an unmodified Linux guest from outside, with no symbol file.
+//!
+//! - [`addr`]: [`Gva`] (and the loader's [`Gpa`]).
+//! - [`mem`]: [`GuestMemory`], guest-physical reads; [`VecMemory`] for tests.
+//! - [`paging`]: the guest's 4-level page tables walked in software.
+//! - [`view`]: [`VirtMemory`], the guest-virtual "memory view" the rest reads
+//!   through: [`PagedView`] in the hypervisor, [`SegmentView`] over a vmlinux
+//!   on the host ([`elf`]).
+//! - [`scan`]: hole-tolerant forward search.
+//! - [`kallsyms`]: finding the kernel's symbol tables and a compact
+//!   [`SymbolIndex`] over them.
+//! - [`fentry`]: where each function's ftrace call site is, or why it has
+//!   none.
+//! - [`btf`]: the `.BTF` section, for `task_struct` member offsets.
+//! - [`facts`]: the version banner, KASLR slide, `current` and the one-call
+//!   [`facts::discover`].
+//!
+//! Nothing here trusts guest memory: every length and offset read from the
+//! guest is bounded before use, allocations of guest-chosen sizes are capped
+//! ([`kallsyms::DEFAULT_MAX_INDEX_BYTES`], [`kallsyms::VALIDATION_BUDGET`]),
+//! and malformed tables give errors, never panics.
+//!
+//! # Use from the hypervisor
+//!
+//! ```text
+//! let view = PagedView::new(&guest_ram, Cr3(guest_cr3));     // a CR3 from CPL 0
+//! let range = facts::ranges_from_lstar(Gva(guest_lstar))?;  // IA32_LSTAR = entry_SYSCALL_64
+//! let kernel = facts::discover(&view, &[range])?;          // kallsyms, banner, KASLR, BTF, current
+//! let sites = fentry::Classifier::new(&kernel.symbols);
+//! let site = sites.site_of(&view, "vfs_read");             // Some(Ok(FentrySite { site, .. }))
+//! ```
+//!
+//! - Search from IA32_LSTAR once the guest has set it (`syscall_init`); the
+//!   tables are in `.rodata`, after `.text`, a few MiB above it.
+//! - The CR3 must map the kernel: with PTI a CR3 read in user mode is the
+//!   user PGD; see [`Cr3::pti_kernel`]. 5-level paging is not handled.
+//! - [`GuestMemory`] must refuse hypervisor-owned memory: the walk follows
+//!   the guest's own page tables.
+//! - The index is a copy (names kept compressed, about 22 bytes a symbol:
+//!   1 MiB for the fast-lane kernel, 2 MiB for Debian's); the guest can no
+//!   longer change it once built.
+//! - `current` is `*(kernel GS base + CurrentTask::percpu_offset)`: the
+//!   kernel GS base is IA32_GS_BASE in kernel mode and IA32_KERNEL_GS_BASE
+//!   while the guest runs user code.
+//! - In a booted guest, sites are NOP5s; [`fentry::ftrace_records`] gives
+//!   the guest's own list of sites to cross-check the bytes with.
+// Unit tests use std's prelude; the library itself is no_std, which the
+// x86_64-unknown-none build checks.
+#![cfg_attr(not(test), no_std)]
+
+extern crate alloc;
+
+pub mod addr;
+pub mod btf;
+pub mod elf;
+pub mod facts;
+pub mod fentry;
+pub mod glob;
+pub mod kallsyms;
+pub mod mem;
+pub mod paging;
+pub mod scan;
+pub mod view;
+
+pub use addr::{Gpa, Gva, GvaRange};
+pub use kallsyms::{KallsymsError, KallsymsTables, SymbolId, SymbolIndex};
+pub use mem::{GuestMemory, MemError, VecMemory};
+pub use paging::{Cr3, WalkError};
+pub use view::{PagedView, SegmentView, ViewError, VirtMemory};

@@ -1,0 +1,598 @@
+//! BTF, the kernel's compact type information (`.BTF`, between `__start_BTF`
+//! and `__stop_BTF`; `CONFIG_DEBUG_INFO_BTF`), read in place through a memory
+//! view. Just enough to find struct members by name: the header, the type
+//! section (walked once, keeping a checkpoint every 64 types) and the string
+//! section (read one name at a time).
+//!
+//! Layouts from include/uapi/linux/btf.h:
+//!
+//! ```text
+//! struct btf_header { u16 magic = 0xeB9F; u8 version = 1; u8 flags; u32 hdr_len;
+//!                     u32 type_off, type_len, str_off, str_len; }  // offsets from the header's end
+//! struct btf_type   { u32 name_off; u32 info; u32 size_or_type; }  // then per-kind data
+//!   info: vlen = bits 0..15, kind = bits 24..28, kind_flag = bit 31
+//! struct btf_member { u32 name_off; u32 type; u32 offset; }  // offset in bits; with
+//!                     kind_flag: bitfield size in bits 24..31, bit offset in 0..23
+//! struct btf_array  { u32 type; u32 index_type; u32 nelems; }
+//! ```
+//!
+//! Type ids start at 1 (0 is `void`). A kernel built without BTF (the
+//! fast-lane one: `CONFIG_DEBUG_INFO_BTF` needs pahole) has none of this;
+//! [`BtfError::Absent`] says so, and the callers fall back or report it.
+
+use alloc::vec::Vec;
+use core::fmt;
+
+use crate::addr::{Gva, GvaRange};
+use crate::kallsyms::SymbolIndex;
+use crate::scan::{self, ScanStats};
+use crate::view::{read_array, ViewError, VirtMemory};
+
+/// `BTF_MAGIC`.
+pub const BTF_MAGIC: u16 = 0xeb9f;
+/// The start of every BTF blob the kernel emits: magic, version 1, flags 0,
+/// `hdr_len` 24.
+pub const BTF_PREFIX: [u8; 8] = [0x9f, 0xeb, 0x01, 0x00, 0x18, 0x00, 0x00, 0x00];
+/// Largest section accepted.
+const MAX_SECTION: u32 = 64 << 20;
+/// Most members one lookup visits, anonymous ones included (task_struct
+/// has a few hundred).
+const MAX_MEMBERS_VISITED: u32 = 100_000;
+/// One checkpoint every this many type ids.
+const CHECKPOINT_EVERY: u32 = 64;
+
+/// BTF kinds (`BTF_KIND_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Kind {
+    /// `BTF_KIND_INT`.
+    Int = 1,
+    /// `BTF_KIND_PTR`.
+    Ptr = 2,
+    /// `BTF_KIND_ARRAY`.
+    Array = 3,
+    /// `BTF_KIND_STRUCT`.
+    Struct = 4,
+    /// `BTF_KIND_UNION`.
+    Union = 5,
+    /// `BTF_KIND_ENUM`.
+    Enum = 6,
+    /// `BTF_KIND_FWD`.
+    Fwd = 7,
+    /// `BTF_KIND_TYPEDEF`.
+    Typedef = 8,
+    /// `BTF_KIND_VOLATILE`.
+    Volatile = 9,
+    /// `BTF_KIND_CONST`.
+    Const = 10,
+    /// `BTF_KIND_RESTRICT`.
+    Restrict = 11,
+    /// `BTF_KIND_FUNC`.
+    Func = 12,
+    /// `BTF_KIND_FUNC_PROTO`.
+    FuncProto = 13,
+    /// `BTF_KIND_VAR`.
+    Var = 14,
+    /// `BTF_KIND_DATASEC`.
+    Datasec = 15,
+    /// `BTF_KIND_FLOAT`.
+    Float = 16,
+    /// `BTF_KIND_DECL_TAG`.
+    DeclTag = 17,
+    /// `BTF_KIND_TYPE_TAG`.
+    TypeTag = 18,
+    /// `BTF_KIND_ENUM64`.
+    Enum64 = 19,
+}
+
+impl Kind {
+    fn from_raw(k: u32) -> Option<Self> {
+        use Kind::*;
+        Some(match k {
+            1 => Int,
+            2 => Ptr,
+            3 => Array,
+            4 => Struct,
+            5 => Union,
+            6 => Enum,
+            7 => Fwd,
+            8 => Typedef,
+            9 => Volatile,
+            10 => Const,
+            11 => Restrict,
+            12 => Func,
+            13 => FuncProto,
+            14 => Var,
+            15 => Datasec,
+            16 => Float,
+            17 => DeclTag,
+            18 => TypeTag,
+            19 => Enum64,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of kind-specific data after the 12-byte `btf_type`.
+    fn extra(self, vlen: u32) -> u64 {
+        let v = vlen as u64;
+        match self {
+            Kind::Int | Kind::Var | Kind::DeclTag => 4,
+            Kind::Array => 12,
+            Kind::Struct | Kind::Union | Kind::Datasec | Kind::Enum64 => 12 * v,
+            Kind::Enum | Kind::FuncProto => 8 * v,
+            _ => 0,
+        }
+    }
+
+    /// Kinds that only qualify or rename another type.
+    fn is_alias(self) -> bool {
+        matches!(
+            self,
+            Kind::Typedef | Kind::Volatile | Kind::Const | Kind::Restrict | Kind::TypeTag
+        )
+    }
+}
+
+/// Why BTF could not be used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BtfError {
+    /// The kernel has no BTF: no `__start_BTF` symbol and no BTF header in
+    /// the ranges searched (`CONFIG_DEBUG_INFO_BTF` off). The caller must
+    /// fall back (or report that pid/comm are unavailable).
+    Absent,
+    /// The header is not a BTF v1 header, or its sections do not fit.
+    BadHeader,
+    /// A type runs past the type section, or has an unknown kind.
+    Malformed {
+        /// Byte offset in the type section.
+        at: u32,
+    },
+    /// No type of that name and kind.
+    NoType(&'static str),
+    /// The struct has no member of that name.
+    NoMember(&'static str),
+    /// A member has an unexpected type.
+    UnexpectedType(&'static str),
+    /// A type id that does not exist.
+    BadId(u32),
+    /// The section could not be read.
+    Read(ViewError),
+}
+
+impl fmt::Display for BtfError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Self::Absent => f.write_str("the kernel has no BTF (CONFIG_DEBUG_INFO_BTF is off)"),
+            Self::BadHeader => f.write_str("bad BTF header"),
+            Self::Malformed { at } => write!(f, "malformed BTF type at offset {at:#x}"),
+            Self::NoType(t) => write!(f, "BTF has no type {t}"),
+            Self::NoMember(m) => write!(f, "BTF struct has no member {m}"),
+            Self::UnexpectedType(m) => write!(f, "BTF member {m} has an unexpected type"),
+            Self::BadId(id) => write!(f, "BTF type id {id} does not exist"),
+            Self::Read(e) => write!(f, "BTF unreadable: {e}"),
+        }
+    }
+}
+
+impl From<ViewError> for BtfError {
+    fn from(e: ViewError) -> Self {
+        Self::Read(e)
+    }
+}
+
+/// A decoded `btf_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TypeInfo {
+    /// Its id.
+    pub id: u32,
+    /// Its kind.
+    pub kind: Kind,
+    /// Offset of its name in the string section (0: anonymous).
+    pub name_off: u32,
+    /// `vlen`: members, enumerators, parameters.
+    pub vlen: u32,
+    /// `kind_flag`.
+    pub kind_flag: bool,
+    /// `size` (INT, STRUCT, UNION, ENUM, ...) or `type` (PTR, TYPEDEF, ...).
+    pub size_or_type: u32,
+    /// Offset of the kind-specific data in the type section.
+    extra_at: u32,
+}
+
+/// A struct or union member, located.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Member {
+    /// Offset in bits from the start of the outermost struct asked about
+    /// (anonymous members in between included).
+    pub bit_offset: u64,
+    /// Bitfield width, 0 for an ordinary member.
+    pub bitfield_bits: u32,
+    /// Its type id.
+    pub type_id: u32,
+}
+
+impl Member {
+    /// Byte offset, for a member that is not a bitfield.
+    pub fn byte_offset(&self) -> Option<u32> {
+        (self.bitfield_bits == 0 && self.bit_offset.is_multiple_of(8))
+            .then_some((self.bit_offset / 8) as u32)
+    }
+}
+
+/// A BTF blob in guest memory.
+pub struct Btf<'v, V: ?Sized> {
+    view: &'v V,
+    types: Gva,
+    types_len: u32,
+    strings: Gva,
+    strings_len: u32,
+    count: u32,
+    /// Offset of type `1 + 64 k` in the type section.
+    checkpoints: Vec<u32>,
+}
+
+impl<V: ?Sized> fmt::Debug for Btf<'_, V> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Btf")
+            .field("types", &self.types)
+            .field("types_len", &self.types_len)
+            .field("strings_len", &self.strings_len)
+            .field("count", &self.count)
+            .finish()
+    }
+}
+
+/// Sequential reads of the type section through a 16 KiB window.
+struct Window<'v, V: ?Sized> {
+    view: &'v V,
+    base: Gva,
+    len: u32,
+    buf: Vec<u8>,
+    at: u32,
+}
+
+impl<V: VirtMemory + ?Sized> Window<'_, V> {
+    /// `n` bytes at section offset `off` (n <= 12 here).
+    fn get(&mut self, off: u32, n: u32) -> Result<&[u8], BtfError> {
+        let end = off
+            .checked_add(n)
+            .filter(|&e| e <= self.len)
+            .ok_or(BtfError::Malformed { at: off })?;
+        if off < self.at || end > self.at + self.buf.len() as u32 {
+            let take = core::cmp::min(16 * 1024, self.len - off).max(n);
+            self.buf.resize(take as usize, 0);
+            self.view
+                .read_virt(self.base.wrapping_add(off as u64), &mut self.buf)?;
+            self.at = off;
+        }
+        let s = (off - self.at) as usize;
+        Ok(&self.buf[s..s + n as usize])
+    }
+}
+
+/// Offset of the type after the one at `off` (checked: the guest may change
+/// its memory between two walks).
+fn next_type(off: u32, kind: Kind, vlen: u32) -> Result<u32, BtfError> {
+    u32::try_from(off as u64 + 12 + kind.extra(vlen)).map_err(|_| BtfError::Malformed { at: off })
+}
+
+fn u32_le(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+
+impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
+    /// Checks the header at `base` and walks the type section once.
+    pub fn parse(view: &'v V, base: Gva) -> Result<Self, BtfError> {
+        let h: [u8; 24] = read_array(view, base)?;
+        let magic = u16::from_le_bytes([h[0], h[1]]);
+        let hdr_len = u32_le(&h, 4);
+        let (type_off, type_len, str_off, str_len) = (
+            u32_le(&h, 8),
+            u32_le(&h, 12),
+            u32_le(&h, 16),
+            u32_le(&h, 20),
+        );
+        if magic != BTF_MAGIC || h[2] != 1 || !(24..=4096).contains(&hdr_len) {
+            return Err(BtfError::BadHeader);
+        }
+        let fits = |off: u32, len: u32| off.checked_add(len).is_some_and(|e| e <= MAX_SECTION);
+        if !fits(type_off, type_len) || !fits(str_off, str_len) || !type_len.is_multiple_of(4) {
+            return Err(BtfError::BadHeader);
+        }
+        // Section ends must not wrap the address space (reads wrap-check
+        // too, but the arithmetic must not overflow first).
+        let data = base
+            .0
+            .checked_add(hdr_len as u64)
+            .ok_or(BtfError::BadHeader)?;
+        if data.checked_add(2 * MAX_SECTION as u64).is_none() {
+            return Err(BtfError::BadHeader);
+        }
+        let mut btf = Btf {
+            view,
+            types: Gva(data + type_off as u64),
+            types_len: type_len,
+            strings: Gva(data + str_off as u64),
+            strings_len: str_len,
+            count: 0,
+            checkpoints: Vec::new(),
+        };
+        let mut w = Window {
+            view,
+            base: btf.types,
+            len: type_len,
+            buf: Vec::new(),
+            at: 0,
+        };
+        let mut off = 0u32;
+        while off < type_len {
+            if btf.count.is_multiple_of(CHECKPOINT_EVERY) {
+                btf.checkpoints.push(off);
+            }
+            let t = w.get(off, 12)?;
+            let info = u32_le(t, 4);
+            let kind =
+                Kind::from_raw((info >> 24) & 0x1f).ok_or(BtfError::Malformed { at: off })?;
+            let size = 12 + kind.extra(info & 0xffff);
+            off = u32::try_from(off as u64 + size)
+                .ok()
+                .filter(|&e| e <= type_len)
+                .ok_or(BtfError::Malformed { at: off })?;
+            btf.count += 1;
+        }
+        Ok(btf)
+    }
+
+    /// Number of types (ids 1..=count).
+    pub fn type_count(&self) -> u32 {
+        self.count
+    }
+
+    /// Bytes of heap held (the checkpoints).
+    pub fn heap_bytes(&self) -> usize {
+        self.checkpoints.capacity() * 4
+    }
+
+    fn decode(&self, id: u32, off: u32, raw: &[u8]) -> Result<TypeInfo, BtfError> {
+        let info = u32_le(raw, 4);
+        Ok(TypeInfo {
+            id,
+            kind: Kind::from_raw((info >> 24) & 0x1f).ok_or(BtfError::Malformed { at: off })?,
+            name_off: u32_le(raw, 0),
+            vlen: info & 0xffff,
+            kind_flag: info >> 31 != 0,
+            size_or_type: u32_le(raw, 8),
+            extra_at: off + 12,
+        })
+    }
+
+    /// Type `id` (1-based).
+    pub fn type_info(&self, id: u32) -> Result<TypeInfo, BtfError> {
+        if id == 0 || id > self.count {
+            return Err(BtfError::BadId(id));
+        }
+        let k = (id - 1) / CHECKPOINT_EVERY;
+        let mut off = self.checkpoints[k as usize];
+        let mut w = Window {
+            view: self.view,
+            base: self.types,
+            len: self.types_len,
+            buf: Vec::new(),
+            at: 0,
+        };
+        for _ in 0..(id - 1) % CHECKPOINT_EVERY {
+            let t = w.get(off, 12)?;
+            let info = u32_le(t, 4);
+            let kind =
+                Kind::from_raw((info >> 24) & 0x1f).ok_or(BtfError::Malformed { at: off })?;
+            off = next_type(off, kind, info & 0xffff)?;
+        }
+        let raw = w.get(off, 12)?;
+        let raw: [u8; 12] = raw
+            .try_into()
+            .map_err(|_| BtfError::Malformed { at: off })?;
+        self.decode(id, off, &raw)
+    }
+
+    /// Whether the string at `off` is `name`.
+    pub fn name_is(&self, off: u32, name: &str) -> Result<bool, BtfError> {
+        let len = name.len() as u32 + 1;
+        if off.checked_add(len).is_none_or(|e| e > self.strings_len) {
+            return Ok(false);
+        }
+        let mut buf = alloc::vec![0u8; len as usize];
+        self.view
+            .read_virt(self.strings.wrapping_add(off as u64), &mut buf)?;
+        Ok(&buf[..name.len()] == name.as_bytes() && buf[name.len()] == 0)
+    }
+
+    /// The first type of `kind` called `name` (one pass over the types).
+    pub fn find(&self, kind: Kind, name: &'static str) -> Result<TypeInfo, BtfError> {
+        let mut w = Window {
+            view: self.view,
+            base: self.types,
+            len: self.types_len,
+            buf: Vec::new(),
+            at: 0,
+        };
+        let mut off = 0u32;
+        for id in 1..=self.count {
+            let raw: [u8; 12] = w
+                .get(off, 12)?
+                .try_into()
+                .map_err(|_| BtfError::Malformed { at: off })?;
+            let t = self.decode(id, off, &raw)?;
+            if t.kind == kind && t.name_off != 0 && self.name_is(t.name_off, name)? {
+                return Ok(t);
+            }
+            off = next_type(off, t.kind, t.vlen)?;
+        }
+        Err(BtfError::NoType(name))
+    }
+
+    /// Follows typedefs and qualifiers to the underlying type.
+    pub fn resolve(&self, mut id: u32) -> Result<TypeInfo, BtfError> {
+        for _ in 0..32 {
+            let t = self.type_info(id)?;
+            if !t.kind.is_alias() {
+                return Ok(t);
+            }
+            id = t.size_or_type;
+        }
+        Err(BtfError::BadId(id))
+    }
+
+    /// The member `name` of struct or union `outer`, looking through
+    /// anonymous struct and union members (depth-first, in declaration
+    /// order); the offset is from the start of `outer`.
+    pub fn member(&self, outer: &TypeInfo, name: &'static str) -> Result<Member, BtfError> {
+        let mut budget = MAX_MEMBERS_VISITED;
+        self.member_in(outer, name, 0, 0, &mut budget)?
+            .ok_or(BtfError::NoMember(name))
+    }
+
+    fn member_in(
+        &self,
+        t: &TypeInfo,
+        name: &str,
+        base_bits: u64,
+        depth: u32,
+        budget: &mut u32,
+    ) -> Result<Option<Member>, BtfError> {
+        if !matches!(t.kind, Kind::Struct | Kind::Union) || depth > 16 {
+            return Ok(None);
+        }
+        let mut w = Window {
+            view: self.view,
+            base: self.types,
+            len: self.types_len,
+            buf: Vec::new(),
+            at: 0,
+        };
+        for i in 0..t.vlen {
+            let m: [u8; 12] = w
+                .get(
+                    t.extra_at
+                        .checked_add(12 * i)
+                        .ok_or(BtfError::Malformed { at: t.extra_at })?,
+                    12,
+                )?
+                .try_into()
+                .map_err(|_| BtfError::Malformed { at: t.extra_at })?;
+            let (name_off, type_id, raw_off) = (u32_le(&m, 0), u32_le(&m, 4), u32_le(&m, 8));
+            let (bits, bit_off) = if t.kind_flag {
+                (raw_off >> 24, raw_off & 0xff_ffff)
+            } else {
+                (0, raw_off)
+            };
+            let at = base_bits + bit_off as u64;
+            // Anonymous members may nest (or, in a forged blob, repeat)
+            // without end: bound the total work, not just the depth.
+            *budget = budget
+                .checked_sub(1)
+                .ok_or(BtfError::Malformed { at: t.extra_at })?;
+            if name_off == 0 {
+                let inner = self.resolve(type_id)?;
+                if let Some(found) = self.member_in(&inner, name, at, depth + 1, budget)? {
+                    return Ok(Some(found));
+                }
+            } else if self.name_is(name_off, name)? {
+                return Ok(Some(Member {
+                    bit_offset: at,
+                    bitfield_bits: bits,
+                    type_id,
+                }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// `(element type id, element count)` of an array type.
+    pub fn array(&self, t: &TypeInfo) -> Result<(u32, u32), BtfError> {
+        if t.kind != Kind::Array {
+            return Err(BtfError::UnexpectedType("array"));
+        }
+        let mut w = Window {
+            view: self.view,
+            base: self.types,
+            len: self.types_len,
+            buf: Vec::new(),
+            at: 0,
+        };
+        let a = w.get(t.extra_at, 12)?;
+        Ok((u32_le(a, 0), u32_le(a, 8)))
+    }
+}
+
+/// Where the BTF blob is: `__start_BTF` when kallsyms has it, else the first
+/// valid BTF header found in `ranges` (8-byte prefix search, then a full
+/// parse). [`BtfError::Absent`] when neither.
+pub fn locate<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: Option<&SymbolIndex>,
+    ranges: &[GvaRange],
+    stats: &mut ScanStats,
+) -> Result<Gva, BtfError> {
+    if let Some(at) = index.and_then(|i| i.addr_of("__start_BTF")) {
+        return Ok(at);
+    }
+    for &r in ranges {
+        let found = scan::find(view, r, &BTF_PREFIX, stats, |at| {
+            let b = Btf::parse(view, at).ok()?;
+            (b.type_count() > 0).then_some(at)
+        });
+        if let Some(at) = found {
+            return Ok(at);
+        }
+    }
+    Err(BtfError::Absent)
+}
+
+/// What the tracer needs of `struct task_struct`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TaskLayout {
+    /// Byte offset of `pid` (a 4-byte `pid_t`).
+    pub pid: u32,
+    /// Byte offset of `comm`.
+    pub comm: u32,
+    /// Elements of `comm` (`TASK_COMM_LEN`, 16).
+    pub comm_len: u32,
+    /// `sizeof(struct task_struct)`.
+    pub size: u32,
+}
+
+/// `task_struct.pid` and `task_struct.comm`, checked: `pid` must be a 4-byte
+/// integer, `comm` an array of 1-byte integers.
+pub fn task_layout<V: VirtMemory + ?Sized>(btf: &Btf<'_, V>) -> Result<TaskLayout, BtfError> {
+    let task = btf.find(Kind::Struct, "task_struct")?;
+    let pid = btf.member(&task, "pid")?;
+    let pid_t = btf.resolve(pid.type_id)?;
+    if pid_t.kind != Kind::Int || pid_t.size_or_type != 4 {
+        return Err(BtfError::UnexpectedType("pid"));
+    }
+    let comm = btf.member(&task, "comm")?;
+    let (elem, comm_len) = btf.array(&btf.resolve(comm.type_id)?)?;
+    let elem = btf.resolve(elem)?;
+    if elem.kind != Kind::Int || elem.size_or_type != 1 {
+        return Err(BtfError::UnexpectedType("comm"));
+    }
+    Ok(TaskLayout {
+        pid: pid.byte_offset().ok_or(BtfError::UnexpectedType("pid"))?,
+        comm: comm.byte_offset().ok_or(BtfError::UnexpectedType("comm"))?,
+        comm_len,
+        size: task.size_or_type,
+    })
+}
+
+/// Byte offset of `current_task` in `struct pcpu_hot` (6.2 to 6.14), which
+/// nests it in an anonymous struct inside an anonymous union.
+pub fn pcpu_hot_current_task<V: VirtMemory + ?Sized>(btf: &Btf<'_, V>) -> Result<u32, BtfError> {
+    let hot = btf.find(Kind::Struct, "pcpu_hot")?;
+    let m = btf.member(&hot, "current_task")?;
+    if btf.resolve(m.type_id)?.kind != Kind::Ptr {
+        return Err(BtfError::UnexpectedType("current_task"));
+    }
+    m.byte_offset()
+        .ok_or(BtfError::UnexpectedType("current_task"))
+}

@@ -1,0 +1,286 @@
+//! Kernel facts: the version banner, the KASLR slide, where `current` is,
+//! and [`discover`], which finds everything in one call.
+//!
+//! Where to search in a booted guest: IA32_LSTAR holds the address of
+//! `entry_SYSCALL_64`, which is in the kernel's `.text`; `.rodata`, with the
+//! kallsyms tables and the banner, follows `.text`. [`ranges_from_lstar`]
+//! turns the MSR value into the range to scan: from the 2 MiB page of
+//! `entry_SYSCALL_64` up to the end of the kernel image mapping.
+
+use alloc::string::String;
+use core::fmt;
+
+use crate::addr::{Gva, GvaRange, DEFAULT_TEXT_BASE, KERNEL_IMAGE_BASE};
+use crate::btf::{self, Btf, BtfError, TaskLayout};
+use crate::kallsyms::{self, KallsymsError, KallsymsTables, LocateStats, SymbolIndex};
+use crate::scan::{self, ScanStats};
+use crate::view::{read_array, ViewError, VirtMemory};
+
+/// `KERNEL_IMAGE_SIZE` with KASLR (arch/x86/include/asm/page_64_types.h):
+/// the image mapping spans 1 GiB from `__START_KERNEL_map`.
+pub const KERNEL_IMAGE_SIZE: u64 = 1 << 30;
+
+/// The range to search for the kernel's tables, from the guest's IA32_LSTAR
+/// (`entry_SYSCALL_64`): its 2 MiB page up to the end of the image mapping.
+/// `None` when LSTAR is not in the kernel image mapping.
+pub fn ranges_from_lstar(lstar: Gva) -> Option<GvaRange> {
+    let end = Gva(KERNEL_IMAGE_BASE + KERNEL_IMAGE_SIZE);
+    (lstar.is_kernel_image() && lstar < end).then(|| GvaRange::new(lstar.align_down(1 << 21), end))
+}
+
+/// The start of the banner `linux_banner` holds (init/version-timestamp.c).
+pub const BANNER_PREFIX: &[u8] = b"Linux version ";
+/// Longest banner read.
+const MAX_BANNER: usize = 512;
+
+/// The kernel's version banner, `Linux version 6.1.0-... (...) #1 SMP ...`,
+/// without the trailing newline: from `linux_banner` when the symbol is
+/// known, else the first well-formed one found by scanning `ranges`.
+pub fn banner<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: Option<&SymbolIndex>,
+    ranges: &[GvaRange],
+    stats: &mut ScanStats,
+) -> Option<String> {
+    if let Some(at) = index.and_then(|i| i.addr_of("linux_banner")) {
+        if let Some(b) = banner_at(view, at) {
+            return Some(b);
+        }
+    }
+    // A kernel may carry a second, unused banner whose version has no build
+    // number ("#" alone: the weak `linux_banner` left in init/version.o);
+    // prefer the one with "#<digits>".
+    let mut fallback = None;
+    let found = ranges.iter().find_map(|&r| {
+        scan::find(view, r, BANNER_PREFIX, stats, |at| {
+            let b = banner_at(view, at)?;
+            if has_build_number(&b) {
+                return Some(b);
+            }
+            fallback.get_or_insert(b);
+            None
+        })
+    });
+    found.or(fallback)
+}
+
+/// Whether the banner has a `#<digit>` build number (UTS_VERSION).
+fn has_build_number(banner: &str) -> bool {
+    banner
+        .as_bytes()
+        .windows(2)
+        .any(|w| w[0] == b'#' && w[1].is_ascii_digit())
+}
+
+/// A well-formed banner at `at`: the prefix, then printable ASCII up to a
+/// newline or NUL.
+fn banner_at<V: VirtMemory + ?Sized>(view: &V, at: Gva) -> Option<String> {
+    let mut buf = [0u8; MAX_BANNER];
+    // The banner may end near the end of a mapping: shrink until it reads.
+    let mut n = MAX_BANNER;
+    while view.read_virt(at, &mut buf[..n]).is_err() {
+        n /= 2;
+        if n < BANNER_PREFIX.len() + 8 {
+            return None;
+        }
+    }
+    let s = &buf[..n];
+    if !s.starts_with(BANNER_PREFIX) {
+        return None;
+    }
+    let end = s.iter().position(|&c| c == b'\n' || c == 0)?;
+    let line = &s[..end];
+    // A release word and more after it.
+    if !line.iter().all(|&c| (0x20..0x7f).contains(&c)) || line.len() < BANNER_PREFIX.len() + 2 {
+        return None;
+    }
+    core::str::from_utf8(line).ok().map(String::from)
+}
+
+/// The release (`uname -r`) in a banner: the word after "Linux version ".
+pub fn release_of(banner: &str) -> Option<&str> {
+    banner
+        .strip_prefix("Linux version ")?
+        .split(' ')
+        .next()
+        .filter(|r| !r.is_empty())
+}
+
+/// Where the running task pointer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CurrentSource {
+    /// The per-cpu variable `current_task` (up to 6.1).
+    CurrentTask,
+    /// `pcpu_hot.current_task`, member offset from BTF (6.2 to 6.14).
+    PcpuHotBtf,
+    /// `pcpu_hot.current_task` without BTF: the member is the first one in
+    /// every kernel that has `pcpu_hot` (arch/x86/include/asm/current.h,
+    /// 6.2 to 6.14), so its offset is 0.
+    PcpuHotFirstMember,
+}
+
+/// How to find `current`: `*(GS_BASE + percpu_offset)` on the vCPU, with
+/// GS_BASE the kernel's (IA32_GS_BASE while in the kernel, IA32_KERNEL_GS_BASE
+/// while in user mode, before `swapgs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CurrentTask {
+    /// Offset of the task pointer in the per-cpu area.
+    pub percpu_offset: u64,
+    /// How it was found.
+    pub source: CurrentSource,
+}
+
+/// Why `current` cannot be located.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CurrentError {
+    /// Neither `current_task` nor `pcpu_hot` is a symbol (a 6.15+ kernel
+    /// keeps `current_task` again but as a plain per-cpu variable; it would
+    /// be found as such).
+    NoSymbol,
+    /// `pcpu_hot` exists, BTF does, but the member lookup failed.
+    Btf(BtfError),
+}
+
+impl fmt::Display for CurrentError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NoSymbol => f.write_str("neither current_task nor pcpu_hot is a kallsyms symbol"),
+            Self::Btf(e) => write!(f, "pcpu_hot.current_task: {e}"),
+        }
+    }
+}
+
+/// Locates the per-cpu task pointer.
+pub fn current_task<V: VirtMemory + ?Sized>(
+    index: &SymbolIndex,
+    btf: Option<&Btf<'_, V>>,
+) -> Result<CurrentTask, CurrentError> {
+    if let Some(a) = index.addr_of("current_task") {
+        return Ok(CurrentTask {
+            percpu_offset: a.0,
+            source: CurrentSource::CurrentTask,
+        });
+    }
+    let hot = index.addr_of("pcpu_hot").ok_or(CurrentError::NoSymbol)?;
+    match btf {
+        Some(b) => {
+            let off = btf::pcpu_hot_current_task(b).map_err(CurrentError::Btf)?;
+            Ok(CurrentTask {
+                percpu_offset: hot.0.wrapping_add(off as u64),
+                source: CurrentSource::PcpuHotBtf,
+            })
+        }
+        None => Ok(CurrentTask {
+            percpu_offset: hot.0,
+            source: CurrentSource::PcpuHotFirstMember,
+        }),
+    }
+}
+
+/// The task running on a vCPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunningTask {
+    /// `current`.
+    pub task: Gva,
+    /// `current->pid` (the thread id).
+    pub pid: i32,
+    /// `current->comm`, NUL-padded.
+    pub comm: [u8; 16],
+}
+
+impl RunningTask {
+    /// `comm` up to its first NUL.
+    pub fn comm_bytes(&self) -> &[u8] {
+        let end = self
+            .comm
+            .iter()
+            .position(|&c| c == 0)
+            .unwrap_or(self.comm.len());
+        &self.comm[..end]
+    }
+}
+
+/// Reads `current`, its pid and comm, given the vCPU's kernel GS base.
+pub fn running_task<V: VirtMemory + ?Sized>(
+    view: &V,
+    gs_base: Gva,
+    current: &CurrentTask,
+    layout: &TaskLayout,
+) -> Result<RunningTask, ViewError> {
+    let slot = gs_base.wrapping_add(current.percpu_offset);
+    let task = Gva(u64::from_le_bytes(read_array(view, slot)?));
+    let pid = i32::from_le_bytes(read_array(view, task.wrapping_add(layout.pid as u64))?);
+    let mut comm = [0u8; 16];
+    let n = core::cmp::min(layout.comm_len as usize, 16);
+    view.read_virt(task.wrapping_add(layout.comm as u64), &mut comm[..n])?;
+    Ok(RunningTask { task, pid, comm })
+}
+
+/// Everything [`discover`] finds.
+#[derive(Debug)]
+pub struct KernelFacts {
+    /// Where the kallsyms tables are.
+    pub tables: KallsymsTables,
+    /// What finding them cost.
+    pub locate_stats: LocateStats,
+    /// The symbols.
+    pub symbols: SymbolIndex,
+    /// The version banner, if found.
+    pub banner: Option<String>,
+    /// `_text` at run time.
+    pub text_base: Option<Gva>,
+    /// `_text` minus its default link address (`0xffffffff81000000`): the
+    /// virtual KASLR slide (0 without KASLR).
+    pub kaslr_slide: Option<i64>,
+    /// Where the BTF blob is, or why there is none.
+    pub btf: Result<Gva, BtfError>,
+    /// `task_struct` pid/comm offsets, or why they are unknown.
+    pub task: Result<TaskLayout, BtfError>,
+    /// Where `current` is.
+    pub current: Result<CurrentTask, CurrentError>,
+}
+
+/// Finds the kernel in `ranges` of `view`: kallsyms, the symbol index, the
+/// banner, the KASLR slide, BTF, the task layout and `current`. Only a
+/// failure to find kallsyms is an error; the rest is reported per field.
+pub fn discover<V: VirtMemory + ?Sized>(
+    view: &V,
+    ranges: &[GvaRange],
+) -> Result<KernelFacts, KallsymsError> {
+    let mut locate_stats = LocateStats::default();
+    let tables = kallsyms::locate(view, ranges, &mut locate_stats)?;
+    let symbols = SymbolIndex::build(view, &tables)?;
+    let mut scan_stats = ScanStats::default();
+    let banner = banner(view, Some(&symbols), ranges, &mut scan_stats);
+    let text_base = symbols
+        .addr_of("_text")
+        .or_else(|| symbols.addr_of("_stext"));
+    let kaslr_slide = text_base.map(|t| t.0.wrapping_sub(DEFAULT_TEXT_BASE.0) as i64);
+    // With data symbols in kallsyms (KALLSYMS_ALL: `linux_banner` is one),
+    // a kernel with BTF lists `__start_BTF`; its absence then means no BTF,
+    // and the range need not be scanned for a header.
+    let btf_at =
+        if symbols.lookup("linux_banner").is_some() && symbols.lookup("__start_BTF").is_none() {
+            Err(BtfError::Absent)
+        } else {
+            btf::locate(view, Some(&symbols), ranges, &mut scan_stats)
+        };
+    let parsed = btf_at.and_then(|at| Btf::parse(view, at));
+    let task = match &parsed {
+        Ok(b) => btf::task_layout(b),
+        Err(e) => Err(*e),
+    };
+    let current = current_task(&symbols, parsed.as_ref().ok());
+    Ok(KernelFacts {
+        tables,
+        locate_stats,
+        symbols,
+        banner,
+        text_base,
+        kaslr_slide,
+        btf: btf_at,
+        task,
+        current,
+    })
+}

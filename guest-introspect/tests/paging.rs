@@ -1,0 +1,333 @@
+//! The page walker over synthetic guest page tables in a `VecMemory`.
+
+use guest_introspect::paging::{
+    read_virt, translate, Cr3, Level, PageSize, WalkError, PTE_LARGE, PTE_NX, PTE_PRESENT,
+    PTE_USER, PTE_WRITABLE,
+};
+use guest_introspect::view::{PagedView, ViewError, VirtMemory};
+use guest_introspect::{Gpa, Gva, MemError, VecMemory};
+
+const P: u64 = PTE_PRESENT;
+const W: u64 = PTE_WRITABLE;
+const U: u64 = PTE_USER;
+
+/// Guest RAM of 16 MiB at 0 with a table allocator.
+struct Builder {
+    mem: VecMemory,
+    next_table: u64,
+    pml4: u64,
+}
+
+impl Builder {
+    fn new() -> Self {
+        let mut b = Self {
+            mem: VecMemory::new(Gpa(0), 16 << 20),
+            next_table: 0x1000,
+            pml4: 0,
+        };
+        b.pml4 = b.table();
+        b
+    }
+
+    fn table(&mut self) -> u64 {
+        let t = self.next_table;
+        self.next_table += 0x1000;
+        t
+    }
+
+    fn index(gva: u64, level: Level) -> u64 {
+        (gva >> level.shift()) & 0x1ff
+    }
+
+    fn entry_addr(table: u64, gva: u64, level: Level) -> Gpa {
+        Gpa(table + 8 * Self::index(gva, level))
+    }
+
+    fn read(&self, at: Gpa) -> u64 {
+        use guest_introspect::GuestMemory;
+        self.mem.read_u64(at).unwrap()
+    }
+
+    /// The table under the entry for `gva` at `level` in `table`, created
+    /// with `flags` when missing.
+    fn descend(&mut self, table: u64, gva: u64, level: Level, flags: u64) -> u64 {
+        let at = Self::entry_addr(table, gva, level);
+        let e = self.read(at);
+        if e & P != 0 {
+            return e & 0x000f_ffff_ffff_f000;
+        }
+        let t = self.table();
+        self.mem.write_u64(at, t | flags).unwrap();
+        t
+    }
+
+    /// Maps `gva` to `gpa` with a page of `size`; `leaf` flags on the leaf,
+    /// `upper` on the tables above.
+    fn map(&mut self, gva: u64, gpa: u64, size: PageSize, leaf: u64, upper: u64) {
+        let pdpt = self.descend(self.pml4, gva, Level::Pml4, upper);
+        if size == PageSize::Size1G {
+            self.mem
+                .write_u64(
+                    Self::entry_addr(pdpt, gva, Level::Pdpt),
+                    gpa | leaf | PTE_LARGE,
+                )
+                .unwrap();
+            return;
+        }
+        let pd = self.descend(pdpt, gva, Level::Pdpt, upper);
+        if size == PageSize::Size2M {
+            self.mem
+                .write_u64(Self::entry_addr(pd, gva, Level::Pd), gpa | leaf | PTE_LARGE)
+                .unwrap();
+            return;
+        }
+        let pt = self.descend(pd, gva, Level::Pd, upper);
+        self.mem
+            .write_u64(Self::entry_addr(pt, gva, Level::Pt), gpa | leaf)
+            .unwrap();
+    }
+
+    fn cr3(&self) -> Cr3 {
+        // PCID bits in 11..0 must be ignored.
+        Cr3(self.pml4 | 0x5)
+    }
+}
+
+const KTEXT: u64 = 0xffff_ffff_8100_0000;
+
+#[test]
+fn page_sizes_and_offsets() {
+    let mut b = Builder::new();
+    b.map(KTEXT, 0x40_0000, PageSize::Size2M, P | W, P | W);
+    b.map(
+        0xffff_8880_0000_0000,
+        0,
+        PageSize::Size1G,
+        P | W | PTE_NX,
+        P | W,
+    );
+    b.map(
+        0x0000_7fff_0000_1000,
+        0x80_3000,
+        PageSize::Size4K,
+        P | W | U,
+        P | W | U,
+    );
+    let cr3 = b.cr3();
+
+    let t = translate(&b.mem, cr3, Gva(KTEXT + 0x1_2345)).unwrap();
+    assert_eq!(t.gpa, Gpa(0x41_2345));
+    assert_eq!(t.size, PageSize::Size2M);
+    assert!(t.writable && !t.nx && !t.user);
+
+    let t = translate(&b.mem, cr3, Gva(0xffff_8880_0012_3456)).unwrap();
+    assert_eq!(
+        (t.gpa, t.size, t.nx),
+        (Gpa(0x12_3456), PageSize::Size1G, true)
+    );
+
+    let t = translate(&b.mem, cr3, Gva(0x0000_7fff_0000_1abc)).unwrap();
+    assert_eq!(
+        (t.gpa, t.size, t.user, t.nx),
+        (Gpa(0x80_3abc), PageSize::Size4K, true, false)
+    );
+}
+
+#[test]
+fn access_bits_combine_over_levels() {
+    let mut b = Builder::new();
+    // Leaf writable and user, but an upper level read-only, supervisor, NX.
+    b.map(
+        0x40_0000,
+        0x10_0000,
+        PageSize::Size4K,
+        P | W | U,
+        P | PTE_NX,
+    );
+    let t = translate(&b.mem, b.cr3(), Gva(0x40_0000)).unwrap();
+    assert!(!t.writable && !t.user && t.nx);
+    // The 2 MiB PAT bit (12) is not part of the frame.
+    b.map(KTEXT, 0x60_0000, PageSize::Size2M, P | (1 << 12), P);
+    assert_eq!(
+        translate(&b.mem, b.cr3(), Gva(KTEXT + 0x10)).unwrap().gpa,
+        Gpa(0x60_0010)
+    );
+}
+
+#[test]
+fn not_present_at_each_level() {
+    let mut b = Builder::new();
+    let cr3 = b.cr3();
+    // Nothing at all: the PML4 entry.
+    assert_eq!(
+        translate(&b.mem, cr3, Gva(KTEXT)),
+        Err(WalkError::NotPresent {
+            gva: Gva(KTEXT),
+            level: Level::Pml4
+        })
+    );
+    // A PML4 entry but no PDPT entry for this GiB.
+    b.map(KTEXT + (1 << 30), 0, PageSize::Size1G, P, P);
+    assert_eq!(
+        translate(&b.mem, cr3, Gva(KTEXT)),
+        Err(WalkError::NotPresent {
+            gva: Gva(KTEXT),
+            level: Level::Pdpt
+        })
+    );
+    // A PD with another 2 MiB entry only.
+    b.map(KTEXT + (2 << 20), 0, PageSize::Size2M, P, P);
+    assert_eq!(
+        translate(&b.mem, cr3, Gva(KTEXT)),
+        Err(WalkError::NotPresent {
+            gva: Gva(KTEXT),
+            level: Level::Pd
+        })
+    );
+    // A PT with another 4 KiB entry only.
+    b.map(KTEXT + 0x1000, 0, PageSize::Size4K, P, P);
+    let e = translate(&b.mem, cr3, Gva(KTEXT)).unwrap_err();
+    assert_eq!(
+        e,
+        WalkError::NotPresent {
+            gva: Gva(KTEXT),
+            level: Level::Pt
+        }
+    );
+    assert_eq!(e.resume_at(), Some(Gva(KTEXT + 0x1000)));
+    // A present leaf with P cleared is not present.
+    b.map(KTEXT + 0x2000, 0x5000, PageSize::Size4K, W, P);
+    assert!(matches!(
+        translate(&b.mem, cr3, Gva(KTEXT + 0x2000)),
+        Err(WalkError::NotPresent {
+            level: Level::Pt,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn malformed_tables() {
+    let mut b = Builder::new();
+    let cr3 = b.cr3();
+    // PS in a PML4 entry is reserved.
+    b.mem
+        .write_u64(
+            Builder::entry_addr(b.pml4, KTEXT, Level::Pml4),
+            0x2000 | P | PTE_LARGE,
+        )
+        .unwrap();
+    assert_eq!(
+        translate(&b.mem, cr3, Gva(KTEXT)),
+        Err(WalkError::Reserved {
+            gva: Gva(KTEXT),
+            level: Level::Pml4
+        })
+    );
+    // A table outside guest RAM.
+    b.mem
+        .write_u64(
+            Builder::entry_addr(b.pml4, KTEXT, Level::Pml4),
+            0x7_0000_0000 | P,
+        )
+        .unwrap();
+    assert!(matches!(
+        translate(&b.mem, cr3, Gva(KTEXT)),
+        Err(WalkError::Phys {
+            err: MemError::OutOfRange { .. },
+            ..
+        })
+    ));
+    // A CR3 outside guest RAM.
+    assert!(matches!(
+        translate(&b.mem, Cr3(1 << 40), Gva(KTEXT)),
+        Err(WalkError::Phys { .. })
+    ));
+    // Non-canonical.
+    assert_eq!(
+        translate(&b.mem, cr3, Gva(0x0000_8000_0000_0000)),
+        Err(WalkError::NonCanonical {
+            gva: Gva(0x0000_8000_0000_0000)
+        })
+    );
+    // Garbage everywhere: no panic.
+    let mut rng = 0x1234_5678_9abc_def1u64;
+    for i in 0..4096u64 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        b.mem
+            .write_u64(Gpa(b.pml4 + 8 * (i % 512)), rng | P)
+            .unwrap();
+        let _ = translate(&b.mem, cr3, Gva(rng & 0xffff_ffff_ffff_f000));
+        let _ = read_virt(&b.mem, cr3, Gva(rng), &mut [0u8; 64]);
+    }
+}
+
+#[test]
+fn reads_cross_pages_and_sizes() {
+    let mut b = Builder::new();
+    // Virtually contiguous, physically scattered: 4K, 4K, then a 2M page.
+    let base = KTEXT - 0x2000;
+    b.map(base, 0x90_0000, PageSize::Size4K, P, P);
+    b.map(base + 0x1000, 0x30_0000, PageSize::Size4K, P, P);
+    b.map(KTEXT, 0xa0_0000, PageSize::Size2M, P, P);
+    for (gpa, byte) in [(0x90_0000u64, 1u8), (0x30_0000, 2), (0xa0_0000, 3)] {
+        b.mem.write(Gpa(gpa), &[byte; 0x1000]).unwrap();
+    }
+    let cr3 = b.cr3();
+    let mut buf = vec![0u8; 0x2800];
+    read_virt(&b.mem, cr3, Gva(base + 0x800), &mut buf).unwrap();
+    assert!(buf[..0x800].iter().all(|&x| x == 1));
+    assert!(buf[0x800..0x1800].iter().all(|&x| x == 2));
+    assert!(buf[0x1800..].iter().all(|&x| x == 3));
+    // Running off the end of the 2 MiB page into nothing.
+    let e = read_virt(&b.mem, cr3, Gva(KTEXT + (2 << 20) - 4), &mut [0u8; 8]).unwrap_err();
+    assert_eq!(
+        e,
+        WalkError::NotPresent {
+            gva: Gva(KTEXT + (2 << 20)),
+            level: Level::Pd
+        }
+    );
+    // Through the view: the same bytes, holes as Unmapped with a resume
+    // address at the end of the missing entry's span.
+    let view = PagedView::new(&b.mem, cr3);
+    let mut small = [0u8; 4];
+    view.read_virt(Gva(base + 0xffe), &mut small).unwrap();
+    assert_eq!(small, [1, 1, 2, 2]);
+    assert_eq!(
+        view.read_virt(Gva(KTEXT + (2 << 20)), &mut small),
+        Err(ViewError::Unmapped {
+            gva: Gva(KTEXT + (2 << 20)),
+            resume: Some(Gva(KTEXT + (4 << 20)))
+        })
+    );
+    // Zero-length reads of unmapped memory succeed; reads at the top of
+    // the address space fail cleanly.
+    read_virt(&b.mem, cr3, Gva(0x1234), &mut []).unwrap();
+    assert!(read_virt(&b.mem, cr3, Gva(u64::MAX - 1), &mut [0u8; 4]).is_err());
+}
+
+/// The scanner skips a hole of a whole non-present PD entry in one step.
+#[test]
+fn scan_skips_holes() {
+    use guest_introspect::scan::{find, ScanStats};
+    let mut b = Builder::new();
+    b.map(KTEXT, 0x20_0000, PageSize::Size2M, P, P);
+    b.map(KTEXT + (8 << 20), 0x40_0000, PageSize::Size4K, P, P);
+    b.mem.write(Gpa(0x40_0100), b"needle").unwrap();
+    let view = PagedView::new(&b.mem, b.cr3());
+    let mut st = ScanStats::default();
+    let hit = find(
+        &view,
+        guest_introspect::GvaRange::with_len(Gva(KTEXT), 16 << 20),
+        b"needle",
+        &mut st,
+        Some,
+    );
+    assert_eq!(hit, Some(Gva(KTEXT + (8 << 20) + 0x100)));
+    // 2 MiB + the 4 KiB page were read; the holes were skipped in few reads.
+    assert_eq!(st.bytes_scanned, (2 << 20) + 0x1000);
+    assert!(st.reads < 80, "{st:?}");
+}

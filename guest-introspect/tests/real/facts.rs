@@ -1,0 +1,186 @@
+//! Banner, BTF, `current` and the one-call discovery over the real images.
+
+use guest_introspect::btf::{self, Btf, BtfError};
+use guest_introspect::facts::{
+    banner, discover, ranges_from_lstar, release_of, running_task, CurrentSource, CurrentTask,
+};
+use guest_introspect::scan::ScanStats;
+use guest_introspect::view::SegmentView;
+use guest_introspect::{Gva, GvaRange};
+
+use crate::common::{self, Patched};
+
+#[test]
+fn banners() {
+    for (img, r) in [
+        (common::fast(), crate::fast()),
+        (common::debian(), crate::debian()),
+    ] {
+        let view = img.view();
+        let ranges: Vec<GvaRange> = view.ranges().collect();
+        let mut st = ScanStats::default();
+        let b = banner(&view, Some(&r.index), &ranges, &mut st).expect("banner via linux_banner");
+        assert_eq!(release_of(&b), Some(img.release.as_str()), "{b}");
+        assert_eq!(st.bytes_scanned, 0, "the symbol was enough");
+        // Without symbols: by scanning.
+        let scanned = banner(&view, None, &ranges, &mut st).expect("banner by scanning");
+        assert_eq!(scanned, b);
+        eprintln!("{b}\n  (found by scanning {} bytes)", st.bytes_scanned);
+    }
+}
+
+/// Debian has BTF. The offsets checked against pahole's for this build were
+/// pid 2416, comm 2976, size 9792; the test checks what any build must
+/// satisfy, since the package follows Debian's security updates.
+#[test]
+fn debian_btf_task_layout() {
+    let img = common::debian();
+    let idx = &crate::debian().index;
+    let view = img.view();
+    let elf = img.elf();
+    let sec = elf.section(".BTF").expect(".BTF section");
+    let at = idx.addr_of("__start_BTF").expect("__start_BTF in kallsyms");
+    assert_eq!(at.0, sec.addr);
+    // Also without the symbol, by its header.
+    let ranges: Vec<GvaRange> = view.ranges().collect();
+    let mut st = ScanStats::default();
+    assert_eq!(btf::locate(&view, None, &ranges, &mut st), Ok(at));
+    eprintln!("BTF header found by scanning {} bytes", st.bytes_scanned);
+
+    let t0 = std::time::Instant::now();
+    let b = Btf::parse(&view, at).unwrap();
+    let layout = btf::task_layout(&b).unwrap();
+    eprintln!(
+        "Debian BTF: {} types, {} B checkpoints; task_struct {layout:?}; parse+lookup {:?}",
+        b.type_count(),
+        b.heap_bytes(),
+        t0.elapsed()
+    );
+    assert!(b.type_count() > 50_000);
+    assert_eq!(layout.comm_len, 16);
+    assert!(
+        layout.pid.is_multiple_of(4) && layout.pid < layout.comm && layout.comm + 16 <= layout.size
+    );
+    assert!((2000..20000).contains(&layout.size));
+    // 6.1 has no pcpu_hot.
+    assert_eq!(
+        btf::pcpu_hot_current_task(&b),
+        Err(BtfError::NoType("pcpu_hot"))
+    );
+}
+
+#[test]
+fn discover_debian() {
+    let img = common::debian();
+    let view = img.view();
+    let ranges: Vec<GvaRange> = view.ranges().collect();
+    let f = discover(&view, &ranges).unwrap();
+    assert_eq!(f.kaslr_slide, Some(0));
+    assert!(f.btf.is_ok());
+    let task = f.task.unwrap();
+    let cur = f.current.unwrap();
+    assert_eq!(cur.source, CurrentSource::CurrentTask);
+    assert_eq!(
+        Some(Gva(cur.percpu_offset)),
+        f.symbols.addr_of("current_task")
+    );
+    assert!(cur.percpu_offset < f.symbols.addr_of("__per_cpu_end").unwrap().0);
+    eprintln!(
+        "Debian: current at %gs:{:#x}, task {task:?}",
+        cur.percpu_offset
+    );
+}
+
+/// The fast-lane kernel has no BTF: reported as such, and `current` falls
+/// back to `pcpu_hot`'s first member.
+#[test]
+fn discover_fast_lane_without_btf() {
+    let img = common::fast();
+    let view = img.view();
+    let ranges: Vec<GvaRange> = view.ranges().collect();
+    let f = discover(&view, &ranges).unwrap();
+    assert_eq!(f.btf, Err(BtfError::Absent));
+    assert_eq!(f.task, Err(BtfError::Absent));
+    let map = common::fast_map_by_name();
+    assert_eq!(
+        f.current,
+        Ok(CurrentTask {
+            percpu_offset: map["pcpu_hot"],
+            source: CurrentSource::PcpuHotFirstMember
+        })
+    );
+    // Scanning for a header finds none either.
+    let mut st = ScanStats::default();
+    assert_eq!(
+        btf::locate(&view, None, &ranges, &mut st),
+        Err(BtfError::Absent)
+    );
+    eprintln!(
+        "fast-lane: no BTF ({} bytes scanned to be sure)",
+        st.bytes_scanned
+    );
+}
+
+/// Discovery in a slid image, starting from LSTAR as the hypervisor does.
+#[test]
+fn discover_with_kaslr_from_lstar() {
+    let img = common::fast();
+    let r = crate::fast();
+    let slide = 0x1e0_0000u64 * 7;
+    let slid = img.view().slid(slide).unwrap();
+    let rb_at = r.tables.relative_base_at.0 + slide;
+    let view = Patched {
+        inner: slid,
+        patches: vec![(
+            rb_at,
+            (r.tables.relative_base + slide).to_le_bytes().to_vec(),
+        )],
+    };
+    let lstar = Gva(r.index.addr_of("entry_SYSCALL_64").unwrap().0 + slide);
+    let t0 = std::time::Instant::now();
+    let f = discover(&view, &[ranges_from_lstar(lstar).unwrap()]).unwrap();
+    eprintln!(
+        "discover from LSTAR: {:?}, {:?}",
+        t0.elapsed(),
+        f.locate_stats
+    );
+    assert_eq!(f.kaslr_slide, Some(slide as i64));
+    assert_eq!(f.text_base, Some(Gva(0xffff_ffff_8100_0000 + slide)));
+    assert_eq!(
+        release_of(f.banner.as_deref().unwrap()),
+        Some(img.release.as_str())
+    );
+}
+
+/// Reading the running task through a per-cpu area and a task, laid out as
+/// Debian's BTF says.
+#[test]
+fn running_task_from_gs_base() {
+    let layout = btf::TaskLayout {
+        pid: 2416,
+        comm: 2976,
+        comm_len: 16,
+        size: 9792,
+    };
+    let cur = CurrentTask {
+        percpu_offset: 0x1fb80,
+        source: CurrentSource::CurrentTask,
+    };
+    let gs_base = 0xffff_8880_3f60_0000u64;
+    let task = 0xffff_8880_0512_3400u64;
+    let mut percpu = vec![0u8; 0x20000];
+    percpu[0x1fb80..0x1fb88].copy_from_slice(&task.to_le_bytes());
+    let mut t = vec![0u8; 9792];
+    t[2416..2420].copy_from_slice(&4242i32.to_le_bytes());
+    t[2976..2976 + 4].copy_from_slice(b"bash");
+    let mut view = SegmentView::new();
+    view.add(Gva(gs_base), &percpu, percpu.len() as u64);
+    view.add(Gva(task), &t, t.len() as u64);
+    let rt = running_task(&view, Gva(gs_base), &cur, &layout).unwrap();
+    assert_eq!(
+        (rt.task, rt.pid, rt.comm_bytes()),
+        (Gva(task), 4242, &b"bash"[..])
+    );
+    // A wrong GS base faults cleanly.
+    assert!(running_task(&view, Gva(0x1000), &cur, &layout).is_err());
+}

@@ -1,0 +1,58 @@
+//! Tests over the real kernel images: Debian's stock 6.1 (stripped, with BTF)
+//! and the fast-lane 6.12 (full symbols, no BTF). The images come from the
+//! project's guest scripts; a failing script fails the test.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod facts;
+mod fentry;
+mod guest_path;
+mod kallsyms;
+mod malformed;
+
+use std::sync::OnceLock;
+
+use guest_introspect::kallsyms::{locate, KallsymsTables, LocateStats, SymbolIndex};
+use guest_introspect::GvaRange;
+
+/// Tables and index recovered from an image's unslid view, computed once per
+/// test binary.
+pub struct Recovered {
+    pub tables: KallsymsTables,
+    pub stats: LocateStats,
+    pub index: SymbolIndex,
+    pub locate_time: std::time::Duration,
+    pub build_time: std::time::Duration,
+}
+
+fn recover(img: &common::Image) -> Recovered {
+    let view = img.view();
+    let ranges: Vec<GvaRange> = view.ranges().collect();
+    let mut stats = LocateStats::default();
+    let t0 = std::time::Instant::now();
+    let tables =
+        locate(&view, &ranges, &mut stats).unwrap_or_else(|e| panic!("{}: {e}", img.release));
+    let locate_time = t0.elapsed();
+    let t0 = std::time::Instant::now();
+    let index =
+        SymbolIndex::build(&view, &tables).unwrap_or_else(|e| panic!("{}: {e}", img.release));
+    let build_time = t0.elapsed();
+    Recovered {
+        tables,
+        stats,
+        index,
+        locate_time,
+        build_time,
+    }
+}
+
+pub fn fast() -> &'static Recovered {
+    static R: OnceLock<Recovered> = OnceLock::new();
+    R.get_or_init(|| recover(common::fast()))
+}
+
+pub fn debian() -> &'static Recovered {
+    static R: OnceLock<Recovered> = OnceLock::new();
+    R.get_or_init(|| recover(common::debian()))
+}
