@@ -73,7 +73,7 @@ fn broken_kernels_are_refused_under_qemu() {
         ("bad-magic", bad_magic, "expected \"HdrS\""),
         ("protocol-2.11", old, "boot protocol 2.11 is too old"),
         ("no-64bit-entry", no64, "no 64-bit entry point"),
-        ("bad-boot-flag", bad_flag, "boot flag 0x0055"),
+        ("bad-boot-flag", bad_flag, "boot flag 0xaa00, expected 0xAA55"),
         ("truncated", real[..real.len() / 2].to_vec(), "image truncated"),
         ("tiny", real[..300].to_vec(), "only 300 bytes"),
     ];
