@@ -8,9 +8,12 @@
 //! through the small traits they define, which the tests implement in memory.
 #![cfg_attr(not(test), no_std)]
 
+extern crate alloc;
+
 pub mod acpi;
 pub mod addr;
 pub mod ept;
+pub mod kprobe;
 pub mod policy;
 pub mod stats;
 pub mod vmx;
