@@ -248,9 +248,19 @@ pub fn discover<V: VirtMemory + ?Sized>(
     view: &V,
     ranges: &[GvaRange],
 ) -> Result<KernelFacts, KallsymsError> {
+    discover_limited(view, ranges, kallsyms::DEFAULT_MAX_INDEX_BYTES)
+}
+
+/// [`discover`] with the symbol index capped at `max_index_bytes` of heap
+/// (the table sizes come from guest memory; a hypervisor heap is small).
+pub fn discover_limited<V: VirtMemory + ?Sized>(
+    view: &V,
+    ranges: &[GvaRange],
+    max_index_bytes: usize,
+) -> Result<KernelFacts, KallsymsError> {
     let mut locate_stats = LocateStats::default();
     let tables = kallsyms::locate(view, ranges, &mut locate_stats)?;
-    let symbols = SymbolIndex::build(view, &tables)?;
+    let symbols = SymbolIndex::build_limited(view, &tables, max_index_bytes)?;
     let mut scan_stats = ScanStats::default();
     let banner = banner(view, Some(&symbols), ranges, &mut scan_stats);
     let text_base = symbols

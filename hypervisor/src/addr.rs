@@ -5,6 +5,4 @@
 
 pub use loader::layout::{Gpa, Hpa};
 
-/// A guest-virtual address.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct Gva(pub u64);
+pub use guest_introspect::addr::Gva;

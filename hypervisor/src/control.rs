@@ -3,6 +3,7 @@
 //! answers go back the same way. Served on the hypervisor's turns (the
 //! preemption timer), never by waiting: the guest is not stalled for the host.
 
+use crate::introspect::{CpuView, Introspection};
 use crate::uart::Uart;
 use alloc::collections::VecDeque;
 use alloc::string::String;
@@ -18,13 +19,19 @@ pub enum Action {
     Stop,
 }
 
-/// Hypervisor state a status report is built from.
+/// Hypervisor state the answers are built from.
 pub struct StatusSource<'a> {
     pub counters: &'a hypervisor::stats::ExitCounters,
     pub uptime_ns: u64,
     pub memory_used: u64,
     pub memory_total: u64,
+    pub introspection: &'a mut Introspection,
+    pub cpu: CpuView,
+    pub tsc_hz: u64,
 }
+
+/// Name bytes per `Syms` answer, so that a page fits one frame.
+const SYMS_PAGE_BUDGET: usize = 3000;
 
 /// Upper bound on queued output; past it new responses are dropped (and
 /// counted) rather than growing without end when nobody reads.
@@ -43,13 +50,14 @@ impl Control {
         Some(Self { uart: Uart::init(base)?, decoder: FrameDecoder::new(), tx: VecDeque::new(), stats: ChannelReport::default() })
     }
 
-    /// Whether output is still queued (the caller polls sooner then).
+    /// Whether output is still queued or in the UART, or a frame is half
+    /// received (the caller polls sooner then).
     pub fn busy(&self) -> bool {
-        !self.tx.is_empty() || self.decoder.buffered() != 0
+        !self.tx.is_empty() || self.decoder.buffered() != 0 || !self.uart.tx_idle()
     }
 
     /// Moves bytes both ways and answers complete requests.
-    pub fn poll(&mut self, src: &StatusSource<'_>) -> Action {
+    pub fn poll(&mut self, src: &mut StatusSource<'_>) -> Action {
         let mut action = Action::None;
         let mut buf = [0u8; 64];
         loop {
@@ -112,7 +120,7 @@ impl Control {
         }
     }
 
-    fn answer(&mut self, frame: Frame, src: &StatusSource<'_>) -> Action {
+    fn answer(&mut self, frame: Frame, src: &mut StatusSource<'_>) -> Action {
         let seq = frame.seq;
         let Body::Request(req) = frame.body else {
             self.send(&Frame::response(seq, Response::error(ErrorKind::Malformed, "expected a request")));
@@ -129,6 +137,7 @@ impl Control {
             Request::Ping { nonce } => (Response::Pong { nonce }, Action::None),
             Request::Status => (Response::Status(status(src, self.stats)), Action::None),
             Request::Stop => (Response::Ok, Action::Stop),
+            Request::Syms { glob, kinds, cursor, limit } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
             other => (
                 Response::error(ErrorKind::Unsupported, alloc::format!("{} is not supported by this hypervisor yet", request_name(&other))),
                 Action::None,
@@ -151,7 +160,20 @@ fn request_name(r: &Request) -> &'static str {
     }
 }
 
-fn status(src: &StatusSource<'_>, channel: ChannelReport) -> StatusReport {
+fn syms(src: &mut StatusSource<'_>, glob: &str, kinds: &str, cursor: u32, limit: u32) -> Response {
+    match src.introspection.ensure(&src.cpu, src.tsc_hz) {
+        Ok(k) => {
+            let (total, next, symbols) = k.symbols(glob, kinds, cursor, limit, SYMS_PAGE_BUDGET);
+            Response::Syms { total, next, symbols }
+        }
+        Err(e) => Response::error(ErrorKind::NotReady, alloc::format!("guest kernel not found yet: {e}")),
+    }
+}
+
+fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
+    // Recovery runs on the first status after boot, so that the current
+    // task can be shown; until the kernel is up this simply reports none.
+    let _ = src.introspection.ensure(&src.cpu, src.tsc_hz);
     StatusReport {
         hypervisor_version: String::from(crate::VERSION),
         protocol_version: protocol::PROTOCOL_VERSION,
@@ -166,7 +188,8 @@ fn status(src: &StatusSource<'_>, channel: ChannelReport) -> StatusReport {
         exits_total: src.counters.total(),
         hv_memory_used: src.memory_used,
         hv_memory_total: src.memory_total,
-        current_task: None,
+        current_task: src.introspection.current_task(&src.cpu),
         channel,
+        kernel: src.introspection.report().cloned(),
     }
 }

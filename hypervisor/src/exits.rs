@@ -3,6 +3,7 @@
 
 use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
 use crate::control::{Action, Control, StatusSource};
+use crate::introspect::{CpuView, Introspection};
 use crate::hvprintln;
 use crate::vcpu::{Vmcs, VmConfig};
 use core::fmt;
@@ -77,6 +78,7 @@ pub struct Vcpu {
     timer: u32,
     /// Turns left before a host-requested stop, while its acknowledgement drains.
     stopping: Option<u32>,
+    introspection: Introspection,
 }
 
 /// Preemption-timer periods: idle, and while the control channel has
@@ -113,7 +115,7 @@ const UD: u8 = 6;
 
 impl Vcpu {
     pub fn new(cfg: VmConfig, control: Option<Control>, tsc_hz: u64) -> Self {
-        Self { regs: GuestRegs::default(), counters: ExitCounters::new(), cfg, control, tsc_hz, start_tsc: insn::rdtsc(), timer: 0, stopping: None }
+        Self { regs: GuestRegs::default(), counters: ExitCounters::new(), cfg, control, tsc_hz, start_tsc: insn::rdtsc(), timer: 0, stopping: None, introspection: Introspection::default() }
     }
 
     fn timer_value(&self, busy: bool) -> u32 {
@@ -126,13 +128,22 @@ impl Vcpu {
         let mut stop = false;
         let mut busy = false;
         if let Some(c) = self.control.as_mut() {
-            let src = StatusSource {
+            let v = &Vmcs;
+            let cpu = CpuView {
+                cr3: f::GUEST_CR3.read(v)?,
+                cpl: ((f::GUEST_SS_ACCESS_RIGHTS.read(v)? >> 5) & 3) as u8,
+                gs_base: f::GUEST_GS_BASE.read(v)?,
+            };
+            let mut src = StatusSource {
                 counters: &self.counters,
                 uptime_ns: crate::clock::tsc_to_ns(insn::rdtsc().wrapping_sub(self.start_tsc), self.tsc_hz),
                 memory_used: crate::frames::used(),
                 memory_total: loader::layout::HV_RESERVED_SIZE,
+                introspection: &mut self.introspection,
+                cpu,
+                tsc_hz: self.tsc_hz,
             };
-            stop = c.poll(&src) == Action::Stop;
+            stop = c.poll(&mut src) == Action::Stop;
             busy = c.busy();
         }
         if self.cfg.has_timer {

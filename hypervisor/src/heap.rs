@@ -5,7 +5,7 @@ use crate::frames;
 use linked_list_allocator::LockedHeap;
 
 /// Heap size. The control channel and the symbol index are the main users.
-pub const HEAP_SIZE: u64 = 8 << 20;
+pub const HEAP_SIZE: u64 = 16 << 20;
 
 #[global_allocator]
 static HEAP: LockedHeap = LockedHeap::empty();

@@ -16,6 +16,7 @@ mod exits;
 mod frames;
 mod guest;
 mod heap;
+mod introspect;
 mod logger;
 mod phys;
 mod uart;

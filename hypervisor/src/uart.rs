@@ -17,6 +17,7 @@ const LSR: u16 = 5;
 const SCR: u16 = 7;
 const LSR_DR: u8 = 1 << 0;
 const LSR_THRE: u8 = 1 << 5;
+const LSR_TEMT: u8 = 1 << 6;
 /// Bytes the transmit FIFO takes when THRE is set.
 pub const TX_FIFO: usize = 16;
 
@@ -64,6 +65,11 @@ impl Uart {
             n += 1;
         }
         n
+    }
+
+    /// Whether every byte written has left the UART (transmitter empty).
+    pub fn tx_idle(&self) -> bool {
+        self.inp(LSR) & LSR_TEMT != 0
     }
 
     /// Writes up to one FIFO's worth of `bytes` if the transmitter is empty;

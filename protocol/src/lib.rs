@@ -62,8 +62,8 @@ pub use codec::{
     MAX_WIRE_FRAME,
 };
 pub use message::{
-    Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GuestState, Request, Response,
-    StatusReport, TaskInfo,
+    Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GuestState, KernelReport, Request,
+    Response, StatusReport, SymbolInfo, TaskInfo,
 };
 
 /// The version of the wire format: the frame header, the framing and every

@@ -92,10 +92,20 @@ pub enum Request {
         /// Any value; echoed back.
         nonce: u64,
     },
-    /// Looks up guest kernel symbols matching a glob (`vfs_*`).
+    /// Looks up guest kernel symbols matching a glob (`vfs_*`), one page
+    /// at a time: answered by [`Response::Syms`] with at most `limit`
+    /// matches, scanning the symbol table (in address order) from `cursor`
+    /// (0 for the first page, then the answer's `next`).
     Syms {
         /// The glob pattern.
         glob: String,
+        /// Type letters to keep (`"tT"`); empty keeps every type.
+        kinds: String,
+        /// Where to resume the scan.
+        cursor: u32,
+        /// Most matches wanted in this answer (the hypervisor may send fewer
+        /// to stay within a frame).
+        limit: u32,
     },
     /// Adds a probe, in kprobe_events syntax.
     ProbeAdd {
@@ -124,6 +134,9 @@ pub enum Request {
 /// The hypervisor's answer to a [`Request`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
+// A status report is much larger than the other answers; responses are
+// built, encoded and dropped one at a time, so boxing would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Response {
     /// Session accepted.
     Hello {
@@ -155,6 +168,15 @@ pub enum Response {
         ours: u16,
         /// The version the other side announced.
         theirs: u16,
+    },
+    /// Answer to [`Request::Syms`].
+    Syms {
+        /// Matches in all; counted on the first page (cursor 0) only.
+        total: Option<u32>,
+        /// The cursor for the next page; `None` after the last one.
+        next: Option<u32>,
+        /// The matches of this page.
+        symbols: Vec<SymbolInfo>,
     },
     /// Answer to [`Request::Exec`].
     Exec {
@@ -237,6 +259,46 @@ pub struct StatusReport {
     pub current_task: Option<TaskInfo>,
     /// The control channel's own counters, as the hypervisor sees them.
     pub channel: ChannelReport,
+    /// What introspection found in guest memory, once it ran.
+    pub kernel: Option<KernelReport>,
+}
+
+/// The guest kernel as recovered from its memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KernelReport {
+    /// The release from the banner (`6.1.0-57-amd64`).
+    pub release: String,
+    /// `_text` minus its link address.
+    pub kaslr_slide: i64,
+    /// Symbols recovered from kallsyms.
+    pub symbols: u32,
+    /// Text symbols (t/T/w/W in text) among them.
+    pub text_symbols: u32,
+    /// Functions with an fentry site.
+    pub traceable: u32,
+    /// Heap bytes the symbol index uses.
+    pub index_bytes: u64,
+    /// Time the recovery took in VMX root (guest time), nanoseconds.
+    pub recovery_ns: u64,
+    /// Why the task layout (pid/comm) is unknown, if it is.
+    pub task_layout_error: Option<String>,
+}
+
+/// One symbol of a [`Response::Syms`] answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SymbolInfo {
+    /// Name.
+    pub name: String,
+    /// Runtime (KASLR) address.
+    pub addr: u64,
+    /// Size up to the next symbol, when known.
+    pub size: u64,
+    /// Type letter, as /proc/kallsyms prints it.
+    pub kind: u8,
+    /// The fentry site, for traceable functions.
+    pub site: Option<u64>,
+    /// Why the symbol cannot be traced, when it cannot (empty when it can).
+    pub not_traceable: String,
 }
 
 /// Control-channel counters kept by the hypervisor.

@@ -44,6 +44,16 @@ fn status() -> StatusReport {
             bad_frames: 4,
             dropped: 5,
         },
+        kernel: Some(KernelReport {
+            release: "6.1.0-57-amd64".into(),
+            kaslr_slide: -0x1c00000,
+            symbols: 94_266,
+            text_symbols: 49_503,
+            traceable: 37_655,
+            index_bytes: 2 << 20,
+            recovery_ns: 1_200_000_000,
+            task_layout_error: None,
+        }),
     }
 }
 
@@ -65,7 +75,12 @@ fn samples() -> Vec<Body> {
         Body::Request(Request::Ping {
             nonce: 0x0123_4567_89AB_CDEF,
         }),
-        Body::Request(Request::Syms { glob: "*".into() }),
+        Body::Request(Request::Syms {
+            glob: "*".into(),
+            kinds: String::new(),
+            cursor: 0,
+            limit: 100,
+        }),
         Body::Request(Request::ProbeAdd {
             spec: "p:p1 vfs_read".into(),
         }),
@@ -88,6 +103,18 @@ fn samples() -> Vec<Body> {
         Body::Response(Response::VersionMismatch {
             ours: 1,
             theirs: u16::MAX,
+        }),
+        Body::Response(Response::Syms {
+            total: Some(2),
+            next: None,
+            symbols: vec![SymbolInfo {
+                name: "vfs_read".into(),
+                addr: 0xffff_ffff_8130_0000,
+                size: 0x1a0,
+                kind: b'T',
+                site: Some(0xffff_ffff_8130_0004),
+                not_traceable: String::new(),
+            }],
         }),
         Body::Response(Response::Exec {
             output: "hvtrace-guest\n0\n".into(),
@@ -160,6 +187,7 @@ fn variant(body: &Body) -> String {
             Response::Error { kind, .. } => return alloc::format!("Response::Error/{kind:?}"),
             Response::VersionMismatch { .. } => "Response::VersionMismatch",
             Response::Exec { .. } => "Response::Exec",
+            Response::Syms { .. } => "Response::Syms",
         },
         Body::Event(e) => match e {
             Event::Log { .. } => "Event::Log",
@@ -172,9 +200,9 @@ fn variant(body: &Body) -> String {
 
 /// Keep in step with the matches of `variant` (and with `ERROR_KINDS`, whose
 /// `match` below has no wildcard either).
-/// 11 requests, 5 plain responses, a status per guest state, one error per
+/// 11 requests, 6 plain responses, a status per guest state, one error per
 /// kind, 3 events.
-const VARIANTS: usize = 11 + 5 + 3 + 8 + 3;
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 3;
 
 #[test]
 fn samples_cover_every_variant() {

@@ -101,6 +101,7 @@ pub fn status_report() -> StatusReport {
             bad_frames: 2,
             dropped: 0,
         },
+        kernel: None,
     }
 }
 
@@ -117,6 +118,9 @@ pub fn sample_bodies() -> Vec<Body> {
         Body::Request(Request::Ping { nonce: u64::MAX }),
         Body::Request(Request::Syms {
             glob: "vfs_*".into(),
+            kinds: "tT".into(),
+            cursor: 40,
+            limit: 20,
         }),
         Body::Request(Request::ProbeAdd {
             spec: "p:myprobe do_sys_open dfd=%di".into(),

@@ -1,0 +1,235 @@
+//! Guest introspection in VMX root: the `guest-introspect` crate run over
+//! the guest's own memory through its own page tables. Recovery (kallsyms,
+//! banner, KASLR slide, BTF task layout, `current`, fentry survey) runs once,
+//! on the first request that needs it after the kernel is up, and its result
+//! is kept for the life of the VM.
+
+use crate::arch::instructions as insn;
+use crate::clock;
+use crate::phys;
+use alloc::format;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use guest_introspect::addr::Gva;
+use guest_introspect::facts::{self, KernelFacts};
+use guest_introspect::fentry::{self, Classifier};
+use guest_introspect::kallsyms::SymbolId;
+use guest_introspect::mem::{GuestMemory, MemError};
+use guest_introspect::paging::Cr3;
+use guest_introspect::view::PagedView;
+use loader::layout::{self, Gpa};
+use protocol::{KernelReport, SymbolInfo, TaskInfo};
+
+const IA32_LSTAR: u32 = 0xc000_0082;
+const IA32_KERNEL_GS_BASE: u32 = 0xc000_0102;
+/// Heap the symbol index may take; the rest of the heap serves the channel.
+const MAX_INDEX_BYTES: usize = 10 << 20;
+
+/// Guest RAM as introspection reads it: anything but hypervisor memory and
+/// what the hypervisor's own page tables do not map.
+pub struct GuestRam;
+
+impl GuestMemory for GuestRam {
+    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), MemError> {
+        let len = buf.len() as u64;
+        let start = gpa.as_u64();
+        let Some(end) = start.checked_add(len) else {
+            return Err(MemError::OutOfRange { gpa, len: buf.len() });
+        };
+        let (hv0, hv1) = (layout::HV_RESERVED.as_u64(), layout::HV_RESERVED_END.as_u64());
+        if start < hv1 && end > hv0 {
+            return Err(MemError::Denied { gpa });
+        }
+        if end > phys::MAPPED_LIMIT || !phys::read(start, buf) {
+            return Err(MemError::OutOfRange { gpa, len: buf.len() });
+        }
+        Ok(())
+    }
+}
+
+/// The vCPU state introspection needs, read at an exit.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuView {
+    pub cr3: u64,
+    /// Current privilege level (SS.DPL).
+    pub cpl: u8,
+    /// GUEST_GS_BASE from the VMCS.
+    pub gs_base: u64,
+}
+
+impl CpuView {
+    /// The kernel's GS base: GS_BASE in kernel mode, KERNEL_GS_BASE (not
+    /// switched by VMX, so the guest's value is live) in user mode.
+    fn kernel_gs(&self) -> u64 {
+        if self.cpl == 0 {
+            self.gs_base
+        } else {
+            // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
+            unsafe { insn::rdmsr(IA32_KERNEL_GS_BASE) }
+        }
+    }
+
+    /// The CR3 to walk kernel memory with (the kernel half of a PTI pair
+    /// when the guest was interrupted in user mode).
+    fn kernel_cr3s(&self) -> [Cr3; 2] {
+        let c = Cr3(self.cr3);
+        if self.cpl == 0 { [c, c] } else { [c, c.pti_kernel()] }
+    }
+}
+
+/// Recovery results.
+pub struct Kernel {
+    facts: KernelFacts,
+    pub report: KernelReport,
+    cr3: Cr3,
+}
+
+/// Introspection state across the VM's life.
+#[derive(Default)]
+pub struct Introspection {
+    kernel: Option<Kernel>,
+    last_error: Option<String>,
+}
+
+impl Introspection {
+    /// The kernel report, once recovery ran.
+    pub fn report(&self) -> Option<&KernelReport> {
+        self.kernel.as_ref().map(|k| &k.report)
+    }
+
+    /// Runs recovery if it has not succeeded yet. Needs the guest to have
+    /// set up its syscall entry (IA32_LSTAR), i.e. to have booted.
+    pub fn ensure(&mut self, cpu: &CpuView, tsc_hz: u64) -> Result<&Kernel, String> {
+        if self.kernel.is_none() {
+            match recover(cpu, tsc_hz) {
+                Ok(k) => {
+                    log::info!(
+                        "introspection: {} ({} symbols, {} traceable, KASLR slide {:#x}) in {} ms, index {} KiB",
+                        k.report.release,
+                        k.report.symbols,
+                        k.report.traceable,
+                        k.report.kaslr_slide,
+                        k.report.recovery_ns / 1_000_000,
+                        k.report.index_bytes >> 10
+                    );
+                    self.kernel = Some(k);
+                }
+                Err(e) => {
+                    if self.last_error.as_deref() != Some(e.as_str()) {
+                        log::info!("introspection not ready: {e}");
+                    }
+                    self.last_error = Some(e.clone());
+                    return Err(e);
+                }
+            }
+        }
+        self.kernel.as_ref().ok_or_else(|| "introspection failed".to_string())
+    }
+
+    /// pid/comm of the task running on the vCPU, when recovery knows how.
+    pub fn current_task(&self, cpu: &CpuView) -> Option<TaskInfo> {
+        let k = self.kernel.as_ref()?;
+        let layout = k.facts.task.as_ref().ok()?;
+        let current = k.facts.current.as_ref().ok()?;
+        let view = PagedView::new(&GuestRam, k.cr3);
+        let t = facts::running_task(&view, Gva(cpu.kernel_gs()), current, layout).ok()?;
+        Some(TaskInfo { pid: t.pid, comm: String::from_utf8_lossy(t.comm_bytes()).into_owned(), cpu: 0 })
+    }
+}
+
+fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
+    // SAFETY: IA32_LSTAR exists on every x86-64 CPU; VMX does not switch it,
+    // so this is the guest's value.
+    let lstar = unsafe { insn::rdmsr(IA32_LSTAR) };
+    let range = facts::ranges_from_lstar(Gva(lstar))
+        .ok_or_else(|| format!("the guest has not set up its syscall entry yet (LSTAR {lstar:#x})"))?;
+    let t0 = insn::rdtsc();
+    let mut last = String::new();
+    for cr3 in cpu.kernel_cr3s() {
+        let view = PagedView::new(&GuestRam, cr3);
+        match facts::discover_limited(&view, &[range], MAX_INDEX_BYTES) {
+            Ok(f) => {
+                let survey = fentry::survey(&view, &f.symbols, false);
+                let text = f.symbols.iter().filter(|s| s.kind.is_text()).count() as u32;
+                let release = f
+                    .banner
+                    .as_deref()
+                    .and_then(facts::release_of)
+                    .unwrap_or("unknown")
+                    .to_string();
+                let report = KernelReport {
+                    release,
+                    kaslr_slide: f.kaslr_slide.unwrap_or(0),
+                    symbols: f.symbols.len() as u32,
+                    text_symbols: text,
+                    traceable: survey.unique_sites as u32,
+                    index_bytes: f.symbols.heap_bytes() as u64,
+                    recovery_ns: clock::tsc_to_ns(insn::rdtsc().wrapping_sub(t0), tsc_hz),
+                    task_layout_error: f.task.as_ref().err().map(|e| e.to_string()),
+                };
+                return Ok(Kernel { facts: f, report, cr3 });
+            }
+            Err(e) => last = format!("kallsyms not found: {e}"),
+        }
+    }
+    Err(last)
+}
+
+impl Kernel {
+    /// One page of the symbols matching `glob` (and, when `kinds` is not
+    /// empty, whose type letter is in it), scanning from symbol `cursor` in
+    /// address order. Stops at `limit` matches or when `budget` bytes of
+    /// answer are reached, so that the page fits a frame. Returns the count
+    /// of all matches (on the first page only), the next cursor and the page.
+    pub fn symbols(&self, glob: &str, kinds: &str, cursor: u32, limit: u32, budget: usize) -> (Option<u32>, Option<u32>, Vec<SymbolInfo>) {
+        let index = &self.facts.symbols;
+        let view = PagedView::new(&GuestRam, self.cr3);
+        let classifier = Classifier::new(index);
+        let mut name = Vec::with_capacity(64);
+        let matches = |id: SymbolId, name: &mut Vec<u8>| {
+            if !kinds.is_empty() && !kinds.contains(index.symbol(id).kind.letter()) {
+                return false;
+            }
+            name.clear();
+            index.name_into(id, name);
+            guest_introspect::glob::matches(glob.as_bytes(), name)
+        };
+        let total = (cursor == 0).then(|| (0..index.len() as u32).filter(|&i| matches(SymbolId(i), &mut name)).count() as u32);
+        let mut out = Vec::new();
+        let mut used = 0usize;
+        let mut id = cursor;
+        while (id as usize) < index.len() {
+            if out.len() as u32 >= limit || used >= budget {
+                return (total, Some(id), out);
+            }
+            if matches(SymbolId(id), &mut name) {
+                let s = info(index, &classifier, &view, SymbolId(id));
+                used += s.name.len() + s.not_traceable.len() + 32;
+                out.push(s);
+            }
+            id += 1;
+        }
+        (total, None, out)
+    }
+}
+
+fn info<V: guest_introspect::view::VirtMemory + ?Sized>(
+    index: &guest_introspect::kallsyms::SymbolIndex,
+    classifier: &Classifier<'_>,
+    view: &V,
+    id: SymbolId,
+) -> SymbolInfo {
+    let s = index.symbol(id);
+    let (site, not_traceable) = match classifier.classify(view, id) {
+        Ok(site) => (Some(site.site.0), String::new()),
+        Err(e) => (None, format!("{e:?}")),
+    };
+    SymbolInfo {
+        name: index.name(id),
+        addr: s.addr.0,
+        size: index.size(id).unwrap_or(0),
+        kind: s.kind.letter() as u8,
+        site,
+        not_traceable,
+    }
+}
