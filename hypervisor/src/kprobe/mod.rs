@@ -1,2 +1,113 @@
-//! kprobe_events-style probes: spec parsing, fetch-argument evaluation and
-//! trace_pipe rendering (filled in by the kprobe issue).
+//! kprobe_events-style probes: spec parsing, fetch-argument evaluation,
+//! the binary event record, and trace_pipe / JSON rendering.
+//!
+//! The syntax, defaults, limits and output are those of the Linux kernel's
+//! `kprobe_events` (Documentation/trace/kprobetrace.rst; the code in
+//! kernel/trace/trace_kprobe.c and trace_probe.c, as of 6.1 and 6.12), for
+//! probes at a function's entry (its fentry site) and, parsed for the
+//! function-graph work, at its return.
+//!
+//! # Flow
+//!
+//! 1. [`parse`] turns a line into a [`Command`]: a [`ProbeSpec`] to add or
+//!    a [`DeleteSpec`]. A refusal is a [`ParseError`] that names the token
+//!    and its column; [`ParseError::caret`] draws the kernel-style caret.
+//! 2. [`ProbeSpec::resolve_symbols`] looks `@SYM` up once, at probe add.
+//! 3. On a hit, VMX root calls [`fetch`] over the trampoline's
+//!    [`trampolines::PtRegs`], a [`GuestMem`] (the guest page walker) and
+//!    a [`SymbolResolver`], and stores a [`RawEvent`] with
+//!    [`RawEvent::encode_into`] in the vCPU's ring.
+//! 4. The host decodes with [`RawEvent::decode`] and renders with
+//!    [`text_line`] (trace_pipe) or [`json_line`].
+//!
+//! # Syntax
+//!
+//! ```text
+//! p[:[GRP/|GRP.][EVENT]] SYM[+0] [FETCHARGS]            entry probe
+//! r[MAXACTIVE][:[GRP/|GRP.][EVENT]] SYM[+0] [FETCHARGS]  return probe
+//! p[:[GRP/][EVENT]] SYM[+0]%return [FETCHARGS]           return probe
+//! -:[GRP/][EVENT]                                        delete
+//! ```
+//!
+//! - GRP defaults to `kprobes`; EVENT to `p_SYM_0` / `r_SYM_0` (with `.`
+//!   made `_`, cut to 63 characters). Both must be C identifiers (GRP may
+//!   contain `-`) shorter than 64 characters. MAXACTIVE is 1..=4096.
+//! - `SYM+N` with N != 0 is refused: "only function entry can be probed".
+//! - Up to 128 FETCHARGS, each `[NAME=]FETCHARG[:TYPE]`, the part after
+//!   `NAME=` at most 63 characters, NAME a C identifier of at most 32
+//!   characters, unique and not a reserved field name. Unnamed arguments
+//!   are `arg1`, `arg2`, ... by position.
+//!
+//! | FETCHARG | value |
+//! |---|---|
+//! | `%REG` | a pt_regs register: `ax bx cx dx si di bp sp ip flags cs ss orig_ax r8`..`r15` (the kernel's names; `%rax` is refused with a hint) |
+//! | `@ADDR` | the memory at ADDR |
+//! | `@SYM`, `@SYM+OFF`, `@SYM-OFF` | the memory at a symbol (plus offset) |
+//! | `$stack` | the stack pointer |
+//! | `$stackN` | the N-th long at `sp + 8*N` (0..=2048; `$stack0` is the return address) |
+//! | `$argN` | argument N (1..=2048): di, si, dx, cx, r8, r9, then the stack above the return address (entry probes only) |
+//! | `$retval` | `ax` (return probes only) |
+//! | `$comm`, `$COMM` | the current task's name (type `string` only) |
+//! | `\IMM` | an immediate: decimal, `0x` hex, `0` octal, `-`/`+` signed |
+//! | `\"TEXT"` | an immediate string (type `string` only) |
+//! | `+OFFS(FETCHARG)`, `-OFFS(...)` | the memory at FETCHARG + OFFS, nested up to the kernel's limit (14 levels below a register) |
+//! | `+uOFFS(...)`, `-uOFFS(...)` | the same, from user memory |
+//!
+//! | TYPE | printed as |
+//! |---|---|
+//! | `u8 u16 u32 u64` | unsigned decimal |
+//! | `s8 s16 s32 s64` | signed decimal |
+//! | `x8 x16 x32 x64` | `0x` hex (`x64` is the default) |
+//! | `char` | `'c'` |
+//! | `string` | `"text"`, read from kernel memory (user addresses as user memory) |
+//! | `ustring` | `"text"`, read from user memory |
+//! | `symbol` | `sym+0xoff/0xsize` |
+//! | `symstr` | `"sym+0xoff/0xsize"` |
+//! | `b<W>@<S>/<C>` | a W-bit field at bit S of a C-bit container, unsigned decimal |
+//!
+//! A value whose memory cannot be read prints `(fault)`. Strings are read
+//! up to the kernel's `MAX_STRING_SIZE` ([`MAX_STRING_SIZE`], 4096 bytes
+//! with the terminator).
+//!
+//! # Deviations from Linux
+//!
+//! - Only function entry (and, parsed, return): no `SYM+N`, no raw
+//!   addresses, no `MOD:SYM`; `SYM+4` on an `endbr64` function, which
+//!   Linux takes as the entry, is refused too.
+//! - Not supported: array types (`:x8[4]`), `%pd`/`%pD`, BTF argument
+//!   names and `$arg*`, `$argN` on return probes (6.12 has it, 6.1 not),
+//!   and uprobe file offsets (`@+OFFS`, which kprobes refuse as well).
+//! - A failed read of a numeric, `symbol` or `symstr` value prints
+//!   `(fault)`; the kernel prints whatever was in its ring buffer then
+//!   (only strings get `(fault)` there).
+//! - Stricter: text after the closing `)` of a dereference, after
+//!   `-:EVENT`, or after `p`/`r` other than MAXACTIVE and `:...` is refused
+//!   (the kernel ignores it), and `$retval` must be spelled exactly (6.12
+//!   takes any `$retval...`).
+//! - Error positions are byte offsets in the spec as written, not in the
+//!   kernel's re-joined command, and messages are our own wording.
+//! - trace_pipe lines have no `irq-info` column (as with the kernel's
+//!   `noirq-info` option); strings print invalid UTF-8 as U+FFFD.
+//! - The probe location prints the event header's `ip`. The fentry site
+//!   sits where the kernel puts its own kprobe on the function: `SYM+0`,
+//!   or `SYM+4` behind an `endbr64` (IBT kernels), so the two agree.
+
+mod event;
+mod fetch;
+mod json;
+mod num;
+mod parse;
+mod render;
+mod spec;
+
+pub use event::{DecodeError, EventHeader, RawEvent, EVENT_VERSION, HEADER_LEN};
+pub use fetch::{
+    fetch, fetch_one, FetchContext, FetchedValue, GuestLayout, GuestMem, MemFault, NoSymbols, SymbolAt,
+    SymbolResolver, MAX_STRING_SIZE, TASK_COMM_LEN,
+};
+pub use parse::{parse, parse_probe, ParseError, ParseErrorKind};
+pub use render::{json_line, text_line, write_json, write_symbol, write_text, write_value, FAULT_STRING};
+pub use spec::*;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,272 @@
+//! Rendering events as the kernel's trace_pipe lines, and as JSON lines.
+//!
+//! The text form is the kernel's with the `irq-info` option off (the
+//! `d..1.` column needs the guest's preempt count, which we do not read):
+//!
+//! ```text
+//! trace_print_context:   "%16s-%-7d " "[%03d] " " %5lu.%06lu" ": "
+//! print_kprobe_event:    "%s: (" %pS ")"  then " name=value" per argument
+//! print_kretprobe_event: "%s: (" %pS " <- " name ")" ...
+//! ```
+//!
+//! Values print as `probe_fetch_types` prints them (trace_probe.c): `u*`
+//! as `%u`, `s*` as `%d`, `x*` as `0x%x`, `char` as `'%c'`, `symbol` as
+//! `%pS`, strings quoted, and a failed read as `(fault)`.
+
+use alloc::string::String;
+use core::fmt::Write;
+
+use guest_introspect::addr::Gva;
+
+use super::event::RawEvent;
+use super::fetch::{FetchedValue, SymbolResolver};
+use super::json;
+use super::spec::{IntType, ProbeKind, ProbeSpec};
+
+/// The kernel's `FAULT_STRING`.
+pub const FAULT_STRING: &str = "(fault)";
+
+/// Appends bytes as text; invalid UTF-8 becomes U+FFFD (the kernel would
+/// pass the bytes through).
+pub fn push_lossy(out: &mut String, b: &[u8]) {
+    for chunk in b.utf8_chunks() {
+        out.push_str(chunk.valid());
+        if !chunk.invalid().is_empty() {
+            out.push('\u{fffd}');
+        }
+    }
+}
+
+/// `%pS`: `name+0xoff/0xsize`, ` [module]` for module symbols, or `0xaddr`
+/// when no symbol contains the address (`sprint_symbol`).
+pub fn write_symbol(out: &mut String, syms: &dyn SymbolResolver, addr: u64) {
+    match syms.symbolize(Gva(addr)) {
+        Some(s) => {
+            let _ = write!(out, "{}+{:#x}/{:#x}", s.name, s.offset, s.size);
+            if let Some(m) = s.module {
+                let _ = write!(out, " [{m}]");
+            }
+        }
+        None => {
+            let _ = write!(out, "{addr:#x}");
+        }
+    }
+}
+
+/// `seq_print_ip_sym`: `0` for a null address; with `offset`, the `%pS`
+/// form; without, the bare symbol name or `0x%08lx`.
+fn write_ip_sym(out: &mut String, syms: &dyn SymbolResolver, ip: u64, offset: bool) {
+    if ip == 0 {
+        out.push('0');
+    } else if offset {
+        write_symbol(out, syms, ip);
+    } else {
+        match syms.symbolize(Gva(ip)) {
+            Some(s) => out.push_str(&s.name),
+            None => {
+                let _ = write!(out, "0x{ip:08x}");
+            }
+        }
+    }
+}
+
+fn sign_extend(ty: IntType, v: u64) -> i64 {
+    match ty.size() {
+        1 => v as u8 as i8 as i64,
+        2 => v as u16 as i16 as i64,
+        4 => v as u32 as i32 as i64,
+        _ => v as i64,
+    }
+}
+
+/// One value as trace_pipe prints it.
+pub fn write_value(out: &mut String, syms: &dyn SymbolResolver, v: &FetchedValue) {
+    match v {
+        FetchedValue::Int { ty, value } => {
+            let value = ty.truncate(*value);
+            let _ = match ty {
+                IntType::U8 | IntType::U16 | IntType::U32 | IntType::U64 => write!(out, "{value}"),
+                IntType::S8 | IntType::S16 | IntType::S32 | IntType::S64 => {
+                    write!(out, "{}", sign_extend(*ty, value))
+                }
+                IntType::X8 | IntType::X16 | IntType::X32 | IntType::X64 => write!(out, "0x{value:x}"),
+                IntType::Char => {
+                    out.push('\'');
+                    push_lossy(out, &[value as u8]);
+                    out.push('\'');
+                    Ok(())
+                }
+            };
+        }
+        FetchedValue::Str(s) => {
+            out.push('"');
+            push_lossy(out, s);
+            out.push('"');
+        }
+        FetchedValue::Symbol(a) => write_symbol(out, syms, *a),
+        FetchedValue::SymStr(a) => {
+            out.push('"');
+            write_symbol(out, syms, *a);
+            out.push('"');
+        }
+        FetchedValue::Fault => out.push_str(FAULT_STRING),
+    }
+}
+
+/// The comm column: the kernel shows `<idle>` for pid 0.
+fn comm_of(ev: &RawEvent) -> String {
+    let mut s = String::new();
+    if ev.header.pid == 0 {
+        s.push_str("<idle>");
+    } else {
+        push_lossy(&mut s, ev.header.comm_bytes());
+    }
+    s
+}
+
+/// `ns2usecs` (rounded to the nearest microsecond), as seconds and the
+/// remaining microseconds.
+fn secs_usecs(ns: u64) -> (u64, u64) {
+    let us = ns.saturating_add(500) / 1000;
+    (us / 1_000_000, us % 1_000_000)
+}
+
+/// The probe location: `(sym+0x0/0xsize)` or `(ret+0x1b/0x1d <- func)`.
+fn write_location(out: &mut String, kind: ProbeKind, ev: &RawEvent, syms: &dyn SymbolResolver) {
+    match kind {
+        ProbeKind::Entry => write_ip_sym(out, syms, ev.header.ip, true),
+        ProbeKind::Return { .. } => {
+            write_ip_sym(out, syms, ev.header.ret_ip, true);
+            out.push_str(" <- ");
+            write_ip_sym(out, syms, ev.header.ip, false);
+        }
+    }
+}
+
+/// Appends one trace_pipe line for `ev`, a hit of `probe` (no newline).
+///
+/// ```text
+///              cat-123     [000]     12.345678: myopen: (do_sys_openat2+0x0/0x150) dfd=0xffffff9c filename="/etc/hostname"
+/// ```
+pub fn write_text(out: &mut String, probe: &ProbeSpec, ev: &RawEvent, syms: &dyn SymbolResolver) {
+    let h = &ev.header;
+    let comm = comm_of(ev);
+    // %16s pads by bytes.
+    for _ in comm.len()..16 {
+        out.push(' ');
+    }
+    out.push_str(&comm);
+    let (secs, usecs) = secs_usecs(h.timestamp_ns);
+    let _ = write!(out, "-{:<7} [{:03}]  {:>5}.{:06}: {}: (", h.pid, h.cpu, secs, usecs, probe.event);
+    write_location(out, probe.kind, ev, syms);
+    out.push(')');
+    for (i, v) in ev.values.iter().enumerate() {
+        out.push(' ');
+        match probe.args.get(i) {
+            Some(a) => out.push_str(&a.name),
+            None => {
+                let _ = write!(out, "arg{}", i + 1);
+            }
+        }
+        out.push('=');
+        write_value(out, syms, v);
+    }
+}
+
+/// [`write_text`] into a new string.
+pub fn text_line(probe: &ProbeSpec, ev: &RawEvent, syms: &dyn SymbolResolver) -> String {
+    let mut s = String::new();
+    write_text(&mut s, probe, ev, syms);
+    s
+}
+
+/// Appends one JSON object for `ev` (no newline):
+///
+/// ```text
+/// {"ts":"12.345678","ts_ns":12345678000,"cpu":0,"pid":123,"comm":"cat",
+///  "group":"kprobes","event":"myopen","kind":"kprobe","ip":"0xffffffff81234560",
+///  "probe":"do_sys_openat2+0x0/0x150","args":{"dfd":"0xffffff9c","filename":"/etc/hostname"}}
+/// ```
+///
+/// `u*`/`s*` values are JSON numbers; `x*` values, characters, symbols and
+/// strings are JSON strings spelled as in the text form (strings without
+/// the quotes); a fault is `null`. `comm` is the task's own name (the text
+/// form shows `<idle>` for pid 0). Return probes have `"kind":"kretprobe"`
+/// and a `ret_ip`.
+pub fn write_json(out: &mut String, probe: &ProbeSpec, ev: &RawEvent, syms: &dyn SymbolResolver) {
+    let h = &ev.header;
+    let (secs, usecs) = secs_usecs(h.timestamp_ns);
+    let mut scratch = String::new();
+    let mut o = json::Object::begin(out);
+    let _ = write!(scratch, "{secs}.{usecs:06}");
+    o.str("ts", &scratch);
+    o.u64("ts_ns", h.timestamp_ns).u64("cpu", u64::from(h.cpu)).i64("pid", i64::from(h.pid));
+    o.bytes("comm", h.comm_bytes()).str("group", &probe.group).str("event", &probe.event);
+    let is_return = probe.kind.is_return();
+    o.str("kind", if is_return { "kretprobe" } else { "kprobe" });
+    scratch.clear();
+    let _ = write!(scratch, "{:#x}", h.ip);
+    o.str("ip", &scratch);
+    if is_return {
+        scratch.clear();
+        let _ = write!(scratch, "{:#x}", h.ret_ip);
+        o.str("ret_ip", &scratch);
+    }
+    scratch.clear();
+    write_location(&mut scratch, probe.kind, ev, syms);
+    o.str("probe", &scratch);
+    let mut args = o.object("args");
+    let mut name = String::new();
+    for (i, v) in ev.values.iter().enumerate() {
+        name.clear();
+        match probe.args.get(i) {
+            Some(a) => name.push_str(&a.name),
+            None => {
+                let _ = write!(name, "arg{}", i + 1);
+            }
+        }
+        match v {
+            FetchedValue::Fault => {
+                args.null(&name);
+            }
+            FetchedValue::Int { ty, value }
+                if !matches!(
+                    ty,
+                    IntType::X8 | IntType::X16 | IntType::X32 | IntType::X64 | IntType::Char
+                ) =>
+            {
+                let value = ty.truncate(*value);
+                if matches!(ty, IntType::S8 | IntType::S16 | IntType::S32 | IntType::S64) {
+                    args.i64(&name, sign_extend(*ty, value));
+                } else {
+                    args.u64(&name, value);
+                }
+            }
+            FetchedValue::Int { ty: IntType::Char, value } => {
+                args.bytes(&name, &[*value as u8]);
+            }
+            FetchedValue::Str(s) => {
+                args.bytes(&name, s);
+            }
+            FetchedValue::SymStr(a) | FetchedValue::Symbol(a) => {
+                scratch.clear();
+                write_symbol(&mut scratch, syms, *a);
+                args.str(&name, &scratch);
+            }
+            other => {
+                scratch.clear();
+                write_value(&mut scratch, syms, other);
+                args.str(&name, &scratch);
+            }
+        }
+    }
+    args.end();
+    o.end();
+}
+
+/// [`write_json`] into a new string.
+pub fn json_line(probe: &ProbeSpec, ev: &RawEvent, syms: &dyn SymbolResolver) -> String {
+    let mut s = String::new();
+    write_json(&mut s, probe, ev, syms);
+    s
+}
