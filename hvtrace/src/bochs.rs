@@ -42,8 +42,10 @@ pub struct Machine<'a> {
     pub ips: u64,
     /// CPU model (see `bochs --help cpu`).
     pub cpu_model: &'a str,
-    /// The TCP port on 127.0.0.1 that COM1 connects to.
+    /// The TCP port on 127.0.0.1 that COM1 (the guest console) connects to.
     pub serial_port: u16,
+    /// The TCP port on 127.0.0.1 that COM2 (the control channel) connects to.
+    pub control_port: u16,
 }
 
 /// Renders the bochsrc for `machine`.
@@ -54,6 +56,7 @@ pub fn bochsrc(machine: &Machine<'_>) -> String {
         ips,
         cpu_model,
         serial_port,
+        control_port,
     } = machine;
     format!(
         "\
@@ -68,6 +71,7 @@ boot: cdrom
 clock: sync=none, time0=local
 port_e9_hack: enabled=1
 com1: enabled=1, mode=socket-client, dev=127.0.0.1:{serial_port}
+com2: enabled=1, mode=socket-client, dev=127.0.0.1:{control_port}
 display_library: rfb, options=\"timeout=0\"
 mouse: enabled=0
 plugin_ctrl: speaker=0, gameport=0, parallel=0
@@ -132,12 +136,14 @@ mod tests {
             ips: 50_000_000,
             cpu_model: "corei7_haswell_4770",
             serial_port: 4242,
+            control_port: 4343,
         });
         assert!(rc.contains("memory: guest=512, host=512\n"));
         assert!(rc.contains("cpu: model=corei7_haswell_4770, count=1, ips=50000000"));
         assert!(rc.contains("path=boot.iso, status=inserted"));
         assert!(rc.contains("port_e9_hack: enabled=1"));
-        assert!(rc.contains("mode=socket-client, dev=127.0.0.1:4242"));
+        assert!(rc.contains("com1: enabled=1, mode=socket-client, dev=127.0.0.1:4242\n"));
+        assert!(rc.contains("com2: enabled=1, mode=socket-client, dev=127.0.0.1:4343\n"));
         assert!(rc.contains("display_library: rfb, options=\"timeout=0\""));
     }
 

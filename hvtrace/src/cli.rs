@@ -1,7 +1,9 @@
 //! The command line: `hvtrace [--socket PATH] <command> ...`.
 //!
-//! `run` boots a VM. The control commands (`status`, `exec`, `stop`, `syms`,
-//! `probe`, `trace`, `graph`) will talk to a running VM over `--socket`.
+//! `run` boots a VM; with `--detach` it leaves it running behind a control
+//! socket. The control commands (`status`, `exec`, `stop`; later `syms`,
+//! `probe`, `trace`, `graph`) talk to that VM over `--socket`, whose default
+//! is `$XDG_RUNTIME_DIR/hvtrace.sock`, else `/tmp/hvtrace-$UID.sock`.
 
 use std::path::PathBuf;
 
@@ -13,7 +15,8 @@ use crate::config::{EmulatorChoice, Guest, DEFAULT_APPEND, DEFAULT_BOCHS_IPS, DE
 #[derive(Debug, Parser)]
 #[command(name = "hvtrace", version, propagate_version = true)]
 pub struct Cli {
-    /// Control socket of a running VM (for the control commands).
+    /// Control socket of a detached VM [default: $XDG_RUNTIME_DIR/hvtrace.sock,
+    /// else /tmp/hvtrace-$UID.sock].
     #[arg(long, global = true, value_name = "PATH")]
     pub socket: Option<PathBuf>,
 
@@ -26,6 +29,47 @@ pub struct Cli {
 pub enum Command {
     /// Boot a Linux guest under the hypervisor (or bare) and run commands in it.
     Run(RunArgs),
+    /// Show the hypervisor's status: exits, memory, control channel.
+    Status(StatusArgs),
+    /// Run a shell command in the guest of a detached VM.
+    Exec(ExecArgs),
+    /// Stop a detached VM and show its final exit counts.
+    Stop(StopArgs),
+    /// The supervisor of a detached VM (started by `run --detach`).
+    #[command(hide = true)]
+    Supervise(SuperviseArgs),
+}
+
+/// Options of `hvtrace status`.
+#[derive(Clone, Debug, Args)]
+pub struct StatusArgs {
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Options of `hvtrace exec`.
+#[derive(Clone, Debug, Args)]
+pub struct ExecArgs {
+    /// The command line for the guest's shell (several words are joined with
+    /// spaces). The exit code is the command's status.
+    #[arg(value_name = "CMD", required = true, num_args = 1.., trailing_var_arg = true, allow_hyphen_values = true)]
+    pub command: Vec<String>,
+}
+
+/// Options of `hvtrace stop`.
+#[derive(Clone, Debug, Args)]
+pub struct StopArgs {}
+
+/// Options of the hidden `supervise` subcommand: a fully resolved `run`.
+#[derive(Clone, Debug, Args)]
+pub struct SuperviseArgs {
+    /// The run directory (boot image, logs, state file).
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: PathBuf,
+
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
 /// Options of `hvtrace run`.
@@ -67,6 +111,11 @@ pub struct RunArgs {
     /// any, the terminal is connected to the guest console.
     #[arg(long = "exec", value_name = "CMD")]
     pub exec: Vec<String>,
+
+    /// Boot, then return once the guest shell is up, leaving the VM running
+    /// behind the control socket (--socket) for `status`, `exec` and `stop`.
+    #[arg(long, conflicts_with_all = ["exec", "bare"])]
+    pub detach: bool,
 
     /// Hypervisor image [default: build it with cargo].
     #[arg(long, value_name = "PATH", conflicts_with = "bare")]
@@ -122,15 +171,21 @@ mod tests {
         Cli::command().debug_assert();
     }
 
+    fn run_args(cli: Cli) -> RunArgs {
+        match cli.command {
+            Command::Run(args) => args,
+            other => panic!("not run: {other:?}"),
+        }
+    }
+
     #[test]
     fn run_defaults() {
-        let cli = Cli::try_parse_from(["hvtrace", "run"]).unwrap();
-        let Command::Run(args) = cli.command;
+        let args = run_args(Cli::try_parse_from(["hvtrace", "run"]).unwrap());
         assert_eq!(args.guest, Guest::Debian);
         assert_eq!(args.emulator, EmulatorChoice::Auto);
         assert_eq!(args.append, DEFAULT_APPEND);
         assert_eq!(args.memory, 512);
-        assert!(args.exec.is_empty() && !args.bare);
+        assert!(args.exec.is_empty() && !args.bare && !args.detach);
     }
 
     #[test]
@@ -154,7 +209,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(cli.socket.as_deref(), Some(std::path::Path::new("/tmp/s")));
-        let Command::Run(args) = cli.command;
+        let args = run_args(cli);
         assert_eq!(args.exec, ["uname -r", "true"]);
         assert_eq!(args.guest, Guest::Fast);
         assert_eq!(args.emulator, EmulatorChoice::Bochs);
@@ -171,5 +226,40 @@ mod tests {
         let err =
             Cli::try_parse_from(["hvtrace", "run", "--bare", "--hypervisor", "x"]).unwrap_err();
         assert!(one_line_error(&err).contains("cannot be used with"));
+        for conflict in [["--detach", "--bare"], ["--detach", "--exec=true"]] {
+            let err =
+                Cli::try_parse_from(["hvtrace", "run", conflict[0], conflict[1]]).unwrap_err();
+            assert!(
+                one_line_error(&err).contains("cannot be used with"),
+                "{conflict:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn control_commands() {
+        let cli = Cli::try_parse_from(["hvtrace", "--socket", "/s", "status", "--json"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Status(StatusArgs { json: true })
+        ));
+        // The socket option goes anywhere on the line.
+        let cli = Cli::try_parse_from(["hvtrace", "stop", "--socket", "/s"]).unwrap();
+        assert_eq!(cli.socket.as_deref(), Some(std::path::Path::new("/s")));
+        let cli = Cli::try_parse_from(["hvtrace", "exec", "cat", "/etc/hostname", "-n"]).unwrap();
+        let Command::Exec(args) = cli.command else {
+            panic!("not exec")
+        };
+        assert_eq!(args.command.join(" "), "cat /etc/hostname -n");
+        assert!(Cli::try_parse_from(["hvtrace", "exec"]).is_err());
+        let args = run_args(Cli::try_parse_from(["hvtrace", "run", "--detach"]).unwrap());
+        assert!(args.detach);
+    }
+
+    #[test]
+    fn supervise_is_hidden() {
+        let help = Cli::command().render_help().to_string();
+        assert!(!help.contains("supervise"), "{help}");
+        assert!(help.contains("status") && help.contains("exec") && help.contains("stop"));
     }
 }

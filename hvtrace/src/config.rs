@@ -118,6 +118,9 @@ pub struct RunConfig {
     pub bochs_ips: u64,
     /// Bochs CPU model.
     pub bochs_cpu: String,
+    /// The run directory to use (created if missing) instead of a fresh one
+    /// under the temp directory.
+    pub run_dir: Option<PathBuf>,
 }
 
 impl RunConfig {
@@ -138,6 +141,7 @@ impl RunConfig {
             echo_boot_console: false,
             bochs_ips: DEFAULT_BOCHS_IPS,
             bochs_cpu: DEFAULT_BOCHS_CPU.to_string(),
+            run_dir: None,
         }
     }
 

@@ -91,8 +91,14 @@ impl Markers {
     /// Finds the result of command `n` in `buf` from `from`. Returns it and
     /// the index just past the end-marker line, or `None` while incomplete.
     pub fn find_exec(&self, buf: &[u8], from: usize, n: u32) -> Option<(ExecResult, usize)> {
+        self.find_exec_from(buf, from, from, n)
+    }
+
+    /// [`Self::find_exec`] that looks for the end marker only from `search`
+    /// on (the output before it was searched already).
+    pub fn find_exec_from(&self, buf: &[u8], from: usize, search: usize, n: u32) -> Option<(ExecResult, usize)> {
         let end_marker = format!("{}=", self.printed('E', n));
-        let (end_at, rc, after) = find_status_line(buf, from, end_marker.as_bytes())?;
+        let (end_at, rc, after) = find_status_line(buf, search.max(from), end_marker.as_bytes())?;
         let begin = self.printed('B', n);
         let start = match find_whole_line(&buf[..end_at], from, begin.as_bytes()) {
             Some((_, line_end)) => line_end,
@@ -112,6 +118,9 @@ impl Markers {
             .min()
     }
 }
+
+/// How far back a search resumes: longer than any marker line.
+pub const MARKER_MARGIN: usize = 512;
 
 /// Quotes `s` as one shell word.
 pub fn sh_quote(s: &str) -> String {

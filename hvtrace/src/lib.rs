@@ -1,6 +1,8 @@
 //! hvtrace, the host side: builds boot images, launches Bochs or QEMU with
 //! the hypervisor and a Linux guest, drives the guest's shell over the serial
-//! console and reads the hypervisor's log port.
+//! console, reads the hypervisor's log port, and keeps a detached VM behind a
+//! unix control socket whose supervisor speaks the control protocol to
+//! clients and to the hypervisor (COM2).
 //!
 //! The library is what the `hvtrace` binary and the VM test suite share:
 //!
@@ -16,18 +18,28 @@
 
 pub mod bochs;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod console;
+pub mod ctl;
+pub mod detach;
 pub mod guest;
 pub mod host;
 pub mod hvlog;
 pub mod hypervisor;
 pub mod image;
+pub mod json;
+pub mod link;
 pub mod qemu;
 pub mod run;
+pub mod segment;
+pub mod session;
+pub mod socket;
+pub mod supervisor;
+pub mod sys;
 pub mod vm;
 
 pub use config::{Emulator, EmulatorChoice, Guest, RunConfig};
 pub use console::ExecResult;
 pub use hvlog::{ExitCounts, HvEvent, HvLog};
-pub use vm::{launch, StopReport, Vm};
+pub use vm::{launch, StopReport, Vm, VmWatch};

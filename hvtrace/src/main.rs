@@ -25,8 +25,14 @@ fn main() -> ExitCode {
             };
         }
     };
+    let socket = hvtrace::socket::resolve(cli.socket.as_deref());
     let result = match &cli.command {
+        Command::Run(args) if args.detach => hvtrace::detach::run(args, &socket),
         Command::Run(args) => hvtrace::run::run(args),
+        Command::Status(args) => hvtrace::ctl::status(&socket, args),
+        Command::Exec(args) => hvtrace::ctl::exec(&socket, args),
+        Command::Stop(args) => hvtrace::ctl::stop(&socket, args),
+        Command::Supervise(args) => hvtrace::supervisor::supervise(&socket, args),
     };
     match result {
         Ok(code) => ExitCode::from(code),

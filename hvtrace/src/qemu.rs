@@ -6,7 +6,9 @@
 //! under those names in the run directory (QEMU's working directory). QEMU
 //! splits that option at commas; a comma inside a module string is written
 //! `,,`. The log port 0xE9 (`-debugcon stdio`) is QEMU's only stdout; COM1
-//! connects as a TCP client to the listener of the run.
+//! connects as a TCP client to the listener of the run, and so does COM2, the
+//! hypervisor's control channel (a `-chardev socket` client; users who drive
+//! QEMU themselves give it `path=...,server=on,wait=off` for a unix socket).
 
 use std::path::Path;
 use std::process::Command;
@@ -36,14 +38,18 @@ pub fn modules_arg(append: &str) -> String {
     format!("{},{INITRD_NAME}", escape_commas(&cmdline))
 }
 
+/// The TCP ports on 127.0.0.1 that the serial ports connect to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ports {
+    /// COM1, the guest console.
+    pub serial: u16,
+    /// COM2, the hypervisor's control channel.
+    pub control: u16,
+}
+
 /// The QEMU arguments for a run whose files are staged in its working
 /// directory (`bzImage`, `initrd`, and `hypervisor` unless bare).
-pub fn args(
-    cfg: &RunConfig,
-    kvm: bool,
-    hypervisor: Option<&Path>,
-    serial_port: u16,
-) -> Vec<String> {
+pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports) -> Vec<String> {
     let mut args: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| args.extend(items.iter().map(|s| s.to_string()));
     if kvm {
@@ -70,12 +76,18 @@ pub fn args(
             ]);
         }
     }
-    let serial = format!("tcp:127.0.0.1:{serial_port}");
+    let serial = format!("tcp:127.0.0.1:{}", ports.serial);
+    let control = format!("socket,id=ctl,host=127.0.0.1,port={}", ports.control);
     push(&[
         "-debugcon",
         "stdio",
         "-serial",
         &serial,
+        // The second serial port is COM2 (0x2F8), the control channel.
+        "-chardev",
+        &control,
+        "-serial",
+        "chardev:ctl",
         // Lets the hypervisor end QEMU: a write of N to port 0xf4 exits with
         // status 2N+1.
         "-device",
@@ -95,12 +107,11 @@ pub fn prepare(
     cfg: &RunConfig,
     kvm: bool,
     hypervisor: Option<&Path>,
-    serial_port: u16,
+    ports: Ports,
 ) -> Result<Command> {
     host::require_program(PROGRAM, "qemu-system-x86")?;
     let mut cmd = Command::new(PROGRAM);
-    cmd.args(args(cfg, kvm, hypervisor, serial_port))
-        .current_dir(dir);
+    cmd.args(args(cfg, kvm, hypervisor, ports)).current_dir(dir);
     Ok(cmd)
 }
 
@@ -120,11 +131,24 @@ mod tests {
     #[test]
     fn kvm_and_tcg_flags() {
         let cfg = RunConfig::new("k", "i");
-        let kvm = args(&cfg, true, Some(Path::new("/x/hypervisor")), 5);
+        let ports = Ports {
+            serial: 5,
+            control: 6,
+        };
+        let kvm = args(&cfg, true, Some(Path::new("/x/hypervisor")), ports);
         assert_eq!(&kvm[..3], ["-enable-kvm", "-cpu", "host,+vmx"]);
         assert!(kvm.windows(2).any(|w| w == ["-kernel", "/x/hypervisor"]));
-        assert!(kvm.windows(2).any(|w| w == ["-serial", "tcp:127.0.0.1:5"]));
-        let tcg = args(&cfg, false, None, 5);
+        // COM1 first, then COM2 (the order of -serial gives the port).
+        let serials: Vec<&str> = kvm
+            .windows(2)
+            .filter(|w| w[0] == "-serial")
+            .map(|w| w[1].as_str())
+            .collect();
+        assert_eq!(serials, ["tcp:127.0.0.1:5", "chardev:ctl"]);
+        assert!(kvm
+            .windows(2)
+            .any(|w| w == ["-chardev", "socket,id=ctl,host=127.0.0.1,port=6"]));
+        let tcg = args(&cfg, false, None, ports);
         assert_eq!(&tcg[..4], ["-accel", "tcg", "-cpu", "max"]);
         assert!(tcg.windows(2).any(|w| w == ["-kernel", "bzImage"]));
         assert!(tcg

@@ -1,5 +1,6 @@
-//! One running virtual machine: the emulator process, its log port and the
-//! guest console, from launch to power-off.
+//! One running virtual machine: the emulator process, its log port, the
+//! guest console (COM1) and the hypervisor's control channel (COM2), from
+//! launch to power-off.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
@@ -21,7 +22,7 @@ use crate::hvlog::{HvEvent, HvLog};
 use crate::image;
 use crate::qemu;
 
-/// How long the emulator gets to connect to the serial listener.
+/// How long the emulator gets to connect to the serial listeners.
 const SERIAL_CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the emulator gets to exit by itself after the guest stopped.
 const EXIT_GRACE: Duration = Duration::from_secs(15);
@@ -105,6 +106,8 @@ pub struct Vm {
     status: Option<ExitStatus>,
     shared: Arc<Shared>,
     serial: Option<TcpStream>,
+    /// COM2, the hypervisor's control channel, until [`Vm::take_control`].
+    control: Option<TcpStream>,
     readers: Vec<JoinHandle<()>>,
     deadline: Instant,
     boot_time: Option<Duration>,
@@ -123,24 +126,42 @@ pub fn launch(cfg: RunConfig) -> Result<Vm> {
 }
 
 impl Vm {
-    /// Builds what the emulator needs in a fresh run directory and starts it.
-    /// Returns once the emulator has connected the guest console; use
+    /// Builds what the emulator needs in a fresh run directory (or in
+    /// [`RunConfig::run_dir`]) and starts it. Returns once the emulator has
+    /// connected the guest console and the control channel; use
     /// [`Vm::wait_ready`] to wait for the guest shell.
+    ///
+    /// The emulator is killed when the thread that calls this ends (Linux's
+    /// parent-death signal follows the spawning thread), so that it never
+    /// outlives its launcher: keep the `Vm` in the thread that started it.
     pub fn start(cfg: RunConfig) -> Result<Vm> {
         cfg.validate()?;
         let start = Instant::now();
-        let dir = image::create_run_dir()?;
+        let dir = match &cfg.run_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("cannot create run directory {}", dir.display()))?;
+                dir.clone()
+            }
+            None => image::create_run_dir()?,
+        };
         let listener =
             TcpListener::bind("127.0.0.1:0").context("cannot listen for the serial console")?;
         let serial_port = listener.local_addr()?.port();
-        let mut command = match prepare(&cfg, &dir, serial_port) {
+        let control_listener =
+            TcpListener::bind("127.0.0.1:0").context("cannot listen for the control channel")?;
+        let control_port = control_listener.local_addr()?.port();
+        let mut command = match prepare(&cfg, &dir, serial_port, control_port) {
             Ok(command) => command,
             Err(e) => {
                 // Nothing ran yet: the messages say all there is to know.
-                let _ = std::fs::remove_dir_all(&dir);
+                if cfg.run_dir.is_none() {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
                 return Err(e);
             }
         };
+        crate::sys::die_with_parent(&mut command);
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner::default()),
             cv: Condvar::new(),
@@ -171,7 +192,9 @@ impl Vm {
         {
             Ok(child) => child,
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
+                if cfg.run_dir.is_none() {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
                 bail!("cannot start {}: {e}", cfg.emulator);
             }
         };
@@ -200,6 +223,7 @@ impl Vm {
             status: None,
             shared,
             serial: None,
+            control: None,
             readers,
             deadline,
             boot_time: None,
@@ -208,7 +232,10 @@ impl Vm {
             cursor: 0,
             finished: false,
         };
-        let stream = vm.accept_serial(&listener)?;
+        let [stream, control] = vm.accept_serial([
+            (&listener, "the serial console (COM1)"),
+            (&control_listener, "the control channel (COM2)"),
+        ])?;
         let reader_stream = stream
             .try_clone()
             .context("cannot clone the serial socket")?;
@@ -218,35 +245,56 @@ impl Vm {
             vm.shared.clone(),
         ));
         vm.serial = Some(stream);
+        vm.control = Some(control);
         Ok(vm)
     }
 
-    /// Waits for the emulator to connect COM1 to the listener.
-    fn accept_serial(&mut self, listener: &TcpListener) -> Result<TcpStream> {
-        listener.set_nonblocking(true)?;
+    /// Waits for the emulator to connect each serial port to its listener.
+    fn accept_serial<const N: usize>(
+        &mut self,
+        listeners: [(&TcpListener, &str); N],
+    ) -> Result<[TcpStream; N]> {
+        for (listener, _) in &listeners {
+            listener.set_nonblocking(true)?;
+        }
         let until = (Instant::now() + SERIAL_CONNECT_TIMEOUT).min(self.deadline);
+        let mut streams: [Option<TcpStream>; N] = std::array::from_fn(|_| None);
         loop {
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    stream.set_nonblocking(false)?;
-                    // Commands are short lines; send them at once.
-                    stream.set_nodelay(true)?;
-                    return Ok(stream);
+            for ((listener, what), slot) in listeners.iter().zip(streams.iter_mut()) {
+                if slot.is_some() {
+                    continue;
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(self.fail(anyhow!("serial listener failed: {e}"))),
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        stream.set_nonblocking(false)?;
+                        // Commands and frames are short; send them at once.
+                        stream.set_nodelay(true)?;
+                        *slot = Some(stream);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(self.fail(anyhow!("listener for {what} failed: {e}"))),
+                }
             }
+            if streams.iter().all(Option::is_some) {
+                return Ok(streams.map(|s| s.expect("checked above")));
+            }
+            let missing = listeners
+                .iter()
+                .zip(streams.iter())
+                .find(|(_, s)| s.is_none())
+                .map(|((_, what), _)| *what)
+                .unwrap_or("a serial port");
             if let Some(status) = self.poll_exit()? {
                 self.drain_readers();
                 let why = self.emulator_message();
                 return Err(self.fail(anyhow!(
-                    "{} exited ({status}) before connecting the serial console{why}",
+                    "{} exited ({status}) before connecting {missing}{why}",
                     self.cfg.emulator
                 )));
             }
             if Instant::now() >= until {
                 return Err(self.fail(anyhow!(
-                    "{} did not connect the serial console within {} s",
+                    "{} did not connect {missing} within {} s",
                     self.cfg.emulator,
                     SERIAL_CONNECT_TIMEOUT.as_secs()
                 )));
@@ -334,8 +382,14 @@ impl Vm {
         let markers = self.markers.clone();
         let from = self.cursor;
         let what = format!("`{cmd}` to finish");
+        // Long outputs arrive in many small reads: search only what is new
+        // (plus a margin for a marker line cut between reads), never the
+        // whole output again, or waiting grows with the square of its size.
+        let scanned = std::cell::Cell::new(from);
         let (result, after) = self.wait_for(&what, deadline, |inner| {
-            markers.find_exec(&inner.console, from, n)
+            let start = scanned.get();
+            scanned.set(inner.console.len().saturating_sub(console::MARKER_MARGIN).max(from));
+            markers.find_exec_from(&inner.console, from, start, n)
         })?;
         self.cursor = after;
         Ok(result)
@@ -550,6 +604,31 @@ impl Vm {
         self.drain_readers();
     }
 
+    /// Hands over COM2, the hypervisor's control channel (a byte stream
+    /// carrying protocol frames). `None` after the first call. Keep the
+    /// stream open while the emulator runs.
+    pub fn take_control(&mut self) -> Option<TcpStream> {
+        self.control.take()
+    }
+
+    /// Lifts the run's time limit (`--timeout`), for a VM that runs until it
+    /// is told to stop. Commands keep their own limits ([`Vm::exec_timeout`]).
+    pub fn clear_deadline(&mut self) {
+        self.deadline = Instant::now() + Duration::from_secs(100 * 365 * 24 * 3600);
+    }
+
+    /// The emulator's process id.
+    pub fn emulator_pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// A handle that tells, from any thread, whether the VM has ended.
+    pub fn watch(&self) -> VmWatch {
+        VmWatch {
+            shared: self.shared.clone(),
+        }
+    }
+
     // ----- internals -----
 
     /// Waits until `check` gives a value. Fails on a hypervisor error, a guest
@@ -728,9 +807,46 @@ impl Drop for Vm {
     }
 }
 
+/// Watches a [`Vm`] from another thread, without access to the `Vm` itself.
+#[derive(Clone)]
+pub struct VmWatch {
+    shared: Arc<Shared>,
+}
+
+impl VmWatch {
+    /// Why the VM is over, once it is: the hypervisor's `guest stopped:`
+    /// reason, its first error, or the emulator's end (both of its output
+    /// streams closed).
+    pub fn ended(&self) -> Option<String> {
+        let inner = self.shared.lock();
+        if let Some(reason) = &inner.hv.stopped {
+            return Some(format!("guest stopped: {reason}"));
+        }
+        if let Some(e) = inner.hv.errors.first() {
+            return Some(format!("the hypervisor reported an error: {e}"));
+        }
+        if inner.stdout_eof && inner.stderr_eof {
+            return Some("the emulator exited".to_string());
+        }
+        None
+    }
+
+    /// Sleeps until the VM's output changes or `timeout` passes.
+    pub fn wait(&self, timeout: Duration) {
+        let inner = self.shared.lock();
+        let _ = self.shared.cv.wait_timeout(inner, timeout);
+    }
+}
+
 /// Writes what the emulator needs into the run directory and returns the
-/// command that starts it there.
-fn prepare(cfg: &RunConfig, dir: &Path, serial_port: u16) -> Result<std::process::Command> {
+/// command that starts it there. COM1 connects to `serial_port`, COM2 (the
+/// control channel) to `control_port`, both on 127.0.0.1.
+fn prepare(
+    cfg: &RunConfig,
+    dir: &Path,
+    serial_port: u16,
+    control_port: u16,
+) -> Result<std::process::Command> {
     match cfg.emulator {
         Emulator::Bochs => {
             image::build_iso(dir, cfg)?;
@@ -742,6 +858,7 @@ fn prepare(cfg: &RunConfig, dir: &Path, serial_port: u16) -> Result<std::process
                     ips: cfg.bochs_ips,
                     cpu_model: &cfg.bochs_cpu,
                     serial_port,
+                    control_port,
                 },
             )
         }
@@ -752,7 +869,16 @@ fn prepare(cfg: &RunConfig, dir: &Path, serial_port: u16) -> Result<std::process
                 Some(hv) => Some(image::stage_file(hv, dir, image::HYPERVISOR_NAME)?),
                 None => None,
             };
-            qemu::prepare(dir, cfg, kvm, hv.as_deref(), serial_port)
+            qemu::prepare(
+                dir,
+                cfg,
+                kvm,
+                hv.as_deref(),
+                qemu::Ports {
+                    serial: serial_port,
+                    control: control_port,
+                },
+            )
         }
     }
 }
@@ -822,10 +948,13 @@ fn spawn_line_reader(
 
 /// Reads the guest console: logs it, keeps it and echoes it when asked.
 fn spawn_serial_reader(
-    mut stream: TcpStream,
+    stream: TcpStream,
     log_path: PathBuf,
     shared: Arc<Shared>,
 ) -> JoinHandle<()> {
+    // Bochs sends the console a byte per write, with Nagle's algorithm on:
+    // acknowledge at once, or every burst stalls on a delayed ACK.
+    let mut stream = crate::sys::QuickAckReader(stream);
     std::thread::spawn(move || {
         let mut log = File::create(&log_path).ok();
         let mut buf = [0u8; 4096];

@@ -2,6 +2,9 @@
 //! non-zero exit, no panic, and nothing started. None of these cases needs an
 //! emulator, a kernel or the hypervisor.
 //!
+//! The control commands are checked against a missing socket, a stale one
+//! and a fake supervisor (version mismatch, ended VM).
+//!
 //! Run: `cargo test -p hvtrace --test cli_errors`
 
 use std::path::PathBuf;
@@ -184,4 +187,102 @@ fn help_works() {
     ] {
         assert!(text.contains(option), "help lacks {option}");
     }
+}
+
+// ----- the control commands, against no VM or a fake supervisor -----
+
+use std::os::unix::net::UnixListener;
+
+use protocol::io::{FrameReader, FrameWriter};
+use protocol::{Body, ErrorKind, Frame, Request, Response, PROTOCOL_VERSION};
+
+/// Serves one connection on `path`, answering each request frame with
+/// `answer`.
+fn fake_supervisor(
+    path: &std::path::Path,
+    answer: impl Fn(&Request) -> Response + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    let listener = UnixListener::bind(path).unwrap();
+    std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let mut r = FrameReader::new(stream.try_clone().unwrap());
+        let mut w = FrameWriter::new(stream);
+        while let Ok(frame) = r.read_frame() {
+            if let Body::Request(req) = &frame.body {
+                if w.write_frame(&Frame::response(frame.seq, answer(req)))
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+    })
+}
+
+#[test]
+fn control_commands_without_a_vm() {
+    let scratch = Scratch::new("novm");
+    let missing = scratch.0.join("missing.sock");
+    let missing = missing.to_str().unwrap();
+    for args in [
+        vec!["--socket", missing, "status"],
+        vec!["--socket", missing, "exec", "true"],
+        vec!["--socket", missing, "stop"],
+    ] {
+        let msg = fails(&args);
+        assert!(msg.starts_with("no VM is running at"), "{args:?}: {msg}");
+        assert!(msg.contains(missing), "{msg}");
+    }
+    // A socket file nobody listens on: the VM died without cleaning up.
+    let stale = scratch.0.join("stale.sock");
+    drop(UnixListener::bind(&stale).unwrap());
+    let msg = fails(&["--socket", stale.to_str().unwrap(), "status", "--json"]);
+    assert!(msg.contains("is gone"), "{msg}");
+}
+
+#[test]
+fn version_mismatch_is_one_line() {
+    let scratch = Scratch::new("version");
+    let path = scratch.0.join("old.sock");
+    let server = fake_supervisor(&path, |_| Response::VersionMismatch {
+        ours: PROTOCOL_VERSION + 1,
+        theirs: PROTOCOL_VERSION,
+    });
+    let msg = fails(&["--socket", path.to_str().unwrap(), "status"]);
+    assert!(msg.starts_with("protocol version mismatch"), "{msg}");
+    server.join().unwrap();
+}
+
+#[test]
+fn ended_vm_is_one_line() {
+    let scratch = Scratch::new("ended");
+    let path = scratch.0.join("ended.sock");
+    let server = fake_supervisor(&path, |req| match req {
+        Request::Hello { .. } => Response::Hello {
+            version: PROTOCOL_VERSION,
+            hypervisor: "fake".into(),
+        },
+        _ => Response::error(
+            ErrorKind::NotReady,
+            "the VM has ended (guest stopped: triple fault)",
+        ),
+    });
+    let msg = fails(&["--socket", path.to_str().unwrap(), "exec", "uname", "-r"]);
+    assert_eq!(msg, "the VM has ended (guest stopped: triple fault)");
+    server.join().unwrap();
+}
+
+#[test]
+fn detach_refuses_a_taken_socket() {
+    let scratch = Scratch::new("taken");
+    let live = scratch.0.join("live.sock");
+    let _listener = UnixListener::bind(&live).unwrap();
+    let msg = fails(&["--socket", live.to_str().unwrap(), "run", "--detach"]);
+    assert!(msg.contains("already owns"), "{msg}");
+    let file = scratch.file("plain");
+    let msg = fails(&["--socket", &file, "run", "--detach"]);
+    assert!(msg.contains("is not a socket"), "{msg}");
+    assert!(std::path::Path::new(&file).is_file());
+    let msg = fails(&["run", "--detach", "--bare"]);
+    assert!(msg.contains("cannot be used with"), "{msg}");
 }

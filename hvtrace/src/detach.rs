@@ -1,0 +1,281 @@
+//! `hvtrace run --detach`: start a supervisor that keeps the VM, and return
+//! once the guest shell is up.
+//!
+//! The parent resolves everything first (kernel, initramfs, hypervisor image,
+//! emulator), so that the supervisor gets explicit absolute paths, then
+//! re-runs its own binary as `hvtrace --socket PATH supervise --run-dir DIR
+//! ...` in a new session, with stdin closed and stdout and stderr in
+//! `DIR/supervisor.log`. It copies that log to its stderr while the guest
+//! boots and returns when the supervisor's state file says `ready`, or fails
+//! with the supervisor's own error line when it exits first.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::cli::RunArgs;
+use crate::config::{Emulator, RunConfig};
+use crate::supervisor::{read_state, LOG_FILE};
+use crate::{image, socket, sys};
+
+/// How much longer than the boot's own limit the parent waits.
+const MARGIN: Duration = Duration::from_secs(60);
+
+/// What a successful detach reports.
+#[derive(Clone, Debug)]
+pub struct Detached {
+    /// The control socket.
+    pub socket: PathBuf,
+    /// The supervisor's process id.
+    pub pid: u32,
+    /// The run directory (boot image, logs).
+    pub run_dir: PathBuf,
+    /// From the start to the guest shell answering, as the supervisor saw it.
+    pub boot_secs: Option<f64>,
+}
+
+/// The arguments that make the supervisor boot exactly `cfg`.
+pub fn supervisor_args(cfg: &RunConfig, args: &RunArgs, run_dir: &Path) -> Result<Vec<String>> {
+    let abs = |what: &str, p: &Path| -> Result<String> {
+        let p = std::path::absolute(p)
+            .with_context(|| format!("cannot resolve {what} {}", p.display()))?;
+        p.into_os_string()
+            .into_string()
+            .map_err(|p| anyhow!("{what} path {} is not UTF-8", PathBuf::from(p).display()))
+    };
+    let Some(hypervisor) = &cfg.hypervisor else {
+        bail!("--detach needs the hypervisor (it serves the control channel)");
+    };
+    let mut out = vec![
+        "supervise".to_string(),
+        "--run-dir".to_string(),
+        abs("run directory", run_dir)?,
+        "--kernel".to_string(),
+        abs("kernel", &cfg.kernel)?,
+        "--initrd".to_string(),
+        abs("initrd", &cfg.initrd)?,
+        "--hypervisor".to_string(),
+        abs("hypervisor image", hypervisor)?,
+        format!("--append={}", cfg.append),
+        format!("--memory={}", cfg.memory_mib),
+        format!("--timeout={}", cfg.timeout.as_secs().max(1)),
+        format!("--bochs-ips={}", cfg.bochs_ips),
+        "--quiet".to_string(),
+    ];
+    match cfg.emulator {
+        Emulator::Bochs => out.push("--emulator=bochs".to_string()),
+        Emulator::Qemu { kvm } => {
+            out.push("--emulator=qemu".to_string());
+            if !kvm {
+                out.push("--no-kvm".to_string());
+            }
+        }
+    }
+    if args.allow_nokaslr {
+        out.push("--allow-nokaslr".to_string());
+    }
+    if args.keep_dir {
+        out.push("--keep-dir".to_string());
+    }
+    Ok(out)
+}
+
+/// Runs `hvtrace run --detach`; returns the process exit code.
+pub fn run(args: &RunArgs, socket_path: &Path) -> Result<u8> {
+    let detached = detach(args, socket_path)?;
+    let sock = detached.socket.display();
+    match detached.boot_secs {
+        Some(secs) => eprintln!("hvtrace: VM ready (guest shell up after {secs:.1} s)"),
+        None => eprintln!("hvtrace: VM ready"),
+    }
+    eprintln!(
+        "hvtrace: supervisor pid {}; run directory {}",
+        detached.pid,
+        detached.run_dir.display()
+    );
+    eprintln!("hvtrace: control socket {sock}");
+    eprintln!(
+        "hvtrace: next: `hvtrace --socket {sock} status`, `hvtrace --socket {sock} exec CMD`, `hvtrace --socket {sock} stop`"
+    );
+    Ok(0)
+}
+
+/// Starts the supervisor and waits until the guest shell is up.
+pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
+    // Refuse early, before building anything; the supervisor checks again
+    // when it binds.
+    socket::check_free(socket_path)?;
+    if let Some(parent) = socket_path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if !parent.is_dir() {
+            bail!(
+                "cannot create the control socket {}: directory {} does not exist",
+                socket_path.display(),
+                parent.display()
+            );
+        }
+    }
+    let socket_path = std::path::absolute(socket_path)
+        .with_context(|| format!("cannot resolve {}", socket_path.display()))?;
+    let cfg = crate::run::resolve(args)?;
+    let dir = image::create_run_dir()?;
+    let log_path = dir.join(LOG_FILE);
+    let log =
+        File::create(&log_path).with_context(|| format!("cannot create {}", log_path.display()))?;
+    let exe = std::env::current_exe().context("cannot find the hvtrace binary")?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("--socket")
+        .arg(&socket_path)
+        .args(supervisor_args(&cfg, args, &dir)?)
+        .current_dir(&dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().context("cannot share the log file")?)
+        .stderr(log);
+    sys::detach_session(&mut cmd);
+    let mut child = cmd.spawn().context("cannot start the supervisor")?;
+    let pid = child.id();
+
+    let deadline = Instant::now() + cfg.timeout + MARGIN;
+    let mut tail = LogTail::new(&log_path);
+    loop {
+        if !args.quiet {
+            tail.copy_to(&mut std::io::stderr());
+        }
+        if let Some(state) = read_state(&dir) {
+            if let Some(rest) = state.strip_prefix("ready") {
+                return Ok(Detached {
+                    socket: socket_path,
+                    pid,
+                    run_dir: dir,
+                    boot_secs: rest.trim().parse().ok(),
+                });
+            }
+        }
+        if let Some(status) = child.try_wait().context("cannot check the supervisor")? {
+            if !args.quiet {
+                tail.copy_to(&mut std::io::stderr());
+            }
+            let why = last_error(&log_path)
+                .unwrap_or_else(|| format!("the supervisor exited ({status})"));
+            bail!(
+                "the VM did not come up: {why} (log: {})",
+                log_path.display()
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "the guest shell was not up after {} s; the supervisor (pid {pid}) goes on (log: {})",
+                (cfg.timeout + MARGIN).as_secs(),
+                log_path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The message of the last `hvtrace: error:` line of a log.
+pub fn last_error(log: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    text.lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("hvtrace: error: "))
+        .map(|m| m.trim().to_string())
+}
+
+/// Follows a growing file.
+struct LogTail {
+    path: PathBuf,
+    offset: u64,
+}
+
+impl LogTail {
+    fn new(path: &Path) -> LogTail {
+        LogTail {
+            path: path.to_path_buf(),
+            offset: 0,
+        }
+    }
+
+    /// Copies what was appended since the last call.
+    fn copy_to(&mut self, out: &mut dyn Write) {
+        let Ok(mut file) = File::open(&self.path) else {
+            return;
+        };
+        if file.seek(SeekFrom::Start(self.offset)).is_err() {
+            return;
+        }
+        let mut buf = Vec::new();
+        if file.read_to_end(&mut buf).is_ok() && !buf.is_empty() {
+            self.offset += buf.len() as u64;
+            let _ = out.write_all(&buf).and_then(|_| out.flush());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn supervisor_gets_explicit_absolute_paths() {
+        let cli = crate::cli::Cli::try_parse_from(["hvtrace", "run", "--detach"]).unwrap();
+        let crate::cli::Command::Run(args) = cli.command else {
+            panic!("not run")
+        };
+        let mut cfg = RunConfig::new("k/bzImage", "/i/initrd").with_hypervisor("hv");
+        cfg.emulator = Emulator::Qemu { kvm: false };
+        cfg.append = "console=ttyS0,115200 quiet".into();
+        let a = supervisor_args(&cfg, &args, Path::new("/run/x")).unwrap();
+        assert_eq!(&a[..3], ["supervise", "--run-dir", "/run/x"]);
+        let kernel = &a[a.iter().position(|x| x == "--kernel").unwrap() + 1];
+        assert!(
+            kernel.starts_with('/') && kernel.ends_with("k/bzImage"),
+            "{kernel}"
+        );
+        assert!(a.contains(&"--append=console=ttyS0,115200 quiet".to_string()));
+        assert!(a.contains(&"--emulator=qemu".to_string()) && a.contains(&"--no-kvm".to_string()));
+        // The child parses what the parent builds.
+        let mut argv = vec!["hvtrace".to_string(), "--socket".into(), "/s".into()];
+        argv.extend(a);
+        let child = crate::cli::Cli::try_parse_from(argv).unwrap();
+        let crate::cli::Command::Supervise(s) = child.command else {
+            panic!("not supervise")
+        };
+        assert_eq!(s.run.append, "console=ttyS0,115200 quiet");
+        assert_eq!(s.run_dir, Path::new("/run/x"));
+        assert!(s.run.quiet && s.run.no_kvm);
+        // A bare run has no control channel to detach from.
+        assert!(supervisor_args(&cfg.clone().bare(), &args, Path::new("/r")).is_err());
+    }
+
+    #[test]
+    fn error_line_from_the_log() {
+        let dir = std::env::temp_dir().join(format!("hvtrace-detach-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("log");
+        std::fs::write(
+            &log,
+            "[ 1.0s] starting\nhvtrace: error: first\nnoise\nhvtrace: error: bochs exited\n",
+        )
+        .unwrap();
+        assert_eq!(last_error(&log).as_deref(), Some("bochs exited"));
+        std::fs::write(&log, "nothing\n").unwrap();
+        assert_eq!(last_error(&log), None);
+        let mut tail = LogTail::new(&log);
+        let mut out = Vec::new();
+        tail.copy_to(&mut out);
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log)
+            .unwrap()
+            .write_all(b"more\n")
+            .unwrap();
+        tail.copy_to(&mut out);
+        assert_eq!(out, b"nothing\nmore\n");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

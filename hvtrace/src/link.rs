@@ -1,0 +1,480 @@
+//! The host end of COM2, the hypervisor's control channel.
+//!
+//! One request is in flight at a time: [`HvLink`] holds a lock from the
+//! moment a request is written until its answer arrives or the time limit
+//! passes. Requests carry the link's own sequence numbers, so whatever
+//! numbers the clients use, an answer is matched to the request it belongs
+//! to. A reader thread decodes everything the hypervisor sends; a late
+//! answer to a request that timed out is dropped before the next request
+//! goes out.
+
+use std::fmt;
+use std::io::{Read, Write};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use protocol::{encode, Body, Frame, FrameDecoder, Request, Response};
+
+/// How long the hypervisor gets to answer one request. A status report of
+/// 2 KiB takes about 0.2 s at the UART's pace; the rest is margin for a slow
+/// emulator on a loaded host.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a request got no answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LinkError {
+    /// No answer within the time limit.
+    Timeout(Duration),
+    /// The channel is closed (the emulator ended) or a write failed.
+    Closed(String),
+}
+
+impl fmt::Display for LinkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LinkError::Timeout(t) => write!(
+                f,
+                "the hypervisor did not answer within {:.1} s",
+                t.as_secs_f64()
+            ),
+            LinkError::Closed(why) => write!(f, "the control channel is closed: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for LinkError {}
+
+/// Counters of the host end, for the supervisor's log.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Requests sent with the link's own sequence numbers.
+    pub requests: u64,
+    /// Raw segments forwarded (other versions, garbage, cut frames).
+    pub forwarded: u64,
+    /// Bytes written to the channel.
+    pub bytes_out: u64,
+    /// Bytes read from the channel.
+    pub bytes_in: u64,
+    /// Frames read from the channel.
+    pub frames_in: u64,
+    /// Bytes from the hypervisor that did not decode.
+    pub bad_frames_in: u64,
+    /// Answers that matched no request in flight (late or unexpected).
+    pub stale: u64,
+    /// Requests that timed out.
+    pub timeouts: u64,
+}
+
+/// Sequence numbers for requests: wrapping, starting at 1.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqCounter(u32);
+
+impl Default for SeqCounter {
+    fn default() -> Self {
+        SeqCounter(1)
+    }
+}
+
+impl SeqCounter {
+    /// Starts at `first`.
+    pub fn starting_at(first: u32) -> SeqCounter {
+        SeqCounter(first)
+    }
+
+    /// The next number.
+    pub fn next_seq(&mut self) -> u32 {
+        let seq = self.0;
+        self.0 = self.0.wrapping_add(1);
+        seq
+    }
+}
+
+enum FromHv {
+    Frame(Box<Frame>),
+    Closed(String),
+}
+
+struct Inner {
+    writer: Box<dyn Write + Send>,
+    rx: Receiver<FromHv>,
+    seq: SeqCounter,
+    closed: Option<String>,
+    buf: Vec<u8>,
+}
+
+/// The host end of the control channel.
+pub struct HvLink {
+    inner: Mutex<Inner>,
+    stats: Arc<Mutex<LinkStats>>,
+    /// Set by the reader thread when the stream ends.
+    eof: Arc<Mutex<Option<String>>>,
+    timeout: Duration,
+    _reader: JoinHandle<()>,
+}
+
+impl HvLink {
+    /// Starts the link over a byte stream (its two halves), with a reader
+    /// thread. `timeout` bounds each request.
+    pub fn start<R, W>(reader: R, writer: W, timeout: Duration) -> HvLink
+    where
+        R: Read + Send + 'static,
+        W: Write + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        let stats = Arc::new(Mutex::new(LinkStats::default()));
+        let eof = Arc::new(Mutex::new(None));
+        let reader = spawn_reader(reader, tx, stats.clone(), eof.clone());
+        HvLink {
+            inner: Mutex::new(Inner {
+                writer: Box::new(writer),
+                rx,
+                seq: SeqCounter::default(),
+                closed: None,
+                buf: Vec::new(),
+            }),
+            stats,
+            eof,
+            timeout,
+            _reader: reader,
+        }
+    }
+
+    /// Sends `request` under the link's own sequence number and waits for the
+    /// hypervisor's answer to it.
+    pub fn request(&self, request: Request) -> Result<Response, LinkError> {
+        let mut inner = self.lock()?;
+        self.drain_stale(&mut inner)?;
+        let seq = inner.seq.next_seq();
+        inner.buf.clear();
+        let frame = Frame::request(seq, request);
+        if let Err(e) = encode(&frame, &mut inner.buf) {
+            return Err(LinkError::Closed(format!("cannot encode the request: {e}")));
+        }
+        let wire = std::mem::take(&mut inner.buf);
+        let written = self.write(&mut inner, &wire);
+        inner.buf = wire;
+        written?;
+        self.bump(|s| s.requests += 1);
+        let frame = self.wait(&mut inner, seq)?;
+        match frame.body {
+            Body::Response(response) => Ok(response),
+            // `wait` only returns responses.
+            _ => Err(LinkError::Closed("unexpected frame".to_string())),
+        }
+    }
+
+    /// Writes a client's frame of another protocol version as it is and
+    /// waits for the hypervisor's answer under the frame's own `seq`.
+    pub fn forward_expecting(&self, wire: &[u8], seq: u32) -> Result<Frame, LinkError> {
+        let mut inner = self.lock()?;
+        self.drain_stale(&mut inner)?;
+        self.write(&mut inner, wire)?;
+        self.bump(|s| s.forwarded += 1);
+        self.wait(&mut inner, seq)
+    }
+
+    /// Writes bytes that are not a frame as they are; nothing answers them.
+    pub fn forward(&self, wire: &[u8]) -> Result<(), LinkError> {
+        let mut inner = self.lock()?;
+        self.write(&mut inner, wire)?;
+        self.bump(|s| s.forwarded += 1);
+        Ok(())
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> LinkStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Why the emulator closed the channel, once it did. Does not wait for
+    /// a request in flight.
+    pub fn closed(&self) -> Option<String> {
+        self.eof.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    // ----- internals -----
+
+    fn lock(&self) -> Result<MutexGuard<'_, Inner>, LinkError> {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(why) = &inner.closed {
+            return Err(LinkError::Closed(why.clone()));
+        }
+        Ok(inner)
+    }
+
+    fn bump(&self, f: impl FnOnce(&mut LinkStats)) {
+        f(&mut self.stats.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    fn write(&self, inner: &mut Inner, wire: &[u8]) -> Result<(), LinkError> {
+        let result = inner
+            .writer
+            .write_all(wire)
+            .and_then(|_| inner.writer.flush());
+        if let Err(e) = result {
+            let why = format!("write failed: {e}");
+            inner.closed = Some(why.clone());
+            return Err(LinkError::Closed(why));
+        }
+        let n = wire.len() as u64;
+        self.bump(|s| s.bytes_out += n);
+        Ok(())
+    }
+
+    /// Drops whatever arrived while no request was in flight; fails if the
+    /// channel closed meanwhile.
+    fn drain_stale(&self, inner: &mut Inner) -> Result<(), LinkError> {
+        loop {
+            match inner.rx.try_recv() {
+                Ok(FromHv::Frame(_)) => self.bump(|s| s.stale += 1),
+                Ok(FromHv::Closed(why)) => {
+                    inner.closed = Some(why.clone());
+                    return Err(LinkError::Closed(why));
+                }
+                Err(_) => return Ok(()),
+            }
+        }
+    }
+
+    /// Waits for the response with sequence number `seq`.
+    fn wait(&self, inner: &mut Inner, seq: u32) -> Result<Frame, LinkError> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match inner.rx.recv_timeout(left) {
+                Ok(FromHv::Frame(frame)) => {
+                    if frame.seq == seq && matches!(frame.body, Body::Response(_)) {
+                        return Ok(*frame);
+                    }
+                    // Events have no subscriber yet; late answers belong to
+                    // requests that timed out.
+                    self.bump(|s| s.stale += 1);
+                }
+                Ok(FromHv::Closed(why)) => {
+                    inner.closed = Some(why.clone());
+                    return Err(LinkError::Closed(why));
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    self.bump(|s| s.timeouts += 1);
+                    return Err(LinkError::Timeout(self.timeout));
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let why = "the reader stopped".to_string();
+                    inner.closed = Some(why.clone());
+                    return Err(LinkError::Closed(why));
+                }
+            }
+        }
+    }
+}
+
+/// Decodes what the hypervisor sends and passes the frames on.
+fn spawn_reader<R: Read + Send + 'static>(
+    mut reader: R,
+    tx: Sender<FromHv>,
+    stats: Arc<Mutex<LinkStats>>,
+    eof: Arc<Mutex<Option<String>>>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut decoder = FrameDecoder::new();
+        let mut buf = [0u8; 4096];
+        let why = loop {
+            let n = match reader.read(&mut buf) {
+                Ok(0) => break "the emulator closed it".to_string(),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => break format!("read failed: {e}"),
+            };
+            let mut frames = Vec::new();
+            let mut bad = 0u64;
+            for result in decoder.feed(&buf[..n]) {
+                match result {
+                    Ok(frame) => frames.push(frame),
+                    Err(_) => bad += 1,
+                }
+            }
+            {
+                let mut s = stats.lock().unwrap_or_else(|e| e.into_inner());
+                s.bytes_in += n as u64;
+                s.frames_in += frames.len() as u64;
+                s.bad_frames_in += bad;
+            }
+            for frame in frames {
+                if tx.send(FromHv::Frame(Box::new(frame))).is_err() {
+                    return;
+                }
+            }
+        };
+        *eof.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.clone());
+        let _ = tx.send(FromHv::Closed(why));
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use protocol::io::{FrameReader, FrameWriter};
+    use protocol::{DecodeError, PROTOCOL_VERSION};
+    use std::os::unix::net::UnixStream;
+
+    /// A fake hypervisor on the other end of a socket pair; `answer` decides
+    /// what goes back for each decoded frame (or decode error). Returns the
+    /// link and the sequence numbers the fake saw.
+    fn fake_hv(
+        answer: impl Fn(Result<&Frame, &DecodeError>) -> Vec<Frame> + Send + 'static,
+    ) -> (HvLink, Arc<Mutex<Vec<u32>>>) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let reader = ours.try_clone().unwrap();
+        let link = HvLink::start(reader, ours, Duration::from_millis(500));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let record = seen.clone();
+        std::thread::spawn(move || {
+            let mut r = FrameReader::new(theirs.try_clone().unwrap());
+            let mut w = FrameWriter::new(theirs);
+            loop {
+                let frames = match r.read_frame() {
+                    Ok(f) => {
+                        record.lock().unwrap().push(f.seq);
+                        answer(Ok(&f))
+                    }
+                    Err(protocol::io::ReadError::Decode(e)) => answer(Err(&e)),
+                    Err(_) => break,
+                };
+                for f in frames {
+                    if w.write_frame(&f).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        (link, seen)
+    }
+
+    fn pong(f: Result<&Frame, &DecodeError>) -> Vec<Frame> {
+        match f {
+            Ok(Frame {
+                seq,
+                body: Body::Request(Request::Ping { nonce }),
+                ..
+            }) => vec![Frame::response(*seq, Response::Pong { nonce: *nonce })],
+            Ok(f) => vec![Frame::response(f.seq, Response::Ok)],
+            Err(DecodeError::UnsupportedVersion { found, seq }) => vec![Frame::response(
+                *seq,
+                Response::VersionMismatch {
+                    ours: PROTOCOL_VERSION,
+                    theirs: *found,
+                },
+            )],
+            Err(_) => vec![],
+        }
+    }
+
+    #[test]
+    fn requests_use_the_links_own_numbers() {
+        let (link, seen) = fake_hv(pong);
+        for nonce in 0..5 {
+            assert_eq!(
+                link.request(Request::Ping { nonce }).unwrap(),
+                Response::Pong { nonce }
+            );
+        }
+        assert_eq!(*seen.lock().unwrap(), [1, 2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn answers_for_other_numbers_are_skipped() {
+        let (link, _hv) = fake_hv(|f| match f {
+            Ok(f) => vec![
+                Frame::response(f.seq.wrapping_add(1000), Response::Ok),
+                Frame::event(3, protocol::Event::Lost { count: 1 }),
+                Frame::response(f.seq, Response::Pong { nonce: 1 }),
+            ],
+            Err(_) => vec![],
+        });
+        assert_eq!(
+            link.request(Request::Ping { nonce: 1 }).unwrap(),
+            Response::Pong { nonce: 1 }
+        );
+        assert_eq!(link.stats().stale, 2);
+    }
+
+    #[test]
+    fn timeout_then_the_late_answer_is_dropped() {
+        // The first request is answered only after the second arrives.
+        let held = Arc::new(Mutex::new(None::<Frame>));
+        let h = held.clone();
+        let (link, _hv) = fake_hv(move |f| {
+            let Ok(f) = f else { return vec![] };
+            let mut held = h.lock().unwrap();
+            match held.take() {
+                None if f.seq == 1 => {
+                    *held = Some(Frame::response(1, Response::Pong { nonce: 1 }));
+                    vec![]
+                }
+                Some(late) => vec![late, Frame::response(f.seq, Response::Pong { nonce: 2 })],
+                None => vec![Frame::response(f.seq, Response::Pong { nonce: 2 })],
+            }
+        });
+        let err = link.request(Request::Ping { nonce: 1 }).unwrap_err();
+        assert!(matches!(err, LinkError::Timeout(_)));
+        assert!(err.to_string().contains("did not answer within 0.5 s"));
+        assert_eq!(
+            link.request(Request::Ping { nonce: 2 }).unwrap(),
+            Response::Pong { nonce: 2 }
+        );
+        assert_eq!(link.stats().timeouts, 1);
+        assert_eq!(link.stats().stale, 1);
+    }
+
+    #[test]
+    fn wrong_version_is_answered_under_its_own_number() {
+        let (link, _hv) = fake_hv(pong);
+        let mut old = Frame::request(4242, Request::Status);
+        old.version = PROTOCOL_VERSION + 7;
+        let mut wire = Vec::new();
+        encode(&old, &mut wire).unwrap();
+        let answer = link.forward_expecting(&wire, 4242).unwrap();
+        assert_eq!(answer.seq, 4242);
+        assert_eq!(
+            answer.body,
+            Body::Response(Response::VersionMismatch {
+                ours: PROTOCOL_VERSION,
+                theirs: PROTOCOL_VERSION + 7
+            })
+        );
+        // Garbage is written and nothing waits for it; the next request works.
+        link.forward(b"\x00noise\x00").unwrap();
+        assert_eq!(
+            link.request(Request::Ping { nonce: 3 }).unwrap(),
+            Response::Pong { nonce: 3 }
+        );
+        assert_eq!(link.stats().forwarded, 2);
+    }
+
+    #[test]
+    fn closed_channel_fails_fast() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let link = HvLink::start(ours.try_clone().unwrap(), ours, Duration::from_secs(30));
+        drop(theirs);
+        let start = Instant::now();
+        let err = link.request(Request::Status).unwrap_err();
+        assert!(matches!(err, LinkError::Closed(_)), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(5));
+        let until = Instant::now() + Duration::from_secs(5);
+        while link.closed().is_none() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(link.closed().is_some());
+        assert!(matches!(link.forward(b"x"), Err(LinkError::Closed(_))));
+    }
+
+    #[test]
+    fn sequence_numbers_wrap() {
+        let mut s = SeqCounter::starting_at(u32::MAX);
+        assert_eq!(s.next_seq(), u32::MAX);
+        assert_eq!(s.next_seq(), 0);
+        assert_eq!(s.next_seq(), 1);
+    }
+}
