@@ -24,7 +24,6 @@
 //! The run directory holds a `state` file (`starting`, `booting`, `ready`,
 //! `ended: ...`, `failed: ...`) that `run --detach` polls.
 
-use std::fs::File;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -558,12 +557,6 @@ fn run_vm(sup: &Arc<Supervisor>, dir: &Path, args: &SuperviseArgs) -> Result<End
     };
     let report = vm.wait_stop()?;
     Ok(Ending::from_report(&report))
-}
-
-/// Writes the supervisor's output into `log` (for the detached child).
-pub fn open_log(dir: &Path) -> Result<File> {
-    let path = dir.join(LOG_FILE);
-    File::create(&path).with_context(|| format!("cannot create {}", path.display()))
 }
 
 #[cfg(test)]

@@ -8,11 +8,20 @@ pub const CPUID_1_ECX_VMX: u32 = 1 << 5;
 /// Filters a CPUID result before the guest sees it: VMX is hidden, so the
 /// guest neither tries to use it nor trips over CR4.VMXE.
 pub fn filter_cpuid(leaf: u32, _subleaf: u32, mut r: [u32; 4]) -> [u32; 4] {
-    if leaf == 1 {
-        r[2] &= !CPUID_1_ECX_VMX;
+    match leaf {
+        1 => r[2] &= !CPUID_1_ECX_VMX,
+        // Bochs 2.7 advertises APERF/MPERF but does not implement the MSRs;
+        // Linux then reads them on every tick and Bochs logs each failed
+        // read (tens of MB a minute). The guest loses only its frequency
+        // estimate without them.
+        6 => r[2] &= !CPUID_6_ECX_APERFMPERF,
+        _ => {}
     }
     r
 }
+
+/// CPUID.6:ECX.APERFMPERF.
+pub const CPUID_6_ECX_APERFMPERF: u32 = 1 << 0;
 
 /// CR0.PE.
 pub const CR0_PE: u64 = 1 << 0;
@@ -174,10 +183,11 @@ mod tests {
     const CR4_F1: u64 = 0x3727ff;
 
     #[test]
-    fn cpuid_hides_vmx_only() {
+    fn cpuid_hides_vmx_and_aperfmperf() {
         let r = filter_cpuid(1, 0, [1, 2, 0xffff_ffff, 4]);
         assert_eq!(r, [1, 2, 0xffff_ffdf, 4]);
         assert_eq!(filter_cpuid(7, 0, [1, 2, 0xffff_ffff, 4]), [1, 2, 0xffff_ffff, 4]);
+        assert_eq!(filter_cpuid(6, 0, [0, 0, 0x9, 0]), [0, 0, 0x8, 0]);
     }
 
     #[test]
