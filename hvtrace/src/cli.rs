@@ -35,6 +35,8 @@ pub enum Command {
     Exec(ExecArgs),
     /// Stop a detached VM and show its final exit counts.
     Stop(StopArgs),
+    /// List guest kernel symbols matching a glob, recovered from guest memory.
+    Syms(SymsArgs),
     /// The supervisor of a detached VM (started by `run --detach`).
     #[command(hide = true)]
     Supervise(SuperviseArgs),
@@ -44,6 +46,20 @@ pub enum Command {
 #[derive(Clone, Debug, Args)]
 pub struct StatusArgs {
     /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Options of `hvtrace syms`.
+#[derive(Clone, Debug, Args)]
+pub struct SymsArgs {
+    /// Glob over symbol names (`*` and `?`), e.g. `vfs_*`.
+    #[arg(value_name = "GLOB", default_value = "*")]
+    pub glob: String,
+    /// Keep only these type letters (`tT` for text), as /proc/kallsyms prints them.
+    #[arg(long, value_name = "LETTERS", default_value = "")]
+    pub kinds: String,
+    /// Print JSON lines instead of text.
     #[arg(long)]
     pub json: bool,
 }

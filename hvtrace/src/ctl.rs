@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use protocol::{Event, GuestState, Request, Response, StatusReport};
 
-use crate::cli::{ExecArgs, StatusArgs, StopArgs};
+use crate::cli::{ExecArgs, StatusArgs, StopArgs, SymsArgs};
 use crate::client::{response_error, Client};
 use crate::hvlog::{self, HvEvent};
 use crate::json::Json;
@@ -231,6 +231,62 @@ pub fn status_json(status: &Status) -> Json {
             Json::Float(status.round_trip.as_secs_f64() * 1e3),
         ),
     ])
+}
+
+/// Symbols per `Syms` page asked for (the hypervisor sends fewer when a
+/// page would not fit one frame).
+const SYMS_PAGE: u32 = 1000;
+
+/// `hvtrace syms GLOB`: one line per matching symbol, in address order:
+/// address, size, type letter, name, and the fentry site or why the symbol
+/// cannot be traced. Exits 1 when nothing matches.
+pub fn syms(socket: &Path, args: &SymsArgs) -> Result<u8> {
+    let mut client = open(socket)?;
+    let mut out = std::io::stdout().lock();
+    let mut cursor = 0;
+    let mut printed = 0u64;
+    loop {
+        let request = Request::Syms { glob: args.glob.clone(), kinds: args.kinds.clone(), cursor, limit: SYMS_PAGE };
+        let reply = client.call(request, STATUS_TIMEOUT)?;
+        let Response::Syms { next, symbols, .. } = reply.response else {
+            return Err(response_error(reply.response));
+        };
+        for s in &symbols {
+            writeln!(out, "{}", symbol_line(s, args.json))?;
+            printed += 1;
+        }
+        match next {
+            Some(n) => cursor = n,
+            None => break,
+        }
+    }
+    out.flush()?;
+    Ok(if printed == 0 { 1 } else { 0 })
+}
+
+/// One symbol as text (`ffffffff81234560 00000150 T vfs_read site=ffffffff81234564`)
+/// or as a JSON object.
+pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
+    let kind = char::from(s.kind);
+    if json {
+        let mut fields = vec![
+            ("name", Json::Str(s.name.clone())),
+            ("addr", Json::Str(format!("{:#x}", s.addr))),
+            ("size", Json::int(s.size)),
+            ("type", Json::Str(kind.to_string())),
+            ("traceable", Json::Bool(s.site.is_some())),
+        ];
+        match s.site {
+            Some(site) => fields.push(("site", Json::Str(format!("{site:#x}")))),
+            None => fields.push(("not_traceable", Json::Str(s.not_traceable.clone()))),
+        }
+        return Json::object(fields).render();
+    }
+    let trace = match s.site {
+        Some(site) => format!("site={site:016x}"),
+        None => format!("not traceable: {}", s.not_traceable),
+    };
+    format!("{:016x} {:08x} {kind} {} {trace}", s.addr, s.size, s.name)
 }
 
 /// `hvtrace exec`: prints the command's output; the exit code is its status.

@@ -32,6 +32,7 @@ fn main() -> ExitCode {
         Command::Status(args) => hvtrace::ctl::status(&socket, args),
         Command::Exec(args) => hvtrace::ctl::exec(&socket, args),
         Command::Stop(args) => hvtrace::ctl::stop(&socket, args),
+        Command::Syms(args) => hvtrace::ctl::syms(&socket, args),
         Command::Supervise(args) => hvtrace::supervisor::supervise(&socket, args),
     };
     match result {

@@ -184,6 +184,21 @@ fn check_kernel(guest: Guest, name: &str) {
     checks.check(rate >= 0.999, format!("only {:.4} % of text symbols match", rate * 100.0));
     checks.check(kernel.kaslr_slide != 0, "KASLR slide is 0: was KASLR on?");
 
+    // The CLI: `hvtrace syms GLOB` prints the guest's own address for a
+    // function, with its fentry site; no match exits 1.
+    let want = theirs.iter().find(|(_, _, n)| n == "do_sys_openat2").map(|(a, _, _)| *a);
+    let cli = Command::new(hvtrace_bin()).arg("--socket").arg(&vm.socket).args(["syms", "do_sys_openat2"]).output().unwrap();
+    let text = String::from_utf8_lossy(&cli.stdout).to_string();
+    match want {
+        Some(addr) => checks.check(
+            cli.status.success() && text.starts_with(&format!("{addr:016x} ")) && text.contains(" do_sys_openat2 site="),
+            format!("hvtrace syms do_sys_openat2 printed {text:?} (guest address {addr:#x})"),
+        ),
+        None => checks.check(false, "the guest's kallsyms has no do_sys_openat2"),
+    }
+    let none = Command::new(hvtrace_bin()).arg("--socket").arg(&vm.socket).args(["syms", "no_such_symbol_*"]).output().unwrap();
+    checks.eq("exit code of syms with no match", none.status.code(), Some(1));
+
     // Traceable functions against the guest's own ftrace.
     // Since 6.0 the list also shows the records ftrace disabled (weak
     // functions overridden at link time) as `__ftrace_invalid_address___N`;
