@@ -1,31 +1,16 @@
 //! Host tests of bzImage parsing, the zero page and kernel placement against
 //! synthetic images (the real Debian kernel is in real_kernel.rs).
 
+mod common;
+use common::*;
+
 use loader::bootparams::{self, BootError, BootParams, GuestBootConfig, BOOT_PARAMS_SIZE};
 use loader::bzimage::{self, hdr, BzImageError, LoadFlags, XLoadFlags};
 use loader::e820::{E820Entry, E820Kind, E820Map};
 use loader::layout::{self, Gpa};
 use loader::plan;
 
-const MIB: u64 = 0x10_0000;
-const GIB: u64 = 0x4000_0000;
 
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 fn put(v: &mut [u8], off: usize, bytes: &[u8]) {
     v[off..off + bytes.len()].copy_from_slice(bytes);

@@ -1,31 +1,11 @@
 //! Host tests for the e820 map: fixed cases and randomized properties.
 
+mod common;
+use common::*;
+
 use loader::e820::{E820Entry, E820Error, E820Kind, E820Map, E820_MAX_ENTRIES};
 
-const MIB: u64 = 0x10_0000;
-const GIB: u64 = 0x4000_0000;
 
-/// A tiny deterministic RNG (xorshift64*), so failures reproduce.
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-}
 
 fn ram(addr: u64, size: u64) -> E820Entry {
     E820Entry::new(addr, size, E820Kind::Ram)

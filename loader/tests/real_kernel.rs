@@ -2,6 +2,9 @@
 //! scripts/guest/debian-kernel.sh. If the script fails, these tests fail:
 //! they never pass without having looked at a real image.
 
+mod common;
+use common::*;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -12,8 +15,6 @@ use loader::e820::{E820Entry, E820Kind, E820Map};
 use loader::layout::{self, Gpa};
 use loader::plan;
 
-const MIB: u64 = 0x10_0000;
-const GIB: u64 = 0x4000_0000;
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -45,22 +46,6 @@ fn debian_kernel() -> &'static [u8] {
     })
 }
 
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 fn u32_at(v: &[u8], off: usize) -> u32 {
     u32::from_le_bytes(v[off..off + 4].try_into().unwrap())
