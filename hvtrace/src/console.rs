@@ -96,7 +96,13 @@ impl Markers {
 
     /// [`Self::find_exec`] that looks for the end marker only from `search`
     /// on (the output before it was searched already).
-    pub fn find_exec_from(&self, buf: &[u8], from: usize, search: usize, n: u32) -> Option<(ExecResult, usize)> {
+    pub fn find_exec_from(
+        &self,
+        buf: &[u8],
+        from: usize,
+        search: usize,
+        n: u32,
+    ) -> Option<(ExecResult, usize)> {
         let end_marker = format!("{}=", self.printed('E', n));
         let (end_at, rc, after) = find_status_line(buf, search.max(from), end_marker.as_bytes())?;
         let begin = self.printed('B', n);

@@ -246,7 +246,12 @@ pub fn syms(socket: &Path, args: &SymsArgs) -> Result<u8> {
     let mut cursor = 0;
     let mut printed = 0u64;
     loop {
-        let request = Request::Syms { glob: args.glob.clone(), kinds: args.kinds.clone(), cursor, limit: SYMS_PAGE };
+        let request = Request::Syms {
+            glob: args.glob.clone(),
+            kinds: args.kinds.clone(),
+            cursor,
+            limit: SYMS_PAGE,
+        };
         let reply = client.call(request, STATUS_TIMEOUT)?;
         let Response::Syms { next, symbols, .. } = reply.response else {
             return Err(response_error(reply.response));

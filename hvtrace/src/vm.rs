@@ -388,7 +388,13 @@ impl Vm {
         let scanned = std::cell::Cell::new(from);
         let (result, after) = self.wait_for(&what, deadline, |inner| {
             let start = scanned.get();
-            scanned.set(inner.console.len().saturating_sub(console::MARKER_MARGIN).max(from));
+            scanned.set(
+                inner
+                    .console
+                    .len()
+                    .saturating_sub(console::MARKER_MARGIN)
+                    .max(from),
+            );
             markers.find_exec_from(&inner.console, from, start, n)
         })?;
         self.cursor = after;

@@ -82,7 +82,11 @@ pub fn find_fadt(mem: &impl PhysRead, rsdp: u64) -> Option<Fadt> {
         let body = &t[36..];
         let n = (body.len() / entry).min(entries.len());
         for (i, e) in entries.iter_mut().take(n).enumerate() {
-            *e = if entry == 8 { le64(body, i * 8) } else { le32(body, i * 4) as u64 };
+            *e = if entry == 8 {
+                le64(body, i * 8)
+            } else {
+                le32(body, i * 4) as u64
+            };
         }
         n
     };
@@ -97,7 +101,10 @@ pub fn find_fadt(mem: &impl PhysRead, rsdp: u64) -> Option<Fadt> {
             if a == 0 || a > 0xffff {
                 return None;
             }
-            return Some(Fadt { pm1a_cnt: a as u16, pm1b_cnt: (b != 0 && b <= 0xffff).then_some(b as u16) });
+            return Some(Fadt {
+                pm1a_cnt: a as u16,
+                pm1b_cnt: (b != 0 && b <= 0xffff).then_some(b as u16),
+            });
         }
     }
     None
@@ -161,7 +168,13 @@ mod tests {
         m.0.insert(0x1000, rsdt);
         m.0.insert(0x3000, apic);
         m.0.insert(0x2000, fadt);
-        assert_eq!(find_fadt(&m, 0xe0040), Some(Fadt { pm1a_cnt: 0xb004, pm1b_cnt: None }));
+        assert_eq!(
+            find_fadt(&m, 0xe0040),
+            Some(Fadt {
+                pm1a_cnt: 0xb004,
+                pm1b_cnt: None
+            })
+        );
     }
 
     #[test]

@@ -8,7 +8,10 @@ use crate::uart::Uart;
 use alloc::collections::VecDeque;
 use alloc::string::String;
 use alloc::vec::Vec;
-use protocol::{Body, ChannelReport, DecodeError, ErrorKind, ExitCount, Frame, FrameDecoder, GuestState, Request, Response, StatusReport};
+use protocol::{
+    Body, ChannelReport, DecodeError, ErrorKind, ExitCount, Frame, FrameDecoder, GuestState,
+    Request, Response, StatusReport,
+};
 
 /// What the rest of the hypervisor must do after a poll.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,7 +50,12 @@ pub struct Control {
 impl Control {
     /// Takes over the control UART, if one is there.
     pub fn new(base: u16) -> Option<Self> {
-        Some(Self { uart: Uart::init(base)?, decoder: FrameDecoder::new(), tx: VecDeque::new(), stats: ChannelReport::default() })
+        Some(Self {
+            uart: Uart::init(base)?,
+            decoder: FrameDecoder::new(),
+            tx: VecDeque::new(),
+            stats: ChannelReport::default(),
+        })
     }
 
     /// Whether output is still queued or in the UART, or a frame is half
@@ -114,7 +122,13 @@ impl Control {
         // clearly what is wrong; other damage is only counted (the sender
         // times out and retries), since its sequence number is unknown.
         if let DecodeError::UnsupportedVersion { found, seq } = e {
-            let mut f = Frame::response(seq, Response::VersionMismatch { ours: protocol::PROTOCOL_VERSION, theirs: found });
+            let mut f = Frame::response(
+                seq,
+                Response::VersionMismatch {
+                    ours: protocol::PROTOCOL_VERSION,
+                    theirs: found,
+                },
+            );
             f.version = protocol::PROTOCOL_VERSION;
             self.send(&f);
         }
@@ -123,23 +137,44 @@ impl Control {
     fn answer(&mut self, frame: Frame, src: &mut StatusSource<'_>) -> Action {
         let seq = frame.seq;
         let Body::Request(req) = frame.body else {
-            self.send(&Frame::response(seq, Response::error(ErrorKind::Malformed, "expected a request")));
+            self.send(&Frame::response(
+                seq,
+                Response::error(ErrorKind::Malformed, "expected a request"),
+            ));
             return Action::None;
         };
         let (resp, action) = match req {
-            Request::Hello { version, .. } if version != protocol::PROTOCOL_VERSION => {
-                (Response::VersionMismatch { ours: protocol::PROTOCOL_VERSION, theirs: version }, Action::None)
-            }
+            Request::Hello { version, .. } if version != protocol::PROTOCOL_VERSION => (
+                Response::VersionMismatch {
+                    ours: protocol::PROTOCOL_VERSION,
+                    theirs: version,
+                },
+                Action::None,
+            ),
             Request::Hello { .. } => (
-                Response::Hello { version: protocol::PROTOCOL_VERSION, hypervisor: alloc::format!("hvtrace hypervisor {}", crate::VERSION) },
+                Response::Hello {
+                    version: protocol::PROTOCOL_VERSION,
+                    hypervisor: alloc::format!("hvtrace hypervisor {}", crate::VERSION),
+                },
                 Action::None,
             ),
             Request::Ping { nonce } => (Response::Pong { nonce }, Action::None),
             Request::Status => (Response::Status(status(src, self.stats)), Action::None),
             Request::Stop => (Response::Ok, Action::Stop),
-            Request::Syms { glob, kinds, cursor, limit } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
+            Request::Syms {
+                glob,
+                kinds,
+                cursor,
+                limit,
+            } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
             other => (
-                Response::error(ErrorKind::Unsupported, alloc::format!("{} is not supported by this hypervisor yet", request_name(&other))),
+                Response::error(
+                    ErrorKind::Unsupported,
+                    alloc::format!(
+                        "{} is not supported by this hypervisor yet",
+                        request_name(&other)
+                    ),
+                ),
                 Action::None,
             ),
         };
@@ -164,9 +199,16 @@ fn syms(src: &mut StatusSource<'_>, glob: &str, kinds: &str, cursor: u32, limit:
     match src.introspection.ensure(&src.cpu, src.tsc_hz) {
         Ok(k) => {
             let (total, next, symbols) = k.symbols(glob, kinds, cursor, limit, SYMS_PAGE_BUDGET);
-            Response::Syms { total, next, symbols }
+            Response::Syms {
+                total,
+                next,
+                symbols,
+            }
         }
-        Err(e) => Response::error(ErrorKind::NotReady, alloc::format!("guest kernel not found yet: {e}")),
+        Err(e) => Response::error(
+            ErrorKind::NotReady,
+            alloc::format!("guest kernel not found yet: {e}"),
+        ),
     }
 }
 
@@ -183,7 +225,11 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
         exits: src
             .counters
             .nonzero_with_reason()
-            .map(|(reason, name, count)| ExitCount { reason, name: String::from(name), count })
+            .map(|(reason, name, count)| ExitCount {
+                reason,
+                name: String::from(name),
+                count,
+            })
             .collect(),
         exits_total: src.counters.total(),
         hv_memory_used: src.memory_used,

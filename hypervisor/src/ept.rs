@@ -89,7 +89,9 @@ fn index(gpa: u64, level: u32) -> usize {
 impl Ept {
     /// Allocates an empty PML4.
     pub fn new(store: &mut impl TableStore) -> Result<Self, EptError> {
-        Ok(Self { root: store.alloc_table().ok_or(EptError::OutOfTables)? })
+        Ok(Self {
+            root: store.alloc_table().ok_or(EptError::OutOfTables)?,
+        })
     }
 
     /// The EPT pointer for the VMCS: write-back paging structures, 4-level
@@ -263,18 +265,54 @@ mod tests {
         let mut s = VecStore::default();
         let ept = Ept::new(&mut s).unwrap();
         // RAM 0..512 MiB with the hypervisor at [2 MiB, 32 MiB) absent.
-        ept.map_identity(&mut s, Gpa(0), Gpa(2 << 20), RWX, MemType::WriteBack, true).unwrap();
-        ept.map_identity(&mut s, Gpa(32 << 20), Gpa(512 << 20), RWX, MemType::WriteBack, true).unwrap();
-        ept.map_identity(&mut s, Gpa(0xfec0_0000), Gpa(0x1_0000_0000), RWX, MemType::Uncacheable, true).unwrap();
-        for gpa in [0u64, 0x7000, 0x1f_ffff, 0x200_0000, 0x1234_5678, 0x1fff_ffff] {
-            let l = ept.translate(&mut s, Gpa(gpa)).unwrap_or_else(|| panic!("{gpa:#x} unmapped"));
+        ept.map_identity(&mut s, Gpa(0), Gpa(2 << 20), RWX, MemType::WriteBack, true)
+            .unwrap();
+        ept.map_identity(
+            &mut s,
+            Gpa(32 << 20),
+            Gpa(512 << 20),
+            RWX,
+            MemType::WriteBack,
+            true,
+        )
+        .unwrap();
+        ept.map_identity(
+            &mut s,
+            Gpa(0xfec0_0000),
+            Gpa(0x1_0000_0000),
+            RWX,
+            MemType::Uncacheable,
+            true,
+        )
+        .unwrap();
+        for gpa in [
+            0u64,
+            0x7000,
+            0x1f_ffff,
+            0x200_0000,
+            0x1234_5678,
+            0x1fff_ffff,
+        ] {
+            let l = ept
+                .translate(&mut s, Gpa(gpa))
+                .unwrap_or_else(|| panic!("{gpa:#x} unmapped"));
             assert_eq!(l.hpa, Hpa(gpa));
             assert_eq!(l.perms, RWX);
             assert_eq!(l.memtype, 6);
             assert_eq!(l.size, 2 << 20);
         }
-        for gpa in [0x20_0000u64, 0x100_0000, 0x1ff_ffff, 0x2000_0000, 0xfebf_ffff] {
-            assert_eq!(ept.translate(&mut s, Gpa(gpa)), None, "{gpa:#x} must be absent");
+        for gpa in [
+            0x20_0000u64,
+            0x100_0000,
+            0x1ff_ffff,
+            0x2000_0000,
+            0xfebf_ffff,
+        ] {
+            assert_eq!(
+                ept.translate(&mut s, Gpa(gpa)),
+                None,
+                "{gpa:#x} must be absent"
+            );
         }
         let l = ept.translate(&mut s, Gpa(0xfee0_0030)).unwrap();
         assert_eq!((l.hpa, l.memtype), (Hpa(0xfee0_0030), 0));
@@ -288,19 +326,36 @@ mod tests {
     fn unaligned_ranges_use_small_pages_and_unmap_splits() {
         let mut s = VecStore::default();
         let ept = Ept::new(&mut s).unwrap();
-        ept.map_identity(&mut s, Gpa(0x1000), Gpa(0x40_3000), RWX, MemType::WriteBack, true).unwrap();
+        ept.map_identity(
+            &mut s,
+            Gpa(0x1000),
+            Gpa(0x40_3000),
+            RWX,
+            MemType::WriteBack,
+            true,
+        )
+        .unwrap();
         assert_eq!(ept.translate(&mut s, Gpa(0)), None);
         assert_eq!(ept.translate(&mut s, Gpa(0x1000)).unwrap().size, 4096);
         assert_eq!(ept.translate(&mut s, Gpa(0x20_0000)).unwrap().size, 2 << 20);
-        assert_eq!(ept.translate(&mut s, Gpa(0x40_2fff)).unwrap().hpa, Hpa(0x40_2fff));
+        assert_eq!(
+            ept.translate(&mut s, Gpa(0x40_2fff)).unwrap().hpa,
+            Hpa(0x40_2fff)
+        );
         assert_eq!(ept.translate(&mut s, Gpa(0x40_3000)), None);
         // Punch one page out of the 2 MiB leaf: the neighbours survive.
         ept.unmap(&mut s, Gpa(0x30_0000), Gpa(0x30_1000)).unwrap();
         assert_eq!(ept.translate(&mut s, Gpa(0x30_0000)), None);
         let n = ept.translate(&mut s, Gpa(0x30_1000)).unwrap();
         assert_eq!((n.hpa, n.size, n.perms), (Hpa(0x30_1000), 4096, RWX));
-        assert_eq!(ept.translate(&mut s, Gpa(0x2f_f000)).unwrap().hpa, Hpa(0x2f_f000));
-        assert_eq!(ept.map_identity(&mut s, Gpa(1), Gpa(0x1000), RWX, MemType::WriteBack, true), Err(EptError::Unaligned));
+        assert_eq!(
+            ept.translate(&mut s, Gpa(0x2f_f000)).unwrap().hpa,
+            Hpa(0x2f_f000)
+        );
+        assert_eq!(
+            ept.map_identity(&mut s, Gpa(1), Gpa(0x1000), RWX, MemType::WriteBack, true),
+            Err(EptError::Unaligned)
+        );
     }
 
     #[test]
@@ -320,7 +375,10 @@ mod tests {
         }
         let mut s = Tiny(Vec::new());
         let ept = Ept::new(&mut s).unwrap();
-        assert_eq!(ept.map_identity(&mut s, Gpa(0), Gpa(1 << 30), RWX, MemType::WriteBack, true), Err(EptError::OutOfTables));
+        assert_eq!(
+            ept.map_identity(&mut s, Gpa(0), Gpa(1 << 30), RWX, MemType::WriteBack, true),
+            Err(EptError::OutOfTables)
+        );
     }
 
     #[test]

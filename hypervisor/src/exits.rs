@@ -3,9 +3,9 @@
 
 use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
 use crate::control::{Action, Control, StatusSource};
-use crate::introspect::{CpuView, Introspection};
 use crate::hvprintln;
-use crate::vcpu::{Vmcs, VmConfig};
+use crate::introspect::{CpuView, Introspection};
+use crate::vcpu::{VmConfig, Vmcs};
 use core::fmt;
 use hypervisor::policy::{self, CrWrite, MsrRead};
 use hypervisor::stats::ExitCounters;
@@ -46,7 +46,9 @@ impl fmt::Display for StopReason {
             Self::Unhandled(r) => write!(fm, "unhandled exit {} ({r})", reason_name(*r)),
             Self::Vmcs(e) => write!(fm, "{e}"),
             Self::EptViolation { gpa } => write!(fm, "EPT violation at guest-physical {gpa:#x}"),
-            Self::EptMisconfig { gpa } => write!(fm, "EPT misconfiguration at guest-physical {gpa:#x}"),
+            Self::EptMisconfig { gpa } => {
+                write!(fm, "EPT misconfiguration at guest-physical {gpa:#x}")
+            }
             Self::HostStop => write!(fm, "stopped by the host"),
         }
     }
@@ -115,11 +117,25 @@ const UD: u8 = 6;
 
 impl Vcpu {
     pub fn new(cfg: VmConfig, control: Option<Control>, tsc_hz: u64) -> Self {
-        Self { regs: GuestRegs::default(), counters: ExitCounters::new(), cfg, control, tsc_hz, start_tsc: insn::rdtsc(), timer: 0, stopping: None, introspection: Introspection::default() }
+        Self {
+            regs: GuestRegs::default(),
+            counters: ExitCounters::new(),
+            cfg,
+            control,
+            tsc_hz,
+            start_tsc: insn::rdtsc(),
+            timer: 0,
+            stopping: None,
+            introspection: Introspection::default(),
+        }
     }
 
     fn timer_value(&self, busy: bool) -> u32 {
-        let per_sec = if busy { BUSY_TURNS_PER_SEC } else { IDLE_TURNS_PER_SEC };
+        let per_sec = if busy {
+            BUSY_TURNS_PER_SEC
+        } else {
+            IDLE_TURNS_PER_SEC
+        };
         ((self.tsc_hz / per_sec) >> self.cfg.timer_shift).clamp(1, u32::MAX as u64) as u32
     }
 
@@ -136,7 +152,10 @@ impl Vcpu {
             };
             let mut src = StatusSource {
                 counters: &self.counters,
-                uptime_ns: crate::clock::tsc_to_ns(insn::rdtsc().wrapping_sub(self.start_tsc), self.tsc_hz),
+                uptime_ns: crate::clock::tsc_to_ns(
+                    insn::rdtsc().wrapping_sub(self.start_tsc),
+                    self.tsc_hz,
+                ),
                 memory_used: crate::frames::used(),
                 memory_total: loader::layout::HV_RESERVED_SIZE,
                 introspection: &mut self.introspection,
@@ -178,7 +197,10 @@ impl Vcpu {
             let outcome = unsafe { insn::vmx_run(&mut self.regs, launched) };
             if let RunOutcome::EntryFailed(e) = outcome {
                 let err = f::VM_INSTRUCTION_ERROR.read(&Vmcs).unwrap_or(0);
-                hvprintln!("error: {} failed: {e:?}, VM-instruction error {err}", if launched { "VMRESUME" } else { "VMLAUNCH" });
+                hvprintln!(
+                    "error: {} failed: {e:?}, VM-instruction error {err}",
+                    if launched { "VMRESUME" } else { "VMLAUNCH" }
+                );
                 dump_vmcs();
                 return StopReason::EntryFailed;
             }
@@ -273,7 +295,10 @@ impl Vcpu {
             VmExit::Xsetbv { xcr, value } => {
                 let leaf = insn::cpuid(0xd, 0);
                 let supported = leaf[0] as u64 | ((leaf[3] as u64) << 32);
-                let valid = xcr == 0 && value & 1 != 0 && value & !supported == 0 && (value & 4 == 0 || value & 2 != 0);
+                let valid = xcr == 0
+                    && value & 1 != 0
+                    && value & !supported == 0
+                    && (value & 4 == 0 || value & 2 != 0);
                 if valid {
                     // SAFETY: validated against CPUID leaf 0xD and the SDM's
                     // XCR0 rules; VMX root set CR4.OSXSAVE when XSAVE exists.
@@ -295,7 +320,10 @@ impl Vcpu {
                     "error: EPT violation: gpa {:#x} gla {:?} read={} write={} fetch={} allowed={:#x}",
                     e.gpa, e.gla, e.read, e.write, e.fetch, e.allowed
                 );
-                let leaf = self.cfg.ept.translate(&mut crate::frames::PoolTables, hypervisor::addr::Gpa(e.gpa & !0xfff));
+                let leaf = self.cfg.ept.translate(
+                    &mut crate::frames::PoolTables,
+                    hypervisor::addr::Gpa(e.gpa & !0xfff),
+                );
                 hvprintln!("error: EPT entry for that page: {leaf:?}");
                 dump_vmcs();
                 Ok(Next::Stop(StopReason::EptViolation { gpa: e.gpa }))
@@ -304,7 +332,10 @@ impl Vcpu {
                 dump_vmcs();
                 Ok(Next::Stop(StopReason::EptMisconfig { gpa }))
             }
-            VmExit::EntryFailure { reason, qualification } => {
+            VmExit::EntryFailure {
+                reason,
+                qualification,
+            } => {
                 hvprintln!("error: VM entry failed: reason {} ({reason}), qualification {qualification:#x}", reason_name(reason));
                 dump_vmcs();
                 Ok(Next::Stop(StopReason::EntryFailed))
@@ -335,7 +366,8 @@ impl Vcpu {
                             f::GUEST_CR0.write(v, actual)?;
                             f::CR0_READ_SHADOW.write(v, shadow)?;
                             if (old ^ actual) & policy::CR0_PG != 0 {
-                                let efer = policy::efer_after_cr0(f::GUEST_IA32_EFER.read(v)?, actual);
+                                let efer =
+                                    policy::efer_after_cr0(f::GUEST_IA32_EFER.read(v)?, actual);
                                 f::GUEST_IA32_EFER.write(v, efer)?;
                                 let mut ctl = f::ENTRY_CONTROLS.read(v)?;
                                 ctl &= !EntryControls::IA32E_MODE_GUEST.bits();
@@ -429,7 +461,11 @@ impl Vcpu {
                 let value = (self.regs.rax & policy::floating_bus(io.size) as u64) as u32;
                 if value & policy::PM1_SLP_EN != 0 {
                     self.advance()?;
-                    return Ok(Next::Stop(StopReason::PowerOff { port: io.port, value, size: io.size }));
+                    return Ok(Next::Stop(StopReason::PowerOff {
+                        port: io.port,
+                        value,
+                        size: io.size,
+                    }));
                 }
                 forward_out(io.port, io.size, value);
                 return self.advance();

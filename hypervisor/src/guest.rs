@@ -8,7 +8,9 @@ use core::fmt;
 use hypervisor::acpi;
 use loader::layout::{self, Gpa};
 use loader::multiboot::{self, Info, MultibootError};
-use loader::{bootparams, e820::E820Kind, guest_tables, BootError, BzImageError, E820Map, GuestBootConfig};
+use loader::{
+    bootparams, e820::E820Kind, guest_tables, BootError, BzImageError, E820Map, GuestBootConfig,
+};
 
 /// Why the guest could not be loaded.
 #[derive(Debug)]
@@ -67,23 +69,30 @@ fn c_str(addr: u32) -> &'static str {
     if addr == 0 {
         return "";
     }
-    let Some(bytes) = phys::slice(addr as u64, 4096) else { return "" };
+    let Some(bytes) = phys::slice(addr as u64, 4096) else {
+        return "";
+    };
     let n = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
     core::str::from_utf8(&bytes[..n]).unwrap_or("")
 }
 
 /// The firmware's ACPI RSDP, searched in the BIOS area.
 pub fn find_rsdp() -> Option<u64> {
-    let bios = phys::slice(acpi::BIOS_AREA.start, (acpi::BIOS_AREA.end - acpi::BIOS_AREA.start) as usize)?;
+    let bios = phys::slice(
+        acpi::BIOS_AREA.start,
+        (acpi::BIOS_AREA.end - acpi::BIOS_AREA.start) as usize,
+    )?;
     acpi::find_rsdp(bios, acpi::BIOS_AREA.start)
 }
 
 /// Reads the multiboot information and carves hypervisor memory out of the map.
 pub fn boot_info(magic: u32, mbi: u32) -> Result<BootInfo, LoadError> {
-    let info_bytes = phys::slice(mbi as u64, multiboot::INFO_SIZE).ok_or(LoadError::Other("multiboot info out of range"))?;
+    let info_bytes = phys::slice(mbi as u64, multiboot::INFO_SIZE)
+        .ok_or(LoadError::Other("multiboot info out of range"))?;
     let info = Info::parse(magic, info_bytes)?;
     let (mmap_len, mmap_addr) = info.mmap.ok_or(MultibootError::NoMemoryMap)?;
-    let map = phys::slice(mmap_addr as u64, mmap_len as usize).ok_or(MultibootError::BadMemoryMap)?;
+    let map =
+        phys::slice(mmap_addr as u64, mmap_len as usize).ok_or(MultibootError::BadMemoryMap)?;
     let mut e820 = E820Map::new();
     let mut ram_top = 0;
     for entry in multiboot::mmap_entries(map) {
@@ -95,9 +104,11 @@ pub fn boot_info(magic: u32, mbi: u32) -> Result<BootInfo, LoadError> {
         if kind == E820Kind::Ram {
             ram_top = ram_top.max(entry.base.saturating_add(entry.len));
         }
-        e820.add(entry.base, entry.len, kind).map_err(|_| LoadError::Other("memory map has more than 128 entries"))?;
+        e820.add(entry.base, entry.len, kind)
+            .map_err(|_| LoadError::Other("memory map has more than 128 entries"))?;
     }
-    e820.sanitize().map_err(|_| LoadError::Other("memory map cannot be sanitized"))?;
+    e820.sanitize()
+        .map_err(|_| LoadError::Other("memory map cannot be sanitized"))?;
     e820.remove_range(layout::HV_RESERVED.as_u64(), layout::HV_RESERVED_SIZE)
         .map_err(|_| LoadError::Other("memory map full while reserving hypervisor memory"))?;
 
@@ -105,15 +116,25 @@ pub fn boot_info(magic: u32, mbi: u32) -> Result<BootInfo, LoadError> {
     if count == 0 {
         return Err(MultibootError::NoModules.into());
     }
-    let descs = phys::slice(addr as u64, count as usize * multiboot::MODULE_SIZE).ok_or(MultibootError::NoModules)?;
+    let descs = phys::slice(addr as u64, count as usize * multiboot::MODULE_SIZE)
+        .ok_or(MultibootError::NoModules)?;
     let mut mods = multiboot::modules(descs);
     let k = mods.next().ok_or(MultibootError::NoModules)?;
     let (_, cmdline) = multiboot::split_module_string(c_str(k.string));
-    let initrd = mods.next().filter(|m| !m.is_empty()).map(|m| (m.start as u64, m.len() as u64));
+    let initrd = mods
+        .next()
+        .filter(|m| !m.is_empty())
+        .map(|m| (m.start as u64, m.len() as u64));
     if k.is_empty() {
         return Err(LoadError::Other("guest kernel module is empty"));
     }
-    Ok(BootInfo { e820, ram_top, kernel: (k.start as u64, k.len() as usize), cmdline, initrd })
+    Ok(BootInfo {
+        e820,
+        ram_top,
+        kernel: (k.start as u64, k.len() as usize),
+        cmdline,
+        initrd,
+    })
 }
 
 /// Where the guest starts.
@@ -134,7 +155,8 @@ pub struct GuestEntry {
 
 /// Loads the kernel, command line, boot_params, GDT and boot page tables.
 pub fn load(b: &BootInfo, rsdp: Option<u64>) -> Result<GuestEntry, LoadError> {
-    let image = phys::slice(b.kernel.0, b.kernel.1).ok_or(LoadError::Other("guest kernel module out of range"))?;
+    let image = phys::slice(b.kernel.0, b.kernel.1)
+        .ok_or(LoadError::Other("guest kernel module out of range"))?;
     let img = loader::parse_bzimage(image)?;
 
     let mut avoid = [(0u64, 0u64); 6];

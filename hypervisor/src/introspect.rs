@@ -34,14 +34,23 @@ impl GuestMemory for GuestRam {
         let len = buf.len() as u64;
         let start = gpa.as_u64();
         let Some(end) = start.checked_add(len) else {
-            return Err(MemError::OutOfRange { gpa, len: buf.len() });
+            return Err(MemError::OutOfRange {
+                gpa,
+                len: buf.len(),
+            });
         };
-        let (hv0, hv1) = (layout::HV_RESERVED.as_u64(), layout::HV_RESERVED_END.as_u64());
+        let (hv0, hv1) = (
+            layout::HV_RESERVED.as_u64(),
+            layout::HV_RESERVED_END.as_u64(),
+        );
         if start < hv1 && end > hv0 {
             return Err(MemError::Denied { gpa });
         }
         if end > phys::MAPPED_LIMIT || !phys::read(start, buf) {
-            return Err(MemError::OutOfRange { gpa, len: buf.len() });
+            return Err(MemError::OutOfRange {
+                gpa,
+                len: buf.len(),
+            });
         }
         Ok(())
     }
@@ -73,7 +82,11 @@ impl CpuView {
     /// when the guest was interrupted in user mode).
     fn kernel_cr3s(&self) -> [Cr3; 2] {
         let c = Cr3(self.cr3);
-        if self.cpl == 0 { [c, c] } else { [c, c.pti_kernel()] }
+        if self.cpl == 0 {
+            [c, c]
+        } else {
+            [c, c.pti_kernel()]
+        }
     }
 }
 
@@ -123,7 +136,9 @@ impl Introspection {
                 }
             }
         }
-        self.kernel.as_ref().ok_or_else(|| "introspection failed".to_string())
+        self.kernel
+            .as_ref()
+            .ok_or_else(|| "introspection failed".to_string())
     }
 
     /// pid/comm of the task running on the vCPU, when recovery knows how.
@@ -133,7 +148,11 @@ impl Introspection {
         let current = k.facts.current.as_ref().ok()?;
         let view = PagedView::new(&GuestRam, k.cr3);
         let t = facts::running_task(&view, Gva(cpu.kernel_gs()), current, layout).ok()?;
-        Some(TaskInfo { pid: t.pid, comm: String::from_utf8_lossy(t.comm_bytes()).into_owned(), cpu: 0 })
+        Some(TaskInfo {
+            pid: t.pid,
+            comm: String::from_utf8_lossy(t.comm_bytes()).into_owned(),
+            cpu: 0,
+        })
     }
 }
 
@@ -141,8 +160,9 @@ fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
     // SAFETY: IA32_LSTAR exists on every x86-64 CPU; VMX does not switch it,
     // so this is the guest's value.
     let lstar = unsafe { insn::rdmsr(IA32_LSTAR) };
-    let range = facts::ranges_from_lstar(Gva(lstar))
-        .ok_or_else(|| format!("the guest has not set up its syscall entry yet (LSTAR {lstar:#x})"))?;
+    let range = facts::ranges_from_lstar(Gva(lstar)).ok_or_else(|| {
+        format!("the guest has not set up its syscall entry yet (LSTAR {lstar:#x})")
+    })?;
     let t0 = insn::rdtsc();
     let mut last = String::new();
     for cr3 in cpu.kernel_cr3s() {
@@ -167,7 +187,11 @@ fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
                     recovery_ns: clock::tsc_to_ns(insn::rdtsc().wrapping_sub(t0), tsc_hz),
                     task_layout_error: f.task.as_ref().err().map(|e| e.to_string()),
                 };
-                return Ok(Kernel { facts: f, report, cr3 });
+                return Ok(Kernel {
+                    facts: f,
+                    report,
+                    cr3,
+                });
             }
             Err(e) => last = format!("kallsyms not found: {e}"),
         }
@@ -181,7 +205,14 @@ impl Kernel {
     /// address order. Stops at `limit` matches or when `budget` bytes of
     /// answer are reached, so that the page fits a frame. Returns the count
     /// of all matches (on the first page only), the next cursor and the page.
-    pub fn symbols(&self, glob: &str, kinds: &str, cursor: u32, limit: u32, budget: usize) -> (Option<u32>, Option<u32>, Vec<SymbolInfo>) {
+    pub fn symbols(
+        &self,
+        glob: &str,
+        kinds: &str,
+        cursor: u32,
+        limit: u32,
+        budget: usize,
+    ) -> (Option<u32>, Option<u32>, Vec<SymbolInfo>) {
         let index = &self.facts.symbols;
         let view = PagedView::new(&GuestRam, self.cr3);
         let classifier = Classifier::new(index);
@@ -194,7 +225,11 @@ impl Kernel {
             index.name_into(id, name);
             guest_introspect::glob::matches(glob.as_bytes(), name)
         };
-        let total = (cursor == 0).then(|| (0..index.len() as u32).filter(|&i| matches(SymbolId(i), &mut name)).count() as u32);
+        let total = (cursor == 0).then(|| {
+            (0..index.len() as u32)
+                .filter(|&i| matches(SymbolId(i), &mut name))
+                .count() as u32
+        });
         let mut out = Vec::new();
         let mut used = 0usize;
         let mut id = cursor;

@@ -137,7 +137,11 @@ fn run(
     log::info!(
         "TSC {} MHz; control channel {}",
         tsc_hz / 1_000_000,
-        if control.is_some() { "on COM2" } else { "absent (no UART at COM2)" }
+        if control.is_some() {
+            "on COM2"
+        } else {
+            "absent (no UART at COM2)"
+        }
     );
     let mut vcpu = exits::Vcpu::new(cfg, control, tsc_hz);
     vcpu.regs.rsi = entry.boot_params;

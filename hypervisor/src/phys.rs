@@ -9,7 +9,8 @@ use hypervisor::addr::Hpa;
 pub const MAPPED_LIMIT: u64 = 1 << 32;
 
 fn check(addr: u64, len: usize) -> bool {
-    addr.checked_add(len as u64).is_some_and(|e| e <= MAPPED_LIMIT)
+    addr.checked_add(len as u64)
+        .is_some_and(|e| e <= MAPPED_LIMIT)
 }
 
 /// Copies `buf.len()` bytes from physical `addr`; `false` when out of the mapped range.
@@ -57,7 +58,11 @@ pub fn slice(addr: u64, len: usize) -> Option<&'static [u8]> {
 
 /// A hypervisor-owned frame as a table of 512 words.
 pub fn frame_mut(hpa: Hpa) -> &'static mut [u64; 512] {
-    assert!(hpa.0.is_multiple_of(4096) && check(hpa.0, 4096), "frame {:#x} outside mapped memory", hpa.0);
+    assert!(
+        hpa.0.is_multiple_of(4096) && check(hpa.0, 4096),
+        "frame {:#x} outside mapped memory",
+        hpa.0
+    );
     // SAFETY: frames come from the hypervisor's pool (page aligned, identity
     // mapped, never given to the guest); each is used as one table by one owner.
     unsafe { &mut *(hpa.0 as *mut [u64; 512]) }
@@ -65,7 +70,11 @@ pub fn frame_mut(hpa: Hpa) -> &'static mut [u64; 512] {
 
 /// A hypervisor-owned frame as bytes.
 pub fn frame_bytes_mut(hpa: Hpa) -> &'static mut [u8; 4096] {
-    assert!(hpa.0.is_multiple_of(4096) && check(hpa.0, 4096), "frame {:#x} outside mapped memory", hpa.0);
+    assert!(
+        hpa.0.is_multiple_of(4096) && check(hpa.0, 4096),
+        "frame {:#x} outside mapped memory",
+        hpa.0
+    );
     // SAFETY: as for `frame_mut`.
     unsafe { &mut *(hpa.0 as *mut [u8; 4096]) }
 }

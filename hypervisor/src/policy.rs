@@ -63,7 +63,10 @@ pub fn cr0_write(value: u64, fixed0: u64, fixed1: u64) -> CrWrite {
         return CrWrite::Fault;
     }
     let actual = (value | cr0_host_mask(fixed0)) & fixed1;
-    CrWrite::Load { actual, shadow: value }
+    CrWrite::Load {
+        actual,
+        shadow: value,
+    }
 }
 
 /// A guest MOV to CR4: VMXE is hidden from the guest, so setting it faults
@@ -72,7 +75,10 @@ pub fn cr4_write(value: u64, fixed0: u64, fixed1: u64) -> CrWrite {
     if value & CR4_VMXE != 0 || value & !(fixed1 | CR4_VMXE) != 0 {
         return CrWrite::Fault;
     }
-    CrWrite::Load { actual: (value | cr4_host_mask(fixed0)) & fixed1, shadow: value }
+    CrWrite::Load {
+        actual: (value | cr4_host_mask(fixed0)) & fixed1,
+        shadow: value,
+    }
 }
 
 /// EFER after CR0.PG changes: LMA follows PG while LME is set (SDM 10.8.5).
@@ -92,9 +98,15 @@ pub const MSR_VMX_FIRST: u32 = 0x480;
 pub const MSR_VMX_LAST: u32 = 0x491;
 
 /// MSRs whose reads exit.
-pub const INTERCEPTED_MSR_READS: &[(u32, u32)] = &[(MSR_FEATURE_CONTROL, MSR_FEATURE_CONTROL), (MSR_VMX_FIRST, MSR_VMX_LAST)];
+pub const INTERCEPTED_MSR_READS: &[(u32, u32)] = &[
+    (MSR_FEATURE_CONTROL, MSR_FEATURE_CONTROL),
+    (MSR_VMX_FIRST, MSR_VMX_LAST),
+];
 /// MSRs whose writes exit.
-pub const INTERCEPTED_MSR_WRITES: &[(u32, u32)] = &[(MSR_FEATURE_CONTROL, MSR_FEATURE_CONTROL), (MSR_VMX_FIRST, MSR_VMX_LAST)];
+pub const INTERCEPTED_MSR_WRITES: &[(u32, u32)] = &[
+    (MSR_FEATURE_CONTROL, MSR_FEATURE_CONTROL),
+    (MSR_VMX_FIRST, MSR_VMX_LAST),
+];
 
 /// What to do with an intercepted RDMSR.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,9 +163,17 @@ pub const CONTROL_PORTS: core::ops::RangeInclusive<u16> = 0x2f8..=0x2ff;
 
 /// Sets the bits for `ports` in the two 4 KiB I/O bitmaps (A: 0..0x7fff,
 /// B: 0x8000..0xffff, SDM 25.6.4).
-pub fn io_bitmap_set(a: &mut [u8; 4096], b: &mut [u8; 4096], ports: core::ops::RangeInclusive<u16>) {
+pub fn io_bitmap_set(
+    a: &mut [u8; 4096],
+    b: &mut [u8; 4096],
+    ports: core::ops::RangeInclusive<u16>,
+) {
     for p in ports {
-        let (bm, i) = if p < 0x8000 { (&mut *a, p as usize) } else { (&mut *b, (p - 0x8000) as usize) };
+        let (bm, i) = if p < 0x8000 {
+            (&mut *a, p as usize)
+        } else {
+            (&mut *b, (p - 0x8000) as usize)
+        };
         bm[i / 8] |= 1 << (i % 8);
     }
 }
@@ -186,7 +206,10 @@ mod tests {
     fn cpuid_hides_vmx_and_aperfmperf() {
         let r = filter_cpuid(1, 0, [1, 2, 0xffff_ffff, 4]);
         assert_eq!(r, [1, 2, 0xffff_ffdf, 4]);
-        assert_eq!(filter_cpuid(7, 0, [1, 2, 0xffff_ffff, 4]), [1, 2, 0xffff_ffff, 4]);
+        assert_eq!(
+            filter_cpuid(7, 0, [1, 2, 0xffff_ffff, 4]),
+            [1, 2, 0xffff_ffff, 4]
+        );
         assert_eq!(filter_cpuid(6, 0, [0, 0, 0x9, 0]), [0, 0, 0x8, 0]);
     }
 
@@ -194,21 +217,36 @@ mod tests {
     fn cr0_keeps_ne_but_lets_the_guest_turn_paging_off() {
         assert_eq!(cr0_host_mask(CR0_F0), CR0_NE);
         // Decompressor: paging off, protection on.
-        assert_eq!(cr0_write(0x11, CR0_F0, CR0_F1), CrWrite::Load { actual: 0x31, shadow: 0x11 });
+        assert_eq!(
+            cr0_write(0x11, CR0_F0, CR0_F1),
+            CrWrite::Load {
+                actual: 0x31,
+                shadow: 0x11
+            }
+        );
         assert_eq!(cr0_write(CR0_PG | 0x10, CR0_F0, CR0_F1), CrWrite::Fault);
         assert_eq!(cr0_write(1 << 40, CR0_F0, CR0_F1), CrWrite::Fault);
     }
 
     #[test]
     fn cr4_hides_vmxe() {
-        assert_eq!(cr4_write(0x20, CR4_F0, CR4_F1), CrWrite::Load { actual: 0x2020, shadow: 0x20 });
+        assert_eq!(
+            cr4_write(0x20, CR4_F0, CR4_F1),
+            CrWrite::Load {
+                actual: 0x2020,
+                shadow: 0x20
+            }
+        );
         assert_eq!(cr4_write(0x2020, CR4_F0, CR4_F1), CrWrite::Fault);
         assert_eq!(cr4_write(1 << 30, CR4_F0, CR4_F1), CrWrite::Fault);
     }
 
     #[test]
     fn efer_lma_follows_paging() {
-        assert_eq!(efer_after_cr0(EFER_LME, CR0_PG | CR0_PE), EFER_LME | EFER_LMA);
+        assert_eq!(
+            efer_after_cr0(EFER_LME, CR0_PG | CR0_PE),
+            EFER_LME | EFER_LMA
+        );
         assert_eq!(efer_after_cr0(EFER_LME | EFER_LMA, CR0_PE), EFER_LME);
         assert_eq!(efer_after_cr0(0, CR0_PG | CR0_PE), 0);
     }
@@ -222,7 +260,11 @@ mod tests {
     #[test]
     fn bitmaps_mark_exactly_the_intercepted_entries() {
         let mut bm = [0u8; 4096];
-        msr_bitmap(&mut bm, INTERCEPTED_MSR_READS, &[(0xc000_0080, 0xc000_0080)]);
+        msr_bitmap(
+            &mut bm,
+            INTERCEPTED_MSR_READS,
+            &[(0xc000_0080, 0xc000_0080)],
+        );
         assert_eq!(bm[0x3a / 8], 1 << (0x3a % 8));
         assert_eq!(bm[0x480 / 8], 0xff);
         assert_eq!(bm[0x490 / 8], 0b11);

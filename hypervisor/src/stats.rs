@@ -18,7 +18,10 @@ impl Default for ExitCounters {
 impl ExitCounters {
     /// All zero.
     pub const fn new() -> Self {
-        Self { counts: [0; reason::COUNT], other: 0 }
+        Self {
+            counts: [0; reason::COUNT],
+            other: 0,
+        }
     }
 
     /// Counts one exit with basic reason `r`.
@@ -91,6 +94,13 @@ mod tests {
         assert_eq!(c.total(), 5);
         assert_eq!(c.to_string(), "CPUID=3 PREEMPTION_TIMER=1 OTHER=1");
         let v: Vec<_> = c.nonzero_with_reason().collect();
-        assert_eq!(v, vec![(10, "CPUID", 3), (52, "PREEMPTION_TIMER", 1), (u16::MAX, "OTHER", 1)]);
+        assert_eq!(
+            v,
+            vec![
+                (10, "CPUID", 3),
+                (52, "PREEMPTION_TIMER", 1),
+                (u16::MAX, "OTHER", 1)
+            ]
+        );
     }
 }

@@ -158,7 +158,11 @@ fn vmxon(basic: VmxBasic) -> Result<Fixed, VmxError> {
     // SAFETY: the fixed-bit MSRs say which CR0/CR4 values VMX operation
     // needs; applying them keeps paging and protection on.
     unsafe {
-        insn::write_cr0(caps::apply_fixed(insn::read_cr0(), fixed.cr0.0, fixed.cr0.1));
+        insn::write_cr0(caps::apply_fixed(
+            insn::read_cr0(),
+            fixed.cr0.0,
+            fixed.cr0.1,
+        ));
         insn::write_cr4(caps::apply_fixed(cr4, fixed.cr4.0, fixed.cr4.1));
     }
     let region = frames::alloc().ok_or(VmxError::OutOfMemory)?;
@@ -179,14 +183,31 @@ fn build_ept(b: &BootInfo, cap: EptVpidCap) -> Result<Ept, VmxError> {
     let ept = Ept::new(&mut store)?;
     let limit = ept::identity_limit(b.ram_top);
     let big = cap.pages_2m();
-    let hv = (layout::HV_RESERVED.as_u64(), layout::HV_RESERVED_END.as_u64());
+    let hv = (
+        layout::HV_RESERVED.as_u64(),
+        layout::HV_RESERVED_END.as_u64(),
+    );
     // Everything uncacheable first, then RAM on top as write-back.
-    ept.map_identity(&mut store, Gpa(0), Gpa(limit), ept::RWX, MemType::Uncacheable, big)?;
+    ept.map_identity(
+        &mut store,
+        Gpa(0),
+        Gpa(limit),
+        ept::RWX,
+        MemType::Uncacheable,
+        big,
+    )?;
     for e in b.e820.iter().filter(|e| e.is_ram()) {
         let start = e.addr & !0xfff;
         let end = (e.addr + e.size).next_multiple_of(0x1000).min(limit);
         if start < end {
-            ept.map_identity(&mut store, Gpa(start), Gpa(end), ept::RWX, MemType::WriteBack, big)?;
+            ept.map_identity(
+                &mut store,
+                Gpa(start),
+                Gpa(end),
+                ept::RWX,
+                MemType::WriteBack,
+                big,
+            )?;
         }
     }
     ept.unmap(&mut store, Gpa(hv.0), Gpa(hv.1))?;
@@ -204,12 +225,27 @@ pub struct VmConfig {
     pub timer_shift: u32,
 }
 
-fn controls(word: &'static str, required: u32, optional: u32, cap_msr: u32) -> Result<u32, VmxError> {
-    Ok(caps::adjust_controls(word, required, optional, msr(cap_msr))?)
+fn controls(
+    word: &'static str,
+    required: u32,
+    optional: u32,
+    cap_msr: u32,
+) -> Result<u32, VmxError> {
+    Ok(caps::adjust_controls(
+        word,
+        required,
+        optional,
+        msr(cap_msr),
+    )?)
 }
 
 /// Creates and fills the VMCS for the guest described by `entry`.
-pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<Fadt>) -> Result<VmConfig, VmxError> {
+pub fn setup(
+    host: &HostTables,
+    b: &BootInfo,
+    entry: &GuestEntry,
+    fadt: Option<Fadt>,
+) -> Result<VmConfig, VmxError> {
     let basic = VmxBasic(msr(IA32_VMX_BASIC));
     let fixed = vmxon(basic)?;
     let cap = EptVpidCap(msr(IA32_VMX_EPT_VPID_CAP));
@@ -223,12 +259,28 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
     unsafe { insn::vmptrld(vmcs.0) }.map_err(|e| VmxError::Instruction("VMPTRLD", e, 0))?;
 
     let t = basic.has_true_controls();
-    let pin = controls("pin-based", 0, PinbasedControls::VMX_PREEMPTION_TIMER.bits(), if t { IA32_VMX_TRUE_PINBASED_CTLS } else { IA32_VMX_PINBASED_CTLS })?;
+    let pin = controls(
+        "pin-based",
+        0,
+        PinbasedControls::VMX_PREEMPTION_TIMER.bits(),
+        if t {
+            IA32_VMX_TRUE_PINBASED_CTLS
+        } else {
+            IA32_VMX_PINBASED_CTLS
+        },
+    )?;
     let proc1 = controls(
         "primary processor-based",
-        (PrimaryControls::USE_IO_BITMAPS | PrimaryControls::USE_MSR_BITMAPS | PrimaryControls::SECONDARY_CONTROLS).bits(),
+        (PrimaryControls::USE_IO_BITMAPS
+            | PrimaryControls::USE_MSR_BITMAPS
+            | PrimaryControls::SECONDARY_CONTROLS)
+            .bits(),
         0,
-        if t { IA32_VMX_TRUE_PROCBASED_CTLS } else { IA32_VMX_PROCBASED_CTLS },
+        if t {
+            IA32_VMX_TRUE_PROCBASED_CTLS
+        } else {
+            IA32_VMX_PROCBASED_CTLS
+        },
     )?;
     let proc2 = controls(
         "secondary processor-based",
@@ -242,15 +294,26 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
     )?;
     let exit = controls(
         "VM-exit",
-        (ExitControls::HOST_ADDRESS_SPACE_SIZE | ExitControls::SAVE_IA32_EFER | ExitControls::LOAD_IA32_EFER).bits(),
+        (ExitControls::HOST_ADDRESS_SPACE_SIZE
+            | ExitControls::SAVE_IA32_EFER
+            | ExitControls::LOAD_IA32_EFER)
+            .bits(),
         (ExitControls::SAVE_IA32_PAT | ExitControls::LOAD_IA32_PAT).bits(),
-        if t { IA32_VMX_TRUE_EXIT_CTLS } else { IA32_VMX_EXIT_CTLS },
+        if t {
+            IA32_VMX_TRUE_EXIT_CTLS
+        } else {
+            IA32_VMX_EXIT_CTLS
+        },
     )?;
     let entry_ctl = controls(
         "VM-entry",
         (EntryControls::IA32E_MODE_GUEST | EntryControls::LOAD_IA32_EFER).bits(),
         EntryControls::LOAD_IA32_PAT.bits(),
-        if t { IA32_VMX_TRUE_ENTRY_CTLS } else { IA32_VMX_ENTRY_CTLS },
+        if t {
+            IA32_VMX_TRUE_ENTRY_CTLS
+        } else {
+            IA32_VMX_ENTRY_CTLS
+        },
     )?;
     log::info!(
         "VMX: revision {:#x}, pin {pin:#x} proc {proc1:#x} proc2 {proc2:#x} exit {exit:#x} entry {entry_ctl:#x}, EPT/VPID caps {:#x}",
@@ -275,7 +338,10 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
 
     // I/O bitmaps: the control UART, and the ACPI PM1 control ports so that
     // the guest's power-off is seen.
-    let (io_a, io_b) = (frames::alloc().ok_or(VmxError::OutOfMemory)?, frames::alloc().ok_or(VmxError::OutOfMemory)?);
+    let (io_a, io_b) = (
+        frames::alloc().ok_or(VmxError::OutOfMemory)?,
+        frames::alloc().ok_or(VmxError::OutOfMemory)?,
+    );
     {
         let (a, b2) = (phys::frame_bytes_mut(io_a), phys::frame_bytes_mut(io_b));
         policy::io_bitmap_set(a, b2, policy::CONTROL_PORTS);
@@ -289,7 +355,11 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
     f::IO_BITMAP_A.write(v, io_a.0)?;
     f::IO_BITMAP_B.write(v, io_b.0)?;
     let msr_bm = frames::alloc().ok_or(VmxError::OutOfMemory)?;
-    policy::msr_bitmap(phys::frame_bytes_mut(msr_bm), policy::INTERCEPTED_MSR_READS, policy::INTERCEPTED_MSR_WRITES);
+    policy::msr_bitmap(
+        phys::frame_bytes_mut(msr_bm),
+        policy::INTERCEPTED_MSR_READS,
+        policy::INTERCEPTED_MSR_WRITES,
+    );
     f::MSR_BITMAP.write(v, msr_bm.0)?;
 
     // Host state (SDM 25.5, checked per 27.2.2/27.2.3).
@@ -297,7 +367,13 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
     f::HOST_CR3.write(v, insn::read_cr3())?;
     f::HOST_CR4.write(v, insn::read_cr4())?;
     f::HOST_CS_SELECTOR.write(v, cpu::CODE)?;
-    for s in [f::HOST_SS_SELECTOR, f::HOST_DS_SELECTOR, f::HOST_ES_SELECTOR, f::HOST_FS_SELECTOR, f::HOST_GS_SELECTOR] {
+    for s in [
+        f::HOST_SS_SELECTOR,
+        f::HOST_DS_SELECTOR,
+        f::HOST_ES_SELECTOR,
+        f::HOST_FS_SELECTOR,
+        f::HOST_GS_SELECTOR,
+    ] {
         s.write(v, cpu::DATA)?;
     }
     f::HOST_TR_SELECTOR.write(v, cpu::TSS)?;
@@ -316,11 +392,17 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
 
     // Guest state: 64-bit mode as the Linux 64-bit boot protocol wants it.
     let cr0 = policy::CR0_PG | policy::CR0_NE | (1 << 4) | policy::CR0_PE;
-    f::GUEST_CR0.write(v, caps::apply_fixed(cr0, policy::cr0_host_mask(fixed.cr0.0), fixed.cr0.1))?;
+    f::GUEST_CR0.write(
+        v,
+        caps::apply_fixed(cr0, policy::cr0_host_mask(fixed.cr0.0), fixed.cr0.1),
+    )?;
     f::CR0_GUEST_HOST_MASK.write(v, policy::cr0_host_mask(fixed.cr0.0))?;
     f::CR0_READ_SHADOW.write(v, cr0)?;
     let cr4 = 1u64 << 5; // PAE
-    f::GUEST_CR4.write(v, caps::apply_fixed(cr4, policy::cr4_host_mask(fixed.cr4.0), fixed.cr4.1))?;
+    f::GUEST_CR4.write(
+        v,
+        caps::apply_fixed(cr4, policy::cr4_host_mask(fixed.cr4.0), fixed.cr4.1),
+    )?;
     f::CR4_GUEST_HOST_MASK.write(v, policy::cr4_host_mask(fixed.cr4.0))?;
     f::CR4_READ_SHADOW.write(v, cr4)?;
     f::GUEST_CR3.write(v, entry.cr3)?;
@@ -338,11 +420,36 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
     f::GUEST_CS_LIMIT.write(v, 0xffff_ffff)?;
     f::GUEST_CS_ACCESS_RIGHTS.write(v, CODE64_AR)?;
     for (sel, base, limit, ar) in [
-        (f::GUEST_SS_SELECTOR, f::GUEST_SS_BASE, f::GUEST_SS_LIMIT, f::GUEST_SS_ACCESS_RIGHTS),
-        (f::GUEST_DS_SELECTOR, f::GUEST_DS_BASE, f::GUEST_DS_LIMIT, f::GUEST_DS_ACCESS_RIGHTS),
-        (f::GUEST_ES_SELECTOR, f::GUEST_ES_BASE, f::GUEST_ES_LIMIT, f::GUEST_ES_ACCESS_RIGHTS),
-        (f::GUEST_FS_SELECTOR, f::GUEST_FS_BASE, f::GUEST_FS_LIMIT, f::GUEST_FS_ACCESS_RIGHTS),
-        (f::GUEST_GS_SELECTOR, f::GUEST_GS_BASE, f::GUEST_GS_LIMIT, f::GUEST_GS_ACCESS_RIGHTS),
+        (
+            f::GUEST_SS_SELECTOR,
+            f::GUEST_SS_BASE,
+            f::GUEST_SS_LIMIT,
+            f::GUEST_SS_ACCESS_RIGHTS,
+        ),
+        (
+            f::GUEST_DS_SELECTOR,
+            f::GUEST_DS_BASE,
+            f::GUEST_DS_LIMIT,
+            f::GUEST_DS_ACCESS_RIGHTS,
+        ),
+        (
+            f::GUEST_ES_SELECTOR,
+            f::GUEST_ES_BASE,
+            f::GUEST_ES_LIMIT,
+            f::GUEST_ES_ACCESS_RIGHTS,
+        ),
+        (
+            f::GUEST_FS_SELECTOR,
+            f::GUEST_FS_BASE,
+            f::GUEST_FS_LIMIT,
+            f::GUEST_FS_ACCESS_RIGHTS,
+        ),
+        (
+            f::GUEST_GS_SELECTOR,
+            f::GUEST_GS_BASE,
+            f::GUEST_GS_LIMIT,
+            f::GUEST_GS_ACCESS_RIGHTS,
+        ),
     ] {
         sel.write(v, data)?;
         base.write(v, 0)?;
@@ -374,5 +481,11 @@ pub fn setup(host: &HostTables, b: &BootInfo, entry: &GuestEntry, fadt: Option<F
     f::GUEST_PENDING_DEBUG_EXCEPTIONS.write(v, 0)?;
     f::VMCS_LINK_POINTER.write(v, u64::MAX)?;
 
-    Ok(VmConfig { fixed, fadt, ept, has_timer, timer_shift })
+    Ok(VmConfig {
+        fixed,
+        fadt,
+        ept,
+        has_timer,
+        timer_shift,
+    })
 }

@@ -100,12 +100,19 @@ fn mutate(rng: &mut Rng, s: &str) -> String {
     let b: String = b.iter().collect();
     match rng.below(7) {
         0 => format!("{a}{}{b}", rng.pick(ALPHABET)),
-        1 => format!("{a}{}", b.chars().skip(1 + rng.below(3)).collect::<String>()),
+        1 => format!(
+            "{a}{}",
+            b.chars().skip(1 + rng.below(3)).collect::<String>()
+        ),
         2 => a,
         3 => format!("{a}{a}{b}"),
         4 => {
             let other = rng.pick(SEEDS);
-            let cut = other.char_indices().map(|(i, _)| i).nth(rng.below(other.len())).unwrap_or(0);
+            let cut = other
+                .char_indices()
+                .map(|(i, _)| i)
+                .nth(rng.below(other.len()))
+                .unwrap_or(0);
             format!("{a}{}", &other[cut..])
         }
         5 => {
@@ -126,7 +133,10 @@ struct RandMem(BTreeMap<u64, u8>);
 
 impl GuestMem for RandMem {
     fn read(&mut self, gva: Gva, buf: &mut [u8]) -> Result<(), MemFault> {
-        assert!((gva.0 & 0xfff) as usize + buf.len() <= 4096, "read crosses a page");
+        assert!(
+            (gva.0 & 0xfff) as usize + buf.len() <= 4096,
+            "read crosses a page"
+        );
         for (i, b) in buf.iter_mut().enumerate() {
             *b = *self.0.get(&gva.0.wrapping_add(i as u64)).ok_or(MemFault)?;
         }
@@ -138,7 +148,9 @@ struct Syms;
 
 impl SymbolResolver for Syms {
     fn lookup(&self, name: &str) -> Option<Gva> {
-        name.len().is_multiple_of(2).then_some(Gva(0xffff_8880_0000_1000))
+        name.len()
+            .is_multiple_of(2)
+            .then_some(Gva(0xffff_8880_0000_1000))
     }
     fn symbolize(&self, addr: Gva) -> Option<SymbolAt<'_>> {
         (addr.0 & 1 == 0).then_some(SymbolAt {
@@ -153,7 +165,10 @@ impl SymbolResolver for Syms {
 fn check_error(spec: &str, e: &ParseError) {
     assert!(e.pos <= spec.len(), "{spec:?}: {e:?}");
     assert!(e.pos + e.len <= spec.len(), "{spec:?}: {e:?}");
-    assert!(spec.is_char_boundary(e.pos) && spec.is_char_boundary(e.pos + e.len), "{spec:?}: {e:?}");
+    assert!(
+        spec.is_char_boundary(e.pos) && spec.is_char_boundary(e.pos + e.len),
+        "{spec:?}: {e:?}"
+    );
     if e.kind != ParseErrorKind::UsedArgName {
         assert_eq!(&spec[e.pos..e.pos + e.len], e.token, "{spec:?}: {e:?}");
     }
@@ -171,28 +186,56 @@ fn exercise(rng: &mut Rng, p: &ProbeSpec) {
 
     // Fetch over random registers and memory.
     let mut mem = RandMem(BTreeMap::new());
-    let bases = [0x7ffd_0000_1000u64, 0xffff_8880_0000_1000, 0xffff_c900_0000_3f00, 0xffff_8880_0000_1ffc];
+    let bases = [
+        0x7ffd_0000_1000u64,
+        0xffff_8880_0000_1000,
+        0xffff_c900_0000_3f00,
+        0xffff_8880_0000_1ffc,
+    ];
     for _ in 0..64 {
         let a = rng.pick(&bases).wrapping_add(rng.below(64) as u64);
-        let v = if rng.below(2) == 0 { *rng.pick(&bases) } else { rng.next() & 0xff };
+        let v = if rng.below(2) == 0 {
+            *rng.pick(&bases)
+        } else {
+            rng.next() & 0xff
+        };
         mem.0.insert(a, v as u8);
     }
     let mut regs = PtRegs::default();
-    for r in [&mut regs.di, &mut regs.si, &mut regs.dx, &mut regs.ax, &mut regs.bp, &mut regs.sp] {
+    for r in [
+        &mut regs.di,
+        &mut regs.si,
+        &mut regs.dx,
+        &mut regs.ax,
+        &mut regs.bp,
+        &mut regs.sp,
+    ] {
         *r = match rng.below(3) {
             0 => *rng.pick(&bases),
             1 => rng.next(),
             _ => 0,
         };
     }
-    let layout = if rng.below(2) == 0 { GuestLayout::X86_64_4LEVEL } else { GuestLayout::X86_64_5LEVEL };
-    let ctx = FetchContext { regs: &regs, comm: (rng.below(4) != 0).then_some(b"sh".as_slice()), layout };
+    let layout = if rng.below(2) == 0 {
+        GuestLayout::X86_64_4LEVEL
+    } else {
+        GuestLayout::X86_64_5LEVEL
+    };
+    let ctx = FetchContext {
+        regs: &regs,
+        comm: (rng.below(4) != 0).then_some(b"sh".as_slice()),
+        layout,
+    };
     let values = fetch(&p.args, &ctx, &mut mem, &Syms);
     assert_eq!(values.len(), p.args.len());
 
     // Ring record round trip and rendering.
     let mut ev = RawEvent {
-        header: EventHeader { pid: rng.below(3) as i32, ip: rng.next(), ..Default::default() },
+        header: EventHeader {
+            pid: rng.below(3) as i32,
+            ip: rng.next(),
+            ..Default::default()
+        },
         values,
     };
     ev.header.set_comm(b"sh");
@@ -233,12 +276,19 @@ fn mutated_specs_never_panic_and_errors_point_into_the_spec() {
         }
     }
     // Both sides of the grammar were exercised.
-    assert!(accepted > 1000 && refused > 1000, "accepted {accepted}, refused {refused}");
+    assert!(
+        accepted > 1000 && refused > 1000,
+        "accepted {accepted}, refused {refused}"
+    );
 }
 
 #[test]
 fn every_short_argument_over_the_alphabet() {
-    let atoms: Vec<&str> = ALPHABET.iter().copied().filter(|a| !a.contains([' ', '\t'])).collect();
+    let atoms: Vec<&str> = ALPHABET
+        .iter()
+        .copied()
+        .filter(|a| !a.contains([' ', '\t']))
+        .collect();
     let mut rng = Rng(7);
     let mut n = 0;
     for a in &atoms {

@@ -55,7 +55,8 @@ impl fmt::Display for MultibootError {
 }
 
 fn le32(b: &[u8], off: usize) -> Option<u32> {
-    b.get(off..off + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    b.get(off..off + 4)
+        .map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
 }
 
 fn le64(b: &[u8], off: usize) -> Option<u64> {
@@ -90,9 +91,21 @@ impl Info {
         let get = |off| le32(bytes, off).ok_or(MultibootError::TooShort);
         Ok(Self {
             flags,
-            cmdline: if flags & INFO_CMDLINE != 0 { Some(get(16)?) } else { None },
-            mods: if flags & INFO_MODS != 0 { Some((get(20)?, get(24)?)) } else { None },
-            mmap: if flags & INFO_MMAP != 0 { Some((get(44)?, get(48)?)) } else { None },
+            cmdline: if flags & INFO_CMDLINE != 0 {
+                Some(get(16)?)
+            } else {
+                None
+            },
+            mods: if flags & INFO_MODS != 0 {
+                Some((get(20)?, get(24)?))
+            } else {
+                None
+            },
+            mmap: if flags & INFO_MMAP != 0 {
+                Some((get(44)?, get(48)?))
+            } else {
+                None
+            },
         })
     }
 }
@@ -121,7 +134,11 @@ pub fn mmap_entries(map: &[u8]) -> impl Iterator<Item = Result<MmapEntry, Multib
             if size < 20 {
                 return None;
             }
-            let e = MmapEntry { base: le64(map, off + 4)?, len: le64(map, off + 12)?, kind: le32(map, off + 20)? };
+            let e = MmapEntry {
+                base: le64(map, off + 4)?,
+                len: le64(map, off + 12)?,
+                kind: le32(map, off + 20)?,
+            };
             off = off.checked_add(4 + size)?;
             Some(e)
         })();
@@ -205,8 +222,14 @@ mod tests {
 
     #[test]
     fn bad_magic_and_short_info_are_errors() {
-        assert_eq!(Info::parse(0x1234, &info_bytes(0)), Err(MultibootError::BadMagic(0x1234)));
-        assert_eq!(Info::parse(0x2BAD_B002, &[0u8; 10]), Err(MultibootError::TooShort));
+        assert_eq!(
+            Info::parse(0x1234, &info_bytes(0)),
+            Err(MultibootError::BadMagic(0x1234))
+        );
+        assert_eq!(
+            Info::parse(0x2BAD_B002, &[0u8; 10]),
+            Err(MultibootError::TooShort)
+        );
     }
 
     fn mmap_entry(base: u64, len: u64, kind: u32) -> [u8; 24] {
@@ -225,7 +248,14 @@ mod tests {
         map[24..].copy_from_slice(&mmap_entry(0x100000, 0x1000_0000, 1));
         let v: Vec<_> = mmap_entries(&map).collect();
         assert_eq!(v.len(), 2);
-        assert_eq!(v[1], Ok(MmapEntry { base: 0x100000, len: 0x1000_0000, kind: 1 }));
+        assert_eq!(
+            v[1],
+            Ok(MmapEntry {
+                base: 0x100000,
+                len: 0x1000_0000,
+                kind: 1
+            })
+        );
         // A cut entry yields one error, then the iterator ends.
         let v: Vec<_> = mmap_entries(&map[..30]).collect();
         assert_eq!(v.len(), 2);
@@ -233,7 +263,10 @@ mod tests {
         // A size field below 20 is malformed, not an endless loop.
         let mut bad = mmap_entry(0, 1, 1);
         bad[0..4].copy_from_slice(&0u32.to_le_bytes());
-        assert_eq!(mmap_entries(&bad).collect::<Vec<_>>(), vec![Err(MultibootError::BadMemoryMap)]);
+        assert_eq!(
+            mmap_entries(&bad).collect::<Vec<_>>(),
+            vec![Err(MultibootError::BadMemoryMap)]
+        );
     }
 
     #[test]
@@ -246,7 +279,13 @@ mod tests {
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].len(), 0x80_0000);
         assert!(m[1].is_empty());
-        assert_eq!(split_module_string("bzImage console=ttyS0 quiet"), ("bzImage", "console=ttyS0 quiet"));
-        assert_eq!(split_module_string("  /boot/bzImage"), ("/boot/bzImage", ""));
+        assert_eq!(
+            split_module_string("bzImage console=ttyS0 quiet"),
+            ("bzImage", "console=ttyS0 quiet")
+        );
+        assert_eq!(
+            split_module_string("  /boot/bzImage"),
+            ("/boot/bzImage", "")
+        );
     }
 }

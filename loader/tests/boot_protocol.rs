@@ -10,8 +10,6 @@ use loader::e820::{E820Entry, E820Kind, E820Map};
 use loader::layout::{self, Gpa};
 use loader::plan;
 
-
-
 fn put(v: &mut [u8], off: usize, bytes: &[u8]) {
     v[off..off + bytes.len()].copy_from_slice(bytes);
 }

@@ -5,8 +5,6 @@ use common::*;
 
 use loader::e820::{E820Entry, E820Error, E820Kind, E820Map, E820_MAX_ENTRIES};
 
-
-
 fn ram(addr: u64, size: u64) -> E820Entry {
     E820Entry::new(addr, size, E820Kind::Ram)
 }

@@ -15,7 +15,6 @@ use loader::e820::{E820Entry, E820Kind, E820Map};
 use loader::layout::{self, Gpa};
 use loader::plan;
 
-
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
@@ -45,7 +44,6 @@ fn debian_kernel() -> &'static [u8] {
         std::fs::read(&path).unwrap_or_else(|e| panic!("cannot read the kernel at {path}: {e}"))
     })
 }
-
 
 fn u32_at(v: &[u8], off: usize) -> u32 {
     u32::from_le_bytes(v[off..off + 4].try_into().unwrap())

@@ -30,9 +30,22 @@ struct Detached {
 
 impl Detached {
     fn start(guest: &str) -> Detached {
-        let socket = std::env::temp_dir().join(format!("hvtrace-introspect-{guest}-{}.sock", std::process::id()));
+        let socket = std::env::temp_dir().join(format!(
+            "hvtrace-introspect-{guest}-{}.sock",
+            std::process::id()
+        ));
         let out = Command::new(hvtrace_bin())
-            .args(["run", "--detach", "--quiet", "--emulator", "bochs", "--guest", guest, "--timeout", "900"])
+            .args([
+                "run",
+                "--detach",
+                "--quiet",
+                "--emulator",
+                "bochs",
+                "--guest",
+                guest,
+                "--timeout",
+                "900",
+            ])
             .arg("--socket")
             .arg(&socket)
             .arg("--hypervisor")
@@ -57,12 +70,25 @@ impl Detached {
 
 impl Drop for Detached {
     fn drop(&mut self) {
-        let _ = Command::new(hvtrace_bin()).arg("--socket").arg(&self.socket).arg("stop").output();
+        let _ = Command::new(hvtrace_bin())
+            .arg("--socket")
+            .arg(&self.socket)
+            .arg("stop")
+            .output();
     }
 }
 
 fn exec(c: &mut Client, cmd: &str) -> String {
-    match c.call(Request::Exec { command: cmd.into() }, Duration::from_secs(600)).expect("exec failed").response {
+    match c
+        .call(
+            Request::Exec {
+                command: cmd.into(),
+            },
+            Duration::from_secs(600),
+        )
+        .expect("exec failed")
+        .response
+    {
         Response::Exec { output, status } => {
             assert_eq!(status, 0, "guest command {cmd:?} failed: {output}");
             output
@@ -72,7 +98,11 @@ fn exec(c: &mut Client, cmd: &str) -> String {
 }
 
 fn status(c: &mut Client) -> StatusReport {
-    match c.call(Request::Status, CALL).expect("status failed").response {
+    match c
+        .call(Request::Status, CALL)
+        .expect("status failed")
+        .response
+    {
         Response::Status(s) => s,
         other => panic!("unexpected answer to status: {other:?}"),
     }
@@ -84,9 +114,18 @@ fn all_symbols(c: &mut Client, kinds: &str) -> (Vec<SymbolInfo>, Option<u32>) {
     let mut total = None;
     let mut out = Vec::new();
     loop {
-        let req = Request::Syms { glob: "*".into(), kinds: kinds.into(), cursor, limit: 1000 };
+        let req = Request::Syms {
+            glob: "*".into(),
+            kinds: kinds.into(),
+            cursor,
+            limit: 1000,
+        };
         match c.call(req, CALL).expect("syms failed").response {
-            Response::Syms { total: t, next, symbols } => {
+            Response::Syms {
+                total: t,
+                next,
+                symbols,
+            } => {
                 if cursor == 0 {
                     total = t;
                 }
@@ -107,8 +146,16 @@ fn guest_kallsyms(c: &mut Client, dir: &Path) -> Vec<(u64, char, String)> {
     let b64 = exec(c, "grep -E ' [tT] ' /proc/kallsyms | gzip -1 | base64");
     let enc = dir.join("kallsyms.b64");
     std::fs::write(&enc, b64.replace('\r', "")).unwrap();
-    let out = Command::new("sh").arg("-c").arg(format!("base64 -d '{}' | gzip -dc", enc.display())).output().unwrap();
-    assert!(out.status.success(), "cannot decode the guest's kallsyms: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("base64 -d '{}' | gzip -dc", enc.display()))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cannot decode the guest's kallsyms: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|l| {
@@ -123,7 +170,8 @@ fn guest_kallsyms(c: &mut Client, dir: &Path) -> Vec<(u64, char, String)> {
 
 fn check_kernel(guest: Guest, name: &str) {
     let _vm = vm_lock();
-    let dir = std::env::temp_dir().join(format!("hvtrace-introspect-{name}-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("hvtrace-introspect-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let vm = Detached::start(name);
     let mut c = vm.client();
@@ -144,9 +192,19 @@ fn check_kernel(guest: Guest, name: &str) {
 
     // The guest's own view.
     let uname = exec(&mut c, "uname -r");
-    checks.eq("release from the banner", kernel.release.as_str(), uname.trim());
+    checks.eq(
+        "release from the banner",
+        kernel.release.as_str(),
+        uname.trim(),
+    );
     let theirs = guest_kallsyms(&mut c, &dir);
-    checks.check(theirs.len() > 10_000, format!("only {} text lines in the guest's /proc/kallsyms", theirs.len()));
+    checks.check(
+        theirs.len() > 10_000,
+        format!(
+            "only {} text lines in the guest's /proc/kallsyms",
+            theirs.len()
+        ),
+    );
 
     // Compare by (name, address): names repeat (static functions), so as multisets.
     let mut hv: BTreeMap<(String, u64), usize> = BTreeMap::new();
@@ -167,7 +225,10 @@ fn check_kernel(guest: Guest, name: &str) {
     }
     let extra: usize = hv.values().sum();
     let rate = matched as f64 / theirs.len().max(1) as f64;
-    println!("{name}: kernel {} KASLR slide {:#x}", kernel.release, kernel.kaslr_slide);
+    println!(
+        "{name}: kernel {} KASLR slide {:#x}",
+        kernel.release, kernel.kaslr_slide
+    );
     println!(
         "{name}: text symbols: guest {} hypervisor {} matched {} ({:.4} %); address differs {}; missing {}; extra in ours {}",
         theirs.len(),
@@ -179,42 +240,77 @@ fn check_kernel(guest: Guest, name: &str) {
         extra
     );
     if !wrong_addr.is_empty() || !missing.is_empty() {
-        println!("{name}: first mismatches: {:?} {:?}", &wrong_addr[..wrong_addr.len().min(5)], &missing[..missing.len().min(5)]);
+        println!(
+            "{name}: first mismatches: {:?} {:?}",
+            &wrong_addr[..wrong_addr.len().min(5)],
+            &missing[..missing.len().min(5)]
+        );
     }
-    checks.check(rate >= 0.999, format!("only {:.4} % of text symbols match", rate * 100.0));
+    checks.check(
+        rate >= 0.999,
+        format!("only {:.4} % of text symbols match", rate * 100.0),
+    );
     checks.check(kernel.kaslr_slide != 0, "KASLR slide is 0: was KASLR on?");
 
     // The CLI: `hvtrace syms GLOB` prints the guest's own address for a
     // function, with its fentry site; no match exits 1.
-    let want = theirs.iter().find(|(_, _, n)| n == "do_sys_openat2").map(|(a, _, _)| *a);
-    let cli = Command::new(hvtrace_bin()).arg("--socket").arg(&vm.socket).args(["syms", "do_sys_openat2"]).output().unwrap();
+    let want = theirs
+        .iter()
+        .find(|(_, _, n)| n == "do_sys_openat2")
+        .map(|(a, _, _)| *a);
+    let cli = Command::new(hvtrace_bin())
+        .arg("--socket")
+        .arg(&vm.socket)
+        .args(["syms", "do_sys_openat2"])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&cli.stdout).to_string();
     match want {
         Some(addr) => checks.check(
-            cli.status.success() && text.starts_with(&format!("{addr:016x} ")) && text.contains(" do_sys_openat2 site="),
+            cli.status.success()
+                && text.starts_with(&format!("{addr:016x} "))
+                && text.contains(" do_sys_openat2 site="),
             format!("hvtrace syms do_sys_openat2 printed {text:?} (guest address {addr:#x})"),
         ),
         None => checks.check(false, "the guest's kallsyms has no do_sys_openat2"),
     }
-    let none = Command::new(hvtrace_bin()).arg("--socket").arg(&vm.socket).args(["syms", "no_such_symbol_*"]).output().unwrap();
-    checks.eq("exit code of syms with no match", none.status.code(), Some(1));
+    let none = Command::new(hvtrace_bin())
+        .arg("--socket")
+        .arg(&vm.socket)
+        .args(["syms", "no_such_symbol_*"])
+        .output()
+        .unwrap();
+    checks.eq(
+        "exit code of syms with no match",
+        none.status.code(),
+        Some(1),
+    );
 
     // Traceable functions against the guest's own ftrace.
     // Since 6.0 the list also shows the records ftrace disabled (weak
     // functions overridden at link time) as `__ftrace_invalid_address___N`;
     // they are not functions, so they are not counted.
-    let aff = exec(&mut c, "grep -vc '^__ftrace_invalid_address__' /sys/kernel/tracing/available_filter_functions");
+    let aff = exec(
+        &mut c,
+        "grep -vc '^__ftrace_invalid_address__' /sys/kernel/tracing/available_filter_functions",
+    );
     let aff: u64 = aff.trim().parse().unwrap_or(0);
     let diff = (kernel.traceable as i64 - aff as i64).unsigned_abs();
     println!("{name}: traceable: hypervisor {} guest available_filter_functions {aff} (difference {diff})", kernel.traceable);
     checks.check(aff > 0, "the guest lists no available_filter_functions");
     checks.check(
         (diff as f64) <= aff as f64 * 0.001,
-        format!("traceable count {} differs from the guest's {aff} by more than 0.1 %", kernel.traceable),
+        format!(
+            "traceable count {} differs from the guest's {aff} by more than 0.1 %",
+            kernel.traceable
+        ),
     );
 
     // The current task while a guest shell spins.
-    let pid = exec(&mut c, "sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!");
+    let pid = exec(
+        &mut c,
+        "sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!",
+    );
     let pid: i32 = pid.trim().parse().expect("no pid from the guest");
     let mut seen = Vec::new();
     for _ in 0..20 {
@@ -228,7 +324,10 @@ fn check_kernel(guest: Guest, name: &str) {
         seen.iter().any(|(p, comm)| *p == pid && comm == "sh"),
         format!("status never showed the spinning shell (pid {pid}, comm sh): {seen:?}"),
     );
-    checks.check(kernel.task_layout_error.is_none(), format!("task layout: {:?}", kernel.task_layout_error));
+    checks.check(
+        kernel.task_layout_error.is_none(),
+        format!("task layout: {:?}", kernel.task_layout_error),
+    );
 
     let rec_s = kernel.recovery_ns as f64 / 1e9;
     println!(
@@ -241,7 +340,11 @@ fn check_kernel(guest: Guest, name: &str) {
         kernel.symbols,
         kernel.text_symbols
     );
-    println!("{name}: symbol dump over the control channel: {} symbols in {:.1} s", ours.len(), dump_wall.as_secs_f64());
+    println!(
+        "{name}: symbol dump over the control channel: {} symbols in {:.1} s",
+        ours.len(),
+        dump_wall.as_secs_f64()
+    );
     drop(c);
     drop(vm);
     let _ = std::fs::remove_dir_all(&dir);

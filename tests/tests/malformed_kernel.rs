@@ -16,7 +16,8 @@ use hvtrace_tests::{guest_config, hypervisor_image, must, vm_lock, Checks};
 /// The real fast-lane kernel, from which the broken ones are derived.
 fn real_kernel() -> Vec<u8> {
     let cfg = guest_config(Guest::Fast, Duration::from_secs(10));
-    std::fs::read(&cfg.kernel).unwrap_or_else(|e| panic!("cannot read {}: {e}", cfg.kernel.display()))
+    std::fs::read(&cfg.kernel)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", cfg.kernel.display()))
 }
 
 fn write_variant(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
@@ -30,12 +31,18 @@ fn write_variant(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 /// ended by itself (the hypervisor powered the machine off).
 fn refused(emulator: Emulator, kernel: &Path, checks: &mut Checks, label: &str) -> Vec<String> {
     let base = guest_config(Guest::Fast, Duration::from_secs(180));
-    let cfg = RunConfig { kernel: kernel.to_path_buf(), ..base }
-        .with_hypervisor(hypervisor_image())
-        .with_emulator(emulator);
+    let cfg = RunConfig {
+        kernel: kernel.to_path_buf(),
+        ..base
+    }
+    .with_hypervisor(hypervisor_image())
+    .with_emulator(emulator);
     let mut vm = must(Vm::start(cfg), &format!("starting the {label} run"));
     if vm.wait_ready().is_ok() {
-        checks.check(false, format!("{label}: the guest shell came up with a broken kernel"));
+        checks.check(
+            false,
+            format!("{label}: the guest shell came up with a broken kernel"),
+        );
     }
     // The hypervisor powers off after its error: the emulator must end on
     // its own, well before this deadline.
@@ -44,14 +51,20 @@ fn refused(emulator: Emulator, kernel: &Path, checks: &mut Checks, label: &str) 
         matches!(status, Ok(Some(_))),
         format!("{label}: the emulator did not end by itself after the error ({status:?})"),
     );
-    checks.check(!vm.guest_started(), format!("{label}: a `guest started` line appeared"));
+    checks.check(
+        !vm.guest_started(),
+        format!("{label}: a `guest started` line appeared"),
+    );
     let lines = vm.hv_lines();
     checks.check(
         !lines.iter().any(|l| l.contains("triple fault")),
         format!("{label}: triple fault reported: {lines:?}"),
     );
     let errors = vm.hv_errors();
-    checks.check(errors.len() == 1, format!("{label}: expected exactly one error line, got {errors:?}"));
+    checks.check(
+        errors.len() == 1,
+        format!("{label}: expected exactly one error line, got {errors:?}"),
+    );
     vm.close();
     errors
 }
@@ -73,8 +86,16 @@ fn broken_kernels_are_refused_under_qemu() {
         ("bad-magic", bad_magic, "expected \"HdrS\""),
         ("protocol-2.11", old, "boot protocol 2.11 is too old"),
         ("no-64bit-entry", no64, "no 64-bit entry point"),
-        ("bad-boot-flag", bad_flag, "boot flag 0xaa00, expected 0xAA55"),
-        ("truncated", real[..real.len() / 2].to_vec(), "image truncated"),
+        (
+            "bad-boot-flag",
+            bad_flag,
+            "boot flag 0xaa00, expected 0xAA55",
+        ),
+        (
+            "truncated",
+            real[..real.len() / 2].to_vec(),
+            "image truncated",
+        ),
         ("tiny", real[..300].to_vec(), "only 300 bytes"),
     ];
     let mut checks = Checks::new();
@@ -82,7 +103,9 @@ fn broken_kernels_are_refused_under_qemu() {
         let k = write_variant(&dir, name, &bytes);
         let errors = refused(Emulator::Qemu { kvm: false }, &k, &mut checks, name);
         checks.check(
-            errors.iter().any(|e| e.starts_with("guest kernel:") && e.contains(expect)),
+            errors
+                .iter()
+                .any(|e| e.starts_with("guest kernel:") && e.contains(expect)),
             format!("{name}: no `guest kernel:` error containing {expect:?}: {errors:?}"),
         );
     }
@@ -100,7 +123,9 @@ fn bad_magic_is_refused_in_bochs() {
     let mut checks = Checks::new();
     let errors = refused(Emulator::Bochs, &k, &mut checks, "bochs bad-magic");
     checks.check(
-        errors.iter().any(|e| e.starts_with("guest kernel: not a bzImage (setup header magic 58 58 58 58")),
+        errors
+            .iter()
+            .any(|e| e.starts_with("guest kernel: not a bzImage (setup header magic 58 58 58 58")),
         format!("no bad-magic error line: {errors:?}"),
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -103,7 +103,10 @@ fn discover_fast_lane_with_btf() {
     let map = common::fast_map_by_name();
     assert_eq!(f.btf, Ok(Gva(map["__start_BTF"])));
     let task = f.task.unwrap();
-    assert!(task.pid > 0 && task.comm > task.pid, "implausible task layout {task:?}");
+    assert!(
+        task.pid > 0 && task.comm > task.pid,
+        "implausible task layout {task:?}"
+    );
     assert_eq!(task.comm_len, 16);
     assert_eq!(
         f.current,
@@ -114,7 +117,10 @@ fn discover_fast_lane_with_btf() {
     );
     // Scanning for the header, without symbols, finds the same blob.
     let mut st = ScanStats::default();
-    assert_eq!(btf::locate(&view, None, &ranges, &mut st), Ok(Gva(map["__start_BTF"])));
+    assert_eq!(
+        btf::locate(&view, None, &ranges, &mut st),
+        Ok(Gva(map["__start_BTF"]))
+    );
     eprintln!("fast-lane: BTF at {:#x}, task {task:?}", map["__start_BTF"]);
 }
 

@@ -26,7 +26,15 @@ struct Tss {
 
 const _: () = assert!(core::mem::size_of::<Tss>() == 104);
 
-static TSS_AREA: Tss = Tss { reserved0: 0, rsp: [0; 3], reserved1: 0, ist: [0; 7], reserved2: 0, reserved3: 0, iomap_base: 104 };
+static TSS_AREA: Tss = Tss {
+    reserved0: 0,
+    rsp: [0; 3],
+    reserved1: 0,
+    ist: [0; 7],
+    reserved2: 0,
+    reserved3: 0,
+    iomap_base: 104,
+};
 
 /// Where the tables ended up, for the VMCS host-state fields.
 #[derive(Clone, Copy)]
@@ -45,10 +53,23 @@ pub fn init() -> HostTables {
     let gdt = GDT.call_once(|| {
         let limit = (core::mem::size_of::<Tss>() - 1) as u64;
         // Available 64-bit TSS (type 9), present.
-        let low = (limit & 0xffff) | ((tss & 0xff_ffff) << 16) | (0x89 << 40) | (((limit >> 16) & 0xf) << 48) | (((tss >> 24) & 0xff) << 56);
-        [0, 0x00af_9a00_0000_ffff, 0x00cf_9200_0000_ffff, low, tss >> 32]
+        let low = (limit & 0xffff)
+            | ((tss & 0xff_ffff) << 16)
+            | (0x89 << 40)
+            | (((limit >> 16) & 0xf) << 48)
+            | (((tss >> 24) & 0xff) << 56);
+        [
+            0,
+            0x00af_9a00_0000_ffff,
+            0x00cf_9200_0000_ffff,
+            low,
+            tss >> 32,
+        ]
     });
-    let ptr = DescriptorTablePointer { limit: (core::mem::size_of_val(gdt) - 1) as u16, base: gdt.as_ptr() as u64 };
+    let ptr = DescriptorTablePointer {
+        limit: (core::mem::size_of_val(gdt) - 1) as u16,
+        base: gdt.as_ptr() as u64,
+    };
     // SAFETY: the GDT is a 'static holding valid code, data and TSS
     // descriptors with the selectors reloaded right after.
     unsafe {
@@ -56,5 +77,8 @@ pub fn init() -> HostTables {
         insn::reload_segments(CODE, DATA);
         insn::ltr(TSS);
     }
-    HostTables { gdt_base: gdt.as_ptr() as u64, tss_base: tss }
+    HostTables {
+        gdt_base: gdt.as_ptr() as u64,
+        tss_base: tss,
+    }
 }

@@ -65,14 +65,22 @@ pub struct EventHeader {
 impl EventHeader {
     /// `comm` up to its first NUL.
     pub fn comm_bytes(&self) -> &[u8] {
-        let end = self.comm.iter().position(|&c| c == 0).unwrap_or(TASK_COMM_LEN);
+        let end = self
+            .comm
+            .iter()
+            .position(|&c| c == 0)
+            .unwrap_or(TASK_COMM_LEN);
         self.comm.get(..end).unwrap_or(&[])
     }
 
     /// `comm` from bytes (cut to 15 so a NUL always ends it, as the kernel keeps it).
     pub fn set_comm(&mut self, comm: &[u8]) {
         self.comm = [0; TASK_COMM_LEN];
-        let end = comm.iter().position(|&c| c == 0).unwrap_or(comm.len()).min(TASK_COMM_LEN - 1);
+        let end = comm
+            .iter()
+            .position(|&c| c == 0)
+            .unwrap_or(comm.len())
+            .min(TASK_COMM_LEN - 1);
         for (d, s) in self.comm.iter_mut().zip(comm.iter().take(end)) {
             *d = *s;
         }
@@ -107,7 +115,9 @@ impl fmt::Display for DecodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DecodeError::Truncated => f.write_str("truncated event record"),
-            DecodeError::Version(v) => write!(f, "event record version {v} (expected {EVENT_VERSION})"),
+            DecodeError::Version(v) => {
+                write!(f, "event record version {v} (expected {EVENT_VERSION})")
+            }
             DecodeError::BadLength => f.write_str("bad event record length"),
             DecodeError::BadTag(t) => write!(f, "bad event value tag {t}"),
             DecodeError::Overrun => f.write_str("event values overrun the record"),
@@ -132,7 +142,13 @@ fn value_len(v: &FetchedValue) -> usize {
 impl RawEvent {
     /// The record length in bytes.
     pub fn encoded_len(&self) -> usize {
-        let n = HEADER_LEN + self.values.iter().take(u16::MAX as usize).map(value_len).sum::<usize>();
+        let n = HEADER_LEN
+            + self
+                .values
+                .iter()
+                .take(u16::MAX as usize)
+                .map(value_len)
+                .sum::<usize>();
         n.next_multiple_of(8)
     }
 
@@ -210,8 +226,12 @@ impl RawEvent {
         }
         let rec = buf.get(..total).ok_or(DecodeError::Truncated)?;
         let mut r = ByteReader { buf: rec, at: 8 };
-        let mut h =
-            EventHeader { probe_id: r.u32()?, cpu: r.u32()?, pid: r.u32()? as i32, ..EventHeader::default() };
+        let mut h = EventHeader {
+            probe_id: r.u32()?,
+            cpu: r.u32()?,
+            pid: r.u32()? as i32,
+            ..EventHeader::default()
+        };
         r.u32()?;
         h.timestamp_ns = r.u64()?;
         h.ip = r.u64()?;
@@ -232,8 +252,13 @@ impl RawEvent {
                     let ty = IntType::from_tag(t).ok_or(DecodeError::BadTag(t))?;
                     let mut b = [0u8; 8];
                     let src = r.take(ty.size())?;
-                    b.get_mut(..src.len()).ok_or(DecodeError::Overrun)?.copy_from_slice(src);
-                    FetchedValue::Int { ty, value: u64::from_le_bytes(b) }
+                    b.get_mut(..src.len())
+                        .ok_or(DecodeError::Overrun)?
+                        .copy_from_slice(src);
+                    FetchedValue::Int {
+                        ty,
+                        value: u64::from_le_bytes(b),
+                    }
                 }
             };
             values.push(v);
@@ -310,9 +335,15 @@ mod tests {
             comm: [0; 16],
         };
         header.set_comm(b"cat");
-        let mut values = vec![FetchedValue::Fault, FetchedValue::Str(b"/etc/hostname".to_vec())];
+        let mut values = vec![
+            FetchedValue::Fault,
+            FetchedValue::Str(b"/etc/hostname".to_vec()),
+        ];
         for (i, ty) in IntType::ALL.into_iter().enumerate() {
-            values.push(FetchedValue::Int { ty, value: ty.truncate(0x8877_6655_4433_2211 + i as u64) });
+            values.push(FetchedValue::Int {
+                ty,
+                value: ty.truncate(0x8877_6655_4433_2211 + i as u64),
+            });
         }
         values.push(FetchedValue::Symbol(0xffff_ffff_8100_0000));
         values.push(FetchedValue::SymStr(42));
@@ -355,9 +386,15 @@ mod tests {
 
     #[test]
     fn long_strings_are_cut() {
-        let ev = RawEvent { values: vec![FetchedValue::Str(vec![b'a'; 10_000])], ..RawEvent::default() };
+        let ev = RawEvent {
+            values: vec![FetchedValue::Str(vec![b'a'; 10_000])],
+            ..RawEvent::default()
+        };
         let (back, _) = RawEvent::decode(&ev.encode()).unwrap();
-        assert_eq!(back.values, vec![FetchedValue::Str(vec![b'a'; MAX_STRING_SIZE - 1])]);
+        assert_eq!(
+            back.values,
+            vec![FetchedValue::Str(vec![b'a'; MAX_STRING_SIZE - 1])]
+        );
     }
 
     #[test]
@@ -383,9 +420,14 @@ mod tests {
                 let _ = RawEvent::decode(&b);
             }
         }
-        assert_eq!(RawEvent::decode(&[2, 0, 0, 0]).unwrap_err(), DecodeError::Version(2));
         assert_eq!(
-            RawEvent::decode(&[1, 0, 0, 0, 65, 0, 0, 0]).unwrap_err().to_string(),
+            RawEvent::decode(&[2, 0, 0, 0]).unwrap_err(),
+            DecodeError::Version(2)
+        );
+        assert_eq!(
+            RawEvent::decode(&[1, 0, 0, 0, 65, 0, 0, 0])
+                .unwrap_err()
+                .to_string(),
             "bad event record length"
         );
     }

@@ -98,11 +98,17 @@ pub struct GuestLayout {
 
 impl GuestLayout {
     /// 4-level paging, 16 KiB stacks.
-    pub const X86_64_4LEVEL: GuestLayout =
-        GuestLayout { task_size_max: (1 << 47) - PAGE_SIZE, virt_bits: 48, thread_size: 16384 };
+    pub const X86_64_4LEVEL: GuestLayout = GuestLayout {
+        task_size_max: (1 << 47) - PAGE_SIZE,
+        virt_bits: 48,
+        thread_size: 16384,
+    };
     /// 5-level paging (CR4.LA57), 16 KiB stacks.
-    pub const X86_64_5LEVEL: GuestLayout =
-        GuestLayout { task_size_max: (1 << 56) - PAGE_SIZE, virt_bits: 57, thread_size: 16384 };
+    pub const X86_64_5LEVEL: GuestLayout = GuestLayout {
+        task_size_max: (1 << 56) - PAGE_SIZE,
+        virt_bits: 57,
+        thread_size: 16384,
+    };
 
     fn canonical(&self, addr: u64) -> bool {
         let shift = 64u32.saturating_sub(self.virt_bits.clamp(1, 64));
@@ -120,7 +126,8 @@ impl GuestLayout {
 
     /// Whether a user-mode read can be tried (`access_ok`).
     fn user_ok(&self, addr: u64, len: u64) -> bool {
-        addr.checked_add(len).is_some_and(|end| end <= self.task_size_max)
+        addr.checked_add(len)
+            .is_some_and(|end| end <= self.task_size_max)
     }
 }
 
@@ -178,7 +185,10 @@ pub fn fetch_one(
     mem: &mut dyn GuestMem,
     syms: &dyn SymbolResolver,
 ) -> FetchedValue {
-    let mut r = Reader { mem, layout: ctx.layout };
+    let mut r = Reader {
+        mem,
+        layout: ctx.layout,
+    };
     eval(&arg.expr, arg.ty, ctx, &mut r, syms).unwrap_or(FetchedValue::Fault)
 }
 
@@ -193,7 +203,11 @@ impl Reader<'_> {
     fn read(&mut self, addr: u64, buf: &mut [u8], user: bool) -> Option<()> {
         let len = buf.len() as u64;
         let as_user = user || addr < self.layout.task_size_max;
-        let ok = if as_user { self.layout.user_ok(addr, len) } else { self.layout.kernel_ok(addr, len) };
+        let ok = if as_user {
+            self.layout.user_ok(addr, len)
+        } else {
+            self.layout.kernel_ok(addr, len)
+        };
         if !ok {
             return None;
         }
@@ -240,8 +254,11 @@ impl Reader<'_> {
             let at = addr.checked_add(out.len() as u64)?;
             let in_page = (PAGE_SIZE - (at & (PAGE_SIZE - 1))) as usize;
             let n = in_page.min(STRING_CHUNK).min(MAX_STRING_SIZE - out.len());
-            let ok =
-                if as_user { self.layout.user_ok(at, n as u64) } else { self.layout.kernel_ok(at, n as u64) };
+            let ok = if as_user {
+                self.layout.user_ok(at, n as u64)
+            } else {
+                self.layout.kernel_ok(at, n as u64)
+            };
             if !ok {
                 return None;
             }
@@ -292,7 +309,11 @@ fn load(
         },
         FetchBase::RetVal => ctx.regs.ax,
         FetchBase::Imm(v) => *v,
-        FetchBase::Symbol { name, offset, resolved } => {
+        FetchBase::Symbol {
+            name,
+            offset,
+            resolved,
+        } => {
             let a = match resolved {
                 Some(a) => *a,
                 None => syms.lookup(name)?,
@@ -341,7 +362,8 @@ fn eval(
                 Some(d) => (v.wrapping_add(d.offset as u64), d.user),
                 None => (v, false),
             };
-            r.read_string(addr, user || ty == ArgType::UString).map(FetchedValue::Str)
+            r.read_string(addr, user || ty == ArgType::UString)
+                .map(FetchedValue::Str)
         }
         ArgType::SymStr => {
             if let Some(d) = last {
@@ -359,9 +381,16 @@ fn eval(
             if let Some(d) = last {
                 v = r.read_uint(v.wrapping_add(d.offset as u64), t.size(), d.user)?;
             }
-            Some(FetchedValue::Int { ty: t, value: t.truncate(v) })
+            Some(FetchedValue::Int {
+                ty: t,
+                value: t.truncate(v),
+            })
         }
-        ArgType::Bitfield { width, shift, container } => {
+        ArgType::Bitfield {
+            width,
+            shift,
+            container,
+        } => {
             let t = IntType::unsigned_of(container);
             if let Some(d) = last {
                 v = r.read_uint(v.wrapping_add(d.offset as u64), t.size(), d.user)?;
@@ -371,8 +400,10 @@ fn eval(
             // fetch_apply_bitfield: shift left then right within the container.
             let lshift = bits.checked_sub(width + shift)?;
             let rshift = bits.checked_sub(width)?;
-            let value =
-                t.truncate(t.truncate(v).checked_shl(lshift).unwrap_or(0)).checked_shr(rshift).unwrap_or(0);
+            let value = t
+                .truncate(t.truncate(v).checked_shl(lshift).unwrap_or(0))
+                .checked_shr(rshift)
+                .unwrap_or(0);
             Some(FetchedValue::Int { ty: t, value })
         }
     }

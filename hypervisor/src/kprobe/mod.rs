@@ -102,11 +102,13 @@ mod spec;
 
 pub use event::{DecodeError, EventHeader, RawEvent, EVENT_VERSION, HEADER_LEN};
 pub use fetch::{
-    fetch, fetch_one, FetchContext, FetchedValue, GuestLayout, GuestMem, MemFault, NoSymbols, SymbolAt,
-    SymbolResolver, MAX_STRING_SIZE, TASK_COMM_LEN,
+    fetch, fetch_one, FetchContext, FetchedValue, GuestLayout, GuestMem, MemFault, NoSymbols,
+    SymbolAt, SymbolResolver, MAX_STRING_SIZE, TASK_COMM_LEN,
 };
 pub use parse::{parse, parse_probe, ParseError, ParseErrorKind};
-pub use render::{json_line, text_line, write_json, write_symbol, write_text, write_value, FAULT_STRING};
+pub use render::{
+    json_line, text_line, write_json, write_symbol, write_text, write_value, FAULT_STRING,
+};
 pub use spec::*;
 
 #[cfg(test)]

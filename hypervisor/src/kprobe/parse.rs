@@ -155,7 +155,9 @@ impl ParseErrorKind {
             BadSymbol => "bad symbol name",
             BadProbeSuffix => "bad probe point suffix (only %return)",
             BadProbeOffset => "bad probe offset",
-            NotFunctionEntry => "only function entry can be probed (SYM or SYM+0), not an offset into it",
+            NotFunctionEntry => {
+                "only function entry can be probed (SYM or SYM+0), not an offset into it"
+            }
             TooManyArgs => "too many arguments (at most 128)",
             NoArgName => "argument name is not specified",
             ArgNameTooLong => "argument name is too long (at most 32 characters)",
@@ -208,11 +210,21 @@ pub struct ParseError {
 
 impl ParseError {
     fn new(kind: ParseErrorKind, pos: usize, token: &str) -> Self {
-        Self { pos, len: token.len(), kind, token: token.to_string() }
+        Self {
+            pos,
+            len: token.len(),
+            kind,
+            token: token.to_string(),
+        }
     }
 
     fn missing(kind: ParseErrorKind, pos: usize) -> Self {
-        Self { pos, len: 0, kind, token: String::new() }
+        Self {
+            pos,
+            len: 0,
+            kind,
+            token: String::new(),
+        }
     }
 
     /// 1-based column of the token in `spec` (in characters).
@@ -232,7 +244,11 @@ impl ParseError {
         let mut out = String::with_capacity(spec.len() * 2 + 2);
         // Whitespace other than tabs would break the alignment.
         for c in spec.chars() {
-            out.push(if c.is_whitespace() && c != '\t' { ' ' } else { c });
+            out.push(if c.is_whitespace() && c != '\t' {
+                ' '
+            } else {
+                c
+            });
         }
         out.push('\n');
         let pos = self.pos.min(spec.len());
@@ -240,7 +256,9 @@ impl ParseError {
             out.push(if c == '\t' { '\t' } else { ' ' });
         }
         out.push('^');
-        let width = spec.get(pos..pos + self.len).map_or(0, |t| t.chars().count());
+        let width = spec
+            .get(pos..pos + self.len)
+            .map_or(0, |t| t.chars().count());
         for _ in 1..width {
             out.push('~');
         }
@@ -263,7 +281,10 @@ impl fmt::Display for ParseError {
             write!(f, " \"{}\"", self.token.escape_debug())?;
         }
         write!(f, " at column {}", self.pos + 1)?;
-        if let ParseErrorKind::BadRegName { suggestion: Some(r) } = self.kind {
+        if let ParseErrorKind::BadRegName {
+            suggestion: Some(r),
+        } = self.kind
+        {
             write!(f, " (kprobe_events calls it %{})", r.name())?;
         }
         Ok(())
@@ -284,7 +305,10 @@ impl<'a> Tok<'a> {
     /// parser only cuts next to ASCII bytes).
     fn sub(self, from: usize, to: usize) -> Tok<'a> {
         let text = self.text.get(from..to).unwrap_or("");
-        Tok { text, pos: self.pos + from }
+        Tok {
+            text,
+            pos: self.pos + from,
+        }
     }
 
     fn from(self, from: usize) -> Tok<'a> {
@@ -344,7 +368,10 @@ pub fn parse_probe(spec: &str) -> Result<ProbeSpec, ParseError> {
     match parse(spec)? {
         Command::Add(p) => Ok(p),
         Command::Delete(_) => {
-            let pos = spec.len() - spec.trim_start_matches(|c: char| c.is_ascii() && is_space(c as u8)).len();
+            let pos = spec.len()
+                - spec
+                    .trim_start_matches(|c: char| c.is_ascii() && is_space(c as u8))
+                    .len();
             Err(ParseError::new(ParseErrorKind::BadCommand, pos, "-"))
         }
     }
@@ -362,7 +389,10 @@ fn parse_delete(head: Tok<'_>, rest: &[Tok<'_>]) -> Result<DeleteSpec, ParseErro
                 return Err(ParseError::missing(ParseErrorKind::NoGroupName, g.pos));
             }
             let e = names.from(slash + 1);
-            (Some(g.text.to_string()), (!e.text.is_empty()).then(|| e.text.to_string()))
+            (
+                Some(g.text.to_string()),
+                (!e.text.is_empty()).then(|| e.text.to_string()),
+            )
         }
         None if names.text.is_empty() => {
             return Err(ParseError::missing(ParseErrorKind::NoEventName, names.pos));
@@ -422,8 +452,18 @@ fn parse_add(spec: &str, head: Tok<'_>, rest: &[Tok<'_>]) -> Result<ProbeSpec, P
         args.push(arg);
     }
 
-    let kind = if is_return { ProbeKind::Return { maxactive } } else { ProbeKind::Entry };
-    Ok(ProbeSpec { kind, group, event, symbol, args })
+    let kind = if is_return {
+        ProbeKind::Return { maxactive }
+    } else {
+        ProbeKind::Entry
+    };
+    Ok(ProbeSpec {
+        kind,
+        group,
+        event,
+        symbol,
+        args,
+    })
 }
 
 /// `SYM`, `SYM+0`, `SYM%return`, `SYM+0%return`.
@@ -458,7 +498,11 @@ fn parse_probe_point(point: Tok<'_>, is_return: &mut bool) -> Result<String, Par
         return Err(point.err(K::ModuleSymbol));
     }
     if !is_symbol_name(sym.text) {
-        return Err(if sym.text.is_empty() { point.err(K::BadSymbol) } else { sym.err(K::BadSymbol) });
+        return Err(if sym.text.is_empty() {
+            point.err(K::BadSymbol)
+        } else {
+            sym.err(K::BadSymbol)
+        });
     }
     Ok(sym.text.to_string())
 }
@@ -471,7 +515,8 @@ fn is_symbol_name(s: &str) -> bool {
         Some(c) if c.is_ascii_alphabetic() || *c == b'_' || *c == b'.' => {}
         _ => return false,
     }
-    b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_' || *c == b'.')
+    b.iter()
+        .all(|c| c.is_ascii_alphanumeric() || *c == b'_' || *c == b'.')
 }
 
 /// `[GRP/][EVENT]` after the colon (`traceprobe_parse_event_name`; `.`
@@ -546,8 +591,14 @@ fn parse_arg(
         }
         None => (tok.sub(0, 0), tok),
     };
-    let name_text = if name.text.is_empty() { format!("arg{}", idx + 1) } else { name.text.to_string() };
-    if RESERVED_ARG_NAMES.contains(&name_text.as_str()) || earlier.iter().any(|a| a.name == name_text) {
+    let name_text = if name.text.is_empty() {
+        format!("arg{}", idx + 1)
+    } else {
+        name.text.to_string()
+    };
+    if RESERVED_ARG_NAMES.contains(&name_text.as_str())
+        || earlier.iter().any(|a| a.name == name_text)
+    {
         let at = if name.text.is_empty() { tok } else { name };
         return Err(ParseError::new(K::UsedArgName, at.pos, &name_text).with_len(at.text.len()));
     }
@@ -584,7 +635,12 @@ fn parse_arg(
     if fetch_insns(&expr, ty) > FETCH_INSN_MAX - 1 {
         return Err(expr_tok.err(K::TooDeep));
     }
-    Ok(FetchArg { name: name_text, body: body.text.to_string(), expr, ty })
+    Ok(FetchArg {
+        name: name_text,
+        body: body.text.to_string(),
+        expr,
+        ty,
+    })
 }
 
 impl ParseError {
@@ -614,7 +670,9 @@ fn parse_bitfield(t: Tok<'_>) -> Result<ArgType, ParseError> {
     let s = t.text;
     // The kernel looks for the container first and calls a bad one an
     // unknown type.
-    let Some(slash) = s.find('/') else { return Err(t.err(K::BadType)) };
+    let Some(slash) = s.find('/') else {
+        return Err(t.err(K::BadType));
+    };
     let container = match s.get(slash + 1..).and_then(|c| kstrtoull(c, 0)) {
         Some(8) => 1u8,
         Some(16) => 2,
@@ -625,12 +683,19 @@ fn parse_bitfield(t: Tok<'_>) -> Result<ArgType, ParseError> {
     let bad = || t.err(K::BadBitfield);
     let at = s.find('@').filter(|&a| a < slash).ok_or_else(bad)?;
     let width = s.get(1..at).and_then(|w| kstrtoull(w, 0)).ok_or_else(bad)?;
-    let shift = s.get(at + 1..slash).and_then(|o| kstrtoull(o, 0)).ok_or_else(bad)?;
+    let shift = s
+        .get(at + 1..slash)
+        .and_then(|o| kstrtoull(o, 0))
+        .ok_or_else(bad)?;
     let bits = u64::from(container) * 8;
     if width == 0 || width.saturating_add(shift) > bits {
         return Err(bad());
     }
-    Ok(ArgType::Bitfield { width: width as u8, shift: shift as u8, container })
+    Ok(ArgType::Bitfield {
+        width: width as u8,
+        shift: shift as u8,
+        container,
+    })
 }
 
 /// The `string`/`symstr` checks of `finalize_fetch_insn`.
@@ -639,13 +704,19 @@ fn check_type_fits(expr: &FetchExpr, ty: ArgType, at: Tok<'_>) -> Result<(), Par
     let ok = match ty {
         ArgType::String | ArgType::UString => {
             !expr.derefs.is_empty()
-                || matches!(expr.base, FetchBase::Imm(_) | FetchBase::Comm | FetchBase::ImmString(_))
+                || matches!(
+                    expr.base,
+                    FetchBase::Imm(_) | FetchBase::Comm | FetchBase::ImmString(_)
+                )
         }
         ArgType::SymStr => match expr.derefs.last() {
             Some(d) => !d.user,
             None => matches!(
                 expr.base,
-                FetchBase::Reg(_) | FetchBase::StackEntry(_) | FetchBase::RetVal | FetchBase::Arg(_)
+                FetchBase::Reg(_)
+                    | FetchBase::StackEntry(_)
+                    | FetchBase::RetVal
+                    | FetchBase::Arg(_)
             ),
         },
         _ => true,
@@ -664,7 +735,11 @@ fn check_type_fits(expr: &FetchExpr, ty: ArgType, at: Tok<'_>) -> Result<(), Par
 /// immediate), one per dereference, a store unless the last dereference
 /// becomes it, and the bitfield modifier.
 fn fetch_insns(expr: &FetchExpr, ty: ArgType) -> usize {
-    let load = if matches!(expr.base, FetchBase::Symbol { .. }) { 2 } else { 1 };
+    let load = if matches!(expr.base, FetchBase::Symbol { .. }) {
+        2
+    } else {
+        1
+    };
     let store = match ty {
         ArgType::SymStr => 1,
         _ => usize::from(expr.derefs.is_empty()),
@@ -679,7 +754,12 @@ const MAX_PARSE_DEPTH: usize = 32;
 /// A fetch argument without its name and type (`parse_probe_arg`).
 fn parse_expr(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, ParseError> {
     use ParseErrorKind as K;
-    let plain = |base| Ok(FetchExpr { base, derefs: Vec::new() });
+    let plain = |base| {
+        Ok(FetchExpr {
+            base,
+            derefs: Vec::new(),
+        })
+    };
     let b = t.text.as_bytes();
     let Some(&first) = b.first() else {
         return Err(ParseError::missing(K::BadFetchArg, t.pos));
@@ -690,7 +770,9 @@ fn parse_expr(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, Pa
             let name = t.from(1).text;
             match Reg::from_name(name) {
                 Some(r) => plain(FetchBase::Reg(r)),
-                None => Err(t.err(K::BadRegName { suggestion: Reg::suggest(name) })),
+                None => Err(t.err(K::BadRegName {
+                    suggestion: Reg::suggest(name),
+                })),
             }
         }
         b'@' => {
@@ -713,10 +795,20 @@ fn parse_expr(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, Pa
                     if !is_symbol_name(name.text) {
                         return Err(name.err(K::BadSymbol).with_len(name.text.len()));
                     }
-                    FetchBase::Symbol { name: name.text.to_string(), offset, resolved: None }
+                    FetchBase::Symbol {
+                        name: name.text.to_string(),
+                        offset,
+                        resolved: None,
+                    }
                 }
             };
-            Ok(FetchExpr { base, derefs: alloc::vec![Deref { offset: 0, user: false }] })
+            Ok(FetchExpr {
+                base,
+                derefs: alloc::vec![Deref {
+                    offset: 0,
+                    user: false
+                }],
+            })
         }
         b'+' | b'-' => parse_deref(t, depth, is_return),
         b'\\' => {
@@ -731,7 +823,11 @@ fn parse_expr(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, Pa
                 let v = match imm.text.as_bytes().first() {
                     Some(c) if c.is_ascii_digit() => kstrtoull(imm.text, 0),
                     Some(b'-') => kstrtoll(imm.text, 0).map(|v| v as u64),
-                    Some(b'+') => imm.text.get(1..).and_then(|s| kstrtoll(s, 0)).map(|v| v as u64),
+                    Some(b'+') => imm
+                        .text
+                        .get(1..)
+                        .and_then(|s| kstrtoll(s, 0))
+                        .map(|v| v as u64),
                     _ => None,
                 };
                 match v {
@@ -753,15 +849,25 @@ fn parse_deref(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, P
     let negative = b.first() == Some(&b'-');
     let user = b.get(1) == Some(&b'u');
     let digits_at = if user { 2 } else { 1 };
-    let Some(open) = t.text.find('(') else { return Err(t.err(K::DerefNeedBrace)) };
+    let Some(open) = t.text.find('(') else {
+        return Err(t.err(K::DerefNeedBrace));
+    };
     if open < digits_at {
         return Err(t.sub(0, open + 1).err(K::BadDerefOffset));
     }
     let off = t.sub(digits_at, open);
     // As the kernel: skip a '+', hand "-digits" to kstrtol.
-    let offset = if negative { digits_negative(off.text) } else { kstrtoll(off.text, 0) };
+    let offset = if negative {
+        digits_negative(off.text)
+    } else {
+        kstrtoll(off.text, 0)
+    };
     let Some(offset) = offset else {
-        let at = if off.text.is_empty() { t.sub(0, open + 1) } else { off };
+        let at = if off.text.is_empty() {
+            t.sub(0, open + 1)
+        } else {
+            off
+        };
         return Err(at.err(K::BadDerefOffset));
     };
     let close = match t.text.rfind(')') {
@@ -798,7 +904,11 @@ fn parse_var(t: Tok<'_>, is_return: bool) -> Result<FetchBase, ParseError> {
     use ParseErrorKind as K;
     let v = t.from(1).text;
     if v == "retval" {
-        return if is_return { Ok(FetchBase::RetVal) } else { Err(t.err(K::RetvalOnEntry)) };
+        return if is_return {
+            Ok(FetchBase::RetVal)
+        } else {
+            Err(t.err(K::RetvalOnEntry))
+        };
     }
     if let Some(n) = v.strip_prefix("stack") {
         if n.is_empty() {

@@ -89,7 +89,9 @@ pub fn write_value(out: &mut String, syms: &dyn SymbolResolver, v: &FetchedValue
                 IntType::S8 | IntType::S16 | IntType::S32 | IntType::S64 => {
                     write!(out, "{}", sign_extend(*ty, value))
                 }
-                IntType::X8 | IntType::X16 | IntType::X32 | IntType::X64 => write!(out, "0x{value:x}"),
+                IntType::X8 | IntType::X16 | IntType::X32 | IntType::X64 => {
+                    write!(out, "0x{value:x}")
+                }
                 IntType::Char => {
                     out.push('\'');
                     push_lossy(out, &[value as u8]);
@@ -157,7 +159,11 @@ pub fn write_text(out: &mut String, probe: &ProbeSpec, ev: &RawEvent, syms: &dyn
     }
     out.push_str(&comm);
     let (secs, usecs) = secs_usecs(h.timestamp_ns);
-    let _ = write!(out, "-{:<7} [{:03}]  {:>5}.{:06}: {}: (", h.pid, h.cpu, secs, usecs, probe.event);
+    let _ = write!(
+        out,
+        "-{:<7} [{:03}]  {:>5}.{:06}: {}: (",
+        h.pid, h.cpu, secs, usecs, probe.event
+    );
     write_location(out, probe.kind, ev, syms);
     out.push(')');
     for (i, v) in ev.values.iter().enumerate() {
@@ -200,8 +206,12 @@ pub fn write_json(out: &mut String, probe: &ProbeSpec, ev: &RawEvent, syms: &dyn
     let mut o = json::Object::begin(out);
     let _ = write!(scratch, "{secs}.{usecs:06}");
     o.str("ts", &scratch);
-    o.u64("ts_ns", h.timestamp_ns).u64("cpu", u64::from(h.cpu)).i64("pid", i64::from(h.pid));
-    o.bytes("comm", h.comm_bytes()).str("group", &probe.group).str("event", &probe.event);
+    o.u64("ts_ns", h.timestamp_ns)
+        .u64("cpu", u64::from(h.cpu))
+        .i64("pid", i64::from(h.pid));
+    o.bytes("comm", h.comm_bytes())
+        .str("group", &probe.group)
+        .str("event", &probe.event);
     let is_return = probe.kind.is_return();
     o.str("kind", if is_return { "kretprobe" } else { "kprobe" });
     scratch.clear();
@@ -242,7 +252,10 @@ pub fn write_json(out: &mut String, probe: &ProbeSpec, ev: &RawEvent, syms: &dyn
                     args.u64(&name, value);
                 }
             }
-            FetchedValue::Int { ty: IntType::Char, value } => {
+            FetchedValue::Int {
+                ty: IntType::Char,
+                value,
+            } => {
                 args.bytes(&name, &[*value as u8]);
             }
             FetchedValue::Str(s) => {

@@ -72,7 +72,8 @@ pub struct DeleteSpec {
 impl DeleteSpec {
     /// Whether this deletion covers the probe `group/event`.
     pub fn matches(&self, group: &str, event: &str) -> bool {
-        self.group.as_deref().is_none_or(|g| g == group) && self.event.as_deref().is_none_or(|e| e == event)
+        self.group.as_deref().is_none_or(|g| g == group)
+            && self.event.as_deref().is_none_or(|e| e == event)
     }
 }
 
@@ -115,7 +116,10 @@ impl ProbeSpec {
     /// Resolves every `@SYM` base through `syms`, so that fetching does not
     /// look names up on each hit. Fails with the first unknown symbol, as
     /// the kernel refuses to register such a probe.
-    pub fn resolve_symbols(&mut self, syms: &dyn crate::kprobe::SymbolResolver) -> Result<(), String> {
+    pub fn resolve_symbols(
+        &mut self,
+        syms: &dyn crate::kprobe::SymbolResolver,
+    ) -> Result<(), String> {
         for arg in &mut self.args {
             if let FetchBase::Symbol { name, resolved, .. } = &mut arg.expr.base {
                 match syms.lookup(name) {
@@ -262,7 +266,11 @@ impl fmt::Display for ArgType {
             ArgType::UString => f.write_str("ustring"),
             ArgType::Symbol => f.write_str("symbol"),
             ArgType::SymStr => f.write_str("symstr"),
-            ArgType::Bitfield { width, shift, container } => {
+            ArgType::Bitfield {
+                width,
+                shift,
+                container,
+            } => {
                 write!(f, "b{width}@{shift}/{}", u32::from(*container) * 8)
             }
         }
@@ -496,7 +504,11 @@ impl Reg {
     pub fn suggest(name: &str) -> Option<Reg> {
         let lower = name.as_bytes();
         let strip = |p: u8| lower.first() == Some(&p) && lower.len() == 3;
-        let core = if strip(b'r') || strip(b'e') { name.get(1..)? } else { name };
+        let core = if strip(b'r') || strip(b'e') {
+            name.get(1..)?
+        } else {
+            name
+        };
         if let Some(r) = Reg::from_name(core) {
             return Some(r);
         }
@@ -561,7 +573,8 @@ pub fn is_good_group_name(name: &str) -> bool {
         Some(c) if c.is_ascii_alphabetic() || *c == b'_' || *c == b'-' => {}
         _ => return false,
     }
-    b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_' || *c == b'-')
+    b.iter()
+        .all(|c| c.is_ascii_alphanumeric() || *c == b'_' || *c == b'-')
 }
 
 #[cfg(test)]
@@ -642,11 +655,17 @@ mod tests {
 
     #[test]
     fn delete_matching() {
-        let d = DeleteSpec { group: None, event: Some("ev".into()) };
+        let d = DeleteSpec {
+            group: None,
+            event: Some("ev".into()),
+        };
         assert!(d.matches("kprobes", "ev"));
         assert!(d.matches("other", "ev"));
         assert!(!d.matches("kprobes", "ev2"));
-        let d = DeleteSpec { group: Some("g".into()), event: None };
+        let d = DeleteSpec {
+            group: Some("g".into()),
+            event: None,
+        };
         assert!(d.matches("g", "anything"));
         assert!(!d.matches("h", "anything"));
     }

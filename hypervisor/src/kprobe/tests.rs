@@ -51,7 +51,10 @@ impl GuestMem for FakeMem {
         self.reads += 1;
         let page = gva.0 & !0xfff;
         let off = (gva.0 & 0xfff) as usize;
-        assert!(off + buf.len() <= 4096, "the evaluator split a read across pages");
+        assert!(
+            off + buf.len() <= 4096,
+            "the evaluator split a read across pages"
+        );
         let p = self.pages.get(&page).ok_or(MemFault)?;
         buf.copy_from_slice(&p[off..off + buf.len()]);
         Ok(())
@@ -78,12 +81,15 @@ impl SymbolResolver for FakeSyms {
         self.0.iter().find(|s| s.0 == name).map(|s| Gva(s.1))
     }
     fn symbolize(&self, addr: Gva) -> Option<SymbolAt<'_>> {
-        self.0.iter().find(|s| addr.0 >= s.1 && addr.0 < s.1 + s.2).map(|s| SymbolAt {
-            name: Cow::Borrowed(s.0),
-            offset: addr.0 - s.1,
-            size: s.2,
-            module: None,
-        })
+        self.0
+            .iter()
+            .find(|s| addr.0 >= s.1 && addr.0 < s.1 + s.2)
+            .map(|s| SymbolAt {
+                name: Cow::Borrowed(s.0),
+                offset: addr.0 - s.1,
+                size: s.2,
+                module: None,
+            })
     }
 }
 
@@ -112,7 +118,11 @@ fn regs() -> PtRegs {
 }
 
 fn ctx(regs: &PtRegs) -> FetchContext<'_> {
-    FetchContext { regs, comm: Some(b"cat\0\0\0\0\0\0\0\0\0\0\0\0\0"), layout: GuestLayout::X86_64_4LEVEL }
+    FetchContext {
+        regs,
+        comm: Some(b"cat\0\0\0\0\0\0\0\0\0\0\0\0\0"),
+        layout: GuestLayout::X86_64_4LEVEL,
+    }
 }
 
 fn probe(spec: &str) -> ProbeSpec {
@@ -156,15 +166,30 @@ fn the_openat_probe() {
     );
     assert_eq!(p.args.len(), 2);
     assert_eq!(p.args[0].name, "dfd");
-    assert_eq!(p.args[0].expr, FetchExpr { base: FetchBase::Reg(Reg::Di), derefs: vec![] });
+    assert_eq!(
+        p.args[0].expr,
+        FetchExpr {
+            base: FetchBase::Reg(Reg::Di),
+            derefs: vec![]
+        }
+    );
     assert_eq!(p.args[0].ty, ArgType::Int(IntType::X64));
     assert_eq!(p.args[1].name, "filename");
     assert_eq!(
         p.args[1].expr,
-        FetchExpr { base: FetchBase::Reg(Reg::Si), derefs: vec![Deref { offset: 0, user: false }] }
+        FetchExpr {
+            base: FetchBase::Reg(Reg::Si),
+            derefs: vec![Deref {
+                offset: 0,
+                user: false
+            }]
+        }
     );
     assert_eq!(p.args[1].ty, ArgType::String);
-    assert_eq!(p.to_string(), "p:kprobes/myopen do_sys_openat2 dfd=%di filename=+0(%si):string");
+    assert_eq!(
+        p.to_string(),
+        "p:kprobes/myopen do_sys_openat2 dfd=%di filename=+0(%si):string"
+    );
 }
 
 /// Valid specs and the kernel's listing of each (`cat kprobe_events`).
@@ -233,23 +258,40 @@ fn every_fetcharg_form_has_its_meaning() {
     let d = |offset, user| Deref { offset, user };
     let cases: &[(&str, FetchBase, Vec<Deref>, ArgType)] = &[
         ("%orig_ax", B::Reg(Reg::OrigAx), vec![], ArgType::DEFAULT),
-        ("@0xffffffff81000000", B::Imm(0xffff_ffff_8100_0000), vec![d(0, false)], ArgType::DEFAULT),
+        (
+            "@0xffffffff81000000",
+            B::Imm(0xffff_ffff_8100_0000),
+            vec![d(0, false)],
+            ArgType::DEFAULT,
+        ),
         ("@010", B::Imm(8), vec![d(0, false)], ArgType::DEFAULT),
         (
             "@jiffies",
-            B::Symbol { name: "jiffies".into(), offset: 0, resolved: None },
+            B::Symbol {
+                name: "jiffies".into(),
+                offset: 0,
+                resolved: None,
+            },
             vec![d(0, false)],
             ArgType::DEFAULT,
         ),
         (
             "@sym+0x10",
-            B::Symbol { name: "sym".into(), offset: 16, resolved: None },
+            B::Symbol {
+                name: "sym".into(),
+                offset: 16,
+                resolved: None,
+            },
             vec![d(0, false)],
             ArgType::DEFAULT,
         ),
         (
             "@sym-8:u32",
-            B::Symbol { name: "sym".into(), offset: -8, resolved: None },
+            B::Symbol {
+                name: "sym".into(),
+                offset: -8,
+                resolved: None,
+            },
             vec![d(0, false)],
             ArgType::Int(IntType::U32),
         ),
@@ -262,14 +304,43 @@ fn every_fetcharg_form_has_its_meaning() {
         ("\\-5", B::Imm(-5i64 as u64), vec![], ArgType::DEFAULT),
         ("\\+5", B::Imm(5), vec![], ArgType::DEFAULT),
         ("\\0x10:s8", B::Imm(16), vec![], ArgType::Int(IntType::S8)),
-        ("\\\"a_b\"", B::ImmString("a_b".into()), vec![], ArgType::String),
-        ("+8(+0(%di))", B::Reg(Reg::Di), vec![d(0, false), d(8, false)], ArgType::DEFAULT),
-        ("-0x10(%bp):s32", B::Reg(Reg::Bp), vec![d(-16, false)], ArgType::Int(IntType::S32)),
-        ("+u8(+u0(%si)):ustring", B::Reg(Reg::Si), vec![d(0, true), d(8, true)], ArgType::UString),
-        ("+0(\\0x1000)", B::Imm(0x1000), vec![d(0, false)], ArgType::DEFAULT),
+        (
+            "\\\"a_b\"",
+            B::ImmString("a_b".into()),
+            vec![],
+            ArgType::String,
+        ),
+        (
+            "+8(+0(%di))",
+            B::Reg(Reg::Di),
+            vec![d(0, false), d(8, false)],
+            ArgType::DEFAULT,
+        ),
+        (
+            "-0x10(%bp):s32",
+            B::Reg(Reg::Bp),
+            vec![d(-16, false)],
+            ArgType::Int(IntType::S32),
+        ),
+        (
+            "+u8(+u0(%si)):ustring",
+            B::Reg(Reg::Si),
+            vec![d(0, true), d(8, true)],
+            ArgType::UString,
+        ),
+        (
+            "+0(\\0x1000)",
+            B::Imm(0x1000),
+            vec![d(0, false)],
+            ArgType::DEFAULT,
+        ),
         (
             "+0(@jiffies)",
-            B::Symbol { name: "jiffies".into(), offset: 0, resolved: None },
+            B::Symbol {
+                name: "jiffies".into(),
+                offset: 0,
+                resolved: None,
+            },
             vec![d(0, false), d(0, false)],
             ArgType::DEFAULT,
         ),
@@ -277,7 +348,11 @@ fn every_fetcharg_form_has_its_meaning() {
             "+0($stack):b4@4/8",
             B::StackPointer,
             vec![d(0, false)],
-            ArgType::Bitfield { width: 4, shift: 4, container: 1 },
+            ArgType::Bitfield {
+                width: 4,
+                shift: 4,
+                container: 1,
+            },
         ),
     ];
     for (arg, base, derefs, ty) in cases {
@@ -305,10 +380,31 @@ fn deletions() {
         Ok(Command::Delete(d)) => d,
         other => panic!("{s}: {other:?}"),
     };
-    assert_eq!(del("-:myopen"), DeleteSpec { group: None, event: Some("myopen".into()) });
-    assert_eq!(del("-:grp/ev"), DeleteSpec { group: Some("grp".into()), event: Some("ev".into()) });
-    assert_eq!(del(" -:grp/ "), DeleteSpec { group: Some("grp".into()), event: None });
-    assert_eq!(parse_probe("-:ev").unwrap_err().kind, ParseErrorKind::BadCommand);
+    assert_eq!(
+        del("-:myopen"),
+        DeleteSpec {
+            group: None,
+            event: Some("myopen".into())
+        }
+    );
+    assert_eq!(
+        del("-:grp/ev"),
+        DeleteSpec {
+            group: Some("grp".into()),
+            event: Some("ev".into())
+        }
+    );
+    assert_eq!(
+        del(" -:grp/ "),
+        DeleteSpec {
+            group: Some("grp".into()),
+            event: None
+        }
+    );
+    assert_eq!(
+        parse_probe("-:ev").unwrap_err().kind,
+        ParseErrorKind::BadCommand
+    );
 }
 
 #[test]
@@ -323,11 +419,20 @@ fn fourteen_nested_dereferences_is_the_limit() {
     // @SYM costs two instructions, a bitfield one more.
     let p = probe(&format!("p foo {}", nest(12, "@j")));
     assert_eq!(p.args[0].expr.derefs.len(), 13);
-    assert_eq!(err(&format!("p foo {}", nest(13, "@j"))).kind, ParseErrorKind::TooDeep);
-    assert_eq!(err(&format!("p foo {}:b1@0/8", nest(12, "@j"))).kind, ParseErrorKind::TooDeep);
+    assert_eq!(
+        err(&format!("p foo {}", nest(13, "@j"))).kind,
+        ParseErrorKind::TooDeep
+    );
+    assert_eq!(
+        err(&format!("p foo {}:b1@0/8", nest(12, "@j"))).kind,
+        ParseErrorKind::TooDeep
+    );
     probe(&format!("p foo {}:b1@0/8", nest(11, "@j")));
     probe(&format!("p foo {}:b1@0/8", nest(13, "%ax")));
-    assert_eq!(err(&format!("p foo {}:b1@0/8", nest(14, "%di"))).kind, ParseErrorKind::ArgTooLong);
+    assert_eq!(
+        err(&format!("p foo {}:b1@0/8", nest(14, "%di"))).kind,
+        ParseErrorKind::ArgTooLong
+    );
 }
 
 #[test]
@@ -342,16 +447,28 @@ fn argument_limits() {
     // 32-character names, 63-character bodies.
     let name32 = "n".repeat(32);
     probe(&format!("p foo {name32}=%di"));
-    assert_eq!(err(&format!("p foo {name32}x=%di")).kind, ParseErrorKind::ArgNameTooLong);
+    assert_eq!(
+        err(&format!("p foo {name32}x=%di")).kind,
+        ParseErrorKind::ArgNameTooLong
+    );
     let body63 = format!("+{}(%di)", "0".repeat(57));
     assert_eq!(body63.len(), 63);
     probe(&format!("p foo {body63}"));
-    assert_eq!(err(&format!("p foo +0{}", &body63[1..])).kind, ParseErrorKind::ArgTooLong);
+    assert_eq!(
+        err(&format!("p foo +0{}", &body63[1..])).kind,
+        ParseErrorKind::ArgTooLong
+    );
     // 63-character event and group names.
     let ev63 = "e".repeat(63);
     probe(&format!("p:{ev63}/{ev63} foo"));
-    assert_eq!(err(&format!("p:{ev63}e foo")).kind, ParseErrorKind::EventTooLong);
-    assert_eq!(err(&format!("p:{ev63}g/e foo")).kind, ParseErrorKind::GroupTooLong);
+    assert_eq!(
+        err(&format!("p:{ev63}e foo")).kind,
+        ParseErrorKind::EventTooLong
+    );
+    assert_eq!(
+        err(&format!("p:{ev63}g/e foo")).kind,
+        ParseErrorKind::GroupTooLong
+    );
 }
 
 #[test]
@@ -603,7 +720,11 @@ fn invalid_specs_point_at_the_bad_token() {
         assert_eq!(e.to_string(), *msg, "{spec}");
         // (An unnamed argument's clash names the generated name.)
         if *len > 0 && e.token != "arg2" {
-            assert_eq!(spec.get(*pos..*pos + *len), Some(e.token.as_str()), "{spec}");
+            assert_eq!(
+                spec.get(*pos..*pos + *len),
+                Some(e.token.as_str()),
+                "{spec}"
+            );
         }
         // One line, and the caret never panics.
         assert!(!e.to_string().contains('\n'));
@@ -616,7 +737,10 @@ fn invalid_specs_point_at_the_bad_token() {
 fn caret_lines() {
     let spec = "p:myopen do_sys_openat2 dfd=%dj";
     let e = err(spec);
-    assert_eq!(e.caret(spec), "p:myopen do_sys_openat2 dfd=%dj\n                            ^~~");
+    assert_eq!(
+        e.caret(spec),
+        "p:myopen do_sys_openat2 dfd=%dj\n                            ^~~"
+    );
     assert_eq!(
         e.report(spec),
         "bad register name \"%dj\" at column 29\np:myopen do_sys_openat2 dfd=%dj\n                            ^~~"
@@ -638,7 +762,13 @@ fn caret_lines() {
 fn registers_and_default_types() {
     let r = regs();
     let mut m = FakeMem::default();
-    assert_eq!(eval1("%di", &r, &mut m), FetchedValue::Int { ty: IntType::X64, value: 0xffff_ff9c });
+    assert_eq!(
+        eval1("%di", &r, &mut m),
+        FetchedValue::Int {
+            ty: IntType::X64,
+            value: 0xffff_ff9c
+        }
+    );
     assert_eq!(shown(&eval1("%di", &r, &mut m)), "0xffffff9c");
     assert_eq!(shown(&eval1("%di:s32", &r, &mut m)), "-100");
     assert_eq!(shown(&eval1("%di:u32", &r, &mut m)), "4294967196");
@@ -650,7 +780,10 @@ fn registers_and_default_types() {
     assert_eq!(shown(&eval1("%ax", &r, &mut m)), "0xfffffffffffffffe");
     assert_eq!(shown(&eval1("%flags:x16", &r, &mut m)), "0x246");
     assert_eq!(shown(&eval1("%cx:char", &r, &mut m)), "'D'");
-    assert_eq!(shown(&eval1("$stack", &r, &mut m)), format!("{:#x}", KSTACK + 0x3e00));
+    assert_eq!(
+        shown(&eval1("$stack", &r, &mut m)),
+        format!("{:#x}", KSTACK + 0x3e00)
+    );
     assert_eq!(m.reads, 0);
 }
 
@@ -672,12 +805,26 @@ fn arguments_follow_the_calling_convention() {
     m.write_u64(r.sp, 0xffff_ffff_8123_4810); // return address
     m.write_u64(r.sp + 8, 0x77);
     m.write_u64(r.sp + 16, 0x88);
-    let got: Vec<String> = (1..=8).map(|n| shown(&eval1(&format!("$arg{n}"), &r, &mut m))).collect();
+    let got: Vec<String> = (1..=8)
+        .map(|n| shown(&eval1(&format!("$arg{n}"), &r, &mut m)))
+        .collect();
     assert_eq!(
         got,
-        ["0xffffff9c", &format!("{USER:#x}"), &format!("{KDATA:#x}"), "0x44", "0x55", "0x66", "0x77", "0x88"]
+        [
+            "0xffffff9c",
+            &format!("{USER:#x}"),
+            &format!("{KDATA:#x}"),
+            "0x44",
+            "0x55",
+            "0x66",
+            "0x77",
+            "0x88"
+        ]
     );
-    assert_eq!(shown(&eval1("$stack0:symbol", &r, &mut m)), "__x64_sys_openat+0x10/0x30");
+    assert_eq!(
+        shown(&eval1("$stack0:symbol", &r, &mut m)),
+        "__x64_sys_openat+0x10/0x30"
+    );
     assert_eq!(shown(&eval1("$stack1", &r, &mut m)), "0x77");
     assert_eq!(shown(&eval1("$stack3", &r, &mut m)), "0x0"); // mapped, zero
 }
@@ -691,13 +838,25 @@ fn stack_slots_outside_the_stack_or_unreadable_are_zero() {
     // sp + 8*64 crosses the 16 KiB stack's end.
     let past = (KSTACK + 0x4000 - r.sp) / 8;
     m.write_u64(r.sp + 8 * past, 0xdead);
-    assert_eq!(eval1(&format!("$stack{past}"), &r, &mut m), FetchedValue::Int { ty: IntType::X64, value: 0 });
+    assert_eq!(
+        eval1(&format!("$stack{past}"), &r, &mut m),
+        FetchedValue::Int {
+            ty: IntType::X64,
+            value: 0
+        }
+    );
     assert_eq!(
         eval1(&format!("$stack{}", past - 1), &r, &mut m),
-        FetchedValue::Int { ty: IntType::X64, value: 0 }
+        FetchedValue::Int {
+            ty: IntType::X64,
+            value: 0
+        }
     );
     m.write_u64(r.sp + 8 * (past - 1), 0xbeef);
-    assert_eq!(shown(&eval1(&format!("$stack{}", past - 1), &r, &mut m)), "0xbeef");
+    assert_eq!(
+        shown(&eval1(&format!("$stack{}", past - 1), &r, &mut m)),
+        "0xbeef"
+    );
     // An unmapped stack reads as zero too.
     let mut empty = FakeMem::default();
     assert_eq!(shown(&eval1("$stack2", &r, &mut empty)), "0x0");
@@ -714,7 +873,10 @@ fn the_openat_probe_fetches_the_filename() {
     assert_eq!(
         v,
         vec![
-            FetchedValue::Int { ty: IntType::X64, value: 0xffff_ff9c },
+            FetchedValue::Int {
+                ty: IntType::X64,
+                value: 0xffff_ff9c
+            },
             FetchedValue::Str(b"/etc/hostname".to_vec())
         ]
     );
@@ -762,7 +924,13 @@ fn a_fault_at_each_level_is_a_fault() {
     let p = probe("p foo a=+0(%ax) b=%di c=+0(%di):string");
     let v = fetch(&p.args, &ctx(&r), &mut m, &FakeSyms::kernel());
     assert_eq!(v[0], FetchedValue::Fault);
-    assert_eq!(v[1], FetchedValue::Int { ty: IntType::X64, value: r.di });
+    assert_eq!(
+        v[1],
+        FetchedValue::Int {
+            ty: IntType::X64,
+            value: r.di
+        }
+    );
     assert!(matches!(v[2], FetchedValue::Str(_)));
 }
 
@@ -788,7 +956,10 @@ fn strings_up_to_the_kernel_bound() {
     assert_eq!(v, FetchedValue::Str(vec![b'x'; MAX_STRING_SIZE - 1]));
     // Exactly 4095 bytes and a terminator.
     m.write(KDATA + 4095, &[0]);
-    assert_eq!(eval1("+0(%dx):string", &r, &mut m), FetchedValue::Str(vec![b'x'; 4095]));
+    assert_eq!(
+        eval1("+0(%dx):string", &r, &mut m),
+        FetchedValue::Str(vec![b'x'; 4095])
+    );
     // Empty.
     m.write(KDATA, &[0]);
     assert_eq!(shown(&eval1("+0(%dx):string", &r, &mut m)), "\"\"");
@@ -800,15 +971,24 @@ fn a_string_running_into_unmapped_memory_faults() {
     let mut m = FakeMem::default();
     let page_end = KDATA + 0x1000;
     m.write(page_end - 5, b"abcde"); // no terminator before the page ends
-    let r = PtRegs { dx: page_end - 5, ..r };
+    let r = PtRegs {
+        dx: page_end - 5,
+        ..r
+    };
     assert_eq!(eval1("+0(%dx):string", &r, &mut m), FetchedValue::Fault);
     // Terminated before the boundary: fine, and the next page is not read.
     m.write(page_end - 2, b"\0");
-    assert_eq!(eval1("+0(%dx):string", &r, &mut m), FetchedValue::Str(b"abc".to_vec()));
+    assert_eq!(
+        eval1("+0(%dx):string", &r, &mut m),
+        FetchedValue::Str(b"abc".to_vec())
+    );
     // Crossing into a mapped page: fine.
     m.write(page_end - 2, b"z");
     m.write(page_end, b"yz\0");
-    assert_eq!(eval1("+0(%dx):string", &r, &mut m), FetchedValue::Str(b"abczeyz".to_vec()));
+    assert_eq!(
+        eval1("+0(%dx):string", &r, &mut m),
+        FetchedValue::Str(b"abczeyz".to_vec())
+    );
 }
 
 #[test]
@@ -816,7 +996,10 @@ fn integers_read_only_their_width() {
     let page_end = KDATA + 0x1000;
     let mut m = FakeMem::default();
     m.write(page_end - 1, &[0xab]);
-    let r = PtRegs { dx: page_end - 1, ..regs() };
+    let r = PtRegs {
+        dx: page_end - 1,
+        ..regs()
+    };
     assert_eq!(shown(&eval1("+0(%dx):x8", &r, &mut m)), "0xab");
     assert_eq!(eval1("+0(%dx):x16", &r, &mut m), FetchedValue::Fault);
     // A u64 across two mapped pages is read in two pieces.
@@ -841,11 +1024,24 @@ fn the_kernels_address_rules() {
     assert_eq!(shown(&eval1("+0(%dx):string", &r, &mut m)), "\"kern\"");
     // The guard page above user space, non-canonical addresses and the
     // vsyscall page fault even when something is mapped there.
-    for bad in [(1u64 << 47) - 4096, 1u64 << 47, 0x8000_0000_0000_0000, 0xffff_ffff_ff60_0000] {
+    for bad in [
+        (1u64 << 47) - 4096,
+        1u64 << 47,
+        0x8000_0000_0000_0000,
+        0xffff_ffff_ff60_0000,
+    ] {
         m.write(bad, b"x\0");
         let r = PtRegs { dx: bad, ..regs() };
-        assert_eq!(eval1("+0(%dx):string", &r, &mut m), FetchedValue::Fault, "{bad:#x}");
-        assert_eq!(eval1("+0(%dx):u8", &r, &mut m), FetchedValue::Fault, "{bad:#x}");
+        assert_eq!(
+            eval1("+0(%dx):string", &r, &mut m),
+            FetchedValue::Fault,
+            "{bad:#x}"
+        );
+        assert_eq!(
+            eval1("+0(%dx):u8", &r, &mut m),
+            FetchedValue::Fault,
+            "{bad:#x}"
+        );
     }
     // The first kernel address past the canonical hole is readable.
     let ok = 0xffff_8000_0000_0000;
@@ -857,14 +1053,30 @@ fn the_kernels_address_rules() {
     let p = probe("p foo +0(%dx):u8");
     let mut m5 = FakeMem::default();
     m5.write(1u64 << 50, &[9]);
-    let r5 = PtRegs { dx: 1 << 50, ..regs() };
-    let c5 = FetchContext { regs: &r5, comm: None, layout: GuestLayout::X86_64_5LEVEL };
+    let r5 = PtRegs {
+        dx: 1 << 50,
+        ..regs()
+    };
+    let c5 = FetchContext {
+        regs: &r5,
+        comm: None,
+        layout: GuestLayout::X86_64_5LEVEL,
+    };
     assert_eq!(
         fetch(&p.args, &c5, &mut m5, &NoSymbols),
-        vec![FetchedValue::Int { ty: IntType::U8, value: 9 }]
+        vec![FetchedValue::Int {
+            ty: IntType::U8,
+            value: 9
+        }]
     );
-    let c4 = FetchContext { layout: GuestLayout::X86_64_4LEVEL, ..c5 };
-    assert_eq!(fetch(&p.args, &c4, &mut m5, &NoSymbols), vec![FetchedValue::Fault]);
+    let c4 = FetchContext {
+        layout: GuestLayout::X86_64_4LEVEL,
+        ..c5
+    };
+    assert_eq!(
+        fetch(&p.args, &c4, &mut m5, &NoSymbols),
+        vec![FetchedValue::Fault]
+    );
 }
 
 #[test]
@@ -875,16 +1087,31 @@ fn symbols() {
     m.write_u64(0xffff_ffff_8261_0010, 0xffff_ffff_8123_4570);
     assert_eq!(shown(&eval1("@jiffies", &r, &mut m)), "0x100002710");
     assert_eq!(shown(&eval1("@jiffies:u32", &r, &mut m)), "10000");
-    assert_eq!(shown(&eval1("@init_task+0x10:symbol", &r, &mut m)), "do_sys_openat2+0x10/0x150");
-    assert_eq!(shown(&eval1("@init_task+16:symstr", &r, &mut m)), "\"do_sys_openat2+0x10/0x150\"");
-    assert_eq!(shown(&eval1("@0xffffffff82605000:x32", &r, &mut m)), "0x2710");
-    assert_eq!(shown(&eval1("%ip:symbol", &r, &mut m)), "do_sys_openat2+0x5/0x150");
+    assert_eq!(
+        shown(&eval1("@init_task+0x10:symbol", &r, &mut m)),
+        "do_sys_openat2+0x10/0x150"
+    );
+    assert_eq!(
+        shown(&eval1("@init_task+16:symstr", &r, &mut m)),
+        "\"do_sys_openat2+0x10/0x150\""
+    );
+    assert_eq!(
+        shown(&eval1("@0xffffffff82605000:x32", &r, &mut m)),
+        "0x2710"
+    );
+    assert_eq!(
+        shown(&eval1("%ip:symbol", &r, &mut m)),
+        "do_sys_openat2+0x5/0x150"
+    );
     assert_eq!(shown(&eval1("%bx:symbol", &r, &mut m)), "0xb");
     assert_eq!(shown(&eval1("\\0:symbol", &r, &mut m)), "0x0");
     // An unknown symbol faults at fetch time and fails resolution up front.
     assert_eq!(eval1("@no_such_symbol", &r, &mut m), FetchedValue::Fault);
     let mut p = probe("p foo a=@jiffies b=@no_such_symbol");
-    assert_eq!(p.resolve_symbols(&FakeSyms::kernel()), Err("no_such_symbol".to_string()));
+    assert_eq!(
+        p.resolve_symbols(&FakeSyms::kernel()),
+        Err("no_such_symbol".to_string())
+    );
     // Resolved once, fetched without the resolver.
     let mut p = probe("p foo a=@jiffies-8:u8 b=+0(@jiffies):u8");
     p.resolve_symbols(&FakeSyms::kernel()).unwrap();
@@ -896,14 +1123,20 @@ fn symbols() {
 
 #[test]
 fn bitfields() {
-    let r = PtRegs { di: 0b1011_0110, ..regs() };
+    let r = PtRegs {
+        di: 0b1011_0110,
+        ..regs()
+    };
     let mut m = FakeMem::default();
     assert_eq!(shown(&eval1("%di:b3@2/8", &r, &mut m)), "5");
     assert_eq!(shown(&eval1("%di:b1@7/8", &r, &mut m)), "1");
     assert_eq!(shown(&eval1("%di:b8@0/8", &r, &mut m)), "182");
     m.write(KDATA + 4, &0xdead_beef_u32.to_le_bytes());
     assert_eq!(shown(&eval1("+4(%dx):b16@16/32", &r, &mut m)), "57005");
-    assert_eq!(shown(&eval1("%ax:b64@0/64", &r, &mut m)), "18446744073709551614");
+    assert_eq!(
+        shown(&eval1("%ax:b64@0/64", &r, &mut m)),
+        "18446744073709551614"
+    );
 }
 
 #[test]
@@ -911,13 +1144,22 @@ fn comm_edge_cases() {
     let r = regs();
     let p = probe("p foo $comm");
     let mut m = FakeMem::default();
-    let full = FetchContext { comm: Some(b"0123456789abcdefXYZ"), ..ctx(&r) };
+    let full = FetchContext {
+        comm: Some(b"0123456789abcdefXYZ"),
+        ..ctx(&r)
+    };
     assert_eq!(
         fetch(&p.args, &full, &mut m, &NoSymbols),
         vec![FetchedValue::Str(b"0123456789abcdef".to_vec())]
     );
-    let none = FetchContext { comm: None, ..ctx(&r) };
-    assert_eq!(fetch(&p.args, &none, &mut m, &NoSymbols), vec![FetchedValue::Fault]);
+    let none = FetchContext {
+        comm: None,
+        ..ctx(&r)
+    };
+    assert_eq!(
+        fetch(&p.args, &none, &mut m, &NoSymbols),
+        vec![FetchedValue::Fault]
+    );
 }
 
 // ------------------------------------------------------------ rendering --
@@ -989,10 +1231,22 @@ fn every_value_kind_prints_as_the_kernel_prints_it() {
     let ev = event(
         1,
         vec![
-            FetchedValue::Int { ty: IntType::U8, value: 255 },
-            FetchedValue::Int { ty: IntType::S16, value: 0xfffe },
-            FetchedValue::Int { ty: IntType::X32, value: 0 },
-            FetchedValue::Int { ty: IntType::Char, value: b'A' as u64 },
+            FetchedValue::Int {
+                ty: IntType::U8,
+                value: 255,
+            },
+            FetchedValue::Int {
+                ty: IntType::S16,
+                value: 0xfffe,
+            },
+            FetchedValue::Int {
+                ty: IntType::X32,
+                value: 0,
+            },
+            FetchedValue::Int {
+                ty: IntType::Char,
+                value: b'A' as u64,
+            },
             FetchedValue::Symbol(0xffff_ffff_8123_46b0),
             FetchedValue::SymStr(0x1234),
             FetchedValue::Fault,
@@ -1020,7 +1274,13 @@ fn every_value_kind_prints_as_the_kernel_prints_it() {
 fn return_probe_lines() {
     let p = probe("r:myret do_sys_openat2 ret=$retval:s32");
     let syms = FakeSyms::kernel();
-    let mut ev = event(2, vec![FetchedValue::Int { ty: IntType::S32, value: 3 }]);
+    let mut ev = event(
+        2,
+        vec![FetchedValue::Int {
+            ty: IntType::S32,
+            value: 3,
+        }],
+    );
     ev.header.ret_ip = 0xffff_ffff_8123_46cb;
     assert_eq!(
         text_line(&p, &ev, &syms),
@@ -1029,7 +1289,10 @@ fn return_probe_lines() {
     ev.header.ip = 0x1000;
     assert!(text_line(&p, &ev, &syms).contains("(do_sys_open+0x1b/0x90 <- 0x00001000)"));
     let json = json_line(&p, &ev, &syms);
-    assert!(json.contains(r#""kind":"kretprobe","ip":"0x1000","ret_ip":"0xffffffff812346cb""#), "{json}");
+    assert!(
+        json.contains(r#""kind":"kretprobe","ip":"0x1000","ret_ip":"0xffffffff812346cb""#),
+        "{json}"
+    );
 }
 
 #[test]
@@ -1046,7 +1309,10 @@ fn unknown_locations_and_odd_bytes() {
     ev.header.ip = 0;
     assert!(text_line(&p, &ev, &NoSymbols).contains("ev: (0) s="));
     // More values than the probe has arguments: named by position.
-    ev.values.push(FetchedValue::Int { ty: IntType::U8, value: 1 });
+    ev.values.push(FetchedValue::Int {
+        ty: IntType::U8,
+        value: 1,
+    });
     assert!(text_line(&p, &ev, &NoSymbols).ends_with(" arg2=1"));
 }
 

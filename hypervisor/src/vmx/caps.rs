@@ -62,7 +62,11 @@ pub struct MissingControls {
 
 impl core::fmt::Display for MissingControls {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(f, "the CPU lacks required VMX {} controls {:#010x}", self.word, self.missing)
+        write!(
+            f,
+            "the CPU lacks required VMX {} controls {:#010x}",
+            self.word, self.missing
+        )
     }
 }
 
@@ -70,7 +74,12 @@ impl core::fmt::Display for MissingControls {
 /// (`optional`, granted only where allowed) with a capability MSR value whose
 /// low half is the allowed-0 settings (bits that must be 1) and whose high
 /// half is the allowed-1 settings (bits that may be 1). SDM A.3.
-pub fn adjust_controls(word: &'static str, required: u32, optional: u32, cap: u64) -> Result<u32, MissingControls> {
+pub fn adjust_controls(
+    word: &'static str,
+    required: u32,
+    optional: u32,
+    cap: u64,
+) -> Result<u32, MissingControls> {
     let must_be_one = cap as u32;
     let may_be_one = (cap >> 32) as u32;
     let missing = required & !may_be_one;

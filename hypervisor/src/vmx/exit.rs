@@ -240,20 +240,29 @@ pub fn decode(raw: &RawExit) -> VmExit {
     let basic = raw.reason as u16;
     let q = raw.qualification;
     if raw.reason & (1 << 31) != 0 {
-        return VmExit::EntryFailure { reason: basic, qualification: q };
+        return VmExit::EntryFailure {
+            reason: basic,
+            qualification: q,
+        };
     }
     match basic {
-        EXCEPTION_OR_NMI => VmExit::Exception { vector: raw.interruption_info as u8, info: raw.interruption_info },
+        EXCEPTION_OR_NMI => VmExit::Exception {
+            vector: raw.interruption_info as u8,
+            info: raw.interruption_info,
+        },
         EXTERNAL_INTERRUPT => VmExit::ExternalInterrupt,
         TRIPLE_FAULT => VmExit::TripleFault,
         INIT => VmExit::Init,
         SIPI => VmExit::Sipi { vector: q as u8 },
-        CPUID => VmExit::Cpuid { leaf: raw.rax as u32, subleaf: raw.rcx as u32 },
+        CPUID => VmExit::Cpuid {
+            leaf: raw.rax as u32,
+            subleaf: raw.rcx as u32,
+        },
         HLT => VmExit::Hlt,
         INVD => VmExit::Invd,
         VMCALL => VmExit::Vmcall,
-        VMCLEAR | VMLAUNCH | VMPTRLD | VMPTRST | VMREAD | VMRESUME | VMWRITE | VMXOFF | VMXON | INVEPT
-        | INVVPID | VMFUNC => VmExit::VmxInstruction(basic),
+        VMCLEAR | VMLAUNCH | VMPTRLD | VMPTRST | VMREAD | VMRESUME | VMWRITE | VMXOFF | VMXON
+        | INVEPT | INVVPID | VMFUNC => VmExit::VmxInstruction(basic),
         CR_ACCESS => {
             let cr = (q & 0xf) as u8;
             let gpr = ((q >> 8) & 0xf) as u8;
@@ -261,7 +270,9 @@ pub fn decode(raw: &RawExit) -> VmExit {
                 0 => CrAccess::MovTo { cr, gpr },
                 1 => CrAccess::MovFrom { cr, gpr },
                 2 => CrAccess::Clts,
-                _ => CrAccess::Lmsw { source: (q >> 16) as u16 },
+                _ => CrAccess::Lmsw {
+                    source: (q >> 16) as u16,
+                },
             })
         }
         IO_INSTRUCTION => VmExit::Io(IoAccess {
@@ -271,19 +282,33 @@ pub fn decode(raw: &RawExit) -> VmExit {
             rep: q & (1 << 5) != 0,
             port: (q >> 16) as u16,
         }),
-        RDMSR => VmExit::MsrRead { msr: raw.rcx as u32 },
-        WRMSR => VmExit::MsrWrite { msr: raw.rcx as u32, value: (raw.rax & 0xffff_ffff) | (raw.rdx << 32) },
+        RDMSR => VmExit::MsrRead {
+            msr: raw.rcx as u32,
+        },
+        WRMSR => VmExit::MsrWrite {
+            msr: raw.rcx as u32,
+            value: (raw.rax & 0xffff_ffff) | (raw.rdx << 32),
+        },
         EPT_VIOLATION => VmExit::EptViolation(EptViolation {
             gpa: raw.guest_physical,
-            gla: if q & (1 << 7) != 0 { Some(raw.guest_linear) } else { None },
+            gla: if q & (1 << 7) != 0 {
+                Some(raw.guest_linear)
+            } else {
+                None
+            },
             read: q & 1 != 0,
             write: q & 2 != 0,
             fetch: q & 4 != 0,
             allowed: ((q >> 3) & 7) as u8,
         }),
-        EPT_MISCONFIG => VmExit::EptMisconfig { gpa: raw.guest_physical },
+        EPT_MISCONFIG => VmExit::EptMisconfig {
+            gpa: raw.guest_physical,
+        },
         PREEMPTION_TIMER => VmExit::PreemptionTimer,
-        XSETBV => VmExit::Xsetbv { xcr: raw.rcx as u32, value: (raw.rax & 0xffff_ffff) | (raw.rdx << 32) },
+        XSETBV => VmExit::Xsetbv {
+            xcr: raw.rcx as u32,
+            value: (raw.rax & 0xffff_ffff) | (raw.rdx << 32),
+        },
         other => VmExit::Unknown(other),
     }
 }
@@ -293,47 +318,121 @@ mod tests {
     use super::*;
 
     fn raw(reason: u32, q: u64) -> RawExit {
-        RawExit { reason, qualification: q, ..Default::default() }
+        RawExit {
+            reason,
+            qualification: q,
+            ..Default::default()
+        }
     }
 
     #[test]
     fn cpuid_and_msr_operands_come_from_registers() {
-        let r = RawExit { reason: 10, rax: 0xffff_ffff_0000_0001, rcx: 0x1_0000_0002, ..Default::default() };
-        assert_eq!(decode(&r), VmExit::Cpuid { leaf: 1, subleaf: 2 });
-        let r = RawExit { reason: 32, rcx: 0x3a, rax: 0xdead_0000_0000_0005, rdx: 0x1, ..Default::default() };
-        assert_eq!(decode(&r), VmExit::MsrWrite { msr: 0x3a, value: 0x1_0000_0005 });
-        let r = RawExit { reason: 55, rcx: 0, rax: 7, rdx: 0, ..Default::default() };
+        let r = RawExit {
+            reason: 10,
+            rax: 0xffff_ffff_0000_0001,
+            rcx: 0x1_0000_0002,
+            ..Default::default()
+        };
+        assert_eq!(
+            decode(&r),
+            VmExit::Cpuid {
+                leaf: 1,
+                subleaf: 2
+            }
+        );
+        let r = RawExit {
+            reason: 32,
+            rcx: 0x3a,
+            rax: 0xdead_0000_0000_0005,
+            rdx: 0x1,
+            ..Default::default()
+        };
+        assert_eq!(
+            decode(&r),
+            VmExit::MsrWrite {
+                msr: 0x3a,
+                value: 0x1_0000_0005
+            }
+        );
+        let r = RawExit {
+            reason: 55,
+            rcx: 0,
+            rax: 7,
+            rdx: 0,
+            ..Default::default()
+        };
         assert_eq!(decode(&r), VmExit::Xsetbv { xcr: 0, value: 7 });
     }
 
     #[test]
     fn cr_access_qualification() {
         // MOV to CR4 from RBX (gpr 3).
-        assert_eq!(decode(&raw(28, 0x0304)), VmExit::Cr(CrAccess::MovTo { cr: 4, gpr: 3 }));
+        assert_eq!(
+            decode(&raw(28, 0x0304)),
+            VmExit::Cr(CrAccess::MovTo { cr: 4, gpr: 3 })
+        );
         // MOV from CR0 to R12.
-        assert_eq!(decode(&raw(28, 0x0c10)), VmExit::Cr(CrAccess::MovFrom { cr: 0, gpr: 12 }));
+        assert_eq!(
+            decode(&raw(28, 0x0c10)),
+            VmExit::Cr(CrAccess::MovFrom { cr: 0, gpr: 12 })
+        );
         assert_eq!(decode(&raw(28, 0x20)), VmExit::Cr(CrAccess::Clts));
-        assert_eq!(decode(&raw(28, 0x0001_0030)), VmExit::Cr(CrAccess::Lmsw { source: 1 }));
+        assert_eq!(
+            decode(&raw(28, 0x0001_0030)),
+            VmExit::Cr(CrAccess::Lmsw { source: 1 })
+        );
     }
 
     #[test]
     fn io_qualification() {
         // inb from 0x2fd.
         let e = decode(&raw(30, (0x2fd << 16) | 0x8));
-        assert_eq!(e, VmExit::Io(IoAccess { port: 0x2fd, size: 1, input: true, string: false, rep: false }));
+        assert_eq!(
+            e,
+            VmExit::Io(IoAccess {
+                port: 0x2fd,
+                size: 1,
+                input: true,
+                string: false,
+                rep: false
+            })
+        );
         // rep outsw to 0x2f8.
         let e = decode(&raw(30, (0x2f8 << 16) | 0x31));
-        assert_eq!(e, VmExit::Io(IoAccess { port: 0x2f8, size: 2, input: false, string: true, rep: true }));
+        assert_eq!(
+            e,
+            VmExit::Io(IoAccess {
+                port: 0x2f8,
+                size: 2,
+                input: false,
+                string: true,
+                rep: true
+            })
+        );
     }
 
     #[test]
     fn ept_violation_and_entry_failure() {
-        let r = RawExit { reason: 48, qualification: 0x82 | (1 << 3), guest_physical: 0x200_0000, guest_linear: 0xffff_8880_0200_0000, ..Default::default() };
-        let VmExit::EptViolation(v) = decode(&r) else { panic!("not an EPT violation") };
+        let r = RawExit {
+            reason: 48,
+            qualification: 0x82 | (1 << 3),
+            guest_physical: 0x200_0000,
+            guest_linear: 0xffff_8880_0200_0000,
+            ..Default::default()
+        };
+        let VmExit::EptViolation(v) = decode(&r) else {
+            panic!("not an EPT violation")
+        };
         assert!(v.write && !v.read && !v.fetch);
         assert_eq!(v.allowed, 1);
         assert_eq!(v.gla, Some(0xffff_8880_0200_0000));
-        assert_eq!(decode(&raw(0x8000_0021, 2)), VmExit::EntryFailure { reason: 33, qualification: 2 });
+        assert_eq!(
+            decode(&raw(0x8000_0021, 2)),
+            VmExit::EntryFailure {
+                reason: 33,
+                qualification: 2
+            }
+        );
     }
 
     #[test]

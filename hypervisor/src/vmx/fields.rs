@@ -90,33 +90,53 @@ pub struct Ro<T> {
 
 impl<T: Width> Rw<T> {
     const fn new(encoding: u32, name: &'static str) -> Self {
-        Self { encoding, name, _w: PhantomData }
+        Self {
+            encoding,
+            name,
+            _w: PhantomData,
+        }
     }
     /// VMREAD.
     pub fn read(self, io: &impl VmcsIo) -> Result<T, VmcsError> {
         io.read_raw(self.encoding)
             .map(T::from_raw)
-            .ok_or(VmcsError { encoding: self.encoding, name: self.name, write: false })
+            .ok_or(VmcsError {
+                encoding: self.encoding,
+                name: self.name,
+                write: false,
+            })
     }
     /// VMWRITE.
     pub fn write(self, io: &mut impl VmcsIo, v: T) -> Result<(), VmcsError> {
         if io.write_raw(self.encoding, v.to_raw()) {
             Ok(())
         } else {
-            Err(VmcsError { encoding: self.encoding, name: self.name, write: true })
+            Err(VmcsError {
+                encoding: self.encoding,
+                name: self.name,
+                write: true,
+            })
         }
     }
 }
 
 impl<T: Width> Ro<T> {
     const fn new(encoding: u32, name: &'static str) -> Self {
-        Self { encoding, name, _w: PhantomData }
+        Self {
+            encoding,
+            name,
+            _w: PhantomData,
+        }
     }
     /// VMREAD.
     pub fn read(self, io: &impl VmcsIo) -> Result<T, VmcsError> {
         io.read_raw(self.encoding)
             .map(T::from_raw)
-            .ok_or(VmcsError { encoding: self.encoding, name: self.name, write: false })
+            .ok_or(VmcsError {
+                encoding: self.encoding,
+                name: self.name,
+                write: false,
+            })
     }
 }
 
@@ -279,7 +299,10 @@ mod tests {
 
     #[test]
     fn refused_access_is_a_named_error() {
-        let mut v = FakeVmcs { refuse: Some(EXIT_REASON.encoding), ..Default::default() };
+        let mut v = FakeVmcs {
+            refuse: Some(EXIT_REASON.encoding),
+            ..Default::default()
+        };
         let e = EXIT_REASON.read(&v).unwrap_err();
         assert_eq!(e.name, "EXIT_REASON");
         assert!(!e.write);
