@@ -45,6 +45,10 @@ pub struct Control {
     decoder: FrameDecoder,
     tx: VecDeque<u8>,
     pub stats: ChannelReport,
+    /// Bytes arrived on the last turn: more are likely (Bochs hands the
+    /// UART one byte at a time), so take the next turns sooner even before a
+    /// frame has visibly started (its first bytes are delimiters).
+    rx_recent: bool,
 }
 
 impl Control {
@@ -55,24 +59,30 @@ impl Control {
             decoder: FrameDecoder::new(),
             tx: VecDeque::new(),
             stats: ChannelReport::default(),
+            rx_recent: false,
         })
     }
 
     /// Whether output is still queued or in the UART, or a frame is half
     /// received (the caller polls sooner then).
     pub fn busy(&self) -> bool {
-        !self.tx.is_empty() || self.decoder.buffered() != 0 || !self.uart.tx_idle()
+        self.rx_recent
+            || !self.tx.is_empty()
+            || self.decoder.buffered() != 0
+            || !self.uart.tx_idle()
     }
 
     /// Moves bytes both ways and answers complete requests.
     pub fn poll(&mut self, src: &mut StatusSource<'_>) -> Action {
         let mut action = Action::None;
         let mut buf = [0u8; 64];
+        self.rx_recent = false;
         loop {
             let n = self.uart.read_available(&mut buf);
             if n == 0 {
                 break;
             }
+            self.rx_recent = true;
             self.stats.bytes_in += n as u64;
             for &b in &buf[..n] {
                 match self.decoder.push_byte(b) {
