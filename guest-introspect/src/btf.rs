@@ -252,6 +252,19 @@ struct Window<'v, V: ?Sized> {
     at: u32,
 }
 
+impl<V: ?Sized> Window<'_, V> {
+    /// An empty window over the type section at `base`, `len` bytes long.
+    fn new(view: &V, base: Gva, len: u32) -> Window<'_, V> {
+        Window {
+            view,
+            base,
+            len,
+            buf: Vec::new(),
+            at: 0,
+        }
+    }
+}
+
 impl<V: VirtMemory + ?Sized> Window<'_, V> {
     /// `n` bytes at section offset `off` (n <= 12 here).
     fn get(&mut self, off: u32, n: u32) -> Result<&[u8], BtfError> {
@@ -318,13 +331,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             count: 0,
             checkpoints: Vec::new(),
         };
-        let mut w = Window {
-            view,
-            base: btf.types,
-            len: type_len,
-            buf: Vec::new(),
-            at: 0,
-        };
+        let mut w = Window::new(view, btf.types, type_len);
         let mut off = 0u32;
         while off < type_len {
             if btf.count.is_multiple_of(CHECKPOINT_EVERY) {
@@ -367,6 +374,11 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         })
     }
 
+    /// A window over the whole type section.
+    fn window(&self) -> Window<'v, V> {
+        Window::new(self.view, self.types, self.types_len)
+    }
+
     /// Type `id` (1-based).
     pub fn type_info(&self, id: u32) -> Result<TypeInfo, BtfError> {
         if id == 0 || id > self.count {
@@ -374,13 +386,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         }
         let k = (id - 1) / CHECKPOINT_EVERY;
         let mut off = self.checkpoints[k as usize];
-        let mut w = Window {
-            view: self.view,
-            base: self.types,
-            len: self.types_len,
-            buf: Vec::new(),
-            at: 0,
-        };
+        let mut w = self.window();
         for _ in 0..(id - 1) % CHECKPOINT_EVERY {
             let t = w.get(off, 12)?;
             let info = u32_le(t, 4);
@@ -409,13 +415,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
 
     /// The first type of `kind` called `name` (one pass over the types).
     pub fn find(&self, kind: Kind, name: &'static str) -> Result<TypeInfo, BtfError> {
-        let mut w = Window {
-            view: self.view,
-            base: self.types,
-            len: self.types_len,
-            buf: Vec::new(),
-            at: 0,
-        };
+        let mut w = self.window();
         let mut off = 0u32;
         for id in 1..=self.count {
             let raw: [u8; 12] = w
@@ -463,13 +463,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         if !matches!(t.kind, Kind::Struct | Kind::Union) || depth > 16 {
             return Ok(None);
         }
-        let mut w = Window {
-            view: self.view,
-            base: self.types,
-            len: self.types_len,
-            buf: Vec::new(),
-            at: 0,
-        };
+        let mut w = self.window();
         for i in 0..t.vlen {
             let m: [u8; 12] = w
                 .get(
@@ -513,13 +507,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         if t.kind != Kind::Array {
             return Err(BtfError::UnexpectedType("array"));
         }
-        let mut w = Window {
-            view: self.view,
-            base: self.types,
-            len: self.types_len,
-            buf: Vec::new(),
-            at: 0,
-        };
+        let mut w = self.window();
         let a = w.get(t.extra_at, 12)?;
         Ok((u32_le(a, 0), u32_le(a, 8)))
     }

@@ -430,6 +430,17 @@ fn emit_hypercall(a: &mut Asm, mode: HypercallMode, _slot: usize) -> Option<usiz
     }
 }
 
+/// The entry trampoline's common tail: reload every GPR from pt_regs, point
+/// RSP at `flags`, `popfq`, then `ret pop` into the continuation slot.
+fn restore_and_return(a: &mut Asm, pop: u16) {
+    for (r, o) in GPRS.iter().rev() {
+        a.load(*r, Reg::Rsp, off(*o));
+    }
+    a.add_imm(Reg::Rsp, FLAGS);
+    a.popfq();
+    a.ret_pop(pop);
+}
+
 fn gen_entry(buf: &mut [u8], mode: HypercallMode) -> Result<Generated, BuildError> {
     let mut a = Asm::new(buf, ENTRY_OFFSET);
 
@@ -458,12 +469,7 @@ fn gen_entry(buf: &mut [u8], mode: HypercallMode) -> Result<Generated, BuildErro
     let chain = a.jnz_forward();
     a.load(Reg::Rax, Reg::Rsp, IP);
     a.store(Reg::Rsp, CONT, Reg::Rax);
-    for (r, o) in GPRS.iter().rev() {
-        a.load(*r, Reg::Rsp, off(*o));
-    }
-    a.add_imm(Reg::Rsp, FLAGS);
-    a.popfq();
-    a.ret_pop(POP_RESUME as u16);
+    restore_and_return(&mut a, POP_RESUME as u16);
     let resume = a.insns() - to_hypercall;
 
     // RAX = target: enter it as the site's own `call target` would.
@@ -472,12 +478,7 @@ fn gen_entry(buf: &mut [u8], mode: HypercallMode) -> Result<Generated, BuildErro
     a.store(Reg::Rsp, CONT, Reg::Rax);
     a.load(Reg::Rax, Reg::Rsp, IP);
     a.store(Reg::Rsp, FRAME, Reg::Rax);
-    for (r, o) in GPRS.iter().rev() {
-        a.load(*r, Reg::Rsp, off(*o));
-    }
-    a.add_imm(Reg::Rsp, FLAGS);
-    a.popfq();
-    a.ret_pop(POP_CHAIN as u16);
+    restore_and_return(&mut a, POP_CHAIN as u16);
     // test + jnz, then the chain path.
     let chain = 2 + a.insns() - before_chain;
 
