@@ -407,6 +407,7 @@ mod tests {
                 dropped: 0,
             },
             kernel: None,
+            tracer: protocol::TracerReport::default(),
         }
     }
 

@@ -62,13 +62,13 @@ pub use codec::{
     MAX_WIRE_FRAME,
 };
 pub use message::{
-    Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GuestState, KernelReport, Request,
-    Response, StatusReport, SymbolInfo, TaskInfo,
+    Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GuestState, KernelReport, ProbeInfo,
+    Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceFormat, TracerReport,
 };
 
 /// The version of the wire format: the frame header, the framing and every
 /// message type. Both ends must agree exactly.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 #[cfg(test)]
 mod tests;

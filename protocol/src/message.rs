@@ -119,9 +119,16 @@ pub enum Request {
     },
     /// Lists the probes.
     ProbeList,
-    /// Starts streaming trace events.
-    TraceStart,
-    /// Stops streaming trace events.
+    /// Starts streaming trace events, rendered in `format`: the
+    /// hypervisor drains its per-vCPU rings into [`Event::TraceText`]
+    /// frames. Events recorded before the stream started are kept in the
+    /// rings (up to their size) and come first.
+    TraceStart {
+        /// How the hypervisor renders each event.
+        format: TraceFormat,
+    },
+    /// Stops streaming; events stay in the rings (and are lost, and
+    /// counted, once a ring is full).
     TraceStop,
     /// Runs a shell command in the guest. Served by the host-side launcher,
     /// which owns the guest console; the hypervisor answers `Unsupported`.
@@ -129,6 +136,37 @@ pub enum Request {
         /// The command line for the guest's shell.
         command: String,
     },
+    /// Adds the plain function tracer (`func <-parent` lines) on every
+    /// traceable function matching the glob. Answered by
+    /// [`Response::FunctionAdded`].
+    FunctionAdd {
+        /// The glob (`vfs_*`, `*`).
+        glob: String,
+    },
+    /// Removes the function tracer from every function.
+    FunctionClear,
+    /// Reads the trace lines the host launcher has buffered, from `cursor`
+    /// (0 at first, then the answer's `next`), waiting up to `wait_ms` for
+    /// the first one. Served by the host-side launcher, which subscribes to
+    /// the hypervisor's stream; the hypervisor answers `Unsupported`.
+    TraceRead {
+        /// Where to continue.
+        cursor: u64,
+        /// The format wanted; the stream is switched to it if needed.
+        format: TraceFormat,
+        /// Longest wait for a first line, in milliseconds.
+        wait_ms: u32,
+    },
+}
+
+/// How trace events are rendered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum TraceFormat {
+    /// trace_pipe lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// The hypervisor's answer to a [`Request`].
@@ -185,6 +223,78 @@ pub enum Response {
         /// Its exit status.
         status: i32,
     },
+    /// Answer to [`Request::ProbeAdd`]: the probe is armed.
+    ProbeAdded {
+        /// `GROUP/EVENT`.
+        name: String,
+        /// The fentry site it is attached to.
+        site: u64,
+    },
+    /// Answer to [`Request::ProbeList`].
+    Probes(Vec<ProbeInfo>),
+    /// Answer to [`Request::FunctionAdd`].
+    FunctionAdded {
+        /// Functions that matched the glob and are now traced.
+        traced: u32,
+        /// Matches that were not traced, and why (the first few).
+        skipped: Vec<String>,
+        /// All matches that were not traced.
+        skipped_total: u32,
+    },
+    /// Answer to [`Request::TraceRead`].
+    Trace {
+        /// The cursor to read on from.
+        next: u64,
+        /// Complete lines, each ending in a newline.
+        text: String,
+        /// Lines lost between `cursor` and `next` (the launcher's buffer is
+        /// bounded, and the hypervisor reports its own losses inline).
+        lost: u64,
+    },
+}
+
+/// One probe, as `probe list` shows it (in the manner of kprobe_profile).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProbeInfo {
+    /// `GROUP/EVENT`.
+    pub name: String,
+    /// The definition as the kernel would print it in kprobe_events.
+    pub spec: String,
+    /// The probed function.
+    pub symbol: String,
+    /// The fentry site.
+    pub site: u64,
+    /// Hits recorded.
+    pub hits: u64,
+    /// Hits not recorded (the ring was full).
+    pub misses: u64,
+}
+
+/// The tracer's counters, in a [`StatusReport`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TracerReport {
+    /// Probes defined.
+    pub probes: u32,
+    /// Functions under the function tracer.
+    pub functions: u32,
+    /// fentry sites patched (in shadow pages).
+    pub sites: u32,
+    /// Code pages executing from a shadow copy.
+    pub pages: u32,
+    /// Entry hypercalls served.
+    pub hits: u64,
+    /// Events lost because a ring was full.
+    pub lost: u64,
+    /// Guest reads and writes of hooked pages that were single-stepped.
+    pub steps: u64,
+    /// Guest writes to hooked pages (shadow re-synced after each).
+    pub guest_writes: u64,
+    /// Times the trampoline region's page-table entry had to be restored.
+    pub region_restores: u64,
+    /// VMCALLs from outside the trampolines (answered with #UD).
+    pub foreign_vmcalls: u64,
+    /// Guest writes to hypervisor-owned pages, discarded.
+    pub blocked_writes: u64,
 }
 
 impl Response {
@@ -261,6 +371,8 @@ pub struct StatusReport {
     pub channel: ChannelReport,
     /// What introspection found in guest memory, once it ran.
     pub kernel: Option<KernelReport>,
+    /// The tracer's counters.
+    pub tracer: TracerReport,
 }
 
 /// The guest kernel as recovered from its memory.
@@ -376,5 +488,14 @@ pub enum Event {
         timestamp_ns: u64,
         /// The records.
         payload: Vec<u8>,
+    },
+    /// Rendered trace events (after [`Request::TraceStart`]).
+    TraceText {
+        /// The format of `text`.
+        format: TraceFormat,
+        /// Events the hypervisor lost since the previous `TraceText`.
+        lost: u64,
+        /// Complete lines, each ending in a newline.
+        text: String,
     },
 }

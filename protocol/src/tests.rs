@@ -54,6 +54,19 @@ fn status() -> StatusReport {
             recovery_ns: 1_200_000_000,
             task_layout_error: None,
         }),
+        tracer: TracerReport {
+            probes: 2,
+            functions: 19_000,
+            sites: 19_002,
+            pages: 1_500,
+            hits: u64::MAX,
+            lost: 7,
+            steps: 8,
+            guest_writes: 9,
+            region_restores: 1,
+            foreign_vmcalls: 2,
+            blocked_writes: 3,
+        },
     }
 }
 
@@ -86,7 +99,9 @@ fn samples() -> Vec<Body> {
         }),
         Body::Request(Request::ProbeDel { name: "p1".into() }),
         Body::Request(Request::ProbeList),
-        Body::Request(Request::TraceStart),
+        Body::Request(Request::TraceStart {
+            format: TraceFormat::Text,
+        }),
         Body::Request(Request::TraceStop),
         Body::Request(Request::Exec {
             command: "cat /etc/hostname; echo $?".into(),
@@ -166,9 +181,12 @@ fn variant(body: &Body) -> String {
             Request::ProbeAdd { .. } => "Request::ProbeAdd",
             Request::ProbeDel { .. } => "Request::ProbeDel",
             Request::ProbeList => "Request::ProbeList",
-            Request::TraceStart => "Request::TraceStart",
+            Request::TraceStart { .. } => "Request::TraceStart",
             Request::TraceStop => "Request::TraceStop",
             Request::Exec { .. } => "Request::Exec",
+            Request::FunctionAdd { .. } => "Request::FunctionAdd",
+            Request::FunctionClear => "Request::FunctionClear",
+            Request::TraceRead { .. } => "Request::TraceRead",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",
@@ -188,11 +206,16 @@ fn variant(body: &Body) -> String {
             Response::VersionMismatch { .. } => "Response::VersionMismatch",
             Response::Exec { .. } => "Response::Exec",
             Response::Syms { .. } => "Response::Syms",
+            Response::ProbeAdded { .. } => "Response::ProbeAdded",
+            Response::Probes(_) => "Response::Probes",
+            Response::FunctionAdded { .. } => "Response::FunctionAdded",
+            Response::Trace { .. } => "Response::Trace",
         },
         Body::Event(e) => match e {
             Event::Log { .. } => "Event::Log",
             Event::Lost { .. } => "Event::Lost",
             Event::Trace { .. } => "Event::Trace",
+            Event::TraceText { .. } => "Event::TraceText",
         },
     };
     name.into()
@@ -388,14 +411,18 @@ fn wrong_version_is_rejected_before_the_body() {
         );
     }
     // A frame built with another version by `encode` too.
+    let other = PROTOCOL_VERSION + 1;
     let frame = Frame {
-        version: 2,
+        version: other,
         seq: 5,
         body: Body::Request(Request::Status),
     };
     assert_eq!(
         decode_all(&encode_one(&frame)),
-        vec![Err(DecodeError::UnsupportedVersion { found: 2, seq: 5 })]
+        vec![Err(DecodeError::UnsupportedVersion {
+            found: other,
+            seq: 5
+        })]
     );
 }
 

@@ -4,7 +4,7 @@
 
 use protocol::{
     encode, Body, ErrorKind, Event, ExitCount, Frame, GuestState, Request, Response, StatusReport,
-    TaskInfo, PROTOCOL_VERSION,
+    TaskInfo, TraceFormat, PROTOCOL_VERSION,
 };
 
 /// xorshift64* (Marsaglia; Vigna's multiplier): plenty for test inputs.
@@ -102,6 +102,7 @@ pub fn status_report() -> StatusReport {
             dropped: 0,
         },
         kernel: None,
+        tracer: protocol::TracerReport::default(),
     }
 }
 
@@ -129,8 +130,49 @@ pub fn sample_bodies() -> Vec<Body> {
             name: "myprobe".into(),
         }),
         Body::Request(Request::ProbeList),
-        Body::Request(Request::TraceStart),
+        Body::Request(Request::TraceStart {
+            format: TraceFormat::Text,
+        }),
         Body::Request(Request::TraceStop),
+        Body::Request(Request::TraceStart {
+            format: TraceFormat::Json,
+        }),
+        Body::Request(Request::FunctionAdd {
+            glob: "vfs_*".into(),
+        }),
+        Body::Request(Request::FunctionClear),
+        Body::Request(Request::TraceRead {
+            cursor: 12,
+            format: TraceFormat::Text,
+            wait_ms: 500,
+        }),
+        Body::Response(Response::ProbeAdded {
+            name: "kprobes/myopen".into(),
+            site: 0xffff_ffff_8123_4564,
+        }),
+        Body::Response(Response::Probes(vec![protocol::ProbeInfo {
+            name: "kprobes/myopen".into(),
+            spec: "p:kprobes/myopen do_sys_openat2 dfd=%di".into(),
+            symbol: "do_sys_openat2".into(),
+            site: 0xffff_ffff_8123_4564,
+            hits: 3,
+            misses: 1,
+        }])),
+        Body::Response(Response::FunctionAdded {
+            traced: 40,
+            skipped: vec!["vfs_x: site crosses a page".into()],
+            skipped_total: 1,
+        }),
+        Body::Response(Response::Trace {
+            next: 99,
+            text: "cat-1 [000] 1.000000: myopen: (do_sys_openat2+0x4/0x150)\n".into(),
+            lost: 0,
+        }),
+        Body::Event(Event::TraceText {
+            format: TraceFormat::Text,
+            lost: 2,
+            text: "x\n".into(),
+        }),
         Body::Response(Response::Hello {
             version: PROTOCOL_VERSION,
             hypervisor: "hvtrace 0.1.0".into(),
