@@ -4,12 +4,13 @@
 //! preemption timer), never by waiting: the guest is not stalled for the host.
 
 use crate::introspect::{CpuView, Introspection};
+use crate::trace::Tracer;
 use crate::uart::Uart;
 use alloc::collections::VecDeque;
 use alloc::string::String;
 use alloc::vec::Vec;
 use protocol::{
-    Body, ChannelReport, DecodeError, ErrorKind, ExitCount, Frame, FrameDecoder, GuestState,
+    Body, ChannelReport, DecodeError, ErrorKind, Event, ExitCount, Frame, FrameDecoder, GuestState,
     Request, Response, StatusReport,
 };
 
@@ -31,6 +32,10 @@ pub struct StatusSource<'a> {
     pub introspection: &'a mut Introspection,
     pub cpu: CpuView,
     pub tsc_hz: u64,
+    pub tracer: &'a mut Tracer,
+    pub ept: &'a hypervisor::ept::Ept,
+    /// The guest's RIP (sites it is executing inside are not patched).
+    pub rip: u64,
 }
 
 /// Name bytes per `Syms` answer, so that a page fits one frame.
@@ -49,6 +54,8 @@ pub struct Control {
     /// UART one byte at a time), so take the next turns sooner even before a
     /// frame has visibly started (its first bytes are delimiters).
     rx_recent: bool,
+    /// Sequence number of the next event frame.
+    event_seq: u32,
 }
 
 impl Control {
@@ -60,6 +67,7 @@ impl Control {
             tx: VecDeque::new(),
             stats: ChannelReport::default(),
             rx_recent: false,
+            event_seq: 0,
         })
     }
 
@@ -115,6 +123,18 @@ impl Control {
             self.stats.bytes_out += n as u64;
             self.tx.drain(..n);
         }
+    }
+
+    /// Room left in the output queue, in bytes.
+    pub fn tx_room(&self) -> usize {
+        TX_LIMIT.saturating_sub(self.tx.len())
+    }
+
+    /// Queues an unsolicited event (dropped and counted when it does not fit).
+    pub fn send_event(&mut self, event: Event) {
+        let seq = self.event_seq;
+        self.event_seq = self.event_seq.wrapping_add(1);
+        self.send(&Frame::event(seq, event));
     }
 
     fn send(&mut self, frame: &Frame) {
@@ -177,6 +197,46 @@ impl Control {
                 cursor,
                 limit,
             } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
+            Request::ProbeAdd { spec } => (
+                with_kernel(src, |src, k| {
+                    src.tracer
+                        .probe_add(&spec, k, src.ept, src.rip)
+                        .map(|(name, site)| Response::ProbeAdded { name, site })
+                }),
+                Action::None,
+            ),
+            Request::ProbeDel { name } => (
+                match src.tracer.probe_del(&name, src.ept) {
+                    Ok(()) => Response::Ok,
+                    Err((kind, m)) => Response::error(kind, m),
+                },
+                Action::None,
+            ),
+            Request::ProbeList => (Response::Probes(src.tracer.probe_list()), Action::None),
+            Request::FunctionAdd { glob } => (
+                with_kernel(src, |src, k| {
+                    src.tracer.function_add(&glob, k, src.ept, src.rip).map(
+                        |(traced, skipped, skipped_total)| Response::FunctionAdded {
+                            traced,
+                            skipped,
+                            skipped_total,
+                        },
+                    )
+                }),
+                Action::None,
+            ),
+            Request::FunctionClear => {
+                src.tracer.function_clear(src.ept);
+                (Response::Ok, Action::None)
+            }
+            Request::TraceStart { format } => {
+                src.tracer.set_stream(Some(format));
+                (Response::Ok, Action::None)
+            }
+            Request::TraceStop => {
+                src.tracer.set_stream(None);
+                (Response::Ok, Action::None)
+            }
             other => (
                 Response::error(
                     ErrorKind::Unsupported,
@@ -193,13 +253,35 @@ impl Control {
     }
 }
 
+/// Runs `f` with the recovered kernel (recovering it first if needed).
+fn with_kernel(
+    src: &mut StatusSource<'_>,
+    f: impl FnOnce(
+        &mut StatusSource<'_>,
+        &crate::introspect::Kernel,
+    ) -> Result<Response, crate::trace::ReqError>,
+) -> Response {
+    if let Err(e) = src.introspection.ensure(&src.cpu, src.tsc_hz) {
+        return Response::error(
+            ErrorKind::NotReady,
+            alloc::format!("guest kernel not found yet: {e}"),
+        );
+    }
+    // The recovered kernel lives as long as the VM; take it out of `src`
+    // for the call so that the tracer can be borrowed mutably beside it.
+    let kernel = src.introspection.take_kernel();
+    let resp = match kernel.as_ref() {
+        Some(k) => f(src, k).unwrap_or_else(|(kind, m)| Response::error(kind, m)),
+        None => Response::error(ErrorKind::Internal, "introspection lost its kernel"),
+    };
+    src.introspection.put_kernel(kernel);
+    resp
+}
+
 fn request_name(r: &Request) -> &'static str {
     match r {
         Request::Syms { .. } => "syms",
-        Request::ProbeAdd { .. } => "probe add",
-        Request::ProbeDel { .. } => "probe del",
-        Request::ProbeList => "probe list",
-        Request::TraceStart | Request::TraceStop => "trace",
+        Request::TraceRead { .. } => "trace read (served by the host launcher)",
         Request::Exec { .. } => "exec (served by the host launcher)",
         _ => "this request",
     }
@@ -247,5 +329,6 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
         current_task: src.introspection.current_task(&src.cpu),
         channel,
         kernel: src.introspection.report().cloned(),
+        tracer: src.tracer.report(),
     }
 }

@@ -147,6 +147,33 @@ impl Ept {
         Ok(())
     }
 
+    /// Maps the one 4 KiB page at `gpa` to `hpa` (any frame: a shadow copy,
+    /// a hypervisor page shown to the guest) with `perms`, splitting a 2 MiB
+    /// leaf if one covers it. `perms` may be execute-only (`EXEC`) where the
+    /// CPU supports it. Returns the entry that was there (0 if none).
+    pub fn map_page(
+        &self,
+        store: &mut impl TableStore,
+        gpa: Gpa,
+        hpa: Hpa,
+        perms: u64,
+        memtype: MemType,
+    ) -> Result<u64, EptError> {
+        if !gpa.is_aligned(KIB_4) || !hpa.0.is_multiple_of(KIB_4) {
+            return Err(EptError::Unaligned);
+        }
+        if gpa.0 >= 1 << 48 || hpa.0 >= 1 << 48 {
+            return Err(EptError::TooHigh);
+        }
+        let pdpt = Self::next(store, self.root, index(gpa.0, 3))?;
+        let pd = Self::next(store, pdpt, index(gpa.0, 2))?;
+        let pt = Self::next_split(store, pd, index(gpa.0, 1))?;
+        let slot = &mut store.table(pt)[index(gpa.0, 0)];
+        let old = *slot;
+        *slot = hpa.0 | (perms & RWX) | ((memtype as u64) << MEMTYPE_SHIFT);
+        Ok(old)
+    }
+
     /// Like [`Self::next`] for a PD entry, but a 2 MiB leaf there is split
     /// into 512 equivalent 4 KiB leaves first.
     fn next_split(store: &mut impl TableStore, pd: Hpa, idx: usize) -> Result<Hpa, EptError> {
@@ -258,6 +285,55 @@ mod tests {
         fn table(&mut self, hpa: Hpa) -> &mut [u64; 512] {
             &mut self.0[(hpa.0 / 4096 - 1) as usize]
         }
+    }
+
+    #[test]
+    fn single_pages_point_anywhere_with_any_permissions() {
+        let mut s = VecStore::default();
+        let ept = Ept::new(&mut s).unwrap();
+        ept.map_identity(&mut s, Gpa(0), Gpa(64 << 20), RWX, MemType::WriteBack, true)
+            .unwrap();
+        // A code page executes from a shadow frame, execute-only.
+        let code = Gpa(0x340_5000);
+        let old = ept
+            .map_page(&mut s, code, Hpa(0x30_0000), EXEC, MemType::WriteBack)
+            .unwrap();
+        assert_eq!(old & RWX, RWX, "the split kept the identity leaf");
+        assert_eq!(old & ADDR_MASK, code.0);
+        let l = ept.translate(&mut s, Gpa(code.0 + 0x123)).unwrap();
+        assert_eq!((l.hpa, l.perms, l.size), (Hpa(0x30_0123), EXEC, KIB_4));
+        // Its neighbours in the split 2 MiB page are still identity RWX.
+        for n in [code.0 - 0x1000, code.0 + 0x1000, 0x340_0000, 0x35f_f000] {
+            let l = ept.translate(&mut s, Gpa(n)).unwrap();
+            assert_eq!((l.hpa, l.perms, l.size), (Hpa(n), RWX, KIB_4));
+            assert_eq!(l.memtype, MemType::WriteBack as u8);
+        }
+        // Back to the identity page.
+        let old = ept
+            .map_page(&mut s, code, Hpa(code.0), RWX, MemType::WriteBack)
+            .unwrap();
+        assert_eq!((old & ADDR_MASK, old & RWX), (0x30_0000, EXEC));
+        assert_eq!(ept.translate(&mut s, code).unwrap().hpa, Hpa(code.0));
+        // A page inside an absent range (the hypervisor's) can be shown alone.
+        ept.unmap(&mut s, Gpa(2 << 20), Gpa(32 << 20)).unwrap();
+        assert_eq!(
+            ept.map_page(
+                &mut s,
+                Gpa(0x40_0000),
+                Hpa(0x40_0000),
+                READ,
+                MemType::WriteBack
+            )
+            .unwrap(),
+            0
+        );
+        assert_eq!(ept.translate(&mut s, Gpa(0x40_0000)).unwrap().perms, READ);
+        assert!(ept.translate(&mut s, Gpa(0x40_1000)).is_none());
+        assert!(ept.translate(&mut s, Gpa(0x3f_f000)).is_none());
+        assert_eq!(
+            ept.map_page(&mut s, Gpa(0x1001), Hpa(0), READ, MemType::WriteBack),
+            Err(EptError::Unaligned)
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@ use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
 use crate::control::{Action, Control, StatusSource};
 use crate::hvprintln;
 use crate::introspect::{CpuView, Introspection};
+use crate::trace::{Hypercall, Tracer, Violation};
 use crate::vcpu::{VmConfig, Vmcs};
 use core::fmt;
 use hypervisor::policy::{self, CrWrite, MsrRead};
@@ -80,7 +81,10 @@ pub struct Vcpu {
     timer: u32,
     /// Turns left before a host-requested stop, while its acknowledgement drains.
     stopping: Option<u32>,
+    /// Whether #DB is in the exception bitmap.
+    debug_exits: bool,
     introspection: Introspection,
+    tracer: Tracer,
 }
 
 /// Preemption-timer periods: idle, and while the control channel has
@@ -113,6 +117,8 @@ fn gpr(regs: &mut GuestRegs, n: u8) -> Option<&mut u64> {
 }
 
 const GP: u8 = 13;
+const DB: u8 = 1;
+const RFLAGS_TF: u64 = 1 << 8;
 const UD: u8 = 6;
 
 impl Vcpu {
@@ -126,7 +132,9 @@ impl Vcpu {
             start_tsc: insn::rdtsc(),
             timer: 0,
             stopping: None,
+            debug_exits: false,
             introspection: Introspection::default(),
+            tracer: Tracer::new(),
         }
     }
 
@@ -139,16 +147,34 @@ impl Vcpu {
         ((self.tsc_hz / per_sec) >> self.cfg.timer_shift).clamp(1, u32::MAX as u64) as u32
     }
 
-    /// Gives the control channel a turn and sets the next timer period.
+    fn cpu_view(&self) -> Result<CpuView, VmcsError> {
+        let v = &Vmcs;
+        Ok(CpuView {
+            cr3: f::GUEST_CR3.read(v)?,
+            cpl: ((f::GUEST_SS_ACCESS_RIGHTS.read(v)? >> 5) & 3) as u8,
+            gs_base: f::GUEST_GS_BASE.read(v)?,
+        })
+    }
+
+    fn now_ns(&self) -> u64 {
+        crate::clock::tsc_to_ns(insn::rdtsc().wrapping_sub(self.start_tsc), self.tsc_hz)
+    }
+
+    /// Gives the control channel and the tracer a turn and sets the next
+    /// timer period.
     fn service(&mut self) -> Result<Next, VmcsError> {
         let mut stop = false;
         let mut busy = false;
-        if let Some(c) = self.control.as_mut() {
-            let v = &Vmcs;
-            let cpu = CpuView {
-                cr3: f::GUEST_CR3.read(v)?,
-                cpl: ((f::GUEST_SS_ACCESS_RIGHTS.read(v)? >> 5) & 3) as u8,
-                gs_base: f::GUEST_GS_BASE.read(v)?,
+        self.tracer.on_turn(&self.cfg.ept);
+        if !self.tracer.wants_debug_exits() && self.debug_exits {
+            f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
+            self.debug_exits = false;
+        }
+        if self.control.is_some() {
+            let cpu = self.cpu_view()?;
+            let rip = f::GUEST_RIP.read(&Vmcs)?;
+            let Some(c) = self.control.as_mut() else {
+                return Ok(Next::Resume);
             };
             let mut src = StatusSource {
                 counters: &self.counters,
@@ -161,9 +187,14 @@ impl Vcpu {
                 introspection: &mut self.introspection,
                 cpu,
                 tsc_hz: self.tsc_hz,
+                tracer: &mut self.tracer,
+                ept: &self.cfg.ept,
+                rip,
             };
             stop = c.poll(&mut src) == Action::Stop;
-            busy = c.busy();
+            self.tracer.drain(c, self.introspection.kernel());
+            c.flush();
+            busy = c.busy() || self.tracer.has_output();
         }
         if self.cfg.has_timer {
             let t = self.timer_value(busy);
@@ -310,11 +341,21 @@ impl Vcpu {
             }
             VmExit::Cr(access) => self.cr_access(access),
             VmExit::Io(io) => self.io(io),
-            VmExit::Vmcall | VmExit::VmxInstruction(_) => self.inject(UD, None),
+            VmExit::Vmcall => self.vmcall(),
+            VmExit::VmxInstruction(_) => self.inject(UD, None),
+            VmExit::Exception { vector: DB, .. } => self.debug_exception(),
             VmExit::Invd => self.advance(),
             VmExit::PreemptionTimer => self.service(),
             VmExit::TripleFault => Ok(Next::Stop(StopReason::TripleFault)),
             VmExit::Init => Ok(Next::Stop(StopReason::Reset)),
+            VmExit::EptViolation(e)
+                if matches!(
+                    self.tracer.on_violation(e.gpa, e.write, &self.cfg.ept),
+                    Violation::Stepping
+                ) =>
+            {
+                self.arm_step()
+            }
             VmExit::EptViolation(e) => {
                 hvprintln!(
                     "error: EPT violation: gpa {:#x} gla {:?} read={} write={} fetch={} allowed={:#x}",
@@ -347,6 +388,72 @@ impl Vcpu {
                 Ok(Next::Stop(StopReason::Unhandled(r)))
             }
         }
+    }
+
+    /// A VMCALL: the tracer's entry hypercall, or #UD.
+    fn vmcall(&mut self) -> Result<Next, VmcsError> {
+        let rip = f::GUEST_RIP.read(&Vmcs)?;
+        let cpu = self.cpu_view()?;
+        let now = self.now_ns();
+        let kernel = self.introspection.kernel();
+        match self
+            .tracer
+            .hypercall(rip, &mut self.regs, &cpu, kernel, now)
+        {
+            Hypercall::Handled => self.advance(),
+            Hypercall::Foreign => self.inject(UD, None),
+        }
+    }
+
+    /// Lets the guest execute one instruction against the page the tracer
+    /// just remapped: TF on, #DB intercepted. STI/MOV-SS blocking is
+    /// dropped (an entry with TF and such blocking would need a pending
+    /// single-step, which would trap before the instruction ran).
+    fn arm_step(&mut self) -> Result<Next, VmcsError> {
+        let v = &mut Vmcs;
+        let rflags = f::GUEST_RFLAGS.read(v)?;
+        self.tracer.set_old_tf(rflags & RFLAGS_TF != 0);
+        f::GUEST_RFLAGS.write(v, rflags | RFLAGS_TF)?;
+        let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
+        if intr & 3 != 0 {
+            f::GUEST_INTERRUPTIBILITY.write(v, intr & !3)?;
+        }
+        if !self.debug_exits {
+            f::EXCEPTION_BITMAP.write(v, 1 << DB)?;
+            self.debug_exits = true;
+        }
+        Ok(Next::Resume)
+    }
+
+    /// #DB: the end of the tracer's step, or the guest's own (reflected).
+    fn debug_exception(&mut self) -> Result<Next, VmcsError> {
+        let v = &mut Vmcs;
+        let qual = f::EXIT_QUALIFICATION.read(v)?;
+        let next = match self.tracer.on_debug(qual, &self.cfg.ept) {
+            Some(tf) => {
+                let rflags = f::GUEST_RFLAGS.read(v)?;
+                let rflags = if tf {
+                    rflags | RFLAGS_TF
+                } else {
+                    rflags & !RFLAGS_TF
+                };
+                f::GUEST_RFLAGS.write(v, rflags)?;
+                f::GUEST_PENDING_DEBUG_EXCEPTIONS.write(v, 0)?;
+                Next::Resume
+            }
+            None => {
+                // The CPU did not update DR6 for an intercepted #DB (SDM
+                // 27.1): do it as delivery would, then deliver.
+                let dr6 = (insn::read_dr6() & !0xf) | (qual & 0x600f) | 0xffff_0ff0;
+                insn::write_dr6(dr6);
+                self.inject(DB, None)?
+            }
+        };
+        if !self.tracer.wants_debug_exits() && self.debug_exits {
+            f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
+            self.debug_exits = false;
+        }
+        Ok(next)
     }
 
     fn cr_access(&mut self, access: CrAccess) -> Result<Next, VmcsError> {

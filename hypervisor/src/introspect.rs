@@ -69,7 +69,7 @@ pub struct CpuView {
 impl CpuView {
     /// The kernel's GS base: GS_BASE in kernel mode, KERNEL_GS_BASE (not
     /// switched by VMX, so the guest's value is live) in user mode.
-    fn kernel_gs(&self) -> u64 {
+    pub fn kernel_gs(&self) -> u64 {
         if self.cpl == 0 {
             self.gs_base
         } else {
@@ -141,6 +141,24 @@ impl Introspection {
             .ok_or_else(|| "introspection failed".to_string())
     }
 
+    /// The recovered kernel, if recovery succeeded.
+    pub fn kernel(&self) -> Option<&Kernel> {
+        self.kernel.as_ref()
+    }
+
+    /// Takes the kernel out for a call that needs it beside other mutable
+    /// state; give it back with [`Self::put_kernel`].
+    pub fn take_kernel(&mut self) -> Option<Kernel> {
+        self.kernel.take()
+    }
+
+    /// Puts back what [`Self::take_kernel`] took.
+    pub fn put_kernel(&mut self, k: Option<Kernel>) {
+        if k.is_some() {
+            self.kernel = k;
+        }
+    }
+
     /// pid/comm of the task running on the vCPU, when recovery knows how.
     pub fn current_task(&self, cpu: &CpuView) -> Option<TaskInfo> {
         let k = self.kernel.as_ref()?;
@@ -200,6 +218,39 @@ fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
 }
 
 impl Kernel {
+    /// The symbol index.
+    pub fn index(&self) -> &guest_introspect::kallsyms::SymbolIndex {
+        &self.facts.symbols
+    }
+
+    /// The CR3 recovery walked the kernel with (its half is shared by
+    /// every address space).
+    pub fn cr3(&self) -> Cr3 {
+        self.cr3
+    }
+
+    /// pid and comm of the task running on the vCPU described by `cpu`.
+    pub fn task(&self, cpu: &CpuView) -> Option<(i32, [u8; 16])> {
+        let layout = self.facts.task.as_ref().ok()?;
+        let current = self.facts.current.as_ref().ok()?;
+        let view = PagedView::new(&GuestRam, self.cr3);
+        let t = facts::running_task(&view, Gva(cpu.kernel_gs()), current, layout).ok()?;
+        let mut comm = [0u8; 16];
+        let b = t.comm_bytes();
+        let n = b.len().min(16);
+        comm[..n].copy_from_slice(&b[..n]);
+        Some((t.pid, comm))
+    }
+
+    /// The fentry site of symbol `id`, or why it has none.
+    pub fn classify(
+        &self,
+        id: SymbolId,
+    ) -> Result<guest_introspect::fentry::FentrySite, guest_introspect::fentry::NotTraceable> {
+        let view = PagedView::new(&GuestRam, self.cr3);
+        Classifier::new(&self.facts.symbols).classify(&view, id)
+    }
+
     /// One page of the symbols matching `glob` (and, when `kinds` is not
     /// empty, whose type letter is in it), scanning from symbol `cursor` in
     /// address order. Stops at `limit` matches or when `budget` bytes of

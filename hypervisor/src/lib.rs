@@ -16,4 +16,5 @@ pub mod ept;
 pub mod kprobe;
 pub mod policy;
 pub mod stats;
+pub mod tracer;
 pub mod vmx;

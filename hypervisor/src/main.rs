@@ -19,6 +19,7 @@ mod heap;
 mod introspect;
 mod logger;
 mod phys;
+mod trace;
 mod uart;
 mod vcpu;
 

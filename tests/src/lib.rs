@@ -210,3 +210,110 @@ mod tests {
         assert!(result.is_err());
     }
 }
+
+/// A VM started with `hvtrace run --detach` (Bochs, KASLR on), stopped when
+/// dropped. Tests talk to it through [`Detached::client`].
+pub struct Detached {
+    /// The control socket.
+    pub socket: PathBuf,
+}
+
+impl Detached {
+    /// Boots `guest` (`fast` or `debian`) and waits for its shell.
+    pub fn start(guest: &str, tag: &str) -> Detached {
+        let socket =
+            std::env::temp_dir().join(format!("hvtrace-{tag}-{guest}-{}.sock", std::process::id()));
+        let out = Command::new(hvtrace_bin())
+            .args([
+                "run",
+                "--detach",
+                "--quiet",
+                "--emulator",
+                "bochs",
+                "--guest",
+                guest,
+                "--timeout",
+                "1200",
+            ])
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--hypervisor")
+            .arg(hypervisor_image())
+            .stdin(Stdio::null())
+            .output()
+            .expect("cannot run hvtrace");
+        assert!(
+            out.status.success(),
+            "hvtrace run --detach failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Detached { socket }
+    }
+
+    /// A client that said hello.
+    pub fn client(&self) -> hvtrace::client::Client {
+        let mut c = hvtrace::client::Client::connect(&self.socket)
+            .expect("cannot connect to the control socket");
+        c.hello().expect("hello failed");
+        c
+    }
+
+    /// Runs `hvtrace --socket S ARGS...` and returns (status, stdout, stderr).
+    pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(hvtrace_bin())
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("cannot run hvtrace");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        let _ = Command::new(hvtrace_bin())
+            .arg("--socket")
+            .arg(&self.socket)
+            .arg("stop")
+            .output();
+    }
+}
+
+/// Runs a guest shell command through the VM's console and returns its
+/// output; panics if it fails.
+pub fn guest_exec(c: &mut hvtrace::client::Client, cmd: &str) -> String {
+    match c
+        .call(
+            protocol::Request::Exec {
+                command: cmd.into(),
+            },
+            Duration::from_secs(600),
+        )
+        .expect("exec failed")
+        .response
+    {
+        protocol::Response::Exec { output, status } => {
+            assert_eq!(status, 0, "guest command {cmd:?} failed: {output}");
+            output
+        }
+        other => panic!("unexpected answer to exec: {other:?}"),
+    }
+}
+
+/// The hypervisor's status report.
+pub fn hv_status(c: &mut hvtrace::client::Client) -> protocol::StatusReport {
+    match c
+        .call(protocol::Request::Status, Duration::from_secs(60))
+        .expect("status failed")
+        .response
+    {
+        protocol::Response::Status(s) => s,
+        other => panic!("unexpected answer to status: {other:?}"),
+    }
+}

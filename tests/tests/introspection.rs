@@ -19,94 +19,10 @@ use std::time::{Duration, Instant};
 
 use hvtrace::client::Client;
 use hvtrace::Guest;
-use hvtrace_tests::{hvtrace_bin, hypervisor_image, vm_lock, Checks};
+use hvtrace_tests::{guest_exec as exec, hv_status as status, vm_lock, Checks, Detached};
 use protocol::{Request, Response, StatusReport, SymbolInfo};
 
 const CALL: Duration = Duration::from_secs(60);
-
-struct Detached {
-    socket: PathBuf,
-}
-
-impl Detached {
-    fn start(guest: &str) -> Detached {
-        let socket = std::env::temp_dir().join(format!(
-            "hvtrace-introspect-{guest}-{}.sock",
-            std::process::id()
-        ));
-        let out = Command::new(hvtrace_bin())
-            .args([
-                "run",
-                "--detach",
-                "--quiet",
-                "--emulator",
-                "bochs",
-                "--guest",
-                guest,
-                "--timeout",
-                "900",
-            ])
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--hypervisor")
-            .arg(hypervisor_image())
-            .stdin(Stdio::null())
-            .output()
-            .expect("cannot run hvtrace");
-        assert!(
-            out.status.success(),
-            "hvtrace run --detach failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Detached { socket }
-    }
-
-    fn client(&self) -> Client {
-        let mut c = Client::connect(&self.socket).expect("cannot connect to the control socket");
-        c.hello().expect("hello failed");
-        c
-    }
-}
-
-impl Drop for Detached {
-    fn drop(&mut self) {
-        let _ = Command::new(hvtrace_bin())
-            .arg("--socket")
-            .arg(&self.socket)
-            .arg("stop")
-            .output();
-    }
-}
-
-fn exec(c: &mut Client, cmd: &str) -> String {
-    match c
-        .call(
-            Request::Exec {
-                command: cmd.into(),
-            },
-            Duration::from_secs(600),
-        )
-        .expect("exec failed")
-        .response
-    {
-        Response::Exec { output, status } => {
-            assert_eq!(status, 0, "guest command {cmd:?} failed: {output}");
-            output
-        }
-        other => panic!("unexpected answer to exec: {other:?}"),
-    }
-}
-
-fn status(c: &mut Client) -> StatusReport {
-    match c
-        .call(Request::Status, CALL)
-        .expect("status failed")
-        .response
-    {
-        Response::Status(s) => s,
-        other => panic!("unexpected answer to status: {other:?}"),
-    }
-}
 
 /// Every symbol of the given kinds, page by page.
 fn all_symbols(c: &mut Client, kinds: &str) -> (Vec<SymbolInfo>, Option<u32>) {
@@ -173,7 +89,7 @@ fn check_kernel(guest: Guest, name: &str) {
     let dir =
         std::env::temp_dir().join(format!("hvtrace-introspect-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let vm = Detached::start(name);
+    let vm = Detached::start(name, "introspect");
     let mut c = vm.client();
     let mut checks = Checks::new();
     let _ = guest;

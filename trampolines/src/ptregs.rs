@@ -72,6 +72,42 @@ pub const KERNEL_CS: u64 = 0x10;
 pub const KERNEL_SS: u64 = 0x18;
 
 impl PtRegs {
+    /// The structure from its guest-memory image (little-endian, the field
+    /// order above), as VMX root reads it off the guest stack.
+    pub fn from_le_bytes(b: &[u8; PT_REGS_SIZE]) -> PtRegs {
+        let mut w = [0u64; PT_REGS_SIZE / 8];
+        for (word, chunk) in w.iter_mut().zip(b.chunks_exact(8)) {
+            let mut le = [0u8; 8];
+            le.copy_from_slice(chunk);
+            *word = u64::from_le_bytes(le);
+        }
+        let [r15, r14, r13, r12, bp, bx, r11, r10, r9, r8, ax, cx, dx, si, di, orig_ax, ip, cs, flags, sp, ss] =
+            w;
+        PtRegs {
+            r15,
+            r14,
+            r13,
+            r12,
+            bp,
+            bx,
+            r11,
+            r10,
+            r9,
+            r8,
+            ax,
+            cx,
+            dx,
+            si,
+            di,
+            orig_ax,
+            ip,
+            cs,
+            flags,
+            sp,
+            ss,
+        }
+    }
+
     /// Register by its kprobe_events name (`ax`, `r8`, `ip`, ...), as `%NAME` takes it.
     pub fn by_name(&self, name: &str) -> Option<u64> {
         Some(match name {
@@ -112,5 +148,26 @@ impl PtRegs {
             6 => self.r9,
             _ => return None,
         })
+    }
+}
+
+#[cfg(test)]
+mod image_tests {
+    use super::*;
+
+    #[test]
+    fn from_le_bytes_follows_the_field_offsets() {
+        let mut b = [0u8; PT_REGS_SIZE];
+        for (i, chunk) in b.chunks_exact_mut(8).enumerate() {
+            chunk.copy_from_slice(&(0x1000 + i as u64).to_le_bytes());
+        }
+        let r = PtRegs::from_le_bytes(&b);
+        let at = |off: usize| 0x1000 + (off / 8) as u64;
+        assert_eq!(r.r15, at(core::mem::offset_of!(PtRegs, r15)));
+        assert_eq!(r.di, at(core::mem::offset_of!(PtRegs, di)));
+        assert_eq!(r.ip, at(core::mem::offset_of!(PtRegs, ip)));
+        assert_eq!(r.flags, at(core::mem::offset_of!(PtRegs, flags)));
+        assert_eq!(r.sp, at(core::mem::offset_of!(PtRegs, sp)));
+        assert_eq!(r.ss, at(core::mem::offset_of!(PtRegs, ss)));
     }
 }

@@ -239,6 +239,35 @@ pub unsafe fn inl(port: u16) -> u32 {
     v
 }
 
+/// INVEPT, single-context (type 1): drops the guest-physical and combined
+/// translations derived from the EPT hierarchy `eptp`, after its entries
+/// changed (SDM 29.4.3.1).
+pub fn invept_single(eptp: u64) -> Result<(), VmFail> {
+    let desc: [u64; 2] = [eptp, 0];
+    let flags: u64;
+    // SAFETY: INVEPT only invalidates cached translations; the descriptor is
+    // a live stack array of the layout the SDM gives (EPTP, reserved zero).
+    unsafe {
+        asm!("invept {0}, [{1}]", "pushfq", "pop {2}", in(reg) 1u64, in(reg) desc.as_ptr(), out(reg) flags);
+    }
+    vm_result(flags)
+}
+
+/// Reads DR6 (the guest's: VMX does not switch it).
+pub fn read_dr6() -> u64 {
+    let v: u64;
+    // SAFETY: reading a debug register at CPL 0 has no side effects.
+    unsafe { asm!("mov {}, dr6", out(reg) v, options(nomem, nostack)) };
+    v
+}
+
+/// Writes DR6, which the guest's #DB handler reads (VMX does not switch it).
+pub fn write_dr6(v: u64) {
+    // SAFETY: DR6 only reports debug conditions; the hypervisor itself uses
+    // no debug features, so the value affects the guest alone.
+    unsafe { asm!("mov dr6, {}", in(reg) v, options(nomem, nostack)) };
+}
+
 /// Reads the time-stamp counter.
 pub fn rdtsc() -> u64 {
     // SAFETY: RDTSC is unprivileged and has no side effects.

@@ -94,6 +94,7 @@
 
 mod event;
 mod fetch;
+mod index;
 mod json;
 mod num;
 mod parse;
@@ -105,9 +106,11 @@ pub use fetch::{
     fetch, fetch_one, FetchContext, FetchedValue, GuestLayout, GuestMem, MemFault, NoSymbols,
     SymbolAt, SymbolResolver, MAX_STRING_SIZE, TASK_COMM_LEN,
 };
+pub use index::IndexSymbols;
 pub use parse::{parse, parse_probe, ParseError, ParseErrorKind};
 pub use render::{
-    json_line, text_line, write_json, write_symbol, write_text, write_value, FAULT_STRING,
+    json_line, text_line, write_function_json, write_function_text, write_json, write_symbol,
+    write_text, write_value, FAULT_STRING,
 };
 pub use spec::*;
 

@@ -151,19 +151,8 @@ fn write_location(out: &mut String, kind: ProbeKind, ev: &RawEvent, syms: &dyn S
 ///              cat-123     [000]     12.345678: myopen: (do_sys_openat2+0x0/0x150) dfd=0xffffff9c filename="/etc/hostname"
 /// ```
 pub fn write_text(out: &mut String, probe: &ProbeSpec, ev: &RawEvent, syms: &dyn SymbolResolver) {
-    let h = &ev.header;
-    let comm = comm_of(ev);
-    // %16s pads by bytes.
-    for _ in comm.len()..16 {
-        out.push(' ');
-    }
-    out.push_str(&comm);
-    let (secs, usecs) = secs_usecs(h.timestamp_ns);
-    let _ = write!(
-        out,
-        "-{:<7} [{:03}]  {:>5}.{:06}: {}: (",
-        h.pid, h.cpu, secs, usecs, probe.event
-    );
+    write_context(out, ev);
+    let _ = write!(out, "{}: (", probe.event);
     write_location(out, probe.kind, ev, syms);
     out.push(')');
     for (i, v) in ev.values.iter().enumerate() {
@@ -177,6 +166,67 @@ pub fn write_text(out: &mut String, probe: &ProbeSpec, ev: &RawEvent, syms: &dyn
         out.push('=');
         write_value(out, syms, v);
     }
+}
+
+/// `trace_print_context` without irq-info: `COMM-PID [CPU]  SECS.USECS: `.
+fn write_context(out: &mut String, ev: &RawEvent) {
+    let h = &ev.header;
+    let comm = comm_of(ev);
+    // %16s pads by bytes.
+    for _ in comm.len()..16 {
+        out.push(' ');
+    }
+    out.push_str(&comm);
+    let (secs, usecs) = secs_usecs(h.timestamp_ns);
+    let _ = write!(
+        out,
+        "-{:<7} [{:03}]  {:>5}.{:06}: ",
+        h.pid, h.cpu, secs, usecs
+    );
+}
+
+/// Appends one line of the plain function tracer for `ev`, whose header
+/// `ip` is the traced function and `ret_ip` its caller's return address
+/// (no newline), as the kernel's `function` tracer prints it:
+///
+/// ```text
+///              cat-123     [000]     12.345678: do_sys_openat2 <-__x64_sys_openat
+/// ```
+pub fn write_function_text(out: &mut String, ev: &RawEvent, syms: &dyn SymbolResolver) {
+    write_context(out, ev);
+    write_ip_sym(out, syms, ev.header.ip, false);
+    out.push_str(" <-");
+    write_ip_sym(out, syms, ev.header.ret_ip, false);
+}
+
+/// The function tracer's event as one JSON object (no newline):
+/// `{"ts":..,"ts_ns":..,"cpu":..,"pid":..,"comm":..,"kind":"function",
+/// "func":"do_sys_openat2","parent":"__x64_sys_openat+0x5d/0xa0",
+/// "ip":"0x..","parent_ip":"0x.."}`.
+pub fn write_function_json(out: &mut String, ev: &RawEvent, syms: &dyn SymbolResolver) {
+    let h = &ev.header;
+    let (secs, usecs) = secs_usecs(h.timestamp_ns);
+    let mut scratch = String::new();
+    let mut o = json::Object::begin(out);
+    let _ = write!(scratch, "{secs}.{usecs:06}");
+    o.str("ts", &scratch);
+    o.u64("ts_ns", h.timestamp_ns)
+        .u64("cpu", u64::from(h.cpu))
+        .i64("pid", i64::from(h.pid));
+    o.bytes("comm", h.comm_bytes()).str("kind", "function");
+    scratch.clear();
+    write_ip_sym(&mut scratch, syms, h.ip, false);
+    o.str("func", &scratch);
+    scratch.clear();
+    write_ip_sym(&mut scratch, syms, h.ret_ip, true);
+    o.str("parent", &scratch);
+    scratch.clear();
+    let _ = write!(scratch, "{:#x}", h.ip);
+    o.str("ip", &scratch);
+    scratch.clear();
+    let _ = write!(scratch, "{:#x}", h.ret_ip);
+    o.str("parent_ip", &scratch);
+    o.end();
 }
 
 /// [`write_text`] into a new string.
