@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the hvtrace guest initramfs: Debian's static busybox plus
-# guest/initramfs/init, as a gzip-compressed newc cpio archive.
+# guest/initramfs/init and guest/tools/hvbench.c (built static), as a gzip-compressed newc cpio archive.
 #
 # Output: $CACHE/initramfs-<busybox version>-<hash>.cpio.gz, where the hash
 # covers the init script, the busybox binary and the archive layout below.
@@ -14,12 +14,15 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 INIT=$HVTRACE_REPO/guest/initramfs/init
+# The guest side of the tests and benchmarks, built static with the host's gcc.
+BENCH_SRC=$HVTRACE_REPO/guest/tools/hvbench.c
 BUSYBOX=/bin/busybox
 # Bump when the archive layout in write_cpio below changes.
-LAYOUT=1
+LAYOUT=2
 
 [[ -f $INIT ]] || die "missing $INIT"
-hv_apt_ensure busybox-static python3
+[[ -f $BENCH_SRC ]] || die "missing $BENCH_SRC"
+hv_apt_ensure busybox-static python3 gcc libc6-dev
 [[ -x $BUSYBOX ]] || die "$BUSYBOX not found (package busybox-static)"
 # The dynamically linked busybox (package busybox) would not run in the guest.
 if ! file -b "$BUSYBOX" | grep -q 'statically linked'; then
@@ -28,7 +31,8 @@ fi
 
 CACHE=$(hv_cache_dir)
 bb_version=$(dpkg-query -W -f='${Version}' busybox-static)
-hash=$(hv_hash "$INIT" "$BUSYBOX" -- "layout $LAYOUT" "busybox $bb_version")
+gcc_version=$(gcc -dumpfullversion)
+hash=$(hv_hash "$INIT" "$BUSYBOX" "$BENCH_SRC" -- "layout $LAYOUT" "busybox $bb_version" "gcc $gcc_version")
 out=$CACHE/initramfs-$(hv_sanitize_version "$bb_version")-$hash.cpio.gz
 
 if [[ -f $out ]]; then
@@ -39,12 +43,14 @@ fi
 
 log "building initramfs (busybox $bb_version, init $(sha256sum "$INIT" | cut -c1-12))"
 tmp=$(mktemp "$out.tmp.XXXXXX")
-trap 'rm -f "$tmp"' EXIT
+bench=$(mktemp "$out.hvbench.XXXXXX")
+trap 'rm -f "$tmp" "$bench"' EXIT
+gcc -static -O2 -Wall -Werror -o "$bench" "$BENCH_SRC" || die "building hvbench failed"
 
-python3 - "$BUSYBOX" "$INIT" "$tmp" <<'PY'
+python3 - "$BUSYBOX" "$INIT" "$tmp" "$bench" <<'PY'
 import gzip, sys
 
-busybox, init, out = sys.argv[1:4]
+busybox, init, out, bench = sys.argv[1:5]
 entries = []  # (name, mode, data, rdev_major, rdev_minor)
 
 def d(name, mode=0o755):
@@ -69,6 +75,7 @@ c("dev/ttyS0", 4, 64, 0o660)
 f("bin/busybox", open(busybox, "rb").read(), 0o755)
 l("bin/sh", "busybox")
 f("init", open(init, "rb").read(), 0o755)
+f("bin/hvbench", open(bench, "rb").read(), 0o755)
 f("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
 f("etc/group", b"root:x:0:\n")
 f("etc/hostname", b"hvtrace-guest\n")
