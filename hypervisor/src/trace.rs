@@ -85,6 +85,9 @@ pub type ReqError = (ErrorKind, String);
 
 struct Region {
     tramp: TrampolineRegion,
+    /// The guest page-table page holding our PDE: write-protected in EPT,
+    /// so that a change to the PDE is seen (and undone) at once.
+    pd_page: u64,
     /// Guest-physical address of the guest PDE we own, and its value.
     pde_gpa: u64,
     pde: u64,
@@ -118,6 +121,8 @@ enum StepKind {
     /// A hypervisor page, mapped to the scratch frame; `restore` is the EPT
     /// entry to put back (0: absent).
     Discard { restore: u64 },
+    /// The page table holding our PDE, mapped writable for the step.
+    Watch,
 }
 
 struct Step {
@@ -232,6 +237,7 @@ impl Tracer {
         r.sites = self.sites.len() as u32;
         r.pages = self.pages.len() as u32;
         r.lost = self.ring.lost();
+        r.trampolines = self.region.as_ref().map_or(0, |g| g.tramp.base().0);
         r
     }
 
@@ -289,6 +295,8 @@ impl Tracer {
         let pde = table.0 | PTE_P | PTE_RW | PTE_A;
         let pde_gpa = pd + slot * 8;
         phys::write(pde_gpa, &pde.to_le_bytes());
+        map(Hpa(pd), ept::READ | ept::EXEC)?;
+        invept(ept);
         log::info!(
             "tracer: trampolines at {base:#x} (PD slot {slot}, code frame {:#x}, entry {} bytes)",
             code.0,
@@ -296,6 +304,7 @@ impl Tracer {
         );
         self.region = Some(Region {
             tramp,
+            pd_page: pd,
             pde_gpa,
             pde,
         });
@@ -305,18 +314,23 @@ impl Tracer {
     /// Called on every timer turn: keeps the region mapped, and ends steps
     /// that did not finish.
     pub fn on_turn(&mut self, ept: &Ept) {
-        if let Some(r) = &self.region {
-            if read_u64_phys(r.pde_gpa) != Some(r.pde) {
-                phys::write(r.pde_gpa, &r.pde.to_le_bytes());
-                self.stats.region_restores += 1;
-                log::warn!("tracer: the guest changed the trampolines' PDE; restored");
-            }
-        }
+        self.check_pde();
         if let Some(s) = self.step.as_mut() {
             s.turns += 1;
             if s.turns > STEP_TIMEOUT_TURNS {
                 self.end_step(ept);
                 self.stray_tf = true;
+            }
+        }
+    }
+
+    /// Puts our PDE back if the guest changed it.
+    fn check_pde(&mut self) {
+        if let Some(r) = &self.region {
+            if read_u64_phys(r.pde_gpa) != Some(r.pde) {
+                phys::write(r.pde_gpa, &r.pde.to_le_bytes());
+                self.stats.region_restores += 1;
+                log::warn!("tracer: the guest changed the trampolines' PDE; restored");
             }
         }
     }
@@ -485,13 +499,7 @@ impl Tracer {
                     "a delete command is not a probe: use probe del".into(),
                 ))
             }
-            Err(e) => {
-                let col = e.column(text);
-                return Err((
-                    ErrorKind::InvalidArgument,
-                    format!("{} (column {col})", e.to_string().trim_end()),
-                ));
-            }
+            Err(e) => return Err((ErrorKind::InvalidArgument, e.to_string())),
         };
         if spec.kind.is_return() {
             return Err((
@@ -848,7 +856,17 @@ impl Tracer {
             // crossing): end the first and start over with this one.
             self.end_step(ept);
         }
-        let kind = if self.pages.contains_key(&page) {
+        let watched = self.region.as_ref().is_some_and(|r| r.pd_page == page);
+        let kind = if watched {
+            let _ = ept.map_page(
+                &mut PoolTables,
+                Gpa(page),
+                Hpa(page),
+                ept::RWX,
+                MemType::WriteBack,
+            );
+            StepKind::Watch
+        } else if self.pages.contains_key(&page) {
             let _ = ept.map_page(
                 &mut PoolTables,
                 Gpa(page),
@@ -946,6 +964,16 @@ impl Tracer {
                 } else {
                     // Unhooked meanwhile: the identity mapping stays.
                 }
+            }
+            StepKind::Watch => {
+                self.check_pde();
+                let _ = ept.map_page(
+                    &mut PoolTables,
+                    Gpa(s.page),
+                    Hpa(s.page),
+                    ept::READ | ept::EXEC,
+                    MemType::WriteBack,
+                );
             }
             StepKind::Discard { restore } => {
                 if restore & ept::RWX == 0 {

@@ -298,6 +298,9 @@ pub struct TracerReport {
     pub foreign_vmcalls: u64,
     /// Guest writes to hypervisor-owned pages, discarded.
     pub blocked_writes: u64,
+    /// Guest-virtual address of the trampoline page (0 until the first
+    /// probe or function is added).
+    pub trampolines: u64,
 }
 
 impl Response {

@@ -66,6 +66,7 @@ fn status() -> StatusReport {
             region_restores: 1,
             foreign_vmcalls: 2,
             blocked_writes: 3,
+            trampolines: 0xffff_ffff_bfe0_0000,
         },
     }
 }

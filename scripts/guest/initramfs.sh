@@ -101,6 +101,7 @@ PY
 
 chmod 644 "$tmp"
 mv -f "$tmp" "$out"
+rm -f "$bench"
 trap - EXIT
 log "ready: $out ($(stat -c %s "$out") bytes)"
 printf '%s\n' "$out"

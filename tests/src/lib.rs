@@ -221,6 +221,11 @@ pub struct Detached {
 impl Detached {
     /// Boots `guest` (`fast` or `debian`) and waits for its shell.
     pub fn start(guest: &str, tag: &str) -> Detached {
+        Self::start_with(guest, tag, &[])
+    }
+
+    /// [`Detached::start`] with more `hvtrace run` arguments (`--initrd F`).
+    pub fn start_with(guest: &str, tag: &str, extra: &[&str]) -> Detached {
         let socket =
             std::env::temp_dir().join(format!("hvtrace-{tag}-{guest}-{}.sock", std::process::id()));
         let out = Command::new(hvtrace_bin())
@@ -239,6 +244,7 @@ impl Detached {
             .arg(&socket)
             .arg("--hypervisor")
             .arg(hypervisor_image())
+            .args(extra)
             .stdin(Stdio::null())
             .output()
             .expect("cannot run hvtrace");

@@ -13,14 +13,16 @@
 //! Run: `cargo test -p hvtrace-tests --test introspection -- --nocapture`
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hvtrace::client::Client;
 use hvtrace::Guest;
-use hvtrace_tests::{guest_exec as exec, hv_status as status, vm_lock, Checks, Detached};
-use protocol::{Request, Response, StatusReport, SymbolInfo};
+use hvtrace_tests::{
+    guest_exec as exec, hv_status as status, hvtrace_bin, vm_lock, Checks, Detached,
+};
+use protocol::{Request, Response, SymbolInfo};
 
 const CALL: Duration = Duration::from_secs(60);
 

@@ -1,0 +1,653 @@
+//! kprobes and the function tracer from VMX root, against the guest's own
+//! tracers as oracles, with KASLR on. One detached boot per kernel; on it:
+//!
+//! - bad probe specs are refused with a clear error, and a VMCALL from
+//!   guest user mode gets #UD (SIGILL) and is counted as foreign;
+//! - **oracle**: our `p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string`
+//!   and the same probe defined inside the guest through its own
+//!   kprobe_events record the same events for `cat /etc/hostname`: same
+//!   pids, same location, same fetched values;
+//! - **coexistence** in the manner of the kernel's ftracetest
+//!   `kprobe_ftrace.tc`: with our probe on the function, the guest's own
+//!   function tracer and its own kprobe on the same function are toggled
+//!   through five phases, and every tracer that is on sees exactly the
+//!   workload's calls; the guest's ftrace never notices our patch;
+//! - the plain function tracer's `func <-parent` lines equal the guest's
+//!   own function tracer's for the same calls;
+//! - removing everything restores the guest's own pages (no shadow left).
+//!
+//! The fast lane also runs the benchmark (`benchmark` below): VM exits per
+//! hit and emulated instructions per hit against the guest's own kprobes.
+//!
+//! Run: `cargo test -p hvtrace-tests --test kprobes -- --nocapture`
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use hvtrace::client::Client;
+use hvtrace_tests::{guest_exec as exec, hv_status as status, vm_lock, Checks, Detached};
+use protocol::{ErrorKind, ProbeInfo, Request, Response, TraceFormat};
+
+const CALL: Duration = Duration::from_secs(120);
+const TRACEFS: &str = "/sys/kernel/tracing";
+const PROBE: &str = "p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string";
+
+/// One trace line, ours or the guest's, split into what both print alike.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Line {
+    comm: String,
+    pid: i32,
+    /// After the timestamp: `myopen: (do_sys_openat2+0x0/0xa2) dfd=...`
+    /// or `do_filp_open <-do_sys_openat2`.
+    body: String,
+}
+
+/// Parses `COMM-PID [CPU] [FLAGS] SECS.USECS: BODY` (the guest's lines have
+/// the irq-info column, ours do not); `None` for headers and other text.
+fn parse_line(l: &str) -> Option<Line> {
+    let open = l.find(" [")?;
+    let (task, rest) = l.split_at(open);
+    let task = task.trim();
+    let dash = task.rfind('-')?;
+    let pid = task[dash + 1..].parse().ok()?;
+    let comm = task[..dash].to_string();
+    let close = rest.find(']')?;
+    let after = &rest[close + 1..];
+    // The first "N.NNNNNN: " ends the context.
+    let mut idx = 0;
+    for tok in after.split_inclusive(' ') {
+        let t = tok.trim();
+        idx += tok.len();
+        if let Some(ts) = t.strip_suffix(':') {
+            if ts.contains('.') && ts.chars().all(|c| c.is_ascii_digit() || c == '.') {
+                return Some(Line {
+                    comm,
+                    pid,
+                    body: after[idx..].trim_end().to_string(),
+                });
+            }
+        }
+    }
+    None
+}
+
+fn parse_all(text: &str) -> Vec<Line> {
+    text.lines().filter_map(parse_line).collect()
+}
+
+/// Our trace stream, read through the launcher's buffer.
+struct Stream {
+    cursor: u64,
+    lost: u64,
+}
+
+impl Stream {
+    fn new() -> Stream {
+        Stream { cursor: 0, lost: 0 }
+    }
+
+    /// Everything new, waiting until nothing more comes for a while.
+    fn read(&mut self, c: &mut Client) -> String {
+        let mut out = String::new();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let req = Request::TraceRead {
+                cursor: self.cursor,
+                format: TraceFormat::Text,
+                wait_ms: 3000,
+            };
+            match c.call(req, CALL).expect("trace read failed").response {
+                Response::Trace { next, text, lost } => {
+                    self.cursor = next;
+                    self.lost += lost;
+                    if text.is_empty() || Instant::now() > deadline {
+                        return out;
+                    }
+                    out.push_str(&text);
+                }
+                other => panic!("unexpected answer to trace read: {other:?}"),
+            }
+        }
+    }
+}
+
+fn call(c: &mut Client, r: Request) -> Response {
+    c.call(r, CALL).expect("request failed").response
+}
+
+fn probes(c: &mut Client) -> Vec<ProbeInfo> {
+    match call(c, Request::ProbeList) {
+        Response::Probes(p) => p,
+        other => panic!("unexpected answer to probe list: {other:?}"),
+    }
+}
+
+fn hits(c: &mut Client, name: &str) -> u64 {
+    probes(c)
+        .iter()
+        .find(|p| p.name == name)
+        .map_or(0, |p| p.hits)
+}
+
+fn exits(c: &mut Client) -> BTreeMap<String, u64> {
+    status(c)
+        .exits
+        .into_iter()
+        .map(|e| (e.name, e.count))
+        .collect()
+}
+
+/// `cat /etc/hostname` `n` times, each a new process.
+fn workload(n: usize) -> String {
+    vec!["cat /etc/hostname >/dev/null"; n].join("; ")
+}
+
+/// The lines of `lines` from `cat` opening /etc/hostname.
+fn hostname_opens(lines: &[Line]) -> Vec<Line> {
+    let mut v: Vec<Line> = lines
+        .iter()
+        .filter(|l| l.comm == "cat" && l.body.contains("filename=\"/etc/hostname\""))
+        .cloned()
+        .collect();
+    v.sort();
+    v
+}
+
+/// Guest function-tracer lines of `func` from the pids of `of`.
+fn function_lines(lines: &[Line], func: &str, of: &[Line]) -> Vec<Line> {
+    let pids: Vec<i32> = of.iter().map(|l| l.pid).collect();
+    let mut v: Vec<Line> = lines
+        .iter()
+        .filter(|l| pids.contains(&l.pid) && l.body.starts_with(&format!("{func} <-")))
+        .cloned()
+        .collect();
+    v.sort();
+    v
+}
+
+fn bad_specs(ck: &mut Checks, c: &mut Client) {
+    let cases: [(&str, ErrorKind, &str); 4] = [
+        (
+            "p:bad do_sys_openat2 x=%zz",
+            ErrorKind::InvalidArgument,
+            "column",
+        ),
+        ("p do_sys_openat2+4", ErrorKind::InvalidArgument, "entry"),
+        (
+            "p:nosuch hvtrace_no_such_function",
+            ErrorKind::NotFound,
+            "kallsyms",
+        ),
+        (
+            "p:badsym do_sys_openat2 x=@hvtrace_no_such_symbol",
+            ErrorKind::NotFound,
+            "hvtrace_no_such_symbol",
+        ),
+    ];
+    for (spec, kind, says) in cases {
+        match call(c, Request::ProbeAdd { spec: spec.into() }) {
+            Response::Error { kind: k, message } => {
+                ck.eq(&format!("error kind for {spec:?}"), k, kind);
+                ck.check(
+                    message.contains(says) && !message.contains('\n'),
+                    format!("error for {spec:?} is one line naming {says:?}: {message:?}"),
+                );
+            }
+            other => ck.check(false, format!("{spec:?} was accepted: {other:?}")),
+        }
+    }
+    ck.eq("probes after bad specs", probes(c).len(), 0);
+}
+
+fn foreign_vmcall(ck: &mut Checks, c: &mut Client) {
+    let out = exec(c, "hvbench vmcall");
+    ck.check(
+        out.trim() == "SIGILL",
+        format!("a user-mode VMCALL gets #UD: {out:?}"),
+    );
+    ck.eq(
+        "foreign VMCALLs counted",
+        status(c).tracer.foreign_vmcalls,
+        1,
+    );
+}
+
+/// Our probe and the guest's own, same spec, same workload.
+fn oracle(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    match call(c, Request::ProbeAdd { spec: PROBE.into() }) {
+        Response::ProbeAdded { name, site } => {
+            ck.eq("probe name", name.as_str(), "kprobes/myopen");
+            println!("probe kprobes/myopen at {site:#x}");
+        }
+        other => {
+            ck.check(false, format!("probe add failed: {other:?}"));
+            return;
+        }
+    }
+    let _ = stream.read(c);
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo '{PROBE}' > kprobe_events && echo > trace && \
+             echo 1 > events/kprobes/myopen/enable && {} && \
+             echo 0 > events/kprobes/myopen/enable && cat trace",
+            workload(5)
+        ),
+    );
+    let ours = stream.read(c);
+    let g = hostname_opens(&parse_all(&guest));
+    let o = hostname_opens(&parse_all(&ours));
+    println!("oracle: guest {} events, ours {}", g.len(), o.len());
+    for l in o.iter().take(2) {
+        println!("  ours:  {}-{} {}", l.comm, l.pid, l.body);
+    }
+    for l in g.iter().take(2) {
+        println!("  guest: {}-{} {}", l.comm, l.pid, l.body);
+    }
+    ck.eq("guest kprobe events for the workload", g.len(), 5);
+    ck.eq(
+        "our events equal the guest's (pid, location, values)",
+        &o,
+        &g,
+    );
+    ck.eq("stream losses", stream.lost, 0);
+}
+
+/// kprobe_ftrace.tc's phases, with our probe on throughout (until the last).
+fn coexistence(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    let func = "do_sys_openat2";
+    let run = |c: &mut Client, stream: &mut Stream, setup: &str| {
+        let _ = stream.read(c);
+        let guest = exec(
+            c,
+            &format!(
+                "cd {TRACEFS} && {setup} echo > trace && {} && cat trace",
+                workload(3)
+            ),
+        );
+        let ours = stream.read(c);
+        (parse_all(&guest), parse_all(&ours))
+    };
+    // 1: the guest's function tracer on the same function.
+    let (g, o) = run(
+        c,
+        stream,
+        &format!("echo {func} > set_ftrace_filter && echo function > current_tracer &&"),
+    );
+    let ours = hostname_opens(&o);
+    ck.eq("phase 1: our events", ours.len(), 3);
+    ck.eq(
+        "phase 1: guest function-tracer lines for our events",
+        function_lines(&g, func, &ours).len(),
+        3,
+    );
+    // 2: plus the guest's own kprobe.
+    let (g, o) = run(c, stream, "echo 1 > events/kprobes/myopen/enable &&");
+    let ours = hostname_opens(&o);
+    ck.eq("phase 2: our events", ours.len(), 3);
+    ck.eq(
+        "phase 2: guest function-tracer lines",
+        function_lines(&g, func, &ours).len(),
+        3,
+    );
+    ck.eq(
+        "phase 2: guest kprobe events equal ours",
+        hostname_opens(&g),
+        ours,
+    );
+    // 3: the guest's function tracer off.
+    let (g, o) = run(c, stream, "echo nop > current_tracer &&");
+    let ours = hostname_opens(&o);
+    ck.eq("phase 3: our events", ours.len(), 3);
+    ck.eq(
+        "phase 3: guest kprobe events equal ours",
+        hostname_opens(&g),
+        ours,
+    );
+    ck.eq(
+        "phase 3: no guest function-tracer lines",
+        function_lines(&g, func, &hostname_opens(&g)).len(),
+        0,
+    );
+    // 4: the guest's kprobe off: only ours.
+    let (g, o) = run(c, stream, "echo 0 > events/kprobes/myopen/enable &&");
+    ck.eq("phase 4: our events", hostname_opens(&o).len(), 3);
+    ck.eq("phase 4: guest events", hostname_opens(&g).len(), 0);
+    // 5: ours removed, the guest's kprobe back on: only the guest's.
+    ck.check(
+        matches!(
+            call(
+                c,
+                Request::ProbeDel {
+                    name: "myopen".into()
+                }
+            ),
+            Response::Ok
+        ),
+        "probe del myopen",
+    );
+    let (g, o) = run(c, stream, "echo 1 > events/kprobes/myopen/enable &&");
+    ck.eq("phase 5: guest kprobe events", hostname_opens(&g).len(), 3);
+    ck.eq("phase 5: our events", hostname_opens(&o).len(), 0);
+    exec(
+        c,
+        &format!("cd {TRACEFS} && echo 0 > events/kprobes/myopen/enable && echo > kprobe_events"),
+    );
+    let t = status(c).tracer;
+    ck.eq("sites hooked after removal", t.sites, 0);
+    ck.eq("shadow pages after removal", t.pages, 0);
+    ck.check(
+        t.guest_writes > 0 && t.steps > t.guest_writes,
+        format!("the guest's own patching was stepped: {t:?}"),
+    );
+    // The guest's ftrace verifies the bytes it replaces: had it seen our
+    // call it would have reported a bug and shut itself down.
+    let dmesg = exec(
+        c,
+        "dmesg | grep -i -E 'ftrace (bug|failed|faulted)' || true",
+    );
+    ck.check(
+        dmesg.trim().is_empty(),
+        format!("guest ftrace complaints: {dmesg}"),
+    );
+    println!("coexistence: tracer counters {t:?}");
+}
+
+/// Our function tracer against the guest's, same calls.
+fn function_tracer(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    let func = "do_filp_open";
+    match call(c, Request::FunctionAdd { glob: func.into() }) {
+        Response::FunctionAdded { traced, .. } => ck.eq("functions traced", traced, 1),
+        other => ck.check(false, format!("function add failed: {other:?}")),
+    }
+    let _ = stream.read(c);
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo {func} > set_ftrace_filter && echo function > current_tracer && \
+             echo > trace && {} && echo nop > current_tracer; cat trace",
+            workload(3)
+        ),
+    );
+    let ours = parse_all(&stream.read(c));
+    let g = parse_all(&guest);
+    // The workload's cats, as the guest saw them.
+    let mut cats: Vec<Line> = g
+        .iter()
+        .filter(|l| l.comm == "cat" && l.body.starts_with(func))
+        .cloned()
+        .collect();
+    cats.sort();
+    let mut mine = function_lines(&ours, func, &cats);
+    mine.sort();
+    println!(
+        "function tracer: guest {} lines, ours {}; e.g. {:?}",
+        cats.len(),
+        mine.len(),
+        mine.first()
+    );
+    ck.eq("guest function lines for the workload", cats.len(), 3);
+    ck.eq("our function lines equal the guest's", &mine, &cats);
+    ck.check(
+        matches!(call(c, Request::FunctionClear), Response::Ok),
+        "function clear",
+    );
+    ck.eq("sites after function clear", status(c).tracer.sites, 0);
+}
+
+/// VM exits and cost per hit, against the guest's own kprobes on the same
+/// function, in one boot.
+fn benchmark(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    const N: u64 = 20_000;
+    let func = "__x64_sys_getppid";
+    let site = match call(
+        c,
+        Request::Syms {
+            glob: func.into(),
+            kinds: String::new(),
+            cursor: 0,
+            limit: 4,
+        },
+    ) {
+        Response::Syms { symbols, .. } => symbols
+            .first()
+            .and_then(|s| s.site.map(|site| site - s.addr)),
+        _ => None,
+    };
+    let Some(site_off) = site else {
+        ck.check(false, format!("{func} has no fentry site"));
+        return;
+    };
+    let int3_at = site_off + 5;
+    struct Phase {
+        name: &'static str,
+        ns_per_call: f64,
+        wall_per_call: f64,
+        vmcalls: u64,
+        other_exits: u64,
+    }
+    let measure = |c: &mut Client, name: &'static str| -> Phase {
+        let before = exits(c);
+        let t0 = Instant::now();
+        let out = exec(c, &format!("hvbench getppid {N}"));
+        let wall = t0.elapsed().as_secs_f64();
+        let after = exits(c);
+        let delta =
+            |k: &str| after.get(k).copied().unwrap_or(0) - before.get(k).copied().unwrap_or(0);
+        let ns: f64 = out
+            .split_whitespace()
+            .find_map(|t| t.strip_prefix("ns="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN);
+        Phase {
+            name,
+            ns_per_call: ns / N as f64,
+            wall_per_call: wall / N as f64,
+            vmcalls: delta("VMCALL"),
+            other_exits: delta("EPT_VIOLATION") + delta("EXCEPTION_NMI"),
+        }
+    };
+    let mut phases = vec![measure(c, "no probe")];
+    let spec = format!("p:bench {func}");
+    call(c, Request::ProbeAdd { spec: spec.clone() });
+    let h0 = hits(c, "kprobes/bench");
+    phases.push(measure(c, "hvtrace probe (VMX root)"));
+    let h1 = hits(c, "kprobes/bench");
+    call(
+        c,
+        Request::ProbeDel {
+            name: "bench".into(),
+        },
+    );
+    let _ = stream.read(c);
+    exec(
+        c,
+        &format!("cd {TRACEFS} && echo 'p:gbench {func}' > kprobe_events && echo 1 > events/kprobes/gbench/enable"),
+    );
+    phases.push(measure(c, "guest kprobe on ftrace"));
+    exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 0 > events/kprobes/gbench/enable && \
+             echo 'p:gint3 {func}+{int3_at}' > kprobe_events && echo 1 > events/kprobes/gint3/enable"
+        ),
+    );
+    phases.push(measure(c, "guest int3 kprobe"));
+    let profile = exec(c, &format!("cd {TRACEFS} && echo 0 > events/kprobes/gint3/enable && cat kprobe_profile && echo > kprobe_events"));
+    println!("benchmark: {N} getppid calls per phase (Bochs ips 50M: 1 emulated instruction = 20 ns of guest time)");
+    println!(
+        "  {:<26} {:>10} {:>12} {:>14} {:>9} {:>12}",
+        "phase", "guest ns", "instr/call", "Bochs us/call", "VMCALLs", "EPT+#DB exits"
+    );
+    let base = phases[0].ns_per_call;
+    for p in &phases {
+        println!(
+            "  {:<26} {:>10.0} {:>12.0} {:>14.1} {:>9} {:>12}   (+{:.0} instr/hit)",
+            p.name,
+            p.ns_per_call,
+            p.ns_per_call / 20.0,
+            p.wall_per_call * 1e6,
+            p.vmcalls,
+            p.other_exits,
+            (p.ns_per_call - base) / 20.0
+        );
+    }
+    println!("  guest kprobe_profile: {}", profile.trim());
+    ck.eq("VMCALLs with no probe", phases[0].vmcalls, 0);
+    ck.eq("EPT/#DB exits with no probe", phases[0].other_exits, 0);
+    ck.eq("probe hits", h1 - h0, N);
+    ck.eq(
+        "VMCALLs with our probe (exactly one per hit)",
+        phases[1].vmcalls,
+        N,
+    );
+    ck.eq("EPT/#DB exits with our probe", phases[1].other_exits, 0);
+    ck.check(
+        profile.contains("gint3") && profile.contains(&N.to_string()),
+        format!("the guest's int3 kprobe was hit {N} times: {profile}"),
+    );
+}
+
+fn exercise(guest: &str, fast_lane: bool) {
+    let _l = vm_lock();
+    let vm = if fast_lane {
+        // The fast lane boots with the hostile module in its initramfs.
+        let initrd = hvtrace::guest::run_script("scripts/guest/attacker.sh")
+            .expect("building the attacker module failed");
+        Detached::start_with(
+            guest,
+            "kprobes",
+            &[
+                "--initrd",
+                initrd.to_str().expect("initrd path is not UTF-8"),
+            ],
+        )
+    } else {
+        Detached::start(guest, "kprobes")
+    };
+    let mut c = vm.client();
+    let mut ck = Checks::new();
+    let st = status(&mut c);
+    ck.check(st.kernel.is_some(), "kernel recovered");
+    let cmdline = exec(&mut c, "cat /proc/cmdline");
+    ck.check(!cmdline.contains("nokaslr"), "KASLR on");
+    exec(
+        &mut c,
+        &format!("mountpoint -q {TRACEFS} || mount -t tracefs nodev {TRACEFS}"),
+    );
+    let mut stream = Stream::new();
+    bad_specs(&mut ck, &mut c);
+    foreign_vmcall(&mut ck, &mut c);
+    oracle(&mut ck, &mut c, &mut stream);
+    coexistence(&mut ck, &mut c, &mut stream);
+    function_tracer(&mut ck, &mut c, &mut stream);
+    if fast_lane {
+        attacker(&mut ck, &mut c, &mut stream);
+        benchmark(&mut ck, &mut c, &mut stream);
+    }
+    let t = status(&mut c).tracer;
+    println!("{guest}: tracer counters at the end: {t:?}");
+    ck.eq("ring losses", t.lost, 0);
+    let alive = exec(&mut c, "echo alive");
+    ck.eq("guest still healthy", alive.trim(), "alive");
+    ck.finish();
+}
+
+#[test]
+fn kprobes_fast_lane() {
+    exercise("fast", true);
+}
+
+#[test]
+fn kprobes_debian() {
+    exercise("debian", false);
+}
+
+/// The hostile module (guest/attacker): it reads a hooked function, writes
+/// to the trampoline page, clears our page-table entry and executes VMCALL.
+fn attacker(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    let func = "do_sys_openat2";
+    match call(
+        c,
+        Request::ProbeAdd {
+            spec: format!("p:atk {func}"),
+        },
+    ) {
+        Response::ProbeAdded { .. } => {}
+        other => {
+            ck.check(false, format!("probe add for the attack: {other:?}"));
+            return;
+        }
+    }
+    let kallsyms = exec(c, &format!("grep ' {func}$' /proc/kallsyms"));
+    let addr = kallsyms
+        .split_whitespace()
+        .next()
+        .unwrap_or("0")
+        .to_string();
+    let before = status(c).tracer;
+    let tramp = before.trampolines;
+    ck.check(tramp != 0, "the trampoline address is reported");
+    let log = exec(
+        c,
+        &format!(
+            "dmesg -c >/dev/null; insmod /lib/hvattack.ko func=0x{addr} tramp={tramp:#x} clear_pmd=1 vmcall=1 2>/dev/null; dmesg | grep hvattack:"
+        ),
+    );
+    println!("attacker:\n{}", log.trim_end());
+    let read = log
+        .lines()
+        .find(|l| l.contains("hvattack: read"))
+        .unwrap_or("")
+        .to_string();
+    let bytes = read.rsplit(": ").next().unwrap_or("");
+    ck.check(
+        bytes.starts_with("0f1f440000") || bytes.starts_with("f30f1efa0f1f440000"),
+        format!("the guest reads its NOP5 at the hooked site: {read:?}"),
+    );
+    let wrote = log
+        .lines()
+        .find(|l| l.contains("wrote tramp frame"))
+        .unwrap_or("");
+    let parts: Vec<&str> = wrote.split_whitespace().collect();
+    let val = |k: &str| {
+        parts
+            .iter()
+            .position(|p| *p == k)
+            .and_then(|i| parts.get(i + 1))
+            .copied()
+    };
+    ck.check(
+        val("before").is_some() && val("before") == val("after"),
+        format!("the write to the trampoline page was discarded: {wrote:?}"),
+    );
+    ck.check(
+        log.contains("vmcall raised #UD"),
+        "a kernel-mode VMCALL outside the trampolines gets #UD",
+    );
+    let after = status(c).tracer;
+    println!("attacker: counters before {before:?}\n          after {after:?}");
+    ck.check(
+        after.blocked_writes > before.blocked_writes,
+        "the blocked write is counted",
+    );
+    ck.check(
+        after.region_restores > before.region_restores,
+        "the cleared page-table entry was restored",
+    );
+    ck.eq(
+        "foreign VMCALLs after the attack",
+        after.foreign_vmcalls,
+        before.foreign_vmcalls + 1,
+    );
+    // The trampoline still works.
+    let h0 = hits(c, "kprobes/atk");
+    exec(c, &workload(3));
+    let h1 = hits(c, "kprobes/atk");
+    ck.check(
+        h1 >= h0 + 3,
+        format!("the probe still fires after the attack: {h0} -> {h1}"),
+    );
+    call(c, Request::ProbeDel { name: "atk".into() });
+    let _ = stream.read(c);
+}
