@@ -65,39 +65,52 @@ static pmd_t *tramp_pmd(void)
 	return pmd_offset(pud, tramp);
 }
 
+/*
+ * Our page-table page is outside the guest's RAM, so the kernel's own
+ * walkers (lookup_address) cannot read it through the direct map: map the
+ * frames by physical address instead, as an attacker with kernel rights
+ * would.
+ */
 static void attack_tramp(void)
 {
-	unsigned int level;
-	pte_t *pte = lookup_address(tramp, &level);
-	phys_addr_t phys;
-	void __iomem *p;
+	pmd_t *pmd = tramp_pmd();
+	phys_addr_t pt_phys, code_phys;
+	void __iomem *pt, *code;
+	unsigned int idx = pte_index(tramp);
+	u64 pte, pte_after;
 	u8 before, after;
-	pmd_t *pmd;
 
-	if (!pte || !pte_present(*pte) || level != PG_LEVEL_4K) {
-		pr_info("hvattack: tramp %lx not mapped\n", tramp);
+	if (!pmd || !(pmd_val(*pmd) & _PAGE_PRESENT) || pmd_leaf(*pmd)) {
+		pr_info("hvattack: tramp %lx has no page table\n", tramp);
 		return;
 	}
-	phys = (phys_addr_t)pte_pfn(*pte) << PAGE_SHIFT;
-	p = ioremap(phys, PAGE_SIZE);
-	if (!p) {
-		pr_info("hvattack: ioremap %pa failed\n", &phys);
+	pt_phys = pmd_val(*pmd) & PTE_PFN_MASK;
+	pt = ioremap(pt_phys, PAGE_SIZE);
+	if (!pt) {
+		pr_info("hvattack: ioremap of the page table failed\n");
 		return;
 	}
-	before = readb(p);
-	writeb(before ^ 0xff, p);
-	after = readb(p);
-	iounmap(p);
+	pte = readq(pt + idx * 8);
+	code_phys = pte & PTE_PFN_MASK;
+	writeq(0, pt + idx * 8);
+	pte_after = readq(pt + idx * 8);
+	iounmap(pt);
+	pr_info("hvattack: cleared pte %llx: now %llx\n", pte, pte_after);
+
+	code = ioremap(code_phys, PAGE_SIZE);
+	if (!code) {
+		pr_info("hvattack: ioremap of the trampoline page failed\n");
+		return;
+	}
+	before = readb(code);
+	writeb(before ^ 0xff, code);
+	after = readb(code);
+	iounmap(code);
 	pr_info("hvattack: wrote tramp frame %pa: before %02x after %02x (sees %02x through the mapping)\n",
-		&phys, before, after, *(volatile u8 *)tramp);
+		&code_phys, before, after, *(volatile u8 *)tramp);
 
 	if (!clear_pmd)
 		return;
-	pmd = tramp_pmd();
-	if (!pmd) {
-		pr_info("hvattack: no pmd for %lx\n", tramp);
-		return;
-	}
 	pr_info("hvattack: clearing pmd %016llx\n", (unsigned long long)pmd_val(*pmd));
 	set_pmd(pmd, __pmd(0));
 	__flush_tlb_all();

@@ -687,6 +687,7 @@ impl Tracer {
         now_ns: u64,
     ) -> Hypercall {
         let Some(region) = &self.region else {
+            self.stats.foreign_vmcalls += 1;
             return Hypercall::Foreign;
         };
         let ours = cpu.cpl == 0

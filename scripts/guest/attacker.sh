@@ -1,13 +1,10 @@
 #!/usr/bin/env bash
 # Build the hostile test module guest/attacker/hvattack.c against the
-# fast-lane kernel, and an initramfs for the fast lane that carries it:
-# the base initramfs (scripts/guest/initramfs.sh) followed by a second cpio
-# archive holding /lib/hvattack.ko (the kernel unpacks concatenated
-# archives in order).
+# fast-lane kernel, and an initramfs for the fast lane that carries it as
+# /lib/hvattack.ko (scripts/guest/initramfs.sh with the module added).
 #
-# Output: $CACHE/initramfs-attacker-<hash>.cpio.gz, keyed by the module
-# source, the fast kernel's release and config, and the base initramfs.
-# Prints the archive path on stdout.
+# The module is cached as $CACHE/hvattack-<hash>.ko, keyed by its source and
+# the fast kernel's release and config. Prints the initramfs path on stdout.
 set -euo pipefail
 
 # shellcheck source=scripts/guest/lib.sh
@@ -18,15 +15,13 @@ MOD_DIR=$HVTRACE_REPO/guest/attacker
 
 kernel=$("$HVTRACE_REPO/scripts/guest/fast-kernel.sh")
 kdir=$(dirname "$kernel")
-base=$("$HVTRACE_REPO/scripts/guest/initramfs.sh")
 CACHE=$(hv_cache_dir)
 release=$(cat "$kdir/release")
-hash=$(hv_hash "$MOD_DIR/hvattack.c" "$MOD_DIR/Kbuild" "$kdir/.config" -- "release $release" "base $(basename "$base")")
-out=$CACHE/initramfs-attacker-$hash.cpio.gz
-if [[ -f $out ]]; then
-    log "cached: $out"
-    printf '%s\n' "$out"
-    exit 0
+hash=$(hv_hash "$MOD_DIR/hvattack.c" "$MOD_DIR/Kbuild" "$kdir/.config" -- "release $release")
+ko=$CACHE/hvattack-$hash/hvattack.ko
+if [[ -f $ko ]]; then
+    log "cached: $ko"
+    HVTRACE_INITRAMFS_MODULE=$ko exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"
 fi
 
 # The fast-lane build tree the kernel came from (kept by fast-kernel.sh).
@@ -61,30 +56,10 @@ if ! make -C "${src%/}" O="$build" ARCH=x86_64 M="$work" KBUILD_MODPOST_WARN=1 m
 fi
 [[ -f $work/hvattack.ko ]] || die "hvattack.ko not produced"
 
-python3 - "$work/hvattack.ko" "$work/extra.cpio.gz" <<'PY'
-import gzip, sys
-
-ko, out = sys.argv[1:3]
-entries = [("lib", 0o040755, b""), ("lib/hvattack.ko", 0o100644, open(ko, "rb").read())]
-
-def pad4(n):
-    return (4 - n % 4) % 4
-
-blob = bytearray()
-for ino, (name, mode, data) in enumerate(entries + [("TRAILER!!!", 0, b"")], 1):
-    nlink = 2 if mode & 0o170000 == 0o040000 else 1
-    if name == "TRAILER!!!":
-        ino = nlink = 0
-    fields = [ino + 1000, mode, 0, 0, nlink, 0, len(data), 0, 0, 0, 0, len(name) + 1, 0]
-    hdr = b"070701" + b"".join(b"%08X" % v for v in fields)
-    blob += hdr + name.encode() + b"\0"
-    blob += b"\0" * pad4(len(hdr) + len(name) + 1)
-    blob += data + b"\0" * pad4(len(data))
-blob += b"\0" * pad4(len(blob))
-with open(out, "wb") as fh:
-    fh.write(gzip.compress(bytes(blob), compresslevel=9, mtime=0))
-PY
-cat "$base" "$work/extra.cpio.gz" >"$work/combined.cpio.gz"
-mv -f "$work/combined.cpio.gz" "$out"
-log "ready: $out"
-printf '%s\n' "$out"
+mkdir -p "$(dirname "$ko")"
+cp "$work/hvattack.ko" "$ko.tmp"
+mv -f "$ko.tmp" "$ko"
+log "built: $ko"
+rm -rf "$work"
+trap - EXIT
+HVTRACE_INITRAMFS_MODULE=$ko exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"
