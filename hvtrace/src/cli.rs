@@ -1,13 +1,16 @@
 //! The command line: `hvtrace [--socket PATH] <command> ...`.
 //!
 //! `run` boots a VM; with `--detach` it leaves it running behind a control
-//! socket. The control commands (`status`, `exec`, `stop`; later `syms`,
-//! `probe`, `trace`, `graph`) talk to that VM over `--socket`, whose default
-//! is `$XDG_RUNTIME_DIR/hvtrace.sock`, else `/tmp/hvtrace-$UID.sock`.
+//! socket. The control commands (`status`, `exec`, `stop`, `syms`, `probe`,
+//! `trace`) talk to that VM over `--socket`, whose default is
+//! `$XDG_RUNTIME_DIR/hvtrace.sock`, else `/tmp/hvtrace-$UID.sock`.
+//!
+//! `run` with `--probe` or `--function` traces its `--exec` commands in one
+//! go: boot, add the probes, run the commands, write the trace, stop.
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 
 use crate::config::{EmulatorChoice, Guest, DEFAULT_APPEND, DEFAULT_BOCHS_IPS, DEFAULT_MEMORY_MIB};
 
@@ -37,6 +40,11 @@ pub enum Command {
     Stop(StopArgs),
     /// List guest kernel symbols matching a glob, recovered from guest memory.
     Syms(SymsArgs),
+    /// Add, remove and list probes (kprobe_events syntax).
+    Probe(ProbeArgs),
+    /// Print the trace (probe and function-tracer lines) from the start of
+    /// the stream.
+    Trace(TraceArgs),
     /// The supervisor of a detached VM (started by `run --detach`).
     #[command(hide = true)]
     Supervise(SuperviseArgs),
@@ -62,6 +70,86 @@ pub struct SymsArgs {
     /// Print JSON lines instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `hvtrace probe ...`.
+#[derive(Clone, Debug, Args)]
+pub struct ProbeArgs {
+    #[command(subcommand)]
+    pub command: ProbeCommand,
+}
+
+/// The `probe` subcommands.
+#[derive(Clone, Debug, Subcommand)]
+pub enum ProbeCommand {
+    /// Add a probe: `p[:[GROUP/]EVENT] FUNCTION [FETCHARGS]`, as in the
+    /// kernel's kprobe_events (e.g. `p:myopen do_sys_openat2 dfd=%di
+    /// path=+0(%si):string`).
+    Add(ProbeAddArgs),
+    /// Remove a probe: EVENT or GROUP/EVENT.
+    Del(ProbeDelArgs),
+    /// List the probes: name, hits, misses, definition.
+    List(ProbeListArgs),
+}
+
+/// Options of `hvtrace probe add`.
+#[derive(Clone, Debug, Args)]
+pub struct ProbeAddArgs {
+    /// The probe definition (several words are joined with spaces).
+    #[arg(value_name = "SPEC", required = true, num_args = 1.., trailing_var_arg = true, allow_hyphen_values = true)]
+    pub spec: Vec<String>,
+}
+
+/// Options of `hvtrace probe del`.
+#[derive(Clone, Debug, Args)]
+pub struct ProbeDelArgs {
+    /// The probe's name: EVENT, or GROUP/EVENT.
+    #[arg(value_name = "NAME")]
+    pub name: String,
+}
+
+/// Options of `hvtrace probe list`.
+#[derive(Clone, Debug, Args)]
+pub struct ProbeListArgs {
+    /// Print JSON lines instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// How trace lines are written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TraceFormatArg {
+    /// trace_pipe lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+impl TraceFormatArg {
+    /// The protocol's name for it.
+    pub fn protocol(self) -> protocol::TraceFormat {
+        match self {
+            TraceFormatArg::Text => protocol::TraceFormat::Text,
+            TraceFormatArg::Json => protocol::TraceFormat::Json,
+        }
+    }
+}
+
+/// Options of `hvtrace trace`.
+#[derive(Clone, Debug, Args)]
+pub struct TraceArgs {
+    /// Keep reading as lines arrive, until interrupted or the VM ends;
+    /// without it, stop once no line came for a moment.
+    #[arg(long, short = 'f')]
+    pub follow: bool,
+    /// Output format.
+    #[arg(long, value_enum, value_name = "FORMAT", default_value_t = TraceFormatArg::Text)]
+    pub format: TraceFormatArg,
+    /// Trace every traceable function matching GLOB first, with the
+    /// function tracer (repeatable).
+    #[arg(long = "function", value_name = "GLOB")]
+    pub functions: Vec<String>,
 }
 
 /// Options of `hvtrace exec`.
@@ -90,6 +178,7 @@ pub struct SuperviseArgs {
 
 /// Options of `hvtrace run`.
 #[derive(Clone, Debug, Args)]
+#[command(group(ArgGroup::new("tracing").args(["probes", "functions"]).multiple(true).requires("exec")))]
 pub struct RunArgs {
     /// Built-in guest kernel (built or downloaded on first use).
     #[arg(long, value_enum, default_value_t = Guest::Debian)]
@@ -123,15 +212,34 @@ pub struct RunArgs {
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_MEMORY_MIB)]
     pub memory: u32,
 
-    /// Run CMD in the guest shell and print its output (repeatable); without
-    /// any, the terminal is connected to the guest console.
+    /// Run CMD in the guest shell and print its output (repeatable; on
+    /// stderr when tracing); without any, the terminal is connected to the
+    /// guest console.
     #[arg(long = "exec", value_name = "CMD")]
     pub exec: Vec<String>,
 
     /// Boot, then return once the guest shell is up, leaving the VM running
     /// behind the control socket (--socket) for `status`, `exec` and `stop`.
-    #[arg(long, conflicts_with_all = ["exec", "bare"])]
+    #[arg(long, conflicts_with_all = ["exec", "bare", "probes", "functions"])]
     pub detach: bool,
+
+    /// Add this probe (kprobe_events syntax) before the --exec commands run,
+    /// and write the trace of the commands to stdout or --output (repeatable).
+    #[arg(long = "probe", value_name = "SPEC", conflicts_with = "bare")]
+    pub probes: Vec<String>,
+
+    /// Trace every traceable function matching GLOB with the function
+    /// tracer while the --exec commands run (repeatable).
+    #[arg(long = "function", value_name = "GLOB", conflicts_with = "bare")]
+    pub functions: Vec<String>,
+
+    /// Trace output format (with --probe or --function) [default: text].
+    #[arg(long, value_enum, value_name = "FORMAT", requires = "tracing")]
+    pub format: Option<TraceFormatArg>,
+
+    /// Write the trace to FILE instead of stdout (with --probe or --function).
+    #[arg(long, value_name = "FILE", requires = "tracing")]
+    pub output: Option<PathBuf>,
 
     /// Hypervisor image [default: build it with cargo].
     #[arg(long, value_name = "PATH", conflicts_with = "bare")]
@@ -161,6 +269,32 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_BOCHS_IPS)]
     pub bochs_ips: u64,
 }
+
+impl RunArgs {
+    /// True when the run traces its commands (`--probe`, `--function`).
+    pub fn traces(&self) -> bool {
+        !self.probes.is_empty() || !self.functions.is_empty()
+    }
+}
+
+/// An error with more to show than its one line: `hvtrace` prints the line
+/// as `hvtrace: error: ...`, then `detail` as it is (a caret under a bad
+/// token, for example).
+#[derive(Debug)]
+pub struct DetailedError {
+    /// The one-line message.
+    pub message: String,
+    /// Lines to print after it.
+    pub detail: String,
+}
+
+impl std::fmt::Display for DetailedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for DetailedError {}
 
 /// Renders a clap error as one line, without usage and hints.
 pub fn one_line_error(err: &clap::Error) -> String {
@@ -273,9 +407,149 @@ mod tests {
     }
 
     #[test]
+    fn probe_commands() {
+        let cli = Cli::try_parse_from([
+            "hvtrace",
+            "--socket",
+            "/s",
+            "probe",
+            "add",
+            "p:myopen do_sys_openat2 dfd=%di",
+        ])
+        .unwrap();
+        let Command::Probe(ProbeArgs {
+            command: ProbeCommand::Add(add),
+        }) = cli.command
+        else {
+            panic!("not probe add")
+        };
+        assert_eq!(add.spec, ["p:myopen do_sys_openat2 dfd=%di"]);
+        // Unquoted words are one spec; a removal parses (and is refused later).
+        let cli =
+            Cli::try_parse_from(["hvtrace", "probe", "add", "p", "vfs_read", "-5(%di)"]).unwrap();
+        let Command::Probe(ProbeArgs {
+            command: ProbeCommand::Add(add),
+        }) = cli.command
+        else {
+            panic!("not probe add")
+        };
+        assert_eq!(add.spec.join(" "), "p vfs_read -5(%di)");
+        assert!(Cli::try_parse_from(["hvtrace", "probe", "add", "-:myopen"]).is_ok());
+        assert!(Cli::try_parse_from(["hvtrace", "probe", "add"]).is_err());
+
+        let cli = Cli::try_parse_from(["hvtrace", "probe", "del", "kprobes/myopen"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Probe(ProbeArgs { command: ProbeCommand::Del(ProbeDelArgs { ref name }) })
+                if name == "kprobes/myopen"
+        ));
+        assert!(Cli::try_parse_from(["hvtrace", "probe", "del"]).is_err());
+        let cli = Cli::try_parse_from(["hvtrace", "probe", "list", "--json"]).unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Probe(ProbeArgs {
+                command: ProbeCommand::List(ProbeListArgs { json: true })
+            })
+        ));
+        let err = Cli::try_parse_from(["hvtrace", "probe", "frob"]).unwrap_err();
+        assert!(one_line_error(&err).contains("frob"));
+    }
+
+    #[test]
+    fn trace_command() {
+        let cli = Cli::try_parse_from(["hvtrace", "trace"]).unwrap();
+        let Command::Trace(args) = cli.command else {
+            panic!("not trace")
+        };
+        assert!(!args.follow && args.functions.is_empty());
+        assert_eq!(args.format, TraceFormatArg::Text);
+        let cli = Cli::try_parse_from([
+            "hvtrace",
+            "trace",
+            "-f",
+            "--format",
+            "json",
+            "--function",
+            "vfs_*",
+            "--function",
+            "ksys_read",
+        ])
+        .unwrap();
+        let Command::Trace(args) = cli.command else {
+            panic!("not trace")
+        };
+        assert!(args.follow);
+        assert_eq!(args.format.protocol(), protocol::TraceFormat::Json);
+        assert_eq!(args.functions, ["vfs_*", "ksys_read"]);
+        let err = Cli::try_parse_from(["hvtrace", "trace", "--format", "xml"]).unwrap_err();
+        assert!(one_line_error(&err).contains("invalid value 'xml'"));
+    }
+
+    #[test]
+    fn traced_runs() {
+        let args = run_args(
+            Cli::try_parse_from([
+                "hvtrace",
+                "run",
+                "--probe",
+                "p vfs_read",
+                "--probe",
+                "r vfs_read $retval",
+                "--function",
+                "ksys_*",
+                "--exec",
+                "cat /etc/hostname",
+                "--format",
+                "json",
+                "--output",
+                "/tmp/trace.json",
+            ])
+            .unwrap(),
+        );
+        assert!(args.traces());
+        assert_eq!(args.probes, ["p vfs_read", "r vfs_read $retval"]);
+        assert_eq!(args.functions, ["ksys_*"]);
+        assert_eq!(args.format, Some(TraceFormatArg::Json));
+        assert_eq!(
+            args.output.as_deref(),
+            Some(std::path::Path::new("/tmp/trace.json"))
+        );
+        let plain = run_args(Cli::try_parse_from(["hvtrace", "run", "--exec", "true"]).unwrap());
+        assert!(!plain.traces());
+    }
+
+    #[test]
+    fn bad_tracing_combinations_are_one_line() {
+        let cases: [(&[&str], &str); 7] = [
+            (&["--probe", "p vfs_read"], "--exec"),
+            (&["--function", "vfs_*"], "--exec"),
+            (
+                &["--bare", "--probe", "p vfs_read", "--exec", "true"],
+                "cannot be used with",
+            ),
+            (
+                &["--bare", "--function", "x", "--exec", "true"],
+                "cannot be used with",
+            ),
+            (&["--detach", "--function", "x"], "cannot be used with"),
+            (&["--format", "json", "--exec", "true"], "--probe"),
+            (&["--output", "/tmp/x", "--exec", "true"], "--function"),
+        ];
+        for (extra, needle) in cases {
+            let mut argv = vec!["hvtrace", "run"];
+            argv.extend_from_slice(extra);
+            let err = Cli::try_parse_from(&argv).unwrap_err();
+            let line = one_line_error(&err);
+            assert!(!line.contains('\n'));
+            assert!(line.contains(needle), "{argv:?}: {line}");
+        }
+    }
+
+    #[test]
     fn supervise_is_hidden() {
         let help = Cli::command().render_help().to_string();
         assert!(!help.contains("supervise"), "{help}");
         assert!(help.contains("status") && help.contains("exec") && help.contains("stop"));
+        assert!(help.contains("probe") && help.contains("trace"));
     }
 }

@@ -179,6 +179,23 @@ impl Client {
     }
 }
 
+/// What answers requests: a [`Client`] of a VM's control socket, or a
+/// supervisor in this process ([`crate::supervisor::LocalControl`]). The
+/// commands that both `hvtrace run` and the control commands use are
+/// written against it.
+pub trait Control {
+    /// Sends `request` and returns its response, waiting up to `timeout`.
+    /// Events that come with the response are left out (the output of an
+    /// `Exec` is put back together first).
+    fn request(&mut self, request: Request, timeout: Duration) -> Result<Response>;
+}
+
+impl Control for Client {
+    fn request(&mut self, request: Request, timeout: Duration) -> Result<Response> {
+        Ok(self.call(request, timeout)?.response)
+    }
+}
+
 /// The one-line message for a failed connection to `path`.
 pub fn connect_error(path: &Path, e: &io::Error) -> anyhow::Error {
     let p = path.display();
@@ -211,8 +228,20 @@ fn mismatch(theirs: u16) -> anyhow::Error {
     )
 }
 
+/// The supervisor hung up: the VM has ended (or the supervisor died).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SupervisorGone;
+
+impl std::fmt::Display for SupervisorGone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the VM's supervisor closed the connection (the VM has ended)")
+    }
+}
+
+impl std::error::Error for SupervisorGone {}
+
 fn gone() -> anyhow::Error {
-    anyhow!("the VM's supervisor closed the connection (the VM has ended)")
+    anyhow::Error::new(SupervisorGone)
 }
 
 fn is_disconnect(e: &io::Error) -> bool {

@@ -1,19 +1,28 @@
-//! The control commands: `status`, `exec` and `stop`, each a client of a
-//! running VM's control socket ([`crate::client`]). Each opens its session
-//! with `Hello`, which checks that both ends speak this protocol version.
+//! The control commands: `status`, `exec`, `stop`, `syms`, `probe add|del|list`
+//! and `trace`, each a client of a running VM's control socket
+//! ([`crate::client`]). Each opens its session with `Hello`, which checks
+//! that both ends speak this protocol version, then makes one or more calls
+//! and renders the answers.
 //!
-//! New commands (`syms`, `probe add|del|list`, `trace`, `graph`) follow the
-//! same shape: connect, hello, one or more calls, render.
+//! The steps that `hvtrace run` shares when it traces (adding probes and
+//! functions, reading the trace) take any [`Control`], so that they work
+//! the same over the socket and in-process.
 
 use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
-use protocol::{Event, GuestState, Request, Response, StatusReport};
+use ::hypervisor::kprobe;
+use anyhow::{anyhow, bail, Result};
+use protocol::{
+    ErrorKind, Event, GuestState, ProbeInfo, Request, Response, StatusReport, TraceFormat,
+};
 
-use crate::cli::{ExecArgs, StatusArgs, StopArgs, SymsArgs};
-use crate::client::{response_error, Client};
+use crate::cli::{
+    DetailedError, ExecArgs, ProbeAddArgs, ProbeDelArgs, ProbeListArgs, StatusArgs, StopArgs,
+    SymsArgs, TraceArgs,
+};
+use crate::client::{response_error, Client, Control, SupervisorGone};
 use crate::hvlog::{self, HvEvent};
 use crate::json::Json;
 
@@ -146,6 +155,20 @@ pub fn status_text(status: &Status) -> String {
             "  {name:<width$} {count:>12}  (reason {reason})\n"
         ));
     }
+    let t = &r.tracer;
+    if *t != protocol::TracerReport::default() {
+        out.push_str(&format!(
+            "{:<12} {} probes, {} functions, {} sites on {} pages, {} hits, {} lost\n",
+            "tracer", t.probes, t.functions, t.sites, t.pages, t.hits, t.lost
+        ));
+        out.push_str(&format!(
+            "{:<12} {} steps, {} guest writes, {} region restores, {} foreign VMCALLs, {} blocked writes\n",
+            "", t.steps, t.guest_writes, t.region_restores, t.foreign_vmcalls, t.blocked_writes
+        ));
+        if t.trampolines != 0 {
+            out.push_str(&format!("{:<12} trampolines at {:#x}\n", "", t.trampolines));
+        }
+    }
     let c = &r.channel;
     out.push_str(&format!(
         "{:<12} in {} B ({} frames), out {} B ({} frames), {} bad frames, {} dropped\n",
@@ -200,6 +223,27 @@ pub fn status_json(status: &Status) -> Json {
         None => Json::Null,
     };
     let c = &r.channel;
+    let t = &r.tracer;
+    let tracer = Json::object([
+        ("probes", Json::int(t.probes)),
+        ("functions", Json::int(t.functions)),
+        ("sites", Json::int(t.sites)),
+        ("pages", Json::int(t.pages)),
+        ("hits", Json::int(t.hits)),
+        ("lost", Json::int(t.lost)),
+        ("steps", Json::int(t.steps)),
+        ("guest_writes", Json::int(t.guest_writes)),
+        ("region_restores", Json::int(t.region_restores)),
+        ("foreign_vmcalls", Json::int(t.foreign_vmcalls)),
+        ("blocked_writes", Json::int(t.blocked_writes)),
+        (
+            "trampolines",
+            match t.trampolines {
+                0 => Json::Null,
+                addr => Json::Str(format!("{addr:#x}")),
+            },
+        ),
+    ]);
     Json::object([
         (
             "hypervisor_version",
@@ -226,6 +270,7 @@ pub fn status_json(status: &Status) -> Json {
                 ("dropped", Json::int(c.dropped)),
             ]),
         ),
+        ("tracer", tracer),
         (
             "round_trip_ms",
             Json::Float(status.round_trip.as_secs_f64() * 1e3),
@@ -292,6 +337,309 @@ pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
         None => format!("not traceable: {}", s.not_traceable),
     };
     format!("{:016x} {:08x} {kind} {} {trace}", s.addr, s.size, s.name)
+}
+
+/// How long a probe or function request may take.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Checks a probe definition locally, before anything is sent: a malformed
+/// one fails with the parser's message (`probe spec: bad register name
+/// "%dj" at column 29`) and, as detail, the spec with a caret under the bad
+/// token; a removal (`-:EVENT`) is refused with a pointer to `probe del`.
+pub fn check_probe_spec(spec: &str) -> Result<()> {
+    match kprobe::parse(spec) {
+        Ok(kprobe::Command::Add(_)) => Ok(()),
+        Ok(kprobe::Command::Delete(d)) => {
+            let name = match (&d.group, &d.event) {
+                (Some(g), Some(e)) => format!("{g}/{e}"),
+                (None, Some(e)) => e.clone(),
+                _ => "NAME".to_string(),
+            };
+            bail!(
+                "probe spec {:?} removes probes; use `hvtrace probe del {name}` to remove one",
+                spec.trim()
+            )
+        }
+        Err(e) => {
+            let report = e.report(spec);
+            let (first, caret) = report.split_once('\n').unwrap_or((&report, ""));
+            let detail = caret
+                .lines()
+                .map(|l| format!("  {l}\n"))
+                .collect::<String>();
+            Err(DetailedError {
+                message: format!("probe spec: {first}"),
+                detail,
+            }
+            .into())
+        }
+    }
+}
+
+/// Adds one probe: checks it ([`check_probe_spec`]), then asks the
+/// hypervisor. Returns its name (`GROUP/EVENT`) and fentry site.
+pub fn add_probe(control: &mut dyn Control, spec: &str) -> Result<(String, u64)> {
+    check_probe_spec(spec)?;
+    let request = Request::ProbeAdd {
+        spec: spec.to_string(),
+    };
+    match control.request(request, PROBE_TIMEOUT)? {
+        Response::ProbeAdded { name, site } => Ok((name, site)),
+        other => Err(response_error(other)),
+    }
+}
+
+/// The line that reports an added probe.
+pub fn added_line(name: &str, site: u64) -> String {
+    format!("added {name} at {site:#x}")
+}
+
+/// `hvtrace probe add SPEC`.
+pub fn probe_add(socket: &Path, args: &ProbeAddArgs) -> Result<u8> {
+    let spec = args.spec.join(" ");
+    // Before connecting: a typo needs no VM to be reported.
+    check_probe_spec(&spec)?;
+    let mut client = open(socket)?;
+    let (name, site) = add_probe(&mut client, &spec)?;
+    println!("{}", added_line(&name, site));
+    Ok(0)
+}
+
+/// `hvtrace probe del NAME`.
+pub fn probe_del(socket: &Path, args: &ProbeDelArgs) -> Result<u8> {
+    let name = args.name.trim();
+    if name.is_empty() || name.contains(char::is_whitespace) {
+        bail!(
+            "probe del takes one probe name, EVENT or GROUP/EVENT (got {:?})",
+            args.name
+        );
+    }
+    let mut client = open(socket)?;
+    let request = Request::ProbeDel {
+        name: name.to_string(),
+    };
+    match client.request(request, PROBE_TIMEOUT)? {
+        Response::Ok => {
+            println!("removed {name}");
+            Ok(0)
+        }
+        other => Err(response_error(other)),
+    }
+}
+
+/// `hvtrace probe list`: one line per probe, as the kernel's
+/// kprobe_profile has them (name, hits, misses), then the definition.
+pub fn probe_list(socket: &Path, args: &ProbeListArgs) -> Result<u8> {
+    let mut client = open(socket)?;
+    let probes = match client.request(Request::ProbeList, PROBE_TIMEOUT)? {
+        Response::Probes(probes) => probes,
+        other => return Err(response_error(other)),
+    };
+    let mut out = std::io::stdout().lock();
+    for p in &probes {
+        writeln!(out, "{}", probe_line(p, args.json))?;
+    }
+    out.flush()?;
+    Ok(0)
+}
+
+/// One probe as text (`  kprobes/myopen    12    0  p:kprobes/myopen ...`)
+/// or as a JSON object.
+pub fn probe_line(p: &ProbeInfo, json: bool) -> String {
+    if json {
+        return Json::object([
+            ("name", Json::str(p.name.clone())),
+            ("hits", Json::int(p.hits)),
+            ("misses", Json::int(p.misses)),
+            ("symbol", Json::str(p.symbol.clone())),
+            ("site", Json::Str(format!("{:#x}", p.site))),
+            ("spec", Json::str(p.spec.clone())),
+        ])
+        .render();
+    }
+    format!(
+        "  {:<44} {:>15} {:>15}  {}",
+        p.name, p.hits, p.misses, p.spec
+    )
+}
+
+/// Puts the function tracer on every function matching `glob`; returns the
+/// one-line summary (`vfs_*: 42 functions traced, 2 skipped (...)`).
+pub fn add_functions(control: &mut dyn Control, glob: &str) -> Result<String> {
+    let request = Request::FunctionAdd {
+        glob: glob.to_string(),
+    };
+    match control.request(request, PROBE_TIMEOUT)? {
+        Response::FunctionAdded {
+            traced,
+            skipped,
+            skipped_total,
+        } => Ok(function_summary(glob, traced, &skipped, skipped_total)),
+        other => Err(response_error(other)),
+    }
+}
+
+/// How many functions matching `glob` are traced and which were skipped.
+pub fn function_summary(glob: &str, traced: u32, skipped: &[String], skipped_total: u32) -> String {
+    let mut line = format!("function tracer on {glob}: {traced} traced");
+    if skipped_total > 0 {
+        line.push_str(&format!(", {skipped_total} skipped"));
+        if !skipped.is_empty() {
+            line.push_str(" (");
+            line.push_str(&skipped.join("; "));
+            let more = (skipped_total as usize).saturating_sub(skipped.len());
+            if more > 0 {
+                line.push_str(&format!("; {more} more"));
+            }
+            line.push(')');
+        }
+    }
+    line
+}
+
+/// Starts the trace stream in `format`.
+pub fn start_trace(control: &mut dyn Control, format: TraceFormat) -> Result<()> {
+    match control.request(Request::TraceStart { format }, PROBE_TIMEOUT)? {
+        Response::Ok => Ok(()),
+        other => Err(response_error(other)),
+    }
+}
+
+/// What one trace read brought.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TraceRead {
+    /// Complete lines.
+    pub text: String,
+    /// Lines or events lost since the previous read.
+    pub lost: u64,
+}
+
+/// How a trace read ended without lines.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TraceEnd {
+    /// The VM has ended (the message says how); the trace is complete.
+    VmEnded(String),
+}
+
+/// Reads the supervisor's trace buffer from a cursor
+/// ([`Request::TraceRead`]).
+#[derive(Clone, Debug)]
+pub struct TraceReader {
+    /// Where the next read starts.
+    pub cursor: u64,
+    /// The format asked for.
+    pub format: TraceFormat,
+    /// Lines read so far.
+    pub lines: u64,
+    /// Losses reported so far.
+    pub lost: u64,
+}
+
+impl TraceReader {
+    /// A reader from the start of the buffer.
+    pub fn new(format: TraceFormat) -> TraceReader {
+        TraceReader {
+            cursor: 0,
+            format,
+            lines: 0,
+            lost: 0,
+        }
+    }
+
+    /// One read, waiting up to `wait_ms` for a line. Losses are reported on
+    /// stderr (`hvtrace: N events lost`). The end of the VM is `Err(end)`
+    /// inside the `Ok`; other failures are errors.
+    pub fn read(
+        &mut self,
+        control: &mut dyn Control,
+        wait_ms: u32,
+    ) -> Result<std::result::Result<TraceRead, TraceEnd>> {
+        let request = Request::TraceRead {
+            cursor: self.cursor,
+            format: self.format,
+            wait_ms,
+        };
+        // The wait, a stream start forwarded to the hypervisor, and margin.
+        let timeout = Duration::from_millis(u64::from(wait_ms))
+            + crate::link::DEFAULT_TIMEOUT
+            + Duration::from_secs(30);
+        let response = match control.request(request, timeout) {
+            Ok(response) => response,
+            Err(e) if e.downcast_ref::<SupervisorGone>().is_some() => {
+                return Ok(Err(TraceEnd::VmEnded(e.to_string())));
+            }
+            Err(e) => return Err(e),
+        };
+        match response {
+            Response::Trace { next, text, lost } => {
+                self.cursor = next;
+                self.lines += text.bytes().filter(|&b| b == b'\n').count() as u64;
+                self.lost += lost;
+                if lost > 0 {
+                    eprintln!("hvtrace: {lost} events lost");
+                }
+                Ok(Ok(TraceRead { text, lost }))
+            }
+            Response::Error {
+                kind: ErrorKind::NotReady,
+                message,
+            } if message.starts_with("the VM has ended") => Ok(Err(TraceEnd::VmEnded(message))),
+            other => Err(response_error(other)),
+        }
+    }
+}
+
+/// `trace --follow`: each read waits this long for a line.
+pub const FOLLOW_WAIT_MS: u32 = 5000;
+/// `trace`: the first read waits this long (the stream may only start
+/// with it).
+pub const FIRST_WAIT_MS: u32 = 3000;
+/// `trace`: a read that brings nothing after this long ends the trace. A
+/// full frame takes about 0.36 s on the serial line, so this is well above.
+pub const DRAIN_WAIT_MS: u32 = 1000;
+
+/// `hvtrace trace`: adds the --function globs, then copies the trace to
+/// stdout: until a read stays empty, or with --follow until interrupted or
+/// the VM ends.
+pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
+    let mut client = open(socket)?;
+    for glob in &args.functions {
+        let summary = add_functions(&mut client, glob)?;
+        eprintln!("hvtrace: {summary}");
+    }
+    let mut reader = TraceReader::new(args.format.protocol());
+    let mut out = std::io::stdout().lock();
+    let mut wait = if args.follow {
+        FOLLOW_WAIT_MS
+    } else {
+        FIRST_WAIT_MS
+    };
+    loop {
+        let read = match reader.read(&mut client, wait)? {
+            Ok(read) => read,
+            Err(TraceEnd::VmEnded(why)) => {
+                eprintln!("hvtrace: {why}");
+                break;
+            }
+        };
+        if !args.follow {
+            wait = DRAIN_WAIT_MS;
+        }
+        if !read.text.is_empty() {
+            let written = out
+                .write_all(read.text.as_bytes())
+                .and_then(|_| out.flush());
+            match written {
+                Ok(()) => {}
+                // The reader of our output left (`| head`): done.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(0),
+                Err(e) => return Err(anyhow!("cannot write the trace: {e}")),
+            }
+        } else if read.lost == 0 && !args.follow {
+            break;
+        }
+    }
+    Ok(0)
 }
 
 /// `hvtrace exec`: prints the command's output; the exit code is its status.
@@ -488,6 +836,234 @@ mod tests {
             assert!(j.contains(needle), "{needle} not in {j}");
         }
         assert!(!j.contains('\n'));
+    }
+
+    #[test]
+    fn tracer_counters_show_when_there_are_any() {
+        let quiet = status_text(&Status {
+            report: report(),
+            round_trip: Duration::from_millis(1),
+        });
+        assert!(!quiet.contains("tracer"), "{quiet}");
+        let j = status_json(&Status {
+            report: report(),
+            round_trip: Duration::from_millis(1),
+        })
+        .render();
+        assert!(
+            j.contains(r#""hits":0"#) && j.contains(r#""trampolines":null"#),
+            "{j}"
+        );
+        let mut r = report();
+        r.tracer = protocol::TracerReport {
+            probes: 2,
+            functions: 40,
+            sites: 42,
+            pages: 9,
+            hits: 12345,
+            lost: 6,
+            steps: 7,
+            guest_writes: 1,
+            region_restores: 0,
+            foreign_vmcalls: 3,
+            blocked_writes: 4,
+            trampolines: 0xffff_ffff_c000_0000,
+        };
+        let status = Status {
+            report: r,
+            round_trip: Duration::from_millis(1),
+        };
+        let s = status_text(&status);
+        assert!(
+            s.contains(
+                "tracer       2 probes, 40 functions, 42 sites on 9 pages, 12345 hits, 6 lost\n"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                "7 steps, 1 guest writes, 0 region restores, 3 foreign VMCALLs, 4 blocked writes\n"
+            ),
+            "{s}"
+        );
+        let j = status_json(&status).render();
+        assert!(
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"blocked_writes":4,"trampolines":"0xffffffffc0000000"}"#),
+            "{j}"
+        );
+    }
+
+    #[test]
+    fn bad_probe_specs_point_at_the_token() {
+        let spec = "p:myopen do_sys_openat2 dfd=%dj";
+        let e = check_probe_spec(spec).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"probe spec: bad register name "%dj" at column 29"#
+        );
+        let d = e.downcast_ref::<DetailedError>().unwrap();
+        assert_eq!(
+            d.detail,
+            "  p:myopen do_sys_openat2 dfd=%dj\n                              ^~~\n"
+        );
+        assert!(check_probe_spec("p:myopen do_sys_openat2 dfd=%di").is_ok());
+        assert!(check_probe_spec("r vfs_read $retval").is_ok());
+        let e = check_probe_spec("").unwrap_err().to_string();
+        assert!(e.starts_with("probe spec: empty probe definition"), "{e}");
+    }
+
+    #[test]
+    fn removals_are_refused_with_a_hint() {
+        let e = check_probe_spec("-:myopen").unwrap_err().to_string();
+        assert!(e.contains("hvtrace probe del myopen"), "{e}");
+        let e = check_probe_spec("-:grp/ev").unwrap_err().to_string();
+        assert!(e.contains("hvtrace probe del grp/ev"), "{e}");
+        assert!(!e.contains('\n'));
+    }
+
+    #[test]
+    fn probe_lines() {
+        let p = ProbeInfo {
+            name: "kprobes/myopen".into(),
+            spec: "p:kprobes/myopen do_sys_openat2 dfd=%di".into(),
+            symbol: "do_sys_openat2".into(),
+            site: 0xffff_ffff_8123_4564,
+            hits: 12,
+            misses: 1,
+        };
+        let text = probe_line(&p, false);
+        assert_eq!(
+            text,
+            format!(
+                "  {:<44} {:>15} {:>15}  p:kprobes/myopen do_sys_openat2 dfd=%di",
+                "kprobes/myopen", 12, 1
+            )
+        );
+        let json = probe_line(&p, true);
+        assert_eq!(
+            json,
+            r#"{"name":"kprobes/myopen","hits":12,"misses":1,"symbol":"do_sys_openat2","site":"0xffffffff81234564","spec":"p:kprobes/myopen do_sys_openat2 dfd=%di"}"#
+        );
+        assert_eq!(
+            added_line("kprobes/myopen", 0xffff_ffff_8123_4564),
+            "added kprobes/myopen at 0xffffffff81234564"
+        );
+    }
+
+    #[test]
+    fn function_summaries() {
+        assert_eq!(
+            function_summary("vfs_*", 42, &[], 0),
+            "function tracer on vfs_*: 42 traced"
+        );
+        let skipped = ["vfs_a: notrace".to_string(), "vfs_b: no fentry".to_string()];
+        assert_eq!(
+            function_summary("vfs_*", 40, &skipped, 5),
+            "function tracer on vfs_*: 40 traced, 5 skipped (vfs_a: notrace; vfs_b: no fentry; 3 more)"
+        );
+        assert_eq!(
+            function_summary("x", 0, &skipped, 2),
+            "function tracer on x: 0 traced, 2 skipped (vfs_a: notrace; vfs_b: no fentry)"
+        );
+    }
+
+    /// Answers each request with the next canned response, recording the
+    /// requests.
+    struct Canned {
+        answers: std::collections::VecDeque<Result<Response>>,
+        seen: Vec<Request>,
+    }
+
+    impl Control for Canned {
+        fn request(&mut self, request: Request, _timeout: Duration) -> Result<Response> {
+            self.seen.push(request);
+            self.answers.pop_front().expect("no answer left")
+        }
+    }
+
+    #[test]
+    fn the_reader_follows_the_cursor_and_counts() {
+        let mut c = Canned {
+            answers: [
+                Ok(Response::Trace {
+                    next: 2,
+                    text: "a\nb\n".into(),
+                    lost: 0,
+                }),
+                Ok(Response::Trace {
+                    next: 9,
+                    text: "c\n".into(),
+                    lost: 4,
+                }),
+                Ok(Response::error(
+                    ErrorKind::NotReady,
+                    "the VM has ended (guest stopped: power off)",
+                )),
+                Err(anyhow::Error::new(SupervisorGone)),
+                Ok(Response::error(ErrorKind::Unsupported, "no trace here")),
+            ]
+            .into(),
+            seen: Vec::new(),
+        };
+        let mut r = TraceReader::new(TraceFormat::Json);
+        let first = r.read(&mut c, 10).unwrap().unwrap();
+        assert_eq!(first.text, "a\nb\n");
+        let second = r.read(&mut c, 10).unwrap().unwrap();
+        assert_eq!((second.text.as_str(), second.lost), ("c\n", 4));
+        assert_eq!((r.cursor, r.lines, r.lost), (9, 3, 4));
+        assert_eq!(
+            r.read(&mut c, 10).unwrap(),
+            Err(TraceEnd::VmEnded(
+                "the VM has ended (guest stopped: power off)".into()
+            ))
+        );
+        assert!(matches!(
+            r.read(&mut c, 10).unwrap(),
+            Err(TraceEnd::VmEnded(_))
+        ));
+        let e = r.read(&mut c, 10).unwrap_err().to_string();
+        assert_eq!(e, "no trace here");
+        assert_eq!(
+            c.seen[1],
+            Request::TraceRead {
+                cursor: 2,
+                format: TraceFormat::Json,
+                wait_ms: 10
+            }
+        );
+    }
+
+    #[test]
+    fn probe_and_function_requests() {
+        let mut c = Canned {
+            answers: [
+                Ok(Response::ProbeAdded {
+                    name: "kprobes/p_vfs_read_0".into(),
+                    site: 0x1234,
+                }),
+                Ok(Response::error(ErrorKind::NotFound, "no function vfs_nope")),
+                Ok(Response::FunctionAdded {
+                    traced: 3,
+                    skipped: vec![],
+                    skipped_total: 0,
+                }),
+            ]
+            .into(),
+            seen: Vec::new(),
+        };
+        assert_eq!(
+            add_probe(&mut c, "p vfs_read").unwrap(),
+            ("kprobes/p_vfs_read_0".to_string(), 0x1234)
+        );
+        let e = add_probe(&mut c, "p vfs_nope").unwrap_err().to_string();
+        assert_eq!(e, "no function vfs_nope");
+        // A bad spec is refused before anything is sent.
+        assert!(add_probe(&mut c, "p vfs_read %zz").is_err());
+        assert_eq!(c.seen.len(), 2);
+        assert_eq!(
+            add_functions(&mut c, "vfs_*").unwrap(),
+            "function tracer on vfs_*: 3 traced"
+        );
     }
 
     #[test]

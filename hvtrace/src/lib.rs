@@ -37,6 +37,7 @@ pub mod session;
 pub mod socket;
 pub mod supervisor;
 pub mod sys;
+pub mod tracebuf;
 pub mod vm;
 
 pub use config::{Emulator, EmulatorChoice, Guest, RunConfig};

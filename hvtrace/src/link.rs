@@ -7,6 +7,10 @@
 //! to. A reader thread decodes everything the hypervisor sends; a late
 //! answer to a request that timed out is dropped before the next request
 //! goes out.
+//!
+//! Unsolicited events (log lines, rendered trace text, loss counts) go to
+//! the event sink given to [`HvLink::with_events`], called on the reader
+//! thread as each event arrives, whether a request is in flight or not.
 
 use std::fmt;
 use std::io::{Read, Write};
@@ -15,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use protocol::{encode, Body, Frame, FrameDecoder, Request, Response};
+use protocol::{encode, Body, Event, Frame, FrameDecoder, Request, Response};
 
 /// How long the hypervisor gets to answer one request. A status report of
 /// 2 KiB takes about 0.2 s at the UART's pace; the rest is margin for a slow
@@ -65,7 +69,19 @@ pub struct LinkStats {
     pub stale: u64,
     /// Requests that timed out.
     pub timeouts: u64,
+    /// Events received.
+    pub events: u64,
+    /// Event frames that never arrived, going by the gaps in the
+    /// hypervisor's event sequence numbers.
+    pub event_gaps: u64,
+    /// Events received without a sink to take them.
+    pub events_unheard: u64,
 }
+
+/// Where the hypervisor's events go: called on the link's reader thread, in
+/// arrival order, with each event frame's sequence number. It should not
+/// block for long, since nothing else is read meanwhile.
+pub type EventSink = Box<dyn FnMut(u32, Event) + Send>;
 
 /// Sequence numbers for requests: wrapping, starting at 1.
 #[derive(Clone, Copy, Debug)]
@@ -116,8 +132,32 @@ pub struct HvLink {
 
 impl HvLink {
     /// Starts the link over a byte stream (its two halves), with a reader
-    /// thread. `timeout` bounds each request.
+    /// thread. `timeout` bounds each request. Events are counted and
+    /// dropped; see [`HvLink::with_events`].
     pub fn start<R, W>(reader: R, writer: W, timeout: Duration) -> HvLink
+    where
+        R: Read + Send + 'static,
+        W: Write + Send + 'static,
+    {
+        Self::launch(reader, writer, timeout, None)
+    }
+
+    /// Like [`HvLink::start`], and hands every event the hypervisor sends
+    /// to `sink`.
+    pub fn with_events<R, W>(
+        reader: R,
+        writer: W,
+        timeout: Duration,
+        sink: impl FnMut(u32, Event) + Send + 'static,
+    ) -> HvLink
+    where
+        R: Read + Send + 'static,
+        W: Write + Send + 'static,
+    {
+        Self::launch(reader, writer, timeout, Some(Box::new(sink)))
+    }
+
+    fn launch<R, W>(reader: R, writer: W, timeout: Duration, sink: Option<EventSink>) -> HvLink
     where
         R: Read + Send + 'static,
         W: Write + Send + 'static,
@@ -125,7 +165,7 @@ impl HvLink {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Mutex::new(LinkStats::default()));
         let eof = Arc::new(Mutex::new(None));
-        let reader = spawn_reader(reader, tx, stats.clone(), eof.clone());
+        let reader = spawn_reader(reader, tx, sink, stats.clone(), eof.clone());
         HvLink {
             inner: Mutex::new(Inner {
                 writer: Box::new(writer),
@@ -248,8 +288,8 @@ impl HvLink {
                     if frame.seq == seq && matches!(frame.body, Body::Response(_)) {
                         return Ok(*frame);
                     }
-                    // Events have no subscriber yet; late answers belong to
-                    // requests that timed out.
+                    // A late answer to a request that timed out, or one
+                    // the hypervisor should not have sent.
                     self.bump(|s| s.stale += 1);
                 }
                 Ok(FromHv::Closed(why)) => {
@@ -270,15 +310,45 @@ impl HvLink {
     }
 }
 
-/// Decodes what the hypervisor sends and passes the frames on.
+/// Follows the hypervisor's event sequence numbers.
+#[derive(Clone, Copy, Debug, Default)]
+struct EventSeq {
+    last: Option<u32>,
+}
+
+impl EventSeq {
+    /// Notes the number of an event frame; returns how many frames before
+    /// it never arrived. A jump backwards, or too far ahead to be a gap,
+    /// means the counter restarted (a new hypervisor) and counts nothing.
+    fn next(&mut self, seq: u32) -> u64 {
+        let missing = match self.last {
+            Some(last) => {
+                let ahead = seq.wrapping_sub(last.wrapping_add(1));
+                if ahead < 1 << 31 {
+                    u64::from(ahead)
+                } else {
+                    0
+                }
+            }
+            None => 0,
+        };
+        self.last = Some(seq);
+        missing
+    }
+}
+
+/// Decodes what the hypervisor sends: responses go to the request waiting
+/// for them, events to the sink.
 fn spawn_reader<R: Read + Send + 'static>(
     mut reader: R,
     tx: Sender<FromHv>,
+    mut sink: Option<EventSink>,
     stats: Arc<Mutex<LinkStats>>,
     eof: Arc<Mutex<Option<String>>>,
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let mut decoder = FrameDecoder::new();
+        let mut event_seq = EventSeq::default();
         let mut buf = [0u8; 4096];
         let why = loop {
             let n = match reader.read(&mut buf) {
@@ -302,8 +372,28 @@ fn spawn_reader<R: Read + Send + 'static>(
                 s.bad_frames_in += bad;
             }
             for frame in frames {
-                if tx.send(FromHv::Frame(Box::new(frame))).is_err() {
-                    return;
+                let seq = frame.seq;
+                let event = match frame.body {
+                    Body::Event(event) => event,
+                    body => {
+                        let frame = Frame { body, ..frame };
+                        if tx.send(FromHv::Frame(Box::new(frame))).is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                };
+                let missing = event_seq.next(seq);
+                {
+                    let mut s = stats.lock().unwrap_or_else(|e| e.into_inner());
+                    s.events += 1;
+                    s.event_gaps += missing;
+                    if sink.is_none() {
+                        s.events_unheard += 1;
+                    }
+                }
+                if let Some(sink) = sink.as_mut() {
+                    sink(seq, event);
                 }
             }
         };
@@ -397,7 +487,87 @@ mod tests {
             link.request(Request::Ping { nonce: 1 }).unwrap(),
             Response::Pong { nonce: 1 }
         );
-        assert_eq!(link.stats().stale, 2);
+        // The stray answer is stale; the event, without a sink, is unheard.
+        let stats = link.stats();
+        assert_eq!((stats.stale, stats.events, stats.events_unheard), (1, 1, 1));
+    }
+
+    #[test]
+    fn events_reach_the_sink_with_or_without_a_request() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let (tx, rx) = mpsc::channel();
+        let link = HvLink::with_events(
+            ours.try_clone().unwrap(),
+            ours,
+            Duration::from_millis(500),
+            move |seq, event| {
+                let _ = tx.send((seq, event));
+            },
+        );
+        let mut r = FrameReader::new(theirs.try_clone().unwrap());
+        let mut w = FrameWriter::new(theirs);
+        // Unsolicited, with no request in flight; 12 and 13 never arrive.
+        let text = |t: &str| protocol::Event::TraceText {
+            format: protocol::TraceFormat::Text,
+            lost: 0,
+            text: t.to_string(),
+        };
+        w.write_frame(&Frame::event(10, text("a\n"))).unwrap();
+        w.write_frame(&Frame::event(11, protocol::Event::Lost { count: 4 }))
+            .unwrap();
+        w.write_frame(&Frame::event(14, text("b\n"))).unwrap();
+        let got: Vec<_> = (0..3)
+            .map(|_| rx.recv_timeout(Duration::from_secs(5)).unwrap())
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (10, text("a\n")),
+                (11, protocol::Event::Lost { count: 4 }),
+                (14, text("b\n"))
+            ]
+        );
+        // A request still gets its answer, with an event in between.
+        let answer = std::thread::spawn(move || {
+            let f = r.read_frame().unwrap();
+            w.write_frame(&Frame::event(
+                15,
+                protocol::Event::Log { text: "hi".into() },
+            ))
+            .unwrap();
+            w.write_frame(&Frame::response(f.seq, Response::Ok))
+                .unwrap();
+        });
+        assert_eq!(link.request(Request::TraceStop).unwrap(), Response::Ok);
+        answer.join().unwrap();
+        let (seq, event) = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert_eq!(seq, 15);
+        assert_eq!(event, protocol::Event::Log { text: "hi".into() });
+        let stats = link.stats();
+        assert_eq!(
+            (
+                stats.events,
+                stats.event_gaps,
+                stats.events_unheard,
+                stats.stale
+            ),
+            (4, 2, 0, 0)
+        );
+    }
+
+    #[test]
+    fn event_sequence_gaps() {
+        let mut s = EventSeq::default();
+        assert_eq!(s.next(100), 0);
+        assert_eq!(s.next(101), 0);
+        assert_eq!(s.next(104), 2);
+        // Wrapping is no gap.
+        let mut s = EventSeq::default();
+        assert_eq!(s.next(u32::MAX), 0);
+        assert_eq!(s.next(0), 0);
+        // A restart (backwards) counts nothing.
+        assert_eq!(s.next(0), 0);
+        assert_eq!(s.next(1), 0);
     }
 
     #[test]

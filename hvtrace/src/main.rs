@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use clap::error::ErrorKind;
 use clap::Parser;
 
-use hvtrace::cli::{one_line_error, Cli, Command};
+use hvtrace::cli::{one_line_error, Cli, Command, DetailedError, ProbeCommand};
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -33,12 +33,22 @@ fn main() -> ExitCode {
         Command::Exec(args) => hvtrace::ctl::exec(&socket, args),
         Command::Stop(args) => hvtrace::ctl::stop(&socket, args),
         Command::Syms(args) => hvtrace::ctl::syms(&socket, args),
+        Command::Probe(probe) => match &probe.command {
+            ProbeCommand::Add(args) => hvtrace::ctl::probe_add(&socket, args),
+            ProbeCommand::Del(args) => hvtrace::ctl::probe_del(&socket, args),
+            ProbeCommand::List(args) => hvtrace::ctl::probe_list(&socket, args),
+        },
+        Command::Trace(args) => hvtrace::ctl::trace(&socket, args),
         Command::Supervise(args) => hvtrace::supervisor::supervise(&socket, args),
     };
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("hvtrace: error: {}", one_line(&format!("{e:#}")));
+            // The picture under the line, for errors that have one.
+            if let Some(d) = e.chain().find_map(|c| c.downcast_ref::<DetailedError>()) {
+                eprint!("{}", d.detail);
+            }
             ExitCode::from(1)
         }
     }

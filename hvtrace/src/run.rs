@@ -1,15 +1,40 @@
 //! `hvtrace run`: boot, run the --exec commands (or hand the console to the
 //! user), power off, report.
+//!
+//! With `--probe` or `--function` the run traces its commands: it runs the
+//! VM under an in-process supervisor ([`LocalVm`], the code a detached VM
+//! runs under) and is its client. Once the guest shell is up it adds the
+//! probes and the function tracer through the control channel, starts the
+//! trace stream and runs the commands (their output goes to stderr), while
+//! a second thread copies the trace to stdout or `--output`. The run ends
+//! when no trace line came for [`TRACE_QUIET`] after the last command (at
+//! most [`TRACE_DRAIN_LIMIT`] after it); then the hypervisor stops the
+//! guest.
 
-use std::io::Write;
-use std::time::Duration;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
+use protocol::TraceFormat;
 
 use crate::cli::RunArgs;
 use crate::config::{self, Emulator, RunConfig};
+use crate::ctl::{self, TraceEnd, TraceReader};
+use crate::supervisor::{Ending, LocalControl, LocalVm};
 use crate::vm::{StopReport, Vm};
 use crate::{guest, hypervisor};
+
+/// A traced run ends once no trace line came for this long after its last
+/// command.
+pub const TRACE_QUIET: Duration = Duration::from_secs(2);
+/// A traced run collects trace lines for at most this long after its last
+/// command.
+pub const TRACE_DRAIN_LIMIT: Duration = Duration::from_secs(60);
+/// Each read of the trace waits at most this long for a line.
+const TRACE_POLL_MS: u32 = 250;
 
 /// Turns the options into a configuration: checks the given files first,
 /// then resolves the defaults (which may build the kernel, the initramfs or
@@ -63,14 +88,22 @@ pub fn resolve(args: &RunArgs) -> Result<RunConfig> {
     Ok(cfg)
 }
 
-/// Runs `hvtrace run`; returns the process exit code.
-pub fn run(args: &RunArgs) -> Result<u8> {
-    let cfg = resolve(args)?;
+/// Says so when QEMU cannot run the hypervisor.
+fn note_tcg(cfg: &RunConfig) {
     if cfg.emulator == (Emulator::Qemu { kvm: false }) && cfg.under_hypervisor() {
         eprintln!(
             "hvtrace: note: no KVM with VMX on this host; QEMU runs TCG, which cannot emulate VMX"
         );
     }
+}
+
+/// Runs `hvtrace run`; returns the process exit code.
+pub fn run(args: &RunArgs) -> Result<u8> {
+    if args.traces() {
+        return run_traced(args);
+    }
+    let cfg = resolve(args)?;
+    note_tcg(&cfg);
     let mut vm = Vm::start(cfg)?;
     vm.wait_ready()?;
     if args.exec.is_empty() {
@@ -99,7 +132,166 @@ pub fn run(args: &RunArgs) -> Result<u8> {
     finish(&report, 0)
 }
 
-/// Prints the summary of a stop; fails unless the guest powered off.
+/// What the commands and the trace of a traced run came to.
+struct Traced {
+    /// Commands that exited non-zero.
+    failed: usize,
+    /// Trace lines written.
+    lines: u64,
+    /// Lines or events lost.
+    lost: u64,
+}
+
+/// `hvtrace run --probe/--function ... --exec ...`.
+fn run_traced(args: &RunArgs) -> Result<u8> {
+    // What can be checked without a VM, first.
+    for spec in &args.probes {
+        ctl::check_probe_spec(spec).with_context(|| format!("--probe {spec:?}"))?;
+    }
+    if let Some(glob) = args.functions.iter().find(|g| g.trim().is_empty()) {
+        bail!("--function needs a glob (got {glob:?})");
+    }
+    let format = args.format.unwrap_or_default().protocol();
+    let mut out: Box<dyn Write + Send> = match &args.output {
+        Some(path) => Box::new(BufWriter::new(
+            File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
+        )),
+        None => Box::new(std::io::stdout()),
+    };
+    let cfg = resolve(args)?;
+    note_tcg(&cfg);
+    let vm = LocalVm::start(cfg)?;
+    // On failure the VM is dropped, which kills it.
+    let traced = trace_commands(&vm, args, format, &mut *out)?;
+    out.flush().context("cannot write the trace")?;
+    let report = vm.stop()?;
+    let to = match &args.output {
+        Some(path) => format!(" to {}", path.display()),
+        None => String::new(),
+    };
+    let lost = match traced.lost {
+        0 => String::new(),
+        n => format!(", {n} events lost"),
+    };
+    let plural = if traced.lines == 1 { "" } else { "s" };
+    eprintln!("hvtrace: trace: {} line{plural}{to}{lost}", traced.lines);
+    if traced.failed > 0 && args.fail_on_exec_error {
+        finish(&report, 1)?;
+        bail!("{} of {} commands failed", traced.failed, args.exec.len());
+    }
+    finish(&report, 0)
+}
+
+/// Adds the probes and functions, starts the trace, runs the commands and
+/// collects the trace until it is quiet.
+fn trace_commands(
+    vm: &LocalVm,
+    args: &RunArgs,
+    format: TraceFormat,
+    out: &mut (dyn Write + Send),
+) -> Result<Traced> {
+    let mut control = vm.control();
+    for spec in &args.probes {
+        let (name, site) =
+            ctl::add_probe(&mut control, spec).with_context(|| format!("--probe {spec:?}"))?;
+        eprintln!("hvtrace: {}", ctl::added_line(&name, site));
+    }
+    for glob in &args.functions {
+        let summary = ctl::add_functions(&mut control, glob)
+            .with_context(|| format!("--function {glob:?}"))?;
+        eprintln!("hvtrace: {summary}");
+    }
+    ctl::start_trace(&mut control, format).context("cannot start the trace")?;
+
+    let done = OnceLock::new();
+    let abort = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let collector = scope.spawn(|| {
+            let result = collect(control, format, out, &done, &abort);
+            // A trace that cannot be read or written ends the commands too.
+            abort.store(true, Ordering::Relaxed);
+            result
+        });
+        let commands = run_commands(vm, &args.exec, &abort);
+        if commands.is_err() {
+            abort.store(true, Ordering::Relaxed);
+        }
+        let _ = done.set(Instant::now());
+        let collected = collector
+            .join()
+            .unwrap_or_else(|_| Err(anyhow!("the trace reader panicked")));
+        let failed = commands?;
+        let reader = collected?;
+        Ok(Traced {
+            failed,
+            lines: reader.lines,
+            lost: reader.lost,
+        })
+    })
+}
+
+/// Runs the commands in the guest shell, each announced on stderr and its
+/// output copied there, until `abort`; returns how many exited non-zero.
+fn run_commands(vm: &LocalVm, commands: &[String], abort: &AtomicBool) -> Result<usize> {
+    let mut failed = 0;
+    for cmd in commands {
+        if abort.load(Ordering::Relaxed) {
+            break;
+        }
+        eprintln!("hvtrace: $ {cmd}");
+        let result = vm.exec(cmd)?;
+        let mut err = std::io::stderr().lock();
+        err.write_all(result.output.as_bytes())?;
+        err.flush()?;
+        if result.rc != 0 {
+            eprintln!("hvtrace: `{cmd}` exited with status {}", result.rc);
+            failed += 1;
+        }
+    }
+    Ok(failed)
+}
+
+/// Copies the trace to `out` until `done` is set and no line came for
+/// [`TRACE_QUIET`] since (or [`TRACE_DRAIN_LIMIT`] passed), or `abort`.
+fn collect(
+    mut control: LocalControl,
+    format: TraceFormat,
+    out: &mut (dyn Write + Send),
+    done: &OnceLock<Instant>,
+    abort: &AtomicBool,
+) -> Result<TraceReader> {
+    let mut reader = TraceReader::new(format);
+    let mut last_line = Instant::now();
+    while !abort.load(Ordering::Relaxed) {
+        match reader.read(&mut control, TRACE_POLL_MS)? {
+            Ok(read) if !read.text.is_empty() => {
+                out.write_all(read.text.as_bytes())
+                    .and_then(|_| out.flush())
+                    .context("cannot write the trace")?;
+                last_line = Instant::now();
+            }
+            Ok(_) => {}
+            Err(TraceEnd::VmEnded(why)) => bail!("{why}"),
+        }
+        if let Some(&done_at) = done.get() {
+            let now = Instant::now();
+            if now.duration_since(done_at.max(last_line)) >= TRACE_QUIET {
+                break;
+            }
+            if now.duration_since(done_at) >= TRACE_DRAIN_LIMIT {
+                eprintln!(
+                    "hvtrace: the trace still went on {} s after the last command; stopping it there",
+                    TRACE_DRAIN_LIMIT.as_secs()
+                );
+                break;
+            }
+        }
+    }
+    Ok(reader)
+}
+
+/// Prints the summary of a stop; fails unless the guest powered off or
+/// the host stopped it.
 fn finish(report: &StopReport, code: u8) -> Result<u8> {
     if let Some(counts) = &report.exit_counts {
         let text: Vec<String> = counts.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -114,7 +306,7 @@ fn finish(report: &StopReport, code: u8) -> Result<u8> {
         report.wall_time.as_secs_f64(),
         report.reason
     );
-    if !report.clean() {
+    if !Ending::from_report(report).clean {
         return Err(anyhow!(
             "the guest did not power off cleanly: {}",
             report.reason

@@ -10,6 +10,12 @@
 //! - `Stop` is forwarded; once the hypervisor has acknowledged it and the VM
 //!   has ended, the client gets the hypervisor's last log lines as `Log`
 //!   events, then the response;
+//! - `TraceRead` is served here, from the trace buffer ([`TraceBuffer`]),
+//!   which the hypervisor's `TraceText` events fill once the stream is
+//!   started: the first read in a format starts the stream in that format
+//!   (or switches it), then each read waits up to its `wait_ms` for a line;
+//!   `TraceStart` and `TraceStop` are forwarded, and the supervisor notes
+//!   the format the stream is in;
 //! - every other request is forwarded to the hypervisor, one at a time
 //!   ([`HvLink`]), under the supervisor's own sequence numbers; the answer
 //!   goes back under the client's;
@@ -23,21 +29,30 @@
 //!
 //! The run directory holds a `state` file (`starting`, `booting`, `ready`,
 //! `ended: ...`, `failed: ...`) that `run --detach` polls.
+//!
+//! [`LocalVm`] runs the same supervisor inside the calling process, without
+//! a socket, for `hvtrace run` with tracing options: the caller is its only
+//! client and calls it directly.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
-use protocol::{encode, ErrorKind, Event, Frame, Request, Response};
+use anyhow::{anyhow, Context, Result};
+use protocol::{encode, ErrorKind, Event, Frame, Request, Response, TraceFormat};
 
 use crate::cli::SuperviseArgs;
+use crate::client::{response_error, Control};
+use crate::config::RunConfig;
+use crate::console::ExecResult;
 use crate::link::{self, HvLink, LinkError};
 use crate::session::{Backend, Reply, Session};
 use crate::socket::ClaimedSocket;
+use crate::tracebuf::{TraceBuffer, TraceChunk, READ_BUDGET};
 use crate::vm::{StopReport, Vm};
 
 /// The supervisor's log, in the run directory.
@@ -55,6 +70,8 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(120);
 pub const EXEC_CHUNK: usize = 3072;
 /// At most this many clients at once; more are turned away.
 pub const MAX_CLIENTS: usize = 32;
+/// The longest a `TraceRead` waits for a line, whatever it asks for.
+pub const MAX_TRACE_WAIT: Duration = Duration::from_secs(30);
 /// How long, once the VM has ended, the answers in progress get to go out.
 const END_GRACE: Duration = Duration::from_secs(10);
 /// A client that does not read its answers for this long is dropped.
@@ -104,6 +121,94 @@ enum Phase {
     Ended(Ending),
 }
 
+/// Prints a progress line, timed from `start`.
+fn note_at(start: Instant, message: &str) {
+    eprintln!("[{:7.1}s] {message}", start.elapsed().as_secs_f64());
+}
+
+/// The trace buffer, shared with the link's reader thread, which fills it.
+struct TraceShared {
+    buf: Mutex<TraceBuffer>,
+    cv: Condvar,
+    /// Binary `Trace` events received (this supervisor reads rendered text).
+    binary: AtomicU64,
+}
+
+impl TraceShared {
+    fn new() -> TraceShared {
+        TraceShared {
+            buf: Mutex::new(TraceBuffer::new()),
+            cv: Condvar::new(),
+            binary: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, TraceBuffer> {
+        self.buf.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes one event from the hypervisor.
+    fn on_event(&self, event: Event, note: &dyn Fn(&str)) {
+        match event {
+            Event::TraceText { format, lost, text } => {
+                let mut buf = self.lock();
+                buf.push_lost(lost);
+                buf.push_text(format, &text);
+                drop(buf);
+                self.cv.notify_all();
+            }
+            Event::Lost { count } => {
+                self.lock().push_lost(count);
+                self.cv.notify_all();
+            }
+            Event::Log { text } => note(&format!("hypervisor: {text}")),
+            Event::Trace { .. } => {
+                if self.binary.fetch_add(1, Ordering::Relaxed) == 0 {
+                    note("the hypervisor sends binary trace records, which this hvtrace does not read; they are dropped");
+                }
+            }
+            other => note(&format!(
+                "dropped an unknown event from the hypervisor: {other:?}"
+            )),
+        }
+    }
+
+    /// Reads from `cursor`, waiting up to `wait` for a line of `format`;
+    /// `ended` cuts the wait short. Losses alone do not end the wait: they
+    /// come with the first line after them, or when the wait is over.
+    fn wait_read(
+        &self,
+        cursor: u64,
+        format: TraceFormat,
+        wait: Duration,
+        ended: &dyn Fn() -> bool,
+    ) -> TraceChunk {
+        let deadline = Instant::now() + wait;
+        let mut buf = self.lock();
+        let mut cursor = cursor;
+        loop {
+            let chunk = buf.read(cursor, format, READ_BUDGET);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !chunk.text.is_empty() || left.is_zero() || ended() {
+                return chunk;
+            }
+            if chunk.lost == 0 {
+                // Only lines of another format, if anything: go on from
+                // there. With a loss to report, read from the cursor again.
+                cursor = chunk.next;
+            }
+            // The end of the VM does not notify this condition variable;
+            // short slices bound the delay.
+            let slice = left.min(Duration::from_millis(200));
+            buf = self
+                .cv
+                .wait_timeout(buf, slice)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
 /// The state the client threads share.
 struct Supervisor {
     phase: Mutex<Phase>,
@@ -116,6 +221,10 @@ struct Supervisor {
     clients: AtomicUsize,
     client_ids: AtomicU32,
     start: Instant,
+    trace: Arc<TraceShared>,
+    /// The format the hypervisor streams trace text in, once started.
+    /// Held while the stream is started or switched.
+    stream: Mutex<Option<TraceFormat>>,
 }
 
 impl Supervisor {
@@ -130,11 +239,13 @@ impl Supervisor {
             clients: AtomicUsize::new(0),
             client_ids: AtomicU32::new(1),
             start: Instant::now(),
+            trace: Arc::new(TraceShared::new()),
+            stream: Mutex::new(None),
         }
     }
 
     fn note(&self, message: &str) {
-        eprintln!("[{:7.1}s] {message}", self.start.elapsed().as_secs_f64());
+        note_at(self.start, message);
     }
 
     fn phase(&self) -> MutexGuard<'_, Phase> {
@@ -144,6 +255,21 @@ impl Supervisor {
     fn set_phase(&self, phase: Phase) {
         *self.phase() = phase;
         self.phase_cv.notify_all();
+        self.trace.cv.notify_all();
+    }
+
+    /// Waits until the guest shell is up; returns the ending instead if
+    /// the VM ended first.
+    fn wait_ready(&self) -> std::result::Result<(), Ending> {
+        let mut phase = self.phase();
+        loop {
+            match &*phase {
+                Phase::Ready => return Ok(()),
+                Phase::Ended(e) => return Err(e.clone()),
+                _ => {}
+            }
+            phase = self.phase_cv.wait(phase).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     fn ending(&self) -> Option<Ending> {
@@ -202,40 +328,51 @@ impl Supervisor {
     }
 
     fn exec(&self, command: &str) -> Reply {
+        match self.exec_command(command, true) {
+            Ok(result) => exec_reply(result.output, result.rc),
+            Err(refusal) => refusal.response().into(),
+        }
+    }
+
+    /// Runs a command in the guest shell; in a subshell when `subshell`
+    /// (so that `exit` or `cd` leave the console's shell as it was).
+    fn exec_command(
+        &self,
+        command: &str,
+        subshell: bool,
+    ) -> std::result::Result<ExecResult, Refusal> {
         if *self.phase() != Phase::Ready {
-            return Response::error(
+            return Err(Refusal::new(
                 ErrorKind::NotReady,
                 "the guest shell is not up yet (the VM is booting)",
-            )
-            .into();
+            ));
         }
         let mut vm = self.vm();
         let Some(vm) = vm.as_mut() else {
-            return self.ended_response().into();
+            let message = match self.wait_ending(Duration::from_secs(5)) {
+                Some(end) => ended_message(&end),
+                None => "the VM is ending".to_string(),
+            };
+            return Err(Refusal::new(ErrorKind::NotReady, message));
         };
-        // A subshell: `exit` in a command must not end the console's shell
-        // (whose end powers the guest off). `eval` keeps a trailing comment
-        // from swallowing the parenthesis.
-        let wrapped = format!("( eval {} )", crate::console::sh_quote(command));
-        match vm.exec_timeout(&wrapped, EXEC_TIMEOUT) {
-            Ok(result) => exec_reply(result.output, result.rc),
-            Err(e) => {
-                if let Some(end) = vm.watch().ended() {
-                    return Response::error(
-                        ErrorKind::NotReady,
-                        format!("the VM has ended ({end})"),
-                    )
-                    .into();
-                }
-                let message = format!("{e:#}");
-                let kind = if message.contains("too long") {
-                    ErrorKind::InvalidArgument
-                } else {
-                    ErrorKind::Internal
-                };
-                Response::error(kind, format!("exec failed: {message}")).into()
+        // `eval` keeps a trailing comment from swallowing the parenthesis.
+        let line = if subshell {
+            format!("( eval {} )", crate::console::sh_quote(command))
+        } else {
+            command.to_string()
+        };
+        vm.exec_timeout(&line, EXEC_TIMEOUT).map_err(|e| {
+            if let Some(end) = vm.watch().ended() {
+                return Refusal::new(ErrorKind::NotReady, format!("the VM has ended ({end})"));
             }
-        }
+            let message = format!("{e:#}");
+            let kind = if message.contains("too long") {
+                ErrorKind::InvalidArgument
+            } else {
+                ErrorKind::Internal
+            };
+            Refusal::new(kind, format!("exec failed: {message}"))
+        })
     }
 
     fn stop(&self) -> Reply {
@@ -268,11 +405,73 @@ impl Supervisor {
         }
     }
 
-    fn ended_response(&self) -> Response {
-        match self.wait_ending(Duration::from_secs(5)) {
-            Some(end) => Response::error(ErrorKind::NotReady, ended_message(&end)),
-            None => Response::error(ErrorKind::NotReady, "the VM is ending"),
+    /// Starts the trace stream in `format` (or switches it), and notes
+    /// the format on success.
+    fn trace_start(&self, format: TraceFormat) -> Response {
+        let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        let response = self.forward(Request::TraceStart { format });
+        if response == Response::Ok {
+            *stream = Some(format);
         }
+        response
+    }
+
+    fn trace_stop(&self) -> Response {
+        let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        let response = self.forward(Request::TraceStop);
+        if response == Response::Ok {
+            *stream = None;
+        }
+        response
+    }
+
+    /// Serves `TraceRead`: starts or switches the stream when it is not in
+    /// `format`, then reads the buffer.
+    fn trace_read(&self, cursor: u64, format: TraceFormat, wait_ms: u32) -> Response {
+        {
+            let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+            if *stream != Some(format) {
+                match self.forward(Request::TraceStart { format }) {
+                    Response::Ok => *stream = Some(format),
+                    other => return other,
+                }
+            }
+        }
+        let wait = Duration::from_millis(u64::from(wait_ms)).min(MAX_TRACE_WAIT);
+        let chunk = self
+            .trace
+            .wait_read(cursor, format, wait, &|| self.ending().is_some());
+        trace_response(chunk)
+    }
+
+    /// Serves `TraceRead` once the VM has ended: what is left in the buffer,
+    /// then the end.
+    fn trace_read_after_end(&self, cursor: u64, format: TraceFormat, end: &Ending) -> Response {
+        let chunk = self.trace.lock().read(cursor, format, READ_BUDGET);
+        if chunk.is_empty() {
+            return Response::error(ErrorKind::NotReady, ended_message(end));
+        }
+        trace_response(chunk)
+    }
+}
+
+/// Why a request was not carried out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Refusal {
+    kind: ErrorKind,
+    message: String,
+}
+
+impl Refusal {
+    fn new(kind: ErrorKind, message: impl Into<String>) -> Refusal {
+        Refusal {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    fn response(self) -> Response {
+        Response::error(self.kind, self.message)
     }
 }
 
@@ -302,6 +501,14 @@ pub fn exec_reply(output: String, status: i32) -> Reply {
     }
 }
 
+fn trace_response(chunk: TraceChunk) -> Response {
+    Response::Trace {
+        next: chunk.next,
+        text: chunk.text,
+        lost: chunk.lost,
+    }
+}
+
 fn ended_message(end: &Ending) -> String {
     format!("the VM has ended ({})", end.reason)
 }
@@ -309,11 +516,21 @@ fn ended_message(end: &Ending) -> String {
 impl Backend for Supervisor {
     fn serve(&self, request: Request) -> Reply {
         if let Some(end) = self.ending() {
+            if let Request::TraceRead { cursor, format, .. } = request {
+                return self.trace_read_after_end(cursor, format, &end).into();
+            }
             return Response::error(ErrorKind::NotReady, ended_message(&end)).into();
         }
         match request {
             Request::Exec { command } => self.exec(&command),
             Request::Stop => self.stop(),
+            Request::TraceRead {
+                cursor,
+                format,
+                wait_ms,
+            } => self.trace_read(cursor, format, wait_ms).into(),
+            Request::TraceStart { format } => self.trace_start(format).into(),
+            Request::TraceStop => self.trace_stop().into(),
             other => self.forward(other).into(),
         }
     }
@@ -471,7 +688,13 @@ pub fn supervise(socket_path: &Path, args: &SuperviseArgs) -> Result<u8> {
         .context("cannot use the control socket")?;
     accept_clients(sup.clone(), listener);
 
-    let result = run_vm(&sup, &dir, args);
+    let result = crate::run::resolve(&args.run).and_then(|mut cfg| {
+        cfg.run_dir = Some(dir.clone());
+        cfg.progress = true;
+        cfg.echo_boot_console = false;
+        run_vm(&sup, cfg, true, &|state| write_state(&dir, state))
+    });
+    let result = result.map(|report| Ending::from_report(&report));
     let ending = match &result {
         Ok(ending) => ending.clone(),
         Err(e) => Ending {
@@ -495,13 +718,7 @@ pub fn supervise(socket_path: &Path, args: &SuperviseArgs) -> Result<u8> {
     while sup.busy.load(Ordering::SeqCst) > 0 && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(20));
     }
-    if let Some(link) = sup.link.get() {
-        let s = link.stats();
-        sup.note(&format!(
-            "control channel: {} requests, {} raw segments forwarded, {} bytes out, {} bytes in, {} frames in, {} undecodable, {} stale answers, {} timeouts",
-            s.requests, s.forwarded, s.bytes_out, s.bytes_in, s.frames_in, s.bad_frames_in, s.stale, s.timeouts
-        ));
-    }
+    sup.log_counters();
     sup.note(&format!("the VM has ended: {}", ending.reason));
     match result {
         Ok(ending) if ending.clean => Ok(0),
@@ -511,12 +728,50 @@ pub fn supervise(socket_path: &Path, args: &SuperviseArgs) -> Result<u8> {
     }
 }
 
-/// Boots the VM, serves it until it ends, and says how it ended.
-fn run_vm(sup: &Arc<Supervisor>, dir: &Path, args: &SuperviseArgs) -> Result<Ending> {
-    let mut cfg = crate::run::resolve(&args.run)?;
-    cfg.run_dir = Some(dir.to_path_buf());
-    cfg.progress = true;
-    cfg.echo_boot_console = false;
+impl Supervisor {
+    /// Starts the link to the hypervisor over the control channel's two
+    /// halves; its events go to the trace buffer and the log.
+    fn attach<R, W>(&self, reader: R, writer: W, timeout: Duration)
+    where
+        R: Read + Send + 'static,
+        W: Write + Send + 'static,
+    {
+        let trace = self.trace.clone();
+        let start = self.start;
+        let link = HvLink::with_events(reader, writer, timeout, move |_, event| {
+            trace.on_event(event, &|message| note_at(start, message))
+        });
+        let _ = self.link.set(link);
+    }
+
+    /// Logs the control channel's and the trace buffer's counters.
+    fn log_counters(&self) {
+        if let Some(link) = self.link.get() {
+            let s = link.stats();
+            self.note(&format!(
+                "control channel: {} requests, {} raw segments forwarded, {} bytes out, {} bytes in, {} frames in, {} undecodable, {} stale answers, {} timeouts, {} events ({} event frames missing)",
+                s.requests, s.forwarded, s.bytes_out, s.bytes_in, s.frames_in, s.bad_frames_in, s.stale, s.timeouts, s.events, s.event_gaps
+            ));
+        }
+        let t = self.trace.lock().stats();
+        if t.lines + t.hv_lost > 0 {
+            self.note(&format!(
+                "trace buffer: {} lines ({} bytes) received, {} dropped (buffer full), {} events lost by the hypervisor",
+                t.lines, t.bytes, t.dropped, t.hv_lost
+            ));
+        }
+    }
+}
+
+/// Boots the VM, serves it until it ends, and returns its stop report.
+/// `state` hears of each step (`booting`, `ready SECS`). A detached VM has
+/// no time limit once the guest is up; otherwise the run's limit holds.
+fn run_vm(
+    sup: &Arc<Supervisor>,
+    cfg: RunConfig,
+    detached: bool,
+    state: &dyn Fn(&str),
+) -> Result<StopReport> {
     let mut vm = Vm::start(cfg)?;
     sup.note(&format!("emulator pid {}", vm.emulator_pid()));
     let control = vm
@@ -526,19 +781,21 @@ fn run_vm(sup: &Arc<Supervisor>, dir: &Path, args: &SuperviseArgs) -> Result<End
         .try_clone()
         .context("cannot clone the control channel socket")?;
     let reader = crate::sys::QuickAckReader(reader);
-    let _ = sup
-        .link
-        .set(HvLink::start(reader, control, link::DEFAULT_TIMEOUT));
+    sup.attach(reader, control, link::DEFAULT_TIMEOUT);
     sup.set_phase(Phase::Booting);
-    write_state(dir, "booting");
+    state("booting");
     vm.wait_ready()?;
-    vm.clear_deadline();
+    if detached {
+        vm.clear_deadline();
+    }
     let watch = vm.watch();
     let boot = vm.boot_time().unwrap_or_default();
     *sup.vm() = Some(vm);
     sup.set_phase(Phase::Ready);
-    write_state(dir, &format!("ready {:.1}", boot.as_secs_f64()));
-    sup.note("serving the control socket");
+    state(&format!("ready {:.1}", boot.as_secs_f64()));
+    if detached {
+        sup.note("serving the control socket");
+    }
 
     let why = loop {
         if let Some(why) = watch.ended() {
@@ -555,8 +812,144 @@ fn run_vm(sup: &Arc<Supervisor>, dir: &Path, args: &SuperviseArgs) -> Result<End
     let Some(vm) = vm else {
         anyhow::bail!("{why}");
     };
-    let report = vm.wait_stop()?;
-    Ok(Ending::from_report(&report))
+    vm.wait_stop()
+}
+
+/// A VM and its supervisor in this process: what `hvtrace run` uses when
+/// it traces. The caller is the supervisor's only client; it calls it
+/// directly ([`LocalVm::control`], [`LocalVm::exec`]) instead of through a
+/// socket. The VM runs in a thread of its own, which it never outlives.
+pub struct LocalVm {
+    sup: Arc<Supervisor>,
+    thread: Option<JoinHandle<Result<StopReport>>>,
+}
+
+/// A handle on a [`LocalVm`]'s supervisor for other threads of the caller.
+#[derive(Clone)]
+pub struct LocalControl {
+    sup: Arc<Supervisor>,
+}
+
+impl LocalVm {
+    /// Starts the VM and returns once its guest shell is up.
+    pub fn start(cfg: RunConfig) -> Result<LocalVm> {
+        let sup = Arc::new(Supervisor::new());
+        let thread = {
+            let sup = sup.clone();
+            std::thread::Builder::new()
+                .name("vm".to_string())
+                .spawn(move || {
+                    let result = run_vm(&sup, cfg, false, &|_| {});
+                    let ending = match &result {
+                        Ok(report) => Ending::from_report(report),
+                        Err(e) => Ending {
+                            reason: format!("{e:#}"),
+                            clean: false,
+                            lines: Vec::new(),
+                        },
+                    };
+                    sup.set_phase(Phase::Ended(ending));
+                    result
+                })
+                .context("cannot start the VM thread")?
+        };
+        let mut local = LocalVm {
+            sup,
+            thread: Some(thread),
+        };
+        if let Err(end) = local.sup.wait_ready() {
+            return Err(match local.join() {
+                Some(Err(e)) => e,
+                _ => anyhow!("the VM ended before its shell was up ({})", end.reason),
+            });
+        }
+        Ok(local)
+    }
+
+    /// A handle for requests, usable from any thread.
+    pub fn control(&self) -> LocalControl {
+        LocalControl {
+            sup: self.sup.clone(),
+        }
+    }
+
+    /// Runs a command in the guest's shell, as `hvtrace run --exec` does
+    /// (in the console's shell itself, not in a subshell).
+    pub fn exec(&self, command: &str) -> Result<ExecResult> {
+        self.sup
+            .exec_command(command, false)
+            .map_err(|refusal| response_error(refusal.response()))
+    }
+
+    /// Stops the guest through the hypervisor and waits for the VM to end.
+    pub fn stop(mut self) -> Result<StopReport> {
+        let reply = self.sup.stop();
+        if self.sup.ending().is_none() {
+            // The stop did not go through: end the VM the hard way.
+            self.kill();
+        }
+        match self.join() {
+            Some(Ok(report)) => Ok(report),
+            Some(Err(e)) => Err(match reply.response {
+                Response::Ok => e,
+                other => response_error(other),
+            }),
+            None => Err(anyhow!("the VM thread is gone")),
+        }
+    }
+
+    /// Kills the emulator, if the VM is still there.
+    fn kill(&self) {
+        let vm = self.sup.vm().take();
+        if let Some(mut vm) = vm {
+            vm.kill();
+        }
+    }
+
+    /// Waits for the VM thread and returns its result (once).
+    fn join(&mut self) -> Option<Result<StopReport>> {
+        let thread = self.thread.take()?;
+        Some(
+            thread
+                .join()
+                .unwrap_or_else(|_| Err(anyhow!("the VM thread panicked"))),
+        )
+    }
+}
+
+impl Drop for LocalVm {
+    /// A VM that was not stopped is killed.
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            self.kill();
+            let _ = self.join();
+        }
+    }
+}
+
+impl Control for LocalControl {
+    fn request(&mut self, request: Request, _timeout: Duration) -> Result<Response> {
+        // Every request is bounded on the supervisor's side.
+        let reply = self.sup.serve(request);
+        Ok(match reply.response {
+            Response::Exec { output, status } => {
+                let mut whole: String = reply
+                    .events
+                    .iter()
+                    .filter_map(|e| match e {
+                        Event::Log { text } => Some(text.as_str()),
+                        _ => None,
+                    })
+                    .collect();
+                whole.push_str(&output);
+                Response::Exec {
+                    output: whole,
+                    status,
+                }
+            }
+            other => other,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -643,6 +1036,239 @@ mod tests {
         write_state(&dir, "ready 10.5");
         assert_eq!(read_state(&dir).as_deref(), Some("ready 10.5"));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    use protocol::io::{FrameReader, FrameWriter};
+    use protocol::{Body, TraceFormat};
+
+    /// A fake hypervisor behind a supervisor in the `Ready` phase: it
+    /// answers `TraceStart` with `Ok` and everything else with `Pong`, and
+    /// records the requests. The writer sends it events.
+    struct FakeHv {
+        sup: Supervisor,
+        writer: Arc<Mutex<FrameWriter<UnixStream>>>,
+        requests: Arc<Mutex<Vec<Request>>>,
+        event_seq: u32,
+    }
+
+    impl FakeHv {
+        fn new() -> FakeHv {
+            let (ours, theirs) = UnixStream::pair().unwrap();
+            let sup = Supervisor::new();
+            sup.attach(ours.try_clone().unwrap(), ours, Duration::from_secs(5));
+            sup.set_phase(Phase::Ready);
+            let writer = Arc::new(Mutex::new(FrameWriter::new(theirs.try_clone().unwrap())));
+            let requests = Arc::new(Mutex::new(Vec::new()));
+            let (w, seen) = (writer.clone(), requests.clone());
+            std::thread::spawn(move || {
+                let mut r = FrameReader::new(theirs);
+                while let Ok(frame) = r.read_frame() {
+                    let Body::Request(request) = frame.body else {
+                        continue;
+                    };
+                    let answer = match &request {
+                        Request::TraceStart { .. } | Request::TraceStop => Response::Ok,
+                        _ => Response::Pong { nonce: 0 },
+                    };
+                    seen.lock().unwrap().push(request);
+                    if w.lock()
+                        .unwrap()
+                        .write_frame(&Frame::response(frame.seq, answer))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+            FakeHv {
+                sup,
+                writer,
+                requests,
+                event_seq: 0,
+            }
+        }
+
+        fn send(&mut self, event: Event) {
+            self.event_seq += 1;
+            self.writer
+                .lock()
+                .unwrap()
+                .write_frame(&Frame::event(self.event_seq, event))
+                .unwrap();
+        }
+
+        fn text(&mut self, format: TraceFormat, lost: u64, text: &str) {
+            self.send(Event::TraceText {
+                format,
+                lost,
+                text: text.to_string(),
+            });
+        }
+
+        fn read(&self, cursor: u64, format: TraceFormat, wait_ms: u32) -> (u64, String, u64) {
+            let request = Request::TraceRead {
+                cursor,
+                format,
+                wait_ms,
+            };
+            match self.sup.serve(request).response {
+                Response::Trace { next, text, lost } => (next, text, lost),
+                other => panic!("{other:?}"),
+            }
+        }
+
+        fn starts(&self) -> Vec<Request> {
+            self.requests
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|r| matches!(r, Request::TraceStart { .. }))
+                .cloned()
+                .collect()
+        }
+    }
+
+    #[test]
+    fn trace_read_starts_the_stream_once_and_reads_the_buffer() {
+        let mut hv = FakeHv::new();
+        // Nothing yet: the read starts the stream and waits in vain.
+        let (next, text, lost) = hv.read(0, TraceFormat::Text, 50);
+        assert_eq!((next, text.as_str(), lost), (0, "", 0));
+        assert_eq!(
+            hv.starts(),
+            [Request::TraceStart {
+                format: TraceFormat::Text
+            }]
+        );
+        hv.text(TraceFormat::Text, 0, "one\ntwo\n");
+        let (next, text, lost) = hv.read(0, TraceFormat::Text, 5000);
+        assert_eq!((next, text.as_str(), lost), (2, "one\ntwo\n", 0));
+        // Losses reported by the hypervisor, with the lines after them.
+        hv.text(TraceFormat::Text, 3, "three\n");
+        hv.send(Event::Lost { count: 2 });
+        let until = Instant::now() + Duration::from_secs(5);
+        while hv.sup.trace.lock().end() < 5 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let (next, text, lost) = hv.read(next, TraceFormat::Text, 1000);
+        assert_eq!((next, text.as_str(), lost), (5, "three\n", 5));
+        // The stream was started once.
+        assert_eq!(hv.starts().len(), 1);
+        // Another format switches the stream; the text lines are skipped.
+        hv.read(5, TraceFormat::Json, 0);
+        assert_eq!(
+            hv.starts().last(),
+            Some(&Request::TraceStart {
+                format: TraceFormat::Json
+            })
+        );
+        hv.text(TraceFormat::Json, 0, "{\"a\":1}\n");
+        let (next, text, lost) = hv.read(5, TraceFormat::Json, 5000);
+        assert_eq!((next, text.as_str(), lost), (6, "{\"a\":1}\n", 0));
+    }
+
+    #[test]
+    fn a_waiting_read_returns_when_a_line_arrives() {
+        let hv = FakeHv::new();
+        hv.read(0, TraceFormat::Text, 0);
+        let start = Instant::now();
+        let (next, text, _) = std::thread::scope(|s| {
+            let reader = s.spawn(|| hv.read(0, TraceFormat::Text, 20_000));
+            std::thread::sleep(Duration::from_millis(100));
+            let line = Event::TraceText {
+                format: TraceFormat::Text,
+                lost: 0,
+                text: "late\n".into(),
+            };
+            let frame = Frame::event(1, line);
+            hv.writer.lock().unwrap().write_frame(&frame).unwrap();
+            reader.join().unwrap()
+        });
+        assert_eq!((next, text.as_str()), (1, "late\n"));
+        assert!(start.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn a_loss_alone_waits_for_the_next_line() {
+        let mut hv = FakeHv::new();
+        hv.read(0, TraceFormat::Text, 0);
+        hv.send(Event::Lost { count: 4 });
+        let until = Instant::now() + Duration::from_secs(5);
+        while hv.sup.trace.lock().end() < 1 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The wait runs out: the loss is reported without text.
+        let start = Instant::now();
+        assert_eq!(hv.read(0, TraceFormat::Text, 300), (1, String::new(), 4));
+        assert!(start.elapsed() >= Duration::from_millis(250));
+        // A line arriving meanwhile comes with it.
+        let (next, text, lost) = std::thread::scope(|s| {
+            let reader = s.spawn(|| hv.read(0, TraceFormat::Text, 20_000));
+            std::thread::sleep(Duration::from_millis(100));
+            let line = Event::TraceText {
+                format: TraceFormat::Text,
+                lost: 0,
+                text: "after\n".into(),
+            };
+            hv.writer
+                .lock()
+                .unwrap()
+                .write_frame(&Frame::event(2, line))
+                .unwrap();
+            reader.join().unwrap()
+        });
+        assert_eq!((next, text.as_str(), lost), (2, "after\n", 4));
+    }
+
+    #[test]
+    fn trace_start_and_stop_are_forwarded_and_noted() {
+        let hv = FakeHv::new();
+        let start = Request::TraceStart {
+            format: TraceFormat::Json,
+        };
+        assert_eq!(hv.sup.serve(start).response, Response::Ok);
+        assert_eq!(*hv.sup.stream.lock().unwrap(), Some(TraceFormat::Json));
+        // A read in the same format does not start it again.
+        hv.read(0, TraceFormat::Json, 0);
+        assert_eq!(hv.starts().len(), 1);
+        assert_eq!(hv.sup.serve(Request::TraceStop).response, Response::Ok);
+        assert_eq!(*hv.sup.stream.lock().unwrap(), None);
+        hv.read(0, TraceFormat::Json, 0);
+        assert_eq!(hv.starts().len(), 2);
+    }
+
+    #[test]
+    fn after_the_end_the_buffer_is_read_out_then_the_end_reported() {
+        let mut hv = FakeHv::new();
+        hv.read(0, TraceFormat::Text, 0);
+        hv.text(TraceFormat::Text, 0, "last\n");
+        let until = Instant::now() + Duration::from_secs(5);
+        while hv.sup.trace.lock().end() < 1 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        hv.sup.set_phase(Phase::Ended(Ending {
+            reason: "guest stopped: stopped by the host".into(),
+            clean: true,
+            lines: vec![],
+        }));
+        let (next, text, _) = hv.read(0, TraceFormat::Text, 10_000);
+        assert_eq!((next, text.as_str()), (1, "last\n"));
+        let reply = hv.sup.serve(Request::TraceRead {
+            cursor: next,
+            format: TraceFormat::Text,
+            wait_ms: 10_000,
+        });
+        assert_eq!(
+            reply.response,
+            Response::error(
+                ErrorKind::NotReady,
+                "the VM has ended (guest stopped: stopped by the host)"
+            )
+        );
+        // Nothing else is forwarded once the VM has ended.
+        let before = hv.requests.lock().unwrap().len();
+        hv.sup.serve(Request::Ping { nonce: 1 });
+        assert_eq!(hv.requests.lock().unwrap().len(), before);
     }
 
     #[test]

@@ -286,3 +286,316 @@ fn detach_refuses_a_taken_socket() {
     let msg = fails(&["run", "--detach", "--bare"]);
     assert!(msg.contains("cannot be used with"), "{msg}");
 }
+
+// ----- probes and tracing -----
+
+/// Runs hvtrace; returns the exit code, stdout and stderr.
+fn runs(args: &[&str]) -> (i32, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_hvtrace"))
+        .args(args)
+        .env("HVTRACE_ROOT", "/nonexistent-hvtrace-root")
+        .stdin(Stdio::null())
+        .output()
+        .expect("cannot run hvtrace");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_probe_spec_points_at_the_token_without_a_vm() {
+    let scratch = Scratch::new("badspec");
+    let missing = scratch.0.join("missing.sock");
+    let spec = "p:myopen do_sys_openat2 dfd=%dj";
+    let (code, stdout, stderr) =
+        runs(&["--socket", missing.to_str().unwrap(), "probe", "add", spec]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stdout.is_empty());
+    let lines: Vec<&str> = stderr.lines().collect();
+    // The error line first, on its own; then the spec and the caret.
+    assert_eq!(
+        lines,
+        [
+            r#"hvtrace: error: probe spec: bad register name "%dj" at column 29"#,
+            "  p:myopen do_sys_openat2 dfd=%dj",
+            "                              ^~~",
+        ],
+        "{stderr}"
+    );
+}
+
+#[test]
+fn probe_removal_spec_is_refused_with_a_hint() {
+    let msg = fails(&[
+        "--socket",
+        "/nonexistent/x.sock",
+        "probe",
+        "add",
+        "-:myopen",
+    ]);
+    assert!(msg.contains("hvtrace probe del myopen"), "{msg}");
+}
+
+#[test]
+fn probe_and_trace_commands_without_a_vm() {
+    let scratch = Scratch::new("probenovm");
+    let missing = scratch.0.join("missing.sock");
+    let missing = missing.to_str().unwrap();
+    for args in [
+        vec!["--socket", missing, "probe", "add", "p vfs_read"],
+        vec!["--socket", missing, "probe", "del", "p_vfs_read_0"],
+        vec!["--socket", missing, "probe", "list"],
+        vec!["--socket", missing, "trace"],
+        vec![
+            "--socket",
+            missing,
+            "trace",
+            "--follow",
+            "--function",
+            "vfs_*",
+        ],
+    ] {
+        let msg = fails(&args);
+        assert!(msg.starts_with("no VM is running at"), "{args:?}: {msg}");
+    }
+}
+
+#[test]
+fn traced_run_option_errors() {
+    let msg = fails(&["run", "--bare", "--probe", "p vfs_read", "--exec", "true"]);
+    assert!(msg.contains("cannot be used with"), "{msg}");
+    let msg = fails(&["run", "--probe", "p vfs_read"]);
+    assert!(msg.contains("--exec"), "{msg}");
+    let msg = fails(&["run", "--format", "json", "--exec", "true"]);
+    assert!(msg.contains("--probe"), "{msg}");
+    let msg = fails(&["run", "--detach", "--function", "vfs_*"]);
+    assert!(msg.contains("cannot be used with"), "{msg}");
+    // An unwritable --output fails before anything is built.
+    let msg = fails(&[
+        "run",
+        "--function",
+        "vfs_*",
+        "--exec",
+        "true",
+        "--output",
+        "/nonexistent/dir/trace.txt",
+    ]);
+    assert!(
+        msg.starts_with("cannot create /nonexistent/dir/trace.txt"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn traced_run_checks_probe_specs_before_booting() {
+    let (code, stdout, stderr) = runs(&["run", "--probe", "p vfs_read %rax", "--exec", "true"]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stdout.is_empty());
+    let first = stderr.lines().next().unwrap_or("");
+    assert_eq!(
+        first,
+        r#"hvtrace: error: --probe "p vfs_read %rax": probe spec: bad register name "%rax" at column 12 (kprobe_events calls it %ax)"#
+    );
+    assert!(stderr.contains("           ^~~~"), "{stderr}");
+}
+
+/// Serves one connection on `path` with a stateful `answer`.
+fn fake_supervisor_mut(
+    path: &std::path::Path,
+    mut answer: impl FnMut(&Request) -> Response + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    let listener = UnixListener::bind(path).unwrap();
+    std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let mut r = FrameReader::new(stream.try_clone().unwrap());
+        let mut w = FrameWriter::new(stream);
+        while let Ok(frame) = r.read_frame() {
+            if let Body::Request(req) = &frame.body {
+                if w.write_frame(&Frame::response(frame.seq, answer(req)))
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+    })
+}
+
+fn hello() -> Response {
+    Response::Hello {
+        version: PROTOCOL_VERSION,
+        hypervisor: "fake".into(),
+    }
+}
+
+#[test]
+fn probe_commands_against_a_fake_supervisor() {
+    let scratch = Scratch::new("probes");
+    let path = scratch.0.join("ok.sock");
+    let server = fake_supervisor(&path, |req| match req {
+        Request::Hello { .. } => hello(),
+        Request::ProbeAdd { spec } if spec == "p:myopen do_sys_openat2 dfd=%di" => {
+            Response::ProbeAdded {
+                name: "kprobes/myopen".into(),
+                site: 0xffff_ffff_8123_4564,
+            }
+        }
+        other => Response::error(ErrorKind::Internal, format!("unexpected {other:?}")),
+    });
+    // Unquoted words make one spec.
+    let (code, stdout, stderr) = runs(&[
+        "--socket",
+        path.to_str().unwrap(),
+        "probe",
+        "add",
+        "p:myopen",
+        "do_sys_openat2",
+        "dfd=%di",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "added kprobes/myopen at 0xffffffff81234564\n");
+    server.join().unwrap();
+
+    let path = scratch.0.join("del.sock");
+    let server = fake_supervisor(&path, |req| match req {
+        Request::Hello { .. } => hello(),
+        Request::ProbeDel { name } => {
+            Response::error(ErrorKind::NotFound, format!("no probe named {name}"))
+        }
+        _ => Response::error(ErrorKind::Internal, "unexpected"),
+    });
+    let msg = fails(&["--socket", path.to_str().unwrap(), "probe", "del", "nope"]);
+    assert_eq!(msg, "no probe named nope");
+    server.join().unwrap();
+
+    let path = scratch.0.join("list.sock");
+    let server = fake_supervisor(&path, |req| match req {
+        Request::Hello { .. } => hello(),
+        Request::ProbeList => Response::Probes(vec![protocol::ProbeInfo {
+            name: "kprobes/myopen".into(),
+            spec: "p:kprobes/myopen do_sys_openat2 dfd=%di".into(),
+            symbol: "do_sys_openat2".into(),
+            site: 0x1000,
+            hits: 7,
+            misses: 0,
+        }]),
+        _ => Response::error(ErrorKind::Internal, "unexpected"),
+    });
+    let (code, stdout, stderr) = runs(&["--socket", path.to_str().unwrap(), "probe", "list"]);
+    assert_eq!(code, 0, "{stderr}");
+    let fields: Vec<&str> = stdout.split_whitespace().collect();
+    assert_eq!(
+        fields,
+        [
+            "kprobes/myopen",
+            "7",
+            "0",
+            "p:kprobes/myopen",
+            "do_sys_openat2",
+            "dfd=%di"
+        ]
+    );
+    server.join().unwrap();
+}
+
+#[test]
+fn trace_reads_until_quiet() {
+    let scratch = Scratch::new("trace");
+    let path = scratch.0.join("trace.sock");
+    let mut reads = 0u64;
+    let server = fake_supervisor_mut(&path, move |req| match req {
+        Request::Hello { .. } => hello(),
+        Request::FunctionAdd { glob } => Response::FunctionAdded {
+            traced: 12,
+            skipped: vec![format!("{glob}: 1 notrace")],
+            skipped_total: 1,
+        },
+        Request::TraceRead {
+            cursor,
+            format: protocol::TraceFormat::Json,
+            ..
+        } => {
+            reads += 1;
+            match reads {
+                1 => Response::Trace {
+                    next: cursor + 2,
+                    text: "{\"a\":1}\n{\"a\":2}\n".into(),
+                    lost: 0,
+                },
+                2 => Response::Trace {
+                    next: cursor + 1,
+                    text: String::new(),
+                    lost: 5,
+                },
+                3 => Response::Trace {
+                    next: cursor + 1,
+                    text: "{\"a\":3}\n".into(),
+                    lost: 0,
+                },
+                _ => Response::Trace {
+                    next: *cursor,
+                    text: String::new(),
+                    lost: 0,
+                },
+            }
+        }
+        other => Response::error(ErrorKind::Internal, format!("unexpected {other:?}")),
+    });
+    let (code, stdout, stderr) = runs(&[
+        "--socket",
+        path.to_str().unwrap(),
+        "trace",
+        "--format",
+        "json",
+        "--function",
+        "vfs_*",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "{\"a\":1}\n{\"a\":2}\n{\"a\":3}\n");
+    assert_eq!(
+        stderr,
+        "hvtrace: function tracer on vfs_*: 12 traced, 1 skipped (vfs_*: 1 notrace)\nhvtrace: 5 events lost\n"
+    );
+    server.join().unwrap();
+}
+
+#[test]
+fn trace_follow_ends_with_the_vm() {
+    let scratch = Scratch::new("follow");
+    let path = scratch.0.join("follow.sock");
+    let mut reads = 0u64;
+    let server = fake_supervisor_mut(&path, move |req| match req {
+        Request::Hello { .. } => hello(),
+        Request::TraceRead { cursor, .. } => {
+            reads += 1;
+            match reads {
+                1 => Response::Trace {
+                    next: cursor + 1,
+                    text: "line\n".into(),
+                    lost: 0,
+                },
+                // An empty answer does not end --follow.
+                2 => Response::Trace {
+                    next: *cursor,
+                    text: String::new(),
+                    lost: 0,
+                },
+                _ => Response::error(
+                    ErrorKind::NotReady,
+                    "the VM has ended (guest stopped: power off)",
+                ),
+            }
+        }
+        other => Response::error(ErrorKind::Internal, format!("unexpected {other:?}")),
+    });
+    let (code, stdout, stderr) = runs(&["--socket", path.to_str().unwrap(), "trace", "--follow"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, "line\n");
+    assert_eq!(
+        stderr,
+        "hvtrace: the VM has ended (guest stopped: power off)\n"
+    );
+    server.join().unwrap();
+}
