@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on built-in defaults: boot Debian's stock kernel as a VMX
 # guest of the hvtrace hypervisor (in Bochs here, QEMU+KVM where the host has
-# nested VMX) and run a command in it. Extra arguments go to `hvtrace run`.
+# nested VMX), probe do_sys_openat2 from VMX root while the guest runs two
+# commands, and print the trace. Extra arguments go to `hvtrace run`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
@@ -11,6 +12,7 @@ bash scripts/guest/initramfs.sh >/dev/null
 bash scripts/guest/debian-kernel.sh >/dev/null
 
 if [ "$#" -eq 0 ]; then
-    set -- --exec 'uname -a' --exec 'cat /proc/cmdline'
+    set -- --probe 'p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string' \
+        --exec 'uname -a' --exec 'cat /etc/hostname'
 fi
 cargo run -q --release -p hvtrace -- run "$@"
