@@ -12,6 +12,8 @@
  *   tramp=ADDR   the trampoline page: write to it through its physical
  *                frame, clear the page-table entry that maps it
  *   vmcall=1     execute VMCALL in kernel mode, outside the trampolines
+ *   reads=N      with func: time N reads of its first 9 bytes (the cost of
+ *                a guest read of a hooked page: the split view's round trip)
  *
  * Loading always fails with -EAGAIN once the attempts are done, so the
  * module can be loaded again with other parameters.
@@ -21,6 +23,7 @@
 #include <linux/uaccess.h>
 #include <linux/io.h>
 #include <linux/mm.h>
+#include <linux/ktime.h>
 #include <linux/pgtable.h>
 #include <asm/tlbflush.h>
 #include <asm/special_insns.h>
@@ -35,6 +38,21 @@ static int vmcall;
 module_param(vmcall, int, 0);
 static int clear_pmd;
 module_param(clear_pmd, int, 0);
+static int reads;
+module_param(reads, int, 0);
+
+static void time_reads(void)
+{
+	u8 b[9];
+	u64 t0, t;
+	int i, bad = 0;
+
+	t0 = ktime_get_ns();
+	for (i = 0; i < reads; i++)
+		bad += copy_from_kernel_nofault(b, (void *)func, sizeof(b)) != 0;
+	t = ktime_get_ns() - t0;
+	pr_info("hvattack: timed %d reads of %lx: %llu ns (%d faulted)\n", reads, func, t, bad);
+}
 
 static void read_func(void)
 {
@@ -133,7 +151,9 @@ static void try_vmcall(void)
 
 static int __init hvattack_init(void)
 {
-	if (func)
+	if (func && reads > 0)
+		time_reads();
+	else if (func)
 		read_func();
 	if (tramp)
 		attack_tramp();

@@ -79,6 +79,11 @@ pub struct Vcpu {
     start_tsc: u64,
     /// The preemption-timer value currently in the VMCS.
     timer: u32,
+    /// TSC at the last turn, and the turn period in TSC ticks: a guest that
+    /// exits so often that the preemption timer (which counts guest time
+    /// only) rarely expires still gets turns (every traced call exits).
+    last_turn: u64,
+    turn_ticks: u64,
     /// Turns left before a host-requested stop, while its acknowledgement drains.
     stopping: Option<u32>,
     /// Whether #DB is in the exception bitmap.
@@ -131,6 +136,8 @@ impl Vcpu {
             tsc_hz,
             start_tsc: insn::rdtsc(),
             timer: 0,
+            last_turn: 0,
+            turn_ticks: u64::MAX,
             stopping: None,
             debug_exits: false,
             introspection: Introspection::default(),
@@ -165,6 +172,7 @@ impl Vcpu {
     fn service(&mut self) -> Result<Next, VmcsError> {
         let mut stop = false;
         let mut busy = false;
+        self.last_turn = insn::rdtsc();
         self.tracer.on_turn(&self.cfg.ept);
         if !self.tracer.wants_debug_exits() && self.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
@@ -196,6 +204,12 @@ impl Vcpu {
             c.flush();
             busy = c.busy() || self.tracer.has_output();
         }
+        let per_sec = if busy {
+            BUSY_TURNS_PER_SEC
+        } else {
+            IDLE_TURNS_PER_SEC
+        };
+        self.turn_ticks = self.tsc_hz / per_sec;
         if self.cfg.has_timer {
             let t = self.timer_value(busy);
             if t != self.timer {
@@ -242,10 +256,18 @@ impl Vcpu {
             };
             self.counters.record(raw.reason as u16);
             let exit = decode(&raw);
+            let timer = matches!(exit, VmExit::PreemptionTimer);
             match self.handle(exit) {
                 Ok(Next::Resume) => {}
                 Ok(Next::Stop(r)) => return r,
                 Err(e) => return e.into(),
+            }
+            if !timer && insn::rdtsc().wrapping_sub(self.last_turn) > self.turn_ticks {
+                match self.service() {
+                    Ok(Next::Resume) => {}
+                    Ok(Next::Stop(r)) => return r,
+                    Err(e) => return e.into(),
+                }
             }
         }
     }

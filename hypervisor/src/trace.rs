@@ -429,7 +429,7 @@ impl Tracer {
                 return Err(PatchError::Perm("EPT tables exhausted"));
             }
         }
-        invept(ept);
+        // The caller flushes EPT once for the whole request.
         self.sites.insert(
             site,
             SiteUse {
@@ -478,7 +478,7 @@ impl Tracer {
             );
             self.free_shadows.push(shadow);
         }
-        invept(ept);
+        // The caller flushes EPT once for the whole request.
     }
 
     // ----- requests ----------------------------------------------------
@@ -539,7 +539,9 @@ impl Tracer {
         })?;
         self.ensure_region(k, ept)?;
         let site = fs.site.0;
-        self.hook(k, ept, site, fs.func.0, rip).map_err(|e| {
+        let hooked = self.hook(k, ept, site, fs.func.0, rip);
+        invept(ept);
+        hooked.map_err(|e| {
             (
                 ErrorKind::InvalidArgument,
                 format!("cannot hook {} at {site:#x}: {e}", spec.symbol),
@@ -580,6 +582,7 @@ impl Tracer {
             u.probes.retain(|&x| x != p.id);
         }
         self.unhook_if_unused(ept, p.site);
+        invept(ept);
         Ok(())
     }
 
@@ -641,6 +644,7 @@ impl Tracer {
                 }
             }
         }
+        invept(ept);
         log::info!("tracer: function tracer on {glob}: {traced} traced, {skipped_total} skipped");
         Ok((traced, skipped, skipped_total))
     }
@@ -659,6 +663,7 @@ impl Tracer {
             }
             self.unhook_if_unused(ept, s);
         }
+        invept(ept);
         self.functions = 0;
     }
 
