@@ -186,31 +186,6 @@ impl Checks {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn flags_line() {
-        let text = "processor\t: 0\nflags\t\t: fpu vme de pse\nflags\t\t: other\n";
-        assert_eq!(cpuinfo_flags(text).unwrap(), ["fpu", "vme", "de", "pse"]);
-        assert!(cpuinfo_flags("nothing").is_none());
-    }
-
-    #[test]
-    fn checks_collect() {
-        let mut c = Checks::new();
-        c.check(true, "fine");
-        c.eq("same", 1, 1);
-        c.finish();
-        let mut c = Checks::new();
-        c.eq("differs", "a", "b");
-        c.check(false, "second");
-        let result = std::panic::catch_unwind(move || c.finish());
-        assert!(result.is_err());
-    }
-}
-
 /// A VM started with `hvtrace run --detach` (Bochs, KASLR on), stopped when
 /// dropped. Tests talk to it through [`Detached::client`].
 pub struct Detached {
@@ -321,5 +296,30 @@ pub fn hv_status(c: &mut hvtrace::client::Client) -> protocol::StatusReport {
     {
         protocol::Response::Status(s) => s,
         other => panic!("unexpected answer to status: {other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_line() {
+        let text = "processor\t: 0\nflags\t\t: fpu vme de pse\nflags\t\t: other\n";
+        assert_eq!(cpuinfo_flags(text).unwrap(), ["fpu", "vme", "de", "pse"]);
+        assert!(cpuinfo_flags("nothing").is_none());
+    }
+
+    #[test]
+    fn checks_collect() {
+        let mut c = Checks::new();
+        c.check(true, "fine");
+        c.eq("same", 1, 1);
+        c.finish();
+        let mut c = Checks::new();
+        c.eq("differs", "a", "b");
+        c.check(false, "second");
+        let result = std::panic::catch_unwind(move || c.finish());
+        assert!(result.is_err());
     }
 }
