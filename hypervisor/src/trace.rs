@@ -187,6 +187,15 @@ impl GuestMem for VcpuMem {
     }
 }
 
+/// Points the EPT entry of guest page `page` at `hpa` with `perms`. A
+/// failure (EPT tables exhausted) leaves the old entry, which is safe: the
+/// page keeps its previous view.
+fn remap(ept: &Ept, page: u64, hpa: Hpa, perms: u64) {
+    if let Err(e) = ept.map_page(&mut PoolTables, Gpa(page), hpa, perms, MemType::WriteBack) {
+        log::warn!("tracer: EPT entry of {page:#x} not changed: {e:?}");
+    }
+}
+
 fn invept(ept: &Ept) {
     if insn::invept_single(ept.eptp()).is_err() {
         log::warn!("INVEPT failed");
@@ -469,13 +478,7 @@ impl Tracer {
         if h.patches.is_empty() {
             let shadow = h.shadow;
             self.pages.remove(&page);
-            let _ = ept.map_page(
-                &mut PoolTables,
-                Gpa(page),
-                Hpa(page),
-                ept::RWX,
-                MemType::WriteBack,
-            );
+            remap(ept, page, Hpa(page), ept::RWX);
             self.free_shadows.push(shadow);
         }
         // The caller flushes EPT once for the whole request.
@@ -864,22 +867,10 @@ impl Tracer {
         }
         let watched = self.region.as_ref().is_some_and(|r| r.pd_page == page);
         let kind = if watched {
-            let _ = ept.map_page(
-                &mut PoolTables,
-                Gpa(page),
-                Hpa(page),
-                ept::RWX,
-                MemType::WriteBack,
-            );
+            remap(ept, page, Hpa(page), ept::RWX);
             StepKind::Watch
         } else if self.pages.contains_key(&page) {
-            let _ = ept.map_page(
-                &mut PoolTables,
-                Gpa(page),
-                Hpa(page),
-                ept::RWX,
-                MemType::WriteBack,
-            );
+            remap(ept, page, Hpa(page), ept::RWX);
             StepKind::Hooked { write }
         } else if in_hypervisor(page) {
             let scratch = match self.scratch {
@@ -960,26 +951,14 @@ impl Tracer {
                             site::resync(phys::frame_bytes_mut(h.shadow), &orig, &mut h.patches);
                         }
                     }
-                    let _ = ept.map_page(
-                        &mut PoolTables,
-                        Gpa(s.page),
-                        h.shadow,
-                        ept::EXEC,
-                        MemType::WriteBack,
-                    );
+                    remap(ept, s.page, h.shadow, ept::EXEC);
                 } else {
                     // Unhooked meanwhile: the identity mapping stays.
                 }
             }
             StepKind::Watch => {
                 self.check_pde();
-                let _ = ept.map_page(
-                    &mut PoolTables,
-                    Gpa(s.page),
-                    Hpa(s.page),
-                    ept::READ | ept::EXEC,
-                    MemType::WriteBack,
-                );
+                remap(ept, s.page, Hpa(s.page), ept::READ | ept::EXEC);
             }
             StepKind::Discard { restore } => {
                 if restore & ept::RWX == 0 {

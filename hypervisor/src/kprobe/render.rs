@@ -199,21 +199,29 @@ pub fn write_function_text(out: &mut String, ev: &RawEvent, syms: &dyn SymbolRes
     write_ip_sym(out, syms, ev.header.ret_ip, false);
 }
 
+/// The fields every JSON line starts with: `ts`, `ts_ns`, `cpu`, `pid`, `comm`.
+fn json_context(o: &mut json::Object<'_>, ev: &RawEvent, scratch: &mut String) {
+    let h = &ev.header;
+    let (secs, usecs) = secs_usecs(h.timestamp_ns);
+    scratch.clear();
+    let _ = write!(scratch, "{secs}.{usecs:06}");
+    o.str("ts", scratch);
+    o.u64("ts_ns", h.timestamp_ns)
+        .u64("cpu", u64::from(h.cpu))
+        .i64("pid", i64::from(h.pid));
+    o.bytes("comm", h.comm_bytes());
+}
+
 /// The function tracer's event as one JSON object (no newline):
 /// `{"ts":..,"ts_ns":..,"cpu":..,"pid":..,"comm":..,"kind":"function",
 /// "func":"do_sys_openat2","parent":"__x64_sys_openat+0x5d/0xa0",
 /// "ip":"0x..","parent_ip":"0x.."}`.
 pub fn write_function_json(out: &mut String, ev: &RawEvent, syms: &dyn SymbolResolver) {
     let h = &ev.header;
-    let (secs, usecs) = secs_usecs(h.timestamp_ns);
     let mut scratch = String::new();
     let mut o = json::Object::begin(out);
-    let _ = write!(scratch, "{secs}.{usecs:06}");
-    o.str("ts", &scratch);
-    o.u64("ts_ns", h.timestamp_ns)
-        .u64("cpu", u64::from(h.cpu))
-        .i64("pid", i64::from(h.pid));
-    o.bytes("comm", h.comm_bytes()).str("kind", "function");
+    json_context(&mut o, ev, &mut scratch);
+    o.str("kind", "function");
     scratch.clear();
     write_ip_sym(&mut scratch, syms, h.ip, false);
     o.str("func", &scratch);
@@ -251,17 +259,10 @@ pub fn text_line(probe: &ProbeSpec, ev: &RawEvent, syms: &dyn SymbolResolver) ->
 /// and a `ret_ip`.
 pub fn write_json(out: &mut String, probe: &ProbeSpec, ev: &RawEvent, syms: &dyn SymbolResolver) {
     let h = &ev.header;
-    let (secs, usecs) = secs_usecs(h.timestamp_ns);
     let mut scratch = String::new();
     let mut o = json::Object::begin(out);
-    let _ = write!(scratch, "{secs}.{usecs:06}");
-    o.str("ts", &scratch);
-    o.u64("ts_ns", h.timestamp_ns)
-        .u64("cpu", u64::from(h.cpu))
-        .i64("pid", i64::from(h.pid));
-    o.bytes("comm", h.comm_bytes())
-        .str("group", &probe.group)
-        .str("event", &probe.event);
+    json_context(&mut o, ev, &mut scratch);
+    o.str("group", &probe.group).str("event", &probe.event);
     let is_return = probe.kind.is_return();
     o.str("kind", if is_return { "kretprobe" } else { "kprobe" });
     scratch.clear();

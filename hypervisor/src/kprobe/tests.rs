@@ -1179,6 +1179,41 @@ fn event(probe_id: u32, values: Vec<FetchedValue>) -> RawEvent {
 }
 
 #[test]
+fn function_tracer_lines_in_the_kernels_format() {
+    let syms = FakeSyms::kernel();
+    let mut ev = event(0, Vec::new());
+    ev.header.ip = 0xffff_ffff_8123_4560; // do_sys_openat2
+    ev.header.ret_ip = 0xffff_ffff_8123_481d; // in __x64_sys_openat
+    let (ev, _) = RawEvent::decode(&ev.encode()).unwrap();
+    let mut text = String::new();
+    write_function_text(&mut text, &ev, &syms);
+    assert_eq!(
+        text,
+        "             cat-123     [000]     12.345678: do_sys_openat2 <-__x64_sys_openat"
+    );
+    let mut json = String::new();
+    write_function_json(&mut json, &ev, &syms);
+    assert_eq!(
+        json,
+        r#"{"ts":"12.345678","ts_ns":12345678000,"cpu":0,"pid":123,"comm":"cat","kind":"function","func":"do_sys_openat2","parent":"__x64_sys_openat+0x1d/0x30","ip":"0xffffffff81234560","parent_ip":"0xffffffff8123481d"}"#
+    );
+    // An unknown caller prints as an address.
+    ev_with_parent(&syms, 0x1000);
+}
+
+fn ev_with_parent(syms: &FakeSyms, parent: u64) {
+    let mut ev = event(0, Vec::new());
+    ev.header.ip = 0xffff_ffff_8123_4560;
+    ev.header.ret_ip = parent;
+    let mut text = String::new();
+    write_function_text(&mut text, &ev, syms);
+    assert!(
+        text.ends_with(&format!("do_sys_openat2 <-0x{parent:08x}")),
+        "{text}"
+    );
+}
+
+#[test]
 fn the_openat_line_in_the_kernels_format() {
     let r = regs();
     let mut m = FakeMem::default();
