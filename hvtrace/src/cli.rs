@@ -2,15 +2,16 @@
 //!
 //! `run` boots a VM; with `--detach` it leaves it running behind a control
 //! socket. The control commands (`status`, `exec`, `stop`, `syms`, `probe`,
-//! `trace`) talk to that VM over `--socket`, whose default is
+//! `trace`, `graph`) talk to that VM over `--socket`, whose default is
 //! `$XDG_RUNTIME_DIR/hvtrace.sock`, else `/tmp/hvtrace-$UID.sock`.
 //!
-//! `run` with `--probe` or `--function` traces its `--exec` commands in one
-//! go: boot, add the probes, run the commands, write the trace, stop.
+//! `run` with `--probe`, `--function` or `--graph` traces its `--exec`
+//! commands in one go: boot, add the probes, run the commands, write the
+//! trace, stop.
 
 use std::path::PathBuf;
 
-use clap::{ArgGroup, Args, Parser, Subcommand};
+use clap::{value_parser, ArgGroup, Args, Parser, Subcommand};
 
 use crate::config::{EmulatorChoice, Guest, DEFAULT_APPEND, DEFAULT_BOCHS_IPS, DEFAULT_MEMORY_MIB};
 
@@ -45,6 +46,9 @@ pub enum Command {
     /// Print the trace (probe and function-tracer lines) from the start of
     /// the stream.
     Trace(TraceArgs),
+    /// Trace call trees with the function-graph tracer (ftrace's
+    /// function_graph) until the trace goes quiet, then stop it.
+    Graph(GraphArgs),
     /// The supervisor of a detached VM (started by `run --detach`).
     #[command(hide = true)]
     Supervise(SuperviseArgs),
@@ -136,6 +140,30 @@ impl TraceFormatArg {
     }
 }
 
+/// How a traced run or `graph` writes its trace.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormatArg {
+    /// trace_pipe lines (function_graph lines for the graph).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+    /// A Chrome trace of the function-graph calls (for Perfetto or
+    /// chrome://tracing), written when the trace ends.
+    Chrome,
+}
+
+impl OutputFormatArg {
+    /// The format to ask the hypervisor for (a Chrome trace is made from
+    /// JSON lines).
+    pub fn protocol(self) -> protocol::TraceFormat {
+        match self {
+            OutputFormatArg::Text => protocol::TraceFormat::Text,
+            OutputFormatArg::Json | OutputFormatArg::Chrome => protocol::TraceFormat::Json,
+        }
+    }
+}
+
 /// Options of `hvtrace trace`.
 #[derive(Clone, Debug, Args)]
 pub struct TraceArgs {
@@ -150,6 +178,47 @@ pub struct TraceArgs {
     /// function tracer (repeatable).
     #[arg(long = "function", value_name = "GLOB")]
     pub functions: Vec<String>,
+}
+
+/// Options of `hvtrace graph`.
+#[derive(Clone, Debug, Args)]
+pub struct GraphArgs {
+    /// Trace the call trees of the functions matching GLOB, as ftrace's
+    /// set_graph_function (repeatable) [default: every hooked function
+    /// starts a tree].
+    #[arg(long = "function", value_name = "GLOB")]
+    pub functions: Vec<String>,
+    /// Hook only the functions matching GLOB, as ftrace's
+    /// set_ftrace_filter (repeatable) [default: every traceable function].
+    #[arg(long = "trace", value_name = "GLOB")]
+    pub trace: Vec<String>,
+    /// Never trace the functions matching GLOB, nor show what they call
+    /// (repeatable).
+    #[arg(long = "notrace", value_name = "GLOB")]
+    pub notrace: Vec<String>,
+    /// Show calls at most N levels deep, as ftrace's max_graph_depth
+    /// (0: no limit).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_depth: u32,
+    /// Only the task with this pid (thread id).
+    #[arg(long, value_name = "PID", allow_hyphen_values = true, value_parser = value_parser!(i32).range(0..))]
+    pub pid: Option<i32>,
+    /// Only the tasks with this name (comm).
+    #[arg(long, value_name = "NAME")]
+    pub comm: Option<String>,
+    /// Show return values, as ftrace's funcgraph-retval.
+    #[arg(long)]
+    pub retval: bool,
+    /// Output format.
+    #[arg(long, value_enum, value_name = "FORMAT", default_value_t = OutputFormatArg::Text)]
+    pub format: OutputFormatArg,
+    /// Write the trace to FILE instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Keep reading as lines arrive, until interrupted (Ctrl-C) or the VM
+    /// ends; without it, stop once no line came for a moment.
+    #[arg(long, short = 'f')]
+    pub follow: bool,
 }
 
 /// Options of `hvtrace exec`.
@@ -178,7 +247,7 @@ pub struct SuperviseArgs {
 
 /// Options of `hvtrace run`.
 #[derive(Clone, Debug, Args)]
-#[command(group(ArgGroup::new("tracing").args(["probes", "functions"]).multiple(true).requires("exec")))]
+#[command(group(ArgGroup::new("tracing").args(["probes", "functions", "graphs"]).multiple(true).requires("exec")))]
 pub struct RunArgs {
     /// Built-in guest kernel (built or downloaded on first use).
     #[arg(long, value_enum, default_value_t = Guest::Debian)]
@@ -220,7 +289,7 @@ pub struct RunArgs {
 
     /// Boot, then return once the guest shell is up, leaving the VM running
     /// behind the control socket (--socket) for `status`, `exec` and `stop`.
-    #[arg(long, conflicts_with_all = ["exec", "bare", "probes", "functions"])]
+    #[arg(long, conflicts_with_all = ["exec", "bare", "probes", "functions", "graphs"])]
     pub detach: bool,
 
     /// Add this probe (kprobe_events syntax) before the --exec commands run,
@@ -233,11 +302,45 @@ pub struct RunArgs {
     #[arg(long = "function", value_name = "GLOB", conflicts_with = "bare")]
     pub functions: Vec<String>,
 
-    /// Trace output format (with --probe or --function) [default: text].
-    #[arg(long, value_enum, value_name = "FORMAT", requires = "tracing")]
-    pub format: Option<TraceFormatArg>,
+    /// Trace the call trees of the functions matching GLOB with the
+    /// function-graph tracer while the --exec commands run (repeatable).
+    #[arg(
+        long = "graph",
+        value_name = "GLOB",
+        conflicts_with = "bare",
+        required_if_eq("format", "chrome")
+    )]
+    pub graphs: Vec<String>,
 
-    /// Write the trace to FILE instead of stdout (with --probe or --function).
+    /// With --graph: hook only the functions matching GLOB (repeatable)
+    /// [default: every traceable function].
+    #[arg(long = "graph-trace", value_name = "GLOB", requires = "graphs")]
+    pub graph_trace: Vec<String>,
+
+    /// With --graph: never trace the functions matching GLOB, nor show
+    /// what they call (repeatable).
+    #[arg(long = "graph-notrace", value_name = "GLOB", requires = "graphs")]
+    pub graph_notrace: Vec<String>,
+
+    /// With --graph: only the tasks with this name (comm).
+    #[arg(long = "graph-comm", value_name = "NAME", requires = "graphs")]
+    pub graph_comm: Option<String>,
+
+    /// With --graph: show return values.
+    #[arg(long = "graph-retval", requires = "graphs")]
+    pub graph_retval: bool,
+
+    /// With --graph: show calls at most N levels deep (0: no limit).
+    #[arg(long, value_name = "N", requires = "graphs")]
+    pub max_depth: Option<u32>,
+
+    /// Trace output format (with --probe, --function or --graph; chrome
+    /// needs --graph) [default: text].
+    #[arg(long, value_enum, value_name = "FORMAT", requires = "tracing")]
+    pub format: Option<OutputFormatArg>,
+
+    /// Write the trace to FILE instead of stdout (with --probe, --function
+    /// or --graph).
     #[arg(long, value_name = "FILE", requires = "tracing")]
     pub output: Option<PathBuf>,
 
@@ -271,9 +374,10 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
-    /// True when the run traces its commands (`--probe`, `--function`).
+    /// True when the run traces its commands (`--probe`, `--function`,
+    /// `--graph`).
     pub fn traces(&self) -> bool {
-        !self.probes.is_empty() || !self.functions.is_empty()
+        !self.probes.is_empty() || !self.functions.is_empty() || !self.graphs.is_empty()
     }
 }
 
@@ -509,7 +613,7 @@ mod tests {
         assert!(args.traces());
         assert_eq!(args.probes, ["p vfs_read", "r vfs_read $retval"]);
         assert_eq!(args.functions, ["ksys_*"]);
-        assert_eq!(args.format, Some(TraceFormatArg::Json));
+        assert_eq!(args.format, Some(OutputFormatArg::Json));
         assert_eq!(
             args.output.as_deref(),
             Some(std::path::Path::new("/tmp/trace.json"))
@@ -545,11 +649,230 @@ mod tests {
         }
     }
 
+    fn graph_args(argv: &[&str]) -> GraphArgs {
+        let mut full = vec!["hvtrace", "graph"];
+        full.extend_from_slice(argv);
+        match Cli::try_parse_from(full).unwrap().command {
+            Command::Graph(args) => args,
+            other => panic!("not graph: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn graph_command() {
+        let args = graph_args(&[]);
+        assert!(args.functions.is_empty() && args.trace.is_empty() && args.notrace.is_empty());
+        assert_eq!(args.max_depth, 0);
+        assert_eq!((args.pid, args.comm.as_deref()), (None, None));
+        assert!(!args.retval && !args.follow);
+        assert_eq!(args.format, OutputFormatArg::Text);
+        assert_eq!(args.output, None);
+
+        let cli = Cli::try_parse_from([
+            "hvtrace",
+            "graph",
+            "--function",
+            "vfs_read",
+            "--function",
+            "vfs_write",
+            "--trace",
+            "vfs_*",
+            "--trace",
+            "rw_verify_area",
+            "--notrace",
+            "*fsnotify*",
+            "--max-depth",
+            "4",
+            "--pid",
+            "90",
+            "--comm",
+            "dd",
+            "--retval",
+            "--format",
+            "chrome",
+            "--output",
+            "/tmp/graph.json",
+            "-f",
+            "--socket",
+            "/s",
+        ])
+        .unwrap();
+        assert_eq!(cli.socket.as_deref(), Some(std::path::Path::new("/s")));
+        let Command::Graph(args) = cli.command else {
+            panic!("not graph")
+        };
+        assert_eq!(args.functions, ["vfs_read", "vfs_write"]);
+        assert_eq!(args.trace, ["vfs_*", "rw_verify_area"]);
+        assert_eq!(args.notrace, ["*fsnotify*"]);
+        assert_eq!(args.max_depth, 4);
+        assert_eq!(args.pid, Some(90));
+        assert_eq!(args.comm.as_deref(), Some("dd"));
+        assert!(args.retval && args.follow);
+        assert_eq!(args.format, OutputFormatArg::Chrome);
+        assert_eq!(
+            args.output.as_deref(),
+            Some(std::path::Path::new("/tmp/graph.json"))
+        );
+        assert!(graph_args(&["--follow"]).follow);
+        assert_eq!(
+            graph_args(&["--format", "json"]).format.protocol(),
+            protocol::TraceFormat::Json
+        );
+        // A Chrome trace is made from JSON lines.
+        assert_eq!(
+            OutputFormatArg::Chrome.protocol(),
+            protocol::TraceFormat::Json
+        );
+        assert_eq!(
+            OutputFormatArg::Text.protocol(),
+            protocol::TraceFormat::Text
+        );
+    }
+
+    #[test]
+    fn bad_graph_options_are_one_line() {
+        let cases: [(&[&str], &str); 7] = [
+            (&["--format", "xml"], "invalid value 'xml'"),
+            (&["--format", "xml"], "chrome"),
+            (&["--pid", "-1"], "-1 is not in 0..="),
+            (&["--pid", "dd"], "invalid value 'dd' for '--pid <PID>'"),
+            (
+                &["--max-depth", "lots"],
+                "invalid value 'lots' for '--max-depth <N>'",
+            ),
+            (
+                &["--function"],
+                "a value is required for '--function <GLOB>'",
+            ),
+            (&["vfs_read"], "unexpected argument 'vfs_read'"),
+        ];
+        for (extra, needle) in cases {
+            let mut argv = vec!["hvtrace", "graph"];
+            argv.extend_from_slice(extra);
+            let err = Cli::try_parse_from(&argv).unwrap_err();
+            let line = one_line_error(&err);
+            assert!(!line.contains('\n'));
+            assert!(line.contains(needle), "{argv:?}: {line}");
+        }
+    }
+
+    #[test]
+    fn graphed_runs() {
+        let args = run_args(
+            Cli::try_parse_from([
+                "hvtrace",
+                "run",
+                "--graph",
+                "vfs_read",
+                "--graph",
+                "vfs_write",
+                "--graph-trace",
+                "vfs_*",
+                "--graph-notrace",
+                "rw_verify_area",
+                "--graph-comm",
+                "dd",
+                "--graph-retval",
+                "--max-depth",
+                "3",
+                "--exec",
+                "dd if=/etc/hostname of=/dev/null",
+                "--format",
+                "chrome",
+                "--output",
+                "/tmp/graph.json",
+            ])
+            .unwrap(),
+        );
+        assert!(args.traces());
+        assert_eq!(args.graphs, ["vfs_read", "vfs_write"]);
+        assert_eq!(args.graph_trace, ["vfs_*"]);
+        assert_eq!(args.graph_notrace, ["rw_verify_area"]);
+        assert_eq!(args.graph_comm.as_deref(), Some("dd"));
+        assert!(args.graph_retval);
+        assert_eq!(args.max_depth, Some(3));
+        assert_eq!(args.format, Some(OutputFormatArg::Chrome));
+        // With probes and the function tracer in the same run.
+        let args = run_args(
+            Cli::try_parse_from([
+                "hvtrace",
+                "run",
+                "--probe",
+                "p vfs_read",
+                "--function",
+                "ksys_*",
+                "--graph",
+                "vfs_read",
+                "--exec",
+                "true",
+            ])
+            .unwrap(),
+        );
+        assert!(args.traces() && args.graph_trace.is_empty() && args.max_depth.is_none());
+        assert!(!args.graph_retval && args.graph_comm.is_none());
+    }
+
+    #[test]
+    fn bad_graph_combinations_are_one_line() {
+        let cases: [(&[&str], &str); 10] = [
+            (&["--graph", "vfs_read"], "--exec"),
+            (
+                &["--bare", "--graph", "vfs_read", "--exec", "true"],
+                "cannot be used with",
+            ),
+            (&["--detach", "--graph", "vfs_read"], "cannot be used with"),
+            (&["--graph-trace", "vfs_*", "--exec", "true"], "--graph"),
+            (&["--graph-notrace", "x", "--exec", "true"], "--graph"),
+            (&["--graph-comm", "dd", "--exec", "true"], "--graph"),
+            (&["--graph-retval", "--exec", "true"], "--graph"),
+            (&["--max-depth", "2", "--exec", "true"], "--graph"),
+            // Chrome traces are made of graph calls.
+            (&["--format", "chrome", "--exec", "true"], "--graph"),
+            (
+                &[
+                    "--format",
+                    "chrome",
+                    "--probe",
+                    "p vfs_read",
+                    "--exec",
+                    "true",
+                ],
+                "--graph",
+            ),
+        ];
+        for (extra, needle) in cases {
+            let mut argv = vec!["hvtrace", "run"];
+            argv.extend_from_slice(extra);
+            let err = Cli::try_parse_from(&argv).unwrap_err();
+            let line = one_line_error(&err);
+            assert!(!line.contains('\n'));
+            assert!(line.contains(needle), "{argv:?}: {line}");
+        }
+        // Text and JSON stay open to every tracer.
+        for format in ["text", "json"] {
+            assert!(Cli::try_parse_from([
+                "hvtrace",
+                "run",
+                "--format",
+                format,
+                "--probe",
+                "p vfs_read",
+                "--exec",
+                "true"
+            ])
+            .is_ok());
+        }
+        assert!(Cli::try_parse_from([
+            "hvtrace", "run", "--format", "chrome", "--graph", "f", "--exec", "true"
+        ])
+        .is_ok());
+    }
+
     #[test]
     fn supervise_is_hidden() {
         let help = Cli::command().render_help().to_string();
         assert!(!help.contains("supervise"), "{help}");
         assert!(help.contains("status") && help.contains("exec") && help.contains("stop"));
-        assert!(help.contains("probe") && help.contains("trace"));
+        assert!(help.contains("probe") && help.contains("trace") && help.contains("graph"));
     }
 }

@@ -2,25 +2,27 @@
 //! and `trace`, each a client of a running VM's control socket
 //! ([`crate::client`]). Each opens its session with `Hello`, which checks
 //! that both ends speak this protocol version, then makes one or more calls
-//! and renders the answers.
+//! and renders the answers. (`graph` is in [`crate::graph`].)
 //!
 //! The steps that `hvtrace run` shares when it traces (adding probes and
 //! functions, reading the trace) take any [`Control`], so that they work
 //! the same over the socket and in-process.
 
-use std::io::Write;
+use std::fs::File;
+use std::io::{BufWriter, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ::hypervisor::kprobe;
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use protocol::{
     ErrorKind, Event, GuestState, ProbeInfo, Request, Response, StatusReport, TraceFormat,
 };
 
+use crate::chrome::{Chrome, ChromeSummary};
 use crate::cli::{
-    DetailedError, ExecArgs, ProbeAddArgs, ProbeDelArgs, ProbeListArgs, StatusArgs, StopArgs,
-    SymsArgs, TraceArgs,
+    DetailedError, ExecArgs, OutputFormatArg, ProbeAddArgs, ProbeDelArgs, ProbeListArgs,
+    StatusArgs, StopArgs, SymsArgs, TraceArgs,
 };
 use crate::client::{response_error, Client, Control, SupervisorGone};
 use crate::hvlog::{self, HvEvent};
@@ -168,6 +170,18 @@ pub fn status_text(status: &Status) -> String {
         if t.trampolines != 0 {
             out.push_str(&format!("{:<12} trampolines at {:#x}\n", "", t.trampolines));
         }
+        if t.graph_stacks + t.graph_misses + t.graph_dropped + t.graph_orphans != 0 {
+            out.push_str(&format!(
+                "{:<12} {} frames on {} stacks ({} B), {} misses, {} dropped, {} orphan returns\n",
+                "graph",
+                t.graph_frames,
+                t.graph_stacks,
+                t.graph_bytes,
+                t.graph_misses,
+                t.graph_dropped,
+                t.graph_orphans
+            ));
+        }
     }
     let c = &r.channel;
     out.push_str(&format!(
@@ -236,6 +250,12 @@ pub fn status_json(status: &Status) -> Json {
         ("region_restores", Json::int(t.region_restores)),
         ("foreign_vmcalls", Json::int(t.foreign_vmcalls)),
         ("blocked_writes", Json::int(t.blocked_writes)),
+        ("graph_frames", Json::int(t.graph_frames)),
+        ("graph_stacks", Json::int(t.graph_stacks)),
+        ("graph_bytes", Json::int(t.graph_bytes)),
+        ("graph_misses", Json::int(t.graph_misses)),
+        ("graph_dropped", Json::int(t.graph_dropped)),
+        ("graph_orphans", Json::int(t.graph_orphans)),
         (
             "trampolines",
             match t.trampolines {
@@ -546,6 +566,25 @@ impl TraceReader {
         }
     }
 
+    /// A reader from the end of the buffer as it is now: it gets the lines
+    /// that arrive from here on. Its one read (a cursor past the end reads
+    /// from the end, without waiting) also starts the stream in `format`
+    /// if it is not. Fails when the VM has ended.
+    pub fn at_end(control: &mut dyn Control, format: TraceFormat) -> Result<TraceReader> {
+        let mut reader = TraceReader::new(format);
+        reader.cursor = u64::MAX;
+        match reader.read(control, 0)? {
+            Ok(_) => {}
+            Err(TraceEnd::VmEnded(why)) => bail!("{why}"),
+        }
+        if reader.cursor == u64::MAX {
+            bail!("the trace buffer did not say where it ends");
+        }
+        reader.lines = 0;
+        reader.lost = 0;
+        Ok(reader)
+    }
+
     /// One read, waiting up to `wait_ms` for a line. Losses are reported on
     /// stderr (`hvtrace: N events lost`). The end of the VM is `Err(end)`
     /// inside the `Ok`; other failures are errors.
@@ -598,6 +637,124 @@ pub const FIRST_WAIT_MS: u32 = 3000;
 /// full frame takes about 0.36 s on the serial line, so this is well above.
 pub const DRAIN_WAIT_MS: u32 = 1000;
 
+/// Where trace lines go: copied to a writer as they come, or collected
+/// for a Chrome trace that is written when the trace ends.
+pub struct TraceOutput {
+    out: Box<dyn Write + Send>,
+    chrome: Option<Chrome>,
+}
+
+impl TraceOutput {
+    /// Lines are copied to `out` as they come.
+    pub fn copy(out: Box<dyn Write + Send>) -> TraceOutput {
+        TraceOutput { out, chrome: None }
+    }
+
+    /// Lines (JSON) are collected; [`TraceOutput::finish`] writes the
+    /// Chrome trace to `out`.
+    pub fn chrome(out: Box<dyn Write + Send>) -> TraceOutput {
+        TraceOutput {
+            out,
+            chrome: Some(Chrome::new()),
+        }
+    }
+
+    /// The output for `format`, into `path` (created now) or stdout.
+    pub fn create(path: Option<&Path>, format: OutputFormatArg) -> Result<TraceOutput> {
+        let out: Box<dyn Write + Send> = match path {
+            Some(path) => Box::new(BufWriter::new(
+                File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
+            )),
+            None => Box::new(std::io::stdout()),
+        };
+        Ok(match format {
+            OutputFormatArg::Chrome => TraceOutput::chrome(out),
+            OutputFormatArg::Text | OutputFormatArg::Json => TraceOutput::copy(out),
+        })
+    }
+
+    /// Takes complete lines.
+    pub fn write(&mut self, text: &str) -> std::io::Result<()> {
+        match &mut self.chrome {
+            Some(chrome) => {
+                chrome.push_text(text);
+                Ok(())
+            }
+            None => {
+                self.out.write_all(text.as_bytes())?;
+                self.out.flush()
+            }
+        }
+    }
+
+    /// Ends the output: writes the Chrome trace, if that is what it is
+    /// (and says what it holds), and flushes.
+    pub fn finish(mut self) -> std::io::Result<Option<ChromeSummary>> {
+        let summary = match self.chrome.take() {
+            Some(chrome) => Some(chrome.write(&mut self.out)?),
+            None => None,
+        };
+        self.out.flush()?;
+        Ok(summary)
+    }
+}
+
+/// How [`copy_trace`] ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CopyEnd {
+    /// A read stayed empty (without `follow`).
+    Quiet,
+    /// The VM has ended (the message says how).
+    VmEnded(String),
+    /// `stop` said so (an interrupt).
+    Stopped,
+    /// The reader of the output left (a broken pipe).
+    ReaderLeft,
+}
+
+/// Copies the trace from `reader` to `out`: until a read stays empty, or
+/// with `follow` until `stop` says so or the VM ends. The first read waits
+/// [`FIRST_WAIT_MS`] and the next ones [`DRAIN_WAIT_MS`]; with `follow`
+/// each waits `follow_wait_ms`, which also bounds how late `stop` is seen.
+pub fn copy_trace(
+    control: &mut dyn Control,
+    reader: &mut TraceReader,
+    follow: bool,
+    follow_wait_ms: u32,
+    out: &mut TraceOutput,
+    stop: &dyn Fn() -> bool,
+) -> Result<CopyEnd> {
+    let mut wait = if follow {
+        follow_wait_ms
+    } else {
+        FIRST_WAIT_MS
+    };
+    loop {
+        if stop() {
+            return Ok(CopyEnd::Stopped);
+        }
+        let read = match reader.read(control, wait)? {
+            Ok(read) => read,
+            Err(TraceEnd::VmEnded(why)) => return Ok(CopyEnd::VmEnded(why)),
+        };
+        if !follow {
+            wait = DRAIN_WAIT_MS;
+        }
+        if !read.text.is_empty() {
+            match out.write(&read.text) {
+                Ok(()) => {}
+                // The reader of our output left (`| head`): done.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                    return Ok(CopyEnd::ReaderLeft)
+                }
+                Err(e) => return Err(anyhow!("cannot write the trace: {e}")),
+            }
+        } else if read.lost == 0 && !follow {
+            return Ok(CopyEnd::Quiet);
+        }
+    }
+}
+
 /// `hvtrace trace`: adds the --function globs, then copies the trace to
 /// stdout: until a read stays empty, or with --follow until interrupted or
 /// the VM ends.
@@ -608,36 +765,17 @@ pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
         eprintln!("hvtrace: {summary}");
     }
     let mut reader = TraceReader::new(args.format.protocol());
-    let mut out = std::io::stdout().lock();
-    let mut wait = if args.follow {
-        FOLLOW_WAIT_MS
-    } else {
-        FIRST_WAIT_MS
-    };
-    loop {
-        let read = match reader.read(&mut client, wait)? {
-            Ok(read) => read,
-            Err(TraceEnd::VmEnded(why)) => {
-                eprintln!("hvtrace: {why}");
-                break;
-            }
-        };
-        if !args.follow {
-            wait = DRAIN_WAIT_MS;
-        }
-        if !read.text.is_empty() {
-            let written = out
-                .write_all(read.text.as_bytes())
-                .and_then(|_| out.flush());
-            match written {
-                Ok(()) => {}
-                // The reader of our output left (`| head`): done.
-                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(0),
-                Err(e) => return Err(anyhow!("cannot write the trace: {e}")),
-            }
-        } else if read.lost == 0 && !args.follow {
-            break;
-        }
+    let mut out = TraceOutput::copy(Box::new(std::io::stdout()));
+    let end = copy_trace(
+        &mut client,
+        &mut reader,
+        args.follow,
+        FOLLOW_WAIT_MS,
+        &mut out,
+        &|| false,
+    )?;
+    if let CopyEnd::VmEnded(why) = end {
+        eprintln!("hvtrace: {why}");
     }
     Ok(0)
 }
@@ -868,6 +1006,7 @@ mod tests {
             foreign_vmcalls: 3,
             blocked_writes: 4,
             trampolines: 0xffff_ffff_c000_0000,
+            ..Default::default()
         };
         let status = Status {
             report: r,
@@ -888,7 +1027,7 @@ mod tests {
         );
         let j = status_json(&status).render();
         assert!(
-            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"blocked_writes":4,"trampolines":"0xffffffffc0000000"}"#),
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
         );
     }

@@ -17,12 +17,14 @@
 //! ```
 
 pub mod bochs;
+pub mod chrome;
 pub mod cli;
 pub mod client;
 pub mod config;
 pub mod console;
 pub mod ctl;
 pub mod detach;
+pub mod graph;
 pub mod guest;
 pub mod host;
 pub mod hvlog;

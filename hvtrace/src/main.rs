@@ -39,6 +39,7 @@ fn main() -> ExitCode {
             ProbeCommand::List(args) => hvtrace::ctl::probe_list(&socket, args),
         },
         Command::Trace(args) => hvtrace::ctl::trace(&socket, args),
+        Command::Graph(args) => hvtrace::graph::graph(&socket, args),
         Command::Supervise(args) => hvtrace::supervisor::supervise(&socket, args),
     };
     match result {

@@ -1,31 +1,31 @@
 //! `hvtrace run`: boot, run the --exec commands (or hand the console to the
 //! user), power off, report.
 //!
-//! With `--probe` or `--function` the run traces its commands: it runs the
-//! VM under an in-process supervisor ([`LocalVm`], the code a detached VM
-//! runs under) and is its client. Once the guest shell is up it adds the
-//! probes and the function tracer through the control channel, starts the
-//! trace stream and runs the commands (their output goes to stderr), while
-//! a second thread copies the trace to stdout or `--output`. The run ends
-//! when no trace line came for [`TRACE_QUIET`] after the last command (at
-//! most [`TRACE_DRAIN_LIMIT`] after it); then the hypervisor stops the
-//! guest.
+//! With `--probe`, `--function` or `--graph` the run traces its commands:
+//! it runs the VM under an in-process supervisor ([`LocalVm`], the code a
+//! detached VM runs under) and is its client. Once the guest shell is up it
+//! adds the probes, the function tracer and the function graph through the
+//! control channel, starts the trace stream and runs the commands (their
+//! output goes to stderr), while a second thread copies the trace to stdout
+//! or `--output` (or collects it, for a Chrome trace written at the end).
+//! The run ends when no trace line came for [`TRACE_QUIET`] after the last
+//! command (at most [`TRACE_DRAIN_LIMIT`] after it); then the graph is
+//! stopped and the hypervisor stops the guest.
 
-use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use protocol::TraceFormat;
+use protocol::{GraphFilter, TraceFormat};
 
 use crate::cli::RunArgs;
 use crate::config::{self, Emulator, RunConfig};
-use crate::ctl::{self, TraceEnd, TraceReader};
+use crate::ctl::{self, TraceEnd, TraceOutput, TraceReader};
 use crate::supervisor::{Ending, LocalControl, LocalVm};
 use crate::vm::{StopReport, Vm};
-use crate::{guest, hypervisor};
+use crate::{graph, guest, hypervisor};
 
 /// A traced run ends once no trace line came for this long after its last
 /// command.
@@ -142,7 +142,36 @@ struct Traced {
     lost: u64,
 }
 
-/// `hvtrace run --probe/--function ... --exec ...`.
+/// The function-graph filter of a traced run, checked; `None` without
+/// `--graph`.
+pub fn graph_filter(args: &RunArgs) -> Result<Option<GraphFilter>> {
+    if args.graphs.is_empty() {
+        return Ok(None);
+    }
+    for (option, globs) in [
+        ("--graph", &args.graphs),
+        ("--graph-trace", &args.graph_trace),
+        ("--graph-notrace", &args.graph_notrace),
+    ] {
+        for glob in globs {
+            graph::check_glob(option, glob)?;
+        }
+    }
+    if let Some(comm) = &args.graph_comm {
+        graph::check_comm("--graph-comm", comm)?;
+    }
+    Ok(Some(GraphFilter {
+        functions: args.graphs.clone(),
+        trace: args.graph_trace.clone(),
+        notrace: args.graph_notrace.clone(),
+        max_depth: args.max_depth.unwrap_or(0),
+        pid: None,
+        comm: args.graph_comm.clone(),
+        retval: args.graph_retval,
+    }))
+}
+
+/// `hvtrace run --probe/--function/--graph ... --exec ...`.
 fn run_traced(args: &RunArgs) -> Result<u8> {
     // What can be checked without a VM, first.
     for spec in &args.probes {
@@ -151,19 +180,31 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
     if let Some(glob) = args.functions.iter().find(|g| g.trim().is_empty()) {
         bail!("--function needs a glob (got {glob:?})");
     }
-    let format = args.format.unwrap_or_default().protocol();
-    let mut out: Box<dyn Write + Send> = match &args.output {
-        Some(path) => Box::new(BufWriter::new(
-            File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
-        )),
-        None => Box::new(std::io::stdout()),
-    };
+    let graph = graph_filter(args)?;
+    let output_format = args.format.unwrap_or_default();
+    let format = output_format.protocol();
+    let mut out = TraceOutput::create(args.output.as_deref(), output_format)?;
     let cfg = resolve(args)?;
     note_tcg(&cfg);
     let vm = LocalVm::start(cfg)?;
-    // On failure the VM is dropped, which kills it.
-    let traced = trace_commands(&vm, args, format, &mut *out)?;
-    out.flush().context("cannot write the trace")?;
+    // On failure the VM is dropped, which kills it; what was traced is
+    // written all the same.
+    let graphing = graph.is_some();
+    let traced = match trace_commands(&vm, args, graph, format, &mut out) {
+        Ok(traced) => traced,
+        Err(e) => {
+            let _ = out.finish();
+            return Err(e);
+        }
+    };
+    if graphing {
+        // The guest is stopped next, so a graph left running does no harm;
+        // say so and go on.
+        if let Err(e) = graph::stop(&mut vm.control()) {
+            eprintln!("hvtrace: note: {e:#}");
+        }
+    }
+    let chrome = out.finish().context("cannot write the trace")?;
     let report = vm.stop()?;
     let to = match &args.output {
         Some(path) => format!(" to {}", path.display()),
@@ -173,8 +214,13 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
         0 => String::new(),
         n => format!(", {n} events lost"),
     };
-    let plural = if traced.lines == 1 { "" } else { "s" };
-    eprintln!("hvtrace: trace: {} line{plural}{to}{lost}", traced.lines);
+    match chrome {
+        Some(summary) => eprintln!("hvtrace: {}{to}{lost}", summary.line()),
+        None => {
+            let plural = if traced.lines == 1 { "" } else { "s" };
+            eprintln!("hvtrace: trace: {} line{plural}{to}{lost}", traced.lines);
+        }
+    }
     if traced.failed > 0 && args.fail_on_exec_error {
         finish(&report, 1)?;
         bail!("{} of {} commands failed", traced.failed, args.exec.len());
@@ -182,13 +228,14 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
     finish(&report, 0)
 }
 
-/// Adds the probes and functions, starts the trace, runs the commands and
-/// collects the trace until it is quiet.
+/// Adds the probes and functions, starts the graph and the trace, runs the
+/// commands and collects the trace until it is quiet.
 fn trace_commands(
     vm: &LocalVm,
     args: &RunArgs,
+    graph: Option<GraphFilter>,
     format: TraceFormat,
-    out: &mut (dyn Write + Send),
+    out: &mut TraceOutput,
 ) -> Result<Traced> {
     let mut control = vm.control();
     for spec in &args.probes {
@@ -200,6 +247,10 @@ fn trace_commands(
         let summary = ctl::add_functions(&mut control, glob)
             .with_context(|| format!("--function {glob:?}"))?;
         eprintln!("hvtrace: {summary}");
+    }
+    if let Some(filter) = graph {
+        let started = graph::start(&mut control, filter).context("--graph")?;
+        eprintln!("hvtrace: {started}");
     }
     ctl::start_trace(&mut control, format).context("cannot start the trace")?;
 
@@ -256,7 +307,7 @@ fn run_commands(vm: &LocalVm, commands: &[String], abort: &AtomicBool) -> Result
 fn collect(
     mut control: LocalControl,
     format: TraceFormat,
-    out: &mut (dyn Write + Send),
+    out: &mut TraceOutput,
     done: &OnceLock<Instant>,
     abort: &AtomicBool,
 ) -> Result<TraceReader> {
@@ -265,9 +316,7 @@ fn collect(
     while !abort.load(Ordering::Relaxed) {
         match reader.read(&mut control, TRACE_POLL_MS)? {
             Ok(read) if !read.text.is_empty() => {
-                out.write_all(read.text.as_bytes())
-                    .and_then(|_| out.flush())
-                    .context("cannot write the trace")?;
+                out.write(&read.text).context("cannot write the trace")?;
                 last_line = Instant::now();
             }
             Ok(_) => {}
@@ -313,4 +362,79 @@ fn finish(report: &StopReport, code: u8) -> Result<u8> {
         ));
     }
     Ok(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn run_args(argv: &[&str]) -> RunArgs {
+        let mut full = vec!["hvtrace", "run"];
+        full.extend_from_slice(argv);
+        match crate::cli::Cli::try_parse_from(full).unwrap().command {
+            crate::cli::Command::Run(args) => args,
+            other => panic!("not run: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_graph_filter_of_a_run() {
+        assert_eq!(
+            graph_filter(&run_args(&["--probe", "p vfs_read", "--exec", "true"])).unwrap(),
+            None
+        );
+        let f = graph_filter(&run_args(&[
+            "--graph",
+            "vfs_read",
+            "--graph",
+            "vfs_write",
+            "--graph-trace",
+            "vfs_*",
+            "--graph-notrace",
+            "rw_verify_area",
+            "--graph-comm",
+            "dd",
+            "--graph-retval",
+            "--max-depth",
+            "2",
+            "--exec",
+            "true",
+        ]))
+        .unwrap();
+        assert_eq!(
+            f,
+            Some(GraphFilter {
+                functions: vec!["vfs_read".into(), "vfs_write".into()],
+                trace: vec!["vfs_*".into()],
+                notrace: vec!["rw_verify_area".into()],
+                max_depth: 2,
+                pid: None,
+                comm: Some("dd".into()),
+                retval: true,
+            })
+        );
+        let defaults = graph_filter(&run_args(&["--graph", "f", "--exec", "true"])).unwrap();
+        assert_eq!(
+            defaults,
+            Some(GraphFilter {
+                functions: vec!["f".into()],
+                ..GraphFilter::default()
+            })
+        );
+        let e = graph_filter(&run_args(&[
+            "--graph",
+            "f",
+            "--graph-notrace",
+            "a b",
+            "--exec",
+            "true",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            r#"--graph-notrace "a b": one glob per --graph-notrace (repeat the option for more)"#
+        );
+    }
 }

@@ -11,6 +11,8 @@
 //!   after the first of a burst waits for our ACK, which Linux delays by up
 //!   to 40 ms. Acknowledging at once takes a control-channel round trip in
 //!   Bochs from about 44 ms to about 2 ms.
+//! - `signal(2)`: `hvtrace graph` catches the first Ctrl-C, so that it can
+//!   stop the tracer and finish its output before it exits.
 
 use std::io;
 use std::net::TcpStream;
@@ -18,6 +20,7 @@ use std::os::fd::AsRawFd;
 use std::os::raw::{c_int, c_uint, c_ulong, c_void};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 mod ffi {
     use std::os::raw::{c_int, c_uint, c_void};
@@ -27,6 +30,7 @@ mod ffi {
         pub fn getuid() -> u32;
         pub fn getppid() -> c_int;
         pub fn prctl(option: c_int, ...) -> c_int;
+        pub fn signal(signum: c_int, handler: usize) -> usize;
         pub fn setsockopt(
             fd: c_int,
             level: c_int,
@@ -46,6 +50,46 @@ const TCP_QUICKACK: c_int = 12;
 const PR_SET_PDEATHSIG: c_int = 1;
 /// `SIGKILL`.
 const SIGKILL: c_ulong = 9;
+
+/// `SIGINT`.
+const SIGINT: c_int = 2;
+/// `SIG_DFL`: the default action.
+const SIG_DFL: usize = 0;
+/// `SIG_ERR`: what `signal` returns when it fails.
+const SIG_ERR: usize = usize::MAX;
+
+/// Set by the first SIGINT once [`catch_interrupt`] ran.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_signum: c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+    // SAFETY: signal is async-signal-safe (POSIX); SIG_DFL is a valid
+    // disposition. The next SIGINT ends the process as usual.
+    unsafe {
+        ffi::signal(SIGINT, SIG_DFL);
+    }
+}
+
+/// Catches the next SIGINT (Ctrl-C): instead of ending the process it sets
+/// the flag that [`interrupted`] reads, and the one after it ends the
+/// process as usual. Blocking calls go on (glibc restarts them), so a loop
+/// that polls the flag notices it at its next turn.
+pub fn catch_interrupt() -> io::Result<()> {
+    let handler: extern "C" fn(c_int) = on_interrupt;
+    // SAFETY: the handler only stores to an atomic and calls signal, both
+    // async-signal-safe; a function pointer is what the C `sighandler_t`
+    // holds.
+    let previous = unsafe { ffi::signal(SIGINT, handler as usize) };
+    if previous == SIG_ERR {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// True once a SIGINT caught by [`catch_interrupt`] arrived.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
 
 /// The real user id of this process.
 pub fn uid() -> u32 {
@@ -138,6 +182,23 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         quick_ack(&stream);
+    }
+
+    #[test]
+    fn the_first_interrupt_is_caught() {
+        extern "C" {
+            fn raise(signum: c_int) -> c_int;
+        }
+        catch_interrupt().unwrap();
+        assert!(!interrupted());
+        // SAFETY: raise delivers SIGINT to this thread, whose handler is
+        // the one just installed.
+        assert_eq!(unsafe { raise(SIGINT) }, 0);
+        assert!(interrupted());
+        // The handler put the default action back.
+        // SAFETY: querying and restoring the disposition with signal.
+        let now = unsafe { ffi::signal(SIGINT, SIG_DFL) };
+        assert_eq!(now, SIG_DFL);
     }
 
     #[test]

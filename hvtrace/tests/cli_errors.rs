@@ -599,3 +599,468 @@ fn trace_follow_ends_with_the_vm() {
     );
     server.join().unwrap();
 }
+
+// ----- the function graph -----
+
+use std::sync::{Arc, Mutex};
+
+use protocol::{GraphFilter, TraceFormat};
+
+/// Where the fake supervisor's trace buffer ends when `graph` starts.
+const GRAPH_CURSOR: u64 = 40;
+
+/// A fake supervisor for `graph`: it records the requests, answers the
+/// first `TraceRead` (from past the end) with the end of its buffer, starts
+/// the graph, then serves `reads` in turn (an empty answer once they run
+/// out) and acknowledges the stop.
+fn fake_graph_supervisor(
+    path: &std::path::Path,
+    reads: Vec<Response>,
+) -> (std::thread::JoinHandle<()>, Arc<Mutex<Vec<Request>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let mut reads = reads.into_iter();
+    let server = fake_supervisor_mut(path, move |req| {
+        log.lock().unwrap().push(req.clone());
+        match req {
+            Request::Hello { .. } => hello(),
+            Request::TraceRead {
+                cursor: u64::MAX, ..
+            } => Response::Trace {
+                next: GRAPH_CURSOR,
+                text: String::new(),
+                lost: 0,
+            },
+            Request::GraphStart(f) if f.functions.iter().any(|g| g == "vfs_nope") => {
+                Response::error(
+                    ErrorKind::NotFound,
+                    "no traceable function matches vfs_nope",
+                )
+            }
+            Request::GraphStart(_) => Response::GraphStarted {
+                hooked: 12,
+                roots: 1,
+                skipped: 0,
+            },
+            Request::TraceRead { cursor, .. } => reads.next().unwrap_or(Response::Trace {
+                next: *cursor,
+                text: String::new(),
+                lost: 0,
+            }),
+            Request::GraphStop => Response::Ok,
+            other => Response::error(ErrorKind::Internal, format!("unexpected {other:?}")),
+        }
+    });
+    (server, seen)
+}
+
+const GRAPH_TEXT: &str = " 0)               |  vfs_read() {\n 0)   0.812 us    |    rw_verify_area();\n 0) + 15.062 us   |  }\n";
+
+fn graph_json_lines() -> String {
+    [
+        r#"{"ts":"5.000000","ts_ns":5000000000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_entry","func":"vfs_read","depth":0}"#,
+        r#"{"ts":"5.000001","ts_ns":5000001000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_entry","func":"rw_verify_area","depth":1}"#,
+        r#"{"ts":"5.000002","ts_ns":5000001812,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"rw_verify_area","depth":1,"duration_ns":812,"retval":"0x0"}"#,
+        r#"{"ts":"5.000003","ts_ns":5000003000,"cpu":0,"pid":7,"comm":"sh","kind":"kprobe","event":"kprobes/p_vfs_read_0"}"#,
+        // The return of a call that began before the graph did.
+        r#"{"ts":"5.000004","ts_ns":5000004000,"cpu":0,"pid":7,"comm":"sh","kind":"graph_return","func":"ksys_read","depth":0,"duration_ns":9000,"retval":"0x1"}"#,
+        r#"{"ts":"5.000015","ts_ns":5000015062,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"vfs_read","depth":0,"duration_ns":15062,"retval":"0x40"}"#,
+        // Still open at the end.
+        r#"{"ts":"5.000020","ts_ns":5000020000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_entry","func":"vfs_read","depth":0}"#,
+    ]
+    .iter()
+    .map(|l| format!("{l}\n"))
+    .collect()
+}
+
+fn requests(seen: &Arc<Mutex<Vec<Request>>>) -> Vec<Request> {
+    seen.lock().unwrap().clone()
+}
+
+/// Checks a Chrome trace document: it parses, and each thread's B and E
+/// events nest and balance. Returns the B/E events as `(tid, ph, name)`.
+fn check_chrome(doc: &str) -> Vec<(i64, String, String)> {
+    let v: serde_json::Value = serde_json::from_str(doc).expect("not JSON");
+    assert_eq!(v["displayTimeUnit"], "ns");
+    let mut open: std::collections::BTreeMap<i64, Vec<String>> = Default::default();
+    let mut out = Vec::new();
+    for e in v["traceEvents"].as_array().unwrap() {
+        let ph = e["ph"].as_str().unwrap().to_string();
+        if ph == "M" {
+            continue;
+        }
+        let tid = e["tid"].as_i64().unwrap();
+        let name = e["name"].as_str().unwrap().to_string();
+        let stack = open.entry(tid).or_default();
+        match ph.as_str() {
+            "B" => stack.push(name.clone()),
+            "E" => assert_eq!(stack.pop().as_deref(), Some(name.as_str()), "{doc}"),
+            _ => panic!("phase {ph}"),
+        }
+        out.push((tid, ph, name));
+    }
+    assert!(open.values().all(Vec::is_empty), "{doc}");
+    out
+}
+
+#[test]
+fn graph_without_a_vm_and_bad_filters() {
+    let scratch = Scratch::new("graphnovm");
+    let missing = scratch.0.join("missing.sock");
+    let missing = missing.to_str().unwrap();
+    for args in [
+        vec!["--socket", missing, "graph"],
+        vec![
+            "--socket",
+            missing,
+            "graph",
+            "--function",
+            "vfs_read",
+            "--format",
+            "chrome",
+            "-f",
+        ],
+    ] {
+        let msg = fails(&args);
+        assert!(msg.starts_with("no VM is running at"), "{args:?}: {msg}");
+    }
+    // Filters are checked before anything else.
+    let msg = fails(&["--socket", missing, "graph", "--function", ""]);
+    assert_eq!(msg, r#"--function needs a glob (got "")"#);
+    let msg = fails(&["--socket", missing, "graph", "--trace", "a b"]);
+    assert!(msg.contains("one glob per --trace"), "{msg}");
+    let msg = fails(&["--socket", missing, "graph", "--comm", "a-very-long-name"]);
+    assert!(msg.contains("at most 15 bytes"), "{msg}");
+    let msg = fails(&["graph", "--pid", "-3"]);
+    assert!(msg.contains("-3 is not in 0..="), "{msg}");
+    let msg = fails(&["graph", "--format", "xml"]);
+    assert!(msg.contains("possible values: text, json, chrome"), "{msg}");
+}
+
+#[test]
+fn graph_run_option_errors() {
+    let msg = fails(&["run", "--graph", "vfs_read"]);
+    assert!(msg.contains("--exec"), "{msg}");
+    let msg = fails(&[
+        "run",
+        "--format",
+        "chrome",
+        "--function",
+        "x",
+        "--exec",
+        "true",
+    ]);
+    assert!(msg.contains("--graph"), "{msg}");
+    let msg = fails(&["run", "--graph-trace", "vfs_*", "--exec", "true"]);
+    assert!(msg.contains("--graph"), "{msg}");
+    let msg = fails(&["run", "--detach", "--graph", "vfs_read"]);
+    assert!(msg.contains("cannot be used with"), "{msg}");
+    let msg = fails(&["run", "--bare", "--graph", "vfs_read", "--exec", "true"]);
+    assert!(msg.contains("cannot be used with"), "{msg}");
+    // Checked before anything is built.
+    let msg = fails(&[
+        "run",
+        "--graph",
+        "vfs_read",
+        "--graph-comm",
+        "",
+        "--exec",
+        "true",
+    ]);
+    assert_eq!(msg, "--graph-comm needs a task name");
+    let msg = fails(&["run", "--graph", "", "--exec", "true"]);
+    assert_eq!(msg, r#"--graph needs a glob (got "")"#);
+    let msg = fails(&[
+        "run",
+        "--graph",
+        "vfs_read",
+        "--format",
+        "chrome",
+        "--exec",
+        "true",
+        "--output",
+        "/nonexistent/dir/trace.json",
+    ]);
+    assert!(
+        msg.starts_with("cannot create /nonexistent/dir/trace.json"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn graph_reads_until_quiet_then_stops() {
+    let scratch = Scratch::new("graphtext");
+    let path = scratch.0.join("graph.sock");
+    let (server, seen) = fake_graph_supervisor(
+        &path,
+        vec![
+            Response::Trace {
+                next: GRAPH_CURSOR + 3,
+                text: GRAPH_TEXT.into(),
+                lost: 0,
+            },
+            Response::Trace {
+                next: GRAPH_CURSOR + 4,
+                text: String::new(),
+                lost: 2,
+            },
+        ],
+    );
+    let (code, stdout, stderr) = runs(&[
+        "--socket",
+        path.to_str().unwrap(),
+        "graph",
+        "--function",
+        "vfs_read",
+        "--trace",
+        "vfs_*",
+        "--trace",
+        "rw_verify_area",
+        "--notrace",
+        "*fsnotify*",
+        "--max-depth",
+        "5",
+        "--pid",
+        "90",
+        "--comm",
+        "dd",
+        "--retval",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, GRAPH_TEXT);
+    assert_eq!(
+        stderr,
+        "hvtrace: function graph on: 12 functions hooked, 1 root, 0 skipped\nhvtrace: 2 events lost\n"
+    );
+    server.join().unwrap();
+    let seen = requests(&seen);
+    assert!(matches!(seen[0], Request::Hello { .. }), "{seen:?}");
+    // The reading starts where the buffer ended before the graph started.
+    assert_eq!(
+        seen[1],
+        Request::TraceRead {
+            cursor: u64::MAX,
+            format: TraceFormat::Text,
+            wait_ms: 0
+        }
+    );
+    assert_eq!(
+        seen[2],
+        Request::GraphStart(GraphFilter {
+            functions: vec!["vfs_read".into()],
+            trace: vec!["vfs_*".into(), "rw_verify_area".into()],
+            notrace: vec!["*fsnotify*".into()],
+            max_depth: 5,
+            pid: Some(90),
+            comm: Some("dd".into()),
+            retval: true,
+        })
+    );
+    assert!(
+        matches!(
+            seen[3],
+            Request::TraceRead {
+                cursor: GRAPH_CURSOR,
+                format: TraceFormat::Text,
+                ..
+            }
+        ),
+        "{seen:?}"
+    );
+    assert_eq!(seen.last(), Some(&Request::GraphStop), "{seen:?}");
+    assert_eq!(seen.iter().filter(|r| **r == Request::GraphStop).count(), 1);
+}
+
+#[test]
+fn graph_writes_a_chrome_trace() {
+    let scratch = Scratch::new("graphchrome");
+    let path = scratch.0.join("graph.sock");
+    let (server, seen) = fake_graph_supervisor(
+        &path,
+        vec![Response::Trace {
+            next: GRAPH_CURSOR + 7,
+            text: graph_json_lines(),
+            lost: 0,
+        }],
+    );
+    let file = scratch.0.join("trace.json");
+    let (code, stdout, stderr) = runs(&[
+        "--socket",
+        path.to_str().unwrap(),
+        "graph",
+        "--function",
+        "vfs_read",
+        "--format",
+        "chrome",
+        "--output",
+        file.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    assert_eq!(
+        stderr,
+        "hvtrace: function graph on: 12 functions hooked, 1 root, 0 skipped\n\
+         hvtrace: chrome trace: 3 calls in 1 task; 1 return without a traced call dropped; \
+         1 call without a return closed; 1 line of other tracers left out\n"
+    );
+    server.join().unwrap();
+    let doc = std::fs::read_to_string(&file).unwrap();
+    let events = check_chrome(&doc);
+    let names: Vec<String> = events
+        .iter()
+        .map(|(tid, ph, name)| format!("{tid} {ph} {name}"))
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "90 B vfs_read",
+            "90 B rw_verify_area",
+            "90 E rw_verify_area",
+            "90 E vfs_read",
+            "90 B vfs_read",
+            "90 E vfs_read",
+        ]
+    );
+    assert!(
+        doc.contains(r#"{"name":"thread_name","ph":"M","pid":90,"tid":90,"args":{"name":"dd"}}"#),
+        "{doc}"
+    );
+    assert!(
+        doc.contains(r#""args":{"retval":"0x40","duration_ns":15062}"#),
+        "{doc}"
+    );
+    let seen = requests(&seen);
+    assert!(
+        matches!(
+            seen[1],
+            Request::TraceRead {
+                cursor: u64::MAX,
+                format: TraceFormat::Json,
+                ..
+            }
+        ),
+        "{seen:?}"
+    );
+    assert_eq!(seen.last(), Some(&Request::GraphStop));
+}
+
+#[test]
+fn graph_start_refused_is_one_line() {
+    let scratch = Scratch::new("graphrefused");
+    let path = scratch.0.join("graph.sock");
+    let (server, seen) = fake_graph_supervisor(&path, Vec::new());
+    let msg = fails(&[
+        "--socket",
+        path.to_str().unwrap(),
+        "graph",
+        "--function",
+        "vfs_nope",
+    ]);
+    assert_eq!(msg, "no traceable function matches vfs_nope");
+    server.join().unwrap();
+    // Nothing was started, so nothing is stopped.
+    assert!(!requests(&seen).contains(&Request::GraphStop));
+}
+
+#[test]
+fn graph_ends_with_the_vm() {
+    let scratch = Scratch::new("graphended");
+    let path = scratch.0.join("graph.sock");
+    let (server, seen) = fake_graph_supervisor(
+        &path,
+        vec![
+            Response::Trace {
+                next: GRAPH_CURSOR + 7,
+                text: graph_json_lines(),
+                lost: 0,
+            },
+            Response::error(
+                ErrorKind::NotReady,
+                "the VM has ended (guest stopped: power off)",
+            ),
+        ],
+    );
+    let (code, stdout, stderr) = runs(&[
+        "--socket",
+        path.to_str().unwrap(),
+        "graph",
+        "--follow",
+        "--format",
+        "chrome",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    check_chrome(&stdout);
+    assert!(
+        stderr.contains("hvtrace: the VM has ended (guest stopped: power off)\n"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("hvtrace: chrome trace: 3 calls"),
+        "{stderr}"
+    );
+    server.join().unwrap();
+    // The VM is gone: there is nothing to stop.
+    assert!(!requests(&seen).contains(&Request::GraphStop));
+}
+
+#[test]
+fn graph_follow_stops_on_ctrl_c() {
+    let scratch = Scratch::new("graphint");
+    let path = scratch.0.join("graph.sock");
+    let (server, seen) = fake_graph_supervisor(
+        &path,
+        vec![Response::Trace {
+            next: GRAPH_CURSOR + 7,
+            text: graph_json_lines(),
+            lost: 0,
+        }],
+    );
+    let file = scratch.0.join("trace.json");
+    let child = Command::new(env!("CARGO_BIN_EXE_hvtrace"))
+        .args([
+            "--socket",
+            path.to_str().unwrap(),
+            "graph",
+            "--follow",
+            "--format",
+            "chrome",
+            "--output",
+            file.to_str().unwrap(),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once it reads the graph's lines, it follows (the fake answers at once,
+    // with nothing) until interrupted.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while requests(&seen)
+        .iter()
+        .filter(|r| matches!(r, Request::TraceRead { cursor, .. } if *cursor != u64::MAX))
+        .count()
+        < 3
+    {
+        assert!(
+            std::time::Instant::now() < until,
+            "no reads: {:?}",
+            requests(&seen)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let kill = Command::new("sh")
+        .args(["-c", &format!("kill -INT {}", child.id())])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("hvtrace: chrome trace: 3 calls"),
+        "{stderr}"
+    );
+    server.join().unwrap();
+    assert_eq!(requests(&seen).last(), Some(&Request::GraphStop));
+    check_chrome(&std::fs::read_to_string(&file).unwrap());
+}

@@ -229,6 +229,22 @@ impl Control {
                 src.tracer.function_clear(src.ept);
                 (Response::Ok, Action::None)
             }
+            Request::GraphStart(filter) => (
+                with_kernel(src, |src, k| {
+                    src.tracer.graph_start(filter, k, src.ept, src.rip).map(
+                        |(hooked, roots, skipped)| Response::GraphStarted {
+                            hooked,
+                            roots,
+                            skipped,
+                        },
+                    )
+                }),
+                Action::None,
+            ),
+            Request::GraphStop => {
+                src.tracer.graph_stop(src.ept);
+                (Response::Ok, Action::None)
+            }
             Request::TraceStart { format } => {
                 src.tracer.set_stream(Some(format));
                 (Response::Ok, Action::None)

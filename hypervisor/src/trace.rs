@@ -32,7 +32,7 @@ use crate::arch::instructions as insn;
 use crate::frames::{self, PoolTables};
 use crate::introspect::{CpuView, GuestRam, Kernel};
 use crate::phys;
-use alloc::collections::BTreeMap;
+use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
@@ -47,9 +47,11 @@ use hypervisor::kprobe::{
     self, Command, EventHeader, FetchContext, GuestLayout, GuestMem, IndexSymbols, MemFault,
     ProbeSpec, RawEvent,
 };
+use hypervisor::tracer::graph::{self as graph_fmt, GraphKind, GraphText};
+use hypervisor::tracer::retstack::{PopResult, PushError, RetStack};
 use hypervisor::tracer::ring::EventRing;
 use hypervisor::tracer::site::{self, Patch, PatchError, PAGE_SIZE};
-use protocol::{ErrorKind, ProbeInfo, TraceFormat, TracerReport};
+use protocol::{ErrorKind, GraphFilter, ProbeInfo, TraceFormat, TracerReport};
 use trampolines::patch::SITE_LEN;
 use trampolines::{HypercallMode, PtRegs, TrampolineRegion};
 
@@ -57,6 +59,16 @@ use trampolines::{HypercallMode, PtRegs, TrampolineRegion};
 const RING_BYTES: usize = 2 << 20;
 /// The probe id of function-tracer events (probes count from 1).
 const FUNCTION_ID: u32 = 0;
+/// Probe ids of function-graph entry and return events.
+const GRAPH_ENTRY_ID: u32 = u32::MAX;
+const GRAPH_RETURN_ID: u32 = u32::MAX - 1;
+/// The guest's kernel stack size and alignment (`THREAD_SIZE`, x86-64 with
+/// 4-level paging and no KASAN): return stacks are kept per kernel stack.
+const THREAD_SIZE: u64 = 16 * 1024;
+/// Words per return stack: 32 frames without data (5 words each), 1280 B.
+const RETSTACK_WORDS: usize = 32 * (hypervisor::tracer::retstack::FRAME_WORDS + 1);
+/// Kernel stacks tracked at most; calls on more are not hijacked (misses).
+const MAX_STACKS: usize = 4096;
 /// Frames kept free for everything else when shadows are allocated.
 const FRAME_RESERVE: u64 = 1 << 20;
 /// A step not finished after this many timer turns is ended by force (the
@@ -107,6 +119,8 @@ struct SiteUse {
     func: u64,
     probes: Vec<u32>,
     function: bool,
+    /// Hooked for the function-graph tracer.
+    graph: bool,
 }
 
 struct Hooked {
@@ -168,6 +182,22 @@ pub struct Tracer {
     /// A forced step end left TF in some saved guest context.
     stray_tf: bool,
     pub stats: TracerReport,
+    /// The function-graph tracer's filter, while it runs.
+    graph: Option<GraphState>,
+    /// Return stacks by guest kernel stack base. They outlive the graph
+    /// tracer while calls are in flight.
+    stacks: BTreeMap<u64, RetStack>,
+    /// The function_graph text renderer (it holds one entry back).
+    graph_text: GraphText,
+    /// Drain turns the held entry has waited with nothing behind it.
+    graph_idle_turns: u32,
+}
+
+/// The function-graph tracer's settings, resolved to addresses.
+struct GraphState {
+    filter: GraphFilter,
+    /// Functions that start a tree (empty: every graph-hooked function).
+    roots: BTreeSet<u64>,
 }
 
 impl Default for Tracer {
@@ -235,6 +265,10 @@ impl Tracer {
             step: None,
             stray_tf: false,
             stats: TracerReport::default(),
+            graph: None,
+            stacks: BTreeMap::new(),
+            graph_text: GraphText::new(false),
+            graph_idle_turns: 0,
         }
     }
 
@@ -247,6 +281,9 @@ impl Tracer {
         r.pages = self.pages.len() as u32;
         r.lost = self.ring.lost();
         r.trampolines = self.region.as_ref().map_or(0, |g| g.tramp.base().0);
+        r.graph_stacks = self.stacks.len() as u64;
+        r.graph_frames = self.stacks.values().map(|s| s.depth() as u64).sum();
+        r.graph_bytes = self.stacks.values().map(|s| s.heap_bytes() as u64).sum();
         r
     }
 
@@ -446,6 +483,7 @@ impl Tracer {
                 func,
                 probes: Vec::new(),
                 function: false,
+                graph: false,
             },
         );
         Ok(())
@@ -456,7 +494,7 @@ impl Tracer {
         let Some(u) = self.sites.get(&site) else {
             return;
         };
-        if !u.probes.is_empty() || u.function {
+        if !u.probes.is_empty() || u.function || u.graph {
             return;
         }
         let page = u.page;
@@ -698,20 +736,283 @@ impl Tracer {
             self.stats.foreign_vmcalls += 1;
             return Hypercall::Foreign;
         };
-        let ours = cpu.cpl == 0
-            && region.tramp.hypercall_at(trampolines::Gva(rip))
-                == Some(trampolines::Hypercall::Entry)
-            && regs.rax == u64::from(trampolines::abi::HYPERCALL_ENTRY);
-        if !ours {
-            self.stats.foreign_vmcalls += 1;
-            return Hypercall::Foreign;
-        }
-        self.stats.hits += 1;
-        regs.rax = match kernel {
-            Some(k) => self.on_entry(regs.rdi, regs.rsi, cpu, k, now_ns),
-            None => 0,
+        let which = if cpu.cpl == 0 {
+            region.tramp.hypercall_at(trampolines::Gva(rip))
+        } else {
+            None
         };
-        Hypercall::Handled
+        match which {
+            Some(trampolines::Hypercall::Entry)
+                if regs.rax == u64::from(trampolines::abi::HYPERCALL_ENTRY) =>
+            {
+                self.stats.hits += 1;
+                regs.rax = match kernel {
+                    Some(k) => self.on_entry(regs.rdi, regs.rsi, cpu, k, now_ns),
+                    None => 0,
+                };
+                Hypercall::Handled
+            }
+            Some(trampolines::Hypercall::Return)
+                if regs.rax == u64::from(trampolines::abi::HYPERCALL_RETURN) =>
+            {
+                match self.graph_return(regs.rdi, regs.rsi, cpu, kernel, now_ns) {
+                    Some(ret) => {
+                        regs.rax = ret;
+                        Hypercall::Handled
+                    }
+                    None => {
+                        // No frame: nowhere to return to. The guest (or an
+                        // attacker) jumped into the return trampoline.
+                        self.stats.graph_orphans += 1;
+                        Hypercall::Foreign
+                    }
+                }
+            }
+            _ => {
+                self.stats.foreign_vmcalls += 1;
+                Hypercall::Foreign
+            }
+        }
+    }
+
+    // ----- function graph ---------------------------------------------
+
+    /// `GraphStart`: hooks the trace set and records the roots.
+    pub fn graph_start(
+        &mut self,
+        filter: GraphFilter,
+        k: &Kernel,
+        ept: &Ept,
+        rip: u64,
+    ) -> Result<(u32, u32, u32), ReqError> {
+        self.ensure_region(k, ept)?;
+        self.graph_stop(ept);
+        let index = k.index();
+        let view = PagedView::new(&GuestRam, k.cr3());
+        let classifier = Classifier::new(index);
+        let site_of = |id| classifier.classify(&view, id).ok();
+        let mut notrace = BTreeSet::new();
+        for g in &filter.notrace {
+            for id in index.glob(g) {
+                if let Some(fs) = site_of(id) {
+                    notrace.insert(fs.site.0);
+                }
+            }
+        }
+        let mut roots = BTreeSet::new();
+        let mut wanted = BTreeMap::new();
+        for g in &filter.functions {
+            for id in index.glob(g) {
+                if let Some(fs) = site_of(id) {
+                    if !notrace.contains(&fs.site.0) {
+                        roots.insert(fs.func.0);
+                        wanted.insert(fs.site.0, fs.func.0);
+                    }
+                }
+            }
+        }
+        if !filter.functions.is_empty() && roots.is_empty() {
+            return Err((
+                ErrorKind::NotFound,
+                format!(
+                    "no traceable function matches {}",
+                    filter.functions.join(" ")
+                ),
+            ));
+        }
+        let trace: Vec<String> = if filter.trace.is_empty() {
+            alloc::vec![String::from("*")]
+        } else {
+            filter.trace.clone()
+        };
+        for g in &trace {
+            for id in index.glob(g) {
+                if let Some(fs) = site_of(id) {
+                    if !notrace.contains(&fs.site.0) {
+                        wanted.insert(fs.site.0, fs.func.0);
+                    }
+                }
+            }
+        }
+        let (mut hooked, mut skipped) = (0u32, 0u32);
+        for (site, func) in wanted {
+            match self.hook(k, ept, site, func, rip) {
+                Ok(()) => {
+                    if let Some(u) = self.sites.get_mut(&site) {
+                        u.graph = true;
+                    }
+                    hooked += 1;
+                }
+                Err(_) => skipped += 1,
+            }
+        }
+        invept(ept);
+        let n_roots = roots.len() as u32;
+        log::info!(
+            "tracer: function graph: {hooked} functions hooked, {n_roots} roots, {skipped} skipped"
+        );
+        self.graph_text = GraphText::new(filter.retval);
+        self.graph = Some(GraphState { filter, roots });
+        Ok((hooked, n_roots, skipped))
+    }
+
+    /// `GraphStop`: no new calls are hijacked; frames in flight stay.
+    pub fn graph_stop(&mut self, ept: &Ept) {
+        if self.graph.take().is_none() {
+            return;
+        }
+        let sites: Vec<u64> = self
+            .sites
+            .iter()
+            .filter(|(_, u)| u.graph)
+            .map(|(s, _)| *s)
+            .collect();
+        for s in sites {
+            if let Some(u) = self.sites.get_mut(&s) {
+                u.graph = false;
+            }
+            self.unhook_if_unused(ept, s);
+        }
+        invept(ept);
+    }
+
+    /// The graph half of an entry hit: push a frame and hijack the return.
+    #[allow(clippy::too_many_arguments)]
+    fn graph_enter(
+        &mut self,
+        func: u64,
+        retp: u64,
+        cr3: Cr3,
+        pid: i32,
+        comm: &[u8; 16],
+        now_ns: u64,
+        header: EventHeader,
+    ) {
+        let Some(g) = &self.graph else {
+            return;
+        };
+        let Some(tramp) = self.region.as_ref().map(|r| r.tramp.return_trampoline().0) else {
+            return;
+        };
+        let key = retp & !(THREAD_SIZE - 1);
+        if !self.stacks.contains_key(&key) && self.stacks.len() >= MAX_STACKS {
+            self.stats.graph_misses += 1;
+            return;
+        }
+        let st = self
+            .stacks
+            .entry(key)
+            .or_insert_with(|| RetStack::new(RETSTACK_WORDS));
+        // Frames below this call's return slot can never return.
+        self.stats.graph_dropped += st.reclaim_below(retp) as u64;
+        let depth = st.depth();
+        if depth == 0 {
+            let f = &g.filter;
+            let root_ok = g.roots.is_empty() || g.roots.contains(&func);
+            let pid_ok = f.pid.is_none_or(|p| p == pid);
+            let comm_ok = f.comm.as_deref().is_none_or(|c| {
+                let n = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+                c.as_bytes() == &comm[..n]
+            });
+            if !(root_ok && pid_ok && comm_ok) {
+                if st.is_empty() {
+                    self.stacks.remove(&key);
+                }
+                return;
+            }
+        }
+        if g.filter.max_depth != 0 && depth >= g.filter.max_depth as usize {
+            return;
+        }
+        let mut slot = [0u8; 8];
+        let Ok(t) = paging::translate(&GuestRam, cr3, KGva(retp)) else {
+            return;
+        };
+        if !retp.is_multiple_of(8) || in_hypervisor(t.gpa.0) || !phys::read(t.gpa.0, &mut slot) {
+            return;
+        }
+        let ret = u64::from_le_bytes(slot);
+        // A frame at this very slot is the caller of a tail call: the callee
+        // stacks on it. (The slot may hold our trampoline, or the return
+        // handler of the guest's own function_graph, which hijacks after
+        // us; so the slot's value cannot tell a dead frame from a live one.
+        // A dead frame at the same slot pops harmlessly below the new one, or
+        // goes with the next call from a higher slot.)
+        if ret == tramp && st.top_retp() != Some(retp) {
+            // Our trampoline in a slot we have no frame for: never stack on it.
+            return;
+        }
+        match st.push(ret, func, now_ns, retp, 1, &[]) {
+            Ok(_) => {}
+            Err(PushError::Full) => {
+                self.stats.graph_misses += 1;
+                return;
+            }
+            Err(_) => return,
+        }
+        phys::write(t.gpa.0, &tramp.to_le_bytes());
+        let ev = RawEvent {
+            header: EventHeader {
+                probe_id: GRAPH_ENTRY_ID,
+                ip: func,
+                ret_ip: ret,
+                ..header
+            },
+            values: alloc::vec![kprobe::FetchedValue::Int {
+                ty: kprobe::IntType::U64,
+                value: depth as u64,
+            }],
+        };
+        store(&mut self.ring, &mut self.record, &ev);
+    }
+
+    /// A return through the trampoline: the original return address.
+    fn graph_return(
+        &mut self,
+        frame_gva: u64,
+        retval: u64,
+        cpu: &CpuView,
+        kernel: Option<&Kernel>,
+        now_ns: u64,
+    ) -> Option<u64> {
+        let retp = frame_gva.checked_add(trampolines::abi::RETURN_FRAME_RETP as u64)?;
+        let key = retp & !(THREAD_SIZE - 1);
+        let st = self.stacks.get_mut(&key)?;
+        let PopResult::Found { frame, dropped } = st.pop(retp) else {
+            return None;
+        };
+        self.stats.graph_dropped += dropped as u64;
+        if st.is_empty() {
+            self.stacks.remove(&key);
+        }
+        let (pid, comm) = kernel.and_then(|k| k.task(cpu)).unwrap_or((-1, [0; 16]));
+        let ev = RawEvent {
+            header: EventHeader {
+                probe_id: GRAPH_RETURN_ID,
+                cpu: 0,
+                pid,
+                timestamp_ns: now_ns,
+                ip: frame.func,
+                ret_ip: frame.ret,
+                comm,
+            },
+            values: alloc::vec![
+                kprobe::FetchedValue::Int {
+                    ty: kprobe::IntType::U64,
+                    value: frame.depth as u64,
+                },
+                kprobe::FetchedValue::Int {
+                    ty: kprobe::IntType::U64,
+                    value: now_ns.saturating_sub(frame.calltime),
+                },
+                kprobe::FetchedValue::Int {
+                    ty: kprobe::IntType::X64,
+                    value: retval,
+                },
+            ],
+        };
+        store(&mut self.ring, &mut self.record, &ev);
+        Some(frame.ret)
     }
 
     /// An entry hypercall from `site` with the pt_regs at `regs_gva`;
@@ -756,10 +1057,10 @@ impl Tracer {
             comm: Some(&comm),
             layout: GuestLayout::X86_64_4LEVEL,
         };
-        let probes: Vec<u32> = u.probes.clone();
         let function = u.function;
+        let graph = u.graph;
         let func = u.func;
-        for id in probes {
+        for &id in &u.probes {
             let Some(p) = self.probes.iter_mut().find(|p| p.id == id) else {
                 continue;
             };
@@ -787,6 +1088,9 @@ impl Tracer {
             };
             store(&mut self.ring, &mut self.record, &ev);
         }
+        if graph {
+            self.graph_enter(func, regs.sp, cr3, pid, &comm, now_ns, header);
+        }
         chain
     }
 
@@ -808,15 +1112,26 @@ impl Tracer {
             let mut text = self.pending_line.take().unwrap_or_default();
             while text.len() < TRACE_TEXT_BUDGET {
                 if !self.ring.pop(&mut self.record) {
+                    // An entry held back for a leaf is printed open once
+                    // nothing has followed it for a few turns.
+                    if text.is_empty() && self.graph_text.has_pending() {
+                        self.graph_idle_turns += 1;
+                        if self.graph_idle_turns > 3 {
+                            self.graph_text.flush(&mut text, &syms);
+                        }
+                    }
                     break;
                 }
+                self.graph_idle_turns = 0;
                 let mut line = String::new();
                 self.render(&mut line, format, &syms);
                 if line.is_empty() {
                     continue;
                 }
                 cut_line(&mut line, TRACE_TEXT_BUDGET);
-                line.push('\n');
+                if !line.ends_with('\n') {
+                    line.push('\n');
+                }
                 if !text.is_empty() && text.len() + line.len() > TRACE_TEXT_BUDGET {
                     self.pending_line = Some(line);
                     break;
@@ -832,11 +1147,23 @@ impl Tracer {
         }
     }
 
-    fn render(&self, out: &mut String, format: TraceFormat, syms: &IndexSymbols<'_>) {
+    fn render(&mut self, out: &mut String, format: TraceFormat, syms: &IndexSymbols<'_>) {
         let Ok((ev, _)) = RawEvent::decode(&self.record) else {
             let _ = write!(out, "(undecodable record of {} bytes)", self.record.len());
             return;
         };
+        let graph = match ev.header.probe_id {
+            GRAPH_ENTRY_ID => Some(GraphKind::Entry),
+            GRAPH_RETURN_ID => Some(GraphKind::Return),
+            _ => None,
+        };
+        if let Some(kind) = graph {
+            match format {
+                TraceFormat::Json => graph_fmt::write_graph_json(out, kind, &ev, syms),
+                _ => self.graph_text.push(out, kind, &ev, syms),
+            }
+            return;
+        }
         if ev.header.probe_id == FUNCTION_ID {
             match format {
                 TraceFormat::Json => kprobe::write_function_json(out, &ev, syms),

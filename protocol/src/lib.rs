@@ -62,8 +62,8 @@ pub use codec::{
     MAX_WIRE_FRAME,
 };
 pub use message::{
-    Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GuestState, KernelReport, ProbeInfo,
-    Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceFormat, TracerReport,
+    Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GraphFilter, GuestState, KernelReport,
+    ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceFormat, TracerReport,
 };
 
 /// The version of the wire format: the frame header, the framing and every

@@ -160,6 +160,34 @@ pub enum Request {
         /// Longest wait for a first line, in milliseconds.
         wait_ms: u32,
     },
+    /// Starts the function-graph tracer (returns hijacked in VMX root).
+    /// Answered by [`Response::GraphStarted`].
+    GraphStart(GraphFilter),
+    /// Stops it: no new calls are hijacked; calls in flight still return
+    /// through the hypervisor.
+    GraphStop,
+}
+
+/// What the function-graph tracer traces, in the ftrace names.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GraphFilter {
+    /// `set_graph_function`: globs of the functions whose call trees are
+    /// traced. Empty: every hooked function starts a tree.
+    pub functions: Vec<String>,
+    /// `set_ftrace_filter`: globs of the functions hooked beneath them.
+    /// Empty: every traceable function (`*`).
+    pub trace: Vec<String>,
+    /// `set_graph_notrace`-like: globs never traced (nor their callees
+    /// shown as children).
+    pub notrace: Vec<String>,
+    /// `max_graph_depth`; 0 = unlimited.
+    pub max_depth: u32,
+    /// Only this thread id.
+    pub pid: Option<i32>,
+    /// Only tasks with this comm.
+    pub comm: Option<String>,
+    /// `funcgraph-retval`: print return values.
+    pub retval: bool,
 }
 
 /// How trace events are rendered.
@@ -244,6 +272,15 @@ pub enum Response {
         /// All matches that were not traced.
         skipped_total: u32,
     },
+    /// Answer to [`Request::GraphStart`].
+    GraphStarted {
+        /// Functions hooked for the graph.
+        hooked: u32,
+        /// Functions matching `functions` (the tree roots).
+        roots: u32,
+        /// Matches that could not be hooked.
+        skipped: u32,
+    },
     /// Answer to [`Request::TraceRead`].
     Trace {
         /// The cursor to read on from.
@@ -301,6 +338,19 @@ pub struct TracerReport {
     /// Guest-virtual address of the trampoline page (0 until the first
     /// probe or function is added).
     pub trampolines: u64,
+    /// Function-graph: frames live on the return stacks now.
+    pub graph_frames: u64,
+    /// Function-graph: guest kernel stacks with a return stack.
+    pub graph_stacks: u64,
+    /// Function-graph: bytes of hypervisor memory the return stacks hold.
+    pub graph_bytes: u64,
+    /// Function-graph: calls not hijacked because a return stack was full.
+    pub graph_misses: u64,
+    /// Function-graph: frames dropped because their call never returned
+    /// (the stack unwound past them, or the task died).
+    pub graph_dropped: u64,
+    /// Function-graph: returns through the trampoline with no frame (#UD).
+    pub graph_orphans: u64,
 }
 
 impl Response {

@@ -67,6 +67,12 @@ fn status() -> StatusReport {
             foreign_vmcalls: 2,
             blocked_writes: 3,
             trampolines: 0xffff_ffff_bfe0_0000,
+            graph_frames: 12,
+            graph_stacks: 3,
+            graph_bytes: 3840,
+            graph_misses: 1,
+            graph_dropped: 2,
+            graph_orphans: 0,
         },
     }
 }
@@ -188,6 +194,8 @@ fn variant(body: &Body) -> String {
             Request::FunctionAdd { .. } => "Request::FunctionAdd",
             Request::FunctionClear => "Request::FunctionClear",
             Request::TraceRead { .. } => "Request::TraceRead",
+            Request::GraphStart(_) => "Request::GraphStart",
+            Request::GraphStop => "Request::GraphStop",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",
@@ -211,6 +219,7 @@ fn variant(body: &Body) -> String {
             Response::Probes(_) => "Response::Probes",
             Response::FunctionAdded { .. } => "Response::FunctionAdded",
             Response::Trace { .. } => "Response::Trace",
+            Response::GraphStarted { .. } => "Response::GraphStarted",
         },
         Body::Event(e) => match e {
             Event::Log { .. } => "Event::Log",

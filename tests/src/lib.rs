@@ -299,6 +299,63 @@ pub fn hv_status(c: &mut hvtrace::client::Client) -> protocol::StatusReport {
     }
 }
 
+/// Our trace stream, read through the launcher's buffer.
+pub struct Stream {
+    /// The launcher buffer's cursor.
+    pub cursor: u64,
+    /// Lines lost so far (hypervisor and launcher).
+    pub lost: u64,
+}
+
+impl Default for Stream {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Stream {
+    /// A reader from the start of the buffer.
+    pub fn new() -> Stream {
+        Stream { cursor: 0, lost: 0 }
+    }
+
+    /// Everything new, waiting until nothing more comes for a while.
+    pub fn read(&mut self, c: &mut hvtrace::client::Client) -> String {
+        let mut out = String::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let req = protocol::Request::TraceRead {
+                cursor: self.cursor,
+                format: protocol::TraceFormat::Text,
+                wait_ms: 3000,
+            };
+            match c
+                .call(req, Duration::from_secs(120))
+                .expect("trace read failed")
+                .response
+            {
+                protocol::Response::Trace { next, text, lost } => {
+                    self.cursor = next;
+                    self.lost += lost;
+                    if text.is_empty() || std::time::Instant::now() > deadline {
+                        return out;
+                    }
+                    out.push_str(&text);
+                }
+                other => panic!("unexpected answer to trace read: {other:?}"),
+            }
+        }
+    }
+}
+
+/// One request to the hypervisor (through the launcher); panics if the
+/// channel fails.
+pub fn hv_call(c: &mut hvtrace::client::Client, r: protocol::Request) -> protocol::Response {
+    c.call(r, Duration::from_secs(120))
+        .expect("request failed")
+        .response
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

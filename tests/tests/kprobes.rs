@@ -22,13 +22,14 @@
 //! Run: `cargo test -p hvtrace-tests --test kprobes -- --nocapture`
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use hvtrace::client::Client;
-use hvtrace_tests::{guest_exec as exec, hv_status as status, vm_lock, Checks, Detached};
-use protocol::{ErrorKind, ProbeInfo, Request, Response, TraceFormat};
+use hvtrace_tests::{
+    guest_exec as exec, hv_call as call, hv_status as status, vm_lock, Checks, Detached, Stream,
+};
+use protocol::{ErrorKind, ProbeInfo, Request, Response};
 
-const CALL: Duration = Duration::from_secs(120);
 const TRACEFS: &str = "/sys/kernel/tracing";
 const PROBE: &str = "p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string";
 
@@ -73,46 +74,6 @@ fn parse_line(l: &str) -> Option<Line> {
 
 fn parse_all(text: &str) -> Vec<Line> {
     text.lines().filter_map(parse_line).collect()
-}
-
-/// Our trace stream, read through the launcher's buffer.
-struct Stream {
-    cursor: u64,
-    lost: u64,
-}
-
-impl Stream {
-    fn new() -> Stream {
-        Stream { cursor: 0, lost: 0 }
-    }
-
-    /// Everything new, waiting until nothing more comes for a while.
-    fn read(&mut self, c: &mut Client) -> String {
-        let mut out = String::new();
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let req = Request::TraceRead {
-                cursor: self.cursor,
-                format: TraceFormat::Text,
-                wait_ms: 3000,
-            };
-            match c.call(req, CALL).expect("trace read failed").response {
-                Response::Trace { next, text, lost } => {
-                    self.cursor = next;
-                    self.lost += lost;
-                    if text.is_empty() || Instant::now() > deadline {
-                        return out;
-                    }
-                    out.push_str(&text);
-                }
-                other => panic!("unexpected answer to trace read: {other:?}"),
-            }
-        }
-    }
-}
-
-fn call(c: &mut Client, r: Request) -> Response {
-    c.call(r, CALL).expect("request failed").response
 }
 
 fn probes(c: &mut Client) -> Vec<ProbeInfo> {

@@ -95,7 +95,7 @@
 mod event;
 mod fetch;
 mod index;
-mod json;
+pub(crate) mod json;
 mod num;
 mod parse;
 mod render;
@@ -109,8 +109,8 @@ pub use fetch::{
 pub use index::IndexSymbols;
 pub use parse::{parse, parse_probe, ParseError, ParseErrorKind};
 pub use render::{
-    json_line, text_line, write_function_json, write_function_text, write_json, write_symbol,
-    write_text, write_value, FAULT_STRING,
+    json_line, push_lossy, text_line, write_function_json, write_function_text, write_json,
+    write_symbol, write_text, write_value, FAULT_STRING,
 };
 pub use spec::*;
 

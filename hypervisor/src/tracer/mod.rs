@@ -3,5 +3,7 @@
 //! trampolines, edits EPT and serves the hypercalls is `src/tracer.rs` of
 //! the hypervisor binary.
 
+pub mod graph;
+pub mod retstack;
 pub mod ring;
 pub mod site;

@@ -168,6 +168,21 @@ pub fn sample_bodies() -> Vec<Body> {
             text: "cat-1 [000] 1.000000: myopen: (do_sys_openat2+0x4/0x150)\n".into(),
             lost: 0,
         }),
+        Body::Request(Request::GraphStart(protocol::GraphFilter {
+            functions: vec!["vfs_read".into()],
+            trace: vec![],
+            notrace: vec!["rcu_*".into()],
+            max_depth: 8,
+            pid: Some(42),
+            comm: Some("dd".into()),
+            retval: true,
+        })),
+        Body::Request(Request::GraphStop),
+        Body::Response(Response::GraphStarted {
+            hooked: 19_804,
+            roots: 1,
+            skipped: 18,
+        }),
         Body::Event(Event::TraceText {
             format: TraceFormat::Text,
             lost: 2,
