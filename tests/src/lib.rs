@@ -287,6 +287,15 @@ pub fn guest_exec(c: &mut hvtrace::client::Client, cmd: &str) -> String {
     }
 }
 
+/// VM exits so far, by reason name.
+pub fn hv_exits(c: &mut hvtrace::client::Client) -> std::collections::BTreeMap<String, u64> {
+    hv_status(c)
+        .exits
+        .into_iter()
+        .map(|e| (e.name, e.count))
+        .collect()
+}
+
 /// The hypervisor's status report.
 pub fn hv_status(c: &mut hvtrace::client::Client) -> protocol::StatusReport {
     match c

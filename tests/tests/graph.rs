@@ -14,12 +14,12 @@
 //!
 //! Run: `cargo test -p hvtrace-tests --test graph -- --nocapture`
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    guest_exec as exec, hv_call as call, hv_status as status, vm_lock, Checks, Detached, Stream,
+    guest_exec as exec, hv_call as call, hv_exits as exits, hv_status as status, vm_lock, Checks,
+    Detached, Stream,
 };
 use protocol::{GraphFilter, Request, Response};
 
@@ -117,14 +117,6 @@ fn graph_start(c: &mut Client, f: GraphFilter) -> Option<(u32, u32, u32)> {
             None
         }
     }
-}
-
-fn exits(c: &mut Client) -> BTreeMap<String, u64> {
-    status(c)
-        .exits
-        .into_iter()
-        .map(|e| (e.name, e.count))
-        .collect()
 }
 
 fn oracle(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {

@@ -26,7 +26,8 @@ use std::time::Instant;
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    guest_exec as exec, hv_call as call, hv_status as status, vm_lock, Checks, Detached, Stream,
+    guest_exec as exec, hv_call as call, hv_exits as exits, hv_status as status, vm_lock, Checks,
+    Detached, Stream,
 };
 use protocol::{ErrorKind, ProbeInfo, Request, Response};
 
@@ -88,14 +89,6 @@ fn hits(c: &mut Client, name: &str) -> u64 {
         .iter()
         .find(|p| p.name == name)
         .map_or(0, |p| p.hits)
-}
-
-fn exits(c: &mut Client) -> BTreeMap<String, u64> {
-    status(c)
-        .exits
-        .into_iter()
-        .map(|e| (e.name, e.count))
-        .collect()
 }
 
 /// `cat /etc/hostname` `n` times, each a new process.
