@@ -21,7 +21,6 @@
 //!
 //! Run: `cargo test -p hvtrace-tests --test kprobes -- --nocapture`
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use hvtrace::client::Client;
