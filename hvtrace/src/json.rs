@@ -412,23 +412,10 @@ impl Parser<'_> {
     }
 }
 
-/// Writes `s` as a JSON string (RFC 8259 section 7).
+/// Writes `s` as a JSON string (RFC 8259 section 7), with the escaping the
+/// hypervisor's own JSON lines use.
 fn write_string(s: &str, out: &mut String) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
+    hypervisor::kprobe::json::write_str(out, s);
 }
 
 #[cfg(test)]

@@ -95,7 +95,7 @@
 mod event;
 mod fetch;
 mod index;
-pub(crate) mod json;
+pub mod json;
 mod num;
 mod parse;
 mod render;
