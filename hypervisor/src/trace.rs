@@ -692,20 +692,22 @@ impl Tracer {
 
     /// Removes the function tracer everywhere.
     pub fn function_clear(&mut self, ept: &Ept) {
+        self.release_sites(ept, |u| &mut u.function);
+        self.functions = 0;
+    }
+
+    /// Clears one user's flag (`flag` picks it) on every site and unhooks
+    /// the sites nothing else uses.
+    fn release_sites(&mut self, ept: &Ept, flag: fn(&mut SiteUse) -> &mut bool) {
         let sites: Vec<u64> = self
             .sites
-            .iter()
-            .filter(|(_, u)| u.function)
-            .map(|(s, _)| *s)
+            .iter_mut()
+            .filter_map(|(s, u)| core::mem::take(flag(u)).then_some(*s))
             .collect();
         for s in sites {
-            if let Some(u) = self.sites.get_mut(&s) {
-                u.function = false;
-            }
             self.unhook_if_unused(ept, s);
         }
         invept(ept);
-        self.functions = 0;
     }
 
     /// Whether rendered output is waiting (the stream wants busy turns).
@@ -858,22 +860,9 @@ impl Tracer {
 
     /// `GraphStop`: no new calls are hijacked; frames in flight stay.
     pub fn graph_stop(&mut self, ept: &Ept) {
-        if self.graph.take().is_none() {
-            return;
+        if self.graph.take().is_some() {
+            self.release_sites(ept, |u| &mut u.graph);
         }
-        let sites: Vec<u64> = self
-            .sites
-            .iter()
-            .filter(|(_, u)| u.graph)
-            .map(|(s, _)| *s)
-            .collect();
-        for s in sites {
-            if let Some(u) = self.sites.get_mut(&s) {
-                u.graph = false;
-            }
-            self.unhook_if_unused(ept, s);
-        }
-        invept(ept);
     }
 
     /// The graph half of an entry hit: push a frame and hijack the return.
