@@ -548,6 +548,12 @@ pub struct TaskLayout {
     pub comm_len: u32,
     /// `sizeof(struct task_struct)`.
     pub size: u32,
+    /// Byte offset of `stack` (the kernel stack's base, a pointer), when the
+    /// type has it.
+    pub stack: Option<u32>,
+    /// Byte offset of `__state` (a 4-byte integer; `TASK_DEAD` once the
+    /// task has scheduled for the last time), when the type has it.
+    pub state: Option<u32>,
 }
 
 /// `task_struct.pid` and `task_struct.comm`, checked: `pid` must be a 4-byte
@@ -565,11 +571,27 @@ pub fn task_layout<V: VirtMemory + ?Sized>(btf: &Btf<'_, V>) -> Result<TaskLayou
     if elem.kind != Kind::Int || elem.size_or_type != 1 {
         return Err(BtfError::UnexpectedType("comm"));
     }
+    // Optional members: missing or of an unexpected type, they are None.
+    let stack = btf
+        .member(&task, "stack")
+        .ok()
+        .filter(|m| btf.resolve(m.type_id).is_ok_and(|t| t.kind == Kind::Ptr))
+        .and_then(|m| m.byte_offset());
+    let state = btf
+        .member(&task, "__state")
+        .ok()
+        .filter(|m| {
+            btf.resolve(m.type_id)
+                .is_ok_and(|t| t.kind == Kind::Int && t.size_or_type == 4)
+        })
+        .and_then(|m| m.byte_offset());
     Ok(TaskLayout {
         pid: pid.byte_offset().ok_or(BtfError::UnexpectedType("pid"))?,
         comm: comm.byte_offset().ok_or(BtfError::UnexpectedType("comm"))?,
         comm_len,
         size: task.size_or_type,
+        stack,
+        state,
     })
 }
 

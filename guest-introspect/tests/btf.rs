@@ -226,7 +226,9 @@ fn nested_anonymous_members() {
                 pid: 0x908,
                 comm: 0xba0,
                 comm_len: 16,
-                size: 4096
+                size: 4096,
+                stack: None,
+                state: Some(0),
             }
         );
         // A bitfield member reports its width and has no byte offset.

@@ -86,9 +86,10 @@ pub struct ProbeArgs {
 /// The `probe` subcommands.
 #[derive(Clone, Debug, Subcommand)]
 pub enum ProbeCommand {
-    /// Add a probe: `p[:[GROUP/]EVENT] FUNCTION [FETCHARGS]`, as in the
-    /// kernel's kprobe_events (e.g. `p:myopen do_sys_openat2 dfd=%di
-    /// path=+0(%si):string`).
+    /// Add a probe: `p[:[GROUP/]EVENT] FUNCTION [FETCHARGS]`, or a return
+    /// probe `r[:[GROUP/]EVENT] FUNCTION [FETCHARGS]` (or `FUNCTION%return`),
+    /// as in the kernel's kprobe_events (e.g. `p:myopen do_sys_openat2
+    /// dfd=%di path=+0(%si):string`, `r vfs_read $retval`).
     Add(ProbeAddArgs),
     /// Remove a probe: EVENT or GROUP/EVENT.
     Del(ProbeDelArgs),
@@ -192,14 +193,25 @@ pub struct GraphArgs {
     /// set_ftrace_filter (repeatable) [default: every traceable function].
     #[arg(long = "trace", value_name = "GLOB")]
     pub trace: Vec<String>,
-    /// Never trace the functions matching GLOB, nor show what they call
-    /// (repeatable).
+    /// Do not hook the functions matching GLOB, as ftrace's
+    /// set_ftrace_notrace (repeatable): they do not show, but what they
+    /// call still does, under the nearest traced caller.
     #[arg(long = "notrace", value_name = "GLOB")]
     pub notrace: Vec<String>,
+    /// Leave the functions matching GLOB, and everything they call, out of
+    /// the call trees, as ftrace's set_graph_notrace (repeatable).
+    #[arg(long = "graph-notrace", value_name = "GLOB")]
+    pub graph_notrace: Vec<String>,
     /// Show calls at most N levels deep, as ftrace's max_graph_depth
     /// (0: no limit).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub max_depth: u32,
+    /// Frames each guest kernel stack's return stack holds (1 to 256;
+    /// 0: the hypervisor's default, 32). Calls nested deeper are not traced
+    /// and count as misses. Refused while another session runs with
+    /// another size.
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = value_parser!(u32).range(0..=256))]
+    pub stack_frames: u32,
     /// Only the task with this pid (thread id).
     #[arg(long, value_name = "PID", allow_hyphen_values = true, value_parser = value_parser!(i32).range(0..))]
     pub pid: Option<i32>,
@@ -317,10 +329,21 @@ pub struct RunArgs {
     #[arg(long = "graph-trace", value_name = "GLOB", requires = "graphs")]
     pub graph_trace: Vec<String>,
 
-    /// With --graph: never trace the functions matching GLOB, nor show
-    /// what they call (repeatable).
+    /// With --graph: leave the functions matching GLOB, and everything
+    /// they call, out of the call trees, as ftrace's set_graph_notrace
+    /// (repeatable).
     #[arg(long = "graph-notrace", value_name = "GLOB", requires = "graphs")]
     pub graph_notrace: Vec<String>,
+
+    /// With --graph: do not hook the functions matching GLOB, as ftrace's
+    /// set_ftrace_notrace (repeatable): they do not show, but what they
+    /// call still does, under the nearest traced caller.
+    #[arg(
+        long = "graph-ftrace-notrace",
+        value_name = "GLOB",
+        requires = "graphs"
+    )]
+    pub graph_ftrace_notrace: Vec<String>,
 
     /// With --graph: only the tasks with this name (comm).
     #[arg(long = "graph-comm", value_name = "NAME", requires = "graphs")]
@@ -333,6 +356,11 @@ pub struct RunArgs {
     /// With --graph: show calls at most N levels deep (0: no limit).
     #[arg(long, value_name = "N", requires = "graphs")]
     pub max_depth: Option<u32>,
+
+    /// With --graph: frames per guest kernel stack's return stack (1 to
+    /// 256; 0: the default, 32); deeper calls count as misses.
+    #[arg(long, value_name = "N", requires = "graphs", value_parser = value_parser!(u32).range(0..=256))]
+    pub stack_frames: Option<u32>,
 
     /// Trace output format (with --probe, --function or --graph; chrome
     /// needs --graph) [default: text].
@@ -662,7 +690,9 @@ mod tests {
     fn graph_command() {
         let args = graph_args(&[]);
         assert!(args.functions.is_empty() && args.trace.is_empty() && args.notrace.is_empty());
+        assert!(args.graph_notrace.is_empty());
         assert_eq!(args.max_depth, 0);
+        assert_eq!(args.stack_frames, 0);
         assert_eq!((args.pid, args.comm.as_deref()), (None, None));
         assert!(!args.retval && !args.follow);
         assert_eq!(args.format, OutputFormatArg::Text);
@@ -681,8 +711,14 @@ mod tests {
             "rw_verify_area",
             "--notrace",
             "*fsnotify*",
+            "--graph-notrace",
+            "schedule",
+            "--graph-notrace",
+            "*irq*",
             "--max-depth",
             "4",
+            "--stack-frames",
+            "8",
             "--pid",
             "90",
             "--comm",
@@ -704,7 +740,10 @@ mod tests {
         assert_eq!(args.functions, ["vfs_read", "vfs_write"]);
         assert_eq!(args.trace, ["vfs_*", "rw_verify_area"]);
         assert_eq!(args.notrace, ["*fsnotify*"]);
+        assert_eq!(args.graph_notrace, ["schedule", "*irq*"]);
         assert_eq!(args.max_depth, 4);
+        assert_eq!(args.stack_frames, 8);
+        assert!(Cli::try_parse_from(["hvtrace", "graph", "--stack-frames", "257"]).is_err());
         assert_eq!(args.pid, Some(90));
         assert_eq!(args.comm.as_deref(), Some("dd"));
         assert!(args.retval && args.follow);
@@ -770,6 +809,10 @@ mod tests {
                 "vfs_*",
                 "--graph-notrace",
                 "rw_verify_area",
+                "--graph-ftrace-notrace",
+                "*fsnotify*",
+                "--graph-ftrace-notrace",
+                "security_*",
                 "--graph-comm",
                 "dd",
                 "--graph-retval",
@@ -788,6 +831,7 @@ mod tests {
         assert_eq!(args.graphs, ["vfs_read", "vfs_write"]);
         assert_eq!(args.graph_trace, ["vfs_*"]);
         assert_eq!(args.graph_notrace, ["rw_verify_area"]);
+        assert_eq!(args.graph_ftrace_notrace, ["*fsnotify*", "security_*"]);
         assert_eq!(args.graph_comm.as_deref(), Some("dd"));
         assert!(args.graph_retval);
         assert_eq!(args.max_depth, Some(3));
@@ -809,12 +853,13 @@ mod tests {
             .unwrap(),
         );
         assert!(args.traces() && args.graph_trace.is_empty() && args.max_depth.is_none());
+        assert!(args.graph_notrace.is_empty() && args.graph_ftrace_notrace.is_empty());
         assert!(!args.graph_retval && args.graph_comm.is_none());
     }
 
     #[test]
     fn bad_graph_combinations_are_one_line() {
-        let cases: [(&[&str], &str); 10] = [
+        let cases: [(&[&str], &str); 11] = [
             (&["--graph", "vfs_read"], "--exec"),
             (
                 &["--bare", "--graph", "vfs_read", "--exec", "true"],
@@ -823,6 +868,10 @@ mod tests {
             (&["--detach", "--graph", "vfs_read"], "cannot be used with"),
             (&["--graph-trace", "vfs_*", "--exec", "true"], "--graph"),
             (&["--graph-notrace", "x", "--exec", "true"], "--graph"),
+            (
+                &["--graph-ftrace-notrace", "x", "--exec", "true"],
+                "--graph",
+            ),
             (&["--graph-comm", "dd", "--exec", "true"], "--graph"),
             (&["--graph-retval", "--exec", "true"], "--graph"),
             (&["--max-depth", "2", "--exec", "true"], "--graph"),
@@ -866,6 +915,41 @@ mod tests {
             "hvtrace", "run", "--format", "chrome", "--graph", "f", "--exec", "true"
         ])
         .is_ok());
+    }
+
+    /// The long help of a subcommand, joined into one line.
+    fn help_of(path: &[&str]) -> String {
+        let mut cmd = Cli::command();
+        for name in path {
+            cmd = cmd.find_subcommand(name).unwrap().clone();
+        }
+        let help = cmd.render_long_help().to_string();
+        help.split_whitespace().collect::<Vec<_>>().join(" ")
+    }
+
+    #[test]
+    fn the_notrace_options_say_which_ftrace_file_they_are() {
+        let graph = help_of(&["graph"]);
+        assert!(
+            graph.contains("--notrace <GLOB> Do not hook the functions matching GLOB, as ftrace's set_ftrace_notrace (repeatable): they do not show, but what they call still does"),
+            "{graph}"
+        );
+        assert!(
+            graph.contains("--graph-notrace <GLOB> Leave the functions matching GLOB, and everything they call, out of the call trees, as ftrace's set_graph_notrace"),
+            "{graph}"
+        );
+        let run = help_of(&["run"]);
+        assert!(
+            run.contains("--graph-notrace <GLOB> With --graph: leave the functions matching GLOB, and everything they call, out of the call trees, as ftrace's set_graph_notrace"),
+            "{run}"
+        );
+        assert!(
+            run.contains("--graph-ftrace-notrace <GLOB> With --graph: do not hook the functions matching GLOB, as ftrace's set_ftrace_notrace"),
+            "{run}"
+        );
+        // Return probes are documented.
+        let add = help_of(&["probe", "add"]);
+        assert!(add.contains("r vfs_read $retval"), "{add}");
     }
 
     #[test]

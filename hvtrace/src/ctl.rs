@@ -170,15 +170,22 @@ pub fn status_text(status: &Status) -> String {
         if t.trampolines != 0 {
             out.push_str(&format!("{:<12} trampolines at {:#x}\n", "", t.trampolines));
         }
-        if t.graph_stacks + t.graph_misses + t.graph_dropped + t.graph_orphans != 0 {
+        if t.graph_sessions != 0
+            || t.retprobes != 0
+            || t.graph_stacks + t.graph_misses + t.graph_dropped + t.graph_orphans + t.graph_reaped
+                != 0
+        {
             out.push_str(&format!(
-                "{:<12} {} frames on {} stacks ({} B), {} misses, {} dropped, {} orphan returns\n",
+                "{:<12} {} sessions, {} return probes; {} frames on {} stacks ({} B), {} misses, {} dropped, {} reaped, {} orphan returns\n",
                 "graph",
+                t.graph_sessions,
+                t.retprobes,
                 t.graph_frames,
                 t.graph_stacks,
                 t.graph_bytes,
                 t.graph_misses,
                 t.graph_dropped,
+                t.graph_reaped,
                 t.graph_orphans
             ));
         }
@@ -256,6 +263,9 @@ pub fn status_json(status: &Status) -> Json {
         ("graph_misses", Json::int(t.graph_misses)),
         ("graph_dropped", Json::int(t.graph_dropped)),
         ("graph_orphans", Json::int(t.graph_orphans)),
+        ("graph_reaped", Json::int(t.graph_reaped)),
+        ("graph_sessions", Json::int(u64::from(t.graph_sessions))),
+        ("retprobes", Json::int(u64::from(t.retprobes))),
         (
             "trampolines",
             match t.trampolines {
@@ -549,6 +559,10 @@ pub struct TraceReader {
     pub cursor: u64,
     /// The format asked for.
     pub format: TraceFormat,
+    /// The source asked for ([`protocol::Event::TraceText`]: 0 for probes
+    /// and the function tracer, N for function-graph session N); `None`:
+    /// every source.
+    pub source: Option<u32>,
     /// Lines read so far.
     pub lines: u64,
     /// Losses reported so far.
@@ -556,20 +570,28 @@ pub struct TraceReader {
 }
 
 impl TraceReader {
-    /// A reader from the start of the buffer.
+    /// A reader of every source from the start of the buffer.
     pub fn new(format: TraceFormat) -> TraceReader {
         TraceReader {
             cursor: 0,
             format,
+            source: None,
             lines: 0,
             lost: 0,
         }
     }
 
-    /// A reader from the end of the buffer as it is now: it gets the lines
-    /// that arrive from here on. Its one read (a cursor past the end reads
-    /// from the end, without waiting) also starts the stream in `format`
-    /// if it is not. Fails when the VM has ended.
+    /// The same reader, reading only the lines of `source` (`None`: of
+    /// every source) from its cursor on.
+    pub fn with_source(mut self, source: Option<u32>) -> TraceReader {
+        self.source = source;
+        self
+    }
+
+    /// A reader (of every source) from the end of the buffer as it is now:
+    /// it gets the lines that arrive from here on. Its one read (a cursor
+    /// past the end reads from the end, without waiting) also starts the
+    /// stream in `format` if it is not. Fails when the VM has ended.
     pub fn at_end(control: &mut dyn Control, format: TraceFormat) -> Result<TraceReader> {
         let mut reader = TraceReader::new(format);
         reader.cursor = u64::MAX;
@@ -597,6 +619,7 @@ impl TraceReader {
             cursor: self.cursor,
             format: self.format,
             wait_ms,
+            source: self.source,
         };
         // The wait, a stream start forwarded to the hypervisor, and margin.
         let timeout = Duration::from_millis(u64::from(wait_ms))
@@ -699,6 +722,31 @@ impl TraceOutput {
     }
 }
 
+/// A writer whose bytes tests read back ([`TraceOutput::copy`] into it).
+#[cfg(test)]
+#[derive(Clone, Debug, Default)]
+pub(crate) struct SharedBuf(pub std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+#[cfg(test)]
+impl SharedBuf {
+    /// What was written so far.
+    pub(crate) fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+#[cfg(test)]
+impl Write for SharedBuf {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// How [`copy_trace`] ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CopyEnd {
@@ -764,7 +812,9 @@ pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
         let summary = add_functions(&mut client, glob)?;
         eprintln!("hvtrace: {summary}");
     }
-    let mut reader = TraceReader::new(args.format.protocol());
+    // Probe, return-probe and function-tracer lines only: graph sessions
+    // are read by `hvtrace graph`.
+    let mut reader = TraceReader::new(args.format.protocol()).with_source(Some(0));
     let mut out = TraceOutput::copy(Box::new(std::io::stdout()));
     let end = copy_trace(
         &mut client,
@@ -1027,8 +1077,25 @@ mod tests {
         );
         let j = status_json(&status).render();
         assert!(
-            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"trampolines":"0xffffffffc0000000"}"#),
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
+        );
+        // The graph line shows once there is graph state.
+        assert!(!s.contains("\ngraph "), "{s}");
+        let mut r = status.report.clone();
+        r.tracer.graph_sessions = 2;
+        r.tracer.retprobes = 1;
+        r.tracer.graph_frames = 3;
+        r.tracer.graph_stacks = 1;
+        r.tracer.graph_bytes = 1280;
+        r.tracer.graph_reaped = 30;
+        let s = status_text(&Status {
+            report: r,
+            round_trip: Duration::from_millis(1),
+        });
+        assert!(
+            s.contains("graph        2 sessions, 1 return probes; 3 frames on 1 stacks (1280 B), 0 misses, 0 dropped, 30 reaped, 0 orphan returns\n"),
+            "{s}"
         );
     }
 
@@ -1049,6 +1116,49 @@ mod tests {
         assert!(check_probe_spec("r vfs_read $retval").is_ok());
         let e = check_probe_spec("").unwrap_err().to_string();
         assert!(e.starts_with("probe spec: empty probe definition"), "{e}");
+    }
+
+    #[test]
+    fn return_probes_are_not_refused_locally() {
+        let specs = [
+            "r vfs_read",
+            "r:myret vfs_read $retval",
+            "r:grp/ev vfs_read ret=$retval:s32",
+            "r10 vfs_read",
+            "p:myret2 vfs_read%return $retval",
+            "p vfs_read+0%return",
+        ];
+        for spec in specs {
+            check_probe_spec(spec).unwrap_or_else(|e| panic!("{spec:?}: {e:#}"));
+        }
+        // They go to the hypervisor as they are.
+        let mut c = Canned {
+            answers: specs
+                .iter()
+                .map(|_| {
+                    Ok(Response::ProbeAdded {
+                        name: "kprobes/r".into(),
+                        site: 1,
+                    })
+                })
+                .collect(),
+            seen: Vec::new(),
+        };
+        for spec in specs {
+            add_probe(&mut c, spec).unwrap();
+        }
+        let sent: Vec<Request> = specs
+            .iter()
+            .map(|s| Request::ProbeAdd {
+                spec: s.to_string(),
+            })
+            .collect();
+        assert_eq!(c.seen, sent);
+        // The parser's own rules still hold: no $argN on a return.
+        let e = check_probe_spec("r vfs_read $arg1")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("only available on entry probes"), "{e}");
     }
 
     #[test]
@@ -1167,9 +1277,63 @@ mod tests {
             Request::TraceRead {
                 cursor: 2,
                 format: TraceFormat::Json,
-                wait_ms: 10
+                wait_ms: 10,
+                source: None,
             }
         );
+    }
+
+    #[test]
+    fn a_reader_asks_for_its_source() {
+        let trace = |next: u64| {
+            Ok(Response::Trace {
+                next,
+                text: String::new(),
+                lost: 0,
+            })
+        };
+        let mut c = Canned {
+            answers: [trace(5), trace(7), trace(9), trace(9)].into(),
+            seen: Vec::new(),
+        };
+        // From the end of the buffer, then only session 3's lines.
+        let mut r = TraceReader::at_end(&mut c, TraceFormat::Text).unwrap();
+        assert_eq!((r.cursor, r.source), (5, None));
+        r = r.with_source(Some(3));
+        r.read(&mut c, 100).unwrap().unwrap();
+        r.read(&mut c, 100).unwrap().unwrap();
+        assert_eq!(
+            c.seen,
+            [
+                Request::TraceRead {
+                    cursor: u64::MAX,
+                    format: TraceFormat::Text,
+                    wait_ms: 0,
+                    source: None,
+                },
+                Request::TraceRead {
+                    cursor: 5,
+                    format: TraceFormat::Text,
+                    wait_ms: 100,
+                    source: Some(3),
+                },
+                Request::TraceRead {
+                    cursor: 7,
+                    format: TraceFormat::Text,
+                    wait_ms: 100,
+                    source: Some(3),
+                },
+            ]
+        );
+        // Back to every source.
+        let mut r = TraceReader::new(TraceFormat::Json)
+            .with_source(Some(0))
+            .with_source(None);
+        r.read(&mut c, 1).unwrap().unwrap();
+        assert!(matches!(
+            c.seen.last(),
+            Some(Request::TraceRead { source: None, .. })
+        ));
     }
 
     #[test]

@@ -1,11 +1,14 @@
 //! `hvtrace graph`: the function-graph tracer (ftrace's function_graph, run
 //! from VMX root) on a detached VM.
 //!
-//! It checks the filter, starts the graph ([`Request::GraphStart`]), copies
-//! the trace stream from that point on under `trace`'s rules (until it goes
-//! quiet, or with `--follow` until Ctrl-C or the end of the VM), then stops
-//! the graph ([`Request::GraphStop`]). With `--format chrome` it reads JSON
-//! lines and writes a Chrome trace ([`crate::chrome`]) at the end.
+//! It checks the filter, starts a graph session ([`Request::GraphStart`];
+//! the hypervisor runs several at once and numbers them), copies that
+//! session's lines of the trace stream from that point on under `trace`'s
+//! rules (until it goes quiet, or with `--follow` until Ctrl-C or the end
+//! of the VM), then stops that session alone ([`Request::GraphStop`]).
+//! Probe and function-tracer lines, and other sessions' lines, are left
+//! out. With `--format chrome` it reads JSON lines and writes a Chrome
+//! trace ([`crate::chrome`]) at the end.
 //!
 //! The filter checks and the start and stop requests are shared with
 //! `hvtrace run --graph`.
@@ -13,12 +16,16 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use protocol::{GraphFilter, Request, Response};
+use protocol::{GraphFilter, Request, Response, TraceFormat};
 
 use crate::cli::GraphArgs;
 use crate::client::{response_error, Control};
 use crate::ctl::{self, CopyEnd, TraceOutput, TraceReader, PROBE_TIMEOUT};
 use crate::sys;
+
+/// The highest graph session number ([`Response::GraphStarted`]); 0 is
+/// the source of the probes and the function tracer, not a session.
+pub const MAX_SESSION: u32 = 15;
 
 /// Longest task name: the kernel's `TASK_COMM_LEN` less its NUL.
 pub const MAX_COMM: usize = 15;
@@ -64,6 +71,7 @@ pub fn filter(args: &GraphArgs) -> Result<GraphFilter> {
         ("--function", &args.functions),
         ("--trace", &args.trace),
         ("--notrace", &args.notrace),
+        ("--graph-notrace", &args.graph_notrace),
     ] {
         for glob in globs {
             check_glob(option, glob)?;
@@ -76,40 +84,81 @@ pub fn filter(args: &GraphArgs) -> Result<GraphFilter> {
         functions: args.functions.clone(),
         trace: args.trace.clone(),
         notrace: args.notrace.clone(),
+        graph_notrace: args.graph_notrace.clone(),
         max_depth: args.max_depth,
         pid: args.pid,
         comm: args.comm.clone(),
         retval: args.retval,
+        stack_frames: args.stack_frames,
     })
 }
 
-/// The line that reports a started graph.
-pub fn started_line(hooked: u32, roots: u32, skipped: u32) -> String {
-    let s = |n: u32| if n == 1 { "" } else { "s" };
-    format!(
-        "function graph on: {hooked} function{} hooked, {roots} root{}, {skipped} skipped",
-        s(hooked),
-        s(roots)
-    )
+/// A started function-graph session, as [`Response::GraphStarted`]
+/// reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Started {
+    /// The session's number (1 to [`MAX_SESSION`]): the source of its
+    /// trace lines, and what [`stop`] takes.
+    pub session: u32,
+    /// Functions hooked for the graph.
+    pub hooked: u32,
+    /// Functions that start a tree.
+    pub roots: u32,
+    /// Matches that could not be hooked.
+    pub skipped: u32,
 }
 
-/// Starts the function-graph tracer; returns [`started_line`].
-pub fn start(control: &mut dyn Control, filter: GraphFilter) -> Result<String> {
+impl Started {
+    /// The line that reports it (`function graph session 2: 42 functions
+    /// hooked, 1 root, 0 skipped`).
+    pub fn line(&self) -> String {
+        let s = |n: u32| if n == 1 { "" } else { "s" };
+        format!(
+            "function graph session {}: {} function{} hooked, {} root{}, {} skipped",
+            self.session,
+            self.hooked,
+            s(self.hooked),
+            self.roots,
+            s(self.roots),
+            self.skipped
+        )
+    }
+}
+
+/// Starts a function-graph session.
+pub fn start(control: &mut dyn Control, filter: GraphFilter) -> Result<Started> {
     match control.request(Request::GraphStart(filter), PROBE_TIMEOUT)? {
         Response::GraphStarted {
+            session,
             hooked,
             roots,
             skipped,
-        } => Ok(started_line(hooked, roots, skipped)),
+        } => {
+            if !(1..=MAX_SESSION).contains(&session) {
+                bail!(
+                    "the hypervisor started function graph session {session}, which is not a session number (1 to {MAX_SESSION})"
+                );
+            }
+            Ok(Started {
+                session,
+                hooked,
+                roots,
+                skipped,
+            })
+        }
         other => Err(response_error(other)),
     }
 }
 
-/// Stops the function-graph tracer.
-pub fn stop(control: &mut dyn Control) -> Result<()> {
-    match control.request(Request::GraphStop, PROBE_TIMEOUT)? {
+/// Stops function-graph session `session`, and no other.
+pub fn stop(control: &mut dyn Control, session: u32) -> Result<()> {
+    let request = Request::GraphStop {
+        session: Some(session),
+    };
+    match control.request(request, PROBE_TIMEOUT)? {
         Response::Ok => Ok(()),
-        other => Err(response_error(other)).context("cannot stop the function graph"),
+        other => Err(response_error(other))
+            .with_context(|| format!("cannot stop function graph session {session}")),
     }
 }
 
@@ -118,21 +167,47 @@ pub fn graph(socket: &Path, args: &GraphArgs) -> Result<u8> {
     // What can be checked without a VM, first.
     let filter = filter(args)?;
     let mut client = ctl::open(socket)?;
-    let mut output = TraceOutput::create(args.output.as_deref(), args.format)?;
-    // Only this graph's lines: the stream may hold older ones.
-    let mut reader = TraceReader::at_end(&mut client, args.format.protocol())?;
+    let output = TraceOutput::create(args.output.as_deref(), args.format)?;
     // From here on, a Ctrl-C ends the reading; the graph is stopped and
     // the output finished all the same.
     sys::catch_interrupt().context("cannot catch Ctrl-C")?;
-    let started = start(&mut client, filter)?;
-    eprintln!("hvtrace: {started}");
-    let copied = ctl::copy_trace(
+    trace_session(
         &mut client,
-        &mut reader,
+        filter,
+        args.format.protocol(),
         args.follow,
+        output,
+        &sys::interrupted,
+    )?;
+    Ok(0)
+}
+
+/// The work of `hvtrace graph` once connected: starts a session with
+/// `filter`, copies its lines in `format` to `output` (as
+/// [`ctl::copy_trace`] does, with `follow` and `interrupted`), stops the
+/// session and finishes the output.
+pub fn trace_session(
+    control: &mut dyn Control,
+    filter: GraphFilter,
+    format: TraceFormat,
+    follow: bool,
+    mut output: TraceOutput,
+    interrupted: &dyn Fn() -> bool,
+) -> Result<()> {
+    // Only lines that come after the start: the stream may hold older ones.
+    let reader = TraceReader::at_end(control, format)?;
+    let started = start(control, filter)?;
+    eprintln!("hvtrace: {}", started.line());
+    // Only this session's lines: probes, the function tracer and other
+    // sessions may be writing to the stream too.
+    let mut reader = reader.with_source(Some(started.session));
+    let copied = ctl::copy_trace(
+        control,
+        &mut reader,
+        follow,
         FOLLOW_WAIT_MS,
         &mut output,
-        &sys::interrupted,
+        interrupted,
     );
     let stopped = match &copied {
         // Nothing left to stop.
@@ -140,7 +215,7 @@ pub fn graph(socket: &Path, args: &GraphArgs) -> Result<u8> {
             eprintln!("hvtrace: {why}");
             Ok(())
         }
-        _ => stop(&mut client),
+        _ => stop(control, started.session),
     };
     let finished = output.finish();
     copied?;
@@ -152,7 +227,7 @@ pub fn graph(socket: &Path, args: &GraphArgs) -> Result<u8> {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
         Err(e) => bail!("cannot write the trace: {e}"),
     }
-    Ok(0)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -183,6 +258,10 @@ mod tests {
             "vfs_*",
             "--notrace",
             "rw_verify_area",
+            "--graph-notrace",
+            "schedule",
+            "--graph-notrace",
+            "*irq*",
             "--max-depth",
             "3",
             "--pid",
@@ -198,10 +277,12 @@ mod tests {
                 functions: vec!["vfs_read".into(), "vfs_write".into()],
                 trace: vec!["vfs_*".into()],
                 notrace: vec!["rw_verify_area".into()],
+                graph_notrace: vec!["schedule".into(), "*irq*".into()],
                 max_depth: 3,
                 pid: Some(90),
                 comm: Some("dd".into()),
                 retval: true,
+                stack_frames: 0,
             }
         );
         assert_eq!(filter(&args(&[])).unwrap(), GraphFilter::default());
@@ -221,6 +302,14 @@ mod tests {
             (
                 &["--notrace", " "][..],
                 r#"--notrace needs a glob (got " ")"#,
+            ),
+            (
+                &["--graph-notrace", ""][..],
+                r#"--graph-notrace needs a glob (got "")"#,
+            ),
+            (
+                &["--graph-notrace", "a b"][..],
+                r#"--graph-notrace "a b": one glob per --graph-notrace (repeat the option for more)"#,
             ),
             (&["--comm", ""][..], "--comm needs a task name"),
             (
@@ -242,13 +331,19 @@ mod tests {
 
     #[test]
     fn started_lines() {
+        let started = |session, hooked, roots, skipped| Started {
+            session,
+            hooked,
+            roots,
+            skipped,
+        };
         assert_eq!(
-            started_line(42, 1, 0),
-            "function graph on: 42 functions hooked, 1 root, 0 skipped"
+            started(1, 42, 1, 0).line(),
+            "function graph session 1: 42 functions hooked, 1 root, 0 skipped"
         );
         assert_eq!(
-            started_line(1, 3, 2),
-            "function graph on: 1 function hooked, 3 roots, 2 skipped"
+            started(15, 1, 3, 2).line(),
+            "function graph session 15: 1 function hooked, 3 roots, 2 skipped"
         );
     }
 
@@ -269,13 +364,26 @@ mod tests {
         let mut c = Canned {
             answers: [
                 Response::GraphStarted {
+                    session: 2,
                     hooked: 12,
                     roots: 1,
                     skipped: 2,
                 },
                 Response::error(ErrorKind::NotFound, "no function matches vfs_nope"),
                 Response::Ok,
-                Response::error(ErrorKind::NotReady, "the graph is not running"),
+                Response::error(ErrorKind::NotFound, "no graph session 7"),
+                Response::GraphStarted {
+                    session: 0,
+                    hooked: 1,
+                    roots: 1,
+                    skipped: 0,
+                },
+                Response::GraphStarted {
+                    session: 16,
+                    hooked: 1,
+                    roots: 1,
+                    skipped: 0,
+                },
             ]
             .into(),
             seen: Vec::new(),
@@ -286,17 +394,175 @@ mod tests {
         };
         assert_eq!(
             start(&mut c, f.clone()).unwrap(),
-            "function graph on: 12 functions hooked, 1 root, 2 skipped"
+            Started {
+                session: 2,
+                hooked: 12,
+                roots: 1,
+                skipped: 2
+            }
         );
         assert_eq!(c.seen[0], Request::GraphStart(f.clone()));
-        let e = start(&mut c, f).unwrap_err().to_string();
+        let e = start(&mut c, f.clone()).unwrap_err().to_string();
         assert_eq!(e, "no function matches vfs_nope");
-        stop(&mut c).unwrap();
-        assert_eq!(c.seen[2], Request::GraphStop);
-        let e = format!("{:#}", stop(&mut c).unwrap_err());
+        // Only the session named is stopped.
+        stop(&mut c, 2).unwrap();
+        assert_eq!(c.seen[2], Request::GraphStop { session: Some(2) });
+        let e = format!("{:#}", stop(&mut c, 7).unwrap_err());
         assert_eq!(
             e,
-            "cannot stop the function graph: the graph is not running"
+            "cannot stop function graph session 7: no graph session 7"
         );
+        assert_eq!(c.seen[3], Request::GraphStop { session: Some(7) });
+        // A session number that is not one is refused: its lines could not
+        // be told from the probes' (0), or it does not exist (16).
+        for n in [0, 16] {
+            let e = start(&mut c, f.clone()).unwrap_err().to_string();
+            assert_eq!(
+                e,
+                format!("the hypervisor started function graph session {n}, which is not a session number (1 to 15)")
+            );
+        }
+    }
+
+    fn trace(next: u64, text: &str) -> Response {
+        Response::Trace {
+            next,
+            text: text.into(),
+            lost: 0,
+        }
+    }
+
+    #[test]
+    fn a_session_reads_and_stops_only_its_own() {
+        let mut c = Canned {
+            answers: [
+                // The end of the buffer.
+                trace(40, ""),
+                Response::GraphStarted {
+                    session: 3,
+                    hooked: 5,
+                    roots: 1,
+                    skipped: 0,
+                },
+                trace(44, " 0)               |  vfs_read() {\n"),
+                trace(47, " 0)   1.000 us    |  }\n"),
+                // Quiet: the trace is over.
+                trace(47, ""),
+                Response::Ok,
+            ]
+            .into(),
+            seen: Vec::new(),
+        };
+        let buf = crate::ctl::SharedBuf::default();
+        let output = TraceOutput::copy(Box::new(buf.clone()));
+        let f = GraphFilter {
+            functions: vec!["vfs_read".into()],
+            ..GraphFilter::default()
+        };
+        trace_session(&mut c, f.clone(), TraceFormat::Text, false, output, &|| {
+            false
+        })
+        .unwrap();
+        assert_eq!(
+            buf.text(),
+            " 0)               |  vfs_read() {\n 0)   1.000 us    |  }\n"
+        );
+        let read = |cursor, wait_ms, source| Request::TraceRead {
+            cursor,
+            format: TraceFormat::Text,
+            wait_ms,
+            source,
+        };
+        assert_eq!(
+            c.seen,
+            [
+                read(u64::MAX, 0, None),
+                Request::GraphStart(f),
+                read(40, ctl::FIRST_WAIT_MS, Some(3)),
+                read(44, ctl::DRAIN_WAIT_MS, Some(3)),
+                read(47, ctl::DRAIN_WAIT_MS, Some(3)),
+                Request::GraphStop { session: Some(3) },
+            ]
+        );
+    }
+
+    #[test]
+    fn a_chrome_trace_is_made_of_the_sessions_json_lines() {
+        let entry = r#"{"ts":"1.000000","ts_ns":1000000000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_entry","func":"vfs_read","depth":0}"#;
+        let ret = r#"{"ts":"1.000002","ts_ns":1000002000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"vfs_read","depth":0,"duration_ns":2000}"#;
+        let mut c = Canned {
+            answers: [
+                trace(0, ""),
+                Response::GraphStarted {
+                    session: 1,
+                    hooked: 1,
+                    roots: 1,
+                    skipped: 0,
+                },
+                trace(2, &format!("{entry}\n{ret}\n")),
+                trace(2, ""),
+                Response::Ok,
+            ]
+            .into(),
+            seen: Vec::new(),
+        };
+        let buf = crate::ctl::SharedBuf::default();
+        let output = TraceOutput::chrome(Box::new(buf.clone()));
+        trace_session(
+            &mut c,
+            GraphFilter::default(),
+            TraceFormat::Json,
+            false,
+            output,
+            &|| false,
+        )
+        .unwrap();
+        for request in &c.seen[2..4] {
+            assert!(
+                matches!(
+                    request,
+                    Request::TraceRead {
+                        format: TraceFormat::Json,
+                        source: Some(1),
+                        ..
+                    }
+                ),
+                "{request:?}"
+            );
+        }
+        assert_eq!(c.seen[4], Request::GraphStop { session: Some(1) });
+        let chrome = buf.text();
+        assert!(chrome.contains(r#""name":"vfs_read""#), "{chrome}");
+    }
+
+    #[test]
+    fn an_interrupted_session_is_stopped_all_the_same() {
+        let mut c = Canned {
+            answers: [
+                trace(8, ""),
+                Response::GraphStarted {
+                    session: 4,
+                    hooked: 1,
+                    roots: 1,
+                    skipped: 0,
+                },
+                Response::Ok,
+            ]
+            .into(),
+            seen: Vec::new(),
+        };
+        let buf = crate::ctl::SharedBuf::default();
+        let output = TraceOutput::copy(Box::new(buf.clone()));
+        trace_session(
+            &mut c,
+            GraphFilter::default(),
+            TraceFormat::Text,
+            true,
+            output,
+            &|| true,
+        )
+        .unwrap();
+        assert_eq!(c.seen.len(), 3);
+        assert_eq!(c.seen[2], Request::GraphStop { session: Some(4) });
     }
 }

@@ -26,6 +26,26 @@ use protocol::{encode, Body, Event, Frame, FrameDecoder, Request, Response};
 /// emulator on a loaded host.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The least time allowed for a request that hooks or unhooks fentry sites
+/// (probes, the function tracer, function-graph sessions): VMX root patches
+/// and flushes every site before it answers, which for thousands of sites
+/// in an emulator on a loaded host takes longer than other answers.
+pub const HOOK_TIMEOUT: Duration = Duration::from_secs(25);
+
+/// How long the hypervisor may take to answer `request` on a link whose
+/// own limit is `base`.
+pub fn timeout_for(request: &Request, base: Duration) -> Duration {
+    match request {
+        Request::ProbeAdd { .. }
+        | Request::ProbeDel { .. }
+        | Request::FunctionAdd { .. }
+        | Request::FunctionClear
+        | Request::GraphStart(_)
+        | Request::GraphStop { .. } => base.max(HOOK_TIMEOUT),
+        _ => base,
+    }
+}
+
 /// Why a request got no answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LinkError {
@@ -188,6 +208,7 @@ impl HvLink {
         self.drain_stale(&mut inner)?;
         let seq = inner.seq.next_seq();
         inner.buf.clear();
+        let limit = timeout_for(&request, self.timeout);
         let frame = Frame::request(seq, request);
         if let Err(e) = encode(&frame, &mut inner.buf) {
             return Err(LinkError::Closed(format!("cannot encode the request: {e}")));
@@ -197,7 +218,7 @@ impl HvLink {
         inner.buf = wire;
         written?;
         self.bump(|s| s.requests += 1);
-        let frame = self.wait(&mut inner, seq)?;
+        let frame = self.wait(&mut inner, seq, limit)?;
         match frame.body {
             Body::Response(response) => Ok(response),
             // `wait` only returns responses.
@@ -212,7 +233,7 @@ impl HvLink {
         self.drain_stale(&mut inner)?;
         self.write(&mut inner, wire)?;
         self.bump(|s| s.forwarded += 1);
-        self.wait(&mut inner, seq)
+        self.wait(&mut inner, seq, self.timeout)
     }
 
     /// Writes bytes that are not a frame as they are; nothing answers them.
@@ -279,8 +300,8 @@ impl HvLink {
     }
 
     /// Waits for the response with sequence number `seq`.
-    fn wait(&self, inner: &mut Inner, seq: u32) -> Result<Frame, LinkError> {
-        let deadline = Instant::now() + self.timeout;
+    fn wait(&self, inner: &mut Inner, seq: u32, limit: Duration) -> Result<Frame, LinkError> {
+        let deadline = Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match inner.rx.recv_timeout(left) {
@@ -298,7 +319,7 @@ impl HvLink {
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     self.bump(|s| s.timeouts += 1);
-                    return Err(LinkError::Timeout(self.timeout));
+                    return Err(LinkError::Timeout(limit));
                 }
                 Err(RecvTimeoutError::Disconnected) => {
                     let why = "the reader stopped".to_string();
@@ -509,6 +530,7 @@ mod tests {
         // Unsolicited, with no request in flight; 12 and 13 never arrive.
         let text = |t: &str| protocol::Event::TraceText {
             format: protocol::TraceFormat::Text,
+            source: 0,
             lost: 0,
             text: t.to_string(),
         };
@@ -568,6 +590,26 @@ mod tests {
         // A restart (backwards) counts nothing.
         assert_eq!(s.next(0), 0);
         assert_eq!(s.next(1), 0);
+    }
+
+    #[test]
+    fn hooking_requests_get_the_longer_limit() {
+        let base = Duration::from_millis(500);
+        for r in [
+            Request::GraphStart(protocol::GraphFilter::default()),
+            Request::GraphStop { session: None },
+            Request::FunctionAdd { glob: "*".into() },
+            Request::FunctionClear,
+            Request::ProbeAdd { spec: "p f".into() },
+            Request::ProbeDel { name: "f".into() },
+        ] {
+            assert_eq!(timeout_for(&r, base), HOOK_TIMEOUT, "{r:?}");
+        }
+        assert_eq!(timeout_for(&Request::Status, base), base);
+        assert_eq!(timeout_for(&Request::ProbeList, base), base);
+        // A link with a longer limit keeps it.
+        let long = Duration::from_secs(60);
+        assert_eq!(timeout_for(&Request::FunctionClear, long), long);
     }
 
     #[test]

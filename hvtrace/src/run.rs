@@ -8,9 +8,12 @@
 //! control channel, starts the trace stream and runs the commands (their
 //! output goes to stderr), while a second thread copies the trace to stdout
 //! or `--output` (or collects it, for a Chrome trace written at the end).
-//! The run ends when no trace line came for [`TRACE_QUIET`] after the last
-//! command (at most [`TRACE_DRAIN_LIMIT`] after it); then the graph is
-//! stopped and the hypervisor stops the guest.
+//! The trace is one stream: the probe and function-tracer lines and the
+//! graph session's, as they came; a Chrome trace reads the graph session's
+//! lines only ([`trace_source`]). The run ends when no trace line came for
+//! [`TRACE_QUIET`] after the last command (at most [`TRACE_DRAIN_LIMIT`]
+//! after it); then the graph session is stopped and the hypervisor stops
+//! the guest.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,12 +21,13 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use protocol::{GraphFilter, TraceFormat};
+use protocol::GraphFilter;
 
-use crate::cli::RunArgs;
+use crate::cli::{OutputFormatArg, RunArgs};
+use crate::client::Control;
 use crate::config::{self, Emulator, RunConfig};
 use crate::ctl::{self, TraceEnd, TraceOutput, TraceReader};
-use crate::supervisor::{Ending, LocalControl, LocalVm};
+use crate::supervisor::{Ending, LocalVm};
 use crate::vm::{StopReport, Vm};
 use crate::{graph, guest, hypervisor};
 
@@ -140,6 +144,22 @@ struct Traced {
     lines: u64,
     /// Lines or events lost.
     lost: u64,
+    /// The graph session, with `--graph`.
+    session: Option<u32>,
+}
+
+/// The source of the trace lines a traced run writes
+/// ([`protocol::Event::TraceText`]), given its graph session and output
+/// format: without a graph, the probes' and the function tracer's (0);
+/// with one, every source (the run's own VM has no source but 0 and its
+/// session), except for a Chrome trace, which is made of the session's
+/// calls alone.
+pub fn trace_source(session: Option<u32>, format: OutputFormatArg) -> Option<u32> {
+    match (session, format) {
+        (None, _) => Some(0),
+        (Some(session), OutputFormatArg::Chrome) => Some(session),
+        (Some(_), OutputFormatArg::Text | OutputFormatArg::Json) => None,
+    }
 }
 
 /// The function-graph filter of a traced run, checked; `None` without
@@ -152,6 +172,7 @@ pub fn graph_filter(args: &RunArgs) -> Result<Option<GraphFilter>> {
         ("--graph", &args.graphs),
         ("--graph-trace", &args.graph_trace),
         ("--graph-notrace", &args.graph_notrace),
+        ("--graph-ftrace-notrace", &args.graph_ftrace_notrace),
     ] {
         for glob in globs {
             graph::check_glob(option, glob)?;
@@ -163,11 +184,13 @@ pub fn graph_filter(args: &RunArgs) -> Result<Option<GraphFilter>> {
     Ok(Some(GraphFilter {
         functions: args.graphs.clone(),
         trace: args.graph_trace.clone(),
-        notrace: args.graph_notrace.clone(),
+        notrace: args.graph_ftrace_notrace.clone(),
+        graph_notrace: args.graph_notrace.clone(),
         max_depth: args.max_depth.unwrap_or(0),
         pid: None,
         comm: args.graph_comm.clone(),
         retval: args.graph_retval,
+        stack_frames: args.stack_frames.unwrap_or(0),
     }))
 }
 
@@ -182,25 +205,23 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
     }
     let graph = graph_filter(args)?;
     let output_format = args.format.unwrap_or_default();
-    let format = output_format.protocol();
     let mut out = TraceOutput::create(args.output.as_deref(), output_format)?;
     let cfg = resolve(args)?;
     note_tcg(&cfg);
     let vm = LocalVm::start(cfg)?;
     // On failure the VM is dropped, which kills it; what was traced is
     // written all the same.
-    let graphing = graph.is_some();
-    let traced = match trace_commands(&vm, args, graph, format, &mut out) {
+    let traced = match trace_commands(&vm, args, graph, output_format, &mut out) {
         Ok(traced) => traced,
         Err(e) => {
             let _ = out.finish();
             return Err(e);
         }
     };
-    if graphing {
+    if let Some(session) = traced.session {
         // The guest is stopped next, so a graph left running does no harm;
         // say so and go on.
-        if let Err(e) = graph::stop(&mut vm.control()) {
+        if let Err(e) = graph::stop(&mut vm.control(), session) {
             eprintln!("hvtrace: note: {e:#}");
         }
     }
@@ -234,9 +255,10 @@ fn trace_commands(
     vm: &LocalVm,
     args: &RunArgs,
     graph: Option<GraphFilter>,
-    format: TraceFormat,
+    output_format: OutputFormatArg,
     out: &mut TraceOutput,
 ) -> Result<Traced> {
+    let format = output_format.protocol();
     let mut control = vm.control();
     for spec in &args.probes {
         let (name, site) =
@@ -248,17 +270,21 @@ fn trace_commands(
             .with_context(|| format!("--function {glob:?}"))?;
         eprintln!("hvtrace: {summary}");
     }
+    let mut session = None;
     if let Some(filter) = graph {
         let started = graph::start(&mut control, filter).context("--graph")?;
-        eprintln!("hvtrace: {started}");
+        eprintln!("hvtrace: {}", started.line());
+        session = Some(started.session);
     }
     ctl::start_trace(&mut control, format).context("cannot start the trace")?;
+    let reader = TraceReader::new(format).with_source(trace_source(session, output_format));
 
     let done = OnceLock::new();
     let abort = AtomicBool::new(false);
     std::thread::scope(|scope| {
         let collector = scope.spawn(|| {
-            let result = collect(control, format, out, &done, &abort);
+            let mut control = control;
+            let result = collect(&mut control, reader, out, &done, &abort);
             // A trace that cannot be read or written ends the commands too.
             abort.store(true, Ordering::Relaxed);
             result
@@ -277,6 +303,7 @@ fn trace_commands(
             failed,
             lines: reader.lines,
             lost: reader.lost,
+            session,
         })
     })
 }
@@ -302,19 +329,19 @@ fn run_commands(vm: &LocalVm, commands: &[String], abort: &AtomicBool) -> Result
     Ok(failed)
 }
 
-/// Copies the trace to `out` until `done` is set and no line came for
-/// [`TRACE_QUIET`] since (or [`TRACE_DRAIN_LIMIT`] passed), or `abort`.
+/// Copies the trace from `reader` to `out` until `done` is set and no line
+/// came for [`TRACE_QUIET`] since (or [`TRACE_DRAIN_LIMIT`] passed), or
+/// `abort`.
 fn collect(
-    mut control: LocalControl,
-    format: TraceFormat,
+    control: &mut dyn Control,
+    mut reader: TraceReader,
     out: &mut TraceOutput,
     done: &OnceLock<Instant>,
     abort: &AtomicBool,
 ) -> Result<TraceReader> {
-    let mut reader = TraceReader::new(format);
     let mut last_line = Instant::now();
     while !abort.load(Ordering::Relaxed) {
-        match reader.read(&mut control, TRACE_POLL_MS)? {
+        match reader.read(control, TRACE_POLL_MS)? {
             Ok(read) if !read.text.is_empty() => {
                 out.write(&read.text).context("cannot write the trace")?;
                 last_line = Instant::now();
@@ -392,7 +419,11 @@ mod tests {
             "--graph-trace",
             "vfs_*",
             "--graph-notrace",
+            "schedule",
+            "--graph-ftrace-notrace",
             "rw_verify_area",
+            "--graph-ftrace-notrace",
+            "*fsnotify*",
             "--graph-comm",
             "dd",
             "--graph-retval",
@@ -407,11 +438,13 @@ mod tests {
             Some(GraphFilter {
                 functions: vec!["vfs_read".into(), "vfs_write".into()],
                 trace: vec!["vfs_*".into()],
-                notrace: vec!["rw_verify_area".into()],
+                notrace: vec!["rw_verify_area".into(), "*fsnotify*".into()],
+                graph_notrace: vec!["schedule".into()],
                 max_depth: 2,
                 pid: None,
                 comm: Some("dd".into()),
                 retval: true,
+                stack_frames: 0,
             })
         );
         let defaults = graph_filter(&run_args(&["--graph", "f", "--exec", "true"])).unwrap();
@@ -435,6 +468,92 @@ mod tests {
         assert_eq!(
             e,
             r#"--graph-notrace "a b": one glob per --graph-notrace (repeat the option for more)"#
+        );
+        let e = graph_filter(&run_args(&[
+            "--graph",
+            "f",
+            "--graph-ftrace-notrace",
+            "",
+            "--exec",
+            "true",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert_eq!(e, r#"--graph-ftrace-notrace needs a glob (got "")"#);
+    }
+
+    #[test]
+    fn the_source_a_run_reads() {
+        use OutputFormatArg::{Chrome, Json, Text};
+        // Probes and the function tracer only.
+        assert_eq!(trace_source(None, Text), Some(0));
+        assert_eq!(trace_source(None, Json), Some(0));
+        // With a graph: one stream, probes and graph as they came.
+        assert_eq!(trace_source(Some(2), Text), None);
+        assert_eq!(trace_source(Some(2), Json), None);
+        // A Chrome trace: the graph session's lines alone.
+        assert_eq!(trace_source(Some(2), Chrome), Some(2));
+        assert_eq!(trace_source(Some(15), Chrome), Some(15));
+    }
+
+    /// Answers every trace read with one line and asks the collector to
+    /// stop after `reads` reads.
+    struct Lines<'a> {
+        abort: &'a AtomicBool,
+        reads: usize,
+        seen: Vec<protocol::Request>,
+    }
+
+    impl Control for Lines<'_> {
+        fn request(
+            &mut self,
+            request: protocol::Request,
+            _timeout: Duration,
+        ) -> Result<protocol::Response> {
+            self.seen.push(request);
+            if self.seen.len() >= self.reads {
+                self.abort.store(true, Ordering::Relaxed);
+            }
+            Ok(protocol::Response::Trace {
+                next: self.seen.len() as u64 * 2,
+                text: format!("line {}\n", self.seen.len()),
+                lost: 0,
+            })
+        }
+    }
+
+    #[test]
+    fn the_collector_reads_its_source() {
+        let abort = AtomicBool::new(false);
+        let mut control = Lines {
+            abort: &abort,
+            reads: 2,
+            seen: Vec::new(),
+        };
+        let buf = crate::ctl::SharedBuf::default();
+        let mut out = TraceOutput::copy(Box::new(buf.clone()));
+        let reader = TraceReader::new(protocol::TraceFormat::Json)
+            .with_source(trace_source(Some(3), OutputFormatArg::Chrome));
+        let done = OnceLock::new();
+        let reader = collect(&mut control, reader, &mut out, &done, &abort).unwrap();
+        assert_eq!(buf.text(), "line 1\nline 2\n");
+        assert_eq!((reader.lines, reader.cursor), (2, 4));
+        assert_eq!(
+            control.seen,
+            [
+                protocol::Request::TraceRead {
+                    cursor: 0,
+                    format: protocol::TraceFormat::Json,
+                    wait_ms: TRACE_POLL_MS,
+                    source: Some(3),
+                },
+                protocol::Request::TraceRead {
+                    cursor: 2,
+                    format: protocol::TraceFormat::Json,
+                    wait_ms: TRACE_POLL_MS,
+                    source: Some(3),
+                },
+            ]
         );
     }
 }

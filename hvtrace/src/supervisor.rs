@@ -13,7 +13,8 @@
 //! - `TraceRead` is served here, from the trace buffer ([`TraceBuffer`]),
 //!   which the hypervisor's `TraceText` events fill once the stream is
 //!   started: the first read in a format starts the stream in that format
-//!   (or switches it), then each read waits up to its `wait_ms` for a line;
+//!   (or switches it), then each read waits up to its `wait_ms` for a line
+//!   of its source (one source, or all of them);
 //!   `TraceStart` and `TraceStop` are forwarded, and the supervisor notes
 //!   the format the stream is in;
 //! - every other request is forwarded to the hypervisor, one at a time
@@ -150,10 +151,15 @@ impl TraceShared {
     /// Takes one event from the hypervisor.
     fn on_event(&self, event: Event, note: &dyn Fn(&str)) {
         match event {
-            Event::TraceText { format, lost, text } => {
+            Event::TraceText {
+                format,
+                source,
+                lost,
+                text,
+            } => {
                 let mut buf = self.lock();
                 buf.push_lost(lost);
-                buf.push_text(format, &text);
+                buf.push_text(format, source, &text);
                 drop(buf);
                 self.cv.notify_all();
             }
@@ -173,13 +179,15 @@ impl TraceShared {
         }
     }
 
-    /// Reads from `cursor`, waiting up to `wait` for a line of `format`;
-    /// `ended` cuts the wait short. Losses alone do not end the wait: they
-    /// come with the first line after them, or when the wait is over.
+    /// Reads from `cursor`, waiting up to `wait` for a line of `format`
+    /// from `source` (`None`: any source); `ended` cuts the wait short.
+    /// Losses alone do not end the wait: they come with the first line
+    /// after them, or when the wait is over.
     fn wait_read(
         &self,
         cursor: u64,
         format: TraceFormat,
+        source: Option<u32>,
         wait: Duration,
         ended: &dyn Fn() -> bool,
     ) -> TraceChunk {
@@ -187,14 +195,14 @@ impl TraceShared {
         let mut buf = self.lock();
         let mut cursor = cursor;
         loop {
-            let chunk = buf.read(cursor, format, READ_BUDGET);
+            let chunk = buf.read(cursor, format, source, READ_BUDGET);
             let left = deadline.saturating_duration_since(Instant::now());
             if !chunk.text.is_empty() || left.is_zero() || ended() {
                 return chunk;
             }
             if chunk.lost == 0 {
-                // Only lines of another format, if anything: go on from
-                // there. With a loss to report, read from the cursor again.
+                // Only lines of another format or source, if anything: go
+                // on from there. With a loss to report, read from the cursor again.
                 cursor = chunk.next;
             }
             // The end of the VM does not notify this condition variable;
@@ -426,8 +434,15 @@ impl Supervisor {
     }
 
     /// Serves `TraceRead`: starts or switches the stream when it is not in
-    /// `format`, then reads the buffer.
-    fn trace_read(&self, cursor: u64, format: TraceFormat, wait_ms: u32) -> Response {
+    /// `format`, then reads the buffer (the lines of `source`, or of every
+    /// source).
+    fn trace_read(
+        &self,
+        cursor: u64,
+        format: TraceFormat,
+        source: Option<u32>,
+        wait_ms: u32,
+    ) -> Response {
         {
             let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
             if *stream != Some(format) {
@@ -440,14 +455,20 @@ impl Supervisor {
         let wait = Duration::from_millis(u64::from(wait_ms)).min(MAX_TRACE_WAIT);
         let chunk = self
             .trace
-            .wait_read(cursor, format, wait, &|| self.ending().is_some());
+            .wait_read(cursor, format, source, wait, &|| self.ending().is_some());
         trace_response(chunk)
     }
 
     /// Serves `TraceRead` once the VM has ended: what is left in the buffer,
     /// then the end.
-    fn trace_read_after_end(&self, cursor: u64, format: TraceFormat, end: &Ending) -> Response {
-        let chunk = self.trace.lock().read(cursor, format, READ_BUDGET);
+    fn trace_read_after_end(
+        &self,
+        cursor: u64,
+        format: TraceFormat,
+        source: Option<u32>,
+        end: &Ending,
+    ) -> Response {
+        let chunk = self.trace.lock().read(cursor, format, source, READ_BUDGET);
         if chunk.is_empty() {
             return Response::error(ErrorKind::NotReady, ended_message(end));
         }
@@ -516,8 +537,16 @@ fn ended_message(end: &Ending) -> String {
 impl Backend for Supervisor {
     fn serve(&self, request: Request) -> Reply {
         if let Some(end) = self.ending() {
-            if let Request::TraceRead { cursor, format, .. } = request {
-                return self.trace_read_after_end(cursor, format, &end).into();
+            if let Request::TraceRead {
+                cursor,
+                format,
+                source,
+                ..
+            } = request
+            {
+                return self
+                    .trace_read_after_end(cursor, format, source, &end)
+                    .into();
             }
             return Response::error(ErrorKind::NotReady, ended_message(&end)).into();
         }
@@ -528,7 +557,8 @@ impl Backend for Supervisor {
                 cursor,
                 format,
                 wait_ms,
-            } => self.trace_read(cursor, format, wait_ms).into(),
+                source,
+            } => self.trace_read(cursor, format, source, wait_ms).into(),
             Request::TraceStart { format } => self.trace_start(format).into(),
             Request::TraceStop => self.trace_stop().into(),
             other => self.forward(other).into(),
@@ -1098,18 +1128,43 @@ mod tests {
         }
 
         fn text(&mut self, format: TraceFormat, lost: u64, text: &str) {
+            self.text_from(format, 0, lost, text);
+        }
+
+        fn text_from(&mut self, format: TraceFormat, source: u32, lost: u64, text: &str) {
             self.send(Event::TraceText {
                 format,
+                source,
                 lost,
                 text: text.to_string(),
             });
         }
 
+        /// Waits until the buffer holds `n` entries.
+        fn wait_entries(&self, n: u64) {
+            let until = Instant::now() + Duration::from_secs(5);
+            while self.sup.trace.lock().end() < n && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            assert_eq!(self.sup.trace.lock().end(), n);
+        }
+
         fn read(&self, cursor: u64, format: TraceFormat, wait_ms: u32) -> (u64, String, u64) {
+            self.read_source(cursor, format, None, wait_ms)
+        }
+
+        fn read_source(
+            &self,
+            cursor: u64,
+            format: TraceFormat,
+            source: Option<u32>,
+            wait_ms: u32,
+        ) -> (u64, String, u64) {
             let request = Request::TraceRead {
                 cursor,
                 format,
                 wait_ms,
+                source,
             };
             match self.sup.serve(request).response {
                 Response::Trace { next, text, lost } => (next, text, lost),
@@ -1177,6 +1232,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(100));
             let line = Event::TraceText {
                 format: TraceFormat::Text,
+                source: 0,
                 lost: 0,
                 text: "late\n".into(),
             };
@@ -1207,6 +1263,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(100));
             let line = Event::TraceText {
                 format: TraceFormat::Text,
+                source: 0,
                 lost: 0,
                 text: "after\n".into(),
             };
@@ -1218,6 +1275,96 @@ mod tests {
             reader.join().unwrap()
         });
         assert_eq!((next, text.as_str(), lost), (2, "after\n", 4));
+    }
+
+    #[test]
+    fn reads_keep_to_their_source() {
+        let mut hv = FakeHv::new();
+        hv.read(0, TraceFormat::Text, 0);
+        hv.text_from(TraceFormat::Text, 0, 0, "p1\n");
+        hv.text_from(TraceFormat::Text, 2, 0, "g1\ng2\n");
+        hv.text_from(TraceFormat::Text, 0, 0, "p2\n");
+        hv.wait_entries(4);
+        let graph = hv.read_source(0, TraceFormat::Text, Some(2), 1000);
+        assert_eq!(graph, (4, "g1\ng2\n".to_string(), 0));
+        let probes = hv.read_source(0, TraceFormat::Text, Some(0), 1000);
+        assert_eq!(probes, (4, "p1\np2\n".to_string(), 0));
+        let all = hv.read_source(0, TraceFormat::Text, None, 1000);
+        assert_eq!(all, (4, "p1\ng1\ng2\np2\n".to_string(), 0));
+        // A loss from the hypervisor reaches every reader.
+        hv.text_from(TraceFormat::Text, 0, 3, "p3\n");
+        hv.wait_entries(6);
+        let graph = hv.read_source(4, TraceFormat::Text, Some(2), 0);
+        assert_eq!(graph, (6, String::new(), 3));
+    }
+
+    #[test]
+    fn a_waiting_read_is_not_woken_by_other_sources() {
+        let hv = FakeHv::new();
+        hv.read(0, TraceFormat::Text, 0);
+        let (next, text, lost) = std::thread::scope(|s| {
+            let reader = s.spawn(|| hv.read_source(0, TraceFormat::Text, Some(1), 20_000));
+            let mut seq = 10;
+            let mut send = |source: u32, text: &str| {
+                seq += 1;
+                let line = Event::TraceText {
+                    format: TraceFormat::Text,
+                    source,
+                    lost: 0,
+                    text: text.into(),
+                };
+                hv.writer
+                    .lock()
+                    .unwrap()
+                    .write_frame(&Frame::event(seq, line))
+                    .unwrap();
+            };
+            std::thread::sleep(Duration::from_millis(100));
+            send(0, "probe\n");
+            send(2, "other graph\n");
+            std::thread::sleep(Duration::from_millis(300));
+            // Still waiting: those lines were not its own.
+            assert!(!reader.is_finished());
+            send(1, "mine\n");
+            reader.join().unwrap()
+        });
+        assert_eq!((next, text.as_str(), lost), (3, "mine\n", 0));
+    }
+
+    #[test]
+    fn after_the_end_reads_keep_to_their_source() {
+        let mut hv = FakeHv::new();
+        hv.read(0, TraceFormat::Text, 0);
+        hv.text_from(TraceFormat::Text, 1, 0, "g\n");
+        hv.text_from(TraceFormat::Text, 0, 0, "p\n");
+        hv.wait_entries(2);
+        hv.sup.set_phase(Phase::Ended(Ending {
+            reason: "guest stopped: power off".into(),
+            clean: true,
+            lines: vec![],
+        }));
+        assert_eq!(
+            hv.read_source(0, TraceFormat::Text, Some(0), 0),
+            (2, "p\n".to_string(), 0)
+        );
+        assert_eq!(
+            hv.read_source(0, TraceFormat::Text, Some(1), 0),
+            (2, "g\n".to_string(), 0)
+        );
+        // Only another source's line after it: the end.
+        let reply = hv.sup.serve(Request::TraceRead {
+            cursor: 1,
+            format: TraceFormat::Text,
+            wait_ms: 0,
+            source: Some(1),
+        });
+        assert_eq!(
+            reply.response,
+            Response::error(
+                ErrorKind::NotReady,
+                "the VM has ended (guest stopped: power off)"
+            )
+        );
     }
 
     #[test]
@@ -1257,6 +1404,7 @@ mod tests {
             cursor: next,
             format: TraceFormat::Text,
             wait_ms: 10_000,
+            source: None,
         });
         assert_eq!(
             reply.response,

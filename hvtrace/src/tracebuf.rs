@@ -13,6 +13,10 @@
 //!   entry still buffered skips ahead and is told how many it missed.
 //! - A reader asks for one format; lines of the other format (written while
 //!   the stream was switched to it for another reader) are skipped.
+//! - Every line keeps its source ([`protocol::Event::TraceText`]: 0 for
+//!   probes and the function tracer, N for function-graph session N). A
+//!   reader asks for one source or for all of them; lines of other sources
+//!   are skipped like lines of another format.
 
 use std::collections::VecDeque;
 
@@ -37,7 +41,11 @@ const DROPPED_NOTES: usize = 4096;
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Entry {
     /// One line, ending in a newline.
-    Line { format: TraceFormat, text: String },
+    Line {
+        format: TraceFormat,
+        source: u32,
+        text: String,
+    },
     /// The hypervisor lost this many events here.
     Lost(u64),
 }
@@ -47,7 +55,7 @@ enum Entry {
 pub struct TraceChunk {
     /// Where the next read continues.
     pub next: u64,
-    /// Complete lines of the format asked for.
+    /// Complete lines of the format and source asked for.
     pub text: String,
     /// Lines dropped from the buffer before the reader got to them, and
     /// events the hypervisor lost, between the cursor and `next`.
@@ -132,9 +140,10 @@ impl TraceBuffer {
         self.stats
     }
 
-    /// Adds the lines of `text` (complete lines, each ending in a newline;
-    /// a last line without one gets one). Returns how many were added.
-    pub fn push_text(&mut self, format: TraceFormat, text: &str) -> usize {
+    /// Adds the lines of `text`, all of `format` and from `source`
+    /// (complete lines, each ending in a newline; a last line without one
+    /// gets one). Returns how many were added.
+    pub fn push_text(&mut self, format: TraceFormat, source: u32, text: &str) -> usize {
         let mut added = 0;
         for line in text.split_inclusive('\n') {
             let mut line = line.to_string();
@@ -153,7 +162,11 @@ impl TraceBuffer {
             self.stats.lines += 1;
             self.stats.bytes += line.len() as u64;
             self.bytes += line.len();
-            self.entries.push_back(Entry::Line { format, text: line });
+            self.entries.push_back(Entry::Line {
+                format,
+                source,
+                text: line,
+            });
             added += 1;
             self.trim();
         }
@@ -170,11 +183,22 @@ impl TraceBuffer {
         self.trim();
     }
 
-    /// Reads from `cursor`: the lines of `format`, up to about `budget`
-    /// bytes (at least one line when there is one), and the losses on the
-    /// way. A cursor before the buffer's start skips ahead, counting what
-    /// it skipped as lost; one past the end reads from the end.
-    pub fn read(&self, cursor: u64, format: TraceFormat, budget: usize) -> TraceChunk {
+    /// Reads from `cursor`: the lines of `format` from `source` (`None`:
+    /// from every source), up to about `budget` bytes (at least one line
+    /// when there is one), and the losses on the way. Lines of other
+    /// formats or sources are passed over. A cursor before the buffer's
+    /// start skips ahead, counting what it skipped as lost; one past the
+    /// end reads from the end.
+    ///
+    /// Losses are reported to every reader, whatever its source: the
+    /// hypervisor does not say whose events it lost.
+    pub fn read(
+        &self,
+        cursor: u64,
+        format: TraceFormat,
+        source: Option<u32>,
+        budget: usize,
+    ) -> TraceChunk {
         let mut lost = 0;
         let mut pos = cursor;
         if pos < self.first {
@@ -189,7 +213,11 @@ impl TraceBuffer {
                 break;
             };
             match entry {
-                Entry::Line { format: f, text: t } if *f == format => {
+                Entry::Line {
+                    format: f,
+                    source: s,
+                    text: t,
+                } if *f == format && source.is_none_or(|want| want == *s) => {
                     if !text.is_empty() && text.len() + t.len() > budget {
                         break;
                     }
@@ -256,10 +284,10 @@ mod tests {
     #[test]
     fn reads_from_a_cursor() {
         let mut b = TraceBuffer::new();
-        assert_eq!(b.read(0, TEXT, READ_BUDGET), TraceChunk::default());
-        assert_eq!(b.push_text(TEXT, "a\nb\n"), 2);
-        b.push_text(TEXT, "c");
-        let all = b.read(0, TEXT, READ_BUDGET);
+        assert_eq!(b.read(0, TEXT, None, READ_BUDGET), TraceChunk::default());
+        assert_eq!(b.push_text(TEXT, 0, "a\nb\n"), 2);
+        b.push_text(TEXT, 0, "c");
+        let all = b.read(0, TEXT, None, READ_BUDGET);
         assert_eq!(
             all,
             TraceChunk {
@@ -268,23 +296,23 @@ mod tests {
                 lost: 0
             }
         );
-        let rest = b.read(1, TEXT, READ_BUDGET);
+        let rest = b.read(1, TEXT, None, READ_BUDGET);
         assert_eq!((rest.next, rest.text.as_str()), (3, "b\nc\n"));
         // At the end, and past it (a cursor from elsewhere): nothing.
-        assert!(b.read(3, TEXT, READ_BUDGET).is_empty());
-        assert_eq!(b.read(99, TEXT, READ_BUDGET).next, 3);
+        assert!(b.read(3, TEXT, None, READ_BUDGET).is_empty());
+        assert_eq!(b.read(99, TEXT, None, READ_BUDGET).next, 3);
         assert_eq!(b.stats().lines, 3);
     }
 
     #[test]
     fn answers_stay_within_the_budget() {
         let mut b = TraceBuffer::new();
-        b.push_text(TEXT, &lines(0..1000));
+        b.push_text(TEXT, 0, &lines(0..1000));
         let mut cursor = 0;
         let mut all = String::new();
         let mut reads = 0;
         loop {
-            let chunk = b.read(cursor, TEXT, 100);
+            let chunk = b.read(cursor, TEXT, None, 100);
             if chunk.is_empty() {
                 break;
             }
@@ -298,26 +326,26 @@ mod tests {
         assert!(reads > 50);
         // A line longer than the budget still goes, alone.
         let long = format!("{}\n", "x".repeat(500));
-        b.push_text(TEXT, &long);
-        b.push_text(TEXT, "after\n");
-        let chunk = b.read(cursor, TEXT, 100);
+        b.push_text(TEXT, 0, &long);
+        b.push_text(TEXT, 0, "after\n");
+        let chunk = b.read(cursor, TEXT, None, 100);
         assert_eq!(chunk.text, long);
-        assert_eq!(b.read(chunk.next, TEXT, 100).text, "after\n");
+        assert_eq!(b.read(chunk.next, TEXT, None, 100).text, "after\n");
     }
 
     #[test]
     fn the_oldest_lines_go_first_and_count_as_lost() {
         let mut b = TraceBuffer::with_limits(10, usize::MAX);
-        b.push_text(TEXT, &lines(0..25));
+        b.push_text(TEXT, 0, &lines(0..25));
         assert_eq!((b.start(), b.end()), (15, 25));
         assert_eq!(b.stats().dropped, 15);
-        let chunk = b.read(0, TEXT, READ_BUDGET);
+        let chunk = b.read(0, TEXT, None, READ_BUDGET);
         assert_eq!(chunk.lost, 15);
         assert_eq!(chunk.text, lines(15..25));
         assert_eq!(chunk.next, 25);
         // A reader that had got as far as line 12 missed 3.
-        assert_eq!(b.read(12, TEXT, READ_BUDGET).lost, 3);
-        assert_eq!(b.read(15, TEXT, READ_BUDGET).lost, 0);
+        assert_eq!(b.read(12, TEXT, None, READ_BUDGET).lost, 3);
+        assert_eq!(b.read(15, TEXT, None, READ_BUDGET).lost, 0);
     }
 
     #[test]
@@ -325,10 +353,10 @@ mod tests {
         let mut b = TraceBuffer::with_limits(usize::MAX, 100);
         // Ten bytes per line, so ten lines fit.
         for i in 0..50 {
-            b.push_text(TEXT, &format!("{i:09}\n"));
+            b.push_text(TEXT, 0, &format!("{i:09}\n"));
         }
         assert_eq!(b.end() - b.start(), 10);
-        let chunk = b.read(0, TEXT, READ_BUDGET);
+        let chunk = b.read(0, TEXT, None, READ_BUDGET);
         assert_eq!(chunk.lost, 40);
         assert!(chunk.text.starts_with("000000040\n"));
     }
@@ -336,17 +364,17 @@ mod tests {
     #[test]
     fn hypervisor_losses_are_reported_where_they_happened() {
         let mut b = TraceBuffer::new();
-        b.push_text(TEXT, "a\n");
+        b.push_text(TEXT, 0, "a\n");
         b.push_lost(7);
         b.push_lost(0);
-        b.push_text(TEXT, "b\n");
-        let all = b.read(0, TEXT, READ_BUDGET);
+        b.push_text(TEXT, 0, "b\n");
+        let all = b.read(0, TEXT, None, READ_BUDGET);
         assert_eq!((all.text.as_str(), all.lost, all.next), ("a\nb\n", 7, 3));
         // Past the note, nothing is lost.
-        assert_eq!(b.read(2, TEXT, READ_BUDGET).lost, 0);
+        assert_eq!(b.read(2, TEXT, None, READ_BUDGET).lost, 0);
         // A loss at the end is reported at once, without text.
         b.push_lost(2);
-        let tail = b.read(3, TEXT, READ_BUDGET);
+        let tail = b.read(3, TEXT, None, READ_BUDGET);
         assert_eq!((tail.text.as_str(), tail.lost, tail.next), ("", 2, 4));
         assert!(!tail.is_empty());
         assert_eq!(b.stats().hv_lost, 9);
@@ -355,40 +383,120 @@ mod tests {
     #[test]
     fn dropped_loss_notes_count_their_events() {
         let mut b = TraceBuffer::with_limits(4, usize::MAX);
-        b.push_text(TEXT, "a\n");
+        b.push_text(TEXT, 0, "a\n");
         b.push_lost(100);
-        b.push_text(TEXT, &lines(0..6));
+        b.push_text(TEXT, 0, &lines(0..6));
         // Entries 0 (a), 1 (the note) and 2..4 are gone.
         assert_eq!(b.start(), 4);
-        assert_eq!(b.read(0, TEXT, READ_BUDGET).lost, 4 + 99);
-        assert_eq!(b.read(2, TEXT, READ_BUDGET).lost, 2);
+        assert_eq!(b.read(0, TEXT, None, READ_BUDGET).lost, 4 + 99);
+        assert_eq!(b.read(2, TEXT, None, READ_BUDGET).lost, 2);
     }
 
     #[test]
     fn other_formats_are_skipped() {
         let mut b = TraceBuffer::new();
-        b.push_text(TEXT, "t1\n");
-        b.push_text(JSON, "{\"j\":1}\n{\"j\":2}\n");
-        b.push_text(TEXT, "t2\n");
-        let text = b.read(0, TEXT, READ_BUDGET);
+        b.push_text(TEXT, 0, "t1\n");
+        b.push_text(JSON, 0, "{\"j\":1}\n{\"j\":2}\n");
+        b.push_text(TEXT, 0, "t2\n");
+        let text = b.read(0, TEXT, None, READ_BUDGET);
         assert_eq!((text.text.as_str(), text.next), ("t1\nt2\n", 4));
-        let json = b.read(0, JSON, READ_BUDGET);
+        let json = b.read(0, JSON, None, READ_BUDGET);
         assert_eq!(json.text, "{\"j\":1}\n{\"j\":2}\n");
         // Only lines of the other format: nothing, but the cursor moves on.
-        let skipped = b.read(1, TEXT, 1);
+        let skipped = b.read(1, TEXT, None, 1);
         assert_eq!(skipped.text, "t2\n");
-        let json_from_1 = b.read(1, JSON, READ_BUDGET);
+        let json_from_1 = b.read(1, JSON, None, READ_BUDGET);
         assert_eq!(json_from_1.text, "{\"j\":1}\n{\"j\":2}\n");
-        assert!(b.read(3, JSON, READ_BUDGET).is_empty());
-        assert_eq!(b.read(3, JSON, READ_BUDGET).next, 4);
+        assert!(b.read(3, JSON, None, READ_BUDGET).is_empty());
+        assert_eq!(b.read(3, JSON, None, READ_BUDGET).next, 4);
+    }
+
+    #[test]
+    fn a_reader_of_one_source_sees_only_its_lines() {
+        let mut b = TraceBuffer::new();
+        b.push_text(TEXT, 0, "p1\n");
+        b.push_text(TEXT, 1, "g1\ng2\n");
+        b.push_text(TEXT, 0, "p2\n");
+        b.push_text(TEXT, 2, "h1\n");
+        b.push_text(TEXT, 1, "g3\n");
+        assert_eq!(b.end(), 6);
+        let one = b.read(0, TEXT, Some(1), READ_BUDGET);
+        assert_eq!(
+            one,
+            TraceChunk {
+                next: 6,
+                text: "g1\ng2\ng3\n".into(),
+                lost: 0
+            }
+        );
+        let zero = b.read(0, TEXT, Some(0), READ_BUDGET);
+        assert_eq!((zero.text.as_str(), zero.next), ("p1\np2\n", 6));
+        let two = b.read(0, TEXT, Some(2), READ_BUDGET);
+        assert_eq!((two.text.as_str(), two.next), ("h1\n", 6));
+        // `None` reads every source, in the order the lines came.
+        let all = b.read(0, TEXT, None, READ_BUDGET);
+        assert_eq!(all.text, "p1\ng1\ng2\np2\nh1\ng3\n");
+        // A source with no lines: nothing, but the cursor moves past the
+        // lines of the others.
+        let none = b.read(0, TEXT, Some(7), READ_BUDGET);
+        assert!(none.is_empty());
+        assert_eq!(none.next, 6);
+        // The source and the format must both match.
+        assert!(b.read(0, JSON, Some(1), READ_BUDGET).is_empty());
+    }
+
+    #[test]
+    fn a_source_filter_moves_the_cursor_past_skipped_lines() {
+        let mut b = TraceBuffer::new();
+        b.push_text(TEXT, 1, "g1\n");
+        b.push_text(TEXT, 0, &lines(0..5));
+        b.push_text(TEXT, 1, "g2\n");
+        b.push_text(TEXT, 0, "p\n");
+        // A budget of one line: each read stops at its next own line that
+        // does not fit, past the other source's lines before it.
+        let first = b.read(0, TEXT, Some(1), 1);
+        assert_eq!((first.text.as_str(), first.next), ("g1\n", 6));
+        let second = b.read(first.next, TEXT, Some(1), 1);
+        assert_eq!((second.text.as_str(), second.next), ("g2\n", 8));
+        assert!(b.read(second.next, TEXT, Some(1), 1).is_empty());
+        // Only the other source's lines: nothing, and the cursor moves on.
+        let skipped = b.read(1, TEXT, Some(1), 1);
+        assert_eq!((skipped.text.as_str(), skipped.next), ("g2\n", 8));
+        let rest = b.read(7, TEXT, Some(1), READ_BUDGET);
+        assert_eq!((rest.text.as_str(), rest.next, rest.lost), ("", 8, 0));
+        // Source 0 reads the lines source 1 skipped.
+        let zero = b.read(1, TEXT, Some(0), READ_BUDGET);
+        assert_eq!(zero.text, lines(0..5) + "p\n");
+    }
+
+    #[test]
+    fn losses_reach_readers_of_every_source() {
+        let mut b = TraceBuffer::new();
+        b.push_text(TEXT, 0, "p1\n");
+        b.push_lost(5);
+        b.push_text(TEXT, 1, "g1\n");
+        for source in [Some(0), Some(1), Some(3), None] {
+            let chunk = b.read(0, TEXT, source, READ_BUDGET);
+            assert_eq!((chunk.lost, chunk.next), (5, 3), "{source:?}");
+        }
+        // Lines dropped from the front count as lost for every reader,
+        // whatever their source.
+        let mut b = TraceBuffer::with_limits(2, usize::MAX);
+        b.push_text(TEXT, 1, "g1\ng2\n");
+        b.push_text(TEXT, 0, "p1\np2\n");
+        assert_eq!(b.start(), 2);
+        let one = b.read(0, TEXT, Some(1), READ_BUDGET);
+        assert_eq!((one.text.as_str(), one.lost, one.next), ("", 2, 4));
+        let zero = b.read(0, TEXT, Some(0), READ_BUDGET);
+        assert_eq!((zero.text.as_str(), zero.lost), ("p1\np2\n", 2));
     }
 
     #[test]
     fn overlong_lines_are_cut_at_a_character() {
         let mut b = TraceBuffer::new();
         let long = "é".repeat(MAX_LINE);
-        b.push_text(TEXT, &format!("{long}\n"));
-        let chunk = b.read(0, TEXT, READ_BUDGET);
+        b.push_text(TEXT, 0, &format!("{long}\n"));
+        let chunk = b.read(0, TEXT, None, READ_BUDGET);
         assert!(chunk.text.len() <= MAX_LINE, "{}", chunk.text.len());
         assert!(chunk.text.ends_with("é\n"));
         assert_eq!(b.stats().cut, 1);
@@ -407,8 +515,8 @@ mod tests {
     #[test]
     fn a_full_budget_answer_fits_a_frame() {
         let mut b = TraceBuffer::new();
-        b.push_text(TEXT, &lines(0..2000));
-        let chunk = b.read(0, TEXT, READ_BUDGET);
+        b.push_text(TEXT, 0, &lines(0..2000));
+        let chunk = b.read(0, TEXT, None, READ_BUDGET);
         assert!(chunk.text.len() <= READ_BUDGET);
         let frame = protocol::Frame::response(
             u32::MAX,

@@ -609,10 +609,24 @@ use protocol::{GraphFilter, TraceFormat};
 /// Where the fake supervisor's trace buffer ends when `graph` starts.
 const GRAPH_CURSOR: u64 = 40;
 
+/// The session the fake hypervisor starts.
+const GRAPH_SESSION: u32 = 2;
+
+/// The stop of the fake's session.
+const GRAPH_STOP: Request = Request::GraphStop {
+    session: Some(GRAPH_SESSION),
+};
+
+/// Whether `r` stops any graph session.
+fn is_graph_stop(r: &Request) -> bool {
+    matches!(r, Request::GraphStop { .. })
+}
+
 /// A fake supervisor for `graph`: it records the requests, answers the
 /// first `TraceRead` (from past the end) with the end of its buffer, starts
-/// the graph, then serves `reads` in turn (an empty answer once they run
-/// out) and acknowledges the stop.
+/// graph session [`GRAPH_SESSION`], then serves `reads` of that session in
+/// turn (an empty answer once they run out) and acknowledges the stop of
+/// that session. Reads of another source and other stops are refused.
 fn fake_graph_supervisor(
     path: &std::path::Path,
     reads: Vec<Response>,
@@ -638,16 +652,23 @@ fn fake_graph_supervisor(
                 )
             }
             Request::GraphStart(_) => Response::GraphStarted {
+                session: GRAPH_SESSION,
                 hooked: 12,
                 roots: 1,
                 skipped: 0,
             },
-            Request::TraceRead { cursor, .. } => reads.next().unwrap_or(Response::Trace {
+            Request::TraceRead {
+                cursor,
+                source: Some(GRAPH_SESSION),
+                ..
+            } => reads.next().unwrap_or(Response::Trace {
                 next: *cursor,
                 text: String::new(),
                 lost: 0,
             }),
-            Request::GraphStop => Response::Ok,
+            Request::GraphStop {
+                session: Some(GRAPH_SESSION),
+            } => Response::Ok,
             other => Response::error(ErrorKind::Internal, format!("unexpected {other:?}")),
         }
     });
@@ -729,6 +750,8 @@ fn graph_without_a_vm_and_bad_filters() {
     assert_eq!(msg, r#"--function needs a glob (got "")"#);
     let msg = fails(&["--socket", missing, "graph", "--trace", "a b"]);
     assert!(msg.contains("one glob per --trace"), "{msg}");
+    let msg = fails(&["--socket", missing, "graph", "--graph-notrace", ""]);
+    assert_eq!(msg, r#"--graph-notrace needs a glob (got "")"#);
     let msg = fails(&["--socket", missing, "graph", "--comm", "a-very-long-name"]);
     assert!(msg.contains("at most 15 bytes"), "{msg}");
     let msg = fails(&["graph", "--pid", "-3"]);
@@ -753,6 +776,21 @@ fn graph_run_option_errors() {
     assert!(msg.contains("--graph"), "{msg}");
     let msg = fails(&["run", "--graph-trace", "vfs_*", "--exec", "true"]);
     assert!(msg.contains("--graph"), "{msg}");
+    let msg = fails(&["run", "--graph-ftrace-notrace", "x", "--exec", "true"]);
+    assert!(msg.contains("--graph"), "{msg}");
+    let msg = fails(&[
+        "run",
+        "--graph",
+        "vfs_read",
+        "--graph-ftrace-notrace",
+        "a b",
+        "--exec",
+        "true",
+    ]);
+    assert_eq!(
+        msg,
+        r#"--graph-ftrace-notrace "a b": one glob per --graph-ftrace-notrace (repeat the option for more)"#
+    );
     let msg = fails(&["run", "--detach", "--graph", "vfs_read"]);
     assert!(msg.contains("cannot be used with"), "{msg}");
     let msg = fails(&["run", "--bare", "--graph", "vfs_read", "--exec", "true"]);
@@ -818,6 +856,8 @@ fn graph_reads_until_quiet_then_stops() {
         "rw_verify_area",
         "--notrace",
         "*fsnotify*",
+        "--graph-notrace",
+        "schedule",
         "--max-depth",
         "5",
         "--pid",
@@ -830,7 +870,7 @@ fn graph_reads_until_quiet_then_stops() {
     assert_eq!(stdout, GRAPH_TEXT);
     assert_eq!(
         stderr,
-        "hvtrace: function graph on: 12 functions hooked, 1 root, 0 skipped\nhvtrace: 2 events lost\n"
+        "hvtrace: function graph session 2: 12 functions hooked, 1 root, 0 skipped\nhvtrace: 2 events lost\n"
     );
     server.join().unwrap();
     let seen = requests(&seen);
@@ -841,7 +881,8 @@ fn graph_reads_until_quiet_then_stops() {
         Request::TraceRead {
             cursor: u64::MAX,
             format: TraceFormat::Text,
-            wait_ms: 0
+            wait_ms: 0,
+            source: None,
         }
     );
     assert_eq!(
@@ -850,10 +891,12 @@ fn graph_reads_until_quiet_then_stops() {
             functions: vec!["vfs_read".into()],
             trace: vec!["vfs_*".into(), "rw_verify_area".into()],
             notrace: vec!["*fsnotify*".into()],
+            graph_notrace: vec!["schedule".into()],
             max_depth: 5,
             pid: Some(90),
             comm: Some("dd".into()),
             retval: true,
+            stack_frames: 0,
         })
     );
     assert!(
@@ -862,13 +905,28 @@ fn graph_reads_until_quiet_then_stops() {
             Request::TraceRead {
                 cursor: GRAPH_CURSOR,
                 format: TraceFormat::Text,
+                source: Some(GRAPH_SESSION),
                 ..
             }
         ),
         "{seen:?}"
     );
-    assert_eq!(seen.last(), Some(&Request::GraphStop), "{seen:?}");
-    assert_eq!(seen.iter().filter(|r| **r == Request::GraphStop).count(), 1);
+    // Every read after the start is of the session's lines alone.
+    for r in &seen[3..seen.len() - 1] {
+        assert!(
+            matches!(
+                r,
+                Request::TraceRead {
+                    source: Some(GRAPH_SESSION),
+                    ..
+                }
+            ),
+            "{seen:?}"
+        );
+    }
+    // Only its own session is stopped, once.
+    assert_eq!(seen.last(), Some(&GRAPH_STOP), "{seen:?}");
+    assert_eq!(seen.iter().filter(|r| is_graph_stop(r)).count(), 1);
 }
 
 #[test]
@@ -899,7 +957,7 @@ fn graph_writes_a_chrome_trace() {
     assert!(stdout.is_empty(), "{stdout}");
     assert_eq!(
         stderr,
-        "hvtrace: function graph on: 12 functions hooked, 1 root, 0 skipped\n\
+        "hvtrace: function graph session 2: 12 functions hooked, 1 root, 0 skipped\n\
          hvtrace: chrome trace: 3 calls in 1 task; 1 return without a traced call dropped; \
          1 call without a return closed; 1 line of other tracers left out\n"
     );
@@ -941,7 +999,19 @@ fn graph_writes_a_chrome_trace() {
         ),
         "{seen:?}"
     );
-    assert_eq!(seen.last(), Some(&Request::GraphStop));
+    assert!(
+        matches!(
+            seen[3],
+            Request::TraceRead {
+                cursor: GRAPH_CURSOR,
+                format: TraceFormat::Json,
+                source: Some(GRAPH_SESSION),
+                ..
+            }
+        ),
+        "{seen:?}"
+    );
+    assert_eq!(seen.last(), Some(&GRAPH_STOP));
 }
 
 #[test]
@@ -959,7 +1029,7 @@ fn graph_start_refused_is_one_line() {
     assert_eq!(msg, "no traceable function matches vfs_nope");
     server.join().unwrap();
     // Nothing was started, so nothing is stopped.
-    assert!(!requests(&seen).contains(&Request::GraphStop));
+    assert!(!requests(&seen).iter().any(is_graph_stop));
 }
 
 #[test]
@@ -1000,7 +1070,7 @@ fn graph_ends_with_the_vm() {
     );
     server.join().unwrap();
     // The VM is gone: there is nothing to stop.
-    assert!(!requests(&seen).contains(&Request::GraphStop));
+    assert!(!requests(&seen).iter().any(is_graph_stop));
 }
 
 #[test]
@@ -1061,6 +1131,6 @@ fn graph_follow_stops_on_ctrl_c() {
         "{stderr}"
     );
     server.join().unwrap();
-    assert_eq!(requests(&seen).last(), Some(&Request::GraphStop));
+    assert_eq!(requests(&seen).last(), Some(&GRAPH_STOP));
     check_chrome(&std::fs::read_to_string(&file).unwrap());
 }

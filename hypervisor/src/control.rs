@@ -232,7 +232,8 @@ impl Control {
             Request::GraphStart(filter) => (
                 with_kernel(src, |src, k| {
                     src.tracer.graph_start(filter, k, src.ept, src.rip).map(
-                        |(hooked, roots, skipped)| Response::GraphStarted {
+                        |(session, hooked, roots, skipped)| Response::GraphStarted {
+                            session,
                             hooked,
                             roots,
                             skipped,
@@ -241,10 +242,13 @@ impl Control {
                 }),
                 Action::None,
             ),
-            Request::GraphStop => {
-                src.tracer.graph_stop(src.ept);
-                (Response::Ok, Action::None)
-            }
+            Request::GraphStop { session } => (
+                match src.tracer.graph_stop(session, src.ept) {
+                    Ok(()) => Response::Ok,
+                    Err((kind, message)) => Response::Error { kind, message },
+                },
+                Action::None,
+            ),
             Request::TraceStart { format } => {
                 src.tracer.set_stream(Some(format));
                 (Response::Ok, Action::None)

@@ -179,6 +179,7 @@ impl Vcpu {
             self.debug_exits = false;
         }
         if self.control.is_some() {
+            let now = self.now_ns();
             let cpu = self.cpu_view()?;
             let rip = f::GUEST_RIP.read(&Vmcs)?;
             let Some(c) = self.control.as_mut() else {
@@ -200,7 +201,8 @@ impl Vcpu {
                 rip,
             };
             stop = c.poll(&mut src) == Action::Stop;
-            self.tracer.drain(c, self.introspection.kernel());
+            self.tracer.reap(self.introspection.kernel(), &cpu);
+            self.tracer.drain(c, self.introspection.kernel(), now);
             c.flush();
             busy = c.busy() || self.tracer.has_output();
         }

@@ -17,6 +17,7 @@ use guest_introspect::kallsyms::SymbolId;
 use guest_introspect::mem::{GuestMemory, MemError};
 use guest_introspect::paging::Cr3;
 use guest_introspect::view::PagedView;
+use guest_introspect::view::VirtMemory as _;
 use loader::layout::{self, Gpa};
 use protocol::{KernelReport, SymbolInfo, TaskInfo};
 
@@ -240,6 +241,36 @@ impl Kernel {
         let n = b.len().min(16);
         comm[..n].copy_from_slice(&b[..n]);
         Some((t.pid, comm))
+    }
+
+    /// The running task's `task_struct` address, pid and comm.
+    pub fn current(&self, cpu: &CpuView) -> Option<(u64, i32, [u8; 16])> {
+        let layout = self.facts.task.as_ref().ok()?;
+        let current = self.facts.current.as_ref().ok()?;
+        let view = PagedView::new(&GuestRam, self.cr3);
+        let t = facts::running_task(&view, Gva(cpu.kernel_gs()), current, layout).ok()?;
+        let mut comm = [0u8; 16];
+        let b = t.comm_bytes();
+        let n = b.len().min(16);
+        comm[..n].copy_from_slice(&b[..n]);
+        Some((t.task.0, t.pid, comm))
+    }
+
+    /// `task_struct.stack` (the base of its kernel stack; the kernel
+    /// clears it when a dead task's stack is freed) and `task_struct.pid`
+    /// of the task at `task`. `None` when the guest's BTF did not give the
+    /// layout, or the task is unreadable.
+    pub fn task_stack(&self, task: u64) -> Option<(u64, i32)> {
+        let layout = self.facts.task.as_ref().ok()?;
+        let off = layout.stack?;
+        let view = PagedView::new(&GuestRam, self.cr3);
+        let mut w = [0u8; 8];
+        view.read_virt(Gva(task.wrapping_add(u64::from(off))), &mut w)
+            .ok()?;
+        let mut p = [0u8; 4];
+        view.read_virt(Gva(task.wrapping_add(u64::from(layout.pid))), &mut p)
+            .ok()?;
+        Some((u64::from_le_bytes(w), i32::from_le_bytes(p)))
     }
 
     /// The fentry site of symbol `id`, or why it has none.

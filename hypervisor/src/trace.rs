@@ -48,7 +48,7 @@ use hypervisor::kprobe::{
     ProbeSpec, RawEvent,
 };
 use hypervisor::tracer::graph::{self as graph_fmt, GraphKind, GraphText};
-use hypervisor::tracer::retstack::{PopResult, PushError, RetStack};
+use hypervisor::tracer::retstack::{PopResult, PushError, RetStack, MAX_USERS};
 use hypervisor::tracer::ring::EventRing;
 use hypervisor::tracer::site::{self, Patch, PatchError, PAGE_SIZE};
 use protocol::{ErrorKind, GraphFilter, ProbeInfo, TraceFormat, TracerReport};
@@ -59,14 +59,26 @@ use trampolines::{HypercallMode, PtRegs, TrampolineRegion};
 const RING_BYTES: usize = 2 << 20;
 /// The probe id of function-tracer events (probes count from 1).
 const FUNCTION_ID: u32 = 0;
-/// Probe ids of function-graph entry and return events.
-const GRAPH_ENTRY_ID: u32 = u32::MAX;
-const GRAPH_RETURN_ID: u32 = u32::MAX - 1;
+/// Probe ids of function-graph entry and return events: the base ORed
+/// with the session (user) number, 1 to 15.
+const GRAPH_ENTRY_BASE: u32 = 0xffff_ff00;
+const GRAPH_RETURN_BASE: u32 = 0xffff_fe00;
+/// The return-stack user of return probes; graph sessions are users 1..16.
+const RETPROBE_USER: u8 = 0;
+/// The first word of a session's data block on a frame of one of its
+/// `set_graph_notrace` functions: nothing beneath it is traced for the
+/// session, and the frame's own return is silent.
+const NOTRACE_MARK: u64 = u64::from_le_bytes(*b"notrace\0");
 /// The guest's kernel stack size and alignment (`THREAD_SIZE`, x86-64 with
 /// 4-level paging and no KASAN): return stacks are kept per kernel stack.
 const THREAD_SIZE: u64 = 16 * 1024;
-/// Words per return stack: 32 frames without data (5 words each), 1280 B.
-const RETSTACK_WORDS: usize = 32 * (hypervisor::tracer::retstack::FRAME_WORDS + 1);
+/// Frames per return stack by default: 32 frames without data (5 words
+/// each), 1280 B.
+const STACK_FRAMES: u32 = 32;
+/// Most frames a session may ask for per stack.
+const MAX_STACK_FRAMES: u32 = 256;
+/// Words of a frame without data: the frame and its tag.
+const FRAME_TAGGED: usize = hypervisor::tracer::retstack::FRAME_WORDS + 1;
 /// Kernel stacks tracked at most; calls on more are not hijacked (misses).
 const MAX_STACKS: usize = 4096;
 /// Frames kept free for everything else when shadows are allocated.
@@ -76,6 +88,10 @@ const FRAME_RESERVE: u64 = 1 << 20;
 const STEP_TIMEOUT_TURNS: u32 = 4;
 /// Text per `TraceText` event, so that a frame stays under `MAX_FRAME`.
 const TRACE_TEXT_BUDGET: usize = 2800;
+/// How long (hypervisor time) a graph entry is held back for a leaf line
+/// once the ring has nothing more: a call without a return by then is
+/// printed open.
+const LEAF_HOLD_NS: u64 = 100_000_000;
 /// Output queue the drain leaves for responses.
 const TX_HEADROOM: usize = 8 * 1024;
 
@@ -118,9 +134,11 @@ struct SiteUse {
     page: u64,
     func: u64,
     probes: Vec<u32>,
+    /// Return probes on the function.
+    retprobes: Vec<u32>,
     function: bool,
-    /// Hooked for the function-graph tracer.
-    graph: bool,
+    /// The graph sessions (bit N: session N) that hooked the function.
+    graph: u16,
 }
 
 struct Hooked {
@@ -182,22 +200,43 @@ pub struct Tracer {
     /// A forced step end left TF in some saved guest context.
     stray_tf: bool,
     pub stats: TracerReport,
-    /// The function-graph tracer's filter, while it runs.
-    graph: Option<GraphState>,
-    /// Return stacks by guest kernel stack base. They outlive the graph
-    /// tracer while calls are in flight.
-    stacks: BTreeMap<u64, RetStack>,
-    /// The function_graph text renderer (it holds one entry back).
-    graph_text: GraphText,
-    /// Drain turns the held entry has waited with nothing behind it.
-    graph_idle_turns: u32,
+    /// Function-graph sessions by return-stack user number (0 is the
+    /// return probes' user and never a session).
+    sessions: Vec<Option<GraphSession>>,
+    /// Return stacks by guest kernel stack base. They outlive the users
+    /// while calls are in flight.
+    stacks: BTreeMap<u64, Tracked>,
+    /// The source of the text being gathered for the stream, and of the
+    /// pending line.
+    pending_source: u32,
+    /// Frames each new return stack holds.
+    stack_frames: u32,
+    /// The last ownership check: (stack, task, pid, own). A task whose
+    /// calls keep emptying and re-creating its return stack is checked
+    /// once, not on every call.
+    last_owner: (u64, u64, i32, bool),
 }
 
-/// The function-graph tracer's settings, resolved to addresses.
-struct GraphState {
+/// A function-graph session's settings, resolved to addresses, and its
+/// renderer.
+struct GraphSession {
     filter: GraphFilter,
-    /// Functions that start a tree (empty: every graph-hooked function).
+    /// Functions that start a tree (empty: every hooked function).
     roots: BTreeSet<u64>,
+    /// `set_graph_notrace` functions.
+    notrace: BTreeSet<u64>,
+    /// The function_graph text renderer (it holds one entry back).
+    text: GraphText,
+}
+
+/// A return stack and the task last seen calling on its kernel stack.
+struct Tracked {
+    st: RetStack,
+    task: u64,
+    pid: i32,
+    /// The stack is `task`'s own kernel stack (not an IRQ or exception
+    /// stack it borrowed): only then can the task's death reap it.
+    own: bool,
 }
 
 impl Default for Tracer {
@@ -265,10 +304,11 @@ impl Tracer {
             step: None,
             stray_tf: false,
             stats: TracerReport::default(),
-            graph: None,
+            sessions: (0..MAX_USERS).map(|_| None).collect(),
             stacks: BTreeMap::new(),
-            graph_text: GraphText::new(false),
-            graph_idle_turns: 0,
+            pending_source: 0,
+            stack_frames: STACK_FRAMES,
+            last_owner: (0, 0, 0, false),
         }
     }
 
@@ -282,8 +322,14 @@ impl Tracer {
         r.lost = self.ring.lost();
         r.trampolines = self.region.as_ref().map_or(0, |g| g.tramp.base().0);
         r.graph_stacks = self.stacks.len() as u64;
-        r.graph_frames = self.stacks.values().map(|s| s.depth() as u64).sum();
-        r.graph_bytes = self.stacks.values().map(|s| s.heap_bytes() as u64).sum();
+        r.graph_frames = self.stacks.values().map(|s| s.st.depth() as u64).sum();
+        r.graph_bytes = self.stacks.values().map(|s| s.st.heap_bytes() as u64).sum();
+        r.graph_sessions = self.sessions.iter().flatten().count() as u32;
+        r.retprobes = self
+            .probes
+            .iter()
+            .filter(|p| p.spec.kind.is_return())
+            .count() as u32;
         r
     }
 
@@ -483,7 +529,8 @@ impl Tracer {
                 func,
                 probes: Vec::new(),
                 function: false,
-                graph: false,
+                retprobes: Vec::new(),
+                graph: 0,
             },
         );
         Ok(())
@@ -494,7 +541,7 @@ impl Tracer {
         let Some(u) = self.sites.get(&site) else {
             return;
         };
-        if !u.probes.is_empty() || u.function || u.graph {
+        if !u.probes.is_empty() || !u.retprobes.is_empty() || u.function || u.graph != 0 {
             return;
         }
         let page = u.page;
@@ -542,13 +589,6 @@ impl Tracer {
             }
             Err(e) => return Err((ErrorKind::InvalidArgument, e.to_string())),
         };
-        if spec.kind.is_return() {
-            return Err((
-                ErrorKind::Unsupported,
-                "return probes are not supported yet (they come with the function-graph tracer)"
-                    .into(),
-            ));
-        }
         if self
             .probes
             .iter()
@@ -591,7 +631,11 @@ impl Tracer {
         let pid = self.next_id;
         self.next_id += 1;
         if let Some(u) = self.sites.get_mut(&site) {
-            u.probes.push(pid);
+            if spec.kind.is_return() {
+                u.retprobes.push(pid);
+            } else {
+                u.probes.push(pid);
+            }
         }
         let name = format!("{}/{}", spec.group, spec.event);
         log::info!("tracer: probe {name} on {} at {site:#x}", spec.symbol);
@@ -621,6 +665,7 @@ impl Tracer {
         let p = self.probes.remove(i);
         if let Some(u) = self.sites.get_mut(&p.site) {
             u.probes.retain(|&x| x != p.id);
+            u.retprobes.retain(|&x| x != p.id);
         }
         self.unhook_if_unused(ept, p.site);
         invept(ept);
@@ -692,17 +737,17 @@ impl Tracer {
 
     /// Removes the function tracer everywhere.
     pub fn function_clear(&mut self, ept: &Ept) {
-        self.release_sites(ept, |u| &mut u.function);
+        self.release_sites(ept, |u| core::mem::take(&mut u.function));
         self.functions = 0;
     }
 
-    /// Clears one user's flag (`flag` picks it) on every site and unhooks
-    /// the sites nothing else uses.
-    fn release_sites(&mut self, ept: &Ept, flag: fn(&mut SiteUse) -> &mut bool) {
+    /// Takes one user off every site (`release` does it and says whether
+    /// the site had that user) and unhooks the sites nothing else uses.
+    fn release_sites(&mut self, ept: &Ept, mut release: impl FnMut(&mut SiteUse) -> bool) {
         let sites: Vec<u64> = self
             .sites
             .iter_mut()
-            .filter_map(|(s, u)| core::mem::take(flag(u)).then_some(*s))
+            .filter_map(|(s, u)| release(u).then_some(*s))
             .collect();
         for s in sites {
             self.unhook_if_unused(ept, s);
@@ -757,7 +802,7 @@ impl Tracer {
             Some(trampolines::Hypercall::Return)
                 if regs.rax == u64::from(trampolines::abi::HYPERCALL_RETURN) =>
             {
-                match self.graph_return(regs.rdi, regs.rsi, cpu, kernel, now_ns) {
+                match self.graph_return(regs, cpu, kernel, now_ns) {
                     Some(ret) => {
                         regs.rax = ret;
                         Hypercall::Handled
@@ -779,38 +824,73 @@ impl Tracer {
 
     // ----- function graph ---------------------------------------------
 
-    /// `GraphStart`: hooks the trace set and records the roots.
+    /// `GraphStart`: a new session; hooks its trace set and records its
+    /// roots. Returns (session, hooked, roots, skipped).
     pub fn graph_start(
         &mut self,
         filter: GraphFilter,
         k: &Kernel,
         ept: &Ept,
         rip: u64,
-    ) -> Result<(u32, u32, u32), ReqError> {
+    ) -> Result<(u32, u32, u32, u32), ReqError> {
+        let Some(user) = (1..MAX_USERS).find(|&u| self.sessions[u].is_none()) else {
+            return Err((
+                ErrorKind::OutOfResources,
+                format!(
+                    "{} function-graph sessions already run; stop one first",
+                    MAX_USERS - 1
+                ),
+            ));
+        };
+        let busy = !self.stacks.is_empty() || self.sessions.iter().any(Option::is_some);
+        let frames = match filter.stack_frames {
+            0 if busy => self.stack_frames,
+            0 => STACK_FRAMES,
+            n if n > MAX_STACK_FRAMES => {
+                return Err((
+                    ErrorKind::InvalidArgument,
+                    format!("at most {MAX_STACK_FRAMES} frames per stack"),
+                ))
+            }
+            n if busy && n != self.stack_frames => {
+                return Err((
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "the return stacks are in use with {} frames each; stop the other sessions and let their calls return first",
+                        self.stack_frames
+                    ),
+                ))
+            }
+            n => n,
+        };
         self.ensure_region(k, ept)?;
-        self.graph_stop(ept);
+        self.stack_frames = frames;
         let index = k.index();
         let view = PagedView::new(&GuestRam, k.cr3());
         let classifier = Classifier::new(index);
         let site_of = |id| classifier.classify(&view, id).ok();
-        let mut notrace = BTreeSet::new();
-        for g in &filter.notrace {
-            for id in index.glob(g) {
-                if let Some(fs) = site_of(id) {
-                    notrace.insert(fs.site.0);
-                }
-            }
-        }
-        let mut roots = BTreeSet::new();
-        let mut wanted = BTreeMap::new();
-        for g in &filter.functions {
-            for id in index.glob(g) {
-                if let Some(fs) = site_of(id) {
-                    if !notrace.contains(&fs.site.0) {
-                        roots.insert(fs.func.0);
-                        wanted.insert(fs.site.0, fs.func.0);
+        let sites_of = |globs: &[String]| {
+            let mut out = BTreeMap::new();
+            for g in globs {
+                for id in index.glob(g) {
+                    if let Some(fs) = site_of(id) {
+                        out.insert(fs.site.0, fs.func.0);
                     }
                 }
+            }
+            out
+        };
+        let notrace = sites_of(&filter.notrace);
+        let graph_notrace: BTreeMap<u64, u64> = sites_of(&filter.graph_notrace)
+            .into_iter()
+            .filter(|(s, _)| !notrace.contains_key(s))
+            .collect();
+        let mut roots = BTreeSet::new();
+        let mut wanted = BTreeMap::new();
+        for (site, func) in sites_of(&filter.functions) {
+            if !notrace.contains_key(&site) {
+                roots.insert(func);
+                wanted.insert(site, func);
             }
         }
         if !filter.functions.is_empty() && roots.is_empty() {
@@ -827,21 +907,21 @@ impl Tracer {
         } else {
             filter.trace.clone()
         };
-        for g in &trace {
-            for id in index.glob(g) {
-                if let Some(fs) = site_of(id) {
-                    if !notrace.contains(&fs.site.0) {
-                        wanted.insert(fs.site.0, fs.func.0);
-                    }
-                }
+        for (site, func) in sites_of(&trace) {
+            if !notrace.contains_key(&site) {
+                wanted.insert(site, func);
             }
         }
+        // A set_graph_notrace function is hooked even outside the trace
+        // set: its frame is what hides its callees.
+        wanted.extend(graph_notrace.iter().map(|(&s, &f)| (s, f)));
+        let bit = 1u16 << user;
         let (mut hooked, mut skipped) = (0u32, 0u32);
         for (site, func) in wanted {
             match self.hook(k, ept, site, func, rip) {
                 Ok(()) => {
                     if let Some(u) = self.sites.get_mut(&site) {
-                        u.graph = true;
+                        u.graph |= bit;
                     }
                     hooked += 1;
                 }
@@ -851,66 +931,127 @@ impl Tracer {
         invept(ept);
         let n_roots = roots.len() as u32;
         log::info!(
-            "tracer: function graph: {hooked} functions hooked, {n_roots} roots, {skipped} skipped"
+            "tracer: graph session {user}: {hooked} functions hooked, {n_roots} roots, {skipped} skipped"
         );
-        self.graph_text = GraphText::new(filter.retval);
-        self.graph = Some(GraphState { filter, roots });
-        Ok((hooked, n_roots, skipped))
+        self.sessions[user] = Some(GraphSession {
+            text: GraphText::new(filter.retval),
+            notrace: graph_notrace.into_values().collect(),
+            filter,
+            roots,
+        });
+        Ok((user as u32, hooked, n_roots, skipped))
     }
 
-    /// `GraphStop`: no new calls are hijacked; frames in flight stay.
-    pub fn graph_stop(&mut self, ept: &Ept) {
-        if self.graph.take().is_some() {
-            self.release_sites(ept, |u| &mut u.graph);
+    /// `GraphStop`: session `session` (`None`: every session) hijacks no
+    /// new calls; frames in flight stay and still return through us.
+    pub fn graph_stop(&mut self, session: Option<u32>, ept: &Ept) -> Result<(), ReqError> {
+        let users: Vec<usize> = match session {
+            None => (1..MAX_USERS)
+                .filter(|&u| self.sessions[u].is_some())
+                .collect(),
+            Some(n) => {
+                let u = n as usize;
+                if !(1..MAX_USERS).contains(&u) || self.sessions[u].is_none() {
+                    return Err((
+                        ErrorKind::NotFound,
+                        format!("no function-graph session {n}"),
+                    ));
+                }
+                alloc::vec![u]
+            }
+        };
+        let mut mask = 0u16;
+        for u in users {
+            self.sessions[u] = None;
+            mask |= 1 << u;
         }
+        if mask != 0 {
+            self.release_sites(ept, |s| {
+                let had = s.graph & mask != 0;
+                s.graph &= !mask;
+                had
+            });
+        }
+        Ok(())
     }
 
-    /// The graph half of an entry hit: push a frame and hijack the return.
+    /// The return half of an entry hit: for the sessions and return probes
+    /// that want this call, push one shared frame and hijack the return.
     #[allow(clippy::too_many_arguments)]
     fn graph_enter(
         &mut self,
+        sessions: u16,
+        retprobes: &[u32],
         func: u64,
         retp: u64,
         cr3: Cr3,
-        pid: i32,
-        comm: &[u8; 16],
         now_ns: u64,
         header: EventHeader,
+        task: u64,
+        k: &Kernel,
     ) {
-        let Some(g) = &self.graph else {
-            return;
-        };
         let Some(tramp) = self.region.as_ref().map(|r| r.tramp.return_trampoline().0) else {
             return;
         };
         let key = retp & !(THREAD_SIZE - 1);
-        if !self.stacks.contains_key(&key) && self.stacks.len() >= MAX_STACKS {
-            self.stats.graph_misses += 1;
-            return;
-        }
-        let st = self
-            .stacks
-            .entry(key)
-            .or_insert_with(|| RetStack::new(RETSTACK_WORDS));
         // Frames below this call's return slot can never return.
-        self.stats.graph_dropped += st.reclaim_below(retp) as u64;
-        let depth = st.depth();
-        if depth == 0 {
-            let f = &g.filter;
-            let root_ok = g.roots.is_empty() || g.roots.contains(&func);
-            let pid_ok = f.pid.is_none_or(|p| p == pid);
-            let comm_ok = f.comm.as_deref().is_none_or(|c| {
-                let n = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
-                c.as_bytes() == &comm[..n]
-            });
-            if !(root_ok && pid_ok && comm_ok) {
-                if st.is_empty() {
-                    self.stacks.remove(&key);
-                }
-                return;
+        if let Some(t) = self.stacks.get_mut(&key) {
+            self.stats.graph_dropped += t.st.reclaim_below(retp) as u64;
+            if t.st.is_empty() {
+                self.stacks.remove(&key);
             }
         }
-        if g.filter.max_depth != 0 && depth >= g.filter.max_depth as usize {
+        let comm = &header.comm;
+        let mut users = 0u16;
+        let mut entries: [(u8, u16); MAX_USERS] = [(0, 0); MAX_USERS];
+        let mut n_entries = 0;
+        let mut marks: [(u8, &[u64]); MAX_USERS] = [(0, &[]); MAX_USERS];
+        let mut n_marks = 0;
+        let stack = self.stacks.get(&key).map(|t| &t.st);
+        for user in 1..MAX_USERS as u8 {
+            if sessions & (1 << user) == 0 {
+                continue;
+            }
+            let Some(g) = &self.sessions[usize::from(user)] else {
+                continue;
+            };
+            let (depth, hidden) = stack.map_or((0, false), |s| s.user_view(user, NOTRACE_MARK));
+            if hidden {
+                continue;
+            }
+            let f = &g.filter;
+            if depth == 0 {
+                let root_ok = g.roots.is_empty() || g.roots.contains(&func);
+                let pid_ok = f.pid.is_none_or(|p| p == header.pid);
+                let comm_ok = f.comm.as_deref().is_none_or(|c| {
+                    let n = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+                    c.as_bytes() == &comm[..n]
+                });
+                if !(root_ok && pid_ok && comm_ok) {
+                    continue;
+                }
+            }
+            if f.max_depth != 0 && depth >= f.max_depth as usize {
+                continue;
+            }
+            users |= 1 << user;
+            if g.notrace.contains(&func) {
+                marks[n_marks] = (user, core::slice::from_ref(&NOTRACE_MARK));
+                n_marks += 1;
+            } else {
+                entries[n_entries] = (user, depth as u16);
+                n_entries += 1;
+            }
+        }
+        let ids: Vec<u64> = retprobes.iter().map(|&i| u64::from(i)).collect();
+        if !ids.is_empty() {
+            users |= 1 << RETPROBE_USER;
+        }
+        if users == 0 {
+            return;
+        }
+        if !self.stacks.contains_key(&key) && self.stacks.len() >= MAX_STACKS {
+            self.stats.graph_misses += 1;
             return;
         }
         let mut slot = [0u8; 8];
@@ -921,87 +1062,258 @@ impl Tracer {
             return;
         }
         let ret = u64::from_le_bytes(slot);
+        let tracked = self.stacks.entry(key).or_insert_with(|| Tracked {
+            st: RetStack::new(self.stack_frames as usize * FRAME_TAGGED),
+            task: 0,
+            pid: 0,
+            own: false,
+        });
+        if tracked.task != task || tracked.pid != header.pid {
+            // A new owner (or a first one): is this its own stack?
+            let (k0, t0, p0, own) = self.last_owner;
+            tracked.own = if (k0, t0, p0) == (key, task, header.pid) {
+                own
+            } else {
+                let own = k.task_stack(task).is_some_and(|(s, _)| s == key);
+                self.last_owner = (key, task, header.pid, own);
+                own
+            };
+        }
         // A frame at this very slot is the caller of a tail call: the callee
         // stacks on it. (The slot may hold our trampoline, or the return
         // handler of the guest's own function_graph, which hijacks after
         // us; so the slot's value cannot tell a dead frame from a live one.
         // A dead frame at the same slot pops harmlessly below the new one, or
         // goes with the next call from a higher slot.)
-        if ret == tramp && st.top_retp() != Some(retp) {
+        if ret == tramp && tracked.st.top_retp() != Some(retp) {
             // Our trampoline in a slot we have no frame for: never stack on it.
+            if tracked.st.is_empty() {
+                self.stacks.remove(&key);
+            }
             return;
         }
-        match st.push(ret, func, now_ns, retp, 1, &[]) {
+        let mut data: [(u8, &[u64]); MAX_USERS + 1] = [(0, &[]); MAX_USERS + 1];
+        let mut n_data = 0;
+        if !ids.is_empty() {
+            data[0] = (RETPROBE_USER, &ids);
+            n_data = 1;
+        }
+        for m in &marks[..n_marks] {
+            data[n_data] = *m;
+            n_data += 1;
+        }
+        let pushed = tracked
+            .st
+            .push(ret, func, now_ns, retp, users, &data[..n_data]);
+        tracked.task = task;
+        tracked.pid = header.pid;
+        let empty = tracked.st.is_empty();
+        match pushed {
             Ok(_) => {}
-            Err(PushError::Full) => {
-                self.stats.graph_misses += 1;
+            Err(e) => {
+                if e == PushError::Full {
+                    self.stats.graph_misses += 1;
+                }
+                if empty {
+                    self.stacks.remove(&key);
+                }
                 return;
             }
-            Err(_) => return,
         }
         phys::write(t.gpa.0, &tramp.to_le_bytes());
-        let ev = RawEvent {
-            header: EventHeader {
-                probe_id: GRAPH_ENTRY_ID,
-                ip: func,
-                ret_ip: ret,
-                ..header
-            },
-            values: alloc::vec![kprobe::FetchedValue::Int {
-                ty: kprobe::IntType::U64,
-                value: depth as u64,
-            }],
-        };
-        store(&mut self.ring, &mut self.record, &ev);
+        for &(user, depth) in &entries[..n_entries] {
+            let ev = RawEvent {
+                header: EventHeader {
+                    probe_id: GRAPH_ENTRY_BASE | u32::from(user),
+                    ip: func,
+                    ret_ip: ret,
+                    ..header
+                },
+                values: alloc::vec![kprobe::FetchedValue::Int {
+                    ty: kprobe::IntType::U64,
+                    value: u64::from(depth),
+                }],
+            };
+            store(&mut self.ring, &mut self.record, &ev);
+        }
     }
 
     /// A return through the trampoline: the original return address.
     fn graph_return(
         &mut self,
-        frame_gva: u64,
-        retval: u64,
+        regs: &crate::arch::instructions::GuestRegs,
         cpu: &CpuView,
         kernel: Option<&Kernel>,
         now_ns: u64,
     ) -> Option<u64> {
-        let retp = frame_gva.checked_add(trampolines::abi::RETURN_FRAME_RETP as u64)?;
+        let retp = regs
+            .rdi
+            .checked_add(trampolines::abi::RETURN_FRAME_RETP as u64)?;
+        let retval = regs.rsi;
         let key = retp & !(THREAD_SIZE - 1);
-        let st = self.stacks.get_mut(&key)?;
-        let PopResult::Found { frame, dropped } = st.pop(retp) else {
+        let t = self.stacks.get_mut(&key)?;
+        let PopResult::Found { frame, dropped } = t.st.pop(retp) else {
             return None;
         };
         self.stats.graph_dropped += dropped as u64;
-        if st.is_empty() {
+        // Each session's depth of the frame: its frames left below it.
+        let mut depths = [0usize; MAX_USERS];
+        for (user, d) in depths.iter_mut().enumerate().skip(1) {
+            if frame.users & (1 << user) != 0 {
+                *d = t.st.user_view(user as u8, NOTRACE_MARK).0;
+            }
+        }
+        if t.st.is_empty() {
             self.stacks.remove(&key);
         }
         let (pid, comm) = kernel.and_then(|k| k.task(cpu)).unwrap_or((-1, [0; 16]));
-        let ev = RawEvent {
-            header: EventHeader {
-                probe_id: GRAPH_RETURN_ID,
-                cpu: 0,
-                pid,
-                timestamp_ns: now_ns,
-                ip: frame.func,
-                ret_ip: frame.ret,
-                comm,
-            },
-            values: alloc::vec![
-                kprobe::FetchedValue::Int {
-                    ty: kprobe::IntType::U64,
-                    value: frame.depth as u64,
-                },
-                kprobe::FetchedValue::Int {
-                    ty: kprobe::IntType::U64,
-                    value: now_ns.saturating_sub(frame.calltime),
-                },
-                kprobe::FetchedValue::Int {
-                    ty: kprobe::IntType::X64,
-                    value: retval,
-                },
-            ],
+        let header = EventHeader {
+            probe_id: 0,
+            cpu: 0,
+            pid,
+            timestamp_ns: now_ns,
+            ip: frame.func,
+            ret_ip: frame.ret,
+            comm,
         };
-        store(&mut self.ring, &mut self.record, &ev);
+        for (user, &depth) in depths.iter().enumerate().skip(1) {
+            if frame.users & (1 << user) == 0 || self.sessions[user].is_none() {
+                continue;
+            }
+            let marked = frame
+                .data
+                .iter()
+                .any(|(u, d)| usize::from(*u) == user && d.first() == Some(&NOTRACE_MARK));
+            if marked {
+                continue;
+            }
+            let ev = RawEvent {
+                header: EventHeader {
+                    probe_id: GRAPH_RETURN_BASE | user as u32,
+                    ..header
+                },
+                values: alloc::vec![
+                    kprobe::FetchedValue::Int {
+                        ty: kprobe::IntType::U64,
+                        value: depth as u64,
+                    },
+                    kprobe::FetchedValue::Int {
+                        ty: kprobe::IntType::U64,
+                        value: now_ns.saturating_sub(frame.calltime),
+                    },
+                    kprobe::FetchedValue::Int {
+                        ty: kprobe::IntType::X64,
+                        value: retval,
+                    },
+                ],
+            };
+            store(&mut self.ring, &mut self.record, &ev);
+        }
+        let ids = frame
+            .data
+            .iter()
+            .find(|(u, _)| *u == RETPROBE_USER)
+            .map(|(_, d)| d.as_slice())
+            .unwrap_or(&[]);
+        if let (false, Some(k)) = (ids.is_empty(), kernel) {
+            self.retprobe_hits(ids, regs, retp, &frame, header, cpu, k);
+        }
         Some(frame.ret)
+    }
+
+    /// Records the return probes `ids` of a returning call: their fetch
+    /// arguments see the registers at the return, as a kretprobe's do (`ip`
+    /// the original return address, `sp` just above the return slot).
+    #[allow(clippy::too_many_arguments)]
+    fn retprobe_hits(
+        &mut self,
+        ids: &[u64],
+        g: &crate::arch::instructions::GuestRegs,
+        retp: u64,
+        frame: &hypervisor::tracer::retstack::Frame,
+        mut header: EventHeader,
+        cpu: &CpuView,
+        k: &Kernel,
+    ) {
+        let regs = PtRegs {
+            r15: g.r15,
+            r14: g.r14,
+            r13: g.r13,
+            r12: g.r12,
+            bp: g.rbp,
+            bx: g.rbx,
+            r11: g.r11,
+            r10: g.r10,
+            r9: g.r9,
+            r8: g.r8,
+            ax: g.rsi,
+            cx: g.rcx,
+            dx: g.rdx,
+            si: g.rsi,
+            di: g.rdi,
+            orig_ax: u64::MAX,
+            ip: frame.ret,
+            cs: 0x10,
+            flags: 0,
+            sp: retp + 8,
+            ss: 0x18,
+        };
+        let syms = IndexSymbols(k.index());
+        let mut mem = VcpuMem { cr3: Cr3(cpu.cr3) };
+        let ctx = FetchContext {
+            regs: &regs,
+            comm: Some(&header.comm),
+            layout: GuestLayout::X86_64_4LEVEL,
+        };
+        for &id in ids {
+            let Some(p) = self.probes.iter_mut().find(|p| u64::from(p.id) == id) else {
+                continue; // deleted while the call was in flight
+            };
+            header.probe_id = p.id;
+            let ev = RawEvent {
+                header,
+                values: kprobe::fetch(&p.spec.args, &ctx, &mut mem, &syms),
+            };
+            if store(&mut self.ring, &mut self.record, &ev) {
+                p.hits += 1;
+            } else {
+                p.misses += 1;
+            }
+        }
+    }
+
+    /// Drops the return stacks of tasks that died: a task that exits
+    /// inside traced functions (`do_exit` never returns) leaves frames
+    /// that no return will pop. A task's own kernel stack is released once
+    /// its `task_struct.stack` no longer points at it (the kernel clears it
+    /// when the dead task's stack is freed) or the task's pid changed.
+    /// Borrowed (IRQ) stacks and the running task's stack are never
+    /// touched here; their dead frames go when a later call or return on
+    /// the same stack passes them.
+    pub fn reap(&mut self, kernel: Option<&Kernel>, cpu: &CpuView) {
+        let Some(k) = kernel else {
+            return;
+        };
+        if self.stacks.is_empty() {
+            return;
+        }
+        let running = k.current(cpu).map(|c| c.0);
+        let dead: Vec<u64> = self
+            .stacks
+            .iter()
+            .filter(|(&base, t)| {
+                t.own
+                    && Some(t.task) != running
+                    && k.task_stack(t.task)
+                        .is_some_and(|(s, pid)| s != base || pid != t.pid)
+            })
+            .map(|(&base, _)| base)
+            .collect();
+        for base in dead {
+            if let Some(t) = self.stacks.remove(&base) {
+                self.stats.graph_reaped += t.st.depth() as u64;
+            }
+        }
     }
 
     /// An entry hypercall from `site` with the pt_regs at `regs_gva`;
@@ -1029,7 +1341,7 @@ impl Tracer {
             return chain;
         }
         let regs = PtRegs::from_le_bytes(&image);
-        let (pid, comm) = k.task(cpu).unwrap_or((-1, [0; 16]));
+        let (task, pid, comm) = k.current(cpu).unwrap_or((0, -1, [0; 16]));
         let mut header = EventHeader {
             probe_id: 0,
             cpu: 0,
@@ -1049,6 +1361,11 @@ impl Tracer {
         let function = u.function;
         let graph = u.graph;
         let func = u.func;
+        let retprobes = if u.retprobes.is_empty() {
+            Vec::new()
+        } else {
+            u.retprobes.clone()
+        };
         for &id in &u.probes {
             let Some(p) = self.probes.iter_mut().find(|p| p.id == id) else {
                 continue;
@@ -1077,8 +1394,10 @@ impl Tracer {
             };
             store(&mut self.ring, &mut self.record, &ev);
         }
-        if graph {
-            self.graph_enter(func, regs.sp, cr3, pid, &comm, now_ns, header);
+        if graph != 0 || !retprobes.is_empty() {
+            self.graph_enter(
+                graph, &retprobes, func, regs.sp, cr3, now_ns, header, task, k,
+            );
         }
         chain
     }
@@ -1086,7 +1405,14 @@ impl Tracer {
     // ----- the stream --------------------------------------------------
 
     /// Moves rendered events into the control channel while it has room.
-    pub fn drain(&mut self, control: &mut crate::control::Control, kernel: Option<&Kernel>) {
+    /// One `TraceText` carries lines of one source (0: probes and the
+    /// function tracer; N: graph session N).
+    pub fn drain(
+        &mut self,
+        control: &mut crate::control::Control,
+        kernel: Option<&Kernel>,
+        now_ns: u64,
+    ) {
         let Some(format) = self.stream else {
             return;
         };
@@ -1099,21 +1425,32 @@ impl Tracer {
                 return;
             }
             let mut text = self.pending_line.take().unwrap_or_default();
+            let mut source = self.pending_source;
             while text.len() < TRACE_TEXT_BUDGET {
                 if !self.ring.pop(&mut self.record) {
-                    // An entry held back for a leaf is printed open once
-                    // nothing has followed it for a few turns.
-                    if text.is_empty() && self.graph_text.has_pending() {
-                        self.graph_idle_turns += 1;
-                        if self.graph_idle_turns > 3 {
-                            self.graph_text.flush(&mut text, &syms);
+                    // An entry held back for a leaf is printed open once it
+                    // is older than LEAF_HOLD_NS with the ring empty (its
+                    // call is long, or sleeps). Counting time, not turns:
+                    // another session's events may keep the ring busy while
+                    // this one's children are not traced.
+                    if text.is_empty() {
+                        for (user, g) in self.sessions.iter_mut().enumerate() {
+                            let Some(g) = g else { continue };
+                            let old = g
+                                .text
+                                .pending_since()
+                                .is_some_and(|t| now_ns.saturating_sub(t) > LEAF_HOLD_NS);
+                            if old {
+                                g.text.flush(&mut text, &syms);
+                                source = user as u32;
+                                break;
+                            }
                         }
                     }
                     break;
                 }
-                self.graph_idle_turns = 0;
                 let mut line = String::new();
-                self.render(&mut line, format, &syms);
+                let src = self.render(&mut line, format, &syms);
                 if line.is_empty() {
                     continue;
                 }
@@ -1121,8 +1458,14 @@ impl Tracer {
                 if !line.ends_with('\n') {
                     line.push('\n');
                 }
-                if !text.is_empty() && text.len() + line.len() > TRACE_TEXT_BUDGET {
+                if text.is_empty() {
+                    source = src;
+                }
+                if !text.is_empty()
+                    && (src != source || text.len() + line.len() > TRACE_TEXT_BUDGET)
+                {
                     self.pending_line = Some(line);
+                    self.pending_source = src;
                     break;
                 }
                 text.push_str(&line);
@@ -1132,42 +1475,55 @@ impl Tracer {
                 return;
             }
             self.lost_reported = self.ring.lost();
-            control.send_event(protocol::Event::TraceText { format, lost, text });
+            control.send_event(protocol::Event::TraceText {
+                format,
+                source,
+                lost,
+                text,
+            });
         }
     }
 
-    fn render(&mut self, out: &mut String, format: TraceFormat, syms: &IndexSymbols<'_>) {
+    /// Renders the record in `self.record`; returns its source.
+    fn render(&mut self, out: &mut String, format: TraceFormat, syms: &IndexSymbols<'_>) -> u32 {
         let Ok((ev, _)) = RawEvent::decode(&self.record) else {
             let _ = write!(out, "(undecodable record of {} bytes)", self.record.len());
-            return;
+            return 0;
         };
-        let graph = match ev.header.probe_id {
-            GRAPH_ENTRY_ID => Some(GraphKind::Entry),
-            GRAPH_RETURN_ID => Some(GraphKind::Return),
+        let id = ev.header.probe_id;
+        let graph = match id & !0xff {
+            GRAPH_ENTRY_BASE => Some(GraphKind::Entry),
+            GRAPH_RETURN_BASE => Some(GraphKind::Return),
             _ => None,
         };
         if let Some(kind) = graph {
+            let user = (id & 0xff) as usize;
+            // A stopped session's events are dropped with it.
+            let Some(g) = self.sessions.get_mut(user).and_then(Option::as_mut) else {
+                return user as u32;
+            };
             match format {
-                TraceFormat::Json => graph_fmt::write_graph_json(out, kind, &ev, syms),
-                _ => self.graph_text.push(out, kind, &ev, syms),
+                TraceFormat::Json => graph_fmt::write_graph_json(out, kind, &ev, user as u32, syms),
+                _ => g.text.push(out, kind, &ev, syms),
             }
-            return;
+            return user as u32;
         }
-        if ev.header.probe_id == FUNCTION_ID {
+        if id == FUNCTION_ID {
             match format {
                 TraceFormat::Json => kprobe::write_function_json(out, &ev, syms),
                 _ => kprobe::write_function_text(out, &ev, syms),
             }
-            return;
+            return 0;
         }
         // A probe deleted since the hit is no longer printable: skip it.
-        let Some(p) = self.probes.iter().find(|p| p.id == ev.header.probe_id) else {
-            return;
+        let Some(p) = self.probes.iter().find(|p| p.id == id) else {
+            return 0;
         };
         match format {
             TraceFormat::Json => kprobe::write_json(out, &p.spec, &ev, syms),
             _ => kprobe::write_text(out, &p.spec, &ev, syms),
         }
+        0
     }
 
     // ----- the split view's single step --------------------------------

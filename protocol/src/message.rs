@@ -159,13 +159,20 @@ pub enum Request {
         format: TraceFormat,
         /// Longest wait for a first line, in milliseconds.
         wait_ms: u32,
+        /// Only lines of this source (see [`Event::TraceText`]); `None`:
+        /// every source.
+        source: Option<u32>,
     },
-    /// Starts the function-graph tracer (returns hijacked in VMX root).
-    /// Answered by [`Response::GraphStarted`].
+    /// Starts a function-graph session (returns hijacked in VMX root).
+    /// Up to 15 sessions, each with its own filter, run at once and share
+    /// the return frames. Answered by [`Response::GraphStarted`].
     GraphStart(GraphFilter),
-    /// Stops it: no new calls are hijacked; calls in flight still return
-    /// through the hypervisor.
-    GraphStop,
+    /// Stops one session (`None`: all of them): no new calls are hijacked
+    /// for it; calls in flight still return through the hypervisor.
+    GraphStop {
+        /// The session, as [`Response::GraphStarted`] named it.
+        session: Option<u32>,
+    },
 }
 
 /// What the function-graph tracer traces, in the ftrace names.
@@ -177,9 +184,12 @@ pub struct GraphFilter {
     /// `set_ftrace_filter`: globs of the functions hooked beneath them.
     /// Empty: every traceable function (`*`).
     pub trace: Vec<String>,
-    /// `set_graph_notrace`-like: globs never traced (nor their callees
-    /// shown as children).
+    /// `set_ftrace_notrace`: globs never hooked (their callees still show,
+    /// as children of the nearest traced caller).
     pub notrace: Vec<String>,
+    /// `set_graph_notrace`: globs whose calls, and everything beneath
+    /// them, are left out of the session's trees.
+    pub graph_notrace: Vec<String>,
     /// `max_graph_depth`; 0 = unlimited.
     pub max_depth: u32,
     /// Only this thread id.
@@ -188,6 +198,11 @@ pub struct GraphFilter {
     pub comm: Option<String>,
     /// `funcgraph-retval`: print return values.
     pub retval: bool,
+    /// Frames each guest kernel stack's return stack holds (0: the
+    /// default, 32). Deeper calls are not hijacked and count as misses.
+    /// The return stacks are shared, so a change is refused while another
+    /// session runs or frames are in flight.
+    pub stack_frames: u32,
 }
 
 /// How trace events are rendered.
@@ -274,6 +289,9 @@ pub enum Response {
     },
     /// Answer to [`Request::GraphStart`].
     GraphStarted {
+        /// The session's number (1 to 15): its lines carry it as their
+        /// source, and [`Request::GraphStop`] takes it.
+        session: u32,
         /// Functions hooked for the graph.
         hooked: u32,
         /// Functions matching `functions` (the tree roots).
@@ -351,6 +369,13 @@ pub struct TracerReport {
     pub graph_dropped: u64,
     /// Function-graph: returns through the trampoline with no frame (#UD).
     pub graph_orphans: u64,
+    /// Function-graph: frames reclaimed because their task died (its kernel
+    /// stack was released).
+    pub graph_reaped: u64,
+    /// Function-graph sessions running.
+    pub graph_sessions: u32,
+    /// Return probes (`r:`), also counted in `probes`.
+    pub retprobes: u32,
 }
 
 impl Response {
@@ -549,6 +574,9 @@ pub enum Event {
     TraceText {
         /// The format of `text`.
         format: TraceFormat,
+        /// Who produced the lines: 0 for probes, return probes and the
+        /// function tracer, N for function-graph session N.
+        source: u32,
         /// Events the hypervisor lost since the previous `TraceText`.
         lost: u64,
         /// Complete lines, each ending in a newline.

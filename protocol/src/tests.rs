@@ -73,6 +73,9 @@ fn status() -> StatusReport {
             graph_misses: 1,
             graph_dropped: 2,
             graph_orphans: 0,
+            graph_reaped: 4,
+            graph_sessions: 2,
+            retprobes: 1,
         },
     }
 }
@@ -195,7 +198,7 @@ fn variant(body: &Body) -> String {
             Request::FunctionClear => "Request::FunctionClear",
             Request::TraceRead { .. } => "Request::TraceRead",
             Request::GraphStart(_) => "Request::GraphStart",
-            Request::GraphStop => "Request::GraphStop",
+            Request::GraphStop { .. } => "Request::GraphStop",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",

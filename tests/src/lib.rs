@@ -308,12 +308,63 @@ pub fn hv_status(c: &mut hvtrace::client::Client) -> protocol::StatusReport {
     }
 }
 
+/// One trace line, ours or the guest's, split into what both print alike.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TraceLine {
+    /// The task's comm.
+    pub comm: String,
+    /// Its pid.
+    pub pid: i32,
+    /// After the timestamp: `myopen: (do_sys_openat2+0x0/0xa2) dfd=...`
+    /// or `do_filp_open <-do_sys_openat2`.
+    pub body: String,
+}
+
+/// Parses `COMM-PID [CPU] [FLAGS] SECS.USECS: BODY` (the guest's lines have
+/// the irq-info column, ours do not); `None` for headers and other text.
+pub fn parse_trace_line(l: &str) -> Option<TraceLine> {
+    let open = l.find(" [")?;
+    let (task, rest) = l.split_at(open);
+    let task = task.trim();
+    let dash = task.rfind('-')?;
+    let pid = task[dash + 1..].parse().ok()?;
+    let comm = task[..dash].to_string();
+    let close = rest.find(']')?;
+    let after = &rest[close + 1..];
+    // The first "N.NNNNNN: " ends the context.
+    let mut idx = 0;
+    for tok in after.split_inclusive(' ') {
+        let t = tok.trim();
+        idx += tok.len();
+        if let Some(ts) = t.strip_suffix(':') {
+            if ts.contains('.') && ts.chars().all(|c| c.is_ascii_digit() || c == '.') {
+                return Some(TraceLine {
+                    comm,
+                    pid,
+                    body: after[idx..].trim_end().to_string(),
+                });
+            }
+        }
+    }
+    None
+}
+
+/// Every trace line of `text` ([`parse_trace_line`]).
+pub fn parse_trace_lines(text: &str) -> Vec<TraceLine> {
+    text.lines().filter_map(parse_trace_line).collect()
+}
+
 /// Our trace stream, read through the launcher's buffer.
 pub struct Stream {
     /// The launcher buffer's cursor.
     pub cursor: u64,
     /// Lines lost so far (hypervisor and launcher).
     pub lost: u64,
+    /// Only lines of this source (0: probes and function tracer; N: graph
+    /// session N); `None`: all.
+    pub source: Option<u32>,
+    /// The format asked for.
+    pub format: protocol::TraceFormat,
 }
 
 impl Default for Stream {
@@ -323,9 +374,24 @@ impl Default for Stream {
 }
 
 impl Stream {
-    /// A reader from the start of the buffer.
+    /// A reader of every source's text lines, from the start of the buffer.
     pub fn new() -> Stream {
-        Stream { cursor: 0, lost: 0 }
+        Stream {
+            cursor: 0,
+            lost: 0,
+            source: None,
+            format: protocol::TraceFormat::Text,
+        }
+    }
+
+    /// A reader of one source only, in `format`, from `cursor`.
+    pub fn of(source: u32, format: protocol::TraceFormat, cursor: u64) -> Stream {
+        Stream {
+            cursor,
+            lost: 0,
+            source: Some(source),
+            format,
+        }
     }
 
     /// Everything new, waiting until nothing more comes for a while.
@@ -335,8 +401,9 @@ impl Stream {
         loop {
             let req = protocol::Request::TraceRead {
                 cursor: self.cursor,
-                format: protocol::TraceFormat::Text,
+                format: self.format,
                 wait_ms: 3000,
+                source: self.source,
             };
             match c
                 .call(req, Duration::from_secs(120))

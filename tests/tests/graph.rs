@@ -18,10 +18,10 @@ use std::time::Instant;
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    guest_exec as exec, hv_call as call, hv_exits as exits, hv_status as status, vm_lock, Checks,
-    Detached, Stream,
+    guest_exec as exec, hv_call as call, hv_exits as exits, hv_status as status, parse_trace_lines,
+    vm_lock, Checks, Detached, Stream,
 };
-use protocol::{GraphFilter, Request, Response};
+use protocol::{ErrorKind, GraphFilter, Request, Response, TraceFormat};
 
 const TRACEFS: &str = "/sys/kernel/tracing";
 
@@ -105,13 +105,14 @@ fn ours_for(text: &str, comm: &str) -> String {
     out
 }
 
-fn graph_start(c: &mut Client, f: GraphFilter) -> Option<(u32, u32, u32)> {
+fn graph_start(c: &mut Client, f: GraphFilter) -> Option<(u32, u32, u32, u32)> {
     match call(c, Request::GraphStart(f)) {
         Response::GraphStarted {
+            session,
             hooked,
             roots,
             skipped,
-        } => Some((hooked, roots, skipped)),
+        } => Some((session, hooked, roots, skipped)),
         other => {
             println!("graph start refused: {other:?}");
             None
@@ -119,24 +120,80 @@ fn graph_start(c: &mut Client, f: GraphFilter) -> Option<(u32, u32, u32)> {
     }
 }
 
-fn oracle(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
-    let _ = stream.read(c);
-    let started = graph_start(
-        c,
-        GraphFilter {
-            functions: vec!["vfs_read".into()],
-            trace: TRACE_SET.iter().map(|s| s.to_string()).collect(),
-            comm: Some("dd".into()),
-            ..GraphFilter::default()
-        },
-    );
-    ck.check(started.is_some(), "graph start on vfs_read");
-    if let Some((hooked, roots, skipped)) = started {
-        println!("oracle: {hooked} functions hooked, {roots} roots, {skipped} skipped");
-        ck.eq("roots", roots, 1);
+/// A call tree, built from function_graph nodes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Tree {
+    name: String,
+    children: Vec<Tree>,
+}
+
+fn tree_of(nodes: &[Node]) -> Vec<Tree> {
+    let mut stack: Vec<Tree> = vec![Tree {
+        name: String::new(),
+        children: Vec::new(),
+    }];
+    for n in nodes {
+        match n {
+            Node::Open(_, name) => stack.push(Tree {
+                name: name.clone(),
+                children: Vec::new(),
+            }),
+            Node::Leaf(_, name) => stack.last_mut().unwrap().children.push(Tree {
+                name: name.clone(),
+                children: Vec::new(),
+            }),
+            Node::Close(_) => {
+                if stack.len() > 1 {
+                    let t = stack.pop().unwrap();
+                    stack.last_mut().unwrap().children.push(t);
+                }
+            }
+        }
     }
-    let _ = stream.read(c);
-    let guest = exec(
+    while stack.len() > 1 {
+        let t = stack.pop().unwrap();
+        stack.last_mut().unwrap().children.push(t);
+    }
+    stack.pop().unwrap().children
+}
+
+/// The nodes function_graph prints for `trees` when calls `max` levels
+/// deep are not traced and the functions `hidden` picks are left out with
+/// everything beneath them (set_graph_notrace).
+fn nodes_of(
+    trees: &[Tree],
+    depth: usize,
+    max: usize,
+    hidden: &dyn Fn(&str) -> bool,
+    out: &mut Vec<Node>,
+) {
+    for t in trees {
+        if hidden(&t.name) {
+            continue;
+        }
+        let shown: Vec<&Tree> = t.children.iter().filter(|c| !hidden(&c.name)).collect();
+        if shown.is_empty() || depth + 1 >= max {
+            out.push(Node::Leaf(depth, t.name.clone()));
+        } else {
+            out.push(Node::Open(depth, t.name.clone()));
+            nodes_of(&t.children, depth + 1, max, hidden, out);
+            out.push(Node::Close(depth));
+        }
+    }
+}
+
+/// Nodes of `nodes` at least `depth` deep.
+fn count_deeper(nodes: &[Node], depth: usize) -> usize {
+    nodes
+        .iter()
+        .filter(|n| matches!(n, Node::Open(d, _) | Node::Leaf(d, _) if *d >= depth))
+        .count()
+}
+
+/// One `dd` read of /etc/hostname under the guest's own function_graph
+/// (vfs_read's tree over TRACE_SET); returns the guest's trace.
+fn guest_dd(c: &mut Client) -> String {
+    exec(
         c,
         &format!(
             "cd {TRACEFS} && echo > set_ftrace_filter && for g in {}; do echo \"$g\" >> set_ftrace_filter 2>/dev/null; done; echo vfs_read > set_graph_function && echo 0 > options/funcgraph-irqs && \
@@ -150,42 +207,211 @@ fn oracle(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
                 .collect::<Vec<_>>()
                 .join(" ")
         ),
-    );
-    let ours_all = stream.read(c);
-    ck.check(
-        matches!(call(c, Request::GraphStop), Response::Ok),
-        "graph stop",
-    );
-    let ours = ours_for(&ours_all, "dd");
-    let g = parse_graph(&guest);
-    let o = parse_graph(&ours);
-    let same = g.iter().zip(o.iter()).take_while(|(a, b)| a == b).count();
-    let total = g.len().max(o.len());
+    )
+}
+
+fn dd_filter() -> GraphFilter {
+    GraphFilter {
+        functions: vec!["vfs_read".into()],
+        trace: TRACE_SET.iter().map(|s| s.to_string()).collect(),
+        comm: Some("dd".into()),
+        ..GraphFilter::default()
+    }
+}
+
+/// Prints how far two node lists agree; returns (agreeing, total).
+fn agreement(what: &str, ours: &[Node], guest: &[Node]) -> (usize, usize) {
+    let same = guest
+        .iter()
+        .zip(ours.iter())
+        .take_while(|(a, b)| a == b)
+        .count();
+    let total = guest.len().max(ours.len());
     println!(
-        "oracle: guest tree {} nodes, ours {} nodes, {} agree in order ({:.1} %)",
-        g.len(),
-        o.len(),
+        "{what}: expected {} nodes, ours {} nodes, {} agree in order ({:.1} %)",
+        guest.len(),
+        ours.len(),
         same,
         100.0 * same as f64 / total.max(1) as f64
     );
-    for line in ours.lines().take(12) {
-        println!("  ours:  {line}");
-    }
-    for line in guest.lines().filter(|l| l.contains('|')).take(14) {
-        println!("  guest: {line}");
-    }
     if same < total {
         println!(
-            "  first difference at node {same}: guest {:?} ours {:?}",
-            g.get(same),
-            o.get(same)
+            "  first difference at node {same}: expected {:?} ours {:?}",
+            guest.get(same),
+            ours.get(same)
         );
     }
+    (same, total)
+}
+
+/// Two sessions at once, sharing frames: A traces the whole tree, B
+/// the same with max_depth 3 and `shmem_get*` (the page lookup under
+/// shmem_file_read_iter, with its own callees) in set_graph_notrace.
+/// Both are checked against the guest's own function_graph.
+fn oracle(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    let _ = stream.read(c);
+    let a = graph_start(c, dd_filter());
+    let b = graph_start(
+        c,
+        GraphFilter {
+            max_depth: 3,
+            graph_notrace: vec!["shmem_get*".into()],
+            ..dd_filter()
+        },
+    );
+    let (Some(a), Some(b)) = (a, b) else {
+        ck.check(false, "two graph sessions on vfs_read");
+        return;
+    };
+    println!("oracle: session A {a:?}, session B {b:?} (session, hooked, roots, skipped)");
+    ck.eq("roots", a.2, 1);
+    ck.check(a.0 != b.0, "sessions have distinct numbers");
+    let _ = stream.read(c);
+    let (mut sa, mut sb) = (
+        Stream::of(a.0, TraceFormat::Text, stream.cursor),
+        Stream::of(b.0, TraceFormat::Text, stream.cursor),
+    );
+    let guest = guest_dd(c);
+    let ours_a = sa.read(c);
+    let ours_b = sb.read(c);
+    let _ = stream.read(c);
+    let mid = status(c).tracer;
+    ck.eq("sessions running", mid.graph_sessions, 2);
+    for s in [a.0, b.0] {
+        ck.check(
+            matches!(
+                call(c, Request::GraphStop { session: Some(s) }),
+                Response::Ok
+            ),
+            format!("graph stop {s}"),
+        );
+    }
+    ck.check(
+        matches!(
+            call(c, Request::GraphStop { session: Some(a.0) }),
+            Response::Error {
+                kind: ErrorKind::NotFound,
+                ..
+            }
+        ),
+        "stopping a stopped session is refused",
+    );
+    let g = parse_graph(&guest);
+    let o = parse_graph(&ours_for(&ours_a, "dd"));
+    for line in ours_a.lines().take(12) {
+        println!("  ours A: {line}");
+    }
+    for line in guest.lines().filter(|l| l.contains('|')).take(14) {
+        println!("  guest:  {line}");
+    }
+    agreement("oracle A (full tree)", &o, &g);
     ck.check(
         g.len() >= 5,
         format!("the guest's tree under vfs_read has nodes: {}", g.len()),
     );
-    ck.eq("our vfs_read tree equals the guest's", &o, &g);
+    ck.eq("session A's vfs_read tree equals the guest's", &o, &g);
+    let mut want_b = Vec::new();
+    let hidden = |f: &str| f.starts_with("shmem_get");
+    nodes_of(&tree_of(&g), 0, 3, &hidden, &mut want_b);
+    let ob = parse_graph(&ours_for(&ours_b, "dd"));
+    for line in ours_b.lines().take(8) {
+        println!("  ours B: {line}");
+    }
+    agreement(
+        "oracle B (max_depth 3, graph_notrace shmem_get*)",
+        &ob,
+        &want_b,
+    );
+    ck.check(
+        g.iter().any(|n| matches!(n, Node::Open(2, f) if hidden(f))),
+        "the guest's tree calls shmem_get* with callees, 2 deep",
+    );
+    ck.check(
+        count_deeper(&g, 3) > 0,
+        "the guest's tree is deeper than session B's max_depth",
+    );
+    ck.eq("session B's tree equals the guest's, cut", &ob, &want_b);
+}
+
+/// Return stacks of 3 frames: calls deeper than that are not hijacked,
+/// each one a counted miss, and the tree is the guest's cut at depth 3.
+fn capacity(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    let _ = stream.read(c);
+    let before = status(c).tracer;
+    ck.check(
+        matches!(
+            call(
+                c,
+                Request::GraphStart(GraphFilter {
+                    stack_frames: 100_000,
+                    ..dd_filter()
+                })
+            ),
+            Response::Error {
+                kind: ErrorKind::InvalidArgument,
+                ..
+            }
+        ),
+        "an absurd stack size is refused",
+    );
+    let Some(s) = graph_start(
+        c,
+        GraphFilter {
+            stack_frames: 3,
+            ..dd_filter()
+        },
+    ) else {
+        ck.check(false, "graph start with 3 frames per stack");
+        return;
+    };
+    // The return stacks are shared: another size is refused meanwhile.
+    ck.check(
+        matches!(
+            call(
+                c,
+                Request::GraphStart(GraphFilter {
+                    stack_frames: 8,
+                    ..dd_filter()
+                })
+            ),
+            Response::Error {
+                kind: ErrorKind::InvalidArgument,
+                ..
+            }
+        ),
+        "another stack size is refused while a session runs",
+    );
+    let mut so = Stream::of(s.0, TraceFormat::Text, stream.cursor);
+    let guest = guest_dd(c);
+    let ours = so.read(c);
+    let mid = status(c).tracer;
+    call(c, Request::GraphStop { session: Some(s.0) });
+    let _ = stream.read(c);
+    let g = parse_graph(&guest);
+    let mut want = Vec::new();
+    nodes_of(&tree_of(&g), 0, 3, &|_| false, &mut want);
+    let o = parse_graph(&ours_for(&ours, "dd"));
+    agreement("capacity (3 frames per stack)", &o, &want);
+    let misses = mid.graph_misses - before.graph_misses;
+    let deep = count_deeper(&g, 3);
+    println!(
+        "capacity: {misses} misses; the guest's tree has {deep} calls 3 or more deep; {} stacks, {} B of return stacks while tracing",
+        mid.graph_stacks, mid.graph_bytes
+    );
+    ck.check(deep > 0, "the guest's tree is deeper than 3");
+    ck.eq("our tree equals the guest's cut at depth 3", &o, &want);
+    ck.eq(
+        "misses equal the calls beyond capacity",
+        misses,
+        deep as u64,
+    );
+    let after = status(c).tracer;
+    ck.eq("frames after the capacity run", after.graph_frames, 0);
+    ck.eq(
+        "orphans after the capacity run",
+        after.graph_orphans,
+        before.graph_orphans,
+    );
 }
 
 fn sleepers(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
@@ -200,18 +426,80 @@ fn sleepers(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         },
     );
     ck.check(started.is_some(), "graph start on do_nanosleep");
-    // Two sleepers overlap; traced work runs while they sleep.
+    let session = started.map_or(0, |s| s.0);
+    // Two sleepers overlap; traced work runs while they sleep. Meanwhile
+    // the guest's unwinder walks a sleeper's stack (/proc/PID/stack).
     let t0 = Instant::now();
+    // (Each exec runs in a subshell: the sleepers outlive the first one,
+    // and the second runs until both must have returned.)
+    let out = exec(
+        c,
+        "hvbench sleep 400 & a=$!; hvbench sleep 700 & p=$!; echo PIDS $a $p; hvbench sleep 100; \
+         echo STACK-BEGIN; cat /proc/$p/stack && echo READ-OK; echo STACK-END",
+    );
+    // Both long sleepers are still inside do_nanosleep: their frames and
+    // the memory they hold.
+    let mid = status(c).tracer;
     exec(
         c,
-        "hvbench sleep 400 & hvbench sleep 700 & for i in 1 2 3; do cat /etc/hostname >/dev/null; hvbench sleep 50; done; wait",
+        "for i in 1 2 3; do cat /etc/hostname >/dev/null; hvbench sleep 50; done; hvbench sleep 700",
     );
     let wall = t0.elapsed();
-    let mid = status(c).tracer;
     let text = stream.read(c);
     ck.check(
-        matches!(call(c, Request::GraphStop), Response::Ok),
+        matches!(
+            call(
+                c,
+                Request::GraphStop {
+                    session: Some(session)
+                }
+            ),
+            Response::Ok
+        ),
         "graph stop",
+    );
+    // What the guest's unwinder shows for a task sleeping inside a
+    // hijacked call, against the same sleep untraced. /proc/PID/stack
+    // leaves out scheduler functions (do_nanosleep is `__sched`), so the
+    // untraced trace starts at the return address into do_nanosleep's
+    // caller; hijacked, that slot holds our return trampoline, which is not
+    // kernel text, and the unwinder stops there: the trace is empty.
+    // (ftrace's own return handler it would translate back; ours it
+    // cannot know.)
+    let stack_of = |out: &str| -> Vec<String> {
+        out.split("STACK-BEGIN")
+            .nth(1)
+            .and_then(|r| r.split("STACK-END").next())
+            .unwrap_or("")
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    let hijacked = stack_of(&out);
+    let plain = stack_of(&exec(
+        c,
+        "hvbench sleep 300 & p=$!; hvbench sleep 50; echo STACK-BEGIN; cat /proc/$p/stack && echo READ-OK; echo STACK-END; wait",
+    ));
+    println!("sleepers: /proc/PID/stack of the 700 ms sleeper, hijacked:");
+    for l in &hijacked {
+        println!("  {l}");
+    }
+    println!("sleepers: the same for an untraced sleeper:");
+    for l in &plain {
+        println!("  {l}");
+    }
+    let has = |v: &[String], f: &str| v.iter().any(|l| l.contains(&format!("] {f}+")));
+    let read_ok = |v: &[String]| v.iter().any(|l| l == "READ-OK");
+    ck.check(
+        read_ok(&plain) && has(&plain, "hrtimer_nanosleep") && has(&plain, "do_syscall_64"),
+        "the untraced sleeper's stack runs from hrtimer_nanosleep to do_syscall_64",
+    );
+    ck.check(read_ok(&hijacked), "the hijacked sleeper's stack was read");
+    ck.eq(
+        "entries in the hijacked sleeper's stack",
+        hijacked.iter().filter(|l| l.starts_with('[')).count(),
+        0,
     );
     // The outermost do_nanosleep closes of each task, with durations.
     let mut closes = Vec::new();
@@ -239,16 +527,34 @@ fn sleepers(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         "sleepers: {:.1} s wall; outer returns {closes:?}",
         wall.as_secs_f64()
     );
-    println!("sleepers: tracer while sleeping {mid:?}");
-    let long: Vec<f64> = closes
-        .iter()
-        .map(|c| c.1)
-        .filter(|&us| us >= 390_000.0)
-        .collect();
-    ck.check(
-        long.len() >= 2 && long.iter().any(|&us| us >= 690_000.0),
-        format!("both long sleeps returned through us with their durations: {closes:?}"),
+    println!(
+        "sleepers: while the two sleep: {} frames on {} stacks, {} B of return stacks",
+        mid.graph_frames, mid.graph_stacks, mid.graph_bytes
     );
+    ck.check(
+        mid.graph_frames >= 2
+            && mid.graph_stacks >= 2
+            && mid.graph_bytes > 0
+            && mid.graph_bytes <= mid.graph_stacks * 1280,
+        "each sleeper holds a frame on its own return stack (at most 1280 B each) while it sleeps",
+    );
+    let pids: Vec<String> = out
+        .lines()
+        .find_map(|l| l.strip_prefix("PIDS "))
+        .map(|p| p.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default();
+    for (pid, min_us) in pids.iter().zip([400_000.0, 700_000.0]) {
+        let task = format!("hvbench-{pid}");
+        let got: Vec<f64> = closes.iter().filter(|c| c.0 == task).map(|c| c.1).collect();
+        ck.check(
+            got.len() == 1 && got[0] >= min_us && got[0] < min_us + 100_000.0,
+            format!(
+                "{task}'s sleep of {} ms returned through us once, with its duration: {got:?}",
+                min_us / 1000.0
+            ),
+        );
+    }
+    ck.eq("sleeper pids printed", pids.len(), 2);
     let after = status(c).tracer;
     println!("sleepers: tracer after {after:?}");
     ck.eq("live frames after the sleepers", after.graph_frames, 0);
@@ -304,7 +610,18 @@ fn cost(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         },
     );
     let ours = measure(c);
-    call(c, Request::GraphStop);
+    // A second session on the same function shares the frames.
+    graph_start(
+        c,
+        GraphFilter {
+            functions: vec![func.into()],
+            trace: vec![func.into()],
+            retval: true,
+            ..GraphFilter::default()
+        },
+    );
+    let two = measure(c);
+    call(c, Request::GraphStop { session: None });
     exec(
         c,
         &format!(
@@ -323,6 +640,7 @@ fn cost(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     for (name, (ns, wall, vmcalls)) in [
         ("no tracer", none),
         ("hvtrace graph", ours),
+        ("hvtrace, 2 sessions", two),
         ("guest function_graph", guest),
     ] {
         println!(
@@ -334,7 +652,311 @@ fn cost(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     }
     ck.eq("VMCALLs without a tracer", none.2, 0);
     ck.eq("VMCALLs per traced call: exactly 2", ours.2, 2 * N);
+    ck.eq("VMCALLs per call with two sessions: still 2", two.2, 2 * N);
     ck.eq("VMCALLs under the guest's function_graph", guest.2, 0);
+}
+
+/// Tasks that exit inside traced functions (`do_exit` never returns)
+/// leave frames no return pops; they are reclaimed once the task's stack
+/// is released, and the memory goes back to where it was.
+fn exiting_tasks(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    const N: u64 = 10;
+    let _ = stream.read(c);
+    let before = status(c).tracer;
+    let Some(s) = graph_start(
+        c,
+        GraphFilter {
+            functions: vec!["*sys_exit_group".into()],
+            trace: vec![
+                "*sys_exit_group".into(),
+                "do_group_exit".into(),
+                "do_exit".into(),
+            ],
+            comm: Some("cat".into()),
+            ..GraphFilter::default()
+        },
+    ) else {
+        ck.check(false, "graph start on the exit path");
+        return;
+    };
+    let mut so = Stream::of(s.0, TraceFormat::Text, stream.cursor);
+    exec(c, &vec!["cat /dev/null"; N as usize].join("; "));
+    let text = so.read(c);
+    // The stacks are released by the next task switches; give it a moment.
+    let mut after = status(c).tracer;
+    for _ in 0..20 {
+        if after.graph_frames == 0 {
+            break;
+        }
+        exec(c, "hvbench sleep 20");
+        after = status(c).tracer;
+    }
+    call(c, Request::GraphStop { session: Some(s.0) });
+    let entries = text
+        .lines()
+        .filter(|l| l.contains("do_exit() {") || l.contains("do_exit();"))
+        .count();
+    let reaped = after.graph_reaped - before.graph_reaped;
+    let dropped = after.graph_dropped - before.graph_dropped;
+    println!(
+        "exiting tasks: {entries} do_exit entries for {N} exits; {reaped} frames reaped, {dropped} dropped; after: {} frames, {} stacks, {} B",
+        after.graph_frames, after.graph_stacks, after.graph_bytes
+    );
+    for l in text.lines().take(6) {
+        println!("  {l}");
+    }
+    ck.eq("do_exit entered once per exiting cat", entries as u64, N);
+    ck.check(
+        reaped + dropped >= 3 * N,
+        format!("the 3 frames of every exit were reclaimed: {reaped} reaped + {dropped} dropped"),
+    );
+    ck.check(reaped > 0, "released stacks were reaped");
+    ck.eq(
+        "frames after the exits",
+        after.graph_frames,
+        before.graph_frames,
+    );
+    ck.eq(
+        "return-stack bytes after the exits",
+        after.graph_bytes,
+        before.graph_bytes,
+    );
+    ck.eq(
+        "orphans after the exits",
+        after.graph_orphans,
+        before.graph_orphans,
+    );
+}
+
+/// `r:` return probes on the graph mechanism, against the guest's own
+/// kretprobe on the same function, while a graph session shares the
+/// frames.
+fn return_probes(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    const SPEC: &str = "r:myret do_sys_openat2 ret=$retval:x64";
+    const GUEST: &str = "r:gret do_sys_openat2 ret=$retval:x64";
+    // The guest reads its trace with dd, so that only the workload's
+    // cats open files as `cat`.
+    let guest_run = |c: &mut Client| {
+        exec(
+            c,
+            &format!(
+                "cd {TRACEFS} && echo '{GUEST}' > kprobe_events && echo > trace && \
+                 echo 1 > events/kprobes/gret/enable && cat /etc/hostname >/dev/null; cat /nonexistent 2>/dev/null; cat /etc/hostname > /dev/null; \
+                 echo 0 > events/kprobes/gret/enable && dd if=trace 2>/dev/null; echo > kprobe_events"
+            ),
+        )
+    };
+    let pick = |text: &str, event: &str| {
+        let mut v: Vec<(i32, String)> = parse_trace_lines(text)
+            .into_iter()
+            .filter(|l| l.comm == "cat")
+            .filter_map(|l| {
+                l.body
+                    .strip_prefix(&format!("{event}: "))
+                    .map(|b| (l.pid, b.to_string()))
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    // Where the guest's kretprobe says do_sys_openat2 returns to, alone.
+    let alone = pick(&guest_run(c), "gret");
+    let _ = stream.read(c);
+    let added = call(c, Request::ProbeAdd { spec: SPEC.into() });
+    ck.check(
+        matches!(added, Response::ProbeAdded { .. }),
+        format!("return probe added: {added:?}"),
+    );
+    let second = call(
+        c,
+        Request::ProbeAdd {
+            spec: "p:myret2 do_sys_openat2%return ret=$retval:x64".into(),
+        },
+    );
+    ck.check(
+        matches!(second, Response::ProbeAdded { .. }),
+        format!("SYM%return form added: {second:?}"),
+    );
+    let g = graph_start(
+        c,
+        GraphFilter {
+            functions: vec!["do_sys_openat2".into()],
+            trace: vec!["do_sys_openat2".into()],
+            comm: Some("cat".into()),
+            retval: true,
+            ..GraphFilter::default()
+        },
+    );
+    let _ = stream.read(c);
+    let mut ours0 = Stream::of(0, TraceFormat::Text, stream.cursor);
+    let mut graph = Stream::of(g.map_or(0, |g| g.0), TraceFormat::Text, stream.cursor);
+    let guest = guest_run(c);
+    let ours = ours0.read(c);
+    let tree = graph.read(c);
+    let st = status(c).tracer;
+    call(c, Request::GraphStop { session: None });
+    let o = pick(&ours, "myret");
+    let o2 = pick(&ours, "myret2");
+    let gv = pick(&guest, "gret");
+    println!(
+        "return probes: guest alone {} events, guest with ours {}, ours {} and {}",
+        alone.len(),
+        gv.len(),
+        o.len(),
+        o2.len()
+    );
+    for (what, v) in [("guest alone", &alone), ("guest", &gv), ("ours", &o)] {
+        for l in v.iter().take(3) {
+            println!("  {what:<11}: {l:?}");
+        }
+    }
+    ck.eq("the guest's kretprobe alone saw the 3 cats", alone.len(), 3);
+    ck.eq("the guest's kretprobe saw the 3 cats", gv.len(), 3);
+    ck.check(
+        gv.iter()
+            .any(|(_, b)| b.ends_with("ret=0xfffffffffffffffe")),
+        "the failing open returned -ENOENT",
+    );
+    // Our return location is the real caller, as the guest's kretprobe
+    // alone reports it.
+    let loc = |b: &str| b.split(')').next().unwrap_or("").to_string();
+    let val = |b: &str| b.split(')').nth(1).unwrap_or("").to_string();
+    let alone_locs: Vec<String> = alone.iter().map(|(_, b)| loc(b)).collect();
+    let our_locs: Vec<String> = o.iter().map(|(_, b)| loc(b)).collect();
+    ck.eq(
+        "our return location equals the guest's kretprobe alone",
+        &our_locs,
+        &alone_locs,
+    );
+    // With both, the guest's rethook hijacks after us and so reports our
+    // return trampoline as the caller (ftrace's own it would resolve).
+    let tramp_page = st.trampolines >> 12;
+    ck.check(
+        gv.iter().all(|(_, b)| {
+            loc(b)
+                .trim_start_matches('(')
+                .split(' ')
+                .next()
+                .and_then(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok())
+                .is_some_and(|a| a >> 12 == tramp_page)
+        }),
+        "with ours on, the guest's kretprobe reports our return trampoline as the caller",
+    );
+    let pv = |v: &[(i32, String)]| -> Vec<(i32, String)> {
+        v.iter().map(|(p, b)| (*p, val(b))).collect()
+    };
+    ck.eq(
+        "our pids and values equal the guest's kretprobe",
+        pv(&o),
+        pv(&gv),
+    );
+    ck.eq("the %return form sees the same returns", pv(&o2), pv(&gv));
+    ck.eq("return probes in status", st.retprobes, 2);
+    // The graph session on the same function saw the same returns.
+    let leaves = tree
+        .lines()
+        .filter(|l| l.contains("do_sys_openat2();"))
+        .count();
+    ck.eq("graph returns of do_sys_openat2 by cat", leaves, gv.len());
+    ck.check(
+        tree.contains("do_sys_openat2(); /* = 0xfffffffffffffffe */"),
+        "the graph shows the failing open's return value",
+    );
+    for name in ["myret", "myret2"] {
+        ck.check(
+            matches!(
+                call(c, Request::ProbeDel { name: name.into() }),
+                Response::Ok
+            ),
+            format!("probe del {name}"),
+        );
+    }
+    let after = status(c).tracer;
+    ck.eq("sites after the return probes", after.sites, 0);
+    ck.eq("frames after the return probes", after.graph_frames, 0);
+}
+
+/// The Chrome trace built from a real JSON stream parses, and its B/E
+/// events nest per task.
+fn chrome(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    let _ = stream.read(c);
+    let Some(s) = graph_start(c, dd_filter()) else {
+        ck.check(false, "graph start for the Chrome trace");
+        return;
+    };
+    let mut json = Stream::of(s.0, TraceFormat::Json, stream.cursor);
+    let _ = json.read(c); // switches the stream to JSON
+    exec(
+        c,
+        "for i in 1 2 3; do dd if=/etc/hostname of=/dev/null bs=64 count=1 2>/dev/null; done",
+    );
+    let lines = json.read(c);
+    call(c, Request::GraphStop { session: Some(s.0) });
+    let _ = stream.read(c); // back to text
+    let entries = lines
+        .lines()
+        .filter(|l| l.contains(r#""kind":"graph_entry""#))
+        .count();
+    let (doc, summary) = hvtrace::chrome::convert(&lines);
+    println!(
+        "chrome: {} JSON lines, {entries} entries; {}",
+        lines.lines().count(),
+        summary.line()
+    );
+    let v: serde_json::Value = match serde_json::from_str(&doc) {
+        Ok(v) => v,
+        Err(e) => {
+            ck.check(false, format!("the Chrome trace parses: {e}"));
+            return;
+        }
+    };
+    let events = v["traceEvents"].as_array().cloned().unwrap_or_default();
+    let mut open: std::collections::HashMap<i64, Vec<String>> = Default::default();
+    let mut last_ts: std::collections::HashMap<i64, f64> = Default::default();
+    let (mut b, mut e, mut bad) = (0, 0, Vec::new());
+    for ev in &events {
+        let tid = ev["tid"].as_i64().unwrap_or(-1);
+        let ts = ev["ts"].as_f64().unwrap_or(-1.0);
+        let name = ev["name"].as_str().unwrap_or("").to_string();
+        match ev["ph"].as_str() {
+            Some("B") => {
+                b += 1;
+                open.entry(tid).or_default().push(name);
+            }
+            Some("E") => {
+                e += 1;
+                let top = open.entry(tid).or_default().pop();
+                if top
+                    .as_deref()
+                    .is_some_and(|t| !name.is_empty() && t != name)
+                    || top.is_none()
+                {
+                    bad.push(format!("E {name} on tid {tid} closes {top:?}"));
+                }
+            }
+            _ => continue,
+        }
+        let prev = last_ts.insert(tid, ts).unwrap_or(0.0);
+        if ts < prev {
+            bad.push(format!("time goes back on tid {tid}: {prev} -> {ts}"));
+        }
+    }
+    println!("chrome: {b} B, {e} E events");
+    ck.check(
+        entries >= 15,
+        format!("three dd trees streamed: {entries} entries"),
+    );
+    ck.eq("one B per entry", b, entries);
+    ck.eq("B and E pair up", e, b);
+    ck.check(
+        bad.is_empty(),
+        format!("B/E nest per task: {:?}", &bad[..bad.len().min(3)]),
+    );
+    ck.check(open.values().all(Vec::is_empty), "no call left open");
+    ck.eq("returns without a call", summary.unmatched_returns, 0);
+    ck.eq("calls closed early", summary.closed_early, 0);
+    ck.eq("calls left open at the end", summary.closed_at_end, 0);
+    ck.eq("malformed lines", summary.malformed, 0);
 }
 
 fn exercise(guest: &str) {
@@ -345,7 +967,11 @@ fn exercise(guest: &str) {
     ck.check(status(&mut c).kernel.is_some(), "kernel recovered");
     let mut stream = Stream::new();
     oracle(&mut ck, &mut c, &mut stream);
+    capacity(&mut ck, &mut c, &mut stream);
     sleepers(&mut ck, &mut c, &mut stream);
+    exiting_tasks(&mut ck, &mut c, &mut stream);
+    return_probes(&mut ck, &mut c, &mut stream);
+    chrome(&mut ck, &mut c, &mut stream);
     cost(&mut ck, &mut c, &mut stream);
     let t = status(&mut c).tracer;
     println!("{guest}: graph tracer counters at the end: {t:?}");

@@ -33,48 +33,7 @@ use protocol::{ErrorKind, ProbeInfo, Request, Response};
 const TRACEFS: &str = "/sys/kernel/tracing";
 const PROBE: &str = "p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string";
 
-/// One trace line, ours or the guest's, split into what both print alike.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-struct Line {
-    comm: String,
-    pid: i32,
-    /// After the timestamp: `myopen: (do_sys_openat2+0x0/0xa2) dfd=...`
-    /// or `do_filp_open <-do_sys_openat2`.
-    body: String,
-}
-
-/// Parses `COMM-PID [CPU] [FLAGS] SECS.USECS: BODY` (the guest's lines have
-/// the irq-info column, ours do not); `None` for headers and other text.
-fn parse_line(l: &str) -> Option<Line> {
-    let open = l.find(" [")?;
-    let (task, rest) = l.split_at(open);
-    let task = task.trim();
-    let dash = task.rfind('-')?;
-    let pid = task[dash + 1..].parse().ok()?;
-    let comm = task[..dash].to_string();
-    let close = rest.find(']')?;
-    let after = &rest[close + 1..];
-    // The first "N.NNNNNN: " ends the context.
-    let mut idx = 0;
-    for tok in after.split_inclusive(' ') {
-        let t = tok.trim();
-        idx += tok.len();
-        if let Some(ts) = t.strip_suffix(':') {
-            if ts.contains('.') && ts.chars().all(|c| c.is_ascii_digit() || c == '.') {
-                return Some(Line {
-                    comm,
-                    pid,
-                    body: after[idx..].trim_end().to_string(),
-                });
-            }
-        }
-    }
-    None
-}
-
-fn parse_all(text: &str) -> Vec<Line> {
-    text.lines().filter_map(parse_line).collect()
-}
+use hvtrace_tests::{parse_trace_lines as parse_all, TraceLine as Line};
 
 fn probes(c: &mut Client) -> Vec<ProbeInfo> {
     match call(c, Request::ProbeList) {

@@ -230,16 +230,22 @@ impl GraphText {
     pub fn has_pending(&self) -> bool {
         self.pending.is_some()
     }
+
+    /// The time of the entry held back, if any.
+    pub fn pending_since(&self) -> Option<u64> {
+        self.pending.as_ref().map(|(p, _)| p.header.timestamp_ns)
+    }
 }
 
 /// One graph event as a JSON object (no newline):
 /// `{"ts":..,"ts_ns":..,"cpu":..,"pid":..,"comm":..,"kind":"graph_entry",
-/// "func":"vfs_read","depth":0}`; returns add `"duration_ns"` and
+/// "func":"vfs_read","depth":0,"session":1}`; returns add `"duration_ns"` and
 /// `"retval"`.
 pub fn write_graph_json(
     out: &mut String,
     kind: GraphKind,
     ev: &RawEvent,
+    session: u32,
     syms: &dyn SymbolResolver,
 ) {
     let Some(v) = GraphValues::of(kind, ev) else {
@@ -265,7 +271,8 @@ pub fn write_graph_json(
             },
         )
         .str("func", &func)
-        .u64("depth", v.depth);
+        .u64("depth", v.depth)
+        .u64("session", u64::from(session));
     if kind == GraphKind::Return {
         scratch.clear();
         let _ = write!(scratch, "0x{:x}", v.retval);
@@ -412,17 +419,17 @@ mod tests {
     #[test]
     fn json_lines() {
         let mut out = String::new();
-        write_graph_json(&mut out, R, &ev(R, 90, 0x1000, &[2, 1500, 0x10]), &Syms);
+        write_graph_json(&mut out, R, &ev(R, 90, 0x1000, &[2, 1500, 0x10]), 3, &Syms);
         assert_eq!(
             out,
-            r#"{"ts":"5.000000","ts_ns":5000000000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"vfs_read","depth":2,"duration_ns":1500,"retval":"0x10"}"#
+            r#"{"ts":"5.000000","ts_ns":5000000000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"vfs_read","depth":2,"session":3,"duration_ns":1500,"retval":"0x10"}"#
         );
         out.clear();
-        write_graph_json(&mut out, E, &ev(E, 90, 0x1000, &[0]), &Syms);
-        assert!(out.ends_with(r#""kind":"graph_entry","func":"vfs_read","depth":0}"#));
+        write_graph_json(&mut out, E, &ev(E, 90, 0x1000, &[0]), 1, &Syms);
+        assert!(out.ends_with(r#""kind":"graph_entry","func":"vfs_read","depth":0,"session":1}"#));
         // A malformed record renders nothing.
         out.clear();
-        write_graph_json(&mut out, R, &ev(R, 90, 0x1000, &[2]), &Syms);
+        write_graph_json(&mut out, R, &ev(R, 90, 0x1000, &[2]), 1, &Syms);
         assert!(out.is_empty());
     }
 

@@ -198,6 +198,74 @@ pub enum PopResult {
     NotFound,
 }
 
+/// A live frame seen in place ([`RetStack::frames`]).
+#[derive(Debug, Clone, Copy)]
+pub struct FrameView<'a> {
+    /// The original return address.
+    pub ret: u64,
+    /// The traced function.
+    pub func: u64,
+    /// The return slot.
+    pub retp: u64,
+    /// The users that want the return.
+    pub users: u16,
+    /// The words between the frame's `retp` and its tag: data blocks,
+    /// each closed by its DATA tag.
+    blocks: &'a [u64],
+}
+
+impl<'a> FrameView<'a> {
+    /// `user`'s data block, if the frame has one.
+    pub fn data(&self, user: u8) -> Option<&'a [u64]> {
+        let mut j = self.blocks.len();
+        while j > 0 {
+            let t = Tag::decode(self.blocks[j - 1])?;
+            let first = (j - 1).checked_sub(t.offset)?;
+            if t.kind != TagType::Data {
+                return None;
+            }
+            if t.users == u16::from(user) {
+                return Some(&self.blocks[first..j - 1]);
+            }
+            j = first;
+        }
+        None
+    }
+}
+
+/// Walks the frames of a [`RetStack`] from the top down.
+#[derive(Debug, Clone)]
+pub struct FrameIter<'a> {
+    words: &'a [u64],
+    end: usize,
+}
+
+impl<'a> Iterator for FrameIter<'a> {
+    type Item = FrameView<'a>;
+
+    fn next(&mut self) -> Option<FrameView<'a>> {
+        let i = self.end.checked_sub(1)?;
+        let tag = Tag::decode(self.words[i]).filter(|t| t.kind == TagType::Frame);
+        let Some(start) = tag.and_then(|t| i.checked_sub(t.offset)) else {
+            self.end = 0; // not a frame tag: the array is corrupt; stop
+            return None;
+        };
+        let w = &self.words[start..i];
+        if w.len() < FRAME_WORDS {
+            self.end = 0;
+            return None;
+        }
+        self.end = start;
+        Some(FrameView {
+            ret: w[RET],
+            func: w[FUNC],
+            retp: w[RETP],
+            users: tag.map_or(0, |t| t.users),
+            blocks: &w[FRAME_WORDS..],
+        })
+    }
+}
+
 /// One guest kernel stack's return stack.
 #[derive(Debug, Clone)]
 pub struct RetStack {
@@ -378,6 +446,30 @@ impl RetStack {
             },
             _ => PopResult::NotFound,
         }
+    }
+
+    /// The live frames, top (deepest) first, without popping them.
+    pub fn frames(&self) -> FrameIter<'_> {
+        FrameIter {
+            words: &self.words,
+            end: self.words.len(),
+        }
+    }
+
+    /// How many live frames carry `user`'s bit, and whether one of them
+    /// holds a data block of `user` whose first word is `mark` (a graph
+    /// session marks the frames of its `set_graph_notrace` functions so).
+    pub fn user_view(&self, user: u8, mark: u64) -> (usize, bool) {
+        let bit = 1u16 << (user as u32 % MAX_USERS as u32);
+        let mut depth = 0;
+        let mut marked = false;
+        for f in self.frames() {
+            if f.users & bit != 0 {
+                depth += 1;
+                marked |= f.data(user).is_some_and(|d| d.first() == Some(&mark));
+            }
+        }
+        (depth, marked)
     }
 
     /// Releases the memory of an empty stack.
@@ -579,6 +671,36 @@ mod tests {
         assert_eq!(s.depth(), 1);
         s.push(4, 4, 4, STACK - 150, 1, &[]).unwrap();
         assert!(matches!(s.pop(STACK - 150), PopResult::Found { .. }));
+    }
+
+    #[test]
+    fn frames_walk_top_down_and_users_see_their_own_depth() {
+        let mut st = RetStack::new(256);
+        let b = STACK + 0x3f00;
+        // user 1 and 2 on the outer call, user 2 alone on the middle one
+        // (with a mark block), both on the inner one with user 0 data.
+        st.push(0xa, 0xf1, 1, b, 0b110, &[]).unwrap();
+        st.push(0xb, 0xf2, 2, b - 0x40, 0b100, &[(2, &[0x77])])
+            .unwrap();
+        st.push(0xc, 0xf3, 3, b - 0x80, 0b111, &[(0, &[5, 6]), (1, &[9])])
+            .unwrap();
+        let f: Vec<_> = st.frames().collect();
+        assert_eq!(f.len(), 3);
+        assert_eq!((f[0].func, f[0].retp, f[0].users), (0xf3, b - 0x80, 0b111));
+        assert_eq!(f[0].data(0), Some(&[5u64, 6][..]));
+        assert_eq!(f[0].data(1), Some(&[9u64][..]));
+        assert_eq!(f[0].data(2), None);
+        assert_eq!(f[1].data(2), Some(&[0x77u64][..]));
+        assert_eq!((f[2].func, f[2].ret), (0xf1, 0xa));
+        assert_eq!(st.user_view(0, 0x77), (1, false));
+        assert_eq!(st.user_view(1, 0x77), (2, false));
+        assert_eq!(st.user_view(2, 0x77), (3, true));
+        assert_eq!(st.user_view(3, 0x77), (0, false));
+        // Popping the middle frame's mark away: user 2 is unmarked again.
+        assert!(matches!(st.pop(b - 0x80), PopResult::Found { .. }));
+        assert!(matches!(st.pop(b - 0x40), PopResult::Found { .. }));
+        assert_eq!(st.user_view(2, 0x77), (1, false));
+        assert_eq!(st.frames().count(), 1);
     }
 
     #[test]
