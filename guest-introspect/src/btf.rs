@@ -551,9 +551,6 @@ pub struct TaskLayout {
     /// Byte offset of `stack` (the kernel stack's base, a pointer), when the
     /// type has it.
     pub stack: Option<u32>,
-    /// Byte offset of `__state` (a 4-byte integer; `TASK_DEAD` once the
-    /// task has scheduled for the last time), when the type has it.
-    pub state: Option<u32>,
 }
 
 /// `task_struct.pid` and `task_struct.comm`, checked: `pid` must be a 4-byte
@@ -571,19 +568,11 @@ pub fn task_layout<V: VirtMemory + ?Sized>(btf: &Btf<'_, V>) -> Result<TaskLayou
     if elem.kind != Kind::Int || elem.size_or_type != 1 {
         return Err(BtfError::UnexpectedType("comm"));
     }
-    // Optional members: missing or of an unexpected type, they are None.
+    // An optional member: missing or not a pointer, it is None.
     let stack = btf
         .member(&task, "stack")
         .ok()
         .filter(|m| btf.resolve(m.type_id).is_ok_and(|t| t.kind == Kind::Ptr))
-        .and_then(|m| m.byte_offset());
-    let state = btf
-        .member(&task, "__state")
-        .ok()
-        .filter(|m| {
-            btf.resolve(m.type_id)
-                .is_ok_and(|t| t.kind == Kind::Int && t.size_or_type == 4)
-        })
         .and_then(|m| m.byte_offset());
     Ok(TaskLayout {
         pid: pid.byte_offset().ok_or(BtfError::UnexpectedType("pid"))?,
@@ -591,7 +580,6 @@ pub fn task_layout<V: VirtMemory + ?Sized>(btf: &Btf<'_, V>) -> Result<TaskLayou
         comm_len,
         size: task.size_or_type,
         stack,
-        state,
     })
 }
 

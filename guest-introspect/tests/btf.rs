@@ -228,7 +228,6 @@ fn nested_anonymous_members() {
                 comm_len: 16,
                 size: 4096,
                 stack: None,
-                state: Some(0),
             }
         );
         // A bitfield member reports its width and has no byte offset.

@@ -201,7 +201,7 @@ impl Vcpu {
                 rip,
             };
             stop = c.poll(&mut src) == Action::Stop;
-            self.tracer.reap(self.introspection.kernel(), &cpu);
+            self.tracer.reap(self.introspection.kernel(), &cpu, now);
             self.tracer.drain(c, self.introspection.kernel(), now);
             c.flush();
             busy = c.busy() || self.tracer.has_output();

@@ -257,20 +257,17 @@ impl Kernel {
     }
 
     /// `task_struct.stack` (the base of its kernel stack; the kernel
-    /// clears it when a dead task's stack is freed) and `task_struct.pid`
-    /// of the task at `task`. `None` when the guest's BTF did not give the
-    /// layout, or the task is unreadable.
-    pub fn task_stack(&self, task: u64) -> Option<(u64, i32)> {
+    /// clears it when a dead task's stack is freed) of the task at `task`.
+    /// `None` when the guest's BTF did not give the layout, or the task is
+    /// unreadable.
+    pub fn task_stack(&self, task: u64) -> Option<u64> {
         let layout = self.facts.task.as_ref().ok()?;
         let off = layout.stack?;
         let view = PagedView::new(&GuestRam, self.cr3);
         let mut w = [0u8; 8];
         view.read_virt(Gva(task.wrapping_add(u64::from(off))), &mut w)
             .ok()?;
-        let mut p = [0u8; 4];
-        view.read_virt(Gva(task.wrapping_add(u64::from(layout.pid))), &mut p)
-            .ok()?;
-        Some((u64::from_le_bytes(w), i32::from_le_bytes(p)))
+        Some(u64::from_le_bytes(w))
     }
 
     /// The fentry site of symbol `id`, or why it has none.

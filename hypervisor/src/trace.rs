@@ -60,11 +60,15 @@ const RING_BYTES: usize = 2 << 20;
 /// The probe id of function-tracer events (probes count from 1).
 const FUNCTION_ID: u32 = 0;
 /// Probe ids of function-graph entry and return events: the base ORed
-/// with the session (user) number, 1 to 15.
+/// with the session's generation (bits 4..7) and number (bits 0..3, 1 to
+/// 15). A number is reused after a stop; the generation tells the old
+/// session's events still in the ring from the new one's.
 const GRAPH_ENTRY_BASE: u32 = 0xffff_ff00;
 const GRAPH_RETURN_BASE: u32 = 0xffff_fe00;
-/// The return-stack user of return probes; graph sessions are users 1..16.
+/// The return-stack user of return probes; graph sessions are users 1..15.
 const RETPROBE_USER: u8 = 0;
+/// A generation no event carries (generations are 4 bits).
+const RETIRED_GEN: u8 = 0xff;
 /// The first word of a session's data block on a frame of one of its
 /// `set_graph_notrace` functions: nothing beneath it is traced for the
 /// session, and the frame's own return is silent.
@@ -81,6 +85,12 @@ const MAX_STACK_FRAMES: u32 = 256;
 const FRAME_TAGGED: usize = hypervisor::tracer::retstack::FRAME_WORDS + 1;
 /// Kernel stacks tracked at most; calls on more are not hijacked (misses).
 const MAX_STACKS: usize = 4096;
+/// Hypervisor heap the return stacks may hold at most, were they all full:
+/// with a session's `stack_frames`, fewer stacks are tracked.
+const STACK_BUDGET: usize = 3 << 20;
+/// Return stacks of dead tasks are looked for this often (hypervisor
+/// time); each look reads two words of every tracked task.
+const REAP_EVERY_NS: u64 = 100_000_000;
 /// Frames kept free for everything else when shadows are allocated.
 const FRAME_RESERVE: u64 = 1 << 20;
 /// A step not finished after this many timer turns is ended by force (the
@@ -211,10 +221,19 @@ pub struct Tracer {
     pending_source: u32,
     /// Frames each new return stack holds.
     stack_frames: u32,
-    /// The last ownership check: (stack, task, pid, own). A task whose
-    /// calls keep emptying and re-creating its return stack is checked
-    /// once, not on every call.
-    last_owner: (u64, u64, i32, bool),
+    /// Ownership checks by stack: (task, pid, own). A task whose calls
+    /// keep emptying and re-creating its return stack is checked once,
+    /// not on every call; a new owner of the stack is checked again.
+    owners: BTreeMap<u64, (u64, i32, bool)>,
+    /// Each session number's generation (see [`GRAPH_ENTRY_BASE`]).
+    generations: [u8; MAX_USERS],
+    /// Text renderers of stopped sessions, by number and generation: the
+    /// session's events still in the ring are rendered with them, then
+    /// what they hold back is printed open and they go. (A renderer
+    /// retired by a format switch gets a generation no event has.)
+    retired: Vec<(u32, u8, GraphText)>,
+    /// When the reaper last looked.
+    last_reap_ns: u64,
 }
 
 /// A function-graph session's settings, resolved to addresses, and its
@@ -308,7 +327,10 @@ impl Tracer {
             stacks: BTreeMap::new(),
             pending_source: 0,
             stack_frames: STACK_FRAMES,
-            last_owner: (0, 0, 0, false),
+            owners: BTreeMap::new(),
+            generations: [0; MAX_USERS],
+            retired: Vec::new(),
+            last_reap_ns: 0,
         }
     }
 
@@ -764,8 +786,23 @@ impl Tracer {
     pub fn set_stream(&mut self, format: Option<TraceFormat>) {
         if self.stream != format {
             self.pending_line = None;
+            self.flush_held();
         }
         self.stream = format;
+    }
+
+    /// Retires the text renderers that hold an entry back (the stream is
+    /// switching format): the next drain prints those entries as open
+    /// calls.
+    fn flush_held(&mut self) {
+        for (user, g) in self.sessions.iter_mut().enumerate() {
+            let Some(g) = g else { continue };
+            if g.text.has_pending() {
+                let fresh = GraphText::new(g.filter.retval);
+                let old = core::mem::replace(&mut g.text, fresh);
+                self.retired.push((user as u32, RETIRED_GEN, old));
+            }
+        }
     }
 
     // ----- the hot path ------------------------------------------------
@@ -933,6 +970,7 @@ impl Tracer {
         log::info!(
             "tracer: graph session {user}: {hooked} functions hooked, {n_roots} roots, {skipped} skipped"
         );
+        self.generations[user] = (self.generations[user] + 1) & 0xf;
         self.sessions[user] = Some(GraphSession {
             text: GraphText::new(filter.retval),
             notrace: graph_notrace.into_values().collect(),
@@ -962,8 +1000,16 @@ impl Tracer {
         };
         let mut mask = 0u16;
         for u in users {
-            self.sessions[u] = None;
+            if let Some(g) = self.sessions[u].take() {
+                self.retired.push((u as u32, self.generations[u], g.text));
+            }
             mask |= 1 << u;
+        }
+        // Frames in flight stay (their returns must pop) but no longer
+        // count for the stopped sessions, whose numbers a new session may
+        // take.
+        for t in self.stacks.values_mut() {
+            t.st.clear_users(mask);
         }
         if mask != 0 {
             self.release_sites(ept, |s| {
@@ -1050,8 +1096,11 @@ impl Tracer {
         if users == 0 {
             return;
         }
-        if !self.stacks.contains_key(&key) && self.stacks.len() >= MAX_STACKS {
+        let stack_bytes = self.stack_frames as usize * FRAME_TAGGED * 8;
+        let max_stacks = (STACK_BUDGET / stack_bytes.max(1)).min(MAX_STACKS);
+        if !self.stacks.contains_key(&key) && self.stacks.len() >= max_stacks {
             self.stats.graph_misses += 1;
+            self.retprobes_missed(retprobes);
             return;
         }
         let mut slot = [0u8; 8];
@@ -1070,14 +1119,19 @@ impl Tracer {
         });
         if tracked.task != task || tracked.pid != header.pid {
             // A new owner (or a first one): is this its own stack?
-            let (k0, t0, p0, own) = self.last_owner;
-            tracked.own = if (k0, t0, p0) == (key, task, header.pid) {
-                own
-            } else {
-                let own = k.task_stack(task).is_some_and(|(s, _)| s == key);
-                self.last_owner = (key, task, header.pid, own);
-                own
+            tracked.own = match self.owners.get(&key) {
+                Some(&(t0, p0, own)) if (t0, p0) == (task, header.pid) => own,
+                _ => {
+                    let own = k.task_stack(task) == Some(key);
+                    if self.owners.len() >= 2 * MAX_STACKS {
+                        self.owners.clear();
+                    }
+                    self.owners.insert(key, (task, header.pid, own));
+                    own
+                }
             };
+            tracked.task = task;
+            tracked.pid = header.pid;
         }
         // A frame at this very slot is the caller of a tail call: the callee
         // stacks on it. (The slot may hold our trampoline, or the return
@@ -1105,8 +1159,6 @@ impl Tracer {
         let pushed = tracked
             .st
             .push(ret, func, now_ns, retp, users, &data[..n_data]);
-        tracked.task = task;
-        tracked.pid = header.pid;
         let empty = tracked.st.is_empty();
         match pushed {
             Ok(_) => {}
@@ -1117,6 +1169,7 @@ impl Tracer {
                 if empty {
                     self.stacks.remove(&key);
                 }
+                self.retprobes_missed(retprobes);
                 return;
             }
         }
@@ -1124,7 +1177,9 @@ impl Tracer {
         for &(user, depth) in &entries[..n_entries] {
             let ev = RawEvent {
                 header: EventHeader {
-                    probe_id: GRAPH_ENTRY_BASE | u32::from(user),
+                    probe_id: GRAPH_ENTRY_BASE
+                        | u32::from(self.generations[usize::from(user)]) << 4
+                        | u32::from(user),
                     ip: func,
                     ret_ip: ret,
                     ..header
@@ -1135,6 +1190,14 @@ impl Tracer {
                 }],
             };
             store(&mut self.ring, &mut self.record, &ev);
+        }
+    }
+
+    /// Counts a missed hit on each return probe of a call that could not
+    /// be hijacked (kretprobe's nmissed).
+    fn retprobes_missed(&mut self, ids: &[u32]) {
+        for p in self.probes.iter_mut().filter(|p| ids.contains(&p.id)) {
+            p.misses += 1;
         }
     }
 
@@ -1163,6 +1226,14 @@ impl Tracer {
                 *d = t.st.user_view(user as u8, NOTRACE_MARK).0;
             }
         }
+        // A tail-called function's frame holds our trampoline as its
+        // return address; its real caller is in the frame below, at the
+        // same slot.
+        let tramp = self.region.as_ref().map(|r| r.tramp.return_trampoline().0);
+        let caller = match t.st.frames().next() {
+            Some(below) if Some(frame.ret) == tramp && below.retp == retp => below.ret,
+            _ => frame.ret,
+        };
         if t.st.is_empty() {
             self.stacks.remove(&key);
         }
@@ -1189,7 +1260,9 @@ impl Tracer {
             }
             let ev = RawEvent {
                 header: EventHeader {
-                    probe_id: GRAPH_RETURN_BASE | user as u32,
+                    probe_id: GRAPH_RETURN_BASE
+                        | u32::from(self.generations[user]) << 4
+                        | user as u32,
                     ..header
                 },
                 values: alloc::vec![
@@ -1216,7 +1289,7 @@ impl Tracer {
             .map(|(_, d)| d.as_slice())
             .unwrap_or(&[]);
         if let (false, Some(k)) = (ids.is_empty(), kernel) {
-            self.retprobe_hits(ids, regs, retp, &frame, header, cpu, k);
+            self.retprobe_hits(ids, regs, retp, caller, header, cpu, k);
         }
         Some(frame.ret)
     }
@@ -1230,11 +1303,12 @@ impl Tracer {
         ids: &[u64],
         g: &crate::arch::instructions::GuestRegs,
         retp: u64,
-        frame: &hypervisor::tracer::retstack::Frame,
+        caller: u64,
         mut header: EventHeader,
         cpu: &CpuView,
         k: &Kernel,
     ) {
+        header.ret_ip = caller;
         let regs = PtRegs {
             r15: g.r15,
             r14: g.r14,
@@ -1252,10 +1326,10 @@ impl Tracer {
             si: g.rsi,
             di: g.rdi,
             orig_ax: u64::MAX,
-            ip: frame.ret,
+            ip: caller,
             cs: 0x10,
             flags: 0,
-            sp: retp + 8,
+            sp: retp.wrapping_add(8),
             ss: 0x18,
         };
         let syms = IndexSymbols(k.index());
@@ -1285,27 +1359,27 @@ impl Tracer {
     /// Drops the return stacks of tasks that died: a task that exits
     /// inside traced functions (`do_exit` never returns) leaves frames
     /// that no return will pop. A task's own kernel stack is released once
-    /// its `task_struct.stack` no longer points at it (the kernel clears it
-    /// when the dead task's stack is freed) or the task's pid changed.
-    /// Borrowed (IRQ) stacks and the running task's stack are never
-    /// touched here; their dead frames go when a later call or return on
-    /// the same stack passes them.
-    pub fn reap(&mut self, kernel: Option<&Kernel>, cpu: &CpuView) {
+    /// its `task_struct.stack` no longer points at it: the kernel clears
+    /// it when it frees a dead task's stack (and a reused `task_struct`
+    /// points at its new task's stack). A live task's stack pointer never
+    /// changes, even when its pid does (a thread that execs takes the
+    /// leader's pid). Borrowed (IRQ) stacks and the running task's stack
+    /// are never touched here; their dead frames go when a later call or
+    /// return on the same stack passes them. Runs every REAP_EVERY_NS.
+    pub fn reap(&mut self, kernel: Option<&Kernel>, cpu: &CpuView, now_ns: u64) {
         let Some(k) = kernel else {
             return;
         };
-        if self.stacks.is_empty() {
+        if self.stacks.is_empty() || now_ns.saturating_sub(self.last_reap_ns) < REAP_EVERY_NS {
             return;
         }
+        self.last_reap_ns = now_ns;
         let running = k.current(cpu).map(|c| c.0);
         let dead: Vec<u64> = self
             .stacks
             .iter()
             .filter(|(&base, t)| {
-                t.own
-                    && Some(t.task) != running
-                    && k.task_stack(t.task)
-                        .is_some_and(|(s, pid)| s != base || pid != t.pid)
+                t.own && Some(t.task) != running && k.task_stack(t.task).is_some_and(|s| s != base)
             })
             .map(|(&base, _)| base)
             .collect();
@@ -1313,6 +1387,7 @@ impl Tracer {
             if let Some(t) = self.stacks.remove(&base) {
                 self.stats.graph_reaped += t.st.depth() as u64;
             }
+            self.owners.remove(&base);
         }
     }
 
@@ -1428,12 +1503,22 @@ impl Tracer {
             let mut source = self.pending_source;
             while text.len() < TRACE_TEXT_BUDGET {
                 if !self.ring.pop(&mut self.record) {
-                    // An entry held back for a leaf is printed open once it
-                    // is older than LEAF_HOLD_NS with the ring empty (its
-                    // call is long, or sleeps). Counting time, not turns:
-                    // another session's events may keep the ring busy while
-                    // this one's children are not traced.
+                    // The ring is empty: retired renderers print what they
+                    // hold back and go. An entry held back for a leaf is
+                    // printed open once it is older than LEAF_HOLD_NS (its
+                    // call is long, or sleeps); counting time, not turns,
+                    // because another session's events may have kept the
+                    // ring busy while this one's children are not traced.
                     if text.is_empty() {
+                        while let Some((user, _, mut t)) = self.retired.pop() {
+                            if t.has_pending() {
+                                t.flush(&mut text, &syms);
+                                source = user;
+                                break;
+                            }
+                        }
+                    }
+                    if text.is_empty() && format == TraceFormat::Text {
                         for (user, g) in self.sessions.iter_mut().enumerate() {
                             let Some(g) = g else { continue };
                             let old = g
@@ -1497,14 +1582,24 @@ impl Tracer {
             _ => None,
         };
         if let Some(kind) = graph {
-            let user = (id & 0xff) as usize;
-            // A stopped session's events are dropped with it.
-            let Some(g) = self.sessions.get_mut(user).and_then(Option::as_mut) else {
+            let user = (id & 0xf) as usize;
+            let gen = ((id >> 4) & 0xf) as u8;
+            if format == TraceFormat::Json {
+                graph_fmt::write_graph_json(out, kind, &ev, user as u32, syms);
                 return user as u32;
+            }
+            let live = self.generations.get(user) == Some(&gen);
+            let text = match self.sessions.get_mut(user).and_then(Option::as_mut) {
+                Some(g) if live => Some(&mut g.text),
+                _ => self
+                    .retired
+                    .iter_mut()
+                    .find(|(u, g, _)| *u as usize == user && *g == gen)
+                    .map(|(_, _, t)| t),
             };
-            match format {
-                TraceFormat::Json => graph_fmt::write_graph_json(out, kind, &ev, user as u32, syms),
-                _ => g.text.push(out, kind, &ev, syms),
+            // No renderer: a session stopped long ago; nothing to print.
+            if let Some(t) = text {
+                t.push(out, kind, &ev, syms);
             }
             return user as u32;
         }

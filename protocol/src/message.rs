@@ -198,10 +198,11 @@ pub struct GraphFilter {
     pub comm: Option<String>,
     /// `funcgraph-retval`: print return values.
     pub retval: bool,
-    /// Frames each guest kernel stack's return stack holds (0: the
-    /// default, 32). Deeper calls are not hijacked and count as misses.
-    /// The return stacks are shared, so a change is refused while another
-    /// session runs or frames are in flight.
+    /// Frames each guest kernel stack's return stack holds, 1 to 256.
+    /// Deeper calls are not hijacked and count as misses. The return
+    /// stacks are shared: while another session runs or frames are in
+    /// flight, 0 keeps the size in use and another size is refused;
+    /// otherwise 0 is the default, 32.
     pub stack_frames: u32,
 }
 

@@ -323,8 +323,9 @@ fn oracle(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         &want_b,
     );
     ck.check(
-        g.iter().any(|n| matches!(n, Node::Open(2, f) if hidden(f))),
-        "the guest's tree calls shmem_get* with callees, 2 deep",
+        g.iter()
+            .any(|n| matches!(n, Node::Open(2, f) | Node::Leaf(2, f) if hidden(f))),
+        "the guest's tree calls shmem_get*, 2 deep",
     );
     ck.check(
         count_deeper(&g, 3) > 0,
@@ -364,6 +365,8 @@ fn capacity(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         ck.check(false, "graph start with 3 frames per stack");
         return;
     };
+    // The oracle's sessions stopped: their numbers are free again.
+    ck.eq("a stopped session's number is reused", s.0, 1);
     // The return stacks are shared: another size is refused meanwhile.
     ck.check(
         matches!(
@@ -394,10 +397,7 @@ fn capacity(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     agreement("capacity (3 frames per stack)", &o, &want);
     let misses = mid.graph_misses - before.graph_misses;
     let deep = count_deeper(&g, 3);
-    println!(
-        "capacity: {misses} misses; the guest's tree has {deep} calls 3 or more deep; {} stacks, {} B of return stacks while tracing",
-        mid.graph_stacks, mid.graph_bytes
-    );
+    println!("capacity: {misses} misses; the guest's tree has {deep} calls 3 or more deep");
     ck.check(deep > 0, "the guest's tree is deeper than 3");
     ck.eq("our tree equals the guest's cut at depth 3", &o, &want);
     ck.eq(

@@ -62,12 +62,9 @@ fn debian_btf_task_layout() {
         layout.pid.is_multiple_of(4) && layout.pid < layout.comm && layout.comm + 16 <= layout.size
     );
     assert!((2000..20000).contains(&layout.size));
-    // thread_info comes first, then __state and stack (6.1's sched.h).
-    let (state, stack) = (layout.state.unwrap(), layout.stack.unwrap());
-    assert!(
-        state >= 8 && state < stack && stack < layout.pid,
-        "{layout:?}"
-    );
+    // thread_info and __state come first, then stack (6.1's sched.h).
+    let stack = layout.stack.unwrap();
+    assert!(stack >= 16 && stack < layout.pid, "{layout:?}");
     assert!(stack.is_multiple_of(8));
     // 6.1 has no pcpu_hot.
     assert_eq!(
@@ -172,7 +169,6 @@ fn running_task_from_gs_base() {
         comm_len: 16,
         size: 9792,
         stack: Some(32),
-        state: Some(24),
     };
     let cur = CurrentTask {
         percpu_offset: 0x1fb80,

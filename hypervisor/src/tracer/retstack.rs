@@ -351,6 +351,21 @@ impl RetStack {
         if self.words.len() + need > self.cap {
             return Err(PushError::Full);
         }
+        // Grow by doubling up to the cap; an allocation failure is a full
+        // stack (a miss), never an abort.
+        if self.words.len() + need > self.words.capacity() {
+            let want = (self.words.capacity() * 2)
+                .max(self.words.len() + need)
+                .max(8)
+                .min(self.cap);
+            if self
+                .words
+                .try_reserve_exact(want - self.words.len())
+                .is_err()
+            {
+                return Err(PushError::Full);
+            }
+        }
         let start = self.words.len();
         self.words.extend_from_slice(&[ret, func, calltime, retp]);
         for (user, block) in data {
@@ -446,6 +461,30 @@ impl RetStack {
             },
             _ => PopResult::NotFound,
         }
+    }
+
+    /// Takes the users in `mask` off every frame, in place: their frames
+    /// stay (the returns must still pop them) but no longer count for
+    /// them. Returns how many frames had one of those users.
+    pub fn clear_users(&mut self, mask: u16) -> usize {
+        let mut n = 0;
+        let mut end = self.words.len();
+        while let Some(i) = end.checked_sub(1) {
+            let Some(mut tag) = Tag::decode(self.words[i]).filter(|t| t.kind == TagType::Frame)
+            else {
+                break;
+            };
+            let Some(start) = i.checked_sub(tag.offset) else {
+                break;
+            };
+            if tag.users & mask != 0 {
+                n += 1;
+                tag.users &= !mask;
+                self.words[i] = tag.encode();
+            }
+            end = start;
+        }
+        n
     }
 
     /// The live frames, top (deepest) first, without popping them.
@@ -701,6 +740,37 @@ mod tests {
         assert!(matches!(st.pop(b - 0x40), PopResult::Found { .. }));
         assert_eq!(st.user_view(2, 0x77), (1, false));
         assert_eq!(st.frames().count(), 1);
+    }
+
+    #[test]
+    fn cleared_users_no_longer_see_their_frames_which_still_pop() {
+        let mut st = RetStack::new(64);
+        let b = STACK + 0x3f00;
+        st.push(0xa, 0xf1, 1, b, 0b110, &[(2, &[0x77])]).unwrap();
+        st.push(0xb, 0xf2, 2, b - 0x40, 0b010, &[]).unwrap();
+        assert_eq!(st.clear_users(0b100), 1);
+        assert_eq!(st.user_view(2, 0x77), (0, false));
+        assert_eq!(st.user_view(1, 0x77), (2, false));
+        assert_eq!(st.clear_users(0b010), 2);
+        assert_eq!(st.frames().map(|f| f.users).collect::<Vec<_>>(), [0, 0]);
+        let PopResult::Found { frame, .. } = st.pop(b - 0x40) else {
+            panic!("top frame lost")
+        };
+        assert_eq!((frame.ret, frame.users), (0xb, 0));
+        assert!(matches!(st.pop(b), PopResult::Found { .. }));
+        assert!(st.is_empty());
+    }
+
+    #[test]
+    fn growth_stays_within_the_cap() {
+        let mut st = RetStack::new(3 * (FRAME_WORDS + 1));
+        let b = STACK + 0x3f00;
+        for i in 0..3 {
+            st.push(i, i, i, b - i * 0x40, 1, &[]).unwrap();
+            assert!(st.heap_bytes() <= 3 * (FRAME_WORDS + 1) * 8);
+        }
+        assert_eq!(st.push(9, 9, 9, b - 0x200, 1, &[]), Err(PushError::Full));
+        assert_eq!(st.heap_bytes(), 3 * (FRAME_WORDS + 1) * 8);
     }
 
     #[test]
