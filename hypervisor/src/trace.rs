@@ -1175,21 +1175,19 @@ impl Tracer {
         }
         phys::write(t.gpa.0, &tramp.to_le_bytes());
         for &(user, depth) in &entries[..n_entries] {
-            let ev = RawEvent {
-                header: EventHeader {
-                    probe_id: GRAPH_ENTRY_BASE
-                        | u32::from(self.generations[usize::from(user)]) << 4
-                        | u32::from(user),
-                    ip: func,
-                    ret_ip: ret,
-                    ..header
-                },
-                values: alloc::vec![kprobe::FetchedValue::Int {
-                    ty: kprobe::IntType::U64,
-                    value: u64::from(depth),
-                }],
+            let h = EventHeader {
+                probe_id: GRAPH_ENTRY_BASE
+                    | u32::from(self.generations[usize::from(user)]) << 4
+                    | u32::from(user),
+                ip: func,
+                ret_ip: ret,
+                ..header
             };
-            store(&mut self.ring, &mut self.record, &ev);
+            let values = [kprobe::FetchedValue::Int {
+                ty: kprobe::IntType::U64,
+                value: u64::from(depth),
+            }];
+            store_parts(&mut self.ring, &mut self.record, &h, &values);
         }
     }
 
@@ -1258,29 +1256,25 @@ impl Tracer {
             if marked {
                 continue;
             }
-            let ev = RawEvent {
-                header: EventHeader {
-                    probe_id: GRAPH_RETURN_BASE
-                        | u32::from(self.generations[user]) << 4
-                        | user as u32,
-                    ..header
-                },
-                values: alloc::vec![
-                    kprobe::FetchedValue::Int {
-                        ty: kprobe::IntType::U64,
-                        value: depth as u64,
-                    },
-                    kprobe::FetchedValue::Int {
-                        ty: kprobe::IntType::U64,
-                        value: now_ns.saturating_sub(frame.calltime),
-                    },
-                    kprobe::FetchedValue::Int {
-                        ty: kprobe::IntType::X64,
-                        value: retval,
-                    },
-                ],
+            let h = EventHeader {
+                probe_id: GRAPH_RETURN_BASE | u32::from(self.generations[user]) << 4 | user as u32,
+                ..header
             };
-            store(&mut self.ring, &mut self.record, &ev);
+            let values = [
+                kprobe::FetchedValue::Int {
+                    ty: kprobe::IntType::U64,
+                    value: depth as u64,
+                },
+                kprobe::FetchedValue::Int {
+                    ty: kprobe::IntType::U64,
+                    value: now_ns.saturating_sub(frame.calltime),
+                },
+                kprobe::FetchedValue::Int {
+                    ty: kprobe::IntType::X64,
+                    value: retval,
+                },
+            ];
+            store_parts(&mut self.ring, &mut self.record, &h, &values);
         }
         let ids = frame
             .data
@@ -1747,9 +1741,19 @@ impl Tracer {
 
 /// Encodes `ev` into the ring.
 fn store(ring: &mut EventRing, scratch: &mut Vec<u8>, ev: &RawEvent) -> bool {
+    store_parts(ring, scratch, &ev.header, &ev.values)
+}
+
+/// [`store`] of an event given by parts (no `RawEvent`, no allocation).
+fn store_parts(
+    ring: &mut EventRing,
+    scratch: &mut Vec<u8>,
+    header: &EventHeader,
+    values: &[kprobe::FetchedValue],
+) -> bool {
     scratch.clear();
-    scratch.resize(ev.encoded_len(), 0);
-    match ev.encode_into(scratch) {
+    scratch.resize(kprobe::encoded_len(values), 0);
+    match kprobe::encode_parts(header, values, scratch) {
         Some(n) => ring.push(&scratch[..n]),
         None => {
             ring.count_lost();

@@ -52,7 +52,10 @@ fn one_shot_graph_to_chrome() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     println!("hvtrace run: {}\n{stderr}", output.status);
     let mut ck = Checks::new();
-    ck.check(output.status.success(), format!("hvtrace run succeeded: {}", output.status));
+    ck.check(
+        output.status.success(),
+        format!("hvtrace run succeeded: {}", output.status),
+    );
     ck.check(
         stderr.contains("function graph session 1:"),
         "the run reports its graph session",

@@ -139,67 +139,84 @@ fn value_len(v: &FetchedValue) -> usize {
     }
 }
 
+/// The record length in bytes of an event with `values`.
+pub fn encoded_len(values: &[FetchedValue]) -> usize {
+    let n = HEADER_LEN
+        + values
+            .iter()
+            .take(u16::MAX as usize)
+            .map(value_len)
+            .sum::<usize>();
+    n.next_multiple_of(8)
+}
+
+/// Writes the record of an event with `header` and `values` into `buf`
+/// (what [`RawEvent::encode_into`] does, without a `RawEvent`: the hot
+/// path builds its values on the stack); `None` if it does not fit.
+pub fn encode_parts(
+    header: &EventHeader,
+    values: &[FetchedValue],
+    buf: &mut [u8],
+) -> Option<usize> {
+    let len = encoded_len(values);
+    let rec = buf.get_mut(..len)?;
+    let total = u32::try_from(len).ok()?;
+    let count = values.len().min(u16::MAX as usize);
+    let h = header;
+    let mut w = Writer { buf: rec, at: 0 };
+    w.put(&[EVENT_VERSION, 0]);
+    w.put(&(count as u16).to_le_bytes());
+    w.put(&total.to_le_bytes());
+    w.put(&h.probe_id.to_le_bytes());
+    w.put(&h.cpu.to_le_bytes());
+    w.put(&h.pid.to_le_bytes());
+    w.put(&0u32.to_le_bytes());
+    w.put(&h.timestamp_ns.to_le_bytes());
+    w.put(&h.ip.to_le_bytes());
+    w.put(&h.ret_ip.to_le_bytes());
+    w.put(&h.comm);
+    for v in values.iter().take(count) {
+        match v {
+            FetchedValue::Fault => w.put(&[TAG_FAULT]),
+            FetchedValue::Int { ty, value } => {
+                w.put(&[ty.tag()]);
+                w.put(value.to_le_bytes().get(..ty.size()).unwrap_or(&[]));
+            }
+            FetchedValue::Str(s) => {
+                let s = s.get(..MAX_STR).unwrap_or(s);
+                w.put(&[TAG_STR]);
+                w.put(&(s.len() as u16).to_le_bytes());
+                w.put(s);
+            }
+            FetchedValue::Symbol(a) => {
+                w.put(&[TAG_SYMBOL]);
+                w.put(&a.to_le_bytes());
+            }
+            FetchedValue::SymStr(a) => {
+                w.put(&[TAG_SYMSTR]);
+                w.put(&a.to_le_bytes());
+            }
+        }
+    }
+    // The padding up to a multiple of 8.
+    if let Some(pad) = w.buf.get_mut(w.at..len) {
+        pad.fill(0);
+        w.at = len;
+    }
+    (w.at == len).then_some(len)
+}
+
 impl RawEvent {
     /// The record length in bytes.
     pub fn encoded_len(&self) -> usize {
-        let n = HEADER_LEN
-            + self
-                .values
-                .iter()
-                .take(u16::MAX as usize)
-                .map(value_len)
-                .sum::<usize>();
-        n.next_multiple_of(8)
+        encoded_len(&self.values)
     }
 
     /// Writes the record into `buf`; `None` if it does not fit (nothing
     /// meaningful is written then). Strings longer than 4095 bytes and
     /// values past 65535 are cut.
     pub fn encode_into(&self, buf: &mut [u8]) -> Option<usize> {
-        let len = self.encoded_len();
-        let rec = buf.get_mut(..len)?;
-        let total = u32::try_from(len).ok()?;
-        let count = self.values.len().min(u16::MAX as usize);
-        let h = &self.header;
-        let mut w = Writer { buf: rec, at: 0 };
-        w.put(&[EVENT_VERSION, 0]);
-        w.put(&(count as u16).to_le_bytes());
-        w.put(&total.to_le_bytes());
-        w.put(&h.probe_id.to_le_bytes());
-        w.put(&h.cpu.to_le_bytes());
-        w.put(&h.pid.to_le_bytes());
-        w.put(&0u32.to_le_bytes());
-        w.put(&h.timestamp_ns.to_le_bytes());
-        w.put(&h.ip.to_le_bytes());
-        w.put(&h.ret_ip.to_le_bytes());
-        w.put(&h.comm);
-        for v in self.values.iter().take(count) {
-            match v {
-                FetchedValue::Fault => w.put(&[TAG_FAULT]),
-                FetchedValue::Int { ty, value } => {
-                    w.put(&[ty.tag()]);
-                    w.put(value.to_le_bytes().get(..ty.size()).unwrap_or(&[]));
-                }
-                FetchedValue::Str(s) => {
-                    let s = s.get(..MAX_STR).unwrap_or(s);
-                    w.put(&[TAG_STR]);
-                    w.put(&(s.len() as u16).to_le_bytes());
-                    w.put(s);
-                }
-                FetchedValue::Symbol(a) => {
-                    w.put(&[TAG_SYMBOL]);
-                    w.put(&a.to_le_bytes());
-                }
-                FetchedValue::SymStr(a) => {
-                    w.put(&[TAG_SYMSTR]);
-                    w.put(&a.to_le_bytes());
-                }
-            }
-        }
-        while w.at < len {
-            w.put(&[0]);
-        }
-        (w.at == len).then_some(len)
+        encode_parts(&self.header, &self.values, buf)
     }
 
     /// The record as a new vector.

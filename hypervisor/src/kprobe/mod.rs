@@ -101,7 +101,9 @@ mod parse;
 mod render;
 mod spec;
 
-pub use event::{DecodeError, EventHeader, RawEvent, EVENT_VERSION, HEADER_LEN};
+pub use event::{
+    encode_parts, encoded_len, DecodeError, EventHeader, RawEvent, EVENT_VERSION, HEADER_LEN,
+};
 pub use fetch::{
     fetch, fetch_one, FetchContext, FetchedValue, GuestLayout, GuestMem, MemFault, NoSymbols,
     SymbolAt, SymbolResolver, MAX_STRING_SIZE, TASK_COMM_LEN,
