@@ -232,15 +232,7 @@ impl Kernel {
 
     /// pid and comm of the task running on the vCPU described by `cpu`.
     pub fn task(&self, cpu: &CpuView) -> Option<(i32, [u8; 16])> {
-        let layout = self.facts.task.as_ref().ok()?;
-        let current = self.facts.current.as_ref().ok()?;
-        let view = PagedView::new(&GuestRam, self.cr3);
-        let t = facts::running_task(&view, Gva(cpu.kernel_gs()), current, layout).ok()?;
-        let mut comm = [0u8; 16];
-        let b = t.comm_bytes();
-        let n = b.len().min(16);
-        comm[..n].copy_from_slice(&b[..n]);
-        Some((t.pid, comm))
+        self.current(cpu).map(|(_, pid, comm)| (pid, comm))
     }
 
     /// The running task's `task_struct` address, pid and comm.

@@ -1333,21 +1333,14 @@ impl Tracer {
             comm: Some(&header.comm),
             layout: GuestLayout::X86_64_4LEVEL,
         };
-        for &id in ids {
-            let Some(p) = self.probes.iter_mut().find(|p| u64::from(p.id) == id) else {
-                continue; // deleted while the call was in flight
-            };
-            header.probe_id = p.id;
-            let ev = RawEvent {
-                header,
-                values: kprobe::fetch(&p.spec.args, &ctx, &mut mem, &syms),
-            };
-            if store(&mut self.ring, &mut self.record, &ev) {
-                p.hits += 1;
-            } else {
-                p.misses += 1;
-            }
-        }
+        // Ids of probes deleted while the call was in flight find nothing.
+        let ids = ids.iter().filter_map(|&i| u32::try_from(i).ok());
+        let mut out = HitSink {
+            probes: &mut self.probes,
+            ring: &mut self.ring,
+            record: &mut self.record,
+        };
+        out.hits(ids, header, &ctx, &mut mem, &syms);
     }
 
     /// Drops the return stacks of tasks that died: a task that exits
@@ -1435,21 +1428,12 @@ impl Tracer {
         } else {
             u.retprobes.clone()
         };
-        for &id in &u.probes {
-            let Some(p) = self.probes.iter_mut().find(|p| p.id == id) else {
-                continue;
-            };
-            header.probe_id = id;
-            let ev = RawEvent {
-                header,
-                values: kprobe::fetch(&p.spec.args, &ctx, &mut mem, &syms),
-            };
-            if store(&mut self.ring, &mut self.record, &ev) {
-                p.hits += 1;
-            } else {
-                p.misses += 1;
-            }
-        }
+        let mut out = HitSink {
+            probes: &mut self.probes,
+            ring: &mut self.ring,
+            record: &mut self.record,
+        };
+        out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
         if function {
             let mut ret = [0u8; 8];
             let parent = paging::read_virt(&GuestRam, cr3, KGva(regs.sp), &mut ret)
@@ -1758,6 +1742,42 @@ fn store_parts(
         None => {
             ring.count_lost();
             false
+        }
+    }
+}
+
+/// Where probe hits go: the probes (for their counters) and the ring.
+struct HitSink<'a> {
+    probes: &'a mut Vec<Probe>,
+    ring: &'a mut EventRing,
+    record: &'a mut Vec<u8>,
+}
+
+impl HitSink<'_> {
+    /// Records a hit of each probe in `ids` (entry or return), its
+    /// arguments fetched in `ctx`; a probe no longer defined is skipped.
+    fn hits(
+        &mut self,
+        ids: impl Iterator<Item = u32>,
+        mut header: EventHeader,
+        ctx: &FetchContext<'_>,
+        mem: &mut VcpuMem,
+        syms: &IndexSymbols<'_>,
+    ) {
+        for id in ids {
+            let Some(p) = self.probes.iter_mut().find(|p| p.id == id) else {
+                continue;
+            };
+            header.probe_id = id;
+            let ev = RawEvent {
+                header,
+                values: kprobe::fetch(&p.spec.args, ctx, mem, syms),
+            };
+            if store(self.ring, self.record, &ev) {
+                p.hits += 1;
+            } else {
+                p.misses += 1;
+            }
         }
     }
 }
