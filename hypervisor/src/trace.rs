@@ -144,8 +144,9 @@ struct SiteUse {
     page: u64,
     func: u64,
     probes: Vec<u32>,
-    /// Return probes on the function.
-    retprobes: Vec<u32>,
+    /// Ids of the return probes on the function, as the words of the
+    /// data block their frames carry.
+    retprobes: Vec<u64>,
     function: bool,
     /// The graph sessions (bit N: session N) that hooked the function.
     graph: u16,
@@ -205,7 +206,9 @@ pub struct Tracer {
     /// The streaming format, once the host asked for the stream.
     stream: Option<TraceFormat>,
     lost_reported: u64,
-    pending_line: Option<String>,
+    /// A rendered line that did not fit the last `TraceText`, and its
+    /// source.
+    pending_line: Option<(u32, String)>,
     step: Option<Step>,
     /// A forced step end left TF in some saved guest context.
     stray_tf: bool,
@@ -216,9 +219,6 @@ pub struct Tracer {
     /// Return stacks by guest kernel stack base. They outlive the users
     /// while calls are in flight.
     stacks: BTreeMap<u64, Tracked>,
-    /// The source of the text being gathered for the stream, and of the
-    /// pending line.
-    pending_source: u32,
     /// Frames each new return stack holds.
     stack_frames: u32,
     /// Ownership checks by stack: (task, pid, own). A task whose calls
@@ -325,7 +325,6 @@ impl Tracer {
             stats: TracerReport::default(),
             sessions: (0..MAX_USERS).map(|_| None).collect(),
             stacks: BTreeMap::new(),
-            pending_source: 0,
             stack_frames: STACK_FRAMES,
             owners: BTreeMap::new(),
             generations: [0; MAX_USERS],
@@ -654,7 +653,7 @@ impl Tracer {
         self.next_id += 1;
         if let Some(u) = self.sites.get_mut(&site) {
             if spec.kind.is_return() {
-                u.retprobes.push(pid);
+                u.retprobes.push(u64::from(pid));
             } else {
                 u.probes.push(pid);
             }
@@ -687,7 +686,7 @@ impl Tracer {
         let p = self.probes.remove(i);
         if let Some(u) = self.sites.get_mut(&p.site) {
             u.probes.retain(|&x| x != p.id);
-            u.retprobes.retain(|&x| x != p.id);
+            u.retprobes.retain(|&x| x != u64::from(p.id));
         }
         self.unhook_if_unused(ept, p.site);
         invept(ept);
@@ -1027,7 +1026,7 @@ impl Tracer {
     fn graph_enter(
         &mut self,
         sessions: u16,
-        retprobes: &[u32],
+        retprobes: &[u64],
         func: u64,
         retp: u64,
         cr3: Cr3,
@@ -1051,8 +1050,10 @@ impl Tracer {
         let mut users = 0u16;
         let mut entries: [(u8, u16); MAX_USERS] = [(0, 0); MAX_USERS];
         let mut n_entries = 0;
-        let mut marks: [(u8, &[u64]); MAX_USERS] = [(0, &[]); MAX_USERS];
-        let mut n_marks = 0;
+        // Data blocks: a mark for each session entering one of its
+        // graph_notrace functions, then the return probes' ids.
+        let mut data: [(u8, &[u64]); MAX_USERS] = [(0, &[]); MAX_USERS];
+        let mut n_data = 0;
         let stack = self.stacks.get(&key).map(|t| &t.st);
         for user in 1..MAX_USERS as u8 {
             if sessions & (1 << user) == 0 {
@@ -1082,16 +1083,17 @@ impl Tracer {
             }
             users |= 1 << user;
             if g.notrace.contains(&func) {
-                marks[n_marks] = (user, core::slice::from_ref(&NOTRACE_MARK));
-                n_marks += 1;
+                data[n_data] = (user, core::slice::from_ref(&NOTRACE_MARK));
+                n_data += 1;
             } else {
                 entries[n_entries] = (user, depth as u16);
                 n_entries += 1;
             }
         }
-        let ids: Vec<u64> = retprobes.iter().map(|&i| u64::from(i)).collect();
-        if !ids.is_empty() {
+        if !retprobes.is_empty() {
             users |= 1 << RETPROBE_USER;
+            data[n_data] = (RETPROBE_USER, retprobes);
+            n_data += 1;
         }
         if users == 0 {
             return;
@@ -1146,16 +1148,6 @@ impl Tracer {
             }
             return;
         }
-        let mut data: [(u8, &[u64]); MAX_USERS + 1] = [(0, &[]); MAX_USERS + 1];
-        let mut n_data = 0;
-        if !ids.is_empty() {
-            data[0] = (RETPROBE_USER, &ids);
-            n_data = 1;
-        }
-        for m in &marks[..n_marks] {
-            data[n_data] = *m;
-            n_data += 1;
-        }
         let pushed = tracked
             .st
             .push(ret, func, now_ns, retp, users, &data[..n_data]);
@@ -1193,8 +1185,12 @@ impl Tracer {
 
     /// Counts a missed hit on each return probe of a call that could not
     /// be hijacked (kretprobe's nmissed).
-    fn retprobes_missed(&mut self, ids: &[u32]) {
-        for p in self.probes.iter_mut().filter(|p| ids.contains(&p.id)) {
+    fn retprobes_missed(&mut self, ids: &[u64]) {
+        for p in self
+            .probes
+            .iter_mut()
+            .filter(|p| ids.contains(&u64::from(p.id)))
+        {
             p.misses += 1;
         }
     }
@@ -1423,11 +1419,7 @@ impl Tracer {
         let function = u.function;
         let graph = u.graph;
         let func = u.func;
-        let retprobes = if u.retprobes.is_empty() {
-            Vec::new()
-        } else {
-            u.retprobes.clone()
-        };
+        let has_retprobes = !u.retprobes.is_empty();
         let mut out = HitSink {
             probes: &mut self.probes,
             ring: &mut self.ring,
@@ -1447,10 +1439,22 @@ impl Tracer {
             };
             store(&mut self.ring, &mut self.record, &ev);
         }
-        if graph != 0 || !retprobes.is_empty() {
+        if graph != 0 || has_retprobes {
+            // The ids are lent out of the site for the call (no copy).
+            let retprobes = if has_retprobes {
+                self.sites
+                    .get_mut(&site)
+                    .map(|u| core::mem::take(&mut u.retprobes))
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
             self.graph_enter(
                 graph, &retprobes, func, regs.sp, cr3, now_ns, header, task, k,
             );
+            if let Some(u) = self.sites.get_mut(&site).filter(|_| has_retprobes) {
+                u.retprobes = retprobes;
+            }
         }
         chain
     }
@@ -1477,8 +1481,7 @@ impl Tracer {
             if control.tx_room() < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
                 return;
             }
-            let mut text = self.pending_line.take().unwrap_or_default();
-            let mut source = self.pending_source;
+            let (mut source, mut text) = self.pending_line.take().unwrap_or_default();
             while text.len() < TRACE_TEXT_BUDGET {
                 if !self.ring.pop(&mut self.record) {
                     // The ring is empty: retired renderers print what they
@@ -1527,8 +1530,7 @@ impl Tracer {
                 if !text.is_empty()
                     && (src != source || text.len() + line.len() > TRACE_TEXT_BUDGET)
                 {
-                    self.pending_line = Some(line);
-                    self.pending_source = src;
+                    self.pending_line = Some((src, line));
                     break;
                 }
                 text.push_str(&line);
