@@ -539,6 +539,10 @@ impl Tracer {
                 MemType::WriteBack,
             ) {
                 log::warn!("tracer: EPT map of {page:#x} failed: {e:?}");
+                // Nothing maps the shadow: give it back with the page.
+                if let Some(h) = self.pages.remove(&page) {
+                    self.free_shadows.push(h.shadow);
+                }
                 return Err(PatchError::Perm("EPT tables exhausted"));
             }
         }
