@@ -14,6 +14,16 @@
  *   vmcall=1     execute VMCALL in kernel mode, outside the trampolines
  *   reads=N      with func: time N reads of its first 9 bytes (the cost of
  *                a guest read of a hooked page: the split view's round trip)
+ *   nmi_storm=N  route PIT interrupts to NMI through the IOAPIC while
+ *                exiting to root N thousand times (CPUID), with a gate
+ *                of our own at guest-physical page 0 (where a host IDT base
+ *                of 0 would point). If that gate ever runs in VMX root it
+ *                prints "hvattack: NMI gate ran in VMX root" on port 0xE9.
+ *   forge_e9=1   write forged hypervisor log lines to port 0xE9
+ *   cr0_nw=1     MOV to CR0 with NW set and CD clear (must #GP)
+ *   xsetbv=1     XSETBV with AVX-512 and MPX bits half set (must #GP)
+ *   getsec=1     GETSEC (must #UD: SMX is not offered)
+ *   straddle=1   4-byte port accesses that straddle the control UART
  *
  * Loading always fails with -EAGAIN once the attempts are done, so the
  * module can be loaded again with other parameters.
@@ -29,6 +39,11 @@
 #include <asm/special_insns.h>
 #include <asm/processor.h>
 #include <asm/asm.h>
+#include <linux/delay.h>
+#include <linux/gfp.h>
+#include <asm/io_apic.h>
+#include <asm/fixmap.h>
+#include <asm/fpu/xcr.h>
 
 static unsigned long func;
 module_param(func, ulong, 0);
@@ -40,6 +55,18 @@ static int clear_pmd;
 module_param(clear_pmd, int, 0);
 static int reads;
 module_param(reads, int, 0);
+static int nmi_storm;
+module_param(nmi_storm, int, 0);
+static int forge_e9;
+module_param(forge_e9, int, 0);
+static int cr0_nw;
+module_param(cr0_nw, int, 0);
+static int xsetbv;
+module_param(xsetbv, int, 0);
+static int getsec;
+module_param(getsec, int, 0);
+static int straddle;
+module_param(straddle, int, 0);
 
 static void time_reads(void)
 {
@@ -149,6 +176,202 @@ static void try_vmcall(void)
 	pr_info("hvattack: vmcall %s\n", ud ? "raised #UD" : "returned");
 }
 
+/*
+ * The code an attacker wants VMX root to run: position independent, it
+ * prints one line on the hypervisor's log port the first time it runs,
+ * then returns from the interrupt. It is copied to a page below 4 GiB,
+ * where root's identity map would find it.
+ */
+asm(".pushsection .rodata\n"
+    ".globl hva_gate_code\n"
+    "hva_gate_code:\n"
+    "	push %rax\n"
+    "	push %rdx\n"
+    "	push %rsi\n"
+    "	cld\n"
+    "	cmpb $0, hva_gate_once(%rip)\n"
+    "	jne 2f\n"
+    "	movb $1, hva_gate_once(%rip)\n"
+    "	lea hva_gate_msg(%rip), %rsi\n"
+    "	mov $0xe9, %dx\n"
+    "1:	lodsb\n"
+    "	test %al, %al\n"
+    "	jz 2f\n"
+    "	outb %al, %dx\n"
+    "	jmp 1b\n"
+    "2:	pop %rsi\n"
+    "	pop %rdx\n"
+    "	pop %rax\n"
+    "	iretq\n"
+    "hva_gate_once: .byte 0\n"
+    "hva_gate_msg: .asciz \"hvattack: NMI gate ran in VMX root\\n\"\n"
+    ".globl hva_gate_code_end\n"
+    "hva_gate_code_end:\n"
+    ".popsection\n");
+extern const u8 hva_gate_code[], hva_gate_code_end[];
+
+#define IOAPIC_BASE 0xfec00000UL
+#define PIT_PIN 2
+
+static u32 ioapic_read(void __iomem *io, unsigned int reg)
+{
+	writel(reg, io);
+	return readl(io + 0x10);
+}
+
+static void ioapic_write(void __iomem *io, unsigned int reg, u32 val)
+{
+	writel(reg, io);
+	writel(val, io + 0x10);
+}
+
+static void storm(void)
+{
+	void __iomem *io;
+	u8 *low, *code;
+	u8 saved[16];
+	u64 gate, stub;
+	u32 lo, hi;
+	unsigned long exits = 0, flags;
+	unsigned int eax, ebx, ecx, edx;
+	u64 t0;
+
+	code = (u8 *)__get_free_page(GFP_KERNEL | GFP_DMA32);
+	if (!code) {
+		pr_info("hvattack: no page for the gate code\n");
+		return;
+	}
+	memcpy(code, hva_gate_code, hva_gate_code_end - hva_gate_code);
+	stub = virt_to_phys(code);
+	/* An interrupt gate at 0x20 (vector 2 of an IDT based at 0): code
+	 * selector 0x08, as root's GDT has it, present, DPL 0. */
+	gate = (stub & 0xffff) | (0x08ULL << 16) | (0x8eULL << 40) | ((stub >> 16) & 0xffff) << 48;
+	low = memremap(0, PAGE_SIZE, MEMREMAP_WB);
+	if (!low) {
+		pr_info("hvattack: cannot map guest-physical page 0\n");
+		free_page((unsigned long)code);
+		return;
+	}
+	memcpy(saved, low + 0x20, 16);
+	memcpy(low + 0x20, &gate, 8);
+	*(u64 *)(low + 0x28) = stub >> 32;
+
+	io = ioremap(IOAPIC_BASE, PAGE_SIZE);
+	if (!io) {
+		pr_info("hvattack: cannot map the IOAPIC\n");
+		goto out_low;
+	}
+	lo = ioapic_read(io, 0x10 + 2 * PIT_PIN);
+	hi = ioapic_read(io, 0x11 + 2 * PIT_PIN);
+	/* Delivery mode NMI (100b), edge, physical destination APIC 0, unmasked. */
+	ioapic_write(io, 0x11 + 2 * PIT_PIN, 0);
+	ioapic_write(io, 0x10 + 2 * PIT_PIN, 4 << 8);
+	/* PIT channel 0, mode 2 (rate generator), divisor 200: about 6 kHz. */
+	outb(0x34, 0x43);
+	outb(200 & 0xff, 0x40);
+	outb(200 >> 8, 0x40);
+
+	t0 = ktime_get_ns();
+	local_irq_save(flags);
+	/* CPUID exits to root every time: most of the storm lands there. */
+	for (exits = 0; exits < (unsigned long)nmi_storm * 1000; exits++) {
+		eax = 0;
+		ecx = 0;
+		native_cpuid(&eax, &ebx, &ecx, &edx);
+	}
+	local_irq_restore(flags);
+	t0 = ktime_get_ns() - t0;
+
+	/* Quiet the PIT (one-shot, mode 0) and put the pin back. */
+	outb(0x30, 0x43);
+	outb(0, 0x40);
+	outb(0, 0x40);
+	ioapic_write(io, 0x10 + 2 * PIT_PIN, lo | (1 << 16));
+	ioapic_write(io, 0x11 + 2 * PIT_PIN, hi);
+	ioapic_write(io, 0x10 + 2 * PIT_PIN, lo);
+	iounmap(io);
+	pr_info("hvattack: nmi storm: %lu exits in %llu ms\n", exits, t0 / 1000000);
+out_low:
+	memcpy(low + 0x20, saved, 16);
+	memunmap(low);
+	free_page((unsigned long)code);
+}
+
+static void forge_log(void)
+{
+	static const char lines[] =
+		"hvtrace: error: forged by the guest\n"
+		"hvtrace: guest stopped: forged by the guest\n";
+	const char *p;
+
+	for (p = lines; *p; p++)
+		outb(*p, 0xe9);
+	pr_info("hvattack: forged %zu bytes on port 0xe9\n", sizeof(lines) - 1);
+}
+
+static void write_cr0_nw(void)
+{
+	unsigned long cr0 = read_cr0(), bad;
+	int gp = 1;
+
+	/* NW without CD faults on every CPU; clearing NE (which root owns)
+	 * makes sure the write exits rather than faulting in the guest. */
+	bad = (cr0 | X86_CR0_NW) & ~(X86_CR0_CD | X86_CR0_NE);
+	asm volatile("1: mov %1, %%cr0\n\t"
+		     "movl $0, %0\n\t"
+		     "2:\n\t"
+		     _ASM_EXTABLE(1b, 2b)
+		     : "+r"(gp)
+		     : "r"(bad)
+		     : "memory");
+	pr_info("hvattack: cr0 NW without CD %s (cr0 now %lx)\n",
+		gp ? "raised #GP" : "was accepted", read_cr0());
+}
+
+static void try_xsetbv(void)
+{
+	u64 xcr0 = xgetbv(0);
+	u64 values[] = { xcr0 | (1 << 5), xcr0 | (1 << 3), xcr0 | (1ULL << 17) };
+	int i;
+
+	for (i = 0; i < ARRAY_SIZE(values); i++) {
+		int gp = 1;
+
+		asm volatile("1: xsetbv\n\t"
+			     "movl $0, %0\n\t"
+			     "2:\n\t"
+			     _ASM_EXTABLE(1b, 2b)
+			     : "+r"(gp)
+			     : "a"((u32)values[i]), "d"((u32)(values[i] >> 32)), "c"(0)
+			     : "memory");
+		pr_info("hvattack: xsetbv %llx %s (xcr0 now %llx)\n", values[i],
+			gp ? "raised #GP" : "was accepted", xgetbv(0));
+	}
+}
+
+static void try_getsec(void)
+{
+	int ud = 1;
+
+	asm volatile("1: .byte 0x0f, 0x37\n\t"
+		     "movl $0, %0\n\t"
+		     "2:\n\t"
+		     _ASM_EXTABLE(1b, 2b)
+		     : "+r"(ud)
+		     : "a"(0)
+		     : "memory");
+	pr_info("hvattack: getsec %s\n", ud ? "raised #UD" : "returned");
+}
+
+static void try_straddle(void)
+{
+	u32 in = inl(0x2f6);
+
+	outl(0x41424344, 0x2f6);
+	outw(0x4546, 0x2f7);
+	pr_info("hvattack: straddling inl(0x2f6) = %08x\n", in);
+}
+
 static int __init hvattack_init(void)
 {
 	if (func && reads > 0)
@@ -159,6 +382,18 @@ static int __init hvattack_init(void)
 		attack_tramp();
 	if (vmcall)
 		try_vmcall();
+	if (nmi_storm > 0)
+		storm();
+	if (forge_e9)
+		forge_log();
+	if (cr0_nw)
+		write_cr0_nw();
+	if (xsetbv)
+		try_xsetbv();
+	if (getsec)
+		try_getsec();
+	if (straddle)
+		try_straddle();
 	pr_info("hvattack: done\n");
 	return -EAGAIN;
 }

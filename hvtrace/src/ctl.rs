@@ -944,6 +944,7 @@ mod tests {
             },
             kernel: None,
             tracer: protocol::TracerReport::default(),
+            guard: protocol::GuardReport::default(),
         }
     }
 

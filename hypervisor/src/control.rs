@@ -36,6 +36,8 @@ pub struct StatusSource<'a> {
     pub ept: &'a hypervisor::ept::Ept,
     /// The guest's RIP (sites it is executing inside are not patched).
     pub rip: u64,
+    /// Root's guard counters.
+    pub guard: protocol::GuardReport,
 }
 
 /// Name bytes per `Syms` answer, so that a page fits one frame.
@@ -350,5 +352,6 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
         channel,
         kernel: src.introspection.report().cloned(),
         tracer: src.tracer.report(),
+        guard: src.guard,
     }
 }

@@ -10,9 +10,11 @@ use crate::vcpu::{VmConfig, Vmcs};
 use core::fmt;
 use hypervisor::policy::{self, CrWrite, MsrRead};
 use hypervisor::stats::ExitCounters;
+use hypervisor::vmx::event::{self, Event};
 use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, RawExit, VmExit};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
-use x86::vmx::vmcs::control::EntryControls;
+use protocol::GuardReport;
+use x86::vmx::vmcs::control::{EntryControls, PrimaryControls};
 
 /// Why the guest stopped.
 #[derive(Debug, Clone, Copy)]
@@ -90,6 +92,13 @@ pub struct Vcpu {
     debug_exits: bool,
     introspection: Introspection,
     tracer: Tracer,
+    /// The event this exit's handler wants delivered at the next entry.
+    inject: Option<Event>,
+    /// The event whose delivery the last exit interrupted.
+    vectoring: Option<Event>,
+    /// Whether NMI-window exiting is on in the VMCS.
+    nmi_window: bool,
+    guard: GuardReport,
 }
 
 /// Preemption-timer periods: idle, and while the control channel has
@@ -142,7 +151,59 @@ impl Vcpu {
             debug_exits: false,
             introspection: Introspection::default(),
             tracer: Tracer::new(),
+            inject: None,
+            vectoring: None,
+            nmi_window: false,
+            guard: GuardReport::default(),
         }
+    }
+
+    /// Root's guard counters, as the status reports them.
+    pub fn guard(&self) -> GuardReport {
+        GuardReport {
+            nmis_in_root: crate::fatal::nmis_in_root(),
+            ..self.guard
+        }
+    }
+
+    /// Fills the entry's event-injection fields: the handler's event, the
+    /// interrupted one, or a pending NMI (see [`event::plan_entry`]), and
+    /// NMI-window exiting while an NMI still waits.
+    fn prepare_entry(&mut self) -> Result<(), VmcsError> {
+        let v = &mut Vmcs;
+        let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
+        let plan = event::plan_entry(
+            self.inject.take(),
+            self.vectoring.take(),
+            crate::fatal::nmi_pending(),
+            intr,
+        );
+        if let Some(e) = plan.inject {
+            if plan.nmi_delivered {
+                crate::fatal::take_nmi();
+                self.guard.nmis_injected += 1;
+            }
+            if plan.reinjected {
+                self.guard.events_reinjected += 1;
+            }
+            if let Some(code) = e.error_code {
+                f::ENTRY_EXCEPTION_ERROR_CODE.write(v, code)?;
+            }
+            if e.needs_instruction_len() {
+                f::ENTRY_INSTRUCTION_LEN.write(v, e.instruction_len)?;
+            }
+            f::ENTRY_INTERRUPTION_INFO.write(v, e.entry_info())?;
+        }
+        if plan.interruptibility != intr {
+            f::GUEST_INTERRUPTIBILITY.write(v, plan.interruptibility)?;
+        }
+        if plan.nmi_window != self.nmi_window {
+            let mut ctl = f::PRIMARY_PROC_CONTROLS.read(v)?;
+            ctl ^= PrimaryControls::NMI_WINDOW_EXITING.bits();
+            f::PRIMARY_PROC_CONTROLS.write(v, ctl)?;
+            self.nmi_window = plan.nmi_window;
+        }
+        Ok(())
     }
 
     fn timer_value(&self, busy: bool) -> u32 {
@@ -182,6 +243,7 @@ impl Vcpu {
             let now = self.now_ns();
             let cpu = self.cpu_view()?;
             let rip = f::GUEST_RIP.read(&Vmcs)?;
+            let guard = self.guard();
             let Some(c) = self.control.as_mut() else {
                 return Ok(Next::Resume);
             };
@@ -199,6 +261,7 @@ impl Vcpu {
                 tracer: &mut self.tracer,
                 ept: &self.cfg.ept,
                 rip,
+                guard,
             };
             stop = c.poll(&mut src) == Action::Stop;
             self.tracer.reap(self.introspection.kernel(), &cpu, now);
@@ -240,6 +303,9 @@ impl Vcpu {
             return e.into();
         }
         loop {
+            if let Err(e) = self.prepare_entry() {
+                return e.into();
+            }
             // SAFETY: `vcpu::setup` filled the current VMCS completely.
             let outcome = unsafe { insn::vmx_run(&mut self.regs, launched) };
             if let RunOutcome::EntryFailed(e) = outcome {
@@ -257,6 +323,10 @@ impl Vcpu {
                 Err(e) => return e.into(),
             };
             self.counters.record(raw.reason as u16);
+            self.vectoring = match self.read_vectoring() {
+                Ok(e) => e,
+                Err(e) => return e.into(),
+            };
             let exit = decode(&raw);
             let timer = matches!(exit, VmExit::PreemptionTimer);
             match self.handle(exit) {
@@ -288,6 +358,20 @@ impl Vcpu {
         })
     }
 
+    /// The event whose delivery this exit interrupted (SDM 28.2.4).
+    fn read_vectoring(&self) -> Result<Option<Event>, VmcsError> {
+        let v = &Vmcs;
+        let info = f::IDT_VECTORING_INFO.read(v)?;
+        if info & (1 << 31) == 0 {
+            return Ok(None);
+        }
+        Ok(Event::from_vectoring(
+            info,
+            f::IDT_VECTORING_ERROR_CODE.read(v)?,
+            f::EXIT_INSTRUCTION_LEN.read(v)?,
+        ))
+    }
+
     /// Skips the instruction that exited; clears STI/MOV-SS blocking as the
     /// instruction completing would (SDM 25.4.2).
     fn advance(&mut self) -> Result<Next, VmcsError> {
@@ -302,15 +386,10 @@ impl Vcpu {
         Ok(Next::Resume)
     }
 
-    /// Injects a hardware exception at the faulting instruction (SDM 26.6).
+    /// Injects a hardware exception at the faulting instruction (SDM 26.6)
+    /// at the next entry.
     fn inject(&mut self, vector: u8, error_code: Option<u32>) -> Result<Next, VmcsError> {
-        let v = &mut Vmcs;
-        let mut info = vector as u32 | (3 << 8) | (1 << 31);
-        if let Some(code) = error_code {
-            info |= 1 << 11;
-            f::ENTRY_EXCEPTION_ERROR_CODE.write(v, code)?;
-        }
-        f::ENTRY_INTERRUPTION_INFO.write(v, info)?;
+        self.inject = Some(Event::exception(vector, error_code));
         Ok(Next::Resume)
     }
 
@@ -350,16 +429,14 @@ impl Vcpu {
             VmExit::Xsetbv { xcr, value } => {
                 let leaf = insn::cpuid(0xd, 0);
                 let supported = leaf[0] as u64 | ((leaf[3] as u64) << 32);
-                let valid = xcr == 0
-                    && value & 1 != 0
-                    && value & !supported == 0
-                    && (value & 4 == 0 || value & 2 != 0);
-                if valid {
-                    // SAFETY: validated against CPUID leaf 0xD and the SDM's
-                    // XCR0 rules; VMX root set CR4.OSXSAVE when XSAVE exists.
+                if policy::xsetbv_valid(xcr, value, supported) {
+                    // SAFETY: every rule of the SDM for XCR0 holds (see
+                    // `policy::xsetbv_valid`); VMX root set CR4.OSXSAVE
+                    // when XSAVE exists.
                     unsafe { insn::xsetbv(xcr, value) };
                     self.advance()
                 } else {
+                    self.guard.xsetbv_refused += 1;
                     self.inject(GP, Some(0))
                 }
             }
@@ -370,6 +447,21 @@ impl Vcpu {
             VmExit::Exception { vector: DB, .. } => self.debug_exception(),
             VmExit::Invd => self.advance(),
             VmExit::PreemptionTimer => self.service(),
+            VmExit::Nmi => {
+                // The NMI is the guest's; root's IDT handler marks it
+                // pending, and its IRET unblocks NMIs in root.
+                self.guard.nmi_exits += 1;
+                crate::fatal::nmi_exit();
+                Ok(Next::Resume)
+            }
+            VmExit::NmiWindow => {
+                // `prepare_entry` injects the pending NMI now that the
+                // guest can take it.
+                self.guard.nmi_windows += 1;
+                Ok(Next::Resume)
+            }
+            // SMX is hidden and CR4.SMXE refused: GETSEC is #UD.
+            VmExit::Getsec => self.inject(UD, None),
             VmExit::TripleFault => Ok(Next::Stop(StopReason::TripleFault)),
             VmExit::Init => Ok(Next::Stop(StopReason::Reset)),
             VmExit::EptViolation(e)
@@ -491,43 +583,72 @@ impl Vcpu {
                     None => f::GUEST_RSP.read(v)?,
                 };
                 match cr {
-                    0 => match policy::cr0_write(value, f0, f1) {
-                        CrWrite::Load { actual, shadow } => {
-                            let old = f::GUEST_CR0.read(v)?;
-                            f::GUEST_CR0.write(v, actual)?;
-                            f::CR0_READ_SHADOW.write(v, shadow)?;
-                            if (old ^ actual) & policy::CR0_PG != 0 {
-                                let efer =
-                                    policy::efer_after_cr0(f::GUEST_IA32_EFER.read(v)?, actual);
-                                f::GUEST_IA32_EFER.write(v, efer)?;
-                                let mut ctl = f::ENTRY_CONTROLS.read(v)?;
-                                ctl &= !EntryControls::IA32E_MODE_GUEST.bits();
-                                if efer & policy::EFER_LMA != 0 {
-                                    ctl |= EntryControls::IA32E_MODE_GUEST.bits();
+                    0 => {
+                        let cr4 = f::CR4_READ_SHADOW.read(v)?;
+                        let efer = f::GUEST_IA32_EFER.read(v)?;
+                        match policy::cr0_write(value, f0, f1, cr4, efer) {
+                            CrWrite::Load { actual, shadow } => {
+                                let old = f::GUEST_CR0.read(v)?;
+                                f::GUEST_CR0.write(v, actual)?;
+                                f::CR0_READ_SHADOW.write(v, shadow)?;
+                                if (old ^ actual) & policy::CR0_PG != 0 {
+                                    let efer = policy::efer_after_cr0(efer, actual);
+                                    f::GUEST_IA32_EFER.write(v, efer)?;
+                                    let mut ctl = f::ENTRY_CONTROLS.read(v)?;
+                                    ctl &= !EntryControls::IA32E_MODE_GUEST.bits();
+                                    if efer & policy::EFER_LMA != 0 {
+                                        ctl |= EntryControls::IA32E_MODE_GUEST.bits();
+                                    }
+                                    f::ENTRY_CONTROLS.write(v, ctl)?;
                                 }
-                                f::ENTRY_CONTROLS.write(v, ctl)?;
+                                self.advance()
                             }
-                            self.advance()
+                            CrWrite::Fault => {
+                                self.guard.cr_writes_refused += 1;
+                                self.inject(GP, Some(0))
+                            }
                         }
-                        CrWrite::Fault => self.inject(GP, Some(0)),
-                    },
-                    4 => match policy::cr4_write(value, f40, f41) {
-                        CrWrite::Load { actual, shadow } => {
-                            f::GUEST_CR4.write(v, actual)?;
-                            f::CR4_READ_SHADOW.write(v, shadow)?;
-                            self.advance()
+                    }
+                    4 => {
+                        let old = f::CR4_READ_SHADOW.read(v)?;
+                        let lma = f::GUEST_IA32_EFER.read(v)? & policy::EFER_LMA != 0;
+                        match policy::cr4_write(value, old, f40, f41, lma) {
+                            CrWrite::Load { actual, shadow } => {
+                                f::GUEST_CR4.write(v, actual)?;
+                                f::CR4_READ_SHADOW.write(v, shadow)?;
+                                self.advance()
+                            }
+                            CrWrite::Fault => {
+                                self.guard.cr_writes_refused += 1;
+                                self.inject(GP, Some(0))
+                            }
                         }
-                        CrWrite::Fault => self.inject(GP, Some(0)),
-                    },
+                    }
                     3 => {
                         f::GUEST_CR3.write(v, value)?;
                         self.advance()
                     }
-                    _ => Ok(Next::Stop(StopReason::Unhandled(28))),
+                    8 => {
+                        // The task-priority register; bits 63:4 are reserved.
+                        if value >> 4 != 0 {
+                            return self.inject(GP, Some(0));
+                        }
+                        // SAFETY: root runs with interrupts off, so the TPR
+                        // (the guest's, with no TPR shadow) is the guest's alone.
+                        unsafe { insn::write_cr8(value) };
+                        self.advance()
+                    }
+                    _ => self.inject(UD, None),
                 }
             }
-            CrAccess::MovFrom { cr: 3, gpr: g } => {
-                let value = f::GUEST_CR3.read(v)?;
+            CrAccess::MovFrom { cr, gpr: g } => {
+                let value = match cr {
+                    0 => f::CR0_READ_SHADOW.read(v)?,
+                    3 => f::GUEST_CR3.read(v)?,
+                    4 => f::CR4_READ_SHADOW.read(v)?,
+                    8 => insn::read_cr8(),
+                    _ => return self.inject(UD, None),
+                };
                 match gpr(&mut self.regs, g) {
                     Some(r) => *r = value,
                     None => f::GUEST_RSP.write(v, value)?,
@@ -546,36 +667,50 @@ impl Vcpu {
                 // LMSW loads CR0[3:0] but cannot clear PE.
                 let s = f::CR0_READ_SHADOW.read(v)?;
                 let new = (s & !0xe) | (source as u64 & 0xf);
-                match policy::cr0_write(new, f0, f1) {
+                let cr4 = f::CR4_READ_SHADOW.read(v)?;
+                let efer = f::GUEST_IA32_EFER.read(v)?;
+                match policy::cr0_write(new, f0, f1, cr4, efer) {
                     CrWrite::Load { actual, shadow } => {
                         f::GUEST_CR0.write(v, actual)?;
                         f::CR0_READ_SHADOW.write(v, shadow)?;
                         self.advance()
                     }
-                    CrWrite::Fault => self.inject(GP, Some(0)),
+                    CrWrite::Fault => {
+                        self.guard.cr_writes_refused += 1;
+                        self.inject(GP, Some(0))
+                    }
                 }
             }
-            CrAccess::MovFrom { .. } => Ok(Next::Stop(StopReason::Unhandled(28))),
         }
     }
 
+    /// Whether VMX root owns `port`: the control UART and the log port.
+    fn owns_port(port: u16) -> bool {
+        policy::CONTROL_PORTS.contains(&port) || port == policy::DEBUG_PORT
+    }
+
     fn io(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
-        if policy::CONTROL_PORTS.contains(&io.port) {
-            // Nothing answers on the control UART's ports for the guest.
-            if io.string {
-                if io.rep {
-                    self.regs.rcx = 0;
-                }
-            } else if io.input {
-                let mask = policy::floating_bus(io.size) as u64;
-                self.regs.rax = (self.regs.rax & !mask) | mask;
+        let debug = policy::DEBUG_PORT..=policy::DEBUG_PORT;
+        if !io.input && policy::io_touches(io.port, io.size, &debug) {
+            self.guard.debug_port_writes += if io.string && io.rep {
+                self.regs.rcx.max(1)
+            } else {
+                1
+            };
+        }
+        let ours = policy::io_touches(io.port, io.size, &policy::CONTROL_PORTS)
+            || policy::io_touches(io.port, io.size, &debug);
+        if ours && io.string {
+            // Nothing answers on root's ports: the string moves no data.
+            if io.rep {
+                self.regs.rcx = 0;
             }
             return self.advance();
         }
         let pm1 = self.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
         if let Some((a, b)) = pm1 {
-            let ours = io.port == a || Some(io.port) == b;
-            if ours && !io.string {
+            let exact = (io.port == a || Some(io.port) == b) && !io.string && !ours;
+            if exact {
                 if io.input {
                     // SAFETY: forwarding the guest's own read of its PM1 control register.
                     let val = unsafe {
@@ -602,8 +737,52 @@ impl Vcpu {
                 return self.advance();
             }
         }
-        hvprintln!("error: unexpected I/O exit {io:?}");
-        Ok(Next::Stop(StopReason::Unhandled(30)))
+        if io.string {
+            hvprintln!("error: string I/O on an intercepted port is not emulated: {io:?}");
+            return Ok(Next::Stop(StopReason::Unhandled(30)));
+        }
+        // An access that straddles root's ports and others (or a PM1 port
+        // at an odd offset): byte by byte, root's bytes float, the others
+        // go to the platform, as a bus would split it.
+        let mut value = 0u32;
+        let out = self.regs.rax as u32;
+        for i in 0..io.size.min(4) {
+            let Some(p) = io.port.checked_add(u16::from(i)) else {
+                break;
+            };
+            let shift = 8 * u32::from(i);
+            if io.input {
+                let byte = if Self::owns_port(p) {
+                    0xff
+                } else {
+                    // SAFETY: a port the guest owns, read on its behalf.
+                    unsafe { insn::inb(p) }
+                };
+                value |= u32::from(byte) << shift;
+            } else if !Self::owns_port(p) {
+                let byte = (out >> shift) as u8;
+                if let Some((a, b)) = pm1 {
+                    let high = p == a.wrapping_add(1) || Some(p) == b.map(|b| b.wrapping_add(1));
+                    if high && u32::from(byte) << 8 & policy::PM1_SLP_EN != 0 {
+                        let base = p - 1;
+                        // SAFETY: the guest's own PM1 register, read back.
+                        let low = u32::from(unsafe { insn::inb(base) });
+                        self.advance()?;
+                        return Ok(Next::Stop(StopReason::PowerOff {
+                            port: base,
+                            value: low | u32::from(byte) << 8,
+                            size: 2,
+                        }));
+                    }
+                }
+                forward_out(p, 1, u32::from(byte));
+            }
+        }
+        if io.input {
+            let mask = policy::floating_bus(io.size) as u64;
+            self.regs.rax = (self.regs.rax & !mask) | (u64::from(value) & mask);
+        }
+        self.advance()
     }
 }
 

@@ -13,6 +13,7 @@ mod arch;
 mod clock;
 mod control;
 mod exits;
+mod fatal;
 mod frames;
 mod guest;
 mod heap;
@@ -54,6 +55,7 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
     // any outcome below.
     let rsdp = guest::find_rsdp();
     let fadt = rsdp.and_then(|r| acpi::find_fadt(&phys::Phys, r));
+    fatal::set_power_off_port(fadt.map(|f| f.pm1a_cnt));
     match run(magic, mbi, &host, rsdp, fadt) {
         Ok(StopReason::PowerOff { port, value, size }) => {
             // Let the platform power off as the guest asked.
@@ -153,8 +155,9 @@ fn run(
     Ok(reason)
 }
 
+/// A panic ends the VM cleanly: one `error:` line for the host, then a
+/// power-off (never a silent halt).
 #[panic_handler]
 fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
-    hvprintln!("error: hypervisor panic: {info}");
-    insn::halt_forever()
+    fatal::die(format_args!("hypervisor panic: {info}"))
 }

@@ -9,7 +9,9 @@ pub const CPUID_1_ECX_VMX: u32 = 1 << 5;
 /// guest neither tries to use it nor trips over CR4.VMXE.
 pub fn filter_cpuid(leaf: u32, _subleaf: u32, mut r: [u32; 4]) -> [u32; 4] {
     match leaf {
-        1 => r[2] &= !CPUID_1_ECX_VMX,
+        // SMX is hidden with VMX: GETSEC then raises #UD, as it must
+        // with CR4.SMXE clear, and the guest never sets SMXE.
+        1 => r[2] &= !(CPUID_1_ECX_VMX | CPUID_1_ECX_SMX),
         // Bochs 2.7 advertises APERF/MPERF but does not implement the MSRs;
         // Linux then reads them on every tick and Bochs logs each failed
         // read (tens of MB a minute). The guest loses only its frequency
@@ -20,6 +22,9 @@ pub fn filter_cpuid(leaf: u32, _subleaf: u32, mut r: [u32; 4]) -> [u32; 4] {
     r
 }
 
+/// CPUID.1:ECX.SMX.
+pub const CPUID_1_ECX_SMX: u32 = 1 << 6;
+
 /// CPUID.6:ECX.APERFMPERF.
 pub const CPUID_6_ECX_APERFMPERF: u32 = 1 << 0;
 
@@ -27,8 +32,20 @@ pub const CPUID_6_ECX_APERFMPERF: u32 = 1 << 0;
 pub const CR0_PE: u64 = 1 << 0;
 /// CR0.NE.
 pub const CR0_NE: u64 = 1 << 5;
+/// CR0.NW.
+pub const CR0_NW: u64 = 1 << 29;
+/// CR0.CD.
+pub const CR0_CD: u64 = 1 << 30;
 /// CR0.PG.
 pub const CR0_PG: u64 = 1 << 31;
+/// CR4.PAE.
+pub const CR4_PAE: u64 = 1 << 5;
+/// CR4.LA57.
+pub const CR4_LA57: u64 = 1 << 12;
+/// CR4.SMXE.
+pub const CR4_SMXE: u64 = 1 << 14;
+/// CR4.PCIDE.
+pub const CR4_PCIDE: u64 = 1 << 17;
 /// CR4.VMXE.
 pub const CR4_VMXE: u64 = 1 << 13;
 /// EFER.LME.
@@ -57,9 +74,16 @@ pub enum CrWrite {
 }
 
 /// A guest MOV to CR0: the guest sees (through the shadow) what it wrote;
-/// the real register keeps the bits VMX needs.
-pub fn cr0_write(value: u64, fixed0: u64, fixed1: u64) -> CrWrite {
-    if value >> 32 != 0 || (value & CR0_PG != 0 && value & CR0_PE == 0) {
+/// the real register keeps the bits VMX needs. Every value that the SDM's
+/// MOV to CR0 refuses with #GP(0) is refused here too (SDM Vol. 2B, MOV to
+/// control registers), because loading it would make the next VM entry
+/// fail instead: reserved bits, PG without PE, NW without CD, and paging
+/// turned on with EFER.LME set but CR4.PAE clear.
+pub fn cr0_write(value: u64, fixed0: u64, fixed1: u64, cr4: u64, efer: u64) -> CrWrite {
+    let pg_without_pe = value & CR0_PG != 0 && value & CR0_PE == 0;
+    let nw_without_cd = value & CR0_NW != 0 && value & CR0_CD == 0;
+    let long_without_pae = value & CR0_PG != 0 && efer & EFER_LME != 0 && cr4 & CR4_PAE == 0;
+    if value >> 32 != 0 || pg_without_pe || nw_without_cd || long_without_pae {
         return CrWrite::Fault;
     }
     let actual = (value | cr0_host_mask(fixed0)) & fixed1;
@@ -69,16 +93,53 @@ pub fn cr0_write(value: u64, fixed0: u64, fixed1: u64) -> CrWrite {
     }
 }
 
-/// A guest MOV to CR4: VMXE is hidden from the guest, so setting it faults
-/// as on a CPU without VMX.
-pub fn cr4_write(value: u64, fixed0: u64, fixed1: u64) -> CrWrite {
-    if value & CR4_VMXE != 0 || value & !(fixed1 | CR4_VMXE) != 0 {
+/// A guest MOV to CR4: VMXE and SMXE are hidden from the guest, so setting
+/// them faults as on a CPU without VMX and SMX. In IA-32e mode (`lma`),
+/// clearing PAE or changing LA57 faults, as the SDM says.
+pub fn cr4_write(value: u64, old: u64, fixed0: u64, fixed1: u64, lma: bool) -> CrWrite {
+    let hidden = CR4_VMXE | CR4_SMXE;
+    let long_mode_change = lma && (value & CR4_PAE == 0 || (value ^ old) & CR4_LA57 != 0);
+    if value & hidden != 0 || value & !(fixed1 | CR4_VMXE) != 0 || long_mode_change {
         return CrWrite::Fault;
     }
     CrWrite::Load {
         actual: (value | cr4_host_mask(fixed0)) & fixed1,
         shadow: value,
     }
+}
+
+/// XCR0 bits with rules of their own (SDM Vol. 1, 13.3 "Enabling the
+/// XSAVE feature set and XSAVE-enabled features"; XSETBV in Vol. 2D).
+pub mod xcr0 {
+    /// x87 state: must always be set.
+    pub const X87: u64 = 1 << 0;
+    /// SSE state.
+    pub const SSE: u64 = 1 << 1;
+    /// AVX (YMM upper halves): needs SSE.
+    pub const AVX: u64 = 1 << 2;
+    /// MPX bounds registers (BNDREGS, BNDCSR): both or neither.
+    pub const MPX: u64 = 0b11 << 3;
+    /// AVX-512 (opmask, ZMM_Hi256, Hi16_ZMM): all three or none, and AVX.
+    pub const AVX512: u64 = 0b111 << 5;
+    /// AMX (XTILECFG, XTILEDATA): both or neither.
+    pub const AMX: u64 = 0b11 << 17;
+}
+
+/// Whether XSETBV of `value` into XCR `index` would succeed on a CPU whose
+/// CPUID.(EAX=0DH,ECX=0) reports `supported` (EDX:EAX). Root executes the
+/// XSETBV itself, so any value that would #GP must be refused first: a #GP
+/// in VMX root is a hypervisor crash.
+pub fn xsetbv_valid(index: u32, value: u64, supported: u64) -> bool {
+    use xcr0::*;
+    let all_or_none = |group: u64| value & group == 0 || value & group == group;
+    index == 0
+        && value & X87 != 0
+        && value & !supported == 0
+        && (value & AVX == 0 || value & SSE != 0)
+        && all_or_none(MPX)
+        && all_or_none(AVX512)
+        && (value & AVX512 == 0 || value & AVX != 0)
+        && all_or_none(AMX)
 }
 
 /// EFER after CR0.PG changes: LMA follows PG while LME is set (SDM 10.8.5).
@@ -161,6 +222,19 @@ pub fn msr_bitmap(bitmap: &mut [u8; 4096], reads: &[(u32, u32)], writes: &[(u32,
 /// device here.
 pub const CONTROL_PORTS: core::ops::RangeInclusive<u16> = 0x2f8..=0x2ff;
 
+/// The hypervisor's log port (QEMU isa-debugcon, Bochs port_e9_hack). It is
+/// root's alone: guest accesses exit, writes are dropped and counted, reads
+/// see a floating bus.
+pub const DEBUG_PORT: u16 = 0xe9;
+
+/// Whether an access of `size` bytes at `port` touches any port of `range`
+/// (an access covers `port .. port + size`, and the I/O bitmap makes it
+/// exit when any of those ports is intercepted).
+pub fn io_touches(port: u16, size: u8, range: &core::ops::RangeInclusive<u16>) -> bool {
+    let end = u32::from(port) + u32::from(size.max(1)) - 1;
+    u32::from(port) <= u32::from(*range.end()) && end >= u32::from(*range.start())
+}
+
 /// Sets the bits for `ports` in the two 4 KiB I/O bitmaps (A: 0..0x7fff,
 /// B: 0x8000..0xffff, SDM 25.6.4).
 pub fn io_bitmap_set(
@@ -205,7 +279,7 @@ mod tests {
     #[test]
     fn cpuid_hides_vmx_and_aperfmperf() {
         let r = filter_cpuid(1, 0, [1, 2, 0xffff_ffff, 4]);
-        assert_eq!(r, [1, 2, 0xffff_ffdf, 4]);
+        assert_eq!(r, [1, 2, 0xffff_ff9f, 4]);
         assert_eq!(
             filter_cpuid(7, 0, [1, 2, 0xffff_ffff, 4]),
             [1, 2, 0xffff_ffff, 4]
@@ -213,32 +287,100 @@ mod tests {
         assert_eq!(filter_cpuid(6, 0, [0, 0, 0x9, 0]), [0, 0, 0x8, 0]);
     }
 
+    const LONG: u64 = EFER_LME | EFER_LMA;
+
     #[test]
     fn cr0_keeps_ne_but_lets_the_guest_turn_paging_off() {
         assert_eq!(cr0_host_mask(CR0_F0), CR0_NE);
         // Decompressor: paging off, protection on.
         assert_eq!(
-            cr0_write(0x11, CR0_F0, CR0_F1),
+            cr0_write(0x11, CR0_F0, CR0_F1, CR4_PAE, EFER_LME),
             CrWrite::Load {
                 actual: 0x31,
                 shadow: 0x11
             }
         );
-        assert_eq!(cr0_write(CR0_PG | 0x10, CR0_F0, CR0_F1), CrWrite::Fault);
-        assert_eq!(cr0_write(1 << 40, CR0_F0, CR0_F1), CrWrite::Fault);
+        // Paging back on in long mode with PAE: fine.
+        assert!(matches!(
+            cr0_write(CR0_PG | 0x11, CR0_F0, CR0_F1, CR4_PAE, EFER_LME),
+            CrWrite::Load { .. }
+        ));
+        assert_eq!(cr0_write(CR0_PG | 0x10, CR0_F0, CR0_F1, CR4_PAE, 0), CrWrite::Fault);
+        assert_eq!(cr0_write(1 << 40, CR0_F0, CR0_F1, CR4_PAE, 0), CrWrite::Fault);
     }
 
     #[test]
-    fn cr4_hides_vmxe() {
+    fn cr0_values_that_would_fail_vm_entry_fault_instead() {
+        // NW without CD (SDM: #GP), and with CD it is a legal (if odd) mode.
+        let base = CR0_PG | CR0_PE | CR0_NE;
+        assert_eq!(cr0_write(base | CR0_NW, CR0_F0, CR0_F1, CR4_PAE, LONG), CrWrite::Fault);
+        assert!(matches!(
+            cr0_write(base | CR0_NW | CR0_CD, CR0_F0, CR0_F1, CR4_PAE, LONG),
+            CrWrite::Load { .. }
+        ));
+        // PG with EFER.LME but no CR4.PAE.
+        assert_eq!(cr0_write(base, CR0_F0, CR0_F1, 0, EFER_LME), CrWrite::Fault);
+        // Without LME, 32-bit paging without PAE is fine.
+        assert!(matches!(cr0_write(base, CR0_F0, CR0_F1, 0, 0), CrWrite::Load { .. }));
+    }
+
+    #[test]
+    fn cr4_hides_vmxe_and_smxe_and_keeps_long_mode_whole() {
         assert_eq!(
-            cr4_write(0x20, CR4_F0, CR4_F1),
+            cr4_write(0x20, 0x20, CR4_F0, CR4_F1, true),
             CrWrite::Load {
                 actual: 0x2020,
                 shadow: 0x20
             }
         );
-        assert_eq!(cr4_write(0x2020, CR4_F0, CR4_F1), CrWrite::Fault);
-        assert_eq!(cr4_write(1 << 30, CR4_F0, CR4_F1), CrWrite::Fault);
+        assert_eq!(cr4_write(0x2020, 0x20, CR4_F0, CR4_F1, false), CrWrite::Fault);
+        assert_eq!(cr4_write(0x20 | CR4_SMXE, 0x20, CR4_F0, CR4_F1, false), CrWrite::Fault);
+        assert_eq!(cr4_write(1 << 30, 0x20, CR4_F0, CR4_F1, false), CrWrite::Fault);
+        // Clearing PAE in long mode faults; outside it, it is allowed.
+        assert_eq!(cr4_write(0, 0x20, CR4_F0, CR4_F1, true), CrWrite::Fault);
+        assert!(matches!(cr4_write(0, 0x20, CR4_F0, CR4_F1, false), CrWrite::Load { .. }));
+        // LA57 cannot change in long mode.
+        assert_eq!(cr4_write(0x20 | CR4_LA57, 0x20, CR4_F0, CR4_F1, true), CrWrite::Fault);
+    }
+
+    #[test]
+    fn xsetbv_follows_every_xcr0_rule() {
+        // A CPU with x87, SSE, AVX, MPX, AVX-512 and AMX.
+        let all = 0b111 | xcr0::MPX | xcr0::AVX512 | xcr0::AMX;
+        assert!(xsetbv_valid(0, 0b111, all));
+        assert!(xsetbv_valid(0, all, all));
+        assert!(xsetbv_valid(0, 0b11 | xcr0::MPX, all));
+        // XCR index other than 0, x87 clear, unsupported bits, AVX without SSE.
+        assert!(!xsetbv_valid(1, 0b111, all));
+        assert!(!xsetbv_valid(0, 0b110, all));
+        assert!(!xsetbv_valid(0, 0b111 | 1 << 9, all));
+        assert!(!xsetbv_valid(0, 0b101, all));
+        // MPX: both bits or neither.
+        assert!(!xsetbv_valid(0, 0b111 | 1 << 3, all));
+        assert!(!xsetbv_valid(0, 0b111 | 1 << 4, all));
+        // AVX-512: all three or none, and only with AVX.
+        for partial in [1 << 5, 1 << 6, 1 << 7, 0b11 << 5, 0b101 << 5, 0b110 << 5] {
+            assert!(!xsetbv_valid(0, 0b111 | partial, all), "{partial:#x}");
+        }
+        assert!(!xsetbv_valid(0, 0b011 | xcr0::AVX512, all));
+        assert!(xsetbv_valid(0, 0b111 | xcr0::AVX512, all));
+        // AMX: both bits or neither.
+        assert!(!xsetbv_valid(0, 0b111 | 1 << 17, all));
+        assert!(!xsetbv_valid(0, 0b111 | 1 << 18, all));
+        // Haswell (no AVX-512): the AVX-512 bits are unsupported.
+        assert!(!xsetbv_valid(0, 0b111 | xcr0::AVX512, 0b111));
+    }
+
+    #[test]
+    fn accesses_that_straddle_owned_ports_are_seen() {
+        let com2 = CONTROL_PORTS;
+        assert!(io_touches(0x2f8, 1, &com2));
+        assert!(io_touches(0x2f6, 4, &com2)); // 0x2f6..=0x2f9
+        assert!(io_touches(0x2ff, 4, &com2)); // runs past the end
+        assert!(!io_touches(0x2f4, 4, &com2)); // 0x2f4..=0x2f7
+        assert!(!io_touches(0x300, 2, &com2));
+        assert!(io_touches(0xe8, 2, &(DEBUG_PORT..=DEBUG_PORT)));
+        assert!(io_touches(0xffff, 4, &(0xfffe..=0xffff)));
     }
 
     #[test]

@@ -259,14 +259,29 @@ pub fn setup(
     unsafe { insn::vmptrld(vmcs.0) }.map_err(|e| VmxError::Instruction("VMPTRLD", e, 0))?;
 
     let t = basic.has_true_controls();
+    // NMIs exit (root must never take one through a table the guest wrote,
+    // and the guest must still get each one); virtual NMIs let root track
+    // the guest's NMI blocking and use NMI-window exiting.
     let pin = controls(
         "pin-based",
-        0,
+        (PinbasedControls::NMI_EXITING | PinbasedControls::VIRTUAL_NMIS).bits(),
         PinbasedControls::VMX_PREEMPTION_TIMER.bits(),
         if t {
             IA32_VMX_TRUE_PINBASED_CTLS
         } else {
             IA32_VMX_PINBASED_CTLS
+        },
+    )?;
+    // NMI-window exiting is switched on only while an NMI waits for the
+    // guest, but it must exist.
+    controls(
+        "primary processor-based",
+        PrimaryControls::NMI_WINDOW_EXITING.bits(),
+        0,
+        if t {
+            IA32_VMX_TRUE_PROCBASED_CTLS
+        } else {
+            IA32_VMX_PROCBASED_CTLS
         },
     )?;
     let proc1 = controls(
@@ -345,6 +360,7 @@ pub fn setup(
     {
         let (a, b2) = (phys::frame_bytes_mut(io_a), phys::frame_bytes_mut(io_b));
         policy::io_bitmap_set(a, b2, policy::CONTROL_PORTS);
+        policy::io_bitmap_set(a, b2, policy::DEBUG_PORT..=policy::DEBUG_PORT);
         if let Some(fd) = fadt {
             policy::io_bitmap_set(a, b2, fd.pm1a_cnt..=fd.pm1a_cnt + 1);
             if let Some(p) = fd.pm1b_cnt {
@@ -381,7 +397,7 @@ pub fn setup(
     f::HOST_GS_BASE.write(v, 0)?;
     f::HOST_TR_BASE.write(v, host.tss_base)?;
     f::HOST_GDTR_BASE.write(v, host.gdt_base)?;
-    f::HOST_IDTR_BASE.write(v, 0)?;
+    f::HOST_IDTR_BASE.write(v, host.idt_base)?;
     f::HOST_IA32_SYSENTER_CS.write(v, 0)?;
     f::HOST_IA32_SYSENTER_ESP.write(v, 0)?;
     f::HOST_IA32_SYSENTER_EIP.write(v, 0)?;

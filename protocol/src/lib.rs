@@ -63,12 +63,13 @@ pub use codec::{
 };
 pub use message::{
     Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GraphFilter, GuestState, KernelReport,
-    ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceFormat, TracerReport,
+    GuardReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceFormat,
+    TracerReport,
 };
 
 /// The version of the wire format: the frame header, the framing and every
 /// message type. Both ends must agree exactly.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 #[cfg(test)]
 mod tests;

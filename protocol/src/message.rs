@@ -329,6 +329,28 @@ pub struct ProbeInfo {
     pub misses: u64,
 }
 
+/// What VMX root did to keep the guest out and its events whole, in a
+/// [`StatusReport`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuardReport {
+    /// NMIs that arrived while the guest ran (NMI exits).
+    pub nmi_exits: u64,
+    /// NMIs that arrived while root itself ran (taken through root's IDT).
+    pub nmis_in_root: u64,
+    /// NMIs injected into the guest.
+    pub nmis_injected: u64,
+    /// NMI-window exits (an NMI waited for the guest to unblock NMIs).
+    pub nmi_windows: u64,
+    /// Events whose delivery an exit interrupted, delivered again.
+    pub events_reinjected: u64,
+    /// Guest writes to the hypervisor's log port, dropped.
+    pub debug_port_writes: u64,
+    /// Guest XSETBV values refused with #GP.
+    pub xsetbv_refused: u64,
+    /// Guest control-register values refused with #GP.
+    pub cr_writes_refused: u64,
+}
+
 /// The tracer's counters, in a [`StatusReport`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TracerReport {
@@ -455,6 +477,8 @@ pub struct StatusReport {
     pub kernel: Option<KernelReport>,
     /// The tracer's counters.
     pub tracer: TracerReport,
+    /// VMX root's own guard counters.
+    pub guard: GuardReport,
 }
 
 /// The guest kernel as recovered from its memory.

@@ -77,6 +77,16 @@ fn status() -> StatusReport {
             graph_sessions: 2,
             retprobes: 1,
         },
+        guard: crate::GuardReport {
+            nmi_exits: 5,
+            nmis_in_root: 3,
+            nmis_injected: 8,
+            nmi_windows: 1,
+            events_reinjected: 2,
+            debug_port_writes: 40,
+            xsetbv_refused: 1,
+            cr_writes_refused: 2,
+        },
     }
 }
 

@@ -191,6 +191,8 @@ impl Checks {
 pub struct Detached {
     /// The control socket.
     pub socket: PathBuf,
+    /// The run directory `run --detach` reported (emulator logs, console).
+    pub run_dir: Option<PathBuf>,
 }
 
 impl Detached {
@@ -223,12 +225,29 @@ impl Detached {
             .stdin(Stdio::null())
             .output()
             .expect("cannot run hvtrace");
+        let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             out.status.success(),
-            "hvtrace run --detach failed: {}",
-            String::from_utf8_lossy(&out.stderr)
+            "hvtrace run --detach failed: {stderr}"
         );
-        Detached { socket }
+        let run_dir = stderr
+            .lines()
+            .find_map(|l| l.split_once("; run directory ").map(|(_, d)| PathBuf::from(d.trim())));
+        Detached { socket, run_dir }
+    }
+
+    /// Everything the emulator printed so far (the hypervisor's log port
+    /// included), from the run directory's emulator logs.
+    pub fn emulator_output(&self) -> String {
+        let Some(dir) = &self.run_dir else {
+            return String::new();
+        };
+        ["emulator.stdout.log", "emulator.stderr.log"]
+            .iter()
+            .filter_map(|f| std::fs::read(dir.join(f)).ok())
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// A client that said hello.

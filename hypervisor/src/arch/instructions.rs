@@ -487,3 +487,182 @@ unsafe extern "C" fn vmx_run_raw(regs: *mut GuestRegs, launched: u64) -> u64 {
         r15 = const offset_of!(GuestRegs, r15),
     );
 }
+
+/// Reads CR2 (the faulting linear address of the last #PF).
+pub fn read_cr2() -> u64 {
+    let v: u64;
+    // SAFETY: reading CR2 has no side effects.
+    unsafe { asm!("mov {}, cr2", out(reg) v, options(nomem, nostack, preserves_flags)) };
+    v
+}
+
+/// Loads the interrupt descriptor table register.
+///
+/// # Safety
+/// The table must stay valid for as long as it is loaded, with every
+/// present gate pointing at a handler that can run on the current stacks.
+pub unsafe fn lidt(p: &DescriptorTablePointer) {
+    // SAFETY: the caller guarantees the table outlives its use.
+    unsafe { asm!("lidt [{}]", in(reg) p, options(readonly, nostack)) };
+}
+
+/// Runs root's own NMI handler through `INT 2`. After a VM exit caused by
+/// an NMI, physical NMIs stay blocked until an IRET executes in root (SDM
+/// 28.x, "NMI exiting"); the handler's IRETQ is that IRET.
+pub fn run_nmi_handler() {
+    // SAFETY: vector 2 of root's IDT is the NMI stub, which only records
+    // the NMI for the guest and returns with IRETQ on its IST stack.
+    unsafe { asm!("int 2") };
+}
+
+/// The registers a root trap stub saves, in stack order (lowest address
+/// first), followed by the vector, the error code (0 when the CPU pushes
+/// none) and the CPU's own interrupt frame.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct TrapFrame {
+    pub r11: u64,
+    pub r10: u64,
+    pub r9: u64,
+    pub r8: u64,
+    pub rdi: u64,
+    pub rsi: u64,
+    pub rdx: u64,
+    pub rcx: u64,
+    pub rax: u64,
+    pub vector: u64,
+    pub error_code: u64,
+    pub rip: u64,
+    pub cs: u64,
+    pub rflags: u64,
+    pub rsp: u64,
+    pub ss: u64,
+}
+
+// The stubs below push exactly these words; the CPU aligns RSP to 16 before
+// its 5-word frame, so 16 words keep the call into Rust 16-byte aligned.
+const _: () = assert!(core::mem::size_of::<TrapFrame>() == 16 * 8);
+const _: () = assert!(core::mem::offset_of!(TrapFrame, vector) == 9 * 8);
+const _: () = assert!(core::mem::offset_of!(TrapFrame, rip) == 11 * 8);
+
+extern "C" {
+    /// Entry points of the 32 exception stubs, by vector.
+    static hv_trap_entries: [u64; 32];
+}
+
+/// The address of the stub for exception `vector` (0..32).
+pub fn trap_entry(vector: usize) -> u64 {
+    // SAFETY: a read-only table of 32 addresses emitted by the assembly below.
+    unsafe { core::ptr::addr_of!(hv_trap_entries).cast::<u64>().add(vector % 32).read() }
+}
+
+// Exception stubs: vectors 8, 10-14, 17, 21, 29 and 30 push an error code;
+// the others push a 0 in its place. Each stub pushes its vector and jumps
+// to the common path, which saves the caller-saved registers, calls
+// `hv_root_trap(&TrapFrame)` and returns with IRETQ if the handler returns
+// (it does so only for an NMI).
+core::arch::global_asm!(
+    r#"
+    .section .text.hv_traps, "ax"
+    .macro HV_TRAP vec, err
+    .balign 16
+hv_trap_\vec:
+    .if \err == 0
+    push 0
+    .endif
+    push \vec
+    jmp hv_trap_common
+    .endm
+
+    HV_TRAP 0, 0
+    HV_TRAP 1, 0
+    HV_TRAP 2, 0
+    HV_TRAP 3, 0
+    HV_TRAP 4, 0
+    HV_TRAP 5, 0
+    HV_TRAP 6, 0
+    HV_TRAP 7, 0
+    HV_TRAP 8, 1
+    HV_TRAP 9, 0
+    HV_TRAP 10, 1
+    HV_TRAP 11, 1
+    HV_TRAP 12, 1
+    HV_TRAP 13, 1
+    HV_TRAP 14, 1
+    HV_TRAP 15, 0
+    HV_TRAP 16, 0
+    HV_TRAP 17, 1
+    HV_TRAP 18, 0
+    HV_TRAP 19, 0
+    HV_TRAP 20, 0
+    HV_TRAP 21, 1
+    HV_TRAP 22, 0
+    HV_TRAP 23, 0
+    HV_TRAP 24, 0
+    HV_TRAP 25, 0
+    HV_TRAP 26, 0
+    HV_TRAP 27, 0
+    HV_TRAP 28, 0
+    HV_TRAP 29, 1
+    HV_TRAP 30, 1
+    HV_TRAP 31, 0
+
+    .balign 16
+hv_trap_common:
+    push rax
+    push rcx
+    push rdx
+    push rsi
+    push rdi
+    push r8
+    push r9
+    push r10
+    push r11
+    mov rdi, rsp
+    cld
+    call hv_root_trap
+    pop r11
+    pop r10
+    pop r9
+    pop r8
+    pop rdi
+    pop rsi
+    pop rdx
+    pop rcx
+    pop rax
+    add rsp, 16
+    iretq
+
+    .section .rodata.hv_traps, "a"
+    .balign 8
+    .global hv_trap_entries
+hv_trap_entries:
+    .quad hv_trap_0, hv_trap_1, hv_trap_2, hv_trap_3
+    .quad hv_trap_4, hv_trap_5, hv_trap_6, hv_trap_7
+    .quad hv_trap_8, hv_trap_9, hv_trap_10, hv_trap_11
+    .quad hv_trap_12, hv_trap_13, hv_trap_14, hv_trap_15
+    .quad hv_trap_16, hv_trap_17, hv_trap_18, hv_trap_19
+    .quad hv_trap_20, hv_trap_21, hv_trap_22, hv_trap_23
+    .quad hv_trap_24, hv_trap_25, hv_trap_26, hv_trap_27
+    .quad hv_trap_28, hv_trap_29, hv_trap_30, hv_trap_31
+    .text
+    "#
+);
+
+/// Reads CR8 (the task-priority register).
+pub fn read_cr8() -> u64 {
+    let v: u64;
+    // SAFETY: reading CR8 has no side effects.
+    unsafe { asm!("mov {}, cr8", out(reg) v, options(nomem, nostack, preserves_flags)) };
+    v
+}
+
+/// Writes CR8.
+///
+/// # Safety
+/// `v` must be 0..=15; root runs with interrupts off, so only the guest
+/// sees the new priority.
+pub unsafe fn write_cr8(v: u64) {
+    // SAFETY: the caller guarantees a valid priority.
+    unsafe { asm!("mov cr8, {}", in(reg) v, options(nomem, nostack, preserves_flags)) };
+}

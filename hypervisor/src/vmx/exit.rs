@@ -14,7 +14,10 @@ pub mod reason {
     pub const INIT: u16 = 3;
     pub const SIPI: u16 = 4;
     pub const INTERRUPT_WINDOW: u16 = 7;
+    pub const NMI_WINDOW: u16 = 8;
+    pub const TASK_SWITCH: u16 = 9;
     pub const CPUID: u16 = 10;
+    pub const GETSEC: u16 = 11;
     pub const HLT: u16 = 12;
     pub const INVD: u16 = 13;
     pub const VMCALL: u16 = 18;
@@ -58,10 +61,10 @@ pub fn reason_name(r: u16) -> &'static str {
         5 => "IO_SMI",
         6 => "OTHER_SMI",
         INTERRUPT_WINDOW => "INTERRUPT_WINDOW",
-        8 => "NMI_WINDOW",
-        9 => "TASK_SWITCH",
+        NMI_WINDOW => "NMI_WINDOW",
+        TASK_SWITCH => "TASK_SWITCH",
         CPUID => "CPUID",
-        11 => "GETSEC",
+        GETSEC => "GETSEC",
         HLT => "HLT",
         INVD => "INVD",
         14 => "INVLPG",
@@ -185,8 +188,17 @@ pub struct EptViolation {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum VmExit {
-    /// An exception or NMI hit the exception bitmap.
+    /// An exception hit the exception bitmap.
     Exception { vector: u8, info: u32 },
+    /// An NMI arrived while the guest ran ("NMI exiting" is on).
+    Nmi,
+    /// The guest can take an NMI now ("NMI-window exiting" was on).
+    NmiWindow,
+    /// A task switch (CALL/JMP/IRET to a TSS or task gate, or an event
+    /// through a task gate) with its qualification.
+    TaskSwitch { qualification: u64 },
+    /// GETSEC.
+    Getsec,
     /// An external interrupt (only when external-interrupt exiting is on).
     ExternalInterrupt,
     /// The guest triple-faulted.
@@ -246,10 +258,18 @@ pub fn decode(raw: &RawExit) -> VmExit {
         };
     }
     match basic {
+        EXCEPTION_OR_NMI
+            if (raw.interruption_info >> 8) & 7 == crate::vmx::event::TYPE_NMI as u32 =>
+        {
+            VmExit::Nmi
+        }
         EXCEPTION_OR_NMI => VmExit::Exception {
             vector: raw.interruption_info as u8,
             info: raw.interruption_info,
         },
+        NMI_WINDOW => VmExit::NmiWindow,
+        TASK_SWITCH => VmExit::TaskSwitch { qualification: q },
+        GETSEC => VmExit::Getsec,
         EXTERNAL_INTERRUPT => VmExit::ExternalInterrupt,
         TRIPLE_FAULT => VmExit::TripleFault,
         INIT => VmExit::Init,
@@ -323,6 +343,39 @@ mod tests {
             qualification: q,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn nmis_windows_task_switches_and_getsec_are_named() {
+        // An NMI exit is reason 0 with interruption type 2.
+        let nmi = RawExit {
+            reason: 0,
+            interruption_info: 0x8000_0202,
+            ..Default::default()
+        };
+        assert_eq!(decode(&nmi), VmExit::Nmi);
+        // A #DB exit is reason 0 with type 3.
+        let db = RawExit {
+            reason: 0,
+            interruption_info: 0x8000_0301,
+            ..Default::default()
+        };
+        assert_eq!(
+            decode(&db),
+            VmExit::Exception {
+                vector: 1,
+                info: 0x8000_0301
+            }
+        );
+        assert_eq!(decode(&raw(8, 0)), VmExit::NmiWindow);
+        assert_eq!(
+            decode(&raw(9, 0x4000_0028)),
+            VmExit::TaskSwitch {
+                qualification: 0x4000_0028
+            }
+        );
+        assert_eq!(decode(&raw(11, 0)), VmExit::Getsec);
+        assert_eq!(reason_name(8), "NMI_WINDOW");
     }
 
     #[test]

@@ -2,5 +2,6 @@
 //! The instructions that act on them live in the binary's `arch` module.
 
 pub mod caps;
+pub mod event;
 pub mod exit;
 pub mod fields;

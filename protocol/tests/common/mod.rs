@@ -103,6 +103,7 @@ pub fn status_report() -> StatusReport {
         },
         kernel: None,
         tracer: protocol::TracerReport::default(),
+        guard: protocol::GuardReport::default(),
     }
 }
 
