@@ -282,6 +282,52 @@ pub fn translate<M: GuestMemory + ?Sized>(
     Ok(leaf(pte, PageSize::Size4K, acc))
 }
 
+/// Why the kernel's own top-level table could not be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RootError {
+    /// The table's address does not translate through the CR3 given.
+    Walk(WalkError),
+    /// The table is not page aligned where it translates to.
+    Unaligned(Gpa),
+    /// The candidate table does not map the kernel the way the CR3 does
+    /// (it maps `probe` elsewhere, or not at all): not the kernel's PGD.
+    Mismatch {
+        /// The address both walks were asked for.
+        probe: Gva,
+    },
+}
+
+/// The kernel's own top-level page table (x86-64 `init_top_pgt`, which
+/// `swapper_pg_dir` names), found from its virtual address `pgd` through
+/// any CR3 whose kernel half is live (`via`), and checked: walking `probes`
+/// (kernel addresses, e.g. the table itself and `_text`) through it must
+/// give the same physical addresses as through `via`.
+///
+/// The kernel half of every address space points at the same lower tables,
+/// but a task's PGD is freed when the task exits; this one lives as long as
+/// the kernel, so walks that must stay valid for the VM's life use it.
+pub fn kernel_root<M: GuestMemory + ?Sized>(
+    mem: &M,
+    via: Cr3,
+    pgd: Gva,
+    probes: &[Gva],
+) -> Result<Cr3, RootError> {
+    let t = translate(mem, via, pgd).map_err(RootError::Walk)?;
+    if t.gpa.0 & 0xfff != 0 {
+        return Err(RootError::Unaligned(t.gpa));
+    }
+    let root = Cr3(t.gpa.0);
+    for &probe in core::iter::once(&pgd).chain(probes) {
+        let a = translate(mem, via, probe).map(|t| t.gpa);
+        let b = translate(mem, root, probe).map(|t| t.gpa);
+        match (a, b) {
+            (Ok(a), Ok(b)) if a == b => {}
+            _ => return Err(RootError::Mismatch { probe }),
+        }
+    }
+    Ok(root)
+}
+
 /// Reads `buf.len()` bytes of guest-virtual memory at `gva`, translating
 /// every page crossed. Fails (never panics) on the first unmapped byte; the
 /// error names that byte's address. On error `buf` is partly filled.

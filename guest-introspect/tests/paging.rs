@@ -1,7 +1,7 @@
 //! The page walker over synthetic guest page tables in a `VecMemory`.
 
 use guest_introspect::paging::{
-    read_virt, translate, Cr3, Level, PageSize, WalkError, PTE_LARGE, PTE_NX, PTE_PRESENT,
+    kernel_root, read_virt, translate, Cr3, RootError, Level, PageSize, WalkError, PTE_LARGE, PTE_NX, PTE_PRESENT,
     PTE_USER, PTE_WRITABLE,
 };
 use guest_introspect::view::{PagedView, ViewError, VirtMemory};
@@ -330,4 +330,55 @@ fn scan_skips_holes() {
     // 2 MiB + the 4 KiB page were read; the holes were skipped in few reads.
     assert_eq!(st.bytes_scanned, (2 << 20) + 0x1000);
     assert!(st.reads < 80, "{st:?}");
+}
+
+/// A task's PGD whose kernel half points at the same PDPT as the kernel's
+/// own PGD: `kernel_root` finds the kernel's from the task's, and refuses a
+/// table that does not map the kernel the same way.
+#[test]
+fn the_kernels_own_pgd_is_found_through_a_tasks() {
+    let mut b = Builder::new();
+    // The kernel's PGD is a table of its own; map the kernel image 2 MiB at
+    // KTEXT (physical 4 MiB) through it.
+    b.map(KTEXT, 0x40_0000, PageSize::Size2M, P | W, P | W);
+    let kernel_pgd = b.pml4;
+    // A task's PGD: a copy of the kernel's upper half (same PDPT).
+    let task_pgd = b.table();
+    for i in 256..512u64 {
+        let e = b.read(Gpa(kernel_pgd + i * 8));
+        b.mem.write_u64(Gpa(task_pgd + i * 8), e).unwrap();
+    }
+    // init_top_pgt lives in the kernel image: place the kernel's PGD there
+    // by mapping a virtual address onto its frame (4 KiB page).
+    let pgd_gva = 0xffff_ffff_8200_0000u64;
+    b.map(pgd_gva, kernel_pgd, PageSize::Size4K, P | W, P | W);
+    // The task's copy was made before that mapping: copy the half again.
+    for i in 256..512u64 {
+        let e = b.read(Gpa(kernel_pgd + i * 8));
+        b.mem.write_u64(Gpa(task_pgd + i * 8), e).unwrap();
+    }
+    let via = Cr3(task_pgd | 0x3);
+    let root = kernel_root(&b.mem, via, Gva(pgd_gva), &[Gva(KTEXT + 0x1000)]).unwrap();
+    assert_eq!(root, Cr3(kernel_pgd));
+    // The task exits and its PGD is reused for something else: the walks
+    // through the kernel root still work.
+    for i in 0..512u64 {
+        b.mem.write_u64(Gpa(task_pgd + i * 8), 0xdead_0000_0000_0007).unwrap();
+    }
+    let t = translate(&b.mem, root, Gva(KTEXT + 0x1234)).unwrap();
+    assert_eq!(t.gpa, Gpa(0x40_1234));
+
+    // A symbol that points at some other page (not a PGD mapping the
+    // kernel the same way) is refused.
+    let mut b = Builder::new();
+    b.map(KTEXT, 0x40_0000, PageSize::Size2M, P | W, P | W);
+    let bogus = b.table();
+    b.map(pgd_gva, bogus, PageSize::Size4K, P | W, P | W);
+    let err = kernel_root(&b.mem, b.cr3(), Gva(pgd_gva), &[Gva(KTEXT)]).unwrap_err();
+    assert!(matches!(err, RootError::Mismatch { .. }), "{err:?}");
+    // Unmapped: a walk error.
+    assert!(matches!(
+        kernel_root(&b.mem, b.cr3(), Gva(0xffff_ffff_9000_0000), &[]),
+        Err(RootError::Walk(_))
+    ));
 }

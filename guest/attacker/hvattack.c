@@ -21,7 +21,7 @@
  *                prints "hvattack: NMI gate ran in VMX root" on port 0xE9.
  *   forge_e9=1   write forged hypervisor log lines to port 0xE9
  *   cr0_nw=1     MOV to CR0 with NW set and CD clear (must #GP)
- *   xsetbv=1     XSETBV with AVX-512 and MPX bits half set (must #GP)
+ *   bad_xsetbv=1 XSETBV with AVX-512 and MPX bits half set (must #GP)
  *   getsec=1     GETSEC (must #UD: SMX is not offered)
  *   straddle=1   4-byte port accesses that straddle the control UART
  *
@@ -61,8 +61,8 @@ static int forge_e9;
 module_param(forge_e9, int, 0);
 static int cr0_nw;
 module_param(cr0_nw, int, 0);
-static int xsetbv;
-module_param(xsetbv, int, 0);
+static int bad_xsetbv;
+module_param(bad_xsetbv, int, 0);
 static int getsec;
 module_param(getsec, int, 0);
 static int straddle;
@@ -212,6 +212,8 @@ extern const u8 hva_gate_code[], hva_gate_code_end[];
 
 #define IOAPIC_BASE 0xfec00000UL
 #define PIT_PIN 2
+#define HPET_BASE 0xfed00000UL
+#define HPET_CFG_LEGACY_ROUTE 2
 
 static u32 ioapic_read(void __iomem *io, unsigned int reg)
 {
@@ -227,7 +229,8 @@ static void ioapic_write(void __iomem *io, unsigned int reg, u32 val)
 
 static void storm(void)
 {
-	void __iomem *io;
+	void __iomem *io, *hpet;
+	u32 hpet_cfg = 0;
 	u8 *low, *code;
 	u8 saved[16];
 	u64 gate, stub;
@@ -266,6 +269,13 @@ static void storm(void)
 	/* Delivery mode NMI (100b), edge, physical destination APIC 0, unmasked. */
 	ioapic_write(io, 0x11 + 2 * PIT_PIN, 0);
 	ioapic_write(io, 0x10 + 2 * PIT_PIN, 4 << 8);
+	/* With the HPET in legacy replacement mode, the PIT is cut off from
+	 * IRQ0: route it back for the storm. */
+	hpet = ioremap(HPET_BASE, PAGE_SIZE);
+	if (hpet) {
+		hpet_cfg = readl(hpet + 0x10);
+		writel(hpet_cfg & ~HPET_CFG_LEGACY_ROUTE, hpet + 0x10);
+	}
 	/* PIT channel 0, mode 2 (rate generator), divisor 200: about 6 kHz. */
 	outb(0x34, 0x43);
 	outb(200 & 0xff, 0x40);
@@ -290,6 +300,10 @@ static void storm(void)
 	ioapic_write(io, 0x11 + 2 * PIT_PIN, hi);
 	ioapic_write(io, 0x10 + 2 * PIT_PIN, lo);
 	iounmap(io);
+	if (hpet) {
+		writel(hpet_cfg, hpet + 0x10);
+		iounmap(hpet);
+	}
 	pr_info("hvattack: nmi storm: %lu exits in %llu ms\n", exits, t0 / 1000000);
 out_low:
 	memcpy(low + 0x20, saved, 16);
@@ -388,7 +402,7 @@ static int __init hvattack_init(void)
 		forge_log();
 	if (cr0_nw)
 		write_cr0_nw();
-	if (xsetbv)
+	if (bad_xsetbv)
 		try_xsetbv();
 	if (getsec)
 		try_getsec();

@@ -206,10 +206,11 @@ fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
                     recovery_ns: clock::tsc_to_ns(insn::rdtsc().wrapping_sub(t0), tsc_hz),
                     task_layout_error: f.task.as_ref().err().map(|e| e.to_string()),
                 };
+                let root = kernel_pgd(&f, cr3);
                 return Ok(Kernel {
                     facts: f,
                     report,
-                    cr3,
+                    cr3: root,
                 });
             }
             Err(e) => last = format!("kallsyms not found: {e}"),
@@ -218,14 +219,38 @@ fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
     Err(last)
 }
 
+/// The kernel's own top-level table (`init_top_pgt`), which outlives every
+/// task, found through the CR3 recovery walked with. Falls back to that CR3
+/// (with a warning) on a kernel without the symbol.
+fn kernel_pgd(f: &KernelFacts, via: Cr3) -> Cr3 {
+    let Some(pgd) = f.symbols.addr_of("init_top_pgt") else {
+        log::warn!("introspection: no init_top_pgt symbol; kernel walks use the CR3 of recovery");
+        return via;
+    };
+    let probes: Vec<Gva> = ["_text", "_stext", "init_task"]
+        .iter()
+        .filter_map(|n| f.symbols.addr_of(n))
+        .collect();
+    match guest_introspect::paging::kernel_root(&GuestRam, via, pgd, &probes) {
+        Ok(root) => {
+            log::info!("introspection: kernel walks use init_top_pgt at guest-physical {:#x}", root.0);
+            root
+        }
+        Err(e) => {
+            log::warn!("introspection: init_top_pgt unusable ({e:?}); kernel walks use the CR3 of recovery");
+            via
+        }
+    }
+}
+
 impl Kernel {
     /// The symbol index.
     pub fn index(&self) -> &guest_introspect::kallsyms::SymbolIndex {
         &self.facts.symbols
     }
 
-    /// The CR3 recovery walked the kernel with (its half is shared by
-    /// every address space).
+    /// The kernel's own top-level table (`init_top_pgt`), valid for the
+    /// VM's life, unlike the CR3 of whichever task recovery interrupted.
     pub fn cr3(&self) -> Cr3 {
         self.cr3
     }
