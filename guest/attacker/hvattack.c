@@ -24,6 +24,8 @@
  *   bad_xsetbv=1 XSETBV with AVX-512 and MPX bits half set (must #GP)
  *   getsec=1     GETSEC (must #UD: SMX is not offered)
  *   straddle=1   4-byte port accesses that straddle the control UART
+ *   apic_base=1  move the local APIC's MMIO window to 31 MiB, inside the
+ *                hypervisor's memory (must #GP), then put it back
  *
  * Loading always fails with -EAGAIN once the attempts are done, so the
  * module can be loaded again with other parameters.
@@ -67,6 +69,8 @@ static int getsec;
 module_param(getsec, int, 0);
 static int straddle;
 module_param(straddle, int, 0);
+static int apic_base;
+module_param(apic_base, int, 0);
 
 static void time_reads(void)
 {
@@ -386,6 +390,24 @@ static void try_straddle(void)
 	pr_info("hvattack: straddling inl(0x2f6) = %08x\n", in);
 }
 
+static void move_apic(void)
+{
+	u64 orig, now, moved;
+	unsigned long flags;
+	int err;
+
+	rdmsrl(MSR_IA32_APICBASE, orig);
+	moved = (orig & 0xfff) | 0x1f00000;
+	local_irq_save(flags);
+	err = wrmsr_safe(MSR_IA32_APICBASE, (u32)moved, (u32)(moved >> 32));
+	rdmsrl(MSR_IA32_APICBASE, now);
+	if (!err)
+		wrmsrl(MSR_IA32_APICBASE, orig);
+	local_irq_restore(flags);
+	pr_info("hvattack: apic base %llx -> %llx %s (read back %llx)\n", orig, moved,
+		err ? "raised #GP" : "was accepted", now);
+}
+
 static int __init hvattack_init(void)
 {
 	if (func && reads > 0)
@@ -408,6 +430,8 @@ static int __init hvattack_init(void)
 		try_getsec();
 	if (straddle)
 		try_straddle();
+	if (apic_base)
+		move_apic();
 	pr_info("hvattack: done\n");
 	return -EAGAIN;
 }

@@ -8,7 +8,7 @@ use crate::introspect::{CpuView, Introspection};
 use crate::trace::{Hypercall, Tracer, Violation};
 use crate::vcpu::{VmConfig, Vmcs};
 use core::fmt;
-use hypervisor::policy::{self, CrWrite, MsrRead};
+use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
 use hypervisor::stats::ExitCounters;
 use hypervisor::vmx::event::{self, Event};
 use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, RawExit, VmExit};
@@ -419,11 +419,25 @@ impl Vcpu {
                     MsrRead::Fault => self.inject(GP, Some(0)),
                 }
             }
-            VmExit::MsrWrite { msr, .. } => {
-                if policy::msr_write_faults(msr) {
-                    self.inject(GP, Some(0))
-                } else {
-                    self.advance()
+            VmExit::MsrWrite { msr, value } => {
+                let hv = loader::layout::HV_RESERVED.as_u64()..loader::layout::HV_RESERVED_END.as_u64();
+                match policy::msr_write(msr, value, hv) {
+                    MsrWrite::Forward => {
+                        // SAFETY: only IA32_APIC_BASE is forwarded, with a
+                        // base outside hypervisor memory; root uses no
+                        // APIC, and a value the CPU refuses is a #GP for
+                        // the guest.
+                        match unsafe { insn::wrmsr_safe(msr, value) } {
+                            Ok(()) => self.advance(),
+                            Err(()) => self.inject(GP, Some(0)),
+                        }
+                    }
+                    MsrWrite::Fault => {
+                        if msr == policy::MSR_APIC_BASE {
+                            self.guard.apic_moves_refused += 1;
+                        }
+                        self.inject(GP, Some(0))
+                    }
                 }
             }
             VmExit::Xsetbv { xcr, value } => {

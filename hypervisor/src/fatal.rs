@@ -93,7 +93,13 @@ const NAMES: [&str; 32] = [
 
 /// Called by the exception stubs of root's IDT.
 #[unsafe(no_mangle)]
-extern "C" fn hv_root_trap(frame: &TrapFrame) {
+extern "C" fn hv_root_trap(frame: &mut TrapFrame) {
+    if frame.vector == 13 {
+        if let Some(resume) = insn::fixup_for(frame.rip) {
+            frame.rip = resume;
+            return;
+        }
+    }
     if frame.vector == 2 {
         if !SOFT_NMI.swap(false, Ordering::AcqRel) {
             NMIS_IN_ROOT.fetch_add(1, Ordering::Relaxed);

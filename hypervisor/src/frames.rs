@@ -75,6 +75,8 @@ impl TableStore for PoolTables {
         alloc()
     }
     fn table(&mut self, hpa: Hpa) -> &mut [u64; 512] {
-        phys::frame_mut(hpa)
+        // SAFETY: the EPT asks only for tables it allocated from the pool,
+        // and holds one reference to a table at a time.
+        unsafe { phys::frame_mut(hpa) }
     }
 }

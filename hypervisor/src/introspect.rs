@@ -18,7 +18,7 @@ use guest_introspect::mem::{GuestMemory, MemError};
 use guest_introspect::paging::Cr3;
 use guest_introspect::view::PagedView;
 use guest_introspect::view::VirtMemory as _;
-use loader::layout::{self, Gpa};
+use loader::layout::Gpa;
 use protocol::{KernelReport, SymbolInfo, TaskInfo};
 
 const IA32_LSTAR: u32 = 0xc000_0082;
@@ -32,28 +32,7 @@ pub struct GuestRam;
 
 impl GuestMemory for GuestRam {
     fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), MemError> {
-        let len = buf.len() as u64;
-        let start = gpa.as_u64();
-        let Some(end) = start.checked_add(len) else {
-            return Err(MemError::OutOfRange {
-                gpa,
-                len: buf.len(),
-            });
-        };
-        let (hv0, hv1) = (
-            layout::HV_RESERVED.as_u64(),
-            layout::HV_RESERVED_END.as_u64(),
-        );
-        if start < hv1 && end > hv0 {
-            return Err(MemError::Denied { gpa });
-        }
-        if end > phys::MAPPED_LIMIT || !phys::read(start, buf) {
-            return Err(MemError::OutOfRange {
-                gpa,
-                len: buf.len(),
-            });
-        }
-        Ok(())
+        phys::guest_ram().read_phys(gpa, buf)
     }
 }
 

@@ -13,6 +13,7 @@ extern crate alloc;
 pub mod acpi;
 pub mod addr;
 pub mod ept;
+pub mod guest_phys;
 pub mod kprobe;
 pub mod policy;
 pub mod stats;

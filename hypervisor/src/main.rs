@@ -116,6 +116,8 @@ fn run(
 ) -> Result<StopReason, Fatal> {
     let boot = guest::boot_info(magic, mbi)?;
     let entry = guest::load(&boot, rsdp)?;
+    // From here on, guest memory is reached only through the guarded door.
+    phys::set_guest_ram(boot.e820.clone());
     log::info!(
         "guest kernel loaded at {:#x}, entry {:#x}, RAM {} MiB, RSDP {:?}",
         entry.load,

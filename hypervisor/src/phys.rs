@@ -1,9 +1,16 @@
 //! Raw access to physical memory. The boot stub identity-maps the first
 //! 4 GiB, so a physical address below that is also a pointer. All the
 //! pointer casting of the binary is here.
+//!
+//! Raw reads and writes serve the hypervisor's own frames and the loading
+//! of the guest before it runs. Once the guest runs, every access to its
+//! memory goes through [`guest_ram`], which refuses anything that is not
+//! guest RAM.
 
 use hypervisor::acpi::PhysRead;
 use hypervisor::addr::Hpa;
+use hypervisor::guest_phys::{GuestPhys, RawMemory};
+use spin::Once;
 
 /// Highest physical address (exclusive) the hypervisor's page tables map.
 pub const MAPPED_LIMIT: u64 = 1 << 32;
@@ -56,8 +63,45 @@ pub fn slice(addr: u64, len: usize) -> Option<&'static [u8]> {
     Some(unsafe { core::slice::from_raw_parts(addr as *const u8, len) })
 }
 
+/// Root's identity map as raw memory, for [`GuestPhys`] only.
+pub struct Identity;
+
+impl RawMemory for Identity {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+        read(addr, buf)
+    }
+    fn write(&self, addr: u64, bytes: &[u8]) -> bool {
+        write(addr, bytes)
+    }
+}
+
+static GUEST_RAM: Once<GuestPhys<Identity>> = Once::new();
+static NO_RAM: GuestPhys<Identity> = GuestPhys::refusing_all(Identity);
+
+/// Fixes what guest RAM is (the guest's e820, hypervisor memory excluded)
+/// for the VM's life. Until then every guest access is refused.
+pub fn set_guest_ram(map: loader::e820::E820Map) {
+    GUEST_RAM.call_once(|| {
+        GuestPhys::new(
+            map,
+            loader::layout::HV_RESERVED.as_u64()..loader::layout::HV_RESERVED_END.as_u64(),
+            Identity,
+        )
+    });
+}
+
+/// The one door to guest-physical memory once the guest runs: every
+/// access outside guest RAM is refused.
+pub fn guest_ram() -> &'static GuestPhys<Identity> {
+    GUEST_RAM.get().unwrap_or(&NO_RAM)
+}
+
 /// A hypervisor-owned frame as a table of 512 words.
-pub fn frame_mut(hpa: Hpa) -> &'static mut [u64; 512] {
+///
+/// # Safety
+/// `hpa` must be a frame of the hypervisor's pool that the caller owns and
+/// uses as one table (no other live reference to it).
+pub unsafe fn frame_mut(hpa: Hpa) -> &'static mut [u64; 512] {
     assert!(
         hpa.0.is_multiple_of(4096) && check(hpa.0, 4096),
         "frame {:#x} outside mapped memory",
@@ -69,7 +113,10 @@ pub fn frame_mut(hpa: Hpa) -> &'static mut [u64; 512] {
 }
 
 /// A hypervisor-owned frame as bytes.
-pub fn frame_bytes_mut(hpa: Hpa) -> &'static mut [u8; 4096] {
+///
+/// # Safety
+/// As for [`frame_mut`].
+pub unsafe fn frame_bytes_mut(hpa: Hpa) -> &'static mut [u8; 4096] {
     assert!(
         hpa.0.is_multiple_of(4096) && check(hpa.0, 4096),
         "frame {:#x} outside mapped memory",

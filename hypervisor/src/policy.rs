@@ -163,8 +163,12 @@ pub const INTERCEPTED_MSR_READS: &[(u32, u32)] = &[
     (MSR_FEATURE_CONTROL, MSR_FEATURE_CONTROL),
     (MSR_VMX_FIRST, MSR_VMX_LAST),
 ];
+/// IA32_APIC_BASE: where the local APIC's MMIO window sits.
+pub const MSR_APIC_BASE: u32 = 0x1b;
+
 /// MSRs whose writes exit.
 pub const INTERCEPTED_MSR_WRITES: &[(u32, u32)] = &[
+    (MSR_APIC_BASE, MSR_APIC_BASE),
     (MSR_FEATURE_CONTROL, MSR_FEATURE_CONTROL),
     (MSR_VMX_FIRST, MSR_VMX_LAST),
 ];
@@ -188,10 +192,37 @@ pub fn msr_read(msr: u32, real: u64) -> MsrRead {
     }
 }
 
-/// An intercepted WRMSR: every MSR we intercept is read-only or absent for
-/// the guest (FEATURE_CONTROL is locked), so writes fault.
-pub fn msr_write_faults(_msr: u32) -> bool {
-    true
+/// What to do with an intercepted WRMSR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MsrWrite {
+    /// Inject #GP(0).
+    Fault,
+    /// Write the value for the guest (root and guest share the MSR); the
+    /// CPU's own checks still apply (a value it refuses is a #GP for the
+    /// guest, never for root).
+    Forward,
+}
+
+/// An intercepted WRMSR.
+///
+/// - IA32_APIC_BASE: the local APIC's MMIO window is decoded by the CPU
+///   before memory, for root too, so a base inside `reserved` (hypervisor
+///   memory) would put root's own memory behind the APIC's registers.
+///   Such a write is refused with #GP; any other base is the guest's.
+/// - FEATURE_CONTROL is locked and the VMX capability MSRs are absent for
+///   the guest: writes fault.
+pub fn msr_write(msr: u32, value: u64, reserved: core::ops::Range<u64>) -> MsrWrite {
+    match msr {
+        MSR_APIC_BASE => {
+            let base = value & 0x000f_ffff_ffff_f000;
+            if base < reserved.end && base + 0x1000 > reserved.start {
+                MsrWrite::Fault
+            } else {
+                MsrWrite::Forward
+            }
+        }
+        _ => MsrWrite::Fault,
+    }
 }
 
 /// Sets the bits of a 4 KiB VMX MSR bitmap (SDM 25.6.9) so that the given
@@ -394,6 +425,23 @@ mod tests {
     }
 
     #[test]
+    fn the_apic_window_never_moves_over_hypervisor_memory() {
+        let hv = 0x20_0000..0x200_0000;
+        let en = 1 << 11;
+        // The architectural default, and anywhere outside [2 MiB, 32 MiB).
+        assert_eq!(msr_write(MSR_APIC_BASE, 0xfee0_0000 | en | 1 << 8, hv.clone()), MsrWrite::Forward);
+        assert_eq!(msr_write(MSR_APIC_BASE, 0x1f_f000 | en, hv.clone()), MsrWrite::Forward);
+        assert_eq!(msr_write(MSR_APIC_BASE, 0x200_0000 | en, hv.clone()), MsrWrite::Forward);
+        // Into the hypervisor: refused, at either end and in the middle.
+        for base in [0x20_0000u64, 0x100_0000, 0x1ff_f000] {
+            assert_eq!(msr_write(MSR_APIC_BASE, base | en, hv.clone()), MsrWrite::Fault, "{base:#x}");
+        }
+        // Bits above the address do not hide the base.
+        assert_eq!(msr_write(MSR_APIC_BASE, 1 << 63 | 0x100_0000, hv.clone()), MsrWrite::Fault);
+        assert_eq!(msr_write(MSR_FEATURE_CONTROL, 5, hv), MsrWrite::Fault);
+    }
+
+    #[test]
     fn feature_control_reads_locked_without_vmx() {
         assert_eq!(msr_read(MSR_FEATURE_CONTROL, 0x5), MsrRead::Value(0x1));
         assert_eq!(msr_read(0x480, 0), MsrRead::Fault);
@@ -408,6 +456,9 @@ mod tests {
             &[(0xc000_0080, 0xc000_0080)],
         );
         assert_eq!(bm[0x3a / 8], 1 << (0x3a % 8));
+        let mut w = [0u8; 4096];
+        msr_bitmap(&mut w, &[], INTERCEPTED_MSR_WRITES);
+        assert_eq!(w[2048 + 0x1b / 8], 1 << (0x1b % 8));
         assert_eq!(bm[0x480 / 8], 0xff);
         assert_eq!(bm[0x490 / 8], 0b11);
         assert_eq!(bm[3072 + 0x80 / 8], 1);

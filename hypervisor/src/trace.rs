@@ -292,12 +292,11 @@ fn invept(ept: &Ept) {
 
 fn page_bytes(gpa: u64) -> Option<[u8; PAGE_SIZE]> {
     let mut b = [0u8; PAGE_SIZE];
-    phys::read(gpa, &mut b).then_some(b)
+    phys::guest_ram().read(gpa, &mut b).ok().map(|()| b)
 }
 
 fn read_u64_phys(gpa: u64) -> Option<u64> {
-    let mut b = [0u8; 8];
-    phys::read(gpa, &mut b).then(|| u64::from_le_bytes(b))
+    phys::guest_ram().read_u64(gpa).ok()
 }
 
 fn in_hypervisor(gpa: u64) -> bool {
@@ -374,6 +373,14 @@ impl Tracer {
             )));
         }
         let pd = pdpte & paging::ADDR_MASK;
+        // The table is the guest's: it must be a page of guest RAM, or we
+        // would write our entry into (and map read+execute) whatever page
+        // a forged PDPT entry names, hypervisor memory or MMIO included.
+        if !phys::guest_ram().is_ram(pd, PAGE_SIZE as u64) {
+            return Err(internal(format!(
+                "the kernel-image page directory at {pd:#x} is not guest RAM"
+            )));
+        }
         // The highest free 2 MiB slot: above the kernel's image and brk.
         let slot = (0..512u64)
             .rev()
@@ -394,10 +401,13 @@ impl Tracer {
                 "no hypervisor memory for the trampolines".to_string(),
             )
         })?;
-        phys::frame_bytes_mut(code).copy_from_slice(tramp.bytes());
-        // Present, read-only, supervisor, global, executable; A preset so the
-        // CPU never needs to write the (EPT read-only) table.
-        phys::frame_mut(table)[0] = code.0 | PTE_P | PTE_A | PTE_G;
+        // SAFETY: `code` and `table` are fresh pool frames owned here.
+        unsafe {
+            phys::frame_bytes_mut(code).copy_from_slice(tramp.bytes());
+            // Present, read-only, supervisor, global, executable; A preset so
+            // the CPU never needs to write the (EPT read-only) table.
+            phys::frame_mut(table)[0] = code.0 | PTE_P | PTE_A | PTE_G;
+        }
         let map = |gpa: Hpa, perms| {
             ept.map_page(&mut PoolTables, Gpa(gpa.0), gpa, perms, MemType::WriteBack)
                 .map_err(|e| internal(format!("EPT: {e:?}")))
@@ -407,7 +417,9 @@ impl Tracer {
         invept(ept);
         let pde = table.0 | PTE_P | PTE_RW | PTE_A;
         let pde_gpa = pd + slot * 8;
-        phys::write(pde_gpa, &pde.to_le_bytes());
+        phys::guest_ram()
+            .write_u64(pde_gpa, pde)
+            .map_err(|e| internal(format!("writing the trampolines' PDE: {e}")))?;
         map(Hpa(pd), ept::READ | ept::EXEC)?;
         invept(ept);
         log::info!(
@@ -441,7 +453,7 @@ impl Tracer {
     fn check_pde(&mut self) {
         if let Some(r) = &self.region {
             if read_u64_phys(r.pde_gpa) != Some(r.pde) {
-                phys::write(r.pde_gpa, &r.pde.to_le_bytes());
+                let _ = phys::guest_ram().write_u64(r.pde_gpa, r.pde);
                 self.stats.region_restores += 1;
                 log::warn!("tracer: the guest changed the trampolines' PDE; restored");
             }
@@ -494,7 +506,7 @@ impl Tracer {
         let page = gpa & !(PAGE_SIZE as u64 - 1);
         let offset = (gpa - page) as usize;
         let mut guest = [0u8; SITE_LEN];
-        if !phys::read(gpa, &mut guest) {
+        if phys::guest_ram().read(gpa, &mut guest).is_err() {
             return Err(PatchError::Fault);
         }
         site::check_guest_site(trampolines::Gva(site), &guest)?;
@@ -509,7 +521,8 @@ impl Tracer {
                 self.free_shadows.push(shadow);
                 return Err(PatchError::Fault);
             };
-            phys::frame_bytes_mut(shadow).copy_from_slice(&orig);
+            // SAFETY: `shadow` is a pool frame this page alone owns.
+            unsafe { phys::frame_bytes_mut(shadow) }.copy_from_slice(&orig);
             self.pages.insert(
                 page,
                 Hooked {
@@ -523,7 +536,9 @@ impl Tracer {
         };
         // The shadow holds the guest's bytes here (copied, or re-synced on
         // the guest's last write): check them, then write ours.
-        site::write_checked(phys::frame_bytes_mut(h.shadow), offset, &guest, &ours)?;
+        // SAFETY: the shadow frame belongs to this hooked page alone.
+        let shadow = unsafe { phys::frame_bytes_mut(h.shadow) };
+        site::write_checked(shadow, offset, &guest, &ours)?;
         h.patches.push(Patch {
             offset: offset as u16,
             site: trampolines::Gva(site),
@@ -576,8 +591,10 @@ impl Tracer {
         };
         if let Some(i) = h.patches.iter().position(|p| p.site.0 == site) {
             let p = h.patches.swap_remove(i);
+            // SAFETY: the shadow frame belongs to this hooked page alone.
+            let shadow = unsafe { phys::frame_bytes_mut(h.shadow) };
             if let Err(e) = site::write_checked(
-                phys::frame_bytes_mut(h.shadow),
+                shadow,
                 p.offset as usize,
                 &p.ours,
                 &p.guest,
@@ -1113,7 +1130,10 @@ impl Tracer {
         let Ok(t) = paging::translate(&GuestRam, cr3, KGva(retp)) else {
             return;
         };
-        if !retp.is_multiple_of(8) || in_hypervisor(t.gpa.0) || !phys::read(t.gpa.0, &mut slot) {
+        if !retp.is_multiple_of(8)
+            || in_hypervisor(t.gpa.0)
+            || phys::guest_ram().read(t.gpa.0, &mut slot).is_err()
+        {
             return;
         }
         let ret = u64::from_le_bytes(slot);
@@ -1169,7 +1189,9 @@ impl Tracer {
                 return;
             }
         }
-        phys::write(t.gpa.0, &tramp.to_le_bytes());
+        if phys::guest_ram().write_u64(t.gpa.0, tramp).is_err() {
+            return;
+        }
         for &(user, depth) in &entries[..n_entries] {
             let h = EventHeader {
                 probe_id: GRAPH_ENTRY_BASE
@@ -1634,7 +1656,8 @@ impl Tracer {
                     None => return Violation::NotOurs,
                 },
             };
-            phys::frame_bytes_mut(scratch).fill(0xcc);
+            // SAFETY: the scratch frame is the tracer's own.
+            unsafe { phys::frame_bytes_mut(scratch) }.fill(0xcc);
             let restore = match ept.map_page(
                 &mut PoolTables,
                 Gpa(page),
@@ -1699,7 +1722,9 @@ impl Tracer {
                     if write {
                         self.stats.guest_writes += 1;
                         if let Some(orig) = page_bytes(s.page) {
-                            site::resync(phys::frame_bytes_mut(h.shadow), &orig, &mut h.patches);
+                            // SAFETY: the shadow frame belongs to this page alone.
+                            let shadow = unsafe { phys::frame_bytes_mut(h.shadow) };
+                            site::resync(shadow, &orig, &mut h.patches);
                         }
                     }
                     remap(ept, s.page, h.shadow, ept::EXEC);

@@ -358,7 +358,8 @@ pub fn setup(
         frames::alloc().ok_or(VmxError::OutOfMemory)?,
     );
     {
-        let (a, b2) = (phys::frame_bytes_mut(io_a), phys::frame_bytes_mut(io_b));
+        // SAFETY: two fresh, distinct pool frames owned here.
+        let (a, b2) = unsafe { (phys::frame_bytes_mut(io_a), phys::frame_bytes_mut(io_b)) };
         policy::io_bitmap_set(a, b2, policy::CONTROL_PORTS);
         policy::io_bitmap_set(a, b2, policy::DEBUG_PORT..=policy::DEBUG_PORT);
         if let Some(fd) = fadt {
@@ -371,8 +372,10 @@ pub fn setup(
     f::IO_BITMAP_A.write(v, io_a.0)?;
     f::IO_BITMAP_B.write(v, io_b.0)?;
     let msr_bm = frames::alloc().ok_or(VmxError::OutOfMemory)?;
+    // SAFETY: a fresh pool frame owned here.
+    let msr_bytes = unsafe { phys::frame_bytes_mut(msr_bm) };
     policy::msr_bitmap(
-        phys::frame_bytes_mut(msr_bm),
+        msr_bytes,
         policy::INTERCEPTED_MSR_READS,
         policy::INTERCEPTED_MSR_WRITES,
     );

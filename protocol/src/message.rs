@@ -349,6 +349,9 @@ pub struct GuardReport {
     pub xsetbv_refused: u64,
     /// Guest control-register values refused with #GP.
     pub cr_writes_refused: u64,
+    /// Guest moves of the local APIC's window into hypervisor memory,
+    /// refused with #GP.
+    pub apic_moves_refused: u64,
 }
 
 /// The tracer's counters, in a [`StatusReport`].

@@ -86,6 +86,7 @@ fn status() -> StatusReport {
             debug_port_writes: 40,
             xsetbv_refused: 1,
             cr_writes_refused: 2,
+            apic_moves_refused: 1,
         },
     }
 }

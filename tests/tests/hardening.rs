@@ -13,6 +13,8 @@
 //! - **Port 0xE9 forging**: forged `hvtrace: error:` and `guest stopped:`
 //!   lines are dropped and counted; the VM keeps running and stops later
 //!   for the real reason.
+//! - **The LAPIC window moved into hypervisor memory** (IA32_APIC_BASE =
+//!   31 MiB) gets #GP and the base stays where it was.
 //! - **Control-register values that would fail VM entry** (NW without CD)
 //!   get #GP in the guest; **XSETBV** values that break the XCR0 rules get
 //!   #GP; **GETSEC** gets #UD; **port accesses straddling the control
@@ -109,7 +111,7 @@ fn forge_debug_port(ck: &mut Checks, c: &mut hvtrace::client::Client) {
 
 fn bad_instructions(ck: &mut Checks, c: &mut hvtrace::client::Client) {
     let before = status(c).guard;
-    let log = attack(c, "cr0_nw=1 bad_xsetbv=1 getsec=1 straddle=1");
+    let log = attack(c, "cr0_nw=1 bad_xsetbv=1 getsec=1 straddle=1 apic_base=1");
     println!("instructions:\n{log}");
     ck.check(
         log.contains("hvattack: cr0 NW without CD raised #GP"),
@@ -125,7 +127,15 @@ fn bad_instructions(ck: &mut Checks, c: &mut hvtrace::client::Client) {
         log.contains("hvattack: straddling inl(0x2f6) = ffffffff"),
         format!("a read straddling the control UART floats: {log:?}"),
     );
+    ck.check(
+        log.contains("-> 1f00900 raised #GP (read back fee00900)"),
+        format!("moving the LAPIC window into hypervisor memory gets #GP: {log:?}"),
+    );
     let after = status(c).guard;
+    ck.check(
+        after.apic_moves_refused > before.apic_moves_refused,
+        "the refused LAPIC move is counted",
+    );
     ck.check(
         after.cr_writes_refused > before.cr_writes_refused,
         "the refused CR0 write is counted",

@@ -550,6 +550,37 @@ extern "C" {
     static hv_trap_entries: [u64; 32];
 }
 
+extern "C" {
+    /// Pairs of (faulting instruction, where to resume) for root's few
+    /// instructions whose #GP is an expected outcome.
+    static hv_fixups: [u64; 2];
+    fn hv_wrmsr_safe(msr: u32, value: u64) -> u32;
+}
+
+/// Where to resume after a #GP at `rip`, if `rip` is an instruction whose
+/// fault is expected (see [`wrmsr_safe`]).
+pub fn fixup_for(rip: u64) -> Option<u64> {
+    // SAFETY: a read-only pair of addresses emitted by the assembly below.
+    let f = unsafe { core::ptr::addr_of!(hv_fixups).read() };
+    (rip == f[0]).then_some(f[1])
+}
+
+/// WRMSR that returns `Err(())` where the CPU raises #GP (a reserved bit,
+/// an invalid transition), instead of crashing root. For values that
+/// come from the guest.
+///
+/// # Safety
+/// A successful write must not break root: only MSRs whose effect is the
+/// guest's alone (the guest's view of the platform) may be written.
+pub unsafe fn wrmsr_safe(msr: u32, value: u64) -> Result<(), ()> {
+    // SAFETY: the stub executes one WRMSR; a #GP on it is resumed at its
+    // fixup by root's trap handler, which returns 1.
+    match unsafe { hv_wrmsr_safe(msr, value) } {
+        0 => Ok(()),
+        _ => Err(()),
+    }
+}
+
 /// The address of the stub for exception `vector` (0..32).
 pub fn trap_entry(vector: usize) -> u64 {
     // SAFETY: a read-only table of 32 addresses emitted by the assembly below.
@@ -633,8 +664,29 @@ hv_trap_common:
     add rsp, 16
     iretq
 
+    // WRMSR whose #GP is a result, not a crash: the trap handler resumes
+    // a #GP at hv_wrmsr_safe_insn at hv_wrmsr_safe_fixup (see
+    // `fixup_for`). System V: edi = MSR, rsi = value; eax = 0 on success.
+    .balign 16
+    .global hv_wrmsr_safe
+hv_wrmsr_safe:
+    mov ecx, edi
+    mov eax, esi
+    mov rdx, rsi
+    shr rdx, 32
+hv_wrmsr_safe_insn:
+    wrmsr
+    xor eax, eax
+    ret
+hv_wrmsr_safe_fixup:
+    mov eax, 1
+    ret
+
     .section .rodata.hv_traps, "a"
     .balign 8
+    .global hv_fixups
+hv_fixups:
+    .quad hv_wrmsr_safe_insn, hv_wrmsr_safe_fixup
     .global hv_trap_entries
 hv_trap_entries:
     .quad hv_trap_0, hv_trap_1, hv_trap_2, hv_trap_3

@@ -1,0 +1,207 @@
+//! The one door from VMX root to guest-physical memory.
+//!
+//! Every address root reads or writes on the guest's behalf (page-table
+//! walks, symbol tables, return addresses, the tracer's page-table entry,
+//! pages it is about to shadow or step) comes from the guest, and the guest
+//! may be hostile: it can name a page of hypervisor memory, an MMIO window
+//! or a hole. [`GuestPhys`] refuses any access that is not wholly inside
+//! guest RAM as the guest's e820 describes it — which never contains
+//! hypervisor memory — before a single byte moves. Raw physical access
+//! stays behind [`RawMemory`], which only this type and the
+//! hypervisor's handling of its own frames use.
+
+use guest_introspect::mem::{GuestMemory, MemError};
+use guest_introspect::Gpa;
+use loader::e820::E820Map;
+
+/// Physical memory as root's own page tables map it (identity in the
+/// binary, a buffer in tests). No checks: that is [`GuestPhys`]'s job.
+pub trait RawMemory {
+    /// Copies from physical `addr`; `false` when the range is not mapped.
+    fn read(&self, addr: u64, buf: &mut [u8]) -> bool;
+    /// Copies to physical `addr`; `false` when the range is not mapped.
+    fn write(&self, addr: u64, bytes: &[u8]) -> bool;
+}
+
+/// Guest RAM, checked.
+pub struct GuestPhys<R> {
+    ram: E820Map,
+    /// A range that is never guest RAM whatever the map says (hypervisor
+    /// memory); checked as well, so a bad map cannot open it.
+    reserved: core::ops::Range<u64>,
+    raw: R,
+}
+
+impl<R: RawMemory> GuestPhys<R> {
+    /// Guest RAM is the RAM entries of `ram` (the guest's e820), minus
+    /// `reserved`.
+    pub fn new(ram: E820Map, reserved: core::ops::Range<u64>, raw: R) -> Self {
+        Self { ram, reserved, raw }
+    }
+
+    /// A door that refuses every access (before guest RAM is known).
+    pub const fn refusing_all(raw: R) -> Self {
+        Self {
+            ram: E820Map::new(),
+            reserved: 0..u64::MAX,
+            raw,
+        }
+    }
+
+    /// Whether `[gpa, gpa + len)` is guest RAM (an empty range at a RAM
+    /// address is).
+    pub fn is_ram(&self, gpa: u64, len: u64) -> bool {
+        let Some(end) = gpa.checked_add(len) else {
+            return false;
+        };
+        let touches_reserved = gpa < self.reserved.end && end.max(gpa + 1) > self.reserved.start;
+        !touches_reserved && self.ram.is_ram(gpa, len.max(1))
+    }
+
+    fn check(&self, gpa: u64, len: usize) -> Result<(), MemError> {
+        if self.is_ram(gpa, len as u64) {
+            Ok(())
+        } else if gpa < self.reserved.end && gpa.saturating_add(len as u64) > self.reserved.start {
+            Err(MemError::Denied { gpa: Gpa(gpa) })
+        } else {
+            Err(MemError::OutOfRange { gpa: Gpa(gpa), len })
+        }
+    }
+
+    /// Reads guest RAM.
+    pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<(), MemError> {
+        self.check(gpa, buf.len())?;
+        if self.raw.read(gpa, buf) {
+            Ok(())
+        } else {
+            Err(MemError::OutOfRange {
+                gpa: Gpa(gpa),
+                len: buf.len(),
+            })
+        }
+    }
+
+    /// Writes guest RAM.
+    pub fn write(&self, gpa: u64, bytes: &[u8]) -> Result<(), MemError> {
+        self.check(gpa, bytes.len())?;
+        if self.raw.write(gpa, bytes) {
+            Ok(())
+        } else {
+            Err(MemError::OutOfRange {
+                gpa: Gpa(gpa),
+                len: bytes.len(),
+            })
+        }
+    }
+
+    /// Reads a little-endian word of guest RAM.
+    pub fn read_u64(&self, gpa: u64) -> Result<u64, MemError> {
+        let mut b = [0u8; 8];
+        self.read(gpa, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Writes a little-endian word of guest RAM.
+    pub fn write_u64(&self, gpa: u64, value: u64) -> Result<(), MemError> {
+        self.write(gpa, &value.to_le_bytes())
+    }
+}
+
+impl<R: RawMemory> GuestMemory for GuestPhys<R> {
+    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), MemError> {
+        self.read(gpa.0, buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::cell::RefCell;
+    use loader::e820::E820Entry;
+
+    /// 64 MiB of "physical memory" in a vector.
+    struct Buffer(RefCell<Vec<u8>>);
+
+    impl RawMemory for Buffer {
+        fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+            let m = self.0.borrow();
+            let Some(src) = m.get(addr as usize..addr as usize + buf.len()) else {
+                return false;
+            };
+            buf.copy_from_slice(src);
+            true
+        }
+        fn write(&self, addr: u64, bytes: &[u8]) -> bool {
+            let mut m = self.0.borrow_mut();
+            let Some(dst) = m.get_mut(addr as usize..addr as usize + bytes.len()) else {
+                return false;
+            };
+            dst.copy_from_slice(bytes);
+            true
+        }
+    }
+
+    const MIB: u64 = 1 << 20;
+    const HV: core::ops::Range<u64> = 2 * MIB..32 * MIB;
+
+    /// RAM [0, 640 KiB) and [32 MiB, 64 MiB), as the guest's e820 has it
+    /// (the hypervisor's [2 MiB, 32 MiB) already cut out), and [1, 2) MiB.
+    fn guest(map_hv_too: bool) -> GuestPhys<Buffer> {
+        let mut entries = vec![
+            E820Entry { addr: 0, size: 0xa0000, kind: 1 },
+            E820Entry { addr: MIB, size: MIB, kind: 1 },
+            E820Entry { addr: 32 * MIB, size: 32 * MIB, kind: 1 },
+            E820Entry { addr: 0xfec0_0000, size: 0x1000, kind: 2 },
+        ];
+        if map_hv_too {
+            // A map that (wrongly) calls hypervisor memory RAM.
+            entries.push(E820Entry { addr: 2 * MIB, size: 30 * MIB, kind: 1 });
+        }
+        let map = E820Map::from_entries(&entries).unwrap();
+        GuestPhys::new(map, HV, Buffer(RefCell::new(vec![0u8; 64 * MIB as usize])))
+    }
+
+    #[test]
+    fn guest_ram_reads_and_writes() {
+        let g = guest(false);
+        g.write_u64(32 * MIB + 8, 0x1122_3344_5566_7788).unwrap();
+        assert_eq!(g.read_u64(32 * MIB + 8).unwrap(), 0x1122_3344_5566_7788);
+        // Across two adjacent RAM entries is fine only if both are RAM.
+        assert!(g.is_ram(0x9f000, 0x1000));
+        assert!(!g.is_ram(0x9f000, 0x2000));
+        // Through the trait, as the page walker uses it.
+        let mut b = [0u8; 8];
+        g.read_phys(Gpa(32 * MIB + 8), &mut b).unwrap();
+        assert_eq!(u64::from_le_bytes(b), 0x1122_3344_5566_7788);
+    }
+
+    #[test]
+    fn hypervisor_memory_is_refused_even_if_the_map_says_ram() {
+        for g in [guest(false), guest(true)] {
+            for gpa in [2 * MIB, 16 * MIB, 32 * MIB - 8] {
+                assert_eq!(g.read_u64(gpa), Err(MemError::Denied { gpa: Gpa(gpa) }), "{gpa:#x}");
+                assert!(g.write_u64(gpa, 1).is_err());
+            }
+            // Straddling into it from below or above.
+            assert!(g.write(2 * MIB - 4, &[0; 8]).is_err());
+            assert!(g.read(32 * MIB - 4, &mut [0; 8]).is_err());
+            assert!(!g.is_ram(2 * MIB - 0x1000, 0x2000));
+        }
+        // Nothing was written into the reserved range.
+        let g = guest(true);
+        let _ = g.write_u64(16 * MIB, u64::MAX);
+        assert!(g.raw.0.borrow()[16 * MIB as usize..16 * MIB as usize + 8].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn mmio_holes_and_wrapping_ranges_are_refused() {
+        let g = guest(false);
+        // The IOAPIC window (reserved in e820), a hole, beyond RAM, a wrap.
+        for gpa in [0xfec0_0000u64, 0xa0000, 0xc0000, 64 * MIB, u64::MAX - 3] {
+            assert!(g.read_u64(gpa).is_err(), "{gpa:#x}");
+            assert!(g.write_u64(gpa, 0).is_err(), "{gpa:#x}");
+            assert!(!g.is_ram(gpa, 8));
+        }
+        assert!(g.read(u64::MAX, &mut [0; 2]).is_err());
+    }
+}
