@@ -1,8 +1,8 @@
 //! The page walker over synthetic guest page tables in a `VecMemory`.
 
 use guest_introspect::paging::{
-    kernel_root, read_virt, translate, Cr3, RootError, Level, PageSize, WalkError, PTE_LARGE, PTE_NX, PTE_PRESENT,
-    PTE_USER, PTE_WRITABLE,
+    kernel_root, read_virt, translate, Cr3, Level, PageSize, RootError, WalkError, PTE_LARGE,
+    PTE_NX, PTE_PRESENT, PTE_USER, PTE_WRITABLE,
 };
 use guest_introspect::view::{PagedView, ViewError, VirtMemory};
 use guest_introspect::{Gpa, Gva, MemError, VecMemory};
@@ -363,7 +363,9 @@ fn the_kernels_own_pgd_is_found_through_a_tasks() {
     // The task exits and its PGD is reused for something else: the walks
     // through the kernel root still work.
     for i in 0..512u64 {
-        b.mem.write_u64(Gpa(task_pgd + i * 8), 0xdead_0000_0000_0007).unwrap();
+        b.mem
+            .write_u64(Gpa(task_pgd + i * 8), 0xdead_0000_0000_0007)
+            .unwrap();
     }
     let t = translate(&b.mem, root, Gva(KTEXT + 0x1234)).unwrap();
     assert_eq!(t.gpa, Gpa(0x40_1234));

@@ -8,6 +8,7 @@ use crate::introspect::{CpuView, Introspection};
 use crate::trace::{Hypercall, Tracer, Violation};
 use crate::vcpu::{VmConfig, Vmcs};
 use core::fmt;
+use hypervisor::mono::MonoTsc;
 use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
 use hypervisor::stats::ExitCounters;
 use hypervisor::vmx::event::{self, Event};
@@ -78,7 +79,8 @@ pub struct Vcpu {
     cfg: VmConfig,
     control: Option<Control>,
     tsc_hz: u64,
-    start_tsc: u64,
+    /// Root's clock: the TSC made monotonic (the guest can rewind the TSC).
+    clock: MonoTsc,
     /// The preemption-timer value currently in the VMCS.
     timer: u32,
     /// TSC at the last turn, and the turn period in TSC ticks: a guest that
@@ -143,7 +145,7 @@ impl Vcpu {
             cfg,
             control,
             tsc_hz,
-            start_tsc: insn::rdtsc(),
+            clock: MonoTsc::starting_at(insn::rdtsc()),
             timer: 0,
             last_turn: 0,
             turn_ticks: u64::MAX,
@@ -221,11 +223,12 @@ impl Vcpu {
             cr3: f::GUEST_CR3.read(v)?,
             cpl: ((f::GUEST_SS_ACCESS_RIGHTS.read(v)? >> 5) & 3) as u8,
             gs_base: f::GUEST_GS_BASE.read(v)?,
+            la57: f::GUEST_CR4.read(v)? & policy::CR4_LA57 != 0,
         })
     }
 
     fn now_ns(&self) -> u64 {
-        crate::clock::tsc_to_ns(insn::rdtsc().wrapping_sub(self.start_tsc), self.tsc_hz)
+        crate::clock::tsc_to_ns(self.clock.now(), self.tsc_hz)
     }
 
     /// Gives the control channel and the tracer a turn and sets the next
@@ -233,7 +236,7 @@ impl Vcpu {
     fn service(&mut self) -> Result<Next, VmcsError> {
         let mut stop = false;
         let mut busy = false;
-        self.last_turn = insn::rdtsc();
+        self.last_turn = self.clock.update(insn::rdtsc());
         self.tracer.on_turn(&self.cfg.ept);
         if !self.tracer.wants_debug_exits() && self.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
@@ -249,10 +252,7 @@ impl Vcpu {
             };
             let mut src = StatusSource {
                 counters: &self.counters,
-                uptime_ns: crate::clock::tsc_to_ns(
-                    insn::rdtsc().wrapping_sub(self.start_tsc),
-                    self.tsc_hz,
-                ),
+                uptime_ns: crate::clock::tsc_to_ns(self.clock.now(), self.tsc_hz),
                 memory_used: crate::frames::used(),
                 memory_total: loader::layout::HV_RESERVED_SIZE,
                 introspection: &mut self.introspection,
@@ -318,6 +318,7 @@ impl Vcpu {
                 return StopReason::EntryFailed;
             }
             launched = true;
+            let now = self.clock.update(insn::rdtsc());
             let raw = match self.read_exit() {
                 Ok(r) => r,
                 Err(e) => return e.into(),
@@ -334,7 +335,7 @@ impl Vcpu {
                 Ok(Next::Stop(r)) => return r,
                 Err(e) => return e.into(),
             }
-            if !timer && insn::rdtsc().wrapping_sub(self.last_turn) > self.turn_ticks {
+            if !timer && now.saturating_sub(self.last_turn) > self.turn_ticks {
                 match self.service() {
                     Ok(Next::Resume) => {}
                     Ok(Next::Stop(r)) => return r,
@@ -420,7 +421,8 @@ impl Vcpu {
                 }
             }
             VmExit::MsrWrite { msr, value } => {
-                let hv = loader::layout::HV_RESERVED.as_u64()..loader::layout::HV_RESERVED_END.as_u64();
+                let hv =
+                    loader::layout::HV_RESERVED.as_u64()..loader::layout::HV_RESERVED_END.as_u64();
                 match policy::msr_write(msr, value, hv) {
                     MsrWrite::Forward => {
                         // SAFETY: only IA32_APIC_BASE is forwarded, with a

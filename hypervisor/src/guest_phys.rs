@@ -148,14 +148,34 @@ mod tests {
     /// (the hypervisor's [2 MiB, 32 MiB) already cut out), and [1, 2) MiB.
     fn guest(map_hv_too: bool) -> GuestPhys<Buffer> {
         let mut entries = vec![
-            E820Entry { addr: 0, size: 0xa0000, kind: 1 },
-            E820Entry { addr: MIB, size: MIB, kind: 1 },
-            E820Entry { addr: 32 * MIB, size: 32 * MIB, kind: 1 },
-            E820Entry { addr: 0xfec0_0000, size: 0x1000, kind: 2 },
+            E820Entry {
+                addr: 0,
+                size: 0xa0000,
+                kind: 1,
+            },
+            E820Entry {
+                addr: MIB,
+                size: MIB,
+                kind: 1,
+            },
+            E820Entry {
+                addr: 32 * MIB,
+                size: 32 * MIB,
+                kind: 1,
+            },
+            E820Entry {
+                addr: 0xfec0_0000,
+                size: 0x1000,
+                kind: 2,
+            },
         ];
         if map_hv_too {
             // A map that (wrongly) calls hypervisor memory RAM.
-            entries.push(E820Entry { addr: 2 * MIB, size: 30 * MIB, kind: 1 });
+            entries.push(E820Entry {
+                addr: 2 * MIB,
+                size: 30 * MIB,
+                kind: 1,
+            });
         }
         let map = E820Map::from_entries(&entries).unwrap();
         GuestPhys::new(map, HV, Buffer(RefCell::new(vec![0u8; 64 * MIB as usize])))
@@ -179,7 +199,11 @@ mod tests {
     fn hypervisor_memory_is_refused_even_if_the_map_says_ram() {
         for g in [guest(false), guest(true)] {
             for gpa in [2 * MIB, 16 * MIB, 32 * MIB - 8] {
-                assert_eq!(g.read_u64(gpa), Err(MemError::Denied { gpa: Gpa(gpa) }), "{gpa:#x}");
+                assert_eq!(
+                    g.read_u64(gpa),
+                    Err(MemError::Denied { gpa: Gpa(gpa) }),
+                    "{gpa:#x}"
+                );
                 assert!(g.write_u64(gpa, 1).is_err());
             }
             // Straddling into it from below or above.
@@ -190,7 +214,9 @@ mod tests {
         // Nothing was written into the reserved range.
         let g = guest(true);
         let _ = g.write_u64(16 * MIB, u64::MAX);
-        assert!(g.raw.0.borrow()[16 * MIB as usize..16 * MIB as usize + 8].iter().all(|&b| b == 0));
+        assert!(g.raw.0.borrow()[16 * MIB as usize..16 * MIB as usize + 8]
+            .iter()
+            .all(|&b| b == 0));
     }
 
     #[test]

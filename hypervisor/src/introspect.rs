@@ -44,6 +44,8 @@ pub struct CpuView {
     pub cpl: u8,
     /// GUEST_GS_BASE from the VMCS.
     pub gs_base: u64,
+    /// Whether the guest runs with 5-level paging (CR4.LA57).
+    pub la57: bool,
 }
 
 impl CpuView {
@@ -155,6 +157,14 @@ impl Introspection {
 }
 
 fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
+    if cpu.la57 {
+        // Every walk here is 4-level; a 5-level guest would be misread.
+        return Err(
+            "the guest uses 5-level paging (CR4.LA57), which hvtrace does not support; \
+             boot it with no5lvl"
+                .to_string(),
+        );
+    }
     // SAFETY: IA32_LSTAR exists on every x86-64 CPU; VMX does not switch it,
     // so this is the guest's value.
     let lstar = unsafe { insn::rdmsr(IA32_LSTAR) };
@@ -212,7 +222,10 @@ fn kernel_pgd(f: &KernelFacts, via: Cr3) -> Cr3 {
         .collect();
     match guest_introspect::paging::kernel_root(&GuestRam, via, pgd, &probes) {
         Ok(root) => {
-            log::info!("introspection: kernel walks use init_top_pgt at guest-physical {:#x}", root.0);
+            log::info!(
+                "introspection: kernel walks use init_top_pgt at guest-physical {:#x}",
+                root.0
+            );
             root
         }
         Err(e) => {

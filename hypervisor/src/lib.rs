@@ -15,6 +15,7 @@ pub mod addr;
 pub mod ept;
 pub mod guest_phys;
 pub mod kprobe;
+pub mod mono;
 pub mod policy;
 pub mod stats;
 pub mod tracer;

@@ -336,15 +336,24 @@ mod tests {
             cr0_write(CR0_PG | 0x11, CR0_F0, CR0_F1, CR4_PAE, EFER_LME),
             CrWrite::Load { .. }
         ));
-        assert_eq!(cr0_write(CR0_PG | 0x10, CR0_F0, CR0_F1, CR4_PAE, 0), CrWrite::Fault);
-        assert_eq!(cr0_write(1 << 40, CR0_F0, CR0_F1, CR4_PAE, 0), CrWrite::Fault);
+        assert_eq!(
+            cr0_write(CR0_PG | 0x10, CR0_F0, CR0_F1, CR4_PAE, 0),
+            CrWrite::Fault
+        );
+        assert_eq!(
+            cr0_write(1 << 40, CR0_F0, CR0_F1, CR4_PAE, 0),
+            CrWrite::Fault
+        );
     }
 
     #[test]
     fn cr0_values_that_would_fail_vm_entry_fault_instead() {
         // NW without CD (SDM: #GP), and with CD it is a legal (if odd) mode.
         let base = CR0_PG | CR0_PE | CR0_NE;
-        assert_eq!(cr0_write(base | CR0_NW, CR0_F0, CR0_F1, CR4_PAE, LONG), CrWrite::Fault);
+        assert_eq!(
+            cr0_write(base | CR0_NW, CR0_F0, CR0_F1, CR4_PAE, LONG),
+            CrWrite::Fault
+        );
         assert!(matches!(
             cr0_write(base | CR0_NW | CR0_CD, CR0_F0, CR0_F1, CR4_PAE, LONG),
             CrWrite::Load { .. }
@@ -352,7 +361,10 @@ mod tests {
         // PG with EFER.LME but no CR4.PAE.
         assert_eq!(cr0_write(base, CR0_F0, CR0_F1, 0, EFER_LME), CrWrite::Fault);
         // Without LME, 32-bit paging without PAE is fine.
-        assert!(matches!(cr0_write(base, CR0_F0, CR0_F1, 0, 0), CrWrite::Load { .. }));
+        assert!(matches!(
+            cr0_write(base, CR0_F0, CR0_F1, 0, 0),
+            CrWrite::Load { .. }
+        ));
     }
 
     #[test]
@@ -364,14 +376,29 @@ mod tests {
                 shadow: 0x20
             }
         );
-        assert_eq!(cr4_write(0x2020, 0x20, CR4_F0, CR4_F1, false), CrWrite::Fault);
-        assert_eq!(cr4_write(0x20 | CR4_SMXE, 0x20, CR4_F0, CR4_F1, false), CrWrite::Fault);
-        assert_eq!(cr4_write(1 << 30, 0x20, CR4_F0, CR4_F1, false), CrWrite::Fault);
+        assert_eq!(
+            cr4_write(0x2020, 0x20, CR4_F0, CR4_F1, false),
+            CrWrite::Fault
+        );
+        assert_eq!(
+            cr4_write(0x20 | CR4_SMXE, 0x20, CR4_F0, CR4_F1, false),
+            CrWrite::Fault
+        );
+        assert_eq!(
+            cr4_write(1 << 30, 0x20, CR4_F0, CR4_F1, false),
+            CrWrite::Fault
+        );
         // Clearing PAE in long mode faults; outside it, it is allowed.
         assert_eq!(cr4_write(0, 0x20, CR4_F0, CR4_F1, true), CrWrite::Fault);
-        assert!(matches!(cr4_write(0, 0x20, CR4_F0, CR4_F1, false), CrWrite::Load { .. }));
+        assert!(matches!(
+            cr4_write(0, 0x20, CR4_F0, CR4_F1, false),
+            CrWrite::Load { .. }
+        ));
         // LA57 cannot change in long mode.
-        assert_eq!(cr4_write(0x20 | CR4_LA57, 0x20, CR4_F0, CR4_F1, true), CrWrite::Fault);
+        assert_eq!(
+            cr4_write(0x20 | CR4_LA57, 0x20, CR4_F0, CR4_F1, true),
+            CrWrite::Fault
+        );
     }
 
     #[test]
@@ -429,15 +456,31 @@ mod tests {
         let hv = 0x20_0000..0x200_0000;
         let en = 1 << 11;
         // The architectural default, and anywhere outside [2 MiB, 32 MiB).
-        assert_eq!(msr_write(MSR_APIC_BASE, 0xfee0_0000 | en | 1 << 8, hv.clone()), MsrWrite::Forward);
-        assert_eq!(msr_write(MSR_APIC_BASE, 0x1f_f000 | en, hv.clone()), MsrWrite::Forward);
-        assert_eq!(msr_write(MSR_APIC_BASE, 0x200_0000 | en, hv.clone()), MsrWrite::Forward);
+        assert_eq!(
+            msr_write(MSR_APIC_BASE, 0xfee0_0000 | en | 1 << 8, hv.clone()),
+            MsrWrite::Forward
+        );
+        assert_eq!(
+            msr_write(MSR_APIC_BASE, 0x1f_f000 | en, hv.clone()),
+            MsrWrite::Forward
+        );
+        assert_eq!(
+            msr_write(MSR_APIC_BASE, 0x200_0000 | en, hv.clone()),
+            MsrWrite::Forward
+        );
         // Into the hypervisor: refused, at either end and in the middle.
         for base in [0x20_0000u64, 0x100_0000, 0x1ff_f000] {
-            assert_eq!(msr_write(MSR_APIC_BASE, base | en, hv.clone()), MsrWrite::Fault, "{base:#x}");
+            assert_eq!(
+                msr_write(MSR_APIC_BASE, base | en, hv.clone()),
+                MsrWrite::Fault,
+                "{base:#x}"
+            );
         }
         // Bits above the address do not hide the base.
-        assert_eq!(msr_write(MSR_APIC_BASE, 1 << 63 | 0x100_0000, hv.clone()), MsrWrite::Fault);
+        assert_eq!(
+            msr_write(MSR_APIC_BASE, 1 << 63 | 0x100_0000, hv.clone()),
+            MsrWrite::Fault
+        );
         assert_eq!(msr_write(MSR_FEATURE_CONTROL, 5, hv), MsrWrite::Fault);
     }
 
