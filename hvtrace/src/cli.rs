@@ -3,7 +3,8 @@
 //! `run` boots a VM; with `--detach` it leaves it running behind a control
 //! socket. The control commands (`status`, `exec`, `stop`, `syms`, `probe`,
 //! `trace`, `graph`) talk to that VM over `--socket`, whose default is
-//! `$XDG_RUNTIME_DIR/hvtrace.sock`, else `/tmp/hvtrace-$UID.sock`.
+//! `$XDG_RUNTIME_DIR/hvtrace/hvtrace.sock`, else
+//! `/tmp/hvtrace-$UID/hvtrace.sock` (see [`crate::socket`]).
 //!
 //! `run` with `--probe`, `--function` or `--graph` traces its `--exec`
 //! commands in one go: boot, add the probes, run the commands, write the
@@ -19,8 +20,8 @@ use crate::config::{EmulatorChoice, Guest, DEFAULT_APPEND, DEFAULT_BOCHS_IPS, DE
 #[derive(Debug, Parser)]
 #[command(name = "hvtrace", version, propagate_version = true)]
 pub struct Cli {
-    /// Control socket of a detached VM [default: $XDG_RUNTIME_DIR/hvtrace.sock,
-    /// else /tmp/hvtrace-$UID.sock].
+    /// Control socket of a detached VM [default:
+    /// $XDG_RUNTIME_DIR/hvtrace/hvtrace.sock, else /tmp/hvtrace-$UID/hvtrace.sock].
     #[arg(long, global = true, value_name = "PATH")]
     pub socket: Option<PathBuf>,
 
@@ -168,8 +169,8 @@ impl OutputFormatArg {
 /// Options of `hvtrace trace`.
 #[derive(Clone, Debug, Args)]
 pub struct TraceArgs {
-    /// Keep reading as lines arrive, until interrupted or the VM ends;
-    /// without it, stop once no line came for a moment.
+    /// Keep reading as lines arrive, until Ctrl-C (exit code 130) or the VM
+    /// ends; without it, stop once no line came for a moment.
     #[arg(long, short = 'f')]
     pub follow: bool,
     /// Output format.
@@ -227,10 +228,18 @@ pub struct GraphArgs {
     /// Write the trace to FILE instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
-    /// Keep reading as lines arrive, until interrupted (Ctrl-C) or the VM
-    /// ends; without it, stop once no line came for a moment.
+    /// Keep reading as lines arrive, until Ctrl-C or the VM ends; without
+    /// it, stop once no line came for a moment. The first Ctrl-C stops the
+    /// session, finishes the output and exits with 130; a second one ends
+    /// the command at once.
     #[arg(long, short = 'f')]
     pub follow: bool,
+    /// Leave the session running should this command die without stopping
+    /// it (killed, a second Ctrl-C): by default the supervisor stops the
+    /// sessions of a client whose connection closes. The command itself
+    /// still stops its session when it ends.
+    #[arg(long)]
+    pub persist: bool,
 }
 
 /// Options of `hvtrace exec`.
@@ -753,6 +762,8 @@ mod tests {
             Some(std::path::Path::new("/tmp/graph.json"))
         );
         assert!(graph_args(&["--follow"]).follow);
+        assert!(!graph_args(&["--follow"]).persist);
+        assert!(graph_args(&["--persist"]).persist);
         assert_eq!(
             graph_args(&["--format", "json"]).format.protocol(),
             protocol::TraceFormat::Json

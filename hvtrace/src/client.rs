@@ -3,7 +3,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use hvtrace::client::Client;
-//! let mut client = Client::connect(std::path::Path::new("/tmp/hvtrace-1000.sock"))?;
+//! let mut client = Client::connect(std::path::Path::new("/tmp/hvtrace-1000/hvtrace.sock"))?;
 //! client.hello()?;
 //! let reply = client.call(protocol::Request::Status, Duration::from_secs(30))?;
 //! # Ok::<(), anyhow::Error>(())
@@ -22,12 +22,41 @@ use protocol::io::{FrameReader, FrameWriter, ReadError};
 use protocol::{Body, Event, Frame, Request, Response, PROTOCOL_VERSION};
 
 use crate::link::SeqCounter;
+use crate::sys;
 
 /// The name the client gives in `Hello`.
 pub const CLIENT_NAME: &str = concat!("hvtrace ", env!("CARGO_PKG_VERSION"));
 
 /// How long `Hello` may take.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The word in the `Hello` client name that asks the supervisor to leave
+/// this connection's function-graph sessions running when it closes
+/// (`hvtrace graph --persist`). The supervisor reads it; the hypervisor
+/// only logs the name.
+pub const PERSIST_WORD: &str = "persist-graph-sessions";
+
+/// A read of the socket that a Ctrl-C should end waits at most this long
+/// before it looks again (a signal that arrives just before the read
+/// starts does not end it).
+pub const WAKE_SLICE: Duration = Duration::from_millis(200);
+
+/// The reading half of the socket: a read that a signal interrupted
+/// returns as timed out instead of being started again, so that
+/// [`Client::wait`] looks at its wake-up condition at once.
+#[derive(Debug)]
+struct WakeStream(UnixStream);
+
+impl io::Read for WakeStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self.0.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                Err(io::Error::new(io::ErrorKind::TimedOut, "interrupted"))
+            }
+            other => other,
+        }
+    }
+}
 
 /// A response with the events that came before it.
 #[derive(Clone, Debug)]
@@ -43,24 +72,55 @@ pub struct Reply {
 /// A connection to a VM's supervisor.
 pub struct Client {
     path: PathBuf,
-    reader: FrameReader<UnixStream>,
+    reader: FrameReader<WakeStream>,
     writer: FrameWriter<UnixStream>,
     seq: SeqCounter,
+    /// When a wait should give up ([`Client::wake_when`]).
+    wake: Option<fn() -> bool>,
+    /// Say [`PERSIST_WORD`] in `Hello`.
+    persist: bool,
 }
 
 impl Client {
-    /// Connects to the control socket at `path`.
+    /// Connects to the control socket at `path`: refuses a path that
+    /// others could have put there ([`crate::socket::check_path`]), and a
+    /// server that is neither our user nor root (`SO_PEERCRED`).
     pub fn connect(path: &Path) -> Result<Client> {
+        let euid = crate::sys::euid();
+        crate::socket::check_path(path, euid)?;
         let stream = UnixStream::connect(path).map_err(|e| connect_error(path, &e))?;
+        check_server(path, &stream, euid)?;
         let reader = stream
             .try_clone()
             .map_err(|e| anyhow!("cannot use the control socket {}: {e}", path.display()))?;
         Ok(Client {
             path: path.to_path_buf(),
-            reader: FrameReader::new(reader),
+            reader: FrameReader::new(WakeStream(reader)),
             writer: FrameWriter::new(stream),
             seq: SeqCounter::default(),
+            wake: None,
+            persist: false,
         })
+    }
+
+    /// Makes every wait for an answer give up, with [`sys::Interrupted`],
+    /// as soon as `wake` says so (`sys::take_interrupt`: the first Ctrl-C).
+    /// `wake` is asked every [`WAKE_SLICE`] and whenever a signal ends a
+    /// read.
+    pub fn wake_when(&mut self, wake: fn() -> bool) {
+        self.wake = Some(wake);
+    }
+
+    /// Asks the supervisor (in `Hello`, so call this before
+    /// [`Client::hello`]) to leave the function-graph sessions this
+    /// connection starts running when it closes. Without it, the supervisor
+    /// stops them then.
+    pub fn persist_graph_sessions(&mut self) {
+        self.persist = true;
+    }
+
+    fn woken(&self) -> bool {
+        self.wake.is_some_and(|wake| wake())
     }
 
     /// The socket's path.
@@ -74,7 +134,11 @@ impl Client {
         let reply = self.call(
             Request::Hello {
                 version: PROTOCOL_VERSION,
-                client: CLIENT_NAME.to_string(),
+                client: if self.persist {
+                    format!("{CLIENT_NAME} {PERSIST_WORD}")
+                } else {
+                    CLIENT_NAME.to_string()
+                },
             },
             HELLO_TIMEOUT,
         )?;
@@ -138,11 +202,16 @@ impl Client {
     }
 
     /// Reads frames until the response with sequence number `seq`; frames
-    /// that do not decode are skipped, events are collected.
+    /// that do not decode are skipped, events are collected. Gives up with
+    /// [`sys::Interrupted`] once the wake-up condition says so
+    /// ([`Client::wake_when`]).
     pub fn wait(&mut self, seq: u32, timeout: Duration) -> Result<(Response, Vec<Event>)> {
         let deadline = Instant::now() + timeout;
         let mut events = Vec::new();
         loop {
+            if self.woken() {
+                return Err(anyhow::Error::new(sys::Interrupted));
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 bail!(
@@ -150,9 +219,14 @@ impl Client {
                     timeout.as_secs_f64()
                 );
             }
+            let slice = match self.wake {
+                Some(_) => left.min(WAKE_SLICE),
+                None => left,
+            };
             self.reader
                 .get_ref()
-                .set_read_timeout(Some(left))
+                .0
+                .set_read_timeout(Some(slice))
                 .map_err(|e| anyhow!("control socket: {e}"))?;
             match self.reader.read_frame() {
                 Ok(Frame {
@@ -194,6 +268,24 @@ impl Control for Client {
     fn request(&mut self, request: Request, timeout: Duration) -> Result<Response> {
         Ok(self.call(request, timeout)?.response)
     }
+}
+
+/// Fails unless the server at the other end of `stream` runs as user
+/// `euid` or as root ([`crate::socket::peer_allowed`]).
+pub fn check_server(path: &Path, stream: &UnixStream, euid: u32) -> Result<()> {
+    let uid = crate::sys::peer_uid(stream).map_err(|e| {
+        anyhow!(
+            "cannot tell who serves the control socket {}: {e}",
+            path.display()
+        )
+    })?;
+    if !crate::socket::peer_allowed(uid, euid) {
+        bail!(
+            "the control socket {} is served by uid {uid}, not you (uid {euid}); refusing to talk to it",
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// The one-line message for a failed connection to `path`.
@@ -297,6 +389,41 @@ mod tests {
     }
 
     #[test]
+    fn the_server_is_checked() {
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let euid = crate::sys::euid();
+        check_server(Path::new("/x.sock"), &ours, euid).unwrap();
+        // As seen by another user, a server of ours is a stranger's,
+        // unless we are root.
+        let other = if euid == 4242 { 4243 } else { 4242 };
+        let result = check_server(Path::new("/x.sock"), &ours, other);
+        if euid == 0 {
+            result.unwrap();
+        } else {
+            let e = result.unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!(
+                    "the control socket /x.sock is served by uid {euid}, not you (uid {other})"
+                )),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_unsafe_socket_path_is_refused_before_connecting() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = scratch("unsafe");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = Client::connect(&dir.join("x.sock"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("writable by others"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn connection_errors_are_one_line() {
         let dir = scratch("connect");
         let missing = dir.join("missing.sock");
@@ -346,6 +473,54 @@ mod tests {
             e.contains(&format!("version {}", PROTOCOL_VERSION + 1)),
             "{e}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_wait_gives_up_when_woken() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static WAKE: AtomicBool = AtomicBool::new(false);
+        fn woken() -> bool {
+            WAKE.swap(false, Ordering::SeqCst)
+        }
+        let dir = scratch("wake");
+        let path = dir.join("mute.sock");
+        // Answers `Hello`, then nothing.
+        let _s = server(&path, |f| match &f.body {
+            Body::Request(Request::Hello { .. }) => vec![Frame::response(
+                f.seq,
+                Response::Hello {
+                    version: PROTOCOL_VERSION,
+                    hypervisor: "hv 1".into(),
+                },
+            )],
+            _ => vec![],
+        });
+        let mut c = Client::connect(&path).unwrap();
+        c.wake_when(woken);
+        c.hello().unwrap();
+        let start = Instant::now();
+        let waker = std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            WAKE.store(true, Ordering::SeqCst);
+        });
+        let e = c
+            .call(Request::Status, Duration::from_secs(60))
+            .unwrap_err();
+        waker.join().unwrap();
+        assert!(sys::is_interrupted(&e), "{e:#}");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        // The wake-up was taken: the next call waits for its answer again
+        // (and gets none within its time).
+        let e = c
+            .call(Request::Ping { nonce: 1 }, Duration::from_millis(300))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no answer"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

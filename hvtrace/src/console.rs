@@ -4,10 +4,15 @@
 //! ttyS0. To run a command the driver sends one line
 //!
 //! ```text
-//! echo HVT''<tok>B<n>; eval '<command>'; echo HVT''<tok>E<n>=$?
+//! echo HVT''<tok>B<n>; eval "$(printf '<command, escaped>')"; echo HVT''<tok>E<n>=$?
 //! ```
 //!
-//! and waits for the line `HVT<tok>E<n>=<status>`; the command's output is
+//! The command goes through the tty as printable ASCII only
+//! ([`printf_format`]): its control bytes (`^C`, `^D`, `^S`, `^U`, line
+//! ends...) are sent as octal escapes, which the shell's `printf` turns back
+//! into the bytes, so the tty's line discipline never acts on them and the
+//! command reaches `eval` exactly as it was. The driver then waits for the
+//! line `HVT<tok>E<n>=<status>`; the command's output is
 //! what lies between the line `HVT<tok>B<n>` and that line. The quotes split
 //! the markers in the text sent, so a terminal that echoes input never shows
 //! a complete marker, and the end marker only counts with a number after it.
@@ -24,6 +29,76 @@ pub const PROMPT: &str = "# ";
 pub const POWER_DOWN: &str = "reboot: Power down";
 /// Longest command line accepted: the tty's line buffer holds 4095 bytes.
 pub const MAX_LINE: usize = 3800;
+
+/// The most bytes of guest console output kept in memory
+/// ([`ConsoleBuffer`]): past it (plus an eighth, so that trimming costs
+/// little per byte) the oldest output goes. A command whose output is
+/// longer loses its start.
+pub const CONSOLE_KEEP: usize = 8 * 1024 * 1024;
+
+/// The guest console's output, its last [`CONSOLE_KEEP`] bytes. Positions
+/// count from the first byte the guest ever wrote, so they stay valid
+/// when old output is dropped.
+#[derive(Clone, Debug)]
+pub struct ConsoleBuffer {
+    data: Vec<u8>,
+    /// The position of `data[0]`: bytes dropped so far.
+    base: usize,
+    keep: usize,
+}
+
+impl Default for ConsoleBuffer {
+    fn default() -> ConsoleBuffer {
+        ConsoleBuffer::with_keep(CONSOLE_KEEP)
+    }
+}
+
+impl ConsoleBuffer {
+    /// A buffer that keeps the last `keep` bytes (at least).
+    pub fn with_keep(keep: usize) -> ConsoleBuffer {
+        ConsoleBuffer {
+            data: Vec::new(),
+            base: 0,
+            keep: keep.max(1),
+        }
+    }
+
+    /// Appends output; drops the oldest when past the bound.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.data.extend_from_slice(bytes);
+        if self.data.len() > self.keep + self.keep / 8 {
+            let cut = self.data.len() - self.keep;
+            self.data.drain(..cut);
+            self.base += cut;
+        }
+    }
+
+    /// The position of the first byte kept (the bytes dropped so far).
+    pub fn start(&self) -> usize {
+        self.base
+    }
+
+    /// The position just past the last byte.
+    pub fn end(&self) -> usize {
+        self.base + self.data.len()
+    }
+
+    /// The bytes kept.
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// The index in [`ConsoleBuffer::bytes`] of position `pos` (0 for a
+    /// position that was dropped).
+    pub fn index(&self, pos: usize) -> usize {
+        pos.saturating_sub(self.base).min(self.data.len())
+    }
+
+    /// The bytes kept from position `pos` on.
+    pub fn since(&self, pos: usize) -> &[u8] {
+        &self.data[self.index(pos)..]
+    }
+}
 
 /// The outcome of one command.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -73,12 +148,13 @@ impl Markers {
         format!("HVT''{}{kind}{n}", self.token)
     }
 
-    /// The line that runs `cmd` as command number `n`.
+    /// The line that runs `cmd` as command number `n`: printable ASCII
+    /// and its final newline, whatever `cmd` holds ([`printf_format`]).
     pub fn exec_line(&self, n: u32, cmd: &str) -> String {
         format!(
-            "echo {}; eval {}; echo {}=$?\n",
+            "echo {}; eval \"$(printf '{}')\"; echo {}=$?\n",
             self.sent('B', n),
-            sh_quote(cmd),
+            printf_format(cmd),
             self.sent('E', n)
         )
     }
@@ -127,6 +203,27 @@ impl Markers {
 
 /// How far back a search resumes: longer than any marker line.
 pub const MARKER_MARGIN: usize = 512;
+
+/// `cmd` as a `printf` format that prints it back exactly, made of
+/// printable ASCII only, to go between single quotes: the bytes from space
+/// to `~` stand for themselves, except `'` and `\`, which are escaped like
+/// every other byte (control bytes, DEL, UTF-8 sequences) as a
+/// three-digit octal escape (`\003`), and `%`, which is doubled. A leading
+/// `-` is escaped too, so that `printf` never takes it for an option. A
+/// NUL byte would end the text: refuse such commands before.
+pub fn printf_format(cmd: &str) -> String {
+    let mut out = String::with_capacity(cmd.len() + 8);
+    for (i, &b) in cmd.as_bytes().iter().enumerate() {
+        match b {
+            b'%' => out.push_str("%%"),
+            b'-' if i == 0 => out.push_str("\\055"),
+            b'\'' | b'\\' => out.push_str(&format!("\\{b:03o}")),
+            0x20..=0x7e => out.push(char::from(b)),
+            _ => out.push_str(&format!("\\{b:03o}")),
+        }
+    }
+    out
+}
 
 /// Quotes `s` as one shell word.
 pub fn sh_quote(s: &str) -> String {
@@ -214,9 +311,110 @@ mod tests {
     fn exec_line_shape() {
         assert_eq!(
             m().exec_line(3, "uname -r"),
-            "echo HVT''abcB3; eval 'uname -r'; echo HVT''abcE3=$?\n"
+            "echo HVT''abcB3; eval \"$(printf 'uname -r')\"; echo HVT''abcE3=$?\n"
         );
         assert_eq!(sh_quote("it's"), r"'it'\''s'");
+    }
+
+    /// What `printf FORMAT` prints, for the formats [`printf_format`]
+    /// makes: `%%` and three-digit octal escapes.
+    fn printf_decode(format: &str) -> Vec<u8> {
+        let b = format.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            match b[i] {
+                b'%' => {
+                    assert_eq!(b.get(i + 1), Some(&b'%'), "a lone % in {format:?}");
+                    out.push(b'%');
+                    i += 2;
+                }
+                b'\\' => {
+                    let digits = &format[i + 1..i + 4];
+                    out.push(u8::from_str_radix(digits, 8).unwrap());
+                    i += 4;
+                }
+                c => {
+                    out.push(c);
+                    i += 1;
+                }
+            }
+        }
+        out
+    }
+
+    /// Commands whose bytes the tty would act on, or that quoting makes
+    /// hard.
+    fn awkward_commands() -> Vec<String> {
+        vec![
+            "echo \x03 \x04 \x13 \x11 \x15 \x17 \x12 \x16 \x1a \x1c \x7f done".to_string(),
+            "printf '%s\\n' \"it's\" 'a \"b\"' \\\\; echo 100%; echo %d %%".to_string(),
+            "echo one\necho two\r\necho three\n\n".to_string(),
+            "-n is not an option".to_string(),
+            "echo 'é ü ☃' \\0101 \\x41 $HOME `true`".to_string(),
+            String::new(),
+            (1u8..=127).map(char::from).collect(),
+        ]
+    }
+
+    #[test]
+    fn commands_go_to_the_tty_as_printable_ascii_and_decode_exactly() {
+        for cmd in awkward_commands() {
+            let format = printf_format(&cmd);
+            assert!(
+                format.bytes().all(|b| (0x20..=0x7e).contains(&b)),
+                "{format:?}"
+            );
+            assert!(!format.contains('\''), "{format:?}");
+            assert!(!format.starts_with('-'), "{format:?}");
+            assert_eq!(printf_decode(&format), cmd.as_bytes(), "{cmd:?}");
+            let line = m().exec_line(7, &cmd);
+            let (body, end) = line.split_at(line.len() - 1);
+            assert_eq!(end, "\n");
+            assert!(body.bytes().all(|b| (0x20..=0x7e).contains(&b)), "{line:?}");
+        }
+        // Plain commands stay as they are.
+        assert_eq!(printf_format("uname -r"), "uname -r");
+        assert_eq!(printf_format("a\x03b"), "a\\003b");
+        assert_eq!(printf_format("it's"), "it\\047s");
+    }
+
+    /// Where the host has busybox (the guest's shell) or a POSIX `sh`, the
+    /// shell's own `printf` and `eval` get the command back byte for byte.
+    #[test]
+    fn a_real_shell_decodes_the_command() {
+        use std::process::Command;
+        for shell in [&["busybox", "sh"][..], &["sh"][..]] {
+            let run = |script: &str| {
+                Command::new(shell[0])
+                    .args(&shell[1..])
+                    .arg("-c")
+                    .arg(script)
+                    .output()
+                    .ok()
+                    .filter(|o| o.status.success())
+                    .map(|o| o.stdout)
+            };
+            if run("true").is_none() {
+                continue;
+            }
+            for cmd in awkward_commands() {
+                let format = printf_format(&cmd);
+                assert_eq!(
+                    run(&format!("printf '{format}'")).as_deref(),
+                    Some(cmd.as_bytes()),
+                    "{shell:?} {cmd:?}"
+                );
+            }
+            // And `eval` runs it as it was written.
+            let cmd = "x='a\x03b'; printf '%s|' \"$x\" \"it's\" 50%\necho \"end\"";
+            let script = format!("eval \"$(printf '{}')\"", printf_format(cmd));
+            assert_eq!(
+                run(&script).as_deref(),
+                Some(&b"a\x03b|it's|50%|end\n"[..]),
+                "{shell:?}"
+            );
+        }
     }
 
     #[test]
@@ -264,6 +462,34 @@ mod tests {
         assert!(m()
             .find_exec(b"HVTabcB1\r\nHVTabcE11=0\r\n", 0, 1)
             .is_none());
+    }
+
+    #[test]
+    fn the_console_buffer_keeps_its_bound_and_its_positions() {
+        let mut c = ConsoleBuffer::with_keep(16);
+        c.push(b"0123456789");
+        assert_eq!((c.start(), c.end()), (0, 10));
+        assert_eq!(c.since(4), b"456789");
+        c.push(b"abcdefghij");
+        // 20 bytes > 16 + 2: the oldest 4 went.
+        assert_eq!((c.start(), c.end()), (4, 20));
+        assert_eq!(c.bytes(), b"456789abcdefghij");
+        assert_eq!(c.since(10), b"abcdefghij");
+        assert_eq!(c.since(0), c.bytes());
+        assert_eq!(c.index(2), 0);
+        assert_eq!(c.index(100), 16);
+        // A flood keeps the buffer bounded.
+        for _ in 0..100_000 {
+            c.push(b"flood without end ");
+        }
+        assert!(c.bytes().len() <= 16 + 2 + 18, "{}", c.bytes().len());
+        assert_eq!(c.end(), 20 + 100_000 * 18);
+        let mut big = ConsoleBuffer::default();
+        for _ in 0..3000 {
+            big.push(&[b'x'; 4096]);
+        }
+        assert!(big.bytes().len() <= CONSOLE_KEEP + CONSOLE_KEEP / 8);
+        assert_eq!(big.end(), 3000 * 4096);
     }
 
     #[test]

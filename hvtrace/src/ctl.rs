@@ -27,6 +27,8 @@ use crate::cli::{
 use crate::client::{response_error, Client, Control, SupervisorGone};
 use crate::hvlog::{self, HvEvent};
 use crate::json::Json;
+use crate::sys;
+use crate::term::{self, Mode};
 
 /// How long a status report may take (the hypervisor answers within
 /// [`crate::link::DEFAULT_TIMEOUT`], or the supervisor says why not).
@@ -39,9 +41,22 @@ pub const EXEC_TIMEOUT: Duration =
 pub const STOP_TIMEOUT: Duration =
     Duration::from_secs(crate::supervisor::STOP_TIMEOUT.as_secs() + 30);
 
-/// Connects and opens the session.
+/// Connects and opens the session. The first Ctrl-C (once
+/// [`sys::catch_interrupt`] ran) ends the wait for an answer in progress
+/// with [`sys::Interrupted`].
 pub fn open(socket: &Path) -> Result<Client> {
+    open_with(socket, false)
+}
+
+/// [`open`]; with `persist`, the supervisor leaves the function-graph
+/// sessions of this connection running when it closes
+/// ([`Client::persist_graph_sessions`]).
+pub fn open_with(socket: &Path, persist: bool) -> Result<Client> {
     let mut client = Client::connect(socket)?;
+    client.wake_when(sys::take_interrupt);
+    if persist {
+        client.persist_graph_sessions();
+    }
     client.hello()?;
     Ok(client)
 }
@@ -71,10 +86,11 @@ pub fn fetch_status(client: &mut Client) -> Result<Status> {
 pub fn status(socket: &Path, args: &StatusArgs) -> Result<u8> {
     let mut client = open(socket)?;
     let status = fetch_status(&mut client)?;
+    // The report quotes the guest (task name, kernel release).
     let text = if args.json {
-        status_json(&status).render() + "\n"
+        term::sanitize_json(&(status_json(&status).render() + "\n")).into_owned()
     } else {
-        status_text(&status)
+        term::sanitize(&status_text(&status)).into_owned()
     };
     let mut out = std::io::stdout().lock();
     out.write_all(text.as_bytes())?;
@@ -332,7 +348,9 @@ pub fn syms(socket: &Path, args: &SymsArgs) -> Result<u8> {
             return Err(response_error(reply.response));
         };
         for s in &symbols {
-            writeln!(out, "{}", symbol_line(s, args.json))?;
+            let line = symbol_line(s, args.json);
+            let mode = if args.json { Mode::Json } else { Mode::Text };
+            writeln!(out, "{}", term::sanitize_as(mode, &line))?;
             printed += 1;
         }
         match next {
@@ -430,8 +448,14 @@ pub fn probe_add(socket: &Path, args: &ProbeAddArgs) -> Result<u8> {
     // Before connecting: a typo needs no VM to be reported.
     check_probe_spec(&spec)?;
     let mut client = open(socket)?;
-    let (name, site) = add_probe(&mut client, &spec)?;
-    println!("{}", added_line(&name, site));
+    let (name, site) = add_probe(&mut client, &spec).map_err(|e| {
+        if sys::is_interrupted(&e) {
+            e.context("the probe may have been added (`hvtrace probe list` shows it)")
+        } else {
+            e
+        }
+    })?;
+    println!("{}", term::sanitize(&added_line(&name, site)));
     Ok(0)
 }
 
@@ -466,8 +490,13 @@ pub fn probe_list(socket: &Path, args: &ProbeListArgs) -> Result<u8> {
         other => return Err(response_error(other)),
     };
     let mut out = std::io::stdout().lock();
+    let mode = if args.json { Mode::Json } else { Mode::Text };
     for p in &probes {
-        writeln!(out, "{}", probe_line(p, args.json))?;
+        writeln!(
+            out,
+            "{}",
+            term::sanitize_as(mode, &probe_line(p, args.json))
+        )?;
     }
     out.flush()?;
     Ok(0)
@@ -509,7 +538,9 @@ pub fn add_functions(control: &mut dyn Control, glob: &str) -> Result<String> {
     }
 }
 
-/// How many functions matching `glob` are traced and which were skipped.
+/// How many functions matching `glob` are traced and which were skipped,
+/// for the terminal (the symbol names come from the guest: control
+/// characters are escaped).
 pub fn function_summary(glob: &str, traced: u32, skipped: &[String], skipped_total: u32) -> String {
     let mut line = format!("function tracer on {glob}: {traced} traced");
     if skipped_total > 0 {
@@ -524,7 +555,7 @@ pub fn function_summary(glob: &str, traced: u32, skipped: &[String], skipped_tot
             line.push(')');
         }
     }
-    line
+    term::sanitize(&line).into_owned()
 }
 
 /// Starts the trace stream in `format`.
@@ -682,13 +713,14 @@ impl TraceOutput {
         }
     }
 
-    /// The output for `format`, into `path` (created now) or stdout.
+    /// The output for `format`, into `path` (created now) or stdout (with
+    /// control characters escaped: [`stdout_for`]).
     pub fn create(path: Option<&Path>, format: OutputFormatArg) -> Result<TraceOutput> {
         let out: Box<dyn Write + Send> = match path {
             Some(path) => Box::new(BufWriter::new(
                 File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
             )),
-            None => Box::new(std::io::stdout()),
+            None => stdout_for(format.protocol()),
         };
         Ok(match format {
             OutputFormatArg::Chrome => TraceOutput::chrome(out),
@@ -720,6 +752,17 @@ impl TraceOutput {
         self.out.flush()?;
         Ok(summary)
     }
+}
+
+/// Stdout for trace lines in `format`: the lines quote the guest (task
+/// names, string arguments, symbols), so the characters a terminal acts on
+/// are escaped, as text or as JSON escapes ([`term::Sanitizing`]).
+pub fn stdout_for(format: TraceFormat) -> Box<dyn Write + Send> {
+    let mode = match format {
+        TraceFormat::Text => Mode::Text,
+        _ => Mode::Json,
+    };
+    Box::new(term::Sanitizing::new(std::io::stdout(), mode))
 }
 
 /// A writer whose bytes tests read back ([`TraceOutput::copy`] into it).
@@ -763,7 +806,8 @@ pub enum CopyEnd {
 /// Copies the trace from `reader` to `out`: until a read stays empty, or
 /// with `follow` until `stop` says so or the VM ends. The first read waits
 /// [`FIRST_WAIT_MS`] and the next ones [`DRAIN_WAIT_MS`]; with `follow`
-/// each waits `follow_wait_ms`, which also bounds how late `stop` is seen.
+/// each waits `follow_wait_ms`. `stop` is asked before each read; a read
+/// that a Ctrl-C ended ([`sys::Interrupted`]) stops the copy too.
 pub fn copy_trace(
     control: &mut dyn Control,
     reader: &mut TraceReader,
@@ -781,9 +825,11 @@ pub fn copy_trace(
         if stop() {
             return Ok(CopyEnd::Stopped);
         }
-        let read = match reader.read(control, wait)? {
-            Ok(read) => read,
-            Err(TraceEnd::VmEnded(why)) => return Ok(CopyEnd::VmEnded(why)),
+        let read = match reader.read(control, wait) {
+            Ok(Ok(read)) => read,
+            Ok(Err(TraceEnd::VmEnded(why))) => return Ok(CopyEnd::VmEnded(why)),
+            Err(e) if sys::is_interrupted(&e) => return Ok(CopyEnd::Stopped),
+            Err(e) => return Err(e),
         };
         if !follow {
             wait = DRAIN_WAIT_MS;
@@ -805,7 +851,8 @@ pub fn copy_trace(
 
 /// `hvtrace trace`: adds the --function globs, then copies the trace to
 /// stdout: until a read stays empty, or with --follow until interrupted or
-/// the VM ends.
+/// the VM ends. A Ctrl-C ends the copy at once (exit code 130); what was
+/// read is out already.
 pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
     let mut client = open(socket)?;
     for glob in &args.functions {
@@ -815,19 +862,35 @@ pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
     // Probe, return-probe and function-tracer lines only: graph sessions
     // are read by `hvtrace graph`.
     let mut reader = TraceReader::new(args.format.protocol()).with_source(Some(0));
-    let mut out = TraceOutput::copy(Box::new(std::io::stdout()));
+    let mut out = TraceOutput::copy(stdout_for(args.format.protocol()));
     let end = copy_trace(
         &mut client,
         &mut reader,
         args.follow,
         FOLLOW_WAIT_MS,
         &mut out,
-        &|| false,
+        &sys::interrupted,
     )?;
-    if let CopyEnd::VmEnded(why) = end {
-        eprintln!("hvtrace: {why}");
+    match end {
+        CopyEnd::VmEnded(why) => eprintln!("hvtrace: {}", term::sanitize(&why)),
+        CopyEnd::Stopped => {
+            eprintln!("hvtrace: {}", interrupted_line("trace", reader.lines));
+            return Ok(INTERRUPTED_EXIT);
+        }
+        CopyEnd::Quiet | CopyEnd::ReaderLeft => {}
     }
     Ok(0)
+}
+
+/// The exit code of a command that a Ctrl-C ended (128 + SIGINT, as a
+/// shell reports a process that SIGINT killed).
+pub const INTERRUPTED_EXIT: u8 = 130;
+
+/// The closing line of a trace that a Ctrl-C ended:
+/// `trace stopped by Ctrl-C after 12 lines`.
+pub fn interrupted_line(what: &str, lines: u64) -> String {
+    let s = if lines == 1 { "" } else { "s" };
+    format!("{what} stopped by Ctrl-C after {lines} line{s}")
 }
 
 /// `hvtrace exec`: prints the command's output; the exit code is its status.
@@ -837,9 +900,22 @@ pub fn exec(socket: &Path, args: &ExecArgs) -> Result<u8> {
         bail!("exec needs a command");
     }
     let mut client = open(socket)?;
-    let reply = client.call(Request::Exec { command }, EXEC_TIMEOUT)?;
+    let reply = client
+        .call(Request::Exec { command }, EXEC_TIMEOUT)
+        .map_err(|e| {
+            if sys::is_interrupted(&e) {
+                e.context(format!(
+                    "the command goes on in the guest until it ends (the supervisor gives it at most {} s)",
+                    crate::supervisor::EXEC_TIMEOUT.as_secs()
+                ))
+            } else {
+                e
+            }
+        })?;
     match reply.response {
         Response::Exec { output, status } => {
+            // On a terminal, the guest's output cannot drive it.
+            let output = term::for_stream(&output, term::stdout_is_terminal());
             let mut out = std::io::stdout().lock();
             out.write_all(output.as_bytes())?;
             out.flush()?;
@@ -858,19 +934,26 @@ pub fn exit_code(status: i32) -> u8 {
 /// final exit counts and the stop reason.
 pub fn stop(socket: &Path, _args: &StopArgs) -> Result<u8> {
     let mut client = open(socket)?;
-    let reply = client.call(Request::Stop, STOP_TIMEOUT)?;
+    let reply = client.call(Request::Stop, STOP_TIMEOUT).map_err(|e| {
+        if sys::is_interrupted(&e) {
+            e.context("the stop was sent; the VM goes on stopping without this command")
+        } else {
+            e
+        }
+    })?;
     match reply.response {
         Response::Ok => {}
         other => return Err(response_error(other)),
     }
     let text = render_stop(&reply.events);
+    let text = term::sanitize(&text);
     let mut out = std::io::stdout().lock();
     out.write_all(text.as_bytes())?;
     out.flush()?;
     // The supervisor removes the socket right after it answers; wait for
     // that, so that the next command finds no VM.
     let until = Instant::now() + Duration::from_secs(10);
-    while socket.exists() && Instant::now() < until {
+    while socket.exists() && Instant::now() < until && !sys::interrupted() {
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok(0)

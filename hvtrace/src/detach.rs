@@ -7,7 +7,8 @@
 //! ...` in a new session, with stdin closed and stdout and stderr in
 //! `DIR/supervisor.log`. It copies that log to its stderr while the guest
 //! boots and returns when the supervisor's state file says `ready`, or fails
-//! with the supervisor's own error line when it exits first.
+//! with the supervisor's own error line when it exits first. A Ctrl-C
+//! while it waits kills the supervisor, and with it the VM it was booting.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -156,7 +157,7 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
         }
         if let Some(status) = child.try_wait().context("cannot check the supervisor")? {
             if !args.quiet {
-                tail.copy_to(&mut std::io::stderr());
+                tail.copy_rest_to(&mut std::io::stderr());
             }
             let why = last_error(&log_path)
                 .unwrap_or_else(|| format!("the supervisor exited ({status})"));
@@ -164,6 +165,17 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
                 "the VM did not come up: {why} (log: {})",
                 log_path.display()
             );
+        }
+        if sys::take_interrupt() {
+            // What this command started goes with it: the emulator dies
+            // with the supervisor, and the state file says why.
+            let _ = child.kill();
+            let _ = child.wait();
+            crate::supervisor::write_state(&dir, "failed: interrupted (Ctrl-C) while booting");
+            return Err(anyhow::Error::new(sys::Interrupted).context(format!(
+                "the supervisor (pid {pid}) and its VM were stopped (log: {})",
+                log_path.display()
+            )));
         }
         if Instant::now() >= deadline {
             bail!(
@@ -176,16 +188,30 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
     }
 }
 
-/// The message of the last `hvtrace: error:` line of a log.
+/// How much of the end of the supervisor's log [`last_error`] reads.
+pub const LAST_ERROR_WINDOW: u64 = 64 * 1024;
+/// The most bytes [`LogTail`] copies at once.
+const TAIL_CHUNK: u64 = 1024 * 1024;
+
+/// The message of the last `hvtrace: error:` line of a log (in its last
+/// [`LAST_ERROR_WINDOW`] bytes).
 pub fn last_error(log: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(log).ok()?;
+    let mut file = File::open(log).ok()?;
+    let len = file.metadata().ok()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(LAST_ERROR_WINDOW)))
+        .ok()?;
+    let mut bytes = Vec::new();
+    file.take(LAST_ERROR_WINDOW).read_to_end(&mut bytes).ok()?;
+    let text = String::from_utf8_lossy(&bytes);
     text.lines()
         .rev()
         .find_map(|l| l.strip_prefix("hvtrace: error: "))
         .map(|m| m.trim().to_string())
 }
 
-/// Follows a growing file.
+/// Follows a growing file, copying its lines with control characters
+/// escaped ([`crate::term::sanitize`]): the supervisor's log quotes the
+/// guest and the hypervisor.
 struct LogTail {
     path: PathBuf,
     offset: u64,
@@ -199,19 +225,43 @@ impl LogTail {
         }
     }
 
-    /// Copies what was appended since the last call.
+    /// Copies the complete lines appended since the last call (at most
+    /// [`TAIL_CHUNK`] bytes, or one cut line that long).
     fn copy_to(&mut self, out: &mut dyn Write) {
+        self.copy(out, false);
+    }
+
+    /// Copies everything appended since the last call, a last line without
+    /// its newline too.
+    fn copy_rest_to(&mut self, out: &mut dyn Write) {
+        while self.copy(out, true) {}
+    }
+
+    /// Copies what was appended; returns whether it copied anything.
+    fn copy(&mut self, out: &mut dyn Write, all: bool) -> bool {
         let Ok(mut file) = File::open(&self.path) else {
-            return;
+            return false;
         };
         if file.seek(SeekFrom::Start(self.offset)).is_err() {
-            return;
+            return false;
         }
         let mut buf = Vec::new();
-        if file.read_to_end(&mut buf).is_ok() && !buf.is_empty() {
-            self.offset += buf.len() as u64;
-            let _ = out.write_all(&buf).and_then(|_| out.flush());
+        if file.take(TAIL_CHUNK).read_to_end(&mut buf).is_err() || buf.is_empty() {
+            return false;
         }
+        let full = buf.len() as u64 == TAIL_CHUNK;
+        let end = match buf.iter().rposition(|&b| b == b'\n') {
+            Some(i) => i + 1,
+            None if all || full => buf.len(),
+            None => return false,
+        };
+        let end = if all { buf.len() } else { end };
+        self.offset += end as u64;
+        let text = String::from_utf8_lossy(&buf[..end]);
+        let _ = out
+            .write_all(crate::term::sanitize(&text).as_bytes())
+            .and_then(|_| out.flush());
+        true
     }
 }
 
@@ -276,6 +326,35 @@ mod tests {
             .unwrap();
         tail.copy_to(&mut out);
         assert_eq!(out, b"nothing\nmore\n");
+        // Control characters are escaped; a line is copied once complete.
+        let mut file = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+        file.write_all(b"[  2.0s] hypervisor: \x1b]0;owned\x07 title\npart")
+            .unwrap();
+        let mut out = Vec::new();
+        tail.copy_to(&mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "[  2.0s] hypervisor: \\x1b]0;owned\\x07 title\n"
+        );
+        let mut out = Vec::new();
+        tail.copy_to(&mut out);
+        assert!(out.is_empty());
+        file.write_all(b"ial").unwrap();
+        tail.copy_rest_to(&mut out);
+        assert_eq!(out, b"partial");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_last_error_is_found_in_a_long_log() {
+        let dir = std::env::temp_dir().join(format!("hvtrace-detach-long-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("log");
+        let mut text = String::from("hvtrace: error: too early\n");
+        text.push_str(&"noise\n".repeat(100_000));
+        text.push_str("hvtrace: error: the last one\nafter\n");
+        std::fs::write(&log, &text).unwrap();
+        assert_eq!(last_error(&log).as_deref(), Some("the last one"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

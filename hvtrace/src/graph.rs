@@ -5,7 +5,11 @@
 //! the hypervisor runs several at once and numbers them), copies that
 //! session's lines of the trace stream from that point on under `trace`'s
 //! rules (until it goes quiet, or with `--follow` until Ctrl-C or the end
-//! of the VM), then stops that session alone ([`Request::GraphStop`]).
+//! of the VM), then stops that session alone ([`Request::GraphStop`]). The
+//! first Ctrl-C ends the read in progress at once; the session is stopped
+//! and the output finished all the same, and the command exits with 130.
+//! Should the command die without stopping its session, the supervisor
+//! stops it when the connection closes, unless `--persist` asked it not to.
 //! Probe and function-tracer lines, and other sessions' lines, are left
 //! out. With `--format chrome` it reads JSON lines and writes a Chrome
 //! trace ([`crate::chrome`]) at the end.
@@ -162,30 +166,36 @@ pub fn stop(control: &mut dyn Control, session: u32) -> Result<()> {
     }
 }
 
-/// `hvtrace graph`.
+/// `hvtrace graph`. The CLI catches Ctrl-C ([`sys::catch_interrupt`]):
+/// the first one ends the reading (the read in progress at once); the
+/// graph is stopped and the output finished all the same, and the exit
+/// code is 130.
 pub fn graph(socket: &Path, args: &GraphArgs) -> Result<u8> {
     // What can be checked without a VM, first.
     let filter = filter(args)?;
-    let mut client = ctl::open(socket)?;
+    let mut client = ctl::open_with(socket, args.persist)?;
     let output = TraceOutput::create(args.output.as_deref(), args.format)?;
-    // From here on, a Ctrl-C ends the reading; the graph is stopped and
-    // the output finished all the same.
-    sys::catch_interrupt().context("cannot catch Ctrl-C")?;
-    trace_session(
+    // One Ctrl-C ends one wait: either the read in progress takes it or
+    // the check between reads does, never the stop that follows.
+    let end = trace_session(
         &mut client,
         filter,
         args.format.protocol(),
         args.follow,
         output,
-        &sys::interrupted,
+        &sys::take_interrupt,
     )?;
-    Ok(0)
+    Ok(match end {
+        CopyEnd::Stopped => ctl::INTERRUPTED_EXIT,
+        _ => 0,
+    })
 }
 
 /// The work of `hvtrace graph` once connected: starts a session with
 /// `filter`, copies its lines in `format` to `output` (as
 /// [`ctl::copy_trace`] does, with `follow` and `interrupted`), stops the
-/// session and finishes the output.
+/// session and finishes the output. Returns how the copy ended; when it
+/// was interrupted, says so on stderr last.
 pub fn trace_session(
     control: &mut dyn Control,
     filter: GraphFilter,
@@ -193,10 +203,16 @@ pub fn trace_session(
     follow: bool,
     mut output: TraceOutput,
     interrupted: &dyn Fn() -> bool,
-) -> Result<()> {
+) -> Result<CopyEnd> {
     // Only lines that come after the start: the stream may hold older ones.
     let reader = TraceReader::at_end(control, format)?;
-    let started = start(control, filter)?;
+    let started = start(control, filter).map_err(|e| {
+        if sys::is_interrupted(&e) {
+            e.context("a session that started meanwhile ends with this command's connection (unless --persist)")
+        } else {
+            e
+        }
+    })?;
     eprintln!("hvtrace: {}", started.line());
     // Only this session's lines: probes, the function tracer and other
     // sessions may be writing to the stream too.
@@ -212,13 +228,13 @@ pub fn trace_session(
     let stopped = match &copied {
         // Nothing left to stop.
         Ok(CopyEnd::VmEnded(why)) => {
-            eprintln!("hvtrace: {why}");
+            eprintln!("hvtrace: {}", crate::term::sanitize(why));
             Ok(())
         }
         _ => stop(control, started.session),
     };
     let finished = output.finish();
-    copied?;
+    let end = copied?;
     stopped?;
     match finished {
         Ok(Some(summary)) => eprintln!("hvtrace: {}", summary.line()),
@@ -227,7 +243,11 @@ pub fn trace_session(
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
         Err(e) => bail!("cannot write the trace: {e}"),
     }
-    Ok(())
+    if end == CopyEnd::Stopped {
+        let what = format!("function graph session {}", started.session);
+        eprintln!("hvtrace: {}", ctl::interrupted_line(&what, reader.lines));
+    }
+    Ok(end)
 }
 
 #[cfg(test)]

@@ -18,6 +18,15 @@ use std::collections::BTreeMap;
 /// The prefix of every line the hypervisor writes.
 pub const PREFIX: &str = "hvtrace: ";
 
+/// The most hypervisor lines [`HvLog`] keeps in memory. Past it (or past
+/// [`MAX_BYTES`]) the oldest quarter goes; the stop and the exit counts
+/// come last, so they stay.
+pub const MAX_LINES: usize = 10_000;
+/// The most bytes of hypervisor lines [`HvLog`] keeps in memory.
+pub const MAX_BYTES: usize = 1024 * 1024;
+/// The most `error:` messages [`HvLog`] keeps (the first ones).
+pub const MAX_ERRORS: usize = 64;
+
 /// Exit reason name -> count, as printed on the `exit counts:` line.
 pub type ExitCounts = BTreeMap<String, u64>;
 
@@ -80,18 +89,25 @@ pub fn parse_exit_counts(text: &str) -> ExitCounts {
     counts
 }
 
-/// Everything the hypervisor said so far, in order and digested.
+/// What the hypervisor said so far, in order and digested. The lines are
+/// the last [`MAX_LINES`] (and at most [`MAX_BYTES`]); the digest covers
+/// all of them.
 #[derive(Clone, Debug, Default)]
 pub struct HvLog {
-    /// Every hypervisor line, without the `hvtrace: ` prefix.
+    /// The hypervisor's lines, without the `hvtrace: ` prefix: all of
+    /// them, or the last ones when there were more than the bounds allow.
     pub lines: Vec<String>,
+    /// Lines left out of [`HvLog::lines`] (the oldest).
+    pub dropped_lines: u64,
+    /// Bytes in [`HvLog::lines`].
+    line_bytes: usize,
     /// A `guest started` line was seen.
     pub guest_started: bool,
     /// The last `exit counts:` line.
     pub exit_counts: Option<ExitCounts>,
     /// The reason of the first `guest stopped:` line.
     pub stopped: Option<String>,
-    /// The messages of all `error:` lines.
+    /// The messages of the `error:` lines (the first [`MAX_ERRORS`]).
     pub errors: Vec<String>,
 }
 
@@ -100,7 +116,7 @@ impl HvLog {
     /// is a hypervisor line.
     pub fn push_line(&mut self, line: &str) -> Option<HvEvent> {
         let body = strip_prefix(line)?;
-        self.lines.push(body.to_string());
+        self.keep_line(body);
         let event = classify(body);
         match &event {
             HvEvent::GuestStarted => self.guest_started = true,
@@ -110,7 +126,11 @@ impl HvLog {
                     self.stopped = Some(reason.clone());
                 }
             }
-            HvEvent::Error(message) => self.errors.push(message.clone()),
+            HvEvent::Error(message) => {
+                if self.errors.len() < MAX_ERRORS {
+                    self.errors.push(message.clone());
+                }
+            }
             HvEvent::Text(_) => {}
         }
         Some(event)
@@ -118,7 +138,30 @@ impl HvLog {
 
     /// True once the hypervisor wrote anything at all.
     pub fn alive(&self) -> bool {
-        !self.lines.is_empty()
+        !self.lines.is_empty() || self.dropped_lines > 0
+    }
+
+    /// Adds a line to [`HvLog::lines`], dropping the oldest quarter when
+    /// past a bound (at once, so that dropping costs little per line). The
+    /// newest line always stays.
+    fn keep_line(&mut self, body: &str) {
+        self.lines.push(body.to_string());
+        self.line_bytes += body.len();
+        if self.lines.len() <= MAX_LINES && self.line_bytes <= MAX_BYTES {
+            return;
+        }
+        let (max_lines, max_bytes) = (MAX_LINES / 4 * 3, MAX_BYTES / 4 * 3);
+        let mut cut = 0;
+        let mut bytes = self.line_bytes;
+        while cut + 1 < self.lines.len()
+            && (self.lines.len() - cut > max_lines || bytes > max_bytes)
+        {
+            bytes -= self.lines[cut].len();
+            cut += 1;
+        }
+        self.lines.drain(..cut);
+        self.line_bytes = bytes;
+        self.dropped_lines += cut as u64;
     }
 }
 
@@ -191,5 +234,41 @@ mod tests {
         assert_eq!(log.stopped.as_deref(), Some("power off"));
         assert_eq!(log.exit_counts.as_ref().unwrap()["CPUID"], 5);
         assert!(log.errors.is_empty());
+    }
+
+    #[test]
+    fn the_log_keeps_its_bounds() {
+        let mut log = HvLog::default();
+        log.push_line("hvtrace: guest started");
+        for i in 0..3 * MAX_LINES {
+            log.push_line(&format!("hvtrace: line {i}"));
+            log.push_line("hvtrace: error: again");
+        }
+        log.push_line("hvtrace: exit counts: CPUID=5");
+        log.push_line("hvtrace: guest stopped: power off");
+        assert!(log.lines.len() <= MAX_LINES, "{}", log.lines.len());
+        assert_eq!(
+            log.lines.len() as u64 + log.dropped_lines,
+            6 * MAX_LINES as u64 + 3
+        );
+        // The digest saw everything; the last lines are there.
+        assert!(log.guest_started && log.alive());
+        assert_eq!(log.errors.len(), MAX_ERRORS);
+        assert_eq!(log.stopped.as_deref(), Some("power off"));
+        assert_eq!(
+            &log.lines[log.lines.len() - 2..],
+            ["exit counts: CPUID=5", "guest stopped: power off"]
+        );
+
+        // Long lines: the byte bound.
+        let mut log = HvLog::default();
+        let long = format!("hvtrace: {}", "x".repeat(60 * 1024));
+        for _ in 0..100 {
+            log.push_line(&long);
+        }
+        let bytes: usize = log.lines.iter().map(String::len).sum();
+        assert!(bytes <= MAX_BYTES, "{bytes}");
+        assert!(log.dropped_lines > 0);
+        assert_eq!(log.line_bytes, bytes);
     }
 }

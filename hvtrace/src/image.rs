@@ -6,6 +6,8 @@
 //! `bzImage <guest cmdline>`; QEMU's `-initrd "bzImage <cmdline>,initrd"`
 //! yields the same strings. With `--bare` GRUB boots the kernel itself.
 
+use std::fs::DirBuilder;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -23,7 +25,13 @@ pub const INITRD_NAME: &str = "initrd";
 /// See [`KERNEL_NAME`].
 pub const HYPERVISOR_NAME: &str = "hypervisor";
 
-/// Creates a fresh, empty run directory under the system temp directory.
+/// The mode of a run directory: the owner's alone. It holds the guest's
+/// console log and the supervisor's state file.
+pub const RUN_DIR_MODE: u32 = 0o700;
+
+/// Creates a fresh, empty run directory under the system temp directory,
+/// mode [`RUN_DIR_MODE`]. A directory already there under the same name is
+/// not taken over: that is an error.
 pub fn create_run_dir() -> Result<PathBuf> {
     static SEQ: AtomicU32 = AtomicU32::new(0);
     let nanos = SystemTime::now()
@@ -37,9 +45,48 @@ pub fn create_run_dir() -> Result<PathBuf> {
         nanos
     );
     let dir = std::env::temp_dir().join(name);
-    std::fs::create_dir_all(&dir)
+    DirBuilder::new()
+        .mode(RUN_DIR_MODE)
+        .create(&dir)
         .with_context(|| format!("cannot create run directory {}", dir.display()))?;
+    make_private(&dir)?;
     Ok(dir)
+}
+
+/// Makes sure the run directory `dir` (given by the caller) exists: one
+/// that is missing is created with mode [`RUN_DIR_MODE`] (and its missing
+/// parents too); one that is there is used as it is.
+pub fn ensure_run_dir(dir: &Path) -> Result<()> {
+    if std::fs::symlink_metadata(dir).is_ok() {
+        if !dir.is_dir() {
+            bail!("run directory {} is not a directory", dir.display());
+        }
+        return Ok(());
+    }
+    DirBuilder::new()
+        .recursive(true)
+        .mode(RUN_DIR_MODE)
+        .create(dir)
+        .with_context(|| format!("cannot create run directory {}", dir.display()))?;
+    make_private(dir)
+}
+
+/// Gives a directory this process just created mode [`RUN_DIR_MODE`]
+/// (whatever the umask took away) and checks that it is ours.
+fn make_private(dir: &Path) -> Result<()> {
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(RUN_DIR_MODE))
+        .with_context(|| format!("cannot restrict run directory {}", dir.display()))?;
+    let meta = std::fs::symlink_metadata(dir)
+        .with_context(|| format!("cannot check run directory {}", dir.display()))?;
+    let mode = meta.mode() & 0o7777;
+    if !meta.is_dir() || meta.uid() != crate::sys::euid() || mode != RUN_DIR_MODE {
+        bail!(
+            "run directory {} is not a private directory of ours (uid {}, mode {mode:o})",
+            dir.display(),
+            meta.uid()
+        );
+    }
+    Ok(())
 }
 
 /// Copies `from` to `dir/name`.
@@ -166,6 +213,36 @@ pub fn build_iso(dir: &Path, cfg: &RunConfig) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn run_directories_are_private() {
+        let dir = create_run_dir().unwrap();
+        let meta = std::fs::symlink_metadata(&dir).unwrap();
+        assert!(meta.is_dir());
+        assert_eq!(meta.mode() & 0o7777, 0o700);
+        assert_eq!(meta.uid(), crate::sys::euid());
+        let other = create_run_dir().unwrap();
+        assert_ne!(dir, other);
+
+        // A given directory that is missing is created private, parents too.
+        let nested = dir.join("a/b");
+        ensure_run_dir(&nested).unwrap();
+        for d in [dir.join("a"), nested.clone()] {
+            let mode = std::fs::symlink_metadata(&d).unwrap().mode() & 0o7777;
+            assert_eq!(mode, 0o700, "{}", d.display());
+        }
+        // One that is there is left as it is; a file is refused.
+        std::fs::set_permissions(&nested, std::fs::Permissions::from_mode(0o755)).unwrap();
+        ensure_run_dir(&nested).unwrap();
+        let mode = std::fs::symlink_metadata(&nested).unwrap().mode() & 0o7777;
+        assert_eq!(mode, 0o755);
+        let file = dir.join("file");
+        std::fs::write(&file, b"x").unwrap();
+        let e = format!("{:#}", ensure_run_dir(&file).unwrap_err());
+        assert!(e.contains("is not a directory"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&other);
+    }
 
     #[test]
     fn quoting() {

@@ -17,6 +17,7 @@
 //! ```
 
 pub mod bochs;
+pub mod bounded;
 pub mod chrome;
 pub mod cli;
 pub mod client;
@@ -32,6 +33,7 @@ pub mod hypervisor;
 pub mod image;
 pub mod json;
 pub mod link;
+pub mod owners;
 pub mod qemu;
 pub mod run;
 pub mod segment;
@@ -39,6 +41,7 @@ pub mod session;
 pub mod socket;
 pub mod supervisor;
 pub mod sys;
+pub mod term;
 pub mod tracebuf;
 pub mod vm;
 

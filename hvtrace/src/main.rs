@@ -6,6 +6,8 @@ use clap::error::ErrorKind;
 use clap::Parser;
 
 use hvtrace::cli::{one_line_error, Cli, Command, DetailedError, ProbeCommand};
+use hvtrace::socket::Use;
+use hvtrace::term::sanitize;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -25,34 +27,69 @@ fn main() -> ExitCode {
             };
         }
     };
-    let socket = hvtrace::socket::resolve(cli.socket.as_deref());
+    // The socket is found (and its default directory checked, or created
+    // to serve) only for the commands that use it.
+    let serve = matches!(&cli.command, Command::Run(a) if a.detach)
+        || matches!(&cli.command, Command::Supervise(_));
+    let usage = if serve { Use::Serve } else { Use::Connect };
+    let socket = || hvtrace::socket::resolve(cli.socket.as_deref(), usage);
+    // The first Ctrl-C ends the wait in progress: each command stops what
+    // it started and exits with 130; a second Ctrl-C ends it at once. The
+    // supervisor runs in a session of its own and is not concerned.
+    if !matches!(cli.command, Command::Supervise(_)) {
+        if let Err(e) = hvtrace::sys::catch_interrupt() {
+            eprintln!("hvtrace: error: cannot catch Ctrl-C: {e}");
+            return ExitCode::from(1);
+        }
+    }
     let result = match &cli.command {
-        Command::Run(args) if args.detach => hvtrace::detach::run(args, &socket),
+        Command::Run(args) if args.detach => socket().and_then(|s| hvtrace::detach::run(args, &s)),
         Command::Run(args) => hvtrace::run::run(args),
-        Command::Status(args) => hvtrace::ctl::status(&socket, args),
-        Command::Exec(args) => hvtrace::ctl::exec(&socket, args),
-        Command::Stop(args) => hvtrace::ctl::stop(&socket, args),
-        Command::Syms(args) => hvtrace::ctl::syms(&socket, args),
-        Command::Probe(probe) => match &probe.command {
-            ProbeCommand::Add(args) => hvtrace::ctl::probe_add(&socket, args),
-            ProbeCommand::Del(args) => hvtrace::ctl::probe_del(&socket, args),
-            ProbeCommand::List(args) => hvtrace::ctl::probe_list(&socket, args),
-        },
-        Command::Trace(args) => hvtrace::ctl::trace(&socket, args),
-        Command::Graph(args) => hvtrace::graph::graph(&socket, args),
-        Command::Supervise(args) => hvtrace::supervisor::supervise(&socket, args),
+        Command::Status(args) => socket().and_then(|s| hvtrace::ctl::status(&s, args)),
+        Command::Exec(args) => socket().and_then(|s| hvtrace::ctl::exec(&s, args)),
+        Command::Stop(args) => socket().and_then(|s| hvtrace::ctl::stop(&s, args)),
+        Command::Syms(args) => socket().and_then(|s| hvtrace::ctl::syms(&s, args)),
+        Command::Probe(probe) => socket().and_then(|s| match &probe.command {
+            ProbeCommand::Add(args) => hvtrace::ctl::probe_add(&s, args),
+            ProbeCommand::Del(args) => hvtrace::ctl::probe_del(&s, args),
+            ProbeCommand::List(args) => hvtrace::ctl::probe_list(&s, args),
+        }),
+        Command::Trace(args) => socket().and_then(|s| hvtrace::ctl::trace(&s, args)),
+        Command::Graph(args) => socket().and_then(|s| hvtrace::graph::graph(&s, args)),
+        Command::Supervise(args) => socket().and_then(|s| hvtrace::supervisor::supervise(&s, args)),
     };
     match result {
         Ok(code) => ExitCode::from(code),
+        Err(e) if hvtrace::sys::is_interrupted(&e) || hvtrace::sys::interrupted() => {
+            eprintln!("hvtrace: {}", sanitize(&interrupted_line(&e)));
+            ExitCode::from(hvtrace::ctl::INTERRUPTED_EXIT)
+        }
         Err(e) => {
-            eprintln!("hvtrace: error: {}", one_line(&format!("{e:#}")));
+            // Errors may quote the guest or the hypervisor: no control
+            // characters reach the terminal.
+            eprintln!("hvtrace: error: {}", sanitize(&one_line(&format!("{e:#}"))));
             // The picture under the line, for errors that have one.
             if let Some(d) = e.chain().find_map(|c| c.downcast_ref::<DetailedError>()) {
-                eprint!("{}", d.detail);
+                eprint!("{}", sanitize(&d.detail));
             }
             ExitCode::from(1)
         }
     }
+}
+
+/// The line for a command that a Ctrl-C ended: `interrupted (Ctrl-C)`,
+/// then what the command says about what it leaves behind, or the error
+/// it ended with.
+fn interrupted_line(e: &anyhow::Error) -> String {
+    let mut line = hvtrace::sys::Interrupted.to_string();
+    for cause in e.chain() {
+        if cause.is::<hvtrace::sys::Interrupted>() {
+            continue;
+        }
+        line.push_str("; ");
+        line.push_str(&one_line(&cause.to_string()));
+    }
+    line
 }
 
 /// Joins the lines of a message, so every error is one line.

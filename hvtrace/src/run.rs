@@ -14,6 +14,14 @@
 //! [`TRACE_QUIET`] after the last command (at most [`TRACE_DRAIN_LIMIT`]
 //! after it); then the graph session is stopped and the hypervisor stops
 //! the guest.
+//!
+//! The first Ctrl-C ends the command in progress (and the ones after it
+//! are not run), then the run ends as it would after its last command: a
+//! traced run stops its graph session, finishes its output and has the
+//! hypervisor stop the guest; an untraced one interrupts the guest's
+//! command and powers the guest off. The exit code is then 130. A Ctrl-C
+//! during the boot kills the emulator. A second Ctrl-C ends hvtrace at
+//! once (and the emulator with it).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,7 +37,11 @@ use crate::config::{self, Emulator, RunConfig};
 use crate::ctl::{self, TraceEnd, TraceOutput, TraceReader};
 use crate::supervisor::{Ending, LocalVm};
 use crate::vm::{StopReport, Vm};
-use crate::{graph, guest, hypervisor};
+use crate::{graph, guest, hypervisor, sys, term};
+
+/// How long the guest shell gets to take in a Ctrl-C before the line that
+/// powers it off follows.
+const INTERRUPT_PAUSE: Duration = Duration::from_millis(300);
 
 /// A traced run ends once no trace line came for this long after its last
 /// command.
@@ -113,15 +125,41 @@ pub fn run(args: &RunArgs) -> Result<u8> {
     if args.exec.is_empty() {
         eprintln!("hvtrace: connected to the guest console; end input (Ctrl-D) or type `exit` to power off");
         let report = vm.interact()?;
-        return finish(&report, 0);
+        // A Ctrl-C there powers the guest off (see [`Vm::wait_stop`]).
+        let code = if sys::interrupted() {
+            ctl::INTERRUPTED_EXIT
+        } else {
+            0
+        };
+        return finish(&report, code);
     }
 
     let mut failed = 0usize;
     for cmd in &args.exec {
+        // A Ctrl-C between two commands: the next one is not sent.
+        if sys::take_interrupt() {
+            eprintln!("hvtrace: Ctrl-C: the commands left are not run; powering the guest off");
+            let report = vm.poweroff()?;
+            return finish(&report, ctl::INTERRUPTED_EXIT);
+        }
         eprintln!("hvtrace: $ {cmd}");
-        let result = vm.exec(cmd)?;
+        let result = match vm.exec(cmd) {
+            Ok(result) => result,
+            Err(e) if sys::is_interrupted(&e) => {
+                eprintln!("hvtrace: Ctrl-C: interrupting `{cmd}` and powering the guest off");
+                // The shell drops the rest of the command's line, then
+                // reads the `exit` that powers the guest off.
+                vm.interrupt_command()?;
+                std::thread::sleep(INTERRUPT_PAUSE);
+                let report = vm.poweroff()?;
+                return finish(&report, ctl::INTERRUPTED_EXIT);
+            }
+            Err(e) => return Err(e),
+        };
+        // On a terminal, the guest's output cannot drive it.
+        let output = term::for_stream(&result.output, term::stdout_is_terminal());
         let mut out = std::io::stdout().lock();
-        out.write_all(result.output.as_bytes())?;
+        out.write_all(output.as_bytes())?;
         out.flush()?;
         if result.rc != 0 {
             eprintln!("hvtrace: `{cmd}` exited with status {}", result.rc);
@@ -146,6 +184,8 @@ struct Traced {
     lost: u64,
     /// The graph session, with `--graph`.
     session: Option<u32>,
+    /// A Ctrl-C ended the commands.
+    interrupted: bool,
 }
 
 /// The source of the trace lines a traced run writes
@@ -222,7 +262,7 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
         // The guest is stopped next, so a graph left running does no harm;
         // say so and go on.
         if let Err(e) = graph::stop(&mut vm.control(), session) {
-            eprintln!("hvtrace: note: {e:#}");
+            eprintln!("hvtrace: note: {}", term::sanitize(&format!("{e:#}")));
         }
     }
     let chrome = out.finish().context("cannot write the trace")?;
@@ -241,6 +281,9 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
             let plural = if traced.lines == 1 { "" } else { "s" };
             eprintln!("hvtrace: trace: {} line{plural}{to}{lost}", traced.lines);
         }
+    }
+    if traced.interrupted || sys::interrupted() {
+        return finish(&report, ctl::INTERRUPTED_EXIT);
     }
     if traced.failed > 0 && args.fail_on_exec_error {
         finish(&report, 1)?;
@@ -263,7 +306,7 @@ fn trace_commands(
     for spec in &args.probes {
         let (name, site) =
             ctl::add_probe(&mut control, spec).with_context(|| format!("--probe {spec:?}"))?;
-        eprintln!("hvtrace: {}", ctl::added_line(&name, site));
+        eprintln!("hvtrace: {}", term::sanitize(&ctl::added_line(&name, site)));
     }
     for glob in &args.functions {
         let summary = ctl::add_functions(&mut control, glob)
@@ -290,48 +333,65 @@ fn trace_commands(
             result
         });
         let commands = run_commands(vm, &args.exec, &abort);
-        if commands.is_err() {
+        // An error or a Ctrl-C: the trace goes no further either.
+        if !matches!(commands, Ok((_, false))) {
             abort.store(true, Ordering::Relaxed);
         }
         let _ = done.set(Instant::now());
         let collected = collector
             .join()
             .unwrap_or_else(|_| Err(anyhow!("the trace reader panicked")));
-        let failed = commands?;
+        let (failed, interrupted) = commands?;
         let reader = collected?;
         Ok(Traced {
             failed,
             lines: reader.lines,
             lost: reader.lost,
             session,
+            interrupted,
         })
     })
 }
 
 /// Runs the commands in the guest shell, each announced on stderr and its
-/// output copied there, until `abort`; returns how many exited non-zero.
-fn run_commands(vm: &LocalVm, commands: &[String], abort: &AtomicBool) -> Result<usize> {
+/// output copied there, until `abort` or a Ctrl-C; returns how many exited
+/// non-zero, and whether a Ctrl-C ended them (the hypervisor stops the
+/// guest next, so a command it interrupted needs nothing more).
+fn run_commands(vm: &LocalVm, commands: &[String], abort: &AtomicBool) -> Result<(usize, bool)> {
     let mut failed = 0;
     for cmd in commands {
         if abort.load(Ordering::Relaxed) {
             break;
         }
+        if sys::take_interrupt() {
+            eprintln!("hvtrace: Ctrl-C: the commands left are not run");
+            return Ok((failed, true));
+        }
         eprintln!("hvtrace: $ {cmd}");
-        let result = vm.exec(cmd)?;
+        let result = match vm.exec(cmd) {
+            Ok(result) => result,
+            // The wait for the command's end took the Ctrl-C.
+            Err(_) if sys::interrupted() => {
+                eprintln!("hvtrace: Ctrl-C: `{cmd}` interrupted; the commands left are not run");
+                return Ok((failed, true));
+            }
+            Err(e) => return Err(e),
+        };
+        let output = term::for_stream(&result.output, term::stderr_is_terminal());
         let mut err = std::io::stderr().lock();
-        err.write_all(result.output.as_bytes())?;
+        err.write_all(output.as_bytes())?;
         err.flush()?;
         if result.rc != 0 {
             eprintln!("hvtrace: `{cmd}` exited with status {}", result.rc);
             failed += 1;
         }
     }
-    Ok(failed)
+    Ok((failed, false))
 }
 
 /// Copies the trace from `reader` to `out` until `done` is set and no line
 /// came for [`TRACE_QUIET`] since (or [`TRACE_DRAIN_LIMIT`] passed), or
-/// `abort`.
+/// `abort`, or a Ctrl-C.
 fn collect(
     control: &mut dyn Control,
     mut reader: TraceReader,
@@ -340,7 +400,8 @@ fn collect(
     abort: &AtomicBool,
 ) -> Result<TraceReader> {
     let mut last_line = Instant::now();
-    while !abort.load(Ordering::Relaxed) {
+    // A Ctrl-C ends the collection too (within one read).
+    while !abort.load(Ordering::Relaxed) && !sys::interrupted() {
         match reader.read(control, TRACE_POLL_MS)? {
             Ok(read) if !read.text.is_empty() => {
                 out.write(&read.text).context("cannot write the trace")?;
@@ -371,7 +432,7 @@ fn collect(
 fn finish(report: &StopReport, code: u8) -> Result<u8> {
     if let Some(counts) = &report.exit_counts {
         let text: Vec<String> = counts.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        eprintln!("hvtrace: exits: {}", text.join(" "));
+        eprintln!("hvtrace: exits: {}", term::sanitize(&text.join(" ")));
     }
     let boot = report
         .boot_time
@@ -380,7 +441,7 @@ fn finish(report: &StopReport, code: u8) -> Result<u8> {
     eprintln!(
         "hvtrace: {boot}total {:.1} s; guest stopped: {}",
         report.wall_time.as_secs_f64(),
-        report.reason
+        term::sanitize(&report.reason)
     );
     if !Ending::from_report(report).clean {
         return Err(anyhow!(

@@ -24,9 +24,11 @@
 //!   forwarded as they are ([`crate::session`]).
 //!
 //! Clients come and go as they like; a client that leaves in the middle of
-//! a frame or of a request harms nobody. When the VM ends (the guest stops,
-//! the emulator exits), waiting clients get an error saying so, the socket
-//! is removed and the supervisor exits.
+//! a frame or of a request harms nobody. The function-graph sessions a
+//! client started and did not stop are stopped when its connection closes,
+//! unless it asked them to persist ([`crate::owners`]). When the VM ends
+//! (the guest stops, the emulator exits), waiting clients get an error
+//! saying so, the socket is removed and the supervisor exits.
 //!
 //! The run directory holds a `state` file (`starting`, `booting`, `ready`,
 //! `ended: ...`, `failed: ...`) that `run --detach` polls.
@@ -51,6 +53,7 @@ use crate::client::{response_error, Control};
 use crate::config::RunConfig;
 use crate::console::ExecResult;
 use crate::link::{self, HvLink, LinkError};
+use crate::owners::{ClientBackend, GraphOwners};
 use crate::session::{Backend, Reply, Session};
 use crate::socket::ClaimedSocket;
 use crate::tracebuf::{TraceBuffer, TraceChunk, READ_BUDGET};
@@ -122,9 +125,15 @@ enum Phase {
     Ended(Ending),
 }
 
-/// Prints a progress line, timed from `start`.
+/// Prints a progress line, timed from `start`. It may quote the guest or
+/// the hypervisor, and `run --detach` copies it to the terminal: control
+/// characters are escaped.
 fn note_at(start: Instant, message: &str) {
-    eprintln!("[{:7.1}s] {message}", start.elapsed().as_secs_f64());
+    eprintln!(
+        "[{:7.1}s] {}",
+        start.elapsed().as_secs_f64(),
+        crate::term::sanitize(message)
+    );
 }
 
 /// The trace buffer, shared with the link's reader thread, which fills it.
@@ -233,6 +242,8 @@ struct Supervisor {
     /// The format the hypervisor streams trace text in, once started.
     /// Held while the stream is started or switched.
     stream: Mutex<Option<TraceFormat>>,
+    /// Which connection started which function-graph session.
+    graphs: GraphOwners,
 }
 
 impl Supervisor {
@@ -249,6 +260,7 @@ impl Supervisor {
             start: Instant::now(),
             trace: Arc::new(TraceShared::new()),
             stream: Mutex::new(None),
+            graphs: GraphOwners::new(),
         }
     }
 
@@ -613,6 +625,9 @@ fn serve_client(sup: Arc<Supervisor>, stream: UnixStream) {
     };
     let _ = writer.set_write_timeout(Some(CLIENT_WRITE_TIMEOUT));
     let mut session = Session::new();
+    // The supervisor as this connection sees it: the graph sessions it
+    // starts are its own ([`crate::owners`]).
+    let conn = ClientBackend::new(&*sup, &sup.graphs, id);
     let mut buf = [0u8; 4096];
     let mut wire = Vec::new();
     let mut send = |frame: &Frame| -> bool {
@@ -637,13 +652,17 @@ fn serve_client(sup: Arc<Supervisor>, stream: UnixStream) {
             Err(_) => break,
         };
         let _busy = Busy::new(&sup.busy);
-        if !session.on_bytes(&buf[..n], &*sup, &mut send) {
+        if !session.on_bytes(&buf[..n], &conn, &mut send) {
             break;
         }
     }
     {
         let _busy = Busy::new(&sup.busy);
-        session.on_eof(&*sup);
+        session.on_eof(&conn);
+        // The graph sessions it started and left running end with it.
+        if let Some(line) = conn.close() {
+            sup.note(&line);
+        }
     }
     let s = session.stats();
     if s.wrong_version + s.garbage + s.not_requests > 0 {
@@ -655,9 +674,13 @@ fn serve_client(sup: Arc<Supervisor>, stream: UnixStream) {
     sup.clients.fetch_sub(1, Ordering::SeqCst);
 }
 
-/// Accepts clients for as long as the process lives.
+/// Accepts clients for as long as the process lives: those of the
+/// supervisor's own user and root; others are turned away
+/// ([`crate::socket::peer_allowed`]).
 fn accept_clients(sup: Arc<Supervisor>, listener: std::os::unix::net::UnixListener) {
     std::thread::spawn(move || {
+        let ours = crate::sys::euid();
+        let mut refused = 0u64;
         for stream in listener.incoming() {
             let stream = match stream {
                 Ok(s) => s,
@@ -667,6 +690,15 @@ fn accept_clients(sup: Arc<Supervisor>, listener: std::os::unix::net::UnixListen
                     continue;
                 }
             };
+            if let Some(why) = refuse_peer(&stream, ours) {
+                refused += 1;
+                if refused <= MAX_REFUSALS_NOTED {
+                    sup.note(&format!("turned a client away: {why}"));
+                } else if refused == MAX_REFUSALS_NOTED + 1 {
+                    sup.note("turned another client away; further ones are not logged");
+                }
+                continue;
+            }
             if sup.clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
                 sup.clients.fetch_sub(1, Ordering::SeqCst);
                 sup.note(&format!(
@@ -678,6 +710,21 @@ fn accept_clients(sup: Arc<Supervisor>, listener: std::os::unix::net::UnixListen
             std::thread::spawn(move || serve_client(sup, stream));
         }
     });
+}
+
+/// How many turned-away clients the log names; then it says no more.
+const MAX_REFUSALS_NOTED: u64 = 20;
+
+/// Why the client at the other end of `stream` is not served, if it is not:
+/// it is neither user `ours` nor root, or who it is cannot be told.
+fn refuse_peer(stream: &UnixStream, ours: u32) -> Option<String> {
+    match crate::sys::peer_uid(stream) {
+        Ok(uid) if crate::socket::peer_allowed(uid, ours) => None,
+        Ok(uid) => Some(format!(
+            "uid {uid} is neither the supervisor's user (uid {ours}) nor root"
+        )),
+        Err(e) => Some(format!("cannot tell who it is: {e}")),
+    }
 }
 
 /// Writes the state file (atomically: a reader sees the old or the new text).
@@ -1054,6 +1101,23 @@ mod tests {
             encode(&Frame::event(0, e), &mut Vec::new()).unwrap();
         }
         encode(&Frame::response(1, reply.response), &mut Vec::new()).unwrap();
+    }
+
+    #[test]
+    fn only_our_user_and_root_are_served() {
+        let (ours, _theirs) = UnixStream::pair().unwrap();
+        let euid = crate::sys::euid();
+        assert_eq!(refuse_peer(&ours, euid), None);
+        let other = if euid == 4242 { 4243 } else { 4242 };
+        let refusal = refuse_peer(&ours, other);
+        if euid == 0 {
+            // Root is always served.
+            assert_eq!(refusal, None);
+        } else {
+            let expected =
+                format!("uid {euid} is neither the supervisor's user (uid {other}) nor root");
+            assert_eq!(refusal, Some(expected));
+        }
     }
 
     #[test]

@@ -5,22 +5,33 @@
 //!   closing the terminal does not end the VM.
 //! - `prctl(PR_SET_PDEATHSIG)`: an emulator dies with the process that
 //!   started it, so a killed launcher never leaves Bochs or QEMU behind.
-//! - `getuid(2)`: the default control socket name carries the user id.
+//! - `getuid(2)`, `geteuid(2)`: the default control socket's directory
+//!   carries the user id, and is checked to be ours.
+//! - `getsockopt(SO_PEERCRED)`: who is at the other end of the control
+//!   socket (the supervisor serves its owner and root only; a client talks
+//!   only to a supervisor of its owner or root).
+//! - `umask(2)`: the control socket is bound with no permission for group
+//!   and others, so it is never reachable by them, not even for a moment.
 //! - `setsockopt(TCP_QUICKACK)`: Bochs writes a serial port's output to its
 //!   socket one byte per `write`, with Nagle's algorithm on, so every byte
 //!   after the first of a burst waits for our ACK, which Linux delays by up
 //!   to 40 ms. Acknowledging at once takes a control-channel round trip in
 //!   Bochs from about 44 ms to about 2 ms.
-//! - `signal(2)`: `hvtrace graph` catches the first Ctrl-C, so that it can
-//!   stop the tracer and finish its output before it exits.
+//! - `sigaction(2)`: the CLI catches the first Ctrl-C, without
+//!   `SA_RESTART`, so that a blocking wait returns at once and the command
+//!   can stop what it started and finish its output before it exits; the
+//!   handler is reset on delivery (`SA_RESETHAND`), so a second Ctrl-C ends
+//!   the process as usual.
 
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::os::raw::{c_int, c_uint, c_ulong, c_void};
+use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 mod ffi {
     use std::os::raw::{c_int, c_uint, c_void};
@@ -28,9 +39,22 @@ mod ffi {
     extern "C" {
         pub fn setsid() -> c_int;
         pub fn getuid() -> u32;
+        pub fn geteuid() -> u32;
+        pub fn umask(mask: u32) -> u32;
+        pub fn getsockopt(
+            fd: c_int,
+            level: c_int,
+            name: c_int,
+            value: *mut c_void,
+            len: *mut c_uint,
+        ) -> c_int;
         pub fn getppid() -> c_int;
         pub fn prctl(option: c_int, ...) -> c_int;
-        pub fn signal(signum: c_int, handler: usize) -> usize;
+        pub fn sigaction(
+            signum: c_int,
+            action: *const super::SigAction,
+            old: *mut super::SigAction,
+        ) -> c_int;
         pub fn setsockopt(
             fd: c_int,
             level: c_int,
@@ -46,6 +70,20 @@ const IPPROTO_TCP: c_int = 6;
 /// `TCP_QUICKACK` from `<linux/tcp.h>`.
 const TCP_QUICKACK: c_int = 12;
 
+/// `SOL_SOCKET`.
+const SOL_SOCKET: c_int = 1;
+/// `SO_PEERCRED` from `<asm-generic/socket.h>`.
+const SO_PEERCRED: c_int = 17;
+
+/// `struct ucred` from `<sys/socket.h>`: what `SO_PEERCRED` fills in.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct Ucred {
+    pid: i32,
+    uid: u32,
+    gid: u32,
+}
+
 /// `PR_SET_PDEATHSIG` from `<linux/prctl.h>`.
 const PR_SET_PDEATHSIG: c_int = 1;
 /// `SIGKILL`.
@@ -55,34 +93,69 @@ const SIGKILL: c_ulong = 9;
 const SIGINT: c_int = 2;
 /// `SIG_DFL`: the default action.
 const SIG_DFL: usize = 0;
-/// `SIG_ERR`: what `signal` returns when it fails.
-const SIG_ERR: usize = usize::MAX;
+/// `SA_RESETHAND` from `<asm-generic/signal.h>`: the default action is put
+/// back as the signal is delivered.
+const SA_RESETHAND: c_int = 0x8000_0000_u32 as c_int;
 
-/// Set by the first SIGINT once [`catch_interrupt`] ran.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// `struct sigaction` as the C library takes it on Linux (glibc and musl,
+/// x86-64 and arm64): the handler, the mask of 1024 signals, the flags,
+/// then the restorer, which the library fills in.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SigAction {
+    handler: usize,
+    mask: [u64; 16],
+    flags: c_int,
+    restorer: usize,
+}
 
-extern "C" fn on_interrupt(_signum: c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
-    // SAFETY: signal is async-signal-safe (POSIX); SIG_DFL is a valid
-    // disposition. The next SIGINT ends the process as usual.
-    unsafe {
-        ffi::signal(SIGINT, SIG_DFL);
+impl SigAction {
+    fn new(handler: usize, flags: c_int) -> SigAction {
+        SigAction {
+            handler,
+            mask: [0; 16],
+            flags,
+            restorer: 0,
+        }
     }
 }
 
-/// Catches the next SIGINT (Ctrl-C): instead of ending the process it sets
-/// the flag that [`interrupted`] reads, and the one after it ends the
-/// process as usual. Blocking calls go on (glibc restarts them), so a loop
-/// that polls the flag notices it at its next turn.
-pub fn catch_interrupt() -> io::Result<()> {
-    let handler: extern "C" fn(c_int) = on_interrupt;
-    // SAFETY: the handler only stores to an atomic and calls signal, both
-    // async-signal-safe; a function pointer is what the C `sighandler_t`
-    // holds.
-    let previous = unsafe { ffi::signal(SIGINT, handler as usize) };
-    if previous == SIG_ERR {
+/// Sets the action for `signum`; returns the previous one.
+fn set_action(signum: c_int, action: &SigAction) -> io::Result<SigAction> {
+    let mut old = SigAction::new(SIG_DFL, 0);
+    // SAFETY: both pointers are to live `struct sigaction`s of the C
+    // layout; the kernel and the C library only read `action` and write
+    // `old`.
+    let rc = unsafe { ffi::sigaction(signum, action, &mut old) };
+    if rc < 0 {
         return Err(io::Error::last_os_error());
     }
+    Ok(old)
+}
+
+/// Set by the first SIGINT once [`catch_interrupt`] ran, and kept.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// Set by the same SIGINT, until a blocking wait takes it
+/// ([`take_interrupt`]).
+static PENDING: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_signum: c_int) {
+    // Only stores to atomics: async-signal-safe. SA_RESETHAND already put
+    // the default action back, so the next SIGINT ends the process.
+    INTERRUPTED.store(true, Ordering::SeqCst);
+    PENDING.store(true, Ordering::SeqCst);
+}
+
+/// Catches the next SIGINT (Ctrl-C): instead of ending the process it sets
+/// the flags that [`interrupted`] and [`take_interrupt`] read, and the one
+/// after it ends the process as usual. The handler is installed without
+/// `SA_RESTART`: a blocking call in progress (a socket read, a wait) fails
+/// with `EINTR` instead of going on, so the wait around it notices at once.
+/// A signal that comes just before a blocking call starts is not seen by
+/// it: waits also poll [`take_interrupt`] in short slices.
+pub fn catch_interrupt() -> io::Result<()> {
+    let handler: extern "C" fn(c_int) = on_interrupt;
+    set_action(SIGINT, &SigAction::new(handler as usize, SA_RESETHAND))?;
     Ok(())
 }
 
@@ -91,11 +164,88 @@ pub fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::SeqCst)
 }
 
+/// True once per caught SIGINT: the first blocking wait that asks after it
+/// gives up (with [`Interrupted`]); the waits after it (those that stop
+/// what the command started) go on. [`interrupted`] stays true.
+pub fn take_interrupt() -> bool {
+    PENDING.swap(false, Ordering::SeqCst)
+}
+
+/// The error of a wait that a Ctrl-C ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted (Ctrl-C)")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// True when `e` is, or was caused by, a wait that a Ctrl-C ended.
+pub fn is_interrupted(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<Interrupted>())
+}
+
 /// The real user id of this process.
 pub fn uid() -> u32 {
     // SAFETY: getuid takes no arguments, touches no memory of ours and
     // cannot fail (POSIX).
     unsafe { ffi::getuid() }
+}
+
+/// The effective user id of this process: whose files it may touch, and
+/// whom the control socket belongs to.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid takes no arguments, touches no memory of ours and
+    // cannot fail (POSIX).
+    unsafe { ffi::geteuid() }
+}
+
+/// The user id of the process at the other end of a unix socket, as the
+/// kernel recorded it when the connection was made (`SO_PEERCRED`).
+pub fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+    let mut cred = Ucred::default();
+    let mut len = std::mem::size_of::<Ucred>() as c_uint;
+    // SAFETY: the descriptor belongs to `stream`, which outlives the call;
+    // the value points at a live, writable ucred whose size is in `len`,
+    // which points at a live c_uint.
+    let rc = unsafe {
+        ffi::getsockopt(
+            stream.as_raw_fd(),
+            SOL_SOCKET,
+            SO_PEERCRED,
+            (&mut cred as *mut Ucred).cast::<c_void>(),
+            &mut len,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if len as usize != std::mem::size_of::<Ucred>() {
+        return Err(io::Error::other("SO_PEERCRED returned a short answer"));
+    }
+    Ok(cred.uid)
+}
+
+/// Serializes the umask changes of [`with_umask`]: the mask is the
+/// process's, so two threads must not swap it at the same time.
+static UMASK_LOCK: Mutex<()> = Mutex::new(());
+
+/// Runs `f` with the file mode creation mask set to `mask`, then puts the
+/// previous mask back. The mask is process-wide: files other threads create
+/// meanwhile get it too, which can only make them more private.
+pub fn with_umask<T>(mask: u32, f: impl FnOnce() -> T) -> T {
+    let _guard = UMASK_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: umask cannot fail and touches no memory of ours (POSIX).
+    let previous = unsafe { ffi::umask(mask) };
+    let result = f();
+    // SAFETY: as above; this restores the mask read by the first call.
+    unsafe {
+        ffi::umask(previous);
+    }
+    result
 }
 
 /// Asks the kernel to acknowledge what arrives on `stream` at once instead
@@ -178,10 +328,74 @@ mod tests {
     }
 
     #[test]
+    fn euid_matches_proc() {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+        // Real, effective, saved, filesystem.
+        let effective: u32 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
+        assert_eq!(euid(), effective);
+    }
+
+    #[test]
+    fn peer_of_a_socket_pair_is_us() {
+        let (a, b) = UnixStream::pair().unwrap();
+        assert_eq!(peer_uid(&a).unwrap(), euid());
+        assert_eq!(peer_uid(&b).unwrap(), euid());
+    }
+
+    /// The current mask, without changing it (the caller holds
+    /// [`UMASK_LOCK`]).
+    fn read_umask() -> u32 {
+        // SAFETY: umask cannot fail; the second call puts back the mask
+        // the first one returned.
+        unsafe {
+            let mask = ffi::umask(0o077);
+            ffi::umask(mask);
+            mask
+        }
+    }
+
+    #[test]
+    fn umask_is_set_and_restored() {
+        let before = {
+            let _guard = UMASK_LOCK.lock().unwrap();
+            read_umask()
+        };
+        let inside = with_umask(0o077, read_umask);
+        assert_eq!(inside, 0o077);
+        let inside = with_umask(0o027, read_umask);
+        assert_eq!(inside, 0o027);
+        let after = {
+            let _guard = UMASK_LOCK.lock().unwrap();
+            read_umask()
+        };
+        assert_eq!(after, before);
+    }
+
+    #[test]
     fn quick_ack_on_a_socket() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         quick_ack(&stream);
+    }
+
+    /// The signal tests change the process's SIGINT action and flags:
+    /// one at a time.
+    static SIGNAL_LOCK: Mutex<()> = Mutex::new(());
+
+    /// The current SIGINT action, left as it is.
+    fn current_action() -> SigAction {
+        let mut old = SigAction::new(SIG_DFL, 0);
+        // SAFETY: a null action only queries; `old` is a live sigaction.
+        let rc = unsafe { ffi::sigaction(SIGINT, std::ptr::null(), &mut old) };
+        assert_eq!(rc, 0);
+        old
+    }
+
+    fn reset() {
+        set_action(SIGINT, &SigAction::new(SIG_DFL, 0)).unwrap();
+        INTERRUPTED.store(false, Ordering::SeqCst);
+        PENDING.store(false, Ordering::SeqCst);
     }
 
     #[test]
@@ -189,16 +403,77 @@ mod tests {
         extern "C" {
             fn raise(signum: c_int) -> c_int;
         }
+        let _lock = SIGNAL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        reset();
         catch_interrupt().unwrap();
         assert!(!interrupted());
+        assert!(!take_interrupt());
+        let installed = current_action();
+        assert_eq!(installed.flags & SA_RESETHAND, SA_RESETHAND);
+        // Without SA_RESTART (0x10000000), blocking calls are not restarted.
+        assert_eq!(installed.flags & 0x1000_0000, 0);
         // SAFETY: raise delivers SIGINT to this thread, whose handler is
         // the one just installed.
         assert_eq!(unsafe { raise(SIGINT) }, 0);
         assert!(interrupted());
-        // The handler put the default action back.
-        // SAFETY: querying and restoring the disposition with signal.
-        let now = unsafe { ffi::signal(SIGINT, SIG_DFL) };
-        assert_eq!(now, SIG_DFL);
+        // One wait takes it; the next ones do not see it again.
+        assert!(take_interrupt());
+        assert!(!take_interrupt());
+        assert!(interrupted());
+        // The default action is back: the next Ctrl-C ends the process.
+        assert_eq!(current_action().handler, SIG_DFL);
+        reset();
+    }
+
+    #[test]
+    fn an_interrupt_ends_a_blocking_read() {
+        use std::io::Read;
+        use std::os::unix::thread::JoinHandleExt;
+        use std::time::{Duration, Instant};
+        extern "C" {
+            fn pthread_kill(thread: std::os::unix::thread::RawPthread, signum: c_int) -> c_int;
+        }
+        let _lock = SIGNAL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        reset();
+        let (mut ours, theirs) = UnixStream::pair().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        // A read with no time limit, on a socket nobody writes to.
+        let reader = std::thread::spawn(move || {
+            let mut byte = [0u8; 1];
+            let result = ours.read(&mut byte);
+            let _ = tx.send(result.map_err(|e| e.kind()));
+        });
+        let thread = reader.as_pthread_t();
+        let start = Instant::now();
+        let mut result = None;
+        // The signal may reach the thread before its read starts; then send
+        // it again (the handler is put back first, so it is always caught).
+        for _ in 0..50 {
+            catch_interrupt().unwrap();
+            // SAFETY: the thread is not joined yet, so its handle is valid
+            // (a thread that just ended makes this fail with ESRCH, which is
+            // harmless); SIGINT is caught by our handler.
+            unsafe {
+                pthread_kill(thread, SIGINT);
+            }
+            if let Ok(r) = rx.recv_timeout(Duration::from_millis(100)) {
+                result = Some(r);
+                break;
+            }
+        }
+        if result.is_none() {
+            // Unblock the thread before failing.
+            drop(theirs);
+            let _ = reader.join();
+            reset();
+            panic!("the read went on after SIGINT");
+        }
+        reader.join().unwrap();
+        assert_eq!(result, Some(Err(io::ErrorKind::Interrupted)));
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert!(interrupted() && take_interrupt());
+        drop(theirs);
+        reset();
     }
 
     #[test]

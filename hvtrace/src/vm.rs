@@ -3,7 +3,6 @@
 //! launch to power-off.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -16,8 +15,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 
 use crate::bochs;
+use crate::bounded::{self, CappedLog};
 use crate::config::{Emulator, RunConfig};
-use crate::console::{self, ExecResult, Markers};
+use crate::console::{self, ConsoleBuffer, ExecResult, Markers};
 use crate::hvlog::{HvEvent, HvLog};
 use crate::image;
 use crate::qemu;
@@ -30,6 +30,9 @@ const EXIT_GRACE: Duration = Duration::from_secs(15);
 const SYNC_RETRY: Duration = Duration::from_secs(15);
 /// How many lines of the emulator's own output are kept for messages.
 const TAIL_LINES: usize = 40;
+/// How many hypervisor lines (other than the milestones and errors) are
+/// shown as progress; the rest are only in `emulator.stdout.log`.
+const MAX_NOTED_HV_LINES: u32 = 1000;
 
 /// Where the reader thread copies the guest console.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,8 +54,9 @@ struct Shared {
 
 #[derive(Default)]
 struct Inner {
-    /// Everything the guest wrote on the serial console.
-    console: Vec<u8>,
+    /// What the guest wrote on the serial console (the last
+    /// [`console::CONSOLE_KEEP`] bytes).
+    console: ConsoleBuffer,
     stdout_eof: bool,
     stderr_eof: bool,
     hv: HvLog,
@@ -68,7 +72,11 @@ impl Shared {
 
     fn note(&self, message: &str) {
         if self.progress {
-            eprintln!("[{:7.1}s] {message}", self.start.elapsed().as_secs_f64());
+            eprintln!(
+                "[{:7.1}s] {}",
+                self.start.elapsed().as_secs_f64(),
+                crate::term::sanitize(message)
+            );
         }
     }
 }
@@ -81,7 +89,8 @@ pub struct StopReport {
     pub reason: String,
     /// The hypervisor's exit counts, when it printed them.
     pub exit_counts: Option<BTreeMap<String, u64>>,
-    /// Every hypervisor line, without the prefix.
+    /// The hypervisor's lines, without the prefix (the last ones, within
+    /// [`crate::hvlog::MAX_LINES`] and [`crate::hvlog::MAX_BYTES`]).
     pub hv_lines: Vec<String>,
     /// From launch to the end of the emulator.
     pub wall_time: Duration,
@@ -139,8 +148,7 @@ impl Vm {
         let start = Instant::now();
         let dir = match &cfg.run_dir {
             Some(dir) => {
-                std::fs::create_dir_all(dir)
-                    .with_context(|| format!("cannot create run directory {}", dir.display()))?;
+                image::ensure_run_dir(dir)?;
                 dir.clone()
             }
             None => image::create_run_dir()?,
@@ -162,6 +170,10 @@ impl Vm {
             }
         };
         crate::sys::die_with_parent(&mut command);
+        // A process group of its own: the Ctrl-C of the terminal goes to
+        // hvtrace alone, which stops the guest as it should (the emulator
+        // would otherwise die at once, or enter its debugger).
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner::default()),
             cv: Condvar::new(),
@@ -311,7 +323,10 @@ impl Vm {
         let ready_at = self.wait_for(
             "the guest to boot (HVTRACE-GUEST-READY)",
             deadline,
-            |inner| console::find(&inner.console, ready).map(|pos| pos + ready.len()),
+            |inner| {
+                let c = &inner.console;
+                console::find(c.bytes(), ready).map(|pos| c.start() + pos + ready.len())
+            },
         )?;
         self.shared.echo.store(Echo::Off as u8, Ordering::Relaxed);
         self.shared
@@ -320,7 +335,7 @@ impl Vm {
         let prompt_by = (Instant::now() + Duration::from_secs(10)).min(deadline);
         let prompt = console::PROMPT.as_bytes();
         let _ = self.wait_quietly(prompt_by, |inner| {
-            console::find(&inner.console[ready_at..], prompt).map(|_| ())
+            console::find(inner.console.since(ready_at), prompt).map(|_| ())
         });
         let mut sent = Vec::new();
         let after = loop {
@@ -332,7 +347,10 @@ impl Vm {
             let markers = self.markers.clone();
             let numbers = sent.clone();
             let found = self.wait_quietly(attempt_by, |inner| {
-                markers.find_sync(&inner.console, ready_at, &numbers)
+                let c = &inner.console;
+                markers
+                    .find_sync(c.bytes(), c.index(ready_at), &numbers)
+                    .map(|end| c.start() + end)
             })?;
             if let Some(after) = found {
                 break after;
@@ -368,12 +386,15 @@ impl Vm {
         if self.boot_time.is_none() {
             bail!("the guest shell is not ready (call wait_ready first)");
         }
+        if cmd.contains('\0') {
+            bail!("the command holds a NUL byte, which no shell command can");
+        }
         self.seq += 1;
         let n = self.seq;
         let line = self.markers.exec_line(n, cmd);
         if line.len() > console::MAX_LINE {
             bail!(
-                "command too long for the guest tty ({} bytes, at most {})",
+                "command too long for the guest tty ({} bytes as sent, control bytes and quotes escaped; at most {})",
                 line.len(),
                 console::MAX_LINE
             );
@@ -385,17 +406,26 @@ impl Vm {
         // Long outputs arrive in many small reads: search only what is new
         // (plus a margin for a marker line cut between reads), never the
         // whole output again, or waiting grows with the square of its size.
+        // Positions are the console buffer's, which stay valid when it
+        // drops old output.
         let scanned = std::cell::Cell::new(from);
         let (result, after) = self.wait_for(&what, deadline, |inner| {
+            let c = &inner.console;
             let start = scanned.get();
-            scanned.set(
-                inner
-                    .console
-                    .len()
-                    .saturating_sub(console::MARKER_MARGIN)
-                    .max(from),
-            );
-            markers.find_exec_from(&inner.console, from, start, n)
+            scanned.set(c.end().saturating_sub(console::MARKER_MARGIN).max(from));
+            let (mut result, after) =
+                markers.find_exec_from(c.bytes(), c.index(from), c.index(start), n)?;
+            if c.start() > from
+                && console::find(c.bytes(), markers.printed('B', n).as_bytes()).is_none()
+            {
+                // The output was longer than the console buffer keeps.
+                result.output = format!(
+                    "[hvtrace: the start of this output was dropped: the console buffer keeps the last {} MiB]\n{}",
+                    console::CONSOLE_KEEP >> 20,
+                    result.output
+                );
+            }
+            Some((result, c.start() + after))
         })?;
         self.cursor = after;
         Ok(result)
@@ -410,6 +440,15 @@ impl Vm {
             return Err(self.fail(anyhow!("cannot write to the guest console: {e}")));
         }
         Ok(())
+    }
+
+    /// Interrupts the command the guest shell runs, as a Ctrl-C on its
+    /// terminal would: sends the tty's interrupt character, which the line
+    /// discipline turns into SIGINT for the foreground job; the shell then
+    /// drops the rest of that command line (its end marker with it) and
+    /// reads the next line. At the prompt it only gives a new prompt.
+    pub fn interrupt_command(&mut self) -> Result<()> {
+        self.send(b"\x03")
     }
 
     /// Powers the guest off (the shell exits, `/init` runs `poweroff -f`),
@@ -439,10 +478,7 @@ impl Vm {
                     let e = e.clone();
                     drop(inner);
                     return Err(self.fail(anyhow!("the hypervisor reported an error: {e}")));
-                } else if bare
-                    && console::find(&inner.console[from.min(inner.console.len())..], power_down)
-                        .is_some()
-                {
+                } else if bare && console::find(inner.console.since(from), power_down).is_some() {
                     reason = Some("power off".to_string());
                 }
             }
@@ -470,6 +506,17 @@ impl Vm {
                     "{} exited ({status}) before the guest stopped{why}",
                     self.cfg.emulator
                 )));
+            }
+            if crate::sys::take_interrupt() {
+                // A Ctrl-C (caught by the CLI) while the guest runs on its
+                // own, as on the interactive console, or shuts down: end
+                // the shell's command and have the shell exit, which
+                // powers the guest off.
+                self.shared
+                    .note("Ctrl-C: interrupting the guest's command and powering off");
+                let _ = self.interrupt_command();
+                std::thread::sleep(Duration::from_millis(300));
+                let _ = self.send(b"exit\n");
             }
             if Instant::now() >= deadline {
                 return Err(self.fail(self.timeout_error("the guest to stop")));
@@ -506,13 +553,13 @@ impl Vm {
         {
             // Show what the guest printed since the shell answered.
             let inner = self.shared.lock();
-            let pending = &inner.console[self.cursor.min(inner.console.len())..];
+            let pending = inner.console.since(self.cursor);
             let mut out = std::io::stdout().lock();
             let _ = out.write_all(pending).and_then(|_| out.flush());
             self.shared
                 .echo
                 .store(Echo::Stdout as u8, Ordering::Relaxed);
-            self.cursor = inner.console.len();
+            self.cursor = inner.console.end();
         }
         let _ = to_guest.write_all(b"\n");
         // The thread ends with stdin's end or the socket's; it is not joined,
@@ -539,7 +586,9 @@ impl Vm {
         self.wait_stop()
     }
 
-    /// Every hypervisor line so far, without the `hvtrace: ` prefix.
+    /// The hypervisor's lines so far, without the `hvtrace: ` prefix (the
+    /// last ones, within [`crate::hvlog::MAX_LINES`] and
+    /// [`crate::hvlog::MAX_BYTES`]).
     pub fn hv_lines(&self) -> Vec<String> {
         self.shared.lock().hv.lines.clone()
     }
@@ -559,9 +608,10 @@ impl Vm {
         self.shared.lock().hv.exit_counts.clone()
     }
 
-    /// Everything the guest console showed so far.
+    /// What the guest console showed so far (the last
+    /// [`console::CONSOLE_KEEP`] bytes of it).
     pub fn console_text(&self) -> String {
-        String::from_utf8_lossy(&self.shared.lock().console).into_owned()
+        String::from_utf8_lossy(self.shared.lock().console.bytes()).into_owned()
     }
 
     /// From launch to the guest shell answering, once it did.
@@ -638,7 +688,9 @@ impl Vm {
     // ----- internals -----
 
     /// Waits until `check` gives a value. Fails on a hypervisor error, a guest
-    /// stop, the emulator's end or the deadline.
+    /// stop, the emulator's end or the deadline, and with
+    /// [`crate::sys::Interrupted`] on the first Ctrl-C once the CLI catches
+    /// it ([`crate::sys::take_interrupt`]; never in a process that does not).
     fn wait_for<T>(
         &mut self,
         what: &str,
@@ -646,6 +698,12 @@ impl Vm {
         mut check: impl FnMut(&Inner) -> Option<T>,
     ) -> Result<T> {
         loop {
+            if crate::sys::take_interrupt() {
+                return Err(self.fail(
+                    anyhow::Error::new(crate::sys::Interrupted)
+                        .context(format!("while waiting for {what}")),
+                ));
+            }
             {
                 let inner = self.shared.lock();
                 if let Some(value) = check(&inner) {
@@ -889,8 +947,10 @@ fn prepare(
     }
 }
 
-/// Reads the emulator's stdout or stderr line by line: logs it, feeds the
-/// hypervisor lines to the log digest and keeps a tail of the rest.
+/// Reads the emulator's stdout or stderr line by line (lines longer than
+/// [`bounded::MAX_LINE`] in pieces): logs it (up to [`bounded::LOG_CAP`]),
+/// feeds the hypervisor lines to the log digest and keeps a tail of the
+/// rest.
 fn spawn_line_reader(
     stream: impl Read + Send + 'static,
     log_path: PathBuf,
@@ -898,17 +958,18 @@ fn spawn_line_reader(
     is_stdout: bool,
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
-        let mut log = File::create(&log_path).ok();
+        let mut log = CappedLog::create(&log_path, bounded::LOG_CAP).ok();
         let mut reader = BufReader::new(stream);
         let mut buf = Vec::new();
+        let mut noted = 0u32;
         loop {
             buf.clear();
-            match reader.read_until(b'\n', &mut buf) {
+            match bounded::read_line(&mut reader, &mut buf, bounded::MAX_LINE) {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {}
             }
             if let Some(log) = log.as_mut() {
-                let _ = log.write_all(&buf);
+                let _ = log.append(&buf);
             }
             let line = String::from_utf8_lossy(&buf);
             let line = line.trim_end_matches(['\r', '\n']);
@@ -925,8 +986,16 @@ fn spawn_line_reader(
                         HvEvent::Error(e) => shared.note(&format!("hypervisor error: {e}")),
                         HvEvent::GuestStopped(_) => {}
                         HvEvent::ExitCounts(_) | HvEvent::Text(_) => {
-                            if let Some(body) = crate::hvlog::strip_prefix(line) {
-                                shared.note(&format!("hypervisor: {body}"));
+                            noted = noted.saturating_add(1);
+                            if noted == MAX_NOTED_HV_LINES + 1 {
+                                shared.note(&format!(
+                                    "more than {MAX_NOTED_HV_LINES} hypervisor lines; the rest are only in {}",
+                                    log_path.display()
+                                ));
+                            } else if noted <= MAX_NOTED_HV_LINES {
+                                if let Some(body) = crate::hvlog::strip_prefix(line) {
+                                    shared.note(&format!("hypervisor: {body}"));
+                                }
                             }
                         }
                     }
@@ -952,7 +1021,8 @@ fn spawn_line_reader(
     })
 }
 
-/// Reads the guest console: logs it, keeps it and echoes it when asked.
+/// Reads the guest console: logs it (up to [`bounded::LOG_CAP`]), keeps
+/// its last [`console::CONSOLE_KEEP`] bytes and echoes it when asked.
 fn spawn_serial_reader(
     stream: TcpStream,
     log_path: PathBuf,
@@ -962,16 +1032,19 @@ fn spawn_serial_reader(
     // acknowledge at once, or every burst stalls on a delayed ACK.
     let mut stream = crate::sys::QuickAckReader(stream);
     std::thread::spawn(move || {
-        let mut log = File::create(&log_path).ok();
+        let mut log = CappedLog::create(&log_path, bounded::LOG_CAP).ok();
         let mut buf = [0u8; 4096];
         loop {
             let n = match stream.read(&mut buf) {
-                Ok(0) | Err(_) => break,
+                Ok(0) => break,
                 Ok(n) => n,
+                // A signal the CLI catches (Ctrl-C) may land in this thread.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
             };
             let data = &buf[..n];
             if let Some(log) = log.as_mut() {
-                let _ = log.write_all(data);
+                let _ = log.append(data);
             }
             match shared.echo.load(Ordering::Relaxed) {
                 x if x == Echo::Stderr as u8 => {
@@ -984,7 +1057,7 @@ fn spawn_serial_reader(
                 }
                 _ => {}
             }
-            shared.lock().console.extend_from_slice(data);
+            shared.lock().console.push(data);
             shared.cv.notify_all();
         }
         shared.cv.notify_all();

@@ -1125,9 +1125,16 @@ fn graph_follow_stops_on_ctrl_c() {
     assert!(kill.success());
     let output = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    // Stopped by Ctrl-C: 128 + SIGINT, as a shell reports it.
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
     assert!(
         stderr.contains("hvtrace: chrome trace: 3 calls"),
+        "{stderr}"
+    );
+    // The closing line comes last.
+    assert_eq!(
+        stderr.lines().last(),
+        Some("hvtrace: function graph session 2 stopped by Ctrl-C after 7 lines"),
         "{stderr}"
     );
     server.join().unwrap();

@@ -1,0 +1,312 @@
+//! The host channels, from the command line: where the default control
+//! socket lives and what is refused about it, an unsafe `--socket`, and
+//! guest text that reaches the terminal without control characters. None of
+//! these cases needs an emulator: the control commands talk to a fake
+//! supervisor.
+//!
+//! Run: `cargo test -p hvtrace --test host_channels`
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use protocol::io::{FrameReader, FrameWriter};
+use protocol::{Body, ErrorKind, Frame, ProbeInfo, Request, Response, PROTOCOL_VERSION};
+
+/// A scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!(
+            "hvtrace-channels-test-{}-{test}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        set_mode(&dir, 0o700);
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn set_mode(path: &Path, mode: u32) {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// Runs hvtrace with `env` added; returns the exit code, stdout and stderr.
+fn runs_with(args: &[&str], env: &[(&str, &Path)]) -> (i32, Vec<u8>, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hvtrace"));
+    cmd.args(args)
+        .env("HVTRACE_ROOT", "/nonexistent-hvtrace-root")
+        .stdin(Stdio::null());
+    for (key, value) in env {
+        cmd.env(key, value);
+    }
+    let output = cmd.output().expect("cannot run hvtrace");
+    (
+        output.status.code().unwrap_or(-1),
+        output.stdout,
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+fn runs(args: &[&str]) -> (i32, Vec<u8>, String) {
+    runs_with(args, &[])
+}
+
+/// The message of a one-line failure.
+fn failure(code: i32, stderr: &str) -> String {
+    assert_eq!(code, 1, "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{stderr:?}");
+    lines[0]
+        .strip_prefix("hvtrace: error: ")
+        .unwrap_or_else(|| panic!("{stderr:?}"))
+        .to_string()
+}
+
+#[test]
+fn the_default_socket_lives_in_a_private_runtime_directory() {
+    let scratch = Scratch::new("xdg");
+    let runtime = scratch.0.join("runtime");
+    std::fs::create_dir(&runtime).unwrap();
+    set_mode(&runtime, 0o700);
+    let sub = runtime.join("hvtrace");
+    let env = [("XDG_RUNTIME_DIR", runtime.as_path())];
+
+    // No VM: the client names the default socket and creates nothing.
+    let (code, _, stderr) = runs_with(&["status"], &env);
+    let msg = failure(code, &stderr);
+    let expected = sub.join("hvtrace.sock");
+    assert_eq!(
+        msg,
+        format!(
+            "no VM is running at {}: the control socket does not exist (start one with `hvtrace run --detach`)",
+            expected.display()
+        )
+    );
+    assert!(!sub.exists());
+
+    // A directory there that others can enter is refused, by name.
+    std::fs::create_dir(&sub).unwrap();
+    set_mode(&sub, 0o755);
+    let (code, _, stderr) = runs_with(&["exec", "true"], &env);
+    let msg = failure(code, &stderr);
+    assert_eq!(
+        msg,
+        format!(
+            "the control socket directory {} has mode 0755, not 0700; `chmod 700 {}` or pass --socket",
+            sub.display(),
+            sub.display()
+        )
+    );
+    // So is a symbolic link, even to a private directory.
+    std::fs::remove_dir(&sub).unwrap();
+    let elsewhere = scratch.0.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    set_mode(&elsewhere, 0o700);
+    std::os::unix::fs::symlink(&elsewhere, &sub).unwrap();
+    let (code, _, stderr) = runs_with(&["stop"], &env);
+    let msg = failure(code, &stderr);
+    assert!(msg.contains("is a symbolic link"), "{msg}");
+    assert!(msg.contains(&sub.display().to_string()), "{msg}");
+
+    // A runtime directory that others can enter is not used at all: the
+    // default falls back to /tmp/hvtrace-$UID.
+    set_mode(&runtime, 0o755);
+    let (_, _, stderr) = runs_with(&["status"], &env);
+    assert!(!stderr.contains(&runtime.display().to_string()), "{stderr}");
+    assert!(stderr.contains("/tmp/hvtrace-"), "{stderr}");
+}
+
+#[test]
+fn an_unsafe_socket_directory_is_refused() {
+    let scratch = Scratch::new("unsafe");
+    let open = scratch.0.join("open");
+    std::fs::create_dir(&open).unwrap();
+    set_mode(&open, 0o777);
+    let sock = open.join("vm.sock");
+    // A listener of our own is there, but anyone could have put it there.
+    let listener = UnixListener::bind(&sock).unwrap();
+    for args in [vec!["status"], vec!["run", "--detach"]] {
+        let mut argv = vec!["--socket", sock.to_str().unwrap()];
+        argv.extend(args);
+        let (code, _, stderr) = runs(&argv);
+        let msg = failure(code, &stderr);
+        assert!(
+            msg.contains("is writable by others (mode 0777) without the sticky bit"),
+            "{argv:?}: {msg}"
+        );
+    }
+    // The same directory with the sticky bit, as /tmp: accepted (the
+    // socket file is ours), so the command gets as far as connecting.
+    drop(listener);
+    set_mode(&open, 0o1777);
+    let (code, _, stderr) = runs(&["--socket", sock.to_str().unwrap(), "status"]);
+    let msg = failure(code, &stderr);
+    assert!(msg.contains("is gone: nothing listens"), "{msg}");
+}
+
+/// Serves one connection on `path`: `Hello` as a supervisor would, every
+/// other request with `answer` (given the request's number, from 0).
+fn fake_supervisor(
+    path: &Path,
+    answer: impl Fn(u32, &Request) -> Response + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    let listener = UnixListener::bind(path).unwrap();
+    std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let mut r = FrameReader::new(stream.try_clone().unwrap());
+        let mut w = FrameWriter::new(stream);
+        let count = Arc::new(AtomicU32::new(0));
+        while let Ok(frame) = r.read_frame() {
+            let Body::Request(req) = &frame.body else {
+                continue;
+            };
+            let response = match req {
+                Request::Hello { .. } => Response::Hello {
+                    version: PROTOCOL_VERSION,
+                    hypervisor: "fake".into(),
+                },
+                other => answer(count.fetch_add(1, Ordering::SeqCst), other),
+            };
+            if w.write_frame(&Frame::response(frame.seq, response))
+                .is_err()
+            {
+                return;
+            }
+        }
+    })
+}
+
+/// Guest text with a terminal title change, a colour and a C1 CSI.
+const HOSTILE: &str = "evil\u{1b}]0;owned\u{7}\u{1b}[31mred\u{9b}2J";
+/// [`HOSTILE`] as the terminal gets it.
+const ESCAPED: &str = "evil\\x1b]0;owned\\x07\\x1b[31mred\\x9b2J";
+
+fn no_controls(bytes: &[u8]) {
+    let text = String::from_utf8_lossy(bytes);
+    assert!(
+        !text
+            .chars()
+            .any(|c| c != '\n' && c != '\t' && (c.is_control())),
+        "{text:?}"
+    );
+}
+
+#[test]
+fn guest_text_reaches_the_terminal_escaped() {
+    let scratch = Scratch::new("hostile");
+    let probes = || {
+        Response::Probes(vec![ProbeInfo {
+            name: "kprobes/x".into(),
+            spec: format!("p:kprobes/x {HOSTILE}"),
+            symbol: HOSTILE.into(),
+            site: 0x1000,
+            hits: 1,
+            misses: 0,
+        }])
+    };
+
+    // Text: visible escapes.
+    let path = scratch.0.join("list.sock");
+    let server = fake_supervisor(&path, move |_, _| probes());
+    let (code, stdout, stderr) = runs(&["--socket", path.to_str().unwrap(), "probe", "list"]);
+    assert_eq!(code, 0, "{stderr}");
+    no_controls(&stdout);
+    let text = String::from_utf8(stdout).unwrap();
+    assert!(
+        text.ends_with(&format!("p:kprobes/x {ESCAPED}\n")),
+        "{text:?}"
+    );
+    server.join().unwrap();
+
+    // JSON: JSON escapes, which decode to the guest's text.
+    let path = scratch.0.join("json.sock");
+    let server = fake_supervisor(&path, move |_, _| probes());
+    let (code, stdout, stderr) = runs(&[
+        "--socket",
+        path.to_str().unwrap(),
+        "probe",
+        "list",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    no_controls(&stdout);
+    let value: serde_json::Value = serde_json::from_slice(&stdout).unwrap();
+    assert_eq!(value["symbol"], HOSTILE);
+    server.join().unwrap();
+
+    // Trace lines on stdout, in both formats.
+    for (format, expected) in [
+        ("text", format!("comm {ESCAPED}\n")),
+        (
+            "json",
+            "{\"comm\":\"evil\\u001b]0;owned\\u0007\\u001b[31mred\\u009b2J\"}\n".to_string(),
+        ),
+    ] {
+        let path = scratch.0.join(format!("trace-{format}.sock"));
+        let line = if format == "text" {
+            format!("comm {HOSTILE}\n")
+        } else {
+            // The hypervisor escapes C0 in JSON strings but not C1 or DEL;
+            // a raw one must not reach the terminal either.
+            "{\"comm\":\"evil\\u001b]0;owned\\u0007\\u001b[31mred\u{9b}2J\"}\n".to_string()
+        };
+        let server = fake_supervisor(&path, move |n, req| match req {
+            Request::TraceRead { cursor, .. } if n == 0 => Response::Trace {
+                next: cursor.saturating_add(1),
+                text: line.clone(),
+                lost: 0,
+            },
+            Request::TraceRead { cursor, .. } => Response::Trace {
+                next: *cursor,
+                text: String::new(),
+                lost: 0,
+            },
+            _ => Response::error(ErrorKind::Unsupported, "no"),
+        });
+        let (code, stdout, stderr) = runs(&[
+            "--socket",
+            path.to_str().unwrap(),
+            "trace",
+            "--format",
+            format,
+        ]);
+        assert_eq!(code, 0, "{stderr}");
+        no_controls(&stdout);
+        assert_eq!(String::from_utf8(stdout).unwrap(), expected);
+        server.join().unwrap();
+    }
+
+    // Errors that quote the guest.
+    let path = scratch.0.join("error.sock");
+    let server = fake_supervisor(&path, |_, _| {
+        Response::error(ErrorKind::Internal, format!("exec failed: {HOSTILE}"))
+    });
+    let (code, _, stderr) = runs(&["--socket", path.to_str().unwrap(), "exec", "true"]);
+    let msg = failure(code, &stderr);
+    assert_eq!(msg, format!("exec failed: {ESCAPED}"));
+    server.join().unwrap();
+
+    // The output of a guest command into a pipe (not a terminal) is the
+    // guest's, byte for byte.
+    let path = scratch.0.join("exec.sock");
+    let server = fake_supervisor(&path, |_, _| Response::Exec {
+        output: HOSTILE.to_string(),
+        status: 0,
+    });
+    let (code, stdout, stderr) = runs(&["--socket", path.to_str().unwrap(), "exec", "cat", "x"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stdout, HOSTILE.as_bytes());
+    server.join().unwrap();
+}
