@@ -593,12 +593,7 @@ impl Tracer {
             let p = h.patches.swap_remove(i);
             // SAFETY: the shadow frame belongs to this hooked page alone.
             let shadow = unsafe { phys::frame_bytes_mut(h.shadow) };
-            if let Err(e) = site::write_checked(
-                shadow,
-                p.offset as usize,
-                &p.ours,
-                &p.guest,
-            ) {
+            if let Err(e) = site::write_checked(shadow, p.offset as usize, &p.ours, &p.guest) {
                 log::warn!("tracer: unpatching {site:#x}: {e}");
             }
         }

@@ -62,8 +62,8 @@ pub use codec::{
     MAX_WIRE_FRAME,
 };
 pub use message::{
-    Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GraphFilter, GuestState, KernelReport,
-    GuardReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceFormat,
+    Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GraphFilter, GuardReport, GuestState,
+    KernelReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceFormat,
     TracerReport,
 };
 

@@ -230,9 +230,10 @@ impl Detached {
             out.status.success(),
             "hvtrace run --detach failed: {stderr}"
         );
-        let run_dir = stderr
-            .lines()
-            .find_map(|l| l.split_once("; run directory ").map(|(_, d)| PathBuf::from(d.trim())));
+        let run_dir = stderr.lines().find_map(|l| {
+            l.split_once("; run directory ")
+                .map(|(_, d)| PathBuf::from(d.trim()))
+        });
         Detached { socket, run_dir }
     }
 

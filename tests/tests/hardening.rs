@@ -69,7 +69,9 @@ fn nmi_storm(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::client::Client) {
     );
     let after = status(c).guard;
     let nmis_after = guest_nmis(c);
-    println!("guard before {before:?}\nguard after {after:?}\nguest NMIs {nmis_before} -> {nmis_after}");
+    println!(
+        "guard before {before:?}\nguard after {after:?}\nguest NMIs {nmis_before} -> {nmis_after}"
+    );
     let output = vm.emulator_output();
     ck.check(vm.run_dir.is_some(), "run --detach named its run directory");
     ck.check(
@@ -77,7 +79,10 @@ fn nmi_storm(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::client::Client) {
         "the guest's gate at guest-physical 0x20 never ran in VMX root",
     );
     let arrived = (after.nmi_exits - before.nmi_exits) + (after.nmis_in_root - before.nmis_in_root);
-    ck.check(arrived >= 20, format!("NMIs arrived during the storm: {arrived}"));
+    ck.check(
+        arrived >= 20,
+        format!("NMIs arrived during the storm: {arrived}"),
+    );
     ck.check(
         after.nmis_in_root > before.nmis_in_root,
         format!(
@@ -86,7 +91,10 @@ fn nmi_storm(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::client::Client) {
         ),
     );
     let injected = after.nmis_injected - before.nmis_injected;
-    ck.check(injected >= 20, format!("NMIs injected into the guest: {injected}"));
+    ck.check(
+        injected >= 20,
+        format!("NMIs injected into the guest: {injected}"),
+    );
     ck.check(
         nmis_after - nmis_before >= injected.saturating_sub(1),
         format!(
@@ -100,11 +108,17 @@ fn nmi_storm(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::client::Client) {
 fn forge_debug_port(ck: &mut Checks, c: &mut hvtrace::client::Client) {
     let before = status(c).guard.debug_port_writes;
     let log = attack(c, "forge_e9=1");
-    ck.check(log.contains("hvattack: forged"), format!("forging ran: {log:?}"));
+    ck.check(
+        log.contains("hvattack: forged"),
+        format!("forging ran: {log:?}"),
+    );
     let after = status(c).guard.debug_port_writes;
     ck.check(
         after - before >= 70,
-        format!("guest writes to port 0xE9 dropped and counted: {}", after - before),
+        format!(
+            "guest writes to port 0xE9 dropped and counted: {}",
+            after - before
+        ),
     );
     alive(ck, c, "forged log lines");
 }
@@ -117,12 +131,22 @@ fn bad_instructions(ck: &mut Checks, c: &mut hvtrace::client::Client) {
         log.contains("hvattack: cr0 NW without CD raised #GP"),
         format!("CR0 NW without CD gets #GP: {log:?}"),
     );
-    for value in ["xsetbv 27 raised #GP", "xsetbv f raised #GP", "xsetbv 20007 raised #GP"] {
+    for value in [
+        "xsetbv 27 raised #GP",
+        "xsetbv f raised #GP",
+        "xsetbv 20007 raised #GP",
+    ] {
         ck.check(log.contains(value), format!("{value}: {log:?}"));
     }
-    ck.check(!log.contains("was accepted"), format!("no bad value was accepted: {log:?}"));
+    ck.check(
+        !log.contains("was accepted"),
+        format!("no bad value was accepted: {log:?}"),
+    );
     let refused_lines = log.matches("raised #GP (xcr0 now").count() as u64;
-    ck.check(log.contains("hvattack: getsec raised #UD"), format!("GETSEC gets #UD: {log:?}"));
+    ck.check(
+        log.contains("hvattack: getsec raised #UD"),
+        format!("GETSEC gets #UD: {log:?}"),
+    );
     ck.check(
         log.contains("hvattack: straddling inl(0x2f6) = ffffffff"),
         format!("a read straddling the control UART floats: {log:?}"),
@@ -156,7 +180,10 @@ fn hostile_guest_fast_lane() {
     let vm = Detached::start_with(
         "fast",
         "hardening",
-        &["--initrd", initrd.to_str().expect("initrd path is not UTF-8")],
+        &[
+            "--initrd",
+            initrd.to_str().expect("initrd path is not UTF-8"),
+        ],
     );
     let mut c = vm.client();
     let mut ck = Checks::new();

@@ -584,7 +584,12 @@ pub unsafe fn wrmsr_safe(msr: u32, value: u64) -> Result<(), ()> {
 /// The address of the stub for exception `vector` (0..32).
 pub fn trap_entry(vector: usize) -> u64 {
     // SAFETY: a read-only table of 32 addresses emitted by the assembly below.
-    unsafe { core::ptr::addr_of!(hv_trap_entries).cast::<u64>().add(vector % 32).read() }
+    unsafe {
+        core::ptr::addr_of!(hv_trap_entries)
+            .cast::<u64>()
+            .add(vector % 32)
+            .read()
+    }
 }
 
 // Exception stubs: vectors 8, 10-14, 17, 21, 29 and 30 push an error code;

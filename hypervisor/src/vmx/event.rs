@@ -249,7 +249,12 @@ mod tests {
         assert_eq!(p.inject, Some(ud));
         assert!(!p.reinjected);
         // A redone NMI clears the virtual-NMI blocking its first try set.
-        let p = plan_entry(None, Some(Event::nmi()), false, BLOCKING_BY_NMI | BLOCKING_BY_STI);
+        let p = plan_entry(
+            None,
+            Some(Event::nmi()),
+            false,
+            BLOCKING_BY_NMI | BLOCKING_BY_STI,
+        );
         assert_eq!(p.inject, Some(Event::nmi()));
         assert_eq!(p.interruptibility, 0);
         // A redone external interrupt drops a stale STI shadow.
