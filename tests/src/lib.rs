@@ -193,6 +193,8 @@ pub struct Detached {
     pub socket: PathBuf,
     /// The run directory `run --detach` reported (emulator logs, console).
     pub run_dir: Option<PathBuf>,
+    /// The supervisor's pid, as `run --detach` reported it.
+    pub supervisor: Option<u32>,
 }
 
 impl Detached {
@@ -234,7 +236,16 @@ impl Detached {
             l.split_once("; run directory ")
                 .map(|(_, d)| PathBuf::from(d.trim()))
         });
-        Detached { socket, run_dir }
+        let supervisor = stderr.lines().find_map(|l| {
+            l.split_once("supervisor pid ")
+                .and_then(|(_, rest)| rest.split(';').next())
+                .and_then(|p| p.trim().parse().ok())
+        });
+        Detached {
+            socket,
+            run_dir,
+            supervisor,
+        }
     }
 
     /// Everything the emulator printed so far (the hypervisor's log port
@@ -276,13 +287,88 @@ impl Detached {
     }
 }
 
+/// Whether process `pid` exists and is not a zombie.
+fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
+        .unwrap_or(false)
+}
+
+/// `pid` and every process below it (children first found through
+/// `/proc/*/stat`'s parent field).
+fn process_tree(pid: u32) -> Vec<u32> {
+    let mut parents: Vec<(u32, u32)> = Vec::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let Some(p) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let ppid = std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(") ")
+                        .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok())
+                });
+            if let Some(ppid) = ppid {
+                parents.push((p, ppid));
+            }
+        }
+    }
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let p = tree[i];
+        tree.extend(parents.iter().filter(|&&(_, pp)| pp == p).map(|&(c, _)| c));
+        i += 1;
+    }
+    tree
+}
+
+/// Stops the VM on every way out of a test, a panic included: `stop`
+/// through the socket, bounded in time; if the supervisor is still there
+/// after that, it and its emulator are killed, so that no VM outlives its
+/// test (a leaked emulator keeps a core busy and slows every later test).
 impl Drop for Detached {
     fn drop(&mut self) {
-        let _ = Command::new(hvtrace_bin())
+        let stop = Command::new(hvtrace_bin())
             .arg("--socket")
             .arg(&self.socket)
             .arg("stop")
-            .output();
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        if let Ok(mut child) = stop {
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    _ => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                }
+            }
+        }
+        let Some(pid) = self.supervisor else {
+            return;
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while process_alive(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if process_alive(pid) {
+            let tree = process_tree(pid);
+            eprintln!("hvtrace-tests: the VM did not stop; killing its processes {tree:?}");
+            for p in tree {
+                let _ = Command::new("kill").args(["-9", &p.to_string()]).status();
+            }
+        }
     }
 }
 
