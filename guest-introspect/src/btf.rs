@@ -19,13 +19,22 @@
 //! Type ids start at 1 (0 is `void`). A kernel built without BTF (the
 //! fast-lane one: `CONFIG_DEBUG_INFO_BTF` needs pahole) has none of this;
 //! [`BtfError::Absent`] says so, and the callers fall back or report it.
+//!
+//! The header's lengths are the guest's word: a header claiming more than
+//! [`MAX_BTF_BYTES`] of sections, or sections past the range it was found
+//! in, is refused before anything is walked. The walks (parse, type search,
+//! member search) pause on a [`Budget`] between types, so that a caller can
+//! run them a slice at a time; through a [`Metered`] view their reads are
+//! charged to that budget, which bounds the work of a search over any
+//! number of forged headers ([`locate_budgeted`]).
 
 use alloc::vec::Vec;
 use core::fmt;
 
 use crate::addr::{Gva, GvaRange};
+use crate::budget::{block_on, Budget, Metered, RECOVERY_BUDGET};
 use crate::kallsyms::SymbolIndex;
-use crate::scan::{self, ScanStats};
+use crate::scan::{ScanStats, ScanStep, Scanner};
 use crate::view::{read_array, ViewError, VirtMemory};
 
 /// `BTF_MAGIC`.
@@ -33,13 +42,23 @@ pub const BTF_MAGIC: u16 = 0xeb9f;
 /// The start of every BTF blob the kernel emits: magic, version 1, flags 0,
 /// `hdr_len` 24.
 pub const BTF_PREFIX: [u8; 8] = [0x9f, 0xeb, 0x01, 0x00, 0x18, 0x00, 0x00, 0x00];
-/// Largest section accepted.
-const MAX_SECTION: u32 = 64 << 20;
+/// Most bytes of type and string sections together a header may claim
+/// (Debian's 6.1 has 4.2 MiB, the fast-lane 6.12 2.4 MiB; a header claiming
+/// more is refused unread).
+pub const MAX_BTF_BYTES: u64 = 32 << 20;
+/// Longest header accepted (the kernel's is 24 bytes).
+const MAX_HEADER: u32 = 4096;
 /// Most members one lookup visits, anonymous ones included (task_struct
 /// has a few hundred).
 const MAX_MEMBERS_VISITED: u32 = 100_000;
 /// One checkpoint every this many type ids.
 const CHECKPOINT_EVERY: u32 = 64;
+/// Window of the sequential walks (parse, type search).
+const WINDOW_SEQUENTIAL: u32 = 16 * 1024;
+/// Window of the short lookups (one type, a struct's members): at most
+/// `CHECKPOINT_EVERY` headers are read from a checkpoint, each perhaps far
+/// from the last, so a big window would read mostly unused bytes.
+const WINDOW_LOOKUP: u32 = 2 * 1024;
 
 /// BTF kinds (`BTF_KIND_*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -143,6 +162,16 @@ pub enum BtfError {
     Absent,
     /// The header is not a BTF v1 header, or its sections do not fit.
     BadHeader,
+    /// The header claims more than [`MAX_BTF_BYTES`] of sections.
+    TooLarge {
+        /// Bytes it claims.
+        bytes: u64,
+    },
+    /// The blob or its sections extend past the range it was found in (or
+    /// `__start_BTF` is outside every range searched).
+    OutOfRange,
+    /// The work budget of the search was spent.
+    OverBudget,
     /// A type runs past the type section, or has an unknown kind.
     Malformed {
         /// Byte offset in the type section.
@@ -165,6 +194,12 @@ impl fmt::Display for BtfError {
         match *self {
             Self::Absent => f.write_str("the kernel has no BTF (CONFIG_DEBUG_INFO_BTF is off)"),
             Self::BadHeader => f.write_str("bad BTF header"),
+            Self::TooLarge { bytes } => write!(
+                f,
+                "a BTF header claiming {bytes} bytes of sections (more than {MAX_BTF_BYTES})"
+            ),
+            Self::OutOfRange => f.write_str("BTF outside the kernel image range searched"),
+            Self::OverBudget => f.write_str("BTF search gave up: its work budget is spent"),
             Self::Malformed { at } => write!(f, "malformed BTF type at offset {at:#x}"),
             Self::NoType(t) => write!(f, "BTF has no type {t}"),
             Self::NoMember(m) => write!(f, "BTF struct has no member {m}"),
@@ -177,7 +212,10 @@ impl fmt::Display for BtfError {
 
 impl From<ViewError> for BtfError {
     fn from(e: ViewError) -> Self {
-        Self::Read(e)
+        match e {
+            ViewError::OverBudget { .. } => Self::OverBudget,
+            e => Self::Read(e),
+        }
     }
 }
 
@@ -223,6 +261,7 @@ impl Member {
 /// A BTF blob in guest memory.
 pub struct Btf<'v, V: ?Sized> {
     view: &'v V,
+    base: Gva,
     types: Gva,
     types_len: u32,
     strings: Gva,
@@ -243,22 +282,24 @@ impl<V: ?Sized> fmt::Debug for Btf<'_, V> {
     }
 }
 
-/// Sequential reads of the type section through a 16 KiB window.
+/// Reads of the type section through a window of `size` bytes.
 struct Window<'v, V: ?Sized> {
     view: &'v V,
     base: Gva,
     len: u32,
+    size: u32,
     buf: Vec<u8>,
     at: u32,
 }
 
 impl<V: ?Sized> Window<'_, V> {
     /// An empty window over the type section at `base`, `len` bytes long.
-    fn new(view: &V, base: Gva, len: u32) -> Window<'_, V> {
+    fn new(view: &V, base: Gva, len: u32, size: u32) -> Window<'_, V> {
         Window {
             view,
             base,
             len,
+            size,
             buf: Vec::new(),
             at: 0,
         }
@@ -273,7 +314,7 @@ impl<V: VirtMemory + ?Sized> Window<'_, V> {
             .filter(|&e| e <= self.len)
             .ok_or(BtfError::Malformed { at: off })?;
         if off < self.at || end > self.at + self.buf.len() as u32 {
-            let take = core::cmp::min(16 * 1024, self.len - off).max(n);
+            let take = core::cmp::min(self.size, self.len - off).max(n);
             self.buf.resize(take as usize, 0);
             self.view
                 .read_virt(self.base.wrapping_add(off as u64), &mut self.buf)?;
@@ -295,8 +336,34 @@ fn u32_le(b: &[u8], o: usize) -> u32 {
 }
 
 impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
-    /// Checks the header at `base` and walks the type section once.
+    /// Checks the header at `base` and walks the type section once. The
+    /// header may claim at most [`MAX_BTF_BYTES`] of sections.
     pub fn parse(view: &'v V, base: Gva) -> Result<Self, BtfError> {
+        block_on(Self::parse_paced(view, base, None, &Budget::unlimited()))
+    }
+
+    /// [`Self::parse`], refusing ([`BtfError::OutOfRange`]) a blob whose
+    /// header or sections are not all inside `within`.
+    pub fn parse_within(view: &'v V, base: Gva, within: GvaRange) -> Result<Self, BtfError> {
+        block_on(Self::parse_paced(
+            view,
+            base,
+            Some(within),
+            &Budget::unlimited(),
+        ))
+    }
+
+    /// [`Self::parse`] (and [`Self::parse_within`] when `within` is given),
+    /// pausing on `pace` between types.
+    pub async fn parse_paced(
+        view: &'v V,
+        base: Gva,
+        within: Option<GvaRange>,
+        pace: &Budget,
+    ) -> Result<Self, BtfError> {
+        if within.is_some_and(|r| !r.contains(base)) {
+            return Err(BtfError::OutOfRange);
+        }
         let h: [u8; 24] = read_array(view, base)?;
         let magic = u16::from_le_bytes([h[0], h[1]]);
         let hdr_len = u32_le(&h, 4);
@@ -306,10 +373,16 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             u32_le(&h, 16),
             u32_le(&h, 20),
         );
-        if magic != BTF_MAGIC || h[2] != 1 || !(24..=4096).contains(&hdr_len) {
+        if magic != BTF_MAGIC || h[2] != 1 || !(24..=MAX_HEADER).contains(&hdr_len) {
             return Err(BtfError::BadHeader);
         }
-        let fits = |off: u32, len: u32| off.checked_add(len).is_some_and(|e| e <= MAX_SECTION);
+        // Sizes first: nothing of a guest-claimed length is walked before
+        // it is known to be sane.
+        let claimed = type_len as u64 + str_len as u64;
+        if claimed > MAX_BTF_BYTES {
+            return Err(BtfError::TooLarge { bytes: claimed });
+        }
+        let fits = |off: u32, len: u32| off as u64 + len as u64 <= MAX_BTF_BYTES;
         if !fits(type_off, type_len) || !fits(str_off, str_len) || !type_len.is_multiple_of(4) {
             return Err(BtfError::BadHeader);
         }
@@ -319,11 +392,17 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             .0
             .checked_add(hdr_len as u64)
             .ok_or(BtfError::BadHeader)?;
-        if data.checked_add(2 * MAX_SECTION as u64).is_none() {
-            return Err(BtfError::BadHeader);
+        let sections_end = core::cmp::max(
+            type_off as u64 + type_len as u64,
+            str_off as u64 + str_len as u64,
+        );
+        let end = data.checked_add(sections_end).ok_or(BtfError::BadHeader)?;
+        if within.is_some_and(|r| end > r.end.0) {
+            return Err(BtfError::OutOfRange);
         }
         let mut btf = Btf {
             view,
+            base,
             types: Gva(data + type_off as u64),
             types_len: type_len,
             strings: Gva(data + str_off as u64),
@@ -331,9 +410,10 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             count: 0,
             checkpoints: Vec::new(),
         };
-        let mut w = Window::new(view, btf.types, type_len);
+        let mut w = Window::new(view, btf.types, type_len, WINDOW_SEQUENTIAL);
         let mut off = 0u32;
         while off < type_len {
+            pace.pause().await;
             if btf.count.is_multiple_of(CHECKPOINT_EVERY) {
                 btf.checkpoints.push(off);
             }
@@ -349,6 +429,11 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             btf.count += 1;
         }
         Ok(btf)
+    }
+
+    /// Where the blob (its header) is.
+    pub fn base(&self) -> Gva {
+        self.base
     }
 
     /// Number of types (ids 1..=count).
@@ -374,9 +459,9 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         })
     }
 
-    /// A window over the whole type section.
+    /// A window over the whole type section, for short lookups.
     fn window(&self) -> Window<'v, V> {
-        Window::new(self.view, self.types, self.types_len)
+        Window::new(self.view, self.types, self.types_len, WINDOW_LOOKUP)
     }
 
     /// Type `id` (1-based).
@@ -415,9 +500,20 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
 
     /// The first type of `kind` called `name` (one pass over the types).
     pub fn find(&self, kind: Kind, name: &'static str) -> Result<TypeInfo, BtfError> {
-        let mut w = self.window();
+        block_on(self.find_paced(kind, name, &Budget::unlimited()))
+    }
+
+    /// [`Self::find`], pausing on `pace` between types.
+    pub async fn find_paced(
+        &self,
+        kind: Kind,
+        name: &'static str,
+        pace: &Budget,
+    ) -> Result<TypeInfo, BtfError> {
+        let mut w = Window::new(self.view, self.types, self.types_len, WINDOW_SEQUENTIAL);
         let mut off = 0u32;
         for id in 1..=self.count {
+            pace.pause().await;
             let raw: [u8; 12] = w
                 .get(off, 12)?
                 .try_into()
@@ -432,8 +528,14 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
     }
 
     /// Follows typedefs and qualifiers to the underlying type.
-    pub fn resolve(&self, mut id: u32) -> Result<TypeInfo, BtfError> {
+    pub fn resolve(&self, id: u32) -> Result<TypeInfo, BtfError> {
+        block_on(self.resolve_paced(id, &Budget::unlimited()))
+    }
+
+    /// [`Self::resolve`], pausing on `pace` between steps.
+    pub async fn resolve_paced(&self, mut id: u32, pace: &Budget) -> Result<TypeInfo, BtfError> {
         for _ in 0..32 {
+            pace.pause().await;
             let t = self.type_info(id)?;
             if !t.kind.is_alias() {
                 return Ok(t);
@@ -445,26 +547,45 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
 
     /// The member `name` of struct or union `outer`, looking through
     /// anonymous struct and union members (depth-first, in declaration
-    /// order); the offset is from the start of `outer`.
+    /// order, at most 16 deep); the offset is from the start of `outer`.
     pub fn member(&self, outer: &TypeInfo, name: &'static str) -> Result<Member, BtfError> {
-        let mut budget = MAX_MEMBERS_VISITED;
-        self.member_in(outer, name, 0, 0, &mut budget)?
-            .ok_or(BtfError::NoMember(name))
+        block_on(self.member_paced(outer, name, &Budget::unlimited()))
     }
 
-    fn member_in(
+    /// [`Self::member`], pausing on `pace` between members.
+    pub async fn member_paced(
         &self,
-        t: &TypeInfo,
-        name: &str,
-        base_bits: u64,
-        depth: u32,
-        budget: &mut u32,
-    ) -> Result<Option<Member>, BtfError> {
-        if !matches!(t.kind, Kind::Struct | Kind::Union) || depth > 16 {
-            return Ok(None);
+        outer: &TypeInfo,
+        name: &'static str,
+        pace: &Budget,
+    ) -> Result<Member, BtfError> {
+        /// A struct or union being searched, and where in it.
+        struct Frame {
+            t: TypeInfo,
+            next: u32,
+            base_bits: u64,
         }
+        let is_record = |t: &TypeInfo| matches!(t.kind, Kind::Struct | Kind::Union);
+        let mut stack: Vec<Frame> = Vec::new();
+        if is_record(outer) {
+            stack.push(Frame {
+                t: *outer,
+                next: 0,
+                base_bits: 0,
+            });
+        }
+        // Anonymous members may nest (or, in a forged blob, repeat) without
+        // end: bound the total work, not just the depth.
+        let mut visits_left = MAX_MEMBERS_VISITED;
         let mut w = self.window();
-        for i in 0..t.vlen {
+        while let Some(top) = stack.last_mut() {
+            pace.pause().await;
+            if top.next >= top.t.vlen {
+                stack.pop();
+                continue;
+            }
+            let (t, i, base_bits) = (top.t, top.next, top.base_bits);
+            top.next += 1;
             let m: [u8; 12] = w
                 .get(
                     t.extra_at
@@ -481,25 +602,28 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
                 (0, raw_off)
             };
             let at = base_bits + bit_off as u64;
-            // Anonymous members may nest (or, in a forged blob, repeat)
-            // without end: bound the total work, not just the depth.
-            *budget = budget
+            visits_left = visits_left
                 .checked_sub(1)
                 .ok_or(BtfError::Malformed { at: t.extra_at })?;
             if name_off == 0 {
-                let inner = self.resolve(type_id)?;
-                if let Some(found) = self.member_in(&inner, name, at, depth + 1, budget)? {
-                    return Ok(Some(found));
+                // The frame on top is at depth `stack.len() - 1`.
+                let inner = self.resolve_paced(type_id, pace).await?;
+                if is_record(&inner) && stack.len() <= 16 {
+                    stack.push(Frame {
+                        t: inner,
+                        next: 0,
+                        base_bits: at,
+                    });
                 }
             } else if self.name_is(name_off, name)? {
-                return Ok(Some(Member {
+                return Ok(Member {
                     bit_offset: at,
                     bitfield_bits: bits,
                     type_id,
-                }));
+                });
             }
         }
-        Ok(None)
+        Err(BtfError::NoMember(name))
     }
 
     /// `(element type id, element count)` of an array type.
@@ -515,23 +639,66 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
 
 /// Where the BTF blob is: `__start_BTF` when kallsyms has it, else the first
 /// valid BTF header found in `ranges` (8-byte prefix search, then a full
-/// parse). [`BtfError::Absent`] when neither.
+/// parse). [`BtfError::Absent`] when neither. The search may do
+/// [`RECOVERY_BUDGET`] units of work (see [`locate_budgeted`]).
 pub fn locate<V: VirtMemory + ?Sized>(
     view: &V,
     index: Option<&SymbolIndex>,
     ranges: &[GvaRange],
     stats: &mut ScanStats,
 ) -> Result<Gva, BtfError> {
+    let budget = Budget::new(RECOVERY_BUDGET);
+    let view = Metered::new(view, &budget);
+    block_on(locate_budgeted(&view, index, ranges, stats)).map(|(at, _)| at)
+}
+
+/// A located blob and its parse (or why it does not parse).
+pub type Located<'v, V> = (Gva, Result<Btf<'v, V>, BtfError>);
+
+/// [`locate`], returning the blob parsed as well, with every read (the
+/// header search, the walk of each candidate) charged to the view's budget
+/// and pauses between steps.
+///
+/// A candidate header must be inside the range it was found in, with its
+/// sections ([`Btf::parse_within`]); `__start_BTF` must be inside one of
+/// `ranges` ([`BtfError::OutOfRange`] as the parse result otherwise). Any
+/// number of forged headers before the real one cost at most the budget:
+/// once it is spent the search ends with [`BtfError::OverBudget`].
+pub async fn locate_budgeted<'v, 'm, V: VirtMemory + ?Sized>(
+    view: &'v Metered<'m, V>,
+    index: Option<&SymbolIndex>,
+    ranges: &[GvaRange],
+    stats: &mut ScanStats,
+) -> Result<Located<'v, Metered<'m, V>>, BtfError> {
+    let pace = view.budget();
     if let Some(at) = index.and_then(|i| i.addr_of("__start_BTF")) {
-        return Ok(at);
+        let parsed = match ranges.iter().find(|r| r.contains(at)) {
+            Some(&r) => Btf::parse_paced(view, at, Some(r), pace).await,
+            None => Err(BtfError::OutOfRange),
+        };
+        return Ok((at, parsed));
     }
     for &r in ranges {
-        let found = scan::find(view, r, &BTF_PREFIX, stats, |at| {
-            let b = Btf::parse(view, at).ok()?;
-            (b.type_count() > 0).then_some(at)
-        });
-        if let Some(at) = found {
-            return Ok(at);
+        let Some(mut scanner) = Scanner::new(r, &BTF_PREFIX) else {
+            continue;
+        };
+        loop {
+            pace.pause().await;
+            match scanner.step(view, stats) {
+                ScanStep::Hit(at) => {
+                    if let Ok(b) = Btf::parse_paced(view, at, Some(r), pace).await {
+                        if b.type_count() > 0 {
+                            return Ok((at, Ok(b)));
+                        }
+                    }
+                    if pace.exhausted() {
+                        return Err(BtfError::OverBudget);
+                    }
+                }
+                ScanStep::Read => {}
+                ScanStep::Done => break,
+                ScanStep::OverBudget => return Err(BtfError::OverBudget),
+            }
         }
     }
     Err(BtfError::Absent)
@@ -556,24 +723,36 @@ pub struct TaskLayout {
 /// `task_struct.pid` and `task_struct.comm`, checked: `pid` must be a 4-byte
 /// integer, `comm` an array of 1-byte integers.
 pub fn task_layout<V: VirtMemory + ?Sized>(btf: &Btf<'_, V>) -> Result<TaskLayout, BtfError> {
-    let task = btf.find(Kind::Struct, "task_struct")?;
-    let pid = btf.member(&task, "pid")?;
-    let pid_t = btf.resolve(pid.type_id)?;
+    block_on(task_layout_paced(btf, &Budget::unlimited()))
+}
+
+/// [`task_layout`], pausing on `pace` between steps.
+pub async fn task_layout_paced<V: VirtMemory + ?Sized>(
+    btf: &Btf<'_, V>,
+    pace: &Budget,
+) -> Result<TaskLayout, BtfError> {
+    let task = btf.find_paced(Kind::Struct, "task_struct", pace).await?;
+    let pid = btf.member_paced(&task, "pid", pace).await?;
+    let pid_t = btf.resolve_paced(pid.type_id, pace).await?;
     if pid_t.kind != Kind::Int || pid_t.size_or_type != 4 {
         return Err(BtfError::UnexpectedType("pid"));
     }
-    let comm = btf.member(&task, "comm")?;
-    let (elem, comm_len) = btf.array(&btf.resolve(comm.type_id)?)?;
-    let elem = btf.resolve(elem)?;
+    let comm = btf.member_paced(&task, "comm", pace).await?;
+    let comm_t = btf.resolve_paced(comm.type_id, pace).await?;
+    let (elem, comm_len) = btf.array(&comm_t)?;
+    let elem = btf.resolve_paced(elem, pace).await?;
     if elem.kind != Kind::Int || elem.size_or_type != 1 {
         return Err(BtfError::UnexpectedType("comm"));
     }
-    // An optional member: missing or not a pointer, it is None.
-    let stack = btf
-        .member(&task, "stack")
-        .ok()
-        .filter(|m| btf.resolve(m.type_id).is_ok_and(|t| t.kind == Kind::Ptr))
-        .and_then(|m| m.byte_offset());
+    // An optional member: missing or not a pointer, it is None (a spent
+    // budget is not hidden this way: the caller sees it on the budget).
+    let stack = match btf.member_paced(&task, "stack", pace).await {
+        Ok(m) => match btf.resolve_paced(m.type_id, pace).await {
+            Ok(t) if t.kind == Kind::Ptr => m.byte_offset(),
+            _ => None,
+        },
+        Err(_) => None,
+    };
     Ok(TaskLayout {
         pid: pid.byte_offset().ok_or(BtfError::UnexpectedType("pid"))?,
         comm: comm.byte_offset().ok_or(BtfError::UnexpectedType("comm"))?,
@@ -586,9 +765,17 @@ pub fn task_layout<V: VirtMemory + ?Sized>(btf: &Btf<'_, V>) -> Result<TaskLayou
 /// Byte offset of `current_task` in `struct pcpu_hot` (6.2 to 6.14), which
 /// nests it in an anonymous struct inside an anonymous union.
 pub fn pcpu_hot_current_task<V: VirtMemory + ?Sized>(btf: &Btf<'_, V>) -> Result<u32, BtfError> {
-    let hot = btf.find(Kind::Struct, "pcpu_hot")?;
-    let m = btf.member(&hot, "current_task")?;
-    if btf.resolve(m.type_id)?.kind != Kind::Ptr {
+    block_on(pcpu_hot_current_task_paced(btf, &Budget::unlimited()))
+}
+
+/// [`pcpu_hot_current_task`], pausing on `pace` between steps.
+pub async fn pcpu_hot_current_task_paced<V: VirtMemory + ?Sized>(
+    btf: &Btf<'_, V>,
+    pace: &Budget,
+) -> Result<u32, BtfError> {
+    let hot = btf.find_paced(Kind::Struct, "pcpu_hot", pace).await?;
+    let m = btf.member_paced(&hot, "current_task", pace).await?;
+    if btf.resolve_paced(m.type_id, pace).await?.kind != Kind::Ptr {
         return Err(BtfError::UnexpectedType("current_task"));
     }
     m.byte_offset()

@@ -12,8 +12,9 @@ use core::fmt;
 
 use crate::addr::{Gva, GvaRange, DEFAULT_TEXT_BASE, KERNEL_IMAGE_BASE};
 use crate::btf::{self, Btf, BtfError, TaskLayout};
+use crate::budget::{block_on, Budget, Metered, RECOVERY_BUDGET};
 use crate::kallsyms::{self, KallsymsError, KallsymsTables, LocateStats, SymbolIndex};
-use crate::scan::{self, ScanStats};
+use crate::scan::{ScanStats, ScanStep, Scanner};
 use crate::view::{read_array, ViewError, VirtMemory};
 
 /// `KERNEL_IMAGE_SIZE` with KASLR (arch/x86/include/asm/page_64_types.h):
@@ -42,6 +43,24 @@ pub fn banner<V: VirtMemory + ?Sized>(
     ranges: &[GvaRange],
     stats: &mut ScanStats,
 ) -> Option<String> {
+    block_on(banner_paced(
+        view,
+        index,
+        ranges,
+        stats,
+        &Budget::unlimited(),
+    ))
+}
+
+/// [`banner`], pausing on `pace` between steps of the scan. Stops (with
+/// what it has) when the view refuses a read for budget.
+pub async fn banner_paced<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: Option<&SymbolIndex>,
+    ranges: &[GvaRange],
+    stats: &mut ScanStats,
+    pace: &Budget,
+) -> Option<String> {
     if let Some(at) = index.and_then(|i| i.addr_of("linux_banner")) {
         if let Some(b) = banner_at(view, at) {
             return Some(b);
@@ -51,17 +70,28 @@ pub fn banner<V: VirtMemory + ?Sized>(
     // number ("#" alone: the weak `linux_banner` left in init/version.o);
     // prefer the one with "#<digits>".
     let mut fallback = None;
-    let found = ranges.iter().find_map(|&r| {
-        scan::find(view, r, BANNER_PREFIX, stats, |at| {
-            let b = banner_at(view, at)?;
-            if has_build_number(&b) {
-                return Some(b);
+    for &r in ranges {
+        let Some(mut scanner) = Scanner::new(r, BANNER_PREFIX) else {
+            continue;
+        };
+        loop {
+            pace.pause().await;
+            match scanner.step(view, stats) {
+                ScanStep::Hit(at) => {
+                    if let Some(b) = banner_at(view, at) {
+                        if has_build_number(&b) {
+                            return Some(b);
+                        }
+                        fallback.get_or_insert(b);
+                    }
+                }
+                ScanStep::Read => {}
+                ScanStep::Done => break,
+                ScanStep::OverBudget => return fallback,
             }
-            fallback.get_or_insert(b);
-            None
-        })
-    });
-    found.or(fallback)
+        }
+    }
+    fallback
 }
 
 /// Whether the banner has a `#<digit>` build number (UTS_VERSION).
@@ -78,7 +108,12 @@ fn banner_at<V: VirtMemory + ?Sized>(view: &V, at: Gva) -> Option<String> {
     let mut buf = [0u8; MAX_BANNER];
     // The banner may end near the end of a mapping: shrink until it reads.
     let mut n = MAX_BANNER;
-    while view.read_virt(at, &mut buf[..n]).is_err() {
+    loop {
+        match view.read_virt(at, &mut buf[..n]) {
+            Ok(()) => break,
+            Err(ViewError::OverBudget { .. }) => return None,
+            Err(_) => {}
+        }
         n /= 2;
         if n < BANNER_PREFIX.len() + 8 {
             return None;
@@ -156,6 +191,15 @@ pub fn current_task<V: VirtMemory + ?Sized>(
     index: &SymbolIndex,
     btf: Option<&Btf<'_, V>>,
 ) -> Result<CurrentTask, CurrentError> {
+    block_on(current_task_paced(index, btf, &Budget::unlimited()))
+}
+
+/// [`current_task`], pausing on `pace` in the BTF lookup.
+pub async fn current_task_paced<V: VirtMemory + ?Sized>(
+    index: &SymbolIndex,
+    btf: Option<&Btf<'_, V>>,
+    pace: &Budget,
+) -> Result<CurrentTask, CurrentError> {
     if let Some(a) = index.addr_of("current_task") {
         return Ok(CurrentTask {
             percpu_offset: a.0,
@@ -165,7 +209,9 @@ pub fn current_task<V: VirtMemory + ?Sized>(
     let hot = index.addr_of("pcpu_hot").ok_or(CurrentError::NoSymbol)?;
     match btf {
         Some(b) => {
-            let off = btf::pcpu_hot_current_task(b).map_err(CurrentError::Btf)?;
+            let off = btf::pcpu_hot_current_task_paced(b, pace)
+                .await
+                .map_err(CurrentError::Btf)?;
             Ok(CurrentTask {
                 percpu_offset: hot.0.wrapping_add(off as u64),
                 source: CurrentSource::PcpuHotBtf,
@@ -243,7 +289,8 @@ pub struct KernelFacts {
 
 /// Finds the kernel in `ranges` of `view`: kallsyms, the symbol index, the
 /// banner, the KASLR slide, BTF, the task layout and `current`. Only a
-/// failure to find kallsyms is an error; the rest is reported per field.
+/// failure to find kallsyms (or a spent budget) is an error; the rest is
+/// reported per field.
 pub fn discover<V: VirtMemory + ?Sized>(
     view: &V,
     ranges: &[GvaRange],
@@ -252,17 +299,53 @@ pub fn discover<V: VirtMemory + ?Sized>(
 }
 
 /// [`discover`] with the symbol index capped at `max_index_bytes` of heap
-/// (the table sizes come from guest memory; a hypervisor heap is small).
+/// (the table sizes come from guest memory; a hypervisor heap is small),
+/// doing at most [`RECOVERY_BUDGET`] units of work.
 pub fn discover_limited<V: VirtMemory + ?Sized>(
     view: &V,
     ranges: &[GvaRange],
     max_index_bytes: usize,
 ) -> Result<KernelFacts, KallsymsError> {
+    let budget = Budget::new(RECOVERY_BUDGET);
+    block_on(discover_budgeted(
+        &Metered::new(view, &budget),
+        ranges,
+        max_index_bytes,
+    ))
+}
+
+/// [`discover_limited`] with every step charged to the view's budget: the
+/// kallsyms search and validation, the index build, the banner and BTF
+/// searches and the BTF walks share it, so that the whole does bounded work
+/// whatever the guest plants. Pauses on the budget between bounded steps:
+/// polled a slice at a time ([`crate::budget::poll_slice`]) it gives the
+/// same result as run to the end at once. Names each stage on the budget
+/// ([`Budget::stage`]).
+///
+/// [`KallsymsError::BudgetExhausted`] when the budget ran out, at whatever
+/// stage (the partial results are dropped: a guest that can make one
+/// stage exhaust it can make any).
+pub async fn discover_budgeted<V: VirtMemory + ?Sized>(
+    view: &Metered<'_, V>,
+    ranges: &[GvaRange],
+    max_index_bytes: usize,
+) -> Result<KernelFacts, KallsymsError> {
+    let budget = view.budget();
+    let spent = |r: Result<KernelFacts, KallsymsError>| {
+        if budget.exhausted() {
+            Err(KallsymsError::BudgetExhausted)
+        } else {
+            r
+        }
+    };
     let mut locate_stats = LocateStats::default();
-    let tables = kallsyms::locate(view, ranges, &mut locate_stats)?;
-    let symbols = SymbolIndex::build_limited(view, &tables, max_index_bytes)?;
+    budget.set_stage("kallsyms search");
+    let tables = kallsyms::locate_budgeted(view, ranges, &mut locate_stats).await?;
+    budget.set_stage("symbol index");
+    let symbols = SymbolIndex::build_budgeted(view, &tables, max_index_bytes).await?;
+    budget.set_stage("banner");
     let mut scan_stats = ScanStats::default();
-    let banner = banner(view, Some(&symbols), ranges, &mut scan_stats);
+    let banner = banner_paced(view, Some(&symbols), ranges, &mut scan_stats, budget).await;
     let text_base = symbols
         .addr_of("_text")
         .or_else(|| symbols.addr_of("_stext"));
@@ -270,19 +353,22 @@ pub fn discover_limited<V: VirtMemory + ?Sized>(
     // With data symbols in kallsyms (KALLSYMS_ALL: `linux_banner` is one),
     // a kernel with BTF lists `__start_BTF`; its absence then means no BTF,
     // and the range need not be scanned for a header.
-    let btf_at =
+    budget.set_stage("BTF");
+    let (btf_at, parsed) =
         if symbols.lookup("linux_banner").is_some() && symbols.lookup("__start_BTF").is_none() {
-            Err(BtfError::Absent)
+            (Err(BtfError::Absent), Err(BtfError::Absent))
         } else {
-            btf::locate(view, Some(&symbols), ranges, &mut scan_stats)
+            match btf::locate_budgeted(view, Some(&symbols), ranges, &mut scan_stats).await {
+                Ok((at, parsed)) => (Ok(at), parsed),
+                Err(e) => (Err(e), Err(e)),
+            }
         };
-    let parsed = btf_at.and_then(|at| Btf::parse(view, at));
     let task = match &parsed {
-        Ok(b) => btf::task_layout(b),
+        Ok(b) => btf::task_layout_paced(b, budget).await,
         Err(e) => Err(*e),
     };
-    let current = current_task(&symbols, parsed.as_ref().ok());
-    Ok(KernelFacts {
+    let current = current_task_paced(&symbols, parsed.as_ref().ok(), budget).await;
+    spent(Ok(KernelFacts {
         tables,
         locate_stats,
         symbols,
@@ -292,5 +378,5 @@ pub fn discover_limited<V: VirtMemory + ?Sized>(
         btf: btf_at,
         task,
         current,
-    })
+    }))
 }

@@ -289,9 +289,27 @@ pub fn survey<V: VirtMemory + ?Sized>(
     index: &SymbolIndex,
     keep_init_sites: bool,
 ) -> Survey {
+    crate::budget::block_on(survey_paced(
+        view,
+        index,
+        keep_init_sites,
+        &crate::budget::Budget::unlimited(),
+    ))
+}
+
+/// [`survey`], pausing on `pace` between symbols. Through a
+/// [`crate::budget::Metered`] view whose budget runs out, the symbols left
+/// count as unreadable.
+pub async fn survey_paced<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: &SymbolIndex,
+    keep_init_sites: bool,
+    pace: &crate::budget::Budget,
+) -> Survey {
     let c = Classifier::new(index);
     let mut s = Survey::default();
     for i in 0..index.len() as u32 {
+        pace.pause().await;
         s.symbols += 1;
         match c.classify(view, SymbolId(i)) {
             Ok(site) => {

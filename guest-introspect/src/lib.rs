@@ -13,12 +13,16 @@
 //!   none.
 //! - [`btf`]: the `.BTF` section, for `task_struct` member offsets.
 //! - [`facts`]: the version banner, KASLR slide, `current` and the one-call
-//!   [`facts::discover`].
+//!   [`facts::discover`] (and [`facts::discover_budgeted`], resumable).
+//! - [`budget`]: the work budget of a recovery, and its slicing across
+//!   calls.
 //!
 //! Nothing here trusts guest memory: every length and offset read from the
 //! guest is bounded before use, allocations of guest-chosen sizes are capped
-//! ([`kallsyms::DEFAULT_MAX_INDEX_BYTES`], [`kallsyms::VALIDATION_BUDGET`]),
-//! and malformed tables give errors, never panics.
+//! ([`kallsyms::DEFAULT_MAX_INDEX_BYTES`], [`btf::MAX_BTF_BYTES`]), the work
+//! of one recovery is bounded by a [`budget::Budget`] shared by all of its
+//! searches ([`budget::RECOVERY_BUDGET`]), and malformed tables give
+//! errors, never panics.
 //!
 //! # Use from the hypervisor
 //!
@@ -44,6 +48,12 @@
 //!   while the guest runs user code.
 //! - In a booted guest, sites are NOP5s; [`fentry::ftrace_records`] gives
 //!   the guest's own list of sites to cross-check the bytes with.
+//! - [`facts::discover`] does it all in one call, at most
+//!   [`budget::RECOVERY_BUDGET`] units of work. To keep serving other work
+//!   meanwhile, run [`facts::discover_budgeted`] (and
+//!   [`fentry::survey_paced`]) over a [`budget::Metered`] view and poll it
+//!   one slice at a time with [`budget::poll_slice`]: the result is the
+//!   same.
 // Unit tests use std's prelude; the library itself is no_std, which the
 // x86_64-unknown-none build checks.
 #![cfg_attr(not(test), no_std)]
@@ -52,6 +62,7 @@ extern crate alloc;
 
 pub mod addr;
 pub mod btf;
+pub mod budget;
 pub mod elf;
 pub mod facts;
 pub mod fentry;

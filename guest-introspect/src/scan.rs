@@ -90,9 +90,185 @@ impl<'n> Horspool<'n> {
     }
 }
 
+/// What one [`Scanner::step`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScanStep {
+    /// A match of the needle starts here.
+    Hit(Gva),
+    /// One piece of the range was read (or skipped as a hole); call again.
+    Read,
+    /// The range is searched to its end.
+    Done,
+    /// A read was refused: the work budget is spent. Nothing more comes.
+    OverBudget,
+}
+
+/// A forward search for one needle over one range, resumable between any
+/// two steps: each [`Self::step`] reports the next match in what was read
+/// already, or reads one more piece (at most [`CHUNK`] bytes, or skips one
+/// hole). Matches that span a hole in the view are not seen (they cannot be
+/// real tables).
+pub struct Scanner<'n> {
+    matcher: Horspool<'n>,
+    k: usize,
+    end: u64,
+    /// `buf[..have]` holds the bytes of `[buf_start, buf_start + have)`:
+    /// the last k-1 bytes of the previous piece (not yet tried as match
+    /// starts), then the new piece. Allocated and zeroed once.
+    buf: Vec<u8>,
+    have: usize,
+    buf_start: u64,
+    /// Next match start to try in `buf`.
+    next_try: usize,
+    /// Next address to read.
+    pos: u64,
+    /// A hole follows `buf`: drop it (rather than keep its tail) once
+    /// searched, and go on at `pos`.
+    hole_after: bool,
+    done: bool,
+}
+
+impl<'n> Scanner<'n> {
+    /// A search for `needle` (2 to 255 bytes) over `range`. `None` for a
+    /// needle of another length.
+    pub fn new(range: GvaRange, needle: &'n [u8]) -> Option<Self> {
+        let matcher = Horspool::new(needle)?;
+        let k = needle.len();
+        Some(Self {
+            matcher,
+            k,
+            end: range.end.0,
+            buf: alloc::vec![0u8; CHUNK as usize + k],
+            have: 0,
+            buf_start: range.start.0,
+            next_try: 0,
+            pos: range.start.0,
+            hole_after: false,
+            done: range.start.0 >= range.end.0,
+        })
+    }
+
+    /// Where the search has read up to.
+    pub fn position(&self) -> Gva {
+        Gva(self.pos)
+    }
+
+    /// The next match in what is buffered, else reads (or skips) one more
+    /// piece.
+    pub fn step<V: VirtMemory + ?Sized>(&mut self, view: &V, stats: &mut ScanStats) -> ScanStep {
+        if self.done {
+            return ScanStep::Done;
+        }
+        let mut hit = None;
+        let mut probes = 0;
+        self.matcher
+            .each(&self.buf[..self.have], self.next_try, &mut probes, |i| {
+                hit = Some(i);
+                true
+            });
+        stats.probes += probes;
+        if let Some(i) = hit {
+            self.next_try = i + 1;
+            stats.candidates += 1;
+            return ScanStep::Hit(Gva(self.buf_start + i as u64));
+        }
+        // Everything that can start a match in the buffer was tried: keep
+        // the tail that may begin one across the next piece, unless a hole
+        // comes next.
+        if self.hole_after {
+            self.have = 0;
+            self.buf_start = self.pos;
+            self.hole_after = false;
+        } else {
+            let keep_from = self.have.saturating_sub(self.k - 1);
+            self.buf.copy_within(keep_from..self.have, 0);
+            self.have -= keep_from;
+            self.buf_start += keep_from as u64;
+        }
+        self.next_try = 0;
+        if self.pos >= self.end {
+            self.done = true;
+            return ScanStep::Done;
+        }
+        self.read_piece(view, stats)
+    }
+
+    /// Appends the next piece of the range to the buffer: a whole chunk
+    /// when it reads, else page by page up to the first hole, which is then
+    /// skipped.
+    fn read_piece<V: VirtMemory + ?Sized>(&mut self, view: &V, stats: &mut ScanStats) -> ScanStep {
+        let pos = self.pos;
+        let n = core::cmp::min(CHUNK - pos % CHUNK, self.end - pos) as usize;
+        let have = self.have;
+        stats.reads += 1;
+        match view.read_virt(Gva(pos), &mut self.buf[have..have + n]) {
+            Ok(()) => {
+                stats.bytes_scanned += n as u64;
+                self.have += n;
+                self.pos += n as u64;
+                return ScanStep::Read;
+            }
+            Err(ViewError::OverBudget { .. }) => return self.refused(),
+            Err(_) => {}
+        }
+        let chunk_end = pos + n as u64;
+        while self.pos < chunk_end {
+            let pos = self.pos;
+            let m = core::cmp::min(PAGE - pos % PAGE, chunk_end - pos) as usize;
+            let have = self.have;
+            stats.reads += 1;
+            let e = match view.read_virt(Gva(pos), &mut self.buf[have..have + m]) {
+                Ok(()) => {
+                    stats.bytes_scanned += m as u64;
+                    self.have += m;
+                    self.pos += m as u64;
+                    continue;
+                }
+                Err(ViewError::OverBudget { .. }) => return self.refused(),
+                Err(e) => e,
+            };
+            // A page backed only in part (the end of an ELF segment): keep
+            // the part that reads.
+            let bad = e.gva().0;
+            if bad > pos && bad < pos + m as u64 {
+                let part = (bad - pos) as usize;
+                stats.reads += 1;
+                match view.read_virt(Gva(pos), &mut self.buf[have..have + part]) {
+                    Ok(()) => {
+                        stats.bytes_scanned += part as u64;
+                        self.have += part;
+                        self.pos = bad;
+                    }
+                    Err(ViewError::OverBudget { .. }) => return self.refused(),
+                    Err(_) => {}
+                }
+            }
+            let next = match e {
+                ViewError::Unmapped {
+                    resume: Some(r), ..
+                } if r.0 > self.pos => r.0,
+                _ => (self.pos | (PAGE - 1)).saturating_add(1),
+            };
+            // Unmapped bytes up to `next`, clamped to the range.
+            let next = core::cmp::min(next, self.end);
+            stats.bytes_skipped += next - self.pos;
+            self.pos = next;
+            self.hole_after = true;
+            break;
+        }
+        ScanStep::Read
+    }
+
+    fn refused(&mut self) -> ScanStep {
+        self.done = true;
+        ScanStep::OverBudget
+    }
+}
+
 /// Searches `range` of `view` for `needle` and calls `check` on each match's
 /// address, in increasing order, until it returns `Some`. Matches that span a
-/// hole in the view are not seen (they cannot be real tables).
+/// hole in the view are not seen (they cannot be real tables). Stops early
+/// (with `None`) when the view refuses a read for budget.
 pub fn find<V, T>(
     view: &V,
     range: GvaRange,
@@ -103,96 +279,18 @@ pub fn find<V, T>(
 where
     V: VirtMemory + ?Sized,
 {
-    let matcher = Horspool::new(needle)?;
-    let k = needle.len();
-    let end = range.end.0;
-    // buf[..have] holds the bytes of [buf_start, buf_start + have): the
-    // last k-1 bytes of the previous chunk (not yet tried as match starts),
-    // then the new chunk. Allocated and zeroed once.
-    let mut buf: Vec<u8> = alloc::vec![0u8; CHUNK as usize + k];
-    let mut have = 0usize;
-    let mut buf_start = range.start.0;
-    let mut pos = range.start.0;
-    let mut found: Option<T> = None;
-
-    // Searches buf[..have], then keeps its last k-1 bytes.
-    let mut search =
-        |buf: &mut [u8], have: &mut usize, buf_start: &mut u64, stats: &mut ScanStats| {
-            let mut out = None;
-            let base = *buf_start;
-            let mut probes = 0;
-            matcher.each(&buf[..*have], 0, &mut probes, |i| {
-                stats.candidates += 1;
-                out = check(Gva(base + i as u64));
-                out.is_some()
-            });
-            stats.probes += probes;
-            let keep_from = have.saturating_sub(k - 1);
-            buf.copy_within(keep_from..*have, 0);
-            *have -= keep_from;
-            *buf_start += keep_from as u64;
-            out
-        };
-
-    while pos < end && found.is_none() {
-        let n = core::cmp::min(CHUNK - pos % CHUNK, end - pos) as usize;
-        stats.reads += 1;
-        if view.read_virt(Gva(pos), &mut buf[have..have + n]).is_ok() {
-            stats.bytes_scanned += n as u64;
-            have += n;
-            pos += n as u64;
-            found = search(&mut buf, &mut have, &mut buf_start, stats);
-            continue;
-        }
-        // Page by page: keep what reads, search it, and drop the buffer at
-        // every hole.
-        let chunk_end = pos + n as u64;
-        while pos < chunk_end && found.is_none() {
-            let m = core::cmp::min(PAGE - pos % PAGE, chunk_end - pos) as usize;
-            stats.reads += 1;
-            match view.read_virt(Gva(pos), &mut buf[have..have + m]) {
-                Ok(()) => {
-                    stats.bytes_scanned += m as u64;
-                    have += m;
-                    pos += m as u64;
-                }
-                Err(e) => {
-                    // A page backed only in part (the end of an ELF
-                    // segment): keep the part that reads.
-                    let bad = e.gva().0;
-                    if bad > pos && bad < pos + m as u64 {
-                        let part = (bad - pos) as usize;
-                        stats.reads += 1;
-                        if view
-                            .read_virt(Gva(pos), &mut buf[have..have + part])
-                            .is_ok()
-                        {
-                            stats.bytes_scanned += part as u64;
-                            have += part;
-                            pos = bad;
-                        }
-                    }
-                    found = search(&mut buf, &mut have, &mut buf_start, stats);
-                    have = 0;
-                    let next = match e {
-                        ViewError::Unmapped {
-                            resume: Some(r), ..
-                        } if r.0 > pos => r.0,
-                        _ => (pos | (PAGE - 1)).saturating_add(1),
-                    };
-                    // Unmapped bytes up to `next`, clamped to the range.
-                    let next = core::cmp::min(next, end);
-                    stats.bytes_skipped += next - pos;
-                    pos = next;
-                    buf_start = pos;
+    let mut scanner = Scanner::new(range, needle)?;
+    loop {
+        match scanner.step(view, stats) {
+            ScanStep::Hit(at) => {
+                if let Some(t) = check(at) {
+                    return Some(t);
                 }
             }
-        }
-        if found.is_none() {
-            found = search(&mut buf, &mut have, &mut buf_start, stats);
+            ScanStep::Read => {}
+            ScanStep::Done | ScanStep::OverBudget => return None,
         }
     }
-    found
 }
 
 #[cfg(test)]

@@ -29,6 +29,12 @@ pub enum ViewError {
     /// The page walk failed in another way (malformed entry, a table outside
     /// guest RAM).
     Walk(WalkError),
+    /// The read was refused: the work budget of the search is spent
+    /// ([`crate::budget::Metered`]). Not a hole: a scan must stop here.
+    OverBudget {
+        /// The first byte asked for.
+        gva: Gva,
+    },
 }
 
 impl ViewError {
@@ -37,6 +43,7 @@ impl ViewError {
         match *self {
             Self::Unmapped { gva, .. } => gva,
             Self::Walk(e) => e.gva(),
+            Self::OverBudget { gva } => gva,
         }
     }
 }
@@ -46,6 +53,9 @@ impl fmt::Display for ViewError {
         match *self {
             Self::Unmapped { gva, .. } => write!(f, "{gva} is not mapped"),
             Self::Walk(e) => write!(f, "{e}"),
+            Self::OverBudget { gva } => {
+                write!(f, "read at {gva} refused: the work budget is spent")
+            }
         }
     }
 }

@@ -2,6 +2,12 @@
 //! the COM2 UART, are answered from the hypervisor's own state, and the
 //! answers go back the same way. Served on the hypervisor's turns (the
 //! preemption timer), never by waiting: the guest is not stalled for the host.
+//!
+//! Guest introspection runs one slice per turn ([`Introspection::turn`]).
+//! A request that needs the recovered kernel while recovery is under way is
+//! held (not answered, the channel still served) until recovery ends or
+//! [`PARK_NS`] of root time have passed, then answered as usual: with the
+//! kernel, or with recovery's progress or failure.
 
 use crate::introspect::{CpuView, Introspection};
 use crate::trace::Tracer;
@@ -47,6 +53,21 @@ const SYMS_PAGE_BUDGET: usize = 3000;
 /// counted) rather than growing without end when nobody reads.
 const TX_LIMIT: usize = 64 * 1024;
 
+/// Longest a request waits for a recovery in progress, in root time: a real
+/// kernel's recovery takes 1 to 3 s in Bochs, well inside it, and the host
+/// gives up on an answer after 10 s of wall time.
+pub const PARK_NS: u64 = 5_000_000_000;
+/// Most requests held at once; more are answered at once.
+const PARK_LIMIT: usize = 8;
+
+/// A request held until recovery ends.
+struct Parked {
+    seq: u32,
+    request: Request,
+    /// Answered by this root time whatever recovery's state.
+    until_ns: u64,
+}
+
 pub struct Control {
     uart: Uart,
     decoder: FrameDecoder,
@@ -58,6 +79,10 @@ pub struct Control {
     rx_recent: bool,
     /// Sequence number of the next event frame.
     event_seq: u32,
+    /// Requests waiting for recovery, oldest first.
+    parked: VecDeque<Parked>,
+    /// Recovery was under way at the end of the last poll.
+    recovering: bool,
 }
 
 impl Control {
@@ -70,13 +95,18 @@ impl Control {
             stats: ChannelReport::default(),
             rx_recent: false,
             event_seq: 0,
+            parked: VecDeque::new(),
+            recovering: false,
         })
     }
 
-    /// Whether output is still queued or in the UART, or a frame is half
-    /// received (the caller polls sooner then).
+    /// Whether output is still queued or in the UART, a frame is half
+    /// received, or a recovery runs a slice per turn (the caller polls
+    /// sooner then).
     pub fn busy(&self) -> bool {
         self.rx_recent
+            || self.recovering
+            || !self.parked.is_empty()
             || !self.tx.is_empty()
             || self.decoder.buffered() != 0
             || !self.uart.tx_idle()
@@ -110,8 +140,25 @@ impl Control {
                 }
             }
         }
+        self.release_parked(src);
+        src.introspection.turn(&src.cpu, src.tsc_hz, src.uptime_ns);
+        self.recovering = src.introspection.in_progress();
         self.flush();
         action
+    }
+
+    /// Answers the held requests whose wait is over: recovery ended, or
+    /// their time is up.
+    fn release_parked(&mut self, src: &mut StatusSource<'_>) {
+        while let Some(p) = self.parked.front() {
+            if src.introspection.in_progress() && src.uptime_ns < p.until_ns {
+                break;
+            }
+            if let Some(p) = self.parked.pop_front() {
+                // None of the requests held can stop the VM.
+                let _ = self.dispatch(p.seq, p.request, src, false);
+            }
+        }
     }
 
     /// Pushes queued output into the UART's FIFO.
@@ -175,6 +222,32 @@ impl Control {
             ));
             return Action::None;
         };
+        self.dispatch(seq, req, src, true)
+    }
+
+    /// Answers `req`, or (when `may_park`) holds it while recovery runs if
+    /// it needs the recovered kernel.
+    fn dispatch(
+        &mut self,
+        seq: u32,
+        req: Request,
+        src: &mut StatusSource<'_>,
+        may_park: bool,
+    ) -> Action {
+        if may_park && needs_kernel(&req) && self.parked.len() < PARK_LIMIT {
+            // Starts recovery, or runs this turn's slice of it.
+            let _ = src
+                .introspection
+                .ensure(&src.cpu, src.tsc_hz, src.uptime_ns);
+            if src.introspection.in_progress() {
+                self.parked.push_back(Parked {
+                    seq,
+                    request: req,
+                    until_ns: src.uptime_ns.saturating_add(PARK_NS),
+                });
+                return Action::None;
+            }
+        }
         let (resp, action) = match req {
             Request::Hello { version, .. } if version != protocol::PROTOCOL_VERSION => (
                 Response::VersionMismatch {
@@ -275,6 +348,18 @@ impl Control {
     }
 }
 
+/// Requests answered from the recovered kernel.
+fn needs_kernel(r: &Request) -> bool {
+    matches!(
+        r,
+        Request::Status
+            | Request::Syms { .. }
+            | Request::ProbeAdd { .. }
+            | Request::FunctionAdd { .. }
+            | Request::GraphStart(_)
+    )
+}
+
 /// Runs `f` with the recovered kernel (recovering it first if needed).
 fn with_kernel(
     src: &mut StatusSource<'_>,
@@ -283,7 +368,10 @@ fn with_kernel(
         &crate::introspect::Kernel,
     ) -> Result<Response, crate::trace::ReqError>,
 ) -> Response {
-    if let Err(e) = src.introspection.ensure(&src.cpu, src.tsc_hz) {
+    if let Err(e) = src
+        .introspection
+        .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
+    {
         return Response::error(
             ErrorKind::NotReady,
             alloc::format!("guest kernel not found yet: {e}"),
@@ -310,7 +398,10 @@ fn request_name(r: &Request) -> &'static str {
 }
 
 fn syms(src: &mut StatusSource<'_>, glob: &str, kinds: &str, cursor: u32, limit: u32) -> Response {
-    match src.introspection.ensure(&src.cpu, src.tsc_hz) {
+    match src
+        .introspection
+        .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
+    {
         Ok(k) => {
             let (total, next, symbols) = k.symbols(glob, kinds, cursor, limit, SYMS_PAGE_BUDGET);
             Response::Syms {
@@ -327,9 +418,12 @@ fn syms(src: &mut StatusSource<'_>, glob: &str, kinds: &str, cursor: u32, limit:
 }
 
 fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
-    // Recovery runs on the first status after boot, so that the current
-    // task can be shown; until the kernel is up this simply reports none.
-    let _ = src.introspection.ensure(&src.cpu, src.tsc_hz);
+    // Recovery starts on the first status after boot, so that the current
+    // task can be shown; until the kernel is recovered this reports none
+    // (a status held while recovery ran and whose wait is over included).
+    let _ = src
+        .introspection
+        .ensure(&src.cpu, src.tsc_hz, src.uptime_ns);
     StatusReport {
         hypervisor_version: String::from(crate::VERSION),
         protocol_version: protocol::PROTOCOL_VERSION,

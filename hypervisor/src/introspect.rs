@@ -1,23 +1,39 @@
 //! Guest introspection in VMX root: the `guest-introspect` crate run over
 //! the guest's own memory through its own page tables. Recovery (kallsyms,
-//! banner, KASLR slide, BTF task layout, `current`, fentry survey) runs once,
-//! on the first request that needs it after the kernel is up, and its result
+//! banner, KASLR slide, BTF task layout, `current`, fentry survey) starts on
+//! the first request that needs it after the kernel is up, and its result
 //! is kept for the life of the VM.
+//!
+//! Recovery is resumable: it runs one slice of work per turn of the run
+//! loop ([`TURN_SLICE`] units of its budget, [`Introspection::turn`] and
+//! every [`Introspection::ensure`]), so that the control channel is served
+//! between slices, and it does at most [`RECOVERY_BUDGET`] units in all,
+//! whatever the guest plants in its memory. An attempt that fails (budget
+//! spent, tables not found) is not retried before a back-off of root time
+//! and turns has passed ([`Backoff`]: 10 s and 2,000 turns, doubling per
+//! failure up to about 10 minutes).
 
 use crate::arch::instructions as insn;
 use crate::clock;
 use crate::phys;
+use alloc::boxed::Box;
 use alloc::format;
+use alloc::rc::Rc;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
-use guest_introspect::addr::Gva;
+use core::cell::Cell;
+use core::future::Future;
+use core::pin::Pin;
+use core::task::Poll;
+use guest_introspect::addr::{Gva, GvaRange};
+use guest_introspect::budget::{self, Backoff, Budget, Metered, RECOVERY_BUDGET, TURN_SLICE};
 use guest_introspect::facts::{self, KernelFacts};
 use guest_introspect::fentry::{self, Classifier};
-use guest_introspect::kallsyms::SymbolId;
+use guest_introspect::kallsyms::{KallsymsError, SymbolId};
 use guest_introspect::mem::{GuestMemory, MemError};
-use guest_introspect::paging::Cr3;
+use guest_introspect::paging::{self, Cr3};
 use guest_introspect::view::PagedView;
-use guest_introspect::view::VirtMemory as _;
+use guest_introspect::view::{ViewError, VirtMemory};
 use loader::layout::Gpa;
 use protocol::{KernelReport, SymbolInfo, TaskInfo};
 
@@ -83,7 +99,16 @@ pub struct Kernel {
 #[derive(Default)]
 pub struct Introspection {
     kernel: Option<Kernel>,
+    /// Why there is no kernel yet: in progress, or the last failure.
     last_error: Option<String>,
+    /// The recovery in progress.
+    job: Option<Job>,
+    /// A slice of the job ran since the last [`Self::turn`].
+    stepped: bool,
+    /// Turns seen ([`Self::turn`] calls).
+    turns: u64,
+    /// When a failed recovery may run again.
+    backoff: Backoff,
 }
 
 impl Introspection {
@@ -92,35 +117,125 @@ impl Introspection {
         self.kernel.as_ref().map(|k| &k.report)
     }
 
-    /// Runs recovery if it has not succeeded yet. Needs the guest to have
-    /// set up its syscall entry (IA32_LSTAR), i.e. to have booted.
-    pub fn ensure(&mut self, cpu: &CpuView, tsc_hz: u64) -> Result<&Kernel, String> {
+    /// The recovered kernel, starting recovery or running one slice of it
+    /// (at most one slice per turn) when there is none yet. Needs the guest
+    /// to have set up its syscall entry (IA32_LSTAR), i.e. to have booted.
+    /// While recovery runs, the error says how far it got; after a failed
+    /// attempt it says why, and when the next attempt may start. `now_ns`
+    /// is root's monotonic clock.
+    pub fn ensure(&mut self, cpu: &CpuView, tsc_hz: u64, now_ns: u64) -> Result<&Kernel, String> {
         if self.kernel.is_none() {
-            match recover(cpu, tsc_hz) {
-                Ok(k) => {
-                    log::info!(
-                        "introspection: {} ({} symbols, {} traceable, KASLR slide {:#x}) in {} ms, index {} KiB",
-                        k.report.release,
-                        k.report.symbols,
-                        k.report.traceable,
-                        k.report.kaslr_slide,
-                        k.report.recovery_ns / 1_000_000,
-                        k.report.index_bytes >> 10
-                    );
-                    self.kernel = Some(k);
+            if self.job.is_none() {
+                if !self.backoff.may_retry(now_ns, self.turns) {
+                    let why = self.last_error.as_deref().unwrap_or("recovery failed");
+                    return Err(format!(
+                        "{why} (attempt {} failed; the next in {} s at the earliest)",
+                        self.backoff.failures(),
+                        self.backoff.wait_ns(now_ns).div_ceil(1_000_000_000)
+                    ));
                 }
-                Err(e) => {
-                    if self.last_error.as_deref() != Some(e.as_str()) {
-                        log::info!("introspection not ready: {e}");
+                match Job::start(cpu) {
+                    Ok(job) => {
+                        log::info!(
+                            "introspection: recovering the guest kernel from LSTAR {:#x}, {} Mi work units at most, {} Ki a turn",
+                            job.lstar,
+                            RECOVERY_BUDGET >> 20,
+                            TURN_SLICE >> 10
+                        );
+                        self.job = Some(job);
                     }
-                    self.last_error = Some(e.clone());
-                    return Err(e);
+                    Err(e) => {
+                        // Cheap (no memory was searched): no back-off.
+                        if self.last_error.as_deref() != Some(e.as_str()) {
+                            log::info!("introspection not ready: {e}");
+                        }
+                        self.last_error = Some(e.clone());
+                        return Err(e);
+                    }
                 }
             }
+            if !self.stepped {
+                self.step(cpu, tsc_hz, now_ns);
+            }
         }
-        self.kernel
-            .as_ref()
-            .ok_or_else(|| "introspection failed".to_string())
+        match &self.kernel {
+            Some(k) => Ok(k),
+            None => Err(self
+                .last_error
+                .clone()
+                .unwrap_or_else(|| "introspection failed".to_string())),
+        }
+    }
+
+    /// Once per turn of the run loop, after the requests of the turn: runs
+    /// a slice of the recovery in progress unless a request already did.
+    pub fn turn(&mut self, cpu: &CpuView, tsc_hz: u64, now_ns: u64) {
+        if self.job.is_some() && !self.stepped {
+            self.step(cpu, tsc_hz, now_ns);
+        }
+        self.stepped = false;
+        self.turns += 1;
+    }
+
+    /// Whether a recovery is under way (requests that need the kernel may
+    /// wait for it).
+    pub fn in_progress(&self) -> bool {
+        self.job.is_some()
+    }
+
+    /// Runs one slice of the job.
+    fn step(&mut self, cpu: &CpuView, tsc_hz: u64, now_ns: u64) {
+        self.stepped = true;
+        let Some(job) = self.job.as_mut() else {
+            return;
+        };
+        job.shared.cpu.set(*cpu);
+        let t0 = insn::rdtsc();
+        let poll = budget::poll_slice(job.fut.as_mut(), &job.shared.budget, TURN_SLICE);
+        job.ticks = job.ticks.saturating_add(insn::rdtsc().saturating_sub(t0));
+        let b = &job.shared.budget;
+        match poll {
+            Poll::Pending => {
+                self.last_error = Some(format!(
+                    "recovery in progress: {} of {} Mi work units after {} turns ({})",
+                    Mi(b.used()),
+                    b.limit() >> 20,
+                    b.slices(),
+                    b.stage()
+                ));
+            }
+            Poll::Ready(Ok(mut k)) => {
+                k.report.recovery_ns = clock::tsc_to_ns(job.ticks, tsc_hz);
+                log::info!(
+                    "introspection: {} ({} symbols, {} traceable, KASLR slide {:#x}) in {} ms of root time over {} turns, {} Mi work units ({} KiB read), index {} KiB",
+                    k.report.release,
+                    k.report.symbols,
+                    k.report.traceable,
+                    k.report.kaslr_slide,
+                    k.report.recovery_ns / 1_000_000,
+                    b.slices(),
+                    Mi(b.used()),
+                    b.bytes_read() >> 10,
+                    k.report.index_bytes >> 10
+                );
+                self.kernel = Some(k);
+                self.last_error = None;
+                self.backoff.succeeded();
+                self.job = None;
+            }
+            Poll::Ready(Err(e)) => {
+                let wait = self.backoff.failed(now_ns, self.turns);
+                log::warn!(
+                    "introspection: recovery failed after {} turns, {} Mi work units ({} KiB read): {e}; next attempt in {} s at the earliest",
+                    b.slices(),
+                    Mi(b.used()),
+                    b.bytes_read() >> 10,
+                    wait / 1_000_000_000
+                );
+                self.last_error = Some(e);
+                self.job = None;
+            }
+        }
     }
 
     /// The recovered kernel, if recovery succeeded.
@@ -156,28 +271,112 @@ impl Introspection {
     }
 }
 
-fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
-    if cpu.la57 {
-        // Every walk here is 4-level; a 5-level guest would be misread.
-        return Err(
-            "the guest uses 5-level paging (CR4.LA57), which hvtrace does not support; \
-             boot it with no5lvl"
-                .to_string(),
-        );
+/// Work units in Mi, one decimal (no floating point in root).
+struct Mi(u64);
+
+impl core::fmt::Display for Mi {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let tenths = (self.0 >> 20) * 10 + (((self.0 & 0xf_ffff) * 10) >> 20);
+        write!(f, "{}.{}", tenths / 10, tenths % 10)
     }
-    // SAFETY: IA32_LSTAR exists on every x86-64 CPU; VMX does not switch it,
-    // so this is the guest's value.
-    let lstar = unsafe { insn::rdmsr(IA32_LSTAR) };
-    let range = facts::ranges_from_lstar(Gva(lstar)).ok_or_else(|| {
-        format!("the guest has not set up its syscall entry yet (LSTAR {lstar:#x})")
-    })?;
-    let t0 = insn::rdtsc();
+}
+
+/// What the recovery future and its driver share.
+struct Shared {
+    budget: Budget,
+    /// The vCPU as of the current turn: reads walk that turn's kernel CR3
+    /// (a CR3 kept from an earlier turn may belong to a task that has
+    /// exited since, its tables freed).
+    cpu: Cell<CpuView>,
+    /// Which of [`CpuView::kernel_cr3s`]: 0 the CR3 as it is, 1 the kernel
+    /// half of a PTI pair.
+    which: Cell<usize>,
+}
+
+/// Guest memory through the page tables of the current turn.
+struct TurnView<'s> {
+    shared: &'s Shared,
+}
+
+impl VirtMemory for TurnView<'_> {
+    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), ViewError> {
+        let cr3 = self.shared.cpu.get().kernel_cr3s()[self.shared.which.get()];
+        paging::read_virt(&GuestRam, cr3, gva, buf).map_err(ViewError::from)
+    }
+}
+
+/// A recovery in progress.
+struct Job {
+    shared: Rc<Shared>,
+    fut: Pin<Box<dyn Future<Output = Result<Kernel, String>>>>,
+    /// Root time spent in its slices, in TSC ticks.
+    ticks: u64,
+    lstar: u64,
+}
+
+impl Job {
+    /// Checks that the guest can be searched, and sets up the search. Reads
+    /// nothing of guest memory yet.
+    fn start(cpu: &CpuView) -> Result<Self, String> {
+        if cpu.la57 {
+            // Every walk here is 4-level; a 5-level guest would be misread.
+            return Err(
+                "the guest uses 5-level paging (CR4.LA57), which hvtrace does not support; \
+                 boot it with no5lvl"
+                    .to_string(),
+            );
+        }
+        // SAFETY: IA32_LSTAR exists on every x86-64 CPU; VMX does not switch it,
+        // so this is the guest's value.
+        let lstar = unsafe { insn::rdmsr(IA32_LSTAR) };
+        let range = facts::ranges_from_lstar(Gva(lstar)).ok_or_else(|| {
+            format!("the guest has not set up its syscall entry yet (LSTAR {lstar:#x})")
+        })?;
+        let shared = Rc::new(Shared {
+            budget: Budget::new(RECOVERY_BUDGET),
+            cpu: Cell::new(*cpu),
+            which: Cell::new(0),
+        });
+        Ok(Self {
+            fut: Box::pin(recover(shared.clone(), range)),
+            shared,
+            ticks: 0,
+            lstar,
+        })
+    }
+}
+
+/// Recovery, one budget for all of it. Pauses between bounded steps; the
+/// driver polls it a slice at a time, each turn with that turn's CPU state.
+///
+/// A turn in user mode has the user CR3, which under PTI is the user half
+/// of a pair and maps little of the kernel: the first attempt takes the CR3
+/// as it is (right without PTI), and if that fails the second takes the
+/// kernel half (right with PTI). Turns in kernel mode use their CR3 either
+/// way.
+async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> {
+    let view = TurnView { shared: &shared };
+    let budget = &shared.budget;
+    let m = Metered::new(&view, budget);
+    let spent = |b: &Budget| {
+        format!(
+            "recovery gave up: its budget of {} Mi work units is spent (in the {} stage, {} KiB read); \
+             the guest's memory holds more table-like data than a kernel",
+            b.limit() >> 20,
+            b.stage(),
+            b.bytes_read() >> 10
+        )
+    };
     let mut last = String::new();
-    for cr3 in cpu.kernel_cr3s() {
-        let view = PagedView::new(&GuestRam, cr3);
-        match facts::discover_limited(&view, &[range], MAX_INDEX_BYTES) {
+    for which in 0..2 {
+        shared.which.set(which);
+        match facts::discover_budgeted(&m, &[range], MAX_INDEX_BYTES).await {
             Ok(f) => {
-                let survey = fentry::survey(&view, &f.symbols, false);
+                budget.set_stage("fentry survey");
+                let survey = fentry::survey_paced(&m, &f.symbols, false, budget).await;
+                if budget.exhausted() {
+                    return Err(spent(budget));
+                }
                 let text = f.symbols.iter().filter(|s| s.kind.is_text()).count() as u32;
                 let release = f
                     .banner
@@ -192,9 +391,11 @@ fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
                     text_symbols: text,
                     traceable: survey.unique_sites as u32,
                     index_bytes: f.symbols.heap_bytes() as u64,
-                    recovery_ns: clock::tsc_to_ns(insn::rdtsc().wrapping_sub(t0), tsc_hz),
+                    // Root time over all slices; the driver fills it in.
+                    recovery_ns: 0,
                     task_layout_error: f.task.as_ref().err().map(|e| e.to_string()),
                 };
+                let cr3 = shared.cpu.get().kernel_cr3s()[which];
                 let root = kernel_pgd(&f, cr3);
                 return Ok(Kernel {
                     facts: f,
@@ -202,6 +403,7 @@ fn recover(cpu: &CpuView, tsc_hz: u64) -> Result<Kernel, String> {
                     cr3: root,
                 });
             }
+            Err(KallsymsError::BudgetExhausted) => return Err(spent(budget)),
             Err(e) => last = format!("kallsyms not found: {e}"),
         }
     }

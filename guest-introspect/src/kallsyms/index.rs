@@ -22,12 +22,15 @@ use core::fmt;
 use super::locate::{AddressMode, KallsymsError, KallsymsTables};
 use super::{entry_header, for_each_offset, KSYM_NAME_LEN, MAX_SYMS};
 use crate::addr::{Gva, GvaRange};
+use crate::budget::{block_on, Budget, Metered, RECOVERY_BUDGET};
 use crate::glob;
-use crate::view::{read_array, VirtMemory};
+use crate::view::{read_array, ViewError, VirtMemory};
 
 /// Default bound on an index's heap: far above a real kernel's (about
 /// 2 MiB for Debian's 94k symbols), far below what forged tables could ask.
 pub const DEFAULT_MAX_INDEX_BYTES: usize = 64 << 20;
+/// Bytes of `names` copied between two pauses.
+const NAMES_PIECE: usize = 64 * 1024;
 /// One anchor every this many symbols.
 const ANCHOR_EVERY: u32 = 16;
 /// Id bits in a bucket slot; the rest are hash tag bits.
@@ -118,6 +121,8 @@ pub struct SymbolIndex {
     buckets: Vec<u32>,
     text: Option<GvaRange>,
     init_text: Option<GvaRange>,
+    /// The most slots one insertion probed.
+    longest_probe: u64,
 }
 
 impl fmt::Debug for SymbolIndex {
@@ -205,12 +210,31 @@ impl SymbolIndex {
 
     /// [`Self::build`], refusing ([`KallsymsError::TooLarge`]) tables whose
     /// index would take more than `max_bytes` of heap: the sizes come from
-    /// guest memory, and a hypervisor heap is small.
+    /// guest memory, and a hypervisor heap is small. The build may do
+    /// [`RECOVERY_BUDGET`] units of work (see [`Self::build_budgeted`]).
     pub fn build_limited<V: VirtMemory + ?Sized>(
         view: &V,
         t: &KallsymsTables,
         max_bytes: usize,
     ) -> Result<Self, KallsymsError> {
+        let budget = Budget::new(RECOVERY_BUDGET);
+        block_on(Self::build_budgeted(
+            &Metered::new(view, &budget),
+            t,
+            max_bytes,
+        ))
+    }
+
+    /// [`Self::build_limited`] charging its reads and its decoding (the
+    /// expanded name bytes and the hash table probes, which forged tables
+    /// could make quadratic) to the view's budget, and pausing on it
+    /// between pieces. [`KallsymsError::BudgetExhausted`] once it is spent.
+    pub async fn build_budgeted<V: VirtMemory + ?Sized>(
+        view: &Metered<'_, V>,
+        t: &KallsymsTables,
+        max_bytes: usize,
+    ) -> Result<Self, KallsymsError> {
+        let budget = view.budget();
         let n = t.num_syms;
         if n > MAX_SYMS {
             return Err(KallsymsError::TooManySymbols(n));
@@ -219,14 +243,21 @@ impl SymbolIndex {
         if bytes > max_bytes {
             return Err(KallsymsError::TooLarge { bytes });
         }
+        let read_err = |e: ViewError| {
+            if budget.exhausted() {
+                KallsymsError::BudgetExhausted
+            } else {
+                KallsymsError::Read(e)
+            }
+        };
         let read = |gva: Gva, len: usize| -> Result<Vec<u8>, KallsymsError> {
             let mut v = alloc::vec![0u8; len];
-            view.read_virt(gva, &mut v).map_err(KallsymsError::Read)?;
+            view.read_virt(gva, &mut v).map_err(read_err)?;
             Ok(v)
         };
         // The token table and index.
         let bytes = read(t.token_table, t.token_table_len as usize)?;
-        let raw: [u8; 512] = read_array(view, t.token_index).map_err(KallsymsError::Read)?;
+        let raw: [u8; 512] = read_array(view, t.token_index).map_err(read_err)?;
         let mut start = [0u16; 256];
         let mut len = [0u16; 256];
         for k in 0..256 {
@@ -243,7 +274,13 @@ impl SymbolIndex {
         }
         let tokens = Tokens { bytes, start, len };
 
-        let names = read(t.names, t.names_len as usize)?;
+        let mut names = alloc::vec![0u8; t.names_len as usize];
+        let mut at = t.names;
+        for piece in names.chunks_mut(NAMES_PIECE) {
+            budget.pause().await;
+            view.read_virt(at, piece).map_err(read_err)?;
+            at = at.wrapping_add(piece.len() as u64);
+        }
         let marker_count = (n as usize).div_ceil(256);
         let markers_raw = read(t.markers, marker_count * t.marker_width as usize)?;
         let marker = |k: usize| {
@@ -256,11 +293,12 @@ impl SymbolIndex {
             ])
         };
         let mut offsets: Vec<i32> = Vec::with_capacity(n as usize);
-        for_each_offset(view, t.offsets, n, |o| {
+        for_each_offset(view, t.offsets, n, budget, |o| {
             offsets.push(o);
             true
         })
-        .map_err(KallsymsError::Read)?;
+        .await
+        .map_err(read_err)?;
 
         let mut index = SymbolIndex {
             relative_base: t.relative_base,
@@ -272,12 +310,15 @@ impl SymbolIndex {
             buckets: alloc::vec![EMPTY; bucket_count(n as usize)],
             text: None,
             init_text: None,
+            longest_probe: 0,
         };
 
         // One pass over every entry.
         let mut off = 0usize;
         let mut prev_addr = 0u64;
         for id in 0..n {
+            // Per entry: an entry's probes can be many (see `insert`).
+            budget.pause().await;
             let bad = KallsymsError::BadNames { symbol: id };
             if id % 256 == 0 && marker(id as usize / 256) as usize != off {
                 return Err(bad);
@@ -288,7 +329,7 @@ impl SymbolIndex {
             let (h, l) = entry_header(&index.names, off).ok_or(bad)?;
             let body = index.names.get(off + h..off + h + l).ok_or(bad)?;
             let (kind, hash, expanded) = index.hash_entry(body).ok_or(bad)?;
-            if l == 0 || !kind.is_ascii_graphic() || expanded > KSYM_NAME_LEN {
+            if l == 0 || !kind.is_ascii_graphic() {
                 return Err(bad);
             }
             let addr = index
@@ -298,7 +339,11 @@ impl SymbolIndex {
                 return Err(bad);
             }
             prev_addr = addr;
-            index.insert(hash, id);
+            let probes = index.insert(hash, id);
+            index.longest_probe = index.longest_probe.max(probes);
+            budget
+                .charge(expanded as u64 + probes)
+                .map_err(|_| KallsymsError::BudgetExhausted)?;
             off += h + l;
         }
         if off != index.names.len() {
@@ -312,7 +357,10 @@ impl SymbolIndex {
     }
 
     /// Expands an entry's tokens: (type letter, hash of the name without
-    /// it, expanded name length without it).
+    /// it, expanded name length without it). `None` for an entry without
+    /// a type letter or whose name expands past [`KSYM_NAME_LEN`] (checked
+    /// before hashing each token: a forged token table can make every token
+    /// 64 KiB long).
     fn hash_entry(&self, body: &[u8]) -> Option<(u8, u64, usize)> {
         let mut h = Fnv::new();
         let mut kind = None;
@@ -325,18 +373,26 @@ impl SymbolIndex {
                 s = rest;
             }
             total += s.len();
+            if total > KSYM_NAME_LEN {
+                return None;
+            }
             h.feed(s);
         }
         Some((kind?, h.finish(), total))
     }
 
-    fn insert(&mut self, hash: u64, id: u32) {
+    /// Inserts `id`; returns the slots probed (names that hash alike, as
+    /// forged tables can make them all, cost quadratic time).
+    fn insert(&mut self, hash: u64, id: u32) -> u64 {
         let nb = self.buckets.len();
         let mut i = home(hash, nb);
+        let mut probes = 1;
         while self.buckets[i] != EMPTY {
             i = if i + 1 == nb { 0 } else { i + 1 };
+            probes += 1;
         }
         self.buckets[i] = tag(hash) | id;
+        probes
     }
 
     /// `[start symbol, end symbol)` when both exist.
@@ -344,6 +400,12 @@ impl SymbolIndex {
         let s = self.symbol(self.lookup(start)?).addr;
         let e = self.symbol(self.lookup(end)?).addr;
         (s < e).then_some(GvaRange::new(s, e))
+    }
+
+    /// The most hash table slots one symbol's insertion probed (a lookup of
+    /// its name probes as many).
+    pub fn longest_probe_run(&self) -> u64 {
+        self.longest_probe
     }
 
     /// Number of symbols.

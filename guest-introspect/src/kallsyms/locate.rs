@@ -7,7 +7,8 @@ use core::fmt;
 
 use super::{align8, entry_header, for_each_offset, MAX_ENTRY, MAX_SYMS};
 use crate::addr::{Gva, GvaRange};
-use crate::scan::{self, ScanStats};
+use crate::budget::{block_on, Budget, Metered, RECOVERY_BUDGET};
+use crate::scan::{ScanStats, ScanStep, Scanner};
 use crate::view::{read_array, ViewError, VirtMemory};
 
 /// The 20 bytes the search starts from: the single-character tokens "0" to
@@ -136,8 +137,10 @@ pub enum KallsymsError {
         /// The symbol number where decoding went wrong.
         symbol: u32,
     },
-    /// Validating candidates read more than [`VALIDATION_BUDGET`] bytes
-    /// without finding the tables (memory forged to look like them).
+    /// The work budget ([`crate::budget::Budget`]) was spent before the
+    /// tables were found (memory forged to look like them, or decoys before
+    /// them), or, from [`crate::facts::discover_budgeted`], before the
+    /// later stages were done ([`crate::budget::Budget::stage`] says which).
     BudgetExhausted,
     /// The index would take more heap than allowed.
     TooLarge {
@@ -168,9 +171,7 @@ impl fmt::Display for KallsymsError {
             Self::BadNames { symbol } => {
                 write!(f, "kallsyms names do not decode at symbol {symbol}")
             }
-            Self::BudgetExhausted => {
-                f.write_str("kallsyms search gave up: validation budget exhausted")
-            }
+            Self::BudgetExhausted => f.write_str("recovery gave up: its work budget is spent"),
             Self::TooManySymbols(n) => write!(f, "{n} kallsyms symbols is more than supported"),
             Self::TooLarge { bytes } => {
                 write!(f, "a kallsyms index of {bytes} bytes is more than allowed")
@@ -197,12 +198,7 @@ impl KallsymsError {
     }
 }
 
-/// Most bytes the validation of candidates may read in one search. Real
-/// tables need well under 1% of it; memory forged to look like tables
-/// everywhere cannot make the search run much longer than reading this.
-pub const VALIDATION_BUDGET: u64 = 256 << 20;
-
-/// A view that counts what it reads, and refuses reads past the budget.
+/// A view that counts what it reads (the validation's share of the work).
 struct Counted<'v, V: ?Sized> {
     inner: &'v V,
     reads: Cell<u64>,
@@ -213,9 +209,6 @@ impl<V: VirtMemory + ?Sized> VirtMemory for Counted<'_, V> {
     fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), ViewError> {
         self.reads.set(self.reads.get() + 1);
         self.bytes.set(self.bytes.get() + buf.len() as u64);
-        if self.bytes.get() > VALIDATION_BUDGET {
-            return Err(ViewError::Unmapped { gva, resume: None });
-        }
         self.inner.read_virt(gva, buf)
     }
 }
@@ -400,12 +393,13 @@ fn skip_entries(buf: &[u8], from: usize, count: u64) -> Option<usize> {
 /// Step 4: `num_syms` and the start of `names`, given markers at `s`.
 /// `n_lo..=n_hi` are the symbol counts the markers (and a `seqs_of_names`
 /// gap) allow. Returns (names, num_syms, names_len).
-fn names_before<V: VirtMemory + ?Sized>(
+async fn names_before<V: VirtMemory + ?Sized>(
     view: &V,
     s: Gva,
     markers: &[u32],
     n_lo: u64,
     n_hi: u64,
+    pace: &Budget,
 ) -> Option<(Gva, u32, u64)> {
     let last = *markers.last()? as u64;
     // The names start N is 8-aligned, holds at least one entry after the
@@ -418,6 +412,7 @@ fn names_before<V: VirtMemory + ?Sized>(
     let mut n_at = top;
     while n_at >= bottom {
         if n_at - 8 < buf_lo || buf.is_empty() {
+            pace.pause().await;
             let want = core::cmp::max(bottom - 8, n_at.saturating_sub(BACK_CHUNK));
             let (lo, b) = read_tail(view, want, n_at)?;
             if n_at - lo < 8 {
@@ -430,6 +425,7 @@ fn names_before<V: VirtMemory + ?Sized>(
         let n = u32_at(&buf, b) as u64;
         let pad = u32_at(&buf, b + 4);
         if pad == 0 && n >= n_lo && n <= n_hi {
+            pace.pause().await;
             if let Some(len) = check_names(view, Gva(n_at), s, markers, n) {
                 return Some((Gva(n_at), n as u32, len));
             }
@@ -479,11 +475,16 @@ fn check_names<V: VirtMemory + ?Sized>(
 }
 
 /// Step 3: markers (and `seqs_of_names`) before the token table.
-fn markers_before<V: VirtMemory + ?Sized>(view: &V, tt: &TokenTable) -> Option<NamesAndMarkers> {
+async fn markers_before<V: VirtMemory + ?Sized>(
+    view: &V,
+    tt: &TokenTable,
+    pace: &Budget,
+) -> Option<NamesAndMarkers> {
     let t = tt.table.0;
     let bottom = t.saturating_sub(MAX_MARKER_DISTANCE) & !7;
     let mut hi = t;
     while hi > bottom {
+        pace.pause().await;
         let want = core::cmp::max(bottom, hi.saturating_sub(BACK_CHUNK));
         // At the start of the mapping: nothing further back.
         let (lo, buf) = read_tail(view, want, hi)?;
@@ -507,7 +508,8 @@ fn markers_before<V: VirtMemory + ?Sized>(view: &V, tt: &TokenTable) -> Option<N
             if !plausible {
                 continue;
             }
-            if let Some(found) = markers_at(view, tt, Gva(s)) {
+            pace.pause().await;
+            if let Some(found) = markers_at(view, tt, Gva(s), pace).await {
                 return Some(found);
             }
         }
@@ -521,10 +523,11 @@ fn markers_before<V: VirtMemory + ?Sized>(view: &V, tt: &TokenTable) -> Option<N
 }
 
 /// Are there markers starting at `s` that fit the token table at `tt`?
-fn markers_at<V: VirtMemory + ?Sized>(
+async fn markers_at<V: VirtMemory + ?Sized>(
     view: &V,
     tt: &TokenTable,
     s: Gva,
+    pace: &Budget,
 ) -> Option<NamesAndMarkers> {
     let t = tt.table.0;
     for width in [4u64, 8] {
@@ -550,7 +553,9 @@ fn markers_at<V: VirtMemory + ?Sized>(
                 continue;
             }
             let markers = &run[..m as usize];
-            if let Some((names, num_syms, names_len)) = names_before(view, s, markers, n_lo, n_hi) {
+            if let Some((names, num_syms, names_len)) =
+                names_before(view, s, markers, n_lo, n_hi, pace).await
+            {
                 if seqs.is_some() && align8(3 * num_syms as u64) != gap {
                     continue;
                 }
@@ -570,11 +575,12 @@ fn markers_at<V: VirtMemory + ?Sized>(
 
 /// Step 5: offsets and relative_base for one layout guess; `Some` when the
 /// addresses decode sorted.
-fn offsets_at<V: VirtMemory + ?Sized>(
+async fn offsets_at<V: VirtMemory + ?Sized>(
     view: &V,
     offsets: Gva,
     rb_at: Gva,
     n: u32,
+    pace: &Budget,
 ) -> Option<(u64, AddressMode)> {
     let rb = u64::from_le_bytes(read_array(view, rb_at).ok()?);
     // A kernel-half canonical address.
@@ -584,10 +590,11 @@ fn offsets_at<V: VirtMemory + ?Sized>(
     // Two passes over the offsets, read in pieces: is any negative (the
     // mode), then are the addresses sorted.
     let mut negative = false;
-    for_each_offset(view, offsets, n, |o| {
+    for_each_offset(view, offsets, n, pace, |o| {
         negative |= o < 0;
         !negative
     })
+    .await
     .ok()?;
     let mode = if negative {
         AddressMode::AbsolutePercpu
@@ -596,7 +603,7 @@ fn offsets_at<V: VirtMemory + ?Sized>(
     };
     let mut prev = 0u64;
     let mut sorted = true;
-    for_each_offset(view, offsets, n, |o| {
+    for_each_offset(view, offsets, n, pace, |o| {
         let a = mode.address(rb, o);
         // Relative addresses sit at or above the base (no wrap).
         let relative = !(mode == AddressMode::AbsolutePercpu && o >= 0);
@@ -604,6 +611,7 @@ fn offsets_at<V: VirtMemory + ?Sized>(
         prev = a;
         sorted
     })
+    .await
     .ok()?;
     if !sorted {
         return None;
@@ -613,55 +621,88 @@ fn offsets_at<V: VirtMemory + ?Sized>(
 
 /// Finds the kallsyms tables in `ranges` of `view`, trying each run of digit
 /// tokens in address order until one checks out. `stats` accumulates what
-/// the search cost.
+/// the search cost. The search may do [`RECOVERY_BUDGET`] units of work
+/// (see [`locate_budgeted`]).
 pub fn locate<V: VirtMemory + ?Sized>(
     view: &V,
     ranges: &[GvaRange],
     stats: &mut LocateStats,
 ) -> Result<KallsymsTables, KallsymsError> {
+    let budget = Budget::new(RECOVERY_BUDGET);
+    block_on(locate_budgeted(&Metered::new(view, &budget), ranges, stats))
+}
+
+/// [`locate`] charging its reads (the scan and the validation of every
+/// candidate) to the view's budget, and pausing on it between steps. Once
+/// the budget is spent the search ends with
+/// [`KallsymsError::BudgetExhausted`].
+pub async fn locate_budgeted<V: VirtMemory + ?Sized>(
+    view: &Metered<'_, V>,
+    ranges: &[GvaRange],
+    stats: &mut LocateStats,
+) -> Result<KallsymsTables, KallsymsError> {
+    let budget = view.budget();
     let counted = Counted {
         inner: view,
         reads: Cell::new(0),
         bytes: Cell::new(0),
     };
     let mut best_err = KallsymsError::NoTokenTable;
-    let mut token_tables = 0u32;
     let mut result = None;
-    for &range in ranges {
-        result = scan::find(view, range, DIGIT_TOKENS, &mut stats.scan, |p| {
-            let tt = token_table_at(&counted, p)?;
-            token_tables += 1;
-            match tables_from_tokens(&counted, &tt) {
-                Ok(t) => Some(t),
+    'ranges: for &range in ranges {
+        let Some(mut scanner) = Scanner::new(range, DIGIT_TOKENS) else {
+            continue;
+        };
+        loop {
+            budget.pause().await;
+            let p = match scanner.step(view, &mut stats.scan) {
+                ScanStep::Hit(p) => p,
+                ScanStep::Read => continue,
+                ScanStep::Done => break,
+                ScanStep::OverBudget => break 'ranges,
+            };
+            let Some(tt) = token_table_at(&counted, p) else {
+                continue;
+            };
+            stats.token_tables += 1;
+            match tables_from_tokens(&counted, &tt, range, budget).await {
+                Ok(t) => {
+                    result = Some(t);
+                    break 'ranges;
+                }
                 Err(e) => {
                     if e.stage() >= best_err.stage() {
                         best_err = e;
                     }
-                    None
                 }
             }
-        });
-        if result.is_some() {
-            break;
+            if budget.exhausted() {
+                break 'ranges;
+            }
         }
     }
-    stats.token_tables += token_tables;
     stats.validation_reads += counted.reads.get();
     stats.validation_bytes += counted.bytes.get();
-    if result.is_none() && counted.bytes.get() > VALIDATION_BUDGET {
-        best_err = KallsymsError::BudgetExhausted;
+    match result {
+        Some(t) => Ok(t),
+        None if budget.exhausted() => Err(KallsymsError::BudgetExhausted),
+        None => Err(best_err),
     }
-    result.ok_or(best_err)
 }
 
 /// Steps 3 to 5 from a validated token table.
-fn tables_from_tokens<V: VirtMemory + ?Sized>(
+/// Every table must lie in `range`, the range the token table was found in.
+async fn tables_from_tokens<V: VirtMemory + ?Sized>(
     view: &V,
     tt: &TokenTable,
+    range: GvaRange,
+    pace: &Budget,
 ) -> Result<KallsymsTables, KallsymsError> {
-    let nm = markers_before(view, tt).ok_or(KallsymsError::NoMarkers {
-        token_table: tt.table,
-    })?;
+    let nm = markers_before(view, tt, pace)
+        .await
+        .ok_or(KallsymsError::NoMarkers {
+            token_table: tt.table,
+        })?;
     let n = nm.num_syms;
     if n > MAX_SYMS {
         return Err(KallsymsError::TooManySymbols(n));
@@ -682,7 +723,16 @@ fn tables_from_tokens<V: VirtMemory + ?Sized>(
         let Some((offsets, rb_at)) = guess else {
             continue;
         };
-        if let Some((relative_base, mode)) = offsets_at(view, offsets, rb_at, n) {
+        // Offsets and relative_base inside the range searched: no reading
+        // of a guest-claimed table size beyond it.
+        let inside = range.contains(offsets)
+            && rb_at
+                .checked_add(8)
+                .is_some_and(|e| rb_at > offsets && e <= range.end);
+        if !inside {
+            continue;
+        }
+        if let Some((relative_base, mode)) = offsets_at(view, offsets, rb_at, n, pace).await {
             let seqs_of_names = match layout {
                 Layout::OffsetsFirst => nm.seqs,
                 Layout::OffsetsLast => rb_at.checked_add(8),

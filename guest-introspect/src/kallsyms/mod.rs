@@ -49,14 +49,19 @@
 //!    `token_index` (6.12); the one whose decoded addresses are sorted wins.
 //!
 //! Every step reads bounded amounts and checks before trusting a value: a
-//! corrupted or truncated table gives an error, never a panic.
+//! corrupted or truncated table gives an error, never a panic. How many
+//! candidates are validated, and what the index build decodes, is bounded
+//! by the [`crate::budget::Budget`] of the search (memory forged to look
+//! like tables everywhere ends the search with
+//! [`KallsymsError::BudgetExhausted`]); both pause on it between bounded
+//! steps, so that a caller can run them a slice at a time.
 
 mod index;
 mod locate;
 
 pub use index::{Resolved, Symbol, SymbolId, SymbolIndex, SymbolKind, DEFAULT_MAX_INDEX_BYTES};
 pub use locate::{
-    locate, AddressMode, KallsymsError, KallsymsTables, Layout, LocateStats, VALIDATION_BUDGET,
+    locate, locate_budgeted, AddressMode, KallsymsError, KallsymsTables, Layout, LocateStats,
 };
 
 /// The largest symbol count accepted (the index packs an id in 22 bits).
@@ -70,17 +75,20 @@ pub const KSYM_NAME_LEN: usize = 512;
 const MAX_ENTRY: u64 = 2 + KSYM_NAME_LEN as u64;
 
 /// Reads `n` `s32` offsets at `at` in 16 KiB pieces (no allocation of the
-/// guest-chosen size) and hands them to `f` until it returns `false`.
-fn for_each_offset<V: crate::view::VirtMemory + ?Sized>(
+/// guest-chosen size) and hands them to `f` until it returns `false`,
+/// pausing on `pace` between pieces.
+async fn for_each_offset<V: crate::view::VirtMemory + ?Sized>(
     view: &V,
     at: crate::addr::Gva,
     n: u32,
+    pace: &crate::budget::Budget,
     mut f: impl FnMut(i32) -> bool,
 ) -> Result<(), crate::view::ViewError> {
     const PIECE: usize = 4096;
-    let mut buf = [0u8; 4 * PIECE];
+    let mut buf = alloc::vec![0u8; 4 * PIECE];
     let mut done = 0usize;
     while done < n as usize {
+        pace.pause().await;
         let k = core::cmp::min(PIECE, n as usize - done);
         let gva = at
             .checked_add(4 * done as u64)

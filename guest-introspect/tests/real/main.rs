@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod budget;
 mod facts;
 mod fentry;
 mod guest_path;
