@@ -106,6 +106,11 @@ pub struct RunConfig {
     pub memory_mib: u32,
     /// The hypervisor image; `None` boots the kernel bare, without it.
     pub hypervisor: Option<PathBuf>,
+    /// The hypervisor's own Multiboot command line, empty by default. It
+    /// carries only test hooks (`hvtrace.selftest=...`, see the
+    /// hypervisor's `selftest` module); the guest's command line is
+    /// [`RunConfig::append`].
+    pub hypervisor_cmdline: String,
     /// Wall-clock limit of the whole run, from launch to power-off.
     pub timeout: Duration,
     /// Keep the run directory (it is always kept when the run fails).
@@ -135,6 +140,7 @@ impl RunConfig {
             emulator: Emulator::Bochs,
             memory_mib: DEFAULT_MEMORY_MIB,
             hypervisor: None,
+            hypervisor_cmdline: String::new(),
             timeout: DEFAULT_TIMEOUT,
             keep_dir: false,
             progress: true,
@@ -191,6 +197,9 @@ impl RunConfig {
         }
         if self.append.contains(['\n', '\r']) {
             bail!("--append must be a single line");
+        }
+        if self.hypervisor_cmdline.contains(['\n', '\r']) {
+            bail!("the hypervisor command line must be a single line");
         }
         if self.bochs_ips == 0 {
             bail!("the Bochs ips must be positive");

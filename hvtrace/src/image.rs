@@ -143,15 +143,18 @@ fn grub_args(append: &str) -> String {
 }
 
 /// The grub.cfg that boots the hypervisor with the guest as modules, or with
-/// `bare` the guest kernel itself.
-pub fn grub_cfg(append: &str, bare: bool) -> String {
+/// `bare` the guest kernel itself. `hv_cmdline` is the hypervisor's own
+/// command line (test hooks; usually empty).
+pub fn grub_cfg(append: &str, bare: bool, hv_cmdline: &str) -> String {
     let args = grub_args(append);
     let sep = if args.is_empty() { "" } else { " " };
     let body = if bare {
         format!("    linux /boot/{KERNEL_NAME}{sep}{args}\n    initrd /boot/{INITRD_NAME}\n")
     } else {
+        let hv_args = grub_args(hv_cmdline);
+        let hv_sep = if hv_args.is_empty() { "" } else { " " };
         format!(
-            "    multiboot /boot/{HYPERVISOR_NAME}\n    module /boot/{KERNEL_NAME} {KERNEL_NAME}{sep}{args}\n    module /boot/{INITRD_NAME} {INITRD_NAME}\n"
+            "    multiboot /boot/{HYPERVISOR_NAME}{hv_sep}{hv_args}\n    module /boot/{KERNEL_NAME} {KERNEL_NAME}{sep}{args}\n    module /boot/{INITRD_NAME} {INITRD_NAME}\n"
         )
     };
     let title = if bare { "linux (bare)" } else { "hvtrace" };
@@ -177,7 +180,11 @@ pub fn build_iso(dir: &Path, cfg: &RunConfig) -> Result<PathBuf> {
     let grub_cfg_path = boot.join("grub").join("grub.cfg");
     std::fs::write(
         &grub_cfg_path,
-        grub_cfg(&cfg.append, cfg.hypervisor.is_none()),
+        grub_cfg(
+            &cfg.append,
+            cfg.hypervisor.is_none(),
+            &cfg.hypervisor_cmdline,
+        ),
     )
     .with_context(|| format!("cannot write {}", grub_cfg_path.display()))?;
 
@@ -255,21 +262,25 @@ mod tests {
 
     #[test]
     fn hypervisor_entry() {
-        let cfg = grub_cfg("console=ttyS0,115200 panic=-1", false);
+        let cfg = grub_cfg("console=ttyS0,115200 panic=-1", false, "");
         assert!(cfg.starts_with("set timeout=0\nset default=0\n"));
         assert!(cfg.contains("    multiboot /boot/hypervisor\n"));
         assert!(cfg.contains("    module /boot/bzImage bzImage console=ttyS0,115200 panic=-1\n"));
         assert!(cfg.contains("    module /boot/initrd initrd\n    boot\n}"));
         assert!(!cfg.contains("linux "));
+        // The hypervisor's own command line goes on its multiboot line.
+        let hooked = grub_cfg("quiet", false, "hvtrace.selftest=stack-overflow");
+        assert!(hooked.contains("    multiboot /boot/hypervisor hvtrace.selftest=stack-overflow\n"));
+        assert!(hooked.contains("    module /boot/bzImage bzImage quiet\n"));
     }
 
     #[test]
     fn bare_entry() {
-        let cfg = grub_cfg("console=ttyS0 quiet", true);
+        let cfg = grub_cfg("console=ttyS0 quiet", true, "");
         assert!(cfg.contains("    linux /boot/bzImage console=ttyS0 quiet\n"));
         assert!(cfg.contains("    initrd /boot/initrd\n"));
         assert!(!cfg.contains("multiboot"));
-        let empty = grub_cfg("", true);
+        let empty = grub_cfg("", true, "");
         assert!(empty.contains("    linux /boot/bzImage\n"));
     }
 }

@@ -136,12 +136,36 @@ extern "C" fn hv_root_trap(frame: &mut TrapFrame) {
         return;
     }
     let name = NAMES[(frame.vector % 32) as usize];
+    let cr2 = insn::read_cr2();
     die(format_args!(
-        "hypervisor fault in VMX root: {name} error code {:#x} at rip {:#x} rsp {:#x} rflags {:#x} cr2 {:#x}",
+        "hypervisor fault in VMX root: {name} error code {:#x} at rip {:#x} rsp {:#x} rflags {:#x} cr2 {cr2:#x}{}",
         frame.error_code,
         frame.rip,
         frame.rsp,
         frame.rflags,
-        insn::read_cr2()
+        StackOverflow(frame.rsp, cr2),
     ))
+}
+
+/// The note a root fault report gets when it looks like a stack overflow:
+/// the fault address (CR2) is in the guard page under root's stack, or the
+/// interrupted RSP is in it or at the stack's very bottom (a #PF on the
+/// guard cannot be delivered on that stack and becomes #DF, whose frame
+/// keeps the RSP of the overflowing code). Prints nothing otherwise.
+struct StackOverflow(u64, u64);
+
+impl core::fmt::Display for StackOverflow {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let &StackOverflow(rsp, cr2) = self;
+        let guard = loader::entry::stack_guard();
+        let bottom = guard + 4096;
+        if (guard..bottom).contains(&cr2) || (guard..=bottom).contains(&rsp) {
+            write!(
+                f,
+                "; root stack overflow: guard page {guard:#x}..{bottom:#x} hit (stack {bottom:#x}..{:#x})",
+                loader::entry::stack_top()
+            )?;
+        }
+        Ok(())
+    }
 }

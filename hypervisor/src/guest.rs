@@ -85,6 +85,15 @@ pub fn find_rsdp() -> Option<u64> {
     acpi::find_rsdp(bios, acpi::BIOS_AREA.start)
 }
 
+/// The hypervisor's own Multiboot command line (empty when the boot loader
+/// gave none or the information is unusable; `boot_info` reports that).
+pub fn own_cmdline(magic: u32, mbi: u32) -> &'static str {
+    phys::slice(mbi as u64, multiboot::INFO_SIZE)
+        .and_then(|bytes| Info::parse(magic, bytes).ok())
+        .and_then(|info| info.cmdline)
+        .map_or("", c_str)
+}
+
 /// Reads the multiboot information and carves hypervisor memory out of the map.
 pub fn boot_info(magic: u32, mbi: u32) -> Result<BootInfo, LoadError> {
     let info_bytes = phys::slice(mbi as u64, multiboot::INFO_SIZE)

@@ -1,7 +1,9 @@
 //! The hvtrace hypervisor image (x86_64-unknown-none, Multiboot v1).
 //!
 //! Flow: the loader's boot stub enters `hv_entry64` in long mode; we set up
-//! our own descriptor tables and frame pool, refuse clearly if the CPU lacks
+//! our own descriptor tables, frame pool and the guard page under root's
+//! stack (`rootstack`), run a self-test if the hypervisor's own command
+//! line asks for one (`hypervisor::selftest`), refuse clearly if the CPU lacks
 //! VMX, load the guest kernel through the 64-bit boot protocol, build EPT and
 //! the VMCS, and run the guest until it powers off or dies.
 #![no_std]
@@ -20,6 +22,7 @@ mod heap;
 mod introspect;
 mod logger;
 mod phys;
+mod rootstack;
 mod trace;
 mod uart;
 mod vcpu;
@@ -27,6 +30,7 @@ mod vcpu;
 use arch::instructions as insn;
 use exits::StopReason;
 use hypervisor::acpi;
+use hypervisor::selftest::SelfTest;
 
 /// Version reported in the log and, later, over the control channel.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -56,6 +60,16 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
     let rsdp = guest::find_rsdp();
     let fadt = rsdp.and_then(|r| acpi::find_fadt(&phys::Phys, r));
     fatal::set_power_off_port(fadt.map(|f| f.pm1a_cnt));
+    // Before anything deep runs on root's stack: from here an overflow
+    // faults on the guard page and is reported (HOST_CR3, read later by
+    // `vcpu::setup`, is these tables).
+    match rootstack::install_guard() {
+        Ok(guard) => log::info!("root stack guard page at {guard:#x}"),
+        Err(e) => fatal::die(format_args!("root stack guard page: {e}")),
+    }
+    if SelfTest::from_cmdline(guest::own_cmdline(magic, mbi)) == Some(SelfTest::StackOverflow) {
+        rootstack::overflow();
+    }
     match run(magic, mbi, &host, rsdp, fadt) {
         Ok(StopReason::PowerOff { port, value, size }) => {
             // Let the platform power off as the guest asked.

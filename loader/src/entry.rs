@@ -8,8 +8,33 @@
 //!
 //! The stub builds an identity map of the first 4 GiB with 2 MiB pages, enters
 //! long mode and calls `hv_entry64(magic, mbi)`, which the hypervisor binary
-//! defines. This file and `hypervisor/src/arch/instructions.rs` are the only
-//! places in the project with assembly.
+//! defines, on a 64 KiB stack with a guard page under it ([`stack_guard`]).
+//! This file and `hypervisor/src/arch/instructions.rs` are the only places
+//! in the project with assembly.
+
+/// Size of root's stack (the boot stub's, which root keeps).
+pub const STACK_SIZE: u64 = 64 * 1024;
+
+extern "C" {
+    static hv_boot_stack_guard: u8;
+    static hv_boot_stack_top: u8;
+}
+
+/// The 4 KiB page directly under root's stack, page aligned. The boot stub
+/// maps it like the rest of the image; the hypervisor takes it out of its
+/// page tables early in its start-up, so that a stack overflow faults
+/// instead of writing over the boot page tables below it.
+pub fn stack_guard() -> u64 {
+    // Only the symbol's address is taken, never its value.
+    core::ptr::addr_of!(hv_boot_stack_guard) as u64
+}
+
+/// The top (exclusive end) of root's stack; the stack itself is the
+/// [`STACK_SIZE`] bytes under it, right above [`stack_guard`].
+pub fn stack_top() -> u64 {
+    // Only the symbol's address is taken, never its value.
+    core::ptr::addr_of!(hv_boot_stack_top) as u64
+}
 
 /// Multiboot v1 header magic.
 pub const MULTIBOOT_HEADER_MAGIC: u32 = 0x1BAD_B002;
@@ -132,14 +157,22 @@ hv_boot_pdpt:
     .skip 4096
 hv_boot_pd:
     .skip 4 * 4096
-    .balign 16
+    /* Root's stack, with a page of its own under it that the hypervisor
+       unmaps (see `stack_guard`): an overflow faults there instead of
+       running into the page directory. */
+    .balign 4096
+    .global hv_boot_stack_guard
+hv_boot_stack_guard:
+    .skip 4096
 hv_boot_stack:
-    .skip 64 * 1024
+    .skip {stack_size}
+    .global hv_boot_stack_top
 hv_boot_stack_top:
 
     .text
     "#,
     magic = const MULTIBOOT_HEADER_MAGIC,
     flags = const MULTIBOOT_HEADER_FLAGS,
+    stack_size = const STACK_SIZE,
     checksum = const (0u32.wrapping_sub(MULTIBOOT_HEADER_MAGIC.wrapping_add(MULTIBOOT_HEADER_FLAGS))),
 );

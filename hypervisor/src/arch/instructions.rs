@@ -161,6 +161,20 @@ pub fn read_cr3() -> u64 {
     v
 }
 
+/// Writes CR3: root switches to another page-table hierarchy (and drops
+/// the non-global TLB entries).
+///
+/// # Safety
+/// `v` must name a complete hierarchy that maps everything root uses
+/// (code, data, stacks, the frame pool and the memory it reaches through
+/// the identity map) as the current one does, and whose tables stay
+/// allocated and unchanged for as long as it is loaded.
+pub unsafe fn write_cr3(v: u64) {
+    // SAFETY: the caller guarantees the new hierarchy; the asm has no
+    // `nomem`, so the compiler does not move memory accesses across it.
+    unsafe { asm!("mov cr3, {}", in(reg) v, options(nostack, preserves_flags)) };
+}
+
 /// Reads CR4.
 pub fn read_cr4() -> u64 {
     let v: u64;

@@ -1,0 +1,76 @@
+//! Test hooks on the hypervisor's own command line.
+//!
+//! The hypervisor's Multiboot command line (QEMU: `-kernel hypervisor
+//! -append "..."`; GRUB: the words after `multiboot /boot/hypervisor`;
+//! the launcher passes `RunConfig::hypervisor_cmdline`) is not the guest's:
+//! that one travels in the first module's string. It carries no options for
+//! normal use, only these test hooks, which make root misbehave on purpose
+//! so that a VM test can watch how the failure is reported:
+//!
+//! - `hvtrace.selftest=stack-overflow`: right after root's IDT and the
+//!   guard page under its stack are in place, and before the guest is
+//!   loaded or VMX is looked at (so it runs on a CPU without VMX), root
+//!   recurses until its stack runs into the guard page. The expected end is
+//!   one `hvtrace: error: hypervisor fault in VMX root: #DF ...` line naming
+//!   the guard page, then a power-off.
+//!
+//! Only the exact word selects a hook; anything else on the line is
+//! ignored.
+
+/// A deliberate failure in root, for tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelfTest {
+    /// `hvtrace.selftest=stack-overflow`: overflow root's stack.
+    StackOverflow,
+}
+
+impl SelfTest {
+    /// The option word that selects this hook.
+    pub const fn option(self) -> &'static str {
+        match self {
+            Self::StackOverflow => "hvtrace.selftest=stack-overflow",
+        }
+    }
+
+    /// The hook the command line asks for, if any. The line's words are
+    /// matched whole (the first one is usually the image's path).
+    pub fn from_cmdline(cmdline: &str) -> Option<SelfTest> {
+        cmdline
+            .split_ascii_whitespace()
+            .find_map(|w| (w == Self::StackOverflow.option()).then_some(Self::StackOverflow))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_exact_word_selects_the_hook() {
+        let hook = Some(SelfTest::StackOverflow);
+        assert_eq!(
+            SelfTest::from_cmdline("hypervisor hvtrace.selftest=stack-overflow"),
+            hook
+        );
+        assert_eq!(
+            SelfTest::from_cmdline("hvtrace.selftest=stack-overflow"),
+            hook
+        );
+        assert_eq!(
+            SelfTest::from_cmdline("/boot/hypervisor  a=b\thvtrace.selftest=stack-overflow x"),
+            hook
+        );
+        for line in [
+            "",
+            "hypervisor",
+            "hypervisor hvtrace.selftest=stack-overflow2",
+            "hypervisor xhvtrace.selftest=stack-overflow",
+            "hypervisor hvtrace.selftest=Stack-Overflow",
+            "hypervisor hvtrace.selftest=",
+            "hypervisor hvtrace.selftest stack-overflow",
+            "hypervisor \"hvtrace.selftest=stack-overflow\"",
+        ] {
+            assert_eq!(SelfTest::from_cmdline(line), None, "{line:?}");
+        }
+    }
+}

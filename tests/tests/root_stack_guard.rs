@@ -1,0 +1,100 @@
+//! Root's stack has a guard page under it, and an overflow in VMX root is
+//! reported, never silent.
+//!
+//! The hypervisor's own command line `hvtrace.selftest=stack-overflow` makes
+//! root recurse on purpose right after its IDT and the guard page are set up,
+//! before the guest is loaded and before VMX is looked at, so QEMU TCG (no
+//! VMX, seconds per boot) runs it. The recursion must hit the guard page;
+//! the #PF cannot be delivered on the overflowed stack, so the CPU raises
+//! #DF, which root takes on its own IST stack: one `hypervisor fault in VMX
+//! root: #DF` line that names the guard page, then a power-off. Without the
+//! guard the recursion runs through the boot page directory and the bss
+//! below the stack, and the machine dies without a word (a triple fault,
+//! which ends QEMU under `-no-reboot`).
+//!
+//! Run: `cargo test --release -p hvtrace-tests --test root_stack_guard`
+
+use std::time::{Duration, Instant};
+
+use hvtrace::{Emulator, Guest, RunConfig, Vm};
+use hvtrace_tests::{guest_config, hypervisor_image, must, vm_lock, Checks};
+
+/// The hypervisor command line word of the hook (`hypervisor::selftest`).
+const HOOK: &str = "hvtrace.selftest=stack-overflow";
+
+#[test]
+fn root_stack_overflow_hits_the_guard_page_and_is_reported() {
+    let _vm = vm_lock();
+    let base = guest_config(Guest::Fast, Duration::from_secs(90))
+        .with_hypervisor(hypervisor_image())
+        .with_emulator(Emulator::Qemu { kvm: false });
+    let cfg = RunConfig {
+        hypervisor_cmdline: HOOK.to_string(),
+        ..base
+    };
+    let started = Instant::now();
+    let mut vm = must(
+        Vm::start(cfg),
+        "starting QEMU TCG with the stack-overflow hook",
+    );
+    let mut checks = Checks::new();
+    if vm.wait_ready().is_ok() {
+        checks.check(false, "the guest shell came up: the self-test did not run");
+    }
+    // The hypervisor powers the machine off after its report: QEMU must end
+    // by itself, well within this bound (a hang is a failure).
+    let status = vm.wait_exit_or_kill(Duration::from_secs(60));
+    checks.check(
+        matches!(status, Ok(Some(_))),
+        format!("QEMU did not end by itself after the overflow ({status:?})"),
+    );
+    let elapsed = started.elapsed();
+    let lines = vm.hv_lines();
+    let errors = vm.hv_errors();
+    checks.check(
+        lines
+            .iter()
+            .any(|l| l.starts_with("self-test: overflowing root's stack")),
+        format!("the self-test did not start: {lines:?}"),
+    );
+    let double_faults: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.starts_with("error: hypervisor fault in VMX root: #DF"))
+        .collect();
+    checks.eq(
+        "`hypervisor fault in VMX root: #DF` lines",
+        double_faults.len(),
+        1,
+    );
+    checks.check(
+        double_faults
+            .iter()
+            .all(|l| l.contains("root stack overflow: guard page")),
+        format!("the #DF report does not name the guard page: {double_faults:?}"),
+    );
+    checks.check(
+        errors.len() == 1,
+        format!("expected exactly one error line, got {errors:?}"),
+    );
+    checks.check(
+        !lines.iter().any(|l| l.contains("panic")),
+        format!("a panic was reported: {lines:?}"),
+    );
+    checks.check(
+        lines.iter().any(|l| l == "guest stopped: hypervisor fault"),
+        format!("no `guest stopped: hypervisor fault` line: {lines:?}"),
+    );
+    checks.check(
+        !vm.guest_started(),
+        format!("a `guest started` line appeared: {lines:?}"),
+    );
+    checks.check(
+        !lines
+            .iter()
+            .any(|l| l.contains("VMX") && !l.starts_with("error: hypervisor fault in VMX root")),
+        format!("the hypervisor got as far as VMX: {lines:?}"),
+    );
+    eprintln!("root_stack_guard: VM ended after {elapsed:?}; hypervisor lines: {lines:#?}");
+    vm.close();
+    checks.finish();
+}
