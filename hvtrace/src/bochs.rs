@@ -5,8 +5,10 @@
 //! `c` (continue) and `q` (quit, should the debugger ever get control back).
 //! There is no headless GUI in that build; the RFB display with
 //! `timeout=0` starts without waiting for a viewer. The log port 0xE9
-//! (`port_e9_hack`) goes to Bochs' stdout; COM1 connects as a TCP client to
-//! the listener of the run, which carries the guest console both ways.
+//! (`port_e9_hack`) goes to Bochs' stdout; COM1 (the guest console, both
+//! ways) and COM2 (the control channel) connect as TCP clients to the
+//! listeners of the run on 127.0.0.1, which take only Bochs' own connections
+//! (see [`crate::channel`]): its serial ports have no unix socket client.
 //!
 //! Choices, measured on Bochs 2.7:
 //! - `options=fastboot` skips the BIOS's F12 boot-menu wait, about 150 M

@@ -18,6 +18,7 @@
 
 pub mod bochs;
 pub mod bounded;
+pub mod channel;
 pub mod chrome;
 pub mod cli;
 pub mod client;
@@ -41,6 +42,7 @@ pub mod session;
 pub mod socket;
 pub mod supervisor;
 pub mod sys;
+pub mod tcp_table;
 pub mod term;
 pub mod tracebuf;
 pub mod vm;

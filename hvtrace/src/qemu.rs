@@ -5,16 +5,25 @@
 //! strings are `bzImage <cmdline>` and `initrd` because the files are staged
 //! under those names in the run directory (QEMU's working directory). QEMU
 //! splits that option at commas; a comma inside a module string is written
-//! `,,`. The log port 0xE9 (`-debugcon stdio`) is QEMU's only stdout; COM1
-//! connects as a TCP client to the listener of the run, and so does COM2, the
-//! hypervisor's control channel (a `-chardev socket` client; users who drive
-//! QEMU themselves give it `path=...,server=on,wait=off` for a unix socket).
+//! `,,`. The log port 0xE9 (`-debugcon stdio`) is QEMU's only stdout.
+//!
+//! `-nodefaults` leaves out every device QEMU would add by itself (network
+//! card, VGA, floppy and CD-ROM drives, default serial and parallel ports,
+//! monitor); what the run needs is listed: the two serial ports, in order
+//! COM1 (0x3F8) and COM2 (0x2F8), the log port and the exit port. Both
+//! serial ports are `-chardev socket` clients of the run's listeners: unix
+//! sockets in the run directory, named relative to it, or TCP on 127.0.0.1
+//! when the directory's path is too long for a socket address (see
+//! [`crate::channel`]). COM1 is the guest console, COM2 the hypervisor's
+//! control channel (users who drive QEMU themselves give it
+//! `path=...,server=on,wait=off` for a unix socket that QEMU serves).
 
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::Result;
 
+use crate::channel::Endpoint;
 use crate::config::RunConfig;
 use crate::host;
 use crate::image::{INITRD_NAME, KERNEL_NAME};
@@ -38,13 +47,23 @@ pub fn modules_arg(append: &str) -> String {
     format!("{},{INITRD_NAME}", escape_commas(&cmdline))
 }
 
-/// The TCP ports on 127.0.0.1 that the serial ports connect to.
+/// Where the serial ports connect.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Ports {
+pub struct Ports<'a> {
     /// COM1, the guest console.
-    pub serial: u16,
+    pub serial: &'a Endpoint,
     /// COM2, the hypervisor's control channel.
-    pub control: u16,
+    pub control: &'a Endpoint,
+}
+
+/// The `-chardev` value of a socket client with id `id` connecting to
+/// `endpoint` (a unix socket's name is relative to QEMU's working
+/// directory, the run directory).
+pub fn chardev_arg(id: &str, endpoint: &Endpoint) -> String {
+    match endpoint {
+        Endpoint::Tcp(port) => format!("socket,id={id},host=127.0.0.1,port={port}"),
+        Endpoint::Unix(name) => format!("socket,id={id},path={}", escape_commas(name)),
+    }
 }
 
 /// The QEMU arguments for a run whose files are staged in its working
@@ -52,6 +71,9 @@ pub struct Ports {
 pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports) -> Vec<String> {
     let mut args: Vec<String> = Vec::new();
     let mut push = |items: &[&str]| args.extend(items.iter().map(|s| s.to_string()));
+    // No device but those listed below: no network card (whose user-mode
+    // network would reach the host's 127.0.0.1), no VGA, no drives.
+    push(&["-nodefaults"]);
     if kvm {
         push(&["-enable-kvm", "-cpu", "host,+vmx"]);
     } else {
@@ -64,6 +86,10 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
             let image = image.to_string_lossy();
             let modules = modules_arg(&cfg.append);
             push(&["-kernel", &image, "-initrd", &modules]);
+            // The hypervisor's own Multiboot command line (test hooks).
+            if !cfg.hypervisor_cmdline.is_empty() {
+                push(&["-append", &cfg.hypervisor_cmdline]);
+            }
         }
         None => {
             push(&[
@@ -76,14 +102,17 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
             ]);
         }
     }
-    let serial = format!("tcp:127.0.0.1:{}", ports.serial);
-    let control = format!("socket,id=ctl,host=127.0.0.1,port={}", ports.control);
+    let serial = chardev_arg("con", ports.serial);
+    let control = chardev_arg("ctl", ports.control);
     push(&[
         "-debugcon",
         "stdio",
-        "-serial",
+        // The order of -serial gives the port: COM1 (0x3F8), the console,
+        // then COM2 (0x2F8), the control channel.
+        "-chardev",
         &serial,
-        // The second serial port is COM2 (0x2F8), the control channel.
+        "-serial",
+        "chardev:con",
         "-chardev",
         &control,
         "-serial",
@@ -128,31 +157,106 @@ mod tests {
         assert_eq!(modules_arg(""), "bzImage,initrd");
     }
 
+    /// The values of every `flag` in `args`.
+    fn values<'a>(args: &'a [String], flag: &str) -> Vec<&'a str> {
+        args.windows(2)
+            .filter(|w| w[0] == flag)
+            .map(|w| w[1].as_str())
+            .collect()
+    }
+
     #[test]
     fn kvm_and_tcg_flags() {
         let cfg = RunConfig::new("k", "i");
+        let (serial, control) = (Endpoint::Tcp(5), Endpoint::Tcp(6));
         let ports = Ports {
-            serial: 5,
-            control: 6,
+            serial: &serial,
+            control: &control,
         };
         let kvm = args(&cfg, true, Some(Path::new("/x/hypervisor")), ports);
-        assert_eq!(&kvm[..3], ["-enable-kvm", "-cpu", "host,+vmx"]);
+        assert_eq!(
+            &kvm[..4],
+            ["-nodefaults", "-enable-kvm", "-cpu", "host,+vmx"]
+        );
         assert!(kvm.windows(2).any(|w| w == ["-kernel", "/x/hypervisor"]));
-        // COM1 first, then COM2 (the order of -serial gives the port).
-        let serials: Vec<&str> = kvm
-            .windows(2)
-            .filter(|w| w[0] == "-serial")
-            .map(|w| w[1].as_str())
-            .collect();
-        assert_eq!(serials, ["tcp:127.0.0.1:5", "chardev:ctl"]);
-        assert!(kvm
-            .windows(2)
-            .any(|w| w == ["-chardev", "socket,id=ctl,host=127.0.0.1,port=6"]));
         let tcg = args(&cfg, false, None, ports);
-        assert_eq!(&tcg[..4], ["-accel", "tcg", "-cpu", "max"]);
+        assert_eq!(&tcg[..5], ["-nodefaults", "-accel", "tcg", "-cpu", "max"]);
         assert!(tcg.windows(2).any(|w| w == ["-kernel", "bzImage"]));
         assert!(tcg
             .windows(2)
             .any(|w| w[0] == "-append" && w[1] == cfg.append));
+    }
+
+    #[test]
+    fn only_the_devices_the_run_needs() {
+        let cfg = RunConfig::new("k", "i");
+        let (serial, control) = (
+            Endpoint::Unix("com1.sock".into()),
+            Endpoint::Unix("com2.sock".into()),
+        );
+        let ports = Ports {
+            serial: &serial,
+            control: &control,
+        };
+        for args in [
+            args(&cfg, true, Some(Path::new("/x/hypervisor")), ports),
+            args(&cfg, false, None, ports),
+        ] {
+            assert_eq!(args.iter().filter(|a| *a == "-nodefaults").count(), 1);
+            for flag in [
+                "-net",
+                "-nic",
+                "-netdev",
+                "-hda",
+                "-cdrom",
+                "-fda",
+                "-drive",
+                "-usb",
+                "-vga",
+                "-parallel",
+            ] {
+                assert!(!args.iter().any(|a| a == flag), "{flag} in {args:?}");
+            }
+            // COM1 then COM2 (the order of -serial gives the port), each a
+            // socket client of the run's unix socket.
+            assert_eq!(values(&args, "-serial"), ["chardev:con", "chardev:ctl"]);
+            assert_eq!(
+                values(&args, "-chardev"),
+                [
+                    "socket,id=con,path=com1.sock",
+                    "socket,id=ctl,path=com2.sock"
+                ]
+            );
+            assert_eq!(values(&args, "-debugcon"), ["stdio"]);
+            assert_eq!(
+                values(&args, "-device"),
+                ["isa-debug-exit,iobase=0xf4,iosize=0x04"]
+            );
+            assert_eq!(values(&args, "-display"), ["none"]);
+            assert_eq!(values(&args, "-monitor"), ["none"]);
+        }
+    }
+
+    #[test]
+    fn serial_ports_over_tcp() {
+        let cfg = RunConfig::new("k", "i");
+        let (serial, control) = (Endpoint::Tcp(5), Endpoint::Tcp(6));
+        let ports = Ports {
+            serial: &serial,
+            control: &control,
+        };
+        let args = args(&cfg, false, None, ports);
+        assert_eq!(values(&args, "-serial"), ["chardev:con", "chardev:ctl"]);
+        assert_eq!(
+            values(&args, "-chardev"),
+            [
+                "socket,id=con,host=127.0.0.1,port=5",
+                "socket,id=ctl,host=127.0.0.1,port=6"
+            ]
+        );
+        assert_eq!(
+            chardev_arg("x", &Endpoint::Unix("a,b".into())),
+            "socket,id=x,path=a,,b"
+        );
     }
 }

@@ -857,7 +857,6 @@ fn run_vm(
     let reader = control
         .try_clone()
         .context("cannot clone the control channel socket")?;
-    let reader = crate::sys::QuickAckReader(reader);
     sup.attach(reader, control, link::DEFAULT_TIMEOUT);
     sup.set_phase(Phase::Booting);
     state("booting");

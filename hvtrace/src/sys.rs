@@ -9,7 +9,8 @@
 //!   carries the user id, and is checked to be ours.
 //! - `getsockopt(SO_PEERCRED)`: who is at the other end of the control
 //!   socket (the supervisor serves its owner and root only; a client talks
-//!   only to a supervisor of its owner or root).
+//!   only to a supervisor of its owner or root), and which process connected
+//!   a serial port's unix socket (it must be the emulator of the run).
 //! - `umask(2)`: the control socket is bound with no permission for group
 //!   and others, so it is never reachable by them, not even for a moment.
 //! - `setsockopt(TCP_QUICKACK)`: Bochs writes a serial port's output to its
@@ -203,9 +204,25 @@ pub fn euid() -> u32 {
     unsafe { ffi::geteuid() }
 }
 
+/// Who is at the other end of a unix socket, as the kernel recorded it
+/// when the connection was made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerCred {
+    /// The process that connected (or listened, seen from a client).
+    pub pid: u32,
+    /// Its effective user id then.
+    pub uid: u32,
+}
+
 /// The user id of the process at the other end of a unix socket, as the
 /// kernel recorded it when the connection was made (`SO_PEERCRED`).
 pub fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+    peer_cred(stream).map(|cred| cred.uid)
+}
+
+/// The process and user id at the other end of a unix socket
+/// (`SO_PEERCRED`).
+pub fn peer_cred(stream: &UnixStream) -> io::Result<PeerCred> {
     let mut cred = Ucred::default();
     let mut len = std::mem::size_of::<Ucred>() as c_uint;
     // SAFETY: the descriptor belongs to `stream`, which outlives the call;
@@ -226,7 +243,9 @@ pub fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
     if len as usize != std::mem::size_of::<Ucred>() {
         return Err(io::Error::other("SO_PEERCRED returned a short answer"));
     }
-    Ok(cred.uid)
+    let pid =
+        u32::try_from(cred.pid).map_err(|_| io::Error::other("SO_PEERCRED gave no process id"))?;
+    Ok(PeerCred { pid, uid: cred.uid })
 }
 
 /// Serializes the umask changes of [`with_umask`]: the mask is the
@@ -263,18 +282,6 @@ pub fn quick_ack(stream: &TcpStream) {
             (&one as *const c_int).cast::<c_void>(),
             std::mem::size_of::<c_int>() as c_uint,
         );
-    }
-}
-
-/// A TCP stream whose reads acknowledge at once ([`quick_ack`]): for the
-/// emulator's serial sockets.
-#[derive(Debug)]
-pub struct QuickAckReader(pub TcpStream);
-
-impl io::Read for QuickAckReader {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        quick_ack(&self.0);
-        self.0.read(buf)
     }
 }
 
@@ -341,6 +348,12 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         assert_eq!(peer_uid(&a).unwrap(), euid());
         assert_eq!(peer_uid(&b).unwrap(), euid());
+        let us = PeerCred {
+            pid: std::process::id(),
+            uid: euid(),
+        };
+        assert_eq!(peer_cred(&a).unwrap(), us);
+        assert_eq!(peer_cred(&b).unwrap(), us);
     }
 
     /// The current mask, without changing it (the caller holds

@@ -4,7 +4,6 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -16,6 +15,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use crate::bochs;
 use crate::bounded::{self, CappedLog};
+use crate::channel::{self, Channel, Endpoint, Listener};
 use crate::config::{Emulator, RunConfig};
 use crate::console::{self, ConsoleBuffer, ExecResult, Markers};
 use crate::hvlog::{HvEvent, HvLog};
@@ -114,9 +114,9 @@ pub struct Vm {
     child: Child,
     status: Option<ExitStatus>,
     shared: Arc<Shared>,
-    serial: Option<TcpStream>,
+    serial: Option<Channel>,
     /// COM2, the hypervisor's control channel, until [`Vm::take_control`].
-    control: Option<TcpStream>,
+    control: Option<Channel>,
     readers: Vec<JoinHandle<()>>,
     deadline: Instant,
     boot_time: Option<Duration>,
@@ -153,13 +153,39 @@ impl Vm {
             }
             None => image::create_run_dir()?,
         };
-        let listener =
-            TcpListener::bind("127.0.0.1:0").context("cannot listen for the serial console")?;
-        let serial_port = listener.local_addr()?.port();
-        let control_listener =
-            TcpListener::bind("127.0.0.1:0").context("cannot listen for the control channel")?;
-        let control_port = control_listener.local_addr()?.port();
-        let mut command = match prepare(&cfg, &dir, serial_port, control_port) {
+        // QEMU connects its serial ports to unix sockets in the run
+        // directory when their paths fit a socket address; Bochs has TCP
+        // only. Either way a connection is used only once it is shown to
+        // come from the emulator (see `channel`).
+        let qemu = matches!(cfg.emulator, Emulator::Qemu { .. });
+        let unix = qemu
+            && channel::unix_path_fits(&dir, channel::SERIAL_SOCKET)
+            && channel::unix_path_fits(&dir, channel::CONTROL_SOCKET);
+        let bind = |name: &str, what: &str| -> Result<Listener> {
+            if unix {
+                Listener::unix(&dir, name).with_context(|| format!("cannot listen for {what}"))
+            } else {
+                Listener::tcp().with_context(|| format!("cannot listen for {what}"))
+            }
+        };
+        let bound = bind(channel::SERIAL_SOCKET, "the serial console").and_then(|serial| {
+            let control = bind(channel::CONTROL_SOCKET, "the control channel")?;
+            Ok((serial, control))
+        });
+        let (listener, control_listener) = match bound {
+            Ok(listeners) => listeners,
+            Err(e) => {
+                if cfg.run_dir.is_none() {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+                return Err(e);
+            }
+        };
+        let endpoints = listener
+            .endpoint()
+            .and_then(|serial| Ok((serial, control_listener.endpoint()?)))
+            .context("cannot read the listeners' addresses")?;
+        let mut command = match prepare(&cfg, &dir, &endpoints.0, &endpoints.1) {
             Ok(command) => command,
             Err(e) => {
                 // Nothing ran yet: the messages say all there is to know.
@@ -195,6 +221,12 @@ impl Vm {
             cfg.emulator,
             dir.display()
         ));
+        if qemu && !unix {
+            shared.note(&format!(
+                "the run directory's path is too long for a unix socket address ({} bytes at most): the serial ports use TCP on 127.0.0.1, with the peer checked",
+                channel::MAX_SOCKET_PATH
+            ));
+        }
 
         let mut child = match command
             .stdin(Stdio::null())
@@ -262,28 +294,25 @@ impl Vm {
     }
 
     /// Waits for the emulator to connect each serial port to its listener.
+    /// A connection from any other process is closed and reported, and the
+    /// listener waits on.
     fn accept_serial<const N: usize>(
         &mut self,
-        listeners: [(&TcpListener, &str); N],
-    ) -> Result<[TcpStream; N]> {
+        listeners: [(&Listener, &str); N],
+    ) -> Result<[Channel; N]> {
         for (listener, _) in &listeners {
             listener.set_nonblocking(true)?;
         }
         let until = (Instant::now() + SERIAL_CONNECT_TIMEOUT).min(self.deadline);
-        let mut streams: [Option<TcpStream>; N] = std::array::from_fn(|_| None);
+        let pid = self.child.id();
+        let mut streams: [Option<Channel>; N] = std::array::from_fn(|_| None);
         loop {
             for ((listener, what), slot) in listeners.iter().zip(streams.iter_mut()) {
                 if slot.is_some() {
                     continue;
                 }
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        stream.set_nonblocking(false)?;
-                        // Commands and frames are short; send them at once.
-                        stream.set_nodelay(true)?;
-                        *slot = Some(stream);
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                match listener.accept_from(pid, what) {
+                    Ok(channel) => *slot = channel,
                     Err(e) => return Err(self.fail(anyhow!("listener for {what} failed: {e}"))),
                 }
             }
@@ -663,7 +692,7 @@ impl Vm {
     /// Hands over COM2, the hypervisor's control channel (a byte stream
     /// carrying protocol frames). `None` after the first call. Keep the
     /// stream open while the emulator runs.
-    pub fn take_control(&mut self) -> Option<TcpStream> {
+    pub fn take_control(&mut self) -> Option<Channel> {
         self.control.take()
     }
 
@@ -903,16 +932,20 @@ impl VmWatch {
 }
 
 /// Writes what the emulator needs into the run directory and returns the
-/// command that starts it there. COM1 connects to `serial_port`, COM2 (the
-/// control channel) to `control_port`, both on 127.0.0.1.
+/// command that starts it there. COM1 connects to `serial`, COM2 (the
+/// control channel) to `control`.
 fn prepare(
     cfg: &RunConfig,
     dir: &Path,
-    serial_port: u16,
-    control_port: u16,
+    serial: &Endpoint,
+    control: &Endpoint,
 ) -> Result<std::process::Command> {
     match cfg.emulator {
         Emulator::Bochs => {
+            let (Some(serial_port), Some(control_port)) = (serial.tcp_port(), control.tcp_port())
+            else {
+                bail!("Bochs connects its serial ports over TCP only");
+            };
             image::build_iso(dir, cfg)?;
             bochs::prepare(
                 dir,
@@ -938,10 +971,7 @@ fn prepare(
                 cfg,
                 kvm,
                 hv.as_deref(),
-                qemu::Ports {
-                    serial: serial_port,
-                    control: control_port,
-                },
+                qemu::Ports { serial, control },
             )
         }
     }
@@ -1024,13 +1054,12 @@ fn spawn_line_reader(
 /// Reads the guest console: logs it (up to [`bounded::LOG_CAP`]), keeps
 /// its last [`console::CONSOLE_KEEP`] bytes and echoes it when asked.
 fn spawn_serial_reader(
-    stream: TcpStream,
+    mut stream: Channel,
     log_path: PathBuf,
     shared: Arc<Shared>,
 ) -> JoinHandle<()> {
-    // Bochs sends the console a byte per write, with Nagle's algorithm on:
-    // acknowledge at once, or every burst stalls on a delayed ACK.
-    let mut stream = crate::sys::QuickAckReader(stream);
+    // A TCP channel acknowledges each read at once: Bochs sends the console
+    // a byte per write, with Nagle's algorithm on.
     std::thread::spawn(move || {
         let mut log = CappedLog::create(&log_path, bounded::LOG_CAP).ok();
         let mut buf = [0u8; 4096];
