@@ -24,6 +24,13 @@
  *   bad_xsetbv=1 XSETBV with AVX-512 and MPX bits half set (must #GP)
  *   getsec=1     GETSEC (must #UD: SMX is not offered)
  *   straddle=1   4-byte port accesses that straddle the control UART
+ *   pci_dma=1    turn on bus mastering of the IDE controller, move its
+ *                bus-master I/O BAR, and program its PRD table register
+ *                (the way to make the controller DMA into any address)
+ *   hwbp=1       with func: a hardware data breakpoint (DR0..3, through
+ *                perf) on the function's first byte, then a read of it:
+ *                the breakpoint must fire even though the page is hooked
+ *                and the read is single-stepped by the hypervisor
  *   apic_base=1  move the local APIC's MMIO window to 31 MiB, inside the
  *                hypervisor's memory (must #GP), then put it back
  *
@@ -42,6 +49,8 @@
 #include <asm/processor.h>
 #include <asm/asm.h>
 #include <linux/delay.h>
+#include <linux/hw_breakpoint.h>
+#include <linux/perf_event.h>
 #include <linux/gfp.h>
 #include <asm/io_apic.h>
 #include <asm/fixmap.h>
@@ -71,6 +80,10 @@ static int straddle;
 module_param(straddle, int, 0);
 static int apic_base;
 module_param(apic_base, int, 0);
+static int pci_dma;
+module_param(pci_dma, int, 0);
+static int hwbp;
+module_param(hwbp, int, 0);
 
 static void time_reads(void)
 {
@@ -390,6 +403,89 @@ static void try_straddle(void)
 	pr_info("hvattack: straddling inl(0x2f6) = %08x\n", in);
 }
 
+static u32 cfg_read(u32 addr)
+{
+	outl(addr, 0xcf8);
+	return inl(0xcfc);
+}
+
+static void cfg_write(u32 addr, u32 val)
+{
+	outl(addr, 0xcf8);
+	outl(val, 0xcfc);
+}
+
+static void try_pci_dma(void)
+{
+	u32 dev, fn, addr = 0, cmd, bar, bar_after, prd;
+	unsigned long flags;
+	u16 base;
+
+	for (dev = 0; dev < 32 && !addr; dev++) {
+		for (fn = 0; fn < 8; fn++) {
+			u32 a = 0x80000000 | (dev << 11) | (fn << 8);
+
+			if ((cfg_read(a) & 0xffff) == 0xffff)
+				continue;
+			if ((cfg_read(a | 8) >> 16) == 0x0101) {
+				addr = a;
+				break;
+			}
+		}
+	}
+	if (!addr) {
+		pr_info("hvattack: no IDE controller\n");
+		return;
+	}
+	local_irq_save(flags);
+	cmd = cfg_read(addr | 4);
+	cfg_write(addr | 4, cmd | 4);
+	pr_info("hvattack: ide %x bus master %s\n", addr,
+		(cfg_read(addr | 4) & 4) ? "enabled" : "refused");
+	cfg_write(addr | 4, cmd);
+	bar = cfg_read(addr | 0x20);
+	cfg_write(addr | 0x20, 0xd001);
+	bar_after = cfg_read(addr | 0x20);
+	cfg_write(addr | 0x20, bar);
+	pr_info("hvattack: ide bus-master bar %x -> d001: %s\n", bar,
+		bar_after == bar ? "refused" : "moved");
+	base = bar & 0xfff0;
+	outl(0x01000000, base + 4);
+	prd = inl(base + 4);
+	local_irq_restore(flags);
+	pr_info("hvattack: ide prd table register reads %x\n", prd);
+}
+
+static atomic_t bp_hits = ATOMIC_INIT(0);
+
+static void bp_hit(struct perf_event *bp, struct perf_sample_data *data, struct pt_regs *regs)
+{
+	atomic_inc(&bp_hits);
+}
+
+static void try_hwbp(void)
+{
+	struct perf_event_attr attr;
+	struct perf_event * __percpu *bp;
+	u8 b[4];
+	int faulted;
+
+	hw_breakpoint_init(&attr);
+	attr.bp_addr = func;
+	attr.bp_len = HW_BREAKPOINT_LEN_1;
+	attr.bp_type = HW_BREAKPOINT_R | HW_BREAKPOINT_W;
+	bp = register_wide_hw_breakpoint(&attr, bp_hit, NULL);
+	if (IS_ERR((void __force *)bp)) {
+		pr_info("hvattack: hw breakpoint not set: %ld\n", PTR_ERR((void __force *)bp));
+		return;
+	}
+	atomic_set(&bp_hits, 0);
+	faulted = copy_from_kernel_nofault(b, (void *)func, sizeof(b));
+	unregister_wide_hw_breakpoint(bp);
+	pr_info("hvattack: hw breakpoint on %lx: %d hits (read %s)\n", func,
+		atomic_read(&bp_hits), faulted ? "faulted" : "ok");
+}
+
 static void move_apic(void)
 {
 	u64 orig, now, moved;
@@ -410,7 +506,9 @@ static void move_apic(void)
 
 static int __init hvattack_init(void)
 {
-	if (func && reads > 0)
+	if (func && hwbp)
+		try_hwbp();
+	else if (func && reads > 0)
 		time_reads();
 	else if (func)
 		read_func();
@@ -432,6 +530,8 @@ static int __init hvattack_init(void)
 		try_straddle();
 	if (apic_base)
 		move_apic();
+	if (pci_dma)
+		try_pci_dma();
 	pr_info("hvattack: done\n");
 	return -EAGAIN;
 }

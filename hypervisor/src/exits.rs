@@ -9,8 +9,10 @@ use crate::trace::{Hypercall, Tracer, Violation};
 use crate::vcpu::{VmConfig, Vmcs};
 use core::fmt;
 use hypervisor::mono::MonoTsc;
+use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
 use hypervisor::stats::ExitCounters;
+use hypervisor::vmx::debug;
 use hypervisor::vmx::event::{self, Event};
 use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, RawExit, VmExit};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
@@ -100,6 +102,8 @@ pub struct Vcpu {
     vectoring: Option<Event>,
     /// Whether NMI-window exiting is on in the VMCS.
     nmi_window: bool,
+    /// The guest's PCI configuration address (the last dword it wrote to 0xCF8).
+    pci_address: u32,
     guard: GuardReport,
 }
 
@@ -156,6 +160,7 @@ impl Vcpu {
             inject: None,
             vectoring: None,
             nmi_window: false,
+            pci_address: 0,
             guard: GuardReport::default(),
         }
     }
@@ -460,7 +465,7 @@ impl Vcpu {
             VmExit::Io(io) => self.io(io),
             VmExit::Vmcall => self.vmcall(),
             VmExit::VmxInstruction(_) => self.inject(UD, None),
-            VmExit::Exception { vector: DB, .. } => self.debug_exception(),
+            VmExit::Exception { vector: DB, info } => self.debug_exception(info),
             VmExit::Invd => self.advance(),
             VmExit::PreemptionTimer => self.service(),
             VmExit::Nmi => {
@@ -480,26 +485,19 @@ impl Vcpu {
             VmExit::Getsec => self.inject(UD, None),
             VmExit::TripleFault => Ok(Next::Stop(StopReason::TripleFault)),
             VmExit::Init => Ok(Next::Stop(StopReason::Reset)),
-            VmExit::EptViolation(e)
-                if matches!(
-                    self.tracer.on_violation(e.gpa, e.write, &self.cfg.ept),
-                    Violation::Stepping
-                ) =>
-            {
-                self.arm_step()
-            }
             VmExit::EptViolation(e) => {
-                hvprintln!(
-                    "error: EPT violation: gpa {:#x} gla {:?} read={} write={} fetch={} allowed={:#x}",
-                    e.gpa, e.gla, e.read, e.write, e.fetch, e.allowed
-                );
-                let leaf = self.cfg.ept.translate(
-                    &mut crate::frames::PoolTables,
-                    hypervisor::addr::Gpa(e.gpa & !0xfff),
-                );
-                hvprintln!("error: EPT entry for that page: {leaf:?}");
-                dump_vmcs();
-                Ok(Next::Stop(StopReason::EptViolation { gpa: e.gpa }))
+                match self.tracer.on_violation(e.gpa, e.write, &self.cfg.ept) {
+                    Violation::Stepping => {
+                        self.clear_stale_step()?;
+                        self.arm_step()
+                    }
+                    // The instruction already being stepped opened one more page.
+                    Violation::Widened => {
+                        self.clear_stale_step()?;
+                        Ok(Next::Resume)
+                    }
+                    Violation::NotOurs => self.bad_violation(e),
+                }
             }
             VmExit::EptMisconfig { gpa } => {
                 dump_vmcs();
@@ -520,6 +518,40 @@ impl Vcpu {
                 Ok(Next::Stop(StopReason::Unhandled(r)))
             }
         }
+    }
+
+    /// The instruction that exited on an EPT violation did not complete, so
+    /// no single-step is due for it; Bochs 2.7 still saves BS in the
+    /// pending-debug-exceptions field when TF was set, and would deliver a
+    /// #DB at the next entry before the instruction runs (ending a step
+    /// that never happened, over and over).
+    fn clear_stale_step(&mut self) -> Result<(), VmcsError> {
+        let v = &mut Vmcs;
+        let pending = f::GUEST_PENDING_DEBUG_EXCEPTIONS.read(v)?;
+        if pending & debug::PENDING_BS != 0 {
+            f::GUEST_PENDING_DEBUG_EXCEPTIONS.write(v, pending & !debug::PENDING_BS)?;
+        }
+        Ok(())
+    }
+
+    /// An EPT violation the tracer does not own: a hypervisor bug.
+    fn bad_violation(&mut self, e: hypervisor::vmx::exit::EptViolation) -> Result<Next, VmcsError> {
+        hvprintln!(
+            "error: EPT violation: gpa {:#x} gla {:?} read={} write={} fetch={} allowed={:#x}",
+            e.gpa,
+            e.gla,
+            e.read,
+            e.write,
+            e.fetch,
+            e.allowed
+        );
+        let leaf = self.cfg.ept.translate(
+            &mut crate::frames::PoolTables,
+            hypervisor::addr::Gpa(e.gpa & !0xfff),
+        );
+        hvprintln!("error: EPT entry for that page: {leaf:?}");
+        dump_vmcs();
+        Ok(Next::Stop(StopReason::EptViolation { gpa: e.gpa }))
     }
 
     /// A VMCALL: the tracer's entry hypercall, or #UD.
@@ -557,29 +589,55 @@ impl Vcpu {
         Ok(Next::Resume)
     }
 
-    /// #DB: the end of the tracer's step, or the guest's own (reflected).
-    fn debug_exception(&mut self) -> Result<Next, VmcsError> {
+    /// #DB: the end of the tracer's step, the guest's own, or both
+    /// (`hypervisor::vmx::debug::decide`): root's single-step is swallowed,
+    /// the guest's breakpoints and single-steps are delivered, INT1 goes
+    /// back as INT1.
+    fn debug_exception(&mut self, info: u32) -> Result<Next, VmcsError> {
         let v = &mut Vmcs;
         let qual = f::EXIT_QUALIFICATION.read(v)?;
-        let next = match self.tracer.on_debug(qual, &self.cfg.ept) {
-            Some(tf) => {
-                let rflags = f::GUEST_RFLAGS.read(v)?;
-                let rflags = if tf {
-                    rflags | RFLAGS_TF
-                } else {
-                    rflags & !RFLAGS_TF
-                };
-                f::GUEST_RFLAGS.write(v, rflags)?;
-                f::GUEST_PENDING_DEBUG_EXCEPTIONS.write(v, 0)?;
-                Next::Resume
+        let int1 = (info >> 8) & 7 == u32::from(event::TYPE_PRIVILEGED_SOFTWARE_EXCEPTION);
+        let (stepping, guest_tf, stray) = self.tracer.debug_state();
+        let act = debug::decide(qual, int1, stepping, guest_tf, stray);
+        if act.end_step {
+            self.tracer.finish_step(&self.cfg.ept);
+        } else if stray && act.tf == Some(false) {
+            self.tracer.clear_stray_tf();
+        }
+        if let Some(tf) = act.tf {
+            let rflags = f::GUEST_RFLAGS.read(v)?;
+            let rflags = if tf {
+                rflags | RFLAGS_TF
+            } else {
+                rflags & !RFLAGS_TF
+            };
+            f::GUEST_RFLAGS.write(v, rflags)?;
+            // Bochs 2.7 leaves a stale BS here after a TF step, and the next
+            // entry fails on it; the guest's other pending conditions stay.
+            let pending = f::GUEST_PENDING_DEBUG_EXCEPTIONS.read(v)?;
+            if pending & debug::PENDING_BS != 0 {
+                f::GUEST_PENDING_DEBUG_EXCEPTIONS.write(v, pending & !debug::PENDING_BS)?;
             }
-            None => {
+        }
+        let next = match act.reflect {
+            Some(bits) => {
                 // The CPU did not update DR6 for an intercepted #DB (SDM
                 // 27.1): do it as delivery would, then deliver.
-                let dr6 = (insn::read_dr6() & !0xf) | (qual & 0x600f) | 0xffff_0ff0;
+                let dr6 = (insn::read_dr6() & !0xf) | bits | 0xffff_0ff0;
                 insn::write_dr6(dr6);
-                self.inject(DB, None)?
+                if act.as_int1 {
+                    self.inject = Some(Event {
+                        vector: DB,
+                        kind: event::TYPE_PRIVILEGED_SOFTWARE_EXCEPTION,
+                        error_code: None,
+                        instruction_len: f::EXIT_INSTRUCTION_LEN.read(v)?,
+                    });
+                    Next::Resume
+                } else {
+                    self.inject(DB, None)?
+                }
             }
+            None => Next::Resume,
         };
         if !self.tracer.wants_debug_exits() && self.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
@@ -700,9 +758,94 @@ impl Vcpu {
         }
     }
 
-    /// Whether VMX root owns `port`: the control UART and the log port.
-    fn owns_port(port: u16) -> bool {
-        policy::CONTROL_PORTS.contains(&port) || port == policy::DEBUG_PORT
+    /// Whether VMX root keeps `port` from the guest: the control UART, the
+    /// log port and the bus-master IDE registers.
+    fn owns_port(&self, port: u16) -> bool {
+        policy::CONTROL_PORTS.contains(&port)
+            || port == policy::DEBUG_PORT
+            || self
+                .cfg
+                .dma_block
+                .as_ref()
+                .is_some_and(|d| d.ports.contains(&port))
+    }
+
+    /// A guest access to PCI configuration space (mechanism #1): the address
+    /// latch is forwarded and remembered; data reads are forwarded; data
+    /// writes are merged into the dword and filtered (`hypervisor::pci`).
+    fn pci_config(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
+        let mask = policy::floating_bus(io.size);
+        if io.port == pci::CONFIG_ADDRESS && io.size == 4 {
+            if io.input {
+                // SAFETY: the configuration address register, read for the guest.
+                let v = unsafe { insn::inl(pci::CONFIG_ADDRESS) };
+                self.regs.rax = (self.regs.rax & !0xffff_ffff) | u64::from(v);
+            } else {
+                let v = self.regs.rax as u32;
+                self.pci_address = v;
+                forward_out(pci::CONFIG_ADDRESS, 4, v);
+            }
+            return self.advance();
+        }
+        let addr = pci::ConfigAddress::decode(self.pci_address);
+        if !pci::CONFIG_DATA.contains(&io.port) || !addr.enabled {
+            // 0xCF9 (reset control) and friends, or data with cycles off:
+            // the platform's, byte by byte.
+            return self.io_bytes(io);
+        }
+        let offset = (io.port - pci::CONFIG_DATA.start()) as u8;
+        if io.input {
+            forward_out(pci::CONFIG_ADDRESS, 4, self.pci_address);
+            // SAFETY: a configuration read for the guest, at the address it set.
+            let v = unsafe {
+                match io.size {
+                    1 => u32::from(insn::inb(io.port)),
+                    2 => u32::from(insn::inw(io.port)),
+                    _ => insn::inl(io.port),
+                }
+            };
+            self.regs.rax = (self.regs.rax & !u64::from(mask)) | u64::from(v & mask);
+            return self.advance();
+        }
+        // Decide on the whole dword, but write only the bytes the guest
+        // wrote, at its size: a read-modify-write of the dword would write
+        // back neighbouring registers (write-1-to-clear status bits, chipset
+        // controls) that the guest never touched.
+        let old = pci_read(self.pci_address);
+        let new = pci::merge(old, offset, io.size, self.regs.rax as u32);
+        let shift = u32::from(offset) * 8;
+        let guest_bytes = |dword: u32| (dword >> shift) & mask;
+        let blocked = self
+            .cfg
+            .dma_block
+            .as_ref()
+            .filter(|d| d.bdf == addr.bdf)
+            .map(|d| d.bar);
+        match pci::config_write(addr.register, new, blocked) {
+            pci::ConfigWrite::Write(v) => {
+                if v != new {
+                    self.guard.pci_writes_refused += 1;
+                }
+                pci_data_write(self.pci_address, io.port, io.size, guest_bytes(v));
+            }
+            pci::ConfigWrite::Drop => self.guard.pci_writes_refused += 1,
+            pci::ConfigWrite::WriteThenCheckBar => {
+                pci_data_write(self.pci_address, io.port, io.size, guest_bytes(new));
+                let value = pci_read(self.pci_address);
+                pci_write(self.pci_address, u32::MAX);
+                let probe = pci_read(self.pci_address);
+                pci_write(self.pci_address, value);
+                let upper = (addr.register < 0x24 && (value & 7) == 4)
+                    .then(|| pci_read(self.pci_address + 4));
+                let hv =
+                    loader::layout::HV_RESERVED.as_u64()..loader::layout::HV_RESERVED_END.as_u64();
+                if pci::bar_overlaps(addr.register, value, probe, upper, &hv) {
+                    pci_write(self.pci_address, old);
+                    self.guard.pci_writes_refused += 1;
+                }
+            }
+        }
+        self.advance()
     }
 
     fn io(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
@@ -753,10 +896,38 @@ impl Vcpu {
                 return self.advance();
             }
         }
+        let dma = self.cfg.dma_block.as_ref().map(|d| d.ports.clone());
+        if dma.is_some_and(|p| policy::io_touches(io.port, io.size, &p)) {
+            if !io.input {
+                self.guard.dma_port_writes_blocked += 1;
+            }
+            if io.string {
+                if io.rep {
+                    self.regs.rcx = 0;
+                }
+                return self.advance();
+            }
+            return self.io_bytes(io);
+        }
+        let pci_ports = pci::CONFIG_ADDRESS..=*pci::CONFIG_DATA.end();
+        if !io.string && policy::io_touches(io.port, io.size, &pci_ports) {
+            if io.port == pci::CONFIG_ADDRESS || pci::CONFIG_DATA.contains(&io.port) {
+                return self.pci_config(io);
+            }
+            return self.io_bytes(io);
+        }
         if io.string {
             hvprintln!("error: string I/O on an intercepted port is not emulated: {io:?}");
             return Ok(Next::Stop(StopReason::Unhandled(30)));
         }
+        self.io_bytes(io)
+    }
+
+    /// A port access done byte by byte: root's ports float (reads all
+    /// ones, writes dropped), the others go to the platform, as a bus
+    /// would split it; a write of SLP_EN to PM1 still powers off.
+    fn io_bytes(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
+        let pm1 = self.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
         // An access that straddles root's ports and others (or a PM1 port
         // at an odd offset): byte by byte, root's bytes float, the others
         // go to the platform, as a bus would split it.
@@ -768,14 +939,14 @@ impl Vcpu {
             };
             let shift = 8 * u32::from(i);
             if io.input {
-                let byte = if Self::owns_port(p) {
+                let byte = if self.owns_port(p) {
                     0xff
                 } else {
                     // SAFETY: a port the guest owns, read on its behalf.
                     unsafe { insn::inb(p) }
                 };
                 value |= u32::from(byte) << shift;
-            } else if !Self::owns_port(p) {
+            } else if !self.owns_port(p) {
                 let byte = (out >> shift) as u8;
                 if let Some((a, b)) = pm1 {
                     let high = p == a.wrapping_add(1) || Some(p) == b.map(|b| b.wrapping_add(1));
@@ -800,6 +971,70 @@ impl Vcpu {
         }
         self.advance()
     }
+}
+
+/// Reads configuration dword `address` (a CONFIG_ADDRESS value).
+fn pci_read(address: u32) -> u32 {
+    forward_out(pci::CONFIG_ADDRESS, 4, address & !3);
+    // SAFETY: a configuration read; the address latch was just set.
+    unsafe { insn::inl(*pci::CONFIG_DATA.start()) }
+}
+
+/// Writes `size` bytes of configuration space at data port `port` under
+/// `address`, as the guest asked.
+fn pci_data_write(address: u32, port: u16, size: u8, value: u32) {
+    forward_out(pci::CONFIG_ADDRESS, 4, address & !3);
+    forward_out(port, size, value);
+}
+
+/// Writes configuration dword `address`.
+fn pci_write(address: u32, value: u32) {
+    forward_out(pci::CONFIG_ADDRESS, 4, address & !3);
+    forward_out(*pci::CONFIG_DATA.start(), 4, value);
+}
+
+/// A bus-master IDE function and its bus-master register block (BAR4).
+#[derive(Debug, Clone)]
+pub struct DmaBlock {
+    /// Bus, device, function.
+    pub bdf: (u8, u8, u8),
+    /// The configuration register of the I/O BAR (0x20).
+    pub bar: u8,
+    /// The ports it decodes.
+    pub ports: core::ops::RangeInclusive<u16>,
+}
+
+/// Finds the bus-master IDE function on bus 0 (PIIX in Bochs and QEMU's
+/// i440FX machines), before the guest runs: its bus-master registers can
+/// make the controller write any physical address, hypervisor memory
+/// included, so root keeps the guest away from them (and from moving them).
+pub fn find_bus_master_ide() -> Option<DmaBlock> {
+    for dev in 0..32u32 {
+        for func in 0..8u32 {
+            let address = (1 << 31) | (dev << 11) | (func << 8);
+            let id = pci_read(address);
+            if id & 0xffff == 0xffff {
+                if func == 0 {
+                    break;
+                }
+                continue;
+            }
+            let class = pci_read(address | 0x08) >> 8;
+            // Mass storage, IDE, bus-master capable (prog-if bit 7).
+            if class >> 8 == 0x0101 && class & 0x80 != 0 {
+                let bar = pci_read(address | 0x20);
+                if bar & 1 == 1 && bar & 0xfffc != 0 {
+                    let base = (bar & 0xfff0) as u16;
+                    return Some(DmaBlock {
+                        bdf: (0, dev as u8, func as u8),
+                        bar: 0x20,
+                        ports: base..=base + 15,
+                    });
+                }
+            }
+        }
+    }
+    None
 }
 
 /// Performs an OUT on behalf of the guest.

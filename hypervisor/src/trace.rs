@@ -115,8 +115,6 @@ const PTE_RW: u64 = 1 << 1;
 const PTE_A: u64 = 1 << 5;
 const PTE_PS: u64 = 1 << 7;
 const PTE_G: u64 = 1 << 8;
-/// Pending debug exceptions / exit qualification: single step (BS).
-const DBG_BS: u64 = 1 << 14;
 
 /// A request error for the control channel.
 pub type ReqError = (ErrorKind, String);
@@ -168,11 +166,28 @@ enum StepKind {
     Watch,
 }
 
+/// The most pages one stepped instruction may hold open at once. One x86
+/// instruction touches at most a few pages (its code, and source and
+/// destination operands, each possibly crossing a page boundary, and the
+/// descriptor and stack pages of an event it raises); past this, the step
+/// starts over rather than growing.
+const STEP_PAGES: usize = 8;
+
+/// One instruction being single-stepped with some of its pages opened.
+/// Every page the instruction touches joins the same step, so that an
+/// instruction touching two watched pages opens both rather than making
+/// the two steps alternate forever.
 struct Step {
-    page: u64,
-    kind: StepKind,
+    pages: [(u64, StepKind); STEP_PAGES],
+    open: usize,
     old_tf: bool,
     turns: u32,
+}
+
+impl Step {
+    fn pages(&self) -> &[(u64, StepKind)] {
+        &self.pages[..self.open]
+    }
 }
 
 /// What the exit handler does with a VMCALL.
@@ -187,6 +202,9 @@ pub enum Hypercall {
 pub enum Violation {
     /// A hooked page or hypervisor memory: a step was set up; resume.
     Stepping,
+    /// One more page of the instruction already being stepped was opened;
+    /// the step is armed already.
+    Widened,
     /// Nothing of the tracer's.
     NotOurs,
 }
@@ -1628,10 +1646,27 @@ impl Tracer {
     /// single step; anything else is not the tracer's.
     pub fn on_violation(&mut self, gpa: u64, write: bool, ept: &Ept) -> Violation {
         let page = gpa & !(PAGE_SIZE as u64 - 1);
-        if self.step.is_some() {
-            // A second access within the stepped instruction (a page
-            // crossing): end the first and start over with this one.
-            self.end_step(ept);
+        let widen = match self.step.as_ref() {
+            // The instruction being stepped touched another page (or the
+            // same page again for another kind of access): open it too.
+            Some(s) if s.open < STEP_PAGES => true,
+            Some(_) => {
+                // More pages than one instruction can touch: start over.
+                self.end_step(ept);
+                false
+            }
+            None => false,
+        };
+        if widen
+            && self
+                .step
+                .as_ref()
+                .is_some_and(|s| s.pages().iter().any(|&(p, _)| p == page))
+        {
+            // Already open (a write after a read on a hooked page that is
+            // now identity mapped RWX cannot fault again; a hypervisor page
+            // mapped to scratch can only if the access kind differs).
+            return Violation::Widened;
         }
         let watched = self.region.as_ref().is_some_and(|r| r.pd_page == page);
         let kind = if watched {
@@ -1669,37 +1704,53 @@ impl Tracer {
             return Violation::NotOurs;
         };
         invept(ept);
+        if widen {
+            if let Some(s) = self.step.as_mut() {
+                s.pages[s.open] = (page, kind);
+                s.open += 1;
+                self.stats.steps_widened += 1;
+                return Violation::Widened;
+            }
+        }
         self.stats.steps += 1;
+        let mut pages = [(0u64, StepKind::Watch); STEP_PAGES];
+        pages[0] = (page, kind);
         self.step = Some(Step {
-            page,
-            kind,
+            pages,
+            open: 1,
             old_tf: false,
             turns: 0,
         });
         Violation::Stepping
     }
 
-    /// Records the guest's TF before the step set it.
+    /// Records the guest's TF before the step set it. A TF left behind by
+    /// a step of ours that ended without its #DB is not the guest's.
     pub fn set_old_tf(&mut self, tf: bool) {
+        let stray = core::mem::take(&mut self.stray_tf);
         if let Some(s) = self.step.as_mut() {
-            s.old_tf = tf;
+            s.old_tf = tf && !stray;
         }
     }
 
-    /// A #DB with exit qualification `qual`: the end of our step (returns
-    /// the TF to leave in RFLAGS), a stale TF of ours (clear it), or the
-    /// guest's own (`None`: reflect it).
-    pub fn on_debug(&mut self, qual: u64, ept: &Ept) -> Option<bool> {
-        if let Some(s) = self.step.as_ref() {
-            let tf = s.old_tf;
-            self.end_step(ept);
-            return Some(tf);
-        }
-        if self.stray_tf && qual & DBG_BS != 0 {
-            self.stray_tf = false;
-            return Some(false);
-        }
-        None
+    /// For a #DB: whether a step is in flight, the guest's own TF when it
+    /// began, and whether a TF of ours may be left in RFLAGS.
+    pub fn debug_state(&self) -> (bool, bool, bool) {
+        (
+            self.step.is_some(),
+            self.step.as_ref().is_some_and(|s| s.old_tf),
+            self.stray_tf,
+        )
+    }
+
+    /// Ends the step in flight (its #DB arrived).
+    pub fn finish_step(&mut self, ept: &Ept) {
+        self.end_step(ept);
+    }
+
+    /// Root's leftover TF has trapped and is cleared.
+    pub fn clear_stray_tf(&mut self) {
+        self.stray_tf = false;
     }
 
     /// Whether #DB must stay intercepted.
@@ -1711,33 +1762,41 @@ impl Tracer {
         let Some(s) = self.step.take() else {
             return;
         };
-        match s.kind {
+        for &(page, kind) in s.pages() {
+            self.close_page(page, kind, ept);
+        }
+        invept(ept);
+    }
+
+    /// Puts one page of a finished step back to its watched mapping.
+    fn close_page(&mut self, page: u64, kind: StepKind, ept: &Ept) {
+        match kind {
             StepKind::Hooked { write } => {
-                if let Some(h) = self.pages.get_mut(&s.page) {
+                if let Some(h) = self.pages.get_mut(&page) {
                     if write {
                         self.stats.guest_writes += 1;
-                        if let Some(orig) = page_bytes(s.page) {
+                        if let Some(orig) = page_bytes(page) {
                             // SAFETY: the shadow frame belongs to this page alone.
                             let shadow = unsafe { phys::frame_bytes_mut(h.shadow) };
                             site::resync(shadow, &orig, &mut h.patches);
                         }
                     }
-                    remap(ept, s.page, h.shadow, ept::EXEC);
+                    remap(ept, page, h.shadow, ept::EXEC);
                 } else {
                     // Unhooked meanwhile: the identity mapping stays.
                 }
             }
             StepKind::Watch => {
                 self.check_pde();
-                remap(ept, s.page, Hpa(s.page), ept::READ | ept::EXEC);
+                remap(ept, page, Hpa(page), ept::READ | ept::EXEC);
             }
             StepKind::Discard { restore } => {
                 if restore & ept::RWX == 0 {
-                    let _ = ept.unmap(&mut PoolTables, Gpa(s.page), Gpa(s.page + PAGE_SIZE as u64));
+                    let _ = ept.unmap(&mut PoolTables, Gpa(page), Gpa(page + PAGE_SIZE as u64));
                 } else {
                     let _ = ept.map_page(
                         &mut PoolTables,
-                        Gpa(s.page),
+                        Gpa(page),
                         Hpa(restore & paging::ADDR_MASK),
                         restore & ept::RWX,
                         MemType::WriteBack,
@@ -1745,7 +1804,6 @@ impl Tracer {
                 }
             }
         }
-        invept(ept);
     }
 }
 

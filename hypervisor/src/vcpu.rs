@@ -10,6 +10,7 @@ use core::fmt;
 use hypervisor::acpi::Fadt;
 use hypervisor::addr::Gpa;
 use hypervisor::ept::{self, Ept, EptError, MemType};
+use hypervisor::pci;
 use hypervisor::policy;
 use hypervisor::vmx::caps::{self, EptVpidCap, MissingControls, VmxBasic};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
@@ -223,6 +224,8 @@ pub struct VmConfig {
     pub has_timer: bool,
     /// IA32_VMX_MISC[4:0]: the timer counts TSC >> this.
     pub timer_shift: u32,
+    /// The bus-master IDE registers root keeps the guest away from.
+    pub dma_block: Option<crate::exits::DmaBlock>,
 }
 
 fn controls(
@@ -351,8 +354,20 @@ pub fn setup(
     let has_timer = pin & PinbasedControls::VMX_PREEMPTION_TIMER.bits() != 0;
     let timer_shift = (msr(IA32_VMX_MISC) & 0x1f) as u32;
 
-    // I/O bitmaps: the control UART, and the ACPI PM1 control ports so that
-    // the guest's power-off is seen.
+    // I/O bitmaps: the control UART, the log port, PCI configuration, the
+    // bus-master IDE registers, and the ACPI PM1 control ports so that the
+    // guest's power-off is seen.
+    let dma_block = crate::exits::find_bus_master_ide();
+    if let Some(d) = &dma_block {
+        log::info!(
+            "bus-master IDE at {:02x}:{:02x}.{}: ports {:#x}..={:#x} kept from the guest",
+            d.bdf.0,
+            d.bdf.1,
+            d.bdf.2,
+            d.ports.start(),
+            d.ports.end()
+        );
+    }
     let (io_a, io_b) = (
         frames::alloc().ok_or(VmxError::OutOfMemory)?,
         frames::alloc().ok_or(VmxError::OutOfMemory)?,
@@ -362,6 +377,10 @@ pub fn setup(
         let (a, b2) = unsafe { (phys::frame_bytes_mut(io_a), phys::frame_bytes_mut(io_b)) };
         policy::io_bitmap_set(a, b2, policy::CONTROL_PORTS);
         policy::io_bitmap_set(a, b2, policy::DEBUG_PORT..=policy::DEBUG_PORT);
+        policy::io_bitmap_set(a, b2, pci::CONFIG_ADDRESS..=*pci::CONFIG_DATA.end());
+        if let Some(d) = &dma_block {
+            policy::io_bitmap_set(a, b2, d.ports.clone());
+        }
         if let Some(fd) = fadt {
             policy::io_bitmap_set(a, b2, fd.pm1a_cnt..=fd.pm1a_cnt + 1);
             if let Some(p) = fd.pm1b_cnt {
@@ -506,5 +525,6 @@ pub fn setup(
         ept,
         has_timer,
         timer_shift,
+        dma_block,
     })
 }

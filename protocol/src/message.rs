@@ -352,6 +352,11 @@ pub struct GuardReport {
     /// Guest moves of the local APIC's window into hypervisor memory,
     /// refused with #GP.
     pub apic_moves_refused: u64,
+    /// PCI configuration writes refused or changed: bus mastering, a
+    /// memory window over hypervisor memory, the protected IDE I/O BAR.
+    pub pci_writes_refused: u64,
+    /// Guest writes to the bus-master IDE registers, dropped.
+    pub dma_port_writes_blocked: u64,
 }
 
 /// The tracer's counters, in a [`StatusReport`].
@@ -371,6 +376,9 @@ pub struct TracerReport {
     pub lost: u64,
     /// Guest reads and writes of hooked pages that were single-stepped.
     pub steps: u64,
+    /// Further pages opened within one stepped instruction (an instruction
+    /// touching two watched pages).
+    pub steps_widened: u64,
     /// Guest writes to hooked pages (shadow re-synced after each).
     pub guest_writes: u64,
     /// Times the trampoline region's page-table entry had to be restored.

@@ -62,6 +62,7 @@ fn status() -> StatusReport {
             hits: u64::MAX,
             lost: 7,
             steps: 8,
+            steps_widened: 1,
             guest_writes: 9,
             region_restores: 1,
             foreign_vmcalls: 2,
@@ -87,6 +88,8 @@ fn status() -> StatusReport {
             xsetbv_refused: 1,
             cr_writes_refused: 2,
             apic_moves_refused: 1,
+            pci_writes_refused: 2,
+            dma_port_writes_blocked: 3,
         },
     }
 }

@@ -15,14 +15,119 @@
 //!   for the real reason.
 //! - **The LAPIC window moved into hypervisor memory** (IA32_APIC_BASE =
 //!   31 MiB) gets #GP and the base stays where it was.
+//! - **DMA**: bus mastering of the IDE controller stays off, its
+//!   bus-master register block cannot be moved, and its PRD table register
+//!   (which would point the controller's DMA anywhere) is out of reach.
 //! - **Control-register values that would fail VM entry** (NW without CD)
 //!   get #GP in the guest; **XSETBV** values that break the XCR0 rules get
 //!   #GP; **GETSEC** gets #UD; **port accesses straddling the control
 //!   UART** float where they touch it. Before, each of these stopped the VM.
 //!
+//! - **A guest hardware breakpoint on a hooked page**: it fires for a read
+//!   that root single-steps (root swallows only its own single-step).
+//! - **Two hooked pages in one instruction**: a read across the boundary of
+//!   two pages that both hold hooked functions completes (one step opens
+//!   both pages) instead of alternating between them forever.
+//!
 //! Run: `cargo test -p hvtrace-tests --test hardening -- --nocapture`
 
-use hvtrace_tests::{guest_exec as exec, hv_status as status, vm_lock, Checks, Detached};
+use std::time::{Duration, Instant};
+
+use hvtrace_tests::{
+    guest_exec as exec, hv_call as call, hv_status as status, vm_lock, Checks, Detached,
+};
+use protocol::{Request, Response, SymbolInfo};
+
+/// The first two traceable functions, in address order, whose fentry
+/// sites lie on adjacent pages (the symbol index is in address order, so
+/// this reads only as many pages of `syms` answers as it needs).
+fn adjacent_traceable(c: &mut hvtrace::client::Client) -> Option<(SymbolInfo, SymbolInfo)> {
+    let mut cursor = 0;
+    let mut last: Option<SymbolInfo> = None;
+    for _ in 0..200 {
+        let req = Request::Syms {
+            glob: "*".into(),
+            kinds: "tT".into(),
+            cursor,
+            limit: 1000,
+        };
+        let Response::Syms { next, symbols, .. } = call(c, req) else {
+            return None;
+        };
+        for s in symbols.into_iter().filter(|s| s.site.is_some()) {
+            if let Some(prev) = last.take() {
+                let (p, q) = (prev.site.unwrap_or(0) >> 12, s.site.unwrap_or(0) >> 12);
+                if q == p + 1 && s.site.unwrap_or(0) & 0xfff >= 16 {
+                    return Some((prev, s));
+                }
+            }
+            last = Some(s);
+        }
+        cursor = next?;
+    }
+    None
+}
+
+/// One instruction that reads across the boundary between two hooked code
+/// pages: before, each page's step closed the other and the two steps
+/// alternated forever (the guest hung in the read); now the step opens
+/// both. Two probes on functions whose fentry sites lie on adjacent pages,
+/// then the attacker reads 9 bytes starting 4 bytes before the boundary.
+fn two_hooked_pages(ck: &mut Checks, c: &mut hvtrace::client::Client) {
+    let page = |s: &SymbolInfo| s.site.unwrap_or(0) >> 12;
+    let Some((a, b)) = adjacent_traceable(c) else {
+        ck.check(false, "no two traceable functions on adjacent pages");
+        return;
+    };
+    for (name, s) in [("pg_a", &a), ("pg_b", &b)] {
+        match call(
+            c,
+            Request::ProbeAdd {
+                spec: format!("p:{name} {}", s.name),
+            },
+        ) {
+            Response::ProbeAdded { .. } => {}
+            other => ck.check(false, format!("probe on {}: {other:?}", s.name)),
+        }
+    }
+    let boundary = page(&b) << 12;
+    let before = status(c).tracer;
+    let t0 = Instant::now();
+    let reply = c.call(
+        Request::Exec {
+            command: format!(
+                "dmesg -c >/dev/null; insmod /lib/hvattack.ko func={:#x} 2>/dev/null; dmesg | grep 'hvattack: read' | head -n 1",
+                boundary - 4
+            ),
+        },
+        Duration::from_secs(120),
+    );
+    let took = t0.elapsed();
+    println!(
+        "two pages {} | {} at {boundary:#x}: {reply:?} in {took:?}",
+        a.name, b.name
+    );
+    match reply.map(|r| r.response) {
+        Ok(Response::Exec { output, .. }) => {
+            ck.check(
+                output.contains(&format!("hvattack: read {:x}: ", boundary - 4)),
+                format!("the read across two hooked pages completed: {output:?}"),
+            );
+        }
+        other => ck.check(
+            false,
+            format!("the read across two hooked pages hung: {other:?}"),
+        ),
+    }
+    let after = status(c).tracer;
+    ck.check(
+        after.steps_widened > before.steps_widened,
+        format!("one step opened both pages: {before:?} -> {after:?}"),
+    );
+    for name in ["pg_a", "pg_b"] {
+        let _ = call(c, Request::ProbeDel { name: name.into() });
+    }
+}
 
 /// The guest's NMI count (the `NMI:` line of /proc/interrupts).
 fn guest_nmis(c: &mut hvtrace::client::Client) -> u64 {
@@ -123,9 +228,53 @@ fn forge_debug_port(ck: &mut Checks, c: &mut hvtrace::client::Client) {
     alive(ck, c, "forged log lines");
 }
 
+/// A guest hardware breakpoint on a hooked function's first byte, hit by a
+/// read that root single-steps (the page is hooked): the guest's #DB must
+/// reach it, with root's own single-step swallowed.
+fn guest_breakpoint_on_hooked_page(ck: &mut Checks, c: &mut hvtrace::client::Client) {
+    let func = "do_sys_openat2";
+    match call(
+        c,
+        Request::ProbeAdd {
+            spec: format!("p:hwbp {func}"),
+        },
+    ) {
+        Response::ProbeAdded { .. } => {}
+        other => {
+            ck.check(false, format!("probe for the breakpoint test: {other:?}"));
+            return;
+        }
+    }
+    let line = exec(c, &format!("grep ' {func}$' /proc/kallsyms"));
+    let addr = line.split_whitespace().next().unwrap_or("0").to_string();
+    let steps = status(c).tracer.steps;
+    let log = attack(c, &format!("func=0x{addr} hwbp=1"));
+    println!("breakpoint:\n{log}");
+    ck.check(
+        log.contains(&format!(
+            "hvattack: hw breakpoint on {addr}: 1 hits (read ok)"
+        )),
+        format!("the guest's breakpoint fired once per read of the hooked page: {log:?}"),
+    );
+    ck.check(
+        status(c).tracer.steps > steps,
+        "the read of the hooked page was single-stepped by root",
+    );
+    let _ = call(
+        c,
+        Request::ProbeDel {
+            name: "hwbp".into(),
+        },
+    );
+    alive(ck, c, "a guest breakpoint on a hooked page");
+}
+
 fn bad_instructions(ck: &mut Checks, c: &mut hvtrace::client::Client) {
     let before = status(c).guard;
-    let log = attack(c, "cr0_nw=1 bad_xsetbv=1 getsec=1 straddle=1 apic_base=1");
+    let log = attack(
+        c,
+        "cr0_nw=1 bad_xsetbv=1 getsec=1 straddle=1 apic_base=1 pci_dma=1",
+    );
     println!("instructions:\n{log}");
     ck.check(
         log.contains("hvattack: cr0 NW without CD raised #GP"),
@@ -155,7 +304,27 @@ fn bad_instructions(ck: &mut Checks, c: &mut hvtrace::client::Client) {
         log.contains("-> 1f00900 raised #GP (read back fee00900)"),
         format!("moving the LAPIC window into hypervisor memory gets #GP: {log:?}"),
     );
+    ck.check(
+        log.contains("bus master refused") && !log.contains("bus master enabled"),
+        format!("the IDE controller's bus mastering stays off: {log:?}"),
+    );
+    ck.check(
+        log.contains("-> d001: refused") && !log.contains("-> d001: moved"),
+        format!("the bus-master BAR stays put: {log:?}"),
+    );
+    ck.check(
+        log.contains("ide prd table register reads ffffffff"),
+        format!("the PRD table register is out of the guest's reach: {log:?}"),
+    );
     let after = status(c).guard;
+    ck.check(
+        after.pci_writes_refused >= before.pci_writes_refused + 2,
+        format!("refused PCI writes counted: {after:?}"),
+    );
+    ck.check(
+        after.dma_port_writes_blocked > before.dma_port_writes_blocked,
+        "blocked bus-master register writes counted",
+    );
     ck.check(
         after.apic_moves_refused > before.apic_moves_refused,
         "the refused LAPIC move is counted",
@@ -189,7 +358,10 @@ fn hostile_guest_fast_lane() {
     let mut ck = Checks::new();
     bad_instructions(&mut ck, &mut c);
     forge_debug_port(&mut ck, &mut c);
+    guest_breakpoint_on_hooked_page(&mut ck, &mut c);
     nmi_storm(&mut ck, &vm, &mut c);
+    two_hooked_pages(&mut ck, &mut c);
+    alive(&mut ck, &mut c, "the read across two hooked pages");
     let (rc, out, err) = vm.cli(&["stop"]);
     ck.eq("stop succeeds", rc, 0);
     let text = format!("{out}{err}");

@@ -2,6 +2,7 @@
 //! The instructions that act on them live in the binary's `arch` module.
 
 pub mod caps;
+pub mod debug;
 pub mod event;
 pub mod exit;
 pub mod fields;
