@@ -15,6 +15,7 @@ use crate::uart::Uart;
 use alloc::collections::VecDeque;
 use alloc::string::String;
 use alloc::vec::Vec;
+use hypervisor::outq::{Lane, OutQueue};
 use protocol::{
     Body, ChannelReport, DecodeError, ErrorKind, Event, ExitCount, Frame, FrameDecoder, GuestState,
     Request, Response, StatusReport,
@@ -71,7 +72,10 @@ struct Parked {
 pub struct Control {
     uart: Uart,
     decoder: FrameDecoder,
-    tx: VecDeque<u8>,
+    /// Output, whole frames: answers go ahead of the trace stream's events,
+    /// so that a request is answered within one event frame of UART time
+    /// however much trace output is queued.
+    tx: OutQueue,
     pub stats: ChannelReport,
     /// Bytes arrived on the last turn: more are likely (Bochs hands the
     /// UART one byte at a time), so take the next turns sooner even before a
@@ -91,7 +95,7 @@ impl Control {
         Some(Self {
             uart: Uart::init(base)?,
             decoder: FrameDecoder::new(),
-            tx: VecDeque::new(),
+            tx: OutQueue::default(),
             stats: ChannelReport::default(),
             rx_recent: false,
             event_seq: 0,
@@ -163,37 +167,37 @@ impl Control {
 
     /// Pushes queued output into the UART's FIFO.
     pub fn flush(&mut self) {
-        while !self.tx.is_empty() {
-            let (a, _) = self.tx.as_slices();
-            let n = self.uart.write_some(a);
-            if n == 0 {
-                break;
-            }
-            self.stats.bytes_out += n as u64;
-            self.tx.drain(..n);
-        }
+        let uart = &mut self.uart;
+        self.stats.bytes_out += self.tx.write_to(|b| uart.write_some(b)) as u64;
     }
 
-    /// Room left in the output queue, in bytes.
+    /// Room left for events in the output queue, in bytes.
     pub fn tx_room(&self) -> usize {
-        TX_LIMIT.saturating_sub(self.tx.len())
+        TX_LIMIT.saturating_sub(self.tx.queued(Lane::Events))
     }
 
     /// Queues an unsolicited event (dropped and counted when it does not fit).
     pub fn send_event(&mut self, event: Event) {
         let seq = self.event_seq;
         self.event_seq = self.event_seq.wrapping_add(1);
-        self.send(&Frame::event(seq, event));
+        self.send_on(Lane::Events, &Frame::event(seq, event));
     }
 
     fn send(&mut self, frame: &Frame) {
+        self.send_on(Lane::Answers, frame);
+    }
+
+    fn send_on(&mut self, lane: Lane, frame: &Frame) {
         let mut out = Vec::new();
-        if protocol::encode(frame, &mut out).is_err() || self.tx.len() + out.len() > TX_LIMIT {
+        if protocol::encode(frame, &mut out).is_err()
+            || self.tx.queued(lane) + out.len() > TX_LIMIT
+            || self.tx.try_reserve(lane).is_err()
+        {
             self.stats.dropped += 1;
             return;
         }
         self.stats.frames_out += 1;
-        self.tx.extend(out);
+        self.tx.push(lane, out);
     }
 
     fn reject(&mut self, e: DecodeError) {

@@ -17,6 +17,7 @@ pub mod guest_phys;
 pub mod host_paging;
 pub mod kprobe;
 pub mod mono;
+pub mod outq;
 pub mod pci;
 pub mod policy;
 pub mod selftest;

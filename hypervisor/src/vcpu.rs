@@ -312,7 +312,11 @@ pub fn setup(
     )?;
     let exit = controls(
         "VM-exit",
+        // DR7 is set to 0x400 at every VM exit (SDM 28.5.1): without saving
+        // it and loading it back, every exit would wipe the guest's own
+        // hardware breakpoints.
         (ExitControls::HOST_ADDRESS_SPACE_SIZE
+            | ExitControls::SAVE_DEBUG_CONTROLS
             | ExitControls::SAVE_IA32_EFER
             | ExitControls::LOAD_IA32_EFER)
             .bits(),
@@ -325,7 +329,10 @@ pub fn setup(
     )?;
     let entry_ctl = controls(
         "VM-entry",
-        (EntryControls::IA32E_MODE_GUEST | EntryControls::LOAD_IA32_EFER).bits(),
+        (EntryControls::IA32E_MODE_GUEST
+            | EntryControls::LOAD_DEBUG_CONTROLS
+            | EntryControls::LOAD_IA32_EFER)
+            .bits(),
         EntryControls::LOAD_IA32_PAT.bits(),
         if t {
             IA32_VMX_TRUE_ENTRY_CTLS
