@@ -59,3 +59,44 @@ pub fn build() -> Result<PathBuf> {
     }
     Ok(image)
 }
+
+/// Builds the hypervisor image with the dev profile (debug assertions and
+/// integer-overflow checks on, as the tests want at least one VM run
+/// with them) into `target_dir`, and returns its path.
+pub fn build_debug(target_dir: &Path) -> Result<PathBuf> {
+    let root = repo_root();
+    let args = [
+        "build",
+        "-p",
+        "hypervisor",
+        "--target",
+        TARGET,
+        "--features",
+        "bare-metal",
+    ];
+    eprintln!(
+        "hvtrace: building the debug hypervisor: cargo {} (target dir {})",
+        args.join(" "),
+        target_dir.display()
+    );
+    let status = Command::new("cargo")
+        .args(args)
+        .env("CARGO_TARGET_DIR", target_dir)
+        .current_dir(&root)
+        .stdin(Stdio::null())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::inherit())
+        .status()
+        .context("cannot run cargo to build the debug hypervisor")?;
+    if !status.success() {
+        bail!("building the debug hypervisor failed ({status}); see cargo's messages above");
+    }
+    let image = target_dir.join(TARGET).join("debug").join("hypervisor");
+    if !image.is_file() {
+        bail!(
+            "cargo built the debug hypervisor but {} does not exist",
+            image.display()
+        );
+    }
+    Ok(image)
+}

@@ -28,9 +28,12 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The least time allowed for a request that hooks or unhooks fentry sites
 /// (probes, the function tracer, function-graph sessions): VMX root patches
-/// and flushes every site before it answers, which for thousands of sites
-/// in an emulator on a loaded host takes longer than other answers.
-pub const HOOK_TIMEOUT: Duration = Duration::from_secs(25);
+/// and flushes every site before it answers. Hooking all 37,657 traceable
+/// functions of Debian's 6.1 kernel takes 10 to 11 s of wall time in Bochs
+/// on an idle host (measured); this leaves four times that, and
+/// [`Pace`] stretches it further when the emulator runs slower than its
+/// best.
+pub const HOOK_TIMEOUT: Duration = Duration::from_secs(45);
 
 /// How long the hypervisor may take to answer `request` on a link whose
 /// own limit is `base`.
@@ -43,6 +46,60 @@ pub fn timeout_for(request: &Request, base: Duration) -> Duration {
         | Request::GraphStart(_)
         | Request::GraphStop { .. } => base.max(HOOK_TIMEOUT),
         _ => base,
+    }
+}
+
+/// The emulator's pace: emulated nanoseconds (the hypervisor's uptime in
+/// its status reports) per wall nanosecond, measured between status
+/// reports at least [`Pace::MIN_SPAN`] apart. A host that is loaded, or
+/// an emulator that shares it with another, runs slower than the best pace
+/// seen; the link's deadlines stretch by the same factor (up to
+/// [`Pace::MAX_STRETCH`]), so that a slow host gives slow answers rather
+/// than false timeouts. Before two reports exist the deadlines are as given.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Pace {
+    last: Option<(Instant, u64)>,
+    /// The latest measured pace.
+    current: Option<f64>,
+    /// The best pace measured on this link.
+    best: Option<f64>,
+}
+
+impl Pace {
+    /// Shortest span between two samples that counts as a measurement.
+    pub const MIN_SPAN: Duration = Duration::from_secs(1);
+    /// Most a deadline is stretched.
+    pub const MAX_STRETCH: f64 = 8.0;
+
+    /// Notes a status report's uptime, received at `at`.
+    pub fn sample(&mut self, at: Instant, uptime_ns: u64) {
+        match self.last {
+            Some((t0, u0)) if uptime_ns >= u0 => {
+                let wall = at.saturating_duration_since(t0);
+                if wall < Self::MIN_SPAN {
+                    return;
+                }
+                let pace = (uptime_ns - u0) as f64 / wall.as_nanos() as f64;
+                if pace > 0.0 {
+                    self.current = Some(pace);
+                    self.best = Some(self.best.map_or(pace, |b| b.max(pace)));
+                }
+                self.last = Some((at, uptime_ns));
+            }
+            // The first sample, or a new hypervisor (its uptime restarted).
+            _ => self.last = Some((at, uptime_ns)),
+        }
+    }
+
+    /// `limit`, stretched by how much slower than its best the emulator
+    /// runs now.
+    pub fn stretch(&self, limit: Duration) -> Duration {
+        match (self.current, self.best) {
+            (Some(now), Some(best)) if now > 0.0 => {
+                limit.mul_f64((best / now).clamp(1.0, Self::MAX_STRETCH))
+            }
+            _ => limit,
+        }
     }
 }
 
@@ -143,6 +200,8 @@ struct Inner {
 /// The host end of the control channel.
 pub struct HvLink {
     inner: Mutex<Inner>,
+    /// The emulator's measured pace, for the deadlines.
+    pace: Mutex<Pace>,
     stats: Arc<Mutex<LinkStats>>,
     /// Set by the reader thread when the stream ends.
     eof: Arc<Mutex<Option<String>>>,
@@ -187,6 +246,7 @@ impl HvLink {
         let eof = Arc::new(Mutex::new(None));
         let reader = spawn_reader(reader, tx, sink, stats.clone(), eof.clone());
         HvLink {
+            pace: Mutex::new(Pace::default()),
             inner: Mutex::new(Inner {
                 writer: Box::new(writer),
                 rx,
@@ -208,7 +268,7 @@ impl HvLink {
         self.drain_stale(&mut inner)?;
         let seq = inner.seq.next_seq();
         inner.buf.clear();
-        let limit = timeout_for(&request, self.timeout);
+        let limit = self.stretched(timeout_for(&request, self.timeout));
         let frame = Frame::request(seq, request);
         if let Err(e) = encode(&frame, &mut inner.buf) {
             return Err(LinkError::Closed(format!("cannot encode the request: {e}")));
@@ -233,7 +293,8 @@ impl HvLink {
         self.drain_stale(&mut inner)?;
         self.write(&mut inner, wire)?;
         self.bump(|s| s.forwarded += 1);
-        self.wait(&mut inner, seq, self.timeout)
+        let limit = self.stretched(self.timeout);
+        self.wait(&mut inner, seq, limit)
     }
 
     /// Writes bytes that are not a frame as they are; nothing answers them.
@@ -300,12 +361,26 @@ impl HvLink {
     }
 
     /// Waits for the response with sequence number `seq`.
+    /// `limit` stretched by the emulator's measured pace.
+    fn stretched(&self, limit: Duration) -> Duration {
+        self.pace
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stretch(limit)
+    }
+
     fn wait(&self, inner: &mut Inner, seq: u32, limit: Duration) -> Result<Frame, LinkError> {
         let deadline = Instant::now() + limit;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match inner.rx.recv_timeout(left) {
                 Ok(FromHv::Frame(frame)) => {
+                    if let Body::Response(Response::Status(report)) = &frame.body {
+                        self.pace
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .sample(Instant::now(), report.uptime_ns);
+                    }
                     if frame.seq == seq && matches!(frame.body, Body::Response(_)) {
                         return Ok(*frame);
                     }
@@ -688,5 +763,31 @@ mod tests {
         assert_eq!(s.next_seq(), u32::MAX);
         assert_eq!(s.next_seq(), 0);
         assert_eq!(s.next_seq(), 1);
+    }
+
+    #[test]
+    fn deadlines_stretch_when_the_emulator_slows_down() {
+        let t0 = Instant::now();
+        let mut p = Pace::default();
+        let limit = Duration::from_secs(25);
+        assert_eq!(p.stretch(limit), limit);
+        // 2 s of emulated time per wall second, then half that.
+        p.sample(t0, 0);
+        p.sample(t0 + Duration::from_secs(2), 4_000_000_000);
+        assert_eq!(p.stretch(limit), limit);
+        p.sample(t0 + Duration::from_secs(4), 6_000_000_000);
+        assert_eq!(p.stretch(limit), limit * 2);
+        // Samples closer than MIN_SPAN are not measurements.
+        p.sample(t0 + Duration::from_millis(4100), 6_000_000_001);
+        assert_eq!(p.stretch(limit), limit * 2);
+        // Back at full speed: back to the plain limit.
+        p.sample(t0 + Duration::from_secs(6), 10_000_000_000);
+        assert_eq!(p.stretch(limit), limit);
+        // A crawl is capped.
+        p.sample(t0 + Duration::from_secs(106), 10_000_000_001);
+        assert_eq!(p.stretch(limit), limit.mul_f64(Pace::MAX_STRETCH));
+        // A new hypervisor (uptime restarts) starts a new span.
+        p.sample(t0 + Duration::from_secs(107), 5);
+        assert_eq!(p.stretch(limit), limit.mul_f64(Pace::MAX_STRETCH));
     }
 }

@@ -646,6 +646,12 @@ impl Vcpu {
         Ok(next)
     }
 
+    /// A control-register value the CPU would refuse: #GP(0), counted.
+    fn refuse_cr(&mut self) -> Result<Next, VmcsError> {
+        self.guard.cr_writes_refused += 1;
+        self.inject(GP, Some(0))
+    }
+
     fn cr_access(&mut self, access: CrAccess) -> Result<Next, VmcsError> {
         let v = &mut Vmcs;
         let (f0, f1) = self.cfg.fixed.cr0;
@@ -677,10 +683,7 @@ impl Vcpu {
                                 }
                                 self.advance()
                             }
-                            CrWrite::Fault => {
-                                self.guard.cr_writes_refused += 1;
-                                self.inject(GP, Some(0))
-                            }
+                            CrWrite::Fault => self.refuse_cr(),
                         }
                     }
                     4 => {
@@ -692,10 +695,7 @@ impl Vcpu {
                                 f::CR4_READ_SHADOW.write(v, shadow)?;
                                 self.advance()
                             }
-                            CrWrite::Fault => {
-                                self.guard.cr_writes_refused += 1;
-                                self.inject(GP, Some(0))
-                            }
+                            CrWrite::Fault => self.refuse_cr(),
                         }
                     }
                     3 => {
@@ -749,10 +749,7 @@ impl Vcpu {
                         f::CR0_READ_SHADOW.write(v, shadow)?;
                         self.advance()
                     }
-                    CrWrite::Fault => {
-                        self.guard.cr_writes_refused += 1;
-                        self.inject(GP, Some(0))
-                    }
+                    CrWrite::Fault => self.refuse_cr(),
                 }
             }
         }

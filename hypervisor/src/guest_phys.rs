@@ -23,9 +23,16 @@ pub trait RawMemory {
     fn write(&self, addr: u64, bytes: &[u8]) -> bool;
 }
 
+/// Most RAM ranges kept (an e820 holds at most 128 entries).
+const MAX_RANGES: usize = 128;
+
 /// Guest RAM, checked.
 pub struct GuestPhys<R> {
-    ram: E820Map,
+    /// The RAM entries of the map, sorted and merged, as `[start, end)`:
+    /// the check on every access (each page-table entry of every walk) is
+    /// a short scan of a few ranges.
+    ranges: [(u64, u64); MAX_RANGES],
+    count: usize,
     /// A range that is never guest RAM whatever the map says (hypervisor
     /// memory); checked as well, so a bad map cannot open it.
     reserved: core::ops::Range<u64>,
@@ -36,13 +43,40 @@ impl<R: RawMemory> GuestPhys<R> {
     /// Guest RAM is the RAM entries of `ram` (the guest's e820), minus
     /// `reserved`.
     pub fn new(ram: E820Map, reserved: core::ops::Range<u64>, raw: R) -> Self {
-        Self { ram, reserved, raw }
+        let mut ranges = [(0u64, 0u64); MAX_RANGES];
+        let mut count = 0;
+        let mut list: [(u64, u64); MAX_RANGES] = [(0, 0); MAX_RANGES];
+        let mut n = 0;
+        for e in ram.iter().filter(|e| e.is_ram() && e.size != 0) {
+            if n < MAX_RANGES {
+                list[n] = (e.addr, e.addr.saturating_add(e.size));
+                n += 1;
+            }
+        }
+        let list = &mut list[..n];
+        list.sort_unstable();
+        for &(start, end) in list.iter() {
+            match ranges[..count].last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => {
+                    ranges[count] = (start, end);
+                    count += 1;
+                }
+            }
+        }
+        Self {
+            ranges,
+            count,
+            reserved,
+            raw,
+        }
     }
 
     /// A door that refuses every access (before guest RAM is known).
     pub const fn refusing_all(raw: R) -> Self {
         Self {
-            ram: E820Map::new(),
+            ranges: [(0, 0); MAX_RANGES],
+            count: 0,
             reserved: 0..u64::MAX,
             raw,
         }
@@ -54,8 +88,13 @@ impl<R: RawMemory> GuestPhys<R> {
         let Some(end) = gpa.checked_add(len) else {
             return false;
         };
-        let touches_reserved = gpa < self.reserved.end && end.max(gpa + 1) > self.reserved.start;
-        !touches_reserved && self.ram.is_ram(gpa, len.max(1))
+        let end = end.max(gpa.saturating_add(1));
+        let touches_reserved = gpa < self.reserved.end && end > self.reserved.start;
+        // Merged ranges: the whole access lies in one of them, or it is not RAM.
+        !touches_reserved
+            && self.ranges[..self.count]
+                .iter()
+                .any(|&(start, stop)| start <= gpa && end <= stop)
     }
 
     fn check(&self, gpa: u64, len: usize) -> Result<(), MemError> {

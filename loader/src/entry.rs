@@ -8,12 +8,15 @@
 //!
 //! The stub builds an identity map of the first 4 GiB with 2 MiB pages, enters
 //! long mode and calls `hv_entry64(magic, mbi)`, which the hypervisor binary
-//! defines, on a 64 KiB stack with a guard page under it ([`stack_guard`]).
+//! defines, on a 512 KiB stack with a guard page under it ([`stack_guard`]).
 //! This file and `hypervisor/src/arch/instructions.rs` are the only places
 //! in the project with assembly.
 
-/// Size of root's stack (the boot stub's, which root keeps).
-pub const STACK_SIZE: u64 = 64 * 1024;
+/// Size of root's stack (the boot stub's, which root keeps). The release
+/// build needs far less, but a debug build (no inlining, the recovery state
+/// machine's large futures) overflowed 64 KiB into the guard page during
+/// introspection.
+pub const STACK_SIZE: u64 = 512 * 1024;
 
 extern "C" {
     static hv_boot_stack_guard: u8;

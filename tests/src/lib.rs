@@ -205,6 +205,11 @@ impl Detached {
 
     /// [`Detached::start`] with more `hvtrace run` arguments (`--initrd F`).
     pub fn start_with(guest: &str, tag: &str, extra: &[&str]) -> Detached {
+        Self::start_image(guest, tag, &hypervisor_image(), extra)
+    }
+
+    /// [`Detached::start_with`] with another hypervisor image.
+    pub fn start_image(guest: &str, tag: &str, image: &Path, extra: &[&str]) -> Detached {
         let socket =
             std::env::temp_dir().join(format!("hvtrace-{tag}-{guest}-{}.sock", std::process::id()));
         let out = Command::new(hvtrace_bin())
@@ -222,7 +227,7 @@ impl Detached {
             .arg("--socket")
             .arg(&socket)
             .arg("--hypervisor")
-            .arg(hypervisor_image())
+            .arg(image)
             .args(extra)
             .stdin(Stdio::null())
             .output()

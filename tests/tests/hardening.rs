@@ -356,6 +356,15 @@ fn hostile_guest_fast_lane() {
     );
     let mut c = vm.client();
     let mut ck = Checks::new();
+    // Recovery ran (status needs it) and moved the kernel walks onto the
+    // kernel's own top-level table, cross-checked against the CR3 it came
+    // through; a task's CR3 would be freed when the task exits.
+    ck.check(status(&mut c).kernel.is_some(), "the kernel was recovered");
+    ck.check(
+        vm.emulator_output()
+            .contains("kernel walks use init_top_pgt at guest-physical"),
+        "kernel walks use init_top_pgt",
+    );
     bad_instructions(&mut ck, &mut c);
     forge_debug_port(&mut ck, &mut c);
     guest_breakpoint_on_hooked_page(&mut ck, &mut c);
