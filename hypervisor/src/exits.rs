@@ -845,6 +845,12 @@ impl Vcpu {
         self.advance()
     }
 
+    /// Whether any byte of the access is a port root keeps (`owns_port`).
+    fn touches_owned(&self, io: IoAccess) -> bool {
+        (0..u16::from(io.size.max(1)))
+            .any(|i| io.port.checked_add(i).is_some_and(|p| self.owns_port(p)))
+    }
+
     fn io(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
         let debug = policy::DEBUG_PORT..=policy::DEBUG_PORT;
         if !io.input && policy::io_touches(io.port, io.size, &debug) {
@@ -854,8 +860,11 @@ impl Vcpu {
                 1
             };
         }
-        let ours = policy::io_touches(io.port, io.size, &policy::CONTROL_PORTS)
-            || policy::io_touches(io.port, io.size, &debug);
+        let dma = self.cfg.dma_block.as_ref();
+        if !io.input && dma.is_some_and(|d| policy::io_touches(io.port, io.size, &d.ports)) {
+            self.guard.dma_port_writes_blocked += 1;
+        }
+        let ours = self.touches_owned(io);
         if ours && io.string {
             // Nothing answers on root's ports: the string moves no data.
             if io.rep {
@@ -892,19 +901,6 @@ impl Vcpu {
                 forward_out(io.port, io.size, value);
                 return self.advance();
             }
-        }
-        let dma = self.cfg.dma_block.as_ref().map(|d| d.ports.clone());
-        if dma.is_some_and(|p| policy::io_touches(io.port, io.size, &p)) {
-            if !io.input {
-                self.guard.dma_port_writes_blocked += 1;
-            }
-            if io.string {
-                if io.rep {
-                    self.regs.rcx = 0;
-                }
-                return self.advance();
-            }
-            return self.io_bytes(io);
         }
         let pci_ports = pci::CONFIG_ADDRESS..=*pci::CONFIG_DATA.end();
         if !io.string && policy::io_touches(io.port, io.size, &pci_ports) {

@@ -89,18 +89,22 @@ impl<R: RawMemory> GuestPhys<R> {
             return false;
         };
         let end = end.max(gpa.saturating_add(1));
-        let touches_reserved = gpa < self.reserved.end && end > self.reserved.start;
         // Merged ranges: the whole access lies in one of them, or it is not RAM.
-        !touches_reserved
+        !self.touches_reserved(gpa, end)
             && self.ranges[..self.count]
                 .iter()
                 .any(|&(start, stop)| start <= gpa && end <= stop)
     }
 
+    /// Whether `[gpa, end)` overlaps the reserved range.
+    fn touches_reserved(&self, gpa: u64, end: u64) -> bool {
+        gpa < self.reserved.end && end > self.reserved.start
+    }
+
     fn check(&self, gpa: u64, len: usize) -> Result<(), MemError> {
         if self.is_ram(gpa, len as u64) {
             Ok(())
-        } else if gpa < self.reserved.end && gpa.saturating_add(len as u64) > self.reserved.start {
+        } else if self.touches_reserved(gpa, gpa.saturating_add(len as u64)) {
             Err(MemError::Denied { gpa: Gpa(gpa) })
         } else {
             Err(MemError::OutOfRange { gpa: Gpa(gpa), len })
