@@ -177,6 +177,15 @@ impl Vcpu {
     /// interrupted one, or a pending NMI (see [`event::plan_entry`]), and
     /// NMI-window exiting while an NMI still waits.
     fn prepare_entry(&mut self) -> Result<(), VmcsError> {
+        // The common exit: nothing to deliver and no window to close. The
+        // plan would change nothing, so the VMCS is not even read.
+        if self.inject.is_none()
+            && self.vectoring.is_none()
+            && !self.nmi_window
+            && !crate::fatal::nmi_pending()
+        {
+            return Ok(());
+        }
         let v = &mut Vmcs;
         let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
         let plan = event::plan_entry(
