@@ -33,6 +33,9 @@
  *                and the read is single-stepped by the hypervisor
  *   apic_base=1  move the local APIC's MMIO window to 31 MiB, inside the
  *                hypervisor's memory (must #GP), then put it back
+ *   pm1_string=PORT  string I/O (rep insw, outsw, rep outsb) on the ACPI
+ *                PM1a control port PORT, and rep insl on PCI configuration
+ *                data: each must move the same data as plain IN/OUT
  *
  * Loading always fails with -EAGAIN once the attempts are done, so the
  * module can be loaded again with other parameters.
@@ -82,6 +85,8 @@ static int apic_base;
 module_param(apic_base, int, 0);
 static int pci_dma;
 module_param(pci_dma, int, 0);
+static int pm1_string;
+module_param(pm1_string, int, 0);
 static int hwbp;
 module_param(hwbp, int, 0);
 
@@ -403,6 +408,36 @@ static void try_straddle(void)
 	pr_info("hvattack: straddling inl(0x2f6) = %08x\n", in);
 }
 
+static void try_pm1_string(void)
+{
+	u16 port = (u16)pm1_string, plain = inw(port), ins[2] = { 0, 0 };
+	u8 low[2];
+	u32 cfg[2] = { 0, 0 }, id;
+	void *p = ins;
+	unsigned long n = 2;
+
+	/* rep insw: two reads of the register into memory. */
+	asm volatile("rep insw" : "+D"(p), "+c"(n) : "d"(port) : "memory");
+	pr_info("hvattack: pm1 %04x rep insw %04x %04x left %lu\n", plain, ins[0],
+		ins[1], n);
+	/* outsw of the value it holds (no SLP_EN): a no-op write. */
+	p = &plain;
+	asm volatile("outsw" : "+S"(p) : "d"(port) : "memory");
+	/* rep outsb: its low byte, twice. */
+	low[0] = low[1] = (u8)plain;
+	p = low;
+	n = 2;
+	asm volatile("rep outsb" : "+S"(p), "+c"(n) : "d"(port) : "memory");
+	pr_info("hvattack: pm1 after outs %04x left %lu\n", inw(port), n);
+	/* rep insl on PCI configuration data: the host bridge's id, twice. */
+	outl(0x80000000, 0xcf8);
+	id = inl(0xcfc);
+	p = cfg;
+	n = 2;
+	asm volatile("rep insl" : "+D"(p), "+c"(n) : "d"(0xcfc) : "memory");
+	pr_info("hvattack: pci id %08x rep insl %08x %08x\n", id, cfg[0], cfg[1]);
+}
+
 static u32 cfg_read(u32 addr)
 {
 	outl(addr, 0xcf8);
@@ -532,6 +567,8 @@ static int __init hvattack_init(void)
 		move_apic();
 	if (pci_dma)
 		try_pci_dma();
+	if (pm1_string)
+		try_pm1_string();
 	pr_info("hvattack: done\n");
 	return -EAGAIN;
 }

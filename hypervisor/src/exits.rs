@@ -4,10 +4,13 @@
 use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
 use crate::control::{Action, Control, StatusSource};
 use crate::hvprintln;
-use crate::introspect::{CpuView, Introspection};
+use crate::introspect::{CpuView, GuestRam, Introspection};
+use crate::phys;
 use crate::trace::{Hypercall, Tracer, Violation};
 use crate::vcpu::{VmConfig, Vmcs};
 use core::fmt;
+use guest_introspect::addr::Gva as KGva;
+use guest_introspect::paging::{self, Cr3, WalkError};
 use hypervisor::mono::MonoTsc;
 use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
@@ -136,10 +139,20 @@ fn gpr(regs: &mut GuestRegs, n: u8) -> Option<&mut u64> {
     })
 }
 
+/// Why an emulated memory access faults.
+enum MemoryFault {
+    /// #PF at this linear address, with this error code.
+    Page(u64, u32),
+    /// #GP(0): a non-canonical address.
+    General,
+}
+
 const GP: u8 = 13;
 const DB: u8 = 1;
 const RFLAGS_TF: u64 = 1 << 8;
 const UD: u8 = 6;
+/// #PF.
+const PF: u8 = 14;
 
 impl Vcpu {
     pub fn new(cfg: VmConfig, control: Option<Control>, tsc_hz: u64) -> Self {
@@ -779,7 +792,7 @@ impl Vcpu {
     /// A guest access to PCI configuration space (mechanism #1): the address
     /// latch is forwarded and remembered; data reads are forwarded; data
     /// writes are merged into the dword and filtered (`hypervisor::pci`).
-    fn pci_config(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
+    fn pci_config(&mut self, io: IoAccess) -> Result<Option<StopReason>, VmcsError> {
         let mask = policy::floating_bus(io.size);
         if io.port == pci::CONFIG_ADDRESS && io.size == 4 {
             if io.input {
@@ -791,13 +804,13 @@ impl Vcpu {
                 self.pci_address = v;
                 forward_out(pci::CONFIG_ADDRESS, 4, v);
             }
-            return self.advance();
+            return Ok(None);
         }
         let addr = pci::ConfigAddress::decode(self.pci_address);
         if !pci::CONFIG_DATA.contains(&io.port) || !addr.enabled {
             // 0xCF9 (reset control) and friends, or data with cycles off:
             // the platform's, byte by byte.
-            return self.io_bytes(io);
+            return Ok(self.io_bytes(io));
         }
         let offset = (io.port - pci::CONFIG_DATA.start()) as u8;
         if io.input {
@@ -811,7 +824,7 @@ impl Vcpu {
                 }
             };
             self.regs.rax = (self.regs.rax & !u64::from(mask)) | u64::from(v & mask);
-            return self.advance();
+            return Ok(None);
         }
         // Decide on the whole dword, but write only the bytes the guest
         // wrote, at its size: a read-modify-write of the dword would write
@@ -851,39 +864,35 @@ impl Vcpu {
                 }
             }
         }
-        self.advance()
-    }
-
-    /// Whether any byte of the access is a port root keeps (`owns_port`).
-    fn touches_owned(&self, io: IoAccess) -> bool {
-        (0..u16::from(io.size.max(1)))
-            .any(|i| io.port.checked_add(i).is_some_and(|p| self.owns_port(p)))
+        Ok(None)
     }
 
     fn io(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
+        if io.string {
+            return self.string_io(io);
+        }
+        let stop = self.port(io)?;
+        self.advance()?;
+        Ok(stop.map_or(Next::Resume, Next::Stop))
+    }
+
+    /// One IN or OUT of `io.size` bytes with the value in (or for) RAX, as
+    /// the platform would answer it with root's policy applied: root's
+    /// ports float, PM1 writes of SLP_EN stop the VM, PCI configuration is
+    /// filtered, the rest goes to the platform. Does not move RIP.
+    fn port(&mut self, io: IoAccess) -> Result<Option<StopReason>, VmcsError> {
         let debug = policy::DEBUG_PORT..=policy::DEBUG_PORT;
         if !io.input && policy::io_touches(io.port, io.size, &debug) {
-            self.guard.debug_port_writes += if io.string && io.rep {
-                self.regs.rcx.max(1)
-            } else {
-                1
-            };
+            self.guard.debug_port_writes += 1;
         }
         let dma = self.cfg.dma_block.as_ref();
         if !io.input && dma.is_some_and(|d| policy::io_touches(io.port, io.size, &d.ports)) {
             self.guard.dma_port_writes_blocked += 1;
         }
         let ours = self.touches_owned(io);
-        if ours && io.string {
-            // Nothing answers on root's ports: the string moves no data.
-            if io.rep {
-                self.regs.rcx = 0;
-            }
-            return self.advance();
-        }
         let pm1 = self.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
         if let Some((a, b)) = pm1 {
-            let exact = (io.port == a || Some(io.port) == b) && !io.string && !ours;
+            let exact = (io.port == a || Some(io.port) == b) && !ours;
             if exact {
                 if io.input {
                     // SAFETY: forwarding the guest's own read of its PM1 control register.
@@ -896,43 +905,169 @@ impl Vcpu {
                     } as u64;
                     let mask = policy::floating_bus(io.size) as u64;
                     self.regs.rax = (self.regs.rax & !mask) | (val & mask);
-                    return self.advance();
+                    return Ok(None);
                 }
                 let value = (self.regs.rax & policy::floating_bus(io.size) as u64) as u32;
                 if value & policy::PM1_SLP_EN != 0 {
-                    self.advance()?;
-                    return Ok(Next::Stop(StopReason::PowerOff {
+                    return Ok(Some(StopReason::PowerOff {
                         port: io.port,
                         value,
                         size: io.size,
                     }));
                 }
                 forward_out(io.port, io.size, value);
-                return self.advance();
+                return Ok(None);
             }
         }
         let pci_ports = pci::CONFIG_ADDRESS..=*pci::CONFIG_DATA.end();
-        if !io.string && policy::io_touches(io.port, io.size, &pci_ports) {
+        if policy::io_touches(io.port, io.size, &pci_ports) {
             if io.port == pci::CONFIG_ADDRESS || pci::CONFIG_DATA.contains(&io.port) {
                 return self.pci_config(io);
             }
-            return self.io_bytes(io);
         }
-        if io.string {
-            hvprintln!("error: string I/O on an intercepted port is not emulated: {io:?}");
-            return Ok(Next::Stop(StopReason::Unhandled(30)));
+        Ok(self.io_bytes(io))
+    }
+
+    /// INS or OUTS (with or without REP) on an intercepted port: one
+    /// element per exit, through [`Self::port`], with its memory operand
+    /// read or written through the guest's page tables and the guarded
+    /// door. A REP instruction stays at its RIP with RCX and RSI/RDI moved
+    /// on, and exits again for the next element, as the CPU would have
+    /// let an interrupt in between. A memory operand the guest may not
+    /// access gets #PF at that element; one that is not guest RAM floats
+    /// (reads all ones, writes dropped).
+    fn string_io(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
+        let v = &Vmcs;
+        let linear = f::GUEST_LINEAR_ADDRESS.read(v)?;
+        let info = f::EXIT_INSTRUCTION_INFO.read(v)?;
+        let mask = policy::address_size_mask(info);
+        if io.rep && self.regs.rcx & mask == 0 {
+            return self.advance();
         }
-        self.io_bytes(io)
+        self.guard.string_io_emulated += 1;
+        let cpu = self.cpu_view()?;
+        let cr0 = f::GUEST_CR0.read(v)?;
+        let cr4 = f::GUEST_CR4.read(v)?;
+        let rflags = f::GUEST_RFLAGS.read(v)?;
+        let size = usize::from(io.size.clamp(1, 4));
+        let access = policy::StringAccess {
+            write: io.input,
+            user: cpu.cpl == 3,
+            write_protect: cr0 & (1 << 16) != 0,
+            smap: cr4 & (1 << 21) != 0 && rflags & (1 << 18) == 0 && cpu.cpl < 3,
+        };
+        let paging = cr0 & (1 << 31) != 0;
+        let mut bytes = [0xffu8; 4];
+        let saved = self.regs.rax;
+        if !io.input {
+            if let Err(fault) =
+                self.string_memory(paging, cpu.cr3, linear, &mut bytes[..size], access)
+            {
+                return self.memory_fault(fault);
+            }
+            self.regs.rax = u64::from(u32::from_le_bytes(bytes));
+        }
+        let stop = self.port(IoAccess {
+            string: false,
+            rep: false,
+            ..io
+        })?;
+        if io.input {
+            bytes = (self.regs.rax as u32).to_le_bytes();
+            self.regs.rax = saved;
+            if let Err(fault) =
+                self.string_memory(paging, cpu.cr3, linear, &mut bytes[..size], access)
+            {
+                return self.memory_fault(fault);
+            }
+        } else {
+            self.regs.rax = saved;
+        }
+        let step = if rflags & (1 << 10) != 0 {
+            (size as u64).wrapping_neg()
+        } else {
+            size as u64
+        };
+        let index = if io.input {
+            &mut self.regs.rdi
+        } else {
+            &mut self.regs.rsi
+        };
+        *index = (*index & !mask) | (index.wrapping_add(step) & mask);
+        let last = if io.rep {
+            let left = (self.regs.rcx & mask).wrapping_sub(1) & mask;
+            self.regs.rcx = (self.regs.rcx & !mask) | left;
+            left == 0
+        } else {
+            true
+        };
+        if last || stop.is_some() {
+            self.advance()?;
+        }
+        Ok(stop.map_or(Next::Resume, Next::Stop))
+    }
+
+    /// Reads (OUTS) or writes (INS) a string element at guest-linear
+    /// `linear`, byte by byte (an element may cross a page). The error is
+    /// the fault of the first byte the guest may not access.
+    fn string_memory(
+        &mut self,
+        paging: bool,
+        cr3: u64,
+        linear: u64,
+        buf: &mut [u8],
+        access: policy::StringAccess,
+    ) -> Result<(), MemoryFault> {
+        for (i, b) in buf.iter_mut().enumerate() {
+            let la = linear.wrapping_add(i as u64);
+            let gpa = if paging {
+                match paging::translate(&GuestRam, Cr3(cr3), KGva(la)) {
+                    Ok(t) => {
+                        if let Some(code) = access.denied(t.writable, t.user) {
+                            return Err(MemoryFault::Page(la, code));
+                        }
+                        t.gpa.0
+                    }
+                    Err(WalkError::NonCanonical { .. }) => return Err(MemoryFault::General),
+                    Err(_) => return Err(MemoryFault::Page(la, access.not_present())),
+                }
+            } else {
+                la & 0xffff_ffff
+            };
+            let ram = phys::guest_ram();
+            if access.write {
+                // Not guest RAM (MMIO, a hole, hypervisor memory): dropped.
+                let _ = ram.write(gpa, core::slice::from_ref(b));
+            } else if ram.read(gpa, core::slice::from_mut(b)).is_err() {
+                *b = 0xff;
+            }
+        }
+        Ok(())
+    }
+
+    /// Injects the fault of an emulated memory access. For #PF, root loads
+    /// CR2 itself (CR2 is not in the VMCS) before the entry delivers it.
+    fn memory_fault(&mut self, fault: MemoryFault) -> Result<Next, VmcsError> {
+        match fault {
+            MemoryFault::Page(linear, code) => {
+                insn::write_cr2(linear);
+                self.inject(PF, Some(code))
+            }
+            MemoryFault::General => self.inject(GP, Some(0)),
+        }
+    }
+
+    /// Whether any byte of the access is a port root keeps (`owns_port`).
+    fn touches_owned(&self, io: IoAccess) -> bool {
+        (0..u16::from(io.size.max(1)))
+            .any(|i| io.port.checked_add(i).is_some_and(|p| self.owns_port(p)))
     }
 
     /// A port access done byte by byte: root's ports float (reads all
     /// ones, writes dropped), the others go to the platform, as a bus
     /// would split it; a write of SLP_EN to PM1 still powers off.
-    fn io_bytes(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
+    fn io_bytes(&mut self, io: IoAccess) -> Option<StopReason> {
         let pm1 = self.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
-        // An access that straddles root's ports and others (or a PM1 port
-        // at an odd offset): byte by byte, root's bytes float, the others
-        // go to the platform, as a bus would split it.
         let mut value = 0u32;
         let out = self.regs.rax as u32;
         for i in 0..io.size.min(4) {
@@ -956,12 +1091,11 @@ impl Vcpu {
                         let base = p - 1;
                         // SAFETY: the guest's own PM1 register, read back.
                         let low = u32::from(unsafe { insn::inb(base) });
-                        self.advance()?;
-                        return Ok(Next::Stop(StopReason::PowerOff {
+                        return Some(StopReason::PowerOff {
                             port: base,
                             value: low | u32::from(byte) << 8,
                             size: 2,
-                        }));
+                        });
                     }
                 }
                 forward_out(p, 1, u32::from(byte));
@@ -971,7 +1105,7 @@ impl Vcpu {
             let mask = policy::floating_bus(io.size) as u64;
             self.regs.rax = (self.regs.rax & !mask) | (u64::from(value) & mask);
         }
-        self.advance()
+        None
     }
 }
 

@@ -293,6 +293,59 @@ pub const fn floating_bus(size: u8) -> u32 {
     }
 }
 
+/// The address-size mask of a string I/O instruction from its VM-exit
+/// instruction information (bits 9:7: 0 = 16-bit, 1 = 32-bit, 2 = 64-bit;
+/// SDM Table 28-8). RSI, RDI and RCX move within it.
+pub const fn address_size_mask(info: u32) -> u64 {
+    match (info >> 7) & 7 {
+        0 => 0xffff,
+        1 => 0xffff_ffff,
+        _ => u64::MAX,
+    }
+}
+
+/// The access a string I/O instruction makes to its memory operand, for
+/// the page-permission checks the CPU would have made (SDM 4.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StringAccess {
+    /// INS writes memory; OUTS reads it.
+    pub write: bool,
+    /// CPL 3.
+    pub user: bool,
+    /// CR0.WP: supervisor writes honour read-only pages.
+    pub write_protect: bool,
+    /// CR4.SMAP with RFLAGS.AC clear, at CPL < 3: supervisor accesses to
+    /// user pages fault.
+    pub smap: bool,
+}
+
+/// #PF error code bits (SDM 4.7).
+const PF_PRESENT: u32 = 1;
+const PF_WRITE: u32 = 1 << 1;
+const PF_USER: u32 = 1 << 2;
+
+impl StringAccess {
+    fn code(&self, present: bool) -> u32 {
+        u32::from(present) * PF_PRESENT
+            | u32::from(self.write) * PF_WRITE
+            | u32::from(self.user) * PF_USER
+    }
+
+    /// The #PF error code for a page that is not mapped.
+    pub fn not_present(&self) -> u32 {
+        self.code(false)
+    }
+
+    /// The #PF error code when a present page with these permissions (each
+    /// ANDed over the walk) refuses the access, or `None` when it allows it.
+    pub fn denied(&self, writable: bool, user_page: bool) -> Option<u32> {
+        let fault = (self.user && !user_page)
+            || (self.write && !writable && (self.user || self.write_protect))
+            || (!self.user && user_page && self.smap);
+        fault.then(|| self.code(true))
+    }
+}
+
 /// ACPI PM1 control: SLP_EN (bit 13) starts the sleep state in SLP_TYP
 /// (bits 12:10). ACPI 6.4 section 4.8.3.2.1.
 pub const PM1_SLP_EN: u32 = 1 << 13;
@@ -514,5 +567,57 @@ mod tests {
         assert_eq!(a.iter().map(|b| b.count_ones()).sum::<u32>(), 8);
         assert_eq!(b[0x3004 / 8], 0b11_0000);
         assert_eq!(floating_bus(2), 0xffff);
+    }
+    #[test]
+    fn string_io_address_size_follows_the_instruction_information() {
+        assert_eq!(address_size_mask(0), 0xffff);
+        assert_eq!(address_size_mask(1 << 7), 0xffff_ffff);
+        assert_eq!(address_size_mask(2 << 7), u64::MAX);
+        // Segment bits (17:15) do not change it.
+        assert_eq!(address_size_mask(2 << 7 | 3 << 15), u64::MAX);
+    }
+
+    #[test]
+    fn string_io_page_checks_follow_the_sdm() {
+        let ins_kernel = StringAccess {
+            write: true,
+            user: false,
+            write_protect: true,
+            smap: false,
+        };
+        // Writable kernel page: allowed.
+        assert_eq!(ins_kernel.denied(true, false), None);
+        // Read-only page with CR0.WP: present + write.
+        assert_eq!(ins_kernel.denied(false, false), Some(0b011));
+        // Without WP the supervisor may write it.
+        let no_wp = StringAccess {
+            write_protect: false,
+            ..ins_kernel
+        };
+        assert_eq!(no_wp.denied(false, false), None);
+        // SMAP: a supervisor access to a user page faults.
+        let smap = StringAccess {
+            smap: true,
+            ..ins_kernel
+        };
+        assert_eq!(smap.denied(true, true), Some(0b011));
+        assert_eq!(ins_kernel.denied(true, true), None);
+        // User mode: a kernel page faults with U set; a read-only user page
+        // refuses INS even without WP.
+        let outs_user = StringAccess {
+            write: false,
+            user: true,
+            write_protect: false,
+            smap: false,
+        };
+        assert_eq!(outs_user.denied(true, false), Some(0b101));
+        assert_eq!(outs_user.denied(false, true), None);
+        let ins_user = StringAccess {
+            write: true,
+            ..outs_user
+        };
+        assert_eq!(ins_user.denied(false, true), Some(0b111));
+        assert_eq!(ins_user.not_present(), 0b110);
+        assert_eq!(ins_kernel.not_present(), 0b010);
     }
 }

@@ -357,6 +357,8 @@ pub struct GuardReport {
     pub pci_writes_refused: u64,
     /// Guest writes to the bus-master IDE registers, dropped.
     pub dma_port_writes_blocked: u64,
+    /// String I/O (INS/OUTS) elements on intercepted ports, emulated.
+    pub string_io_emulated: u64,
 }
 
 /// The tracer's counters, in a [`StatusReport`].

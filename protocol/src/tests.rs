@@ -90,6 +90,7 @@ fn status() -> StatusReport {
             apic_moves_refused: 1,
             pci_writes_refused: 2,
             dma_port_writes_blocked: 3,
+            string_io_emulated: 4,
         },
     }
 }

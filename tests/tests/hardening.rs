@@ -22,6 +22,8 @@
 //!   get #GP in the guest; **XSETBV** values that break the XCR0 rules get
 //!   #GP; **GETSEC** gets #UD; **port accesses straddling the control
 //!   UART** float where they touch it. Before, each of these stopped the VM.
+//! - **String I/O on intercepted ports** (PM1 control, PCI configuration
+//!   data) is emulated element by element instead of stopping the VM.
 //!
 //! - **A guest hardware breakpoint on a hooked page**: it fires for a read
 //!   that root single-steps (root swallows only its own single-step).
@@ -341,6 +343,71 @@ fn bad_instructions(ck: &mut Checks, c: &mut hvtrace::client::Client) {
     alive(ck, c, "the bad instructions");
 }
 
+/// String I/O on ports root intercepts (ACPI PM1 control, PCI
+/// configuration data) is emulated one element per exit: it moves the same
+/// data as plain IN and OUT, and the VM keeps running. Before, the first
+/// INS or OUTS on such a port stopped the VM.
+fn string_io(ck: &mut Checks, c: &mut hvtrace::client::Client) {
+    let ioports = exec(c, "grep PM1a_CNT_BLK /proc/ioports");
+    let Some(port) = ioports
+        .split_whitespace()
+        .next()
+        .and_then(|r| r.split('-').next())
+        .and_then(|p| u16::from_str_radix(p, 16).ok())
+    else {
+        ck.check(
+            false,
+            format!("the guest lists its PM1a control block: {ioports:?}"),
+        );
+        return;
+    };
+    let before = status(c).guard;
+    let log = attack(c, &format!("pm1_string={port}"));
+    println!("string I/O:\n{log}");
+    let field = |line: &str, key: &str, n: usize| -> Option<String> {
+        let rest = &line[line.find(key)? + key.len()..];
+        rest.split_whitespace().nth(n).map(str::to_string)
+    };
+    let pm1 = log
+        .lines()
+        .find(|l| l.contains("hvattack: pm1 ") && l.contains("rep insw"));
+    match pm1 {
+        Some(l) => {
+            let plain = field(l, "hvattack: pm1", 0);
+            ck.check(
+                plain.is_some()
+                    && field(l, "rep insw", 0) == plain
+                    && field(l, "rep insw", 1) == plain
+                    && l.ends_with("left 0"),
+                format!("rep insw from PM1 reads what inw reads, twice: {l:?}"),
+            );
+            let after = log.lines().find(|l| l.contains("hvattack: pm1 after outs"));
+            ck.check(
+                after.is_some_and(|a| field(a, "after outs", 0) == plain && a.ends_with("left 0")),
+                format!("outsw and rep outsb of PM1's own value leave it as it was: {after:?}"),
+            );
+        }
+        None => ck.check(false, format!("the string I/O attack ran: {log:?}")),
+    }
+    let pci = log.lines().find(|l| l.contains("hvattack: pci id"));
+    ck.check(
+        pci.is_some_and(|l| {
+            let id = field(l, "pci id", 0);
+            id.is_some() && field(l, "rep insl", 0) == id && field(l, "rep insl", 1) == id
+        }),
+        format!("rep insl from PCI configuration data reads the host bridge's id, twice: {pci:?}"),
+    );
+    let after = status(c).guard;
+    ck.check(
+        after.string_io_emulated >= before.string_io_emulated + 7,
+        format!(
+            "seven string elements emulated: {} -> {}",
+            before.string_io_emulated, after.string_io_emulated
+        ),
+    );
+    alive(ck, c, "string I/O on intercepted ports");
+}
+
 #[test]
 fn hostile_guest_fast_lane() {
     let _l = vm_lock();
@@ -366,6 +433,7 @@ fn hostile_guest_fast_lane() {
         "kernel walks use init_top_pgt",
     );
     bad_instructions(&mut ck, &mut c);
+    string_io(&mut ck, &mut c);
     forge_debug_port(&mut ck, &mut c);
     guest_breakpoint_on_hooked_page(&mut ck, &mut c);
     nmi_storm(&mut ck, &vm, &mut c);

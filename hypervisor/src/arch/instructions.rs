@@ -502,6 +502,14 @@ unsafe extern "C" fn vmx_run_raw(regs: *mut GuestRegs, launched: u64) -> u64 {
     );
 }
 
+/// Loads CR2, for a #PF that root injects into the guest (VMX does not
+/// switch CR2: the guest sees the value root leaves in it).
+pub fn write_cr2(value: u64) {
+    // SAFETY: CR2 only records a fault address; root never reads it except
+    // in its own fault reports, which come from a fault that rewrites it.
+    unsafe { asm!("mov cr2, {}", in(reg) value, options(nomem, nostack, preserves_flags)) };
+}
+
 /// Reads CR2 (the faulting linear address of the last #PF).
 pub fn read_cr2() -> u64 {
     let v: u64;
