@@ -15,6 +15,7 @@ use crate::btf::{self, Btf, BtfError, TaskLayout};
 use crate::budget::{block_on, Budget, Metered, RECOVERY_BUDGET};
 use crate::kallsyms::{self, KallsymsError, KallsymsTables, LocateStats, SymbolIndex};
 use crate::scan::{ScanStats, ScanStep, Scanner};
+use crate::stacks::StackLayout;
 use crate::view::{read_array, ViewError, VirtMemory};
 
 /// `KERNEL_IMAGE_SIZE` with KASLR (arch/x86/include/asm/page_64_types.h):
@@ -285,6 +286,8 @@ pub struct KernelFacts {
     pub task: Result<TaskLayout, BtfError>,
     /// Where `current` is.
     pub current: Result<CurrentTask, CurrentError>,
+    /// `THREAD_SIZE` and where the per-CPU stacks are.
+    pub stacks: StackLayout,
 }
 
 /// Finds the kernel in `ranges` of `view`: kallsyms, the symbol index, the
@@ -368,6 +371,8 @@ pub async fn discover_budgeted<V: VirtMemory + ?Sized>(
         Err(e) => Err(*e),
     };
     let current = current_task_paced(&symbols, parsed.as_ref().ok(), budget).await;
+    budget.set_stage("stacks");
+    let stacks = crate::stacks::layout_paced(&symbols, parsed.as_ref().ok(), budget).await;
     spent(Ok(KernelFacts {
         tables,
         locate_stats,
@@ -378,5 +383,6 @@ pub async fn discover_budgeted<V: VirtMemory + ?Sized>(
         btf: btf_at,
         task,
         current,
+        stacks,
     }))
 }

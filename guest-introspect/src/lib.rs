@@ -71,6 +71,7 @@ pub mod kallsyms;
 pub mod mem;
 pub mod paging;
 pub mod scan;
+pub mod stacks;
 pub mod view;
 
 pub use addr::{Gpa, Gva, GvaRange};

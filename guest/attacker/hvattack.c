@@ -33,6 +33,15 @@
  *                and the read is single-stepped by the hypervisor
  *   apic_base=1  move the local APIC's MMIO window to 31 MiB, inside the
  *                hypervisor's memory (must #GP), then put it back
+ *   stacks=1     print THREAD_SIZE, this task's stack and the stack pointer
+ *                of a hard irq_work (the CPU's IRQ stack); nmi_storm also
+ *                prints the stack pointer of the first NMI it sees
+ *   forge_entry=ADDR  with forge_site: jump to the entry trampoline's VMCALL
+ *                at ADDR three times with forged registers (a pt_regs
+ *                whose ip is not the site's, RDI not RSP, a site that is
+ *                not hooked); the forged pt_regs brings us back each time
+ *   forge_site=ADDR  a hooked fentry site
+ *   forge_rax=N  the entry hypercall's number (RAX at the VMCALL)
  *   pm1_string=PORT  string I/O (rep insw, outsw, rep outsb) on the ACPI
  *                PM1a control port PORT, and rep insl on PCI configuration
  *                data: each must move the same data as plain IN/OUT
@@ -58,6 +67,9 @@
 #include <asm/io_apic.h>
 #include <asm/fixmap.h>
 #include <asm/fpu/xcr.h>
+#include <asm/nmi.h>
+#include <linux/irq_work.h>
+#include <linux/sched/task_stack.h>
 
 static unsigned long func;
 module_param(func, ulong, 0);
@@ -87,6 +99,14 @@ static int pci_dma;
 module_param(pci_dma, int, 0);
 static int pm1_string;
 module_param(pm1_string, int, 0);
+static int stacks;
+module_param(stacks, int, 0);
+static unsigned long forge_entry;
+module_param(forge_entry, ulong, 0);
+static unsigned long forge_site;
+module_param(forge_site, ulong, 0);
+static unsigned long forge_rax;
+module_param(forge_rax, ulong, 0);
 static int hwbp;
 module_param(hwbp, int, 0);
 
@@ -249,6 +269,16 @@ static void ioapic_write(void __iomem *io, unsigned int reg, u32 val)
 	writel(val, io + 0x10);
 }
 
+/* The stack pointer of the first NMI seen during the storm. */
+static unsigned long nmi_sp;
+
+static int hva_nmi(unsigned int type, struct pt_regs *regs)
+{
+	if (!READ_ONCE(nmi_sp))
+		WRITE_ONCE(nmi_sp, current_stack_pointer);
+	return NMI_DONE;
+}
+
 static void storm(void)
 {
 	void __iomem *io, *hpet;
@@ -303,6 +333,8 @@ static void storm(void)
 	outb(200 & 0xff, 0x40);
 	outb(200 >> 8, 0x40);
 
+	nmi_sp = 0;
+	register_nmi_handler(NMI_LOCAL, hva_nmi, 0, "hvattack");
 	t0 = ktime_get_ns();
 	local_irq_save(flags);
 	/* CPUID exits to root every time: most of the storm lands there. */
@@ -326,7 +358,9 @@ static void storm(void)
 		writel(hpet_cfg, hpet + 0x10);
 		iounmap(hpet);
 	}
+	unregister_nmi_handler(NMI_LOCAL, "hvattack");
 	pr_info("hvattack: nmi storm: %lu exits in %llu ms\n", exits, t0 / 1000000);
+	pr_info("hvattack: nmi sp %lx\n", nmi_sp);
 out_low:
 	memcpy(low + 0x20, saved, 16);
 	memunmap(low);
@@ -436,6 +470,76 @@ static void try_pm1_string(void)
 	n = 2;
 	asm volatile("rep insl" : "+D"(p), "+c"(n) : "d"(0xcfc) : "memory");
 	pr_info("hvattack: pci id %08x rep insl %08x %08x\n", id, cfg[0], cfg[1]);
+}
+
+/*
+ * The entry trampoline after its VMCALL (RAX = 0) reloads every GPR and
+ * the flags from the pt_regs at RSP and returns to pt_regs.ip with RSP =
+ * pt_regs + 176 (see trampolines/src/region.rs). So a forged frame of 176
+ * bytes on our own stack, with ip = the label after the jump and our own
+ * callee-saved registers in it, brings execution back here.
+ * Offsets are struct pt_regs's: r15 0, r14 8, r13 16, r12 24, bp 32, bx 40,
+ * ip 128, flags 144.
+ */
+static noinline void forged_entry(unsigned long rdi_delta, unsigned long site,
+				  unsigned long ip_delta)
+{
+	asm volatile(
+		"sub $176, %%rsp\n\t"
+		"mov %%r15, 0(%%rsp)\n\t"
+		"mov %%r14, 8(%%rsp)\n\t"
+		"mov %%r13, 16(%%rsp)\n\t"
+		"mov %%r12, 24(%%rsp)\n\t"
+		"mov %%rbp, 32(%%rsp)\n\t"
+		"mov %%rbx, 40(%%rsp)\n\t"
+		"lea 1f(%%rip), %%rax\n\t"
+		"add %[ipd], %%rax\n\t"
+		"mov %%rax, 128(%%rsp)\n\t"
+		"pushfq\n\t"
+		"pop %%rax\n\t"
+		"mov %%rax, 144(%%rsp)\n\t"
+		"mov %%rsp, %%rdi\n\t"
+		"add %[rdid], %%rdi\n\t"
+		"mov %[site], %%rsi\n\t"
+		"mov %[hc], %%rax\n\t"
+		"jmp *%[target]\n\t"
+		"1:\n\t"
+		:
+		: [target] "m"(forge_entry), [hc] "m"(forge_rax), [site] "r"(site),
+		  [ipd] "r"(ip_delta), [rdid] "r"(rdi_delta)
+		: "rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11",
+		  "memory", "cc");
+}
+
+static void try_forge_entry(void)
+{
+	/* 1: a hooked site, RDI = RSP, but pt_regs.ip is ours, not site + 5. */
+	forged_entry(0, forge_site, 0);
+	pr_info("hvattack: forged entry 1 (ip not the site's) came back\n");
+	/* 2: RDI is not RSP (it names memory 4 KiB above the frame). */
+	forged_entry(4096, forge_site, 0);
+	pr_info("hvattack: forged entry 2 (rdi not rsp) came back\n");
+	/* 3: a site that is not hooked (one byte into the hooked one). */
+	forged_entry(0, forge_site + 1, 0);
+	pr_info("hvattack: forged entry 3 (site not hooked) came back\n");
+}
+
+static unsigned long irq_sp;
+
+static void hva_irq_work(struct irq_work *w)
+{
+	irq_sp = current_stack_pointer;
+}
+
+static void show_stacks(void)
+{
+	struct irq_work w = IRQ_WORK_INIT_HARD(hva_irq_work);
+
+	irq_sp = 0;
+	irq_work_queue(&w);
+	irq_work_sync(&w);
+	pr_info("hvattack: stacks thread_size %lx task %lx irq_sp %lx\n",
+		(unsigned long)THREAD_SIZE, (unsigned long)task_stack_page(current), irq_sp);
 }
 
 static u32 cfg_read(u32 addr)
@@ -569,6 +673,10 @@ static int __init hvattack_init(void)
 		try_pci_dma();
 	if (pm1_string)
 		try_pm1_string();
+	if (stacks)
+		show_stacks();
+	if (forge_entry && forge_site && forge_rax)
+		try_forge_entry();
 	pr_info("hvattack: done\n");
 	return -EAGAIN;
 }

@@ -180,8 +180,8 @@ pub fn status_text(status: &Status) -> String {
             "tracer", t.probes, t.functions, t.sites, t.pages, t.hits, t.lost
         ));
         out.push_str(&format!(
-            "{:<12} {} steps, {} guest writes, {} region restores, {} foreign VMCALLs, {} blocked writes\n",
-            "", t.steps, t.guest_writes, t.region_restores, t.foreign_vmcalls, t.blocked_writes
+            "{:<12} {} steps, {} guest writes, {} region restores, {} foreign VMCALLs, {} forged entries, {} blocked writes\n",
+            "", t.steps, t.guest_writes, t.region_restores, t.foreign_vmcalls, t.forged_entries, t.blocked_writes
         ));
         if t.trampolines != 0 {
             out.push_str(&format!("{:<12} trampolines at {:#x}\n", "", t.trampolines));
@@ -272,6 +272,7 @@ pub fn status_json(status: &Status) -> Json {
         ("guest_writes", Json::int(t.guest_writes)),
         ("region_restores", Json::int(t.region_restores)),
         ("foreign_vmcalls", Json::int(t.foreign_vmcalls)),
+        ("forged_entries", Json::int(t.forged_entries)),
         ("blocked_writes", Json::int(t.blocked_writes)),
         ("graph_frames", Json::int(t.graph_frames)),
         ("graph_stacks", Json::int(t.graph_stacks)),
@@ -1161,7 +1162,7 @@ mod tests {
         );
         let j = status_json(&status).render();
         assert!(
-            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"trampolines":"0xffffffffc0000000"}"#),
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
         );
         // The graph line shows once there is graph state.

@@ -251,6 +251,7 @@ impl Vcpu {
             cpl: ((f::GUEST_SS_ACCESS_RIGHTS.read(v)? >> 5) & 3) as u8,
             gs_base: f::GUEST_GS_BASE.read(v)?,
             la57: f::GUEST_CR4.read(v)? & policy::CR4_LA57 != 0,
+            rsp: f::GUEST_RSP.read(v)?,
         })
     }
 
@@ -919,12 +920,10 @@ impl Vcpu {
                 return Ok(None);
             }
         }
-        let pci_ports = pci::CONFIG_ADDRESS..=*pci::CONFIG_DATA.end();
-        if policy::io_touches(io.port, io.size, &pci_ports) {
-            if io.port == pci::CONFIG_ADDRESS || pci::CONFIG_DATA.contains(&io.port) {
-                return self.pci_config(io);
-            }
+        if io.port == pci::CONFIG_ADDRESS || pci::CONFIG_DATA.contains(&io.port) {
+            return self.pci_config(io);
         }
+        // Everything else, straddles of root's ports included, byte by byte.
         Ok(self.io_bytes(io))
     }
 

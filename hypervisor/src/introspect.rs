@@ -22,6 +22,7 @@ use alloc::rc::Rc;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use core::cell::Cell;
+use core::fmt::Write as _;
 use core::future::Future;
 use core::pin::Pin;
 use core::task::Poll;
@@ -32,6 +33,7 @@ use guest_introspect::fentry::{self, Classifier};
 use guest_introspect::kallsyms::{KallsymsError, SymbolId};
 use guest_introspect::mem::{GuestMemory, MemError};
 use guest_introspect::paging::{self, Cr3};
+use guest_introspect::stacks::{self, StackKind, StackMap};
 use guest_introspect::view::PagedView;
 use guest_introspect::view::{ViewError, VirtMemory};
 use loader::layout::Gpa;
@@ -62,6 +64,8 @@ pub struct CpuView {
     pub gs_base: u64,
     /// Whether the guest runs with 5-level paging (CR4.LA57).
     pub la57: bool,
+    /// The guest's RSP at the exit.
+    pub rsp: u64,
 }
 
 impl CpuView {
@@ -218,6 +222,7 @@ impl Introspection {
                     b.bytes_read() >> 10,
                     k.report.index_bytes >> 10
                 );
+                k.log_stacks(&k.stack_map(cpu));
                 self.kernel = Some(k);
                 self.last_error = None;
                 self.backoff.succeeded();
@@ -465,6 +470,45 @@ impl Kernel {
         let n = b.len().min(16);
         comm[..n].copy_from_slice(&b[..n]);
         Some((t.task.0, t.pid, comm))
+    }
+
+    /// The guest's stacks as they are now: every possible CPU's hardirq
+    /// and exception stacks (read through `__per_cpu_offset`, or this
+    /// vCPU's GS base on a kernel without it), and `THREAD_SIZE` for task
+    /// stacks.
+    pub fn stack_map(&self, cpu: &CpuView) -> StackMap {
+        let view = PagedView::new(&GuestRam, self.cr3);
+        let mut bases = stacks::percpu_offsets(&self.facts.symbols, &view);
+        if bases.is_empty() {
+            bases.push(cpu.kernel_gs());
+        }
+        StackMap::read(&self.facts.stacks, &view, &bases)
+    }
+
+    /// Logs the stack layout and the per-CPU stacks of `map`, one line.
+    pub fn log_stacks(&self, map: &StackMap) {
+        let l = &self.facts.stacks;
+        let mut line = format!(
+            "introspection: stacks: THREAD_SIZE {:#x} ({}), exception stacks ({})",
+            l.thread_size,
+            l.thread_size_source.as_str(),
+            l.exception_source.as_str()
+        );
+        for r in map.per_cpu() {
+            let what = match r.kind {
+                StackKind::Irq => "irq",
+                StackKind::Exception(n) => n,
+                StackKind::Task => "task",
+            };
+            let _ = write!(
+                line,
+                "; cpu {} {what} {:#x}-{:#x}",
+                r.cpu.unwrap_or(0),
+                r.base,
+                r.base.wrapping_add(r.size)
+            );
+        }
+        log::info!("{line}");
     }
 
     /// `task_struct.stack` (the base of its kernel stack; the kernel

@@ -326,9 +326,8 @@ const PF_USER: u32 = 1 << 2;
 
 impl StringAccess {
     fn code(&self, present: bool) -> u32 {
-        u32::from(present) * PF_PRESENT
-            | u32::from(self.write) * PF_WRITE
-            | u32::from(self.user) * PF_USER
+        let bit = |on: bool, b: u32| if on { b } else { 0 };
+        bit(present, PF_PRESENT) | bit(self.write, PF_WRITE) | bit(self.user, PF_USER)
     }
 
     /// The #PF error code for a page that is not mapped.

@@ -40,6 +40,7 @@ use core::fmt::Write;
 use guest_introspect::addr::Gva as KGva;
 use guest_introspect::fentry::Classifier;
 use guest_introspect::paging::{self, Cr3};
+use guest_introspect::stacks::StackMap;
 use guest_introspect::view::PagedView;
 use hypervisor::addr::{Gpa, Hpa};
 use hypervisor::ept::{self, Ept, MemType};
@@ -73,9 +74,9 @@ const RETIRED_GEN: u8 = 0xff;
 /// `set_graph_notrace` functions: nothing beneath it is traced for the
 /// session, and the frame's own return is silent.
 const NOTRACE_MARK: u64 = u64::from_le_bytes(*b"notrace\0");
-/// The guest's kernel stack size and alignment (`THREAD_SIZE`, x86-64 with
-/// 4-level paging and no KASAN): return stacks are kept per kernel stack.
-const THREAD_SIZE: u64 = 16 * 1024;
+/// How often the map of the guest's stacks is read again (a CPU brought
+/// up later gets its IRQ and exception stacks then).
+const STACK_MAP_EVERY_NS: u64 = 1_000_000_000;
 /// Frames per return stack by default: 32 frames without data (5 words
 /// each), 1280 B.
 const STACK_FRAMES: u32 = 32;
@@ -252,6 +253,13 @@ pub struct Tracer {
     retired: Vec<(u32, u8, GraphText)>,
     /// When the reaper last looked.
     last_reap_ns: u64,
+    /// The guest's stacks: return stacks are kept per stack, keyed by its
+    /// base (a task's `THREAD_SIZE` block, or a CPU's IRQ or exception
+    /// stack), so that frames on one stack never count as dead because of
+    /// a call on another.
+    stack_map: StackMap,
+    /// When `stack_map` was read (None: never).
+    stack_map_ns: Option<u64>,
 }
 
 /// A function-graph session's settings, resolved to addresses, and its
@@ -347,6 +355,8 @@ impl Tracer {
             generations: [0; MAX_USERS],
             retired: Vec::new(),
             last_reap_ns: 0,
+            stack_map: StackMap::default(),
+            stack_map_ns: None,
         }
     }
 
@@ -1072,8 +1082,9 @@ impl Tracer {
         let Some(tramp) = self.region.as_ref().map(|r| r.tramp.return_trampoline().0) else {
             return;
         };
-        let key = retp & !(THREAD_SIZE - 1);
-        // Frames below this call's return slot can never return.
+        let key = self.stack_map.key(retp);
+        // Frames below this call's return slot can never return (on this
+        // stack: the key is the stack's own).
         if let Some(t) = self.stacks.get_mut(&key) {
             self.stats.graph_dropped += t.st.reclaim_below(retp) as u64;
             if t.st.is_empty() {
@@ -1246,7 +1257,7 @@ impl Tracer {
             .rdi
             .checked_add(trampolines::abi::RETURN_FRAME_RETP as u64)?;
         let retval = regs.rsi;
-        let key = retp & !(THREAD_SIZE - 1);
+        let key = self.stack_map.key(retp);
         let t = self.stacks.get_mut(&key)?;
         let PopResult::Found { frame, dropped } = t.st.pop(retp) else {
             return None;
@@ -1413,6 +1424,24 @@ impl Tracer {
         }
     }
 
+    /// Reads the guest's stacks again when the map is older than
+    /// [`STACK_MAP_EVERY_NS`]; logs it when it changes (recovery logs the
+    /// first).
+    fn refresh_stack_map(&mut self, k: &Kernel, cpu: &CpuView, now_ns: u64) {
+        if self
+            .stack_map_ns
+            .is_some_and(|t| now_ns.saturating_sub(t) < STACK_MAP_EVERY_NS)
+        {
+            return;
+        }
+        let map = k.stack_map(cpu);
+        if self.stack_map_ns.is_some() && map != self.stack_map {
+            k.log_stacks(&map);
+        }
+        self.stack_map = map;
+        self.stack_map_ns = Some(now_ns);
+    }
+
     /// An entry hypercall from `site` with the pt_regs at `regs_gva`;
     /// returns the chain target.
     fn on_entry(
@@ -1423,7 +1452,12 @@ impl Tracer {
         k: &Kernel,
         now_ns: u64,
     ) -> u64 {
-        let Some(u) = self.sites.get(&site) else {
+        // The ABI's frame: RDI = RSP = &pt_regs, RSI a hooked site. A jump
+        // into the trampoline with other registers is refused (and the
+        // guest continues at whatever its forged pt_regs says: its own
+        // memory, its own problem).
+        let Some(u) = self.sites.get(&site).filter(|_| regs_gva == cpu.rsp) else {
+            self.stats.forged_entries += 1;
             return 0;
         };
         let chain = self
@@ -1438,6 +1472,12 @@ impl Tracer {
             return chain;
         }
         let regs = PtRegs::from_le_bytes(&image);
+        if regs.ip != site.wrapping_add(5) {
+            // The trampoline stores the site call's own return address as
+            // ip: anything else did not come from a call at this site.
+            self.stats.forged_entries += 1;
+            return chain;
+        }
         let (task, pid, comm) = k.current(cpu).unwrap_or((0, -1, [0; 16]));
         let mut header = EventHeader {
             probe_id: 0,
@@ -1479,6 +1519,7 @@ impl Tracer {
             store(&mut self.ring, &mut self.record, &ev);
         }
         if graph != 0 || has_retprobes {
+            self.refresh_stack_map(k, cpu, now_ns);
             // The ids are lent out of the site for the call (no copy).
             let retprobes = if has_retprobes {
                 self.sites

@@ -387,6 +387,11 @@ pub struct TracerReport {
     pub region_restores: u64,
     /// VMCALLs from outside the trampolines (answered with #UD).
     pub foreign_vmcalls: u64,
+    /// Entry hypercalls refused: the frame was not at RSP, the site is not
+    /// hooked, or `pt_regs.ip` is not the site + 5 (a jump into the entry
+    /// trampoline with forged registers; also a call that was in flight
+    /// when its site was unhooked). No event is recorded for them.
+    pub forged_entries: u64,
     /// Guest writes to hypervisor-owned pages, discarded.
     pub blocked_writes: u64,
     /// Guest-virtual address of the trampoline page (0 until the first

@@ -66,6 +66,7 @@ fn status() -> StatusReport {
             guest_writes: 9,
             region_restores: 1,
             foreign_vmcalls: 2,
+            forged_entries: 1,
             blocked_writes: 3,
             trampolines: 0xffff_ffff_bfe0_0000,
             graph_frames: 12,

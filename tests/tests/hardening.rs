@@ -25,6 +25,13 @@
 //! - **String I/O on intercepted ports** (PM1 control, PCI configuration
 //!   data) is emulated element by element instead of stopping the VM.
 //!
+//! - **The guest's stacks**: root keys return stacks by the stack a slot
+//!   is on, read from the guest (THREAD_SIZE, each CPU's IRQ and exception
+//!   stacks); the guest's own NMI handler and a hard irq_work run on the
+//!   ranges root found.
+//! - **Jumps into the entry trampoline with forged registers** are refused
+//!   and counted, with no event; the guest goes where its forged pt_regs
+//!   says.
 //! - **A guest hardware breakpoint on a hooked page**: it fires for a read
 //!   that root single-steps (root swallows only its own single-step).
 //! - **Two hooked pages in one instruction**: a read across the boundary of
@@ -165,7 +172,19 @@ fn alive(ck: &mut Checks, c: &mut hvtrace::client::Client, after: &str) {
     ck.eq(&format!("guest answers after {after}"), out.trim(), "alive");
 }
 
-fn nmi_storm(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::client::Client) {
+/// The first nonzero hex value after `key` on a line of `log`.
+fn hex_after(log: &str, key: &str) -> Option<u64> {
+    log.lines().find_map(|l| {
+        let rest = &l[l.find(key)? + key.len()..];
+        let v = u64::from_str_radix(rest.split_whitespace().next()?.trim_start_matches("0x"), 16)
+            .ok()?;
+        (v != 0).then_some(v)
+    })
+}
+
+/// Runs the NMI storm; returns the stack pointer the guest's own NMI
+/// handler saw.
+fn nmi_storm(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::client::Client) -> Option<u64> {
     let nmis_before = guest_nmis(c);
     let before = status(c).guard;
     let log = attack(c, "nmi_storm=40");
@@ -210,6 +229,71 @@ fn nmi_storm(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::client::Client) {
         ),
     );
     alive(ck, c, "the NMI storm");
+    hex_after(&log, "hvattack: nmi sp ")
+}
+
+/// The map of the guest's stacks that root keys return stacks by (logged
+/// at recovery) against the guest's own view: `THREAD_SIZE` as compiled,
+/// the stack pointer of a hard irq_work (on the CPU's IRQ stack) and of an
+/// NMI (on its NMI exception stack) each inside the range root read for
+/// that stack, and the task's own stack outside every per-CPU one.
+fn stack_map(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::client::Client, nmi_sp: Option<u64>) {
+    let log = attack(c, "stacks=1");
+    println!("stacks:\n{log}");
+    let output = vm.emulator_output();
+    let Some(line) = output
+        .lines()
+        .find(|l| l.contains("introspection: stacks: THREAD_SIZE"))
+    else {
+        ck.check(false, "root logged the guest's stacks at recovery");
+        return;
+    };
+    println!("{line}");
+    // "; cpu N KIND A-B"
+    let ranges: Vec<(String, u64, u64)> = line
+        .split("; cpu ")
+        .skip(1)
+        .filter_map(|seg| {
+            let mut w = seg.split_whitespace().skip(1);
+            let kind = w.next()?.to_string();
+            let (a, b) = w.next()?.split_once('-')?;
+            let p = |x: &str| u64::from_str_radix(x.trim_start_matches("0x"), 16).ok();
+            Some((kind, p(a)?, p(b)?))
+        })
+        .collect();
+    let inside = |kind: &str, sp: u64| {
+        ranges
+            .iter()
+            .any(|(k, a, b)| k == kind && (*a..*b).contains(&sp))
+    };
+    let ts = hex_after(&log, "thread_size ");
+    ck.check(
+        ts.is_some_and(|t| line.contains(&format!("THREAD_SIZE {t:#x} (kallsyms)"))),
+        format!("THREAD_SIZE from kallsyms equals the guest's: {ts:?}"),
+    );
+    let irq_sp = hex_after(&log, "irq_sp ");
+    ck.check(
+        irq_sp.is_some_and(|sp| inside("irq", sp)),
+        format!("a hard irq_work ran on the IRQ stack root found: sp {irq_sp:x?} in {ranges:x?}"),
+    );
+    ck.check(
+        nmi_sp.is_some_and(|sp| inside("NMI", sp)),
+        format!("an NMI ran on the NMI stack root found: sp {nmi_sp:x?} in {ranges:x?}"),
+    );
+    for name in ["DF", "DB", "MCE"] {
+        ck.check(
+            ranges.iter().any(|(k, _, _)| k == name),
+            format!("root found the {name} stack"),
+        );
+    }
+    let task = hex_after(&log, "task ");
+    ck.check(
+        task.is_some_and(|t| {
+            ts.is_some_and(|ts| t % ts == 0)
+                && !ranges.iter().any(|(_, a, b)| (*a..*b).contains(&t))
+        }),
+        format!("the task's stack is a THREAD_SIZE block of its own: {task:x?}"),
+    );
 }
 
 fn forge_debug_port(ck: &mut Checks, c: &mut hvtrace::client::Client) {
@@ -269,6 +353,90 @@ fn guest_breakpoint_on_hooked_page(ck: &mut Checks, c: &mut hvtrace::client::Cli
         },
     );
     alive(ck, c, "a guest breakpoint on a hooked page");
+}
+
+/// Hits of probe `name`.
+fn probe_hits(c: &mut hvtrace::client::Client, name: &str) -> Option<u64> {
+    match call(c, Request::ProbeList) {
+        Response::Probes(p) => p.iter().find(|p| p.name == name).map(|p| p.hits),
+        _ => None,
+    }
+}
+
+/// Jumps into the entry trampoline's VMCALL with forged registers: a
+/// pt_regs whose ip is not the site's, RDI not equal to RSP, a site that
+/// is not hooked. Root refuses each (counted, no event), the guest goes on
+/// wherever its forged pt_regs says (here, back into the module), and real
+/// calls of the hooked function are still traced.
+fn forged_trampoline_entries(ck: &mut Checks, c: &mut hvtrace::client::Client) {
+    let (name, site) = match call(
+        c,
+        Request::ProbeAdd {
+            spec: "p:forged ksys_sync".into(),
+        },
+    ) {
+        Response::ProbeAdded { name, site } => (name, site),
+        other => {
+            ck.check(false, format!("probe for the forged entries: {other:?}"));
+            return;
+        }
+    };
+    let before = status(c).tracer;
+    let vmcall = trampolines::TrampolineRegion::build(
+        trampolines::Gva(before.trampolines),
+        trampolines::HypercallMode::Vmcall,
+    )
+    .ok()
+    .and_then(|r| r.entry_vmcall());
+    let Some(vmcall) = vmcall else {
+        ck.check(
+            false,
+            format!(
+                "the entry VMCALL of the region at {:#x}",
+                before.trampolines
+            ),
+        );
+        return;
+    };
+    let hits = probe_hits(c, &name);
+    ck.check(hits.is_some(), format!("probe {name} is listed"));
+    let log = attack(
+        c,
+        &format!(
+            "forge_entry={:#x} forge_site={site:#x} forge_rax={:#x}",
+            vmcall.0,
+            trampolines::abi::HYPERCALL_ENTRY
+        ),
+    );
+    println!("forged entries:\n{log}");
+    for n in 1..=3 {
+        ck.check(
+            log.contains(&format!("hvattack: forged entry {n} (")),
+            format!("forged entry {n} came back into the module: {log:?}"),
+        );
+    }
+    let after = status(c).tracer;
+    ck.check(
+        after.forged_entries >= before.forged_entries + 3,
+        format!(
+            "the forged entries are counted: {} -> {}",
+            before.forged_entries, after.forged_entries
+        ),
+    );
+    ck.eq("no event from a forged entry", probe_hits(c, &name), hits);
+    exec(c, "sync");
+    let real = probe_hits(c, &name);
+    ck.check(
+        real.zip(hits).is_some_and(|(r, h)| r > h),
+        format!("a real call of the hooked function is still traced: {hits:?} -> {real:?}"),
+    );
+    ck.eq(
+        "a real call is not counted as forged",
+        status(c).tracer.forged_entries,
+        after.forged_entries,
+    );
+    let _ = call(c, Request::ProbeDel { name });
+    alive(ck, c, "forged trampoline entries");
 }
 
 fn bad_instructions(ck: &mut Checks, c: &mut hvtrace::client::Client) {
@@ -436,7 +604,9 @@ fn hostile_guest_fast_lane() {
     string_io(&mut ck, &mut c);
     forge_debug_port(&mut ck, &mut c);
     guest_breakpoint_on_hooked_page(&mut ck, &mut c);
-    nmi_storm(&mut ck, &vm, &mut c);
+    forged_trampoline_entries(&mut ck, &mut c);
+    let nmi_sp = nmi_storm(&mut ck, &vm, &mut c);
+    stack_map(&mut ck, &vm, &mut c, nmi_sp);
     two_hooked_pages(&mut ck, &mut c);
     alive(&mut ck, &mut c, "the read across two hooked pages");
     let (rc, out, err) = vm.cli(&["stop"]);

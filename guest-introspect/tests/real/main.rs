@@ -11,6 +11,7 @@ mod fentry;
 mod guest_path;
 mod kallsyms;
 mod malformed;
+mod stacks;
 
 use std::sync::OnceLock;
 
