@@ -121,6 +121,9 @@ const SITE_BYTES: usize = btree_entry_bytes::<u64, SiteUse>()
 /// reserved fallibly by the stack itself).
 const STACK_ENTRY_BYTES: usize =
     btree_entry_bytes::<u64, Tracked>() + btree_entry_bytes::<u64, (u64, i32, bool)>();
+/// Retired text renderers kept at most: each start and stop of a session
+/// (the host's requests) retires one, and without a stream none is drained.
+const MAX_RETIRED: usize = 64;
 /// Sites released per pass when unhooking (a fixed buffer on root's stack:
 /// a release never allocates).
 const RELEASE_BATCH: usize = 256;
@@ -149,6 +152,19 @@ fn out_of_memory(what: &str, e: OutOfMemory) -> ReqError {
             heap::room() >> 10
         ),
     )
+}
+
+/// Keeps a stopped session's renderer for its events still in the ring:
+/// at most [`MAX_RETIRED`] (the oldest goes first, as a renderer of a
+/// session stopped long ago does once drained), and none when the heap has
+/// no room (its events then print nothing, as for the oldest).
+fn retire(retired: &mut Vec<(u32, u8, GraphText)>, r: (u32, u8, GraphText)) {
+    if retired.len() >= MAX_RETIRED {
+        retired.remove(0);
+    }
+    if fallible::try_push(retired, r).is_err() {
+        log::warn!("tracer: out of hypervisor memory for a stopped session's renderer");
+    }
 }
 
 /// A map of guest sites (site -> function) for a request, at most
@@ -947,7 +963,7 @@ impl Tracer {
             if g.text.has_pending() {
                 let fresh = GraphText::new(g.filter.retval);
                 let old = core::mem::replace(&mut g.text, fresh);
-                self.retired.push((user as u32, RETIRED_GEN, old));
+                retire(&mut self.retired, (user as u32, RETIRED_GEN, old));
             }
         }
     }
@@ -1161,7 +1177,7 @@ impl Tracer {
         let mut mask = 0u16;
         for u in users {
             if let Some(g) = self.sessions[u].take() {
-                self.retired.push((u as u32, self.generations[u], g.text));
+                retire(&mut self.retired, (u as u32, self.generations[u], g.text));
             }
             mask |= 1 << u;
         }
