@@ -185,6 +185,11 @@ pub enum BtfError {
     UnexpectedType(&'static str),
     /// A type id that does not exist.
     BadId(u32),
+    /// The heap refused a buffer of the walk.
+    OutOfMemory {
+        /// Bytes asked for.
+        bytes: usize,
+    },
     /// The section could not be read.
     Read(ViewError),
 }
@@ -205,8 +210,18 @@ impl fmt::Display for BtfError {
             Self::NoMember(m) => write!(f, "BTF struct has no member {m}"),
             Self::UnexpectedType(m) => write!(f, "BTF member {m} has an unexpected type"),
             Self::BadId(id) => write!(f, "BTF type id {id} does not exist"),
+            Self::OutOfMemory { bytes } => write!(
+                f,
+                "out of hypervisor memory: BTF parsing needs {bytes} more bytes"
+            ),
             Self::Read(e) => write!(f, "BTF unreadable: {e}"),
         }
+    }
+}
+
+impl From<crate::fallible::OutOfMemory> for BtfError {
+    fn from(e: crate::fallible::OutOfMemory) -> Self {
+        Self::OutOfMemory { bytes: e.bytes }
     }
 }
 
@@ -314,8 +329,11 @@ impl<V: VirtMemory + ?Sized> Window<'_, V> {
             .filter(|&e| e <= self.len)
             .ok_or(BtfError::Malformed { at: off })?;
         if off < self.at || end > self.at + self.buf.len() as u32 {
-            let take = core::cmp::min(self.size, self.len - off).max(n);
-            self.buf.resize(take as usize, 0);
+            let take = core::cmp::min(self.size, self.len - off).max(n) as usize;
+            // At most the window size (16 KiB), but fallible all the same.
+            let more = take.saturating_sub(self.buf.len());
+            crate::fallible::try_reserve(&mut self.buf, more)?;
+            self.buf.resize(take, 0);
             self.view
                 .read_virt(self.base.wrapping_add(off as u64), &mut self.buf)?;
             self.at = off;
@@ -415,7 +433,9 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         while off < type_len {
             pace.pause().await;
             if btf.count.is_multiple_of(CHECKPOINT_EVERY) {
-                btf.checkpoints.push(off);
+                // One a `CHECKPOINT_EVERY` types: at most 170 KiB for
+                // `MAX_BTF_BYTES` of 12-byte types, reserved fallibly.
+                crate::fallible::try_push(&mut btf.checkpoints, off)?;
             }
             let t = w.get(off, 12)?;
             let info = u32_le(t, 4);

@@ -279,6 +279,10 @@ pub struct Survey {
     /// The distinct sites, sorted (includes init-text sites when
     /// `keep_init_sites` was asked for).
     pub sites: Vec<Gva>,
+    /// Sites left out of [`Self::sites`] (and so of
+    /// [`Self::unique_sites`]) because the heap refused room for them; the
+    /// other counts are complete.
+    pub sites_refused: u64,
 }
 
 /// Classifies every symbol of `index` (one 9-byte read per code symbol).
@@ -323,7 +327,7 @@ pub async fn survey_paced<V: VirtMemory + ?Sized>(
                 if site.endbr != Endbr::None {
                     s.with_endbr += 1;
                 }
-                s.sites.push(site.site);
+                keep_site(&mut s, site.site);
             }
             Err(NotTraceable::DataSymbol) => s.data += 1,
             Err(NotTraceable::NotText) => s.not_text += 1,
@@ -332,7 +336,7 @@ pub async fn survey_paced<V: VirtMemory + ?Sized>(
                 if let Some(site) = site {
                     s.init_text_with_site += 1;
                     if keep_init_sites {
-                        s.sites.push(site);
+                        keep_site(&mut s, site);
                     }
                 }
             }
@@ -347,6 +351,14 @@ pub async fn survey_paced<V: VirtMemory + ?Sized>(
     s
 }
 
+/// Adds `site` to the survey's list, or counts it refused when the heap
+/// has no room (a survey is a report: it never aborts for memory).
+fn keep_site(s: &mut Survey, site: Gva) {
+    if crate::fallible::try_push(&mut s.sites, site).is_err() {
+        s.sites_refused += 1;
+    }
+}
+
 /// Why the guest's ftrace records could not be read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -359,6 +371,11 @@ pub enum RecordsError {
     TooMany,
     /// A page or record is unreadable.
     Read(ViewError),
+    /// The heap refused room for the records.
+    OutOfMemory {
+        /// Bytes asked for.
+        bytes: usize,
+    },
 }
 
 /// Bounds on the walk of guest-controlled lists.
@@ -417,6 +434,8 @@ pub fn ftrace_records<V: VirtMemory + ?Sized>(
             let at = Gva(records.wrapping_add(16 * done as u64));
             view.read_virt(at, &mut buf[..16 * k])
                 .map_err(RecordsError::Read)?;
+            crate::fallible::try_grow(&mut out, k)
+                .map_err(|e| RecordsError::OutOfMemory { bytes: e.bytes })?;
             out.extend(buf[..16 * k].chunks_exact(16).map(|r| {
                 Gva(u64::from_le_bytes([
                     r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7],

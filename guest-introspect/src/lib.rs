@@ -16,10 +16,13 @@
 //!   [`facts::discover`] (and [`facts::discover_budgeted`], resumable).
 //! - [`budget`]: the work budget of a recovery, and its slicing across
 //!   calls.
+//! - [`fallible`]: allocation that reports [`fallible::OutOfMemory`]
+//!   instead of aborting, for every size that follows guest data.
 //!
 //! Nothing here trusts guest memory: every length and offset read from the
 //! guest is bounded before use, allocations of guest-chosen sizes are capped
-//! ([`kallsyms::DEFAULT_MAX_INDEX_BYTES`], [`btf::MAX_BTF_BYTES`]), the work
+//! ([`kallsyms::DEFAULT_MAX_INDEX_BYTES`], [`btf::MAX_BTF_BYTES`]) and
+//! fallible (a refused allocation is an error, never an abort), the work
 //! of one recovery is bounded by a [`budget::Budget`] shared by all of its
 //! searches ([`budget::RECOVERY_BUDGET`]), and malformed tables give
 //! errors, never panics.
@@ -65,6 +68,7 @@ pub mod btf;
 pub mod budget;
 pub mod elf;
 pub mod facts;
+pub mod fallible;
 pub mod fentry;
 pub mod glob;
 pub mod kallsyms;

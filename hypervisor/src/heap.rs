@@ -1,11 +1,35 @@
 //! The hypervisor heap: a fixed region of the frame pool handed to a
 //! first-fit allocator. Only VMX root uses it; the guest never sees it.
+//!
+//! # One heap budget
+//! Every allocation whose size follows guest or host data is fallible
+//! (`guest_introspect::fallible`, `try_reserve`) and checked against
+//! [`room`]: what is free beyond [`RESERVE`], which is kept for the control
+//! channel's frames, the per-hit event buffers and the small fixed
+//! structures. The big consumers check before they allocate: the symbol
+//! index is built within [`room`] at the time of recovery, the tracer's
+//! site and page maps and its graph sessions' sets check [`check`] before
+//! each new entry, and a return stack that finds no room is a counted miss.
+//!
+//! The allocations left infallible are bounded by construction (a frame
+//! of at most `protocol::MAX_FRAME` bytes, a kprobe event of at most
+//! `MAX_TRACE_ARGS` strings of `MAX_STRING_SIZE`, fixed-size search
+//! buffers) and fit in [`RESERVE`]. Should one still fail, the allocation
+//! error handler of a `no_std` binary (Rust's default since 1.68) panics
+//! with "memory allocation of N bytes failed", and the panic handler
+//! reports that with the heap's state ([`report`]) and powers the machine
+//! off: a clear report, never a silent halt.
 
 use crate::frames;
+use guest_introspect::fallible::OutOfMemory;
 use linked_list_allocator::LockedHeap;
 
 /// Heap size. The control channel and the symbol index are the main users.
 pub const HEAP_SIZE: u64 = 16 << 20;
+
+/// Heap kept free for what is allocated infallibly (see the module
+/// documentation): budgets are computed from what is free beyond it.
+pub const RESERVE: usize = 2 << 20;
 
 #[global_allocator]
 static HEAP: LockedHeap = LockedHeap::empty();
@@ -23,4 +47,32 @@ pub fn init() -> Option<u64> {
 /// Bytes of the heap in use.
 pub fn used() -> usize {
     HEAP.lock().used()
+}
+
+/// Bytes of the heap free (in total: a first-fit heap may still refuse one
+/// block of that size when the free space is fragmented, which the
+/// fallible allocations report).
+pub fn free() -> usize {
+    HEAP.lock().free()
+}
+
+/// Bytes a new guest- or host-sized structure may take: what is free
+/// beyond [`RESERVE`].
+pub fn room() -> usize {
+    free().saturating_sub(RESERVE)
+}
+
+/// `Ok` when `bytes` more fit in [`room`].
+pub fn check(bytes: usize) -> Result<(), OutOfMemory> {
+    if bytes <= room() {
+        Ok(())
+    } else {
+        Err(OutOfMemory { bytes })
+    }
+}
+
+/// (used, free) bytes, unless the heap's lock is held (a report from a
+/// panic or fault must not wait on it).
+pub fn report() -> Option<(usize, usize)> {
+    HEAP.try_lock().map(|h| (h.used(), h.free()))
 }

@@ -41,7 +41,8 @@ use protocol::{KernelReport, SymbolInfo, TaskInfo};
 
 const IA32_LSTAR: u32 = 0xc000_0082;
 const IA32_KERNEL_GS_BASE: u32 = 0xc000_0102;
-/// Heap the symbol index may take; the rest of the heap serves the channel.
+/// Heap the symbol index may take at most; less when the heap has less
+/// room ([`crate::heap::room`]) when recovery starts.
 const MAX_INDEX_BYTES: usize = 10 << 20;
 
 /// Guest RAM as introspection reads it: anything but hypervisor memory and
@@ -375,12 +376,22 @@ async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> 
     let mut last = String::new();
     for which in 0..2 {
         shared.which.set(which);
-        match facts::discover_budgeted(&m, &[range], MAX_INDEX_BYTES).await {
+        // One heap budget: the index takes at most what is free beyond
+        // the heap's reserve, checked before any of it is allocated.
+        let room = crate::heap::room();
+        let max_index = MAX_INDEX_BYTES.min(room);
+        match facts::discover_budgeted(&m, &[range], max_index).await {
             Ok(f) => {
                 budget.set_stage("fentry survey");
                 let survey = fentry::survey_paced(&m, &f.symbols, false, budget).await;
                 if budget.exhausted() {
                     return Err(spent(budget));
+                }
+                if survey.sites_refused > 0 {
+                    log::warn!(
+                        "introspection: out of hypervisor memory in the fentry survey: {} sites not counted",
+                        survey.sites_refused
+                    );
                 }
                 let text = f.symbols.iter().filter(|s| s.kind.is_text()).count() as u32;
                 let release = f
@@ -409,6 +420,14 @@ async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> 
                 });
             }
             Err(KallsymsError::BudgetExhausted) => return Err(spent(budget)),
+            Err(KallsymsError::TooLarge { bytes }) => {
+                return Err(format!(
+                    "out of hypervisor memory: the symbol index needs {bytes} bytes, {max_index} may be used ({} KiB of the heap free beyond its reserve, at most {} KiB for the index)",
+                    room >> 10,
+                    MAX_INDEX_BYTES >> 10
+                ))
+            }
+            Err(e @ KallsymsError::OutOfMemory { .. }) => return Err(e.to_string()),
             Err(e) => last = format!("kallsyms not found: {e}"),
         }
     }

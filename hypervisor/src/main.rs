@@ -172,8 +172,19 @@ fn run(
 }
 
 /// A panic ends the VM cleanly: one `error:` line for the host, then a
-/// power-off (never a silent halt).
+/// power-off (never a silent halt). An infallible allocation the heap
+/// refused ends here too (the default allocation error handler panics with
+/// "memory allocation of N bytes failed"), so the line carries the heap's
+/// state.
 #[panic_handler]
 fn panic(info: &core::panic::PanicInfo<'_>) -> ! {
-    fatal::die(format_args!("hypervisor panic: {info}"))
+    match heap::report() {
+        Some((used, free)) => fatal::die(format_args!(
+            "hypervisor panic: {info} (heap: {} KiB used, {} KiB free of {} KiB)",
+            used >> 10,
+            free >> 10,
+            heap::HEAP_SIZE >> 10
+        )),
+        None => fatal::die(format_args!("hypervisor panic: {info}")),
+    }
 }

@@ -30,6 +30,7 @@
 
 use crate::arch::instructions as insn;
 use crate::frames::{self, PoolTables};
+use crate::heap;
 use crate::introspect::{CpuView, GuestRam, Kernel};
 use crate::phys;
 use alloc::collections::{BTreeMap, BTreeSet};
@@ -38,6 +39,7 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use core::fmt::Write;
 use guest_introspect::addr::Gva as KGva;
+use guest_introspect::fallible::{self, btree_entry_bytes, OutOfMemory};
 use guest_introspect::fentry::Classifier;
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::StackMap;
@@ -105,6 +107,27 @@ const TRACE_TEXT_BUDGET: usize = 2800;
 const LEAF_HOLD_NS: u64 = 100_000_000;
 /// Output queue the drain leaves for responses.
 const TX_HEADROOM: usize = 8 * 1024;
+/// Sites hooked at most (Debian's kernel has about 38,000 traceable
+/// functions). With [`heap::check`] before each new one, this bounds the
+/// site and page maps, which cannot reserve.
+const MAX_SITES: usize = 1 << 16;
+/// Probes defined at most.
+const MAX_PROBES: usize = 1024;
+/// Heap one more hooked site may take: its `sites` entry, a `pages` entry
+/// and a patch.
+const SITE_BYTES: usize = btree_entry_bytes::<u64, SiteUse>()
+    + btree_entry_bytes::<u64, Hooked>()
+    + core::mem::size_of::<Patch>();
+/// Heap one more tracked return stack may take (its entry; the frames are
+/// reserved fallibly by the stack itself).
+const STACK_ENTRY_BYTES: usize =
+    btree_entry_bytes::<u64, Tracked>() + btree_entry_bytes::<u64, (u64, i32, bool)>();
+/// Retired text renderers kept at most: each start and stop of a session
+/// (the host's requests) retires one, and without a stream none is drained.
+const MAX_RETIRED: usize = 64;
+/// Sites released per pass when unhooking (a fixed buffer on root's stack:
+/// a release never allocates).
+const RELEASE_BATCH: usize = 256;
 
 /// Start of the kernel-image mapping (`__START_KERNEL_map`) and its size
 /// (`KERNEL_IMAGE_SIZE` with KASLR): PML4 511, PDPT 510.
@@ -119,6 +142,38 @@ const PTE_G: u64 = 1 << 8;
 
 /// A request error for the control channel.
 pub type ReqError = (ErrorKind, String);
+
+/// The request error for a refused allocation of `what`.
+fn out_of_memory(what: &str, e: OutOfMemory) -> ReqError {
+    (
+        ErrorKind::OutOfResources,
+        format!(
+            "out of hypervisor memory: {what} needs {} bytes ({} KiB of the heap free beyond its reserve)",
+            e.bytes,
+            heap::room() >> 10
+        ),
+    )
+}
+
+/// Keeps a stopped session's renderer for its events still in the ring:
+/// at most [`MAX_RETIRED`] (the oldest goes first, as a renderer of a
+/// session stopped long ago does once drained), and none when the heap has
+/// no room (its events then print nothing, as for the oldest).
+fn retire(retired: &mut Vec<(u32, u8, GraphText)>, r: (u32, u8, GraphText)) {
+    if retired.len() >= MAX_RETIRED {
+        retired.remove(0);
+    }
+    if fallible::try_push(retired, r).is_err() {
+        log::warn!("tracer: out of hypervisor memory for a stopped session's renderer");
+    }
+}
+
+/// A map of guest sites (site -> function) for a request, at most
+/// [`MAX_SITES`] entries and within the heap's room.
+fn insert_site(map: &mut BTreeMap<u64, u64>, site: u64, func: u64) -> Result<(), OutOfMemory> {
+    heap::check(btree_entry_bytes::<u64, u64>())?;
+    fallible::try_insert(map, site, func, MAX_SITES).map(|_| ())
+}
 
 struct Region {
     tramp: TrampolineRegion,
@@ -517,6 +572,16 @@ impl Tracer {
         if self.sites.contains_key(&site) {
             return Ok(());
         }
+        // The maps cannot reserve: bound them, and check the heap before
+        // anything changes.
+        if self.sites.len() >= MAX_SITES {
+            return Err(PatchError::Perm("the table of hooked sites is full"));
+        }
+        if heap::check(SITE_BYTES).is_err() {
+            return Err(PatchError::Perm(
+                "out of hypervisor memory for the table of hooked sites",
+            ));
+        }
         let Some(region) = &self.region else {
             return Err(PatchError::Perm("no trampoline region"));
         };
@@ -562,6 +627,16 @@ impl Tracer {
         let Some(h) = self.pages.get_mut(&page) else {
             return Err(PatchError::Fault);
         };
+        if fallible::try_grow(&mut h.patches, 1).is_err() {
+            if new_page {
+                if let Some(h) = self.pages.remove(&page) {
+                    self.free_shadows.push(h.shadow);
+                }
+            }
+            return Err(PatchError::Perm(
+                "out of hypervisor memory for the page's patches",
+            ));
+        }
         // The shadow holds the guest's bytes here (copied, or re-synced on
         // the guest's last write): check them, then write ours.
         // SAFETY: the shadow frame belongs to this hooked page alone.
@@ -664,6 +739,13 @@ impl Tracer {
                 format!("probe {}/{} already exists", spec.group, spec.event),
             ));
         }
+        if self.probes.len() >= MAX_PROBES {
+            return Err((
+                ErrorKind::OutOfResources,
+                format!("at most {MAX_PROBES} probes; delete one first"),
+            ));
+        }
+        fallible::try_grow(&mut self.probes, 1).map_err(|e| out_of_memory("a probe", e))?;
         let syms = IndexSymbols(k.index());
         spec.resolve_symbols(&syms).map_err(|name| {
             (
@@ -694,14 +776,20 @@ impl Tracer {
             )
         })?;
         let pid = self.next_id;
-        self.next_id += 1;
-        if let Some(u) = self.sites.get_mut(&site) {
-            if spec.kind.is_return() {
-                u.retprobes.push(u64::from(pid));
-            } else {
-                u.probes.push(pid);
+        let pushed = match self.sites.get_mut(&site) {
+            Some(u) if spec.kind.is_return() => {
+                fallible::try_push(&mut u.retprobes, u64::from(pid))
             }
+            Some(u) => fallible::try_push(&mut u.probes, pid),
+            None => Ok(()),
+        };
+        if let Err(e) = pushed {
+            // A site hooked for this probe alone goes again.
+            self.unhook_if_unused(ept, site);
+            invept(ept);
+            return Err(out_of_memory("the probe's site", e));
         }
+        self.next_id += 1;
         let name = format!("{}/{}", spec.group, spec.event);
         log::info!("tracer: probe {name} on {} at {site:#x}", spec.symbol);
         self.probes.push(Probe {
@@ -769,14 +857,28 @@ impl Tracer {
         let mut skipped = Vec::new();
         let mut skipped_total = 0u32;
         let mut seen = alloc::collections::BTreeSet::new();
-        let ids: Vec<_> = index.glob(glob).collect();
+        let ids = fallible::try_collect(index.glob(glob))
+            .map_err(|e| out_of_memory("the list of matching symbols", e))?;
         for id in ids {
             let Ok(fs) = classifier.classify(&view, id) else {
                 continue; // not traceable: not a match for the tracer
             };
-            if !seen.insert(fs.site.0) {
+            if seen.contains(&fs.site.0) {
                 continue; // an alias of a function already done
             }
+            // The set cannot reserve: past the site table's bound (or the
+            // heap's room) the rest could not be hooked anyway.
+            if seen.len() >= MAX_SITES || heap::check(btree_entry_bytes::<u64, ()>()).is_err() {
+                skipped_total += 1;
+                if skipped.len() < 8 {
+                    skipped.push(format!(
+                        "{}: out of hypervisor memory for the request",
+                        index.name(id)
+                    ));
+                }
+                continue;
+            }
+            seen.insert(fs.site.0);
             match self.hook(k, ept, fs.site.0, fs.func.0, rip) {
                 Ok(()) => {
                     if let Some(u) = self.sites.get_mut(&fs.site.0) {
@@ -808,16 +910,44 @@ impl Tracer {
 
     /// Takes one user off every site (`release` does it and says whether
     /// the site had that user) and unhooks the sites nothing else uses.
+    /// A release never allocates: the sites to unhook are taken a fixed
+    /// batch at a time.
     fn release_sites(&mut self, ept: &Ept, mut release: impl FnMut(&mut SiteUse) -> bool) {
-        let sites: Vec<u64> = self
-            .sites
-            .iter_mut()
-            .filter_map(|(s, u)| release(u).then_some(*s))
-            .collect();
-        for s in sites {
-            self.unhook_if_unused(ept, s);
+        let mut any = false;
+        for u in self.sites.values_mut() {
+            any |= release(u);
+        }
+        if any {
+            self.unhook_unused(ept);
         }
         invept(ept);
+    }
+
+    /// Unhooks every site nothing uses any more.
+    fn unhook_unused(&mut self, ept: &Ept) {
+        let mut from = 0u64;
+        loop {
+            let mut batch = [0u64; RELEASE_BATCH];
+            let mut n = 0;
+            let mut next = None;
+            for (&s, u) in self.sites.range(from..) {
+                if n == RELEASE_BATCH {
+                    next = Some(s);
+                    break;
+                }
+                if u.probes.is_empty() && u.retprobes.is_empty() && !u.function && u.graph == 0 {
+                    batch[n] = s;
+                    n += 1;
+                }
+            }
+            for &s in &batch[..n] {
+                self.unhook_if_unused(ept, s);
+            }
+            match next {
+                Some(s) => from = s,
+                None => return,
+            }
+        }
     }
 
     /// Whether rendered output is waiting (the stream wants busy turns).
@@ -843,7 +973,7 @@ impl Tracer {
             if g.text.has_pending() {
                 let fresh = GraphText::new(g.filter.retval);
                 let old = core::mem::replace(&mut g.text, fresh);
-                self.retired.push((user as u32, RETIRED_GEN, old));
+                retire(&mut self.retired, (user as u32, RETIRED_GEN, old));
             }
         }
     }
@@ -949,28 +1079,31 @@ impl Tracer {
         let view = PagedView::new(&GuestRam, k.cr3());
         let classifier = Classifier::new(index);
         let site_of = |id| classifier.classify(&view, id).ok();
-        let sites_of = |globs: &[String]| {
+        // Each set is bounded ([`MAX_SITES`]) and checked against the
+        // heap's room entry by entry: the globs are the host's, the
+        // symbols the guest's.
+        let oom = |e| out_of_memory("the function-graph session's sets", e);
+        let sites_of = |globs: &[String]| -> Result<BTreeMap<u64, u64>, ReqError> {
             let mut out = BTreeMap::new();
             for g in globs {
                 for id in index.glob(g) {
                     if let Some(fs) = site_of(id) {
-                        out.insert(fs.site.0, fs.func.0);
+                        insert_site(&mut out, fs.site.0, fs.func.0).map_err(oom)?;
                     }
                 }
             }
-            out
+            Ok(out)
         };
-        let notrace = sites_of(&filter.notrace);
-        let graph_notrace: BTreeMap<u64, u64> = sites_of(&filter.graph_notrace)
-            .into_iter()
-            .filter(|(s, _)| !notrace.contains_key(s))
-            .collect();
+        let notrace = sites_of(&filter.notrace)?;
+        let mut graph_notrace = sites_of(&filter.graph_notrace)?;
+        graph_notrace.retain(|s, _| !notrace.contains_key(s));
         let mut roots = BTreeSet::new();
         let mut wanted = BTreeMap::new();
-        for (site, func) in sites_of(&filter.functions) {
+        for (site, func) in sites_of(&filter.functions)? {
             if !notrace.contains_key(&site) {
+                heap::check(btree_entry_bytes::<u64, ()>()).map_err(oom)?;
                 roots.insert(func);
-                wanted.insert(site, func);
+                insert_site(&mut wanted, site, func).map_err(oom)?;
             }
         }
         if !filter.functions.is_empty() && roots.is_empty() {
@@ -982,19 +1115,29 @@ impl Tracer {
                 ),
             ));
         }
-        let trace: Vec<String> = if filter.trace.is_empty() {
-            alloc::vec![String::from("*")]
+        let every = [String::from("*")];
+        let trace: &[String] = if filter.trace.is_empty() {
+            &every
         } else {
-            filter.trace.clone()
+            &filter.trace
         };
-        for (site, func) in sites_of(&trace) {
+        for (site, func) in sites_of(trace)? {
             if !notrace.contains_key(&site) {
-                wanted.insert(site, func);
+                insert_site(&mut wanted, site, func).map_err(oom)?;
             }
         }
         // A set_graph_notrace function is hooked even outside the trace
         // set: its frame is what hides its callees.
-        wanted.extend(graph_notrace.iter().map(|(&s, &f)| (s, f)));
+        for (&site, &func) in &graph_notrace {
+            insert_site(&mut wanted, site, func).map_err(oom)?;
+        }
+        // The session keeps the graph_notrace functions as a set.
+        heap::check(
+            graph_notrace
+                .len()
+                .saturating_mul(btree_entry_bytes::<u64, ()>()),
+        )
+        .map_err(oom)?;
         let bit = 1u16 << user;
         let (mut hooked, mut skipped) = (0u32, 0u32);
         for (site, func) in wanted {
@@ -1044,7 +1187,7 @@ impl Tracer {
         let mut mask = 0u16;
         for u in users {
             if let Some(g) = self.sessions[u].take() {
-                self.retired.push((u as u32, self.generations[u], g.text));
+                retire(&mut self.retired, (u as u32, self.generations[u], g.text));
             }
             mask |= 1 << u;
         }
@@ -1145,7 +1288,9 @@ impl Tracer {
         }
         let stack_bytes = self.stack_frames as usize * FRAME_TAGGED * 8;
         let max_stacks = (STACK_BUDGET / stack_bytes.max(1)).min(MAX_STACKS);
-        if !self.stacks.contains_key(&key) && self.stacks.len() >= max_stacks {
+        if !self.stacks.contains_key(&key)
+            && (self.stacks.len() >= max_stacks || heap::check(STACK_ENTRY_BYTES).is_err())
+        {
             self.stats.graph_misses += 1;
             self.retprobes_missed(retprobes);
             return;

@@ -23,6 +23,7 @@ use super::locate::{AddressMode, KallsymsError, KallsymsTables};
 use super::{entry_header, for_each_offset, KSYM_NAME_LEN, MAX_SYMS};
 use crate::addr::{Gva, GvaRange};
 use crate::budget::{block_on, Budget, Metered, RECOVERY_BUDGET};
+use crate::fallible::{self, OutOfMemory};
 use crate::glob;
 use crate::view::{read_array, ViewError, VirtMemory};
 
@@ -210,7 +211,9 @@ impl SymbolIndex {
 
     /// [`Self::build`], refusing ([`KallsymsError::TooLarge`]) tables whose
     /// index would take more than `max_bytes` of heap: the sizes come from
-    /// guest memory, and a hypervisor heap is small. The build may do
+    /// guest memory, and a hypervisor heap is small. Every buffer is
+    /// reserved fallibly: a heap that cannot serve one (even within
+    /// `max_bytes`) gives [`KallsymsError::OutOfMemory`], never an abort. The build may do
     /// [`RECOVERY_BUDGET`] units of work (see [`Self::build_budgeted`]).
     pub fn build_limited<V: VirtMemory + ?Sized>(
         view: &V,
@@ -250,8 +253,10 @@ impl SymbolIndex {
                 KallsymsError::Read(e)
             }
         };
+        // A refused allocation reports what the whole index needs.
+        let oom = |_: OutOfMemory| KallsymsError::OutOfMemory { bytes };
         let read = |gva: Gva, len: usize| -> Result<Vec<u8>, KallsymsError> {
-            let mut v = alloc::vec![0u8; len];
+            let mut v = fallible::try_vec(0u8, len).map_err(oom)?;
             view.read_virt(gva, &mut v).map_err(read_err)?;
             Ok(v)
         };
@@ -274,7 +279,7 @@ impl SymbolIndex {
         }
         let tokens = Tokens { bytes, start, len };
 
-        let mut names = alloc::vec![0u8; t.names_len as usize];
+        let mut names = fallible::try_vec(0u8, t.names_len as usize).map_err(oom)?;
         let mut at = t.names;
         for piece in names.chunks_mut(NAMES_PIECE) {
             budget.pause().await;
@@ -292,7 +297,8 @@ impl SymbolIndex {
                 markers_raw[o + 3],
             ])
         };
-        let mut offsets: Vec<i32> = Vec::with_capacity(n as usize);
+        // Reserved for all `n`: the pushes below never grow it.
+        let mut offsets: Vec<i32> = fallible::try_with_capacity(n as usize).map_err(oom)?;
         for_each_offset(view, t.offsets, n, budget, |o| {
             offsets.push(o);
             true
@@ -305,9 +311,11 @@ impl SymbolIndex {
             mode: t.mode,
             offsets,
             names,
-            anchors: Vec::with_capacity((n as usize).div_ceil(ANCHOR_EVERY as usize)),
+            // One anchor per `ANCHOR_EVERY` ids, all reserved here.
+            anchors: fallible::try_with_capacity((n as usize).div_ceil(ANCHOR_EVERY as usize))
+                .map_err(oom)?,
             tokens,
-            buckets: alloc::vec![EMPTY; bucket_count(n as usize)],
+            buckets: fallible::try_vec(EMPTY, bucket_count(n as usize)).map_err(oom)?,
             text: None,
             init_text: None,
             longest_probe: 0,

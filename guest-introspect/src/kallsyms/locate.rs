@@ -1,5 +1,12 @@
 //! Finding the kallsyms tables (see the module documentation for the
 //! layouts and the steps).
+//!
+//! The search's own buffers are bounded by constants, not by what the guest
+//! claims: the token table at most `MAX_TOKEN_TABLE`, backward reads
+//! `BACK_CHUNK`, a marker run at most `MAX_SYMS / 256 + 1` words (64 KiB),
+//! the names check `2 * 256 * MAX_ENTRY` bytes (about 257 KiB). They stay
+//! infallible: the hypervisor keeps more than that free beside the symbol
+//! index's budget.
 
 use alloc::vec::Vec;
 use core::cell::Cell;
@@ -147,6 +154,12 @@ pub enum KallsymsError {
         /// Bytes it would take.
         bytes: usize,
     },
+    /// The heap refused one of the index's buffers (the index was within
+    /// its limit, but the heap had less room).
+    OutOfMemory {
+        /// Bytes the whole index needs.
+        bytes: usize,
+    },
     /// More symbols than [`super::MAX_SYMS`].
     TooManySymbols(u32),
     /// The tables could not be read.
@@ -176,6 +189,10 @@ impl fmt::Display for KallsymsError {
             Self::TooLarge { bytes } => {
                 write!(f, "a kallsyms index of {bytes} bytes is more than allowed")
             }
+            Self::OutOfMemory { bytes } => write!(
+                f,
+                "out of hypervisor memory: the symbol index needs {bytes} bytes"
+            ),
             Self::Read(e) => write!(f, "kallsyms tables unreadable: {e}"),
         }
     }
@@ -192,6 +209,7 @@ impl KallsymsError {
             | Self::BadNames { .. }
             | Self::TooManySymbols(_)
             | Self::TooLarge { .. }
+            | Self::OutOfMemory { .. }
             | Self::Read(_) => 3,
             Self::BudgetExhausted => 4,
         }
