@@ -223,6 +223,14 @@ impl Introspection {
                     b.bytes_read() >> 10,
                     k.report.index_bytes >> 10
                 );
+                if let Some((_, pid, comm)) = k.current(cpu) {
+                    let n = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+                    log::info!(
+                        "introspection: recovery ended in pid {pid} ({}), CR3 {:#x}",
+                        core::str::from_utf8(&comm[..n]).unwrap_or("?"),
+                        cpu.cr3
+                    );
+                }
                 k.log_stacks(&k.stack_map(cpu));
                 self.kernel = Some(k);
                 self.last_error = None;

@@ -32,6 +32,10 @@
 //! - **Jumps into the entry trampoline with forged registers** are refused
 //!   and counted, with no event; the guest goes where its forged pt_regs
 //!   says.
+//! - **Recovery inside a process that then exits**: recovery's last
+//!   slices run in a busy loop, which is killed and its memory reused;
+//!   a function-graph session over two sleepers then hooks, names the right
+//!   tasks and returns every call (kernel walks use init_top_pgt).
 //! - **A guest hardware breakpoint on a hooked page**: it fires for a read
 //!   that root single-steps (root swallows only its own single-step).
 //! - **Two hooked pages in one instruction**: a read across the boundary of
@@ -355,6 +359,104 @@ fn guest_breakpoint_on_hooked_page(ck: &mut Checks, c: &mut hvtrace::client::Cli
     alive(ck, c, "a guest breakpoint on a hooked page");
 }
 
+/// Recovery ran inside a busy process (its last slices walked that
+/// process's page tables); the process has exited and its memory has been
+/// reused. Root's kernel walks use the kernel's own top-level table, so a
+/// graph session over sleepers still hooks, sees the right tasks and
+/// returns every hijacked call: no #UD, no oops, no orphan.
+fn sleepers_after_recovery_in_a_dead_process(
+    ck: &mut Checks,
+    vm: &Detached,
+    c: &mut hvtrace::client::Client,
+    busy: &str,
+) {
+    let log = vm.emulator_output();
+    let ended = log
+        .lines()
+        .find(|l| l.contains("introspection: recovery ended in pid"))
+        .unwrap_or("")
+        .to_string();
+    ck.check(
+        ended.contains(&format!("pid {busy} (sh)")),
+        format!("recovery ended inside the busy process {busy}: {ended:?}"),
+    );
+    exec(
+        c,
+        &format!(
+            "kill {busy}; wait; dd if=/dev/zero of=/tmp/fill bs=1M count=16 2>/dev/null; rm /tmp/fill; echo 3 >/proc/sys/vm/drop_caches"
+        ),
+    );
+    let before = status(c).tracer;
+    let mut stream = hvtrace_tests::Stream::new();
+    let _ = stream.read(c);
+    let session = match call(
+        c,
+        Request::GraphStart(protocol::GraphFilter {
+            functions: vec!["do_nanosleep".into()],
+            trace: vec!["do_nanosleep".into(), "hrtimer_*".into()],
+            ..protocol::GraphFilter::default()
+        }),
+    ) {
+        Response::GraphStarted {
+            session, hooked, ..
+        } => {
+            ck.check(
+                hooked > 1,
+                format!("the session hooked its functions: {hooked}"),
+            );
+            Some(session)
+        }
+        other => {
+            ck.check(
+                false,
+                format!("graph start after the process exited: {other:?}"),
+            );
+            None
+        }
+    };
+    exec(c, "hvbench sleep 200 & hvbench sleep 300 & wait");
+    let text = stream.read(c);
+    if let Some(session) = session {
+        ck.check(
+            matches!(
+                call(
+                    c,
+                    Request::GraphStop {
+                        session: Some(session)
+                    }
+                ),
+                Response::Ok
+            ),
+            "graph stop",
+        );
+    }
+    let opens = text.matches("do_nanosleep() {").count();
+    let tasks: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split("=> ").nth(1))
+        .map(str::trim)
+        .collect();
+    println!("sleepers after recovery in a dead process: {opens} trees, tasks {tasks:?}");
+    ck.check(
+        opens >= 2,
+        format!("both sleepers' trees were traced: {opens}"),
+    );
+    ck.check(
+        tasks.iter().filter(|t| t.starts_with("hvbench-")).count() >= 2,
+        format!("the trees belong to the sleepers: {tasks:?}"),
+    );
+    let after = status(c).tracer;
+    ck.eq(
+        "no orphan returns",
+        after.graph_orphans,
+        before.graph_orphans,
+    );
+    ck.eq("no frame reaped", after.graph_reaped, before.graph_reaped);
+    ck.eq("no frame left", after.graph_frames, 0);
+    let dmesg = exec(c, "dmesg | grep -ciE 'invalid opcode|oops|BUG:' || true");
+    ck.eq("no oops in the guest", dmesg.trim(), "0");
+}
+
 /// Hits of probe `name`.
 fn probe_hits(c: &mut hvtrace::client::Client, name: &str) -> Option<u64> {
     match call(c, Request::ProbeList) {
@@ -591,6 +693,13 @@ fn hostile_guest_fast_lane() {
     );
     let mut c = vm.client();
     let mut ck = Checks::new();
+    // The first request starts recovery: let a busy process be what runs.
+    let busy = exec(
+        &mut c,
+        "sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!",
+    )
+    .trim()
+    .to_string();
     // Recovery ran (status needs it) and moved the kernel walks onto the
     // kernel's own top-level table, cross-checked against the CR3 it came
     // through; a task's CR3 would be freed when the task exits.
@@ -600,6 +709,7 @@ fn hostile_guest_fast_lane() {
             .contains("kernel walks use init_top_pgt at guest-physical"),
         "kernel walks use init_top_pgt",
     );
+    sleepers_after_recovery_in_a_dead_process(&mut ck, &vm, &mut c, &busy);
     bad_instructions(&mut ck, &mut c);
     string_io(&mut ck, &mut c);
     forge_debug_port(&mut ck, &mut c);
