@@ -139,6 +139,19 @@ fn gpr(regs: &mut GuestRegs, n: u8) -> Option<&mut u64> {
     })
 }
 
+/// Guest-physical memory through the guarded door, for the task-switch
+/// emulation.
+struct GuardedPhys;
+
+impl hypervisor::task_switch::Phys for GuardedPhys {
+    fn read(&self, gpa: u64, buf: &mut [u8]) -> bool {
+        phys::guest_ram().read(gpa, buf).is_ok()
+    }
+    fn write(&mut self, gpa: u64, buf: &[u8]) -> bool {
+        phys::guest_ram().write(gpa, buf).is_ok()
+    }
+}
+
 /// Why an emulated memory access faults.
 enum MemoryFault {
     /// #PF at this linear address, with this error code.
@@ -486,6 +499,7 @@ impl Vcpu {
             }
             VmExit::Cr(access) => self.cr_access(access),
             VmExit::Io(io) => self.io(io),
+            VmExit::TaskSwitch { qualification } => self.task_switch(qualification),
             VmExit::Vmcall => self.vmcall(),
             VmExit::VmxInstruction(_) => self.inject(UD, None),
             VmExit::Exception { vector: DB, info } => self.debug_exception(info),
@@ -1053,6 +1067,267 @@ impl Vcpu {
                 self.inject(PF, Some(code))
             }
             MemoryFault::General => self.inject(GP, Some(0)),
+        }
+    }
+
+    /// A task switch (legacy protected mode only): emulated as the CPU
+    /// would have done it (`hypervisor::task_switch`), the state copied
+    /// from and back to the VMCS. An event that was being delivered
+    /// through a task gate is consumed by the switch, not delivered again.
+    fn task_switch(&mut self, q: u64) -> Result<Next, VmcsError> {
+        use hypervisor::task_switch::{self as ts, LegacyPaging, Outcome, Seg, Source, TaskCpu};
+        let v = &mut Vmcs;
+        if f::GUEST_IA32_EFER.read(v)? & (1 << 10) != 0 {
+            // IA-32e mode raises #GP before a task switch could exit.
+            hvprintln!("error: a task switch exit in IA-32e mode: {q:#x}");
+            return Ok(Next::Stop(StopReason::Unhandled(9)));
+        }
+        self.guard.task_switches += 1;
+        let source = Source::from_qualification(q);
+        let rip = f::GUEST_RIP.read(v)?;
+        let len = u64::from(f::EXIT_INSTRUCTION_LEN.read(v)?);
+        let event = if source == Source::Gate {
+            self.vectoring.take()
+        } else {
+            None
+        };
+        let software = event.is_some_and(|e| {
+            matches!(
+                e.kind,
+                event::TYPE_SOFTWARE_INTERRUPT
+                    | event::TYPE_PRIVILEGED_SOFTWARE_EXCEPTION
+                    | event::TYPE_SOFTWARE_EXCEPTION
+            )
+        });
+        let return_eip = if source != Source::Gate || software {
+            rip.wrapping_add(len)
+        } else {
+            rip
+        };
+        macro_rules! seg_read {
+            ($sel:ident, $base:ident, $limit:ident, $ar:ident) => {
+                Seg {
+                    selector: f::$sel.read(v)?,
+                    base: f::$base.read(v)? as u32,
+                    limit: f::$limit.read(v)?,
+                    ar: f::$ar.read(v)?,
+                }
+            };
+        }
+        let r = &self.regs;
+        let mut cpu = TaskCpu {
+            gpr: [
+                r.rax as u32,
+                r.rcx as u32,
+                r.rdx as u32,
+                r.rbx as u32,
+                f::GUEST_RSP.read(v)? as u32,
+                r.rbp as u32,
+                r.rsi as u32,
+                r.rdi as u32,
+            ],
+            eip: rip as u32,
+            eflags: f::GUEST_RFLAGS.read(v)? as u32,
+            seg: [
+                seg_read!(
+                    GUEST_ES_SELECTOR,
+                    GUEST_ES_BASE,
+                    GUEST_ES_LIMIT,
+                    GUEST_ES_ACCESS_RIGHTS
+                ),
+                seg_read!(
+                    GUEST_CS_SELECTOR,
+                    GUEST_CS_BASE,
+                    GUEST_CS_LIMIT,
+                    GUEST_CS_ACCESS_RIGHTS
+                ),
+                seg_read!(
+                    GUEST_SS_SELECTOR,
+                    GUEST_SS_BASE,
+                    GUEST_SS_LIMIT,
+                    GUEST_SS_ACCESS_RIGHTS
+                ),
+                seg_read!(
+                    GUEST_DS_SELECTOR,
+                    GUEST_DS_BASE,
+                    GUEST_DS_LIMIT,
+                    GUEST_DS_ACCESS_RIGHTS
+                ),
+                seg_read!(
+                    GUEST_FS_SELECTOR,
+                    GUEST_FS_BASE,
+                    GUEST_FS_LIMIT,
+                    GUEST_FS_ACCESS_RIGHTS
+                ),
+                seg_read!(
+                    GUEST_GS_SELECTOR,
+                    GUEST_GS_BASE,
+                    GUEST_GS_LIMIT,
+                    GUEST_GS_ACCESS_RIGHTS
+                ),
+            ],
+            ldtr: seg_read!(
+                GUEST_LDTR_SELECTOR,
+                GUEST_LDTR_BASE,
+                GUEST_LDTR_LIMIT,
+                GUEST_LDTR_ACCESS_RIGHTS
+            ),
+            tr: seg_read!(
+                GUEST_TR_SELECTOR,
+                GUEST_TR_BASE,
+                GUEST_TR_LIMIT,
+                GUEST_TR_ACCESS_RIGHTS
+            ),
+            gdtr: (
+                f::GUEST_GDTR_BASE.read(v)? as u32,
+                f::GUEST_GDTR_LIMIT.read(v)?,
+            ),
+            cr0: f::GUEST_CR0.read(v)? as u32,
+            cr3: f::GUEST_CR3.read(v)? as u32,
+        };
+        let cr4 = f::GUEST_CR4.read(v)?;
+        let paging = if cpu.cr0 & (1 << 31) == 0 {
+            LegacyPaging::Off
+        } else if cr4 & (1 << 5) != 0 {
+            LegacyPaging::Pae {
+                pdptes: [
+                    f::GUEST_PDPTE0.read(v)?,
+                    f::GUEST_PDPTE1.read(v)?,
+                    f::GUEST_PDPTE2.read(v)?,
+                    f::GUEST_PDPTE3.read(v)?,
+                ],
+            }
+        } else {
+            LegacyPaging::Bits32 {
+                cr3: cpu.cr3,
+                pse: cr4 & (1 << 4) != 0,
+            }
+        };
+        let mut phys = GuardedPhys;
+        let mut mem = ts::LegacyLinear {
+            paging,
+            phys: &mut phys,
+            pdptes_changed: false,
+        };
+        let req = ts::Request {
+            selector: q as u16,
+            source,
+            return_eip: return_eip as u32,
+            error_code: event.and_then(|e| e.error_code),
+        };
+        let outcome = ts::switch(&mut cpu, &mut mem, req);
+        let (pdptes_changed, paging) = (mem.pdptes_changed, mem.paging);
+        if let Outcome::FaultBefore(fault) = outcome {
+            let (vector, code) = fault.vector_and_code();
+            if let ts::Fault::Pf(la, _) = fault {
+                insn::write_cr2(u64::from(la));
+            }
+            return self.inject(vector, Some(code));
+        }
+        // The new task's state, loaded (all of it, or up to a fault that
+        // the new task takes).
+        macro_rules! seg_write {
+            ($s:expr, $sel:ident, $base:ident, $limit:ident, $ar:ident) => {
+                f::$sel.write(v, $s.selector)?;
+                f::$base.write(v, u64::from($s.base))?;
+                f::$limit.write(v, $s.limit)?;
+                f::$ar.write(v, $s.ar)?;
+            };
+        }
+        let [es, cs, ss, ds, fs, gs] = cpu.seg;
+        seg_write!(
+            es,
+            GUEST_ES_SELECTOR,
+            GUEST_ES_BASE,
+            GUEST_ES_LIMIT,
+            GUEST_ES_ACCESS_RIGHTS
+        );
+        seg_write!(
+            cs,
+            GUEST_CS_SELECTOR,
+            GUEST_CS_BASE,
+            GUEST_CS_LIMIT,
+            GUEST_CS_ACCESS_RIGHTS
+        );
+        seg_write!(
+            ss,
+            GUEST_SS_SELECTOR,
+            GUEST_SS_BASE,
+            GUEST_SS_LIMIT,
+            GUEST_SS_ACCESS_RIGHTS
+        );
+        seg_write!(
+            ds,
+            GUEST_DS_SELECTOR,
+            GUEST_DS_BASE,
+            GUEST_DS_LIMIT,
+            GUEST_DS_ACCESS_RIGHTS
+        );
+        seg_write!(
+            fs,
+            GUEST_FS_SELECTOR,
+            GUEST_FS_BASE,
+            GUEST_FS_LIMIT,
+            GUEST_FS_ACCESS_RIGHTS
+        );
+        seg_write!(
+            gs,
+            GUEST_GS_SELECTOR,
+            GUEST_GS_BASE,
+            GUEST_GS_LIMIT,
+            GUEST_GS_ACCESS_RIGHTS
+        );
+        seg_write!(
+            cpu.ldtr,
+            GUEST_LDTR_SELECTOR,
+            GUEST_LDTR_BASE,
+            GUEST_LDTR_LIMIT,
+            GUEST_LDTR_ACCESS_RIGHTS
+        );
+        seg_write!(
+            cpu.tr,
+            GUEST_TR_SELECTOR,
+            GUEST_TR_BASE,
+            GUEST_TR_LIMIT,
+            GUEST_TR_ACCESS_RIGHTS
+        );
+        let g = cpu.gpr.map(u64::from);
+        self.regs.rax = g[0];
+        self.regs.rcx = g[1];
+        self.regs.rdx = g[2];
+        self.regs.rbx = g[3];
+        f::GUEST_RSP.write(v, g[4])?;
+        self.regs.rbp = g[5];
+        self.regs.rsi = g[6];
+        self.regs.rdi = g[7];
+        f::GUEST_RIP.write(v, u64::from(cpu.eip))?;
+        f::GUEST_RFLAGS.write(v, u64::from(cpu.eflags))?;
+        f::GUEST_CR0.write(v, u64::from(cpu.cr0))?;
+        f::GUEST_CR3.write(v, u64::from(cpu.cr3))?;
+        if let (true, LegacyPaging::Pae { pdptes }) = (pdptes_changed, paging) {
+            f::GUEST_PDPTE0.write(v, pdptes[0])?;
+            f::GUEST_PDPTE1.write(v, pdptes[1])?;
+            f::GUEST_PDPTE2.write(v, pdptes[2])?;
+            f::GUEST_PDPTE3.write(v, pdptes[3])?;
+        }
+        // The instruction that switched completed: no STI/MOV SS blocking.
+        let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
+        let nmi = event.is_some_and(|e| e.kind == event::TYPE_NMI);
+        let mut intr = intr & !(event::BLOCKING_BY_STI | event::BLOCKING_BY_MOV_SS);
+        if nmi {
+            intr |= event::BLOCKING_BY_NMI;
+        }
+        f::GUEST_INTERRUPTIBILITY.write(v, intr)?;
+        match outcome {
+            Outcome::FaultAfter(fault) => {
+                let (vector, code) = fault.vector_and_code();
+                if let ts::Fault::Pf(la, _) = fault {
+                    insn::write_cr2(u64::from(la));
+                }
+                self.inject(vector, Some(code))
+            }
+            Outcome::Switched { debug_trap: true } => self.inject(DB, None),
+            _ => Ok(Next::Resume),
         }
     }
 

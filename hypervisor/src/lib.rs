@@ -22,5 +22,6 @@ pub mod pci;
 pub mod policy;
 pub mod selftest;
 pub mod stats;
+pub mod task_switch;
 pub mod tracer;
 pub mod vmx;

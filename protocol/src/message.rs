@@ -359,6 +359,8 @@ pub struct GuardReport {
     pub dma_port_writes_blocked: u64,
     /// String I/O (INS/OUTS) elements on intercepted ports, emulated.
     pub string_io_emulated: u64,
+    /// Task switches (legacy protected mode), emulated.
+    pub task_switches: u64,
 }
 
 /// The tracer's counters, in a [`StatusReport`].

@@ -92,6 +92,7 @@ fn status() -> StatusReport {
             pci_writes_refused: 2,
             dma_port_writes_blocked: 3,
             string_io_emulated: 4,
+            task_switches: 1,
         },
     }
 }
