@@ -488,13 +488,11 @@ fn switch_inner<M: Linear + ?Sized>(
         }
     } else {
         let cpl = (selectors[CS] & 3) as u8;
-        load_cs(cpu, m, selectors[CS]).map_err(after)?;
-        load_ss(cpu, m, selectors[SS], cpl).map_err(after)?;
-        for i in [ES, DS, FS, GS]
-            .into_iter()
-            .filter(|&i| i < nseg || i == DS || i == ES)
-        {
-            load_data(cpu, m, i, selectors[i], cpl).map_err(after)?;
+        load_segment(cpu, m, CS, selectors[CS], Load::Code).map_err(after)?;
+        load_segment(cpu, m, SS, selectors[SS], Load::Stack(cpl)).map_err(after)?;
+        // A 16-bit TSS has no FS and GS: they keep their values.
+        for i in [ES, DS, FS, GS].into_iter().filter(|&i| i < nseg) {
+            load_segment(cpu, m, i, selectors[i], Load::Data(cpl)).map_err(after)?;
         }
     }
     // 5. An exception's error code goes on the new stack.
@@ -538,74 +536,54 @@ fn load_ldt<M: Linear + ?Sized>(cpu: &mut TaskCpu, m: &mut M, sel: u16) -> Resul
     Ok(())
 }
 
-fn load_cs<M: Linear + ?Sized>(cpu: &mut TaskCpu, m: &mut M, sel: u16) -> Result<(), Fault> {
-    if sel & !3 == 0 {
-        return Err(Fault::Ts(sel));
-    }
-    let d = descriptor(cpu, m, sel)?.ok_or(Fault::Ts(sel))?;
-    let code = d.s() && d.ty() & 8 != 0;
-    let rpl = (sel & 3) as u8;
-    let conforming = d.ty() & 4 != 0;
-    if !code || (conforming && d.dpl() > rpl) || (!conforming && d.dpl() != rpl) {
-        return Err(Fault::Ts(sel));
-    }
-    if !d.present() {
-        return Err(Fault::Np(sel));
-    }
-    set_accessed(m, &d)?;
-    cpu.seg[CS] = d.seg(sel);
-    cpu.seg[CS].ar |= 1;
-    Ok(())
+/// What a selector is loaded as, for its checks (SDM 5.5, 5.6).
+#[derive(Clone, Copy)]
+enum Load {
+    /// CS: code, DPL = RPL (non-conforming) or DPL <= RPL (conforming).
+    Code,
+    /// SS: writable data, RPL = DPL = CPL.
+    Stack(u8),
+    /// DS, ES, FS, GS: data or readable code; unless conforming code,
+    /// DPL >= max(CPL, RPL). Null is allowed (the register is unusable).
+    Data(u8),
 }
 
-fn load_ss<M: Linear + ?Sized>(
-    cpu: &mut TaskCpu,
-    m: &mut M,
-    sel: u16,
-    cpl: u8,
-) -> Result<(), Fault> {
-    if sel & !3 == 0 {
-        return Err(Fault::Ts(sel));
-    }
-    let d = descriptor(cpu, m, sel)?.ok_or(Fault::Ts(sel))?;
-    let writable_data = d.s() && d.ty() & 8 == 0 && d.ty() & 2 != 0;
-    if !writable_data || (sel & 3) as u8 != cpl || d.dpl() != cpl {
-        return Err(Fault::Ts(sel));
-    }
-    if !d.present() {
-        return Err(Fault::Ss(sel));
-    }
-    set_accessed(m, &d)?;
-    cpu.seg[SS] = d.seg(sel);
-    cpu.seg[SS].ar |= 1;
-    Ok(())
-}
-
-fn load_data<M: Linear + ?Sized>(
+fn load_segment<M: Linear + ?Sized>(
     cpu: &mut TaskCpu,
     m: &mut M,
     i: usize,
     sel: u16,
-    cpl: u8,
+    load: Load,
 ) -> Result<(), Fault> {
     if sel & !3 == 0 {
-        cpu.seg[i] = Seg {
-            selector: sel,
-            ar: AR_UNUSABLE,
-            ..Seg::default()
-        };
-        return Ok(());
+        if let Load::Data(_) = load {
+            cpu.seg[i] = Seg {
+                selector: sel,
+                ar: AR_UNUSABLE,
+                ..Seg::default()
+            };
+            return Ok(());
+        }
+        return Err(Fault::Ts(sel));
     }
     let d = descriptor(cpu, m, sel)?.ok_or(Fault::Ts(sel))?;
-    let code = d.ty() & 8 != 0;
-    let readable = !code || d.ty() & 2 != 0;
-    let conforming_code = code && d.ty() & 4 != 0;
-    let rpl = (sel & 3) as u8;
-    if !d.s() || !readable || (!conforming_code && d.dpl() < cpl.max(rpl)) {
+    let (ty, dpl, rpl) = (d.ty(), d.dpl(), (sel & 3) as u8);
+    let code = ty & 8 != 0;
+    let conforming = code && ty & 4 != 0;
+    let ok = d.s()
+        && match load {
+            Load::Code => code && if conforming { dpl <= rpl } else { dpl == rpl },
+            Load::Stack(cpl) => !code && ty & 2 != 0 && rpl == cpl && dpl == cpl,
+            Load::Data(cpl) => (!code || ty & 2 != 0) && (conforming || dpl >= cpl.max(rpl)),
+        };
+    if !ok {
         return Err(Fault::Ts(sel));
     }
     if !d.present() {
-        return Err(Fault::Np(sel));
+        return Err(match load {
+            Load::Stack(_) => Fault::Ss(sel),
+            _ => Fault::Np(sel),
+        });
     }
     set_accessed(m, &d)?;
     cpu.seg[i] = d.seg(sel);

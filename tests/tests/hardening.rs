@@ -416,20 +416,11 @@ fn sleepers_after_recovery_in_a_dead_process(
     };
     exec(c, "hvbench sleep 200 & hvbench sleep 300 & wait");
     let text = stream.read(c);
-    if let Some(session) = session {
-        ck.check(
-            matches!(
-                call(
-                    c,
-                    Request::GraphStop {
-                        session: Some(session)
-                    }
-                ),
-                Response::Ok
-            ),
-            "graph stop",
-        );
-    }
+    let stop = Request::GraphStop { session };
+    ck.check(
+        session.is_some() && call(c, stop) == Response::Ok,
+        "graph stop",
+    );
     let opens = text.matches("do_nanosleep() {").count();
     let tasks: Vec<&str> = text
         .lines()
