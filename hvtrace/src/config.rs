@@ -126,6 +126,11 @@ pub struct RunConfig {
     /// The run directory to use (created if missing) instead of a fresh one
     /// under the temp directory.
     pub run_dir: Option<PathBuf>,
+    /// Capture the hypervisor's log port 0xE9 (QEMU `-debugcon stdio`; on
+    /// by default). Off, the run sees the hypervisor as a platform that
+    /// does not capture the port would: its fatal report then reaches the
+    /// host on the control channel only. Bochs always captures the port.
+    pub log_port: bool,
 }
 
 impl RunConfig {
@@ -148,6 +153,7 @@ impl RunConfig {
             bochs_ips: DEFAULT_BOCHS_IPS,
             bochs_cpu: DEFAULT_BOCHS_CPU.to_string(),
             run_dir: None,
+            log_port: true,
         }
     }
 

@@ -12,6 +12,12 @@
 //! hvtrace: guest stopped: <reason>
 //! hvtrace: error: <message>
 //! ```
+//!
+//! The hypervisor's fatal path also sends its report on the control channel
+//! (COM2) as an `Event::Fatal` frame, for hosts that do not capture the log
+//! port; [`HvLog::push_fault`] takes it as the same two lines the log port
+//! carries (`error: <reason>`, `guest stopped: hypervisor fault`), once,
+//! whichever way arrives first.
 
 use std::collections::BTreeMap;
 
@@ -26,6 +32,8 @@ pub const MAX_LINES: usize = 10_000;
 pub const MAX_BYTES: usize = 1024 * 1024;
 /// The most `error:` messages [`HvLog`] keeps (the first ones).
 pub const MAX_ERRORS: usize = 64;
+/// The `guest stopped:` reason of the hypervisor's fatal path.
+pub const FAULT_STOP: &str = "hypervisor fault";
 
 /// Exit reason name -> count, as printed on the `exit counts:` line.
 pub type ExitCounts = BTreeMap<String, u64>;
@@ -43,6 +51,9 @@ pub enum HvEvent {
     Error(String),
     /// Any other hypervisor line (the text after the prefix).
     Text(String),
+    /// A line of the fatal report that the control channel delivered first
+    /// ([`HvLog::push_fault`]); not counted again.
+    Repeated(String),
 }
 
 /// Extracts the hypervisor part of one output line: the text after the first
@@ -109,6 +120,11 @@ pub struct HvLog {
     pub stopped: Option<String>,
     /// The messages of the `error:` lines (the first [`MAX_ERRORS`]).
     pub errors: Vec<String>,
+    /// The fatal report received on the control channel, if one was.
+    pub control_fault: Option<String>,
+    /// Lines of the fatal report taken from the control channel before the
+    /// log port delivered them: their log-port copies are dropped once.
+    echoes: Vec<String>,
 }
 
 impl HvLog {
@@ -116,6 +132,9 @@ impl HvLog {
     /// is a hypervisor line.
     pub fn push_line(&mut self, line: &str) -> Option<HvEvent> {
         let body = strip_prefix(line)?;
+        if let Some(at) = self.echoes.iter().position(|e| e == body.trim_end()) {
+            return Some(HvEvent::Repeated(self.echoes.remove(at)));
+        }
         self.keep_line(body);
         let event = classify(body);
         match &event {
@@ -131,9 +150,40 @@ impl HvLog {
                     self.errors.push(message.clone());
                 }
             }
-            HvEvent::Text(_) => {}
+            HvEvent::Text(_) | HvEvent::Repeated(_) => {}
         }
         Some(event)
+    }
+
+    /// Takes the hypervisor's fatal report as the control channel delivered
+    /// it (`Event::Fatal`): the same as its log-port lines `error: <reason>`
+    /// and `guest stopped: hypervisor fault`. Whichever way arrives second
+    /// adds nothing: a report the log port gave already is only noted in
+    /// [`HvLog::control_fault`], and the log port's copies of one taken here
+    /// are dropped. Returns whether the report was news.
+    pub fn push_fault(&mut self, reason: &str) -> bool {
+        // One line, as the log port would have carried it.
+        let reason: String = reason
+            .chars()
+            .map(|c| if matches!(c, '\n' | '\r') { ' ' } else { c })
+            .collect();
+        let reason = reason.trim_end();
+        if self.control_fault.is_some() {
+            return false;
+        }
+        self.control_fault = Some(reason.to_string());
+        if self.errors.iter().any(|e| e == reason) {
+            return false;
+        }
+        let error = format!("error: {reason}");
+        self.push_line(&format!("{PREFIX}{error}"));
+        self.echoes.push(error);
+        if self.stopped.is_none() {
+            let stop = format!("guest stopped: {FAULT_STOP}");
+            self.push_line(&format!("{PREFIX}{stop}"));
+            self.echoes.push(stop);
+        }
+        true
     }
 
     /// True once the hypervisor wrote anything at all.
@@ -234,6 +284,55 @@ mod tests {
         assert_eq!(log.stopped.as_deref(), Some("power off"));
         assert_eq!(log.exit_counts.as_ref().unwrap()["CPUID"], 5);
         assert!(log.errors.is_empty());
+    }
+
+    #[test]
+    fn a_fatal_report_counts_once_whichever_way_comes_first() {
+        let reason = "hypervisor panic: panicked at src/main.rs:1:1: boom";
+        // The control channel first, then the log port's copies.
+        let mut log = HvLog::default();
+        log.push_line("hvtrace: hypervisor 0.1.0 starting");
+        assert!(log.push_fault(reason));
+        assert_eq!(log.errors, [reason]);
+        assert_eq!(log.stopped.as_deref(), Some(FAULT_STOP));
+        assert_eq!(log.control_fault.as_deref(), Some(reason));
+        assert!(matches!(
+            log.push_line(&format!("hvtrace: error: {reason}\r\n")),
+            Some(HvEvent::Repeated(_))
+        ));
+        assert!(matches!(
+            log.push_line("hvtrace: guest stopped: hypervisor fault"),
+            Some(HvEvent::Repeated(_))
+        ));
+        assert_eq!(log.errors, [reason]);
+        assert_eq!(
+            log.lines,
+            [
+                "hypervisor 0.1.0 starting".to_string(),
+                format!("error: {reason}"),
+                "guest stopped: hypervisor fault".to_string()
+            ]
+        );
+        // A second, different error line still counts.
+        log.push_line("hvtrace: error: something else");
+        assert_eq!(log.errors.len(), 2);
+        // A second fatal frame adds nothing.
+        assert!(!log.push_fault("another"));
+        assert_eq!(log.errors.len(), 2);
+
+        // The log port first, then the control channel.
+        let mut log = HvLog::default();
+        log.push_line(&format!("hvtrace: error: {reason}"));
+        log.push_line("hvtrace: guest stopped: hypervisor fault");
+        assert!(!log.push_fault(reason));
+        assert_eq!(log.errors, [reason]);
+        assert_eq!(log.lines.len(), 2);
+        assert_eq!(log.control_fault.as_deref(), Some(reason));
+
+        // Line breaks in a report: one line, as the log port carries it.
+        let mut log = HvLog::default();
+        assert!(log.push_fault("panicked at a.rs:1:1:\nboom"));
+        assert_eq!(log.errors, ["panicked at a.rs:1:1: boom"]);
     }
 
     #[test]

@@ -479,7 +479,12 @@ fn spawn_reader<R: Read + Send + 'static>(
                         continue;
                     }
                 };
-                let missing = event_seq.next(seq);
+                // The fatal frame takes no place in the event sequence.
+                let missing = if matches!(event, Event::Fatal { .. }) {
+                    0
+                } else {
+                    event_seq.next(seq)
+                };
                 {
                     let mut s = stats.lock().unwrap_or_else(|e| e.into_inner());
                     s.events += 1;

@@ -5,7 +5,8 @@
 //! strings are `bzImage <cmdline>` and `initrd` because the files are staged
 //! under those names in the run directory (QEMU's working directory). QEMU
 //! splits that option at commas; a comma inside a module string is written
-//! `,,`. The log port 0xE9 (`-debugcon stdio`) is QEMU's only stdout.
+//! `,,`. The log port 0xE9 (`-debugcon stdio`) is QEMU's only stdout
+//! (unless [`RunConfig::log_port`] is off: then there is no debug console).
 //!
 //! `-nodefaults` leaves out every device QEMU would add by itself (network
 //! card, VGA, floppy and CD-ROM drives, default serial and parallel ports,
@@ -104,9 +105,10 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
     }
     let serial = chardev_arg("con", ports.serial);
     let control = chardev_arg("ctl", ports.control);
+    if cfg.log_port {
+        push(&["-debugcon", "stdio"]);
+    }
     push(&[
-        "-debugcon",
-        "stdio",
         // The order of -serial gives the port: COM1 (0x3F8), the console,
         // then COM2 (0x2F8), the control channel.
         "-chardev",
@@ -235,6 +237,15 @@ mod tests {
             assert_eq!(values(&args, "-display"), ["none"]);
             assert_eq!(values(&args, "-monitor"), ["none"]);
         }
+        // Without the log port: no debug console at all (with -nodefaults,
+        // writes to port 0xE9 then go nowhere).
+        let cfg = RunConfig {
+            log_port: false,
+            ..cfg
+        };
+        let args = args(&cfg, false, Some(Path::new("/x/hypervisor")), ports);
+        assert!(values(&args, "-debugcon").is_empty(), "{args:?}");
+        assert_eq!(values(&args, "-serial"), ["chardev:con", "chardev:ctl"]);
     }
 
     #[test]

@@ -177,6 +177,9 @@ impl TraceShared {
                 self.cv.notify_all();
             }
             Event::Log { text } => note(&format!("hypervisor: {text}")),
+            // The VM's control tap hands the fatal report to the VM's log
+            // digest, where the log port's copy goes too.
+            Event::Fatal { .. } => {}
             Event::Trace { .. } => {
                 if self.binary.fetch_add(1, Ordering::Relaxed) == 0 {
                     note("the hypervisor sends binary trace records, which this hvtrace does not read; they are dropped");
@@ -851,13 +854,8 @@ fn run_vm(
 ) -> Result<StopReport> {
     let mut vm = Vm::start(cfg)?;
     sup.note(&format!("emulator pid {}", vm.emulator_pid()));
-    let control = vm
-        .take_control()
-        .context("the emulator did not connect the control channel")?;
-    let reader = control
-        .try_clone()
-        .context("cannot clone the control channel socket")?;
-    sup.attach(reader, control, link::DEFAULT_TIMEOUT);
+    let control = vm.take_control()?;
+    sup.attach(control.reader, control.writer, link::DEFAULT_TIMEOUT);
     sup.set_phase(Phase::Booting);
     state("booting");
     vm.wait_ready()?;

@@ -1,9 +1,17 @@
 //! One running virtual machine: the emulator process, its log port, the
 //! guest console (COM1) and the hypervisor's control channel (COM2), from
 //! launch to power-off.
+//!
+//! A tap reads COM2 for the whole run: it looks for the hypervisor's fatal
+//! report (`Event::Fatal`), which goes into the same digest as the log
+//! port's lines ([`HvLog::push_fault`]), so that a run learns why the
+//! hypervisor died even when the log port is not captured and nobody
+//! speaks to the hypervisor; and it copies every byte, as it came, to
+//! whoever took the channel ([`Vm::take_control`]).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -18,7 +26,7 @@ use crate::bounded::{self, CappedLog};
 use crate::channel::{self, Channel, Endpoint, Listener};
 use crate::config::{Emulator, RunConfig};
 use crate::console::{self, ConsoleBuffer, ExecResult, Markers};
-use crate::hvlog::{HvEvent, HvLog};
+use crate::hvlog::{HvEvent, HvLog, FAULT_STOP};
 use crate::image;
 use crate::qemu;
 
@@ -59,6 +67,8 @@ struct Inner {
     console: ConsoleBuffer,
     stdout_eof: bool,
     stderr_eof: bool,
+    /// The emulator closed COM2 (the control tap has read everything).
+    control_eof: bool,
     hv: HvLog,
     /// The emulator's own last output lines (not the hypervisor's).
     tail: VecDeque<String>,
@@ -68,6 +78,15 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A reader thread that panicked leaves consistent data behind.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes the hypervisor's fatal report from the control channel.
+    fn fault(&self, reason: &str) {
+        let news = self.lock().hv.push_fault(reason);
+        if news {
+            self.note(&format!("hypervisor error (control channel): {reason}"));
+        }
+        self.cv.notify_all();
     }
 
     fn note(&self, message: &str) {
@@ -115,8 +134,10 @@ pub struct Vm {
     status: Option<ExitStatus>,
     shared: Arc<Shared>,
     serial: Option<Channel>,
-    /// COM2, the hypervisor's control channel, until [`Vm::take_control`].
+    /// COM2's way to the hypervisor, until [`Vm::take_control`].
     control: Option<Channel>,
+    /// Where the control tap copies what the hypervisor sends.
+    control_copy: Arc<Mutex<TapCopy>>,
     readers: Vec<JoinHandle<()>>,
     deadline: Instant,
     boot_time: Option<Duration>,
@@ -275,6 +296,7 @@ impl Vm {
             seq: 0,
             cursor: 0,
             finished: false,
+            control_copy: Arc::new(Mutex::new(TapCopy::Waiting)),
         };
         let [stream, control] = vm.accept_serial([
             (&listener, "the serial console (COM1)"),
@@ -287,6 +309,14 @@ impl Vm {
             reader_stream,
             dir.join("console.log"),
             vm.shared.clone(),
+        ));
+        let tap_stream = control
+            .try_clone()
+            .context("cannot clone the control channel socket")?;
+        vm.readers.push(spawn_control_tap(
+            tap_stream,
+            vm.shared.clone(),
+            vm.control_copy.clone(),
         ));
         vm.serial = Some(stream);
         vm.control = Some(control);
@@ -552,7 +582,13 @@ impl Vm {
             }
             self.wait_event(deadline);
         }
-        let reason = reason.unwrap_or_default();
+        let mut reason = reason.unwrap_or_default();
+        if reason == FAULT_STOP {
+            // The fatal path's stop: say what the fault was.
+            if let Some(e) = self.shared.lock().hv.errors.first() {
+                reason = format!("{FAULT_STOP}: {e}");
+            }
+        }
         self.shared.note(&format!("guest stopped: {reason}"));
         let emulator_status = self.wait_exit(EXIT_GRACE)?;
         let inner = self.shared.lock();
@@ -627,6 +663,12 @@ impl Vm {
         self.shared.lock().hv.errors.clone()
     }
 
+    /// The hypervisor's fatal report as the control channel (COM2)
+    /// delivered it, if it did (it is also among [`Vm::hv_errors`]).
+    pub fn control_fault(&self) -> Option<String> {
+        self.shared.lock().hv.control_fault.clone()
+    }
+
     /// True once the hypervisor printed `guest started`.
     pub fn guest_started(&self) -> bool {
         self.shared.lock().hv.guest_started
@@ -690,10 +732,24 @@ impl Vm {
     }
 
     /// Hands over COM2, the hypervisor's control channel (a byte stream
-    /// carrying protocol frames). `None` after the first call. Keep the
-    /// stream open while the emulator runs.
-    pub fn take_control(&mut self) -> Option<Channel> {
-        self.control.take()
+    /// carrying protocol frames): what the hypervisor sends from now on,
+    /// copied by the control tap, and the way to it. Fails after the first
+    /// call. What the hypervisor sent before the call was not kept: take
+    /// the channel right after [`Vm::start`], before the hypervisor runs.
+    /// Keep both open while the emulator runs.
+    pub fn take_control(&mut self) -> Result<ControlChannel> {
+        let writer = self
+            .control
+            .take()
+            .context("the control channel was handed over already")?;
+        let (ours, reader) =
+            UnixStream::pair().context("cannot make a socket pair for the control channel")?;
+        let mut copy = self.control_copy.lock().unwrap_or_else(|e| e.into_inner());
+        if !matches!(*copy, TapCopy::Closed) {
+            *copy = TapCopy::To(ours);
+        }
+        // Closed: `ours` goes now, and the reader sees the channel's end.
+        Ok(ControlChannel { reader, writer })
     }
 
     /// Lifts the run's time limit (`--timeout`), for a VM that runs until it
@@ -838,7 +894,7 @@ impl Vm {
         while Instant::now() < until {
             {
                 let inner = self.shared.lock();
-                if inner.stdout_eof && inner.stderr_eof {
+                if inner.stdout_eof && inner.stderr_eof && inner.control_eof {
                     break;
                 }
             }
@@ -898,6 +954,68 @@ impl Drop for Vm {
             eprintln!("hvtrace: run directory kept: {}", self.dir.display());
         }
     }
+}
+
+/// COM2 as [`Vm::take_control`] hands it over.
+pub struct ControlChannel {
+    /// What the hypervisor sends, byte for byte; its end is the channel's.
+    pub reader: UnixStream,
+    /// The way to the hypervisor.
+    pub writer: Channel,
+}
+
+/// Where the control tap copies the hypervisor's bytes.
+enum TapCopy {
+    /// Nobody took the channel yet: the bytes are only looked at.
+    Waiting,
+    /// To the taker.
+    To(UnixStream),
+    /// The taker went away.
+    Gone,
+    /// The emulator closed the channel.
+    Closed,
+}
+
+/// Reads COM2 for the whole run: hands the hypervisor's fatal report
+/// (`Event::Fatal`) to the log digest and copies every byte to whoever took
+/// the channel.
+fn spawn_control_tap(
+    mut stream: Channel,
+    shared: Arc<Shared>,
+    copy: Arc<Mutex<TapCopy>>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut decoder = protocol::FrameDecoder::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = match stream.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            };
+            let data = &buf[..n];
+            for result in decoder.feed(data) {
+                if let Ok(protocol::Frame {
+                    body: protocol::Body::Event(protocol::Event::Fatal { reason }),
+                    ..
+                }) = result
+                {
+                    shared.fault(&reason);
+                }
+            }
+            let mut copy = copy.lock().unwrap_or_else(|e| e.into_inner());
+            if let TapCopy::To(to) = &mut *copy {
+                if to.write_all(data).is_err() {
+                    *copy = TapCopy::Gone;
+                }
+            }
+        }
+        // Dropping the copy's socket ends the taker's reads.
+        *copy.lock().unwrap_or_else(|e| e.into_inner()) = TapCopy::Closed;
+        shared.lock().control_eof = true;
+        shared.cv.notify_all();
+    })
 }
 
 /// Watches a [`Vm`] from another thread, without access to the `Vm` itself.
@@ -1014,7 +1132,7 @@ fn spawn_line_reader(
                     match event {
                         HvEvent::GuestStarted => shared.note("guest started"),
                         HvEvent::Error(e) => shared.note(&format!("hypervisor error: {e}")),
-                        HvEvent::GuestStopped(_) => {}
+                        HvEvent::GuestStopped(_) | HvEvent::Repeated(_) => {}
                         HvEvent::ExitCounts(_) | HvEvent::Text(_) => {
                             noted = noted.saturating_add(1);
                             if noted == MAX_NOTED_HV_LINES + 1 {

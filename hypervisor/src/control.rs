@@ -90,10 +90,10 @@ pub struct Control {
 }
 
 impl Control {
-    /// Takes over the control UART, if one is there.
-    pub fn new(base: u16) -> Option<Self> {
-        Some(Self {
-            uart: Uart::init(base)?,
+    /// Serves the control channel on `uart` (programmed by [`Uart::init`]).
+    pub fn new(uart: Uart) -> Self {
+        Self {
+            uart,
             decoder: FrameDecoder::new(),
             tx: OutQueue::default(),
             stats: ChannelReport::default(),
@@ -101,7 +101,7 @@ impl Control {
             event_seq: 0,
             parked: VecDeque::new(),
             recovering: false,
-        })
+        }
     }
 
     /// Whether output is still queued or in the UART, a frame is half

@@ -6,17 +6,29 @@
 //!   its own): the handler marks it pending and returns; the run loop
 //!   injects it at the next entry that can take it.
 //! - Any other exception in root is a hypervisor bug or an attack that got
-//!   through: it is reported on the log port with the faulting state, and
-//!   the machine is powered off. Root never returns into code that faulted
-//!   and never halts silently.
+//!   through: it is reported with the faulting state, and the machine is
+//!   powered off. Root never returns into code that faulted and never halts
+//!   silently. A panic ends the same way ([`die`]).
 //!
-//! The report bypasses the log's lock: the fault may have hit while root
-//! held it.
+//! The report is one line of at most [`protocol::MAX_FATAL_REASON`] bytes,
+//! formatted on the stack, and goes two ways: an `error:` line on the log
+//! port, and an [`Event::Fatal`](protocol::Event::Fatal) frame on COM2 once
+//! the control UART is known ([`set_control_port`]), for hosts that do not
+//! capture the log port. Both bypass every lock the failing code may hold
+//! (the log's, the control channel's): the log port is written directly, and
+//! the frame goes straight to the UART's registers ([`crate::uart::FatalTx`])
+//! with a bounded wait. The frame starts with a delimiter, which ends a
+//! frame the control channel had half sent. Nothing on the path allocates.
+//!
+//! Then the machine is powered off (ACPI PM1a). When that does not take,
+//! root halts with interrupts off on its own IDT, reloaded first: an NMI
+//! wakes the CPU into root's NMI gate, which marks the NMI pending and
+//! returns to the halt.
 
 use crate::arch::instructions::{self as insn, TrapFrame};
 use crate::logger::DebugPort;
 use core::fmt::Write;
-use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
 
 /// An NMI arrived for the guest and is not injected yet.
 static NMI_PENDING: AtomicBool = AtomicBool::new(false);
@@ -29,10 +41,18 @@ static PM1A_CNT: AtomicU32 = AtomicU32::new(0);
 static SOFT_NMI: AtomicBool = AtomicBool::new(false);
 /// Set once the fatal path runs, so that a fault inside it only halts.
 static DYING: AtomicBool = AtomicBool::new(false);
+/// The control UART's base port, for the fatal report (0: none).
+static CONTROL_UART: AtomicU16 = AtomicU16::new(0);
 
 /// Records where the platform's power-off lives.
 pub fn set_power_off_port(port: Option<u16>) {
     PM1A_CNT.store(port.map_or(0, u32::from), Ordering::Relaxed);
+}
+
+/// Records the control UART, programmed by [`crate::uart::Uart::init`]:
+/// from now on the fatal report goes to the host on COM2 as well.
+pub fn set_control_port(base: Option<u16>) {
+    CONTROL_UART.store(base.unwrap_or(0), Ordering::Release);
 }
 
 /// Marks an NMI as pending for the guest.
@@ -69,19 +89,76 @@ pub fn power_off_and_halt() -> ! {
     if port != 0 {
         crate::exits::forward_out(port as u16, 2, hypervisor::policy::PM1_SLP_EN);
     }
+    halt()
+}
+
+/// Halts for good with interrupts off, on root's own IDT (see the module
+/// documentation).
+fn halt() -> ! {
+    crate::arch::cpu::reload_root_idt();
     insn::halt_forever()
 }
 
-/// Reports a fatal condition in root on the log port and stops the machine.
+/// Reports a fatal condition in root (the log port and, once it is known,
+/// COM2) and stops the machine.
 pub fn die(args: core::fmt::Arguments<'_>) -> ! {
     if DYING.swap(true, Ordering::AcqRel) {
-        insn::halt_forever();
+        halt();
     }
+    let mut reason = Reason::new();
+    let _ = reason.write_fmt(args);
+    let reason = reason.as_str();
     let mut w = DebugPort;
     let _ = w.write_str("hvtrace: error: ");
-    let _ = w.write_fmt(args);
+    let _ = w.write_str(reason);
     let _ = w.write_str("\nhvtrace: guest stopped: hypervisor fault\n");
+    let base = CONTROL_UART.load(Ordering::Acquire);
+    if base != 0 {
+        let mut tx = crate::uart::FatalTx::new(base);
+        protocol::encode_fatal(reason, |b| tx.put(b));
+        tx.drain();
+    }
     power_off_and_halt()
+}
+
+/// The fatal report's text: one line of at most
+/// [`protocol::MAX_FATAL_REASON`] bytes, in a buffer on the stack. Line
+/// breaks become spaces (a panic message may have some; the host reads
+/// lines); what does not fit is cut at a character boundary.
+struct Reason {
+    buf: [u8; protocol::MAX_FATAL_REASON],
+    len: usize,
+}
+
+impl Reason {
+    fn new() -> Self {
+        Self {
+            buf: [0; protocol::MAX_FATAL_REASON],
+            len: 0,
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        let bytes = self.buf.get(..self.len).unwrap_or_default();
+        // Only whole characters are copied in, so this never fails.
+        core::str::from_utf8(bytes).unwrap_or("(unprintable fatal report)")
+    }
+}
+
+impl Write for Reason {
+    fn write_str(&mut self, s: &str) -> core::fmt::Result {
+        for c in s.chars() {
+            let c = if matches!(c, '\n' | '\r') { ' ' } else { c };
+            let mut utf8 = [0u8; 4];
+            let bytes = c.encode_utf8(&mut utf8).as_bytes();
+            let Some(slot) = self.buf.get_mut(self.len..self.len + bytes.len()) else {
+                return Err(core::fmt::Error);
+            };
+            slot.copy_from_slice(bytes);
+            self.len += bytes.len();
+        }
+        Ok(())
+    }
 }
 
 const NAMES: [&str; 32] = [

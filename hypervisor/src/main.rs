@@ -2,8 +2,9 @@
 //!
 //! Flow: the loader's boot stub enters `hv_entry64` in long mode; we set up
 //! our own descriptor tables, frame pool and the guard page under root's
-//! stack (`rootstack`), run a self-test if the hypervisor's own command
-//! line asks for one (`hypervisor::selftest`), refuse clearly if the CPU lacks
+//! stack (`rootstack`), take the control UART (COM2, so that a fatal report
+//! reaches the host from then on), run a self-test if the hypervisor's own
+//! command line asks for one (`hypervisor::selftest`), refuse clearly if the CPU lacks
 //! VMX, load the guest kernel through the 64-bit boot protocol, build EPT and
 //! the VMCS, and run the guest until it powers off or dies.
 #![no_std]
@@ -52,8 +53,7 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
     let (pool_start, pool_end) = frames::init();
     log::info!("frame pool {pool_start:#x}..{pool_end:#x}");
     if heap::init().is_none() {
-        hvprintln!("error: hypervisor memory too small for the heap");
-        insn::halt_forever();
+        fatal::die(format_args!("hypervisor memory too small for the heap"));
     }
     // Firmware tables first: they tell us how to power the machine off on
     // any outcome below.
@@ -67,10 +67,20 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
         Ok(guard) => log::info!("root stack guard page at {guard:#x}"),
         Err(e) => fatal::die(format_args!("root stack guard page: {e}")),
     }
-    if SelfTest::from_cmdline(guest::own_cmdline(magic, mbi)) == Some(SelfTest::StackOverflow) {
-        rootstack::overflow();
+    // The control channel's UART, before anything can fail on its way to
+    // the guest (a missing VMX, a bad kernel): from here a fatal report
+    // reaches the host on COM2 too, not only on the log port.
+    let uart = uart::Uart::init(loader::layout::CONTROL_PORT_BASE);
+    fatal::set_control_port(uart.is_some().then_some(loader::layout::CONTROL_PORT_BASE));
+    match SelfTest::from_cmdline(guest::own_cmdline(magic, mbi)) {
+        Some(SelfTest::StackOverflow) => rootstack::overflow(),
+        Some(SelfTest::Panic) => {
+            hvprintln!("self-test: panicking in VMX root");
+            panic!("self-test: a deliberate panic in VMX root");
+        }
+        None => {}
     }
-    match run(magic, mbi, &host, rsdp, fadt) {
+    match run(magic, mbi, &host, rsdp, fadt, uart) {
         Ok(StopReason::PowerOff { port, value, size }) => {
             // Let the platform power off as the guest asked.
             exits::forward_out(port, size, value);
@@ -127,6 +137,7 @@ fn run(
     host: &arch::cpu::HostTables,
     rsdp: Option<u64>,
     fadt: Option<acpi::Fadt>,
+    uart: Option<uart::Uart>,
 ) -> Result<StopReason, Fatal> {
     let boot = guest::boot_info(magic, mbi)?;
     let entry = guest::load(&boot, rsdp)?;
@@ -152,7 +163,7 @@ fn run(
     );
 
     let tsc_hz = clock::calibrate_tsc();
-    let control = control::Control::new(loader::layout::CONTROL_PORT_BASE);
+    let control = uart.map(control::Control::new);
     log::info!(
         "TSC {} MHz; control channel {}",
         tsc_hz / 1_000_000,
@@ -171,9 +182,10 @@ fn run(
     Ok(reason)
 }
 
-/// A panic ends the VM cleanly: one `error:` line for the host, then a
-/// power-off (never a silent halt). An infallible allocation the heap
-/// refused ends here too (the default allocation error handler panics with
+/// A panic ends the VM cleanly: one `error:` line on the log port and an
+/// `Event::Fatal` frame on COM2 for the host, then a power-off (never a
+/// silent halt); see `fatal`. An infallible allocation the heap refused
+/// ends here too (the default allocation error handler panics with
 /// "memory allocation of N bytes failed"), so the line carries the heap's
 /// state.
 #[panic_handler]

@@ -13,6 +13,11 @@
 //!   recurses until its stack runs into the guard page. The expected end is
 //!   one `hvtrace: error: hypervisor fault in VMX root: #DF ...` line naming
 //!   the guard page, then a power-off.
+//! - `hvtrace.selftest=panic`: right after the control UART (COM2) is
+//!   programmed, at the same point and so also without VMX, root panics.
+//!   The expected end is the fatal report on both ways out, one
+//!   `hvtrace: error: hypervisor panic: ...` line on the log port and an
+//!   `Event::Fatal` frame with the same text on COM2, then a power-off.
 //!
 //! Only the exact word selects a hook; anything else on the line is
 //! ignored.
@@ -22,6 +27,8 @@
 pub enum SelfTest {
     /// `hvtrace.selftest=stack-overflow`: overflow root's stack.
     StackOverflow,
+    /// `hvtrace.selftest=panic`: panic in root.
+    Panic,
 }
 
 impl SelfTest {
@@ -29,15 +36,18 @@ impl SelfTest {
     pub const fn option(self) -> &'static str {
         match self {
             Self::StackOverflow => "hvtrace.selftest=stack-overflow",
+            Self::Panic => "hvtrace.selftest=panic",
         }
     }
 
     /// The hook the command line asks for, if any. The line's words are
     /// matched whole (the first one is usually the image's path).
     pub fn from_cmdline(cmdline: &str) -> Option<SelfTest> {
-        cmdline
-            .split_ascii_whitespace()
-            .find_map(|w| (w == Self::StackOverflow.option()).then_some(Self::StackOverflow))
+        cmdline.split_ascii_whitespace().find_map(|w| {
+            [Self::StackOverflow, Self::Panic]
+                .into_iter()
+                .find(|hook| w == hook.option())
+        })
     }
 }
 
@@ -69,6 +79,21 @@ mod tests {
             "hypervisor hvtrace.selftest=",
             "hypervisor hvtrace.selftest stack-overflow",
             "hypervisor \"hvtrace.selftest=stack-overflow\"",
+        ] {
+            assert_eq!(SelfTest::from_cmdline(line), None, "{line:?}");
+        }
+    }
+
+    #[test]
+    fn each_hook_has_its_word() {
+        assert_eq!(
+            SelfTest::from_cmdline("hypervisor hvtrace.selftest=panic"),
+            Some(SelfTest::Panic)
+        );
+        for line in [
+            "hypervisor hvtrace.selftest=panic2",
+            "hypervisor hvtrace.selftest=Panic",
+            "hypervisor hvtrace.selftest=panic=1",
         ] {
             assert_eq!(SelfTest::from_cmdline(line), None, "{line:?}");
         }

@@ -192,6 +192,147 @@ impl core::error::Error for EncodeError {
 }
 
 // ---------------------------------------------------------------------------
+// The fatal frame
+// ---------------------------------------------------------------------------
+
+/// The longest reason [`encode_fatal`] puts in an
+/// [`Event::Fatal`](crate::Event::Fatal) frame, in bytes; a longer one is
+/// cut at the last character boundary within it.
+pub const MAX_FATAL_REASON: usize = 480;
+
+/// The sequence number of a fatal frame: the fatal path cannot reach the
+/// event counter (its owner may be the code that failed), so the frame
+/// takes no place in the event sequence.
+pub const FATAL_SEQ: u32 = u32::MAX;
+
+/// The payload of the largest fatal frame: header, the body's two variant
+/// tags, the reason's length (a varint of at most 2 bytes for
+/// [`MAX_FATAL_REASON`]), the reason and the CRC.
+const FATAL_PAYLOAD_MAX: usize = HEADER_LEN + 2 + 2 + MAX_FATAL_REASON + CRC_LEN;
+
+/// The most bytes [`encode_fatal`] emits, both delimiters included.
+pub const FATAL_WIRE_MAX: usize = 2 + cobs::max_encoded_len(FATAL_PAYLOAD_MAX);
+
+/// postcard's variant index of [`Body::Event`].
+const BODY_EVENT: u8 = 2;
+/// postcard's variant index of [`Event::Fatal`](crate::Event::Fatal).
+const EVENT_FATAL: u8 = 4;
+
+/// Emits, one byte at a time, the wire encoding of
+/// `Frame::event(FATAL_SEQ, Event::Fatal { reason })` with `reason` cut to
+/// [`MAX_FATAL_REASON`] bytes; returns how many bytes it emitted (at most
+/// [`FATAL_WIRE_MAX`]).
+///
+/// This is [`encode`] for the one frame a failing hypervisor sends: it
+/// allocates nothing (the payload is built in a buffer of about 500 bytes
+/// on the caller's stack) and cannot fail. The bytes are the same as
+/// [`encode`]'s for that frame. Like every frame it starts with a
+/// delimiter, which ends whatever frame the sender had half written: the
+/// receiver reports that one as malformed and decodes this one.
+pub fn encode_fatal(reason: &str, mut emit: impl FnMut(u8)) -> usize {
+    let mut cut = reason.len().min(MAX_FATAL_REASON);
+    while !reason.is_char_boundary(cut) {
+        cut = cut.saturating_sub(1);
+    }
+    let text = reason.as_bytes().get(..cut).unwrap_or_default();
+
+    let mut payload = FatalPayload {
+        bytes: [0; FATAL_PAYLOAD_MAX],
+        len: 0,
+    };
+    for &b in PROTOCOL_VERSION
+        .to_le_bytes()
+        .iter()
+        .chain(FATAL_SEQ.to_le_bytes().iter())
+    {
+        payload.put(b);
+    }
+    payload.put(BODY_EVENT);
+    payload.put(EVENT_FATAL);
+    // postcard's varint (LEB128) of the string's length, then its bytes.
+    let mut len = text.len();
+    loop {
+        let low = (len & 0x7f) as u8;
+        len >>= 7;
+        if len == 0 {
+            payload.put(low);
+            break;
+        }
+        payload.put(low | 0x80);
+    }
+    for &b in text {
+        payload.put(b);
+    }
+    for b in crc32(payload.filled()).to_le_bytes() {
+        payload.put(b);
+    }
+
+    let mut emitted = 0usize;
+    let mut out = |b: u8| {
+        emit(b);
+        emitted = emitted.saturating_add(1);
+    };
+    out(DELIMITER);
+    cobs_emit(payload.filled(), &mut out);
+    out(DELIMITER);
+    emitted
+}
+
+/// The payload of a fatal frame, built without allocation.
+struct FatalPayload {
+    bytes: [u8; FATAL_PAYLOAD_MAX],
+    len: usize,
+}
+
+impl FatalPayload {
+    /// Appends a byte (the buffer is sized for the largest fatal frame, so
+    /// nothing is ever dropped).
+    fn put(&mut self, byte: u8) {
+        if let Some(slot) = self.bytes.get_mut(self.len) {
+            *slot = byte;
+            self.len = self.len.saturating_add(1);
+        }
+    }
+
+    fn filled(&self) -> &[u8] {
+        self.bytes.get(..self.len).unwrap_or_default()
+    }
+}
+
+/// Emits the canonical COBS encoding of `data` (as [`cobs::encode`] writes
+/// it), reading ahead in `data` instead of patching code bytes in an output
+/// buffer.
+fn cobs_emit(data: &[u8], out: &mut impl FnMut(u8)) {
+    const FULL: usize = 254;
+    let mut rest = data;
+    loop {
+        let window = rest.get(..rest.len().min(FULL)).unwrap_or_default();
+        match window.iter().position(|&b| b == 0) {
+            Some(zero) => {
+                // `zero` data bytes, then the zero the block stands for.
+                out(u8::try_from(zero.saturating_add(1)).unwrap_or(u8::MAX));
+                window.iter().take(zero).for_each(|&b| out(b));
+                rest = rest.get(zero.saturating_add(1)..).unwrap_or_default();
+            }
+            None if window.len() == FULL => {
+                out(u8::MAX);
+                window.iter().for_each(|&b| out(b));
+                rest = rest.get(FULL..).unwrap_or_default();
+                if rest.is_empty() {
+                    // Canonical: no empty block after a full one at the end.
+                    return;
+                }
+            }
+            None => {
+                out(u8::try_from(window.len().saturating_add(1)).unwrap_or(u8::MAX));
+                window.iter().for_each(|&b| out(b));
+                return;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
 // Decoding
 // ---------------------------------------------------------------------------
 

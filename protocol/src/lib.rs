@@ -58,8 +58,8 @@ pub mod io;
 pub mod message;
 
 pub use codec::{
-    encode, DecodeError, EncodeError, FrameDecoder, Frames, CRC_LEN, HEADER_LEN, MAX_FRAME,
-    MAX_WIRE_FRAME,
+    encode, encode_fatal, DecodeError, EncodeError, FrameDecoder, Frames, CRC_LEN, FATAL_SEQ,
+    FATAL_WIRE_MAX, HEADER_LEN, MAX_FATAL_REASON, MAX_FRAME, MAX_WIRE_FRAME,
 };
 pub use message::{
     Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GraphFilter, GuardReport, GuestState,

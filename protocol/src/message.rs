@@ -627,4 +627,16 @@ pub enum Event {
         /// Complete lines, each ending in a newline.
         text: String,
     },
+    /// VMX root hit a fatal condition (a panic, an exception in root) and
+    /// is powering the machine off: the last frame of this hypervisor. It
+    /// is sent by the fatal path itself, without locks or allocation
+    /// ([`encode_fatal`](crate::codec::encode_fatal)), so it carries
+    /// [`FATAL_SEQ`](crate::codec::FATAL_SEQ) rather than a place in the
+    /// event sequence, and a reason of at most
+    /// [`MAX_FATAL_REASON`](crate::codec::MAX_FATAL_REASON) bytes. The same
+    /// text goes to the log port as an `error:` line.
+    Fatal {
+        /// What went wrong, one line (`hypervisor panic: ...`).
+        reason: String,
+    },
 }

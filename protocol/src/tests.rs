@@ -5,7 +5,10 @@ use alloc::string::{String, ToString};
 use alloc::vec;
 use alloc::vec::Vec;
 
-use crate::codec::{encode, DecodeError, EncodeError, FrameDecoder, MAX_FRAME, MAX_WIRE_FRAME};
+use crate::codec::{
+    encode, encode_fatal, DecodeError, EncodeError, FrameDecoder, FATAL_SEQ, FATAL_WIRE_MAX,
+    MAX_FATAL_REASON, MAX_FRAME, MAX_WIRE_FRAME,
+};
 use crate::message::*;
 use crate::PROTOCOL_VERSION;
 
@@ -176,6 +179,9 @@ fn samples() -> Vec<Body> {
             timestamp_ns: 0,
             payload: vec![],
         }),
+        Body::Event(Event::Fatal {
+            reason: "hypervisor panic: panicked at src/main.rs:1:1: ✗".into(),
+        }),
     ];
     for kind in ERROR_KINDS {
         bodies.push(Body::Response(Response::error(kind, kind.to_string())));
@@ -246,6 +252,7 @@ fn variant(body: &Body) -> String {
             Event::Lost { .. } => "Event::Lost",
             Event::Trace { .. } => "Event::Trace",
             Event::TraceText { .. } => "Event::TraceText",
+            Event::Fatal { .. } => "Event::Fatal",
         },
     };
     name.into()
@@ -254,8 +261,8 @@ fn variant(body: &Body) -> String {
 /// Keep in step with the matches of `variant` (and with `ERROR_KINDS`, whose
 /// `match` below has no wildcard either).
 /// 11 requests, 6 plain responses, a status per guest state, one error per
-/// kind, 3 events.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 3;
+/// kind, 4 events.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4;
 
 #[test]
 fn samples_cover_every_variant() {
@@ -630,4 +637,102 @@ fn overhead_matches_the_documented_bound() {
             "body {body}: wire {wire}"
         );
     }
+}
+
+/// `reason` as `encode_fatal` sends it: cut to `MAX_FATAL_REASON` bytes at
+/// a character boundary.
+fn fatal_frame(reason: &str) -> Frame {
+    let mut cut = reason.len().min(MAX_FATAL_REASON);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    Frame::event(
+        FATAL_SEQ,
+        Event::Fatal {
+            reason: reason[..cut].into(),
+        },
+    )
+}
+
+fn fatal_wire(reason: &str) -> Vec<u8> {
+    let mut wire = Vec::new();
+    let n = encode_fatal(reason, |b| wire.push(b));
+    assert_eq!(n, wire.len());
+    wire
+}
+
+#[test]
+fn the_fatal_encoder_writes_what_encode_writes() {
+    // As docs/ARCHITECTURE.md (Fatal path) states it.
+    const _: () = assert!(FATAL_WIRE_MAX == 498);
+    let mut reasons: Vec<String> = vec![
+        String::new(),
+        "x".into(),
+        "hypervisor panic: panicked at hypervisor/src/main.rs:70:9: self-test".into(),
+        "nul \0 and \u{0} inside".into(),
+        "é".repeat(MAX_FATAL_REASON),
+        "✓".repeat(MAX_FATAL_REASON / 3 + 1),
+    ];
+    // Around COBS block boundaries and the varint's one/two byte boundary.
+    for len in [
+        120, 126, 127, 128, 129, 236, 237, 238, 240, 250, 254, 255, 300, 479, 480, 481, 1000,
+    ] {
+        reasons.push("r".repeat(len));
+    }
+    for reason in &reasons {
+        let frame = fatal_frame(reason);
+        let wire = fatal_wire(reason);
+        assert_eq!(wire, encode_one(&frame), "reason of {} bytes", reason.len());
+        assert!(
+            wire.len() <= FATAL_WIRE_MAX,
+            "{} > {FATAL_WIRE_MAX}",
+            wire.len()
+        );
+        assert_eq!(decode_all(&wire), vec![Ok(frame)]);
+        let Body::Event(Event::Fatal { reason: sent }) = &fatal_frame(reason).body else {
+            unreachable!()
+        };
+        assert!(sent.len() <= MAX_FATAL_REASON && reason.starts_with(sent.as_str()));
+    }
+    // The bound is reached, not just respected, by the longest reason.
+    let longest = fatal_wire(&"\0".repeat(MAX_FATAL_REASON));
+    assert!(longest.len() <= FATAL_WIRE_MAX);
+    assert!(fatal_wire(&"r".repeat(MAX_FATAL_REASON)).len() >= FATAL_WIRE_MAX - 3);
+}
+
+/// The fatal path may interrupt a frame half written (the output queue was
+/// mid-frame): whatever came before, the fatal frame decodes, with at most
+/// one error for the cut frame before it.
+#[test]
+fn a_fatal_frame_after_a_cut_in_half_frame_decodes() {
+    let fatal = fatal_frame("hypervisor fault in VMX root: #GP");
+    let fatal_bytes = fatal_wire("hypervisor fault in VMX root: #GP");
+    let cut_me = encode_one(&Frame::event(
+        7,
+        Event::TraceText {
+            format: TraceFormat::Text,
+            source: 0,
+            lost: 0,
+            text: "x-1 [000] d.... 1.0: vfs_read: (vfs_read+0x0/0x1)\n".repeat(20),
+        },
+    ));
+    // Exactly in half, then at every other point of the frame.
+    let half = cut_me.len() / 2;
+    let points = core::iter::once(half).chain(1..cut_me.len() - 1);
+    for cut in points {
+        let mut stream = cut_me[..cut].to_vec();
+        stream.extend_from_slice(&fatal_bytes);
+        let got = decode_all(&stream);
+        let (last, before) = got.split_last().expect("a frame");
+        assert_eq!(last, &Ok(fatal.clone()), "cut at {cut}");
+        assert!(before.len() <= 1, "cut at {cut}: {got:?}");
+        assert!(before.iter().all(Result::is_err), "cut at {cut}: {got:?}");
+    }
+    // The frame cut in half alone is lost, not mistaken for anything.
+    let mut dec = FrameDecoder::new();
+    assert_eq!(dec.feed(&cut_me[..half]).count(), 0);
+    let got: Vec<_> = dec.feed(&fatal_bytes).collect();
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert!(got[0].is_err());
+    assert_eq!(got[1], Ok(fatal));
 }

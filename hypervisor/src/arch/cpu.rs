@@ -169,17 +169,32 @@ pub fn init() -> HostTables {
         }
         idt
     });
+    load_idt(idt);
+    HostTables {
+        gdt_base: gdt.as_ptr() as u64,
+        tss_base: tss,
+        idt_base: idt.as_ptr() as u64,
+    }
+}
+
+/// Loads root's IDT with its own limit.
+fn load_idt(idt: &'static [Gate; 256]) {
     let idtr = DescriptorTablePointer {
         limit: (core::mem::size_of_val(idt) - 1) as u16,
         base: idt.as_ptr() as u64,
     };
     // SAFETY: the IDT is a 'static whose 32 present gates point at the
-    // exception stubs with the code selector loaded above; the IST slots
-    // they name are set in the TSS loaded above.
+    // exception stubs with the code selector `init` loaded; the IST slots
+    // they name are set in the TSS `init` loaded.
     unsafe { insn::lidt(&idtr) };
-    HostTables {
-        gdt_base: gdt.as_ptr() as u64,
-        tss_base: tss,
-        idt_base: idt.as_ptr() as u64,
+}
+
+/// Loads root's IDT again, for the fatal path before it halts: whatever
+/// ran last (a VM exit sets the IDTR limit to 0xFFFF), an NMI that wakes
+/// the halted CPU then goes through root's own gates. Does nothing before
+/// [`init`] built the table (there is no IDT of root's yet).
+pub fn reload_root_idt() {
+    if let Some(idt) = IDT.get() {
+        load_idt(idt);
     }
 }
