@@ -4,14 +4,20 @@
 //! these cases needs an emulator: the control commands talk to a fake
 //! supervisor.
 //!
+//! `a_socket_pre_bound_by_another_uid_is_refused` needs root: it starts a
+//! process of a second user (`nobody`) to squat the socket's directory and
+//! path, and fails saying so when run as anyone else.
+//!
 //! Run: `cargo test -p hvtrace --test host_channels`
 
-use std::os::unix::fs::PermissionsExt;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use protocol::io::{FrameReader, FrameWriter};
 use protocol::{Body, ErrorKind, Frame, ProbeInfo, Request, Response, PROTOCOL_VERSION};
@@ -42,16 +48,39 @@ fn set_mode(path: &Path, mode: u32) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
+/// Held while a child process is started, and by a test while it closes a
+/// listening socket that must be gone afterwards. Between its fork and its
+/// exec, a child started by another test's thread holds a copy of every
+/// descriptor of this process, a listener included: a socket closed in that
+/// window still accepts connections until the child's exec, and a test
+/// that expects "nothing listens" then sees a connection that is accepted
+/// and closed. `Command::spawn` returns only once the child has exec'd, so
+/// with the lock held no child holds such a copy.
+fn spawn_lock() -> MutexGuard<'static, ()> {
+    static SPAWN: Mutex<()> = Mutex::new(());
+    SPAWN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Starts `cmd` under [`spawn_lock`].
+fn spawn(cmd: &mut Command) -> std::io::Result<Child> {
+    let _lock = spawn_lock();
+    cmd.spawn()
+}
+
 /// Runs hvtrace with `env` added; returns the exit code, stdout and stderr.
 fn runs_with(args: &[&str], env: &[(&str, &Path)]) -> (i32, Vec<u8>, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_hvtrace"));
     cmd.args(args)
         .env("HVTRACE_ROOT", "/nonexistent-hvtrace-root")
-        .stdin(Stdio::null());
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     for (key, value) in env {
         cmd.env(key, value);
     }
-    let output = cmd.output().expect("cannot run hvtrace");
+    let output = spawn(&mut cmd)
+        .and_then(Child::wait_with_output)
+        .expect("cannot run hvtrace");
     (
         output.status.code().unwrap_or(-1),
         output.stdout,
@@ -149,7 +178,12 @@ fn an_unsafe_socket_directory_is_refused() {
     }
     // The same directory with the sticky bit, as /tmp: accepted (the
     // socket file is ours), so the command gets as far as connecting.
-    drop(listener);
+    // Closed under the spawn lock, so that no child of another test keeps
+    // it listening (see `spawn_lock`).
+    {
+        let _lock = spawn_lock();
+        drop(listener);
+    }
     set_mode(&open, 0o1777);
     let (code, _, stderr) = runs(&["--socket", sock.to_str().unwrap(), "status"]);
     let msg = failure(code, &stderr);
@@ -309,4 +343,173 @@ fn guest_text_reaches_the_terminal_escaped() {
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(stdout, HOSTILE.as_bytes());
     server.join().unwrap();
+}
+
+/// The uid and gid the other user's process runs as.
+const NOBODY: u32 = 65534;
+/// The environment variable that makes this test binary the other user's
+/// process (see `other_user_helper`): `DIR SOCKET`.
+const HELPER_ENV: &str = "HVTRACE_TEST_OTHER_USER";
+/// The line the helper prints once its socket listens.
+const HELPER_READY: &str = "other-user-helper: listening";
+
+/// Not a test of its own: run by [`as_nobody`] in a child process as user
+/// `nobody`, it creates the directory `DIR` (mode 0700) when it is missing,
+/// binds and listens on `SOCKET`, says so on stdout, and keeps listening
+/// until its stdin closes. Without [`HELPER_ENV`] it does nothing.
+#[test]
+fn other_user_helper() {
+    let Some(spec) = std::env::var_os(HELPER_ENV) else {
+        return;
+    };
+    let spec = spec.into_string().expect("a UTF-8 helper spec");
+    let (dir, socket) = spec.split_once(' ').expect("`DIR SOCKET`");
+    let dir = Path::new(dir);
+    if !dir.exists() {
+        std::fs::create_dir(dir).expect("the helper cannot create the directory");
+        set_mode(dir, 0o700);
+    }
+    let listener = UnixListener::bind(socket).expect("the helper cannot bind the socket");
+    // Straight to the descriptor: the test harness may capture `println!`.
+    let mut out = std::io::stdout();
+    writeln!(out, "{HELPER_READY}").unwrap();
+    out.flush().unwrap();
+    // Until the test closes our stdin.
+    let _ = std::io::stdin().read_line(&mut String::new());
+    drop(listener);
+}
+
+/// A process of user `nobody` (uid and gid [`NOBODY`]), listening on
+/// `socket` (and having made `dir` if it was missing); it ends when
+/// dropped. Its stdout stays open until then (the harness in it still
+/// writes there).
+struct OtherUser(Child, Option<BufReader<ChildStdout>>);
+
+impl Drop for OtherUser {
+    fn drop(&mut self) {
+        drop(self.0.stdin.take());
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts this test binary as user `nobody` (`Command::uid`/`gid`: a fork,
+/// then setgid and setuid in the child, then exec) running
+/// `other_user_helper`, and waits until its socket listens.
+fn as_nobody(dir: &Path, socket: &Path) -> OtherUser {
+    assert_eq!(
+        hvtrace::sys::euid(),
+        0,
+        "this test needs root: it creates a second user's process (setuid to nobody, uid {NOBODY}) \
+         to pre-create the socket directory and pre-bind the socket; run it as root"
+    );
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(&exe);
+    cmd.args([
+        "--exact",
+        "other_user_helper",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(
+        HELPER_ENV,
+        format!("{} {}", dir.display(), socket.display()),
+    )
+    .uid(NOBODY)
+    .gid(NOBODY)
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit());
+    let mut child = OtherUser(
+        spawn(&mut cmd)
+            .unwrap_or_else(|e| panic!("cannot run {} as uid {NOBODY}: {e}", exe.display())),
+        None,
+    );
+    let stdout = child
+        .1
+        .insert(BufReader::new(child.0.stdout.take().unwrap()));
+    let mut line = String::new();
+    let ready = loop {
+        line.clear();
+        match stdout.read_line(&mut line) {
+            Ok(0) | Err(_) => break false,
+            // The harness may have begun the line (`test other_user_helper ... `).
+            Ok(_) if line.trim_end().ends_with(HELPER_READY) => break true,
+            Ok(_) => {}
+        }
+    };
+    assert!(
+        ready,
+        "the helper running as uid {NOBODY} did not get its socket listening \
+         (can uid {NOBODY} execute {}?)",
+        exe.display()
+    );
+    child
+}
+
+#[test]
+fn a_socket_pre_bound_by_another_uid_is_refused() {
+    let scratch = Scratch::new("other-uid");
+    // The other user may pass through (not list) the scratch directory.
+    set_mode(&scratch.0, 0o711);
+
+    // 1. The default directory, made by another user. The runtime directory
+    // is ours and private; `nobody` makes `hvtrace` in it (we let it in for
+    // that moment) and listens on the default socket there.
+    let runtime = scratch.0.join("runtime");
+    std::fs::create_dir(&runtime).unwrap();
+    set_mode(&runtime, 0o777);
+    let sub = runtime.join("hvtrace");
+    let default_sock = sub.join("hvtrace.sock");
+    let squatter = as_nobody(&sub, &default_sock);
+    set_mode(&runtime, 0o700);
+    assert_eq!(std::fs::symlink_metadata(&sub).unwrap().uid(), NOBODY);
+    let env = [("XDG_RUNTIME_DIR", runtime.as_path())];
+    let owned_by_nobody = format!(
+        "the control socket directory {} is owned by uid {NOBODY}, not you (uid 0); remove it or pass --socket",
+        sub.display()
+    );
+    // The supervisor side: `run --detach` will not serve there.
+    let (code, _, stderr) = runs_with(&["run", "--detach"], &env);
+    assert_eq!(failure(code, &stderr), owned_by_nobody);
+    // The client side: `status` will not connect there.
+    let (code, _, stderr) = runs_with(&["status"], &env);
+    assert_eq!(failure(code, &stderr), owned_by_nobody);
+    drop(squatter);
+
+    // 2. A socket path in a directory of ours that others may create in (a
+    // sticky one, as /tmp), pre-bound by another user.
+    let shared = scratch.0.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    set_mode(&shared, 0o1777);
+    let sock = shared.join("vm.sock");
+    let squatter = as_nobody(&shared, &sock);
+    let s = sock.to_str().unwrap();
+    let owned =
+        format!("refusing the control socket {s}: it is owned by uid {NOBODY}, not you (uid 0)");
+    // The supervisor side refuses the pre-bound path, and leaves it alone.
+    let (code, _, stderr) = runs(&["--socket", s, "run", "--detach"]);
+    assert_eq!(failure(code, &stderr), owned);
+    assert_eq!(std::fs::symlink_metadata(&sock).unwrap().uid(), NOBODY);
+    // So does the client.
+    let (code, _, stderr) = runs(&["--socket", s, "status"]);
+    assert_eq!(failure(code, &stderr), owned);
+
+    // 3. The same socket with its file made ours (as if the other user's
+    // server had been handed a path that passes every file check): the
+    // client connects, sees by SO_PEERCRED that uid 65534 serves it, and
+    // refuses to talk.
+    std::os::unix::fs::lchown(&sock, Some(0), Some(0)).unwrap();
+    for args in [vec!["status"], vec!["exec", "true"], vec!["stop"]] {
+        let mut argv = vec!["--socket", s];
+        argv.extend(&args);
+        let (code, _, stderr) = runs(&argv);
+        assert_eq!(
+            failure(code, &stderr),
+            format!(
+                "the control socket {s} is served by uid {NOBODY}, not you (uid 0); refusing to talk to it"
+            ),
+            "{argv:?}"
+        );
+    }
+    drop(squatter);
 }
