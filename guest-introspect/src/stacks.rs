@@ -325,14 +325,22 @@ impl StackMap {
 
     /// Reads the per-CPU stacks of every CPU in `percpu_bases` (each CPU's
     /// per-cpu offset) through `view`. CPUs whose pointers are unset (not
-    /// brought up yet) or unreadable contribute nothing.
+    /// brought up yet) or unreadable contribute nothing. Ranges that
+    /// overlap one already taken are dropped, exception stacks (whose
+    /// layout is the struct's) taken before IRQ stacks (one pointer each).
     pub fn read<V: VirtMemory + ?Sized>(
         layout: &StackLayout,
         view: &V,
         percpu_bases: &[u64],
     ) -> Self {
         let mut map = Self::tasks_only(layout.thread_size);
-        for (cpu, &base) in percpu_bases.iter().enumerate().take(MAX_CPUS as usize) {
+        let mut found: Vec<StackRange> = Vec::new();
+        let per_cpu = layout.exception_stacks.len() + 1;
+        let cpus = percpu_bases.len().min(MAX_CPUS as usize);
+        if found.try_reserve(cpus * per_cpu).is_err() {
+            return map;
+        }
+        for (cpu, &base) in percpu_bases.iter().enumerate().take(cpus) {
             let cpu = Some(cpu as u32);
             let ptr = |off: u64| -> Option<u64> {
                 let v =
@@ -341,7 +349,7 @@ impl StackMap {
             };
             if let Some(estacks) = layout.exception_ptr.and_then(ptr) {
                 for e in &layout.exception_stacks {
-                    map.add(StackRange {
+                    found.push(StackRange {
                         base: estacks.wrapping_add(u64::from(e.offset)),
                         size: u64::from(e.size),
                         kind: StackKind::Exception(e.name),
@@ -353,12 +361,28 @@ impl StackMap {
                 // The pointer holds the top minus 8 (6.x) or the top itself:
                 // either way the page boundary at or just above it is the top.
                 let top = top.wrapping_add(8) & !0xfff;
-                map.add(StackRange {
+                found.push(StackRange {
                     base: top.wrapping_sub(layout.irq_size),
                     size: layout.irq_size,
                     kind: StackKind::Irq,
                     cpu,
                 });
+            }
+        }
+        // One sort and one sweep per priority (no quadratic inserts).
+        for pass in [true, false] {
+            let mut batch: Vec<StackRange> = Vec::new();
+            if batch.try_reserve(found.len()).is_err() {
+                return map;
+            }
+            batch.extend(
+                found
+                    .iter()
+                    .filter(|r| matches!(r.kind, StackKind::Exception(_)) == pass),
+            );
+            batch.sort_unstable_by_key(|r| r.base);
+            for r in batch {
+                map.add(r);
             }
         }
         map

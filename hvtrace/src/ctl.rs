@@ -1156,7 +1156,7 @@ mod tests {
         );
         assert!(
             s.contains(
-                "7 steps, 1 guest writes, 0 region restores, 3 foreign VMCALLs, 4 blocked writes\n"
+                "7 steps, 1 guest writes, 0 region restores, 3 foreign VMCALLs, 0 forged entries, 4 blocked writes\n"
             ),
             "{s}"
         );

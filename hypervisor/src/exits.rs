@@ -15,6 +15,7 @@ use hypervisor::mono::MonoTsc;
 use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
 use hypervisor::stats::ExitCounters;
+use hypervisor::task_switch::LegacyPaging;
 use hypervisor::vmx::debug;
 use hypervisor::vmx::event::{self, Event};
 use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, RawExit, VmExit};
@@ -150,6 +151,55 @@ impl hypervisor::task_switch::Phys for GuardedPhys {
     fn write(&mut self, gpa: u64, buf: &[u8]) -> bool {
         phys::guest_ram().write(gpa, buf).is_ok()
     }
+}
+
+/// How a string instruction's memory operand is translated.
+enum OperandWalk {
+    /// IA-32e paging (4-level) from this CR3.
+    Long(Cr3),
+    /// Legacy paging, or none.
+    Legacy(LegacyPaging),
+}
+
+impl OperandWalk {
+    /// The guest-physical address of `la` if `access` may touch it.
+    fn translate(&self, la: u64, access: policy::StringAccess) -> Result<u64, MemoryFault> {
+        let (gpa, writable, user) = match self {
+            Self::Long(cr3) => match paging::translate(&GuestRam, *cr3, KGva(la)) {
+                Ok(t) => (t.gpa.0, t.writable, t.user),
+                Err(WalkError::NonCanonical { .. }) => return Err(MemoryFault::General),
+                Err(_) => return Err(MemoryFault::Page(la, access.not_present())),
+            },
+            Self::Legacy(p) => match p.walk(&GuardedPhys, la as u32, access.write) {
+                Ok(w) => (w.gpa, w.writable, w.user),
+                Err(_) => return Err(MemoryFault::Page(la, access.not_present())),
+            },
+        };
+        match access.denied(writable, user) {
+            Some(code) => Err(MemoryFault::Page(la, code)),
+            None => Ok(gpa),
+        }
+    }
+}
+
+/// The guest's legacy paging mode, from CR0.PG (set), CR4.PAE and PSE, and
+/// the PDPTEs VMX keeps in the VMCS.
+fn legacy_paging(v: &Vmcs, cr3: u64, cr4: u64) -> Result<LegacyPaging, VmcsError> {
+    Ok(if cr4 & (1 << 5) != 0 {
+        LegacyPaging::Pae {
+            pdptes: [
+                f::GUEST_PDPTE0.read(v)?,
+                f::GUEST_PDPTE1.read(v)?,
+                f::GUEST_PDPTE2.read(v)?,
+                f::GUEST_PDPTE3.read(v)?,
+            ],
+        }
+    } else {
+        LegacyPaging::Bits32 {
+            cr3: cr3 as u32,
+            pse: cr4 & (1 << 4) != 0,
+        }
+    })
 }
 
 /// Why an emulated memory access faults.
@@ -952,8 +1002,20 @@ impl Vcpu {
     fn string_io(&mut self, io: IoAccess) -> Result<Next, VmcsError> {
         let v = &Vmcs;
         let linear = f::GUEST_LINEAR_ADDRESS.read(v)?;
-        let info = f::EXIT_INSTRUCTION_INFO.read(v)?;
-        let mask = policy::address_size_mask(info);
+        let efer = f::GUEST_IA32_EFER.read(v)?;
+        let cs_ar = f::GUEST_CS_ACCESS_RIGHTS.read(v)?;
+        // The address size: from the instruction information when the CPU
+        // reports it for INS/OUTS (IA32_VMX_BASIC bit 54), else from the
+        // code segment (an address-size prefix is then not seen).
+        let mask = if self.cfg.ins_outs_info {
+            policy::address_size_mask(f::EXIT_INSTRUCTION_INFO.read(v)?)
+        } else if efer & (1 << 10) != 0 && cs_ar & (1 << 13) != 0 {
+            u64::MAX
+        } else if cs_ar & (1 << 14) != 0 {
+            0xffff_ffff
+        } else {
+            0xffff
+        };
         if io.rep && self.regs.rcx & mask == 0 {
             return self.advance();
         }
@@ -969,14 +1031,30 @@ impl Vcpu {
             write_protect: cr0 & (1 << 16) != 0,
             smap: cr4 & (1 << 21) != 0 && rflags & (1 << 18) == 0 && cpu.cpl < 3,
         };
-        let paging = cr0 & (1 << 31) != 0;
-        let mut bytes = [0xffu8; 4];
+        let walk = if cr0 & (1 << 31) == 0 {
+            OperandWalk::Legacy(LegacyPaging::Off)
+        } else if efer & (1 << 10) != 0 {
+            OperandWalk::Long(Cr3(cpu.cr3))
+        } else {
+            OperandWalk::Legacy(legacy_paging(v, cpu.cr3, cr4)?)
+        };
+        // Every byte is translated and checked before the port is touched:
+        // a fault must not lose what a port read consumed.
+        let mut gpas = [0u64; 4];
+        for (i, gpa) in gpas.iter_mut().take(size).enumerate() {
+            match walk.translate(linear.wrapping_add(i as u64), access) {
+                Ok(g) => *gpa = g,
+                Err(fault) => return self.memory_fault(fault),
+            }
+        }
+        let ram = phys::guest_ram();
         let saved = self.regs.rax;
         if !io.input {
-            if let Err(fault) =
-                self.string_memory(paging, cpu.cr3, linear, &mut bytes[..size], access)
-            {
-                return self.memory_fault(fault);
+            let mut bytes = [0xffu8; 4];
+            for (b, &gpa) in bytes.iter_mut().zip(&gpas).take(size) {
+                if ram.read(gpa, core::slice::from_mut(b)).is_err() {
+                    *b = 0xff;
+                }
             }
             self.regs.rax = u64::from(u32::from_le_bytes(bytes));
         }
@@ -986,30 +1064,37 @@ impl Vcpu {
             ..io
         })?;
         if io.input {
-            bytes = (self.regs.rax as u32).to_le_bytes();
-            self.regs.rax = saved;
-            if let Err(fault) =
-                self.string_memory(paging, cpu.cr3, linear, &mut bytes[..size], access)
-            {
-                return self.memory_fault(fault);
+            let bytes = (self.regs.rax as u32).to_le_bytes();
+            for (b, &gpa) in bytes.iter().zip(&gpas).take(size) {
+                // Not guest RAM (MMIO, a hole, hypervisor memory): dropped.
+                let _ = ram.write(gpa, core::slice::from_ref(b));
             }
-        } else {
-            self.regs.rax = saved;
         }
+        self.regs.rax = saved;
         let step = if rflags & (1 << 10) != 0 {
             (size as u64).wrapping_neg()
         } else {
             size as u64
+        };
+        // 16-bit writes keep the register's upper bits; 32-bit writes
+        // zero-extend (in 64-bit mode; outside it the upper half is not
+        // visible).
+        let set = |reg: &mut u64, value: u64| {
+            *reg = if mask == 0xffff {
+                (*reg & !mask) | (value & mask)
+            } else {
+                value & mask
+            };
         };
         let index = if io.input {
             &mut self.regs.rdi
         } else {
             &mut self.regs.rsi
         };
-        *index = (*index & !mask) | (index.wrapping_add(step) & mask);
+        set(index, index.wrapping_add(step));
         let last = if io.rep {
             let left = (self.regs.rcx & mask).wrapping_sub(1) & mask;
-            self.regs.rcx = (self.regs.rcx & !mask) | left;
+            set(&mut self.regs.rcx, left);
             left == 0
         } else {
             true
@@ -1018,44 +1103,6 @@ impl Vcpu {
             self.advance()?;
         }
         Ok(stop.map_or(Next::Resume, Next::Stop))
-    }
-
-    /// Reads (OUTS) or writes (INS) a string element at guest-linear
-    /// `linear`, byte by byte (an element may cross a page). The error is
-    /// the fault of the first byte the guest may not access.
-    fn string_memory(
-        &mut self,
-        paging: bool,
-        cr3: u64,
-        linear: u64,
-        buf: &mut [u8],
-        access: policy::StringAccess,
-    ) -> Result<(), MemoryFault> {
-        for (i, b) in buf.iter_mut().enumerate() {
-            let la = linear.wrapping_add(i as u64);
-            let gpa = if paging {
-                match paging::translate(&GuestRam, Cr3(cr3), KGva(la)) {
-                    Ok(t) => {
-                        if let Some(code) = access.denied(t.writable, t.user) {
-                            return Err(MemoryFault::Page(la, code));
-                        }
-                        t.gpa.0
-                    }
-                    Err(WalkError::NonCanonical { .. }) => return Err(MemoryFault::General),
-                    Err(_) => return Err(MemoryFault::Page(la, access.not_present())),
-                }
-            } else {
-                la & 0xffff_ffff
-            };
-            let ram = phys::guest_ram();
-            if access.write {
-                // Not guest RAM (MMIO, a hole, hypervisor memory): dropped.
-                let _ = ram.write(gpa, core::slice::from_ref(b));
-            } else if ram.read(gpa, core::slice::from_mut(b)).is_err() {
-                *b = 0xff;
-            }
-        }
-        Ok(())
     }
 
     /// Injects the fault of an emulated memory access. For #PF, root loads
@@ -1075,7 +1122,7 @@ impl Vcpu {
     /// from and back to the VMCS. An event that was being delivered
     /// through a task gate is consumed by the switch, not delivered again.
     fn task_switch(&mut self, q: u64) -> Result<Next, VmcsError> {
-        use hypervisor::task_switch::{self as ts, LegacyPaging, Outcome, Seg, Source, TaskCpu};
+        use hypervisor::task_switch::{self as ts, Outcome, Seg, Source, TaskCpu};
         let v = &mut Vmcs;
         if f::GUEST_IA32_EFER.read(v)? & (1 << 10) != 0 {
             // IA-32e mode raises #GP before a task switch could exit.
@@ -1188,21 +1235,10 @@ impl Vcpu {
         let cr4 = f::GUEST_CR4.read(v)?;
         let paging = if cpu.cr0 & (1 << 31) == 0 {
             LegacyPaging::Off
-        } else if cr4 & (1 << 5) != 0 {
-            LegacyPaging::Pae {
-                pdptes: [
-                    f::GUEST_PDPTE0.read(v)?,
-                    f::GUEST_PDPTE1.read(v)?,
-                    f::GUEST_PDPTE2.read(v)?,
-                    f::GUEST_PDPTE3.read(v)?,
-                ],
-            }
         } else {
-            LegacyPaging::Bits32 {
-                cr3: cpu.cr3,
-                pse: cr4 & (1 << 4) != 0,
-            }
+            legacy_paging(v, u64::from(cpu.cr3), cr4)?
         };
+        let old_cr3 = cpu.cr3;
         let mut phys = GuardedPhys;
         let mut mem = ts::LegacyLinear {
             paging,
@@ -1304,6 +1340,11 @@ impl Vcpu {
         f::GUEST_RFLAGS.write(v, u64::from(cpu.eflags))?;
         f::GUEST_CR0.write(v, u64::from(cpu.cr0))?;
         f::GUEST_CR3.write(v, u64::from(cpu.cr3))?;
+        if cpu.cr3 != old_cr3 {
+            // A MOV to CR3 would have flushed the old address space's
+            // translations; with VPID, VM entry does not.
+            let _ = insn::invept_single(f::EPT_POINTER.read(v)?);
+        }
         if let (true, LegacyPaging::Pae { pdptes }) = (pdptes_changed, paging) {
             f::GUEST_PDPTE0.write(v, pdptes[0])?;
             f::GUEST_PDPTE1.write(v, pdptes[1])?;
@@ -1316,6 +1357,10 @@ impl Vcpu {
         let mut intr = intr & !(event::BLOCKING_BY_STI | event::BLOCKING_BY_MOV_SS);
         if nmi {
             intr |= event::BLOCKING_BY_NMI;
+        }
+        if source == Source::Iret {
+            // IRET unblocks NMIs (virtual NMIs: root keeps the blocking).
+            intr &= !event::BLOCKING_BY_NMI;
         }
         f::GUEST_INTERRUPTIBILITY.write(v, intr)?;
         match outcome {

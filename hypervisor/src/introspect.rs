@@ -521,7 +521,8 @@ impl Kernel {
             l.thread_size_source.as_str(),
             l.exception_source.as_str()
         );
-        for r in map.per_cpu() {
+        const SHOWN: usize = 16;
+        for r in map.per_cpu().iter().take(SHOWN) {
             let what = match r.kind {
                 StackKind::Irq => "irq",
                 StackKind::Exception(n) => n,
@@ -534,6 +535,9 @@ impl Kernel {
                 r.base,
                 r.base.wrapping_add(r.size)
             );
+        }
+        if map.per_cpu().len() > SHOWN {
+            let _ = write!(line, "; and {} more", map.per_cpu().len() - SHOWN);
         }
         log::info!("{line}");
     }

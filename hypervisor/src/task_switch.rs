@@ -78,6 +78,9 @@ const FS: usize = 4;
 const GS: usize = 5;
 
 const EFLAGS_NT: u32 = 1 << 14;
+/// The EFLAGS bits that exist (CF, PF, AF, ZF, SF, TF, IF, DF, OF, IOPL,
+/// NT, RF, VM, AC, VIF, VIP, ID).
+const EFLAGS_DEFINED: u32 = 0x003f_7fd5;
 const EFLAGS_VM: u32 = 1 << 17;
 const CR0_PG: u32 = 1 << 31;
 const CR0_TS: u32 = 1 << 3;
@@ -141,9 +144,15 @@ pub trait Linear {
     fn read(&mut self, la: u32, buf: &mut [u8]) -> Result<(), u32>;
     /// Writes `buf` at `la`; the error is the #PF error code.
     fn write(&mut self, la: u32, buf: &[u8]) -> Result<(), u32>;
-    /// The guest loaded a new CR3 (paging on): later accesses use it.
-    fn set_cr3(&mut self, cr3: u32);
+    /// The guest loads a new CR3 (paging on): later accesses use it.
+    /// `Err` when the CPU would refuse it (PAE PDPTEs with reserved bits
+    /// set): nothing changes.
+    fn set_cr3(&mut self, cr3: u32) -> Result<(), BadPdptes>;
 }
+
+/// A new CR3 whose PAE PDPTEs the CPU would refuse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BadPdptes;
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -356,12 +365,10 @@ fn switch_inner<M: Linear + ?Sized>(
             }));
         }
     };
-    if matches!(req.source, Source::Call | Source::Jmp) {
-        let cpl = (cpu.seg[CS].selector & 3) as u8;
-        if (sel & 3) as u8 > new.dpl() || cpl > new.dpl() {
-            return Err(before(Fault::Gp(sel)));
-        }
-    }
+    // The privilege checks of CALL and JMP (against the TSS descriptor,
+    // or against a task gate, whose TSS descriptor's DPL is then not
+    // checked) happen before the exit: the qualification cannot say
+    // which applied, and the CPU already passed them.
     if !new.present() {
         return Err(before(Fault::Np(sel)));
     }
@@ -441,18 +448,27 @@ fn switch_inner<M: Linear + ?Sized>(
         ar: tr_ar,
         ..new.seg(sel)
     };
-    // From here on, faults belong to the new task.
+    // From here on, faults belong to the new task. One that comes before
+    // its CS and SS are loaded leaves the old task's registers (with the
+    // new TR and TS): a half-loaded CS/SS pair would fail VM entry.
     let after = |f: Fault| (f, true);
+    cpu.cr0 |= CR0_TS;
+    let committed = cpu.clone();
     // 4. Load the new task's state.
     if layout.big && cpu.cr0 & CR0_PG != 0 {
-        cpu.cr3 = get32(0x1c);
-        m.set_cr3(cpu.cr3);
+        let cr3 = get32(0x1c);
+        if m.set_cr3(cr3).is_err() {
+            return Err(after(Fault::Gp(0)));
+        }
+        cpu.cr3 = cr3;
     }
     cpu.eip = get(layout.eip);
     if !layout.big {
         new_eflags |= cpu.eflags & 0xffff_0000 & !EFLAGS_VM;
     }
-    cpu.eflags = new_eflags | 2;
+    // Reserved bits read as the CPU keeps them (bit 1 set, 3, 5, 15 and
+    // 22..31 clear): VM entry refuses anything else.
+    cpu.eflags = (new_eflags & EFLAGS_DEFINED) | 2;
     let step = if layout.big { 4 } else { 2 };
     for i in 0..8 {
         let v = get(layout.gpr + step * i as u32);
@@ -469,31 +485,15 @@ fn switch_inner<M: Linear + ?Sized>(
     }
     let ldt = get16(layout.ldt);
     let debug_trap = layout.big && image[0x64] & 1 != 0;
-    cpu.cr0 |= CR0_TS;
-    // Selectors first (so that a fault reports in the new task with them),
-    // then the descriptors.
-    for (s, &sel) in cpu.seg.iter_mut().zip(&selectors).take(nseg) {
-        s.selector = sel;
-    }
-    cpu.ldtr.selector = ldt;
-    load_ldt(cpu, m, ldt).map_err(after)?;
-    if cpu.eflags & EFLAGS_VM != 0 {
-        for (s, &sel) in cpu.seg.iter_mut().zip(&selectors) {
-            *s = Seg {
-                selector: sel,
-                base: u32::from(sel) << 4,
-                limit: 0xffff,
-                ar: 0xf3,
-            };
+    if let Err((f, stack_loaded)) = load_segments(cpu, m, &selectors, nseg, ldt) {
+        if !stack_loaded {
+            let (tr, cr3, ldtr) = (cpu.tr, cpu.cr3, cpu.ldtr);
+            *cpu = committed;
+            cpu.tr = tr;
+            cpu.cr3 = cr3;
+            cpu.ldtr = ldtr;
         }
-    } else {
-        let cpl = (selectors[CS] & 3) as u8;
-        load_segment(cpu, m, CS, selectors[CS], Load::Code).map_err(after)?;
-        load_segment(cpu, m, SS, selectors[SS], Load::Stack(cpl)).map_err(after)?;
-        // A 16-bit TSS has no FS and GS: they keep their values.
-        for i in [ES, DS, FS, GS].into_iter().filter(|&i| i < nseg) {
-            load_segment(cpu, m, i, selectors[i], Load::Data(cpl)).map_err(after)?;
-        }
+        return Err(after(f));
     }
     // 5. An exception's error code goes on the new stack.
     if let Some(code) = req.error_code {
@@ -507,10 +507,61 @@ fn switch_inner<M: Linear + ?Sized>(
         let off = if big_stack { esp } else { esp & 0xffff };
         let la = cpu.seg[SS].base.wrapping_add(off);
         let bytes = code.to_le_bytes();
-        wr(m, la, &bytes[..size as usize]).map_err(|_| after(Fault::Ss(cpu.seg[SS].selector)))?;
+        wr(m, la, &bytes[..size as usize]).map_err(after)?;
         cpu.gpr[4] = esp;
     }
     Ok(Outcome::Switched { debug_trap })
+}
+
+/// Loads the LDT and the segment registers of the new task. CS and SS are
+/// both checked before either is loaded; data registers are unusable until
+/// their own load succeeds. The error says whether CS and SS were loaded.
+fn load_segments<M: Linear + ?Sized>(
+    cpu: &mut TaskCpu,
+    m: &mut M,
+    selectors: &[u16; 6],
+    nseg: usize,
+    ldt: u16,
+) -> Result<(), (Fault, bool)> {
+    cpu.ldtr = Seg {
+        selector: ldt,
+        ar: AR_UNUSABLE,
+        ..Seg::default()
+    };
+    load_ldt(cpu, m, ldt).map_err(|f| (f, false))?;
+    if cpu.eflags & EFLAGS_VM != 0 {
+        for (s, &sel) in cpu.seg.iter_mut().zip(selectors) {
+            *s = Seg {
+                selector: sel,
+                base: u32::from(sel) << 4,
+                limit: 0xffff,
+                ar: 0xf3,
+            };
+        }
+        return Ok(());
+    }
+    let cpl = (selectors[CS] & 3) as u8;
+    let cs = check_segment(cpu, m, selectors[CS], Load::Code).map_err(|f| (f, false))?;
+    let ss = check_segment(cpu, m, selectors[SS], Load::Stack(cpl)).map_err(|f| (f, false))?;
+    // A 16-bit TSS has no FS and GS: they keep their values.
+    let data = [ES, DS, FS, GS].into_iter().filter(|&i| i < nseg);
+    for i in data.clone() {
+        cpu.seg[i] = Seg {
+            selector: selectors[i],
+            ar: AR_UNUSABLE,
+            ..Seg::default()
+        };
+    }
+    commit_segment(cpu, m, CS, cs).map_err(|f| (f, false))?;
+    commit_segment(cpu, m, SS, ss).map_err(|f| (f, true))?;
+    for i in data {
+        if let Some(d) =
+            check_segment(cpu, m, selectors[i], Load::Data(cpl)).map_err(|f| (f, true))?
+        {
+            commit_segment(cpu, m, i, Some(d)).map_err(|f| (f, true))?;
+        }
+    }
+    Ok(())
 }
 
 fn load_ldt<M: Linear + ?Sized>(cpu: &mut TaskCpu, m: &mut M, sel: u16) -> Result<(), Fault> {
@@ -548,23 +599,19 @@ enum Load {
     Data(u8),
 }
 
-fn load_segment<M: Linear + ?Sized>(
-    cpu: &mut TaskCpu,
+/// Checks `sel` for `load`; `None` for a null data selector (the register
+/// becomes unusable).
+fn check_segment<M: Linear + ?Sized>(
+    cpu: &TaskCpu,
     m: &mut M,
-    i: usize,
     sel: u16,
     load: Load,
-) -> Result<(), Fault> {
+) -> Result<Option<(u16, Desc)>, Fault> {
     if sel & !3 == 0 {
-        if let Load::Data(_) = load {
-            cpu.seg[i] = Seg {
-                selector: sel,
-                ar: AR_UNUSABLE,
-                ..Seg::default()
-            };
-            return Ok(());
-        }
-        return Err(Fault::Ts(sel));
+        return match load {
+            Load::Data(_) => Ok(None),
+            _ => Err(Fault::Ts(sel)),
+        };
     }
     let d = descriptor(cpu, m, sel)?.ok_or(Fault::Ts(sel))?;
     let (ty, dpl, rpl) = (d.ty(), d.dpl(), (sel & 3) as u8);
@@ -585,9 +632,21 @@ fn load_segment<M: Linear + ?Sized>(
             _ => Fault::Np(sel),
         });
     }
-    set_accessed(m, &d)?;
-    cpu.seg[i] = d.seg(sel);
-    cpu.seg[i].ar |= 1;
+    Ok(Some((sel, d)))
+}
+
+/// Loads a checked descriptor into register `i`, setting its accessed bit.
+fn commit_segment<M: Linear + ?Sized>(
+    cpu: &mut TaskCpu,
+    m: &mut M,
+    i: usize,
+    checked: Option<(u16, Desc)>,
+) -> Result<(), Fault> {
+    if let Some((sel, d)) = checked {
+        set_accessed(m, &d)?;
+        cpu.seg[i] = d.seg(sel);
+        cpu.seg[i].ar |= 1;
+    }
     Ok(())
 }
 
@@ -613,6 +672,17 @@ pub enum LegacyPaging {
     },
 }
 
+/// A legacy walk's result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Walked {
+    /// The guest-physical address.
+    pub gpa: u64,
+    /// Writable at every level.
+    pub writable: bool,
+    /// User-accessible at every level.
+    pub user: bool,
+}
+
 /// Guest-physical memory, refused where it is not guest RAM.
 pub trait Phys {
     /// Reads at `gpa`; false when refused.
@@ -624,10 +694,19 @@ pub trait Phys {
 const PF_NOT_PRESENT: u32 = 0;
 const PF_WRITE: u32 = 2;
 const ADDR_PAE: u64 = 0x000f_ffff_ffff_f000;
+/// Reserved bits of a present PAE PDPTE (bits 2:1, 8:5, 63:52): loading
+/// one with any set is #GP (and would fail VM entry).
+const PDPTE_RESERVED: u64 = 0xfff0_0000_0000_01e6;
 
 impl LegacyPaging {
     /// The guest-physical address of `la`, or the #PF error code.
     pub fn translate<P: Phys + ?Sized>(&self, p: &P, la: u32, write: bool) -> Result<u64, u32> {
+        self.walk(p, la, write).map(|w| w.gpa)
+    }
+
+    /// [`Self::translate`] with the permissions of the walk (writable and
+    /// user-accessible at every level; PAE PDPTEs carry neither).
+    pub fn walk<P: Phys + ?Sized>(&self, p: &P, la: u32, write: bool) -> Result<Walked, u32> {
         let code = PF_NOT_PRESENT | if write { PF_WRITE } else { 0 };
         let entry32 = |gpa: u64| -> Result<u32, u32> {
             let mut b = [0u8; 4];
@@ -646,7 +725,11 @@ impl LegacyPaging {
             }
         };
         match *self {
-            Self::Off => Ok(u64::from(la)),
+            Self::Off => Ok(Walked {
+                gpa: u64::from(la),
+                writable: true,
+                user: true,
+            }),
             Self::Bits32 { cr3, pse } => {
                 let pde = entry32(u64::from(cr3 & !0xfff) + 4 * u64::from(la >> 22))?;
                 if pde & 1 == 0 {
@@ -654,13 +737,21 @@ impl LegacyPaging {
                 }
                 if pse && pde & 0x80 != 0 {
                     let high = u64::from((pde >> 13) & 0xff) << 32;
-                    return Ok(high | u64::from(pde & 0xffc0_0000) | u64::from(la & 0x3f_ffff));
+                    return Ok(Walked {
+                        gpa: high | u64::from(pde & 0xffc0_0000) | u64::from(la & 0x3f_ffff),
+                        writable: pde & 2 != 0,
+                        user: pde & 4 != 0,
+                    });
                 }
                 let pte = entry32(u64::from(pde & !0xfff) + 4 * u64::from((la >> 12) & 0x3ff))?;
                 if pte & 1 == 0 {
                     return Err(code);
                 }
-                Ok(u64::from(pte & !0xfff) | u64::from(la & 0xfff))
+                Ok(Walked {
+                    gpa: u64::from(pte & !0xfff) | u64::from(la & 0xfff),
+                    writable: pde & pte & 2 != 0,
+                    user: pde & pte & 4 != 0,
+                })
             }
             Self::Pae { pdptes } => {
                 let pdpte = pdptes[(la >> 30) as usize];
@@ -672,13 +763,21 @@ impl LegacyPaging {
                     return Err(code);
                 }
                 if pde & 0x80 != 0 {
-                    return Ok((pde & ADDR_PAE & !0x1f_ffff) | u64::from(la & 0x1f_ffff));
+                    return Ok(Walked {
+                        gpa: (pde & ADDR_PAE & !0x1f_ffff) | u64::from(la & 0x1f_ffff),
+                        writable: pde & 2 != 0,
+                        user: pde & 4 != 0,
+                    });
                 }
                 let pte = entry64((pde & ADDR_PAE) + 8 * u64::from((la >> 12) & 0x1ff))?;
                 if pte & 1 == 0 {
                     return Err(code);
                 }
-                Ok((pte & ADDR_PAE) | u64::from(la & 0xfff))
+                Ok(Walked {
+                    gpa: (pte & ADDR_PAE) | u64::from(la & 0xfff),
+                    writable: pde & pte & 2 != 0,
+                    user: pde & pte & 4 != 0,
+                })
             }
         }
     }
@@ -718,23 +817,28 @@ impl<P: Phys + ?Sized> Linear for LegacyLinear<'_, P> {
         Ok(())
     }
 
-    fn set_cr3(&mut self, cr3: u32) {
+    fn set_cr3(&mut self, cr3: u32) -> Result<(), BadPdptes> {
         match &mut self.paging {
             LegacyPaging::Off => {}
             LegacyPaging::Bits32 { cr3: c, .. } => *c = cr3,
             LegacyPaging::Pae { pdptes } => {
                 let base = u64::from(cr3 & !0x1f);
-                for (i, e) in pdptes.iter_mut().enumerate() {
+                let mut new = [0u64; 4];
+                for (i, e) in new.iter_mut().enumerate() {
                     let mut b = [0u8; 8];
-                    *e = if self.phys.read(base + 8 * i as u64, &mut b) {
-                        u64::from_le_bytes(b)
-                    } else {
-                        0
-                    };
+                    if !self.phys.read(base + 8 * i as u64, &mut b) {
+                        return Err(BadPdptes);
+                    }
+                    *e = u64::from_le_bytes(b);
+                    if *e & 1 != 0 && *e & PDPTE_RESERVED != 0 {
+                        return Err(BadPdptes);
+                    }
                 }
+                *pdptes = new;
                 self.pdptes_changed = true;
             }
         }
+        Ok(())
     }
 }
 
@@ -760,7 +864,9 @@ mod tests {
             }
             Ok(())
         }
-        fn set_cr3(&mut self, _: u32) {}
+        fn set_cr3(&mut self, _: u32) -> Result<(), BadPdptes> {
+            Ok(())
+        }
     }
 
     impl Mem {
@@ -933,7 +1039,6 @@ mod tests {
             (0x80, Source::Jmp, Fault::Gp(0x80)),  // past the GDT
             (0x10, Source::Call, Fault::Gp(0x10)), // a data segment
             (0x18, Source::Call, Fault::Gp(0x18)), // busy
-            (0x23, Source::Call, Fault::Gp(0x23)), // RPL 3 > DPL 0
         ] {
             let (mut cpu, mut m) = machine();
             let before = cpu.clone();
@@ -969,6 +1074,44 @@ mod tests {
     }
 
     #[test]
+    fn privilege_was_checked_before_the_exit_and_eflags_keep_their_reserved_bits() {
+        // A ring-3 CALL through a task gate reaches a DPL-0 TSS: the gate's
+        // DPL was checked, the TSS's is not.
+        let (mut cpu, mut m) = machine();
+        cpu.seg[CS].selector = 0x3b;
+        m.put(NEW_TSS + 0x24, &0xffff_ffffu32.to_le_bytes());
+        assert_eq!(
+            switch(&mut cpu, &mut m, req(Source::Call, 0x23)),
+            Outcome::Switched { debug_trap: false }
+        );
+        assert_eq!(cpu.eflags & !EFLAGS_DEFINED, 2, "{:#x}", cpu.eflags);
+        // Invalid PDPTEs for the new CR3 are #GP(0) in the new task, with
+        // the old CR3 kept.
+        struct NoPae(Mem);
+        impl Linear for NoPae {
+            fn read(&mut self, la: u32, buf: &mut [u8]) -> Result<(), u32> {
+                self.0.read(la, buf)
+            }
+            fn write(&mut self, la: u32, buf: &[u8]) -> Result<(), u32> {
+                self.0.write(la, buf)
+            }
+            fn set_cr3(&mut self, _: u32) -> Result<(), BadPdptes> {
+                Err(BadPdptes)
+            }
+        }
+        let (mut cpu, m) = machine();
+        cpu.cr0 |= CR0_PG;
+        cpu.cr3 = 0x7000;
+        let mut m = NoPae(m);
+        assert_eq!(
+            switch(&mut cpu, &mut m, req(Source::Jmp, 0x20)),
+            Outcome::FaultAfter(Fault::Gp(0))
+        );
+        assert_eq!(cpu.cr3, 0x7000);
+        assert_eq!(cpu.tr.selector, 0x20);
+    }
+
+    #[test]
     fn bad_segments_in_the_new_tss_fault_in_the_new_task() {
         // DS not present: #NP after the commit point, TR already new.
         let (mut cpu, mut m) = machine();
@@ -989,11 +1132,15 @@ mod tests {
         ] {
             let (mut cpu, mut m) = machine();
             m.put(NEW_TSS + off, &sel.to_le_bytes());
+            let old_cs = cpu.seg[CS];
             assert_eq!(
                 switch(&mut cpu, &mut m, req(Source::Call, 0x20)),
                 Outcome::FaultAfter(fault),
                 "{off:#x} = {sel:#x}"
             );
+            // CS and SS never half-load: the old pair stays with the new TR.
+            assert_eq!(cpu.seg[CS], old_cs);
+            assert_eq!(cpu.tr.selector, 0x20);
         }
     }
 
@@ -1072,9 +1219,20 @@ mod tests {
             phys: &mut p,
             pdptes_changed: false,
         };
-        l.set_cr3(0x40000);
+        assert_eq!(l.set_cr3(0x40000), Ok(()));
         assert!(l.pdptes_changed);
         let mut b = [0u8; 1];
         assert_eq!(Linear::read(&mut l, 0x3000, &mut b), Ok(()));
+        // A PDPTE with a reserved bit: refused, the old ones stay.
+        let mut p2 = P(HashMap::new());
+        put(&mut p2, 0x50000, 0x30001 | 1 << 7, 8);
+        let mut l = LegacyLinear {
+            paging: LegacyPaging::Pae { pdptes: [7; 4] },
+            phys: &mut p2,
+            pdptes_changed: false,
+        };
+        assert_eq!(l.set_cr3(0x50000), Err(BadPdptes));
+        assert!(!l.pdptes_changed);
+        assert_eq!(l.paging, LegacyPaging::Pae { pdptes: [7; 4] });
     }
 }

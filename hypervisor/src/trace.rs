@@ -1402,7 +1402,23 @@ impl Tracer {
             .rdi
             .checked_add(trampolines::abi::RETURN_FRAME_RETP as u64)?;
         let retval = regs.rsi;
-        let key = self.stack_map.key(retp);
+        let mut key = self.stack_map.key(retp);
+        if self
+            .stacks
+            .get(&key)
+            .is_none_or(|t| t.st.top_retp() != Some(retp))
+        {
+            // The map changed since the entry (a CPU came up, or the guest
+            // moved a per-CPU stack pointer): find the frame where it was
+            // pushed, rather than leave the call with nowhere to return.
+            if let Some((&k, _)) = self
+                .stacks
+                .iter()
+                .find(|(_, t)| t.st.top_retp() == Some(retp))
+            {
+                key = k;
+            }
+        }
         let t = self.stacks.get_mut(&key)?;
         let PopResult::Found { frame, dropped } = t.st.pop(retp) else {
             return None;
@@ -1603,7 +1619,10 @@ impl Tracer {
         // memory, its own problem).
         let Some(u) = self.sites.get(&site).filter(|_| regs_gva == cpu.rsp) else {
             self.stats.forged_entries += 1;
-            return 0;
+            // A call that was in flight when its site was unhooked is
+            // refused too: it continues as the site's own bytes say (the
+            // guest's `call` there, if it has one).
+            return site_call_target(Cr3(cpu.cr3), site);
         };
         let chain = self
             .pages
@@ -2061,4 +2080,15 @@ fn cut_line(line: &mut String, max: usize) {
         }
         line.truncate(end);
     }
+}
+
+/// The guest-virtual target of a `call rel32` at `site` in the guest's own
+/// bytes (its frame, not our shadow), or 0: not a call, or unreadable.
+fn site_call_target(cr3: Cr3, site: u64) -> u64 {
+    let mut b = [0u8; 5];
+    if paging::read_virt(&GuestRam, cr3, KGva(site), &mut b).is_err() || b[0] != 0xe8 {
+        return 0;
+    }
+    let rel = i32::from_le_bytes([b[1], b[2], b[3], b[4]]);
+    site.wrapping_add(5).wrapping_add(rel as i64 as u64)
 }

@@ -226,6 +226,9 @@ pub struct VmConfig {
     pub timer_shift: u32,
     /// The bus-master IDE registers root keeps the guest away from.
     pub dma_block: Option<crate::exits::DmaBlock>,
+    /// IA32_VMX_BASIC bit 54: INS/OUTS exits report the instruction
+    /// information (address size, segment).
+    pub ins_outs_info: bool,
 }
 
 fn controls(
@@ -533,5 +536,6 @@ pub fn setup(
         has_timer,
         timer_shift,
         dma_block,
+        ins_outs_info: msr(IA32_VMX_BASIC) & (1 << 54) != 0,
     })
 }
