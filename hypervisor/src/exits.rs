@@ -185,7 +185,7 @@ impl OperandWalk {
 /// The guest's legacy paging mode, from CR0.PG (set), CR4.PAE and PSE, and
 /// the PDPTEs VMX keeps in the VMCS.
 fn legacy_paging(v: &Vmcs, cr3: u64, cr4: u64) -> Result<LegacyPaging, VmcsError> {
-    Ok(if cr4 & (1 << 5) != 0 {
+    Ok(if cr4 & policy::CR4_PAE != 0 {
         LegacyPaging::Pae {
             pdptes: [
                 f::GUEST_PDPTE0.read(v)?,
@@ -1009,7 +1009,7 @@ impl Vcpu {
         // code segment (an address-size prefix is then not seen).
         let mask = if self.cfg.ins_outs_info {
             policy::address_size_mask(f::EXIT_INSTRUCTION_INFO.read(v)?)
-        } else if efer & (1 << 10) != 0 && cs_ar & (1 << 13) != 0 {
+        } else if efer & policy::EFER_LMA != 0 && cs_ar & (1 << 13) != 0 {
             u64::MAX
         } else if cs_ar & (1 << 14) != 0 {
             0xffff_ffff
@@ -1031,9 +1031,9 @@ impl Vcpu {
             write_protect: cr0 & (1 << 16) != 0,
             smap: cr4 & (1 << 21) != 0 && rflags & (1 << 18) == 0 && cpu.cpl < 3,
         };
-        let walk = if cr0 & (1 << 31) == 0 {
+        let walk = if cr0 & policy::CR0_PG == 0 {
             OperandWalk::Legacy(LegacyPaging::Off)
-        } else if efer & (1 << 10) != 0 {
+        } else if efer & policy::EFER_LMA != 0 {
             OperandWalk::Long(Cr3(cpu.cr3))
         } else {
             OperandWalk::Legacy(legacy_paging(v, cpu.cr3, cr4)?)
@@ -1105,15 +1105,29 @@ impl Vcpu {
         Ok(stop.map_or(Next::Resume, Next::Stop))
     }
 
-    /// Injects the fault of an emulated memory access. For #PF, root loads
-    /// CR2 itself (CR2 is not in the VMCS) before the entry delivers it.
+    /// Injects the fault of an emulated memory access.
     fn memory_fault(&mut self, fault: MemoryFault) -> Result<Next, VmcsError> {
         match fault {
-            MemoryFault::Page(linear, code) => {
-                insn::write_cr2(linear);
-                self.inject(PF, Some(code))
-            }
+            MemoryFault::Page(linear, code) => self.page_fault(linear, code),
             MemoryFault::General => self.inject(GP, Some(0)),
+        }
+    }
+
+    /// Injects #PF at `linear`. Root loads CR2 itself (CR2 is not in the
+    /// VMCS) before the entry delivers the fault.
+    fn page_fault(&mut self, linear: u64, code: u32) -> Result<Next, VmcsError> {
+        insn::write_cr2(linear);
+        self.inject(PF, Some(code))
+    }
+
+    /// Injects a fault the task-switch emulation raised.
+    fn task_fault(&mut self, fault: hypervisor::task_switch::Fault) -> Result<Next, VmcsError> {
+        match fault {
+            hypervisor::task_switch::Fault::Pf(la, code) => self.page_fault(u64::from(la), code),
+            other => {
+                let (vector, code) = other.vector_and_code();
+                self.inject(vector, Some(code))
+            }
         }
     }
 
@@ -1124,7 +1138,7 @@ impl Vcpu {
     fn task_switch(&mut self, q: u64) -> Result<Next, VmcsError> {
         use hypervisor::task_switch::{self as ts, Outcome, Seg, Source, TaskCpu};
         let v = &mut Vmcs;
-        if f::GUEST_IA32_EFER.read(v)? & (1 << 10) != 0 {
+        if f::GUEST_IA32_EFER.read(v)? & policy::EFER_LMA != 0 {
             // IA-32e mode raises #GP before a task switch could exit.
             hvprintln!("error: a task switch exit in IA-32e mode: {q:#x}");
             return Ok(Next::Stop(StopReason::Unhandled(9)));
@@ -1151,14 +1165,13 @@ impl Vcpu {
         } else {
             rip
         };
-        macro_rules! seg_read {
-            ($sel:ident, $base:ident, $limit:ident, $ar:ident) => {
-                Seg {
-                    selector: f::$sel.read(v)?,
-                    base: f::$base.read(v)? as u32,
-                    limit: f::$limit.read(v)?,
-                    ar: f::$ar.read(v)?,
-                }
+        let mut segs = [Seg::default(); 8];
+        for (s, fields) in segs.iter_mut().zip(&f::GUEST_SEGMENTS) {
+            *s = Seg {
+                selector: fields.selector.read(v)?,
+                base: fields.base.read(v)? as u32,
+                limit: fields.limit.read(v)?,
+                ar: fields.access_rights.read(v)?,
             };
         }
         let r = &self.regs;
@@ -1175,56 +1188,9 @@ impl Vcpu {
             ],
             eip: rip as u32,
             eflags: f::GUEST_RFLAGS.read(v)? as u32,
-            seg: [
-                seg_read!(
-                    GUEST_ES_SELECTOR,
-                    GUEST_ES_BASE,
-                    GUEST_ES_LIMIT,
-                    GUEST_ES_ACCESS_RIGHTS
-                ),
-                seg_read!(
-                    GUEST_CS_SELECTOR,
-                    GUEST_CS_BASE,
-                    GUEST_CS_LIMIT,
-                    GUEST_CS_ACCESS_RIGHTS
-                ),
-                seg_read!(
-                    GUEST_SS_SELECTOR,
-                    GUEST_SS_BASE,
-                    GUEST_SS_LIMIT,
-                    GUEST_SS_ACCESS_RIGHTS
-                ),
-                seg_read!(
-                    GUEST_DS_SELECTOR,
-                    GUEST_DS_BASE,
-                    GUEST_DS_LIMIT,
-                    GUEST_DS_ACCESS_RIGHTS
-                ),
-                seg_read!(
-                    GUEST_FS_SELECTOR,
-                    GUEST_FS_BASE,
-                    GUEST_FS_LIMIT,
-                    GUEST_FS_ACCESS_RIGHTS
-                ),
-                seg_read!(
-                    GUEST_GS_SELECTOR,
-                    GUEST_GS_BASE,
-                    GUEST_GS_LIMIT,
-                    GUEST_GS_ACCESS_RIGHTS
-                ),
-            ],
-            ldtr: seg_read!(
-                GUEST_LDTR_SELECTOR,
-                GUEST_LDTR_BASE,
-                GUEST_LDTR_LIMIT,
-                GUEST_LDTR_ACCESS_RIGHTS
-            ),
-            tr: seg_read!(
-                GUEST_TR_SELECTOR,
-                GUEST_TR_BASE,
-                GUEST_TR_LIMIT,
-                GUEST_TR_ACCESS_RIGHTS
-            ),
+            seg: [segs[0], segs[1], segs[2], segs[3], segs[4], segs[5]],
+            ldtr: segs[f::SEG_LDTR],
+            tr: segs[f::SEG_TR],
             gdtr: (
                 f::GUEST_GDTR_BASE.read(v)? as u32,
                 f::GUEST_GDTR_LIMIT.read(v)?,
@@ -1233,7 +1199,7 @@ impl Vcpu {
             cr3: f::GUEST_CR3.read(v)? as u32,
         };
         let cr4 = f::GUEST_CR4.read(v)?;
-        let paging = if cpu.cr0 & (1 << 31) == 0 {
+        let paging = if u64::from(cpu.cr0) & policy::CR0_PG == 0 {
             LegacyPaging::Off
         } else {
             legacy_paging(v, u64::from(cpu.cr3), cr4)?
@@ -1254,79 +1220,17 @@ impl Vcpu {
         let outcome = ts::switch(&mut cpu, &mut mem, req);
         let (pdptes_changed, paging) = (mem.pdptes_changed, mem.paging);
         if let Outcome::FaultBefore(fault) = outcome {
-            let (vector, code) = fault.vector_and_code();
-            if let ts::Fault::Pf(la, _) = fault {
-                insn::write_cr2(u64::from(la));
-            }
-            return self.inject(vector, Some(code));
+            return self.task_fault(fault);
         }
         // The new task's state, loaded (all of it, or up to a fault that
         // the new task takes).
-        macro_rules! seg_write {
-            ($s:expr, $sel:ident, $base:ident, $limit:ident, $ar:ident) => {
-                f::$sel.write(v, $s.selector)?;
-                f::$base.write(v, u64::from($s.base))?;
-                f::$limit.write(v, $s.limit)?;
-                f::$ar.write(v, $s.ar)?;
-            };
-        }
         let [es, cs, ss, ds, fs, gs] = cpu.seg;
-        seg_write!(
-            es,
-            GUEST_ES_SELECTOR,
-            GUEST_ES_BASE,
-            GUEST_ES_LIMIT,
-            GUEST_ES_ACCESS_RIGHTS
-        );
-        seg_write!(
-            cs,
-            GUEST_CS_SELECTOR,
-            GUEST_CS_BASE,
-            GUEST_CS_LIMIT,
-            GUEST_CS_ACCESS_RIGHTS
-        );
-        seg_write!(
-            ss,
-            GUEST_SS_SELECTOR,
-            GUEST_SS_BASE,
-            GUEST_SS_LIMIT,
-            GUEST_SS_ACCESS_RIGHTS
-        );
-        seg_write!(
-            ds,
-            GUEST_DS_SELECTOR,
-            GUEST_DS_BASE,
-            GUEST_DS_LIMIT,
-            GUEST_DS_ACCESS_RIGHTS
-        );
-        seg_write!(
-            fs,
-            GUEST_FS_SELECTOR,
-            GUEST_FS_BASE,
-            GUEST_FS_LIMIT,
-            GUEST_FS_ACCESS_RIGHTS
-        );
-        seg_write!(
-            gs,
-            GUEST_GS_SELECTOR,
-            GUEST_GS_BASE,
-            GUEST_GS_LIMIT,
-            GUEST_GS_ACCESS_RIGHTS
-        );
-        seg_write!(
-            cpu.ldtr,
-            GUEST_LDTR_SELECTOR,
-            GUEST_LDTR_BASE,
-            GUEST_LDTR_LIMIT,
-            GUEST_LDTR_ACCESS_RIGHTS
-        );
-        seg_write!(
-            cpu.tr,
-            GUEST_TR_SELECTOR,
-            GUEST_TR_BASE,
-            GUEST_TR_LIMIT,
-            GUEST_TR_ACCESS_RIGHTS
-        );
+        for (s, fields) in [es, cs, ss, ds, fs, gs, cpu.ldtr, cpu.tr]
+            .iter()
+            .zip(&f::GUEST_SEGMENTS)
+        {
+            fields.write(v, s.selector, u64::from(s.base), s.limit, s.ar)?;
+        }
         let g = cpu.gpr.map(u64::from);
         self.regs.rax = g[0];
         self.regs.rcx = g[1];
@@ -1364,13 +1268,7 @@ impl Vcpu {
         }
         f::GUEST_INTERRUPTIBILITY.write(v, intr)?;
         match outcome {
-            Outcome::FaultAfter(fault) => {
-                let (vector, code) = fault.vector_and_code();
-                if let ts::Fault::Pf(la, _) = fault {
-                    insn::write_cr2(u64::from(la));
-                }
-                self.inject(vector, Some(code))
-            }
+            Outcome::FaultAfter(fault) => self.task_fault(fault),
             Outcome::Switched { debug_trap: true } => self.inject(DB, None),
             _ => Ok(Next::Resume),
         }

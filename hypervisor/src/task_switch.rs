@@ -276,6 +276,8 @@ fn set_accessed<M: Linear + ?Sized>(m: &mut M, d: &Desc) -> Result<(), Fault> {
 
 /// TSS offsets of one layout.
 struct Layout {
+    /// 32-bit: registers are 4 bytes and 4 apart (2 and 2 in a 16-bit
+    /// TSS), and FS and GS exist.
     big: bool,
     eip: u32,
     eflags: u32,
@@ -304,6 +306,26 @@ const TSS16: Layout = Layout {
     ldt: 0x2a,
     min_limit: 0x2b,
 };
+
+impl Layout {
+    /// Bytes between register slots.
+    fn step(&self) -> u32 {
+        if self.big {
+            4
+        } else {
+            2
+        }
+    }
+
+    /// Segment registers it holds (ES, CS, SS, DS, and FS, GS when 32-bit).
+    fn segs(&self) -> usize {
+        if self.big {
+            6
+        } else {
+            4
+        }
+    }
+}
 
 /// The layout of a TSS descriptor type (available or busy), if it is one.
 fn layout_of(ty: u8) -> Option<&'static Layout> {
@@ -343,27 +365,19 @@ fn switch_inner<M: Linear + ?Sized>(
     let before = |f: Fault| (f, false);
     let sel = req.selector;
     // 1. The new TSS descriptor: in the GDT, a TSS, present, big enough.
+    // Not a usable TSS: IRET raises #TS, the others #GP.
+    let refused = before(match req.source {
+        Source::Iret => Fault::Ts(sel),
+        _ => Fault::Gp(sel),
+    });
     if sel & 4 != 0 {
-        return Err(before(match req.source {
-            Source::Iret => Fault::Ts(sel),
-            _ => Fault::Gp(sel),
-        }));
+        return Err(refused);
     }
-    let new = descriptor(cpu, m, sel)
-        .map_err(before)?
-        .ok_or(before(match req.source {
-            Source::Iret => Fault::Ts(sel),
-            _ => Fault::Gp(sel),
-        }))?;
+    let new = descriptor(cpu, m, sel).map_err(before)?.ok_or(refused)?;
     let busy = new.ty() & 2 != 0;
     let layout = match layout_of(new.ty()).filter(|_| !new.s()) {
         Some(l) if busy == (req.source == Source::Iret) => l,
-        _ => {
-            return Err(before(match req.source {
-                Source::Iret => Fault::Ts(sel),
-                _ => Fault::Gp(sel),
-            }));
-        }
+        _ => return Err(refused),
     };
     // The privilege checks of CALL and JMP (against the TSS descriptor,
     // or against a task gate, whose TSS descriptor's DPL is then not
@@ -393,21 +407,17 @@ fn switch_inner<M: Linear + ?Sized>(
         eflags &= !EFLAGS_NT;
     }
     let ob = cpu.tr.base;
-    let put = |m: &mut M, off: u32, v: u32, big: bool| -> Result<(), (Fault, bool)> {
-        if big {
-            wr(m, ob.wrapping_add(off), &v.to_le_bytes()).map_err(before)
-        } else {
-            wr(m, ob.wrapping_add(off), &(v as u16).to_le_bytes()).map_err(before)
-        }
+    let step = old_layout.step();
+    let put = |m: &mut M, off: u32, v: u32| -> Result<(), (Fault, bool)> {
+        let b = v.to_le_bytes();
+        wr(m, ob.wrapping_add(off), &b[..step as usize]).map_err(before)
     };
-    let step = if old_layout.big { 4 } else { 2 };
-    put(m, old_layout.eip, req.return_eip, old_layout.big)?;
-    put(m, old_layout.eflags, eflags, old_layout.big)?;
+    put(m, old_layout.eip, req.return_eip)?;
+    put(m, old_layout.eflags, eflags)?;
     for (i, &r) in cpu.gpr.iter().enumerate() {
-        put(m, old_layout.gpr + step * i as u32, r, old_layout.big)?;
+        put(m, old_layout.gpr + step * i as u32, r)?;
     }
-    let nseg = if old_layout.big { 6 } else { 4 };
-    for (i, s) in cpu.seg.iter().take(nseg).enumerate() {
+    for (i, s) in cpu.seg.iter().take(old_layout.segs()).enumerate() {
         // Selectors are 16-bit in both layouts; 32-bit slots are 4 apart.
         wr(
             m,
@@ -469,7 +479,7 @@ fn switch_inner<M: Linear + ?Sized>(
     // Reserved bits read as the CPU keeps them (bit 1 set, 3, 5, 15 and
     // 22..31 clear): VM entry refuses anything else.
     cpu.eflags = (new_eflags & EFLAGS_DEFINED) | 2;
-    let step = if layout.big { 4 } else { 2 };
+    let step = layout.step();
     for i in 0..8 {
         let v = get(layout.gpr + step * i as u32);
         cpu.gpr[i] = if layout.big {
@@ -478,7 +488,7 @@ fn switch_inner<M: Linear + ?Sized>(
             (cpu.gpr[i] & 0xffff_0000) | v
         };
     }
-    let nseg = if layout.big { 6 } else { 4 };
+    let nseg = layout.segs();
     let mut selectors = [0u16; 6];
     for (i, s) in selectors.iter_mut().take(nseg).enumerate() {
         *s = get16(layout.seg + step * i as u32);

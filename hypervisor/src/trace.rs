@@ -206,6 +206,13 @@ struct SiteUse {
     graph: u16,
 }
 
+impl SiteUse {
+    /// Nothing uses the site any more: it may be unhooked.
+    fn unused(&self) -> bool {
+        self.probes.is_empty() && self.retprobes.is_empty() && !self.function && self.graph == 0
+    }
+}
+
 struct Hooked {
     shadow: Hpa,
     patches: Vec<Patch>,
@@ -684,7 +691,7 @@ impl Tracer {
         let Some(u) = self.sites.get(&site) else {
             return;
         };
-        if !u.probes.is_empty() || !u.retprobes.is_empty() || u.function || u.graph != 0 {
+        if !u.unused() {
             return;
         }
         let page = u.page;
@@ -935,7 +942,7 @@ impl Tracer {
                     next = Some(s);
                     break;
                 }
-                if u.probes.is_empty() && u.retprobes.is_empty() && !u.function && u.graph == 0 {
+                if u.unused() {
                     batch[n] = s;
                     n += 1;
                 }

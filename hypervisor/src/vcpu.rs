@@ -463,55 +463,13 @@ pub fn setup(
     // Access rights (SDM 25.4.1): type, S, DPL, P, L, D/B, G; bit 16 = unusable.
     const CODE64_AR: u32 = 0xa09b;
     const DATA_AR: u32 = 0xc093;
-    f::GUEST_CS_SELECTOR.write(v, code)?;
-    f::GUEST_CS_BASE.write(v, 0)?;
-    f::GUEST_CS_LIMIT.write(v, 0xffff_ffff)?;
-    f::GUEST_CS_ACCESS_RIGHTS.write(v, CODE64_AR)?;
-    for (sel, base, limit, ar) in [
-        (
-            f::GUEST_SS_SELECTOR,
-            f::GUEST_SS_BASE,
-            f::GUEST_SS_LIMIT,
-            f::GUEST_SS_ACCESS_RIGHTS,
-        ),
-        (
-            f::GUEST_DS_SELECTOR,
-            f::GUEST_DS_BASE,
-            f::GUEST_DS_LIMIT,
-            f::GUEST_DS_ACCESS_RIGHTS,
-        ),
-        (
-            f::GUEST_ES_SELECTOR,
-            f::GUEST_ES_BASE,
-            f::GUEST_ES_LIMIT,
-            f::GUEST_ES_ACCESS_RIGHTS,
-        ),
-        (
-            f::GUEST_FS_SELECTOR,
-            f::GUEST_FS_BASE,
-            f::GUEST_FS_LIMIT,
-            f::GUEST_FS_ACCESS_RIGHTS,
-        ),
-        (
-            f::GUEST_GS_SELECTOR,
-            f::GUEST_GS_BASE,
-            f::GUEST_GS_LIMIT,
-            f::GUEST_GS_ACCESS_RIGHTS,
-        ),
-    ] {
-        sel.write(v, data)?;
-        base.write(v, 0)?;
-        limit.write(v, 0xffff_ffff)?;
-        ar.write(v, DATA_AR)?;
+    let seg = &f::GUEST_SEGMENTS;
+    seg[f::SEG_CS].write(v, code, 0, 0xffff_ffff, CODE64_AR)?;
+    for i in [f::SEG_SS, f::SEG_DS, f::SEG_ES, f::SEG_FS, f::SEG_GS] {
+        seg[i].write(v, data, 0, 0xffff_ffff, DATA_AR)?;
     }
-    f::GUEST_LDTR_SELECTOR.write(v, 0)?;
-    f::GUEST_LDTR_BASE.write(v, 0)?;
-    f::GUEST_LDTR_LIMIT.write(v, 0)?;
-    f::GUEST_LDTR_ACCESS_RIGHTS.write(v, 1 << 16)?;
-    f::GUEST_TR_SELECTOR.write(v, 0)?;
-    f::GUEST_TR_BASE.write(v, 0)?;
-    f::GUEST_TR_LIMIT.write(v, 0x67)?;
-    f::GUEST_TR_ACCESS_RIGHTS.write(v, 0x8b)?;
+    seg[f::SEG_LDTR].write(v, 0, 0, 0, 1 << 16)?;
+    seg[f::SEG_TR].write(v, 0, 0, 0x67, 0x8b)?;
     f::GUEST_GDTR_BASE.write(v, entry.gdt.0)?;
     f::GUEST_GDTR_LIMIT.write(v, entry.gdt.1 as u32)?;
     f::GUEST_IDTR_BASE.write(v, 0)?;

@@ -176,6 +176,11 @@ fn alive(ck: &mut Checks, c: &mut hvtrace::client::Client, after: &str) {
     ck.eq(&format!("guest answers after {after}"), out.trim(), "alive");
 }
 
+/// Checks that a counter grew by at least `n`.
+fn grew_by(ck: &mut Checks, what: &str, before: u64, after: u64, n: u64) {
+    ck.check(after >= before + n, format!("{what}: {before} -> {after}"));
+}
+
 /// The first nonzero hex value after `key` on a line of `log`.
 fn hex_after(log: &str, key: &str) -> Option<u64> {
     log.lines().find_map(|l| {
@@ -380,16 +385,8 @@ fn sleepers_after_recovery_in_a_dead_process(
     // loop, sometimes a kernel thread that borrowed its page tables (lazy
     // TLB); either way a user address space's CR3, not the kernel's own
     // table.
-    let hex = |l: &str, key: &str| {
-        l.split(key)
-            .nth(1)
-            .and_then(|r| r.split_whitespace().next())
-            .and_then(|h| u64::from_str_radix(h.trim_start_matches("0x"), 16).ok())
-    };
-    let kernel_pgd = log
-        .lines()
-        .find_map(|l| hex(l, "kernel walks use init_top_pgt at guest-physical "));
-    let cr3 = hex(&ended, "CR3 ");
+    let kernel_pgd = hex_after(&log, "kernel walks use init_top_pgt at guest-physical ");
+    let cr3 = hex_after(&ended, "CR3 ");
     println!("recovery: {ended} (busy loop: pid {busy}; init_top_pgt at {kernel_pgd:x?})");
     ck.check(
         cr3.zip(kernel_pgd)
@@ -525,12 +522,12 @@ fn forged_trampoline_entries(ck: &mut Checks, c: &mut hvtrace::client::Client) {
         );
     }
     let after = status(c).tracer;
-    ck.check(
-        after.forged_entries >= before.forged_entries + 3,
-        format!(
-            "the forged entries are counted: {} -> {}",
-            before.forged_entries, after.forged_entries
-        ),
+    grew_by(
+        ck,
+        "the forged entries are counted",
+        before.forged_entries,
+        after.forged_entries,
+        3,
     );
     ck.eq("no event from a forged entry", probe_hits(c, &name), hits);
     exec(c, "sync");
@@ -675,12 +672,12 @@ fn string_io(ck: &mut Checks, c: &mut hvtrace::client::Client) {
         format!("rep insl from PCI configuration data reads the host bridge's id, twice: {pci:?}"),
     );
     let after = status(c).guard;
-    ck.check(
-        after.string_io_emulated >= before.string_io_emulated + 7,
-        format!(
-            "seven string elements emulated: {} -> {}",
-            before.string_io_emulated, after.string_io_emulated
-        ),
+    grew_by(
+        ck,
+        "seven string elements emulated",
+        before.string_io_emulated,
+        after.string_io_emulated,
+        7,
     );
     alive(ck, c, "string I/O on intercepted ports");
 }

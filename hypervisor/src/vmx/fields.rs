@@ -264,6 +264,76 @@ fields! {
     HOST_RIP: Rw<u64> = host::RIP;
 }
 
+/// The four fields of a guest segment register.
+#[derive(Debug, Clone, Copy)]
+pub struct GuestSegment {
+    /// Selector.
+    pub selector: Rw<u16>,
+    /// Base address.
+    pub base: Rw<u64>,
+    /// Limit.
+    pub limit: Rw<u32>,
+    /// Access rights (VMX format; bit 16 = unusable).
+    pub access_rights: Rw<u32>,
+}
+
+macro_rules! guest_segments {
+    ($($sel:ident $base:ident $limit:ident $ar:ident),*) => {
+        [$(GuestSegment {
+            selector: $sel,
+            base: $base,
+            limit: $limit,
+            access_rights: $ar,
+        }),*]
+    };
+}
+
+/// The guest's segment registers in encoding order: ES, CS, SS, DS, FS, GS,
+/// LDTR, TR.
+pub const GUEST_SEGMENTS: [GuestSegment; 8] = guest_segments!(
+    GUEST_ES_SELECTOR GUEST_ES_BASE GUEST_ES_LIMIT GUEST_ES_ACCESS_RIGHTS,
+    GUEST_CS_SELECTOR GUEST_CS_BASE GUEST_CS_LIMIT GUEST_CS_ACCESS_RIGHTS,
+    GUEST_SS_SELECTOR GUEST_SS_BASE GUEST_SS_LIMIT GUEST_SS_ACCESS_RIGHTS,
+    GUEST_DS_SELECTOR GUEST_DS_BASE GUEST_DS_LIMIT GUEST_DS_ACCESS_RIGHTS,
+    GUEST_FS_SELECTOR GUEST_FS_BASE GUEST_FS_LIMIT GUEST_FS_ACCESS_RIGHTS,
+    GUEST_GS_SELECTOR GUEST_GS_BASE GUEST_GS_LIMIT GUEST_GS_ACCESS_RIGHTS,
+    GUEST_LDTR_SELECTOR GUEST_LDTR_BASE GUEST_LDTR_LIMIT GUEST_LDTR_ACCESS_RIGHTS,
+    GUEST_TR_SELECTOR GUEST_TR_BASE GUEST_TR_LIMIT GUEST_TR_ACCESS_RIGHTS
+);
+/// Indices into [`GUEST_SEGMENTS`].
+pub const SEG_ES: usize = 0;
+/// CS.
+pub const SEG_CS: usize = 1;
+/// SS.
+pub const SEG_SS: usize = 2;
+/// DS.
+pub const SEG_DS: usize = 3;
+/// FS.
+pub const SEG_FS: usize = 4;
+/// GS.
+pub const SEG_GS: usize = 5;
+/// LDTR.
+pub const SEG_LDTR: usize = 6;
+/// TR.
+pub const SEG_TR: usize = 7;
+
+impl GuestSegment {
+    /// Writes all four fields.
+    pub fn write(
+        &self,
+        io: &mut impl VmcsIo,
+        selector: u16,
+        base: u64,
+        limit: u32,
+        access_rights: u32,
+    ) -> Result<(), VmcsError> {
+        self.selector.write(io, selector)?;
+        self.base.write(io, base)?;
+        self.limit.write(io, limit)?;
+        self.access_rights.write(io, access_rights)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
