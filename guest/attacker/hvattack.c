@@ -45,9 +45,19 @@
  *   pm1_string=PORT  string I/O (rep insw, outsw, rep outsb) on the ACPI
  *                PM1a control port PORT, and rep insl on PCI configuration
  *                data: each must move the same data as plain IN/OUT
+ *   forge_pgd=ADDR  with forge_pd and forge_hold: the kernel's own top-level
+ *                table (init_top_pgt). Its last entry is pointed at a copy
+ *                of the kernel's PDPT whose entry 510 (the kernel image's
+ *                1 GiB) names forge_pd as its page directory; the forge is
+ *                held forge_hold seconds with interrupts off, then undone.
+ *                The running task's own top-level table keeps the real
+ *                entry, so this code stays mapped. "hvattack: pdpt forged"
+ *                goes straight to COM1 once the forge is in place.
  *
- * Loading always fails with -EAGAIN once the attempts are done, so the
- * module can be loaded again with other parameters.
+ * Loading fails with -EAGAIN once the attempts are done, so the module can
+ * be loaded again with other parameters; except with forge_pgd, where it
+ * stays loaded (busybox insmod runs a failed init a second time, which
+ * would hold the forge twice) until rmmod.
  */
 #include <linux/module.h>
 #include <linux/kernel.h>
@@ -70,6 +80,8 @@
 #include <asm/nmi.h>
 #include <linux/irq_work.h>
 #include <linux/sched/task_stack.h>
+#include <asm/tsc.h>
+#include <asm/msr.h>
 
 static unsigned long func;
 module_param(func, ulong, 0);
@@ -109,6 +121,12 @@ static unsigned long forge_rax;
 module_param(forge_rax, ulong, 0);
 static int hwbp;
 module_param(hwbp, int, 0);
+static unsigned long forge_pgd;
+module_param(forge_pgd, ulong, 0);
+static unsigned long forge_pd;
+module_param(forge_pd, ulong, 0);
+static int forge_hold;
+module_param(forge_hold, int, 0);
 
 static void time_reads(void)
 {
@@ -643,8 +661,60 @@ static void move_apic(void)
 		err ? "raised #GP" : "was accepted", now);
 }
 
+/* Polled output on COM1, for a line that must appear while interrupts are off. */
+static void com1_puts(const char *s)
+{
+	for (; *s; s++) {
+		int spin = 1000000;
+
+		while (!(inb(0x3fd) & 0x20) && --spin)
+			cpu_relax();
+		outb(*s, 0x3f8);
+	}
+}
+
+static void forge_pdpt(void)
+{
+	u64 *pgd = (u64 *)forge_pgd;
+	u64 *copy, *pdpt, old;
+	u64 start, end, hold;
+	unsigned long flags;
+
+	old = READ_ONCE(pgd[511]);
+	if (!(old & _PAGE_PRESENT) || (old & _PAGE_PSE)) {
+		pr_info("hvattack: pdpt: unexpected top-level entry %llx\n", old);
+		return;
+	}
+	copy = (u64 *)get_zeroed_page(GFP_KERNEL);
+	if (!copy) {
+		pr_info("hvattack: pdpt: no page\n");
+		return;
+	}
+	pdpt = __va(old & PTE_PFN_MASK);
+	memcpy(copy, pdpt, PAGE_SIZE);
+	copy[510] = (forge_pd & PTE_PFN_MASK) | _PAGE_PRESENT | _PAGE_RW | _PAGE_ACCESSED;
+	hold = (u64)forge_hold * tsc_khz * 1000;
+	local_irq_save(flags);
+	WRITE_ONCE(pgd[511], __pa(copy) | (old & ~PTE_PFN_MASK));
+	com1_puts("\r\nhvattack: pdpt forged\r\n");
+	start = rdtsc();
+	do {
+		cpu_relax();
+		end = rdtsc();
+	} while (end - start < hold);
+	WRITE_ONCE(pgd[511], old);
+	local_irq_restore(flags);
+	free_page((unsigned long)copy);
+	pr_info("hvattack: pdpt forged with page directory %lx for %llu ms, restored\n", forge_pd,
+		tsc_khz ? (end - start) / tsc_khz : 0);
+}
+
 static int __init hvattack_init(void)
 {
+	if (forge_pgd && forge_pd && forge_hold > 0) {
+		forge_pdpt();
+		return 0;
+	}
 	if (func && hwbp)
 		try_hwbp();
 	else if (func && reads > 0)
@@ -681,6 +751,11 @@ static int __init hvattack_init(void)
 	return -EAGAIN;
 }
 
+static void __exit hvattack_exit(void)
+{
+}
+
 module_init(hvattack_init);
+module_exit(hvattack_exit);
 MODULE_LICENSE("GPL");
 MODULE_DESCRIPTION("hvtrace VM test: attacks the tracer's patches from the guest");

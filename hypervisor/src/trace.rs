@@ -769,7 +769,7 @@ impl Tracer {
         let fs = k.classify(id).map_err(|e| {
             (
                 ErrorKind::InvalidArgument,
-                format!("{} cannot be probed: {e:?}", spec.symbol),
+                format!("{} cannot be probed: {e}", spec.symbol),
             )
         })?;
         self.ensure_region(k, ept)?;

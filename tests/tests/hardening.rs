@@ -32,6 +32,10 @@
 //! - **Jumps into the entry trampoline with forged registers** are refused
 //!   and counted, with no event; the guest goes where its forged pt_regs
 //!   says.
+//! - **Forged PDPT[510] at region setup**: the first hook request is served
+//!   while the kernel's top-level table names a kernel-image page
+//!   directory in hypervisor memory; it is refused, names the refused read, and
+//!   the region is built over the real table afterwards.
 //! - **Recovery inside a process that then exits**: recovery's last
 //!   slices run in a busy loop, which is killed and its memory reused;
 //!   a function-graph session over two sleepers then hooks, names the right
@@ -362,6 +366,106 @@ fn guest_breakpoint_on_hooked_page(ck: &mut Checks, c: &mut hvtrace::client::Cli
         },
     );
     alive(ck, c, "a guest breakpoint on a hooked page");
+}
+
+/// Where the forged PDPT entry points the kernel image's page directory:
+/// 16 MiB, inside the hypervisor's reserved memory (2 to 32 MiB).
+const FORGED_PD: u64 = 0x100_0000;
+
+/// How long the attacker holds the forge, in the guest's seconds: time for
+/// the host to see the forge and send the request that sets up the region.
+const FORGE_HOLD_S: u32 = 8;
+
+/// Forged PDPT[510] at region setup: while the first hook request of the
+/// boot is served, the kernel's own top-level table (the one root walks to
+/// read the kernel and to place the trampolines) names a PDPT whose
+/// kernel-image entry points into hypervisor memory. Root must neither
+/// read that memory as a table nor write its PDE there or map it for the
+/// guest: the request fails and names the refused read, the region is not
+/// built, and the next hook request (the sleepers' graph) builds it over
+/// the real page directory once the forge is undone.
+fn forged_pdpt_at_region_setup(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::client::Client) {
+    ck.eq(
+        "no trampoline region before the first hook",
+        status(c).tracer.trampolines,
+        0,
+    );
+    let pgd = exec(c, "grep ' init_top_pgt$' /proc/kallsyms");
+    let Some(pgd) = pgd
+        .split_whitespace()
+        .next()
+        .and_then(|a| u64::from_str_radix(a, 16).ok())
+    else {
+        ck.check(false, format!("init_top_pgt in /proc/kallsyms: {pgd:?}"));
+        return;
+    };
+    let Some(console) = vm.run_dir.as_ref().map(|d| d.join("console.log")) else {
+        ck.check(false, "the run directory is known");
+        return;
+    };
+    let seen_before = std::fs::read_to_string(&console)
+        .unwrap_or_default()
+        .matches("hvattack: pdpt forged")
+        .count();
+    let mut attacker = vm.client();
+    let cmd = format!(
+        "dmesg -c >/dev/null; insmod /lib/hvattack.ko forge_pgd={pgd:#x} forge_pd={FORGED_PD:#x} \
+         forge_hold={FORGE_HOLD_S} 2>&1; rmmod hvattack; dmesg | grep hvattack: || true"
+    );
+    let forger = std::thread::spawn(move || exec(&mut attacker, &cmd));
+    // The module prints its line on COM1 once the forge is in place.
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let in_place = loop {
+        let text = std::fs::read_to_string(&console).unwrap_or_default();
+        if text.matches("hvattack: pdpt forged").count() > seen_before {
+            break true;
+        }
+        if Instant::now() > deadline || forger.is_finished() {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    ck.check(in_place, "the attacker announced the forge on the console");
+    let answer = call(
+        c,
+        Request::ProbeAdd {
+            spec: "p:forged_pd ksys_sync".into(),
+        },
+    );
+    let log = forger.join().unwrap_or_default();
+    println!("forged PDPT[510]: first hook request -> {answer:?}\n{log}");
+    ck.check(
+        log.contains("restored"),
+        format!("the attacker held the forge and undid it: {log:?}"),
+    );
+    // Root walks the kernel's table through its one guarded door: the
+    // first read through the forged entry, of the function's own bytes, is
+    // refused before any region setup (which checks the page directory
+    // again before writing to it).
+    match &answer {
+        Response::Error { message, .. } => {
+            let denied = hex_after(message, "guest-physical ");
+            ck.check(
+                message.contains("cannot be probed")
+                    && denied.is_some_and(|a| (FORGED_PD..FORGED_PD + 4096).contains(&a)),
+                format!("the refusal names a read of the forged page directory: {message:?}"),
+            );
+        }
+        other => ck.check(
+            false,
+            format!(
+                "the hook request made while the PDPT was forged must be refused, got {other:?} \
+                 (if the probe was added, root read the forged table, or the forge was over \
+                 before the request was served)"
+            ),
+        ),
+    }
+    ck.eq(
+        "no trampoline region after the refusal",
+        status(c).tracer.trampolines,
+        0,
+    );
+    alive(ck, c, "a forged PDPT at region setup");
 }
 
 /// Recovery ran inside a busy process (its last slices walked that
@@ -713,6 +817,7 @@ fn hostile_guest_fast_lane() {
             .contains("kernel walks use init_top_pgt at guest-physical"),
         "kernel walks use init_top_pgt",
     );
+    forged_pdpt_at_region_setup(&mut ck, &vm, &mut c);
     sleepers_after_recovery_in_a_dead_process(&mut ck, &vm, &mut c, &busy);
     bad_instructions(&mut ck, &mut c);
     string_io(&mut ck, &mut c);
