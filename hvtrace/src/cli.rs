@@ -408,6 +408,14 @@ pub struct RunArgs {
     /// Bochs: emulated instructions per emulated second.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_BOCHS_IPS)]
     pub bochs_ips: u64,
+
+    /// The most bytes of guest console output the run keeps: console.log
+    /// stops there (its last line says how much it dropped), and the
+    /// buffer that command output is read from keeps at most this much
+    /// (and at most 8 MiB).
+    #[arg(long, value_name = "BYTES", default_value_t = crate::bounded::LOG_CAP,
+          value_parser = clap::value_parser!(u64).range(4096..))]
+    pub console_cap: u64,
 }
 
 impl RunArgs {

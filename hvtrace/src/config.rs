@@ -131,6 +131,10 @@ pub struct RunConfig {
     /// does not capture the port would: its fatal report then reaches the
     /// host on the control channel only. Bochs always captures the port.
     pub log_port: bool,
+    /// The most bytes of guest console output kept: the cap of
+    /// `console.log`, and of the console buffer (with
+    /// [`crate::console::CONSOLE_KEEP`], whichever is lower).
+    pub console_cap: u64,
 }
 
 impl RunConfig {
@@ -154,6 +158,7 @@ impl RunConfig {
             bochs_cpu: DEFAULT_BOCHS_CPU.to_string(),
             run_dir: None,
             log_port: true,
+            console_cap: crate::bounded::LOG_CAP,
         }
     }
 

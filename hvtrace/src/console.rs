@@ -73,6 +73,11 @@ impl ConsoleBuffer {
         }
     }
 
+    /// How many of the last bytes the buffer keeps (at least).
+    pub fn keep(&self) -> usize {
+        self.keep
+    }
+
     /// The position of the first byte kept (the bytes dropped so far).
     pub fn start(&self) -> usize {
         self.base

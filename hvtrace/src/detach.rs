@@ -65,6 +65,7 @@ pub fn supervisor_args(cfg: &RunConfig, args: &RunArgs, run_dir: &Path) -> Resul
         format!("--memory={}", cfg.memory_mib),
         format!("--timeout={}", cfg.timeout.as_secs().max(1)),
         format!("--bochs-ips={}", cfg.bochs_ips),
+        format!("--console-cap={}", cfg.console_cap),
         "--quiet".to_string(),
     ];
     match cfg.emulator {

@@ -92,6 +92,7 @@ pub fn resolve(args: &RunArgs) -> Result<RunConfig> {
     cfg.progress = true;
     cfg.echo_boot_console = !args.quiet;
     cfg.bochs_ips = args.bochs_ips;
+    cfg.console_cap = args.console_cap;
     cfg.validate()?;
     cfg.hypervisor = if args.bare {
         None

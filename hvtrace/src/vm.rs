@@ -222,7 +222,10 @@ impl Vm {
         // would otherwise die at once, or enter its debugger).
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
         let shared = Arc::new(Shared {
-            inner: Mutex::new(Inner::default()),
+            inner: Mutex::new(Inner {
+                console: ConsoleBuffer::with_keep(console_keep(&cfg)),
+                ..Inner::default()
+            }),
             cv: Condvar::new(),
             echo: AtomicU8::new(if cfg.echo_boot_console {
                 Echo::Stderr as u8
@@ -308,6 +311,7 @@ impl Vm {
         vm.readers.push(spawn_serial_reader(
             reader_stream,
             dir.join("console.log"),
+            vm.cfg.console_cap,
             vm.shared.clone(),
         ));
         let tap_stream = control
@@ -479,8 +483,8 @@ impl Vm {
             {
                 // The output was longer than the console buffer keeps.
                 result.output = format!(
-                    "[hvtrace: the start of this output was dropped: the console buffer keeps the last {} MiB]\n{}",
-                    console::CONSOLE_KEEP >> 20,
+                    "[hvtrace: the start of this output was dropped: the console buffer keeps the last {} bytes]\n{}",
+                    c.keep(),
                     result.output
                 );
             }
@@ -1169,17 +1173,27 @@ fn spawn_line_reader(
     })
 }
 
-/// Reads the guest console: logs it (up to [`bounded::LOG_CAP`]), keeps
-/// its last [`console::CONSOLE_KEEP`] bytes and echoes it when asked.
+/// The bytes of console output a run keeps in memory: its console cap, at
+/// most [`console::CONSOLE_KEEP`].
+fn console_keep(cfg: &RunConfig) -> usize {
+    usize::try_from(cfg.console_cap)
+        .unwrap_or(usize::MAX)
+        .min(console::CONSOLE_KEEP)
+}
+
+/// Reads the guest console: logs it (up to `cap` bytes, the run's
+/// [`RunConfig::console_cap`]), keeps its last bytes (the console buffer's
+/// bound) and echoes it when asked.
 fn spawn_serial_reader(
     mut stream: Channel,
     log_path: PathBuf,
+    cap: u64,
     shared: Arc<Shared>,
 ) -> JoinHandle<()> {
     // A TCP channel acknowledges each read at once: Bochs sends the console
     // a byte per write, with Nagle's algorithm on.
     std::thread::spawn(move || {
-        let mut log = CappedLog::create(&log_path, bounded::LOG_CAP).ok();
+        let mut log = CappedLog::create(&log_path, cap).ok();
         let mut buf = [0u8; 4096];
         loop {
             let n = match stream.read(&mut buf) {

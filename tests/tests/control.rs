@@ -11,6 +11,9 @@
 //!   rest as bad frames and stays in step;
 //! - clients that leave mid-frame or while their answer is on its way harm
 //!   nobody;
+//! - a console flood past the run's `--console-cap`: console.log stops at
+//!   the cap and says what it dropped, the answer keeps the output's end
+//!   and says its start was dropped, the shell answers afterwards;
 //! - the channel's throughput and round-trip time are measured and printed;
 //! - `stop` ends the VM cleanly: stop reason, emulator and supervisor gone,
 //!   socket removed; afterwards the CLI fails with one line.
@@ -29,6 +32,89 @@ use protocol::io::FrameReader;
 use protocol::{encode, Body, Frame, Request, Response, StatusReport, PROTOCOL_VERSION};
 
 const CALL: Duration = Duration::from_secs(60);
+
+/// The run's `--console-cap`: small, so that a flood of a few seconds
+/// crosses it (the default, 64 MiB, would take the guest hours).
+const CONSOLE_CAP: u64 = 64 * 1024;
+
+/// Lines the console flood prints, each [`FLOOD_LINE`] bytes.
+const FLOOD_LINES: u64 = 2400;
+const FLOOD_LINE: u64 = 64;
+
+/// A guest that floods its console: 150 KiB, past the run's console cap.
+/// console.log stops at the cap and says how much it dropped; the buffer
+/// the answer is read from keeps only the end of the output (the answer
+/// says its start was dropped) and still finds the command's end; the
+/// shell answers afterwards.
+fn console_flood(checks: &mut Checks, socket: &Path, run_dir: Option<&Path>) {
+    let Some(log_path) = run_dir.map(|d| d.join("console.log")) else {
+        checks.check(false, "no run directory for the console flood");
+        return;
+    };
+    // Each line: "flood-NNNNN-" and x's up to FLOOD_LINE bytes with its newline.
+    let cmd = format!(
+        "i=0; x=$(printf '%0{}d' 0 | tr 0 x); while [ $i -lt {FLOOD_LINES} ]; do printf 'flood-%05d-%s\\n' $i \"$x\"; i=$((i+1)); done",
+        FLOOD_LINE - 13
+    );
+    let started = Instant::now();
+    let flood = cli(socket, &["exec", &cmd]);
+    let took = started.elapsed();
+    let out = text(&flood.stdout);
+    checks.eq("the flood's status", flood.status.code(), Some(0));
+    let bytes = FLOOD_LINES * FLOOD_LINE;
+    println!(
+        "console flood: {bytes} bytes in {:.1} s ({:.1} KB/s of wall time)",
+        took.as_secs_f64(),
+        bytes as f64 / took.as_secs_f64() / 1000.0
+    );
+    let first = out.lines().next().unwrap_or("");
+    checks.check(
+        first.starts_with(&format!(
+            "[hvtrace: the start of this output was dropped: the console buffer keeps the last {CONSOLE_CAP} bytes]"
+        )),
+        format!("the answer says its start was dropped: {first:?}"),
+    );
+    let last = format!("flood-{:05}-", FLOOD_LINES - 1);
+    checks.check(
+        out.lines().last().is_some_and(|l| l.starts_with(&last)) && !out.contains("flood-00000-"),
+        format!(
+            "the answer keeps the end of the output, not its start ({} bytes, last line {:?})",
+            out.len(),
+            out.lines().last()
+        ),
+    );
+    checks.check(
+        (out.len() as u64) <= CONSOLE_CAP + CONSOLE_CAP / 8 + 200,
+        format!(
+            "the answer is bounded by the console buffer: {} bytes",
+            out.len()
+        ),
+    );
+    let log = std::fs::read(&log_path).unwrap_or_default();
+    let log_text = String::from_utf8_lossy(&log);
+    let note = log_text.lines().last().unwrap_or("");
+    let dropped: Option<u64> = note
+        .strip_prefix(&format!(
+            "[hvtrace: log truncated at its cap of {CONSOLE_CAP} bytes; dropped since:"
+        ))
+        .and_then(|r| r.trim().strip_suffix("bytes]"))
+        .and_then(|n| n.trim().parse().ok());
+    println!("console.log: {} bytes, last line {note:?}", log.len());
+    checks.check(
+        (log.len() as u64) <= CONSOLE_CAP + 200,
+        format!("console.log stops at the cap: {} bytes", log.len()),
+    );
+    checks.check(
+        dropped.is_some_and(|d| d + CONSOLE_CAP >= bytes),
+        format!("console.log says what it dropped: {note:?}"),
+    );
+    let echo = cli(socket, &["exec", "echo", "after", "the", "flood"]);
+    checks.eq(
+        "exec after the console flood",
+        text(&echo.stdout),
+        "after the flood\n".to_string(),
+    );
+}
 
 /// The detached VM of this test; stops it (or kills its supervisor) when the
 /// test ends early.
@@ -358,6 +444,8 @@ fn control_channel_in_bochs() {
             "bochs",
             "--timeout",
             "300",
+            "--console-cap",
+            &CONSOLE_CAP.to_string(),
         ])
         .arg("--hypervisor")
         .arg(&hypervisor)
@@ -586,6 +674,9 @@ fn control_channel_in_bochs() {
         text(&echo.stdout),
         "still here\n".to_string(),
     );
+
+    // ----- a console flood -----
+    console_flood(&mut checks, &socket, vm.run_dir.as_deref());
 
     // ----- throughput and round trips -----
     println!("control channel in Bochs (client -> supervisor -> COM2 -> hypervisor and back):");
