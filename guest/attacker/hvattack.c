@@ -53,11 +53,15 @@
  *                The running task's own top-level table keeps the real
  *                entry, so this code stays mapped. "hvattack: pdpt forged"
  *                goes straight to COM1 once the forge is in place.
+ *   btf=ADDR     the kernel's BTF header (__start_BTF): shorten its type
+ *                section by 4 bytes, through a writable alias of the page,
+ *                so that a reader walks every type and only then finds the
+ *                last one cut; rmmod puts the length back
  *
  * Loading fails with -EAGAIN once the attempts are done, so the module can
- * be loaded again with other parameters; except with forge_pgd, where it
- * stays loaded (busybox insmod runs a failed init a second time, which
- * would hold the forge twice) until rmmod.
+ * be loaded again with other parameters; except with forge_pgd and btf,
+ * where it stays loaded (busybox insmod runs a failed init a second time,
+ * which would repeat the attack) until rmmod.
  */
 #include <linux/module.h>
 #include <linux/kernel.h>
@@ -81,6 +85,7 @@
 #include <linux/irq_work.h>
 #include <linux/sched/task_stack.h>
 #include <asm/tsc.h>
+#include <linux/vmalloc.h>
 #include <asm/msr.h>
 
 static unsigned long func;
@@ -127,6 +132,8 @@ static unsigned long forge_pd;
 module_param(forge_pd, ulong, 0);
 static int forge_hold;
 module_param(forge_hold, int, 0);
+static unsigned long btf;
+module_param(btf, ulong, 0);
 
 static void time_reads(void)
 {
@@ -709,10 +716,47 @@ static void forge_pdpt(void)
 		tsc_khz ? (end - start) / tsc_khz : 0);
 }
 
+/* The BTF header's type_len, through our alias of its page, and its value. */
+static void *btf_alias;
+static u32 *btf_type_len;
+static u32 btf_saved;
+
+static void forge_btf(void)
+{
+	/* The header is in read-only data: write it through a mapping of our own. */
+	struct page *page = virt_to_page((void *)btf);
+	unsigned long off = offset_in_page(btf);
+
+	if (off + 24 > PAGE_SIZE) {
+		pr_info("hvattack: btf header at %lx crosses a page\n", btf);
+		return;
+	}
+	btf_alias = vmap(&page, 1, VM_MAP, PAGE_KERNEL);
+	if (!btf_alias) {
+		pr_info("hvattack: btf: vmap failed\n");
+		return;
+	}
+	if (*(u16 *)(btf_alias + off) != 0xeb9f) {
+		pr_info("hvattack: btf: no BTF magic at %lx\n", btf);
+		vunmap(btf_alias);
+		btf_alias = NULL;
+		return;
+	}
+	btf_type_len = btf_alias + off + 12;
+	btf_saved = READ_ONCE(*btf_type_len);
+	WRITE_ONCE(*btf_type_len, btf_saved - 4);
+	pr_info("hvattack: btf header at %lx: type_len %u -> %u\n", btf, btf_saved,
+		btf_saved - 4);
+}
+
 static int __init hvattack_init(void)
 {
 	if (forge_pgd && forge_pd && forge_hold > 0) {
 		forge_pdpt();
+		return 0;
+	}
+	if (btf) {
+		forge_btf();
 		return 0;
 	}
 	if (func && hwbp)
@@ -753,6 +797,11 @@ static int __init hvattack_init(void)
 
 static void __exit hvattack_exit(void)
 {
+	if (btf_alias) {
+		WRITE_ONCE(*btf_type_len, btf_saved);
+		vunmap(btf_alias);
+		pr_info("hvattack: btf header restored: type_len %u\n", btf_saved);
+	}
 }
 
 module_init(hvattack_init);

@@ -3,6 +3,9 @@
 //!
 //! - `run --detach` returns with the guest shell up (replacing a stale socket
 //!   file, refusing a second VM on the same socket);
+//! - a forged BTF header (its type section cut short by the attacker module)
+//!   before the first request: every `status` answers within 10 s while
+//!   recovery walks it, and recovery refuses the BTF and says so;
 //! - `status` twice: the exit counts grow, one vCPU;
 //! - `exec` runs guest commands and passes their status on;
 //! - the guest sees no device on COM2;
@@ -40,6 +43,126 @@ const CONSOLE_CAP: u64 = 64 * 1024;
 /// Lines the console flood prints, each [`FLOOD_LINE`] bytes.
 const FLOOD_LINES: u64 = 2400;
 const FLOOD_LINE: u64 = 64;
+
+/// How long one `status` may take while recovery runs: the CLI's own
+/// default deadline.
+const STATUS_LIMIT: Duration = Duration::from_secs(10);
+
+/// A forged BTF header before the first request: the attacker shortens the
+/// type section of the kernel's own BTF header (`__start_BTF`) by 4 bytes,
+/// so that recovery walks every type (the most a header within its bounds
+/// can make it read) and only then finds the last one cut. Every `status`
+/// during recovery answers within [`STATUS_LIMIT`]; recovery ends with the
+/// kernel's symbols and the BTF refused (named in the status), and the
+/// attacker puts the header back on rmmod.
+fn forged_btf_header(checks: &mut Checks, socket: &Path) {
+    let sym = text(&cli(socket, &["exec", "grep ' __start_BTF$' /proc/kallsyms"]).stdout);
+    let Some(addr) = sym
+        .split_whitespace()
+        .next()
+        .and_then(|a| u64::from_str_radix(a, 16).ok())
+    else {
+        checks.check(false, format!("__start_BTF in /proc/kallsyms: {sym:?}"));
+        return;
+    };
+    let forged = text(
+        &cli(
+            socket,
+            &[
+                "exec",
+                &format!(
+                    "insmod /lib/hvattack.ko btf={addr:#x} 2>&1; dmesg | grep 'hvattack: btf'"
+                ),
+            ],
+        )
+        .stdout,
+    );
+    checks.check(
+        forged.contains("hvattack: btf header at"),
+        format!("the attacker shortened the BTF type section: {forged:?}"),
+    );
+    let mut c = match client(socket) {
+        Ok(c) => c,
+        Err(e) => {
+            checks.check(false, format!("cannot open a session: {e:#}"));
+            return;
+        }
+    };
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(240);
+    let (mut asked, mut slowest) = (0u32, Duration::ZERO);
+    let kernel = loop {
+        let t0 = Instant::now();
+        let answer = c.call(Request::Status, STATUS_LIMIT).map(|r| r.response);
+        let took = t0.elapsed();
+        asked += 1;
+        slowest = slowest.max(took);
+        match answer {
+            Ok(Response::Status(st)) => {
+                if let Some(k) = st.kernel {
+                    break Some(k);
+                }
+            }
+            other => {
+                checks.check(
+                    false,
+                    format!("status {asked} during recovery over a forged BTF header: {other:?} after {took:?}"),
+                );
+                break None;
+            }
+        }
+        if Instant::now() > deadline {
+            checks.check(
+                false,
+                "recovery over a forged BTF header did not end in 240 s",
+            );
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    println!(
+        "forged BTF header: recovery ended after {:.1} s; {asked} status requests, the slowest answered in {:.2} s",
+        started.elapsed().as_secs_f64(),
+        slowest.as_secs_f64()
+    );
+    checks.check(
+        slowest < STATUS_LIMIT,
+        format!("every status answered within {STATUS_LIMIT:?}: slowest {slowest:?}"),
+    );
+    if let Some(k) = kernel {
+        println!(
+            "kernel: {} symbols, BTF: {:?}",
+            k.symbols, k.task_layout_error
+        );
+        checks.check(
+            k.symbols > 10_000,
+            format!("the kernel's symbols were recovered: {}", k.symbols),
+        );
+        checks.check(
+            k.task_layout_error
+                .as_deref()
+                .is_some_and(|e| e.contains("malformed BTF type")),
+            format!(
+                "the cut BTF is refused and named: {:?}",
+                k.task_layout_error
+            ),
+        );
+    }
+    let restored = text(
+        &cli(
+            socket,
+            &[
+                "exec",
+                "rmmod hvattack; dmesg | grep 'hvattack: btf header restored'",
+            ],
+        )
+        .stdout,
+    );
+    checks.check(
+        restored.contains("restored"),
+        format!("the attacker put the header back: {restored:?}"),
+    );
+}
 
 /// A guest that floods its console: 150 KiB, past the run's console cap.
 /// console.log stops at the cap and says how much it dropped; the buffer
@@ -422,6 +545,8 @@ fn bench(checks: &mut Checks, c: &mut Client, socket: &Path, label: &str) {
 fn control_channel_in_bochs() {
     let _vm = vm_lock();
     let hypervisor = hypervisor_image();
+    let initrd = hvtrace::guest::run_script("scripts/guest/attacker.sh")
+        .expect("building the attacker module failed");
     let dir = scratch();
     let socket = dir.join("ctl.sock");
     let mut checks = Checks::new();
@@ -447,6 +572,8 @@ fn control_channel_in_bochs() {
             "--console-cap",
             &CONSOLE_CAP.to_string(),
         ])
+        .arg("--initrd")
+        .arg(&initrd)
         .arg("--hypervisor")
         .arg(&hypervisor)
         .stdin(Stdio::null())
@@ -494,6 +621,9 @@ fn control_channel_in_bochs() {
         msg.contains("already owns"),
         format!("second run --detach: {msg}"),
     );
+
+    // ----- a forged BTF header before the first request to root -----
+    forged_btf_header(&mut checks, &socket);
 
     // ----- status twice -----
     let first = cli(&socket, &["status", "--json"]);
