@@ -55,7 +55,11 @@ pub fn timeout_for(request: &Request, base: Duration) -> Duration {
 /// an emulator that shares it with another, runs slower than the best pace
 /// seen; the link's deadlines stretch by the same factor (up to
 /// [`Pace::MAX_STRETCH`]), so that a slow host gives slow answers rather
-/// than false timeouts. Before two reports exist the deadlines are as given.
+/// than false timeouts. Before two reports exist there is no measurement:
+/// the deadlines are stretched by [`Pace::UNMEASURED_STRETCH`], since the
+/// first request of a boot is the one that waits longest (it may be held
+/// while recovery runs, up to 5 s of the hypervisor's time) and a loaded
+/// host would otherwise fail it falsely.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Pace {
     last: Option<(Instant, u64)>,
@@ -70,6 +74,8 @@ impl Pace {
     pub const MIN_SPAN: Duration = Duration::from_secs(1);
     /// Most a deadline is stretched.
     pub const MAX_STRETCH: f64 = 8.0;
+    /// The stretch before the pace is measured.
+    pub const UNMEASURED_STRETCH: f64 = 3.0;
 
     /// Notes a status report's uptime, received at `at`.
     pub fn sample(&mut self, at: Instant, uptime_ns: u64) {
@@ -98,7 +104,7 @@ impl Pace {
             (Some(now), Some(best)) if now > 0.0 => {
                 limit.mul_f64((best / now).clamp(1.0, Self::MAX_STRETCH))
             }
-            _ => limit,
+            _ => limit.mul_f64(Self::UNMEASURED_STRETCH),
         }
     }
 }
@@ -711,7 +717,8 @@ mod tests {
         });
         let err = link.request(Request::Ping { nonce: 1 }).unwrap_err();
         assert!(matches!(err, LinkError::Timeout(_)));
-        assert!(err.to_string().contains("did not answer within 0.5 s"));
+        // 0.5 s, stretched: no pace is measured yet.
+        assert!(err.to_string().contains("did not answer within 1.5 s"), "{err}");
         assert_eq!(
             link.request(Request::Ping { nonce: 2 }).unwrap(),
             Response::Pong { nonce: 2 }
@@ -775,9 +782,12 @@ mod tests {
         let t0 = Instant::now();
         let mut p = Pace::default();
         let limit = Duration::from_secs(25);
-        assert_eq!(p.stretch(limit), limit);
+        // No measurement yet: a generous limit.
+        let unmeasured = limit.mul_f64(Pace::UNMEASURED_STRETCH);
+        assert_eq!(p.stretch(limit), unmeasured);
         // 2 s of emulated time per wall second, then half that.
         p.sample(t0, 0);
+        assert_eq!(p.stretch(limit), unmeasured);
         p.sample(t0 + Duration::from_secs(2), 4_000_000_000);
         assert_eq!(p.stretch(limit), limit);
         p.sample(t0 + Duration::from_secs(4), 6_000_000_000);
