@@ -718,7 +718,10 @@ mod tests {
         let err = link.request(Request::Ping { nonce: 1 }).unwrap_err();
         assert!(matches!(err, LinkError::Timeout(_)));
         // 0.5 s, stretched: no pace is measured yet.
-        assert!(err.to_string().contains("did not answer within 1.5 s"), "{err}");
+        assert!(
+            err.to_string().contains("did not answer within 1.5 s"),
+            "{err}"
+        );
         assert_eq!(
             link.request(Request::Ping { nonce: 2 }).unwrap(),
             Response::Pong { nonce: 2 }

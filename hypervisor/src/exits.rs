@@ -213,6 +213,10 @@ enum MemoryFault {
 const GP: u8 = 13;
 const DB: u8 = 1;
 const RFLAGS_TF: u64 = 1 << 8;
+/// DR7's local breakpoint enables, L0..L3 (bits 0, 2, 4, 6).
+const DR7_LOCAL_ENABLES: u64 = 0x55;
+/// DR6.BT: the #DB comes from a task switch into a TSS with its T flag set.
+const DR6_BT: u64 = 1 << 15;
 const UD: u8 = 6;
 /// #PF.
 const PF: u8 = 14;
@@ -1267,9 +1271,16 @@ impl Vcpu {
             intr &= !event::BLOCKING_BY_NMI;
         }
         f::GUEST_INTERRUPTIBILITY.write(v, intr)?;
+        // A task switch clears the local breakpoint enables (L0..L3).
+        let dr7 = f::GUEST_DR7.read(v)?;
+        f::GUEST_DR7.write(v, dr7 & !DR7_LOCAL_ENABLES)?;
         match outcome {
             Outcome::FaultAfter(fault) => self.task_fault(fault),
-            Outcome::Switched { debug_trap: true } => self.inject(DB, None),
+            Outcome::Switched { debug_trap: true } => {
+                // The new TSS's T flag: a #DB that DR6.BT names.
+                insn::write_dr6(insn::read_dr6() | DR6_BT);
+                self.inject(DB, None)
+            }
             _ => Ok(Next::Resume),
         }
     }

@@ -1009,7 +1009,6 @@ impl Tracer {
             Some(trampolines::Hypercall::Entry)
                 if regs.rax == u64::from(trampolines::abi::HYPERCALL_ENTRY) =>
             {
-                self.stats.hits += 1;
                 regs.rax = match kernel {
                     Some(k) => self.on_entry(regs.rdi, regs.rsi, cpu, k, now_ns),
                     None => 0,
@@ -1649,6 +1648,7 @@ impl Tracer {
             self.stats.forged_entries += 1;
             return chain;
         }
+        self.stats.hits += 1;
         let (task, pid, comm) = k.current(cpu).unwrap_or((0, -1, [0; 16]));
         let mut header = EventHeader {
             probe_id: 0,

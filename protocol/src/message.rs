@@ -374,7 +374,7 @@ pub struct TracerReport {
     pub sites: u32,
     /// Code pages executing from a shadow copy.
     pub pages: u32,
-    /// Entry hypercalls served.
+    /// Entry hypercalls served (refused ones are `forged_entries`).
     pub hits: u64,
     /// Events lost because a ring was full.
     pub lost: u64,

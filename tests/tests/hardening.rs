@@ -634,6 +634,11 @@ fn forged_trampoline_entries(ck: &mut Checks, c: &mut hvtrace::client::Client) {
         3,
     );
     ck.eq("no event from a forged entry", probe_hits(c, &name), hits);
+    ck.eq(
+        "forged entries are not counted as hits",
+        after.hits,
+        before.hits,
+    );
     exec(c, "sync");
     let real = probe_hits(c, &name);
     ck.check(
