@@ -15,7 +15,22 @@ bash scripts/guest/debian-kernel.sh >/dev/null
 bash scripts/build-hypervisor.sh >/dev/null
 
 # VM tests boot emulators; they serialize themselves, so the default test
-# threads only parallelize the host tests.
-cargo test --workspace --release "$@"
+# threads only parallelize the host tests. --workspace brings in the VM
+# suite (`tests`), which plain `cargo test` leaves out; the features, the
+# tests over the real kernel images.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace --release --no-fail-fast \
+    --features guest-introspect/real-kernels,loader/real-kernels "$@" 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+
+# Each test binary's time, slowest first.
+echo "hvtrace: time per test binary:"
+awk '/^ *Running /{name=$2} /^ *Doc-tests /{name="doc-tests " $2}
+     /^test result:/{for(i=1;i<=NF;i++) if($i=="in"){t=$(i+1); sub(/s$/,"",t); printf "%10.1f s  %s\n", t, name}}' "$log" |
+    sort -rn | head -n 25
+[[ $rc -eq 0 ]] || { echo "hvtrace: tests failed (cargo test exit $rc)"; exit "$rc"; }
 
 echo "hvtrace: all tests finished in $(( $(date +%s) - start )) s"

@@ -219,6 +219,70 @@ impl RunConfig {
     }
 }
 
+/// Fails unless `path` is a 64-bit bzImage that the hypervisor's loader
+/// would boot: the same parser (`loader::bzimage`), run on the host so that
+/// a wrong file fails at once, in one line, instead of after an emulator
+/// has started. The hypervisor keeps its own check.
+pub fn check_kernel(path: &Path) -> Result<()> {
+    let image =
+        std::fs::read(path).with_context(|| format!("cannot read kernel {}", path.display()))?;
+    if let Err(e) = loader::bzimage::parse(&image) {
+        let why = e.to_string();
+        bail!(
+            "kernel {}: {}",
+            path.display(),
+            why.strip_prefix("guest kernel: ").unwrap_or(&why)
+        );
+    }
+    Ok(())
+}
+
+/// The formats an initramfs may have: a newc cpio archive (`070701`, or
+/// `070702` with checksums), bare or compressed with one of the kernel's
+/// decompressors.
+const INITRAMFS_MAGICS: [(&[u8], &str); 8] = [
+    (b"070701", "cpio"),
+    (b"070702", "cpio"),
+    (&[0x1f, 0x8b], "gzip"),
+    (&[0xfd, b'7', b'z', b'X', b'Z', 0], "xz"),
+    (&[0x28, 0xb5, 0x2f, 0xfd], "zstd"),
+    (&[0x02, 0x21, 0x4c, 0x18], "lz4"),
+    (b"BZh", "bzip2"),
+    (&[0x5d, 0, 0], "lzma"),
+];
+
+/// Fails unless `path` starts like an initramfs ([`INITRAMFS_MAGICS`]).
+pub fn check_initrd(path: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut head = [0u8; 8];
+    let mut file = std::fs::File::open(path)
+        .with_context(|| format!("cannot read initrd {}", path.display()))?;
+    let mut n = 0;
+    while n < head.len() {
+        match file.read(&mut head[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(e).with_context(|| format!("cannot read initrd {}", path.display()))
+            }
+        }
+    }
+    let head = &head[..n];
+    if !INITRAMFS_MAGICS.iter().any(|(m, _)| head.starts_with(m)) {
+        bail!(
+            "initrd {}: not an initramfs (expected a cpio archive, bare or compressed with {})",
+            path.display(),
+            INITRAMFS_MAGICS[2..]
+                .iter()
+                .map(|(_, name)| *name)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// Fails unless `path` is an existing regular file.
 pub fn check_file(what: &str, path: &Path) -> Result<()> {
     let meta =

@@ -94,6 +94,8 @@ pub fn resolve(args: &RunArgs) -> Result<RunConfig> {
     cfg.bochs_ips = args.bochs_ips;
     cfg.console_cap = args.console_cap;
     cfg.validate()?;
+    config::check_kernel(&cfg.kernel)?;
+    config::check_initrd(&cfg.initrd)?;
     cfg.hypervisor = if args.bare {
         None
     } else {

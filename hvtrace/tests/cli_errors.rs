@@ -1141,3 +1141,78 @@ fn graph_follow_stops_on_ctrl_c() {
     assert_eq!(requests(&seen).last(), Some(&GRAPH_STOP));
     check_chrome(&std::fs::read_to_string(&file).unwrap());
 }
+
+/// The smallest image the loader's bzImage parser accepts: a setup header
+/// (protocol 2.15, 64-bit entry, relocatable), four setup sectors and one
+/// 16-byte paragraph of protected-mode code.
+fn tiny_bzimage() -> Vec<u8> {
+    use loader::bzimage::{hdr, BOOT_FLAG, HEADER_MAGIC, SECTOR_SIZE};
+    let mut image = vec![0u8; 5 * SECTOR_SIZE + 16];
+    image[hdr::SETUP_SECTS] = 4;
+    image[hdr::SYSSIZE..hdr::SYSSIZE + 4].copy_from_slice(&1u32.to_le_bytes());
+    image[hdr::BOOT_FLAG..hdr::BOOT_FLAG + 2].copy_from_slice(&BOOT_FLAG.to_le_bytes());
+    image[hdr::JUMP_OFFSET] = (hdr::MIN_END - hdr::JUMP_BASE) as u8;
+    image[hdr::HEADER_MAGIC..hdr::HEADER_MAGIC + 4].copy_from_slice(&HEADER_MAGIC);
+    image[hdr::VERSION..hdr::VERSION + 2].copy_from_slice(&0x020fu16.to_le_bytes());
+    image[hdr::RELOCATABLE_KERNEL] = 1;
+    image[hdr::XLOADFLAGS] = 1; // XLF_KERNEL_64
+    assert!(loader::bzimage::parse(&image).is_ok());
+    image
+}
+
+#[test]
+fn a_file_that_is_not_a_kernel_fails_at_once() {
+    let scratch = Scratch::new("not-a-kernel");
+    let initrd = scratch.file("initrd");
+    let started = std::time::Instant::now();
+    let msg = fails(&[
+        "run",
+        "--bare",
+        "--kernel",
+        "/etc/hostname",
+        "--initrd",
+        &initrd,
+    ]);
+    let took = started.elapsed();
+    assert!(
+        msg.starts_with("kernel /etc/hostname: not a bzImage"),
+        "{msg}"
+    );
+    // The host's own parse, not a boot: well under a second (2 s allows a
+    // loaded machine).
+    assert!(took < std::time::Duration::from_secs(2), "{took:?}: {msg}");
+    // A truncated copy of a real header is named as such.
+    let mut cut = tiny_bzimage();
+    cut.truncate(cut.len() - 8);
+    let kernel = scratch.0.join("cut-bzImage");
+    std::fs::write(&kernel, &cut).unwrap();
+    let msg = fails(&[
+        "run",
+        "--bare",
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--initrd",
+        &initrd,
+    ]);
+    assert!(msg.contains("image truncated"), "{msg}");
+}
+
+#[test]
+fn a_file_that_is_not_an_initramfs_fails_at_once() {
+    let scratch = Scratch::new("not-an-initrd");
+    let kernel = scratch.0.join("bzImage");
+    std::fs::write(&kernel, tiny_bzimage()).unwrap();
+    let initrd = scratch.file("initrd");
+    let msg = fails(&[
+        "run",
+        "--bare",
+        "--kernel",
+        kernel.to_str().unwrap(),
+        "--initrd",
+        &initrd,
+    ]);
+    assert!(
+        msg.contains("not an initramfs (expected a cpio archive, bare or compressed with gzip"),
+        "{msg}"
+    );
+}
