@@ -5,9 +5,10 @@
 //! console, or makes the emulator print without end, must not exhaust the
 //! host's memory or disk. Lines are read with [`read_line`], which cuts
 //! them at [`MAX_LINE`] bytes; the run directory's logs are
-//! [`CappedLog`]s, which stop at [`LOG_CAP`] bytes and say how much they
-//! dropped. (The console buffer's bound is
-//! [`crate::console::CONSOLE_KEEP`], the hypervisor log's
+//! [`CappedLog`]s, which stop at [`LOG_CAP`] bytes (`console.log` at the
+//! run's `--console-cap`, at most that) and say how much they dropped.
+//! (The console buffer's bound is the console cap, at most
+//! [`crate::console::CONSOLE_KEEP`]; the hypervisor log's
 //! [`crate::hvlog::MAX_LINES`] and [`crate::hvlog::MAX_BYTES`].)
 
 use std::fs::File;

@@ -409,12 +409,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_BOCHS_IPS)]
     pub bochs_ips: u64,
 
-    /// The most bytes of guest console output the run keeps: console.log
-    /// stops there (its last line says how much it dropped), and the
-    /// buffer that command output is read from keeps at most this much
-    /// (and at most 8 MiB).
+    /// The most bytes of guest console output the run keeps (4 KiB to
+    /// 64 MiB): console.log stops there (its last line says how much it
+    /// dropped), and the buffer that command output is read from keeps at
+    /// most this much (and at most 8 MiB).
     #[arg(long, value_name = "BYTES", default_value_t = crate::bounded::LOG_CAP,
-          value_parser = clap::value_parser!(u64).range(4096..))]
+          value_parser = clap::value_parser!(u64).range(4096..=crate::bounded::LOG_CAP))]
     pub console_cap: u64,
 }
 

@@ -30,9 +30,11 @@ use crate::json::Json;
 use crate::sys;
 use crate::term::{self, Mode};
 
-/// How long a status report may take (the hypervisor answers within
-/// [`crate::link::DEFAULT_TIMEOUT`], or the supervisor says why not).
-pub const STATUS_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a status report may take: the hypervisor answers within
+/// [`crate::link::DEFAULT_TIMEOUT`] (stretched by the emulator's pace), or
+/// the supervisor says why not before this.
+pub const STATUS_TIMEOUT: Duration =
+    crate::link::longest_wait(crate::link::DEFAULT_TIMEOUT, Duration::from_secs(30));
 /// How long a guest command may take, a little past the supervisor's own
 /// limit so that its error arrives first.
 pub const EXEC_TIMEOUT: Duration =
@@ -388,8 +390,11 @@ pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
     format!("{:016x} {:08x} {kind} {} {trace}", s.addr, s.size, s.name)
 }
 
-/// How long a probe or function request may take.
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a probe, function or graph request may take: the hypervisor
+/// answers within [`crate::link::HOOK_TIMEOUT`] (stretched by the
+/// emulator's pace), or the supervisor says why not before this.
+pub const PROBE_TIMEOUT: Duration =
+    crate::link::longest_wait(crate::link::HOOK_TIMEOUT, Duration::from_secs(30));
 
 /// Checks a probe definition locally, before anything is sent: a malformed
 /// one fails with the parser's message (`probe spec: bad register name

@@ -35,6 +35,16 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// best.
 pub const HOOK_TIMEOUT: Duration = Duration::from_secs(45);
 
+/// The longest the supervisor waits for an answer to a request whose plain
+/// limit is `limit` (stretched as far as [`Pace`] goes), plus `margin`: a
+/// client that waits this long hears the supervisor's own error, not a
+/// timeout of its own.
+pub const fn longest_wait(limit: Duration, margin: Duration) -> Duration {
+    limit
+        .saturating_mul(Pace::MAX_STRETCH_TIMES)
+        .saturating_add(margin)
+}
+
 /// How long the hypervisor may take to answer `request` on a link whose
 /// own limit is `base`.
 pub fn timeout_for(request: &Request, base: Duration) -> Duration {
@@ -72,8 +82,10 @@ pub struct Pace {
 impl Pace {
     /// Shortest span between two samples that counts as a measurement.
     pub const MIN_SPAN: Duration = Duration::from_secs(1);
+    /// Most a deadline is stretched, as a whole factor.
+    pub const MAX_STRETCH_TIMES: u32 = 8;
     /// Most a deadline is stretched.
-    pub const MAX_STRETCH: f64 = 8.0;
+    pub const MAX_STRETCH: f64 = Self::MAX_STRETCH_TIMES as f64;
     /// The stretch before the pace is measured.
     pub const UNMEASURED_STRETCH: f64 = 3.0;
 

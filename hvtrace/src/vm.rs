@@ -62,8 +62,8 @@ struct Shared {
 
 #[derive(Default)]
 struct Inner {
-    /// What the guest wrote on the serial console (the last
-    /// [`console::CONSOLE_KEEP`] bytes).
+    /// What the guest wrote on the serial console (its last bytes: the
+    /// run's console cap, at most [`console::CONSOLE_KEEP`]).
     console: ConsoleBuffer,
     stdout_eof: bool,
     stderr_eof: bool,
@@ -683,8 +683,8 @@ impl Vm {
         self.shared.lock().hv.exit_counts.clone()
     }
 
-    /// What the guest console showed so far (the last
-    /// [`console::CONSOLE_KEEP`] bytes of it).
+    /// What the guest console showed so far (its last bytes: the run's
+    /// console cap, at most [`console::CONSOLE_KEEP`]).
     pub fn console_text(&self) -> String {
         String::from_utf8_lossy(self.shared.lock().console.bytes()).into_owned()
     }

@@ -374,7 +374,9 @@ pub struct TracerReport {
     pub sites: u32,
     /// Code pages executing from a shadow copy.
     pub pages: u32,
-    /// Entry hypercalls served (refused ones are `forged_entries`).
+    /// Entry hypercalls served: from a hooked site, with the trampoline's
+    /// frame. Refused entries are `forged_entries`; an entry whose frame
+    /// could not be read counts as a lost event only.
     pub hits: u64,
     /// Events lost because a ring was full.
     pub lost: u64,

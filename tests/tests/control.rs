@@ -4,8 +4,9 @@
 //! - `run --detach` returns with the guest shell up (replacing a stale socket
 //!   file, refusing a second VM on the same socket);
 //! - a forged BTF header (its type section cut short by the attacker module)
-//!   before the first request: every `status` answers within 10 s while
-//!   recovery walks it, and recovery refuses the BTF and says so;
+//!   before the first request: every `status` answers within the
+//!   supervisor's first-request deadline (30 s) while recovery walks it,
+//!   and recovery refuses the BTF and says so;
 //! - `status` twice: the exit counts grow, one vCPU;
 //! - `exec` runs guest commands and passes their status on;
 //! - the guest sees no device on COM2;
@@ -44,9 +45,12 @@ const CONSOLE_CAP: u64 = 64 * 1024;
 const FLOOD_LINES: u64 = 2400;
 const FLOOD_LINE: u64 = 64;
 
-/// How long one `status` may take while recovery runs: the CLI's own
-/// default deadline.
-const STATUS_LIMIT: Duration = Duration::from_secs(10);
+/// How long one `status` may take while recovery runs: the supervisor's
+/// own deadline for a boot's first requests (its plain limit, stretched
+/// as it is before the emulator's pace is measured).
+const STATUS_LIMIT: Duration = Duration::from_secs(
+    hvtrace::link::DEFAULT_TIMEOUT.as_secs() * hvtrace::link::Pace::UNMEASURED_STRETCH as u64,
+);
 
 /// A forged BTF header before the first request: the attacker shortens the
 /// type section of the kernel's own BTF header (`__start_BTF`) by 4 bytes,
