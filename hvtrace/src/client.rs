@@ -21,7 +21,7 @@ use anyhow::{anyhow, bail, Result};
 use protocol::io::{FrameReader, FrameWriter, ReadError};
 use protocol::{Body, Event, Frame, Request, Response, PROTOCOL_VERSION};
 
-use crate::link::SeqCounter;
+use crate::daemon::link::SeqCounter;
 use crate::sys;
 
 /// The name the client gives in `Hello`.
@@ -83,11 +83,11 @@ pub struct Client {
 
 impl Client {
     /// Connects to the control socket at `path`: refuses a path that
-    /// others could have put there ([`crate::socket::check_path`]), and a
+    /// others could have put there ([`crate::daemon::socket::check_path`]), and a
     /// server that is neither our user nor root (`SO_PEERCRED`).
     pub fn connect(path: &Path) -> Result<Client> {
         let euid = crate::sys::euid();
-        crate::socket::check_path(path, euid)?;
+        crate::daemon::socket::check_path(path, euid)?;
         let stream = UnixStream::connect(path).map_err(|e| connect_error(path, &e))?;
         check_server(path, &stream, euid)?;
         let reader = stream
@@ -155,7 +155,7 @@ impl Client {
     /// Sends `request` and waits up to `timeout` for its response.
     ///
     /// The output of an `Exec` longer than one frame arrives in `Log` events
-    /// ahead of the response (see [`crate::supervisor::exec_reply`]); this
+    /// ahead of the response (see [`crate::daemon::supervisor::exec_reply`]); this
     /// puts it back together, so that the response holds all of it.
     pub fn call(&mut self, request: Request, timeout: Duration) -> Result<Reply> {
         let is_exec = matches!(request, Request::Exec { .. });
@@ -254,7 +254,7 @@ impl Client {
 }
 
 /// What answers requests: a [`Client`] of a VM's control socket, or a
-/// supervisor in this process ([`crate::supervisor::LocalControl`]). The
+/// supervisor in this process ([`crate::daemon::supervisor::LocalControl`]). The
 /// commands that both `hvtrace run` and the control commands use are
 /// written against it.
 pub trait Control {
@@ -271,7 +271,7 @@ impl Control for Client {
 }
 
 /// Fails unless the server at the other end of `stream` runs as user
-/// `euid` or as root ([`crate::socket::peer_allowed`]).
+/// `euid` or as root ([`crate::daemon::socket::peer_allowed`]).
 pub fn check_server(path: &Path, stream: &UnixStream, euid: u32) -> Result<()> {
     let uid = crate::sys::peer_uid(stream).map_err(|e| {
         anyhow!(
@@ -279,7 +279,7 @@ pub fn check_server(path: &Path, stream: &UnixStream, euid: u32) -> Result<()> {
             path.display()
         )
     })?;
-    if !crate::socket::peer_allowed(uid, euid) {
+    if !crate::daemon::socket::peer_allowed(uid, euid) {
         bail!(
             "the control socket {} is served by uid {uid}, not you (uid {euid}); refusing to talk to it",
             path.display()

@@ -5,9 +5,9 @@ use std::process::ExitCode;
 use clap::error::ErrorKind;
 use clap::Parser;
 
-use hvtrace::cli::{one_line_error, Cli, Command, DetailedError, ProbeCommand};
-use hvtrace::socket::Use;
-use hvtrace::term::sanitize;
+use hvtrace::commands::cli::{one_line_error, Cli, Command, DetailedError, ProbeCommand};
+use hvtrace::daemon::socket::Use;
+use hvtrace::output::term::sanitize;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -32,7 +32,7 @@ fn main() -> ExitCode {
     let serve = matches!(&cli.command, Command::Run(a) if a.detach)
         || matches!(&cli.command, Command::Supervise(_));
     let usage = if serve { Use::Serve } else { Use::Connect };
-    let socket = || hvtrace::socket::resolve(cli.socket.as_deref(), usage);
+    let socket = || hvtrace::daemon::socket::resolve(cli.socket.as_deref(), usage);
     // The first Ctrl-C ends the wait in progress: each command stops what
     // it started and exits with 130; a second Ctrl-C ends it at once. The
     // supervisor runs in a session of its own and is not concerned.
@@ -43,26 +43,30 @@ fn main() -> ExitCode {
         }
     }
     let result = match &cli.command {
-        Command::Run(args) if args.detach => socket().and_then(|s| hvtrace::detach::run(args, &s)),
-        Command::Run(args) => hvtrace::run::run(args),
-        Command::Status(args) => socket().and_then(|s| hvtrace::ctl::status(&s, args)),
-        Command::Exec(args) => socket().and_then(|s| hvtrace::ctl::exec(&s, args)),
-        Command::Stop(args) => socket().and_then(|s| hvtrace::ctl::stop(&s, args)),
-        Command::Syms(args) => socket().and_then(|s| hvtrace::ctl::syms(&s, args)),
+        Command::Run(args) if args.detach => {
+            socket().and_then(|s| hvtrace::daemon::detach::run(args, &s))
+        }
+        Command::Run(args) => hvtrace::commands::run::run(args),
+        Command::Status(args) => socket().and_then(|s| hvtrace::commands::ctl::status(&s, args)),
+        Command::Exec(args) => socket().and_then(|s| hvtrace::commands::ctl::exec(&s, args)),
+        Command::Stop(args) => socket().and_then(|s| hvtrace::commands::ctl::stop(&s, args)),
+        Command::Syms(args) => socket().and_then(|s| hvtrace::commands::ctl::syms(&s, args)),
         Command::Probe(probe) => socket().and_then(|s| match &probe.command {
-            ProbeCommand::Add(args) => hvtrace::ctl::probe_add(&s, args),
-            ProbeCommand::Del(args) => hvtrace::ctl::probe_del(&s, args),
-            ProbeCommand::List(args) => hvtrace::ctl::probe_list(&s, args),
+            ProbeCommand::Add(args) => hvtrace::commands::ctl::probe_add(&s, args),
+            ProbeCommand::Del(args) => hvtrace::commands::ctl::probe_del(&s, args),
+            ProbeCommand::List(args) => hvtrace::commands::ctl::probe_list(&s, args),
         }),
-        Command::Trace(args) => socket().and_then(|s| hvtrace::ctl::trace(&s, args)),
-        Command::Graph(args) => socket().and_then(|s| hvtrace::graph::graph(&s, args)),
-        Command::Supervise(args) => socket().and_then(|s| hvtrace::supervisor::supervise(&s, args)),
+        Command::Trace(args) => socket().and_then(|s| hvtrace::commands::ctl::trace(&s, args)),
+        Command::Graph(args) => socket().and_then(|s| hvtrace::commands::graph::graph(&s, args)),
+        Command::Supervise(args) => {
+            socket().and_then(|s| hvtrace::daemon::supervisor::supervise(&s, args))
+        }
     };
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) if hvtrace::sys::is_interrupted(&e) || hvtrace::sys::interrupted() => {
             eprintln!("hvtrace: {}", sanitize(&interrupted_line(&e)));
-            ExitCode::from(hvtrace::ctl::INTERRUPTED_EXIT)
+            ExitCode::from(hvtrace::commands::ctl::INTERRUPTED_EXIT)
         }
         Err(e) => {
             // Errors may quote the guest or the hypervisor: no control

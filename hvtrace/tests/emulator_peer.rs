@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use hvtrace::channel::{verify_peer, Channel, Listener};
 use hvtrace::sys;
+use hvtrace::vm::channel::{verify_peer, Channel, Listener};
 
 /// A child that kills itself when dropped.
 struct Kid(Child);

@@ -50,7 +50,7 @@ pub fn guest_config(guest: Guest, timeout: Duration) -> RunConfig {
 /// The kernel release that `uname -r` must print for `kernel`.
 pub fn expected_release(kernel: &Path) -> String {
     must(
-        hvtrace::guest::release_of(kernel),
+        hvtrace::vm::guest::release_of(kernel),
         "reading the kernel release file",
     )
 }
@@ -61,12 +61,12 @@ pub fn hypervisor_image() -> PathBuf {
     let image = IMAGE.get_or_init(|| {
         if let Some(path) = std::env::var_os("HVTRACE_HYPERVISOR").filter(|p| !p.is_empty()) {
             let path = PathBuf::from(path);
-            return match hvtrace::config::check_file("HVTRACE_HYPERVISOR", &path) {
+            return match hvtrace::vm::config::check_file("HVTRACE_HYPERVISOR", &path) {
                 Ok(()) => Ok(path),
                 Err(e) => Err(format!("{e:#}")),
             };
         }
-        hvtrace::hypervisor::build().map_err(|e| format!("{e:#}"))
+        hvtrace::vm::hv_image::build().map_err(|e| format!("{e:#}"))
     });
     match image {
         Ok(path) => path.clone(),

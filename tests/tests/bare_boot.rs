@@ -25,7 +25,7 @@ fn bare_fast_kernel_boots_in_bochs() {
     }
     if let Some(cmdline) = checks.ok("cat /proc/cmdline", vm.exec("cat /proc/cmdline")) {
         checks.check(
-            !hvtrace::config::disables_kaslr(&cmdline.output),
+            !hvtrace::vm::config::disables_kaslr(&cmdline.output),
             format!("/proc/cmdline has nokaslr: {:?}", cmdline.output),
         );
         checks.check(

@@ -49,7 +49,8 @@ const FLOOD_LINE: u64 = 64;
 /// own deadline for a boot's first requests (its plain limit, stretched
 /// as it is before the emulator's pace is measured).
 const STATUS_LIMIT: Duration = Duration::from_secs(
-    hvtrace::link::DEFAULT_TIMEOUT.as_secs() * hvtrace::link::Pace::UNMEASURED_STRETCH as u64,
+    hvtrace::daemon::link::DEFAULT_TIMEOUT.as_secs()
+        * hvtrace::daemon::link::Pace::UNMEASURED_STRETCH as u64,
 );
 
 /// A forged BTF header before the first request: the attacker shortens the
@@ -549,7 +550,7 @@ fn bench(checks: &mut Checks, c: &mut Client, socket: &Path, label: &str) {
 fn control_channel_in_bochs() {
     let _vm = vm_lock();
     let hypervisor = hypervisor_image();
-    let initrd = hvtrace::guest::run_script("scripts/guest/attacker.sh")
+    let initrd = hvtrace::vm::guest::run_script("scripts/guest/attacker.sh")
         .expect("building the attacker module failed");
     let dir = scratch();
     let socket = dir.join("ctl.sock");

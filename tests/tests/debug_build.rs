@@ -17,8 +17,8 @@ use protocol::{Request, Response};
 #[test]
 fn debug_hypervisor_traces_the_fast_lane() {
     let _l = vm_lock();
-    let root = hvtrace::guest::repo_root();
-    let image = hvtrace::hypervisor::build_debug(&root.join("target").join("debug-hypervisor"))
+    let root = hvtrace::vm::guest::repo_root();
+    let image = hvtrace::vm::hv_image::build_debug(&root.join("target").join("debug-hypervisor"))
         .expect("building the debug hypervisor failed");
     let vm = Detached::start_image("fast", "debug-build", &image, &[]);
     let mut c = vm.client();

@@ -897,7 +897,7 @@ fn chrome(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         .lines()
         .filter(|l| l.contains(r#""kind":"graph_entry""#))
         .count();
-    let (doc, summary) = hvtrace::chrome::convert(&lines);
+    let (doc, summary) = hvtrace::output::chrome::convert(&lines);
     println!(
         "chrome: {} JSON lines, {entries} entries; {}",
         lines.lines().count(),

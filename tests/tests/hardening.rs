@@ -794,7 +794,7 @@ fn string_io(ck: &mut Checks, c: &mut hvtrace::client::Client) {
 #[test]
 fn hostile_guest_fast_lane() {
     let _l = vm_lock();
-    let initrd = hvtrace::guest::run_script("scripts/guest/attacker.sh")
+    let initrd = hvtrace::vm::guest::run_script("scripts/guest/attacker.sh")
         .expect("building the attacker module failed");
     let vm = Detached::start_with(
         "fast",

@@ -443,7 +443,7 @@ fn exercise(guest: &str, fast_lane: bool) {
     let _l = vm_lock();
     let vm = if fast_lane {
         // The fast lane boots with the hostile module in its initramfs.
-        let initrd = hvtrace::guest::run_script("scripts/guest/attacker.sh")
+        let initrd = hvtrace::vm::guest::run_script("scripts/guest/attacker.sh")
             .expect("building the attacker module failed");
         Detached::start_with(
             guest,

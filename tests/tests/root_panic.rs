@@ -21,7 +21,7 @@
 
 use std::time::Duration;
 
-use hvtrace::supervisor::LocalVm;
+use hvtrace::daemon::supervisor::LocalVm;
 use hvtrace::{Emulator, Guest, RunConfig, Vm};
 use hvtrace_tests::{guest_config, hypervisor_image, must, vm_lock, Checks};
 

@@ -36,7 +36,7 @@ fn boot_under_hypervisor(guest: Guest, timeout: Duration) {
     }
     if let Some(cmdline) = checks.ok("cat /proc/cmdline", vm.exec("cat /proc/cmdline")) {
         checks.check(
-            !hvtrace::config::disables_kaslr(&cmdline.output),
+            !hvtrace::vm::config::disables_kaslr(&cmdline.output),
             format!("/proc/cmdline has nokaslr: {:?}", cmdline.output),
         );
     }

@@ -8,8 +8,8 @@
 //! [`CappedLog`]s, which stop at [`LOG_CAP`] bytes (`console.log` at the
 //! run's `--console-cap`, at most that) and say how much they dropped.
 //! (The console buffer's bound is the console cap, at most
-//! [`crate::console::CONSOLE_KEEP`]; the hypervisor log's
-//! [`crate::hvlog::MAX_LINES`] and [`crate::hvlog::MAX_BYTES`].)
+//! [`crate::vm::console::CONSOLE_KEEP`]; the hypervisor log's
+//! [`crate::vm::hvlog::MAX_LINES`] and [`crate::vm::hvlog::MAX_BYTES`].)
 
 use std::fs::File;
 use std::io::{self, BufRead, Write};

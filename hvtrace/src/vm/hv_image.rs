@@ -5,7 +5,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
-use crate::guest::repo_root;
+use crate::vm::guest::repo_root;
 
 /// The bare-metal target of the hypervisor image.
 pub const TARGET: &str = "x86_64-unknown-none";

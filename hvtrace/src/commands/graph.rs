@@ -12,7 +12,7 @@
 //! stops it when the connection closes, unless `--persist` asked it not to.
 //! Probe and function-tracer lines, and other sessions' lines, are left
 //! out. With `--format chrome` it reads JSON lines and writes a Chrome
-//! trace ([`crate::chrome`]) at the end.
+//! trace ([`crate::output::chrome`]) at the end.
 //!
 //! The filter checks and the start and stop requests are shared with
 //! `hvtrace run --graph`.
@@ -22,9 +22,9 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use protocol::{GraphFilter, Request, Response, TraceFormat};
 
-use crate::cli::GraphArgs;
 use crate::client::{response_error, Control};
-use crate::ctl::{self, CopyEnd, TraceOutput, TraceReader, PROBE_TIMEOUT};
+use crate::commands::cli::GraphArgs;
+use crate::commands::ctl::{self, CopyEnd, TraceOutput, TraceReader, PROBE_TIMEOUT};
 use crate::sys;
 
 /// The highest graph session number ([`Response::GraphStarted`]); 0 is
@@ -228,7 +228,7 @@ pub fn trace_session(
     let stopped = match &copied {
         // Nothing left to stop.
         Ok(CopyEnd::VmEnded(why)) => {
-            eprintln!("hvtrace: {}", crate::term::sanitize(why));
+            eprintln!("hvtrace: {}", crate::output::term::sanitize(why));
             Ok(())
         }
         _ => stop(control, started.session),
@@ -261,8 +261,11 @@ mod tests {
     fn args(argv: &[&str]) -> GraphArgs {
         let mut full = vec!["hvtrace", "graph"];
         full.extend_from_slice(argv);
-        match crate::cli::Cli::try_parse_from(full).unwrap().command {
-            crate::cli::Command::Graph(args) => args,
+        match crate::commands::cli::Cli::try_parse_from(full)
+            .unwrap()
+            .command
+        {
+            crate::commands::cli::Command::Graph(args) => args,
             other => panic!("not graph: {other:?}"),
         }
     }
@@ -473,7 +476,7 @@ mod tests {
             .into(),
             seen: Vec::new(),
         };
-        let buf = crate::ctl::SharedBuf::default();
+        let buf = crate::commands::ctl::SharedBuf::default();
         let output = TraceOutput::copy(Box::new(buf.clone()));
         let f = GraphFilter {
             functions: vec!["vfs_read".into()],
@@ -526,7 +529,7 @@ mod tests {
             .into(),
             seen: Vec::new(),
         };
-        let buf = crate::ctl::SharedBuf::default();
+        let buf = crate::commands::ctl::SharedBuf::default();
         let output = TraceOutput::chrome(Box::new(buf.clone()));
         trace_session(
             &mut c,
@@ -571,7 +574,7 @@ mod tests {
             .into(),
             seen: Vec::new(),
         };
-        let buf = crate::ctl::SharedBuf::default();
+        let buf = crate::commands::ctl::SharedBuf::default();
         let output = TraceOutput::copy(Box::new(buf.clone()));
         trace_session(
             &mut c,

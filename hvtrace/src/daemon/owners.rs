@@ -24,7 +24,7 @@ use std::sync::{Mutex, MutexGuard};
 use protocol::{ErrorKind, Frame, Request, Response};
 
 use crate::client::PERSIST_WORD;
-use crate::session::{Backend, Reply};
+use crate::daemon::session::{Backend, Reply};
 
 /// Who started a running session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

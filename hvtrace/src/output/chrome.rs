@@ -42,7 +42,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Write};
 
-use crate::json::Json;
+use crate::output::json::Json;
 
 /// The category of every event written.
 const CATEGORY: &str = "graph";

@@ -9,6 +9,19 @@
 //! speaks to the hypervisor; and it copies every byte, as it came, to
 //! whoever took the channel ([`Vm::take_control`]).
 
+pub mod bochs;
+pub mod bounded;
+pub mod channel;
+pub mod config;
+pub mod console;
+pub mod guest;
+pub mod host;
+pub mod hv_image;
+pub mod hvlog;
+pub mod image;
+pub mod qemu;
+pub mod tcp_table;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -21,14 +34,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::bochs;
-use crate::bounded::{self, CappedLog};
-use crate::channel::{self, Channel, Endpoint, Listener};
-use crate::config::{Emulator, RunConfig};
-use crate::console::{self, ConsoleBuffer, ExecResult, Markers};
-use crate::hvlog::{HvEvent, HvLog, FAULT_STOP};
-use crate::image;
-use crate::qemu;
+use self::bounded::CappedLog;
+use self::channel::{Channel, Endpoint, Listener};
+use self::config::{Emulator, RunConfig};
+use self::console::{ConsoleBuffer, ExecResult, Markers};
+use self::hvlog::{HvEvent, HvLog, FAULT_STOP};
 
 /// How long the emulator gets to connect to the serial listeners.
 const SERIAL_CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -94,7 +104,7 @@ impl Shared {
             eprintln!(
                 "[{:7.1}s] {}",
                 self.start.elapsed().as_secs_f64(),
-                crate::term::sanitize(message)
+                crate::output::term::sanitize(message)
             );
         }
     }
@@ -109,7 +119,7 @@ pub struct StopReport {
     /// The hypervisor's exit counts, when it printed them.
     pub exit_counts: Option<BTreeMap<String, u64>>,
     /// The hypervisor's lines, without the prefix (the last ones, within
-    /// [`crate::hvlog::MAX_LINES`] and [`crate::hvlog::MAX_BYTES`]).
+    /// [`self::hvlog::MAX_LINES`] and [`self::hvlog::MAX_BYTES`]).
     pub hv_lines: Vec<String>,
     /// From launch to the end of the emulator.
     pub wall_time: Duration,
@@ -656,8 +666,8 @@ impl Vm {
     }
 
     /// The hypervisor's lines so far, without the `hvtrace: ` prefix (the
-    /// last ones, within [`crate::hvlog::MAX_LINES`] and
-    /// [`crate::hvlog::MAX_BYTES`]).
+    /// last ones, within [`self::hvlog::MAX_LINES`] and
+    /// [`self::hvlog::MAX_BYTES`]).
     pub fn hv_lines(&self) -> Vec<String> {
         self.shared.lock().hv.lines.clone()
     }
@@ -1145,7 +1155,7 @@ fn spawn_line_reader(
                                     log_path.display()
                                 ));
                             } else if noted <= MAX_NOTED_HV_LINES {
-                                if let Some(body) = crate::hvlog::strip_prefix(line) {
+                                if let Some(body) = self::hvlog::strip_prefix(line) {
                                     shared.note(&format!("hypervisor: {body}"));
                                 }
                             }

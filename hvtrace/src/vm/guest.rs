@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
-use crate::config::Guest;
+use crate::vm::config::Guest;
 
 /// The repository root: `$HVTRACE_ROOT` when set, else the parent of this
 /// crate's directory at build time.

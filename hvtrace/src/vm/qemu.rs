@@ -15,7 +15,7 @@
 //! serial ports are `-chardev socket` clients of the run's listeners: unix
 //! sockets in the run directory, named relative to it, or TCP on 127.0.0.1
 //! when the directory's path is too long for a socket address (see
-//! [`crate::channel`]). COM1 is the guest console, COM2 the hypervisor's
+//! [`crate::vm::channel`]). COM1 is the guest console, COM2 the hypervisor's
 //! control channel (users who drive QEMU themselves give it
 //! `path=...,server=on,wait=off` for a unix socket that QEMU serves).
 
@@ -24,10 +24,10 @@ use std::process::Command;
 
 use anyhow::Result;
 
-use crate::channel::Endpoint;
-use crate::config::RunConfig;
-use crate::host;
-use crate::image::{INITRD_NAME, KERNEL_NAME};
+use crate::vm::channel::Endpoint;
+use crate::vm::config::RunConfig;
+use crate::vm::host;
+use crate::vm::image::{INITRD_NAME, KERNEL_NAME};
 
 /// The QEMU binary.
 pub const PROGRAM: &str = "qemu-system-x86_64";

@@ -2,7 +2,7 @@
 //! and `trace`, each a client of a running VM's control socket
 //! ([`crate::client`]). Each opens its session with `Hello`, which checks
 //! that both ends speak this protocol version, then makes one or more calls
-//! and renders the answers. (`graph` is in [`crate::graph`].)
+//! and renders the answers. (`graph` is in [`crate::commands::graph`].)
 //!
 //! The steps that `hvtrace run` shares when it traces (adding probes and
 //! functions, reading the trace) take any [`Control`], so that they work
@@ -19,29 +19,31 @@ use protocol::{
     ErrorKind, Event, GuestState, ProbeInfo, Request, Response, StatusReport, TraceFormat,
 };
 
-use crate::chrome::{Chrome, ChromeSummary};
-use crate::cli::{
+use crate::client::{response_error, Client, Control, SupervisorGone};
+use crate::commands::cli::{
     DetailedError, ExecArgs, OutputFormatArg, ProbeAddArgs, ProbeDelArgs, ProbeListArgs,
     StatusArgs, StopArgs, SymsArgs, TraceArgs,
 };
-use crate::client::{response_error, Client, Control, SupervisorGone};
-use crate::hvlog::{self, HvEvent};
-use crate::json::Json;
+use crate::output::chrome::{Chrome, ChromeSummary};
+use crate::output::json::Json;
+use crate::output::term::{self, Mode};
 use crate::sys;
-use crate::term::{self, Mode};
+use crate::vm::hvlog::{self, HvEvent};
 
 /// How long a status report may take: the hypervisor answers within
-/// [`crate::link::DEFAULT_TIMEOUT`] (stretched by the emulator's pace), or
+/// [`crate::daemon::link::DEFAULT_TIMEOUT`] (stretched by the emulator's pace), or
 /// the supervisor says why not before this.
-pub const STATUS_TIMEOUT: Duration =
-    crate::link::longest_wait(crate::link::DEFAULT_TIMEOUT, Duration::from_secs(30));
+pub const STATUS_TIMEOUT: Duration = crate::daemon::link::longest_wait(
+    crate::daemon::link::DEFAULT_TIMEOUT,
+    Duration::from_secs(30),
+);
 /// How long a guest command may take, a little past the supervisor's own
 /// limit so that its error arrives first.
 pub const EXEC_TIMEOUT: Duration =
-    Duration::from_secs(crate::supervisor::EXEC_TIMEOUT.as_secs() + 30);
+    Duration::from_secs(crate::daemon::supervisor::EXEC_TIMEOUT.as_secs() + 30);
 /// How long a stop may take.
 pub const STOP_TIMEOUT: Duration =
-    Duration::from_secs(crate::supervisor::STOP_TIMEOUT.as_secs() + 30);
+    Duration::from_secs(crate::daemon::supervisor::STOP_TIMEOUT.as_secs() + 30);
 
 /// Connects and opens the session. The first Ctrl-C (once
 /// [`sys::catch_interrupt`] ran) ends the wait for an answer in progress
@@ -391,10 +393,10 @@ pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
 }
 
 /// How long a probe, function or graph request may take: the hypervisor
-/// answers within [`crate::link::HOOK_TIMEOUT`] (stretched by the
+/// answers within [`crate::daemon::link::HOOK_TIMEOUT`] (stretched by the
 /// emulator's pace), or the supervisor says why not before this.
 pub const PROBE_TIMEOUT: Duration =
-    crate::link::longest_wait(crate::link::HOOK_TIMEOUT, Duration::from_secs(30));
+    crate::daemon::link::longest_wait(crate::daemon::link::HOOK_TIMEOUT, Duration::from_secs(30));
 
 /// Checks a probe definition locally, before anything is sent: a malformed
 /// one fails with the parser's message (`probe spec: bad register name
@@ -660,7 +662,7 @@ impl TraceReader {
         };
         // The wait, a stream start forwarded to the hypervisor, and margin.
         let timeout = Duration::from_millis(u64::from(wait_ms))
-            + crate::link::DEFAULT_TIMEOUT
+            + crate::daemon::link::DEFAULT_TIMEOUT
             + Duration::from_secs(30);
         let response = match control.request(request, timeout) {
             Ok(response) => response,
@@ -912,7 +914,7 @@ pub fn exec(socket: &Path, args: &ExecArgs) -> Result<u8> {
             if sys::is_interrupted(&e) {
                 e.context(format!(
                     "the command goes on in the guest until it ends (the supervisor gives it at most {} s)",
-                    crate::supervisor::EXEC_TIMEOUT.as_secs()
+                    crate::daemon::supervisor::EXEC_TIMEOUT.as_secs()
                 ))
             } else {
                 e

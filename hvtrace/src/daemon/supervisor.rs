@@ -21,12 +21,12 @@
 //!   ([`HvLink`]), under the supervisor's own sequence numbers; the answer
 //!   goes back under the client's;
 //! - frames of another protocol version and bytes that are not frames are
-//!   forwarded as they are ([`crate::session`]).
+//!   forwarded as they are ([`crate::daemon::session`]).
 //!
 //! Clients come and go as they like; a client that leaves in the middle of
 //! a frame or of a request harms nobody. The function-graph sessions a
 //! client started and did not stop are stopped when its connection closes,
-//! unless it asked them to persist ([`crate::owners`]). When the VM ends
+//! unless it asked them to persist ([`crate::daemon::owners`]). When the VM ends
 //! (the guest stops, the emulator exits), waiting clients get an error
 //! saying so, the socket is removed and the supervisor exits.
 //!
@@ -48,15 +48,15 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context, Result};
 use protocol::{encode, ErrorKind, Event, Frame, Request, Response, TraceFormat};
 
-use crate::cli::SuperviseArgs;
 use crate::client::{response_error, Control};
-use crate::config::RunConfig;
-use crate::console::ExecResult;
-use crate::link::{self, HvLink, LinkError};
-use crate::owners::{ClientBackend, GraphOwners};
-use crate::session::{Backend, Reply, Session};
-use crate::socket::ClaimedSocket;
-use crate::tracebuf::{TraceBuffer, TraceChunk, READ_BUDGET};
+use crate::commands::cli::SuperviseArgs;
+use crate::daemon::link::{self, HvLink, LinkError};
+use crate::daemon::owners::{ClientBackend, GraphOwners};
+use crate::daemon::session::{Backend, Reply, Session};
+use crate::daemon::socket::ClaimedSocket;
+use crate::daemon::tracebuf::{TraceBuffer, TraceChunk, READ_BUDGET};
+use crate::vm::config::RunConfig;
+use crate::vm::console::ExecResult;
 use crate::vm::{StopReport, Vm};
 
 /// The supervisor's log, in the run directory.
@@ -132,7 +132,7 @@ fn note_at(start: Instant, message: &str) {
     eprintln!(
         "[{:7.1}s] {}",
         start.elapsed().as_secs_f64(),
-        crate::term::sanitize(message)
+        crate::output::term::sanitize(message)
     );
 }
 
@@ -380,7 +380,7 @@ impl Supervisor {
         };
         // `eval` keeps a trailing comment from swallowing the parenthesis.
         let line = if subshell {
-            format!("( eval {} )", crate::console::sh_quote(command))
+            format!("( eval {} )", crate::vm::console::sh_quote(command))
         } else {
             command.to_string()
         };
@@ -629,7 +629,7 @@ fn serve_client(sup: Arc<Supervisor>, stream: UnixStream) {
     let _ = writer.set_write_timeout(Some(CLIENT_WRITE_TIMEOUT));
     let mut session = Session::new();
     // The supervisor as this connection sees it: the graph sessions it
-    // starts are its own ([`crate::owners`]).
+    // starts are its own ([`crate::daemon::owners`]).
     let conn = ClientBackend::new(&*sup, &sup.graphs, id);
     let mut buf = [0u8; 4096];
     let mut wire = Vec::new();
@@ -679,7 +679,7 @@ fn serve_client(sup: Arc<Supervisor>, stream: UnixStream) {
 
 /// Accepts clients for as long as the process lives: those of the
 /// supervisor's own user and root; others are turned away
-/// ([`crate::socket::peer_allowed`]).
+/// ([`crate::daemon::socket::peer_allowed`]).
 fn accept_clients(sup: Arc<Supervisor>, listener: std::os::unix::net::UnixListener) {
     std::thread::spawn(move || {
         let ours = crate::sys::euid();
@@ -722,7 +722,7 @@ const MAX_REFUSALS_NOTED: u64 = 20;
 /// it is neither user `ours` nor root, or who it is cannot be told.
 fn refuse_peer(stream: &UnixStream, ours: u32) -> Option<String> {
     match crate::sys::peer_uid(stream) {
-        Ok(uid) if crate::socket::peer_allowed(uid, ours) => None,
+        Ok(uid) if crate::daemon::socket::peer_allowed(uid, ours) => None,
         Ok(uid) => Some(format!(
             "uid {uid} is neither the supervisor's user (uid {ours}) nor root"
         )),
@@ -768,7 +768,7 @@ pub fn supervise(socket_path: &Path, args: &SuperviseArgs) -> Result<u8> {
         .context("cannot use the control socket")?;
     accept_clients(sup.clone(), listener);
 
-    let result = crate::run::resolve(&args.run).and_then(|mut cfg| {
+    let result = args.run.resolve().and_then(|mut cfg| {
         cfg.run_dir = Some(dir.clone());
         cfg.progress = true;
         cfg.echo_boot_console = false;

@@ -15,8 +15,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 
-use crate::config::RunConfig;
-use crate::host;
+use crate::vm::config::RunConfig;
+use crate::vm::host;
 
 /// File names of the guest files inside the run directory and the image.
 pub const KERNEL_NAME: &str = "bzImage";

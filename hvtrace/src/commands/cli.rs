@@ -4,17 +4,23 @@
 //! socket. The control commands (`status`, `exec`, `stop`, `syms`, `probe`,
 //! `trace`, `graph`) talk to that VM over `--socket`, whose default is
 //! `$XDG_RUNTIME_DIR/hvtrace/hvtrace.sock`, else
-//! `/tmp/hvtrace-$UID/hvtrace.sock` (see [`crate::socket`]).
+//! `/tmp/hvtrace-$UID/hvtrace.sock` (see [`crate::daemon::socket`]).
 //!
 //! `run` with `--probe`, `--function` or `--graph` traces its `--exec`
 //! commands in one go: boot, add the probes, run the commands, write the
 //! trace, stop.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
+use anyhow::{bail, Result};
 use clap::{value_parser, ArgGroup, Args, Parser, Subcommand};
 
-use crate::config::{EmulatorChoice, Guest, DEFAULT_APPEND, DEFAULT_BOCHS_IPS, DEFAULT_MEMORY_MIB};
+use crate::vm::config::{
+    self, Emulator, EmulatorChoice, Guest, RunConfig, DEFAULT_APPEND, DEFAULT_BOCHS_IPS,
+    DEFAULT_MEMORY_MIB,
+};
+use crate::vm::{guest, hv_image};
 
 /// Trace an unmodified Linux kernel from a thin VMX hypervisor.
 #[derive(Debug, Parser)]
@@ -413,8 +419,8 @@ pub struct RunArgs {
     /// 64 MiB): console.log stops there (its last line says how much it
     /// dropped), and the buffer that command output is read from keeps at
     /// most this much (and at most 8 MiB).
-    #[arg(long, value_name = "BYTES", default_value_t = crate::bounded::LOG_CAP,
-          value_parser = clap::value_parser!(u64).range(4096..=crate::bounded::LOG_CAP))]
+    #[arg(long, value_name = "BYTES", default_value_t = crate::vm::bounded::LOG_CAP,
+          value_parser = clap::value_parser!(u64).range(4096..=crate::vm::bounded::LOG_CAP))]
     pub console_cap: u64,
 }
 
@@ -423,6 +429,62 @@ impl RunArgs {
     /// `--graph`).
     pub fn traces(&self) -> bool {
         !self.probes.is_empty() || !self.functions.is_empty() || !self.graphs.is_empty()
+    }
+
+    /// Turns the options into a configuration: checks the given files first,
+    /// then resolves the defaults (which may build the kernel, the initramfs or
+    /// the hypervisor).
+    pub fn resolve(&self) -> Result<RunConfig> {
+        let args = self;
+        if !args.allow_nokaslr && config::disables_kaslr(&args.append) {
+            bail!("--append contains `nokaslr`, but hvtrace keeps KASLR on (pass --allow-nokaslr to boot without it anyway)");
+        }
+        if args.timeout == 0 {
+            bail!("--timeout must be at least 1 second");
+        }
+        if let Some(kernel) = &args.kernel {
+            config::check_file("kernel", kernel)?;
+        }
+        if let Some(initrd) = &args.initrd {
+            config::check_file("initrd", initrd)?;
+        }
+        if let Some(hv) = &args.hypervisor {
+            config::check_file("hypervisor image", hv)?;
+        }
+        let emulator = match args.emulator.resolve() {
+            Emulator::Qemu { .. } if args.no_kvm => Emulator::Qemu { kvm: false },
+            emulator => emulator,
+        };
+
+        let kernel = match &args.kernel {
+            Some(kernel) => kernel.clone(),
+            None => guest::kernel(args.guest)?,
+        };
+        let initrd = match &args.initrd {
+            Some(initrd) => initrd.clone(),
+            None => guest::initrd()?,
+        };
+        let mut cfg = RunConfig::new(kernel, initrd).with_emulator(emulator);
+        cfg.append = args.append.clone();
+        cfg.memory_mib = args.memory;
+        cfg.timeout = Duration::from_secs(args.timeout);
+        cfg.keep_dir = args.keep_dir;
+        cfg.progress = true;
+        cfg.echo_boot_console = !args.quiet;
+        cfg.bochs_ips = args.bochs_ips;
+        cfg.console_cap = args.console_cap;
+        cfg.validate()?;
+        config::check_kernel(&cfg.kernel)?;
+        config::check_initrd(&cfg.initrd)?;
+        cfg.hypervisor = if args.bare {
+            None
+        } else {
+            Some(match &args.hypervisor {
+                Some(hv) => hv.clone(),
+                None => hv_image::build()?,
+            })
+        };
+        Ok(cfg)
     }
 }
 

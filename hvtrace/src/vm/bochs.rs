@@ -8,7 +8,7 @@
 //! (`port_e9_hack`) goes to Bochs' stdout; COM1 (the guest console, both
 //! ways) and COM2 (the control channel) connect as TCP clients to the
 //! listeners of the run on 127.0.0.1, which take only Bochs' own connections
-//! (see [`crate::channel`]): its serial ports have no unix socket client.
+//! (see [`crate::vm::channel`]): its serial ports have no unix socket client.
 //!
 //! Choices, measured on Bochs 2.7:
 //! - `options=fastboot` skips the BIOS's F12 boot-menu wait, about 150 M
@@ -23,7 +23,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 
-use crate::host;
+use crate::vm::host;
 
 /// The firmware images of Debian's bochsbios and vgabios packages.
 pub const BIOS: &str = "/usr/share/bochs/BIOS-bochs-latest";

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use crate::{guest, host};
+use crate::{vm::guest, vm::host};
 
 /// The guest command line used when none is given.
 pub const DEFAULT_APPEND: &str = "console=ttyS0,115200 panic=-1";
@@ -133,7 +133,7 @@ pub struct RunConfig {
     pub log_port: bool,
     /// The most bytes of guest console output kept: the cap of
     /// `console.log`, and of the console buffer (with
-    /// [`crate::console::CONSOLE_KEEP`], whichever is lower).
+    /// [`crate::vm::console::CONSOLE_KEEP`], whichever is lower).
     pub console_cap: u64,
 }
 
@@ -158,7 +158,7 @@ impl RunConfig {
             bochs_cpu: DEFAULT_BOCHS_CPU.to_string(),
             run_dir: None,
             log_port: true,
-            console_cap: crate::bounded::LOG_CAP,
+            console_cap: crate::vm::bounded::LOG_CAP,
         }
     }
 

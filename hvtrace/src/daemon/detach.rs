@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::cli::RunArgs;
-use crate::config::{Emulator, RunConfig};
-use crate::supervisor::{read_state, LOG_FILE};
-use crate::{image, socket, sys};
+use crate::commands::cli::RunArgs;
+use crate::daemon::supervisor::{read_state, LOG_FILE};
+use crate::vm::config::{Emulator, RunConfig};
+use crate::{daemon::socket, sys, vm::image};
 
 /// How much longer than the boot's own limit the parent waits.
 const MARGIN: Duration = Duration::from_secs(60);
@@ -122,7 +122,7 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
     }
     let socket_path = std::path::absolute(socket_path)
         .with_context(|| format!("cannot resolve {}", socket_path.display()))?;
-    let cfg = crate::run::resolve(args)?;
+    let cfg = args.resolve()?;
     let dir = image::create_run_dir()?;
     let log_path = dir.join(LOG_FILE);
     let log =
@@ -172,7 +172,10 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
             // with the supervisor, and the state file says why.
             let _ = child.kill();
             let _ = child.wait();
-            crate::supervisor::write_state(&dir, "failed: interrupted (Ctrl-C) while booting");
+            crate::daemon::supervisor::write_state(
+                &dir,
+                "failed: interrupted (Ctrl-C) while booting",
+            );
             return Err(anyhow::Error::new(sys::Interrupted).context(format!(
                 "the supervisor (pid {pid}) and its VM were stopped (log: {})",
                 log_path.display()
@@ -211,7 +214,7 @@ pub fn last_error(log: &Path) -> Option<String> {
 }
 
 /// Follows a growing file, copying its lines with control characters
-/// escaped ([`crate::term::sanitize`]): the supervisor's log quotes the
+/// escaped ([`crate::output::term::sanitize`]): the supervisor's log quotes the
 /// guest and the hypervisor.
 struct LogTail {
     path: PathBuf,
@@ -260,7 +263,7 @@ impl LogTail {
         self.offset += end as u64;
         let text = String::from_utf8_lossy(&buf[..end]);
         let _ = out
-            .write_all(crate::term::sanitize(&text).as_bytes())
+            .write_all(crate::output::term::sanitize(&text).as_bytes())
             .and_then(|_| out.flush());
         true
     }
@@ -273,8 +276,9 @@ mod tests {
 
     #[test]
     fn supervisor_gets_explicit_absolute_paths() {
-        let cli = crate::cli::Cli::try_parse_from(["hvtrace", "run", "--detach"]).unwrap();
-        let crate::cli::Command::Run(args) = cli.command else {
+        let cli =
+            crate::commands::cli::Cli::try_parse_from(["hvtrace", "run", "--detach"]).unwrap();
+        let crate::commands::cli::Command::Run(args) = cli.command else {
             panic!("not run")
         };
         let mut cfg = RunConfig::new("k/bzImage", "/i/initrd").with_hypervisor("hv");
@@ -292,8 +296,8 @@ mod tests {
         // The child parses what the parent builds.
         let mut argv = vec!["hvtrace".to_string(), "--socket".into(), "/s".into()];
         argv.extend(a);
-        let child = crate::cli::Cli::try_parse_from(argv).unwrap();
-        let crate::cli::Command::Supervise(s) = child.command else {
+        let child = crate::commands::cli::Cli::try_parse_from(argv).unwrap();
+        let crate::commands::cli::Command::Supervise(s) = child.command else {
             panic!("not supervise")
         };
         assert_eq!(s.run.append, "console=ttyS0,115200 quiet");

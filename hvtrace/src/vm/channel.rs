@@ -10,7 +10,7 @@
 //! - TCP on 127.0.0.1 (Bochs, whose serial ports have no unix socket
 //!   client; QEMU when the run directory's path is too long for a socket
 //!   address): the peer's socket is looked up in the kernel's TCP table
-//!   ([`crate::tcp_table`]); its owner must be us and its inode one of the
+//!   ([`crate::vm::tcp_table`]); its owner must be us and its inode one of the
 //!   emulator process's open sockets.
 //!
 //! The emulator is a child of this process that is not reaped while it is
@@ -218,7 +218,7 @@ impl Listener {
                     let _ = channel.shutdown(Shutdown::Both);
                     eprintln!(
                         "hvtrace: warning: refused a connection to {what}: {}",
-                        crate::term::sanitize(&why)
+                        crate::output::term::sanitize(&why)
                     );
                 }
             }
@@ -239,7 +239,7 @@ impl Drop for Listener {
 /// open files for TCP. The error says why not.
 pub fn verify_peer(channel: &Channel, pid: u32, uid: u32) -> Result<(), String> {
     match channel {
-        Channel::Tcp(stream) => crate::tcp_table::verify_peer(stream, pid, uid),
+        Channel::Tcp(stream) => crate::vm::tcp_table::verify_peer(stream, pid, uid),
         Channel::Unix(stream) => {
             let cred = sys::peer_cred(stream)
                 .map_err(|e| format!("cannot read the peer's credentials: {e}"))?;

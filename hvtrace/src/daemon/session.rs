@@ -1,7 +1,7 @@
 //! One client of the control socket, as the supervisor serves it.
 //!
 //! A [`Session`] cuts the client's bytes into segments
-//! ([`crate::segment`]) and, for each one:
+//! ([`crate::daemon::segment`]) and, for each one:
 //!
 //! - a request of this protocol version goes to the [`Backend`], and the
 //!   answer goes back under the **client's** sequence number, preceded by
@@ -15,7 +15,7 @@
 
 use protocol::{ErrorKind, Event, Frame, Request, Response};
 
-use crate::segment::{Classifier, Inbound, Segment, Splitter};
+use crate::daemon::segment::{Classifier, Inbound, Segment, Splitter};
 
 /// What serving one request produced.
 #[derive(Clone, Debug, PartialEq)]

@@ -31,13 +31,13 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use protocol::GraphFilter;
 
-use crate::cli::{OutputFormatArg, RunArgs};
 use crate::client::Control;
-use crate::config::{self, Emulator, RunConfig};
-use crate::ctl::{self, TraceEnd, TraceOutput, TraceReader};
-use crate::supervisor::{Ending, LocalVm};
+use crate::commands::cli::{OutputFormatArg, RunArgs};
+use crate::commands::ctl::{self, TraceEnd, TraceOutput, TraceReader};
+use crate::daemon::supervisor::{Ending, LocalVm};
+use crate::vm::config::{Emulator, RunConfig};
 use crate::vm::{StopReport, Vm};
-use crate::{graph, guest, hypervisor, sys, term};
+use crate::{commands::graph, output::term, sys};
 
 /// How long the guest shell gets to take in a Ctrl-C before the line that
 /// powers it off follows.
@@ -51,61 +51,6 @@ pub const TRACE_QUIET: Duration = Duration::from_secs(2);
 pub const TRACE_DRAIN_LIMIT: Duration = Duration::from_secs(60);
 /// Each read of the trace waits at most this long for a line.
 const TRACE_POLL_MS: u32 = 250;
-
-/// Turns the options into a configuration: checks the given files first,
-/// then resolves the defaults (which may build the kernel, the initramfs or
-/// the hypervisor).
-pub fn resolve(args: &RunArgs) -> Result<RunConfig> {
-    if !args.allow_nokaslr && config::disables_kaslr(&args.append) {
-        bail!("--append contains `nokaslr`, but hvtrace keeps KASLR on (pass --allow-nokaslr to boot without it anyway)");
-    }
-    if args.timeout == 0 {
-        bail!("--timeout must be at least 1 second");
-    }
-    if let Some(kernel) = &args.kernel {
-        config::check_file("kernel", kernel)?;
-    }
-    if let Some(initrd) = &args.initrd {
-        config::check_file("initrd", initrd)?;
-    }
-    if let Some(hv) = &args.hypervisor {
-        config::check_file("hypervisor image", hv)?;
-    }
-    let emulator = match args.emulator.resolve() {
-        Emulator::Qemu { .. } if args.no_kvm => Emulator::Qemu { kvm: false },
-        emulator => emulator,
-    };
-
-    let kernel = match &args.kernel {
-        Some(kernel) => kernel.clone(),
-        None => guest::kernel(args.guest)?,
-    };
-    let initrd = match &args.initrd {
-        Some(initrd) => initrd.clone(),
-        None => guest::initrd()?,
-    };
-    let mut cfg = RunConfig::new(kernel, initrd).with_emulator(emulator);
-    cfg.append = args.append.clone();
-    cfg.memory_mib = args.memory;
-    cfg.timeout = Duration::from_secs(args.timeout);
-    cfg.keep_dir = args.keep_dir;
-    cfg.progress = true;
-    cfg.echo_boot_console = !args.quiet;
-    cfg.bochs_ips = args.bochs_ips;
-    cfg.console_cap = args.console_cap;
-    cfg.validate()?;
-    config::check_kernel(&cfg.kernel)?;
-    config::check_initrd(&cfg.initrd)?;
-    cfg.hypervisor = if args.bare {
-        None
-    } else {
-        Some(match &args.hypervisor {
-            Some(hv) => hv.clone(),
-            None => hypervisor::build()?,
-        })
-    };
-    Ok(cfg)
-}
 
 /// Says so when QEMU cannot run the hypervisor.
 fn note_tcg(cfg: &RunConfig) {
@@ -121,7 +66,7 @@ pub fn run(args: &RunArgs) -> Result<u8> {
     if args.traces() {
         return run_traced(args);
     }
-    let cfg = resolve(args)?;
+    let cfg = args.resolve()?;
     note_tcg(&cfg);
     let mut vm = Vm::start(cfg)?;
     vm.wait_ready()?;
@@ -249,7 +194,7 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
     let graph = graph_filter(args)?;
     let output_format = args.format.unwrap_or_default();
     let mut out = TraceOutput::create(args.output.as_deref(), output_format)?;
-    let cfg = resolve(args)?;
+    let cfg = args.resolve()?;
     note_tcg(&cfg);
     let vm = LocalVm::start(cfg)?;
     // On failure the VM is dropped, which kills it; what was traced is
@@ -463,8 +408,11 @@ mod tests {
     fn run_args(argv: &[&str]) -> RunArgs {
         let mut full = vec!["hvtrace", "run"];
         full.extend_from_slice(argv);
-        match crate::cli::Cli::try_parse_from(full).unwrap().command {
-            crate::cli::Command::Run(args) => args,
+        match crate::commands::cli::Cli::try_parse_from(full)
+            .unwrap()
+            .command
+        {
+            crate::commands::cli::Command::Run(args) => args,
             other => panic!("not run: {other:?}"),
         }
     }
@@ -594,7 +542,7 @@ mod tests {
             reads: 2,
             seen: Vec::new(),
         };
-        let buf = crate::ctl::SharedBuf::default();
+        let buf = crate::commands::ctl::SharedBuf::default();
         let mut out = TraceOutput::copy(Box::new(buf.clone()));
         let reader = TraceReader::new(protocol::TraceFormat::Json)
             .with_source(trace_source(Some(3), OutputFormatArg::Chrome));

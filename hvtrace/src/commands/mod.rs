@@ -1,0 +1,8 @@
+//! The commands of the `hvtrace` binary: argument definitions, `run`, the
+//! control commands (`status`, `exec`, `syms`, `probe`, `trace`, `stop`) and
+//! `graph`.
+
+pub mod cli;
+pub mod ctl;
+pub mod graph;
+pub mod run;

@@ -1,0 +1,6 @@
+//! Output formats and the terminal: JSON, Chrome traces, escaping of guest
+//! text.
+
+pub mod chrome;
+pub mod json;
+pub mod term;
