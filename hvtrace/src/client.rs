@@ -552,3 +552,27 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// A [`Control`] for tests: answers each request with the next canned
+/// response and records the requests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::time::Duration;
+
+    use anyhow::Result;
+    use protocol::{Request, Response};
+
+    use super::Control;
+
+    pub(crate) struct Canned {
+        pub(crate) answers: std::collections::VecDeque<Result<Response>>,
+        pub(crate) seen: Vec<Request>,
+    }
+
+    impl Control for Canned {
+        fn request(&mut self, request: Request, _timeout: Duration) -> Result<Response> {
+            self.seen.push(request);
+            self.answers.pop_front().expect("no answer left")
+        }
+    }
+}

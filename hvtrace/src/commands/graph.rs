@@ -24,7 +24,8 @@ use protocol::{GraphFilter, Request, Response, TraceFormat};
 
 use crate::client::{response_error, Control};
 use crate::commands::cli::GraphArgs;
-use crate::commands::ctl::{self, CopyEnd, TraceOutput, TraceReader, PROBE_TIMEOUT};
+use crate::commands::ctl::{self, PROBE_TIMEOUT};
+use crate::commands::trace_read::{self, CopyEnd, TraceOutput, TraceReader};
 use crate::sys;
 
 /// The highest graph session number ([`Response::GraphStarted`]); 0 is
@@ -193,7 +194,7 @@ pub fn graph(socket: &Path, args: &GraphArgs) -> Result<u8> {
 
 /// The work of `hvtrace graph` once connected: starts a session with
 /// `filter`, copies its lines in `format` to `output` (as
-/// [`ctl::copy_trace`] does, with `follow` and `interrupted`), stops the
+/// [`trace_read::copy_trace`] does, with `follow` and `interrupted`), stops the
 /// session and finishes the output. Returns how the copy ended; when it
 /// was interrupted, says so on stderr last.
 pub fn trace_session(
@@ -217,7 +218,7 @@ pub fn trace_session(
     // Only this session's lines: probes, the function tracer and other
     // sessions may be writing to the stream too.
     let mut reader = reader.with_source(Some(started.session));
-    let copied = ctl::copy_trace(
+    let copied = trace_read::copy_trace(
         control,
         &mut reader,
         follow,
@@ -476,7 +477,7 @@ mod tests {
             .into(),
             seen: Vec::new(),
         };
-        let buf = crate::commands::ctl::SharedBuf::default();
+        let buf = crate::commands::trace_read::SharedBuf::default();
         let output = TraceOutput::copy(Box::new(buf.clone()));
         let f = GraphFilter {
             functions: vec!["vfs_read".into()],
@@ -501,9 +502,9 @@ mod tests {
             [
                 read(u64::MAX, 0, None),
                 Request::GraphStart(f),
-                read(40, ctl::FIRST_WAIT_MS, Some(3)),
-                read(44, ctl::DRAIN_WAIT_MS, Some(3)),
-                read(47, ctl::DRAIN_WAIT_MS, Some(3)),
+                read(40, trace_read::FIRST_WAIT_MS, Some(3)),
+                read(44, trace_read::DRAIN_WAIT_MS, Some(3)),
+                read(47, trace_read::DRAIN_WAIT_MS, Some(3)),
                 Request::GraphStop { session: Some(3) },
             ]
         );
@@ -529,7 +530,7 @@ mod tests {
             .into(),
             seen: Vec::new(),
         };
-        let buf = crate::commands::ctl::SharedBuf::default();
+        let buf = crate::commands::trace_read::SharedBuf::default();
         let output = TraceOutput::chrome(Box::new(buf.clone()));
         trace_session(
             &mut c,
@@ -574,7 +575,7 @@ mod tests {
             .into(),
             seen: Vec::new(),
         };
-        let buf = crate::commands::ctl::SharedBuf::default();
+        let buf = crate::commands::trace_read::SharedBuf::default();
         let output = TraceOutput::copy(Box::new(buf.clone()));
         trace_session(
             &mut c,

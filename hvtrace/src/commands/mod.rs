@@ -6,3 +6,4 @@ pub mod cli;
 pub mod ctl;
 pub mod graph;
 pub mod run;
+pub mod trace_read;

@@ -33,8 +33,10 @@ use protocol::GraphFilter;
 
 use crate::client::Control;
 use crate::commands::cli::{OutputFormatArg, RunArgs};
-use crate::commands::ctl::{self, TraceEnd, TraceOutput, TraceReader};
+use crate::commands::ctl;
+use crate::commands::trace_read::{self, TraceEnd, TraceOutput, TraceReader};
 use crate::daemon::supervisor::{Ending, LocalVm};
+use crate::output::report;
 use crate::vm::config::{Emulator, RunConfig};
 use crate::vm::{StopReport, Vm};
 use crate::{commands::graph, output::term, sys};
@@ -254,7 +256,10 @@ fn trace_commands(
     for spec in &args.probes {
         let (name, site) =
             ctl::add_probe(&mut control, spec).with_context(|| format!("--probe {spec:?}"))?;
-        eprintln!("hvtrace: {}", term::sanitize(&ctl::added_line(&name, site)));
+        eprintln!(
+            "hvtrace: {}",
+            term::sanitize(&report::added_line(&name, site))
+        );
     }
     for glob in &args.functions {
         let summary = ctl::add_functions(&mut control, glob)
@@ -267,7 +272,7 @@ fn trace_commands(
         eprintln!("hvtrace: {}", started.line());
         session = Some(started.session);
     }
-    ctl::start_trace(&mut control, format).context("cannot start the trace")?;
+    trace_read::start_trace(&mut control, format).context("cannot start the trace")?;
     let reader = TraceReader::new(format).with_source(trace_source(session, output_format));
 
     let done = OnceLock::new();
@@ -542,7 +547,7 @@ mod tests {
             reads: 2,
             seen: Vec::new(),
         };
-        let buf = crate::commands::ctl::SharedBuf::default();
+        let buf = crate::commands::trace_read::SharedBuf::default();
         let mut out = TraceOutput::copy(Box::new(buf.clone()));
         let reader = TraceReader::new(protocol::TraceFormat::Json)
             .with_source(trace_source(Some(3), OutputFormatArg::Chrome));

@@ -3,4 +3,5 @@
 
 pub mod chrome;
 pub mod json;
+pub mod report;
 pub mod term;

@@ -1,0 +1,608 @@
+//! Rendering of the control answers for people and programs: the status
+//! report as text and JSON, symbol, probe and function-tracer lines, and
+//! the hypervisor's last lines at a stop.
+
+use std::time::Duration;
+
+use protocol::{Event, GuestState, ProbeInfo, StatusReport};
+
+use crate::output::json::Json;
+use crate::output::term;
+use crate::vm::hvlog::{self, HvEvent};
+
+/// A status report and how long it took to get.
+#[derive(Clone, Debug)]
+pub struct Status {
+    /// The hypervisor's report.
+    pub report: StatusReport,
+    /// The request's round trip, client to hypervisor and back.
+    pub round_trip: Duration,
+}
+
+/// The guest state's name.
+pub fn guest_state_name(state: GuestState) -> &'static str {
+    match state {
+        GuestState::Booting => "booting",
+        GuestState::Running => "running",
+        GuestState::Stopped => "stopped",
+        _ => "unknown",
+    }
+}
+
+/// Exit counts, largest first (ties by name).
+pub fn sorted_exits(report: &StatusReport) -> Vec<(String, u16, u64)> {
+    let mut exits: Vec<(String, u16, u64)> = report
+        .exits
+        .iter()
+        .map(|e| (e.name.clone(), e.reason, e.count))
+        .collect();
+    exits.sort_by(|a, b| b.2.cmp(&a.2).then_with(|| a.0.cmp(&b.0)));
+    exits
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+/// The status report for people.
+pub fn status_text(status: &Status) -> String {
+    let r = &status.report;
+    let mut out = String::new();
+    let mut line = |key: &str, value: String| {
+        out.push_str(&format!("{key:<12} {value}\n"));
+    };
+    line(
+        "hypervisor",
+        format!("{} (protocol {})", r.hypervisor_version, r.protocol_version),
+    );
+    line("vcpus", r.vcpus.to_string());
+    line("uptime", format!("{:.1} s", r.uptime_ns as f64 / 1e9));
+    line("guest", guest_state_name(r.guest_state).to_string());
+    if let Some(k) = &r.kernel {
+        line(
+            "kernel",
+            format!(
+                "{}, KASLR slide {}{:#x}, {} symbols ({} text, {} traceable)",
+                k.release,
+                if k.kaslr_slide < 0 { "-" } else { "" },
+                k.kaslr_slide.unsigned_abs(),
+                k.symbols,
+                k.text_symbols,
+                k.traceable
+            ),
+        );
+    }
+    if let Some(task) = &r.current_task {
+        line(
+            "task",
+            format!("{} (pid {}) on cpu {}", task.comm, task.pid, task.cpu),
+        );
+    }
+    line(
+        "memory",
+        format!(
+            "{} used of {}",
+            mib(r.hv_memory_used),
+            mib(r.hv_memory_total)
+        ),
+    );
+    line("exits", format!("{} in all", r.exits_total));
+    let exits = sorted_exits(r);
+    let width = exits.iter().map(|e| e.0.len()).max().unwrap_or(0);
+    for (name, reason, count) in &exits {
+        out.push_str(&format!(
+            "  {name:<width$} {count:>12}  (reason {reason})\n"
+        ));
+    }
+    let t = &r.tracer;
+    if *t != protocol::TracerReport::default() {
+        out.push_str(&format!(
+            "{:<12} {} probes, {} functions, {} sites on {} pages, {} hits, {} lost\n",
+            "tracer", t.probes, t.functions, t.sites, t.pages, t.hits, t.lost
+        ));
+        out.push_str(&format!(
+            "{:<12} {} steps, {} guest writes, {} region restores, {} foreign VMCALLs, {} forged entries, {} blocked writes\n",
+            "", t.steps, t.guest_writes, t.region_restores, t.foreign_vmcalls, t.forged_entries, t.blocked_writes
+        ));
+        if t.trampolines != 0 {
+            out.push_str(&format!("{:<12} trampolines at {:#x}\n", "", t.trampolines));
+        }
+        if t.graph_sessions != 0
+            || t.retprobes != 0
+            || t.graph_stacks + t.graph_misses + t.graph_dropped + t.graph_orphans + t.graph_reaped
+                != 0
+        {
+            out.push_str(&format!(
+                "{:<12} {} sessions, {} return probes; {} frames on {} stacks ({} B), {} misses, {} dropped, {} reaped, {} orphan returns\n",
+                "graph",
+                t.graph_sessions,
+                t.retprobes,
+                t.graph_frames,
+                t.graph_stacks,
+                t.graph_bytes,
+                t.graph_misses,
+                t.graph_dropped,
+                t.graph_reaped,
+                t.graph_orphans
+            ));
+        }
+    }
+    let c = &r.channel;
+    out.push_str(&format!(
+        "{:<12} in {} B ({} frames), out {} B ({} frames), {} bad frames, {} dropped\n",
+        "channel", c.bytes_in, c.frames_in, c.bytes_out, c.frames_out, c.bad_frames, c.dropped
+    ));
+    out.push_str(&format!(
+        "{:<12} {:.1} ms\n",
+        "round trip",
+        status.round_trip.as_secs_f64() * 1e3
+    ));
+    out
+}
+
+/// The status report as one JSON object.
+pub fn status_json(status: &Status) -> Json {
+    let r = &status.report;
+    let exits = sorted_exits(r)
+        .into_iter()
+        .map(|(name, reason, count)| {
+            Json::object([
+                ("name", Json::str(name)),
+                ("reason", Json::int(reason)),
+                ("count", Json::int(count)),
+            ])
+        })
+        .collect();
+    let task = match &r.current_task {
+        Some(t) => Json::object([
+            ("pid", Json::int(t.pid)),
+            ("comm", Json::str(t.comm.clone())),
+            ("cpu", Json::int(t.cpu)),
+        ]),
+        None => Json::Null,
+    };
+    let kernel = match &r.kernel {
+        Some(k) => Json::object([
+            ("release", Json::str(k.release.clone())),
+            ("kaslr_slide", Json::int(k.kaslr_slide)),
+            ("symbols", Json::int(k.symbols)),
+            ("text_symbols", Json::int(k.text_symbols)),
+            ("traceable", Json::int(k.traceable)),
+            ("index_bytes", Json::int(k.index_bytes)),
+            ("recovery_ns", Json::int(k.recovery_ns)),
+            (
+                "task_layout_error",
+                match &k.task_layout_error {
+                    Some(e) => Json::str(e.clone()),
+                    None => Json::Null,
+                },
+            ),
+        ]),
+        None => Json::Null,
+    };
+    let c = &r.channel;
+    let t = &r.tracer;
+    let tracer = Json::object([
+        ("probes", Json::int(t.probes)),
+        ("functions", Json::int(t.functions)),
+        ("sites", Json::int(t.sites)),
+        ("pages", Json::int(t.pages)),
+        ("hits", Json::int(t.hits)),
+        ("lost", Json::int(t.lost)),
+        ("steps", Json::int(t.steps)),
+        ("guest_writes", Json::int(t.guest_writes)),
+        ("region_restores", Json::int(t.region_restores)),
+        ("foreign_vmcalls", Json::int(t.foreign_vmcalls)),
+        ("forged_entries", Json::int(t.forged_entries)),
+        ("blocked_writes", Json::int(t.blocked_writes)),
+        ("graph_frames", Json::int(t.graph_frames)),
+        ("graph_stacks", Json::int(t.graph_stacks)),
+        ("graph_bytes", Json::int(t.graph_bytes)),
+        ("graph_misses", Json::int(t.graph_misses)),
+        ("graph_dropped", Json::int(t.graph_dropped)),
+        ("graph_orphans", Json::int(t.graph_orphans)),
+        ("graph_reaped", Json::int(t.graph_reaped)),
+        ("graph_sessions", Json::int(u64::from(t.graph_sessions))),
+        ("retprobes", Json::int(u64::from(t.retprobes))),
+        (
+            "trampolines",
+            match t.trampolines {
+                0 => Json::Null,
+                addr => Json::Str(format!("{addr:#x}")),
+            },
+        ),
+    ]);
+    Json::object([
+        (
+            "hypervisor_version",
+            Json::str(r.hypervisor_version.clone()),
+        ),
+        ("protocol_version", Json::int(r.protocol_version)),
+        ("vcpus", Json::int(r.vcpus)),
+        ("uptime_ns", Json::int(r.uptime_ns)),
+        ("guest_state", Json::str(guest_state_name(r.guest_state))),
+        ("kernel", kernel),
+        ("current_task", task),
+        ("exits_total", Json::int(r.exits_total)),
+        ("exits", Json::Array(exits)),
+        ("hv_memory_used", Json::int(r.hv_memory_used)),
+        ("hv_memory_total", Json::int(r.hv_memory_total)),
+        (
+            "channel",
+            Json::object([
+                ("bytes_in", Json::int(c.bytes_in)),
+                ("bytes_out", Json::int(c.bytes_out)),
+                ("frames_in", Json::int(c.frames_in)),
+                ("frames_out", Json::int(c.frames_out)),
+                ("bad_frames", Json::int(c.bad_frames)),
+                ("dropped", Json::int(c.dropped)),
+            ]),
+        ),
+        ("tracer", tracer),
+        (
+            "round_trip_ms",
+            Json::Float(status.round_trip.as_secs_f64() * 1e3),
+        ),
+    ])
+}
+
+/// One symbol as text (`ffffffff81234560 00000150 T vfs_read site=ffffffff81234564`)
+/// or as a JSON object.
+pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
+    let kind = char::from(s.kind);
+    if json {
+        let mut fields = vec![
+            ("name", Json::Str(s.name.clone())),
+            ("addr", Json::Str(format!("{:#x}", s.addr))),
+            ("size", Json::int(s.size)),
+            ("type", Json::Str(kind.to_string())),
+            ("traceable", Json::Bool(s.site.is_some())),
+        ];
+        match s.site {
+            Some(site) => fields.push(("site", Json::Str(format!("{site:#x}")))),
+            None => fields.push(("not_traceable", Json::Str(s.not_traceable.clone()))),
+        }
+        return Json::object(fields).render();
+    }
+    let trace = match s.site {
+        Some(site) => format!("site={site:016x}"),
+        None => format!("not traceable: {}", s.not_traceable),
+    };
+    format!("{:016x} {:08x} {kind} {} {trace}", s.addr, s.size, s.name)
+}
+
+/// The line that reports an added probe.
+pub fn added_line(name: &str, site: u64) -> String {
+    format!("added {name} at {site:#x}")
+}
+
+/// One probe as text (`  kprobes/myopen    12    0  p:kprobes/myopen ...`)
+/// or as a JSON object.
+pub fn probe_line(p: &ProbeInfo, json: bool) -> String {
+    if json {
+        return Json::object([
+            ("name", Json::str(p.name.clone())),
+            ("hits", Json::int(p.hits)),
+            ("misses", Json::int(p.misses)),
+            ("symbol", Json::str(p.symbol.clone())),
+            ("site", Json::Str(format!("{:#x}", p.site))),
+            ("spec", Json::str(p.spec.clone())),
+        ])
+        .render();
+    }
+    format!(
+        "  {:<44} {:>15} {:>15}  {}",
+        p.name, p.hits, p.misses, p.spec
+    )
+}
+
+/// How many functions matching `glob` are traced and which were skipped,
+/// for the terminal (the symbol names come from the guest: control
+/// characters are escaped).
+pub fn function_summary(glob: &str, traced: u32, skipped: &[String], skipped_total: u32) -> String {
+    let mut line = format!("function tracer on {glob}: {traced} traced");
+    if skipped_total > 0 {
+        line.push_str(&format!(", {skipped_total} skipped"));
+        if !skipped.is_empty() {
+            line.push_str(" (");
+            line.push_str(&skipped.join("; "));
+            let more = (skipped_total as usize).saturating_sub(skipped.len());
+            if more > 0 {
+                line.push_str(&format!("; {more} more"));
+            }
+            line.push(')');
+        }
+    }
+    term::sanitize(&line).into_owned()
+}
+
+/// The hypervisor's last log lines, as `stop` prints them.
+pub fn render_stop(events: &[Event]) -> String {
+    let mut out = String::new();
+    for event in events {
+        let Event::Log { text } = event else {
+            continue;
+        };
+        match hvlog::classify(text) {
+            HvEvent::ExitCounts(counts) => {
+                let total: u64 = counts.values().sum();
+                out.push_str(&format!("exits: {total} in all\n"));
+                let mut counts: Vec<_> = counts.into_iter().collect();
+                counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+                let width = counts.iter().map(|c| c.0.len()).max().unwrap_or(0);
+                for (name, count) in counts {
+                    out.push_str(&format!("  {name:<width$} {count:>12}\n"));
+                }
+            }
+            HvEvent::GuestStopped(reason) => out.push_str(&format!("guest stopped: {reason}\n")),
+            _ => out.push_str(&format!("{text}\n")),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use protocol::{ChannelReport, ExitCount};
+
+    fn report() -> StatusReport {
+        StatusReport {
+            hypervisor_version: "0.1.0".into(),
+            protocol_version: 1,
+            vcpus: 1,
+            uptime_ns: 12_345_000_000,
+            guest_state: GuestState::Running,
+            exits: vec![
+                ExitCount {
+                    reason: 10,
+                    name: "CPUID".into(),
+                    count: 1066,
+                },
+                ExitCount {
+                    reason: 52,
+                    name: "PREEMPTION_TIMER".into(),
+                    count: 5000,
+                },
+                ExitCount {
+                    reason: 55,
+                    name: "XSETBV".into(),
+                    count: 2,
+                },
+            ],
+            exits_total: 6068,
+            hv_memory_used: 8 * 1024 * 1024,
+            hv_memory_total: 30 * 1024 * 1024,
+            current_task: None,
+            channel: ChannelReport {
+                bytes_in: 100,
+                bytes_out: 2000,
+                frames_in: 5,
+                frames_out: 5,
+                bad_frames: 1,
+                dropped: 0,
+            },
+            kernel: None,
+            tracer: protocol::TracerReport::default(),
+            guard: protocol::GuardReport::default(),
+        }
+    }
+
+    #[test]
+    fn text_sorts_exits() {
+        let s = status_text(&Status {
+            report: report(),
+            round_trip: Duration::from_micros(23_400),
+        });
+        let timer = s.find("PREEMPTION_TIMER").unwrap();
+        let cpuid = s.find("CPUID").unwrap();
+        let xsetbv = s.find("XSETBV").unwrap();
+        assert!(timer < cpuid && cpuid < xsetbv, "{s}");
+        assert!(s.contains("vcpus        1\n"), "{s}");
+        assert!(s.contains("6068 in all"), "{s}");
+        assert!(s.contains("8.0 MiB used of 30.0 MiB"), "{s}");
+        assert!(s.contains("1 bad frames"), "{s}");
+        assert!(s.contains("round trip   23.4 ms"), "{s}");
+    }
+
+    #[test]
+    fn kernel_and_task() {
+        let mut r = report();
+        r.kernel = Some(protocol::KernelReport {
+            release: "6.12.57".into(),
+            kaslr_slide: 0x1a00_0000,
+            symbols: 30000,
+            text_symbols: 20000,
+            traceable: 15000,
+            index_bytes: 1 << 20,
+            recovery_ns: 5_000_000,
+            task_layout_error: None,
+        });
+        r.current_task = Some(protocol::TaskInfo {
+            pid: 1,
+            comm: "sh".into(),
+            cpu: 0,
+        });
+        let status = Status {
+            report: r,
+            round_trip: Duration::from_millis(1),
+        };
+        let s = status_text(&status);
+        assert!(
+            s.contains("6.12.57, KASLR slide 0x1a000000, 30000 symbols"),
+            "{s}"
+        );
+        assert!(s.contains("sh (pid 1) on cpu 0"), "{s}");
+        let j = status_json(&status).render();
+        assert!(
+            j.contains(r#""kernel":{"release":"6.12.57","kaslr_slide":436207616"#),
+            "{j}"
+        );
+        assert!(
+            j.contains(r#""current_task":{"pid":1,"comm":"sh","cpu":0}"#),
+            "{j}"
+        );
+    }
+
+    #[test]
+    fn json_has_every_field() {
+        let j = status_json(&Status {
+            report: report(),
+            round_trip: Duration::from_millis(12),
+        })
+        .render();
+        for needle in [
+            r#""protocol_version":1"#,
+            r#""vcpus":1"#,
+            r#""exits_total":6068"#,
+            r#""exits":[{"name":"PREEMPTION_TIMER","reason":52,"count":5000},"#,
+            r#""current_task":null"#,
+            r#""kernel":null"#,
+            r#""bad_frames":1"#,
+            r#""round_trip_ms":12"#,
+            r#""guest_state":"running""#,
+        ] {
+            assert!(j.contains(needle), "{needle} not in {j}");
+        }
+        assert!(!j.contains('\n'));
+    }
+
+    #[test]
+    fn tracer_counters_show_when_there_are_any() {
+        let quiet = status_text(&Status {
+            report: report(),
+            round_trip: Duration::from_millis(1),
+        });
+        assert!(!quiet.contains("tracer"), "{quiet}");
+        let j = status_json(&Status {
+            report: report(),
+            round_trip: Duration::from_millis(1),
+        })
+        .render();
+        assert!(
+            j.contains(r#""hits":0"#) && j.contains(r#""trampolines":null"#),
+            "{j}"
+        );
+        let mut r = report();
+        r.tracer = protocol::TracerReport {
+            probes: 2,
+            functions: 40,
+            sites: 42,
+            pages: 9,
+            hits: 12345,
+            lost: 6,
+            steps: 7,
+            guest_writes: 1,
+            region_restores: 0,
+            foreign_vmcalls: 3,
+            blocked_writes: 4,
+            trampolines: 0xffff_ffff_c000_0000,
+            ..Default::default()
+        };
+        let status = Status {
+            report: r,
+            round_trip: Duration::from_millis(1),
+        };
+        let s = status_text(&status);
+        assert!(
+            s.contains(
+                "tracer       2 probes, 40 functions, 42 sites on 9 pages, 12345 hits, 6 lost\n"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                "7 steps, 1 guest writes, 0 region restores, 3 foreign VMCALLs, 0 forged entries, 4 blocked writes\n"
+            ),
+            "{s}"
+        );
+        let j = status_json(&status).render();
+        assert!(
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"trampolines":"0xffffffffc0000000"}"#),
+            "{j}"
+        );
+        // The graph line shows once there is graph state.
+        assert!(!s.contains("\ngraph "), "{s}");
+        let mut r = status.report.clone();
+        r.tracer.graph_sessions = 2;
+        r.tracer.retprobes = 1;
+        r.tracer.graph_frames = 3;
+        r.tracer.graph_stacks = 1;
+        r.tracer.graph_bytes = 1280;
+        r.tracer.graph_reaped = 30;
+        let s = status_text(&Status {
+            report: r,
+            round_trip: Duration::from_millis(1),
+        });
+        assert!(
+            s.contains("graph        2 sessions, 1 return probes; 3 frames on 1 stacks (1280 B), 0 misses, 0 dropped, 30 reaped, 0 orphan returns\n"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn probe_lines() {
+        let p = ProbeInfo {
+            name: "kprobes/myopen".into(),
+            spec: "p:kprobes/myopen do_sys_openat2 dfd=%di".into(),
+            symbol: "do_sys_openat2".into(),
+            site: 0xffff_ffff_8123_4564,
+            hits: 12,
+            misses: 1,
+        };
+        let text = probe_line(&p, false);
+        assert_eq!(
+            text,
+            format!(
+                "  {:<44} {:>15} {:>15}  p:kprobes/myopen do_sys_openat2 dfd=%di",
+                "kprobes/myopen", 12, 1
+            )
+        );
+        let json = probe_line(&p, true);
+        assert_eq!(
+            json,
+            r#"{"name":"kprobes/myopen","hits":12,"misses":1,"symbol":"do_sys_openat2","site":"0xffffffff81234564","spec":"p:kprobes/myopen do_sys_openat2 dfd=%di"}"#
+        );
+        assert_eq!(
+            added_line("kprobes/myopen", 0xffff_ffff_8123_4564),
+            "added kprobes/myopen at 0xffffffff81234564"
+        );
+    }
+
+    #[test]
+    fn function_summaries() {
+        assert_eq!(
+            function_summary("vfs_*", 42, &[], 0),
+            "function tracer on vfs_*: 42 traced"
+        );
+        let skipped = ["vfs_a: notrace".to_string(), "vfs_b: no fentry".to_string()];
+        assert_eq!(
+            function_summary("vfs_*", 40, &skipped, 5),
+            "function tracer on vfs_*: 40 traced, 5 skipped (vfs_a: notrace; vfs_b: no fentry; 3 more)"
+        );
+        assert_eq!(
+            function_summary("x", 0, &skipped, 2),
+            "function tracer on x: 0 traced, 2 skipped (vfs_a: notrace; vfs_b: no fentry)"
+        );
+    }
+
+    #[test]
+    fn stop_lines() {
+        let text = render_stop(&[
+            Event::Log {
+                text: "exit counts: CPUID=3 PREEMPTION_TIMER=10".into(),
+            },
+            Event::Log {
+                text: "guest stopped: stopped by the host".into(),
+            },
+        ]);
+        assert!(
+            text.starts_with("exits: 13 in all\n  PREEMPTION_TIMER"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("guest stopped: stopped by the host\n"),
+            "{text}"
+        );
+    }
+}
