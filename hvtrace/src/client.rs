@@ -254,7 +254,7 @@ impl Client {
 }
 
 /// What answers requests: a [`Client`] of a VM's control socket, or a
-/// supervisor in this process ([`crate::daemon::supervisor::LocalControl`]). The
+/// supervisor in this process ([`crate::daemon::local::LocalControl`]). The
 /// commands that both `hvtrace run` and the control commands use are
 /// written against it.
 pub trait Control {

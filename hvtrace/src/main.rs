@@ -59,7 +59,7 @@ fn main() -> ExitCode {
         Command::Trace(args) => socket().and_then(|s| hvtrace::commands::ctl::trace(&s, args)),
         Command::Graph(args) => socket().and_then(|s| hvtrace::commands::graph::graph(&s, args)),
         Command::Supervise(args) => {
-            socket().and_then(|s| hvtrace::daemon::supervisor::supervise(&s, args))
+            socket().and_then(|s| hvtrace::daemon::serve::supervise(&s, args))
         }
     };
     match result {

@@ -21,7 +21,7 @@
 
 use std::time::Duration;
 
-use hvtrace::daemon::supervisor::LocalVm;
+use hvtrace::daemon::local::LocalVm;
 use hvtrace::{Emulator, Guest, RunConfig, Vm};
 use hvtrace_tests::{guest_config, hypervisor_image, must, vm_lock, Checks};
 

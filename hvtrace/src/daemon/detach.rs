@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 
 use crate::commands::cli::RunArgs;
-use crate::daemon::supervisor::{read_state, LOG_FILE};
+use crate::daemon::serve::{read_state, LOG_FILE};
 use crate::vm::config::{Emulator, RunConfig};
 use crate::{daemon::socket, sys, vm::image};
 
@@ -172,10 +172,7 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
             // with the supervisor, and the state file says why.
             let _ = child.kill();
             let _ = child.wait();
-            crate::daemon::supervisor::write_state(
-                &dir,
-                "failed: interrupted (Ctrl-C) while booting",
-            );
+            crate::daemon::serve::write_state(&dir, "failed: interrupted (Ctrl-C) while booting");
             return Err(anyhow::Error::new(sys::Interrupted).context(format!(
                 "the supervisor (pid {pid}) and its VM were stopped (log: {})",
                 log_path.display()

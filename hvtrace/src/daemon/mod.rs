@@ -3,8 +3,10 @@
 
 pub mod detach;
 pub mod link;
+pub mod local;
 pub mod owners;
 pub mod segment;
+pub mod serve;
 pub mod session;
 pub mod socket;
 pub mod supervisor;

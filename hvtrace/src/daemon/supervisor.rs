@@ -30,56 +30,49 @@
 //! (the guest stops, the emulator exits), waiting clients get an error
 //! saying so, the socket is removed and the supervisor exits.
 //!
-//! The run directory holds a `state` file (`starting`, `booting`, `ready`,
-//! `ended: ...`, `failed: ...`) that `run --detach` polls.
+//! This file is the supervisor's core: its phases, the answers to each
+//! request, and the VM's life (`run_vm`). The daemon around it, the socket,
+//! its client threads and the run directory's `state` file (`starting`,
+//! `booting`, `ready`, `ended: ...`, `failed: ...`, which `run --detach`
+//! polls), is [`crate::daemon::serve`].
 //!
-//! [`LocalVm`] runs the same supervisor inside the calling process, without
-//! a socket, for `hvtrace run` with tracing options: the caller is its only
-//! client and calls it directly.
+//! [`crate::daemon::local::LocalVm`] runs the same supervisor inside the
+//! calling process, without a socket, for `hvtrace run` with tracing
+//! options: the caller is its only client and calls it directly.
 
 use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context, Result};
-use protocol::{encode, ErrorKind, Event, Frame, Request, Response, TraceFormat};
+use anyhow::Result;
+use protocol::{ErrorKind, Event, Frame, Request, Response, TraceFormat};
 
-use crate::client::{response_error, Control};
-use crate::commands::cli::SuperviseArgs;
 use crate::daemon::link::{self, HvLink, LinkError};
-use crate::daemon::owners::{ClientBackend, GraphOwners};
-use crate::daemon::session::{Backend, Reply, Session};
-use crate::daemon::socket::ClaimedSocket;
+use crate::daemon::owners::GraphOwners;
+use crate::daemon::session::{Backend, Reply};
 use crate::daemon::tracebuf::{TraceBuffer, TraceChunk, READ_BUDGET};
 use crate::vm::config::RunConfig;
 use crate::vm::console::ExecResult;
 use crate::vm::{StopReport, Vm};
 
-/// The supervisor's log, in the run directory.
-pub const LOG_FILE: &str = "supervisor.log";
-/// The state file, in the run directory.
-pub const STATE_FILE: &str = "state";
 /// The longest a guest command may run.
 pub const EXEC_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// How long a stop may take from the hypervisor's acknowledgement to the
 /// emulator's end.
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// Output bytes per frame of an `Exec` answer: a frame carries at most
 /// [`protocol::MAX_FRAME`] bytes, so longer output goes ahead of the
 /// response as `Log` events of this size (see [`exec_reply`]).
 pub const EXEC_CHUNK: usize = 3072;
-/// At most this many clients at once; more are turned away.
-pub const MAX_CLIENTS: usize = 32;
+
 /// The longest a `TraceRead` waits for a line, whatever it asks for.
 pub const MAX_TRACE_WAIT: Duration = Duration::from_secs(30);
+
 /// How long, once the VM has ended, the answers in progress get to go out.
-const END_GRACE: Duration = Duration::from_secs(10);
-/// A client that does not read its answers for this long is dropped.
-const CLIENT_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const END_GRACE: Duration = Duration::from_secs(10);
 
 /// How the VM ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -114,7 +107,7 @@ impl Ending {
 
 /// Where the VM is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum Phase {
+pub(crate) enum Phase {
     /// Building the boot image and starting the emulator.
     Starting,
     /// The emulator runs; the guest shell is not up yet.
@@ -145,7 +138,7 @@ struct TraceShared {
 }
 
 impl TraceShared {
-    fn new() -> TraceShared {
+    pub(crate) fn new() -> TraceShared {
         TraceShared {
             buf: Mutex::new(TraceBuffer::new()),
             cv: Condvar::new(),
@@ -230,27 +223,27 @@ impl TraceShared {
 }
 
 /// The state the client threads share.
-struct Supervisor {
+pub(crate) struct Supervisor {
     phase: Mutex<Phase>,
     phase_cv: Condvar,
     vm: Mutex<Option<Vm>>,
     link: OnceLock<HvLink>,
     events: AtomicU32,
     /// Chunks of client input being handled (requests being answered).
-    busy: AtomicUsize,
-    clients: AtomicUsize,
-    client_ids: AtomicU32,
+    pub(crate) busy: AtomicUsize,
+    pub(crate) clients: AtomicUsize,
+    pub(crate) client_ids: AtomicU32,
     start: Instant,
     trace: Arc<TraceShared>,
     /// The format the hypervisor streams trace text in, once started.
     /// Held while the stream is started or switched.
     stream: Mutex<Option<TraceFormat>>,
     /// Which connection started which function-graph session.
-    graphs: GraphOwners,
+    pub(crate) graphs: GraphOwners,
 }
 
 impl Supervisor {
-    fn new() -> Supervisor {
+    pub(crate) fn new() -> Supervisor {
         Supervisor {
             phase: Mutex::new(Phase::Starting),
             phase_cv: Condvar::new(),
@@ -267,7 +260,7 @@ impl Supervisor {
         }
     }
 
-    fn note(&self, message: &str) {
+    pub(crate) fn note(&self, message: &str) {
         note_at(self.start, message);
     }
 
@@ -275,7 +268,7 @@ impl Supervisor {
         self.phase.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn set_phase(&self, phase: Phase) {
+    pub(crate) fn set_phase(&self, phase: Phase) {
         *self.phase() = phase;
         self.phase_cv.notify_all();
         self.trace.cv.notify_all();
@@ -283,7 +276,7 @@ impl Supervisor {
 
     /// Waits until the guest shell is up; returns the ending instead if
     /// the VM ended first.
-    fn wait_ready(&self) -> std::result::Result<(), Ending> {
+    pub(crate) fn wait_ready(&self) -> std::result::Result<(), Ending> {
         let mut phase = self.phase();
         loop {
             match &*phase {
@@ -295,7 +288,7 @@ impl Supervisor {
         }
     }
 
-    fn ending(&self) -> Option<Ending> {
+    pub(crate) fn ending(&self) -> Option<Ending> {
         match &*self.phase() {
             Phase::Ended(e) => Some(e.clone()),
             _ => None,
@@ -322,7 +315,7 @@ impl Supervisor {
         }
     }
 
-    fn vm(&self) -> MutexGuard<'_, Option<Vm>> {
+    pub(crate) fn vm(&self) -> MutexGuard<'_, Option<Vm>> {
         self.vm.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -359,7 +352,7 @@ impl Supervisor {
 
     /// Runs a command in the guest shell; in a subshell when `subshell`
     /// (so that `exit` or `cd` leave the console's shell as it was).
-    fn exec_command(
+    pub(crate) fn exec_command(
         &self,
         command: &str,
         subshell: bool,
@@ -398,7 +391,7 @@ impl Supervisor {
         })
     }
 
-    fn stop(&self) -> Reply {
+    pub(crate) fn stop(&self) -> Reply {
         match self.forward(Request::Stop) {
             Response::Ok => {}
             other => return other.into(),
@@ -493,20 +486,20 @@ impl Supervisor {
 
 /// Why a request was not carried out.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Refusal {
+pub(crate) struct Refusal {
     kind: ErrorKind,
     message: String,
 }
 
 impl Refusal {
-    fn new(kind: ErrorKind, message: impl Into<String>) -> Refusal {
+    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Refusal {
         Refusal {
             kind,
             message: message.into(),
         }
     }
 
-    fn response(self) -> Response {
+    pub(crate) fn response(self) -> Response {
         Response::error(self.kind, self.message)
     }
 }
@@ -599,215 +592,6 @@ impl Backend for Supervisor {
     }
 }
 
-/// Counts a chunk of client input as in progress while it lives.
-struct Busy<'a>(&'a AtomicUsize);
-
-impl<'a> Busy<'a> {
-    fn new(counter: &'a AtomicUsize) -> Busy<'a> {
-        counter.fetch_add(1, Ordering::SeqCst);
-        Busy(counter)
-    }
-}
-
-impl Drop for Busy<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// Serves one client until it disconnects.
-fn serve_client(sup: Arc<Supervisor>, stream: UnixStream) {
-    let id = sup.client_ids.fetch_add(1, Ordering::Relaxed);
-    let mut reader = &stream;
-    let mut writer = match stream.try_clone() {
-        Ok(w) => w,
-        Err(e) => {
-            sup.note(&format!("client {id}: cannot use its socket: {e}"));
-            return;
-        }
-    };
-    let _ = writer.set_write_timeout(Some(CLIENT_WRITE_TIMEOUT));
-    let mut session = Session::new();
-    // The supervisor as this connection sees it: the graph sessions it
-    // starts are its own ([`crate::daemon::owners`]).
-    let conn = ClientBackend::new(&*sup, &sup.graphs, id);
-    let mut buf = [0u8; 4096];
-    let mut wire = Vec::new();
-    let mut send = |frame: &Frame| -> bool {
-        wire.clear();
-        if let Err(e) = encode(frame, &mut wire) {
-            // An answer that cannot be encoded (too long for one frame)
-            // still gets an answer under its sequence number.
-            wire.clear();
-            let error =
-                Response::error(ErrorKind::Internal, format!("cannot send the answer: {e}"));
-            if encode(&Frame::response(frame.seq, error), &mut wire).is_err() {
-                return true;
-            }
-        }
-        writer.write_all(&wire).and_then(|_| writer.flush()).is_ok()
-    };
-    loop {
-        let n = match reader.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => break,
-        };
-        let _busy = Busy::new(&sup.busy);
-        if !session.on_bytes(&buf[..n], &conn, &mut send) {
-            break;
-        }
-    }
-    {
-        let _busy = Busy::new(&sup.busy);
-        session.on_eof(&conn);
-        // The graph sessions it started and left running end with it.
-        if let Some(line) = conn.close() {
-            sup.note(&line);
-        }
-    }
-    let s = session.stats();
-    if s.wrong_version + s.garbage + s.not_requests > 0 {
-        sup.note(&format!(
-            "client {id} left: {} requests, {} of another protocol version, {} not requests, {} garbage segments ({} bytes) forwarded",
-            s.requests, s.wrong_version, s.not_requests, s.garbage, s.garbage_bytes
-        ));
-    }
-    sup.clients.fetch_sub(1, Ordering::SeqCst);
-}
-
-/// Accepts clients for as long as the process lives: those of the
-/// supervisor's own user and root; others are turned away
-/// ([`crate::daemon::socket::peer_allowed`]).
-fn accept_clients(sup: Arc<Supervisor>, listener: std::os::unix::net::UnixListener) {
-    std::thread::spawn(move || {
-        let ours = crate::sys::euid();
-        let mut refused = 0u64;
-        for stream in listener.incoming() {
-            let stream = match stream {
-                Ok(s) => s,
-                Err(e) => {
-                    sup.note(&format!("accepting a client failed: {e}"));
-                    std::thread::sleep(Duration::from_millis(100));
-                    continue;
-                }
-            };
-            if let Some(why) = refuse_peer(&stream, ours) {
-                refused += 1;
-                if refused <= MAX_REFUSALS_NOTED {
-                    sup.note(&format!("turned a client away: {why}"));
-                } else if refused == MAX_REFUSALS_NOTED + 1 {
-                    sup.note("turned another client away; further ones are not logged");
-                }
-                continue;
-            }
-            if sup.clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
-                sup.clients.fetch_sub(1, Ordering::SeqCst);
-                sup.note(&format!(
-                    "more than {MAX_CLIENTS} clients; turning one away"
-                ));
-                continue;
-            }
-            let sup = sup.clone();
-            std::thread::spawn(move || serve_client(sup, stream));
-        }
-    });
-}
-
-/// How many turned-away clients the log names; then it says no more.
-const MAX_REFUSALS_NOTED: u64 = 20;
-
-/// Why the client at the other end of `stream` is not served, if it is not:
-/// it is neither user `ours` nor root, or who it is cannot be told.
-fn refuse_peer(stream: &UnixStream, ours: u32) -> Option<String> {
-    match crate::sys::peer_uid(stream) {
-        Ok(uid) if crate::daemon::socket::peer_allowed(uid, ours) => None,
-        Ok(uid) => Some(format!(
-            "uid {uid} is neither the supervisor's user (uid {ours}) nor root"
-        )),
-        Err(e) => Some(format!("cannot tell who it is: {e}")),
-    }
-}
-
-/// Writes the state file (atomically: a reader sees the old or the new text).
-pub fn write_state(dir: &Path, state: &str) {
-    let tmp = dir.join(format!("{STATE_FILE}.tmp"));
-    if std::fs::write(&tmp, format!("{state}\n")).is_ok() {
-        let _ = std::fs::rename(&tmp, dir.join(STATE_FILE));
-    }
-}
-
-/// Reads the state file, if there is one.
-pub fn read_state(dir: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(dir.join(STATE_FILE)).ok()?;
-    Some(text.trim().to_string())
-}
-
-/// Runs the supervisor (the hidden `supervise` subcommand); returns the
-/// process exit code once the VM has ended.
-pub fn supervise(socket_path: &Path, args: &SuperviseArgs) -> Result<u8> {
-    let dir: PathBuf = args.run_dir.clone();
-    let sup = Arc::new(Supervisor::new());
-    let socket = match ClaimedSocket::claim(socket_path) {
-        Ok(s) => s,
-        Err(e) => {
-            write_state(&dir, &format!("failed: {e:#}"));
-            return Err(e);
-        }
-    };
-    sup.note(&format!(
-        "supervisor pid {}; control socket {}",
-        std::process::id(),
-        socket.path().display()
-    ));
-    write_state(&dir, "starting");
-    let listener = socket
-        .listener()
-        .try_clone()
-        .context("cannot use the control socket")?;
-    accept_clients(sup.clone(), listener);
-
-    let result = args.run.resolve().and_then(|mut cfg| {
-        cfg.run_dir = Some(dir.clone());
-        cfg.progress = true;
-        cfg.echo_boot_console = false;
-        run_vm(&sup, cfg, true, &|state| write_state(&dir, state))
-    });
-    let result = result.map(|report| Ending::from_report(&report));
-    let ending = match &result {
-        Ok(ending) => ending.clone(),
-        Err(e) => Ending {
-            reason: format!("{e:#}"),
-            clean: false,
-            lines: Vec::new(),
-        },
-    };
-    sup.set_phase(Phase::Ended(ending.clone()));
-    write_state(
-        &dir,
-        &format!(
-            "{}: {}",
-            if ending.clean { "ended" } else { "failed" },
-            ending.reason
-        ),
-    );
-    // New clients find no VM; the answers in progress get a moment.
-    socket.remove();
-    let until = Instant::now() + END_GRACE;
-    while sup.busy.load(Ordering::SeqCst) > 0 && Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    sup.log_counters();
-    sup.note(&format!("the VM has ended: {}", ending.reason));
-    match result {
-        Ok(ending) if ending.clean => Ok(0),
-        Ok(ending) => anyhow::bail!("the VM has ended: {}", ending.reason),
-        // The error as it is: `run --detach` shows it to the user.
-        Err(e) => Err(e),
-    }
-}
-
 impl Supervisor {
     /// Starts the link to the hypervisor over the control channel's two
     /// halves; its events go to the trace buffer and the log.
@@ -825,7 +609,7 @@ impl Supervisor {
     }
 
     /// Logs the control channel's and the trace buffer's counters.
-    fn log_counters(&self) {
+    pub(crate) fn log_counters(&self) {
         if let Some(link) = self.link.get() {
             let s = link.stats();
             self.note(&format!(
@@ -846,7 +630,7 @@ impl Supervisor {
 /// Boots the VM, serves it until it ends, and returns its stop report.
 /// `state` hears of each step (`booting`, `ready SECS`). A detached VM has
 /// no time limit once the guest is up; otherwise the run's limit holds.
-fn run_vm(
+pub(crate) fn run_vm(
     sup: &Arc<Supervisor>,
     cfg: RunConfig,
     detached: bool,
@@ -889,146 +673,12 @@ fn run_vm(
     vm.wait_stop()
 }
 
-/// A VM and its supervisor in this process: what `hvtrace run` uses when
-/// it traces. The caller is the supervisor's only client; it calls it
-/// directly ([`LocalVm::control`], [`LocalVm::exec`]) instead of through a
-/// socket. The VM runs in a thread of its own, which it never outlives.
-pub struct LocalVm {
-    sup: Arc<Supervisor>,
-    thread: Option<JoinHandle<Result<StopReport>>>,
-}
-
-/// A handle on a [`LocalVm`]'s supervisor for other threads of the caller.
-#[derive(Clone)]
-pub struct LocalControl {
-    sup: Arc<Supervisor>,
-}
-
-impl LocalVm {
-    /// Starts the VM and returns once its guest shell is up.
-    pub fn start(cfg: RunConfig) -> Result<LocalVm> {
-        let sup = Arc::new(Supervisor::new());
-        let thread = {
-            let sup = sup.clone();
-            std::thread::Builder::new()
-                .name("vm".to_string())
-                .spawn(move || {
-                    let result = run_vm(&sup, cfg, false, &|_| {});
-                    let ending = match &result {
-                        Ok(report) => Ending::from_report(report),
-                        Err(e) => Ending {
-                            reason: format!("{e:#}"),
-                            clean: false,
-                            lines: Vec::new(),
-                        },
-                    };
-                    sup.set_phase(Phase::Ended(ending));
-                    result
-                })
-                .context("cannot start the VM thread")?
-        };
-        let mut local = LocalVm {
-            sup,
-            thread: Some(thread),
-        };
-        if let Err(end) = local.sup.wait_ready() {
-            return Err(match local.join() {
-                Some(Err(e)) => e,
-                _ => anyhow!("the VM ended before its shell was up ({})", end.reason),
-            });
-        }
-        Ok(local)
-    }
-
-    /// A handle for requests, usable from any thread.
-    pub fn control(&self) -> LocalControl {
-        LocalControl {
-            sup: self.sup.clone(),
-        }
-    }
-
-    /// Runs a command in the guest's shell, as `hvtrace run --exec` does
-    /// (in the console's shell itself, not in a subshell).
-    pub fn exec(&self, command: &str) -> Result<ExecResult> {
-        self.sup
-            .exec_command(command, false)
-            .map_err(|refusal| response_error(refusal.response()))
-    }
-
-    /// Stops the guest through the hypervisor and waits for the VM to end.
-    pub fn stop(mut self) -> Result<StopReport> {
-        let reply = self.sup.stop();
-        if self.sup.ending().is_none() {
-            // The stop did not go through: end the VM the hard way.
-            self.kill();
-        }
-        match self.join() {
-            Some(Ok(report)) => Ok(report),
-            Some(Err(e)) => Err(match reply.response {
-                Response::Ok => e,
-                other => response_error(other),
-            }),
-            None => Err(anyhow!("the VM thread is gone")),
-        }
-    }
-
-    /// Kills the emulator, if the VM is still there.
-    fn kill(&self) {
-        let vm = self.sup.vm().take();
-        if let Some(mut vm) = vm {
-            vm.kill();
-        }
-    }
-
-    /// Waits for the VM thread and returns its result (once).
-    fn join(&mut self) -> Option<Result<StopReport>> {
-        let thread = self.thread.take()?;
-        Some(
-            thread
-                .join()
-                .unwrap_or_else(|_| Err(anyhow!("the VM thread panicked"))),
-        )
-    }
-}
-
-impl Drop for LocalVm {
-    /// A VM that was not stopped is killed.
-    fn drop(&mut self) {
-        if self.thread.is_some() {
-            self.kill();
-            let _ = self.join();
-        }
-    }
-}
-
-impl Control for LocalControl {
-    fn request(&mut self, request: Request, _timeout: Duration) -> Result<Response> {
-        // Every request is bounded on the supervisor's side.
-        let reply = self.sup.serve(request);
-        Ok(match reply.response {
-            Response::Exec { output, status } => {
-                let mut whole: String = reply
-                    .events
-                    .iter()
-                    .filter_map(|e| match e {
-                        Event::Log { text } => Some(text.as_str()),
-                        _ => None,
-                    })
-                    .collect();
-                whole.push_str(&output);
-                Response::Exec {
-                    output: whole,
-                    status,
-                }
-            }
-            other => other,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use protocol::encode;
+    use std::os::unix::net::UnixStream;
+
     use std::collections::BTreeMap;
 
     #[test]
@@ -1100,36 +750,8 @@ mod tests {
         encode(&Frame::response(1, reply.response), &mut Vec::new()).unwrap();
     }
 
-    #[test]
-    fn only_our_user_and_root_are_served() {
-        let (ours, _theirs) = UnixStream::pair().unwrap();
-        let euid = crate::sys::euid();
-        assert_eq!(refuse_peer(&ours, euid), None);
-        let other = if euid == 4242 { 4243 } else { 4242 };
-        let refusal = refuse_peer(&ours, other);
-        if euid == 0 {
-            // Root is always served.
-            assert_eq!(refusal, None);
-        } else {
-            let expected =
-                format!("uid {euid} is neither the supervisor's user (uid {other}) nor root");
-            assert_eq!(refusal, Some(expected));
-        }
-    }
-
-    #[test]
-    fn state_file_round_trip() {
-        let dir = std::env::temp_dir().join(format!("hvtrace-state-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        assert_eq!(read_state(&dir), None);
-        write_state(&dir, "booting");
-        assert_eq!(read_state(&dir).as_deref(), Some("booting"));
-        write_state(&dir, "ready 10.5");
-        assert_eq!(read_state(&dir).as_deref(), Some("ready 10.5"));
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
     use protocol::io::{FrameReader, FrameWriter};
+
     use protocol::{Body, TraceFormat};
 
     /// A fake hypervisor behind a supervisor in the `Ready` phase: it

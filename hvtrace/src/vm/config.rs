@@ -251,7 +251,8 @@ const INITRAMFS_MAGICS: [(&[u8], &str); 8] = [
     (&[0x5d, 0, 0], "lzma"),
 ];
 
-/// Fails unless `path` starts like an initramfs ([`INITRAMFS_MAGICS`]).
+/// Fails unless `path` starts like an initramfs: a newc cpio archive, bare
+/// or compressed with one of the kernel's decompressors.
 pub fn check_initrd(path: &Path) -> Result<()> {
     use std::io::Read;
     let mut head = [0u8; 8];
