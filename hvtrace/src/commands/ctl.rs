@@ -88,7 +88,7 @@ pub fn status(socket: &Path, args: &StatusArgs) -> Result<u8> {
     let status = fetch_status(&mut client)?;
     // The report quotes the guest (task name, kernel release).
     let text = if args.json {
-        term::sanitize_json(&(status_json(&status).render() + "\n")).into_owned()
+        term::sanitize_json(&(status_json(&status).to_string() + "\n")).into_owned()
     } else {
         term::sanitize(&status_text(&status)).into_owned()
     };

@@ -42,7 +42,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Write};
 
-use crate::output::json::Json;
+use crate::output::json::{self, Json};
 
 /// The category of every event written.
 const CATEGORY: &str = "graph";
@@ -221,7 +221,7 @@ impl Chrome {
         if line.is_empty() {
             return;
         }
-        let Ok(value) = Json::parse(line) else {
+        let Ok(value) = json::parse(line) else {
             self.malformed += 1;
             return;
         };
@@ -294,12 +294,12 @@ impl Chrome {
             } else {
                 comm.clone()
             };
-            doc.event(&Json::object([
-                ("name", Json::str("thread_name")),
-                ("ph", Json::str("M")),
-                ("pid", Json::int(task.pid)),
-                ("tid", Json::int(task.tid())),
-                ("args", Json::object([("name", Json::Str(name))])),
+            doc.event(&json::object([
+                ("name", json::str("thread_name")),
+                ("ph", json::str("M")),
+                ("pid", json::int(task.pid)),
+                ("tid", json::int(task.tid())),
+                ("args", json::object([("name", Json::String(name))])),
             ]))?;
         }
 
@@ -335,9 +335,9 @@ impl Chrome {
                         args.push(("retval", retval));
                     }
                     if let Some(ns) = e.duration_ns {
-                        args.push(("duration_ns", Json::int(ns)));
+                        args.push(("duration_ns", json::int(ns)));
                     }
-                    let args = (!args.is_empty()).then(|| Json::object(args));
+                    let args = (!args.is_empty()).then(|| json::object(args));
                     doc.event(&slice_event(func, "E", ts, e.task, args))?;
                 }
             }
@@ -371,28 +371,28 @@ struct TaskState {
 
 /// The args of an `E` that closes a call whose return was not seen.
 fn unfinished() -> Json {
-    Json::object([("unfinished", Json::Bool(true))])
+    json::object([("unfinished", Json::Bool(true))])
 }
 
 /// A `B` or `E` event.
 fn slice_event(func: &str, phase: &str, ts_ns: u64, task: TaskKey, args: Option<Json>) -> Json {
     let mut fields = vec![
-        ("name", Json::str(func)),
-        ("cat", Json::str(CATEGORY)),
-        ("ph", Json::str(phase)),
+        ("name", json::str(func)),
+        ("cat", json::str(CATEGORY)),
+        ("ph", json::str(phase)),
         ("ts", micros(ts_ns)),
-        ("pid", Json::int(task.pid)),
-        ("tid", Json::int(task.tid())),
+        ("pid", json::int(task.pid)),
+        ("tid", json::int(task.tid())),
     ];
     if let Some(args) = args {
         fields.push(("args", args));
     }
-    Json::object(fields)
+    json::object(fields)
 }
 
 /// Nanoseconds as microseconds, the nanoseconds as three decimals.
 fn micros(ns: u64) -> Json {
-    Json::Float(ns as f64 / 1000.0)
+    json::float3(ns as f64 / 1000.0)
 }
 
 /// The document being written: the opening, events separated by commas,
@@ -412,7 +412,7 @@ impl<'a> Document<'a> {
         let sep: &[u8] = if self.first { b"\n" } else { b",\n" };
         self.first = false;
         self.out.write_all(sep)?;
-        self.out.write_all(event.render().as_bytes())
+        self.out.write_all(event.to_string().as_bytes())
     }
 
     fn end(self) -> io::Result<()> {
@@ -452,7 +452,7 @@ mod tests {
         )
     }
 
-    /// Parses the document with an independent JSON parser.
+    /// Parses the document as JSON.
     fn parse(doc: &str) -> serde_json::Value {
         serde_json::from_str(doc).expect("the document is not JSON")
     }

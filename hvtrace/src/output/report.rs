@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use protocol::{Event, GuestState, ProbeInfo, StatusReport};
 
-use crate::output::json::Json;
+use crate::output::json::{self, Json};
 use crate::output::term;
 use crate::vm::hvlog::{self, HvEvent};
 
@@ -146,34 +146,34 @@ pub fn status_json(status: &Status) -> Json {
     let exits = sorted_exits(r)
         .into_iter()
         .map(|(name, reason, count)| {
-            Json::object([
-                ("name", Json::str(name)),
-                ("reason", Json::int(reason)),
-                ("count", Json::int(count)),
+            json::object([
+                ("name", json::str(name)),
+                ("reason", json::int(reason)),
+                ("count", json::int(count)),
             ])
         })
         .collect();
     let task = match &r.current_task {
-        Some(t) => Json::object([
-            ("pid", Json::int(t.pid)),
-            ("comm", Json::str(t.comm.clone())),
-            ("cpu", Json::int(t.cpu)),
+        Some(t) => json::object([
+            ("pid", json::int(t.pid)),
+            ("comm", json::str(t.comm.clone())),
+            ("cpu", json::int(t.cpu)),
         ]),
         None => Json::Null,
     };
     let kernel = match &r.kernel {
-        Some(k) => Json::object([
-            ("release", Json::str(k.release.clone())),
-            ("kaslr_slide", Json::int(k.kaslr_slide)),
-            ("symbols", Json::int(k.symbols)),
-            ("text_symbols", Json::int(k.text_symbols)),
-            ("traceable", Json::int(k.traceable)),
-            ("index_bytes", Json::int(k.index_bytes)),
-            ("recovery_ns", Json::int(k.recovery_ns)),
+        Some(k) => json::object([
+            ("release", json::str(k.release.clone())),
+            ("kaslr_slide", json::int(k.kaslr_slide)),
+            ("symbols", json::int(k.symbols)),
+            ("text_symbols", json::int(k.text_symbols)),
+            ("traceable", json::int(k.traceable)),
+            ("index_bytes", json::int(k.index_bytes)),
+            ("recovery_ns", json::int(k.recovery_ns)),
             (
                 "task_layout_error",
                 match &k.task_layout_error {
-                    Some(e) => Json::str(e.clone()),
+                    Some(e) => json::str(e.clone()),
                     None => Json::Null,
                 },
             ),
@@ -182,66 +182,66 @@ pub fn status_json(status: &Status) -> Json {
     };
     let c = &r.channel;
     let t = &r.tracer;
-    let tracer = Json::object([
-        ("probes", Json::int(t.probes)),
-        ("functions", Json::int(t.functions)),
-        ("sites", Json::int(t.sites)),
-        ("pages", Json::int(t.pages)),
-        ("hits", Json::int(t.hits)),
-        ("lost", Json::int(t.lost)),
-        ("steps", Json::int(t.steps)),
-        ("guest_writes", Json::int(t.guest_writes)),
-        ("region_restores", Json::int(t.region_restores)),
-        ("foreign_vmcalls", Json::int(t.foreign_vmcalls)),
-        ("forged_entries", Json::int(t.forged_entries)),
-        ("blocked_writes", Json::int(t.blocked_writes)),
-        ("graph_frames", Json::int(t.graph_frames)),
-        ("graph_stacks", Json::int(t.graph_stacks)),
-        ("graph_bytes", Json::int(t.graph_bytes)),
-        ("graph_misses", Json::int(t.graph_misses)),
-        ("graph_dropped", Json::int(t.graph_dropped)),
-        ("graph_orphans", Json::int(t.graph_orphans)),
-        ("graph_reaped", Json::int(t.graph_reaped)),
-        ("graph_sessions", Json::int(u64::from(t.graph_sessions))),
-        ("retprobes", Json::int(u64::from(t.retprobes))),
+    let tracer = json::object([
+        ("probes", json::int(t.probes)),
+        ("functions", json::int(t.functions)),
+        ("sites", json::int(t.sites)),
+        ("pages", json::int(t.pages)),
+        ("hits", json::int(t.hits)),
+        ("lost", json::int(t.lost)),
+        ("steps", json::int(t.steps)),
+        ("guest_writes", json::int(t.guest_writes)),
+        ("region_restores", json::int(t.region_restores)),
+        ("foreign_vmcalls", json::int(t.foreign_vmcalls)),
+        ("forged_entries", json::int(t.forged_entries)),
+        ("blocked_writes", json::int(t.blocked_writes)),
+        ("graph_frames", json::int(t.graph_frames)),
+        ("graph_stacks", json::int(t.graph_stacks)),
+        ("graph_bytes", json::int(t.graph_bytes)),
+        ("graph_misses", json::int(t.graph_misses)),
+        ("graph_dropped", json::int(t.graph_dropped)),
+        ("graph_orphans", json::int(t.graph_orphans)),
+        ("graph_reaped", json::int(t.graph_reaped)),
+        ("graph_sessions", json::int(u64::from(t.graph_sessions))),
+        ("retprobes", json::int(u64::from(t.retprobes))),
         (
             "trampolines",
             match t.trampolines {
                 0 => Json::Null,
-                addr => Json::Str(format!("{addr:#x}")),
+                addr => Json::String(format!("{addr:#x}")),
             },
         ),
     ]);
-    Json::object([
+    json::object([
         (
             "hypervisor_version",
-            Json::str(r.hypervisor_version.clone()),
+            json::str(r.hypervisor_version.clone()),
         ),
-        ("protocol_version", Json::int(r.protocol_version)),
-        ("vcpus", Json::int(r.vcpus)),
-        ("uptime_ns", Json::int(r.uptime_ns)),
-        ("guest_state", Json::str(guest_state_name(r.guest_state))),
+        ("protocol_version", json::int(r.protocol_version)),
+        ("vcpus", json::int(r.vcpus)),
+        ("uptime_ns", json::int(r.uptime_ns)),
+        ("guest_state", json::str(guest_state_name(r.guest_state))),
         ("kernel", kernel),
         ("current_task", task),
-        ("exits_total", Json::int(r.exits_total)),
+        ("exits_total", json::int(r.exits_total)),
         ("exits", Json::Array(exits)),
-        ("hv_memory_used", Json::int(r.hv_memory_used)),
-        ("hv_memory_total", Json::int(r.hv_memory_total)),
+        ("hv_memory_used", json::int(r.hv_memory_used)),
+        ("hv_memory_total", json::int(r.hv_memory_total)),
         (
             "channel",
-            Json::object([
-                ("bytes_in", Json::int(c.bytes_in)),
-                ("bytes_out", Json::int(c.bytes_out)),
-                ("frames_in", Json::int(c.frames_in)),
-                ("frames_out", Json::int(c.frames_out)),
-                ("bad_frames", Json::int(c.bad_frames)),
-                ("dropped", Json::int(c.dropped)),
+            json::object([
+                ("bytes_in", json::int(c.bytes_in)),
+                ("bytes_out", json::int(c.bytes_out)),
+                ("frames_in", json::int(c.frames_in)),
+                ("frames_out", json::int(c.frames_out)),
+                ("bad_frames", json::int(c.bad_frames)),
+                ("dropped", json::int(c.dropped)),
             ]),
         ),
         ("tracer", tracer),
         (
             "round_trip_ms",
-            Json::Float(status.round_trip.as_secs_f64() * 1e3),
+            json::float3(status.round_trip.as_secs_f64() * 1e3),
         ),
     ])
 }
@@ -252,17 +252,17 @@ pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
     let kind = char::from(s.kind);
     if json {
         let mut fields = vec![
-            ("name", Json::Str(s.name.clone())),
-            ("addr", Json::Str(format!("{:#x}", s.addr))),
-            ("size", Json::int(s.size)),
-            ("type", Json::Str(kind.to_string())),
+            ("name", Json::String(s.name.clone())),
+            ("addr", Json::String(format!("{:#x}", s.addr))),
+            ("size", json::int(s.size)),
+            ("type", Json::String(kind.to_string())),
             ("traceable", Json::Bool(s.site.is_some())),
         ];
         match s.site {
-            Some(site) => fields.push(("site", Json::Str(format!("{site:#x}")))),
-            None => fields.push(("not_traceable", Json::Str(s.not_traceable.clone()))),
+            Some(site) => fields.push(("site", Json::String(format!("{site:#x}")))),
+            None => fields.push(("not_traceable", Json::String(s.not_traceable.clone()))),
         }
-        return Json::object(fields).render();
+        return json::object(fields).to_string();
     }
     let trace = match s.site {
         Some(site) => format!("site={site:016x}"),
@@ -280,15 +280,15 @@ pub fn added_line(name: &str, site: u64) -> String {
 /// or as a JSON object.
 pub fn probe_line(p: &ProbeInfo, json: bool) -> String {
     if json {
-        return Json::object([
-            ("name", Json::str(p.name.clone())),
-            ("hits", Json::int(p.hits)),
-            ("misses", Json::int(p.misses)),
-            ("symbol", Json::str(p.symbol.clone())),
-            ("site", Json::Str(format!("{:#x}", p.site))),
-            ("spec", Json::str(p.spec.clone())),
+        return json::object([
+            ("name", json::str(p.name.clone())),
+            ("hits", json::int(p.hits)),
+            ("misses", json::int(p.misses)),
+            ("symbol", json::str(p.symbol.clone())),
+            ("site", Json::String(format!("{:#x}", p.site))),
+            ("spec", json::str(p.spec.clone())),
         ])
-        .render();
+        .to_string();
     }
     format!(
         "  {:<44} {:>15} {:>15}  {}",
@@ -433,7 +433,7 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("sh (pid 1) on cpu 0"), "{s}");
-        let j = status_json(&status).render();
+        let j = status_json(&status).to_string();
         assert!(
             j.contains(r#""kernel":{"release":"6.12.57","kaslr_slide":436207616"#),
             "{j}"
@@ -450,7 +450,7 @@ mod tests {
             report: report(),
             round_trip: Duration::from_millis(12),
         })
-        .render();
+        .to_string();
         for needle in [
             r#""protocol_version":1"#,
             r#""vcpus":1"#,
@@ -478,7 +478,7 @@ mod tests {
             report: report(),
             round_trip: Duration::from_millis(1),
         })
-        .render();
+        .to_string();
         assert!(
             j.contains(r#""hits":0"#) && j.contains(r#""trampolines":null"#),
             "{j}"
@@ -516,7 +516,7 @@ mod tests {
             ),
             "{s}"
         );
-        let j = status_json(&status).render();
+        let j = status_json(&status).to_string();
         assert!(
             j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
