@@ -37,6 +37,8 @@ pub trait VmcsIo {
 
 /// A value width a VMCS field can have.
 pub trait Width: Copy {
+    /// Bits of the width.
+    const BITS: u32;
     /// Truncates a raw VMREAD result to this width.
     fn from_raw(v: u64) -> Self;
     /// Widens for VMWRITE.
@@ -44,6 +46,7 @@ pub trait Width: Copy {
 }
 
 impl Width for u16 {
+    const BITS: u32 = 16;
     fn from_raw(v: u64) -> Self {
         v as u16
     }
@@ -52,6 +55,7 @@ impl Width for u16 {
     }
 }
 impl Width for u32 {
+    const BITS: u32 = 32;
     fn from_raw(v: u64) -> Self {
         v as u32
     }
@@ -60,6 +64,7 @@ impl Width for u32 {
     }
 }
 impl Width for u64 {
+    const BITS: u32 = 64;
     fn from_raw(v: u64) -> Self {
         v
     }
@@ -140,9 +145,29 @@ impl<T: Width> Ro<T> {
     }
 }
 
+/// The width in bits that a field's encoding gives it (SDM Appendix B.1:
+/// bits 14:13 are the width, 16-bit, 64-bit, 32-bit or natural; an access
+/// to the high half of a 64-bit field, bit 0 set, is 32 bits; natural
+/// width is 64 bits on x86-64).
+pub const fn encoding_width(encoding: u32) -> u32 {
+    match (encoding >> 13) & 3 {
+        0 => 16,
+        1 if encoding & 1 != 0 => 32,
+        1 => 64,
+        2 => 32,
+        _ => 64,
+    }
+}
+
 macro_rules! fields {
     ($( $(#[$m:meta])* $name:ident : $kind:ident<$t:ty> = $enc:expr; )*) => {
-        $( $(#[$m])* pub const $name: $kind<$t> = $kind::<$t>::new($enc, stringify!($name)); )*
+        $(
+            $(#[$m])* pub const $name: $kind<$t> = $kind::<$t>::new($enc, stringify!($name));
+            const _: () = assert!(
+                encoding_width($enc) == <$t as Width>::BITS,
+                concat!("the declared width of ", stringify!($name), " is not its encoding's")
+            );
+        )*
         /// Every field above as `(name, encoding)`, in declaration order, for dumps.
         pub const ALL: &[(&str, u32)] = &[$( (stringify!($name), $enc) ),*];
     };
@@ -338,6 +363,23 @@ impl GuestSegment {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn widths_come_from_the_encoding() {
+        // SDM Appendix B: VPID 0x0000 (16-bit), the I/O bitmap A address
+        // 0x2000 (64-bit; 0x2001 its high half), the VM-exit reason 0x4402
+        // (32-bit), guest CR0 0x6800 (natural width).
+        assert_eq!(encoding_width(0x0000), 16);
+        assert_eq!(encoding_width(0x2000), 64);
+        assert_eq!(encoding_width(0x2001), 32);
+        assert_eq!(encoding_width(0x4402), 32);
+        assert_eq!(encoding_width(0x6800), 64);
+        // Every declared field passed the compile-time check; spot-check
+        // a few through their constants.
+        assert_eq!(encoding_width(VPID.encoding), 16);
+        assert_eq!(encoding_width(EPT_POINTER.encoding), 64);
+        assert_eq!(encoding_width(GUEST_CR0.encoding), 64);
+    }
 
     /// An in-memory VMCS that refuses one encoding, to exercise errors.
     #[derive(Default)]
