@@ -39,8 +39,7 @@ use guest_introspect::view::{ViewError, VirtMemory};
 use loader::layout::Gpa;
 use protocol::{KernelReport, SymbolInfo, TaskInfo};
 
-const IA32_LSTAR: u32 = 0xc000_0082;
-const IA32_KERNEL_GS_BASE: u32 = 0xc000_0102;
+use x86::msr::{IA32_KERNEL_GSBASE, IA32_LSTAR};
 /// Heap the symbol index may take at most; less when the heap has less
 /// room ([`crate::heap::room`]) when recovery starts.
 const MAX_INDEX_BYTES: usize = 10 << 20;
@@ -77,7 +76,7 @@ impl CpuView {
             self.gs_base
         } else {
             // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
-            unsafe { insn::rdmsr(IA32_KERNEL_GS_BASE) }
+            unsafe { insn::rdmsr(IA32_KERNEL_GSBASE) }
         }
     }
 

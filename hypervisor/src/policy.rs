@@ -152,11 +152,11 @@ pub fn efer_after_cr0(efer: u64, cr0: u64) -> u64 {
 }
 
 /// IA32_FEATURE_CONTROL.
-pub const MSR_FEATURE_CONTROL: u32 = 0x3a;
-/// First and last VMX capability MSRs (IA32_VMX_BASIC .. IA32_VMX_VMFUNC).
-pub const MSR_VMX_FIRST: u32 = 0x480;
-/// Last VMX capability MSR we hide.
-pub const MSR_VMX_LAST: u32 = 0x491;
+pub const MSR_FEATURE_CONTROL: u32 = x86::msr::IA32_FEATURE_CONTROL;
+/// First VMX capability MSR we hide (IA32_VMX_BASIC).
+pub const MSR_VMX_FIRST: u32 = x86::msr::IA32_VMX_BASIC;
+/// Last VMX capability MSR we hide (IA32_VMX_VMFUNC).
+pub const MSR_VMX_LAST: u32 = x86::msr::IA32_VMX_VMFUNC;
 
 /// MSRs whose reads exit.
 pub const INTERCEPTED_MSR_READS: &[(u32, u32)] = &[
@@ -164,7 +164,7 @@ pub const INTERCEPTED_MSR_READS: &[(u32, u32)] = &[
     (MSR_VMX_FIRST, MSR_VMX_LAST),
 ];
 /// IA32_APIC_BASE: where the local APIC's MMIO window sits.
-pub const MSR_APIC_BASE: u32 = 0x1b;
+pub const MSR_APIC_BASE: u32 = x86::msr::IA32_APIC_BASE;
 
 /// MSRs whose writes exit.
 pub const INTERCEPTED_MSR_WRITES: &[(u32, u32)] = &[

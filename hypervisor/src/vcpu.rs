@@ -19,26 +19,14 @@ use x86::vmx::vmcs::control::{
     EntryControls, ExitControls, PinbasedControls, PrimaryControls, SecondaryControls,
 };
 
-// Architectural MSRs (SDM Vol. 4).
-const IA32_FEATURE_CONTROL: u32 = 0x3a;
-const IA32_VMX_BASIC: u32 = 0x480;
-const IA32_VMX_PINBASED_CTLS: u32 = 0x481;
-const IA32_VMX_PROCBASED_CTLS: u32 = 0x482;
-const IA32_VMX_EXIT_CTLS: u32 = 0x483;
-const IA32_VMX_ENTRY_CTLS: u32 = 0x484;
-const IA32_VMX_MISC: u32 = 0x485;
-const IA32_VMX_CR0_FIXED0: u32 = 0x486;
-const IA32_VMX_CR0_FIXED1: u32 = 0x487;
-const IA32_VMX_CR4_FIXED0: u32 = 0x488;
-const IA32_VMX_CR4_FIXED1: u32 = 0x489;
-const IA32_VMX_PROCBASED_CTLS2: u32 = 0x48b;
-const IA32_VMX_EPT_VPID_CAP: u32 = 0x48c;
-const IA32_VMX_TRUE_PINBASED_CTLS: u32 = 0x48d;
-const IA32_VMX_TRUE_PROCBASED_CTLS: u32 = 0x48e;
-const IA32_VMX_TRUE_EXIT_CTLS: u32 = 0x48f;
-const IA32_VMX_TRUE_ENTRY_CTLS: u32 = 0x490;
-const IA32_PAT: u32 = 0x277;
-const IA32_EFER: u32 = 0xc000_0080;
+// Architectural MSRs (SDM Vol. 4), as the x86 crate numbers them.
+use x86::msr::{
+    IA32_EFER, IA32_FEATURE_CONTROL, IA32_PAT, IA32_VMX_BASIC, IA32_VMX_CR0_FIXED0,
+    IA32_VMX_CR0_FIXED1, IA32_VMX_CR4_FIXED0, IA32_VMX_CR4_FIXED1, IA32_VMX_ENTRY_CTLS,
+    IA32_VMX_EPT_VPID_CAP, IA32_VMX_EXIT_CTLS, IA32_VMX_MISC, IA32_VMX_PINBASED_CTLS,
+    IA32_VMX_PROCBASED_CTLS, IA32_VMX_PROCBASED_CTLS2, IA32_VMX_TRUE_ENTRY_CTLS,
+    IA32_VMX_TRUE_EXIT_CTLS, IA32_VMX_TRUE_PINBASED_CTLS, IA32_VMX_TRUE_PROCBASED_CTLS,
+};
 
 const CR4_OSXSAVE: u64 = 1 << 18;
 /// Guest stack for the 64-bit entry: the kernel's startup code does a far
