@@ -50,7 +50,7 @@ use hypervisor::kprobe::{
     self, Command, EventHeader, FetchContext, GuestLayout, GuestMem, IndexSymbols, MemFault,
     ProbeSpec, RawEvent,
 };
-use hypervisor::tracer::graph::{self as graph_fmt, GraphKind, GraphText};
+use hypervisor::tracer::graph::{self as graph_fmt, GraphEventId, GraphKind, GraphText};
 use hypervisor::tracer::retstack::{PopResult, PushError, RetStack, MAX_USERS};
 use hypervisor::tracer::ring::EventRing;
 use hypervisor::tracer::site::{self, Patch, PatchError, PAGE_SIZE};
@@ -62,12 +62,6 @@ use trampolines::{HypercallMode, PtRegs, TrampolineRegion};
 const RING_BYTES: usize = 2 << 20;
 /// The probe id of function-tracer events (probes count from 1).
 const FUNCTION_ID: u32 = 0;
-/// Probe ids of function-graph entry and return events: the base ORed
-/// with the session's generation (bits 4..7) and number (bits 0..3, 1 to
-/// 15). A number is reused after a stop; the generation tells the old
-/// session's events still in the ring from the new one's.
-const GRAPH_ENTRY_BASE: u32 = 0xffff_ff00;
-const GRAPH_RETURN_BASE: u32 = 0xffff_fe00;
 /// The return-stack user of return probes; graph sessions are users 1..15.
 const RETPROBE_USER: u8 = 0;
 /// A generation no event carries (generations are 4 bits).
@@ -1369,9 +1363,12 @@ impl Tracer {
         }
         for &(user, depth) in &entries[..n_entries] {
             let h = EventHeader {
-                probe_id: GRAPH_ENTRY_BASE
-                    | u32::from(self.generations[usize::from(user)]) << 4
-                    | u32::from(user),
+                probe_id: GraphEventId {
+                    kind: GraphKind::Entry,
+                    number: user,
+                    generation: self.generations[usize::from(user)],
+                }
+                .pack(),
                 ip: func,
                 ret_ip: ret,
                 ..header
@@ -1470,7 +1467,12 @@ impl Tracer {
                 continue;
             }
             let h = EventHeader {
-                probe_id: GRAPH_RETURN_BASE | u32::from(self.generations[user]) << 4 | user as u32,
+                probe_id: GraphEventId {
+                    kind: GraphKind::Return,
+                    number: user as u8,
+                    generation: self.generations[user],
+                }
+                .pack(),
                 ..header
             };
             let values = [
@@ -1807,14 +1809,13 @@ impl Tracer {
             return 0;
         };
         let id = ev.header.probe_id;
-        let graph = match id & !0xff {
-            GRAPH_ENTRY_BASE => Some(GraphKind::Entry),
-            GRAPH_RETURN_BASE => Some(GraphKind::Return),
-            _ => None,
-        };
-        if let Some(kind) = graph {
-            let user = (id & 0xf) as usize;
-            let gen = ((id >> 4) & 0xf) as u8;
+        if let Some(GraphEventId {
+            kind,
+            number,
+            generation: gen,
+        }) = GraphEventId::unpack(id)
+        {
+            let user = usize::from(number);
             if format == TraceFormat::Json {
                 graph_fmt::write_graph_json(out, kind, &ev, user as u32, syms);
                 return user as u32;

@@ -36,6 +36,60 @@ pub enum GraphKind {
     Return,
 }
 
+/// The probe id a function-graph event carries: its kind, and the session
+/// it belongs to, by number (1 to 15; a number is reused after a stop) and
+/// generation (4 bits, which tell an old session's events still in the
+/// ring from a new one's under the same number).
+///
+/// ```text
+///   31        8 7     4 3      0
+///  | kind base | gen   | number |   base: 0xffffff00 entry, 0xfffffe00 return
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphEventId {
+    /// Entry or return.
+    pub kind: GraphKind,
+    /// The session's number (its return-stack user), 0..=15.
+    pub number: u8,
+    /// The session's generation, 0..=15.
+    pub generation: u8,
+}
+
+impl GraphEventId {
+    /// The id base of entry events.
+    pub const ENTRY_BASE: u32 = 0xffff_ff00;
+    /// The id base of return events.
+    pub const RETURN_BASE: u32 = 0xffff_fe00;
+    /// Bits of the number and of the generation.
+    const FIELD_MASK: u32 = 0xf;
+    /// Where the generation starts.
+    const GENERATION_SHIFT: u32 = 4;
+
+    /// The probe id (number and generation cut to their 4 bits).
+    pub const fn pack(self) -> u32 {
+        let base = match self.kind {
+            GraphKind::Entry => Self::ENTRY_BASE,
+            GraphKind::Return => Self::RETURN_BASE,
+        };
+        base | (self.generation as u32 & Self::FIELD_MASK) << Self::GENERATION_SHIFT
+            | (self.number as u32 & Self::FIELD_MASK)
+    }
+
+    /// The graph event a probe id names, if it names one.
+    pub const fn unpack(id: u32) -> Option<Self> {
+        let kind = match id & !0xff {
+            Self::ENTRY_BASE => GraphKind::Entry,
+            Self::RETURN_BASE => GraphKind::Return,
+            _ => return None,
+        };
+        Some(Self {
+            kind,
+            number: (id & Self::FIELD_MASK) as u8,
+            generation: ((id >> Self::GENERATION_SHIFT) & Self::FIELD_MASK) as u8,
+        })
+    }
+}
+
 /// The numbers of a graph event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GraphValues {
@@ -284,6 +338,45 @@ pub fn write_graph_json(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn graph_event_ids_round_trip_and_keep_to_their_bits() {
+        for kind in [GraphKind::Entry, GraphKind::Return] {
+            for number in 0..16u8 {
+                for generation in 0..16u8 {
+                    let id = GraphEventId {
+                        kind,
+                        number,
+                        generation,
+                    };
+                    assert_eq!(GraphEventId::unpack(id.pack()), Some(id));
+                }
+            }
+        }
+        let e = GraphEventId {
+            kind: GraphKind::Entry,
+            number: 3,
+            generation: 2,
+        };
+        assert_eq!(e.pack(), 0xffff_ff23);
+        let r = GraphEventId {
+            kind: GraphKind::Return,
+            number: 15,
+            generation: 15,
+        };
+        assert_eq!(r.pack(), 0xffff_feff);
+        // Out-of-range fields are cut, never spill into the base.
+        let wide = GraphEventId {
+            kind: GraphKind::Entry,
+            number: 0x13,
+            generation: 0x21,
+        };
+        assert_eq!(wide.pack(), 0xffff_ff13);
+        // Probe and function ids are not graph events.
+        assert_eq!(GraphEventId::unpack(0), None);
+        assert_eq!(GraphEventId::unpack(7), None);
+        assert_eq!(GraphEventId::unpack(0xffff_fd00), None);
+    }
     use crate::kprobe::{EventHeader, IntType, SymbolAt};
     use alloc::borrow::Cow;
     use alloc::vec;
