@@ -300,7 +300,7 @@ pub struct Tracer {
     /// keep emptying and re-creating its return stack is checked once,
     /// not on every call; a new owner of the stack is checked again.
     owners: BTreeMap<u64, (u64, i32, bool)>,
-    /// Each session number's generation (see [`GRAPH_ENTRY_BASE`]).
+    /// Each session number's generation (see [`GraphEventId`]).
     generations: [u8; MAX_USERS],
     /// Text renderers of stopped sessions, by number and generation: the
     /// session's events still in the ring are rendered with them, then
