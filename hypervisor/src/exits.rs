@@ -315,7 +315,7 @@ impl Vcpu {
         let v = &Vmcs;
         Ok(CpuView {
             cr3: f::GUEST_CR3.read(v)?,
-            cpl: ((f::GUEST_SS_ACCESS_RIGHTS.read(v)? >> 5) & 3) as u8,
+            cpl: event::cpl_from_ss_ar(f::GUEST_SS_ACCESS_RIGHTS.read(v)?),
             gs_base: f::GUEST_GS_BASE.read(v)?,
             la57: f::GUEST_CR4.read(v)? & policy::CR4_LA57 != 0,
             rsp: f::GUEST_RSP.read(v)?,
@@ -458,7 +458,7 @@ impl Vcpu {
     fn read_vectoring(&self) -> Result<Option<Event>, VmcsError> {
         let v = &Vmcs;
         let info = f::IDT_VECTORING_INFO.read(v)?;
-        if info & (1 << 31) == 0 {
+        if !event::info_valid(info) {
             return Ok(None);
         }
         Ok(Event::from_vectoring(
@@ -476,8 +476,8 @@ impl Vcpu {
         let rip = f::GUEST_RIP.read(v)?;
         f::GUEST_RIP.write(v, rip.wrapping_add(len))?;
         let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
-        if intr & 3 != 0 {
-            f::GUEST_INTERRUPTIBILITY.write(v, intr & !3)?;
+        if intr & event::BLOCKING_BY_STI_OR_MOV_SS != 0 {
+            f::GUEST_INTERRUPTIBILITY.write(v, intr & !event::BLOCKING_BY_STI_OR_MOV_SS)?;
         }
         Ok(Next::Resume)
     }
@@ -670,8 +670,8 @@ impl Vcpu {
         self.tracer.set_old_tf(rflags & RFLAGS_TF != 0);
         f::GUEST_RFLAGS.write(v, rflags | RFLAGS_TF)?;
         let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
-        if intr & 3 != 0 {
-            f::GUEST_INTERRUPTIBILITY.write(v, intr & !3)?;
+        if intr & event::BLOCKING_BY_STI_OR_MOV_SS != 0 {
+            f::GUEST_INTERRUPTIBILITY.write(v, intr & !event::BLOCKING_BY_STI_OR_MOV_SS)?;
         }
         if !self.debug_exits {
             f::EXCEPTION_BITMAP.write(v, 1 << DB)?;
@@ -687,7 +687,7 @@ impl Vcpu {
     fn debug_exception(&mut self, info: u32) -> Result<Next, VmcsError> {
         let v = &mut Vmcs;
         let qual = f::EXIT_QUALIFICATION.read(v)?;
-        let int1 = (info >> 8) & 7 == u32::from(event::TYPE_PRIVILEGED_SOFTWARE_EXCEPTION);
+        let int1 = event::info_type(info) == event::TYPE_PRIVILEGED_SOFTWARE_EXCEPTION;
         let (stepping, guest_tf, stray) = self.tracer.debug_state();
         let act = debug::decide(qual, int1, stepping, guest_tf, stray);
         if act.end_step {
@@ -1033,7 +1033,7 @@ impl Vcpu {
             write: io.input,
             user: cpu.cpl == 3,
             write_protect: cr0 & (1 << 16) != 0,
-            smap: cr4 & (1 << 21) != 0 && rflags & (1 << 18) == 0 && cpu.cpl < 3,
+            smap: cr4 & policy::CR4_SMAP != 0 && rflags & policy::RFLAGS_AC == 0 && cpu.cpl < 3,
         };
         let walk = if cr0 & policy::CR0_PG == 0 {
             OperandWalk::Legacy(LegacyPaging::Off)
@@ -1262,7 +1262,7 @@ impl Vcpu {
         // The instruction that switched completed: no STI/MOV SS blocking.
         let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
         let nmi = event.is_some_and(|e| e.kind == event::TYPE_NMI);
-        let mut intr = intr & !(event::BLOCKING_BY_STI | event::BLOCKING_BY_MOV_SS);
+        let mut intr = intr & !event::BLOCKING_BY_STI_OR_MOV_SS;
         if nmi {
             intr |= event::BLOCKING_BY_NMI;
         }
@@ -1375,7 +1375,12 @@ pub struct DmaBlock {
 pub fn find_bus_master_ide() -> Option<DmaBlock> {
     for dev in 0..32u32 {
         for func in 0..8u32 {
-            let address = (1 << 31) | (dev << 11) | (func << 8);
+            let address = pci::ConfigAddress {
+                enabled: true,
+                bdf: (0, dev as u8, func as u8),
+                register: 0,
+            }
+            .encode();
             let id = pci_read(address);
             if id & 0xffff == 0xffff {
                 if func == 0 {

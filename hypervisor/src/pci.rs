@@ -37,6 +37,15 @@ pub struct ConfigAddress {
 }
 
 impl ConfigAddress {
+    /// The value to write to 0xCF8 for this address.
+    pub const fn encode(self) -> u32 {
+        (self.enabled as u32) << 31
+            | (self.bdf.0 as u32) << 16
+            | (self.bdf.1 as u32 & 0x1f) << 11
+            | (self.bdf.2 as u32 & 7) << 8
+            | (self.register as u32 & 0xfc)
+    }
+
     /// Decodes the value written to 0xCF8.
     pub fn decode(v: u32) -> ConfigAddress {
         ConfigAddress {
@@ -141,6 +150,16 @@ mod tests {
             }
         );
         assert!(!ConfigAddress::decode(0x0000_0904).enabled);
+        // Encoding is decoding's inverse (the low two bits are not kept).
+        for v in [0x8000_0920u32, 0x0000_0904, 0x80ff_f8fc, 0x8000_0800] {
+            assert_eq!(ConfigAddress::decode(v).encode(), v);
+        }
+        let bm = ConfigAddress {
+            enabled: true,
+            bdf: (0, 1, 1),
+            register: 0x20,
+        };
+        assert_eq!(bm.encode(), 0x8000_0920);
     }
 
     #[test]

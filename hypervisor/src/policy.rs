@@ -46,6 +46,10 @@ pub const CR4_LA57: u64 = 1 << 12;
 pub const CR4_SMXE: u64 = 1 << 14;
 /// CR4.PCIDE.
 pub const CR4_PCIDE: u64 = 1 << 17;
+/// CR4.SMAP: supervisor-mode access prevention.
+pub const CR4_SMAP: u64 = 1 << 21;
+/// RFLAGS.AC: alignment check, which with SMAP lets the kernel reach user pages.
+pub const RFLAGS_AC: u64 = 1 << 18;
 /// CR4.VMXE.
 pub const CR4_VMXE: u64 = 1 << 13;
 /// EFER.LME.

@@ -41,6 +41,27 @@ pub const NMI_VECTOR: u8 = 2;
 const VALID: u32 = 1 << 31;
 const HAS_ERROR_CODE: u32 = 1 << 11;
 
+/// Blocking by STI or by MOV SS: what an instruction that completes ends.
+pub const BLOCKING_BY_STI_OR_MOV_SS: u32 = BLOCKING_BY_STI | BLOCKING_BY_MOV_SS;
+
+/// Whether interruption information (exit, IDT-vectoring or entry) holds
+/// an event: its valid bit (bit 31).
+pub const fn info_valid(info: u32) -> bool {
+    info & VALID != 0
+}
+
+/// The interruption type of interruption information (bits 10:8, a
+/// `TYPE_*`).
+pub const fn info_type(info: u32) -> u8 {
+    ((info >> 8) & 7) as u8
+}
+
+/// The current privilege level, from the guest's SS access rights: their
+/// DPL field (bits 6:5), which the CPU keeps equal to CPL (SDM 26.3.1.5).
+pub const fn cpl_from_ss_ar(ss_ar: u32) -> u8 {
+    ((ss_ar >> 5) & 3) as u8
+}
+
 /// One event to deliver at VM entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Event {
@@ -84,7 +105,7 @@ impl Event {
         if info & VALID == 0 {
             return None;
         }
-        let kind = ((info >> 8) & 7) as u8;
+        let kind = info_type(info);
         let software = matches!(
             kind,
             TYPE_SOFTWARE_INTERRUPT | TYPE_PRIVILEGED_SOFTWARE_EXCEPTION | TYPE_SOFTWARE_EXCEPTION
@@ -191,6 +212,24 @@ pub fn plan_entry(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interruption_fields_and_cpl_are_named() {
+        // A #PF with an error code: valid, hardware exception.
+        let pf = VALID | HAS_ERROR_CODE | (3 << 8) | 14;
+        assert!(info_valid(pf));
+        assert_eq!(info_type(pf), TYPE_HARDWARE_EXCEPTION);
+        assert!(!info_valid(pf & !VALID));
+        assert_eq!(
+            info_type(VALID | (5 << 8) | 1),
+            TYPE_PRIVILEGED_SOFTWARE_EXCEPTION
+        );
+        // SS access rights: a 64-bit kernel's 0x93 (DPL 0), a user's 0xf3 (DPL 3).
+        assert_eq!(cpl_from_ss_ar(0x93), 0);
+        assert_eq!(cpl_from_ss_ar(0xf3), 3);
+        assert_eq!(cpl_from_ss_ar(0xc0b3), 1);
+        assert_eq!(BLOCKING_BY_STI_OR_MOV_SS, 3);
+    }
 
     #[test]
     fn vectoring_information_round_trips_into_entry_information() {
