@@ -311,7 +311,12 @@ impl Control {
             Request::GraphStart(filter) => (
                 with_kernel(src, |src, k| {
                     src.tracer.graph_start(filter, k, src.ept, src.rip).map(
-                        |(session, hooked, roots, skipped)| Response::GraphStarted {
+                        |crate::trace::GraphStarted {
+                             session,
+                             hooked,
+                             roots,
+                             skipped,
+                         }| Response::GraphStarted {
                             session,
                             hooked,
                             roots,

@@ -222,7 +222,7 @@ impl Introspection {
                     b.bytes_read() >> 10,
                     k.report.index_bytes >> 10
                 );
-                if let Some((_, pid, comm)) = k.current(cpu) {
+                if let Some(Running { pid, comm, .. }) = k.current(cpu) {
                     let n = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
                     log::info!(
                         "introspection: recovery ended in pid {pid} ({}), CR3 {:#x}",
@@ -282,6 +282,27 @@ impl Introspection {
             cpu: 0,
         })
     }
+}
+
+/// The task running on a vCPU, as an event records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Running {
+    /// Its `task_struct`'s address.
+    pub task: u64,
+    /// Its pid.
+    pub pid: i32,
+    /// Its comm, NUL-padded.
+    pub comm: [u8; 16],
+}
+
+impl Running {
+    /// What an event carries when the task is not known: no task, pid -1,
+    /// an empty comm.
+    pub const UNKNOWN: Running = Running {
+        task: 0,
+        pid: -1,
+        comm: [0; 16],
+    };
 }
 
 /// Work units in Mi, one decimal (no floating point in root).
@@ -480,13 +501,8 @@ impl Kernel {
         self.cr3
     }
 
-    /// pid and comm of the task running on the vCPU described by `cpu`.
-    pub fn task(&self, cpu: &CpuView) -> Option<(i32, [u8; 16])> {
-        self.current(cpu).map(|(_, pid, comm)| (pid, comm))
-    }
-
-    /// The running task's `task_struct` address, pid and comm.
-    pub fn current(&self, cpu: &CpuView) -> Option<(u64, i32, [u8; 16])> {
+    /// The task running on the vCPU described by `cpu`.
+    pub fn current(&self, cpu: &CpuView) -> Option<Running> {
         let layout = self.facts.task.as_ref().ok()?;
         let current = self.facts.current.as_ref().ok()?;
         let view = PagedView::new(&GuestRam, self.cr3);
@@ -495,7 +511,11 @@ impl Kernel {
         let b = t.comm_bytes();
         let n = b.len().min(16);
         comm[..n].copy_from_slice(&b[..n]);
-        Some((t.task.0, t.pid, comm))
+        Some(Running {
+            task: t.task.0,
+            pid: t.pid,
+            comm,
+        })
     }
 
     /// The guest's stacks as they are now: every possible CPU's hardirq

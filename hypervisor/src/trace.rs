@@ -31,7 +31,7 @@
 use crate::arch::instructions as insn;
 use crate::frames::{self, PoolTables};
 use crate::heap;
-use crate::introspect::{CpuView, GuestRam, Kernel};
+use crate::introspect::{CpuView, GuestRam, Kernel, Running};
 use crate::phys;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
@@ -136,6 +136,19 @@ const PTE_G: u64 = 1 << 8;
 
 /// A request error for the control channel.
 pub type ReqError = (ErrorKind, String);
+
+/// A function-graph session that started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GraphStarted {
+    /// Its number (1 to 15).
+    pub session: u32,
+    /// Functions hooked for it.
+    pub hooked: u32,
+    /// Functions matching its roots.
+    pub roots: u32,
+    /// Matches that could not be hooked.
+    pub skipped: u32,
+}
 
 /// The request error for a refused allocation of `what`.
 fn out_of_memory(what: &str, e: OutOfMemory) -> ReqError {
@@ -1042,7 +1055,7 @@ impl Tracer {
         k: &Kernel,
         ept: &Ept,
         rip: u64,
-    ) -> Result<(u32, u32, u32, u32), ReqError> {
+    ) -> Result<GraphStarted, ReqError> {
         let Some(user) = (1..MAX_USERS).find(|&u| self.sessions[u].is_none()) else {
             return Err((
                 ErrorKind::OutOfResources,
@@ -1163,7 +1176,12 @@ impl Tracer {
             filter,
             roots,
         });
-        Ok((user as u32, hooked, n_roots, skipped))
+        Ok(GraphStarted {
+            session: user as u32,
+            hooked,
+            roots: n_roots,
+            skipped,
+        })
     }
 
     /// `GraphStop`: session `session` (`None`: every session) hijacks no
@@ -1445,7 +1463,9 @@ impl Tracer {
         if t.st.is_empty() {
             self.stacks.remove(&key);
         }
-        let (pid, comm) = kernel.and_then(|k| k.task(cpu)).unwrap_or((-1, [0; 16]));
+        let Running { pid, comm, .. } = kernel
+            .and_then(|k| k.current(cpu))
+            .unwrap_or(Running::UNKNOWN);
         let header = EventHeader {
             probe_id: 0,
             cpu: 0,
@@ -1576,7 +1596,7 @@ impl Tracer {
             return;
         }
         self.last_reap_ns = now_ns;
-        let running = k.current(cpu).map(|c| c.0);
+        let running = k.current(cpu).map(|c| c.task);
         let dead: Vec<u64> = self
             .stacks
             .iter()
@@ -1651,7 +1671,7 @@ impl Tracer {
             return chain;
         }
         self.stats.hits += 1;
-        let (task, pid, comm) = k.current(cpu).unwrap_or((0, -1, [0; 16]));
+        let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
         let mut header = EventHeader {
             probe_id: 0,
             cpu: 0,
