@@ -28,7 +28,9 @@ set -e
 
 # Each test binary's time, slowest first.
 echo "hvtrace: time per test binary:"
-awk '/^ *Running /{name=$2} /^ *Doc-tests /{name="doc-tests " $2}
+awk '/^ *Running /{p=$NF; gsub(/[()]/, "", p); n=split(p, a, "/"); bin=a[n]; sub(/-[0-9a-f]+$/, "", bin)
+                    name=bin " (" $2 ($2=="unittests" ? " " $3 : "") ")"}
+     /^ *Doc-tests /{name="doc-tests " $2}
      /^test result:/{for(i=1;i<=NF;i++) if($i=="in"){t=$(i+1); sub(/s$/,"",t); printf "%10.1f s  %s\n", t, name}}' "$log" |
     sort -rn | head -n 25
 [[ $rc -eq 0 ]] || { echo "hvtrace: tests failed (cargo test exit $rc)"; exit "$rc"; }
