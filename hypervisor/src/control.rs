@@ -287,7 +287,7 @@ impl Control {
             Request::ProbeDel { name } => (
                 match src.tracer.probe_del(&name, src.ept) {
                     Ok(()) => Response::Ok,
-                    Err((kind, m)) => Response::error(kind, m),
+                    Err(crate::trace::ReqError { kind, message }) => Response::error(kind, message),
                 },
                 Action::None,
             ),
@@ -329,7 +329,9 @@ impl Control {
             Request::GraphStop { session } => (
                 match src.tracer.graph_stop(session, src.ept) {
                     Ok(()) => Response::Ok,
-                    Err((kind, message)) => Response::Error { kind, message },
+                    Err(crate::trace::ReqError { kind, message }) => {
+                        Response::Error { kind, message }
+                    }
                 },
                 Action::None,
             ),
@@ -390,7 +392,7 @@ fn with_kernel(
     // for the call so that the tracer can be borrowed mutably beside it.
     let kernel = src.introspection.take_kernel();
     let resp = match kernel.as_ref() {
-        Some(k) => f(src, k).unwrap_or_else(|(kind, m)| Response::error(kind, m)),
+        Some(k) => f(src, k).unwrap_or_else(|e| Response::error(e.kind, e.message)),
         None => Response::error(ErrorKind::Internal, "introspection lost its kernel"),
     };
     src.introspection.put_kernel(kernel);

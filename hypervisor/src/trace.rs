@@ -134,8 +134,24 @@ const PTE_A: u64 = 1 << 5;
 const PTE_PS: u64 = 1 << 7;
 const PTE_G: u64 = 1 << 8;
 
-/// A request error for the control channel.
-pub type ReqError = (ErrorKind, String);
+/// A request error for the control channel: what kind, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReqError {
+    /// The kind the answer carries.
+    pub kind: ErrorKind,
+    /// The message for the user.
+    pub message: String,
+}
+
+impl ReqError {
+    /// An error of `kind` saying `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> ReqError {
+        ReqError {
+            kind,
+            message: message.into(),
+        }
+    }
+}
 
 /// A function-graph session that started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,7 +168,7 @@ pub struct GraphStarted {
 
 /// The request error for a refused allocation of `what`.
 fn out_of_memory(what: &str, e: OutOfMemory) -> ReqError {
-    (
+    ReqError::new(
         ErrorKind::OutOfResources,
         format!(
             "out of hypervisor memory: {what} needs {} bytes ({} KiB of the heap free beyond its reserve)",
@@ -456,7 +472,7 @@ impl Tracer {
         if self.region.is_some() {
             return Ok(());
         }
-        let internal = |m: String| (ErrorKind::Internal, m);
+        let internal = |m: String| ReqError::new(ErrorKind::Internal, m);
         let cr3 = k.cr3();
         let pml4e = read_u64_phys(cr3.pml4().0 + PML4_KERNEL * 8).unwrap_or(0);
         if pml4e & PTE_P == 0 || pml4e & PTE_PS != 0 {
@@ -487,13 +503,13 @@ impl Tracer {
         let tramp = TrampolineRegion::build(trampolines::Gva(base), HypercallMode::Vmcall)
             .map_err(|e| internal(format!("trampolines: {e:?}")))?;
         let code = frames::alloc().ok_or_else(|| {
-            (
+            ReqError::new(
                 ErrorKind::OutOfResources,
                 "no hypervisor memory for the trampolines".to_string(),
             )
         })?;
         let table = frames::alloc().ok_or_else(|| {
-            (
+            ReqError::new(
                 ErrorKind::OutOfResources,
                 "no hypervisor memory for the trampolines".to_string(),
             )
@@ -736,25 +752,25 @@ impl Tracer {
         let mut spec = match kprobe::parse(text) {
             Ok(Command::Add(s)) => s,
             Ok(Command::Delete(_)) => {
-                return Err((
+                return Err(ReqError::new(
                     ErrorKind::InvalidArgument,
-                    "a delete command is not a probe: use probe del".into(),
+                    "a delete command is not a probe: use probe del",
                 ))
             }
-            Err(e) => return Err((ErrorKind::InvalidArgument, e.to_string())),
+            Err(e) => return Err(ReqError::new(ErrorKind::InvalidArgument, e.to_string())),
         };
         if self
             .probes
             .iter()
             .any(|p| p.spec.group == spec.group && p.spec.event == spec.event)
         {
-            return Err((
+            return Err(ReqError::new(
                 ErrorKind::AlreadyExists,
                 format!("probe {}/{} already exists", spec.group, spec.event),
             ));
         }
         if self.probes.len() >= MAX_PROBES {
-            return Err((
+            return Err(ReqError::new(
                 ErrorKind::OutOfResources,
                 format!("at most {MAX_PROBES} probes; delete one first"),
             ));
@@ -762,19 +778,19 @@ impl Tracer {
         fallible::try_grow(&mut self.probes, 1).map_err(|e| out_of_memory("a probe", e))?;
         let syms = IndexSymbols(k.index());
         spec.resolve_symbols(&syms).map_err(|name| {
-            (
+            ReqError::new(
                 ErrorKind::NotFound,
                 format!("symbol {name} is not in the guest's kallsyms"),
             )
         })?;
         let id = k.index().lookup(&spec.symbol).ok_or_else(|| {
-            (
+            ReqError::new(
                 ErrorKind::NotFound,
                 format!("function {} is not in the guest's kallsyms", spec.symbol),
             )
         })?;
         let fs = k.classify(id).map_err(|e| {
-            (
+            ReqError::new(
                 ErrorKind::InvalidArgument,
                 format!("{} cannot be probed: {e}", spec.symbol),
             )
@@ -784,7 +800,7 @@ impl Tracer {
         let hooked = self.hook(k, ept, site, fs.func.0, rip);
         invept(ept);
         hooked.map_err(|e| {
-            (
+            ReqError::new(
                 ErrorKind::InvalidArgument,
                 format!("cannot hook {} at {site:#x}: {e}", spec.symbol),
             )
@@ -827,7 +843,10 @@ impl Tracer {
             .iter()
             .position(|p| p.spec.event == event && group.is_none_or(|g| g == p.spec.group))
         else {
-            return Err((ErrorKind::NotFound, format!("no probe named {name}")));
+            return Err(ReqError::new(
+                ErrorKind::NotFound,
+                format!("no probe named {name}"),
+            ));
         };
         let p = self.probes.remove(i);
         if let Some(u) = self.sites.get_mut(&p.site) {
@@ -1057,7 +1076,7 @@ impl Tracer {
         rip: u64,
     ) -> Result<GraphStarted, ReqError> {
         let Some(user) = (1..MAX_USERS).find(|&u| self.sessions[u].is_none()) else {
-            return Err((
+            return Err(ReqError::new(
                 ErrorKind::OutOfResources,
                 format!(
                     "{} function-graph sessions already run; stop one first",
@@ -1070,13 +1089,13 @@ impl Tracer {
             0 if busy => self.stack_frames,
             0 => STACK_FRAMES,
             n if n > MAX_STACK_FRAMES => {
-                return Err((
+                return Err(ReqError::new(
                     ErrorKind::InvalidArgument,
                     format!("at most {MAX_STACK_FRAMES} frames per stack"),
                 ))
             }
             n if busy && n != self.stack_frames => {
-                return Err((
+                return Err(ReqError::new(
                     ErrorKind::InvalidArgument,
                     format!(
                         "the return stacks are in use with {} frames each; stop the other sessions and let their calls return first",
@@ -1120,7 +1139,7 @@ impl Tracer {
             }
         }
         if !filter.functions.is_empty() && roots.is_empty() {
-            return Err((
+            return Err(ReqError::new(
                 ErrorKind::NotFound,
                 format!(
                     "no traceable function matches {}",
@@ -1194,7 +1213,7 @@ impl Tracer {
             Some(n) => {
                 let u = n as usize;
                 if !(1..MAX_USERS).contains(&u) || self.sessions[u].is_none() {
-                    return Err((
+                    return Err(ReqError::new(
                         ErrorKind::NotFound,
                         format!("no function-graph session {n}"),
                     ));
