@@ -407,6 +407,12 @@ pub fn hv_exits(c: &mut hvtrace::client::Client) -> std::collections::BTreeMap<S
         .collect()
 }
 
+/// The address on a `/proc/kallsyms` line (its first field, hex without
+/// `0x`), as `grep ' NAME$' /proc/kallsyms` prints it.
+pub fn kallsyms_address(line: &str) -> Option<u64> {
+    u64::from_str_radix(line.split_whitespace().next()?, 16).ok()
+}
+
 /// The hypervisor's status report.
 pub fn hv_status(c: &mut hvtrace::client::Client) -> protocol::StatusReport {
     match c

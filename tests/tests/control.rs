@@ -62,11 +62,7 @@ const STATUS_LIMIT: Duration = Duration::from_secs(
 /// attacker puts the header back on rmmod.
 fn forged_btf_header(checks: &mut Checks, socket: &Path) {
     let sym = text(&cli(socket, &["exec", "grep ' __start_BTF$' /proc/kallsyms"]).stdout);
-    let Some(addr) = sym
-        .split_whitespace()
-        .next()
-        .and_then(|a| u64::from_str_radix(a, 16).ok())
-    else {
+    let Some(addr) = hvtrace_tests::kallsyms_address(&sym) else {
         checks.check(false, format!("__start_BTF in /proc/kallsyms: {sym:?}"));
         return;
     };

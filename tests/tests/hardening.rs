@@ -394,11 +394,7 @@ fn forged_pdpt_at_region_setup(ck: &mut Checks, vm: &Detached, c: &mut hvtrace::
         0,
     );
     let pgd = exec(c, "grep ' init_top_pgt$' /proc/kallsyms");
-    let Some(pgd) = pgd
-        .split_whitespace()
-        .next()
-        .and_then(|a| u64::from_str_radix(a, 16).ok())
-    else {
+    let Some(pgd) = hvtrace_tests::kallsyms_address(&pgd) else {
         ck.check(false, format!("init_top_pgt in /proc/kallsyms: {pgd:?}"));
         return;
     };

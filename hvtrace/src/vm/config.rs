@@ -255,21 +255,10 @@ const INITRAMFS_MAGICS: [(&[u8], &str); 8] = [
 /// or compressed with one of the kernel's decompressors.
 pub fn check_initrd(path: &Path) -> Result<()> {
     use std::io::Read;
-    let mut head = [0u8; 8];
-    let mut file = std::fs::File::open(path)
+    let mut head = Vec::with_capacity(8);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(8).read_to_end(&mut head))
         .with_context(|| format!("cannot read initrd {}", path.display()))?;
-    let mut n = 0;
-    while n < head.len() {
-        match file.read(&mut head[n..]) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(e).with_context(|| format!("cannot read initrd {}", path.display()))
-            }
-        }
-    }
-    let head = &head[..n];
     if !INITRAMFS_MAGICS.iter().any(|(m, _)| head.starts_with(m)) {
         bail!(
             "initrd {}: not an initramfs (expected a cpio archive, bare or compressed with {})",
