@@ -38,7 +38,7 @@ fn bench(name: &str, img: &common::Image, rounds: usize) {
     let n = idx.len();
 
     // Names in a scrambled order.
-    let mut rng = common::Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = test_support::Rng(0x9e37_79b9_7f4a_7c15);
     let mut names: Vec<String> = (0..n as u32).map(|i| idx.name(SymbolId(i))).collect();
     for i in (1..names.len()).rev() {
         names.swap(i, rng.below(i as u64 + 1) as usize);

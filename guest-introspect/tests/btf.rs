@@ -3,10 +3,9 @@
 //! typedef chains, and corruptions.
 
 mod common;
-#[path = "common/synth.rs"]
-mod synth;
+use test_support::synth;
 
-use common::Rng;
+use test_support::Rng;
 use guest_introspect::btf::{self, Btf, BtfError, Kind};
 use guest_introspect::scan::ScanStats;
 use guest_introspect::view::SegmentView;
@@ -105,7 +104,7 @@ fn located_by_header_scan() {
 #[test]
 fn corrupted_blobs_never_panic() {
     let good = kernel_like(0);
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     let mut ok = 0;
     for _ in 0..3000 {
         let mut blob = good.clone();

@@ -5,14 +5,13 @@
 //! its budget; run a slice at a time it gives the same result as at once.
 
 mod common;
-#[path = "common/synth.rs"]
-mod synth;
+use test_support::synth;
 
 use std::future::Future;
 use std::pin::pin;
 use std::task::Poll;
 
-use common::Rng;
+use test_support::Rng;
 use guest_introspect::btf::{self, BtfError, TaskLayout, BTF_PREFIX, MAX_BTF_BYTES};
 use guest_introspect::budget::{
     block_on, poll_slice, read_cost, Budget, Metered, MAX_STEP, RECOVERY_BUDGET, TURN_SLICE,
@@ -207,7 +206,7 @@ fn summary(f: &KernelFacts) -> String {
 /// image, not the lengths claimed.
 #[test]
 fn thousands_of_decoy_btf_headers_cost_their_headers_not_their_lengths() {
-    let img = image(common::seed(), &mixed(6000), 512, false);
+    let img = image(test_support::seed(), &mixed(6000), 512, false);
     let view = img.view();
     let budget = Budget::new(RECOVERY_BUDGET);
     let m = Metered::new(&view, &budget);
@@ -380,7 +379,7 @@ fn every_budget_gives_the_result_or_a_clear_error() {
     let need = full.used();
     let want = summary(&whole);
     assert_eq!(whole.task, Ok(TASK));
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     let mut limits: Vec<u64> = (0..=400).map(|k| need * k / 400).collect();
     limits.extend((0..40).map(|_| rng.below(need + 1)));
     limits.extend([need - 1, need, need + 1]);
@@ -424,7 +423,7 @@ fn forged_kallsyms_candidates_exhaust_the_budget_cleanly() {
         .collect();
     let (blob, at) = generate(&syms, Order::V612, false, BASE);
     let tokens = &blob[at.token_table..at.offsets];
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     let mut mem = filler(&mut rng, 4 << 20);
     let copies = 24;
     for i in 0..copies {

@@ -4,13 +4,12 @@
 //! block above a per-thread limit.
 
 mod common;
-#[path = "common/synth.rs"]
-mod synth;
+use test_support::synth;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use common::Rng;
+use test_support::Rng;
 use guest_introspect::btf::{Btf, BtfError};
 use guest_introspect::kallsyms::{locate, KallsymsError, LocateStats, SymbolIndex};
 use guest_introspect::view::SegmentView;
@@ -96,7 +95,7 @@ fn the_limit_refuses_large_blocks() {
 /// heap refuses the copy, the build says so.
 #[test]
 fn a_forged_names_length_is_an_out_of_memory_error() {
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     let rb = 0xffff_ffff_8100_0000;
     let syms = random_syms(&mut rng, 300, false, rb);
     let (blob, _) = generate(&syms, Order::V612, false, rb);

@@ -5,10 +5,9 @@
 //! corruptions of each table.
 
 mod common;
-#[path = "common/synth.rs"]
-mod synth;
+use test_support::synth;
 
-use common::Rng;
+use test_support::Rng;
 use guest_introspect::kallsyms::{
     locate, AddressMode, KallsymsError, Layout, LocateStats, SymbolIndex,
 };
@@ -87,7 +86,7 @@ fn check_one(rng: &mut Rng, n: usize, order: Order, absolute_percpu: bool) {
 
 #[test]
 fn all_layouts_and_sizes() {
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     for n in [1usize, 2, 9, 255, 256, 257, 511, 512, 513, 1500] {
         for order in [
             Order::V61 { seqs: false },
@@ -105,7 +104,7 @@ fn all_layouts_and_sizes() {
 /// result, and never a panic. (Sampled: a few hundred positions.)
 #[test]
 fn corrupted_tables_never_panic() {
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     let iters = if cfg!(debug_assertions) { 150 } else { 1500 };
     for it in 0..iters {
         let n = [3usize, 300, 700][it % 3];
@@ -156,7 +155,7 @@ fn corrupted_tables_never_panic() {
 /// bounded time.
 #[test]
 fn decoy_token_tables_are_bounded() {
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     let syms = random_syms(&mut rng, 10, true, 0xffff_ffff_8100_0000);
     let (blob, at) = generate(&syms, Order::V612, true, 0xffff_ffff_8100_0000);
     let tokens = &blob[at.token_table..at.offsets];

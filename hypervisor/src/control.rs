@@ -10,12 +10,13 @@
 //! kernel, or with recovery's progress or failure.
 
 use crate::introspect::{CpuView, Introspection};
-use crate::trace::Tracer;
+use crate::machine::with_env;
 use crate::uart::Uart;
 use alloc::collections::VecDeque;
 use alloc::string::String;
 use alloc::vec::Vec;
 use hypervisor::outq::{Lane, OutQueue};
+use hypervisor::tracer::Tracer;
 use protocol::{
     Body, ChannelReport, DecodeError, ErrorKind, Event, ExitCount, Frame, FrameDecoder, GuestState,
     Request, Response, StatusReport,
@@ -278,40 +279,47 @@ impl Control {
             } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
             Request::ProbeAdd { spec } => (
                 with_kernel(src, |src, k| {
-                    src.tracer
-                        .probe_add(&spec, k, src.ept, src.rip)
+                    with_env(src.ept, |env| src.tracer.probe_add(&spec, k, env, src.rip))
                         .map(|(name, site)| Response::ProbeAdded { name, site })
                 }),
                 Action::None,
             ),
             Request::ProbeDel { name } => (
-                match src.tracer.probe_del(&name, src.ept) {
+                match with_env(src.ept, |env| src.tracer.probe_del(&name, env)) {
                     Ok(()) => Response::Ok,
-                    Err(crate::trace::ReqError { kind, message }) => Response::error(kind, message),
+                    Err(hypervisor::tracer::ReqError { kind, message }) => {
+                        Response::error(kind, message)
+                    }
                 },
                 Action::None,
             ),
             Request::ProbeList => (Response::Probes(src.tracer.probe_list()), Action::None),
             Request::FunctionAdd { glob } => (
                 with_kernel(src, |src, k| {
-                    src.tracer.function_add(&glob, k, src.ept, src.rip).map(
-                        |(traced, skipped, skipped_total)| Response::FunctionAdded {
+                    with_env(src.ept, |env| {
+                        src.tracer.function_add(&glob, k, env, src.rip)
+                    })
+                    .map(|(traced, skipped, skipped_total)| {
+                        Response::FunctionAdded {
                             traced,
                             skipped,
                             skipped_total,
-                        },
-                    )
+                        }
+                    })
                 }),
                 Action::None,
             ),
             Request::FunctionClear => {
-                src.tracer.function_clear(src.ept);
+                with_env(src.ept, |env| src.tracer.function_clear(env));
                 (Response::Ok, Action::None)
             }
             Request::GraphStart(filter) => (
                 with_kernel(src, |src, k| {
-                    src.tracer.graph_start(filter, k, src.ept, src.rip).map(
-                        |crate::trace::GraphStarted {
+                    with_env(src.ept, |env| {
+                        src.tracer.graph_start(filter, k, env, src.rip)
+                    })
+                    .map(
+                        |hypervisor::tracer::GraphStarted {
                              session,
                              hooked,
                              roots,
@@ -327,9 +335,9 @@ impl Control {
                 Action::None,
             ),
             Request::GraphStop { session } => (
-                match src.tracer.graph_stop(session, src.ept) {
+                match with_env(src.ept, |env| src.tracer.graph_stop(session, env)) {
                     Ok(()) => Response::Ok,
-                    Err(crate::trace::ReqError { kind, message }) => {
+                    Err(hypervisor::tracer::ReqError { kind, message }) => {
                         Response::Error { kind, message }
                     }
                 },
@@ -377,7 +385,7 @@ fn with_kernel(
     f: impl FnOnce(
         &mut StatusSource<'_>,
         &crate::introspect::Kernel,
-    ) -> Result<Response, crate::trace::ReqError>,
+    ) -> Result<Response, hypervisor::tracer::ReqError>,
 ) -> Response {
     if let Err(e) = src
         .introspection

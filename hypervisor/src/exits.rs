@@ -4,9 +4,9 @@
 use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
 use crate::control::{Action, Control, StatusSource};
 use crate::hvprintln;
-use crate::introspect::{CpuView, GuestRam, Introspection};
+use crate::introspect::{CpuView, GuestRam, Introspection, KernelView};
+use crate::machine::with_env;
 use crate::phys;
-use crate::trace::{Hypercall, Tracer, Violation};
 use crate::vcpu::{VmConfig, Vmcs};
 use core::fmt;
 use guest_introspect::addr::Gva as KGva;
@@ -16,6 +16,7 @@ use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
 use hypervisor::stats::ExitCounters;
 use hypervisor::task_switch::LegacyPaging;
+use hypervisor::tracer::{Hypercall, Tracer, Violation};
 use hypervisor::vmx::debug;
 use hypervisor::vmx::event::{self, Event};
 use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, RawExit, VmExit};
@@ -313,10 +314,18 @@ impl Vcpu {
 
     fn cpu_view(&self) -> Result<CpuView, VmcsError> {
         let v = &Vmcs;
+        let cpl = event::cpl_from_ss_ar(f::GUEST_SS_ACCESS_RIGHTS.read(v)?);
+        let kernel_gs_base = if cpl == 0 {
+            0
+        } else {
+            // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
+            unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) }
+        };
         Ok(CpuView {
             cr3: f::GUEST_CR3.read(v)?,
-            cpl: event::cpl_from_ss_ar(f::GUEST_SS_ACCESS_RIGHTS.read(v)?),
+            cpl,
             gs_base: f::GUEST_GS_BASE.read(v)?,
+            kernel_gs_base,
             la57: f::GUEST_CR4.read(v)? & policy::CR4_LA57 != 0,
             rsp: f::GUEST_RSP.read(v)?,
         })
@@ -332,7 +341,7 @@ impl Vcpu {
         let mut stop = false;
         let mut busy = false;
         self.last_turn = self.clock.update(insn::rdtsc());
-        self.tracer.on_turn(&self.cfg.ept);
+        with_env(&self.cfg.ept, |env| self.tracer.on_turn(env));
         if !self.tracer.wants_debug_exits() && self.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
             self.debug_exits = false;
@@ -359,8 +368,12 @@ impl Vcpu {
                 guard,
             };
             stop = c.poll(&mut src) == Action::Stop;
-            self.tracer.reap(self.introspection.kernel(), &cpu, now);
-            self.tracer.drain(c, self.introspection.kernel(), now);
+            let kernel = self.introspection.kernel().map(|k| k as &dyn KernelView);
+            self.tracer.reap(kernel, &cpu, now);
+            let kernel = self.introspection.kernel().map(|k| k as &dyn KernelView);
+            while let Some(ev) = self.tracer.next_text(c.tx_room(), kernel, now) {
+                c.send_event(ev);
+            }
             c.flush();
             busy = c.busy() || self.tracer.has_output();
         }
@@ -577,7 +590,9 @@ impl Vcpu {
             VmExit::TripleFault => Ok(Next::Stop(StopReason::TripleFault)),
             VmExit::Init => Ok(Next::Stop(StopReason::Reset)),
             VmExit::EptViolation(e) => {
-                match self.tracer.on_violation(e.gpa, e.write, &self.cfg.ept) {
+                match with_env(&self.cfg.ept, |env| {
+                    self.tracer.on_violation(e.gpa, e.write, env)
+                }) {
                     Violation::Stepping => {
                         self.clear_stale_step()?;
                         self.arm_step()
@@ -650,11 +665,11 @@ impl Vcpu {
         let rip = f::GUEST_RIP.read(&Vmcs)?;
         let cpu = self.cpu_view()?;
         let now = self.now_ns();
-        let kernel = self.introspection.kernel();
-        match self
-            .tracer
-            .hypercall(rip, &mut self.regs, &cpu, kernel, now)
-        {
+        let kernel = self.introspection.kernel().map(|k| k as &dyn KernelView);
+        let (tracer, regs) = (&mut self.tracer, &mut self.regs);
+        match with_env(&self.cfg.ept, |env| {
+            tracer.hypercall(env, rip, regs, &cpu, kernel, now)
+        }) {
             Hypercall::Handled => self.advance(),
             Hypercall::Foreign => self.inject(UD, None),
         }
@@ -691,7 +706,7 @@ impl Vcpu {
         let (stepping, guest_tf, stray) = self.tracer.debug_state();
         let act = debug::decide(qual, int1, stepping, guest_tf, stray);
         if act.end_step {
-            self.tracer.finish_step(&self.cfg.ept);
+            with_env(&self.cfg.ept, |env| self.tracer.finish_step(env));
         } else if stray && act.tf == Some(false) {
             self.tracer.clear_stray_tf();
         }

@@ -156,6 +156,39 @@ impl<R: RawMemory> GuestMemory for GuestPhys<R> {
     }
 }
 
+/// The guarded door as an object: what the tracer is handed, so that the
+/// binary's identity-mapped RAM and a test's buffer look the same to it.
+pub trait GuestDoor: GuestMemory {
+    /// Whether `[gpa, gpa + len)` is guest RAM.
+    fn is_ram(&self, gpa: u64, len: u64) -> bool;
+    /// Reads guest RAM.
+    fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<(), MemError>;
+    /// Writes guest RAM.
+    fn write(&self, gpa: u64, bytes: &[u8]) -> Result<(), MemError>;
+    /// Reads a little-endian word of guest RAM.
+    fn read_word(&self, gpa: u64) -> Result<u64, MemError> {
+        let mut b = [0u8; 8];
+        self.read(gpa, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+    /// Writes a little-endian word of guest RAM.
+    fn write_word(&self, gpa: u64, value: u64) -> Result<(), MemError> {
+        self.write(gpa, &value.to_le_bytes())
+    }
+}
+
+impl<R: RawMemory> GuestDoor for GuestPhys<R> {
+    fn is_ram(&self, gpa: u64, len: u64) -> bool {
+        GuestPhys::is_ram(self, gpa, len)
+    }
+    fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<(), MemError> {
+        GuestPhys::read(self, gpa, buf)
+    }
+    fn write(&self, gpa: u64, bytes: &[u8]) -> Result<(), MemError> {
+        GuestPhys::write(self, gpa, bytes)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -39,7 +39,9 @@ use guest_introspect::view::{ViewError, VirtMemory};
 use loader::layout::Gpa;
 use protocol::{KernelReport, SymbolInfo, TaskInfo};
 
-use x86::msr::{IA32_KERNEL_GSBASE, IA32_LSTAR};
+use x86::msr::IA32_LSTAR;
+
+pub use hypervisor::tracer::machine::{CpuView, KernelView, Running};
 /// Heap the symbol index may take at most; less when the heap has less
 /// room ([`crate::heap::room`]) when recovery starts.
 const MAX_INDEX_BYTES: usize = 10 << 20;
@@ -51,44 +53,6 @@ pub struct GuestRam;
 impl GuestMemory for GuestRam {
     fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), MemError> {
         phys::guest_ram().read_phys(gpa, buf)
-    }
-}
-
-/// The vCPU state introspection needs, read at an exit.
-#[derive(Clone, Copy, Debug)]
-pub struct CpuView {
-    pub cr3: u64,
-    /// Current privilege level (SS.DPL).
-    pub cpl: u8,
-    /// GUEST_GS_BASE from the VMCS.
-    pub gs_base: u64,
-    /// Whether the guest runs with 5-level paging (CR4.LA57).
-    pub la57: bool,
-    /// The guest's RSP at the exit.
-    pub rsp: u64,
-}
-
-impl CpuView {
-    /// The kernel's GS base: GS_BASE in kernel mode, KERNEL_GS_BASE (not
-    /// switched by VMX, so the guest's value is live) in user mode.
-    pub fn kernel_gs(&self) -> u64 {
-        if self.cpl == 0 {
-            self.gs_base
-        } else {
-            // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
-            unsafe { insn::rdmsr(IA32_KERNEL_GSBASE) }
-        }
-    }
-
-    /// The CR3 to walk kernel memory with (the kernel half of a PTI pair
-    /// when the guest was interrupted in user mode).
-    fn kernel_cr3s(&self) -> [Cr3; 2] {
-        let c = Cr3(self.cr3);
-        if self.cpl == 0 {
-            [c, c]
-        } else {
-            [c, c.pti_kernel()]
-        }
     }
 }
 
@@ -284,27 +248,6 @@ impl Introspection {
     }
 }
 
-/// The task running on a vCPU, as an event records it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Running {
-    /// Its `task_struct`'s address.
-    pub task: u64,
-    /// Its pid.
-    pub pid: i32,
-    /// Its comm, NUL-padded.
-    pub comm: [u8; 16],
-}
-
-impl Running {
-    /// What an event carries when the task is not known: no task, pid -1,
-    /// an empty comm.
-    pub const UNKNOWN: Running = Running {
-        task: 0,
-        pid: -1,
-        comm: [0; 16],
-    };
-}
-
 /// Work units in Mi, one decimal (no floating point in root).
 struct Mi(u64);
 
@@ -489,20 +432,20 @@ fn kernel_pgd(f: &KernelFacts, via: Cr3) -> Cr3 {
     }
 }
 
-impl Kernel {
+impl KernelView for Kernel {
     /// The symbol index.
-    pub fn index(&self) -> &guest_introspect::kallsyms::SymbolIndex {
+    fn index(&self) -> &guest_introspect::kallsyms::SymbolIndex {
         &self.facts.symbols
     }
 
     /// The kernel's own top-level table (`init_top_pgt`), valid for the
     /// VM's life, unlike the CR3 of whichever task recovery interrupted.
-    pub fn cr3(&self) -> Cr3 {
+    fn cr3(&self) -> Cr3 {
         self.cr3
     }
 
     /// The task running on the vCPU described by `cpu`.
-    pub fn current(&self, cpu: &CpuView) -> Option<Running> {
+    fn current(&self, cpu: &CpuView) -> Option<Running> {
         let layout = self.facts.task.as_ref().ok()?;
         let current = self.facts.current.as_ref().ok()?;
         let view = PagedView::new(&GuestRam, self.cr3);
@@ -522,7 +465,7 @@ impl Kernel {
     /// and exception stacks (read through `__per_cpu_offset`, or this
     /// vCPU's GS base on a kernel without it), and `THREAD_SIZE` for task
     /// stacks.
-    pub fn stack_map(&self, cpu: &CpuView) -> StackMap {
+    fn stack_map(&self, cpu: &CpuView) -> StackMap {
         let view = PagedView::new(&GuestRam, self.cr3);
         let mut bases = stacks::percpu_offsets(&self.facts.symbols, &view);
         if bases.is_empty() {
@@ -532,7 +475,7 @@ impl Kernel {
     }
 
     /// Logs the stack layout and the per-CPU stacks of `map`, one line.
-    pub fn log_stacks(&self, map: &StackMap) {
+    fn log_stacks(&self, map: &StackMap) {
         let l = &self.facts.stacks;
         let mut line = format!(
             "introspection: stacks: THREAD_SIZE {:#x} ({}), exception stacks ({})",
@@ -565,7 +508,7 @@ impl Kernel {
     /// clears it when a dead task's stack is freed) of the task at `task`.
     /// `None` when the guest's BTF did not give the layout, or the task is
     /// unreadable.
-    pub fn task_stack(&self, task: u64) -> Option<u64> {
+    fn task_stack(&self, task: u64) -> Option<u64> {
         let layout = self.facts.task.as_ref().ok()?;
         let off = layout.stack?;
         let view = PagedView::new(&GuestRam, self.cr3);
@@ -574,16 +517,9 @@ impl Kernel {
             .ok()?;
         Some(u64::from_le_bytes(w))
     }
+}
 
-    /// The fentry site of symbol `id`, or why it has none.
-    pub fn classify(
-        &self,
-        id: SymbolId,
-    ) -> Result<guest_introspect::fentry::FentrySite, guest_introspect::fentry::NotTraceable> {
-        let view = PagedView::new(&GuestRam, self.cr3);
-        Classifier::new(&self.facts.symbols).classify(&view, id)
-    }
-
+impl Kernel {
     /// One page of the symbols matching `glob` (and, when `kinds` is not
     /// empty, whose type letter is in it), scanning from symbol `cursor` in
     /// address order. Stops at `limit` matches or when `budget` bytes of

@@ -22,9 +22,9 @@ mod guest;
 mod heap;
 mod introspect;
 mod logger;
+mod machine;
 mod phys;
 mod rootstack;
-mod trace;
 mod uart;
 mod vcpu;
 

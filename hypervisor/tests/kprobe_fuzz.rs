@@ -11,23 +11,7 @@ use guest_introspect::addr::Gva;
 use hypervisor::kprobe::*;
 use trampolines::PtRegs;
 
-/// xorshift64*: deterministic, so a failure reproduces.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-}
+use test_support::Rng;
 
 const SEEDS: &[&str] = &[
     "p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string",
@@ -94,15 +78,15 @@ const ALPHABET: &[&str] = &[
 
 fn mutate(rng: &mut Rng, s: &str) -> String {
     let chars: Vec<char> = s.chars().collect();
-    let at = rng.below(chars.len() + 1);
+    let at = rng.index(chars.len() + 1);
     let (a, b) = chars.split_at(at);
     let a: String = a.iter().collect();
     let b: String = b.iter().collect();
-    match rng.below(7) {
+    match rng.index(7) {
         0 => format!("{a}{}{b}", rng.pick(ALPHABET)),
         1 => format!(
             "{a}{}",
-            b.chars().skip(1 + rng.below(3)).collect::<String>()
+            b.chars().skip(1 + rng.index(3)).collect::<String>()
         ),
         2 => a,
         3 => format!("{a}{a}{b}"),
@@ -111,15 +95,15 @@ fn mutate(rng: &mut Rng, s: &str) -> String {
             let cut = other
                 .char_indices()
                 .map(|(i, _)| i)
-                .nth(rng.below(other.len()))
+                .nth(rng.index(other.len()))
                 .unwrap_or(0);
             format!("{a}{}", &other[cut..])
         }
         5 => {
             let mut words: Vec<&str> = s.split(' ').collect();
             if words.len() > 1 {
-                let i = rng.below(words.len());
-                let j = rng.below(words.len());
+                let i = rng.index(words.len());
+                let j = rng.index(words.len());
                 words.swap(i, j);
             }
             words.join(" ")
@@ -193,8 +177,8 @@ fn exercise(rng: &mut Rng, p: &ProbeSpec) {
         0xffff_8880_0000_1ffc,
     ];
     for _ in 0..64 {
-        let a = rng.pick(&bases).wrapping_add(rng.below(64) as u64);
-        let v = if rng.below(2) == 0 {
+        let a = rng.pick(&bases).wrapping_add(rng.index(64) as u64);
+        let v = if rng.index(2) == 0 {
             *rng.pick(&bases)
         } else {
             rng.next() & 0xff
@@ -210,20 +194,20 @@ fn exercise(rng: &mut Rng, p: &ProbeSpec) {
         &mut regs.bp,
         &mut regs.sp,
     ] {
-        *r = match rng.below(3) {
+        *r = match rng.index(3) {
             0 => *rng.pick(&bases),
             1 => rng.next(),
             _ => 0,
         };
     }
-    let layout = if rng.below(2) == 0 {
+    let layout = if rng.index(2) == 0 {
         GuestLayout::X86_64_4LEVEL
     } else {
         GuestLayout::X86_64_5LEVEL
     };
     let ctx = FetchContext {
         regs: &regs,
-        comm: (rng.below(4) != 0).then_some(b"sh".as_slice()),
+        comm: (rng.index(4) != 0).then_some(b"sh".as_slice()),
         layout,
     };
     let values = fetch(&p.args, &ctx, &mut mem, &Syms);
@@ -232,7 +216,7 @@ fn exercise(rng: &mut Rng, p: &ProbeSpec) {
     // Ring record round trip and rendering.
     let mut ev = RawEvent {
         header: EventHeader {
-            pid: rng.below(3) as i32,
+            pid: rng.index(3) as i32,
             ip: rng.next(),
             ..Default::default()
         },
@@ -311,9 +295,9 @@ fn every_short_argument_over_the_alphabet() {
 fn random_bytes_as_records_never_panic() {
     let mut rng = Rng(42);
     for _ in 0..20_000 {
-        let len = rng.below(200);
+        let len = rng.index(200);
         let mut b: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
-        if len >= 8 && rng.below(2) == 0 {
+        if len >= 8 && rng.index(2) == 0 {
             // Plausible headers reach the value decoder.
             b[0] = EVENT_VERSION;
             let total = (len as u32) & !7;

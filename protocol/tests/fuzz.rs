@@ -63,34 +63,34 @@ const KINDS: [Garbage; 8] = [
 ];
 
 fn make_garbage(kind: Garbage, rng: &mut Rng, pool: &[Sample], out: &mut Vec<u8>) {
-    let pick = |rng: &mut Rng| &pool[rng.below(pool.len())];
+    let pick = |rng: &mut Rng| &pool[rng.index(pool.len())];
     match kind {
         Garbage::Random => {
-            let len = rng.below(64);
+            let len = rng.index(64);
             out.extend((0..len).map(|_| if rng.chance(8) { 0 } else { rng.byte() }));
         }
         Garbage::RandomNonZero => {
-            let len = rng.below(300);
+            let len = rng.index(300);
             out.extend((0..len).map(|_| rng.byte() | 1));
         }
         Garbage::BitFlips => {
             let start = out.len();
             out.extend_from_slice(&pick(rng).wire);
-            for _ in 0..1 + rng.below(4) {
-                let at = start + rng.below(out.len() - start);
-                out[at] ^= 1 << rng.below(8);
+            for _ in 0..1 + rng.index(4) {
+                let at = start + rng.index(out.len() - start);
+                out[at] ^= 1 << rng.index(8);
             }
         }
         Garbage::Prefix => {
             let w = &pick(rng).wire;
-            out.extend_from_slice(&w[..rng.below(w.len())]);
+            out.extend_from_slice(&w[..rng.index(w.len())]);
         }
         Garbage::Edits => {
             let mut w = pick(rng).wire.clone();
-            for _ in 0..1 + rng.below(3) {
-                let at = rng.below(w.len());
+            for _ in 0..1 + rng.index(3) {
+                let at = rng.index(w.len());
                 let byte = if rng.chance(4) { 0 } else { rng.byte() };
-                match rng.below(3) {
+                match rng.index(3) {
                     0 => w.insert(at, byte),
                     1 => {
                         w.remove(at);
@@ -106,44 +106,44 @@ fn make_garbage(kind: Garbage, rng: &mut Rng, pool: &[Sample], out: &mut Vec<u8>
         Garbage::Splice => {
             let a = &pick(rng).wire;
             let b = &pick(rng).wire;
-            out.extend_from_slice(&a[..rng.below(a.len())]);
-            out.extend_from_slice(&b[rng.below(b.len())..]);
+            out.extend_from_slice(&a[..rng.index(a.len())]);
+            out.extend_from_slice(&b[rng.index(b.len())..]);
         }
         Garbage::HostileBody => {
             let mut p = pick(rng).payload.clone();
             // Keep the header (version, seq): the body is what gets parsed.
-            for _ in 0..1 + rng.below(4) {
+            for _ in 0..1 + rng.index(4) {
                 let body_len = p.len() - HEADER_LEN;
                 if body_len == 0 {
                     break;
                 }
-                let at = HEADER_LEN + rng.below(body_len);
-                match rng.below(4) {
-                    0 => p[at] ^= 1 << rng.below(8),
+                let at = HEADER_LEN + rng.index(body_len);
+                match rng.index(4) {
+                    0 => p[at] ^= 1 << rng.index(8),
                     1 => p[at] = rng.byte(),
                     2 => p[at] = 0xFF, // a varint that goes on
                     _ => p.truncate(at),
                 }
             }
             if rng.chance(8) {
-                let extra = rng.below(8);
+                let extra = rng.index(8);
                 p.extend(rng.bytes(extra));
             }
             out.extend(wire_from_payload(&p));
         }
         Garbage::RandomBody => {
             let version = if rng.chance(16) {
-                rng.next_u64() as u16
+                rng.next() as u16
             } else {
                 protocol::PROTOCOL_VERSION
             };
             let mut p = version.to_le_bytes().to_vec();
-            let len = 4 + rng.below(40);
+            let len = 4 + rng.index(40);
             p.extend(rng.bytes(len));
             out.extend(wire_from_payload(&p));
         }
         Garbage::Flood => {
-            let len = MAX_WIRE_FRAME + rng.below(3 * MAX_FRAME);
+            let len = MAX_WIRE_FRAME + rng.index(3 * MAX_FRAME);
             out.extend((0..len).map(|_| rng.byte() | 0x80));
         }
     }
@@ -187,12 +187,12 @@ fn run(seed: u64, cases: u64, pool: &[Sample]) -> Stats {
         let kind = if rng.chance(2000) {
             Garbage::Flood
         } else {
-            KINDS[rng.below(KINDS.len())]
+            KINDS[rng.index(KINDS.len())]
         };
         for _ in 0..1 + usize::from(rng.chance(4)) {
             make_garbage(kind, &mut rng, pool, &mut stream);
         }
-        let good = &pool[rng.below(pool.len())];
+        let good = &pool[rng.index(pool.len())];
         stream.extend_from_slice(&good.wire);
         stats.bytes += stream.len() as u64;
 
@@ -203,7 +203,7 @@ fn run(seed: u64, cases: u64, pool: &[Sample]) -> Stats {
             let take = if rng.chance(2) {
                 rest.len()
             } else {
-                1 + rng.below(rest.len())
+                1 + rng.index(rest.len())
             };
             let (chunk, tail) = rest.split_at(take);
             rest = tail;

@@ -179,41 +179,6 @@ impl<V: VirtMemory> VirtMemory for Window<V> {
     }
 }
 
-/// A small deterministic PRNG (xorshift64*).
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-/// A seed from the clock, printed so a failure can be replayed with
-/// HVTRACE_SEED.
-pub fn seed() -> u64 {
-    let s = std::env::var("HVTRACE_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-                | 1
-        });
-    eprintln!("seed: HVTRACE_SEED={s}");
-    s
-}
-
 /// A guest's memory as the hypervisor sees it: the image's kernel-half
 /// segments copied to guest-physical `vaddr - __START_KERNEL_map`, mapped at
 /// `vaddr + slide` by 2 MiB pages in page tables of the guest's own, with

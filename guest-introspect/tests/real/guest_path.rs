@@ -5,10 +5,11 @@ use guest_introspect::facts::{discover, ranges_from_lstar};
 use guest_introspect::fentry::survey;
 use guest_introspect::Gva;
 
-use crate::common::{self, PagedGuest, Rng};
+use crate::common::{self, PagedGuest};
+use test_support::Rng;
 
 fn guest_path(img: &common::Image, r: &crate::Recovered) {
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     let slide = (1 + rng.below(400)) << 21;
     let t0 = std::time::Instant::now();
     let g = PagedGuest::new(img, slide, r.tables.relative_base_at.0);

@@ -6,7 +6,8 @@ use guest_introspect::facts::ranges_from_lstar;
 use guest_introspect::kallsyms::{locate, AddressMode, LocateStats, SymbolIndex};
 use guest_introspect::{Gva, GvaRange};
 
-use crate::common::{self, Patched, Rng};
+use crate::common::{self, Patched};
+use test_support::Rng;
 
 fn text_kind(c: char) -> bool {
     c == 't' || c == 'T'
@@ -271,12 +272,12 @@ fn slide_and_check(img: &common::Image, r: &crate::Recovered, seed: u64) {
 
 #[test]
 fn kaslr_slide_fast_lane() {
-    slide_and_check(common::fast(), crate::fast(), common::seed());
+    slide_and_check(common::fast(), crate::fast(), test_support::seed());
 }
 
 #[test]
 fn kaslr_slide_debian() {
-    slide_and_check(common::debian(), crate::debian(), common::seed());
+    slide_and_check(common::debian(), crate::debian(), test_support::seed());
 }
 
 /// The numbers for the report.

@@ -6,7 +6,8 @@ use guest_introspect::fentry::survey;
 use guest_introspect::kallsyms::{locate, LocateStats, SymbolIndex};
 use guest_introspect::{Gva, GvaRange};
 
-use crate::common::{self, Patched, Rng, Window};
+use crate::common::{self, Patched, Window};
+use test_support::Rng;
 
 fn iterations(debug: usize, release: usize) -> usize {
     if cfg!(debug_assertions) {
@@ -31,7 +32,7 @@ fn table_span() -> (u64, u64) {
 fn truncated_tables() {
     let img = common::fast();
     let (start, end) = table_span();
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     // Scan only from 1 MiB before the tables, to keep each try cheap.
     let from = start - (1 << 20);
     for _ in 0..iterations(25, 200) {
@@ -70,7 +71,7 @@ fn corrupted_tables() {
     let img = common::fast();
     let (start, end) = table_span();
     let from = start - (1 << 20);
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     let (mut found, mut built) = (0, 0);
     let n = iterations(25, 250);
     for _ in 0..n {
@@ -115,7 +116,7 @@ fn corrupted_btf() {
     let idx = &crate::debian().index;
     let at = idx.addr_of("__start_BTF").unwrap().0;
     let sec = img.elf().section(".BTF").unwrap();
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     let mut ok = 0;
     let n = iterations(6, 60);
     for _ in 0..n {
@@ -150,7 +151,7 @@ fn corrupted_btf() {
 #[test]
 fn truncated_elf() {
     let bytes = &common::fast().vmlinux;
-    let mut rng = Rng(common::seed());
+    let mut rng = Rng(test_support::seed());
     for cut in [
         0usize,
         4,

@@ -348,29 +348,7 @@ pub unsafe fn reload_segments(code: u16, data: u16) {
     }
 }
 
-/// Guest general-purpose registers that VMX does not keep in the VMCS
-/// (RSP and RIP live there). Saved and restored by [`vmx_run`].
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct GuestRegs {
-    pub rax: u64,
-    pub rbx: u64,
-    pub rcx: u64,
-    pub rdx: u64,
-    pub rsi: u64,
-    pub rdi: u64,
-    pub rbp: u64,
-    pub r8: u64,
-    pub r9: u64,
-    pub r10: u64,
-    pub r11: u64,
-    pub r12: u64,
-    pub r13: u64,
-    pub r14: u64,
-    pub r15: u64,
-}
-
-const _: () = assert!(core::mem::size_of::<GuestRegs>() == 15 * 8);
+pub use hypervisor::vmx::regs::GuestRegs;
 
 /// Outcome of one [`vmx_run`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,10 +1,18 @@
-//! The tracer's host-testable parts: the per-vCPU event ring, the site
-//! logic of the EPT split view, the function-graph return stack and the
-//! function_graph rendering. The bare-metal glue that maps the
-//! trampolines, edits EPT and serves the hypercalls is `src/trace.rs`, a
-//! module of the hypervisor binary (`src/main.rs`).
+//! The tracer: the trampoline region in the guest's kernel address space,
+//! hooked fentry sites behind an EPT split view, the entry hypercall with
+//! its kprobe, function-tracer and function-graph handlers, the event ring
+//! and its stream. It reaches root's frames, EPT and heap and the guest's
+//! memory only through [`machine::Machine`] and [`machine::Env`], and the
+//! recovered kernel through [`machine::KernelView`], so that all of it
+//! runs in host tests (`tests.rs`) as well as in VMX root.
 
+mod core;
 pub mod graph;
+pub mod machine;
 pub mod retstack;
 pub mod ring;
 pub mod site;
+#[cfg(test)]
+mod tests;
+
+pub use self::core::{GraphStarted, Hypercall, ReqError, Tracer, Violation};

@@ -6,3 +6,4 @@ pub mod debug;
 pub mod event;
 pub mod exit;
 pub mod fields;
+pub mod regs;

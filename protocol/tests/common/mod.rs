@@ -7,53 +7,7 @@ use protocol::{
     TaskInfo, TraceFormat, PROTOCOL_VERSION,
 };
 
-/// xorshift64* (Marsaglia; Vigna's multiplier): plenty for test inputs.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        // A zero state would stay zero.
-        Rng((seed ^ 0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// Uniform enough in `0..n` (n > 0).
-    pub fn below(&mut self, n: usize) -> usize {
-        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
-    }
-
-    pub fn byte(&mut self) -> u8 {
-        (self.next_u64() >> 56) as u8
-    }
-
-    pub fn chance(&mut self, one_in: usize) -> bool {
-        self.below(one_in) == 0
-    }
-
-    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
-        (0..len).map(|_| self.byte()).collect()
-    }
-
-    pub fn text_upto(&mut self, max: usize) -> String {
-        let len = self.below(max);
-        self.text(len)
-    }
-
-    pub fn text(&mut self, len: usize) -> String {
-        const CHARS: &[u8] = b"abcdefghijklmnopqrstuvwxyz_0123456789 ";
-        (0..len)
-            .map(|_| CHARS[self.below(CHARS.len())] as char)
-            .collect()
-    }
-}
+pub use test_support::Rng;
 
 /// A status report shaped like a real one: a dozen exit reasons.
 pub fn status_report() -> StatusReport {
@@ -238,29 +192,29 @@ pub fn sample_bodies() -> Vec<Body> {
 
 /// A random frame whose payload fits in `MAX_FRAME`.
 pub fn random_frame(rng: &mut Rng) -> Frame {
-    let seq = rng.next_u64() as u32;
-    let body = match rng.below(8) {
+    let seq = rng.next() as u32;
+    let body = match rng.index(8) {
         0 => Body::Request(Request::Ping {
-            nonce: rng.next_u64(),
+            nonce: rng.next(),
         }),
         1 => Body::Request(Request::ProbeAdd {
             spec: rng.text_upto(80),
         }),
         2 => Body::Response(Response::Pong {
-            nonce: rng.next_u64(),
+            nonce: rng.next(),
         }),
         3 => Body::Response(Response::error(ErrorKind::NotFound, rng.text_upto(60))),
         4 => Body::Event(Event::Log {
             text: rng.text_upto(120),
         }),
         5 => Body::Event(Event::Lost {
-            count: rng.next_u64() >> rng.below(64),
+            count: rng.next() >> rng.index(64),
         }),
         6 => {
-            let len = rng.below(600);
+            let len = rng.index(600);
             Body::Event(Event::Trace {
-                cpu: rng.below(4) as u32,
-                timestamp_ns: rng.next_u64(),
+                cpu: rng.index(4) as u32,
+                timestamp_ns: rng.next(),
                 payload: rng.bytes(len),
             })
         }

@@ -1,8 +1,6 @@
 //! Synthetic kernel pieces for the tests: BTF blobs built type by type,
 //! and kallsyms tables laid out the way scripts/kallsyms.c lays them out.
-#![allow(dead_code)]
-
-use crate::common::Rng;
+use crate::Rng;
 use guest_introspect::btf::{Kind, BTF_MAGIC};
 
 // BTF
@@ -27,6 +25,12 @@ pub fn m(name: &str, ty: u32, byte_off: u32) -> M<'_> {
         ty,
         bit_off: byte_off * 8,
         bits: 0,
+    }
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

@@ -28,11 +28,19 @@
 //! page mapped to a scratch frame: writes are discarded, reads see 0xCC, and
 //! the guest keeps running.
 
-use crate::arch::instructions as insn;
-use crate::frames::{self, PoolTables};
-use crate::heap;
-use crate::introspect::{CpuView, GuestRam, Kernel, Running};
-use crate::phys;
+use super::graph::{self as graph_fmt, GraphEventId, GraphKind, GraphText};
+use super::machine::{CpuView, Env, KernelView, Running};
+use super::retstack::{PopResult, PushError, RetStack, MAX_USERS};
+use super::ring::EventRing;
+use super::site::{self, Patch, PatchError, PAGE_SIZE};
+use crate::addr::{Gpa, Hpa};
+use crate::ept;
+use crate::guest_phys::GuestDoor;
+use crate::kprobe::{
+    self, Command, EventHeader, FetchContext, GuestLayout, GuestMem, IndexSymbols, MemFault,
+    ProbeSpec, RawEvent,
+};
+use crate::vmx::regs::GuestRegs;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
 use alloc::string::{String, ToString};
@@ -44,16 +52,6 @@ use guest_introspect::fentry::Classifier;
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::StackMap;
 use guest_introspect::view::PagedView;
-use hypervisor::addr::{Gpa, Hpa};
-use hypervisor::ept::{self, Ept, MemType};
-use hypervisor::kprobe::{
-    self, Command, EventHeader, FetchContext, GuestLayout, GuestMem, IndexSymbols, MemFault,
-    ProbeSpec, RawEvent,
-};
-use hypervisor::tracer::graph::{self as graph_fmt, GraphEventId, GraphKind, GraphText};
-use hypervisor::tracer::retstack::{PopResult, PushError, RetStack, MAX_USERS};
-use hypervisor::tracer::ring::EventRing;
-use hypervisor::tracer::site::{self, Patch, PatchError, PAGE_SIZE};
 use protocol::{ErrorKind, GraphFilter, ProbeInfo, TraceFormat, TracerReport};
 use trampolines::patch::SITE_LEN;
 use trampolines::{HypercallMode, PtRegs, TrampolineRegion};
@@ -79,7 +77,7 @@ const STACK_FRAMES: u32 = 32;
 /// Most frames a session may ask for per stack.
 const MAX_STACK_FRAMES: u32 = 256;
 /// Words of a frame without data: the frame and its tag.
-const FRAME_TAGGED: usize = hypervisor::tracer::retstack::FRAME_WORDS + 1;
+const FRAME_TAGGED: usize = super::retstack::FRAME_WORDS + 1;
 /// Kernel stacks tracked at most; calls on more are not hijacked (misses).
 const MAX_STACKS: usize = 4096;
 /// Hypervisor heap the return stacks may hold at most, were they all full:
@@ -167,13 +165,13 @@ pub struct GraphStarted {
 }
 
 /// The request error for a refused allocation of `what`.
-fn out_of_memory(what: &str, e: OutOfMemory) -> ReqError {
+fn out_of_memory(env: &Env<'_>, what: &str, e: OutOfMemory) -> ReqError {
     ReqError::new(
         ErrorKind::OutOfResources,
         format!(
             "out of hypervisor memory: {what} needs {} bytes ({} KiB of the heap free beyond its reserve)",
             e.bytes,
-            heap::room() >> 10
+            env.m.heap_room() >> 10
         ),
     )
 }
@@ -193,8 +191,13 @@ fn retire(retired: &mut Vec<(u32, u8, GraphText)>, r: (u32, u8, GraphText)) {
 
 /// A map of guest sites (site -> function) for a request, at most
 /// [`MAX_SITES`] entries and within the heap's room.
-fn insert_site(map: &mut BTreeMap<u64, u64>, site: u64, func: u64) -> Result<(), OutOfMemory> {
-    heap::check(btree_entry_bytes::<u64, u64>())?;
+fn insert_site(
+    env: &Env<'_>,
+    map: &mut BTreeMap<u64, u64>,
+    site: u64,
+    func: u64,
+) -> Result<(), OutOfMemory> {
+    env.m.heap_check(btree_entry_bytes::<u64, u64>())?;
     fallible::try_insert(map, site, func, MAX_SITES).map(|_| ())
 }
 
@@ -376,38 +379,29 @@ impl Default for Tracer {
 }
 
 /// Guest-virtual memory through the vCPU's page tables.
-struct VcpuMem {
+struct VcpuMem<'a> {
+    ram: &'a dyn GuestDoor,
     cr3: Cr3,
 }
 
-impl GuestMem for VcpuMem {
+impl GuestMem for VcpuMem<'_> {
     fn read(&mut self, gva: KGva, buf: &mut [u8]) -> Result<(), MemFault> {
-        paging::read_virt(&GuestRam, self.cr3, gva, buf).map_err(|_| MemFault)
+        paging::read_virt(self.ram, self.cr3, gva, buf).map_err(|_| MemFault)
     }
 }
 
 /// Points the EPT entry of guest page `page` at `hpa` with `perms`. A
 /// failure (EPT tables exhausted) leaves the old entry, which is safe: the
 /// page keeps its previous view.
-fn remap(ept: &Ept, page: u64, hpa: Hpa, perms: u64) {
-    if let Err(e) = ept.map_page(&mut PoolTables, Gpa(page), hpa, perms, MemType::WriteBack) {
+fn remap(env: &mut Env<'_>, page: u64, hpa: Hpa, perms: u64) {
+    if let Err(e) = env.m.ept_map(Gpa(page), hpa, perms) {
         log::warn!("tracer: EPT entry of {page:#x} not changed: {e:?}");
     }
 }
 
-fn invept(ept: &Ept) {
-    if insn::invept_single(ept.eptp()).is_err() {
-        log::warn!("INVEPT failed");
-    }
-}
-
-fn page_bytes(gpa: u64) -> Option<[u8; PAGE_SIZE]> {
+fn page_bytes(ram: &dyn GuestDoor, gpa: u64) -> Option<[u8; PAGE_SIZE]> {
     let mut b = [0u8; PAGE_SIZE];
-    phys::guest_ram().read(gpa, &mut b).ok().map(|()| b)
-}
-
-fn read_u64_phys(gpa: u64) -> Option<u64> {
-    phys::guest_ram().read_u64(gpa).ok()
+    ram.read(gpa, &mut b).ok().map(|()| b)
 }
 
 fn in_hypervisor(gpa: u64) -> bool {
@@ -468,18 +462,21 @@ impl Tracer {
 
     // ----- the region -------------------------------------------------
 
-    fn ensure_region(&mut self, k: &Kernel, ept: &Ept) -> Result<(), ReqError> {
+    fn ensure_region(&mut self, k: &dyn KernelView, env: &mut Env<'_>) -> Result<(), ReqError> {
         if self.region.is_some() {
             return Ok(());
         }
         let internal = |m: String| ReqError::new(ErrorKind::Internal, m);
         let cr3 = k.cr3();
-        let pml4e = read_u64_phys(cr3.pml4().0 + PML4_KERNEL * 8).unwrap_or(0);
+        let pml4e = env
+            .ram
+            .read_word(cr3.pml4().0 + PML4_KERNEL * 8)
+            .unwrap_or(0);
         if pml4e & PTE_P == 0 || pml4e & PTE_PS != 0 {
             return Err(internal(format!("unexpected kernel PML4 entry {pml4e:#x}")));
         }
         let pdpt = pml4e & paging::ADDR_MASK;
-        let pdpte = read_u64_phys(pdpt + PDPT_KERNEL_IMAGE * 8).unwrap_or(0);
+        let pdpte = env.ram.read_word(pdpt + PDPT_KERNEL_IMAGE * 8).unwrap_or(0);
         if pdpte & PTE_P == 0 || pdpte & PTE_PS != 0 {
             return Err(internal(format!(
                 "unexpected kernel-image PDPT entry {pdpte:#x}"
@@ -489,7 +486,7 @@ impl Tracer {
         // The table is the guest's: it must be a page of guest RAM, or we
         // would write our entry into (and map read+execute) whatever page
         // a forged PDPT entry names, hypervisor memory or MMIO included.
-        if !phys::guest_ram().is_ram(pd, PAGE_SIZE as u64) {
+        if !env.ram.is_ram(pd, PAGE_SIZE as u64) {
             return Err(internal(format!(
                 "the kernel-image page directory at {pd:#x} is not guest RAM"
             )));
@@ -497,44 +494,45 @@ impl Tracer {
         // The highest free 2 MiB slot: above the kernel's image and brk.
         let slot = (0..512u64)
             .rev()
-            .find(|i| read_u64_phys(pd + i * 8).is_some_and(|e| e & PTE_P == 0))
+            .find(|i| env.ram.read_word(pd + i * 8).is_ok_and(|e| e & PTE_P == 0))
             .ok_or_else(|| internal("no free slot in the kernel-image mapping".into()))?;
         let base = KERNEL_MAP + slot * (2 << 20);
         let tramp = TrampolineRegion::build(trampolines::Gva(base), HypercallMode::Vmcall)
             .map_err(|e| internal(format!("trampolines: {e:?}")))?;
-        let code = frames::alloc().ok_or_else(|| {
+        let code = env.m.alloc_frame().ok_or_else(|| {
             ReqError::new(
                 ErrorKind::OutOfResources,
                 "no hypervisor memory for the trampolines".to_string(),
             )
         })?;
-        let table = frames::alloc().ok_or_else(|| {
+        let table = env.m.alloc_frame().ok_or_else(|| {
             ReqError::new(
                 ErrorKind::OutOfResources,
                 "no hypervisor memory for the trampolines".to_string(),
             )
         })?;
-        // SAFETY: `code` and `table` are fresh pool frames owned here.
-        unsafe {
-            phys::frame_bytes_mut(code).copy_from_slice(tramp.bytes());
-            // Present, read-only, supervisor, global, executable; A preset so
-            // the CPU never needs to write the (EPT read-only) table.
-            phys::frame_mut(table)[0] = code.0 | PTE_P | PTE_A | PTE_G;
-        }
-        let map = |gpa: Hpa, perms| {
-            ept.map_page(&mut PoolTables, Gpa(gpa.0), gpa, perms, MemType::WriteBack)
+        env.m.frame(code).copy_from_slice(tramp.bytes());
+        // Present, read-only, supervisor, global, executable; A preset so
+        // the CPU never needs to write the (EPT read-only) table.
+        let pte = code.0 | PTE_P | PTE_A | PTE_G;
+        let t = env.m.frame(table);
+        t.fill(0);
+        t[..8].copy_from_slice(&pte.to_le_bytes());
+        let map = |env: &mut Env<'_>, gpa: Hpa, perms| {
+            env.m
+                .ept_map(Gpa(gpa.0), gpa, perms)
                 .map_err(|e| internal(format!("EPT: {e:?}")))
         };
-        map(code, ept::READ | ept::EXEC)?;
-        map(table, ept::READ)?;
-        invept(ept);
+        map(env, code, ept::READ | ept::EXEC)?;
+        map(env, table, ept::READ)?;
+        env.m.invept();
         let pde = table.0 | PTE_P | PTE_RW | PTE_A;
         let pde_gpa = pd + slot * 8;
-        phys::guest_ram()
-            .write_u64(pde_gpa, pde)
+        env.ram
+            .write_word(pde_gpa, pde)
             .map_err(|e| internal(format!("writing the trampolines' PDE: {e}")))?;
-        map(Hpa(pd), ept::READ | ept::EXEC)?;
-        invept(ept);
+        map(env, Hpa(pd), ept::READ | ept::EXEC)?;
+        env.m.invept();
         log::info!(
             "tracer: trampolines at {base:#x} (PD slot {slot}, code frame {:#x}, entry {} bytes)",
             code.0,
@@ -551,22 +549,22 @@ impl Tracer {
 
     /// Called on every timer turn: keeps the region mapped, and ends steps
     /// that did not finish.
-    pub fn on_turn(&mut self, ept: &Ept) {
-        self.check_pde();
+    pub fn on_turn(&mut self, env: &mut Env<'_>) {
+        self.check_pde(env);
         if let Some(s) = self.step.as_mut() {
             s.turns += 1;
             if s.turns > STEP_TIMEOUT_TURNS {
-                self.end_step(ept);
+                self.end_step(env);
                 self.stray_tf = true;
             }
         }
     }
 
     /// Puts our PDE back if the guest changed it.
-    fn check_pde(&mut self) {
+    fn check_pde(&mut self, env: &mut Env<'_>) {
         if let Some(r) = &self.region {
-            if read_u64_phys(r.pde_gpa) != Some(r.pde) {
-                let _ = phys::guest_ram().write_u64(r.pde_gpa, r.pde);
+            if env.ram.read_word(r.pde_gpa).ok() != Some(r.pde) {
+                let _ = env.ram.write_word(r.pde_gpa, r.pde);
                 self.stats.region_restores += 1;
                 log::warn!("tracer: the guest changed the trampolines' PDE; restored");
             }
@@ -575,17 +573,17 @@ impl Tracer {
 
     // ----- sites -------------------------------------------------------
 
-    fn alloc_shadow(&mut self) -> Result<Hpa, PatchError> {
+    fn alloc_shadow(&mut self, env: &mut Env<'_>) -> Result<Hpa, PatchError> {
         if let Some(f) = self.free_shadows.pop() {
             return Ok(f);
         }
-        let left = loader::layout::HV_RESERVED_SIZE.saturating_sub(frames::used());
+        let left = env.m.frames_free();
         if left < FRAME_RESERVE {
             return Err(PatchError::Perm(
                 "hypervisor memory for shadow pages is exhausted",
             ));
         }
-        frames::alloc().ok_or(PatchError::Perm(
+        env.m.alloc_frame().ok_or(PatchError::Perm(
             "hypervisor memory for shadow pages is exhausted",
         ))
     }
@@ -593,8 +591,8 @@ impl Tracer {
     /// Hooks the fentry site `site` of function `func` (no-op if hooked).
     fn hook(
         &mut self,
-        k: &Kernel,
-        ept: &Ept,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
         site: u64,
         func: u64,
         rip: u64,
@@ -607,7 +605,7 @@ impl Tracer {
         if self.sites.len() >= MAX_SITES {
             return Err(PatchError::Perm("the table of hooked sites is full"));
         }
-        if heap::check(SITE_BYTES).is_err() {
+        if env.m.heap_check(SITE_BYTES).is_err() {
             return Err(PatchError::Perm(
                 "out of hypervisor memory for the table of hooked sites",
             ));
@@ -621,7 +619,7 @@ impl Tracer {
         if site::rip_inside(trampolines::Gva(site), rip) {
             return Err(PatchError::Busy);
         }
-        let t = paging::translate(&GuestRam, k.cr3(), KGva(site)).map_err(|_| PatchError::Fault)?;
+        let t = paging::translate(env.ram, k.cr3(), KGva(site)).map_err(|_| PatchError::Fault)?;
         let gpa = t.gpa.0;
         if in_hypervisor(gpa) {
             return Err(PatchError::Perm("the site is not in guest memory"));
@@ -629,7 +627,7 @@ impl Tracer {
         let page = gpa & !(PAGE_SIZE as u64 - 1);
         let offset = (gpa - page) as usize;
         let mut guest = [0u8; SITE_LEN];
-        if phys::guest_ram().read(gpa, &mut guest).is_err() {
+        if env.ram.read(gpa, &mut guest).is_err() {
             return Err(PatchError::Fault);
         }
         site::check_guest_site(trampolines::Gva(site), &guest)?;
@@ -639,13 +637,12 @@ impl Tracer {
             .map_err(|_| PatchError::Perm("the trampolines are out of reach of a call"))?;
         let new_page = !self.pages.contains_key(&page);
         if new_page {
-            let shadow = self.alloc_shadow()?;
-            let Some(orig) = page_bytes(page) else {
+            let shadow = self.alloc_shadow(env)?;
+            let Some(orig) = page_bytes(env.ram, page) else {
                 self.free_shadows.push(shadow);
                 return Err(PatchError::Fault);
             };
-            // SAFETY: `shadow` is a pool frame this page alone owns.
-            unsafe { phys::frame_bytes_mut(shadow) }.copy_from_slice(&orig);
+            env.m.frame(shadow).copy_from_slice(&orig);
             self.pages.insert(
                 page,
                 Hooked {
@@ -669,8 +666,7 @@ impl Tracer {
         }
         // The shadow holds the guest's bytes here (copied, or re-synced on
         // the guest's last write): check them, then write ours.
-        // SAFETY: the shadow frame belongs to this hooked page alone.
-        let shadow = unsafe { phys::frame_bytes_mut(h.shadow) };
+        let shadow = env.m.frame(h.shadow);
         site::write_checked(shadow, offset, &guest, &ours)?;
         h.patches.push(Patch {
             offset: offset as u16,
@@ -679,13 +675,7 @@ impl Tracer {
             guest,
         });
         if new_page {
-            if let Err(e) = ept.map_page(
-                &mut PoolTables,
-                Gpa(page),
-                h.shadow,
-                ept::EXEC,
-                MemType::WriteBack,
-            ) {
+            if let Err(e) = env.m.ept_map(Gpa(page), h.shadow, ept::EXEC) {
                 log::warn!("tracer: EPT map of {page:#x} failed: {e:?}");
                 // Nothing maps the shadow: give it back with the page.
                 if let Some(h) = self.pages.remove(&page) {
@@ -710,7 +700,7 @@ impl Tracer {
     }
 
     /// Removes our patch from `site` if nothing uses it any more.
-    fn unhook_if_unused(&mut self, ept: &Ept, site: u64) {
+    fn unhook_if_unused(&mut self, env: &mut Env<'_>, site: u64) {
         let Some(u) = self.sites.get(&site) else {
             return;
         };
@@ -724,8 +714,7 @@ impl Tracer {
         };
         if let Some(i) = h.patches.iter().position(|p| p.site.0 == site) {
             let p = h.patches.swap_remove(i);
-            // SAFETY: the shadow frame belongs to this hooked page alone.
-            let shadow = unsafe { phys::frame_bytes_mut(h.shadow) };
+            let shadow = env.m.frame(h.shadow);
             if let Err(e) = site::write_checked(shadow, p.offset as usize, &p.ours, &p.guest) {
                 log::warn!("tracer: unpatching {site:#x}: {e}");
             }
@@ -733,7 +722,7 @@ impl Tracer {
         if h.patches.is_empty() {
             let shadow = h.shadow;
             self.pages.remove(&page);
-            remap(ept, page, Hpa(page), ept::RWX);
+            remap(env, page, Hpa(page), ept::RWX);
             self.free_shadows.push(shadow);
         }
         // The caller flushes EPT once for the whole request.
@@ -745,8 +734,8 @@ impl Tracer {
     pub fn probe_add(
         &mut self,
         text: &str,
-        k: &Kernel,
-        ept: &Ept,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
         rip: u64,
     ) -> Result<(String, u64), ReqError> {
         let mut spec = match kprobe::parse(text) {
@@ -775,7 +764,7 @@ impl Tracer {
                 format!("at most {MAX_PROBES} probes; delete one first"),
             ));
         }
-        fallible::try_grow(&mut self.probes, 1).map_err(|e| out_of_memory("a probe", e))?;
+        fallible::try_grow(&mut self.probes, 1).map_err(|e| out_of_memory(env, "a probe", e))?;
         let syms = IndexSymbols(k.index());
         spec.resolve_symbols(&syms).map_err(|name| {
             ReqError::new(
@@ -789,16 +778,19 @@ impl Tracer {
                 format!("function {} is not in the guest's kallsyms", spec.symbol),
             )
         })?;
-        let fs = k.classify(id).map_err(|e| {
-            ReqError::new(
-                ErrorKind::InvalidArgument,
-                format!("{} cannot be probed: {e}", spec.symbol),
-            )
-        })?;
-        self.ensure_region(k, ept)?;
+        let view = PagedView::new(env.ram, k.cr3());
+        let fs = Classifier::new(k.index())
+            .classify(&view, id)
+            .map_err(|e| {
+                ReqError::new(
+                    ErrorKind::InvalidArgument,
+                    format!("{} cannot be probed: {e}", spec.symbol),
+                )
+            })?;
+        self.ensure_region(k, env)?;
         let site = fs.site.0;
-        let hooked = self.hook(k, ept, site, fs.func.0, rip);
-        invept(ept);
+        let hooked = self.hook(k, env, site, fs.func.0, rip);
+        env.m.invept();
         hooked.map_err(|e| {
             ReqError::new(
                 ErrorKind::InvalidArgument,
@@ -815,9 +807,9 @@ impl Tracer {
         };
         if let Err(e) = pushed {
             // A site hooked for this probe alone goes again.
-            self.unhook_if_unused(ept, site);
-            invept(ept);
-            return Err(out_of_memory("the probe's site", e));
+            self.unhook_if_unused(env, site);
+            env.m.invept();
+            return Err(out_of_memory(env, "the probe's site", e));
         }
         self.next_id += 1;
         let name = format!("{}/{}", spec.group, spec.event);
@@ -833,7 +825,7 @@ impl Tracer {
     }
 
     /// `probe del NAME` (`EVENT` or `GROUP/EVENT`).
-    pub fn probe_del(&mut self, name: &str, ept: &Ept) -> Result<(), ReqError> {
+    pub fn probe_del(&mut self, name: &str, env: &mut Env<'_>) -> Result<(), ReqError> {
         let (group, event) = match name.split_once('/') {
             Some((g, e)) => (Some(g), e),
             None => (None, name),
@@ -853,8 +845,8 @@ impl Tracer {
             u.probes.retain(|&x| x != p.id);
             u.retprobes.retain(|&x| x != u64::from(p.id));
         }
-        self.unhook_if_unused(ept, p.site);
-        invept(ept);
+        self.unhook_if_unused(env, p.site);
+        env.m.invept();
         Ok(())
     }
 
@@ -878,20 +870,20 @@ impl Tracer {
     pub fn function_add(
         &mut self,
         glob: &str,
-        k: &Kernel,
-        ept: &Ept,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
         rip: u64,
     ) -> Result<(u32, Vec<String>, u32), ReqError> {
-        self.ensure_region(k, ept)?;
+        self.ensure_region(k, env)?;
         let index = k.index();
-        let view = PagedView::new(&GuestRam, k.cr3());
+        let view = PagedView::new(env.ram, k.cr3());
         let classifier = Classifier::new(index);
         let mut traced = 0u32;
         let mut skipped = Vec::new();
         let mut skipped_total = 0u32;
         let mut seen = alloc::collections::BTreeSet::new();
         let ids = fallible::try_collect(index.glob(glob))
-            .map_err(|e| out_of_memory("the list of matching symbols", e))?;
+            .map_err(|e| out_of_memory(env, "the list of matching symbols", e))?;
         for id in ids {
             let Ok(fs) = classifier.classify(&view, id) else {
                 continue; // not traceable: not a match for the tracer
@@ -901,7 +893,8 @@ impl Tracer {
             }
             // The set cannot reserve: past the site table's bound (or the
             // heap's room) the rest could not be hooked anyway.
-            if seen.len() >= MAX_SITES || heap::check(btree_entry_bytes::<u64, ()>()).is_err() {
+            if seen.len() >= MAX_SITES || env.m.heap_check(btree_entry_bytes::<u64, ()>()).is_err()
+            {
                 skipped_total += 1;
                 if skipped.len() < 8 {
                     skipped.push(format!(
@@ -912,7 +905,7 @@ impl Tracer {
                 continue;
             }
             seen.insert(fs.site.0);
-            match self.hook(k, ept, fs.site.0, fs.func.0, rip) {
+            match self.hook(k, env, fs.site.0, fs.func.0, rip) {
                 Ok(()) => {
                     if let Some(u) = self.sites.get_mut(&fs.site.0) {
                         if !u.function {
@@ -930,14 +923,14 @@ impl Tracer {
                 }
             }
         }
-        invept(ept);
+        env.m.invept();
         log::info!("tracer: function tracer on {glob}: {traced} traced, {skipped_total} skipped");
         Ok((traced, skipped, skipped_total))
     }
 
     /// Removes the function tracer everywhere.
-    pub fn function_clear(&mut self, ept: &Ept) {
-        self.release_sites(ept, |u| core::mem::take(&mut u.function));
+    pub fn function_clear(&mut self, env: &mut Env<'_>) {
+        self.release_sites(env, |u| core::mem::take(&mut u.function));
         self.functions = 0;
     }
 
@@ -945,19 +938,19 @@ impl Tracer {
     /// the site had that user) and unhooks the sites nothing else uses.
     /// A release never allocates: the sites to unhook are taken a fixed
     /// batch at a time.
-    fn release_sites(&mut self, ept: &Ept, mut release: impl FnMut(&mut SiteUse) -> bool) {
+    fn release_sites(&mut self, env: &mut Env<'_>, mut release: impl FnMut(&mut SiteUse) -> bool) {
         let mut any = false;
         for u in self.sites.values_mut() {
             any |= release(u);
         }
         if any {
-            self.unhook_unused(ept);
+            self.unhook_unused(env);
         }
-        invept(ept);
+        env.m.invept();
     }
 
     /// Unhooks every site nothing uses any more.
-    fn unhook_unused(&mut self, ept: &Ept) {
+    fn unhook_unused(&mut self, env: &mut Env<'_>) {
         let mut from = 0u64;
         loop {
             let mut batch = [0u64; RELEASE_BATCH];
@@ -974,7 +967,7 @@ impl Tracer {
                 }
             }
             for &s in &batch[..n] {
-                self.unhook_if_unused(ept, s);
+                self.unhook_if_unused(env, s);
             }
             match next {
                 Some(s) => from = s,
@@ -1016,10 +1009,11 @@ impl Tracer {
     /// A VMCALL at guest `rip` in ring `cpl`.
     pub fn hypercall(
         &mut self,
+        env: &mut Env<'_>,
         rip: u64,
-        regs: &mut crate::arch::instructions::GuestRegs,
+        regs: &mut GuestRegs,
         cpu: &CpuView,
-        kernel: Option<&Kernel>,
+        kernel: Option<&dyn KernelView>,
         now_ns: u64,
     ) -> Hypercall {
         let Some(region) = &self.region else {
@@ -1036,7 +1030,7 @@ impl Tracer {
                 if regs.rax == u64::from(trampolines::abi::HYPERCALL_ENTRY) =>
             {
                 regs.rax = match kernel {
-                    Some(k) => self.on_entry(regs.rdi, regs.rsi, cpu, k, now_ns),
+                    Some(k) => self.on_entry(env, regs.rdi, regs.rsi, cpu, k, now_ns),
                     None => 0,
                 };
                 Hypercall::Handled
@@ -1044,7 +1038,7 @@ impl Tracer {
             Some(trampolines::Hypercall::Return)
                 if regs.rax == u64::from(trampolines::abi::HYPERCALL_RETURN) =>
             {
-                match self.graph_return(regs, cpu, kernel, now_ns) {
+                match self.graph_return(env, regs, cpu, kernel, now_ns) {
                     Some(ret) => {
                         regs.rax = ret;
                         Hypercall::Handled
@@ -1071,8 +1065,8 @@ impl Tracer {
     pub fn graph_start(
         &mut self,
         filter: GraphFilter,
-        k: &Kernel,
-        ept: &Ept,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
         rip: u64,
     ) -> Result<GraphStarted, ReqError> {
         let Some(user) = (1..MAX_USERS).find(|&u| self.sessions[u].is_none()) else {
@@ -1105,22 +1099,22 @@ impl Tracer {
             }
             n => n,
         };
-        self.ensure_region(k, ept)?;
+        self.ensure_region(k, env)?;
         self.stack_frames = frames;
         let index = k.index();
-        let view = PagedView::new(&GuestRam, k.cr3());
+        let view = PagedView::new(env.ram, k.cr3());
         let classifier = Classifier::new(index);
         let site_of = |id| classifier.classify(&view, id).ok();
         // Each set is bounded ([`MAX_SITES`]) and checked against the
         // heap's room entry by entry: the globs are the host's, the
         // symbols the guest's.
-        let oom = |e| out_of_memory("the function-graph session's sets", e);
+        let oom = |e| out_of_memory(env, "the function-graph session's sets", e);
         let sites_of = |globs: &[String]| -> Result<BTreeMap<u64, u64>, ReqError> {
             let mut out = BTreeMap::new();
             for g in globs {
                 for id in index.glob(g) {
                     if let Some(fs) = site_of(id) {
-                        insert_site(&mut out, fs.site.0, fs.func.0).map_err(oom)?;
+                        insert_site(env, &mut out, fs.site.0, fs.func.0).map_err(oom)?;
                     }
                 }
             }
@@ -1133,9 +1127,11 @@ impl Tracer {
         let mut wanted = BTreeMap::new();
         for (site, func) in sites_of(&filter.functions)? {
             if !notrace.contains_key(&site) {
-                heap::check(btree_entry_bytes::<u64, ()>()).map_err(oom)?;
+                env.m
+                    .heap_check(btree_entry_bytes::<u64, ()>())
+                    .map_err(oom)?;
                 roots.insert(func);
-                insert_site(&mut wanted, site, func).map_err(oom)?;
+                insert_site(env, &mut wanted, site, func).map_err(oom)?;
             }
         }
         if !filter.functions.is_empty() && roots.is_empty() {
@@ -1155,25 +1151,26 @@ impl Tracer {
         };
         for (site, func) in sites_of(trace)? {
             if !notrace.contains_key(&site) {
-                insert_site(&mut wanted, site, func).map_err(oom)?;
+                insert_site(env, &mut wanted, site, func).map_err(oom)?;
             }
         }
         // A set_graph_notrace function is hooked even outside the trace
         // set: its frame is what hides its callees.
         for (&site, &func) in &graph_notrace {
-            insert_site(&mut wanted, site, func).map_err(oom)?;
+            insert_site(env, &mut wanted, site, func).map_err(oom)?;
         }
         // The session keeps the graph_notrace functions as a set.
-        heap::check(
-            graph_notrace
-                .len()
-                .saturating_mul(btree_entry_bytes::<u64, ()>()),
-        )
-        .map_err(oom)?;
+        env.m
+            .heap_check(
+                graph_notrace
+                    .len()
+                    .saturating_mul(btree_entry_bytes::<u64, ()>()),
+            )
+            .map_err(oom)?;
         let bit = 1u16 << user;
         let (mut hooked, mut skipped) = (0u32, 0u32);
         for (site, func) in wanted {
-            match self.hook(k, ept, site, func, rip) {
+            match self.hook(k, env, site, func, rip) {
                 Ok(()) => {
                     if let Some(u) = self.sites.get_mut(&site) {
                         u.graph |= bit;
@@ -1183,7 +1180,7 @@ impl Tracer {
                 Err(_) => skipped += 1,
             }
         }
-        invept(ept);
+        env.m.invept();
         let n_roots = roots.len() as u32;
         log::info!(
             "tracer: graph session {user}: {hooked} functions hooked, {n_roots} roots, {skipped} skipped"
@@ -1205,7 +1202,7 @@ impl Tracer {
 
     /// `GraphStop`: session `session` (`None`: every session) hijacks no
     /// new calls; frames in flight stay and still return through us.
-    pub fn graph_stop(&mut self, session: Option<u32>, ept: &Ept) -> Result<(), ReqError> {
+    pub fn graph_stop(&mut self, session: Option<u32>, env: &mut Env<'_>) -> Result<(), ReqError> {
         let users: Vec<usize> = match session {
             None => (1..MAX_USERS)
                 .filter(|&u| self.sessions[u].is_some())
@@ -1235,7 +1232,7 @@ impl Tracer {
             t.st.clear_users(mask);
         }
         if mask != 0 {
-            self.release_sites(ept, |s| {
+            self.release_sites(env, |s| {
                 let had = s.graph & mask != 0;
                 s.graph &= !mask;
                 had
@@ -1249,6 +1246,7 @@ impl Tracer {
     #[allow(clippy::too_many_arguments)]
     fn graph_enter(
         &mut self,
+        env: &mut Env<'_>,
         sessions: u16,
         retprobes: &[u64],
         func: u64,
@@ -1257,7 +1255,7 @@ impl Tracer {
         now_ns: u64,
         header: EventHeader,
         task: u64,
-        k: &Kernel,
+        k: &dyn KernelView,
     ) {
         let Some(tramp) = self.region.as_ref().map(|r| r.tramp.return_trampoline().0) else {
             return;
@@ -1326,19 +1324,19 @@ impl Tracer {
         let stack_bytes = self.stack_frames as usize * FRAME_TAGGED * 8;
         let max_stacks = (STACK_BUDGET / stack_bytes.max(1)).min(MAX_STACKS);
         if !self.stacks.contains_key(&key)
-            && (self.stacks.len() >= max_stacks || heap::check(STACK_ENTRY_BYTES).is_err())
+            && (self.stacks.len() >= max_stacks || env.m.heap_check(STACK_ENTRY_BYTES).is_err())
         {
             self.stats.graph_misses += 1;
             self.retprobes_missed(retprobes);
             return;
         }
         let mut slot = [0u8; 8];
-        let Ok(t) = paging::translate(&GuestRam, cr3, KGva(retp)) else {
+        let Ok(t) = paging::translate(env.ram, cr3, KGva(retp)) else {
             return;
         };
         if !retp.is_multiple_of(8)
             || in_hypervisor(t.gpa.0)
-            || phys::guest_ram().read(t.gpa.0, &mut slot).is_err()
+            || env.ram.read(t.gpa.0, &mut slot).is_err()
         {
             return;
         }
@@ -1395,7 +1393,7 @@ impl Tracer {
                 return;
             }
         }
-        if phys::guest_ram().write_u64(t.gpa.0, tramp).is_err() {
+        if env.ram.write_word(t.gpa.0, tramp).is_err() {
             return;
         }
         for &(user, depth) in &entries[..n_entries] {
@@ -1433,9 +1431,10 @@ impl Tracer {
     /// A return through the trampoline: the original return address.
     fn graph_return(
         &mut self,
-        regs: &crate::arch::instructions::GuestRegs,
+        env: &mut Env<'_>,
+        regs: &GuestRegs,
         cpu: &CpuView,
-        kernel: Option<&Kernel>,
+        kernel: Option<&dyn KernelView>,
         now_ns: u64,
     ) -> Option<u64> {
         let retp = regs
@@ -1537,7 +1536,7 @@ impl Tracer {
             .map(|(_, d)| d.as_slice())
             .unwrap_or(&[]);
         if let (false, Some(k)) = (ids.is_empty(), kernel) {
-            self.retprobe_hits(ids, regs, retp, caller, header, cpu, k);
+            self.retprobe_hits(env, ids, regs, retp, caller, header, cpu, k);
         }
         Some(frame.ret)
     }
@@ -1548,13 +1547,14 @@ impl Tracer {
     #[allow(clippy::too_many_arguments)]
     fn retprobe_hits(
         &mut self,
+        env: &mut Env<'_>,
         ids: &[u64],
-        g: &crate::arch::instructions::GuestRegs,
+        g: &GuestRegs,
         retp: u64,
         caller: u64,
         mut header: EventHeader,
         cpu: &CpuView,
-        k: &Kernel,
+        k: &dyn KernelView,
     ) {
         header.ret_ip = caller;
         let regs = PtRegs {
@@ -1581,7 +1581,10 @@ impl Tracer {
             ss: 0x18,
         };
         let syms = IndexSymbols(k.index());
-        let mut mem = VcpuMem { cr3: Cr3(cpu.cr3) };
+        let mut mem = VcpuMem {
+            ram: env.ram,
+            cr3: Cr3(cpu.cr3),
+        };
         let ctx = FetchContext {
             regs: &regs,
             comm: Some(&header.comm),
@@ -1607,7 +1610,7 @@ impl Tracer {
     /// leader's pid). Borrowed (IRQ) stacks and the running task's stack
     /// are never touched here; their dead frames go when a later call or
     /// return on the same stack passes them. Runs every REAP_EVERY_NS.
-    pub fn reap(&mut self, kernel: Option<&Kernel>, cpu: &CpuView, now_ns: u64) {
+    pub fn reap(&mut self, kernel: Option<&dyn KernelView>, cpu: &CpuView, now_ns: u64) {
         let Some(k) = kernel else {
             return;
         };
@@ -1635,7 +1638,7 @@ impl Tracer {
     /// Reads the guest's stacks again when the map is older than
     /// [`STACK_MAP_EVERY_NS`]; logs it when it changes (recovery logs the
     /// first).
-    fn refresh_stack_map(&mut self, k: &Kernel, cpu: &CpuView, now_ns: u64) {
+    fn refresh_stack_map(&mut self, k: &dyn KernelView, cpu: &CpuView, now_ns: u64) {
         if self
             .stack_map_ns
             .is_some_and(|t| now_ns.saturating_sub(t) < STACK_MAP_EVERY_NS)
@@ -1654,10 +1657,11 @@ impl Tracer {
     /// returns the chain target.
     fn on_entry(
         &mut self,
+        env: &mut Env<'_>,
         regs_gva: u64,
         site: u64,
         cpu: &CpuView,
-        k: &Kernel,
+        k: &dyn KernelView,
         now_ns: u64,
     ) -> u64 {
         // The ABI's frame: RDI = RSP = &pt_regs, RSI a hooked site. A jump
@@ -1669,7 +1673,7 @@ impl Tracer {
             // A call that was in flight when its site was unhooked is
             // refused too: it continues as the site's own bytes say (the
             // guest's `call` there, if it has one).
-            return site_call_target(Cr3(cpu.cr3), site);
+            return site_call_target(env.ram, Cr3(cpu.cr3), site);
         };
         let chain = self
             .pages
@@ -1678,7 +1682,7 @@ impl Tracer {
             .map_or(0, Patch::chain_target);
         let cr3 = Cr3(cpu.cr3);
         let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
-        if paging::read_virt(&GuestRam, cr3, KGva(regs_gva), &mut image).is_err() {
+        if paging::read_virt(env.ram, cr3, KGva(regs_gva), &mut image).is_err() {
             self.ring.count_lost();
             return chain;
         }
@@ -1701,7 +1705,7 @@ impl Tracer {
             comm,
         };
         let syms = IndexSymbols(k.index());
-        let mut mem = VcpuMem { cr3 };
+        let mut mem = VcpuMem { ram: env.ram, cr3 };
         let ctx = FetchContext {
             regs: &regs,
             comm: Some(&comm),
@@ -1719,7 +1723,7 @@ impl Tracer {
         out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
         if function {
             let mut ret = [0u8; 8];
-            let parent = paging::read_virt(&GuestRam, cr3, KGva(regs.sp), &mut ret)
+            let parent = paging::read_virt(env.ram, cr3, KGva(regs.sp), &mut ret)
                 .map_or(0, |()| u64::from_le_bytes(ret));
             header.probe_id = FUNCTION_ID;
             header.ip = func;
@@ -1742,7 +1746,7 @@ impl Tracer {
                 Vec::new()
             };
             self.graph_enter(
-                graph, &retprobes, func, regs.sp, cr3, now_ns, header, task, k,
+                env, graph, &retprobes, func, regs.sp, cr3, now_ns, header, task, k,
             );
             if let Some(u) = self.sites.get_mut(&site).filter(|_| has_retprobes) {
                 u.retprobes = retprobes;
@@ -1753,25 +1757,23 @@ impl Tracer {
 
     // ----- the stream --------------------------------------------------
 
-    /// Moves rendered events into the control channel while it has room.
-    /// One `TraceText` carries lines of one source (0: probes and the
-    /// function tracer; N: graph session N).
-    pub fn drain(
+    /// The stream's next `TraceText`, when there is output and the
+    /// control channel's output queue has `room` bytes free: the exit loop
+    /// sends it, and asks again while it has room. One `TraceText` carries
+    /// lines of one source (0: probes and the function tracer; N: graph
+    /// session N).
+    pub fn next_text(
         &mut self,
-        control: &mut crate::control::Control,
-        kernel: Option<&Kernel>,
+        room: usize,
+        kernel: Option<&dyn KernelView>,
         now_ns: u64,
-    ) {
-        let Some(format) = self.stream else {
-            return;
-        };
-        let Some(k) = kernel else {
-            return;
-        };
+    ) -> Option<protocol::Event> {
+        let format = self.stream?;
+        let k = kernel?;
         let syms = IndexSymbols(k.index());
-        loop {
-            if control.tx_room() < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
-                return;
+        {
+            if room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
+                return None;
             }
             let (mut source, mut text) = self.pending_line.take().unwrap_or_default();
             while text.len() < TRACE_TEXT_BUDGET {
@@ -1829,15 +1831,15 @@ impl Tracer {
             }
             let lost = self.ring.lost() - self.lost_reported;
             if text.is_empty() && lost == 0 {
-                return;
+                return None;
             }
             self.lost_reported = self.ring.lost();
-            control.send_event(protocol::Event::TraceText {
+            Some(protocol::Event::TraceText {
                 format,
                 source,
                 lost,
                 text,
-            });
+            })
         }
     }
 
@@ -1896,7 +1898,7 @@ impl Tracer {
 
     /// An EPT violation at `gpa`: a hooked page or hypervisor memory gets a
     /// single step; anything else is not the tracer's.
-    pub fn on_violation(&mut self, gpa: u64, write: bool, ept: &Ept) -> Violation {
+    pub fn on_violation(&mut self, gpa: u64, write: bool, env: &mut Env<'_>) -> Violation {
         let page = gpa & !(PAGE_SIZE as u64 - 1);
         let widen = match self.step.as_ref() {
             // The instruction being stepped touched another page (or the
@@ -1904,7 +1906,7 @@ impl Tracer {
             Some(s) if s.open < STEP_PAGES => true,
             Some(_) => {
                 // More pages than one instruction can touch: start over.
-                self.end_step(ept);
+                self.end_step(env);
                 false
             }
             None => false,
@@ -1922,15 +1924,15 @@ impl Tracer {
         }
         let watched = self.region.as_ref().is_some_and(|r| r.pd_page == page);
         let kind = if watched {
-            remap(ept, page, Hpa(page), ept::RWX);
+            remap(env, page, Hpa(page), ept::RWX);
             StepKind::Watch
         } else if self.pages.contains_key(&page) {
-            remap(ept, page, Hpa(page), ept::RWX);
+            remap(env, page, Hpa(page), ept::RWX);
             StepKind::Hooked { write }
         } else if in_hypervisor(page) {
             let scratch = match self.scratch {
                 Some(s) => s,
-                None => match frames::alloc() {
+                None => match env.m.alloc_frame() {
                     Some(s) => {
                         self.scratch = Some(s);
                         s
@@ -1938,15 +1940,8 @@ impl Tracer {
                     None => return Violation::NotOurs,
                 },
             };
-            // SAFETY: the scratch frame is the tracer's own.
-            unsafe { phys::frame_bytes_mut(scratch) }.fill(0xcc);
-            let restore = match ept.map_page(
-                &mut PoolTables,
-                Gpa(page),
-                scratch,
-                ept::READ | ept::WRITE,
-                MemType::WriteBack,
-            ) {
+            env.m.frame(scratch).fill(0xcc);
+            let restore = match env.m.ept_map(Gpa(page), scratch, ept::READ | ept::WRITE) {
                 Ok(old) => old,
                 Err(_) => return Violation::NotOurs,
             };
@@ -1955,7 +1950,7 @@ impl Tracer {
         } else {
             return Violation::NotOurs;
         };
-        invept(ept);
+        env.m.invept();
         if widen {
             if let Some(s) = self.step.as_mut() {
                 s.pages[s.open] = (page, kind);
@@ -1996,8 +1991,8 @@ impl Tracer {
     }
 
     /// Ends the step in flight (its #DB arrived).
-    pub fn finish_step(&mut self, ept: &Ept) {
-        self.end_step(ept);
+    pub fn finish_step(&mut self, env: &mut Env<'_>) {
+        self.end_step(env);
     }
 
     /// Root's leftover TF has trapped and is cleared.
@@ -2010,48 +2005,45 @@ impl Tracer {
         self.step.is_some() || self.stray_tf
     }
 
-    fn end_step(&mut self, ept: &Ept) {
+    fn end_step(&mut self, env: &mut Env<'_>) {
         let Some(s) = self.step.take() else {
             return;
         };
         for &(page, kind) in s.pages() {
-            self.close_page(page, kind, ept);
+            self.close_page(page, kind, env);
         }
-        invept(ept);
+        env.m.invept();
     }
 
     /// Puts one page of a finished step back to its watched mapping.
-    fn close_page(&mut self, page: u64, kind: StepKind, ept: &Ept) {
+    fn close_page(&mut self, page: u64, kind: StepKind, env: &mut Env<'_>) {
         match kind {
             StepKind::Hooked { write } => {
                 if let Some(h) = self.pages.get_mut(&page) {
                     if write {
                         self.stats.guest_writes += 1;
-                        if let Some(orig) = page_bytes(page) {
-                            // SAFETY: the shadow frame belongs to this page alone.
-                            let shadow = unsafe { phys::frame_bytes_mut(h.shadow) };
+                        if let Some(orig) = page_bytes(env.ram, page) {
+                            let shadow = env.m.frame(h.shadow);
                             site::resync(shadow, &orig, &mut h.patches);
                         }
                     }
-                    remap(ept, page, h.shadow, ept::EXEC);
+                    remap(env, page, h.shadow, ept::EXEC);
                 } else {
                     // Unhooked meanwhile: the identity mapping stays.
                 }
             }
             StepKind::Watch => {
-                self.check_pde();
-                remap(ept, page, Hpa(page), ept::READ | ept::EXEC);
+                self.check_pde(env);
+                remap(env, page, Hpa(page), ept::READ | ept::EXEC);
             }
             StepKind::Discard { restore } => {
                 if restore & ept::RWX == 0 {
-                    let _ = ept.unmap(&mut PoolTables, Gpa(page), Gpa(page + PAGE_SIZE as u64));
+                    let _ = env.m.ept_unmap(Gpa(page));
                 } else {
-                    let _ = ept.map_page(
-                        &mut PoolTables,
+                    let _ = env.m.ept_map(
                         Gpa(page),
                         Hpa(restore & paging::ADDR_MASK),
                         restore & ept::RWX,
-                        MemType::WriteBack,
                     );
                 }
             }
@@ -2097,7 +2089,7 @@ impl HitSink<'_> {
         ids: impl Iterator<Item = u32>,
         mut header: EventHeader,
         ctx: &FetchContext<'_>,
-        mem: &mut VcpuMem,
+        mem: &mut VcpuMem<'_>,
         syms: &IndexSymbols<'_>,
     ) {
         for id in ids {
@@ -2131,9 +2123,9 @@ fn cut_line(line: &mut String, max: usize) {
 
 /// The guest-virtual target of a `call rel32` at `site` in the guest's own
 /// bytes (its frame, not our shadow), or 0: not a call, or unreadable.
-fn site_call_target(cr3: Cr3, site: u64) -> u64 {
+fn site_call_target(ram: &dyn GuestDoor, cr3: Cr3, site: u64) -> u64 {
     let mut b = [0u8; 5];
-    if paging::read_virt(&GuestRam, cr3, KGva(site), &mut b).is_err() || b[0] != 0xe8 {
+    if paging::read_virt(ram, cr3, KGva(site), &mut b).is_err() || b[0] != 0xe8 {
         return 0;
     }
     let rel = i32::from_le_bytes([b[1], b[2], b[3], b[4]]);

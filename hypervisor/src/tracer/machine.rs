@@ -1,0 +1,131 @@
+//! What the tracer needs from VMX root and from introspection, as traits.
+//!
+//! The tracer runs in the bare-metal binary, over the guest's memory, the
+//! hypervisor's frame pool, its EPT and its heap. It reaches all of them
+//! through [`Machine`], and the recovered kernel through [`KernelView`], so
+//! that the host tests drive it with a buffer for guest RAM, a vector of
+//! frames and an in-memory EPT, as they drive the exit decoder through
+//! `VmcsIo`.
+
+use crate::addr::{Gpa, Hpa};
+use crate::ept::EptError;
+use crate::guest_phys::GuestDoor;
+use guest_introspect::fallible::OutOfMemory;
+use guest_introspect::kallsyms::SymbolIndex;
+use guest_introspect::paging::Cr3;
+use guest_introspect::stacks::StackMap;
+
+/// Bytes of a page (and of a frame).
+pub const PAGE: usize = 4096;
+
+/// What the tracer works with in one call: guest RAM through the guarded
+/// door, and root's frames, EPT and heap. The door is a shared reference
+/// of its own, so that a walk of the guest's page tables can run while a
+/// frame or an EPT entry is being changed.
+pub struct Env<'a> {
+    /// The one guarded door to guest-physical memory.
+    pub ram: &'a dyn GuestDoor,
+    /// Frames, EPT and heap.
+    pub m: &'a mut dyn Machine,
+}
+
+/// Root's resources, as the tracer uses them. One per VM: the EPT is
+/// shared by every vCPU.
+pub trait Machine {
+    /// A hypervisor frame for the tracer (a trampoline page, a shadow, the
+    /// scratch page), or `None` when the pool is exhausted.
+    fn alloc_frame(&mut self) -> Option<Hpa>;
+    /// Bytes of the frame pool not yet handed out.
+    fn frames_free(&self) -> u64;
+    /// The bytes of a frame [`Self::alloc_frame`] gave the tracer.
+    fn frame(&mut self, hpa: Hpa) -> &mut [u8; PAGE];
+    /// Points the EPT entry of the guest page `gpa` at `hpa` with `perms`
+    /// (write-back); returns the entry that was there.
+    fn ept_map(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError>;
+    /// Removes the EPT entry of the guest page `gpa`.
+    fn ept_unmap(&mut self, gpa: Gpa) -> Result<(), EptError>;
+    /// Makes the EPT changes so far visible to the guest (INVEPT).
+    fn invept(&mut self);
+    /// `Ok` when `bytes` more fit in the heap's room.
+    fn heap_check(&self, bytes: usize) -> Result<(), OutOfMemory>;
+    /// Bytes the heap has beyond its reserve.
+    fn heap_room(&self) -> usize;
+}
+
+/// The vCPU state the tracer and introspection need, read at an exit.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuView {
+    pub cr3: u64,
+    /// Current privilege level (SS.DPL).
+    pub cpl: u8,
+    /// GUEST_GS_BASE from the VMCS.
+    pub gs_base: u64,
+    /// IA32_KERNEL_GS_BASE (not switched by VMX, so the guest's value is
+    /// live in root); read only when `cpl` is not 0, else 0.
+    pub kernel_gs_base: u64,
+    /// Whether the guest runs with 5-level paging (CR4.LA57).
+    pub la57: bool,
+    /// The guest's RSP at the exit.
+    pub rsp: u64,
+}
+
+impl CpuView {
+    /// The kernel's GS base: GS_BASE in kernel mode, KERNEL_GS_BASE in
+    /// user mode.
+    pub fn kernel_gs(&self) -> u64 {
+        if self.cpl == 0 {
+            self.gs_base
+        } else {
+            self.kernel_gs_base
+        }
+    }
+
+    /// The CR3 to walk kernel memory with (the kernel half of a PTI pair
+    /// when the guest was interrupted in user mode).
+    pub fn kernel_cr3s(&self) -> [Cr3; 2] {
+        let c = Cr3(self.cr3);
+        if self.cpl == 0 {
+            [c, c]
+        } else {
+            [c, c.pti_kernel()]
+        }
+    }
+}
+
+/// The task running on a vCPU, as an event records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Running {
+    /// Its `task_struct`'s address.
+    pub task: u64,
+    /// Its pid.
+    pub pid: i32,
+    /// Its comm, NUL-padded.
+    pub comm: [u8; 16],
+}
+
+impl Running {
+    /// What an event carries when the task is not known: no task, pid -1,
+    /// an empty comm.
+    pub const UNKNOWN: Running = Running {
+        task: 0,
+        pid: -1,
+        comm: [0; 16],
+    };
+}
+
+/// The recovered guest kernel, as the tracer asks about it.
+pub trait KernelView {
+    /// The symbol index (kallsyms).
+    fn index(&self) -> &SymbolIndex;
+    /// The kernel's own top-level page table, valid for the VM's life.
+    fn cr3(&self) -> Cr3;
+    /// The task running on the vCPU described by `cpu`.
+    fn current(&self, cpu: &CpuView) -> Option<Running>;
+    /// The guest's stacks as they are now.
+    fn stack_map(&self, cpu: &CpuView) -> StackMap;
+    /// Logs a stack map that changed.
+    fn log_stacks(&self, map: &StackMap);
+    /// `task_struct.stack` of the task at `task`: the base of its kernel
+    /// stack, which the kernel clears when it frees a dead task's stack.
+    fn task_stack(&self, task: u64) -> Option<u64>;
+}

@@ -1,0 +1,806 @@
+//! The tracer driven on the host with synthetic hits: a guest kernel of a
+//! few functions in a sparse guest RAM behind the guarded door, with page
+//! tables of its own and kallsyms tables laid out as the kernel lays them
+//! out; a frame pool and a real EPT builder over tables in memory. Each
+//! test issues the requests the host would send, then plays the guest's
+//! side of a hit (the pt_regs the entry trampoline builds, the VMCALL's
+//! registers) and checks what a guest and a user would see: bytes in guest
+//! memory, EPT entries, the return address handed back, the rendered
+//! trace.
+
+use super::machine::{CpuView, Env, KernelView, Machine, Running, PAGE};
+use super::{Hypercall, Tracer, Violation};
+use crate::addr::{Gpa, Hpa};
+use crate::ept::{self, Ept, EptError, Leaf, MemType, TableStore};
+use crate::guest_phys::{GuestPhys, RawMemory};
+use crate::vmx::regs::GuestRegs;
+use guest_introspect::fallible::OutOfMemory;
+use guest_introspect::kallsyms::{locate, LocateStats, SymbolIndex};
+use guest_introspect::paging::Cr3;
+use guest_introspect::stacks::StackMap;
+use guest_introspect::view::SegmentView;
+use guest_introspect::{Gva, GvaRange};
+use loader::e820::{E820Entry, E820Kind, E820Map};
+use protocol::{Event, GraphFilter, TraceFormat};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use trampolines::abi::{HYPERCALL_ENTRY, HYPERCALL_RETURN, RETURN_FRAME_RETP};
+use trampolines::ptregs::PT_REGS_SIZE;
+use trampolines::{HypercallMode, TrampolineRegion};
+
+const MIB: u64 = 1 << 20;
+
+// ----- the synthetic guest -----------------------------------------------
+
+/// Guest RAM: 32 MiB to 40 MiB (above the hypervisor's reservation).
+const RAM: (u64, u64) = (32 * MIB, 40 * MIB);
+/// The guest's page tables.
+const PML4: u64 = 32 * MIB;
+const PDPT: u64 = PML4 + 0x1000;
+const PD: u64 = PML4 + 0x2000;
+const PT: u64 = PML4 + 0x3000;
+/// `_stext`, mapped by PT (PD slot 8) to guest-physical `TEXT_GPA`.
+const TEXT: u64 = 0xffff_ffff_8100_0000;
+const TEXT_GPA: u64 = 33 * MIB;
+/// The functions: a caller, and two callees on one page.
+const CALLER: u64 = TEXT + 0x1000;
+const FUNC: u64 = TEXT + 0x2000;
+const OTHER: u64 = TEXT + 0x2100;
+const FTRACE_CALLER: u64 = TEXT + 0x9000;
+const ETEXT: u64 = TEXT + 0x10_0000;
+/// A task's kernel stack (16 KiB) inside the same mapping.
+const STACK_BASE: u64 = TEXT + 0x1f_0000;
+/// The task running the hits.
+const TASK: u64 = 0xffff_8880_0100_0000;
+/// Where the caller's `call FUNC` returns to.
+const CALLER_RET: u64 = CALLER + 0x15;
+/// `NOP5` (`nopl 0x0(%rax,%rax,1)`), the fentry site of an idle kernel.
+const NOP5: [u8; 5] = [0x0f, 0x1f, 0x44, 0x00, 0x00];
+
+/// Physical memory as root maps it, sparse, by page.
+#[derive(Default)]
+struct SparseRam(RefCell<BTreeMap<u64, Box<[u8; PAGE]>>>);
+
+impl SparseRam {
+    fn put(&self, addr: u64, bytes: &[u8]) {
+        assert!(RawMemory::write(self, addr, bytes));
+    }
+    fn get(&self, addr: u64, len: usize) -> Vec<u8> {
+        let mut b = vec![0; len];
+        assert!(RawMemory::read(self, addr, &mut b));
+        b
+    }
+    fn word(&self, addr: u64) -> u64 {
+        u64::from_le_bytes(self.get(addr, 8).try_into().unwrap())
+    }
+}
+
+impl RawMemory for SparseRam {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+        let pages = self.0.borrow();
+        for (i, b) in buf.iter_mut().enumerate() {
+            let a = addr + i as u64;
+            *b = pages
+                .get(&(a & !0xfff))
+                .map_or(0, |p| p[(a & 0xfff) as usize]);
+        }
+        true
+    }
+    fn write(&self, addr: u64, bytes: &[u8]) -> bool {
+        let mut pages = self.0.borrow_mut();
+        for (i, &b) in bytes.iter().enumerate() {
+            let a = addr + i as u64;
+            pages
+                .entry(a & !0xfff)
+                .or_insert_with(|| Box::new([0; PAGE]))[(a & 0xfff) as usize] = b;
+        }
+        true
+    }
+}
+
+impl RawMemory for &SparseRam {
+    fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
+        (**self).read(addr, buf)
+    }
+    fn write(&self, addr: u64, bytes: &[u8]) -> bool {
+        (**self).write(addr, bytes)
+    }
+}
+
+/// EPT tables in memory; "host-physical" addresses far above anything else.
+#[derive(Default)]
+struct MemTables(Vec<Box<[u64; 512]>>);
+
+const TABLES_AT: u64 = 1 << 40;
+
+impl TableStore for MemTables {
+    fn alloc_table(&mut self) -> Option<Hpa> {
+        self.0.push(Box::new([0; 512]));
+        Some(Hpa(TABLES_AT + self.0.len() as u64 * 0x1000))
+    }
+    fn table(&mut self, hpa: Hpa) -> &mut [u64; 512] {
+        &mut self.0[((hpa.0 - TABLES_AT) / 0x1000 - 1) as usize]
+    }
+}
+
+/// Root's resources: frames from the hypervisor's reservation, an EPT over
+/// tables in memory, a heap budget.
+struct FakeRoot {
+    frames: BTreeMap<u64, Box<[u8; PAGE]>>,
+    next_frame: u64,
+    frame_limit: u64,
+    tables: MemTables,
+    ept: Ept,
+    invepts: u32,
+    heap_room: usize,
+}
+
+impl FakeRoot {
+    fn new() -> Self {
+        let mut tables = MemTables::default();
+        let ept = Ept::new(&mut tables).unwrap();
+        // Guest RAM identity-mapped read/write/execute, as the binary maps it.
+        for page in (RAM.0..RAM.1).step_by(PAGE) {
+            ept.map_page(
+                &mut tables,
+                Gpa(page),
+                Hpa(page),
+                ept::RWX,
+                MemType::WriteBack,
+            )
+            .unwrap();
+        }
+        FakeRoot {
+            frames: BTreeMap::new(),
+            next_frame: loader::layout::HV_RESERVED.0 + 8 * MIB,
+            frame_limit: 64,
+            tables,
+            ept,
+            invepts: 0,
+            heap_room: 64 << 20,
+        }
+    }
+
+    fn leaf(&mut self, gpa: u64) -> Option<Leaf> {
+        self.ept.translate(&mut self.tables, Gpa(gpa))
+    }
+}
+
+impl Machine for FakeRoot {
+    fn alloc_frame(&mut self) -> Option<Hpa> {
+        if self.frames.len() as u64 >= self.frame_limit {
+            return None;
+        }
+        let f = self.next_frame;
+        self.next_frame += PAGE as u64;
+        self.frames.insert(f, Box::new([0; PAGE]));
+        Some(Hpa(f))
+    }
+    fn frames_free(&self) -> u64 {
+        (self.frame_limit - self.frames.len() as u64) * PAGE as u64 + (1 << 20) * 2
+    }
+    fn frame(&mut self, hpa: Hpa) -> &mut [u8; PAGE] {
+        self.frames
+            .get_mut(&hpa.0)
+            .expect("a frame the tracer was given")
+    }
+    fn ept_map(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
+        self.ept
+            .map_page(&mut self.tables, gpa, hpa, perms, MemType::WriteBack)
+    }
+    fn ept_unmap(&mut self, gpa: Gpa) -> Result<(), EptError> {
+        self.ept
+            .unmap(&mut self.tables, gpa, Gpa(gpa.0 + PAGE as u64))
+    }
+    fn invept(&mut self) {
+        self.invepts += 1;
+    }
+    fn heap_check(&self, bytes: usize) -> Result<(), OutOfMemory> {
+        if bytes <= self.heap_room {
+            Ok(())
+        } else {
+            Err(OutOfMemory { bytes })
+        }
+    }
+    fn heap_room(&self) -> usize {
+        self.heap_room
+    }
+}
+
+/// The recovered kernel: a real symbol index over synthetic kallsyms
+/// tables, and the task and stack answers a test sets.
+struct FakeKernel {
+    index: SymbolIndex,
+    running: Running,
+    /// `task_struct.stack` by task (absent: unreadable).
+    task_stacks: BTreeMap<u64, u64>,
+}
+
+impl KernelView for FakeKernel {
+    fn index(&self) -> &SymbolIndex {
+        &self.index
+    }
+    fn cr3(&self) -> Cr3 {
+        Cr3(PML4)
+    }
+    fn current(&self, _cpu: &CpuView) -> Option<Running> {
+        Some(self.running)
+    }
+    fn stack_map(&self, _cpu: &CpuView) -> StackMap {
+        StackMap::default()
+    }
+    fn log_stacks(&self, _map: &StackMap) {}
+    fn task_stack(&self, task: u64) -> Option<u64> {
+        self.task_stacks.get(&task).copied()
+    }
+}
+
+/// A symbol index of `_stext`, `caller`, `my_func`, `other_func`, `_etext`.
+fn index() -> SymbolIndex {
+    use test_support::synth::{generate, Order, Sym};
+    let sym = |kind: u8, name: &str, addr| Sym {
+        kind,
+        name: name.into(),
+        addr,
+    };
+    let mut syms = vec![
+        sym(b'T', "_stext", TEXT),
+        sym(b'T', "caller", CALLER),
+        sym(b'T', "my_func", FUNC),
+        sym(b't', "other_func", OTHER),
+        sym(b'T', "ftrace_caller", FTRACE_CALLER),
+        sym(b'T', "_etext", ETEXT),
+    ];
+    // Data after the text, as many as a kernel's tables need to be found.
+    for i in 0..600u64 {
+        syms.push(sym(
+            b'd',
+            &format!("data_{i:04}"),
+            ETEXT + 0x1000 + i * 0x40,
+        ));
+    }
+    let (blob, _) = generate(&syms, Order::V612, false, TEXT);
+    // The tables between filler bytes, as in a kernel's rodata.
+    let mut mem: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(7919) as u8) | 1)
+        .collect();
+    mem.extend_from_slice(&blob);
+    mem.extend((0..4096u32).map(|i| (i.wrapping_mul(104_729) as u8) | 1));
+    let base = 0xffff_ffff_8200_0000u64;
+    let mut view = SegmentView::new();
+    view.add(Gva(base), &mem, mem.len() as u64);
+    let range = GvaRange::with_len(Gva(base), mem.len() as u64);
+    let t = locate(&view, &[range], &mut LocateStats::default()).unwrap();
+    SymbolIndex::build(&view, &t).unwrap()
+}
+
+/// The guest: page tables, text and stack.
+struct Guest {
+    ram: &'static SparseRam,
+    door: GuestPhys<&'static SparseRam>,
+    root: FakeRoot,
+    kernel: FakeKernel,
+    tracer: Tracer,
+    now_ns: u64,
+}
+
+const P: u64 = 1; // present
+const RW: u64 = 2;
+
+impl Guest {
+    fn new() -> Guest {
+        let ram: &'static SparseRam = Box::leak(Box::default());
+        // PML4[511] -> PDPT; PDPT[510] -> PD; PD[8] -> PT (the text's 2 MiB).
+        ram.put(PML4 + 511 * 8, &(PDPT | P | RW).to_le_bytes());
+        ram.put(PDPT + 510 * 8, &(PD | P | RW).to_le_bytes());
+        ram.put(PD + 8 * 8, &(PT | P | RW).to_le_bytes());
+        for i in 0..512u64 {
+            ram.put(
+                PT + i * 8,
+                &((TEXT_GPA + i * 0x1000) | P | RW).to_le_bytes(),
+            );
+        }
+        // Every function starts with its fentry NOP5, then `ret`.
+        for f in [CALLER, FUNC, OTHER] {
+            ram.put(gpa(f), &NOP5);
+            ram.put(gpa(f) + 5, &[0xc3]);
+        }
+        let e820 =
+            E820Map::from_entries(&[E820Entry::new(RAM.0, RAM.1 - RAM.0, E820Kind::Ram)]).unwrap();
+        let door = GuestPhys::new(
+            e820,
+            loader::layout::HV_RESERVED.0..loader::layout::HV_RESERVED_END.0,
+            ram,
+        );
+        Guest {
+            ram,
+            door,
+            root: FakeRoot::new(),
+            kernel: FakeKernel {
+                index: index(),
+                running: Running {
+                    task: TASK,
+                    pid: 42,
+                    comm: *b"sleeper\0\0\0\0\0\0\0\0\0",
+                },
+                task_stacks: BTreeMap::from([(TASK, STACK_BASE)]),
+            },
+            tracer: Tracer::new(),
+            now_ns: 1_000_000_000,
+        }
+    }
+
+    /// Runs `f` with the tracer, its environment and the kernel.
+    fn with<R>(&mut self, f: impl FnOnce(&mut Tracer, &mut Env<'_>, &FakeKernel) -> R) -> R {
+        let mut env = Env {
+            ram: &self.door,
+            m: &mut self.root,
+        };
+        f(&mut self.tracer, &mut env, &self.kernel)
+    }
+
+    fn probe(&mut self, spec: &str) -> Result<(String, u64), super::ReqError> {
+        self.with(|t, env, k| t.probe_add(spec, k, env, 0))
+    }
+
+    /// The trampolines as the tracer built them (the layout is a function
+    /// of the base alone).
+    fn region(&self) -> TrampolineRegion {
+        let base = self.tracer.report().trampolines;
+        assert_ne!(base, 0, "no trampoline region");
+        TrampolineRegion::build(trampolines::Gva(base), HypercallMode::Vmcall).unwrap()
+    }
+
+    fn cpu(&self, rsp: u64) -> CpuView {
+        CpuView {
+            cr3: PML4,
+            cpl: 0,
+            rsp,
+            ..CpuView::default()
+        }
+    }
+
+    /// The guest calls `func` from `caller` with `rdi`: the caller's `call`
+    /// pushes `ret` at `retp`, the site's `call` enters the trampoline,
+    /// which builds pt_regs below and issues the entry VMCALL. Returns the
+    /// hypercall's outcome and RAX (the chain target).
+    fn hit(&mut self, func: u64, retp: u64, ret: u64, rdi: u64) -> (Hypercall, u64) {
+        self.ram.put(gpa(retp), &ret.to_le_bytes());
+        let regs_at = retp - 8 - PT_REGS_SIZE as u64 - 0x40;
+        let image = pt_regs(func + 5, retp, rdi);
+        self.ram.put(gpa(regs_at), &image);
+        self.entry_vmcall(regs_at, regs_at, func)
+    }
+
+    /// The entry VMCALL with RDI = `regs_at`, RSP = `rsp`, RSI = `site`.
+    fn entry_vmcall(&mut self, regs_at: u64, rsp: u64, site: u64) -> (Hypercall, u64) {
+        let rip = self.region().entry_vmcall().unwrap().0;
+        let mut regs = GuestRegs {
+            rax: u64::from(HYPERCALL_ENTRY),
+            rdi: regs_at,
+            rsi: site,
+            ..GuestRegs::default()
+        };
+        let cpu = self.cpu(rsp);
+        let now = self.now_ns;
+        let out = self.with(|t, env, k| t.hypercall(env, rip, &mut regs, &cpu, Some(k), now));
+        (out, regs.rax)
+    }
+
+    /// The traced function returns into the return trampoline, whose frame
+    /// has the return slot `retp`; it returns `retval`.
+    fn ret(&mut self, retp: u64, retval: u64) -> (Hypercall, u64) {
+        let rip = self.region().return_vmcall().unwrap().0;
+        let mut regs = GuestRegs {
+            rax: u64::from(HYPERCALL_RETURN),
+            rdi: retp - RETURN_FRAME_RETP as u64,
+            rsi: retval,
+            ..GuestRegs::default()
+        };
+        let cpu = self.cpu(retp);
+        let now = self.now_ns;
+        let out = self.with(|t, env, k| t.hypercall(env, rip, &mut regs, &cpu, Some(k), now));
+        (out, regs.rax)
+    }
+
+    /// Everything the stream has, as (source, text) pairs.
+    fn drain(&mut self) -> Vec<(u32, String)> {
+        let mut out = Vec::new();
+        let now = self.now_ns;
+        while let Some(ev) = self.tracer.next_text(1 << 20, Some(&self.kernel), now) {
+            match ev {
+                Event::TraceText { source, text, .. } => out.push((source, text)),
+                other => panic!("unexpected event {other:?}"),
+            }
+        }
+        out
+    }
+
+    fn text(&mut self) -> String {
+        self.drain().into_iter().map(|(_, t)| t).collect()
+    }
+}
+
+/// The guest-physical address of a text or stack address.
+fn gpa(va: u64) -> u64 {
+    assert!((TEXT..TEXT + 2 * MIB).contains(&va));
+    TEXT_GPA + (va - TEXT)
+}
+
+/// A `struct pt_regs` image (the kernel's order: r15 .. ss) with `ip`,
+/// `sp` and `di` set.
+fn pt_regs(ip: u64, sp: u64, di: u64) -> Vec<u8> {
+    let mut words = [0u64; 21];
+    words[14] = di; // di
+    words[15] = u64::MAX; // orig_ax
+    words[16] = ip;
+    words[17] = 0x10; // cs
+    words[19] = sp;
+    words[20] = 0x18; // ss
+    let b: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    assert_eq!(b.len(), PT_REGS_SIZE);
+    b
+}
+
+/// The byte pattern of `call target` at `site`.
+fn call_bytes(site: u64, target: u64) -> [u8; 5] {
+    let rel = (target.wrapping_sub(site + 5)) as i64 as i32;
+    let r = rel.to_le_bytes();
+    [0xe8, r[0], r[1], r[2], r[3]]
+}
+
+/// A return slot on the task's stack.
+const RETP: u64 = STACK_BASE + 0x3f00;
+
+// ----- the region and the split view -------------------------------------
+
+#[test]
+fn a_probe_builds_the_region_and_a_shadow_the_guest_cannot_read() {
+    let mut g = Guest::new();
+    let (name, site) = g.probe("p:myprobe my_func x=%di").unwrap();
+    assert_eq!(name, "kprobes/myprobe");
+    assert_eq!(site, FUNC);
+
+    // The region: a free 2 MiB slot of the kernel-image PD (the highest),
+    // pointing at a hypervisor frame, EPT read-only.
+    let base = g.tracer.report().trampolines;
+    assert_eq!(base, 0xffff_ffff_8000_0000 + 511 * 2 * MIB);
+    let pde = g.ram.word(PD + 511 * 8);
+    let table = pde & !0xfff;
+    assert!((loader::layout::HV_RESERVED.0..loader::layout::HV_RESERVED_END.0).contains(&table));
+    assert_eq!(g.root.leaf(table).unwrap().perms, ept::READ);
+    // The PD page itself is write-watched.
+    assert_eq!(g.root.leaf(PD).unwrap().perms, ept::READ | ept::EXEC);
+
+    // The guest's own page is untouched; EPT executes a shadow with our call.
+    let page = gpa(FUNC) & !0xfff;
+    assert_eq!(g.ram.get(gpa(FUNC), 5), NOP5);
+    let leaf = g.root.leaf(page).unwrap();
+    assert_eq!(leaf.perms, ept::EXEC, "execute-only: guest reads fault");
+    assert_ne!(leaf.hpa.0, page);
+    let shadow = g.root.frames[&leaf.hpa.0].clone();
+    let off = (FUNC & 0xfff) as usize;
+    let entry = g.region().entry().0;
+    assert_eq!(shadow[off..off + 5], call_bytes(FUNC, entry));
+    // The rest of the shadow is the guest's page.
+    assert_eq!(shadow[off + 5], 0xc3);
+    assert_eq!(shadow[(OTHER & 0xfff) as usize..][..5], NOP5);
+    assert!(g.root.invepts > 0);
+}
+
+#[test]
+fn a_guest_write_to_a_hooked_page_is_stepped_and_merged_under_our_patch() {
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    let page = gpa(FUNC) & !0xfff;
+    let shadow_hpa = g.root.leaf(page).unwrap().hpa;
+
+    // The guest writes to the page (its ftrace turning other_func's site
+    // into a call): EPT faults, the page is opened for one instruction.
+    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, env));
+    assert!(matches!(v, Violation::Stepping));
+    let leaf = g.root.leaf(page).unwrap();
+    assert_eq!((leaf.hpa.0, leaf.perms), (page, ept::RWX));
+    assert!(g.tracer.wants_debug_exits());
+    let theirs = call_bytes(OTHER, TEXT + 0x8000);
+    g.ram.put(gpa(OTHER), &theirs);
+    // A second page touched by the same instruction widens the step.
+    let v = g.with(|t, env, _| t.on_violation(loader::layout::HV_RESERVED.0, false, env));
+    assert!(matches!(v, Violation::Widened));
+    g.tracer.set_old_tf(false);
+    assert_eq!(g.tracer.debug_state(), (true, false, false));
+
+    // The #DB: the shadow is rebuilt from the guest's page, our call stays.
+    g.with(|t, env, _| t.finish_step(env));
+    let leaf = g.root.leaf(page).unwrap();
+    assert_eq!((leaf.hpa, leaf.perms), (shadow_hpa, ept::EXEC));
+    let shadow = g.root.frames[&shadow_hpa.0].clone();
+    assert_eq!(shadow[(OTHER & 0xfff) as usize..][..5], theirs);
+    let entry = g.region().entry().0;
+    assert_eq!(
+        shadow[(FUNC & 0xfff) as usize..][..5],
+        call_bytes(FUNC, entry)
+    );
+    // The hypervisor page went back to unmapped.
+    assert!(g.root.leaf(loader::layout::HV_RESERVED.0).is_none());
+    assert!(!g.tracer.wants_debug_exits());
+    let r = g.tracer.report();
+    assert_eq!((r.steps, r.steps_widened, r.guest_writes), (1, 1, 1));
+}
+
+#[test]
+fn a_guest_access_to_hypervisor_memory_sees_scratch() {
+    let mut g = Guest::new();
+    let hv = loader::layout::HV_RESERVED.0 + 0x5000;
+    let v = g.with(|t, env, _| t.on_violation(hv, true, env));
+    assert!(matches!(v, Violation::Stepping));
+    let leaf = g.root.leaf(hv).unwrap();
+    assert_eq!(leaf.perms, ept::READ | ept::WRITE);
+    assert_eq!(g.root.frames[&leaf.hpa.0][..16], [0xcc; 16]);
+    g.with(|t, env, _| t.finish_step(env));
+    assert!(g.root.leaf(hv).is_none());
+    assert_eq!(g.tracer.report().blocked_writes, 1);
+    // Guest RAM that is nobody's is not the tracer's business.
+    let v = g.with(|t, env, _| t.on_violation(RAM.0 + 0x10_0000, true, env));
+    assert!(matches!(v, Violation::NotOurs));
+}
+
+#[test]
+fn a_changed_region_pde_is_put_back_on_the_next_turn() {
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    let pde = g.ram.word(PD + 511 * 8);
+    g.ram.put(PD + 511 * 8, &0u64.to_le_bytes());
+    g.with(|t, env, _| t.on_turn(env));
+    assert_eq!(g.ram.word(PD + 511 * 8), pde);
+    assert_eq!(g.tracer.report().region_restores, 1);
+}
+
+#[test]
+fn deleting_the_last_probe_gives_the_page_back() {
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    g.probe("p:b other_func").unwrap();
+    let page = gpa(FUNC) & !0xfff;
+    g.with(|t, env, _| t.probe_del("a", env)).unwrap();
+    assert_ne!(
+        g.root.leaf(page).unwrap().hpa.0,
+        page,
+        "other_func still hooked"
+    );
+    g.with(|t, env, _| t.probe_del("kprobes/b", env)).unwrap();
+    let leaf = g.root.leaf(page).unwrap();
+    assert_eq!((leaf.hpa.0, leaf.perms), (page, ept::RWX));
+    assert_eq!(g.tracer.report().sites, 0);
+    let e = g.with(|t, env, _| t.probe_del("a", env)).unwrap_err();
+    assert_eq!(e.kind, protocol::ErrorKind::NotFound);
+}
+
+// ----- the entry hypercall -----------------------------------------------
+
+#[test]
+fn a_probe_hit_fetches_its_arguments_and_renders_as_kprobe_events() {
+    let mut g = Guest::new();
+    g.probe("p:myprobe my_func x=%di").unwrap();
+    g.tracer.set_stream(Some(TraceFormat::Text));
+    let (out, rax) = g.hit(FUNC, RETP, CALLER_RET, 42);
+    assert!(matches!(out, Hypercall::Handled));
+    assert_eq!(rax, 0, "a NOP site has no call to chain to");
+    let text = g.text();
+    assert!(
+        text.contains("sleeper-42")
+            && text.contains("myprobe: (my_func+0x0/")
+            && text.contains("x=0x2a"),
+        "{text}"
+    );
+    let r = g.tracer.report();
+    assert_eq!((r.hits, r.forged_entries), (1, 0));
+    assert_eq!(g.tracer.probe_list()[0].hits, 1);
+}
+
+#[test]
+fn a_guest_ftrace_call_at_the_site_is_chained_to() {
+    let mut g = Guest::new();
+    // The guest's own ftrace has turned the site into `call ftrace_caller`:
+    // the hook keeps it, and each hit hands it back as the chain target.
+    g.ram.put(gpa(FUNC), &call_bytes(FUNC, FTRACE_CALLER));
+    g.probe("p:a my_func").unwrap();
+    let (out, rax) = g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert!(matches!(out, Hypercall::Handled));
+    assert_eq!(rax, FTRACE_CALLER);
+    assert_eq!(g.tracer.report().hits, 1);
+}
+
+#[test]
+fn forged_entries_are_refused_and_not_counted_as_hits() {
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    g.tracer.set_stream(Some(TraceFormat::Text));
+    // RDI != RSP: not the trampoline's frame.
+    let regs_at = RETP - 0x200;
+    g.ram.put(gpa(regs_at), &pt_regs(FUNC + 5, RETP, 0));
+    let (out, _) = g.entry_vmcall(regs_at, regs_at + 8, FUNC);
+    assert!(matches!(out, Hypercall::Handled));
+    // A site that is not hooked.
+    let (_, rax) = g.entry_vmcall(regs_at, regs_at, OTHER);
+    assert_eq!(rax, 0);
+    // pt_regs whose ip is not this site's call.
+    g.ram.put(gpa(regs_at), &pt_regs(OTHER + 5, RETP, 0));
+    g.entry_vmcall(regs_at, regs_at, FUNC);
+    let r = g.tracer.report();
+    assert_eq!((r.hits, r.forged_entries), (0, 3));
+    assert_eq!(g.text(), "");
+    // A VMCALL from anywhere else is foreign: #UD.
+    let mut regs = GuestRegs {
+        rax: u64::from(HYPERCALL_ENTRY),
+        ..GuestRegs::default()
+    };
+    let cpu = g.cpu(regs_at);
+    let out = g.with(|t, env, k| t.hypercall(env, FUNC, &mut regs, &cpu, Some(k), 0));
+    assert!(matches!(out, Hypercall::Foreign));
+    assert_eq!(g.tracer.report().foreign_vmcalls, 1);
+}
+
+#[test]
+fn the_function_tracer_records_function_and_parent() {
+    let mut g = Guest::new();
+    let (traced, _, skipped) = g
+        .with(|t, env, k| t.function_add("*_func", k, env, 0))
+        .unwrap();
+    assert_eq!((traced, skipped), (2, 0));
+    g.tracer.set_stream(Some(TraceFormat::Text));
+    g.hit(OTHER, RETP, CALLER_RET, 0);
+    let text = g.text();
+    assert!(text.contains("other_func <-caller"), "{text}");
+    g.with(|t, env, _| t.function_clear(env));
+    assert_eq!(g.tracer.report().sites, 0);
+}
+
+// ----- function graph ----------------------------------------------------
+
+fn graph(functions: &[&str]) -> GraphFilter {
+    GraphFilter {
+        functions: functions.iter().map(|s| s.to_string()).collect(),
+        trace: vec!["*_func".into()],
+        ..GraphFilter::default()
+    }
+}
+
+#[test]
+fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
+    let mut g = Guest::new();
+    let started = g
+        .with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
+        .unwrap();
+    assert_eq!((started.session, started.hooked, started.roots), (1, 2, 1));
+    g.tracer.set_stream(Some(TraceFormat::Text));
+    let tramp = g.region().return_trampoline().0;
+
+    // Entry: the return slot now holds the return trampoline; one frame.
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.ram.word(gpa(RETP)), tramp);
+    let r = g.tracer.report();
+    assert_eq!((r.graph_stacks, r.graph_frames), (1, 1));
+    // A nested call of other_func, lower on the same stack.
+    g.now_ns += 1_000;
+    let inner = RETP - 0x100;
+    g.hit(OTHER, inner, FUNC + 0x40, 0);
+    assert_eq!(g.ram.word(gpa(inner)), tramp);
+    assert_eq!(g.tracer.report().graph_frames, 2);
+
+    // Returns, innermost first: each hands back its own return address.
+    g.now_ns += 2_000;
+    let (out, rax) = g.ret(inner, 7);
+    assert!(matches!(out, Hypercall::Handled));
+    assert_eq!(rax, FUNC + 0x40);
+    g.now_ns += 3_000;
+    let (_, rax) = g.ret(RETP, 0);
+    assert_eq!(rax, CALLER_RET);
+    let r = g.tracer.report();
+    assert_eq!((r.graph_stacks, r.graph_frames), (0, 0));
+
+    let text = g.text();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(lines[0].ends_with("|  my_func() {"), "{text}");
+    assert!(
+        lines[1].contains("2.000 us") && lines[1].ends_with("|    other_func();"),
+        "{text}"
+    );
+    assert!(
+        lines[2].contains("6.000 us") && lines[2].ends_with("|  }"),
+        "{text}"
+    );
+    // A return with no frame is an orphan: #UD.
+    let (out, _) = g.ret(RETP, 0);
+    assert!(matches!(out, Hypercall::Foreign));
+    assert_eq!(g.tracer.report().graph_orphans, 1);
+}
+
+#[test]
+fn calls_outside_the_roots_are_not_hijacked() {
+    let mut g = Guest::new();
+    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
+        .unwrap();
+    g.hit(OTHER, RETP, CALLER_RET, 0);
+    assert_eq!(g.ram.word(gpa(RETP)), CALLER_RET);
+    assert_eq!(g.tracer.report().graph_frames, 0);
+}
+
+#[test]
+fn max_depth_and_comm_filters_apply_at_the_root() {
+    let mut g = Guest::new();
+    let mut f = graph(&["my_func"]);
+    f.max_depth = 1;
+    f.comm = Some("sleeper".into());
+    g.with(|t, env, k| t.graph_start(f, k, env, 0)).unwrap();
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    g.hit(OTHER, RETP - 0x100, FUNC + 0x40, 0);
+    assert_eq!(g.tracer.report().graph_frames, 1, "depth 1 only");
+    assert_eq!(g.ram.word(gpa(RETP - 0x100)), FUNC + 0x40);
+    g.ret(RETP, 0);
+
+    g.kernel.running.comm = *b"other\0\0\0\0\0\0\0\0\0\0\0";
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.tracer.report().graph_frames, 0, "comm does not match");
+}
+
+#[test]
+fn a_return_probe_sees_the_return_value() {
+    let mut g = Guest::new();
+    g.probe("r:myret my_func ret=$retval").unwrap();
+    g.tracer.set_stream(Some(TraceFormat::Text));
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.tracer.report().graph_frames, 1);
+    let (_, rax) = g.ret(RETP, 0x1234);
+    assert_eq!(rax, CALLER_RET);
+    let text = g.text();
+    assert!(
+        text.contains("myret: (caller+0x15/0x1000 <- my_func)") && text.contains("ret=0x1234"),
+        "{text}"
+    );
+}
+
+#[test]
+fn the_reaper_drops_the_stacks_of_dead_tasks_only() {
+    let mut g = Guest::new();
+    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
+        .unwrap();
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.tracer.report().graph_frames, 1);
+    let cpu = g.cpu(RETP);
+    let reap = |g: &mut Guest| {
+        g.now_ns += 1_000_000_000;
+        g.tracer.reap(Some(&g.kernel), &cpu, g.now_ns);
+        let r = g.tracer.report();
+        (r.graph_frames, r.graph_reaped)
+    };
+    // Alive (its stack is still its own) and running: kept.
+    assert_eq!(reap(&mut g), (1, 0));
+    // Its task_struct no longer points at the stack, but it is the task
+    // running: kept.
+    g.kernel.task_stacks.insert(TASK, 0);
+    assert_eq!(reap(&mut g), (1, 0));
+    // Another task runs, and the dead one's task_struct is unreadable:
+    // not known dead, kept.
+    g.kernel.running.task = TASK + 0x4000;
+    g.kernel.task_stacks.remove(&TASK);
+    assert_eq!(reap(&mut g), (1, 0));
+    // Its stack pointer is cleared: its frames go.
+    g.kernel.task_stacks.insert(TASK, 0);
+    assert_eq!(reap(&mut g), (0, 1));
+}
+
+#[test]
+fn graph_stop_keeps_frames_in_flight_returning() {
+    let mut g = Guest::new();
+    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
+        .unwrap();
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    g.with(|t, env, _| t.graph_stop(None, env)).unwrap();
+    assert_eq!(g.tracer.report().sites, 0);
+    // The hijacked return still comes back, and is handed its address.
+    let (out, rax) = g.ret(RETP, 0);
+    assert!(matches!(out, Hypercall::Handled));
+    assert_eq!(rax, CALLER_RET);
+}
