@@ -5,12 +5,12 @@
 mod common;
 use test_support::synth;
 
-use test_support::Rng;
 use guest_introspect::btf::{self, Btf, BtfError, Kind};
 use guest_introspect::scan::ScanStats;
 use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
 use synth::{kernel_like, m, Builder};
+use test_support::Rng;
 
 fn view_of(bytes: &[u8], at: u64) -> SegmentView<'_> {
     let mut v = SegmentView::new();

@@ -11,7 +11,6 @@ use std::future::Future;
 use std::pin::pin;
 use std::task::Poll;
 
-use test_support::Rng;
 use guest_introspect::btf::{self, BtfError, TaskLayout, BTF_PREFIX, MAX_BTF_BYTES};
 use guest_introspect::budget::{
     block_on, poll_slice, read_cost, Budget, Metered, MAX_STEP, RECOVERY_BUDGET, TURN_SLICE,
@@ -22,6 +21,7 @@ use guest_introspect::scan::ScanStats;
 use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
 use synth::{generate, kernel_like, Order, Sym};
+use test_support::Rng;
 
 const BASE: u64 = 0xffff_ffff_8100_0000;
 

@@ -9,12 +9,12 @@ use test_support::synth;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use test_support::Rng;
 use guest_introspect::btf::{Btf, BtfError};
 use guest_introspect::kallsyms::{locate, KallsymsError, LocateStats, SymbolIndex};
 use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
 use synth::{generate, kernel_like, random_syms, Order};
+use test_support::Rng;
 
 thread_local! {
     /// The largest block this thread may allocate.

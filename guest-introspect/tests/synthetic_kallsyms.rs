@@ -7,13 +7,13 @@
 mod common;
 use test_support::synth;
 
-use test_support::Rng;
 use guest_introspect::kallsyms::{
     locate, AddressMode, KallsymsError, Layout, LocateStats, SymbolIndex,
 };
 use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
 use synth::{generate, random_syms, Order};
+use test_support::Rng;
 
 const BASE: u64 = 0xffff_ffff_8160_0000;
 

@@ -16,7 +16,7 @@ use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
 use hypervisor::stats::ExitCounters;
 use hypervisor::task_switch::LegacyPaging;
-use hypervisor::tracer::{Hypercall, Tracer, Violation};
+use hypervisor::tracer::{DebugState, Hypercall, Tracer, Violation};
 use hypervisor::vmx::debug;
 use hypervisor::vmx::event::{self, Event};
 use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, RawExit, VmExit};
@@ -703,7 +703,11 @@ impl Vcpu {
         let v = &mut Vmcs;
         let qual = f::EXIT_QUALIFICATION.read(v)?;
         let int1 = event::info_type(info) == event::TYPE_PRIVILEGED_SOFTWARE_EXCEPTION;
-        let (stepping, guest_tf, stray) = self.tracer.debug_state();
+        let DebugState {
+            stepping,
+            guest_tf,
+            stray_tf: stray,
+        } = self.tracer.debug_state();
         let act = debug::decide(qual, int1, stepping, guest_tf, stray);
         if act.end_step {
             with_env(&self.cfg.ept, |env| self.tracer.finish_step(env));

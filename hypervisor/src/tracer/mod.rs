@@ -1,18 +1,269 @@
-//! The tracer: the trampoline region in the guest's kernel address space,
-//! hooked fentry sites behind an EPT split view, the entry hypercall with
-//! its kprobe, function-tracer and function-graph handlers, the event ring
-//! and its stream. It reaches root's frames, EPT and heap and the guest's
-//! memory only through [`machine::Machine`] and [`machine::Env`], and the
-//! recovered kernel through [`machine::KernelView`], so that all of it
-//! runs in host tests (`tests.rs`) as well as in VMX root.
+//! The tracer in VMX root: the trampoline region in the guest's kernel
+//! address space, hooked fentry sites behind an EPT split view, the entry
+//! hypercall with its kprobe, function-tracer and function-graph handlers,
+//! the event ring and its stream, and the single step that lets the guest
+//! read and write hooked pages.
+//!
+//! It reaches root's frames, EPT and heap and the guest's memory only
+//! through [`machine::Env`], and the recovered kernel through
+//! [`machine::KernelView`], so that all of it runs in the host tests
+//! (`tests.rs`) with synthetic hits as well as in VMX root.
+//!
+//! # Its parts, by the state each owns
+//!
+//! | part | state | whose |
+//! |---|---|---|
+//! | [`region`] | the trampolines' code page, page table and PDE | the VM's |
+//! | [`split`] | hooked sites, their users, shadow pages | the VM's |
+//! | [`probes`] | probe specs and counters, the function tracer's count | the VM's |
+//! | [`fgraph`] | graph sessions, return stacks, owners, generations | the VM's |
+//! | [`stream`] | the event ring, the stream's format and held line | the vCPU's |
+//! | [`step`] | the single step in flight | the vCPU's |
+//!
+//! [`Tracer`] holds the VM's parts in [`VmState`] and the vCPU's in
+//! [`CpuState`]; `requests.rs` serves the host's requests (the VM's state
+//! only), `hit.rs` the hypercalls (both).
 
-mod core;
+mod fgraph;
 pub mod graph;
+mod hit;
 pub mod machine;
+mod probes;
+mod region;
+mod requests;
 pub mod retstack;
 pub mod ring;
 pub mod site;
+mod split;
+mod step;
+mod stream;
 #[cfg(test)]
 mod tests;
 
-pub use self::core::{GraphStarted, Hypercall, ReqError, Tracer, Violation};
+pub use step::{DebugState, Violation};
+
+use self::fgraph::Graph;
+use self::machine::{CpuView, Env, KernelView};
+use self::probes::Probes;
+use self::region::Region;
+use self::split::{SplitView, MAX_SITES};
+use self::step::{StepShared, Stepper};
+use self::stream::Stream;
+use alloc::collections::BTreeMap;
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+use guest_introspect::fallible::{self, btree_entry_bytes, OutOfMemory};
+use protocol::{ErrorKind, ProbeInfo, TraceFormat, TracerReport};
+
+/// A request error for the control channel: what kind, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReqError {
+    /// The kind the answer carries.
+    pub kind: ErrorKind,
+    /// The message for the user.
+    pub message: String,
+}
+
+impl ReqError {
+    /// An error of `kind` saying `message`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> ReqError {
+        ReqError {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+/// A function-graph session that started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GraphStarted {
+    /// Its number (1 to 15).
+    pub session: u32,
+    /// Functions hooked for it.
+    pub hooked: u32,
+    /// Functions matching its roots.
+    pub roots: u32,
+    /// Matches that could not be hooked.
+    pub skipped: u32,
+}
+
+/// What the exit handler does with a VMCALL.
+pub enum Hypercall {
+    /// Ours: RAX is set; resume after the VMCALL.
+    Handled,
+    /// Not from our trampolines: #UD.
+    Foreign,
+}
+
+/// The request error for a refused allocation of `what`.
+fn out_of_memory(env: &Env<'_>, what: &str, e: OutOfMemory) -> ReqError {
+    ReqError::new(
+        ErrorKind::OutOfResources,
+        format!(
+            "out of hypervisor memory: {what} needs {} bytes ({} KiB of the heap free beyond its reserve)",
+            e.bytes,
+            env.m.heap_room() >> 10
+        ),
+    )
+}
+
+/// A map of guest sites (site -> function) for a request, at most
+/// [`MAX_SITES`] entries and within the heap's room.
+fn insert_site(
+    env: &Env<'_>,
+    map: &mut BTreeMap<u64, u64>,
+    site: u64,
+    func: u64,
+) -> Result<(), OutOfMemory> {
+    env.m.heap_check(btree_entry_bytes::<u64, u64>())?;
+    fallible::try_insert(map, site, func, MAX_SITES).map(|_| ())
+}
+
+/// The tracer's state that every vCPU shares: one per VM.
+#[derive(Default)]
+pub struct VmState {
+    region: Option<Region>,
+    view: SplitView,
+    probes: Probes,
+    graph: Graph,
+    /// The counters for `status`. Kept per VM while there is one vCPU;
+    /// the hit and step counters are the vCPU's to keep once there are
+    /// more.
+    stats: TracerReport,
+}
+
+/// The tracer's state that belongs to one vCPU.
+#[derive(Default)]
+pub struct CpuState {
+    stream: Stream,
+    step: Stepper,
+}
+
+/// The tracer: the VM's state and the vCPU's (one vCPU today).
+#[derive(Default)]
+pub struct Tracer {
+    vm: VmState,
+    cpu: CpuState,
+}
+
+impl Tracer {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The counters for `status`.
+    pub fn report(&self) -> TracerReport {
+        let vm = &self.vm;
+        let stacks = vm.graph.figures();
+        TracerReport {
+            probes: vm.probes.list.len() as u32,
+            functions: vm.probes.functions,
+            sites: vm.view.sites.len() as u32,
+            pages: vm.view.pages.len() as u32,
+            lost: self.cpu.stream.ring.lost(),
+            trampolines: vm.region.as_ref().map_or(0, |g| g.tramp.base().0),
+            graph_stacks: stacks.stacks,
+            graph_frames: stacks.frames,
+            graph_bytes: stacks.bytes,
+            graph_sessions: vm.graph.running(),
+            retprobes: vm.probes.returns(),
+            ..vm.stats
+        }
+    }
+
+    /// The region, built on the first request that hooks.
+    fn ensure_region(&mut self, k: &dyn KernelView, env: &mut Env<'_>) -> Result<(), ReqError> {
+        if self.vm.region.is_none() {
+            self.vm.region = Some(Region::build(k, env)?);
+        }
+        Ok(())
+    }
+
+    /// The step's view of the VM's state.
+    fn step_shared(vm: &mut VmState) -> StepShared<'_> {
+        StepShared {
+            view: &mut vm.view,
+            region: vm.region.as_ref(),
+            stats: &mut vm.stats,
+        }
+    }
+
+    /// Called on every timer turn: keeps the region mapped, and ends steps
+    /// that did not finish.
+    pub fn on_turn(&mut self, env: &mut Env<'_>) {
+        if let Some(r) = &self.vm.region {
+            if r.restore_pde(env) {
+                self.vm.stats.region_restores += 1;
+            }
+        }
+        self.cpu.step.on_turn(env, Self::step_shared(&mut self.vm));
+    }
+
+    /// `probe list`.
+    pub fn probe_list(&self) -> Vec<ProbeInfo> {
+        self.vm.probes.infos()
+    }
+
+    /// Whether rendered output is waiting (the stream wants busy turns).
+    pub fn has_output(&self) -> bool {
+        self.cpu.stream.has_output()
+    }
+
+    /// `TraceStart` / `TraceStop`.
+    pub fn set_stream(&mut self, format: Option<TraceFormat>) {
+        self.cpu.stream.set_format(format, &mut self.vm.graph);
+    }
+
+    /// The stream's next `TraceText`, when there is output and the
+    /// control channel's output queue has `room` bytes free: the exit loop
+    /// sends it, and asks again while it has room.
+    pub fn next_text(
+        &mut self,
+        room: usize,
+        kernel: Option<&dyn KernelView>,
+        now_ns: u64,
+    ) -> Option<protocol::Event> {
+        self.cpu
+            .stream
+            .next_text(room, kernel, now_ns, &self.vm.probes, &mut self.vm.graph)
+    }
+
+    /// Drops the return stacks of tasks that died (see [`fgraph`]).
+    pub fn reap(&mut self, kernel: Option<&dyn KernelView>, cpu: &CpuView, now_ns: u64) {
+        self.vm.graph.reap(kernel, cpu, now_ns, &mut self.vm.stats);
+    }
+
+    /// An EPT violation at `gpa`: a hooked page or hypervisor memory gets a
+    /// single step; anything else is not the tracer's.
+    pub fn on_violation(&mut self, gpa: u64, write: bool, env: &mut Env<'_>) -> Violation {
+        self.cpu
+            .step
+            .on_violation(gpa, write, env, Self::step_shared(&mut self.vm))
+    }
+
+    /// Records the guest's TF before the step set it.
+    pub fn set_old_tf(&mut self, tf: bool) {
+        self.cpu.step.set_old_tf(tf);
+    }
+
+    /// What a #DB means to the tracer.
+    pub fn debug_state(&self) -> DebugState {
+        self.cpu.step.debug_state()
+    }
+
+    /// Ends the step in flight (its #DB arrived).
+    pub fn finish_step(&mut self, env: &mut Env<'_>) {
+        self.cpu.step.end_step(env, Self::step_shared(&mut self.vm));
+    }
+
+    /// Root's leftover TF has trapped and is cleared.
+    pub fn clear_stray_tf(&mut self) {
+        self.cpu.step.clear_stray_tf();
+    }
+
+    /// Whether #DB must stay intercepted.
+    pub fn wants_debug_exits(&self) -> bool {
+        self.cpu.step.wants_debug_exits()
+    }
+}

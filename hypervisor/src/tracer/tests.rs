@@ -9,7 +9,7 @@
 //! trace.
 
 use super::machine::{CpuView, Env, KernelView, Machine, Running, PAGE};
-use super::{Hypercall, Tracer, Violation};
+use super::{DebugState, Hypercall, Tracer, Violation};
 use crate::addr::{Gpa, Hpa};
 use crate::ept::{self, Ept, EptError, Leaf, MemType, TableStore};
 use crate::guest_phys::{GuestPhys, RawMemory};
@@ -508,7 +508,14 @@ fn a_guest_write_to_a_hooked_page_is_stepped_and_merged_under_our_patch() {
     let v = g.with(|t, env, _| t.on_violation(loader::layout::HV_RESERVED.0, false, env));
     assert!(matches!(v, Violation::Widened));
     g.tracer.set_old_tf(false);
-    assert_eq!(g.tracer.debug_state(), (true, false, false));
+    assert_eq!(
+        g.tracer.debug_state(),
+        DebugState {
+            stepping: true,
+            guest_tf: false,
+            stray_tf: false
+        }
+    );
 
     // The #DB: the shadow is rebuilt from the guest's page, our call stays.
     g.with(|t, env, _| t.finish_step(env));

@@ -194,15 +194,11 @@ pub fn sample_bodies() -> Vec<Body> {
 pub fn random_frame(rng: &mut Rng) -> Frame {
     let seq = rng.next() as u32;
     let body = match rng.index(8) {
-        0 => Body::Request(Request::Ping {
-            nonce: rng.next(),
-        }),
+        0 => Body::Request(Request::Ping { nonce: rng.next() }),
         1 => Body::Request(Request::ProbeAdd {
             spec: rng.text_upto(80),
         }),
-        2 => Body::Response(Response::Pong {
-            nonce: rng.next(),
-        }),
+        2 => Body::Response(Response::Pong { nonce: rng.next() }),
         3 => Body::Response(Response::error(ErrorKind::NotFound, rng.text_upto(60))),
         4 => Body::Event(Event::Log {
             text: rng.text_upto(120),

@@ -1,0 +1,167 @@
+//! The probes (kprobe_events specs resolved to a hooked site) and what a
+//! hit of one records: its fetch arguments, read through the vCPU's page
+//! tables, encoded into the vCPU's ring. Shared by every vCPU, but for the
+//! ring a hit writes to.
+
+use super::ring::EventRing;
+use crate::guest_phys::GuestDoor;
+use crate::kprobe::{
+    self, EventHeader, FetchContext, GuestMem, IndexSymbols, MemFault, ProbeSpec, RawEvent,
+};
+use alloc::format;
+use alloc::string::ToString;
+use alloc::vec::Vec;
+use guest_introspect::addr::Gva as KGva;
+use guest_introspect::paging::{self, Cr3};
+use protocol::ProbeInfo;
+
+/// Probes defined at most.
+pub(super) const MAX_PROBES: usize = 1024;
+
+/// A probe.
+pub(super) struct Probe {
+    pub(super) id: u32,
+    pub(super) spec: ProbeSpec,
+    pub(super) site: u64,
+    pub(super) hits: u64,
+    pub(super) misses: u64,
+}
+
+/// The probes and the function tracer's count.
+pub(super) struct Probes {
+    pub(super) list: Vec<Probe>,
+    /// The next probe's id (probes count from 1; 0 is the function tracer).
+    pub(super) next_id: u32,
+    /// Functions the function tracer has hooked.
+    pub(super) functions: u32,
+}
+
+impl Default for Probes {
+    fn default() -> Self {
+        Probes {
+            list: Vec::new(),
+            next_id: 1,
+            functions: 0,
+        }
+    }
+}
+
+impl Probes {
+    /// The probe named `name` (`EVENT` or `GROUP/EVENT`), by index.
+    pub(super) fn position(&self, name: &str) -> Option<usize> {
+        let (group, event) = match name.split_once('/') {
+            Some((g, e)) => (Some(g), e),
+            None => (None, name),
+        };
+        self.list
+            .iter()
+            .position(|p| p.spec.event == event && group.is_none_or(|g| g == p.spec.group))
+    }
+
+    /// The probe with id `id`.
+    pub(super) fn get(&self, id: u32) -> Option<&Probe> {
+        self.list.iter().find(|p| p.id == id)
+    }
+
+    /// Return probes defined.
+    pub(super) fn returns(&self) -> u32 {
+        self.list.iter().filter(|p| p.spec.kind.is_return()).count() as u32
+    }
+
+    /// Counts a missed hit on each return probe of a call that could not
+    /// be hijacked (kretprobe's nmissed).
+    pub(super) fn retprobes_missed(&mut self, ids: &[u64]) {
+        for p in self
+            .list
+            .iter_mut()
+            .filter(|p| ids.contains(&u64::from(p.id)))
+        {
+            p.misses += 1;
+        }
+    }
+
+    /// `probe list`.
+    pub(super) fn infos(&self) -> Vec<ProbeInfo> {
+        self.list
+            .iter()
+            .map(|p| ProbeInfo {
+                name: format!("{}/{}", p.spec.group, p.spec.event),
+                spec: p.spec.to_string(),
+                symbol: p.spec.symbol.clone(),
+                site: p.site,
+                hits: p.hits,
+                misses: p.misses,
+            })
+            .collect()
+    }
+}
+
+/// Guest-virtual memory through the vCPU's page tables.
+pub(super) struct VcpuMem<'a> {
+    pub(super) ram: &'a dyn GuestDoor,
+    pub(super) cr3: Cr3,
+}
+
+impl GuestMem for VcpuMem<'_> {
+    fn read(&mut self, gva: KGva, buf: &mut [u8]) -> Result<(), MemFault> {
+        paging::read_virt(self.ram, self.cr3, gva, buf).map_err(|_| MemFault)
+    }
+}
+
+/// Encodes `ev` into the ring.
+pub(super) fn store(ring: &mut EventRing, scratch: &mut Vec<u8>, ev: &RawEvent) -> bool {
+    store_parts(ring, scratch, &ev.header, &ev.values)
+}
+
+/// [`store`] of an event given by parts (no `RawEvent`, no allocation).
+pub(super) fn store_parts(
+    ring: &mut EventRing,
+    scratch: &mut Vec<u8>,
+    header: &EventHeader,
+    values: &[kprobe::FetchedValue],
+) -> bool {
+    scratch.clear();
+    scratch.resize(kprobe::encoded_len(values), 0);
+    match kprobe::encode_parts(header, values, scratch) {
+        Some(n) => ring.push(&scratch[..n]),
+        None => {
+            ring.count_lost();
+            false
+        }
+    }
+}
+
+/// Where probe hits go: the probes (for their counters) and the ring.
+pub(super) struct HitSink<'a> {
+    pub(super) probes: &'a mut Vec<Probe>,
+    pub(super) ring: &'a mut EventRing,
+    pub(super) record: &'a mut Vec<u8>,
+}
+impl HitSink<'_> {
+    /// Records a hit of each probe in `ids` (entry or return), its
+    /// arguments fetched in `ctx`; a probe no longer defined is skipped.
+    pub(super) fn hits(
+        &mut self,
+        ids: impl Iterator<Item = u32>,
+        mut header: EventHeader,
+        ctx: &FetchContext<'_>,
+        mem: &mut VcpuMem<'_>,
+        syms: &IndexSymbols<'_>,
+    ) {
+        for id in ids {
+            let Some(p) = self.probes.iter_mut().find(|p| p.id == id) else {
+                continue;
+            };
+            header.probe_id = id;
+            let ev = RawEvent {
+                header,
+                values: kprobe::fetch(&p.spec.args, ctx, mem, syms),
+            };
+            if store(self.ring, self.record, &ev) {
+                p.hits += 1;
+            } else {
+                p.misses += 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,391 @@
+//! The host's requests to the tracer: probes, the function tracer and
+//! function-graph sessions. Each changes shared state only (sites, pages,
+//! probes, sessions) and flushes EPT once before it answers.
+
+use super::fgraph::{GraphSession, MAX_STACK_FRAMES, STACK_FRAMES};
+use super::graph::GraphText;
+use super::machine::{Env, KernelView};
+use super::probes::{Probe, MAX_PROBES};
+use super::retstack::MAX_USERS;
+use super::split::MAX_SITES;
+use super::{insert_site, out_of_memory, GraphStarted, ReqError, Tracer};
+use crate::kprobe::{self, Command, IndexSymbols};
+use alloc::collections::{BTreeMap, BTreeSet};
+use alloc::format;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use guest_introspect::fallible::{self, btree_entry_bytes};
+use guest_introspect::fentry::Classifier;
+use guest_introspect::view::PagedView;
+use protocol::{ErrorKind, GraphFilter};
+
+impl Tracer {
+    /// `probe add`.
+    pub fn probe_add(
+        &mut self,
+        text: &str,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        rip: u64,
+    ) -> Result<(String, u64), ReqError> {
+        let mut spec = match kprobe::parse(text) {
+            Ok(Command::Add(s)) => s,
+            Ok(Command::Delete(_)) => {
+                return Err(ReqError::new(
+                    ErrorKind::InvalidArgument,
+                    "a delete command is not a probe: use probe del",
+                ))
+            }
+            Err(e) => return Err(ReqError::new(ErrorKind::InvalidArgument, e.to_string())),
+        };
+        if self
+            .vm
+            .probes
+            .list
+            .iter()
+            .any(|p| p.spec.group == spec.group && p.spec.event == spec.event)
+        {
+            return Err(ReqError::new(
+                ErrorKind::AlreadyExists,
+                format!("probe {}/{} already exists", spec.group, spec.event),
+            ));
+        }
+        if self.vm.probes.list.len() >= MAX_PROBES {
+            return Err(ReqError::new(
+                ErrorKind::OutOfResources,
+                format!("at most {MAX_PROBES} probes; delete one first"),
+            ));
+        }
+        fallible::try_grow(&mut self.vm.probes.list, 1)
+            .map_err(|e| out_of_memory(env, "a probe", e))?;
+        let syms = IndexSymbols(k.index());
+        spec.resolve_symbols(&syms).map_err(|name| {
+            ReqError::new(
+                ErrorKind::NotFound,
+                format!("symbol {name} is not in the guest's kallsyms"),
+            )
+        })?;
+        let id = k.index().lookup(&spec.symbol).ok_or_else(|| {
+            ReqError::new(
+                ErrorKind::NotFound,
+                format!("function {} is not in the guest's kallsyms", spec.symbol),
+            )
+        })?;
+        let view = PagedView::new(env.ram, k.cr3());
+        let fs = Classifier::new(k.index())
+            .classify(&view, id)
+            .map_err(|e| {
+                ReqError::new(
+                    ErrorKind::InvalidArgument,
+                    format!("{} cannot be probed: {e}", spec.symbol),
+                )
+            })?;
+        self.ensure_region(k, env)?;
+        let site = fs.site.0;
+        let hooked = self
+            .vm
+            .view
+            .hook(k, env, self.vm.region.as_ref(), site, fs.func.0, rip);
+        env.m.invept();
+        hooked.map_err(|e| {
+            ReqError::new(
+                ErrorKind::InvalidArgument,
+                format!("cannot hook {} at {site:#x}: {e}", spec.symbol),
+            )
+        })?;
+        let pid = self.vm.probes.next_id;
+        let pushed = match self.vm.view.sites.get_mut(&site) {
+            Some(u) if spec.kind.is_return() => {
+                fallible::try_push(&mut u.retprobes, u64::from(pid))
+            }
+            Some(u) => fallible::try_push(&mut u.probes, pid),
+            None => Ok(()),
+        };
+        if let Err(e) = pushed {
+            // A site hooked for this probe alone goes again.
+            self.vm.view.unhook_if_unused(env, site);
+            env.m.invept();
+            return Err(out_of_memory(env, "the probe's site", e));
+        }
+        self.vm.probes.next_id += 1;
+        let name = format!("{}/{}", spec.group, spec.event);
+        log::info!("tracer: probe {name} on {} at {site:#x}", spec.symbol);
+        self.vm.probes.list.push(Probe {
+            id: pid,
+            spec,
+            site,
+            hits: 0,
+            misses: 0,
+        });
+        Ok((name, site))
+    }
+
+    /// `probe del NAME` (`EVENT` or `GROUP/EVENT`).
+    pub fn probe_del(&mut self, name: &str, env: &mut Env<'_>) -> Result<(), ReqError> {
+        let Some(i) = self.vm.probes.position(name) else {
+            return Err(ReqError::new(
+                ErrorKind::NotFound,
+                format!("no probe named {name}"),
+            ));
+        };
+        let p = self.vm.probes.list.remove(i);
+        if let Some(u) = self.vm.view.sites.get_mut(&p.site) {
+            u.probes.retain(|&x| x != p.id);
+            u.retprobes.retain(|&x| x != u64::from(p.id));
+        }
+        self.vm.view.unhook_if_unused(env, p.site);
+        env.m.invept();
+        Ok(())
+    }
+
+    /// The function tracer on every traceable function matching `glob`.
+    /// Returns (traced, first skips, skipped).
+    pub fn function_add(
+        &mut self,
+        glob: &str,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        rip: u64,
+    ) -> Result<(u32, Vec<String>, u32), ReqError> {
+        self.ensure_region(k, env)?;
+        let index = k.index();
+        let view = PagedView::new(env.ram, k.cr3());
+        let classifier = Classifier::new(index);
+        let mut traced = 0u32;
+        let mut skipped = Vec::new();
+        let mut skipped_total = 0u32;
+        let mut seen = alloc::collections::BTreeSet::new();
+        let ids = fallible::try_collect(index.glob(glob))
+            .map_err(|e| out_of_memory(env, "the list of matching symbols", e))?;
+        for id in ids {
+            let Ok(fs) = classifier.classify(&view, id) else {
+                continue; // not traceable: not a match for the tracer
+            };
+            if seen.contains(&fs.site.0) {
+                continue; // an alias of a function already done
+            }
+            // The set cannot reserve: past the site table's bound (or the
+            // heap's room) the rest could not be hooked anyway.
+            if seen.len() >= MAX_SITES || env.m.heap_check(btree_entry_bytes::<u64, ()>()).is_err()
+            {
+                skipped_total += 1;
+                if skipped.len() < 8 {
+                    skipped.push(format!(
+                        "{}: out of hypervisor memory for the request",
+                        index.name(id)
+                    ));
+                }
+                continue;
+            }
+            seen.insert(fs.site.0);
+            match self
+                .vm
+                .view
+                .hook(k, env, self.vm.region.as_ref(), fs.site.0, fs.func.0, rip)
+            {
+                Ok(()) => {
+                    if let Some(u) = self.vm.view.sites.get_mut(&fs.site.0) {
+                        if !u.function {
+                            u.function = true;
+                            self.vm.probes.functions += 1;
+                        }
+                    }
+                    traced += 1;
+                }
+                Err(e) => {
+                    skipped_total += 1;
+                    if skipped.len() < 8 {
+                        skipped.push(format!("{}: {e}", index.name(id)));
+                    }
+                }
+            }
+        }
+        env.m.invept();
+        log::info!("tracer: function tracer on {glob}: {traced} traced, {skipped_total} skipped");
+        Ok((traced, skipped, skipped_total))
+    }
+
+    /// Removes the function tracer everywhere.
+    pub fn function_clear(&mut self, env: &mut Env<'_>) {
+        self.vm
+            .view
+            .release(env, |u| core::mem::take(&mut u.function));
+        self.vm.probes.functions = 0;
+    }
+
+    /// `GraphStart`: a new session; hooks its trace set and records its
+    /// roots. Returns (session, hooked, roots, skipped).
+    pub fn graph_start(
+        &mut self,
+        filter: GraphFilter,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        rip: u64,
+    ) -> Result<GraphStarted, ReqError> {
+        let Some(user) = self.vm.graph.free_number() else {
+            return Err(ReqError::new(
+                ErrorKind::OutOfResources,
+                format!(
+                    "{} function-graph sessions already run; stop one first",
+                    MAX_USERS - 1
+                ),
+            ));
+        };
+        let busy = self.vm.graph.busy();
+        let frames = match filter.stack_frames {
+            0 if busy => self.vm.graph.stack_frames,
+            0 => STACK_FRAMES,
+            n if n > MAX_STACK_FRAMES => {
+                return Err(ReqError::new(
+                    ErrorKind::InvalidArgument,
+                    format!("at most {MAX_STACK_FRAMES} frames per stack"),
+                ))
+            }
+            n if busy && n != self.vm.graph.stack_frames => {
+                return Err(ReqError::new(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "the return stacks are in use with {} frames each; stop the other sessions and let their calls return first",
+                        self.vm.graph.stack_frames
+                    ),
+                ))
+            }
+            n => n,
+        };
+        self.ensure_region(k, env)?;
+        self.vm.graph.stack_frames = frames;
+        let index = k.index();
+        let view = PagedView::new(env.ram, k.cr3());
+        let classifier = Classifier::new(index);
+        let site_of = |id| classifier.classify(&view, id).ok();
+        // Each set is bounded ([`MAX_SITES`]) and checked against the
+        // heap's room entry by entry: the globs are the host's, the
+        // symbols the guest's.
+        let oom = |e| out_of_memory(env, "the function-graph session's sets", e);
+        let sites_of = |globs: &[String]| -> Result<BTreeMap<u64, u64>, ReqError> {
+            let mut out = BTreeMap::new();
+            for g in globs {
+                for id in index.glob(g) {
+                    if let Some(fs) = site_of(id) {
+                        insert_site(env, &mut out, fs.site.0, fs.func.0).map_err(oom)?;
+                    }
+                }
+            }
+            Ok(out)
+        };
+        let notrace = sites_of(&filter.notrace)?;
+        let mut graph_notrace = sites_of(&filter.graph_notrace)?;
+        graph_notrace.retain(|s, _| !notrace.contains_key(s));
+        let mut roots = BTreeSet::new();
+        let mut wanted = BTreeMap::new();
+        for (site, func) in sites_of(&filter.functions)? {
+            if !notrace.contains_key(&site) {
+                env.m
+                    .heap_check(btree_entry_bytes::<u64, ()>())
+                    .map_err(oom)?;
+                roots.insert(func);
+                insert_site(env, &mut wanted, site, func).map_err(oom)?;
+            }
+        }
+        if !filter.functions.is_empty() && roots.is_empty() {
+            return Err(ReqError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "no traceable function matches {}",
+                    filter.functions.join(" ")
+                ),
+            ));
+        }
+        let every = [String::from("*")];
+        let trace: &[String] = if filter.trace.is_empty() {
+            &every
+        } else {
+            &filter.trace
+        };
+        for (site, func) in sites_of(trace)? {
+            if !notrace.contains_key(&site) {
+                insert_site(env, &mut wanted, site, func).map_err(oom)?;
+            }
+        }
+        // A set_graph_notrace function is hooked even outside the trace
+        // set: its frame is what hides its callees.
+        for (&site, &func) in &graph_notrace {
+            insert_site(env, &mut wanted, site, func).map_err(oom)?;
+        }
+        // The session keeps the graph_notrace functions as a set.
+        env.m
+            .heap_check(
+                graph_notrace
+                    .len()
+                    .saturating_mul(btree_entry_bytes::<u64, ()>()),
+            )
+            .map_err(oom)?;
+        let bit = 1u16 << user;
+        let (mut hooked, mut skipped) = (0u32, 0u32);
+        for (site, func) in wanted {
+            match self
+                .vm
+                .view
+                .hook(k, env, self.vm.region.as_ref(), site, func, rip)
+            {
+                Ok(()) => {
+                    if let Some(u) = self.vm.view.sites.get_mut(&site) {
+                        u.graph |= bit;
+                    }
+                    hooked += 1;
+                }
+                Err(_) => skipped += 1,
+            }
+        }
+        env.m.invept();
+        let n_roots = roots.len() as u32;
+        log::info!(
+            "tracer: graph session {user}: {hooked} functions hooked, {n_roots} roots, {skipped} skipped"
+        );
+        self.vm.graph.start(
+            user,
+            GraphSession {
+                text: GraphText::new(filter.retval),
+                notrace: graph_notrace.into_values().collect(),
+                filter,
+                roots,
+            },
+        );
+        Ok(GraphStarted {
+            session: user as u32,
+            hooked,
+            roots: n_roots,
+            skipped,
+        })
+    }
+
+    /// `GraphStop`: session `session` (`None`: every session) hijacks no
+    /// new calls; frames in flight stay and still return through us.
+    pub fn graph_stop(&mut self, session: Option<u32>, env: &mut Env<'_>) -> Result<(), ReqError> {
+        let users: Vec<usize> = match session {
+            None => (1..MAX_USERS)
+                .filter(|&u| self.vm.graph.sessions[u].is_some())
+                .collect(),
+            Some(n) => {
+                let u = n as usize;
+                if !(1..MAX_USERS).contains(&u) || self.vm.graph.sessions[u].is_none() {
+                    return Err(ReqError::new(
+                        ErrorKind::NotFound,
+                        format!("no function-graph session {n}"),
+                    ));
+                }
+                alloc::vec![u]
+            }
+        };
+        let mask = users.iter().fold(0u16, |m, &u| m | 1 << u);
+        self.vm.graph.stop(mask);
+        if mask != 0 {
+            self.vm.view.release(env, |s| {
+                let had = s.graph & mask != 0;
+                s.graph &= !mask;
+                had
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,296 @@
+//! The split view's shared half: hooked sites and the pages that hold
+//! them. A hooked code page executes from a shadow frame, the guest's page
+//! with our `call` over each hooked site, mapped execute-only; the guest's
+//! reads and writes of the page fault in EPT and are stepped against its
+//! own frame ([`super::step`], per vCPU). Shared by every vCPU.
+
+use super::machine::{Env, KernelView, PAGE};
+use super::region::Region;
+use super::site::{self, Patch, PatchError};
+use crate::addr::{Gpa, Hpa};
+use crate::ept;
+use crate::guest_phys::GuestDoor;
+use alloc::collections::BTreeMap;
+use alloc::vec::Vec;
+use guest_introspect::addr::Gva as KGva;
+use guest_introspect::fallible::{self, btree_entry_bytes};
+use guest_introspect::paging;
+use trampolines::patch::SITE_LEN;
+
+/// Sites hooked at most (Debian's kernel has about 38,000 traceable
+/// functions). With a heap check before each new one, this bounds the
+/// site and page maps, which cannot reserve.
+pub(super) const MAX_SITES: usize = 1 << 16;
+/// Frames kept free for everything else when shadows are allocated.
+const FRAME_RESERVE: u64 = 1 << 20;
+/// Heap one more hooked site may take: its `sites` entry, a `pages` entry
+/// and a patch.
+const SITE_BYTES: usize = btree_entry_bytes::<u64, SiteUse>()
+    + btree_entry_bytes::<u64, Hooked>()
+    + core::mem::size_of::<Patch>();
+/// Sites released per pass when unhooking (a fixed buffer on root's stack:
+/// a release never allocates).
+const RELEASE_BATCH: usize = 256;
+
+/// Who uses a hooked site.
+pub(super) struct SiteUse {
+    pub(super) page: u64,
+    pub(super) func: u64,
+    pub(super) probes: Vec<u32>,
+    /// Ids of the return probes on the function, as the words of the
+    /// data block their frames carry.
+    pub(super) retprobes: Vec<u64>,
+    pub(super) function: bool,
+    /// The graph sessions (bit N: session N) that hooked the function.
+    pub(super) graph: u16,
+}
+
+impl SiteUse {
+    /// Nothing uses the site any more: it may be unhooked.
+    fn unused(&self) -> bool {
+        self.probes.is_empty() && self.retprobes.is_empty() && !self.function && self.graph == 0
+    }
+}
+
+/// A hooked code page: its shadow frame and our patches on it.
+pub(super) struct Hooked {
+    pub(super) shadow: Hpa,
+    pub(super) patches: Vec<Patch>,
+}
+
+/// The hooked sites and pages.
+#[derive(Default)]
+pub(super) struct SplitView {
+    /// Sites by guest-virtual address.
+    pub(super) sites: BTreeMap<u64, SiteUse>,
+    /// Hooked pages by guest-physical address.
+    pub(super) pages: BTreeMap<u64, Hooked>,
+    free_shadows: Vec<Hpa>,
+    /// The page a guest access to hypervisor memory is stepped against.
+    pub(super) scratch: Option<Hpa>,
+}
+
+/// Points the EPT entry of guest page `page` at `hpa` with `perms`. A
+/// failure (EPT tables exhausted) leaves the old entry, which is safe: the
+/// page keeps its previous view.
+pub(super) fn remap(env: &mut Env<'_>, page: u64, hpa: Hpa, perms: u64) {
+    if let Err(e) = env.m.ept_map(Gpa(page), hpa, perms) {
+        log::warn!("tracer: EPT entry of {page:#x} not changed: {e:?}");
+    }
+}
+
+/// The guest's own bytes of page `gpa`.
+pub(super) fn page_bytes(ram: &dyn GuestDoor, gpa: u64) -> Option<[u8; PAGE]> {
+    let mut b = [0u8; PAGE];
+    ram.read(gpa, &mut b).ok().map(|()| b)
+}
+
+/// Whether `gpa` is hypervisor memory.
+pub(super) fn in_hypervisor(gpa: u64) -> bool {
+    (loader::layout::HV_RESERVED.0..loader::layout::HV_RESERVED_END.0).contains(&gpa)
+}
+
+impl SplitView {
+    fn alloc_shadow(&mut self, env: &mut Env<'_>) -> Result<Hpa, PatchError> {
+        if let Some(f) = self.free_shadows.pop() {
+            return Ok(f);
+        }
+        let left = env.m.frames_free();
+        if left < FRAME_RESERVE {
+            return Err(PatchError::Perm(
+                "hypervisor memory for shadow pages is exhausted",
+            ));
+        }
+        env.m.alloc_frame().ok_or(PatchError::Perm(
+            "hypervisor memory for shadow pages is exhausted",
+        ))
+    }
+
+    /// Hooks the fentry site `site` of function `func` (no-op if hooked).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn hook(
+        &mut self,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        region: Option<&Region>,
+        site: u64,
+        func: u64,
+        rip: u64,
+    ) -> Result<(), PatchError> {
+        if self.sites.contains_key(&site) {
+            return Ok(());
+        }
+        // The maps cannot reserve: bound them, and check the heap before
+        // anything changes.
+        if self.sites.len() >= MAX_SITES {
+            return Err(PatchError::Perm("the table of hooked sites is full"));
+        }
+        if env.m.heap_check(SITE_BYTES).is_err() {
+            return Err(PatchError::Perm(
+                "out of hypervisor memory for the table of hooked sites",
+            ));
+        }
+        let Some(region) = region else {
+            return Err(PatchError::Perm("no trampoline region"));
+        };
+        if !site::site_fits_page(trampolines::Gva(site)) {
+            return Err(PatchError::Perm("the site crosses a page boundary"));
+        }
+        if site::rip_inside(trampolines::Gva(site), rip) {
+            return Err(PatchError::Busy);
+        }
+        let t = paging::translate(env.ram, k.cr3(), KGva(site)).map_err(|_| PatchError::Fault)?;
+        let gpa = t.gpa.0;
+        if in_hypervisor(gpa) {
+            return Err(PatchError::Perm("the site is not in guest memory"));
+        }
+        let page = gpa & !(PAGE as u64 - 1);
+        let offset = (gpa - page) as usize;
+        let mut guest = [0u8; SITE_LEN];
+        if env.ram.read(gpa, &mut guest).is_err() {
+            return Err(PatchError::Fault);
+        }
+        site::check_guest_site(trampolines::Gva(site), &guest)?;
+        let ours = region
+            .tramp
+            .site_patch(trampolines::Gva(site))
+            .map_err(|_| PatchError::Perm("the trampolines are out of reach of a call"))?;
+        let new_page = !self.pages.contains_key(&page);
+        if new_page {
+            let shadow = self.alloc_shadow(env)?;
+            let Some(orig) = page_bytes(env.ram, page) else {
+                self.free_shadows.push(shadow);
+                return Err(PatchError::Fault);
+            };
+            env.m.frame(shadow).copy_from_slice(&orig);
+            self.pages.insert(
+                page,
+                Hooked {
+                    shadow,
+                    patches: Vec::new(),
+                },
+            );
+        }
+        let Some(h) = self.pages.get_mut(&page) else {
+            return Err(PatchError::Fault);
+        };
+        if fallible::try_grow(&mut h.patches, 1).is_err() {
+            if new_page {
+                if let Some(h) = self.pages.remove(&page) {
+                    self.free_shadows.push(h.shadow);
+                }
+            }
+            return Err(PatchError::Perm(
+                "out of hypervisor memory for the page's patches",
+            ));
+        }
+        // The shadow holds the guest's bytes here (copied, or re-synced on
+        // the guest's last write): check them, then write ours.
+        let shadow = env.m.frame(h.shadow);
+        site::write_checked(shadow, offset, &guest, &ours)?;
+        h.patches.push(Patch {
+            offset: offset as u16,
+            site: trampolines::Gva(site),
+            ours,
+            guest,
+        });
+        if new_page {
+            if let Err(e) = env.m.ept_map(Gpa(page), h.shadow, ept::EXEC) {
+                log::warn!("tracer: EPT map of {page:#x} failed: {e:?}");
+                // Nothing maps the shadow: give it back with the page.
+                if let Some(h) = self.pages.remove(&page) {
+                    self.free_shadows.push(h.shadow);
+                }
+                return Err(PatchError::Perm("EPT tables exhausted"));
+            }
+        }
+        // The caller flushes EPT once for the whole request.
+        self.sites.insert(
+            site,
+            SiteUse {
+                page,
+                func,
+                probes: Vec::new(),
+                function: false,
+                retprobes: Vec::new(),
+                graph: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// Removes our patch from `site` if nothing uses it any more.
+    pub(super) fn unhook_if_unused(&mut self, env: &mut Env<'_>, site: u64) {
+        let Some(u) = self.sites.get(&site) else {
+            return;
+        };
+        if !u.unused() {
+            return;
+        }
+        let page = u.page;
+        self.sites.remove(&site);
+        let Some(h) = self.pages.get_mut(&page) else {
+            return;
+        };
+        if let Some(i) = h.patches.iter().position(|p| p.site.0 == site) {
+            let p = h.patches.swap_remove(i);
+            let shadow = env.m.frame(h.shadow);
+            if let Err(e) = site::write_checked(shadow, p.offset as usize, &p.ours, &p.guest) {
+                log::warn!("tracer: unpatching {site:#x}: {e}");
+            }
+        }
+        if h.patches.is_empty() {
+            let shadow = h.shadow;
+            self.pages.remove(&page);
+            remap(env, page, Hpa(page), ept::RWX);
+            self.free_shadows.push(shadow);
+        }
+        // The caller flushes EPT once for the whole request.
+    }
+
+    /// Takes one user off every site (`release` does it and says whether
+    /// the site had that user) and unhooks the sites nothing else uses.
+    /// A release never allocates: the sites to unhook are taken a fixed
+    /// batch at a time.
+    pub(super) fn release(
+        &mut self,
+        env: &mut Env<'_>,
+        mut release: impl FnMut(&mut SiteUse) -> bool,
+    ) {
+        let mut any = false;
+        for u in self.sites.values_mut() {
+            any |= release(u);
+        }
+        if any {
+            self.unhook_unused(env);
+        }
+        env.m.invept();
+    }
+
+    /// Unhooks every site nothing uses any more.
+    fn unhook_unused(&mut self, env: &mut Env<'_>) {
+        let mut from = 0u64;
+        loop {
+            let mut batch = [0u64; RELEASE_BATCH];
+            let mut n = 0;
+            let mut next = None;
+            for (&s, u) in self.sites.range(from..) {
+                if n == RELEASE_BATCH {
+                    next = Some(s);
+                    break;
+                }
+                if u.unused() {
+                    batch[n] = s;
+                    n += 1;
+                }
+            }
+            for &s in &batch[..n] {
+                self.unhook_if_unused(env, s);
+            }
+            match next {
+                Some(s) => from = s,
+                None => return,
+            }
+        }
+    }
+}

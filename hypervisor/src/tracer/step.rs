@@ -1,0 +1,282 @@
+//! The split view's per-vCPU half: the single step that lets the guest
+//! read or write a hooked page. A guest access to a hooked page faults in
+//! EPT; the page is then mapped to the guest's own frame (read/write/
+//! execute) for exactly one instruction, stepped with RFLAGS.TF and an
+//! intercepted #DB (Bochs 2.7's monitor trap flag does not work), after
+//! which the shadow is put back; after a write it is first rebuilt from the
+//! guest's page, so the guest's own changes (its ftrace turning a site into
+//! a call) take effect behind our patches. Guest accesses to hypervisor
+//! memory get the same single step with the page mapped to a scratch
+//! frame: writes are discarded, reads see 0xCC, and the guest keeps
+//! running. The page table holding the region's PDE is stepped the same
+//! way, and the PDE checked after.
+//!
+//! The step belongs to one vCPU: one instruction of one vCPU. The pages it
+//! opens are opened in the one EPT that every vCPU shares today; an SMP
+//! guest needs per-vCPU EPT views for them.
+
+use super::machine::{Env, PAGE};
+use super::region::Region;
+use super::site;
+use super::split::{in_hypervisor, page_bytes, remap, SplitView};
+use crate::addr::{Gpa, Hpa};
+use crate::ept;
+use guest_introspect::paging;
+use protocol::TracerReport;
+
+/// A step not finished after this many timer turns is ended by force (the
+/// stepped context was preempted; its stale TF is swallowed later).
+const STEP_TIMEOUT_TURNS: u32 = 4;
+
+/// What an EPT violation was.
+pub enum Violation {
+    /// A hooked page or hypervisor memory: a step was set up; resume.
+    Stepping,
+    /// One more page of the instruction already being stepped was opened;
+    /// the step is armed already.
+    Widened,
+    /// Nothing of the tracer's.
+    NotOurs,
+}
+
+/// What a #DB means to the tracer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DebugState {
+    /// A step is in flight.
+    pub stepping: bool,
+    /// The guest's own TF when the step began.
+    pub guest_tf: bool,
+    /// A TF of ours may be left in RFLAGS (a step ended by force).
+    pub stray_tf: bool,
+}
+
+#[derive(Clone, Copy)]
+enum StepKind {
+    /// A hooked code page, mapped to the guest's own frame for the step.
+    Hooked { write: bool },
+    /// A hypervisor page, mapped to the scratch frame; `restore` is the EPT
+    /// entry to put back (0: absent).
+    Discard { restore: u64 },
+    /// The page table holding our PDE, mapped writable for the step.
+    Watch,
+}
+
+/// The most pages one stepped instruction may hold open at once. One x86
+/// instruction touches at most a few pages (its code, and source and
+/// destination operands, each possibly crossing a page boundary, and the
+/// descriptor and stack pages of an event it raises); past this, the step
+/// starts over rather than growing.
+const STEP_PAGES: usize = 8;
+
+/// One instruction being single-stepped with some of its pages opened.
+/// Every page the instruction touches joins the same step, so that an
+/// instruction touching two watched pages opens both rather than making
+/// the two steps alternate forever.
+struct Step {
+    pages: [(u64, StepKind); STEP_PAGES],
+    open: usize,
+    old_tf: bool,
+    turns: u32,
+}
+
+impl Step {
+    fn pages(&self) -> &[(u64, StepKind)] {
+        &self.pages[..self.open]
+    }
+}
+
+/// The shared state a step reads and changes.
+pub(super) struct StepShared<'a> {
+    pub(super) view: &'a mut SplitView,
+    pub(super) region: Option<&'a Region>,
+    pub(super) stats: &'a mut TracerReport,
+}
+
+impl StepShared<'_> {
+    fn reborrow(&mut self) -> StepShared<'_> {
+        StepShared {
+            view: self.view,
+            region: self.region,
+            stats: self.stats,
+        }
+    }
+}
+
+/// A vCPU's step.
+#[derive(Default)]
+pub(super) struct Stepper {
+    step: Option<Step>,
+    /// A forced step end left TF in some saved guest context.
+    stray_tf: bool,
+}
+
+impl Stepper {
+    /// A timer turn: a step that did not finish within
+    /// [`STEP_TIMEOUT_TURNS`] is ended by force.
+    pub(super) fn on_turn(&mut self, env: &mut Env<'_>, s: StepShared<'_>) {
+        if let Some(st) = self.step.as_mut() {
+            st.turns += 1;
+            if st.turns > STEP_TIMEOUT_TURNS {
+                self.end_step(env, s);
+                self.stray_tf = true;
+            }
+        }
+    }
+
+    /// An EPT violation at `gpa`: a hooked page or hypervisor memory gets a
+    /// single step; anything else is not the tracer's.
+    pub(super) fn on_violation(
+        &mut self,
+        gpa: u64,
+        write: bool,
+        env: &mut Env<'_>,
+        mut s: StepShared<'_>,
+    ) -> Violation {
+        let page = gpa & !(PAGE as u64 - 1);
+        let widen = match self.step.as_ref() {
+            // The instruction being stepped touched another page (or the
+            // same page again for another kind of access): open it too.
+            Some(s) if s.open < STEP_PAGES => true,
+            Some(_) => {
+                // More pages than one instruction can touch: start over.
+                self.end_step(env, s.reborrow());
+                false
+            }
+            None => false,
+        };
+        if widen
+            && self
+                .step
+                .as_ref()
+                .is_some_and(|s| s.pages().iter().any(|&(p, _)| p == page))
+        {
+            // Already open (a write after a read on a hooked page that is
+            // now identity mapped RWX cannot fault again; a hypervisor page
+            // mapped to scratch can only if the access kind differs).
+            return Violation::Widened;
+        }
+        let watched = s.region.is_some_and(|r| r.pd_page == page);
+        let kind = if watched {
+            remap(env, page, Hpa(page), ept::RWX);
+            StepKind::Watch
+        } else if s.view.pages.contains_key(&page) {
+            remap(env, page, Hpa(page), ept::RWX);
+            StepKind::Hooked { write }
+        } else if in_hypervisor(page) {
+            let scratch = match s.view.scratch {
+                Some(s) => s,
+                None => match env.m.alloc_frame() {
+                    Some(f) => {
+                        s.view.scratch = Some(f);
+                        f
+                    }
+                    None => return Violation::NotOurs,
+                },
+            };
+            env.m.frame(scratch).fill(0xcc);
+            let restore = match env.m.ept_map(Gpa(page), scratch, ept::READ | ept::WRITE) {
+                Ok(old) => old,
+                Err(_) => return Violation::NotOurs,
+            };
+            s.stats.blocked_writes += u64::from(write);
+            StepKind::Discard { restore }
+        } else {
+            return Violation::NotOurs;
+        };
+        env.m.invept();
+        if widen {
+            if let Some(st) = self.step.as_mut() {
+                st.pages[st.open] = (page, kind);
+                st.open += 1;
+                s.stats.steps_widened += 1;
+                return Violation::Widened;
+            }
+        }
+        s.stats.steps += 1;
+        let mut pages = [(0u64, StepKind::Watch); STEP_PAGES];
+        pages[0] = (page, kind);
+        self.step = Some(Step {
+            pages,
+            open: 1,
+            old_tf: false,
+            turns: 0,
+        });
+        Violation::Stepping
+    }
+
+    /// Ends the step in flight: every page it opened goes back.
+    pub(super) fn end_step(&mut self, env: &mut Env<'_>, mut s: StepShared<'_>) {
+        let Some(step) = self.step.take() else {
+            return;
+        };
+        for &(page, kind) in step.pages() {
+            close_page(page, kind, env, s.reborrow());
+        }
+        env.m.invept();
+    }
+
+    /// Records the guest's TF before the step set it. A TF left behind by
+    /// a step of ours that ended without its #DB is not the guest's.
+    pub(super) fn set_old_tf(&mut self, tf: bool) {
+        let stray = core::mem::take(&mut self.stray_tf);
+        if let Some(s) = self.step.as_mut() {
+            s.old_tf = tf && !stray;
+        }
+    }
+
+    /// What a #DB means to the tracer.
+    pub(super) fn debug_state(&self) -> DebugState {
+        DebugState {
+            stepping: self.step.is_some(),
+            guest_tf: self.step.as_ref().is_some_and(|s| s.old_tf),
+            stray_tf: self.stray_tf,
+        }
+    }
+
+    /// Root's leftover TF has trapped and is cleared.
+    pub(super) fn clear_stray_tf(&mut self) {
+        self.stray_tf = false;
+    }
+
+    /// Whether #DB must stay intercepted.
+    pub(super) fn wants_debug_exits(&self) -> bool {
+        self.step.is_some() || self.stray_tf
+    }
+}
+
+/// Puts one page of a finished step back to its watched mapping.
+fn close_page(page: u64, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
+    match kind {
+        StepKind::Hooked { write } => {
+            if let Some(h) = s.view.pages.get_mut(&page) {
+                if write {
+                    s.stats.guest_writes += 1;
+                    if let Some(orig) = page_bytes(env.ram, page) {
+                        let shadow = env.m.frame(h.shadow);
+                        site::resync(shadow, &orig, &mut h.patches);
+                    }
+                }
+                remap(env, page, h.shadow, ept::EXEC);
+            } else {
+                // Unhooked meanwhile: the identity mapping stays.
+            }
+        }
+        StepKind::Watch => {
+            if s.region.is_some_and(|r| r.restore_pde(env)) {
+                s.stats.region_restores += 1;
+            }
+            remap(env, page, Hpa(page), ept::READ | ept::EXEC);
+        }
+        StepKind::Discard { restore } => {
+            if restore & ept::RWX == 0 {
+                let _ = env.m.ept_unmap(Gpa(page));
+            } else {
+                let _ = env.m.ept_map(
+                    Gpa(page),
+                    Hpa(restore & paging::ADDR_MASK),
+                    restore & ept::RWX,
+                );
+            }
+        }
+    }
+}
