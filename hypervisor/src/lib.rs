@@ -1,11 +1,13 @@
 //! The host-testable logic of the hvtrace hypervisor.
 //!
-//! The bare-metal binary (`src/main.rs`, built only with the `bare-metal`
-//! feature for `x86_64-unknown-none`) is thin glue over these modules: the
-//! typed VMCS fields, the exit decoder, the EPT builder, the exit policy
-//! (CPUID, MSR, CR, I/O decisions), ACPI table lookups and the exit counters.
-//! None of them executes a privileged instruction; they reach hardware only
-//! through the small traits they define, which the tests implement in memory.
+//! The bare-metal binary (`src/root/`, built only with the `bare-metal`
+//! feature for `x86_64-unknown-none`) is glue over these modules: the typed
+//! VMCS fields, the exit decoder, the EPT builder, the exit policy (CPUID,
+//! MSR, CR, I/O decisions), the task-switch emulation, ACPI table lookups,
+//! the exit counters, the kprobe_events language and the tracer. None of
+//! them executes a privileged instruction; they reach hardware only through
+//! the small traits they define (`VmcsIo`, `RawMemory`, `TableStore`,
+//! `tracer::machine::Machine`), which the tests implement in memory.
 #![cfg_attr(not(test), no_std)]
 
 extern crate alloc;
