@@ -40,7 +40,7 @@ pub struct StatusSource<'a> {
     pub introspection: &'a mut Introspection,
     pub cpu: CpuView,
     pub tsc_hz: u64,
-    pub tracer: &'a mut Tracer,
+    pub tracer: Tracer<'a>,
     pub ept: &'a hypervisor::ept::Ept,
     /// The guest's RIP (sites it is executing inside are not patched).
     pub rip: u64,

@@ -3,18 +3,18 @@
 
 use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
 use crate::control::{Action, Control, StatusSource};
+use crate::cpu_state::CpuState;
 use crate::hvprintln;
-use crate::introspect::{CpuView, GuestRam, Introspection, KernelView};
+use crate::introspect::{CpuView, GuestRam, KernelView};
 use crate::machine::with_env;
 use crate::phys;
 use crate::vcpu::{VmConfig, Vmcs};
+use crate::vm::Vm;
 use core::fmt;
 use guest_introspect::addr::Gva as KGva;
 use guest_introspect::paging::{self, Cr3, WalkError};
-use hypervisor::mono::MonoTsc;
 use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
-use hypervisor::stats::ExitCounters;
 use hypervisor::task_switch::LegacyPaging;
 use hypervisor::tracer::{DebugState, Hypercall, Tracer, Violation};
 use hypervisor::vmx::debug;
@@ -79,37 +79,19 @@ enum Next {
     Stop(StopReason),
 }
 
-/// The vCPU's mutable state across exits.
+/// The vCPU at work: the VM's state and its own, which the exit handlers
+/// below read and change. The two live in separate types ([`Vm`],
+/// [`CpuState`]) so that what an SMP guest shares is plain.
 pub struct Vcpu {
-    pub regs: GuestRegs,
-    pub counters: ExitCounters,
-    cfg: VmConfig,
-    control: Option<Control>,
-    tsc_hz: u64,
-    /// Root's clock: the TSC made monotonic (the guest can rewind the TSC).
-    clock: MonoTsc,
-    /// The preemption-timer value currently in the VMCS.
-    timer: u32,
-    /// TSC at the last turn, and the turn period in TSC ticks: a guest that
-    /// exits so often that the preemption timer (which counts guest time
-    /// only) rarely expires still gets turns (every traced call exits).
-    last_turn: u64,
-    turn_ticks: u64,
-    /// Turns left before a host-requested stop, while its acknowledgement drains.
-    stopping: Option<u32>,
-    /// Whether #DB is in the exception bitmap.
-    debug_exits: bool,
-    introspection: Introspection,
-    tracer: Tracer,
-    /// The event this exit's handler wants delivered at the next entry.
-    inject: Option<Event>,
-    /// The event whose delivery the last exit interrupted.
-    vectoring: Option<Event>,
-    /// Whether NMI-window exiting is on in the VMCS.
-    nmi_window: bool,
-    /// The guest's PCI configuration address (the last dword it wrote to 0xCF8).
-    pci_address: u32,
-    guard: GuardReport,
+    pub vm: Vm,
+    pub cpu: CpuState,
+}
+
+/// The tracer over the VM's state and the vCPU's.
+macro_rules! tracer {
+    ($v:expr) => {
+        Tracer::new(&mut $v.vm.tracer, &mut $v.cpu.tracer)
+    };
 }
 
 /// Preemption-timer periods: idle, and while the control channel has
@@ -225,24 +207,8 @@ const PF: u8 = 14;
 impl Vcpu {
     pub fn new(cfg: VmConfig, control: Option<Control>, tsc_hz: u64) -> Self {
         Self {
-            regs: GuestRegs::default(),
-            counters: ExitCounters::new(),
-            cfg,
-            control,
-            tsc_hz,
-            clock: MonoTsc::starting_at(insn::rdtsc()),
-            timer: 0,
-            last_turn: 0,
-            turn_ticks: u64::MAX,
-            stopping: None,
-            debug_exits: false,
-            introspection: Introspection::default(),
-            tracer: Tracer::new(),
-            inject: None,
-            vectoring: None,
-            nmi_window: false,
-            pci_address: 0,
-            guard: GuardReport::default(),
+            vm: Vm::new(cfg, control, tsc_hz, insn::rdtsc()),
+            cpu: CpuState::default(),
         }
     }
 
@@ -250,7 +216,7 @@ impl Vcpu {
     pub fn guard(&self) -> GuardReport {
         GuardReport {
             nmis_in_root: crate::fatal::nmis_in_root(),
-            ..self.guard
+            ..self.cpu.guard
         }
     }
 
@@ -260,9 +226,9 @@ impl Vcpu {
     fn prepare_entry(&mut self) -> Result<(), VmcsError> {
         // The common exit: nothing to deliver and no window to close. The
         // plan would change nothing, so the VMCS is not even read.
-        if self.inject.is_none()
-            && self.vectoring.is_none()
-            && !self.nmi_window
+        if self.cpu.inject.is_none()
+            && self.cpu.vectoring.is_none()
+            && !self.cpu.nmi_window
             && !crate::fatal::nmi_pending()
         {
             return Ok(());
@@ -270,18 +236,18 @@ impl Vcpu {
         let v = &mut Vmcs;
         let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
         let plan = event::plan_entry(
-            self.inject.take(),
-            self.vectoring.take(),
+            self.cpu.inject.take(),
+            self.cpu.vectoring.take(),
             crate::fatal::nmi_pending(),
             intr,
         );
         if let Some(e) = plan.inject {
             if plan.nmi_delivered {
                 crate::fatal::take_nmi();
-                self.guard.nmis_injected += 1;
+                self.cpu.guard.nmis_injected += 1;
             }
             if plan.reinjected {
-                self.guard.events_reinjected += 1;
+                self.cpu.guard.events_reinjected += 1;
             }
             if let Some(code) = e.error_code {
                 f::ENTRY_EXCEPTION_ERROR_CODE.write(v, code)?;
@@ -294,11 +260,11 @@ impl Vcpu {
         if plan.interruptibility != intr {
             f::GUEST_INTERRUPTIBILITY.write(v, plan.interruptibility)?;
         }
-        if plan.nmi_window != self.nmi_window {
+        if plan.nmi_window != self.cpu.nmi_window {
             let mut ctl = f::PRIMARY_PROC_CONTROLS.read(v)?;
             ctl ^= PrimaryControls::NMI_WINDOW_EXITING.bits();
             f::PRIMARY_PROC_CONTROLS.write(v, ctl)?;
-            self.nmi_window = plan.nmi_window;
+            self.cpu.nmi_window = plan.nmi_window;
         }
         Ok(())
     }
@@ -309,7 +275,7 @@ impl Vcpu {
         } else {
             IDLE_TURNS_PER_SEC
         };
-        ((self.tsc_hz / per_sec) >> self.cfg.timer_shift).clamp(1, u32::MAX as u64) as u32
+        ((self.vm.tsc_hz / per_sec) >> self.vm.cfg.timer_shift).clamp(1, u32::MAX as u64) as u32
     }
 
     fn cpu_view(&self) -> Result<CpuView, VmcsError> {
@@ -332,7 +298,7 @@ impl Vcpu {
     }
 
     fn now_ns(&self) -> u64 {
-        crate::clock::tsc_to_ns(self.clock.now(), self.tsc_hz)
+        crate::clock::tsc_to_ns(self.vm.clock.now(), self.vm.tsc_hz)
     }
 
     /// Gives the control channel and the tracer a turn and sets the next
@@ -340,66 +306,66 @@ impl Vcpu {
     fn service(&mut self) -> Result<Next, VmcsError> {
         let mut stop = false;
         let mut busy = false;
-        self.last_turn = self.clock.update(insn::rdtsc());
-        with_env(&self.cfg.ept, |env| self.tracer.on_turn(env));
-        if !self.tracer.wants_debug_exits() && self.debug_exits {
+        self.cpu.last_turn = self.vm.clock.update(insn::rdtsc());
+        with_env(&self.vm.cfg.ept, |env| tracer!(self).on_turn(env));
+        if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
-            self.debug_exits = false;
+            self.cpu.debug_exits = false;
         }
-        if self.control.is_some() {
+        if self.vm.control.is_some() {
             let now = self.now_ns();
             let cpu = self.cpu_view()?;
             let rip = f::GUEST_RIP.read(&Vmcs)?;
             let guard = self.guard();
-            let Some(c) = self.control.as_mut() else {
+            let Some(c) = self.vm.control.as_mut() else {
                 return Ok(Next::Resume);
             };
             let mut src = StatusSource {
-                counters: &self.counters,
-                uptime_ns: crate::clock::tsc_to_ns(self.clock.now(), self.tsc_hz),
+                counters: &self.cpu.counters,
+                uptime_ns: crate::clock::tsc_to_ns(self.vm.clock.now(), self.vm.tsc_hz),
                 memory_used: crate::frames::used(),
                 memory_total: loader::layout::HV_RESERVED_SIZE,
-                introspection: &mut self.introspection,
+                introspection: &mut self.vm.introspection,
                 cpu,
-                tsc_hz: self.tsc_hz,
-                tracer: &mut self.tracer,
-                ept: &self.cfg.ept,
+                tsc_hz: self.vm.tsc_hz,
+                tracer: tracer!(self),
+                ept: &self.vm.cfg.ept,
                 rip,
                 guard,
             };
             stop = c.poll(&mut src) == Action::Stop;
-            let kernel = self.introspection.kernel().map(|k| k as &dyn KernelView);
-            self.tracer.reap(kernel, &cpu, now);
-            let kernel = self.introspection.kernel().map(|k| k as &dyn KernelView);
-            while let Some(ev) = self.tracer.next_text(c.tx_room(), kernel, now) {
+            let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
+            tracer!(self).reap(kernel, &cpu, now);
+            let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
+            while let Some(ev) = tracer!(self).next_text(c.tx_room(), kernel, now) {
                 c.send_event(ev);
             }
             c.flush();
-            busy = c.busy() || self.tracer.has_output();
+            busy = c.busy() || tracer!(self).has_output();
         }
         let per_sec = if busy {
             BUSY_TURNS_PER_SEC
         } else {
             IDLE_TURNS_PER_SEC
         };
-        self.turn_ticks = self.tsc_hz / per_sec;
-        if self.cfg.has_timer {
+        self.cpu.turn_ticks = self.vm.tsc_hz / per_sec;
+        if self.vm.cfg.has_timer {
             let t = self.timer_value(busy);
-            if t != self.timer {
+            if t != self.cpu.timer {
                 f::PREEMPTION_TIMER_VALUE.write(&mut Vmcs, t)?;
-                self.timer = t;
+                self.cpu.timer = t;
             }
         }
-        if stop && self.stopping.is_none() {
+        if stop && self.vm.stopping.is_none() {
             // Keep the guest running a few turns so that the acknowledgement
             // reaches the host before the machine goes away.
-            self.stopping = Some(STOP_DRAIN_TURNS);
+            self.vm.stopping = Some(STOP_DRAIN_TURNS);
         }
-        if let Some(left) = self.stopping {
+        if let Some(left) = self.vm.stopping {
             if !busy || left == 0 {
                 return Ok(Next::Stop(StopReason::HostStop));
             }
-            self.stopping = Some(left - 1);
+            self.vm.stopping = Some(left - 1);
         }
         Ok(Next::Resume)
     }
@@ -415,7 +381,7 @@ impl Vcpu {
                 return e.into();
             }
             // SAFETY: `vcpu::setup` filled the current VMCS completely.
-            let outcome = unsafe { insn::vmx_run(&mut self.regs, launched) };
+            let outcome = unsafe { insn::vmx_run(&mut self.cpu.regs, launched) };
             if let RunOutcome::EntryFailed(e) = outcome {
                 let err = f::VM_INSTRUCTION_ERROR.read(&Vmcs).unwrap_or(0);
                 hvprintln!(
@@ -426,13 +392,13 @@ impl Vcpu {
                 return StopReason::EntryFailed;
             }
             launched = true;
-            let now = self.clock.update(insn::rdtsc());
+            let now = self.vm.clock.update(insn::rdtsc());
             let raw = match self.read_exit() {
                 Ok(r) => r,
                 Err(e) => return e.into(),
             };
-            self.counters.record(raw.reason as u16);
-            self.vectoring = match self.read_vectoring() {
+            self.cpu.counters.record(raw.reason as u16);
+            self.cpu.vectoring = match self.read_vectoring() {
                 Ok(e) => e,
                 Err(e) => return e.into(),
             };
@@ -443,7 +409,7 @@ impl Vcpu {
                 Ok(Next::Stop(r)) => return r,
                 Err(e) => return e.into(),
             }
-            if !timer && now.saturating_sub(self.last_turn) > self.turn_ticks {
+            if !timer && now.saturating_sub(self.cpu.last_turn) > self.cpu.turn_ticks {
                 match self.service() {
                     Ok(Next::Resume) => {}
                     Ok(Next::Stop(r)) => return r,
@@ -461,9 +427,9 @@ impl Vcpu {
             guest_physical: f::GUEST_PHYSICAL_ADDRESS.read(v)?,
             guest_linear: f::GUEST_LINEAR_ADDRESS.read(v)?,
             interruption_info: f::EXIT_INTERRUPTION_INFO.read(v)?,
-            rax: self.regs.rax,
-            rcx: self.regs.rcx,
-            rdx: self.regs.rdx,
+            rax: self.cpu.regs.rax,
+            rcx: self.cpu.regs.rcx,
+            rdx: self.cpu.regs.rdx,
         })
     }
 
@@ -498,7 +464,7 @@ impl Vcpu {
     /// Injects a hardware exception at the faulting instruction (SDM 26.6)
     /// at the next entry.
     fn inject(&mut self, vector: u8, error_code: Option<u32>) -> Result<Next, VmcsError> {
-        self.inject = Some(Event::exception(vector, error_code));
+        self.cpu.inject = Some(Event::exception(vector, error_code));
         Ok(Next::Resume)
     }
 
@@ -506,10 +472,10 @@ impl Vcpu {
         match exit {
             VmExit::Cpuid { leaf, subleaf } => {
                 let r = policy::filter_cpuid(leaf, subleaf, insn::cpuid(leaf, subleaf));
-                self.regs.rax = r[0] as u64;
-                self.regs.rbx = r[1] as u64;
-                self.regs.rcx = r[2] as u64;
-                self.regs.rdx = r[3] as u64;
+                self.cpu.regs.rax = r[0] as u64;
+                self.cpu.regs.rbx = r[1] as u64;
+                self.cpu.regs.rcx = r[2] as u64;
+                self.cpu.regs.rdx = r[3] as u64;
                 self.advance()
             }
             VmExit::MsrRead { msr } => {
@@ -521,8 +487,8 @@ impl Vcpu {
                 };
                 match policy::msr_read(msr, real) {
                     MsrRead::Value(val) => {
-                        self.regs.rax = val & 0xffff_ffff;
-                        self.regs.rdx = val >> 32;
+                        self.cpu.regs.rax = val & 0xffff_ffff;
+                        self.cpu.regs.rdx = val >> 32;
                         self.advance()
                     }
                     MsrRead::Fault => self.inject(GP, Some(0)),
@@ -544,7 +510,7 @@ impl Vcpu {
                     }
                     MsrWrite::Fault => {
                         if msr == policy::MSR_APIC_BASE {
-                            self.guard.apic_moves_refused += 1;
+                            self.cpu.guard.apic_moves_refused += 1;
                         }
                         self.inject(GP, Some(0))
                     }
@@ -560,7 +526,7 @@ impl Vcpu {
                     unsafe { insn::xsetbv(xcr, value) };
                     self.advance()
                 } else {
-                    self.guard.xsetbv_refused += 1;
+                    self.cpu.guard.xsetbv_refused += 1;
                     self.inject(GP, Some(0))
                 }
             }
@@ -575,14 +541,14 @@ impl Vcpu {
             VmExit::Nmi => {
                 // The NMI is the guest's; root's IDT handler marks it
                 // pending, and its IRET unblocks NMIs in root.
-                self.guard.nmi_exits += 1;
+                self.cpu.guard.nmi_exits += 1;
                 crate::fatal::nmi_exit();
                 Ok(Next::Resume)
             }
             VmExit::NmiWindow => {
                 // `prepare_entry` injects the pending NMI now that the
                 // guest can take it.
-                self.guard.nmi_windows += 1;
+                self.cpu.guard.nmi_windows += 1;
                 Ok(Next::Resume)
             }
             // SMX is hidden and CR4.SMXE refused: GETSEC is #UD.
@@ -590,8 +556,8 @@ impl Vcpu {
             VmExit::TripleFault => Ok(Next::Stop(StopReason::TripleFault)),
             VmExit::Init => Ok(Next::Stop(StopReason::Reset)),
             VmExit::EptViolation(e) => {
-                match with_env(&self.cfg.ept, |env| {
-                    self.tracer.on_violation(e.gpa, e.write, env)
+                match with_env(&self.vm.cfg.ept, |env| {
+                    tracer!(self).on_violation(e.gpa, e.write, env)
                 }) {
                     Violation::Stepping => {
                         self.clear_stale_step()?;
@@ -651,7 +617,7 @@ impl Vcpu {
             e.fetch,
             e.allowed
         );
-        let leaf = self.cfg.ept.translate(
+        let leaf = self.vm.cfg.ept.translate(
             &mut crate::frames::PoolTables,
             hypervisor::addr::Gpa(e.gpa & !0xfff),
         );
@@ -665,9 +631,10 @@ impl Vcpu {
         let rip = f::GUEST_RIP.read(&Vmcs)?;
         let cpu = self.cpu_view()?;
         let now = self.now_ns();
-        let kernel = self.introspection.kernel().map(|k| k as &dyn KernelView);
-        let (tracer, regs) = (&mut self.tracer, &mut self.regs);
-        match with_env(&self.cfg.ept, |env| {
+        let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
+        let mut tracer = Tracer::new(&mut self.vm.tracer, &mut self.cpu.tracer);
+        let regs = &mut self.cpu.regs;
+        match with_env(&self.vm.cfg.ept, |env| {
             tracer.hypercall(env, rip, regs, &cpu, kernel, now)
         }) {
             Hypercall::Handled => self.advance(),
@@ -682,15 +649,15 @@ impl Vcpu {
     fn arm_step(&mut self) -> Result<Next, VmcsError> {
         let v = &mut Vmcs;
         let rflags = f::GUEST_RFLAGS.read(v)?;
-        self.tracer.set_old_tf(rflags & RFLAGS_TF != 0);
+        tracer!(self).set_old_tf(rflags & RFLAGS_TF != 0);
         f::GUEST_RFLAGS.write(v, rflags | RFLAGS_TF)?;
         let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
         if intr & event::BLOCKING_BY_STI_OR_MOV_SS != 0 {
             f::GUEST_INTERRUPTIBILITY.write(v, intr & !event::BLOCKING_BY_STI_OR_MOV_SS)?;
         }
-        if !self.debug_exits {
+        if !self.cpu.debug_exits {
             f::EXCEPTION_BITMAP.write(v, 1 << DB)?;
-            self.debug_exits = true;
+            self.cpu.debug_exits = true;
         }
         Ok(Next::Resume)
     }
@@ -707,12 +674,12 @@ impl Vcpu {
             stepping,
             guest_tf,
             stray_tf: stray,
-        } = self.tracer.debug_state();
+        } = tracer!(self).debug_state();
         let act = debug::decide(qual, int1, stepping, guest_tf, stray);
         if act.end_step {
-            with_env(&self.cfg.ept, |env| self.tracer.finish_step(env));
+            with_env(&self.vm.cfg.ept, |env| tracer!(self).finish_step(env));
         } else if stray && act.tf == Some(false) {
-            self.tracer.clear_stray_tf();
+            tracer!(self).clear_stray_tf();
         }
         if let Some(tf) = act.tf {
             let rflags = f::GUEST_RFLAGS.read(v)?;
@@ -736,7 +703,7 @@ impl Vcpu {
                 let dr6 = (insn::read_dr6() & !0xf) | bits | 0xffff_0ff0;
                 insn::write_dr6(dr6);
                 if act.as_int1 {
-                    self.inject = Some(Event {
+                    self.cpu.inject = Some(Event {
                         vector: DB,
                         kind: event::TYPE_PRIVILEGED_SOFTWARE_EXCEPTION,
                         error_code: None,
@@ -749,26 +716,26 @@ impl Vcpu {
             }
             None => Next::Resume,
         };
-        if !self.tracer.wants_debug_exits() && self.debug_exits {
+        if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
-            self.debug_exits = false;
+            self.cpu.debug_exits = false;
         }
         Ok(next)
     }
 
     /// A control-register value the CPU would refuse: #GP(0), counted.
     fn refuse_cr(&mut self) -> Result<Next, VmcsError> {
-        self.guard.cr_writes_refused += 1;
+        self.cpu.guard.cr_writes_refused += 1;
         self.inject(GP, Some(0))
     }
 
     fn cr_access(&mut self, access: CrAccess) -> Result<Next, VmcsError> {
         let v = &mut Vmcs;
-        let (f0, f1) = self.cfg.fixed.cr0;
-        let (f40, f41) = self.cfg.fixed.cr4;
+        let (f0, f1) = self.vm.cfg.fixed.cr0;
+        let (f40, f41) = self.vm.cfg.fixed.cr4;
         match access {
             CrAccess::MovTo { cr, gpr: g } => {
-                let value = match gpr(&mut self.regs, g) {
+                let value = match gpr(&mut self.cpu.regs, g) {
                     Some(r) => *r,
                     None => f::GUEST_RSP.read(v)?,
                 };
@@ -833,7 +800,7 @@ impl Vcpu {
                     8 => insn::read_cr8(),
                     _ => return self.inject(UD, None),
                 };
-                match gpr(&mut self.regs, g) {
+                match gpr(&mut self.cpu.regs, g) {
                     Some(r) => *r = value,
                     None => f::GUEST_RSP.write(v, value)?,
                 }
@@ -871,6 +838,7 @@ impl Vcpu {
         policy::CONTROL_PORTS.contains(&port)
             || port == policy::DEBUG_PORT
             || self
+                .vm
                 .cfg
                 .dma_block
                 .as_ref()
@@ -886,15 +854,15 @@ impl Vcpu {
             if io.input {
                 // SAFETY: the configuration address register, read for the guest.
                 let v = unsafe { insn::inl(pci::CONFIG_ADDRESS) };
-                self.regs.rax = (self.regs.rax & !0xffff_ffff) | u64::from(v);
+                self.cpu.regs.rax = (self.cpu.regs.rax & !0xffff_ffff) | u64::from(v);
             } else {
-                let v = self.regs.rax as u32;
-                self.pci_address = v;
+                let v = self.cpu.regs.rax as u32;
+                self.vm.pci_address = v;
                 forward_out(pci::CONFIG_ADDRESS, 4, v);
             }
             return Ok(None);
         }
-        let addr = pci::ConfigAddress::decode(self.pci_address);
+        let addr = pci::ConfigAddress::decode(self.vm.pci_address);
         if !pci::CONFIG_DATA.contains(&io.port) || !addr.enabled {
             // 0xCF9 (reset control) and friends, or data with cycles off:
             // the platform's, byte by byte.
@@ -902,7 +870,7 @@ impl Vcpu {
         }
         let offset = (io.port - pci::CONFIG_DATA.start()) as u8;
         if io.input {
-            forward_out(pci::CONFIG_ADDRESS, 4, self.pci_address);
+            forward_out(pci::CONFIG_ADDRESS, 4, self.vm.pci_address);
             // SAFETY: a configuration read for the guest, at the address it set.
             let v = unsafe {
                 match io.size {
@@ -911,18 +879,19 @@ impl Vcpu {
                     _ => insn::inl(io.port),
                 }
             };
-            self.regs.rax = (self.regs.rax & !u64::from(mask)) | u64::from(v & mask);
+            self.cpu.regs.rax = (self.cpu.regs.rax & !u64::from(mask)) | u64::from(v & mask);
             return Ok(None);
         }
         // Decide on the whole dword, but write only the bytes the guest
         // wrote, at its size: a read-modify-write of the dword would write
         // back neighbouring registers (write-1-to-clear status bits, chipset
         // controls) that the guest never touched.
-        let old = pci_read(self.pci_address);
-        let new = pci::merge(old, offset, io.size, self.regs.rax as u32);
+        let old = pci_read(self.vm.pci_address);
+        let new = pci::merge(old, offset, io.size, self.cpu.regs.rax as u32);
         let shift = u32::from(offset) * 8;
         let guest_bytes = |dword: u32| (dword >> shift) & mask;
         let blocked = self
+            .vm
             .cfg
             .dma_block
             .as_ref()
@@ -931,24 +900,24 @@ impl Vcpu {
         match pci::config_write(addr.register, new, blocked) {
             pci::ConfigWrite::Write(v) => {
                 if v != new {
-                    self.guard.pci_writes_refused += 1;
+                    self.cpu.guard.pci_writes_refused += 1;
                 }
-                pci_data_write(self.pci_address, io.port, io.size, guest_bytes(v));
+                pci_data_write(self.vm.pci_address, io.port, io.size, guest_bytes(v));
             }
-            pci::ConfigWrite::Drop => self.guard.pci_writes_refused += 1,
+            pci::ConfigWrite::Drop => self.cpu.guard.pci_writes_refused += 1,
             pci::ConfigWrite::WriteThenCheckBar => {
-                pci_data_write(self.pci_address, io.port, io.size, guest_bytes(new));
-                let value = pci_read(self.pci_address);
-                pci_write(self.pci_address, u32::MAX);
-                let probe = pci_read(self.pci_address);
-                pci_write(self.pci_address, value);
+                pci_data_write(self.vm.pci_address, io.port, io.size, guest_bytes(new));
+                let value = pci_read(self.vm.pci_address);
+                pci_write(self.vm.pci_address, u32::MAX);
+                let probe = pci_read(self.vm.pci_address);
+                pci_write(self.vm.pci_address, value);
                 let upper = (addr.register < 0x24 && (value & 7) == 4)
-                    .then(|| pci_read(self.pci_address + 4));
+                    .then(|| pci_read(self.vm.pci_address + 4));
                 let hv =
                     loader::layout::HV_RESERVED.as_u64()..loader::layout::HV_RESERVED_END.as_u64();
                 if pci::bar_overlaps(addr.register, value, probe, upper, &hv) {
-                    pci_write(self.pci_address, old);
-                    self.guard.pci_writes_refused += 1;
+                    pci_write(self.vm.pci_address, old);
+                    self.cpu.guard.pci_writes_refused += 1;
                 }
             }
         }
@@ -971,14 +940,14 @@ impl Vcpu {
     fn port(&mut self, io: IoAccess) -> Result<Option<StopReason>, VmcsError> {
         let debug = policy::DEBUG_PORT..=policy::DEBUG_PORT;
         if !io.input && policy::io_touches(io.port, io.size, &debug) {
-            self.guard.debug_port_writes += 1;
+            self.cpu.guard.debug_port_writes += 1;
         }
-        let dma = self.cfg.dma_block.as_ref();
+        let dma = self.vm.cfg.dma_block.as_ref();
         if !io.input && dma.is_some_and(|d| policy::io_touches(io.port, io.size, &d.ports)) {
-            self.guard.dma_port_writes_blocked += 1;
+            self.cpu.guard.dma_port_writes_blocked += 1;
         }
         let ours = self.touches_owned(io);
-        let pm1 = self.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
+        let pm1 = self.vm.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
         if let Some((a, b)) = pm1 {
             let exact = (io.port == a || Some(io.port) == b) && !ours;
             if exact {
@@ -992,10 +961,10 @@ impl Vcpu {
                         }
                     } as u64;
                     let mask = policy::floating_bus(io.size) as u64;
-                    self.regs.rax = (self.regs.rax & !mask) | (val & mask);
+                    self.cpu.regs.rax = (self.cpu.regs.rax & !mask) | (val & mask);
                     return Ok(None);
                 }
-                let value = (self.regs.rax & policy::floating_bus(io.size) as u64) as u32;
+                let value = (self.cpu.regs.rax & policy::floating_bus(io.size) as u64) as u32;
                 if value & policy::PM1_SLP_EN != 0 {
                     return Ok(Some(StopReason::PowerOff {
                         port: io.port,
@@ -1030,7 +999,7 @@ impl Vcpu {
         // The address size: from the instruction information when the CPU
         // reports it for INS/OUTS (IA32_VMX_BASIC bit 54), else from the
         // code segment (an address-size prefix is then not seen).
-        let mask = if self.cfg.ins_outs_info {
+        let mask = if self.vm.cfg.ins_outs_info {
             policy::address_size_mask(f::EXIT_INSTRUCTION_INFO.read(v)?)
         } else if efer & policy::EFER_LMA != 0 && cs_ar & (1 << 13) != 0 {
             u64::MAX
@@ -1039,10 +1008,10 @@ impl Vcpu {
         } else {
             0xffff
         };
-        if io.rep && self.regs.rcx & mask == 0 {
+        if io.rep && self.cpu.regs.rcx & mask == 0 {
             return self.advance();
         }
-        self.guard.string_io_emulated += 1;
+        self.cpu.guard.string_io_emulated += 1;
         let cpu = self.cpu_view()?;
         let cr0 = f::GUEST_CR0.read(v)?;
         let cr4 = f::GUEST_CR4.read(v)?;
@@ -1071,7 +1040,7 @@ impl Vcpu {
             }
         }
         let ram = phys::guest_ram();
-        let saved = self.regs.rax;
+        let saved = self.cpu.regs.rax;
         if !io.input {
             let mut bytes = [0xffu8; 4];
             for (b, &gpa) in bytes.iter_mut().zip(&gpas).take(size) {
@@ -1079,7 +1048,7 @@ impl Vcpu {
                     *b = 0xff;
                 }
             }
-            self.regs.rax = u64::from(u32::from_le_bytes(bytes));
+            self.cpu.regs.rax = u64::from(u32::from_le_bytes(bytes));
         }
         let stop = self.port(IoAccess {
             string: false,
@@ -1087,13 +1056,13 @@ impl Vcpu {
             ..io
         })?;
         if io.input {
-            let bytes = (self.regs.rax as u32).to_le_bytes();
+            let bytes = (self.cpu.regs.rax as u32).to_le_bytes();
             for (b, &gpa) in bytes.iter().zip(&gpas).take(size) {
                 // Not guest RAM (MMIO, a hole, hypervisor memory): dropped.
                 let _ = ram.write(gpa, core::slice::from_ref(b));
             }
         }
-        self.regs.rax = saved;
+        self.cpu.regs.rax = saved;
         let step = if rflags & (1 << 10) != 0 {
             (size as u64).wrapping_neg()
         } else {
@@ -1110,14 +1079,14 @@ impl Vcpu {
             };
         };
         let index = if io.input {
-            &mut self.regs.rdi
+            &mut self.cpu.regs.rdi
         } else {
-            &mut self.regs.rsi
+            &mut self.cpu.regs.rsi
         };
         set(index, index.wrapping_add(step));
         let last = if io.rep {
-            let left = (self.regs.rcx & mask).wrapping_sub(1) & mask;
-            set(&mut self.regs.rcx, left);
+            let left = (self.cpu.regs.rcx & mask).wrapping_sub(1) & mask;
+            set(&mut self.cpu.regs.rcx, left);
             left == 0
         } else {
             true
@@ -1166,12 +1135,12 @@ impl Vcpu {
             hvprintln!("error: a task switch exit in IA-32e mode: {q:#x}");
             return Ok(Next::Stop(StopReason::Unhandled(9)));
         }
-        self.guard.task_switches += 1;
+        self.cpu.guard.task_switches += 1;
         let source = Source::from_qualification(q);
         let rip = f::GUEST_RIP.read(v)?;
         let len = u64::from(f::EXIT_INSTRUCTION_LEN.read(v)?);
         let event = if source == Source::Gate {
-            self.vectoring.take()
+            self.cpu.vectoring.take()
         } else {
             None
         };
@@ -1197,7 +1166,7 @@ impl Vcpu {
                 ar: fields.access_rights.read(v)?,
             };
         }
-        let r = &self.regs;
+        let r = &self.cpu.regs;
         let mut cpu = TaskCpu {
             gpr: [
                 r.rax as u32,
@@ -1255,14 +1224,14 @@ impl Vcpu {
             fields.write(v, s.selector, u64::from(s.base), s.limit, s.ar)?;
         }
         let g = cpu.gpr.map(u64::from);
-        self.regs.rax = g[0];
-        self.regs.rcx = g[1];
-        self.regs.rdx = g[2];
-        self.regs.rbx = g[3];
+        self.cpu.regs.rax = g[0];
+        self.cpu.regs.rcx = g[1];
+        self.cpu.regs.rdx = g[2];
+        self.cpu.regs.rbx = g[3];
         f::GUEST_RSP.write(v, g[4])?;
-        self.regs.rbp = g[5];
-        self.regs.rsi = g[6];
-        self.regs.rdi = g[7];
+        self.cpu.regs.rbp = g[5];
+        self.cpu.regs.rsi = g[6];
+        self.cpu.regs.rdi = g[7];
         f::GUEST_RIP.write(v, u64::from(cpu.eip))?;
         f::GUEST_RFLAGS.write(v, u64::from(cpu.eflags))?;
         f::GUEST_CR0.write(v, u64::from(cpu.cr0))?;
@@ -1314,9 +1283,9 @@ impl Vcpu {
     /// ones, writes dropped), the others go to the platform, as a bus
     /// would split it; a write of SLP_EN to PM1 still powers off.
     fn io_bytes(&mut self, io: IoAccess) -> Option<StopReason> {
-        let pm1 = self.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
+        let pm1 = self.vm.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
         let mut value = 0u32;
-        let out = self.regs.rax as u32;
+        let out = self.cpu.regs.rax as u32;
         for i in 0..io.size.min(4) {
             let Some(p) = io.port.checked_add(u16::from(i)) else {
                 break;
@@ -1350,7 +1319,7 @@ impl Vcpu {
         }
         if io.input {
             let mask = policy::floating_bus(io.size) as u64;
-            self.regs.rax = (self.regs.rax & !mask) | (u64::from(value) & mask);
+            self.cpu.regs.rax = (self.cpu.regs.rax & !mask) | (u64::from(value) & mask);
         }
         None
     }

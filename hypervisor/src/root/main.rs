@@ -15,6 +15,7 @@ extern crate alloc;
 mod arch;
 mod clock;
 mod control;
+mod cpu_state;
 mod exits;
 mod fatal;
 mod frames;
@@ -27,6 +28,7 @@ mod phys;
 mod rootstack;
 mod uart;
 mod vcpu;
+mod vm;
 
 use arch::instructions as insn;
 use exits::StopReason;
@@ -174,10 +176,10 @@ fn run(
         }
     );
     let mut vcpu = exits::Vcpu::new(cfg, control, tsc_hz);
-    vcpu.regs.rsi = entry.boot_params;
+    vcpu.cpu.regs.rsi = entry.boot_params;
     hvprintln!("guest started");
     let reason = vcpu.run();
-    hvprintln!("exit counts: {}", vcpu.counters);
+    hvprintln!("exit counts: {}", vcpu.cpu.counters);
     hvprintln!("guest stopped: {reason}");
     Ok(reason)
 }

@@ -19,7 +19,7 @@ use guest_introspect::addr::Gva as KGva;
 use guest_introspect::paging::{self, Cr3};
 use trampolines::PtRegs;
 
-impl Tracer {
+impl Tracer<'_> {
     /// A VMCALL at guest `rip` in ring `cpl`.
     pub fn hypercall(
         &mut self,

@@ -20,9 +20,11 @@
 //! | [`stream`] | the event ring, the stream's format and held line | the vCPU's |
 //! | [`step`] | the single step in flight | the vCPU's |
 //!
-//! [`Tracer`] holds the VM's parts in [`VmState`] and the vCPU's in
-//! [`CpuState`]; `requests.rs` serves the host's requests (the VM's state
-//! only), `hit.rs` the hypercalls (both).
+//! The VM's parts are gathered in [`VmState`], which the VM owns, and the
+//! vCPU's in [`CpuState`], which each vCPU owns; a [`Tracer`] borrows one
+//! of each for one exit or one request. `requests.rs` serves the host's
+//! requests (the VM's state, but for the stream's format), `hit.rs` the
+//! hypercalls (both).
 
 mod fgraph;
 pub mod graph;
@@ -140,21 +142,23 @@ pub struct CpuState {
     step: Stepper,
 }
 
-/// The tracer: the VM's state and the vCPU's (one vCPU today).
-#[derive(Default)]
-pub struct Tracer {
-    vm: VmState,
-    cpu: CpuState,
+/// The tracer at work on one vCPU: the VM's state and that vCPU's,
+/// borrowed for one exit or one request. The VM owns its [`VmState`], each
+/// vCPU its [`CpuState`].
+pub struct Tracer<'a> {
+    vm: &'a mut VmState,
+    cpu: &'a mut CpuState,
 }
 
-impl Tracer {
-    pub fn new() -> Self {
-        Self::default()
+impl<'a> Tracer<'a> {
+    /// The tracer over the VM's state and the vCPU's.
+    pub fn new(vm: &'a mut VmState, cpu: &'a mut CpuState) -> Self {
+        Tracer { vm, cpu }
     }
 
     /// The counters for `status`.
     pub fn report(&self) -> TracerReport {
-        let vm = &self.vm;
+        let vm = &*self.vm;
         let stacks = vm.graph.figures();
         TracerReport {
             probes: vm.probes.list.len() as u32,
@@ -197,7 +201,7 @@ impl Tracer {
                 self.vm.stats.region_restores += 1;
             }
         }
-        self.cpu.step.on_turn(env, Self::step_shared(&mut self.vm));
+        self.cpu.step.on_turn(env, Self::step_shared(self.vm));
     }
 
     /// `probe list`.
@@ -239,7 +243,7 @@ impl Tracer {
     pub fn on_violation(&mut self, gpa: u64, write: bool, env: &mut Env<'_>) -> Violation {
         self.cpu
             .step
-            .on_violation(gpa, write, env, Self::step_shared(&mut self.vm))
+            .on_violation(gpa, write, env, Self::step_shared(self.vm))
     }
 
     /// Records the guest's TF before the step set it.
@@ -254,7 +258,7 @@ impl Tracer {
 
     /// Ends the step in flight (its #DB arrived).
     pub fn finish_step(&mut self, env: &mut Env<'_>) {
-        self.cpu.step.end_step(env, Self::step_shared(&mut self.vm));
+        self.cpu.step.end_step(env, Self::step_shared(self.vm));
     }
 
     /// Root's leftover TF has trapped and is cleared.

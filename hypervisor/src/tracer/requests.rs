@@ -19,7 +19,7 @@ use guest_introspect::fentry::Classifier;
 use guest_introspect::view::PagedView;
 use protocol::{ErrorKind, GraphFilter};
 
-impl Tracer {
+impl Tracer<'_> {
     /// `probe add`.
     pub fn probe_add(
         &mut self,

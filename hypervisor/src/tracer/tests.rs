@@ -9,7 +9,7 @@
 //! trace.
 
 use super::machine::{CpuView, Env, KernelView, Machine, Running, PAGE};
-use super::{DebugState, Hypercall, Tracer, Violation};
+use super::{CpuState, DebugState, Hypercall, Tracer, Violation, VmState};
 use crate::addr::{Gpa, Hpa};
 use crate::ept::{self, Ept, EptError, Leaf, MemType, TableStore};
 use crate::guest_phys::{GuestPhys, RawMemory};
@@ -280,7 +280,8 @@ struct Guest {
     door: GuestPhys<&'static SparseRam>,
     root: FakeRoot,
     kernel: FakeKernel,
-    tracer: Tracer,
+    vm: VmState,
+    cpu: CpuState,
     now_ns: u64,
 }
 
@@ -325,9 +326,15 @@ impl Guest {
                 },
                 task_stacks: BTreeMap::from([(TASK, STACK_BASE)]),
             },
-            tracer: Tracer::new(),
+            vm: VmState::default(),
+            cpu: CpuState::default(),
             now_ns: 1_000_000_000,
         }
+    }
+
+    /// The tracer over the VM's state and the vCPU's.
+    fn tracer(&mut self) -> Tracer<'_> {
+        Tracer::new(&mut self.vm, &mut self.cpu)
     }
 
     /// Runs `f` with the tracer, its environment and the kernel.
@@ -336,7 +343,11 @@ impl Guest {
             ram: &self.door,
             m: &mut self.root,
         };
-        f(&mut self.tracer, &mut env, &self.kernel)
+        f(
+            &mut Tracer::new(&mut self.vm, &mut self.cpu),
+            &mut env,
+            &self.kernel,
+        )
     }
 
     fn probe(&mut self, spec: &str) -> Result<(String, u64), super::ReqError> {
@@ -345,8 +356,10 @@ impl Guest {
 
     /// The trampolines as the tracer built them (the layout is a function
     /// of the base alone).
-    fn region(&self) -> TrampolineRegion {
-        let base = self.tracer.report().trampolines;
+    fn region(&mut self) -> TrampolineRegion {
+        let base = Tracer::new(&mut self.vm, &mut self.cpu)
+            .report()
+            .trampolines;
         assert_ne!(base, 0, "no trampoline region");
         TrampolineRegion::build(trampolines::Gva(base), HypercallMode::Vmcall).unwrap()
     }
@@ -407,7 +420,9 @@ impl Guest {
     fn drain(&mut self) -> Vec<(u32, String)> {
         let mut out = Vec::new();
         let now = self.now_ns;
-        while let Some(ev) = self.tracer.next_text(1 << 20, Some(&self.kernel), now) {
+        while let Some(ev) =
+            Tracer::new(&mut self.vm, &mut self.cpu).next_text(1 << 20, Some(&self.kernel), now)
+        {
             match ev {
                 Event::TraceText { source, text, .. } => out.push((source, text)),
                 other => panic!("unexpected event {other:?}"),
@@ -463,7 +478,7 @@ fn a_probe_builds_the_region_and_a_shadow_the_guest_cannot_read() {
 
     // The region: a free 2 MiB slot of the kernel-image PD (the highest),
     // pointing at a hypervisor frame, EPT read-only.
-    let base = g.tracer.report().trampolines;
+    let base = g.tracer().report().trampolines;
     assert_eq!(base, 0xffff_ffff_8000_0000 + 511 * 2 * MIB);
     let pde = g.ram.word(PD + 511 * 8);
     let table = pde & !0xfff;
@@ -501,15 +516,15 @@ fn a_guest_write_to_a_hooked_page_is_stepped_and_merged_under_our_patch() {
     assert!(matches!(v, Violation::Stepping));
     let leaf = g.root.leaf(page).unwrap();
     assert_eq!((leaf.hpa.0, leaf.perms), (page, ept::RWX));
-    assert!(g.tracer.wants_debug_exits());
+    assert!(g.tracer().wants_debug_exits());
     let theirs = call_bytes(OTHER, TEXT + 0x8000);
     g.ram.put(gpa(OTHER), &theirs);
     // A second page touched by the same instruction widens the step.
     let v = g.with(|t, env, _| t.on_violation(loader::layout::HV_RESERVED.0, false, env));
     assert!(matches!(v, Violation::Widened));
-    g.tracer.set_old_tf(false);
+    g.tracer().set_old_tf(false);
     assert_eq!(
-        g.tracer.debug_state(),
+        g.tracer().debug_state(),
         DebugState {
             stepping: true,
             guest_tf: false,
@@ -530,8 +545,8 @@ fn a_guest_write_to_a_hooked_page_is_stepped_and_merged_under_our_patch() {
     );
     // The hypervisor page went back to unmapped.
     assert!(g.root.leaf(loader::layout::HV_RESERVED.0).is_none());
-    assert!(!g.tracer.wants_debug_exits());
-    let r = g.tracer.report();
+    assert!(!g.tracer().wants_debug_exits());
+    let r = g.tracer().report();
     assert_eq!((r.steps, r.steps_widened, r.guest_writes), (1, 1, 1));
 }
 
@@ -546,7 +561,7 @@ fn a_guest_access_to_hypervisor_memory_sees_scratch() {
     assert_eq!(g.root.frames[&leaf.hpa.0][..16], [0xcc; 16]);
     g.with(|t, env, _| t.finish_step(env));
     assert!(g.root.leaf(hv).is_none());
-    assert_eq!(g.tracer.report().blocked_writes, 1);
+    assert_eq!(g.tracer().report().blocked_writes, 1);
     // Guest RAM that is nobody's is not the tracer's business.
     let v = g.with(|t, env, _| t.on_violation(RAM.0 + 0x10_0000, true, env));
     assert!(matches!(v, Violation::NotOurs));
@@ -560,7 +575,7 @@ fn a_changed_region_pde_is_put_back_on_the_next_turn() {
     g.ram.put(PD + 511 * 8, &0u64.to_le_bytes());
     g.with(|t, env, _| t.on_turn(env));
     assert_eq!(g.ram.word(PD + 511 * 8), pde);
-    assert_eq!(g.tracer.report().region_restores, 1);
+    assert_eq!(g.tracer().report().region_restores, 1);
 }
 
 #[test]
@@ -578,7 +593,7 @@ fn deleting_the_last_probe_gives_the_page_back() {
     g.with(|t, env, _| t.probe_del("kprobes/b", env)).unwrap();
     let leaf = g.root.leaf(page).unwrap();
     assert_eq!((leaf.hpa.0, leaf.perms), (page, ept::RWX));
-    assert_eq!(g.tracer.report().sites, 0);
+    assert_eq!(g.tracer().report().sites, 0);
     let e = g.with(|t, env, _| t.probe_del("a", env)).unwrap_err();
     assert_eq!(e.kind, protocol::ErrorKind::NotFound);
 }
@@ -589,7 +604,7 @@ fn deleting_the_last_probe_gives_the_page_back() {
 fn a_probe_hit_fetches_its_arguments_and_renders_as_kprobe_events() {
     let mut g = Guest::new();
     g.probe("p:myprobe my_func x=%di").unwrap();
-    g.tracer.set_stream(Some(TraceFormat::Text));
+    g.tracer().set_stream(Some(TraceFormat::Text));
     let (out, rax) = g.hit(FUNC, RETP, CALLER_RET, 42);
     assert!(matches!(out, Hypercall::Handled));
     assert_eq!(rax, 0, "a NOP site has no call to chain to");
@@ -600,9 +615,9 @@ fn a_probe_hit_fetches_its_arguments_and_renders_as_kprobe_events() {
             && text.contains("x=0x2a"),
         "{text}"
     );
-    let r = g.tracer.report();
+    let r = g.tracer().report();
     assert_eq!((r.hits, r.forged_entries), (1, 0));
-    assert_eq!(g.tracer.probe_list()[0].hits, 1);
+    assert_eq!(g.tracer().probe_list()[0].hits, 1);
 }
 
 #[test]
@@ -615,14 +630,14 @@ fn a_guest_ftrace_call_at_the_site_is_chained_to() {
     let (out, rax) = g.hit(FUNC, RETP, CALLER_RET, 0);
     assert!(matches!(out, Hypercall::Handled));
     assert_eq!(rax, FTRACE_CALLER);
-    assert_eq!(g.tracer.report().hits, 1);
+    assert_eq!(g.tracer().report().hits, 1);
 }
 
 #[test]
 fn forged_entries_are_refused_and_not_counted_as_hits() {
     let mut g = Guest::new();
     g.probe("p:a my_func").unwrap();
-    g.tracer.set_stream(Some(TraceFormat::Text));
+    g.tracer().set_stream(Some(TraceFormat::Text));
     // RDI != RSP: not the trampoline's frame.
     let regs_at = RETP - 0x200;
     g.ram.put(gpa(regs_at), &pt_regs(FUNC + 5, RETP, 0));
@@ -634,7 +649,7 @@ fn forged_entries_are_refused_and_not_counted_as_hits() {
     // pt_regs whose ip is not this site's call.
     g.ram.put(gpa(regs_at), &pt_regs(OTHER + 5, RETP, 0));
     g.entry_vmcall(regs_at, regs_at, FUNC);
-    let r = g.tracer.report();
+    let r = g.tracer().report();
     assert_eq!((r.hits, r.forged_entries), (0, 3));
     assert_eq!(g.text(), "");
     // A VMCALL from anywhere else is foreign: #UD.
@@ -645,7 +660,7 @@ fn forged_entries_are_refused_and_not_counted_as_hits() {
     let cpu = g.cpu(regs_at);
     let out = g.with(|t, env, k| t.hypercall(env, FUNC, &mut regs, &cpu, Some(k), 0));
     assert!(matches!(out, Hypercall::Foreign));
-    assert_eq!(g.tracer.report().foreign_vmcalls, 1);
+    assert_eq!(g.tracer().report().foreign_vmcalls, 1);
 }
 
 #[test]
@@ -655,12 +670,12 @@ fn the_function_tracer_records_function_and_parent() {
         .with(|t, env, k| t.function_add("*_func", k, env, 0))
         .unwrap();
     assert_eq!((traced, skipped), (2, 0));
-    g.tracer.set_stream(Some(TraceFormat::Text));
+    g.tracer().set_stream(Some(TraceFormat::Text));
     g.hit(OTHER, RETP, CALLER_RET, 0);
     let text = g.text();
     assert!(text.contains("other_func <-caller"), "{text}");
     g.with(|t, env, _| t.function_clear(env));
-    assert_eq!(g.tracer.report().sites, 0);
+    assert_eq!(g.tracer().report().sites, 0);
 }
 
 // ----- function graph ----------------------------------------------------
@@ -680,20 +695,20 @@ fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
         .with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
         .unwrap();
     assert_eq!((started.session, started.hooked, started.roots), (1, 2, 1));
-    g.tracer.set_stream(Some(TraceFormat::Text));
+    g.tracer().set_stream(Some(TraceFormat::Text));
     let tramp = g.region().return_trampoline().0;
 
     // Entry: the return slot now holds the return trampoline; one frame.
     g.hit(FUNC, RETP, CALLER_RET, 0);
     assert_eq!(g.ram.word(gpa(RETP)), tramp);
-    let r = g.tracer.report();
+    let r = g.tracer().report();
     assert_eq!((r.graph_stacks, r.graph_frames), (1, 1));
     // A nested call of other_func, lower on the same stack.
     g.now_ns += 1_000;
     let inner = RETP - 0x100;
     g.hit(OTHER, inner, FUNC + 0x40, 0);
     assert_eq!(g.ram.word(gpa(inner)), tramp);
-    assert_eq!(g.tracer.report().graph_frames, 2);
+    assert_eq!(g.tracer().report().graph_frames, 2);
 
     // Returns, innermost first: each hands back its own return address.
     g.now_ns += 2_000;
@@ -703,7 +718,7 @@ fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
     g.now_ns += 3_000;
     let (_, rax) = g.ret(RETP, 0);
     assert_eq!(rax, CALLER_RET);
-    let r = g.tracer.report();
+    let r = g.tracer().report();
     assert_eq!((r.graph_stacks, r.graph_frames), (0, 0));
 
     let text = g.text();
@@ -721,7 +736,7 @@ fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
     // A return with no frame is an orphan: #UD.
     let (out, _) = g.ret(RETP, 0);
     assert!(matches!(out, Hypercall::Foreign));
-    assert_eq!(g.tracer.report().graph_orphans, 1);
+    assert_eq!(g.tracer().report().graph_orphans, 1);
 }
 
 #[test]
@@ -731,7 +746,7 @@ fn calls_outside_the_roots_are_not_hijacked() {
         .unwrap();
     g.hit(OTHER, RETP, CALLER_RET, 0);
     assert_eq!(g.ram.word(gpa(RETP)), CALLER_RET);
-    assert_eq!(g.tracer.report().graph_frames, 0);
+    assert_eq!(g.tracer().report().graph_frames, 0);
 }
 
 #[test]
@@ -743,22 +758,22 @@ fn max_depth_and_comm_filters_apply_at_the_root() {
     g.with(|t, env, k| t.graph_start(f, k, env, 0)).unwrap();
     g.hit(FUNC, RETP, CALLER_RET, 0);
     g.hit(OTHER, RETP - 0x100, FUNC + 0x40, 0);
-    assert_eq!(g.tracer.report().graph_frames, 1, "depth 1 only");
+    assert_eq!(g.tracer().report().graph_frames, 1, "depth 1 only");
     assert_eq!(g.ram.word(gpa(RETP - 0x100)), FUNC + 0x40);
     g.ret(RETP, 0);
 
     g.kernel.running.comm = *b"other\0\0\0\0\0\0\0\0\0\0\0";
     g.hit(FUNC, RETP, CALLER_RET, 0);
-    assert_eq!(g.tracer.report().graph_frames, 0, "comm does not match");
+    assert_eq!(g.tracer().report().graph_frames, 0, "comm does not match");
 }
 
 #[test]
 fn a_return_probe_sees_the_return_value() {
     let mut g = Guest::new();
     g.probe("r:myret my_func ret=$retval").unwrap();
-    g.tracer.set_stream(Some(TraceFormat::Text));
+    g.tracer().set_stream(Some(TraceFormat::Text));
     g.hit(FUNC, RETP, CALLER_RET, 0);
-    assert_eq!(g.tracer.report().graph_frames, 1);
+    assert_eq!(g.tracer().report().graph_frames, 1);
     let (_, rax) = g.ret(RETP, 0x1234);
     assert_eq!(rax, CALLER_RET);
     let text = g.text();
@@ -774,12 +789,12 @@ fn the_reaper_drops_the_stacks_of_dead_tasks_only() {
     g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
         .unwrap();
     g.hit(FUNC, RETP, CALLER_RET, 0);
-    assert_eq!(g.tracer.report().graph_frames, 1);
+    assert_eq!(g.tracer().report().graph_frames, 1);
     let cpu = g.cpu(RETP);
     let reap = |g: &mut Guest| {
         g.now_ns += 1_000_000_000;
-        g.tracer.reap(Some(&g.kernel), &cpu, g.now_ns);
-        let r = g.tracer.report();
+        Tracer::new(&mut g.vm, &mut g.cpu).reap(Some(&g.kernel), &cpu, g.now_ns);
+        let r = g.tracer().report();
         (r.graph_frames, r.graph_reaped)
     };
     // Alive (its stack is still its own) and running: kept.
@@ -805,7 +820,7 @@ fn graph_stop_keeps_frames_in_flight_returning() {
         .unwrap();
     g.hit(FUNC, RETP, CALLER_RET, 0);
     g.with(|t, env, _| t.graph_stop(None, env)).unwrap();
-    assert_eq!(g.tracer.report().sites, 0);
+    assert_eq!(g.tracer().report().sites, 0);
     // The hijacked return still comes back, and is handed its address.
     let (out, rax) = g.ret(RETP, 0);
     assert!(matches!(out, Hypercall::Handled));
