@@ -18,11 +18,12 @@ use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
 use hypervisor::task_switch::LegacyPaging;
 use hypervisor::tracer::{DebugState, Hypercall, Tracer, Violation};
 use hypervisor::vmx::debug;
+use hypervisor::vmx::entry::{self, Pending};
 use hypervisor::vmx::event::{self, Event};
-use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, RawExit, VmExit};
+use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, VmExit};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
 use protocol::GuardReport;
-use x86::vmx::vmcs::control::{EntryControls, PrimaryControls};
+use x86::vmx::vmcs::control::EntryControls;
 
 /// Why the guest stopped.
 #[derive(Debug, Clone, Copy)]
@@ -220,51 +221,27 @@ impl Vcpu {
         }
     }
 
-    /// Fills the entry's event-injection fields: the handler's event, the
-    /// interrupted one, or a pending NMI (see [`event::plan_entry`]), and
-    /// NMI-window exiting while an NMI still waits.
+    /// Fills the entry's event-injection fields (see
+    /// [`hypervisor::vmx::entry::prepare_entry`]), with the NMI that root's
+    /// own handler queued.
     fn prepare_entry(&mut self) -> Result<(), VmcsError> {
-        // The common exit: nothing to deliver and no window to close. The
-        // plan would change nothing, so the VMCS is not even read.
-        if self.cpu.inject.is_none()
-            && self.cpu.vectoring.is_none()
-            && !self.cpu.nmi_window
-            && !crate::fatal::nmi_pending()
-        {
-            return Ok(());
+        let mut pending = Pending {
+            inject: self.cpu.inject.take(),
+            vectoring: self.cpu.vectoring.take(),
+            nmi_window: self.cpu.nmi_window,
+        };
+        let done = entry::prepare_entry(&mut Vmcs, &mut pending, crate::fatal::nmi_pending());
+        // Whatever was not written stays for the next entry.
+        self.cpu.inject = pending.inject;
+        self.cpu.vectoring = pending.vectoring;
+        self.cpu.nmi_window = pending.nmi_window;
+        let done = done?;
+        if done.nmi_delivered {
+            crate::fatal::take_nmi();
+            self.cpu.guard.nmis_injected += 1;
         }
-        let v = &mut Vmcs;
-        let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
-        let plan = event::plan_entry(
-            self.cpu.inject.take(),
-            self.cpu.vectoring.take(),
-            crate::fatal::nmi_pending(),
-            intr,
-        );
-        if let Some(e) = plan.inject {
-            if plan.nmi_delivered {
-                crate::fatal::take_nmi();
-                self.cpu.guard.nmis_injected += 1;
-            }
-            if plan.reinjected {
-                self.cpu.guard.events_reinjected += 1;
-            }
-            if let Some(code) = e.error_code {
-                f::ENTRY_EXCEPTION_ERROR_CODE.write(v, code)?;
-            }
-            if e.needs_instruction_len() {
-                f::ENTRY_INSTRUCTION_LEN.write(v, e.instruction_len)?;
-            }
-            f::ENTRY_INTERRUPTION_INFO.write(v, e.entry_info())?;
-        }
-        if plan.interruptibility != intr {
-            f::GUEST_INTERRUPTIBILITY.write(v, plan.interruptibility)?;
-        }
-        if plan.nmi_window != self.cpu.nmi_window {
-            let mut ctl = f::PRIMARY_PROC_CONTROLS.read(v)?;
-            ctl ^= PrimaryControls::NMI_WINDOW_EXITING.bits();
-            f::PRIMARY_PROC_CONTROLS.write(v, ctl)?;
-            self.cpu.nmi_window = plan.nmi_window;
+        if done.reinjected {
+            self.cpu.guard.events_reinjected += 1;
         }
         Ok(())
     }
@@ -393,12 +370,12 @@ impl Vcpu {
             }
             launched = true;
             let now = self.vm.clock.update(insn::rdtsc());
-            let raw = match self.read_exit() {
+            let raw = match entry::read_exit(&Vmcs, &self.cpu.regs) {
                 Ok(r) => r,
                 Err(e) => return e.into(),
             };
             self.cpu.counters.record(raw.reason as u16);
-            self.cpu.vectoring = match self.read_vectoring() {
+            self.cpu.vectoring = match entry::read_vectoring(&Vmcs) {
                 Ok(e) => e,
                 Err(e) => return e.into(),
             };
@@ -419,45 +396,10 @@ impl Vcpu {
         }
     }
 
-    fn read_exit(&self) -> Result<RawExit, VmcsError> {
-        let v = &Vmcs;
-        Ok(RawExit {
-            reason: f::EXIT_REASON.read(v)?,
-            qualification: f::EXIT_QUALIFICATION.read(v)?,
-            guest_physical: f::GUEST_PHYSICAL_ADDRESS.read(v)?,
-            guest_linear: f::GUEST_LINEAR_ADDRESS.read(v)?,
-            interruption_info: f::EXIT_INTERRUPTION_INFO.read(v)?,
-            rax: self.cpu.regs.rax,
-            rcx: self.cpu.regs.rcx,
-            rdx: self.cpu.regs.rdx,
-        })
-    }
-
-    /// The event whose delivery this exit interrupted (SDM 28.2.4).
-    fn read_vectoring(&self) -> Result<Option<Event>, VmcsError> {
-        let v = &Vmcs;
-        let info = f::IDT_VECTORING_INFO.read(v)?;
-        if !event::info_valid(info) {
-            return Ok(None);
-        }
-        Ok(Event::from_vectoring(
-            info,
-            f::IDT_VECTORING_ERROR_CODE.read(v)?,
-            f::EXIT_INSTRUCTION_LEN.read(v)?,
-        ))
-    }
-
-    /// Skips the instruction that exited; clears STI/MOV-SS blocking as the
-    /// instruction completing would (SDM 25.4.2).
+    /// Skips the instruction that exited (see
+    /// [`hypervisor::vmx::entry::advance`]).
     fn advance(&mut self) -> Result<Next, VmcsError> {
-        let v = &mut Vmcs;
-        let len = f::EXIT_INSTRUCTION_LEN.read(v)? as u64;
-        let rip = f::GUEST_RIP.read(v)?;
-        f::GUEST_RIP.write(v, rip.wrapping_add(len))?;
-        let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
-        if intr & event::BLOCKING_BY_STI_OR_MOV_SS != 0 {
-            f::GUEST_INTERRUPTIBILITY.write(v, intr & !event::BLOCKING_BY_STI_OR_MOV_SS)?;
-        }
+        entry::advance(&mut Vmcs)?;
         Ok(Next::Resume)
     }
 

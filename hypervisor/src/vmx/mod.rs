@@ -3,6 +3,7 @@
 
 pub mod caps;
 pub mod debug;
+pub mod entry;
 pub mod event;
 pub mod exit;
 pub mod fields;
