@@ -1,5 +1,10 @@
-//! The few C library calls that `std` does not wrap. Every `unsafe` block of
-//! the crate is in this file.
+//! The few C library calls that `std` does not wrap, made through the `nix`
+//! crate's wrappers: this file declares no C function or type of its own,
+//! and takes its one constant pair (`TCP_QUICKACK`) from the `libc` crate
+//! that `nix` re-exports. Every `unsafe` block of the crate is in this file:
+//! installing the SIGINT handler and the two `pre_exec` hooks, which `nix`
+//! and `std` can only offer as unsafe (and the `setsockopt` call inside the
+//! expansion of `nix`'s `sockopt_impl!`).
 //!
 //! - `setsid(2)`: the detached supervisor leaves the terminal's session, so
 //!   closing the terminal does not end the VM.
@@ -26,111 +31,48 @@
 
 use std::io;
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
-use std::os::raw::{c_int, c_uint, c_ulong, c_void};
+use std::os::raw::c_int;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-mod ffi {
-    use std::os::raw::{c_int, c_uint, c_void};
+use nix::sys::prctl;
+use nix::sys::signal::{self, SaFlags, SigAction, SigHandler, SigSet, Signal};
+use nix::sys::socket::{getsockopt, setsockopt, sockopt};
+use nix::sys::stat::{umask, Mode};
+use nix::unistd::{self, Pid};
+// `sockopt_impl!` expands to calls of other nix macros and of `libc::`
+// paths, which must be in scope where it is used.
+use nix::libc;
+use nix::{getsockopt_impl, setsockopt_impl, sockopt_impl};
 
-    extern "C" {
-        pub fn setsid() -> c_int;
-        pub fn getuid() -> u32;
-        pub fn geteuid() -> u32;
-        pub fn umask(mask: u32) -> u32;
-        pub fn getsockopt(
-            fd: c_int,
-            level: c_int,
-            name: c_int,
-            value: *mut c_void,
-            len: *mut c_uint,
-        ) -> c_int;
-        pub fn getppid() -> c_int;
-        pub fn prctl(option: c_int, ...) -> c_int;
-        pub fn sigaction(
-            signum: c_int,
-            action: *const super::SigAction,
-            old: *mut super::SigAction,
-        ) -> c_int;
-        pub fn setsockopt(
-            fd: c_int,
-            level: c_int,
-            name: c_int,
-            value: *const c_void,
-            len: c_uint,
-        ) -> c_int;
-    }
+sockopt_impl!(
+    /// `TCP_QUICKACK` (Linux): acknowledge at once what arrives. `nix` has
+    /// no option of its own for it; its `sockopt_impl!` makes one from the
+    /// C library's constants, passed as a C `int`, 0 or 1.
+    TcpQuickAck,
+    Both,
+    libc::IPPROTO_TCP,
+    libc::TCP_QUICKACK,
+    bool
+);
+
+/// An action for SIGINT: `handler`, with `flags`, blocking no other signal
+/// while it runs.
+fn sigint_action(handler: SigHandler, flags: SaFlags) -> SigAction {
+    SigAction::new(handler, flags, SigSet::empty())
 }
 
-/// `IPPROTO_TCP`.
-const IPPROTO_TCP: c_int = 6;
-/// `TCP_QUICKACK` from `<linux/tcp.h>`.
-const TCP_QUICKACK: c_int = 12;
-
-/// `SOL_SOCKET`.
-const SOL_SOCKET: c_int = 1;
-/// `SO_PEERCRED` from `<asm-generic/socket.h>`.
-const SO_PEERCRED: c_int = 17;
-
-/// `struct ucred` from `<sys/socket.h>`: what `SO_PEERCRED` fills in.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct Ucred {
-    pid: i32,
-    uid: u32,
-    gid: u32,
-}
-
-/// `PR_SET_PDEATHSIG` from `<linux/prctl.h>`.
-const PR_SET_PDEATHSIG: c_int = 1;
-/// `SIGKILL`.
-const SIGKILL: c_ulong = 9;
-
-/// `SIGINT`.
-const SIGINT: c_int = 2;
-/// `SIG_DFL`: the default action.
-const SIG_DFL: usize = 0;
-/// `SA_RESETHAND` from `<asm-generic/signal.h>`: the default action is put
-/// back as the signal is delivered.
-const SA_RESETHAND: c_int = 0x8000_0000_u32 as c_int;
-
-/// `struct sigaction` as the C library takes it on Linux (glibc and musl,
-/// x86-64 and arm64): the handler, the mask of 1024 signals, the flags,
-/// then the restorer, which the library fills in.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct SigAction {
-    handler: usize,
-    mask: [u64; 16],
-    flags: c_int,
-    restorer: usize,
-}
-
-impl SigAction {
-    fn new(handler: usize, flags: c_int) -> SigAction {
-        SigAction {
-            handler,
-            mask: [0; 16],
-            flags,
-            restorer: 0,
-        }
-    }
-}
-
-/// Sets the action for `signum`; returns the previous one.
-fn set_action(signum: c_int, action: &SigAction) -> io::Result<SigAction> {
-    let mut old = SigAction::new(SIG_DFL, 0);
-    // SAFETY: both pointers are to live `struct sigaction`s of the C
-    // layout; the kernel and the C library only read `action` and write
-    // `old`.
-    let rc = unsafe { ffi::sigaction(signum, action, &mut old) };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
+/// Sets the action for SIGINT; returns the previous one.
+fn set_action(action: &SigAction) -> io::Result<SigAction> {
+    // SAFETY: the handlers this module installs are the default action and
+    // `on_interrupt`, which only stores to atomics (async-signal-safe). The
+    // previous action nix reads back is the one the process started with
+    // (exec leaves only the default or "ignore") or one installed here, so
+    // it holds no handler pointer of unknown origin.
+    let old = unsafe { signal::sigaction(Signal::SIGINT, action) }?;
     Ok(old)
 }
 
@@ -155,8 +97,10 @@ extern "C" fn on_interrupt(_signum: c_int) {
 /// A signal that comes just before a blocking call starts is not seen by
 /// it: waits also poll [`take_interrupt`] in short slices.
 pub fn catch_interrupt() -> io::Result<()> {
-    let handler: extern "C" fn(c_int) = on_interrupt;
-    set_action(SIGINT, &SigAction::new(handler as usize, SA_RESETHAND))?;
+    set_action(&sigint_action(
+        SigHandler::Handler(on_interrupt),
+        SaFlags::SA_RESETHAND,
+    ))?;
     Ok(())
 }
 
@@ -191,17 +135,13 @@ pub fn is_interrupted(e: &anyhow::Error) -> bool {
 
 /// The real user id of this process.
 pub fn uid() -> u32 {
-    // SAFETY: getuid takes no arguments, touches no memory of ours and
-    // cannot fail (POSIX).
-    unsafe { ffi::getuid() }
+    unistd::getuid().as_raw()
 }
 
 /// The effective user id of this process: whose files it may touch, and
 /// whom the control socket belongs to.
 pub fn euid() -> u32 {
-    // SAFETY: geteuid takes no arguments, touches no memory of ours and
-    // cannot fail (POSIX).
-    unsafe { ffi::geteuid() }
+    unistd::geteuid().as_raw()
 }
 
 /// Who is at the other end of a unix socket, as the kernel recorded it
@@ -223,29 +163,17 @@ pub fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
 /// The process and user id at the other end of a unix socket
 /// (`SO_PEERCRED`).
 pub fn peer_cred(stream: &UnixStream) -> io::Result<PeerCred> {
-    let mut cred = Ucred::default();
-    let mut len = std::mem::size_of::<Ucred>() as c_uint;
-    // SAFETY: the descriptor belongs to `stream`, which outlives the call;
-    // the value points at a live, writable ucred whose size is in `len`,
-    // which points at a live c_uint.
-    let rc = unsafe {
-        ffi::getsockopt(
-            stream.as_raw_fd(),
-            SOL_SOCKET,
-            SO_PEERCRED,
-            (&mut cred as *mut Ucred).cast::<c_void>(),
-            &mut len,
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if len as usize != std::mem::size_of::<Ucred>() {
-        return Err(io::Error::other("SO_PEERCRED returned a short answer"));
-    }
-    let pid =
-        u32::try_from(cred.pid).map_err(|_| io::Error::other("SO_PEERCRED gave no process id"))?;
-    Ok(PeerCred { pid, uid: cred.uid })
+    // The kernel always fills in the whole `struct ucred`; nix checks the
+    // length it reports.
+    let cred = getsockopt(stream, sockopt::PeerCredentials)?;
+    // `pid_t` is signed: a negative value is refused. (A process that our
+    // pid namespace cannot see is given as 0, which passes.)
+    let pid = u32::try_from(cred.pid())
+        .map_err(|_| io::Error::other("SO_PEERCRED gave no process id"))?;
+    Ok(PeerCred {
+        pid,
+        uid: cred.uid(),
+    })
 }
 
 /// Serializes the umask changes of [`with_umask`]: the mask is the
@@ -257,13 +185,10 @@ static UMASK_LOCK: Mutex<()> = Mutex::new(());
 /// meanwhile get it too, which can only make them more private.
 pub fn with_umask<T>(mask: u32, f: impl FnOnce() -> T) -> T {
     let _guard = UMASK_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    // SAFETY: umask cannot fail and touches no memory of ours (POSIX).
-    let previous = unsafe { ffi::umask(mask) };
+    // umask(2) cannot fail; the kernel keeps the permission bits of `mask`.
+    let previous = umask(Mode::from_bits_retain(mask));
     let result = f();
-    // SAFETY: as above; this restores the mask read by the first call.
-    unsafe {
-        ffi::umask(previous);
-    }
+    umask(previous);
     result
 }
 
@@ -271,30 +196,18 @@ pub fn with_umask<T>(mask: u32, f: impl FnOnce() -> T) -> T {
 /// of delaying the ACK. Linux leaves quick-ACK mode by itself, so call this
 /// before every read. Errors are ignored: a delayed ACK is only slower.
 pub fn quick_ack(stream: &TcpStream) {
-    let one: c_int = 1;
-    // SAFETY: the descriptor belongs to `stream`, which outlives the call;
-    // the option value points at a live c_int whose size is passed along.
-    unsafe {
-        ffi::setsockopt(
-            stream.as_raw_fd(),
-            IPPROTO_TCP,
-            TCP_QUICKACK,
-            (&one as *const c_int).cast::<c_void>(),
-            std::mem::size_of::<c_int>() as c_uint,
-        );
-    }
+    let _ = setsockopt(stream, TcpQuickAck, &true);
 }
 
 /// Makes the child started by `cmd` the leader of a new session (and process
 /// group), without a controlling terminal.
 pub fn detach_session(cmd: &mut Command) {
     // SAFETY: the closure runs in the forked child before exec and calls
-    // only setsid, which is async-signal-safe; it allocates nothing.
+    // only setsid, which is async-signal-safe; it allocates nothing (an
+    // errno becomes an `io::Error` without allocating).
     unsafe {
         cmd.pre_exec(|| {
-            if ffi::setsid() < 0 {
-                return Err(io::Error::last_os_error());
-            }
+            unistd::setsid()?;
             Ok(())
         });
     }
@@ -304,18 +217,16 @@ pub fn detach_session(cmd: &mut Command) {
 /// spawns it ends (Linux delivers the parent-death signal when the spawning
 /// *thread* exits), so an emulator never outlives its launcher.
 pub fn die_with_parent(cmd: &mut Command) {
-    let parent = std::process::id() as c_int;
+    let parent = Pid::from_raw(std::process::id() as c_int);
     // SAFETY: the closure runs in the forked child before exec and calls
-    // only prctl and getppid, which are async-signal-safe; it allocates
-    // nothing. prctl(PR_SET_PDEATHSIG, sig) reads its second argument as an
-    // unsigned long, which is what is passed.
+    // only prctl and getppid, which are async-signal-safe. It allocates
+    // only when the launcher is already gone, to build that error (an
+    // errno becomes an `io::Error` without allocating).
     unsafe {
         cmd.pre_exec(move || {
-            if ffi::prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 {
-                return Err(io::Error::last_os_error());
-            }
+            prctl::set_pdeathsig(Signal::SIGKILL)?;
             // The parent may have died between fork and prctl.
-            if ffi::getppid() != parent {
+            if unistd::getppid() != parent {
                 return Err(io::Error::other("the launcher exited"));
             }
             Ok(())
@@ -359,13 +270,11 @@ mod tests {
     /// The current mask, without changing it (the caller holds
     /// [`UMASK_LOCK`]).
     fn read_umask() -> u32 {
-        // SAFETY: umask cannot fail; the second call puts back the mask
-        // the first one returned.
-        unsafe {
-            let mask = ffi::umask(0o077);
-            ffi::umask(mask);
-            mask
-        }
+        // umask cannot fail; the second call puts back the mask the first
+        // one returned.
+        let mask = umask(Mode::from_bits_retain(0o077));
+        umask(mask);
+        mask.bits()
     }
 
     #[test]
@@ -390,51 +299,52 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         quick_ack(&stream);
+        // The option is the kernel's TCP_QUICKACK: setting it succeeds, and
+        // it reads back as set.
+        setsockopt(&stream, TcpQuickAck, &true).unwrap();
+        assert!(getsockopt(&stream, TcpQuickAck).unwrap());
     }
 
     /// The signal tests change the process's SIGINT action and flags:
     /// one at a time.
     static SIGNAL_LOCK: Mutex<()> = Mutex::new(());
 
-    /// The current SIGINT action, left as it is.
+    /// The current SIGINT action, put back as it was (the caller holds
+    /// [`SIGNAL_LOCK`]; no SIGINT is sent meanwhile). nix sets an action
+    /// whenever it reads one: this sets the default, then the one read.
     fn current_action() -> SigAction {
-        let mut old = SigAction::new(SIG_DFL, 0);
-        // SAFETY: a null action only queries; `old` is a live sigaction.
-        let rc = unsafe { ffi::sigaction(SIGINT, std::ptr::null(), &mut old) };
-        assert_eq!(rc, 0);
-        old
+        let current = set_action(&sigint_action(SigHandler::SigDfl, SaFlags::empty())).unwrap();
+        set_action(&current).unwrap();
+        current
     }
 
     fn reset() {
-        set_action(SIGINT, &SigAction::new(SIG_DFL, 0)).unwrap();
+        set_action(&sigint_action(SigHandler::SigDfl, SaFlags::empty())).unwrap();
         INTERRUPTED.store(false, Ordering::SeqCst);
         PENDING.store(false, Ordering::SeqCst);
     }
 
     #[test]
     fn the_first_interrupt_is_caught() {
-        extern "C" {
-            fn raise(signum: c_int) -> c_int;
-        }
         let _lock = SIGNAL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         reset();
         catch_interrupt().unwrap();
         assert!(!interrupted());
         assert!(!take_interrupt());
         let installed = current_action();
-        assert_eq!(installed.flags & SA_RESETHAND, SA_RESETHAND);
-        // Without SA_RESTART (0x10000000), blocking calls are not restarted.
-        assert_eq!(installed.flags & 0x1000_0000, 0);
-        // SAFETY: raise delivers SIGINT to this thread, whose handler is
-        // the one just installed.
-        assert_eq!(unsafe { raise(SIGINT) }, 0);
+        assert!(installed.flags().contains(SaFlags::SA_RESETHAND));
+        // Without SA_RESTART, blocking calls are not restarted.
+        assert!(!installed.flags().contains(SaFlags::SA_RESTART));
+        // raise delivers SIGINT to this thread, whose handler is the one
+        // just installed.
+        signal::raise(Signal::SIGINT).unwrap();
         assert!(interrupted());
         // One wait takes it; the next ones do not see it again.
         assert!(take_interrupt());
         assert!(!take_interrupt());
         assert!(interrupted());
         // The default action is back: the next Ctrl-C ends the process.
-        assert_eq!(current_action().handler, SIG_DFL);
+        assert!(matches!(current_action().handler(), SigHandler::SigDfl));
         reset();
     }
 
@@ -443,9 +353,6 @@ mod tests {
         use std::io::Read;
         use std::os::unix::thread::JoinHandleExt;
         use std::time::{Duration, Instant};
-        extern "C" {
-            fn pthread_kill(thread: std::os::unix::thread::RawPthread, signum: c_int) -> c_int;
-        }
         let _lock = SIGNAL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         reset();
         let (mut ours, theirs) = UnixStream::pair().unwrap();
@@ -463,12 +370,10 @@ mod tests {
         // it again (the handler is put back first, so it is always caught).
         for _ in 0..50 {
             catch_interrupt().unwrap();
-            // SAFETY: the thread is not joined yet, so its handle is valid
-            // (a thread that just ended makes this fail with ESRCH, which is
+            // The thread is not joined yet, so its handle is valid (a thread
+            // that just ended makes this fail with ESRCH, which is
             // harmless); SIGINT is caught by our handler.
-            unsafe {
-                pthread_kill(thread, SIGINT);
-            }
+            let _ = nix::sys::pthread::pthread_kill(thread, Signal::SIGINT);
             if let Ok(r) = rx.recv_timeout(Duration::from_millis(100)) {
                 result = Some(r);
                 break;
