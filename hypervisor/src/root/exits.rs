@@ -14,7 +14,7 @@ use core::fmt;
 use guest_introspect::addr::Gva as KGva;
 use guest_introspect::paging::{self, Cr3, WalkError};
 use hypervisor::pci;
-use hypervisor::policy::{self, CrWrite, MsrRead, MsrWrite};
+use hypervisor::policy::{self, CrWrite};
 use hypervisor::task_switch::LegacyPaging;
 use hypervisor::tracer::{DebugState, Hypercall, Tracer, Violation};
 use hypervisor::vmx::debug;
@@ -22,6 +22,7 @@ use hypervisor::vmx::entry::{self, Pending};
 use hypervisor::vmx::event::{self, Event};
 use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, VmExit};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
+use hypervisor::vmx::handle::{self, HostCpu, MsrRefused, Outcome, DB, GP, UD};
 use protocol::GuardReport;
 use x86::vmx::vmcs::control::EntryControls;
 
@@ -78,6 +79,31 @@ enum Next {
     Resume,
     /// Stop the VM.
     Stop(StopReason),
+}
+
+/// The host CPU, for the exits policy answers.
+struct RootCpu;
+
+impl HostCpu for RootCpu {
+    fn cpuid(&self, leaf: u32, subleaf: u32) -> [u32; 4] {
+        insn::cpuid(leaf, subleaf)
+    }
+    fn feature_control(&self) -> u64 {
+        // SAFETY: IA32_FEATURE_CONTROL exists on every VMX CPU.
+        unsafe { insn::rdmsr(policy::MSR_FEATURE_CONTROL) }
+    }
+    fn write_msr(&mut self, msr: u32, value: u64) -> Result<(), MsrRefused> {
+        // SAFETY: policy forwards only IA32_APIC_BASE, with a base outside
+        // hypervisor memory; root uses no APIC, and a value the CPU refuses
+        // is a #GP for the guest.
+        unsafe { insn::wrmsr_safe(msr, value) }.map_err(|()| MsrRefused)
+    }
+    fn xsetbv(&mut self, xcr: u32, value: u64) {
+        // SAFETY: every rule of the SDM for XCR0 holds (see
+        // `policy::xsetbv_valid`, checked by the caller); VMX root set
+        // CR4.OSXSAVE when XSAVE exists.
+        unsafe { insn::xsetbv(xcr, value) };
+    }
 }
 
 /// The vCPU at work: the VM's state and its own, which the exit handlers
@@ -194,14 +220,11 @@ enum MemoryFault {
     General,
 }
 
-const GP: u8 = 13;
-const DB: u8 = 1;
 const RFLAGS_TF: u64 = 1 << 8;
 /// DR7's local breakpoint enables, L0..L3 (bits 0, 2, 4, 6).
 const DR7_LOCAL_ENABLES: u64 = 0x55;
 /// DR6.BT: the #DB comes from a task switch into a TSS with its T flag set.
 const DR6_BT: u64 = 1 << 15;
-const UD: u8 = 6;
 /// #PF.
 const PF: u8 = 14;
 
@@ -411,92 +434,31 @@ impl Vcpu {
     }
 
     fn handle(&mut self, exit: VmExit) -> Result<Next, VmcsError> {
+        let exit = match handle::handle(exit, &mut self.cpu.regs, &mut RootCpu, &mut self.cpu.guard)
+        {
+            Outcome::Advance => return self.advance(),
+            Outcome::Inject(e) => {
+                self.cpu.inject = Some(e);
+                return Ok(Next::Resume);
+            }
+            Outcome::Resume => return Ok(Next::Resume),
+            Outcome::Nmi => {
+                // The NMI is the guest's; root's IDT handler marks it
+                // pending, and its IRET unblocks NMIs in root.
+                crate::fatal::nmi_exit();
+                return Ok(Next::Resume);
+            }
+            Outcome::TripleFault => return Ok(Next::Stop(StopReason::TripleFault)),
+            Outcome::Reset => return Ok(Next::Stop(StopReason::Reset)),
+            Outcome::Root(exit) => exit,
+        };
         match exit {
-            VmExit::Cpuid { leaf, subleaf } => {
-                let r = policy::filter_cpuid(leaf, subleaf, insn::cpuid(leaf, subleaf));
-                self.cpu.regs.rax = r[0] as u64;
-                self.cpu.regs.rbx = r[1] as u64;
-                self.cpu.regs.rcx = r[2] as u64;
-                self.cpu.regs.rdx = r[3] as u64;
-                self.advance()
-            }
-            VmExit::MsrRead { msr } => {
-                let real = if msr == policy::MSR_FEATURE_CONTROL {
-                    // SAFETY: IA32_FEATURE_CONTROL exists on every VMX CPU.
-                    unsafe { insn::rdmsr(msr) }
-                } else {
-                    0
-                };
-                match policy::msr_read(msr, real) {
-                    MsrRead::Value(val) => {
-                        self.cpu.regs.rax = val & 0xffff_ffff;
-                        self.cpu.regs.rdx = val >> 32;
-                        self.advance()
-                    }
-                    MsrRead::Fault => self.inject(GP, Some(0)),
-                }
-            }
-            VmExit::MsrWrite { msr, value } => {
-                let hv =
-                    loader::layout::HV_RESERVED.as_u64()..loader::layout::HV_RESERVED_END.as_u64();
-                match policy::msr_write(msr, value, hv) {
-                    MsrWrite::Forward => {
-                        // SAFETY: only IA32_APIC_BASE is forwarded, with a
-                        // base outside hypervisor memory; root uses no
-                        // APIC, and a value the CPU refuses is a #GP for
-                        // the guest.
-                        match unsafe { insn::wrmsr_safe(msr, value) } {
-                            Ok(()) => self.advance(),
-                            Err(()) => self.inject(GP, Some(0)),
-                        }
-                    }
-                    MsrWrite::Fault => {
-                        if msr == policy::MSR_APIC_BASE {
-                            self.cpu.guard.apic_moves_refused += 1;
-                        }
-                        self.inject(GP, Some(0))
-                    }
-                }
-            }
-            VmExit::Xsetbv { xcr, value } => {
-                let leaf = insn::cpuid(0xd, 0);
-                let supported = leaf[0] as u64 | ((leaf[3] as u64) << 32);
-                if policy::xsetbv_valid(xcr, value, supported) {
-                    // SAFETY: every rule of the SDM for XCR0 holds (see
-                    // `policy::xsetbv_valid`); VMX root set CR4.OSXSAVE
-                    // when XSAVE exists.
-                    unsafe { insn::xsetbv(xcr, value) };
-                    self.advance()
-                } else {
-                    self.cpu.guard.xsetbv_refused += 1;
-                    self.inject(GP, Some(0))
-                }
-            }
             VmExit::Cr(access) => self.cr_access(access),
             VmExit::Io(io) => self.io(io),
             VmExit::TaskSwitch { qualification } => self.task_switch(qualification),
             VmExit::Vmcall => self.vmcall(),
-            VmExit::VmxInstruction(_) => self.inject(UD, None),
             VmExit::Exception { vector: DB, info } => self.debug_exception(info),
-            VmExit::Invd => self.advance(),
             VmExit::PreemptionTimer => self.service(),
-            VmExit::Nmi => {
-                // The NMI is the guest's; root's IDT handler marks it
-                // pending, and its IRET unblocks NMIs in root.
-                self.cpu.guard.nmi_exits += 1;
-                crate::fatal::nmi_exit();
-                Ok(Next::Resume)
-            }
-            VmExit::NmiWindow => {
-                // `prepare_entry` injects the pending NMI now that the
-                // guest can take it.
-                self.cpu.guard.nmi_windows += 1;
-                Ok(Next::Resume)
-            }
-            // SMX is hidden and CR4.SMXE refused: GETSEC is #UD.
-            VmExit::Getsec => self.inject(UD, None),
-            VmExit::TripleFault => Ok(Next::Stop(StopReason::TripleFault)),
-            VmExit::Init => Ok(Next::Stop(StopReason::Reset)),
             VmExit::EptViolation(e) => {
                 match with_env(&self.vm.cfg.ept, |env| {
                     tracer!(self).on_violation(e.gpa, e.write, env)

@@ -7,4 +7,5 @@ pub mod entry;
 pub mod event;
 pub mod exit;
 pub mod fields;
+pub mod handle;
 pub mod regs;
