@@ -188,22 +188,25 @@ pub struct TraceArgs {
     pub functions: Vec<String>,
 }
 
-/// Options of `hvtrace graph`.
-#[derive(Clone, Debug, Args)]
-pub struct GraphArgs {
-    /// Trace the call trees of the functions matching GLOB, as ftrace's
-    /// set_graph_function (repeatable) [default: every hooked function
-    /// starts a tree].
-    #[arg(long = "function", value_name = "GLOB")]
-    pub functions: Vec<String>,
+/// The function-graph filter's options: one definition, flattened into
+/// `hvtrace graph` and `hvtrace run` (where they need `--graph`). Each has
+/// the `--graph-` spelling of `run`; where `graph` spelled it without the
+/// prefix, that spelling is an alias. The roots (`graph --function`,
+/// `run --graph`) and the pid filter (`graph` only) are the commands' own.
+#[derive(Clone, Debug, Default, Args)]
+pub struct GraphFilterArgs {
     /// Hook only the functions matching GLOB, as ftrace's
     /// set_ftrace_filter (repeatable) [default: every traceable function].
-    #[arg(long = "trace", value_name = "GLOB")]
+    #[arg(long = "graph-trace", visible_alias = "trace", value_name = "GLOB")]
     pub trace: Vec<String>,
     /// Do not hook the functions matching GLOB, as ftrace's
     /// set_ftrace_notrace (repeatable): they do not show, but what they
     /// call still does, under the nearest traced caller.
-    #[arg(long = "notrace", value_name = "GLOB")]
+    #[arg(
+        long = "graph-ftrace-notrace",
+        visible_alias = "notrace",
+        value_name = "GLOB"
+    )]
     pub notrace: Vec<String>,
     /// Leave the functions matching GLOB, and everything they call, out of
     /// the call trees, as ftrace's set_graph_notrace (repeatable).
@@ -219,15 +222,40 @@ pub struct GraphArgs {
     /// another size.
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = value_parser!(u32).range(0..=256))]
     pub stack_frames: u32,
+    /// Only the tasks with this name (comm).
+    #[arg(long = "graph-comm", visible_alias = "comm", value_name = "NAME")]
+    pub comm: Option<String>,
+    /// Show return values, as ftrace's funcgraph-retval.
+    #[arg(long = "graph-retval", visible_alias = "retval")]
+    pub retval: bool,
+}
+
+impl GraphFilterArgs {
+    /// Whether any filter option was given (`run` needs `--graph` then).
+    pub fn any(&self) -> bool {
+        !self.trace.is_empty()
+            || !self.notrace.is_empty()
+            || !self.graph_notrace.is_empty()
+            || self.max_depth != 0
+            || self.stack_frames != 0
+            || self.comm.is_some()
+            || self.retval
+    }
+}
+
+/// Options of `hvtrace graph`.
+#[derive(Clone, Debug, Args)]
+pub struct GraphArgs {
+    /// Trace the call trees of the functions matching GLOB, as ftrace's
+    /// set_graph_function (repeatable) [default: every hooked function
+    /// starts a tree].
+    #[arg(long = "function", value_name = "GLOB")]
+    pub functions: Vec<String>,
+    #[command(flatten)]
+    pub filter: GraphFilterArgs,
     /// Only the task with this pid (thread id).
     #[arg(long, value_name = "PID", allow_hyphen_values = true, value_parser = value_parser!(i32).range(0..))]
     pub pid: Option<i32>,
-    /// Only the tasks with this name (comm).
-    #[arg(long, value_name = "NAME")]
-    pub comm: Option<String>,
-    /// Show return values, as ftrace's funcgraph-retval.
-    #[arg(long)]
-    pub retval: bool,
     /// Output format.
     #[arg(long, value_enum, value_name = "FORMAT", default_value_t = OutputFormatArg::Text)]
     pub format: OutputFormatArg,
@@ -275,6 +303,7 @@ pub struct SuperviseArgs {
 /// Options of `hvtrace run`.
 #[derive(Clone, Debug, Args)]
 #[command(group(ArgGroup::new("tracing").args(["probes", "functions", "graphs"]).multiple(true).requires("exec")))]
+#[command(group(ArgGroup::new("graph_filter").args(["trace", "notrace", "graph_notrace", "max_depth", "stack_frames", "comm", "retval"]).multiple(true).requires("graphs")))]
 pub struct RunArgs {
     /// Built-in guest kernel (built or downloaded on first use).
     #[arg(long, value_enum, default_value_t = Guest::Debian)]
@@ -339,44 +368,6 @@ pub struct RunArgs {
     )]
     pub graphs: Vec<String>,
 
-    /// With --graph: hook only the functions matching GLOB (repeatable)
-    /// [default: every traceable function].
-    #[arg(long = "graph-trace", value_name = "GLOB", requires = "graphs")]
-    pub graph_trace: Vec<String>,
-
-    /// With --graph: leave the functions matching GLOB, and everything
-    /// they call, out of the call trees, as ftrace's set_graph_notrace
-    /// (repeatable).
-    #[arg(long = "graph-notrace", value_name = "GLOB", requires = "graphs")]
-    pub graph_notrace: Vec<String>,
-
-    /// With --graph: do not hook the functions matching GLOB, as ftrace's
-    /// set_ftrace_notrace (repeatable): they do not show, but what they
-    /// call still does, under the nearest traced caller.
-    #[arg(
-        long = "graph-ftrace-notrace",
-        value_name = "GLOB",
-        requires = "graphs"
-    )]
-    pub graph_ftrace_notrace: Vec<String>,
-
-    /// With --graph: only the tasks with this name (comm).
-    #[arg(long = "graph-comm", value_name = "NAME", requires = "graphs")]
-    pub graph_comm: Option<String>,
-
-    /// With --graph: show return values.
-    #[arg(long = "graph-retval", requires = "graphs")]
-    pub graph_retval: bool,
-
-    /// With --graph: show calls at most N levels deep (0: no limit).
-    #[arg(long, value_name = "N", requires = "graphs")]
-    pub max_depth: Option<u32>,
-
-    /// With --graph: frames per guest kernel stack's return stack (1 to
-    /// 256; 0: the default, 32); deeper calls count as misses.
-    #[arg(long, value_name = "N", requires = "graphs", value_parser = value_parser!(u32).range(0..=256))]
-    pub stack_frames: Option<u32>,
-
     /// Trace output format (with --probe, --function or --graph; chrome
     /// needs --graph) [default: text].
     #[arg(long, value_enum, value_name = "FORMAT", requires = "tracing")]
@@ -422,6 +413,10 @@ pub struct RunArgs {
     #[arg(long, value_name = "BYTES", default_value_t = crate::vm::bounded::LOG_CAP,
           value_parser = clap::value_parser!(u64).range(4096..=crate::vm::bounded::LOG_CAP))]
     pub console_cap: u64,
+
+    /// The function-graph filter, for --graph.
+    #[command(flatten, next_help_heading = "Function-graph options (with --graph)")]
+    pub graph_filter: GraphFilterArgs,
 }
 
 impl RunArgs {
@@ -768,12 +763,16 @@ mod tests {
     #[test]
     fn graph_command() {
         let args = graph_args(&[]);
-        assert!(args.functions.is_empty() && args.trace.is_empty() && args.notrace.is_empty());
-        assert!(args.graph_notrace.is_empty());
-        assert_eq!(args.max_depth, 0);
-        assert_eq!(args.stack_frames, 0);
-        assert_eq!((args.pid, args.comm.as_deref()), (None, None));
-        assert!(!args.retval && !args.follow);
+        assert!(
+            args.functions.is_empty()
+                && args.filter.trace.is_empty()
+                && args.filter.notrace.is_empty()
+        );
+        assert!(args.filter.graph_notrace.is_empty());
+        assert_eq!(args.filter.max_depth, 0);
+        assert_eq!(args.filter.stack_frames, 0);
+        assert_eq!((args.pid, args.filter.comm.as_deref()), (None, None));
+        assert!(!args.filter.retval && !args.follow);
         assert_eq!(args.format, OutputFormatArg::Text);
         assert_eq!(args.output, None);
 
@@ -817,15 +816,15 @@ mod tests {
             panic!("not graph")
         };
         assert_eq!(args.functions, ["vfs_read", "vfs_write"]);
-        assert_eq!(args.trace, ["vfs_*", "rw_verify_area"]);
-        assert_eq!(args.notrace, ["*fsnotify*"]);
-        assert_eq!(args.graph_notrace, ["schedule", "*irq*"]);
-        assert_eq!(args.max_depth, 4);
-        assert_eq!(args.stack_frames, 8);
+        assert_eq!(args.filter.trace, ["vfs_*", "rw_verify_area"]);
+        assert_eq!(args.filter.notrace, ["*fsnotify*"]);
+        assert_eq!(args.filter.graph_notrace, ["schedule", "*irq*"]);
+        assert_eq!(args.filter.max_depth, 4);
+        assert_eq!(args.filter.stack_frames, 8);
         assert!(Cli::try_parse_from(["hvtrace", "graph", "--stack-frames", "257"]).is_err());
         assert_eq!(args.pid, Some(90));
-        assert_eq!(args.comm.as_deref(), Some("dd"));
-        assert!(args.retval && args.follow);
+        assert_eq!(args.filter.comm.as_deref(), Some("dd"));
+        assert!(args.filter.retval && args.follow);
         assert_eq!(args.format, OutputFormatArg::Chrome);
         assert_eq!(
             args.output.as_deref(),
@@ -910,12 +909,12 @@ mod tests {
         );
         assert!(args.traces());
         assert_eq!(args.graphs, ["vfs_read", "vfs_write"]);
-        assert_eq!(args.graph_trace, ["vfs_*"]);
-        assert_eq!(args.graph_notrace, ["rw_verify_area"]);
-        assert_eq!(args.graph_ftrace_notrace, ["*fsnotify*", "security_*"]);
-        assert_eq!(args.graph_comm.as_deref(), Some("dd"));
-        assert!(args.graph_retval);
-        assert_eq!(args.max_depth, Some(3));
+        assert_eq!(args.graph_filter.trace, ["vfs_*"]);
+        assert_eq!(args.graph_filter.graph_notrace, ["rw_verify_area"]);
+        assert_eq!(args.graph_filter.notrace, ["*fsnotify*", "security_*"]);
+        assert_eq!(args.graph_filter.comm.as_deref(), Some("dd"));
+        assert!(args.graph_filter.retval);
+        assert_eq!(args.graph_filter.max_depth, 3);
         assert_eq!(args.format, Some(OutputFormatArg::Chrome));
         // With probes and the function tracer in the same run.
         let args = run_args(
@@ -933,9 +932,11 @@ mod tests {
             ])
             .unwrap(),
         );
-        assert!(args.traces() && args.graph_trace.is_empty() && args.max_depth.is_none());
-        assert!(args.graph_notrace.is_empty() && args.graph_ftrace_notrace.is_empty());
-        assert!(!args.graph_retval && args.graph_comm.is_none());
+        assert!(
+            args.traces() && args.graph_filter.trace.is_empty() && args.graph_filter.max_depth == 0
+        );
+        assert!(args.graph_filter.graph_notrace.is_empty() && args.graph_filter.notrace.is_empty());
+        assert!(!args.graph_filter.retval && args.graph_filter.comm.is_none());
     }
 
     #[test]
@@ -1010,22 +1011,24 @@ mod tests {
 
     #[test]
     fn the_notrace_options_say_which_ftrace_file_they_are() {
+        // One definition serves both commands: the same text in both helps,
+        // `graph` keeping its short spellings as aliases, and `run` listing
+        // them under a heading that says they need --graph.
         let graph = help_of(&["graph"]);
-        assert!(
-            graph.contains("--notrace <GLOB> Do not hook the functions matching GLOB, as ftrace's set_ftrace_notrace (repeatable): they do not show, but what they call still does"),
-            "{graph}"
-        );
-        assert!(
-            graph.contains("--graph-notrace <GLOB> Leave the functions matching GLOB, and everything they call, out of the call trees, as ftrace's set_graph_notrace"),
-            "{graph}"
-        );
         let run = help_of(&["run"]);
+        for help in [&graph, &run] {
+            assert!(
+                help.contains("--graph-ftrace-notrace <GLOB> Do not hook the functions matching GLOB, as ftrace's set_ftrace_notrace (repeatable): they do not show, but what they call still does"),
+                "{help}"
+            );
+            assert!(
+                help.contains("--graph-notrace <GLOB> Leave the functions matching GLOB, and everything they call, out of the call trees, as ftrace's set_graph_notrace"),
+                "{help}"
+            );
+        }
+        assert!(graph.contains("[alias: --notrace]"), "{graph}");
         assert!(
-            run.contains("--graph-notrace <GLOB> With --graph: leave the functions matching GLOB, and everything they call, out of the call trees, as ftrace's set_graph_notrace"),
-            "{run}"
-        );
-        assert!(
-            run.contains("--graph-ftrace-notrace <GLOB> With --graph: do not hook the functions matching GLOB, as ftrace's set_ftrace_notrace"),
+            run.contains("Function-graph options (with --graph):"),
             "{run}"
         );
         // Return probes are documented.

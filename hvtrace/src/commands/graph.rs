@@ -23,7 +23,7 @@ use anyhow::{bail, Context, Result};
 use protocol::{GraphFilter, Request, Response, TraceFormat};
 
 use crate::client::{response_error, Control};
-use crate::commands::cli::GraphArgs;
+use crate::commands::cli::{GraphArgs, GraphFilterArgs};
 use crate::commands::ctl::{self, PROBE_TIMEOUT};
 use crate::commands::trace_read::{self, CopyEnd, TraceOutput, TraceReader};
 use crate::sys;
@@ -70,32 +70,68 @@ pub fn check_comm(option: &str, comm: &str) -> Result<()> {
     Ok(())
 }
 
-/// The filter of `hvtrace graph`, checked.
-pub fn filter(args: &GraphArgs) -> Result<GraphFilter> {
+/// How a command spells the filter's options in its messages.
+#[derive(Clone, Copy, Debug)]
+pub struct Spelling {
+    pub roots: &'static str,
+    pub trace: &'static str,
+    pub notrace: &'static str,
+    pub comm: &'static str,
+}
+
+/// `hvtrace graph`'s spelling.
+pub const GRAPH_SPELLING: Spelling = Spelling {
+    roots: "--function",
+    trace: "--trace",
+    notrace: "--notrace",
+    comm: "--comm",
+};
+
+/// `hvtrace run`'s spelling.
+pub const RUN_SPELLING: Spelling = Spelling {
+    roots: "--graph",
+    trace: "--graph-trace",
+    notrace: "--graph-ftrace-notrace",
+    comm: "--graph-comm",
+};
+
+/// The filter of the roots `functions`, the options `f` and `pid`,
+/// checked; errors name the options as `spell` says.
+pub fn checked_filter(
+    functions: &[String],
+    f: &GraphFilterArgs,
+    pid: Option<i32>,
+    spell: Spelling,
+) -> Result<GraphFilter> {
     for (option, globs) in [
-        ("--function", &args.functions),
-        ("--trace", &args.trace),
-        ("--notrace", &args.notrace),
-        ("--graph-notrace", &args.graph_notrace),
+        (spell.roots, functions),
+        (spell.trace, &f.trace),
+        (spell.notrace, &f.notrace),
+        ("--graph-notrace", &f.graph_notrace),
     ] {
         for glob in globs {
             check_glob(option, glob)?;
         }
     }
-    if let Some(comm) = &args.comm {
-        check_comm("--comm", comm)?;
+    if let Some(comm) = &f.comm {
+        check_comm(spell.comm, comm)?;
     }
     Ok(GraphFilter {
-        functions: args.functions.clone(),
-        trace: args.trace.clone(),
-        notrace: args.notrace.clone(),
-        graph_notrace: args.graph_notrace.clone(),
-        max_depth: args.max_depth,
-        pid: args.pid,
-        comm: args.comm.clone(),
-        retval: args.retval,
-        stack_frames: args.stack_frames,
+        functions: functions.to_vec(),
+        trace: f.trace.clone(),
+        notrace: f.notrace.clone(),
+        graph_notrace: f.graph_notrace.clone(),
+        max_depth: f.max_depth,
+        pid,
+        comm: f.comm.clone(),
+        retval: f.retval,
+        stack_frames: f.stack_frames,
     })
+}
+
+/// The filter of `hvtrace graph`, checked.
+pub fn filter(args: &GraphArgs) -> Result<GraphFilter> {
+    checked_filter(&args.functions, &args.filter, args.pid, GRAPH_SPELLING)
 }
 
 /// A started function-graph session, as [`Response::GraphStarted`]

@@ -159,30 +159,7 @@ pub fn graph_filter(args: &RunArgs) -> Result<Option<GraphFilter>> {
     if args.graphs.is_empty() {
         return Ok(None);
     }
-    for (option, globs) in [
-        ("--graph", &args.graphs),
-        ("--graph-trace", &args.graph_trace),
-        ("--graph-notrace", &args.graph_notrace),
-        ("--graph-ftrace-notrace", &args.graph_ftrace_notrace),
-    ] {
-        for glob in globs {
-            graph::check_glob(option, glob)?;
-        }
-    }
-    if let Some(comm) = &args.graph_comm {
-        graph::check_comm("--graph-comm", comm)?;
-    }
-    Ok(Some(GraphFilter {
-        functions: args.graphs.clone(),
-        trace: args.graph_trace.clone(),
-        notrace: args.graph_ftrace_notrace.clone(),
-        graph_notrace: args.graph_notrace.clone(),
-        max_depth: args.max_depth.unwrap_or(0),
-        pid: None,
-        comm: args.graph_comm.clone(),
-        retval: args.graph_retval,
-        stack_frames: args.stack_frames.unwrap_or(0),
-    }))
+    graph::checked_filter(&args.graphs, &args.graph_filter, None, graph::RUN_SPELLING).map(Some)
 }
 
 /// `hvtrace run --probe/--function/--graph ... --exec ...`.
