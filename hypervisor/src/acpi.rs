@@ -13,12 +13,14 @@ fn sum(b: &[u8]) -> u8 {
     b.iter().fold(0u8, |a, x| a.wrapping_add(*x))
 }
 
-fn le32(b: &[u8], o: usize) -> u32 {
-    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+/// The little-endian `u32` at `b[o..o + 4]`, or `None` past the end of `b`.
+fn le32(b: &[u8], o: usize) -> Option<u32> {
+    b.get(o..)?.first_chunk().map(|c| u32::from_le_bytes(*c))
 }
 
-fn le64(b: &[u8], o: usize) -> u64 {
-    le32(b, o) as u64 | ((le32(b, o + 4) as u64) << 32)
+/// The little-endian `u64` at `b[o..o + 8]`, or `None` past the end of `b`.
+fn le64(b: &[u8], o: usize) -> Option<u64> {
+    b.get(o..)?.first_chunk().map(|c| u64::from_le_bytes(*c))
 }
 
 /// Where the BIOS puts the RSDP: the read-only BIOS area, searched on
@@ -30,7 +32,11 @@ pub const BIOS_AREA: core::ops::Range<u64> = 0xe_0000..0x10_0000;
 pub fn find_rsdp(area: &[u8], base: u64) -> Option<u64> {
     (0..area.len().saturating_sub(20))
         .step_by(16)
-        .find(|&o| &area[o..o + 8] == b"RSD PTR " && sum(&area[o..o + 20]) == 0)
+        .find(|&o| {
+            area.get(o..)
+                .and_then(|a| a.first_chunk::<20>())
+                .is_some_and(|r| r.starts_with(b"RSD PTR ") && sum(r) == 0)
+        })
         .map(|o| base + o as u64)
 }
 
@@ -46,14 +52,14 @@ pub struct Fadt {
 /// Reads an SDT header and body at `addr` if its signature and checksum are right.
 fn table<'b>(mem: &impl PhysRead, addr: u64, sig: &[u8; 4], buf: &'b mut [u8]) -> Option<&'b [u8]> {
     let mut hdr = [0u8; 36];
-    if !mem.read(addr, &mut hdr) || &hdr[..4] != sig {
+    if !mem.read(addr, &mut hdr) || !hdr.starts_with(sig) {
         return None;
     }
-    let len = le32(&hdr, 4) as usize;
-    if !(36..=buf.len()).contains(&len) {
+    let len = le32(&hdr, 4)? as usize;
+    if len < 36 {
         return None;
     }
-    let t = &mut buf[..len];
+    let t = buf.get_mut(..len)?;
     if !mem.read(addr, t) || sum(t) != 0 {
         return None;
     }
@@ -71,33 +77,34 @@ pub fn find_fadt(mem: &impl PhysRead, rsdp: u64) -> Option<Fadt> {
         r[15] = 0;
     }
     let mut buf = [0u8; 1024];
-    let (root, entry, sig) = if r[15] >= 2 && le64(&r, 24) != 0 {
-        (le64(&r, 24), 8usize, b"XSDT")
-    } else {
-        (le32(&r, 16) as u64, 4usize, b"RSDT")
+    let xsdt = le64(&r, 24).filter(|&a| r[15] >= 2 && a != 0);
+    let (root, entry, sig) = match xsdt {
+        Some(xsdt) => (xsdt, 8usize, b"XSDT"),
+        None => (le32(&r, 16)? as u64, 4usize, b"RSDT"),
     };
     let mut entries = [0u64; 32];
     let n = {
         let t = table(mem, root, sig, &mut buf)?;
-        let body = &t[36..];
-        let n = (body.len() / entry).min(entries.len());
-        for (i, e) in entries.iter_mut().take(n).enumerate() {
+        let body = t.get(36..)?;
+        let mut n = 0;
+        for (e, raw) in entries.iter_mut().zip(body.chunks_exact(entry)) {
             *e = if entry == 8 {
-                le64(body, i * 8)
+                le64(raw, 0)?
             } else {
-                le32(body, i * 4) as u64
+                le32(raw, 0)? as u64
             };
+            n += 1;
         }
         n
     };
-    for &addr in &entries[..n] {
+    for &addr in entries.iter().take(n) {
         let mut fb = [0u8; 512];
         if let Some(f) = table(mem, addr, b"FACP", &mut fb) {
-            if f.len() < 68 {
-                return None;
-            }
-            let a = le32(f, 64);
-            let b = le32(f, 68);
+            // PM1a_CNT_BLK is at offset 64; a FADT too short for it is no use.
+            let a = le32(f, 64)?;
+            // PM1b_CNT_BLK (offset 68) is optional: a FADT that ends before
+            // it has none.
+            let b = le32(f, 68).unwrap_or(0);
             if a == 0 || a > 0xffff {
                 return None;
             }
@@ -175,6 +182,31 @@ mod tests {
                 pm1b_cnt: None
             })
         );
+    }
+
+    #[test]
+    fn a_fadt_that_ends_inside_pm1b_has_none() {
+        // 70 bytes: PM1a_CNT_BLK (64..68) is there, PM1b_CNT_BLK (68..72)
+        // is cut short.
+        let mut fadt_body = vec![0u8; 70 - 36];
+        fadt_body[64 - 36..68 - 36].copy_from_slice(&0x604u32.to_le_bytes());
+        fadt_body[68 - 36..].copy_from_slice(&[0xff, 0xff]);
+        let fadt = sdt(b"FACP", &fadt_body);
+        assert_eq!(fadt.len(), 70);
+        let mut m = Mem(BTreeMap::new());
+        m.0.insert(0, rsdp(0x1000));
+        m.0.insert(0x1000, sdt(b"RSDT", &0x2000u32.to_le_bytes()));
+        m.0.insert(0x2000, fadt);
+        assert_eq!(
+            find_fadt(&m, 0),
+            Some(Fadt {
+                pm1a_cnt: 0x604,
+                pm1b_cnt: None
+            })
+        );
+        // Shorter than PM1a_CNT_BLK: no answer.
+        m.0.insert(0x2000, sdt(b"FACP", &[0; 66 - 36]));
+        assert_eq!(find_fadt(&m, 0), None);
     }
 
     #[test]

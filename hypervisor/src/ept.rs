@@ -86,6 +86,14 @@ fn index(gpa: u64, level: u32) -> usize {
     ((gpa >> (12 + 9 * level)) & 0x1ff) as usize
 }
 
+/// The entry of table `t` that the walk for `gpa` uses at `level` (3 = PML4
+/// .. 0 = PT). Root's own page tables have the same layout.
+// In bounds: index() masks to 0..=0x1ff and `t` has 512 entries.
+#[allow(clippy::indexing_slicing)]
+pub(crate) fn slot(t: &mut [u64; 512], gpa: u64, level: u32) -> &mut u64 {
+    &mut t[index(gpa, level)]
+}
+
 impl Ept {
     /// Allocates an empty PML4.
     pub fn new(store: &mut impl TableStore) -> Result<Self, EptError> {
@@ -100,15 +108,16 @@ impl Ept {
         self.root.0 | (3 << 3) | MemType::WriteBack as u64
     }
 
-    /// The table below entry `idx` of table `t`, created on demand.
-    fn next(store: &mut impl TableStore, t: Hpa, idx: usize) -> Result<Hpa, EptError> {
-        let e = store.table(t)[idx];
+    /// The table below the level-`level` entry for `gpa` in table `t`,
+    /// created on demand.
+    fn next(store: &mut impl TableStore, t: Hpa, gpa: u64, level: u32) -> Result<Hpa, EptError> {
+        let e = *slot(store.table(t), gpa, level);
         if e & RWX != 0 && e & LARGE == 0 {
             return Ok(Hpa(e & ADDR_MASK));
         }
         let n = store.alloc_table().ok_or(EptError::OutOfTables)?;
         // Non-leaf entries grant everything; leaves decide.
-        store.table(t)[idx] = n.0 | RWX;
+        *slot(store.table(t), gpa, level) = n.0 | RWX;
         Ok(n)
     }
 
@@ -133,14 +142,14 @@ impl Ept {
         let leaf_bits = perms | ((memtype as u64) << MEMTYPE_SHIFT);
         let mut a = start.0;
         while a < end.0 {
-            let pdpt = Self::next(store, self.root, index(a, 3))?;
-            let pd = Self::next(store, pdpt, index(a, 2))?;
+            let pdpt = Self::next(store, self.root, a, 3)?;
+            let pd = Self::next(store, pdpt, a, 2)?;
             if allow_2m && a.is_multiple_of(MIB_2) && end.0 - a >= MIB_2 {
-                store.table(pd)[index(a, 1)] = a | leaf_bits | LARGE;
+                *slot(store.table(pd), a, 1) = a | leaf_bits | LARGE;
                 a += MIB_2;
             } else {
-                let pt = Self::next_split(store, pd, index(a, 1))?;
-                store.table(pt)[index(a, 0)] = a | leaf_bits;
+                let pt = Self::next_split(store, pd, a)?;
+                *slot(store.table(pt), a, 0) = a | leaf_bits;
                 a += KIB_4;
             }
         }
@@ -165,19 +174,19 @@ impl Ept {
         if gpa.0 >= 1 << 48 || hpa.0 >= 1 << 48 {
             return Err(EptError::TooHigh);
         }
-        let pdpt = Self::next(store, self.root, index(gpa.0, 3))?;
-        let pd = Self::next(store, pdpt, index(gpa.0, 2))?;
-        let pt = Self::next_split(store, pd, index(gpa.0, 1))?;
-        let slot = &mut store.table(pt)[index(gpa.0, 0)];
+        let pdpt = Self::next(store, self.root, gpa.0, 3)?;
+        let pd = Self::next(store, pdpt, gpa.0, 2)?;
+        let pt = Self::next_split(store, pd, gpa.0)?;
+        let slot = slot(store.table(pt), gpa.0, 0);
         let old = *slot;
         *slot = hpa.0 | (perms & RWX) | ((memtype as u64) << MEMTYPE_SHIFT);
         Ok(old)
     }
 
-    /// Like [`Self::next`] for a PD entry, but a 2 MiB leaf there is split
-    /// into 512 equivalent 4 KiB leaves first.
-    fn next_split(store: &mut impl TableStore, pd: Hpa, idx: usize) -> Result<Hpa, EptError> {
-        let e = store.table(pd)[idx];
+    /// Like [`Self::next`] for the PD entry for `gpa`, but a 2 MiB leaf there
+    /// is split into 512 equivalent 4 KiB leaves first.
+    fn next_split(store: &mut impl TableStore, pd: Hpa, gpa: u64) -> Result<Hpa, EptError> {
+        let e = *slot(store.table(pd), gpa, 1);
         if e & LARGE != 0 && e & RWX != 0 {
             let pt = store.alloc_table().ok_or(EptError::OutOfTables)?;
             let base = e & ADDR_MASK & !(MIB_2 - 1);
@@ -186,10 +195,10 @@ impl Ept {
             for (i, slot) in t.iter_mut().enumerate() {
                 *slot = (base + i as u64 * KIB_4) | bits;
             }
-            store.table(pd)[idx] = pt.0 | RWX;
+            *slot(store.table(pd), gpa, 1) = pt.0 | RWX;
             return Ok(pt);
         }
-        Self::next(store, pd, idx)
+        Self::next(store, pd, gpa, 1)
     }
 
     /// Removes every mapping in `[start, end)` (splitting 2 MiB leaves at the edges).
@@ -203,15 +212,15 @@ impl Ept {
                 a = (a / GIB + 1) * GIB;
                 continue;
             };
-            let e = store.table(pd)[index(a, 1)];
+            let e = *slot(store.table(pd), a, 1);
             if e & RWX == 0 {
                 a = (a / MIB_2 + 1) * MIB_2;
             } else if e & LARGE != 0 && a.is_multiple_of(MIB_2) && end.0 - a >= MIB_2 {
-                store.table(pd)[index(a, 1)] = 0;
+                *slot(store.table(pd), a, 1) = 0;
                 a += MIB_2;
             } else {
-                let pt = Self::next_split(store, pd, index(a, 1))?;
-                store.table(pt)[index(a, 0)] = 0;
+                let pt = Self::next_split(store, pd, a)?;
+                *slot(store.table(pt), a, 0) = 0;
                 a += KIB_4;
             }
         }
@@ -223,7 +232,7 @@ impl Ept {
     fn table_at(&self, store: &mut impl TableStore, gpa: u64, level: u32) -> Option<Hpa> {
         let mut t = self.root;
         for l in (level + 1..=3).rev() {
-            let e = store.table(t)[index(gpa, l)];
+            let e = *slot(store.table(t), gpa, l);
             if e & RWX == 0 || e & LARGE != 0 {
                 return None;
             }
@@ -236,7 +245,7 @@ impl Ept {
     pub fn translate(&self, store: &mut impl TableStore, gpa: Gpa) -> Option<Leaf> {
         let mut t = self.root;
         for level in (0..=3u32).rev() {
-            let e = store.table(t)[index(gpa.0, level)];
+            let e = *slot(store.table(t), gpa.0, level);
             if e & RWX == 0 {
                 return None;
             }

@@ -44,23 +44,26 @@ impl<R: RawMemory> GuestPhys<R> {
     /// `reserved`.
     pub fn new(ram: E820Map, reserved: core::ops::Range<u64>, raw: R) -> Self {
         let mut ranges = [(0u64, 0u64); MAX_RANGES];
-        let mut count = 0;
+        let mut count = 0usize;
         let mut list: [(u64, u64); MAX_RANGES] = [(0, 0); MAX_RANGES];
         let mut n = 0;
-        for e in ram.iter().filter(|e| e.is_ram() && e.size != 0) {
-            if n < MAX_RANGES {
-                list[n] = (e.addr, e.addr.saturating_add(e.size));
-                n += 1;
-            }
+        let ram = ram.iter().filter(|e| e.is_ram() && e.size != 0);
+        for (slot, e) in list.iter_mut().zip(ram) {
+            *slot = (e.addr, e.addr.saturating_add(e.size));
+            n += 1;
         }
-        let list = &mut list[..n];
+        let list = list.get_mut(..n).unwrap_or(&mut []);
         list.sort_unstable();
         for &(start, end) in list.iter() {
-            match ranges[..count].last_mut() {
+            let last = count.checked_sub(1).and_then(|i| ranges.get_mut(i));
+            match last {
                 Some(last) if start <= last.1 => last.1 = last.1.max(end),
                 _ => {
-                    ranges[count] = (start, end);
-                    count += 1;
+                    // `count` never passes `n`, itself at most MAX_RANGES.
+                    if let Some(slot) = ranges.get_mut(count) {
+                        *slot = (start, end);
+                        count += 1;
+                    }
                 }
             }
         }
@@ -91,7 +94,10 @@ impl<R: RawMemory> GuestPhys<R> {
         let end = end.max(gpa.saturating_add(1));
         // Merged ranges: the whole access lies in one of them, or it is not RAM.
         !self.touches_reserved(gpa, end)
-            && self.ranges[..self.count]
+            && self
+                .ranges
+                .get(..self.count)
+                .unwrap_or(&[])
                 .iter()
                 .any(|&(start, stop)| start <= gpa && end <= stop)
     }

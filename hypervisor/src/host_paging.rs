@@ -15,7 +15,7 @@
 //! are (the untouched page directories stay shared).
 
 use crate::addr::Hpa;
-use crate::ept::TableStore;
+use crate::ept::{slot, TableStore};
 
 /// Present.
 pub const PRESENT: u64 = 1 << 0;
@@ -109,9 +109,9 @@ pub fn split_large_page(pde: u64, guard: u64) -> Result<[u64; 512], GuardError> 
     }
     let mut table = [0u64; 512];
     for (i, e) in table.iter_mut().enumerate() {
-        *e = (base + i as u64 * PAGE) | flags;
+        let page = base + i as u64 * PAGE;
+        *e = if page == guard { 0 } else { page | flags };
     }
-    table[((guard - base) / PAGE) as usize] = 0;
     Ok(table)
 }
 
@@ -134,17 +134,15 @@ pub fn unmap_guard_page<S: TableStore>(
     if !guard.is_multiple_of(PAGE) || guard >> 47 != 0 {
         return Err(GuardError::BadGuard(guard));
     }
-    let [i4, i3, i2, i1] = indices(guard);
     let copy = |store: &mut S, from: u64| -> Result<Hpa, GuardError> {
         let to = store.alloc_table().ok_or(GuardError::OutOfTables)?;
-        for i in 0..512u64 {
-            let e = read(from + i * 8).ok_or(GuardError::Unreadable(from))?;
-            store.table(to)[i as usize] = e;
+        for (i, e) in (0u64..).zip(store.table(to).iter_mut()) {
+            *e = read(from + i * 8).ok_or(GuardError::Unreadable(from))?;
         }
         Ok(to)
     };
     let pml4 = copy(store, cr3 & ADDR_MASK)?;
-    let e4 = store.table(pml4)[i4];
+    let e4 = *slot(store.table(pml4), guard, 3);
     if e4 & PRESENT == 0 {
         return Err(GuardError::NotMapped {
             level: 4,
@@ -152,7 +150,7 @@ pub fn unmap_guard_page<S: TableStore>(
         });
     }
     let pdpt = copy(store, e4 & ADDR_MASK)?;
-    let e3 = store.table(pdpt)[i3];
+    let e3 = *slot(store.table(pdpt), guard, 2);
     if e3 & PRESENT == 0 {
         return Err(GuardError::NotMapped {
             level: 3,
@@ -163,7 +161,7 @@ pub fn unmap_guard_page<S: TableStore>(
         return Err(GuardError::HugePage(e3));
     }
     let pd = copy(store, e3 & ADDR_MASK)?;
-    let e2 = store.table(pd)[i2];
+    let e2 = *slot(store.table(pd), guard, 1);
     if e2 & PRESENT == 0 {
         return Err(GuardError::NotMapped {
             level: 2,
@@ -179,12 +177,12 @@ pub fn unmap_guard_page<S: TableStore>(
         pt.0 | (e2 & (PRESENT | WRITABLE | USER | ACCESSED))
     } else {
         let pt = copy(store, e2 & ADDR_MASK)?;
-        store.table(pt)[i1] = 0;
+        *slot(store.table(pt), guard, 0) = 0;
         (e2 & !ADDR_MASK) | pt.0
     };
-    store.table(pd)[i2] = pde;
-    store.table(pdpt)[i3] = (e3 & !ADDR_MASK) | pd.0;
-    store.table(pml4)[i4] = (e4 & !ADDR_MASK) | pdpt.0;
+    *slot(store.table(pd), guard, 1) = pde;
+    *slot(store.table(pdpt), guard, 2) = (e3 & !ADDR_MASK) | pd.0;
+    *slot(store.table(pml4), guard, 3) = (e4 & !ADDR_MASK) | pdpt.0;
     Ok(pml4.0 | (cr3 & !ADDR_MASK))
 }
 

@@ -9,6 +9,15 @@
 //! the small traits they define (`VmcsIo`, `RawMemory`, `TableStore`,
 //! `tracer::machine::Machine`), which the tests implement in memory.
 #![cfg_attr(not(test), no_std)]
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic
+    )
+)]
 
 extern crate alloc;
 

@@ -78,7 +78,9 @@ impl OutQueue {
                 self.current = next;
                 self.sent = 0;
             }
-            let n = write(&self.current[self.sent..]);
+            // `sent` is within the frame here: a used-up frame was replaced
+            // just above and `sent` reset to 0.
+            let n = write(self.current.get(self.sent..).unwrap_or(&[]));
             if n == 0 {
                 return total;
             }

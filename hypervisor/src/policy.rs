@@ -239,7 +239,10 @@ pub fn msr_bitmap(bitmap: &mut [u8; 4096], reads: &[(u32, u32)], writes: &[(u32,
             0xc000_0000..=0xc000_1fff => (1024, (msr - 0xc000_0000) as usize),
             _ => return,
         };
-        bitmap[base + off + idx / 8] |= 1 << (idx % 8);
+        // At most 2048 + 1024 + 0x1fff / 8 = 4095: always inside the page.
+        if let Some(byte) = bitmap.get_mut(base + off + idx / 8) {
+            *byte |= 1 << (idx % 8);
+        }
     };
     for &(a, b) in reads {
         for m in a..=b {
@@ -283,7 +286,10 @@ pub fn io_bitmap_set(
         } else {
             (&mut *b, (p - 0x8000) as usize)
         };
-        bm[i / 8] |= 1 << (i % 8);
+        // `i` is below 0x8000, so `i / 8` is inside the 4 KiB bitmap.
+        if let Some(byte) = bm.get_mut(i / 8) {
+            *byte |= 1 << (i % 8);
+        }
     }
 }
 

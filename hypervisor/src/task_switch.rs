@@ -343,6 +343,16 @@ fn set_busy<M: Linear + ?Sized>(m: &mut M, d: &Desc, busy: bool) -> Result<(), F
     wr(m, d.at.wrapping_add(5), &[byte])
 }
 
+/// The `N` little-endian bytes at `off` of a TSS image. The layouts'
+/// offsets all lie inside the image; past its end would read as zeros.
+fn tss_bytes<const N: usize>(image: &[u8; 0x68], off: u32) -> [u8; N] {
+    image
+        .get(off as usize..)
+        .and_then(|b| b.first_chunk())
+        .copied()
+        .unwrap_or([0; N])
+}
+
 /// Performs the task switch `req` on `cpu` through `m`.
 pub fn switch<M: Linear + ?Sized>(cpu: &mut TaskCpu, m: &mut M, req: Request) -> Outcome {
     match switch_inner(cpu, m, req) {
@@ -398,8 +408,12 @@ fn switch_inner<M: Linear + ?Sized>(
     // Read the whole new TSS image first: a #PF on it is a fault before
     // the commit point.
     let mut image = [0u8; 0x68];
-    let len = layout.min_limit as usize + 1;
-    m.read(new.base(), &mut image[..len])
+    // Both layouts' minimum limits lie inside the 0x68-byte image (a 32-bit
+    // TSS is 0x68 bytes, a 16-bit one 0x2c), so this never refuses.
+    let part = image
+        .get_mut(..layout.min_limit as usize + 1)
+        .ok_or(refused)?;
+    m.read(new.base(), part)
         .map_err(|c| before(Fault::Pf(new.base(), c)))?;
     // 2. Save the old task.
     let mut eflags = cpu.eflags;
@@ -410,7 +424,8 @@ fn switch_inner<M: Linear + ?Sized>(
     let step = old_layout.step();
     let put = |m: &mut M, off: u32, v: u32| -> Result<(), (Fault, bool)> {
         let b = v.to_le_bytes();
-        wr(m, ob.wrapping_add(off), &b[..step as usize]).map_err(before)
+        let b: &[u8] = if old_layout.big { &b } else { &b[..2] };
+        wr(m, ob.wrapping_add(off), b).map_err(before)
     };
     put(m, old_layout.eip, req.return_eip)?;
     put(m, old_layout.eflags, eflags)?;
@@ -430,14 +445,8 @@ fn switch_inner<M: Linear + ?Sized>(
         set_busy(m, &old, false).map_err(before)?;
     }
     // 3. Link, busy, TR: the commit point.
-    let get32 = |off: u32| -> u32 {
-        let o = off as usize;
-        u32::from_le_bytes([image[o], image[o + 1], image[o + 2], image[o + 3]])
-    };
-    let get16 = |off: u32| -> u16 {
-        let o = off as usize;
-        u16::from_le_bytes([image[o], image[o + 1]])
-    };
+    let get32 = |off: u32| -> u32 { u32::from_le_bytes(tss_bytes(&image, off)) };
+    let get16 = |off: u32| -> u16 { u16::from_le_bytes(tss_bytes(&image, off)) };
     let get = |off: u32| -> u32 {
         if layout.big {
             get32(off)
@@ -480,12 +489,12 @@ fn switch_inner<M: Linear + ?Sized>(
     // 22..31 clear): VM entry refuses anything else.
     cpu.eflags = (new_eflags & EFLAGS_DEFINED) | 2;
     let step = layout.step();
-    for i in 0..8 {
-        let v = get(layout.gpr + step * i as u32);
-        cpu.gpr[i] = if layout.big {
+    for (i, r) in (0u32..).zip(cpu.gpr.iter_mut()) {
+        let v = get(layout.gpr + step * i);
+        *r = if layout.big {
             v
         } else {
-            (cpu.gpr[i] & 0xffff_0000) | v
+            (*r & 0xffff_0000) | v
         };
     }
     let nseg = layout.segs();
@@ -517,7 +526,8 @@ fn switch_inner<M: Linear + ?Sized>(
         let off = if big_stack { esp } else { esp & 0xffff };
         let la = cpu.seg[SS].base.wrapping_add(off);
         let bytes = code.to_le_bytes();
-        wr(m, la, &bytes[..size as usize]).map_err(after)?;
+        let bytes: &[u8] = if layout.big { &bytes } else { &bytes[..2] };
+        wr(m, la, bytes).map_err(after)?;
         cpu.gpr[4] = esp;
     }
     Ok(Outcome::Switched { debug_trap })
@@ -553,22 +563,26 @@ fn load_segments<M: Linear + ?Sized>(
     let cpl = (selectors[CS] & 3) as u8;
     let cs = check_segment(cpu, m, selectors[CS], Load::Code).map_err(|f| (f, false))?;
     let ss = check_segment(cpu, m, selectors[SS], Load::Stack(cpl)).map_err(|f| (f, false))?;
-    // A 16-bit TSS has no FS and GS: they keep their values.
-    let data = [ES, DS, FS, GS].into_iter().filter(|&i| i < nseg);
-    for i in data.clone() {
-        cpu.seg[i] = Seg {
-            selector: selectors[i],
-            ar: AR_UNUSABLE,
-            ..Seg::default()
-        };
+    // ES, DS, FS and GS, in that order; a 16-bit TSS has no FS and GS:
+    // they keep their values.
+    let is_data = |i: usize| matches!(i, ES | DS | FS | GS) && i < nseg;
+    for (i, (s, &selector)) in cpu.seg.iter_mut().zip(selectors).enumerate() {
+        if is_data(i) {
+            *s = Seg {
+                selector,
+                ar: AR_UNUSABLE,
+                ..Seg::default()
+            };
+        }
     }
-    commit_segment(cpu, m, CS, cs).map_err(|f| (f, false))?;
-    commit_segment(cpu, m, SS, ss).map_err(|f| (f, true))?;
-    for i in data {
-        if let Some(d) =
-            check_segment(cpu, m, selectors[i], Load::Data(cpl)).map_err(|f| (f, true))?
-        {
-            commit_segment(cpu, m, i, Some(d)).map_err(|f| (f, true))?;
+    commit_segment(m, &mut cpu.seg[CS], cs).map_err(|f| (f, false))?;
+    commit_segment(m, &mut cpu.seg[SS], ss).map_err(|f| (f, true))?;
+    for (i, &sel) in selectors.iter().enumerate().filter(|&(i, _)| is_data(i)) {
+        if let Some(d) = check_segment(cpu, m, sel, Load::Data(cpl)).map_err(|f| (f, true))? {
+            // `selectors` and `cpu.seg` both have six entries.
+            if let Some(reg) = cpu.seg.get_mut(i) {
+                commit_segment(m, reg, Some(d)).map_err(|f| (f, true))?;
+            }
         }
     }
     Ok(())
@@ -645,17 +659,17 @@ fn check_segment<M: Linear + ?Sized>(
     Ok(Some((sel, d)))
 }
 
-/// Loads a checked descriptor into register `i`, setting its accessed bit.
+/// Loads a checked descriptor into segment register `reg`, setting its
+/// accessed bit.
 fn commit_segment<M: Linear + ?Sized>(
-    cpu: &mut TaskCpu,
     m: &mut M,
-    i: usize,
+    reg: &mut Seg,
     checked: Option<(u16, Desc)>,
 ) -> Result<(), Fault> {
     if let Some((sel, d)) = checked {
         set_accessed(m, &d)?;
-        cpu.seg[i] = d.seg(sel);
-        cpu.seg[i].ar |= 1;
+        *reg = d.seg(sel);
+        reg.ar |= 1;
     }
     Ok(())
 }
@@ -764,7 +778,8 @@ impl LegacyPaging {
                 })
             }
             Self::Pae { pdptes } => {
-                let pdpte = pdptes[(la >> 30) as usize];
+                // `la >> 30` of a 32-bit address is 0..=3: always one of the four.
+                let pdpte = pdptes.get((la >> 30) as usize).copied().unwrap_or(0);
                 if pdpte & 1 == 0 {
                     return Err(code);
                 }

@@ -317,22 +317,23 @@ impl<'a> ByteReader<'a> {
         self.at = end;
         Ok(s)
     }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let b = self.take(N)?;
+        // `take` returns exactly N bytes, so this never fails.
+        b.first_chunk().copied().ok_or(DecodeError::Overrun)
+    }
     fn u8(&mut self) -> Result<u8, DecodeError> {
-        Ok(self.take(1)?[0])
+        let [b] = self.array()?;
+        Ok(b)
     }
     fn u16(&mut self) -> Result<u16, DecodeError> {
-        let b = self.take(2)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
+        self.array().map(u16::from_le_bytes)
     }
     fn u32(&mut self) -> Result<u32, DecodeError> {
-        let mut a = [0u8; 4];
-        a.copy_from_slice(self.take(4)?);
-        Ok(u32::from_le_bytes(a))
+        self.array().map(u32::from_le_bytes)
     }
     fn u64(&mut self) -> Result<u64, DecodeError> {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(a))
+        self.array().map(u64::from_le_bytes)
     }
 }
 

@@ -11,7 +11,11 @@ fn parse_digits(s: &str, base: u32) -> Option<u64> {
     let b = s.as_bytes();
     let (radix, digits) = if base == 0 {
         match b {
-            [b'0', x, h, ..] if (*x | 0x20) == b'x' && h.is_ascii_hexdigit() => (16, &b[2..]),
+            [b'0', x, hex @ ..]
+                if (*x | 0x20) == b'x' && hex.first().is_some_and(u8::is_ascii_hexdigit) =>
+            {
+                (16, hex)
+            }
             [b'0', ..] => (8, b),
             _ => (10, b),
         }

@@ -333,13 +333,13 @@ fn split(spec: &str) -> Vec<Tok<'_>> {
     let b = spec.as_bytes();
     let mut toks = Vec::new();
     let mut i = 0;
-    while i < b.len() {
-        if is_space(b[i]) {
+    while let Some(&c) = b.get(i) {
+        if is_space(c) {
             i += 1;
             continue;
         }
         let start = i;
-        while i < b.len() && !is_space(b[i]) {
+        while b.get(i).is_some_and(|&c| !is_space(c)) {
             i += 1;
         }
         // Splits fall on ASCII bytes, so these are char boundaries.
@@ -353,12 +353,12 @@ fn split(spec: &str) -> Vec<Tok<'_>> {
 /// Parses one kprobe_events command.
 pub fn parse(spec: &str) -> Result<Command, ParseError> {
     let toks = split(spec);
-    let Some(&head) = toks.first() else {
+    let Some((&head, rest)) = toks.split_first() else {
         return Err(ParseError::missing(ParseErrorKind::Empty, 0));
     };
     match head.text.as_bytes().first().copied().unwrap_or(0) {
-        b'p' | b'r' => parse_add(spec, head, &toks[1..]).map(Command::Add),
-        b'-' => parse_delete(head, &toks[1..]).map(Command::Delete),
+        b'p' | b'r' => parse_add(spec, head, rest).map(Command::Add),
+        b'-' => parse_delete(head, rest).map(Command::Delete),
         _ => Err(head.sub(0, 1).err(ParseErrorKind::BadCommand)),
     }
 }
@@ -414,7 +414,7 @@ fn parse_add(spec: &str, head: Tok<'_>, rest: &[Tok<'_>]) -> Result<ProbeSpec, P
     let mid = head.sub(1, colon.unwrap_or(head.text.len()));
     let mut maxactive = 0;
     if !mid.text.is_empty() {
-        let digit = mid.text.as_bytes()[0].is_ascii_digit();
+        let digit = mid.text.as_bytes().first().is_some_and(u8::is_ascii_digit);
         if !digit {
             return Err(mid.err(K::BadCommand));
         }
@@ -914,7 +914,7 @@ fn parse_var(t: Tok<'_>, is_return: bool) -> Result<FetchBase, ParseError> {
         if n.is_empty() {
             return Ok(FetchBase::StackPointer);
         }
-        if !n.as_bytes()[0].is_ascii_digit() {
+        if !n.as_bytes().first().is_some_and(u8::is_ascii_digit) {
             return Err(t.err(K::BadVar));
         }
         return match kstrtoull(n, 10) {

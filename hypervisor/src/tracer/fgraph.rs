@@ -158,7 +158,18 @@ pub(super) struct StackFigures {
 impl Graph {
     /// A free session number.
     pub(super) fn free_number(&self) -> Option<usize> {
-        (1..MAX_USERS).find(|&u| self.sessions[u].is_none())
+        (1..MAX_USERS).find(|&u| self.sessions.get(u).is_some_and(Option::is_none))
+    }
+
+    /// Whether session `user` runs.
+    pub(super) fn runs(&self, user: usize) -> bool {
+        self.sessions.get(user).is_some_and(Option::is_some)
+    }
+
+    /// Session `user`'s generation ([`RETIRED_GEN`] for a number that is
+    /// none).
+    fn generation(&self, user: usize) -> u8 {
+        self.generations.get(user).copied().unwrap_or(RETIRED_GEN)
     }
 
     /// Whether sessions run or their frames are in flight.
@@ -180,22 +191,28 @@ impl Graph {
         }
     }
 
-    /// Starts session `user` (its number's generation moves on).
+    /// Starts session `user`, a [`Self::free_number`] (its number's
+    /// generation moves on).
     pub(super) fn start(&mut self, user: usize, session: GraphSession) {
-        self.generations[user] = (self.generations[user] + 1) & 0xf;
-        self.sessions[user] = Some(session);
+        if let (Some(generation), Some(slot)) =
+            (self.generations.get_mut(user), self.sessions.get_mut(user))
+        {
+            *generation = (*generation + 1) & 0xf;
+            *slot = Some(session);
+        }
     }
 
     /// Stops the sessions of `users` (bit N: session N): their renderers
     /// retire, and frames in flight stay (their returns must pop) but no
     /// longer count for them, whose numbers a new session may take.
     pub(super) fn stop(&mut self, users: u16) {
-        for u in 1..MAX_USERS {
+        let numbered = self.sessions.iter_mut().zip(self.generations);
+        for (u, (session, generation)) in (0..MAX_USERS as u32).zip(numbered).skip(1) {
             if users & (1 << u) == 0 {
                 continue;
             }
-            if let Some(g) = self.sessions[u].take() {
-                retire(&mut self.retired, (u as u32, self.generations[u], g.text));
+            if let Some(g) = session.take() {
+                retire(&mut self.retired, (u, generation, g.text));
             }
         }
         for t in self.stacks.values_mut() {
@@ -239,11 +256,11 @@ impl Graph {
         let mut data: [(u8, &[u64]); MAX_USERS] = [(0, &[]); MAX_USERS];
         let mut n_data = 0;
         let stack = self.stacks.get(&key).map(|t| &t.st);
-        for user in 1..MAX_USERS as u8 {
+        for (user, g) in (0..MAX_USERS as u8).zip(&self.sessions).skip(1) {
             if sessions & (1 << user) == 0 {
                 continue;
             }
-            let Some(g) = &self.sessions[usize::from(user)] else {
+            let Some(g) = g else {
                 continue;
             };
             let (depth, hidden) = stack.map_or((0, false), |s| s.user_view(user, NOTRACE_MARK));
@@ -255,8 +272,9 @@ impl Graph {
                 let root_ok = g.roots.is_empty() || g.roots.contains(&func);
                 let pid_ok = f.pid.is_none_or(|p| p == header.pid);
                 let comm_ok = f.comm.as_deref().is_none_or(|c| {
-                    let n = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
-                    c.as_bytes() == &comm[..n]
+                    // The name ends at the first NUL, or fills the array.
+                    let name = comm.split(|&b| b == 0).next().unwrap_or(comm);
+                    c.as_bytes() == name
                 });
                 if !(root_ok && pid_ok && comm_ok) {
                     continue;
@@ -266,18 +284,25 @@ impl Graph {
                 continue;
             }
             users |= 1 << user;
+            // Each of the MAX_USERS - 1 sessions adds at most one entry or
+            // one data block, the return probes one more data block: both
+            // arrays always have room.
             if g.notrace.contains(&func) {
-                data[n_data] = (user, core::slice::from_ref(&NOTRACE_MARK));
-                n_data += 1;
-            } else {
-                entries[n_entries] = (user, depth as u16);
+                if let Some(d) = data.get_mut(n_data) {
+                    *d = (user, core::slice::from_ref(&NOTRACE_MARK));
+                    n_data += 1;
+                }
+            } else if let Some(e) = entries.get_mut(n_entries) {
+                *e = (user, depth as u16);
                 n_entries += 1;
             }
         }
         if !retprobes.is_empty() {
             users |= 1 << RETPROBE_USER;
-            data[n_data] = (RETPROBE_USER, retprobes);
-            n_data += 1;
+            if let Some(d) = data.get_mut(n_data) {
+                *d = (RETPROBE_USER, retprobes);
+                n_data += 1;
+            }
         }
         if users == 0 {
             return;
@@ -337,9 +362,14 @@ impl Graph {
             }
             return;
         }
-        let pushed = tracked
-            .st
-            .push(ret, func, now_ns, retp, users, &data[..n_data]);
+        let pushed = tracked.st.push(
+            ret,
+            func,
+            now_ns,
+            retp,
+            users,
+            data.get(..n_data).unwrap_or(&[]),
+        );
         let empty = tracked.st.is_empty();
         match pushed {
             Ok(_) => {}
@@ -357,12 +387,12 @@ impl Graph {
         if env.ram.write_word(t.gpa.0, tramp).is_err() {
             return;
         }
-        for &(user, depth) in &entries[..n_entries] {
+        for &(user, depth) in entries.iter().take(n_entries) {
             let h = EventHeader {
                 probe_id: GraphEventId {
                     kind: GraphKind::Entry,
                     number: user,
-                    generation: self.generations[usize::from(user)],
+                    generation: self.generation(usize::from(user)),
                 }
                 .pack(),
                 ip: func,
@@ -445,7 +475,7 @@ impl Graph {
             comm,
         };
         for (user, &depth) in depths.iter().enumerate().skip(1) {
-            if frame.users & (1 << user) == 0 || self.sessions[user].is_none() {
+            if frame.users & (1 << user) == 0 || !self.runs(user) {
                 continue;
             }
             let marked = frame
@@ -459,7 +489,7 @@ impl Graph {
                 probe_id: GraphEventId {
                     kind: GraphKind::Return,
                     number: user as u8,
-                    generation: self.generations[user],
+                    generation: self.generation(user),
                 }
                 .pack(),
                 ..header

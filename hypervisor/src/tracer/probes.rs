@@ -122,8 +122,8 @@ pub(super) fn store_parts(
 ) -> bool {
     scratch.clear();
     scratch.resize(kprobe::encoded_len(values), 0);
-    match kprobe::encode_parts(header, values, scratch) {
-        Some(n) => ring.push(&scratch[..n]),
+    match kprobe::encode_parts(header, values, scratch).and_then(|n| scratch.get(..n)) {
+        Some(record) => ring.push(record),
         None => {
             ring.count_lost();
             false

@@ -363,12 +363,10 @@ impl Tracer<'_> {
     /// new calls; frames in flight stay and still return through us.
     pub fn graph_stop(&mut self, session: Option<u32>, env: &mut Env<'_>) -> Result<(), ReqError> {
         let users: Vec<usize> = match session {
-            None => (1..MAX_USERS)
-                .filter(|&u| self.vm.graph.sessions[u].is_some())
-                .collect(),
+            None => (1..MAX_USERS).filter(|&u| self.vm.graph.runs(u)).collect(),
             Some(n) => {
                 let u = n as usize;
-                if !(1..MAX_USERS).contains(&u) || self.vm.graph.sessions[u].is_none() {
+                if !(1..MAX_USERS).contains(&u) || !self.vm.graph.runs(u) {
                     return Err(ReqError::new(
                         ErrorKind::NotFound,
                         format!("no function-graph session {n}"),

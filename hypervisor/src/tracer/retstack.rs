@@ -217,17 +217,18 @@ pub struct FrameView<'a> {
 impl<'a> FrameView<'a> {
     /// `user`'s data block, if the frame has one.
     pub fn data(&self, user: u8) -> Option<&'a [u64]> {
-        let mut j = self.blocks.len();
-        while j > 0 {
-            let t = Tag::decode(self.blocks[j - 1])?;
-            let first = (j - 1).checked_sub(t.offset)?;
+        let mut rest = self.blocks;
+        while let Some((&word, below)) = rest.split_last() {
+            let t = Tag::decode(word)?;
+            let first = below.len().checked_sub(t.offset)?;
             if t.kind != TagType::Data {
                 return None;
             }
+            let (before, block) = below.split_at_checked(first)?;
             if t.users == u16::from(user) {
-                return Some(&self.blocks[first..j - 1]);
+                return Some(block);
             }
-            j = first;
+            rest = before;
         }
         None
     }
@@ -244,24 +245,27 @@ impl<'a> Iterator for FrameIter<'a> {
     type Item = FrameView<'a>;
 
     fn next(&mut self) -> Option<FrameView<'a>> {
-        let i = self.end.checked_sub(1)?;
-        let tag = Tag::decode(self.words[i]).filter(|t| t.kind == TagType::Frame);
-        let Some(start) = tag.and_then(|t| i.checked_sub(t.offset)) else {
+        // `end` never passes the array's length; past it there is nothing.
+        let (&top, below) = self.words.get(..self.end)?.split_last()?;
+        let tag = Tag::decode(top).filter(|t| t.kind == TagType::Frame);
+        let Some((rest, w)) = tag
+            .and_then(|t| below.len().checked_sub(t.offset))
+            .and_then(|start| below.split_at_checked(start))
+        else {
             self.end = 0; // not a frame tag: the array is corrupt; stop
             return None;
         };
-        let w = &self.words[start..i];
-        if w.len() < FRAME_WORDS {
+        let Some((head, blocks)) = w.split_first_chunk::<FRAME_WORDS>() else {
             self.end = 0;
             return None;
-        }
-        self.end = start;
+        };
+        self.end = rest.len();
         Some(FrameView {
-            ret: w[RET],
-            func: w[FUNC],
-            retp: w[RETP],
+            ret: head[RET],
+            func: head[FUNC],
+            retp: head[RETP],
             users: tag.map_or(0, |t| t.users),
-            blocks: &w[FRAME_WORDS..],
+            blocks,
         })
     }
 }
@@ -311,7 +315,7 @@ impl RetStack {
 
     fn top_tag(&self) -> Option<(usize, Tag)> {
         let i = self.words.len().checked_sub(1)?;
-        Some((i, Tag::decode(self.words[i])?))
+        Some((i, Tag::decode(*self.words.last()?)?))
     }
 
     /// The top frame's `retp`, if any.
@@ -401,25 +405,30 @@ impl RetStack {
             return None;
         }
         let start = i.checked_sub(tag.offset)?;
-        let w = &self.words;
+        // The frame's words below its tag: the frame, then its data blocks.
+        let (head, blocks) = self
+            .words
+            .get(start..i)?
+            .split_first_chunk::<FRAME_WORDS>()?;
         let mut data = Vec::new();
         // Data blocks, walked down from just below the frame tag.
-        let mut j = i;
-        while j > start + FRAME_WORDS {
-            let t = Tag::decode(w[j - 1])?;
-            if t.kind != TagType::Data || j - 1 < start + FRAME_WORDS + t.offset {
+        let mut rest = blocks;
+        while let Some((&word, below)) = rest.split_last() {
+            let t = Tag::decode(word)?;
+            if t.kind != TagType::Data {
                 return None;
             }
-            let first = j - 1 - t.offset;
-            data.push((t.users as u8, w[first..j - 1].to_vec()));
-            j = first;
+            let first = below.len().checked_sub(t.offset)?;
+            let (before, block) = below.split_at_checked(first)?;
+            data.push((t.users as u8, block.to_vec()));
+            rest = before;
         }
         data.reverse();
         let frame = Frame {
-            ret: w[start + RET],
-            func: w[start + FUNC],
-            calltime: w[start + CALLTIME],
-            retp: w[start + RETP],
+            ret: head[RET],
+            func: head[FUNC],
+            calltime: head[CALLTIME],
+            retp: head[RETP],
             users: tag.users,
             depth: self.depth - 1,
             data,
@@ -470,8 +479,10 @@ impl RetStack {
         let mut n = 0;
         let mut end = self.words.len();
         while let Some(i) = end.checked_sub(1) {
-            let Some(mut tag) = Tag::decode(self.words[i]).filter(|t| t.kind == TagType::Frame)
-            else {
+            let Some(word) = self.words.get_mut(i) else {
+                break;
+            };
+            let Some(mut tag) = Tag::decode(*word).filter(|t| t.kind == TagType::Frame) else {
                 break;
             };
             let Some(start) = i.checked_sub(tag.offset) else {
@@ -480,7 +491,7 @@ impl RetStack {
             if tag.users & mask != 0 {
                 n += 1;
                 tag.users &= !mask;
-                self.words[i] = tag.encode();
+                *word = tag.encode();
             }
             end = start;
         }

@@ -66,22 +66,39 @@ impl EventRing {
         self.lost += 1;
     }
 
+    /// Copies `bytes` (never more than the buffer holds) in at offset `at`
+    /// modulo the capacity: up to the end of the buffer, the rest from its
+    /// start. Every range below is in bounds by that; none is skipped.
     fn put(&mut self, at: usize, bytes: &[u8]) {
         let cap = self.buf.len();
         let start = at % cap;
         let first = bytes.len().min(cap - start);
-        self.buf[start..start + first].copy_from_slice(&bytes[..first]);
-        let rest = bytes.len() - first;
-        self.buf[..rest].copy_from_slice(&bytes[first..]);
+        let Some((head, tail)) = bytes.split_at_checked(first) else {
+            return;
+        };
+        if let Some(dst) = self.buf.get_mut(start..start + first) {
+            dst.copy_from_slice(head);
+        }
+        if let Some(dst) = self.buf.get_mut(..tail.len()) {
+            dst.copy_from_slice(tail);
+        }
     }
 
+    /// Fills `out` (never longer than the buffer) from offset `at` modulo
+    /// the capacity, wrapping as [`Self::put`] does.
     fn get(&self, at: usize, out: &mut [u8]) {
         let cap = self.buf.len();
         let start = at % cap;
         let first = out.len().min(cap - start);
-        out[..first].copy_from_slice(&self.buf[start..start + first]);
-        let rest = out.len() - first;
-        out[first..].copy_from_slice(&self.buf[..rest]);
+        let Some((head, tail)) = out.split_at_mut_checked(first) else {
+            return;
+        };
+        if let Some(src) = self.buf.get(start..start + first) {
+            head.copy_from_slice(src);
+        }
+        if let Some(src) = self.buf.get(..tail.len()) {
+            tail.copy_from_slice(src);
+        }
     }
 
     /// Appends a record; `false` (and one more lost record) if it does not fit.

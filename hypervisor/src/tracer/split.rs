@@ -275,16 +275,17 @@ impl SplitView {
             let mut n = 0;
             let mut next = None;
             for (&s, u) in self.sites.range(from..) {
-                if n == RELEASE_BATCH {
+                let Some(slot) = batch.get_mut(n) else {
+                    // The batch is full: the next one starts here.
                     next = Some(s);
                     break;
-                }
+                };
                 if u.unused() {
-                    batch[n] = s;
+                    *slot = s;
                     n += 1;
                 }
             }
-            for &s in &batch[..n] {
+            for &s in batch.iter().take(n) {
                 self.unhook_if_unused(env, s);
             }
             match next {

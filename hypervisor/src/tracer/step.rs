@@ -81,7 +81,8 @@ struct Step {
 
 impl Step {
     fn pages(&self) -> &[(u64, StepKind)] {
-        &self.pages[..self.open]
+        // `open` never passes STEP_PAGES; were it to, every page is open.
+        self.pages.get(..self.open).unwrap_or(&self.pages)
     }
 }
 
@@ -185,11 +186,14 @@ impl Stepper {
         };
         env.m.invept();
         if widen {
+            // `widen` means the step had a free slot (open < STEP_PAGES).
             if let Some(st) = self.step.as_mut() {
-                st.pages[st.open] = (page, kind);
-                st.open += 1;
-                s.stats.steps_widened += 1;
-                return Violation::Widened;
+                if let Some(slot) = st.pages.get_mut(st.open) {
+                    *slot = (page, kind);
+                    st.open += 1;
+                    s.stats.steps_widened += 1;
+                    return Violation::Widened;
+                }
             }
         }
         s.stats.steps += 1;
