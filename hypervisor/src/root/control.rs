@@ -129,7 +129,7 @@ impl Control {
             }
             self.rx_recent = true;
             self.stats.bytes_in += n as u64;
-            for &b in &buf[..n] {
+            for &b in buf.iter().take(n) {
                 match self.decoder.push_byte(b) {
                     None => {}
                     Some(Ok(frame)) => {

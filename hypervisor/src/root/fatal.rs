@@ -212,7 +212,10 @@ extern "C" fn hv_root_trap(frame: &mut TrapFrame) {
         nmi_arrived();
         return;
     }
-    let name = NAMES[(frame.vector % 32) as usize];
+    let name = NAMES
+        .get((frame.vector % 32) as usize)
+        .copied()
+        .unwrap_or("?");
     let cr2 = insn::read_cr2();
     die(format_args!(
         "hypervisor fault in VMX root: {name} error code {:#x} at rip {:#x} rsp {:#x} rflags {:#x} cr2 {cr2:#x}{}",

@@ -72,8 +72,8 @@ fn c_str(addr: u32) -> &'static str {
     let Some(bytes) = phys::slice(addr as u64, 4096) else {
         return "";
     };
-    let n = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-    core::str::from_utf8(&bytes[..n]).unwrap_or("")
+    let text = bytes.split(|&b| b == 0).next().unwrap_or_default();
+    core::str::from_utf8(text).unwrap_or("")
 }
 
 /// The firmware's ACPI RSDP, searched in the BIOS area.

@@ -187,10 +187,10 @@ impl Introspection {
                     k.report.index_bytes >> 10
                 );
                 if let Some(Running { pid, comm, .. }) = k.current(cpu) {
-                    let n = comm.iter().position(|&b| b == 0).unwrap_or(comm.len());
+                    let name = comm.split(|&b| b == 0).next().unwrap_or_default();
                     log::info!(
                         "introspection: recovery ended in pid {pid} ({}), CR3 {:#x}",
-                        core::str::from_utf8(&comm[..n]).unwrap_or("?"),
+                        core::str::from_utf8(name).unwrap_or("?"),
                         cpu.cr3
                     );
                 }
@@ -277,7 +277,7 @@ struct TurnView<'s> {
 
 impl VirtMemory for TurnView<'_> {
     fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), ViewError> {
-        let cr3 = self.shared.cpu.get().kernel_cr3s()[self.shared.which.get()];
+        let cr3 = self.shared.cpu.get().kernel_cr3(self.shared.which.get());
         paging::read_virt(&GuestRam, cr3, gva, buf).map_err(ViewError::from)
     }
 }
@@ -382,7 +382,7 @@ async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> 
                     recovery_ns: 0,
                     task_layout_error: f.task.as_ref().err().map(|e| e.to_string()),
                 };
-                let cr3 = shared.cpu.get().kernel_cr3s()[which];
+                let cr3 = shared.cpu.get().kernel_cr3(which);
                 let root = kernel_pgd(&f, cr3);
                 return Ok(Kernel {
                     facts: f,
@@ -451,9 +451,9 @@ impl KernelView for Kernel {
         let view = PagedView::new(&GuestRam, self.cr3);
         let t = facts::running_task(&view, Gva(cpu.kernel_gs()), current, layout).ok()?;
         let mut comm = [0u8; 16];
-        let b = t.comm_bytes();
-        let n = b.len().min(16);
-        comm[..n].copy_from_slice(&b[..n]);
+        for (to, &from) in comm.iter_mut().zip(t.comm_bytes()) {
+            *to = from;
+        }
         Some(Running {
             task: t.task.0,
             pid: t.pid,

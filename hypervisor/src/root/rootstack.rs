@@ -54,11 +54,14 @@ pub fn overflow() -> ! {
 #[inline(never)]
 fn recurse(depth: u64) -> u64 {
     let mut frame = [0u8; 512];
-    frame[(depth % 512) as usize] = depth as u8;
+    if let Some(b) = frame.get_mut((depth % 512) as usize) {
+        *b = depth as u8;
+    }
     let frame = core::hint::black_box(&mut frame);
     if core::hint::black_box(depth) == u64::MAX {
         return 0;
     }
     let deeper = recurse(depth + 1);
-    deeper.wrapping_add(u64::from(frame[(depth % 512) as usize]))
+    let b = frame.get((depth % 512) as usize).copied().unwrap_or(0);
+    deeper.wrapping_add(u64::from(b))
 }

@@ -60,8 +60,11 @@ impl Uart {
     /// Reads every byte waiting (up to `buf.len()`); returns how many.
     pub fn read_available(&mut self, buf: &mut [u8]) -> usize {
         let mut n = 0;
-        while n < buf.len() && self.inp(LSR) & LSR_DR != 0 {
-            buf[n] = self.inp(RBR_THR);
+        for slot in buf.iter_mut() {
+            if self.inp(LSR) & LSR_DR == 0 {
+                break;
+            }
+            *slot = self.inp(RBR_THR);
             n += 1;
         }
         n
@@ -79,7 +82,7 @@ impl Uart {
             return 0;
         }
         let n = bytes.len().min(TX_FIFO);
-        for &b in &bytes[..n] {
+        for &b in bytes.iter().take(n) {
             self.out(RBR_THR, b);
         }
         n

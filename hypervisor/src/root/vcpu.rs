@@ -454,6 +454,8 @@ pub fn setup(
     let seg = &f::GUEST_SEGMENTS;
     seg[f::SEG_CS].write(v, code, 0, 0xffff_ffff, CODE64_AR)?;
     for i in [f::SEG_SS, f::SEG_DS, f::SEG_ES, f::SEG_FS, f::SEG_GS] {
+        // In bounds: the indices are the named constants of GUEST_SEGMENTS.
+        #[allow(clippy::indexing_slicing)]
         seg[i].write(v, data, 0, 0xffff_ffff, DATA_AR)?;
     }
     seg[f::SEG_LDTR].write(v, 0, 0, 0, 1 << 16)?;

@@ -80,6 +80,17 @@ impl CpuView {
         }
     }
 
+    /// One of [`Self::kernel_cr3s`]: 0 the CR3 as it is, anything else the
+    /// kernel half.
+    pub fn kernel_cr3(&self, which: usize) -> Cr3 {
+        let [as_is, kernel] = self.kernel_cr3s();
+        if which == 0 {
+            as_is
+        } else {
+            kernel
+        }
+    }
+
     /// The CR3 to walk kernel memory with (the kernel half of a PTI pair
     /// when the guest was interrupted in user mode).
     pub fn kernel_cr3s(&self) -> [Cr3; 2] {

@@ -114,10 +114,13 @@ pub fn init() -> HostTables {
     let tss = TSS_AREA.call_once(|| {
         let stacks = core::ptr::addr_of!(IST_STACKS) as u64;
         let top = |i: u64| stacks + (i + 1) * IST_STACK_SIZE as u64;
+        // IST n is slot n - 1 of the TSS's seven.
         let mut ist = [0u64; 7];
-        ist[usize::from(IST_NMI) - 1] = top(0);
-        ist[usize::from(IST_DOUBLE_FAULT) - 1] = top(1);
-        ist[usize::from(IST_MACHINE_CHECK) - 1] = top(2);
+        for (n, stack) in [(IST_NMI, 0), (IST_DOUBLE_FAULT, 1), (IST_MACHINE_CHECK, 2)] {
+            if let Some(slot) = ist.get_mut(usize::from(n).wrapping_sub(1)) {
+                *slot = top(stack);
+            }
+        }
         Tss {
             reserved0: 0,
             rsp: [0; 3],
