@@ -322,8 +322,9 @@ impl<V: ?Sized> Window<'_, V> {
 }
 
 impl<V: VirtMemory + ?Sized> Window<'_, V> {
-    /// `n` bytes at section offset `off` (n <= 12 here).
-    fn get(&mut self, off: u32, n: u32) -> Result<&[u8], BtfError> {
+    /// The 12 bytes (a type or a member record) at section offset `off`.
+    fn get(&mut self, off: u32) -> Result<[u8; 12], BtfError> {
+        let n = 12;
         let end = off
             .checked_add(n)
             .filter(|&e| e <= self.len)
@@ -338,8 +339,12 @@ impl<V: VirtMemory + ?Sized> Window<'_, V> {
                 .read_virt(self.base.wrapping_add(off as u64), &mut self.buf)?;
             self.at = off;
         }
-        let s = (off - self.at) as usize;
-        Ok(&self.buf[s..s + n as usize])
+        // The window holds `[off, end)` now: the error is never returned.
+        self.buf
+            .get((off - self.at) as usize..)
+            .and_then(<[u8]>::first_chunk)
+            .copied()
+            .ok_or(BtfError::Malformed { at: off })
     }
 }
 
@@ -349,8 +354,13 @@ fn next_type(off: u32, kind: Kind, vlen: u32) -> Result<u32, BtfError> {
     u32::try_from(off as u64 + 12 + kind.extra(vlen)).map_err(|_| BtfError::Malformed { at: off })
 }
 
-fn u32_le(b: &[u8], o: usize) -> u32 {
-    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+/// The little-endian `u32` at `o` of a fixed-size record (every caller's
+/// offset is a constant inside it; 0 past its end).
+fn u32_le<const N: usize>(b: &[u8; N], o: usize) -> u32 {
+    b.get(o..)
+        .and_then(<[u8]>::first_chunk)
+        .copied()
+        .map_or(0, u32::from_le_bytes)
 }
 
 impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
@@ -437,8 +447,8 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
                 // `MAX_BTF_BYTES` of 12-byte types, reserved fallibly.
                 crate::fallible::try_push(&mut btf.checkpoints, off)?;
             }
-            let t = w.get(off, 12)?;
-            let info = u32_le(t, 4);
+            let t = w.get(off)?;
+            let info = u32_le(&t, 4);
             let kind =
                 Kind::from_raw((info >> 24) & 0x1f).ok_or(BtfError::Malformed { at: off })?;
             let size = 12 + kind.extra(info & 0xffff);
@@ -466,7 +476,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         self.checkpoints.capacity() * 4
     }
 
-    fn decode(&self, id: u32, off: u32, raw: &[u8]) -> Result<TypeInfo, BtfError> {
+    fn decode(&self, id: u32, off: u32, raw: &[u8; 12]) -> Result<TypeInfo, BtfError> {
         let info = u32_le(raw, 4);
         Ok(TypeInfo {
             id,
@@ -490,19 +500,20 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             return Err(BtfError::BadId(id));
         }
         let k = (id - 1) / CHECKPOINT_EVERY;
-        let mut off = self.checkpoints[k as usize];
+        // One checkpoint for every 64 types counted: `k` always has one.
+        let mut off = *self
+            .checkpoints
+            .get(k as usize)
+            .ok_or(BtfError::BadId(id))?;
         let mut w = self.window();
         for _ in 0..(id - 1) % CHECKPOINT_EVERY {
-            let t = w.get(off, 12)?;
-            let info = u32_le(t, 4);
+            let t = w.get(off)?;
+            let info = u32_le(&t, 4);
             let kind =
                 Kind::from_raw((info >> 24) & 0x1f).ok_or(BtfError::Malformed { at: off })?;
             off = next_type(off, kind, info & 0xffff)?;
         }
-        let raw = w.get(off, 12)?;
-        let raw: [u8; 12] = raw
-            .try_into()
-            .map_err(|_| BtfError::Malformed { at: off })?;
+        let raw = w.get(off)?;
         self.decode(id, off, &raw)
     }
 
@@ -515,7 +526,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         let mut buf = alloc::vec![0u8; len as usize];
         self.view
             .read_virt(self.strings.wrapping_add(off as u64), &mut buf)?;
-        Ok(&buf[..name.len()] == name.as_bytes() && buf[name.len()] == 0)
+        Ok(buf.split_last() == Some((&0, name.as_bytes())))
     }
 
     /// The first type of `kind` called `name` (one pass over the types).
@@ -534,10 +545,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         let mut off = 0u32;
         for id in 1..=self.count {
             pace.pause().await;
-            let raw: [u8; 12] = w
-                .get(off, 12)?
-                .try_into()
-                .map_err(|_| BtfError::Malformed { at: off })?;
+            let raw = w.get(off)?;
             let t = self.decode(id, off, &raw)?;
             if t.kind == kind && t.name_off != 0 && self.name_is(t.name_off, name)? {
                 return Ok(t);
@@ -606,15 +614,11 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             }
             let (t, i, base_bits) = (top.t, top.next, top.base_bits);
             top.next += 1;
-            let m: [u8; 12] = w
-                .get(
-                    t.extra_at
-                        .checked_add(12 * i)
-                        .ok_or(BtfError::Malformed { at: t.extra_at })?,
-                    12,
-                )?
-                .try_into()
-                .map_err(|_| BtfError::Malformed { at: t.extra_at })?;
+            let m = w.get(
+                t.extra_at
+                    .checked_add(12 * i)
+                    .ok_or(BtfError::Malformed { at: t.extra_at })?,
+            )?;
             let (name_off, type_id, raw_off) = (u32_le(&m, 0), u32_le(&m, 4), u32_le(&m, 8));
             let (bits, bit_off) = if t.kind_flag {
                 (raw_off >> 24, raw_off & 0xff_ffff)
@@ -652,8 +656,8 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             return Err(BtfError::UnexpectedType("array"));
         }
         let mut w = self.window();
-        let a = w.get(t.extra_at, 12)?;
-        Ok((u32_le(a, 0), u32_le(a, 8)))
+        let a = w.get(t.extra_at)?;
+        Ok((u32_le(&a, 0), u32_le(&a, 8)))
     }
 }
 

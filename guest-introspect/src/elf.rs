@@ -71,27 +71,24 @@ pub struct SectionHeader<'a> {
     pub entsize: u64,
 }
 
+/// The `N` bytes at `off`.
+fn bytes_at<const N: usize>(b: &[u8], off: usize) -> Result<[u8; N], ElfError> {
+    b.get(off..)
+        .and_then(<[u8]>::first_chunk)
+        .copied()
+        .ok_or(ElfError::Truncated)
+}
+
 fn u16_at(b: &[u8], off: usize) -> Result<u16, ElfError> {
-    let s = b
-        .get(off..off.checked_add(2).ok_or(ElfError::Truncated)?)
-        .ok_or(ElfError::Truncated)?;
-    Ok(u16::from_le_bytes([s[0], s[1]]))
+    bytes_at(b, off).map(u16::from_le_bytes)
 }
 
 fn u32_at(b: &[u8], off: usize) -> Result<u32, ElfError> {
-    let s = b
-        .get(off..off.checked_add(4).ok_or(ElfError::Truncated)?)
-        .ok_or(ElfError::Truncated)?;
-    Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    bytes_at(b, off).map(u32::from_le_bytes)
 }
 
 fn u64_at(b: &[u8], off: usize) -> Result<u64, ElfError> {
-    let s = b
-        .get(off..off.checked_add(8).ok_or(ElfError::Truncated)?)
-        .ok_or(ElfError::Truncated)?;
-    let mut a = [0u8; 8];
-    a.copy_from_slice(s);
-    Ok(u64::from_le_bytes(a))
+    bytes_at(b, off).map(u64::from_le_bytes)
 }
 
 fn usize_of(v: u64) -> Result<usize, ElfError> {
@@ -114,7 +111,8 @@ pub struct Elf<'a> {
 impl<'a> Elf<'a> {
     /// Checks the identification and reads the file header.
     pub fn parse(bytes: &'a [u8]) -> Result<Self, ElfError> {
-        if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
+        // ELFCLASS64, ELFDATA2LSB.
+        if bytes.len() < 64 || !matches!(bytes, [0x7f, b'E', b'L', b'F', 2, 1, ..]) {
             return Err(ElfError::NotElf64Le);
         }
         Ok(Self {
@@ -184,11 +182,11 @@ impl<'a> Elf<'a> {
             let (_, strtab) = self.raw_section(self.shstrndx)?;
             let strs = self.data(&strtab)?;
             let rest = strs.get(name_off as usize..).ok_or(ElfError::Truncated)?;
-            let end = rest
+            sh.name = rest
                 .iter()
                 .position(|&c| c == 0)
+                .and_then(|end| rest.get(..end))
                 .ok_or(ElfError::Truncated)?;
-            sh.name = &rest[..end];
             Ok(sh)
         })
     }

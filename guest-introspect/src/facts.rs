@@ -100,7 +100,7 @@ fn has_build_number(banner: &str) -> bool {
     banner
         .as_bytes()
         .windows(2)
-        .any(|w| w[0] == b'#' && w[1].is_ascii_digit())
+        .any(|w| matches!(w, [b'#', d] if d.is_ascii_digit()))
 }
 
 /// A well-formed banner at `at`: the prefix, then printable ASCII up to a
@@ -110,7 +110,7 @@ fn banner_at<V: VirtMemory + ?Sized>(view: &V, at: Gva) -> Option<String> {
     // The banner may end near the end of a mapping: shrink until it reads.
     let mut n = MAX_BANNER;
     loop {
-        match view.read_virt(at, &mut buf[..n]) {
+        match view.read_virt(at, buf.get_mut(..n)?) {
             Ok(()) => break,
             Err(ViewError::OverBudget { .. }) => return None,
             Err(_) => {}
@@ -120,12 +120,12 @@ fn banner_at<V: VirtMemory + ?Sized>(view: &V, at: Gva) -> Option<String> {
             return None;
         }
     }
-    let s = &buf[..n];
+    let s = buf.get(..n)?;
     if !s.starts_with(BANNER_PREFIX) {
         return None;
     }
     let end = s.iter().position(|&c| c == b'\n' || c == 0)?;
-    let line = &s[..end];
+    let line = s.get(..end)?;
     // A release word and more after it.
     if !line.iter().all(|&c| (0x20..0x7f).contains(&c)) || line.len() < BANNER_PREFIX.len() + 2 {
         return None;
@@ -239,12 +239,11 @@ pub struct RunningTask {
 impl RunningTask {
     /// `comm` up to its first NUL.
     pub fn comm_bytes(&self) -> &[u8] {
-        let end = self
-            .comm
-            .iter()
-            .position(|&c| c == 0)
-            .unwrap_or(self.comm.len());
-        &self.comm[..end]
+        // The first of the pieces between NULs (`split` yields one at least).
+        self.comm
+            .split(|&c| c == 0)
+            .next()
+            .unwrap_or(self.comm.as_slice())
     }
 }
 
@@ -259,8 +258,10 @@ pub fn running_task<V: VirtMemory + ?Sized>(
     let task = Gva(u64::from_le_bytes(read_array(view, slot)?));
     let pid = i32::from_le_bytes(read_array(view, task.wrapping_add(layout.pid as u64))?);
     let mut comm = [0u8; 16];
-    let n = core::cmp::min(layout.comm_len as usize, 16);
-    view.read_virt(task.wrapping_add(layout.comm as u64), &mut comm[..n])?;
+    let n = core::cmp::min(layout.comm_len as usize, comm.len());
+    // `n` is at most 16: the slice is always there.
+    let out = comm.get_mut(..n).unwrap_or_default();
+    view.read_virt(task.wrapping_add(layout.comm as u64), out)?;
     Ok(RunningTask { task, pid, comm })
 }
 

@@ -120,19 +120,22 @@ impl fmt::Display for NotTraceable {
 /// where `call` targets count as the kernel's (`fentry`, the guest's
 /// ftrace callers) and the kernel image's text.
 pub fn decode_site(bytes: &[u8; 9], func: Gva, targets: &SiteTargets) -> Option<FentrySite> {
-    let (endbr, at) = match [bytes[0], bytes[1], bytes[2], bytes[3]] {
-        ENDBR64 => (Endbr::Endbr64, 4usize),
-        ENDBR_POISON => (Endbr::Sealed, 4),
-        _ => (Endbr::None, 0),
+    let [b0, b1, b2, b3, b4, b5, b6, b7, b8] = *bytes;
+    // The 5 bytes of the site, after the ENDBR if there is one.
+    let (endbr, at, insn) = match [b0, b1, b2, b3] {
+        ENDBR64 => (Endbr::Endbr64, 4u64, [b4, b5, b6, b7, b8]),
+        ENDBR_POISON => (Endbr::Sealed, 4, [b4, b5, b6, b7, b8]),
+        _ => (Endbr::None, 0, [b0, b1, b2, b3, b4]),
     };
-    let site = func.checked_add(at as u64)?;
-    let b = &bytes[at..at + 5];
-    let state = if b == NOP5 {
+    let site = func.checked_add(at)?;
+    let [op, operand @ ..] = insn;
+    let [_, nop_tail @ ..] = NOP5;
+    let state = if insn == NOP5 {
         SiteState::Nop
-    } else if b[0] == INT3 && b[1..] == NOP5[1..] {
+    } else if op == INT3 && operand == nop_tail {
         SiteState::Int3
-    } else if b[0] == CALL_REL32 {
-        let rel = i32::from_le_bytes([b[1], b[2], b[3], b[4]]);
+    } else if op == CALL_REL32 {
+        let rel = i32::from_le_bytes(operand);
         let target = Gva(site.0.wrapping_add(5).wrapping_add(rel as i64 as u64));
         if Some(target) == targets.fentry {
             SiteState::CallFentry
@@ -318,12 +321,13 @@ pub async fn survey_paced<V: VirtMemory + ?Sized>(
         match c.classify(view, SymbolId(i)) {
             Ok(site) => {
                 s.traceable += 1;
-                s.by_state[match site.state {
-                    SiteState::Nop => 0,
-                    SiteState::CallFentry => 1,
-                    SiteState::GuestCall { .. } => 2,
-                    SiteState::Int3 => 3,
-                }] += 1;
+                let [nop, call, guest, int3] = &mut s.by_state;
+                *match site.state {
+                    SiteState::Nop => nop,
+                    SiteState::CallFentry => call,
+                    SiteState::GuestCall { .. } => guest,
+                    SiteState::Int3 => int3,
+                } += 1;
                 if site.endbr != Endbr::None {
                     s.with_endbr += 1;
                 }
@@ -414,33 +418,35 @@ pub fn ftrace_records<V: VirtMemory + ?Sized>(
         if pages > MAX_FTRACE_PAGES {
             return Err(RecordsError::TooMany);
         }
-        let raw: [u8; 24] = read_array(view, Gva(page)).map_err(RecordsError::Read)?;
-        let word = |o: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&raw[o..o + 8]);
-            u64::from_le_bytes(w)
-        };
-        let (next, records) = (word(0), word(8));
-        let count = i32::from_le_bytes([raw[16], raw[17], raw[18], raw[19]]);
+        // `struct ftrace_page`: next, records, index (an int).
+        let mut raw = [[0u8; 8]; 3];
+        view.read_virt(Gva(page), raw.as_flattened_mut())
+            .map_err(RecordsError::Read)?;
+        let [next, records, [c0, c1, c2, c3, ..]] = raw;
+        let (next, records) = (u64::from_le_bytes(next), u64::from_le_bytes(records));
+        let count = i32::from_le_bytes([c0, c1, c2, c3]);
         let count = usize::try_from(count).map_err(|_| RecordsError::TooMany)?;
         if out.len() + count > max_records {
             return Err(RecordsError::TooMany);
         }
         // In pieces: the count is the guest's.
-        let mut buf = [0u8; 16 * 256];
+        // 16-byte `struct dyn_ftrace` records: ip, flags.
+        let mut buf = [[[0u8; 8]; 2]; 256];
         let mut done = 0usize;
         while done < count {
-            let k = core::cmp::min(256, count - done);
+            let k = core::cmp::min(buf.len(), count - done);
             let at = Gva(records.wrapping_add(16 * done as u64));
-            view.read_virt(at, &mut buf[..16 * k])
+            // `k` is at most the buffer's length: the error is never returned.
+            let piece = buf.get_mut(..k).ok_or(RecordsError::TooMany)?;
+            view.read_virt(at, piece.as_flattened_mut().as_flattened_mut())
                 .map_err(RecordsError::Read)?;
             crate::fallible::try_grow(&mut out, k)
                 .map_err(|e| RecordsError::OutOfMemory { bytes: e.bytes })?;
-            out.extend(buf[..16 * k].chunks_exact(16).map(|r| {
-                Gva(u64::from_le_bytes([
-                    r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7],
-                ]))
-            }));
+            out.extend(
+                piece
+                    .iter()
+                    .map(|&[ip, _flags]| Gva(u64::from_le_bytes(ip))),
+            );
             done += k;
         }
         page = next;

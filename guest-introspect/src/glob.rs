@@ -17,7 +17,7 @@ pub fn matches(pattern: &[u8], text: &[u8]) -> bool {
                 p += 1;
                 star = Some((p, t));
             }
-            Some(&c) if c == b'?' || c == text[t] => {
+            Some(&c) if c == b'?' || text.get(t) == Some(&c) => {
                 p += 1;
                 t += 1;
             }
@@ -31,7 +31,7 @@ pub fn matches(pattern: &[u8], text: &[u8]) -> bool {
             },
         }
     }
-    pattern[p..].iter().all(|&c| c == b'*')
+    pattern.iter().skip(p).all(|&c| c == b'*')
 }
 
 /// Whether `pattern` has a wildcard at all (else it is an exact name).

@@ -60,6 +60,18 @@
 // Unit tests use std's prelude; the library itself is no_std, which the
 // x86_64-unknown-none build checks.
 #![cfg_attr(not(test), no_std)]
+// The library parses hostile guest memory and must never panic: indexing,
+// unwrap, expect and panic! are flagged outside the tests. A remaining
+// `allow` carries the reason its index cannot be out of bounds.
+#![cfg_attr(
+    not(test),
+    warn(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic
+    )
+)]
 
 extern crate alloc;
 

@@ -108,7 +108,11 @@ impl VecMemory {
     /// Copies `bytes` to guest-physical `gpa`.
     pub fn write(&mut self, gpa: Gpa, bytes: &[u8]) -> Result<(), MemError> {
         let span = self.span(gpa, bytes.len())?;
-        self.bytes[span].copy_from_slice(bytes);
+        let err = MemError::OutOfRange {
+            gpa,
+            len: bytes.len(),
+        };
+        self.bytes.get_mut(span).ok_or(err)?.copy_from_slice(bytes);
         Ok(())
     }
 
@@ -121,7 +125,11 @@ impl VecMemory {
 impl GuestMemory for VecMemory {
     fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), MemError> {
         let span = self.span(gpa, buf.len())?;
-        buf.copy_from_slice(&self.bytes[span]);
+        let err = MemError::OutOfRange {
+            gpa,
+            len: buf.len(),
+        };
+        buf.copy_from_slice(self.bytes.get(span).ok_or(err)?);
         Ok(())
     }
 }

@@ -344,8 +344,14 @@ pub fn read_virt<M: GuestMemory + ?Sized>(
             .ok_or(WalkError::NonCanonical { gva: Gva(u64::MAX) })?;
         let t = translate(mem, cr3, at)?;
         let chunk = core::cmp::min((buf.len() - done) as u64, t.bytes_to_page_end()) as usize;
-        mem.read_phys(t.gpa, &mut buf[done..done + chunk])
-            .map_err(|err| WalkError::Phys { gva: at, err })?;
+        let phys = |err| WalkError::Phys { gva: at, err };
+        // `chunk` fits what is left of `buf`: this error is never returned.
+        let short = phys(MemError::OutOfRange {
+            gpa: t.gpa,
+            len: chunk,
+        });
+        let out = buf.get_mut(done..done + chunk).ok_or(short)?;
+        mem.read_phys(t.gpa, out).map_err(phys)?;
         done += chunk;
     }
     Ok(())

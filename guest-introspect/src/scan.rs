@@ -53,8 +53,11 @@ impl<'n> Horspool<'n> {
         let mut shift = alloc::vec![(k - 1) as u8; 65536];
         // Pairs inside the needle (all but the final one): align the
         // rightmost occurrence with the window's last two bytes.
-        for j in 0..k - 2 {
-            shift[needle[j] as usize * 256 + needle[j + 1] as usize] = (k - 2 - j) as u8;
+        let pairs = needle.iter().zip(needle.iter().skip(1));
+        for (j, (&a, &b)) in pairs.take(k - 2).enumerate() {
+            if let Some(s) = shift.get_mut(pair_index(a, b)) {
+                *s = (k - 2 - j) as u8;
+            }
         }
         Some(Self { needle, shift })
     }
@@ -69,25 +72,36 @@ impl<'n> Horspool<'n> {
         mut hit: impl FnMut(usize) -> bool,
     ) -> bool {
         let k = self.needle.len();
-        let (a, b) = (self.needle[k - 2], self.needle[k - 1]);
-        let first = self.needle[0];
+        // `new` took 2 to 255 bytes: the pattern always matches.
+        let &[first, ..] = self.needle else {
+            return false;
+        };
+        let [head @ .., a, b] = self.needle else {
+            return false;
+        };
         let mut i = from;
         while let Some(&[x, y]) = hay.get(i + k - 2..i + k) {
             *probes += 1;
-            if x == a
-                && y == b
-                && hay[i] == first
-                && hay[i..i + k - 2] == self.needle[..k - 2]
+            if x == *a
+                && y == *b
+                && hay.get(i) == Some(&first)
+                && hay.get(i..i + k - 2) == Some(head)
                 && hit(i)
             {
                 return true;
             }
             // The final pair itself shifts by 1 at least (table value for
-            // other occurrences, or k-1).
-            i += core::cmp::max(1, self.shift[x as usize * 256 + y as usize] as usize);
+            // other occurrences, or k-1; the table covers every pair).
+            let shift = self.shift.get(pair_index(x, y)).copied().unwrap_or(1);
+            i += core::cmp::max(1, shift as usize);
         }
         false
     }
+}
+
+/// Where the shift of the pair `(a, b)` is in [`Horspool`]'s table.
+fn pair_index(a: u8, b: u8) -> usize {
+    usize::from(a) * 256 + usize::from(b)
 }
 
 /// What one [`Scanner::step`] did.
@@ -162,7 +176,7 @@ impl<'n> Scanner<'n> {
         let mut hit = None;
         let mut probes = 0;
         self.matcher
-            .each(&self.buf[..self.have], self.next_try, &mut probes, |i| {
+            .each(self.buffered(), self.next_try, &mut probes, |i| {
                 hit = Some(i);
                 true
             });
@@ -200,8 +214,11 @@ impl<'n> Scanner<'n> {
         let pos = self.pos;
         let n = core::cmp::min(CHUNK - pos % CHUNK, self.end - pos) as usize;
         let have = self.have;
+        let Some(out) = self.buf.get_mut(have..have + n) else {
+            return self.overflowed();
+        };
         stats.reads += 1;
-        match view.read_virt(Gva(pos), &mut self.buf[have..have + n]) {
+        match view.read_virt(Gva(pos), out) {
             Ok(()) => {
                 stats.bytes_scanned += n as u64;
                 self.have += n;
@@ -216,8 +233,11 @@ impl<'n> Scanner<'n> {
             let pos = self.pos;
             let m = core::cmp::min(PAGE - pos % PAGE, chunk_end - pos) as usize;
             let have = self.have;
+            let Some(out) = self.buf.get_mut(have..have + m) else {
+                return self.overflowed();
+            };
             stats.reads += 1;
-            let e = match view.read_virt(Gva(pos), &mut self.buf[have..have + m]) {
+            let e = match view.read_virt(Gva(pos), out) {
                 Ok(()) => {
                     stats.bytes_scanned += m as u64;
                     self.have += m;
@@ -232,8 +252,11 @@ impl<'n> Scanner<'n> {
             let bad = e.gva().0;
             if bad > pos && bad < pos + m as u64 {
                 let part = (bad - pos) as usize;
+                let Some(out) = self.buf.get_mut(have..have + part) else {
+                    return self.overflowed();
+                };
                 stats.reads += 1;
-                match view.read_virt(Gva(pos), &mut self.buf[have..have + part]) {
+                match view.read_virt(Gva(pos), out) {
                     Ok(()) => {
                         stats.bytes_scanned += part as u64;
                         self.have += part;
@@ -262,6 +285,20 @@ impl<'n> Scanner<'n> {
     fn refused(&mut self) -> ScanStep {
         self.done = true;
         ScanStep::OverBudget
+    }
+
+    /// The bytes read and not yet dropped: `buf[..have]`.
+    fn buffered(&self) -> &[u8] {
+        self.buf.get(..self.have).unwrap_or_default()
+    }
+
+    /// A piece would not fit in the buffer. It cannot happen: at most k-1
+    /// bytes are kept before a piece of at most [`CHUNK`] bytes, and the
+    /// buffer holds `CHUNK + k`. Were it to, the search ends there rather
+    /// than panic.
+    fn overflowed(&mut self) -> ScanStep {
+        self.done = true;
+        ScanStep::Done
     }
 }
 

@@ -313,7 +313,8 @@ impl StackMap {
         }
         let at = self.special.partition_point(|s| s.base < r.base);
         let clash = |s: &StackRange| s.base < r.base + r.size && r.base < s.base + s.size;
-        if at > 0 && clash(&self.special[at - 1]) || self.special.get(at).is_some_and(clash) {
+        let before = at.checked_sub(1).and_then(|i| self.special.get(i));
+        if before.is_some_and(clash) || self.special.get(at).is_some_and(clash) {
             return false;
         }
         if self.special.try_reserve(1).is_err() {
@@ -402,8 +403,9 @@ impl StackMap {
     /// block that holds it.
     pub fn stack_of(&self, addr: u64) -> StackRange {
         let at = self.special.partition_point(|s| s.base <= addr);
-        if at > 0 && self.special[at - 1].contains(addr) {
-            return self.special[at - 1];
+        let before = at.checked_sub(1).and_then(|i| self.special.get(i));
+        if let Some(&s) = before.filter(|s| s.contains(addr)) {
+            return s;
         }
         StackRange {
             base: addr & !(self.thread_size - 1),

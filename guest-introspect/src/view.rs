@@ -243,7 +243,7 @@ impl VirtMemory for SegmentView<'_> {
             })?;
             // The last segment starting at or below `at`.
             let i = self.segments.partition_point(|s| s.base <= at);
-            let seg = match i.checked_sub(1).map(|i| &self.segments[i]) {
+            let seg = match i.checked_sub(1).and_then(|i| self.segments.get(i)) {
                 Some(s) if s.range().contains(at) => s,
                 _ => {
                     let resume = self.segments.get(i).map(|s| s.base);
@@ -252,15 +252,23 @@ impl VirtMemory for SegmentView<'_> {
             };
             let off = at.0 - seg.base.0;
             let n = core::cmp::min((buf.len() - done) as u64, seg.mem_size - off) as usize;
-            let out = &mut buf[done..done + n];
+            // `n` fits what is left of `buf`: the error is never returned.
+            let out = buf.get_mut(done..done + n).ok_or(ViewError::Unmapped {
+                gva: at,
+                resume: None,
+            })?;
             // Initialised part, then zeroes.
-            let data_len = seg.data.len() as u64;
-            if off < data_len {
-                let m = core::cmp::min(n as u64, data_len - off) as usize;
-                out[..m].copy_from_slice(&seg.data[off as usize..off as usize + m]);
-                out[m..].fill(0);
-            } else {
-                out.fill(0);
+            let init = usize::try_from(off)
+                .ok()
+                .and_then(|off| seg.data.get(off..))
+                .unwrap_or_default();
+            let m = core::cmp::min(n, init.len());
+            match (out.split_at_mut_checked(m), init.get(..m)) {
+                (Some((head, tail)), Some(src)) => {
+                    head.copy_from_slice(src);
+                    tail.fill(0);
+                }
+                _ => out.fill(0),
             }
             done += n;
         }

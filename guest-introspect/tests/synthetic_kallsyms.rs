@@ -106,6 +106,7 @@ fn all_layouts_and_sizes() {
 fn corrupted_tables_never_panic() {
     let mut rng = Rng(test_support::seed());
     let iters = if cfg!(debug_assertions) { 150 } else { 1500 };
+    let (mut found, mut built) = (0, 0);
     for it in 0..iters {
         let n = [3usize, 300, 700][it % 3];
         let order = [
@@ -135,8 +136,10 @@ fn corrupted_tables_never_panic() {
         let range = GvaRange::with_len(Gva(BASE), blob.len() as u64);
         let mut stats = LocateStats::default();
         if let Ok(t) = locate(&view, &[range], &mut stats) {
+            found += 1;
             match SymbolIndex::build(&view, &t) {
                 Ok(idx) => {
+                    built += 1;
                     // Whatever was accepted must be usable.
                     for s in idx.iter() {
                         let _ = idx.name(s.id);
@@ -149,6 +152,12 @@ fn corrupted_tables_never_panic() {
             }
         }
     }
+    eprintln!("{iters} corrupted tables: found {found}, index built {built}");
+    // About 1 in 10 is still found and built (the bytes changed, or the
+    // cut, missed what is checked or kept it consistent): a search that
+    // refuses everything, or accepts everything, fails here.
+    assert!(built >= (iters / 100).max(1), "built {built} of {iters}");
+    assert!(found < iters, "every corrupted table found");
 }
 
 /// Many token tables and no other table: every candidate is rejected, in

@@ -103,10 +103,19 @@ struct Tokens {
 }
 
 impl Tokens {
+    /// Token `t`'s bytes (its NUL left out). Every byte value has one, and
+    /// the build checked that each lies in `bytes`: the empty fallback is
+    /// never taken.
     #[inline]
     fn get(&self, t: u8) -> &[u8] {
-        let s = self.start[t as usize] as usize;
-        &self.bytes[s..s + self.len[t as usize] as usize]
+        let t = usize::from(t);
+        match (self.start.get(t), self.len.get(t)) {
+            (Some(&s), Some(&l)) => {
+                let s = usize::from(s);
+                self.bytes.get(s..s + usize::from(l)).unwrap_or_default()
+            }
+            _ => &[],
+        }
     }
 }
 
@@ -265,8 +274,9 @@ impl SymbolIndex {
         let raw: [u8; 512] = read_array(view, t.token_index).map_err(read_err)?;
         let mut start = [0u16; 256];
         let mut len = [0u16; 256];
-        for k in 0..256 {
-            let s = u16::from_le_bytes([raw[2 * k], raw[2 * k + 1]]) as usize;
+        let slots = start.iter_mut().zip(len.iter_mut());
+        for (&pair, (start, len)) in raw.as_chunks::<2>().0.iter().zip(slots) {
+            let s = u16::from_le_bytes(pair) as usize;
             let rest = bytes
                 .get(s..)
                 .ok_or(KallsymsError::BadNames { symbol: 0 })?;
@@ -274,8 +284,8 @@ impl SymbolIndex {
                 .iter()
                 .position(|&c| c == 0)
                 .ok_or(KallsymsError::BadNames { symbol: 0 })?;
-            start[k] = s as u16;
-            len[k] = l as u16;
+            *start = s as u16;
+            *len = l as u16;
         }
         let tokens = Tokens { bytes, start, len };
 
@@ -288,14 +298,13 @@ impl SymbolIndex {
         }
         let marker_count = (n as usize).div_ceil(256);
         let markers_raw = read(t.markers, marker_count * t.marker_width as usize)?;
+        // Marker `k` (its low 32 bits), for `k` below `marker_count`.
         let marker = |k: usize| {
             let o = k * t.marker_width as usize;
-            u32::from_le_bytes([
-                markers_raw[o],
-                markers_raw[o + 1],
-                markers_raw[o + 2],
-                markers_raw[o + 3],
-            ])
+            markers_raw
+                .get(o..)
+                .and_then(<[u8]>::first_chunk)
+                .map(|&m| u32::from_le_bytes(m) as usize)
         };
         // Reserved for all `n`: the pushes below never grow it.
         let mut offsets: Vec<i32> = fallible::try_with_capacity(n as usize).map_err(oom)?;
@@ -328,7 +337,7 @@ impl SymbolIndex {
             // Per entry: an entry's probes can be many (see `insert`).
             budget.pause().await;
             let bad = KallsymsError::BadNames { symbol: id };
-            if id % 256 == 0 && marker(id as usize / 256) as usize != off {
+            if id % 256 == 0 && marker(id as usize / 256) != Some(off) {
                 return Err(bad);
             }
             if id % ANCHOR_EVERY == 0 {
@@ -340,9 +349,9 @@ impl SymbolIndex {
             if l == 0 || !kind.is_ascii_graphic() {
                 return Err(bad);
             }
-            let addr = index
-                .mode
-                .address(index.relative_base, index.offsets[id as usize]);
+            // `for_each_offset` read all `n` offsets (or failed above).
+            let &offset = index.offsets.get(id as usize).ok_or(bad)?;
+            let addr = index.mode.address(index.relative_base, offset);
             if addr < prev_addr {
                 return Err(bad);
             }
@@ -395,11 +404,17 @@ impl SymbolIndex {
         let nb = self.buckets.len();
         let mut i = home(hash, nb);
         let mut probes = 1;
-        while self.buckets[i] != EMPTY {
+        // `home` is below `nb`, and so is every slot after it (wrapping):
+        // the loop only ends at an empty slot (there is one at least, the
+        // table being larger than the symbol count).
+        while let Some(slot) = self.buckets.get_mut(i) {
+            if *slot == EMPTY {
+                *slot = tag(hash) | id;
+                break;
+            }
             i = if i + 1 == nb { 0 } else { i + 1 };
             probes += 1;
         }
-        self.buckets[i] = tag(hash) | id;
         probes
     }
 
@@ -455,32 +470,39 @@ impl SymbolIndex {
             + self.buckets.capacity() * 4
     }
 
-    /// The address of symbol `id`.
+    /// The address of symbol `id` (0 for an id not below [`Self::len`]).
     #[inline]
     fn addr(&self, id: usize) -> u64 {
-        self.mode.address(self.relative_base, self.offsets[id])
+        self.offsets
+            .get(id)
+            .map_or(0, |&o| self.mode.address(self.relative_base, o))
     }
 
-    /// Where symbol `id`'s entry starts in `names`.
-    fn entry_offset(&self, id: u32) -> usize {
-        let mut off = self.anchors[(id / ANCHOR_EVERY) as usize] as usize;
+    /// Where symbol `id`'s entry starts in `names`; `None` for an id not
+    /// below [`Self::len`].
+    fn entry_offset(&self, id: u32) -> Option<usize> {
+        let mut off = *self.anchors.get((id / ANCHOR_EVERY) as usize)? as usize;
         for _ in 0..id % ANCHOR_EVERY {
             // Entries were validated at build time.
             let (h, l) = entry_header(&self.names, off).unwrap_or((1, 0));
             off += h + l;
         }
-        off
+        Some(off)
     }
 
-    /// The token bytes of symbol `id`'s entry.
+    /// The token bytes of symbol `id`'s entry (none for an id not below
+    /// [`Self::len`]).
     fn entry(&self, id: SymbolId) -> &[u8] {
-        let off = self.entry_offset(id.0);
+        let Some(off) = self.entry_offset(id.0) else {
+            return &[];
+        };
         let (h, l) = entry_header(&self.names, off).unwrap_or((1, 0));
-        &self.names[off + h..off + h + l]
+        self.names.get(off + h..off + h + l).unwrap_or_default()
     }
 
-    /// Symbol `id`. Panics if `id` is not below [`Self::len`] (ids come from
-    /// this index, never from the guest).
+    /// Symbol `id`. Ids come from this index, never from the guest; one
+    /// not below [`Self::len`] gives address 0, kind `?` and an empty
+    /// name (no panic).
     pub fn symbol(&self, id: SymbolId) -> Symbol {
         let first = self
             .entry(id)
@@ -532,13 +554,15 @@ impl SymbolIndex {
     pub fn name_is(&self, id: SymbolId, name: &[u8]) -> bool {
         let mut rest = name;
         let mut equal = true;
-        self.name_pieces(id, |s| {
-            if rest.len() < s.len() || &rest[..s.len()] != s {
-                equal = false;
-                return false;
+        self.name_pieces(id, |s| match rest.strip_prefix(s) {
+            Some(after) => {
+                rest = after;
+                true
             }
-            rest = &rest[s.len()..];
-            true
+            None => {
+                equal = false;
+                false
+            }
         });
         equal && rest.is_empty()
     }
@@ -560,7 +584,11 @@ impl SymbolIndex {
         let mut done = nb == 0;
         core::iter::from_fn(move || {
             while !done {
-                let slot = self.buckets[i];
+                // `i` stays below `nb`, as in `insert`.
+                let Some(&slot) = self.buckets.get(i) else {
+                    done = true;
+                    return None;
+                };
                 i = if i + 1 == nb { 0 } else { i + 1 };
                 if slot == EMPTY {
                     done = true;

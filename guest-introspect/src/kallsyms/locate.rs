@@ -238,7 +238,10 @@ fn read_prefix<V: VirtMemory + ?Sized>(view: &V, gva: Gva, max: usize) -> Vec<u8
     while done < max {
         let at = gva.0.wrapping_add(done as u64);
         let n = core::cmp::min(max - done, (4096 - at % 4096) as usize);
-        if view.read_virt(Gva(at), &mut out[done..done + n]).is_err() {
+        let Some(dst) = out.get_mut(done..done + n) else {
+            break;
+        };
+        if view.read_virt(Gva(at), dst).is_err() {
             break;
         }
         done += n;
@@ -268,8 +271,12 @@ fn read_tail<V: VirtMemory + ?Sized>(view: &V, mut lo: u64, hi: u64) -> Option<(
     }
 }
 
-fn u32_at(b: &[u8], off: usize) -> u32 {
-    u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
+/// The little-endian `u32` at `off`, if `b` holds all of it.
+fn u32_at(b: &[u8], off: usize) -> Option<u32> {
+    b.get(off..)
+        .and_then(<[u8]>::first_chunk)
+        .copied()
+        .map(u32::from_le_bytes)
 }
 
 /// A token table and index that agree with each other.
@@ -287,7 +294,9 @@ fn token_table_at<V: VirtMemory + ?Sized>(view: &V, p: Gva) -> Option<TokenTable
     let mut pos = 0usize;
     let mut strings = 0;
     while strings < 256 - 0x30 {
-        match window[pos..].iter().position(|&c| c == 0) {
+        // `pos` never passes the end of `window` (nor of a longer re-read).
+        let rest = window.get(pos..).unwrap_or_default();
+        match rest.iter().position(|&c| c == 0) {
             Some(z) => {
                 pos += z + 1;
                 strings += 1;
@@ -306,11 +315,12 @@ fn token_table_at<V: VirtMemory + ?Sized>(view: &V, p: Gva) -> Option<TokenTable
     let index = end.align_up(8)?;
     let raw: [u8; 512] = read_array(view, index).ok()?;
     let mut idx = [0u16; 256];
-    for (k, v) in idx.iter_mut().enumerate() {
-        *v = u16::from_le_bytes([raw[2 * k], raw[2 * k + 1]]);
+    for (v, &pair) in idx.iter_mut().zip(raw.as_chunks::<2>().0) {
+        *v = u16::from_le_bytes(pair);
     }
     let start = p.0.checked_sub(idx[0x30] as u64).map(Gva)?;
-    if idx[0] != 0 || !start.is_aligned(8) || idx.windows(2).any(|w| w[1] <= w[0]) {
+    // Strictly increasing.
+    if idx[0] != 0 || !start.is_aligned(8) || !idx.is_sorted_by(|a, b| a < b) {
         return None;
     }
     let len = end.0 - start.0;
@@ -320,16 +330,16 @@ fn token_table_at<V: VirtMemory + ?Sized>(view: &V, p: Gva) -> Option<TokenTable
     // Every string k must run from idx[k] to the NUL just before idx[k+1].
     let mut table = alloc::vec![0u8; len as usize];
     view.read_virt(start, &mut table).ok()?;
-    for k in 0..256 {
-        let s = idx[k] as usize;
-        let e = if k == 255 {
-            len as usize
-        } else {
-            idx[k + 1] as usize
-        };
-        let tok = &table[s..e];
-        if tok.last() != Some(&0) || tok[..tok.len() - 1].contains(&0) {
-            return None;
+    let ends = idx
+        .iter()
+        .skip(1)
+        .map(|&e| e as usize)
+        .chain(core::iter::once(len as usize));
+    for (&s, e) in idx.iter().zip(ends) {
+        // In range: the starts increase and the last is below `len`.
+        match table.get(s as usize..e)?.split_last() {
+            Some((0, body)) if !body.contains(&0) => {}
+            _ => return None,
         }
     }
     Some(TokenTable {
@@ -366,14 +376,10 @@ fn marker_run<V: VirtMemory + ?Sized>(view: &V, s: Gva, limit: Gva, width: u64) 
             break;
         }
         for w in buf.chunks_exact(width as usize) {
-            let v = if width == 8 {
-                let hi = u32_at(w, 4);
-                if hi != 0 {
-                    return run;
-                }
-                u32_at(w, 0)
-            } else {
-                u32_at(w, 0)
+            let v = match *w {
+                [a, b, c, d] | [a, b, c, d, 0, 0, 0, 0] => u32::from_le_bytes([a, b, c, d]),
+                // An 8-byte marker with its high half set.
+                _ => return run,
             };
             let ok = match prev {
                 None => v == 0,
@@ -440,8 +446,9 @@ async fn names_before<V: VirtMemory + ?Sized>(
             buf_lo = lo;
         }
         let b = (n_at - 8 - buf_lo) as usize;
-        let n = u32_at(&buf, b) as u64;
-        let pad = u32_at(&buf, b + 4);
+        // `buf` covers `[buf_lo, n_at)`, which holds these 8 bytes.
+        let n = u32_at(&buf, b)? as u64;
+        let pad = u32_at(&buf, b + 4)?;
         if pad == 0 && n >= n_lo && n <= n_hi {
             pace.pause().await;
             if let Some(len) = check_names(view, Gva(n_at), s, markers, n) {
@@ -463,12 +470,9 @@ fn check_names<V: VirtMemory + ?Sized>(
     n: u64,
 ) -> Option<u64> {
     let m = markers.len();
+    let (&last, init) = markers.split_last()?;
     // Decode from the second-to-last group (if any) to the end.
-    let from = if m >= 2 {
-        markers[m - 2]
-    } else {
-        markers[m - 1]
-    } as u64;
+    let from = init.last().copied().unwrap_or(last) as u64;
     let region_start = names.0 + from;
     let region = s.0.checked_sub(region_start)?;
     if region > 2 * 256 * MAX_ENTRY + 8 {
@@ -479,14 +483,15 @@ fn check_names<V: VirtMemory + ?Sized>(
     let mut off = 0usize;
     if m >= 2 {
         off = skip_entries(&buf, 0, 256)?;
-        if off as u64 != markers[m - 1] as u64 - from {
+        if off as u64 != last as u64 - from {
             return None;
         }
     }
     let rest = n - 256 * (m as u64 - 1);
     let end = skip_entries(&buf, off, rest)?;
     // Then only the alignment padding before the markers.
-    if buf.len() - end > 7 || buf[end..].iter().any(|&b| b != 0) {
+    let pad = buf.get(end..)?;
+    if pad.len() > 7 || pad.iter().any(|&b| b != 0) {
         return None;
     }
     Some(from + end as u64)
@@ -510,14 +515,14 @@ async fn markers_before<V: VirtMemory + ?Sized>(
         while s > lo {
             s -= 8;
             let b = (s - lo) as usize;
-            if u32_at(&buf, b) != 0 {
+            // `b + 8` is at most `buf.len()`: the word is always there.
+            if u32_at(&buf, b) != Some(0) {
                 continue;
             }
             // Cheap filter before reading a marker run: the next marker (4 or
             // 8 bytes on) must be a plausible first-group size, unless this
             // is a one-marker table right before the tokens.
-            let word =
-                |off: usize| (b + off + 4 <= buf.len()).then(|| u32_at(&buf, b + off) as u64);
+            let word = |off: usize| u32_at(&buf, b + off).map(u64::from);
             let first_group = 2 * 256..=MAX_ENTRY * 256;
             let near_end = t - s <= 8 + align8(3 * 256);
             let plausible = near_end
@@ -570,7 +575,9 @@ async fn markers_at<V: VirtMemory + ?Sized>(
             if n_lo > n_hi || !gap.is_multiple_of(8) {
                 continue;
             }
-            let markers = &run[..m as usize];
+            let Some(markers) = run.get(..m as usize) else {
+                continue;
+            };
             if let Some((names, num_syms, names_len)) =
                 names_before(view, s, markers, n_lo, n_hi, pace).await
             {

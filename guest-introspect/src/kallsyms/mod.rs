@@ -90,15 +90,16 @@ async fn for_each_offset<V: crate::view::VirtMemory + ?Sized>(
     while done < n as usize {
         pace.pause().await;
         let k = core::cmp::min(PIECE, n as usize - done);
-        let gva = at
-            .checked_add(4 * done as u64)
-            .ok_or(crate::view::ViewError::Unmapped {
-                gva: at,
-                resume: None,
-            })?;
-        view.read_virt(gva, &mut buf[..4 * k])?;
-        for c in buf[..4 * k].chunks_exact(4) {
-            if !f(i32::from_le_bytes([c[0], c[1], c[2], c[3]])) {
+        let unmapped = crate::view::ViewError::Unmapped {
+            gva: at,
+            resume: None,
+        };
+        let gva = at.checked_add(4 * done as u64).ok_or(unmapped)?;
+        // `k` is at most `PIECE`: the buffer always has the room.
+        let bytes = buf.get_mut(..4 * k).ok_or(unmapped)?;
+        view.read_virt(gva, bytes)?;
+        for &c in bytes.as_chunks::<4>().0 {
+            if !f(i32::from_le_bytes(c)) {
                 return Ok(());
             }
         }

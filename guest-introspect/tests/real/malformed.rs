@@ -27,16 +27,25 @@ fn table_span() -> (u64, u64) {
     )
 }
 
-/// The view cut at every kind of place inside the tables.
+/// The view cut at every kind of place inside the tables: the tables are
+/// found exactly when the cut leaves everything needed (up to
+/// relative_base) inside the window.
 #[test]
 fn truncated_tables() {
     let img = common::fast();
     let (start, end) = table_span();
+    let complete = crate::fast().tables.relative_base_at.0 + 8;
     let mut rng = Rng(test_support::seed());
     // Scan only from 1 MiB before the tables, to keep each try cheap.
     let from = start - (1 << 20);
-    for _ in 0..iterations(25, 200) {
-        let cut = start + rng.below(end - start);
+    let n = iterations(25, 200);
+    let mut found = 0;
+    for i in 0..n {
+        // Every other cut keeps the tables whole (only seqs_of_names, or
+        // part of it, is cut off): both outcomes are tried whatever the
+        // seed.
+        let lo = if i % 2 == 0 { start } else { complete };
+        let cut = lo + rng.below(end - lo);
         let view = Window {
             inner: img.view(),
             start: from,
@@ -44,15 +53,19 @@ fn truncated_tables() {
         };
         let range = GvaRange::new(Gva(from), Gva(cut));
         let mut st = LocateStats::default();
-        if let Ok(t) = locate(&view, &[range], &mut st) {
-            // Only possible once everything needed is inside the window.
-            assert!(
-                t.relative_base_at.0 + 8 <= cut,
-                "tables found past the cut {cut:#x}: {t:?}"
-            );
+        let r = locate(&view, &[range], &mut st);
+        assert_eq!(
+            r.is_ok(),
+            cut >= complete,
+            "cut at {cut:#x} (tables whole from {complete:#x}): {r:?}"
+        );
+        if let Ok(t) = r {
+            found += 1;
             let _ = SymbolIndex::build(&view, &t);
         }
     }
+    eprintln!("{n} cuts: tables found in {found}");
+    assert!(found >= n / 2, "{found} of {n}");
     // Cut right after relative_base: found (seqs_of_names is not needed).
     let t = &crate::fast().tables;
     let cut = t.relative_base_at.0 + 8;
@@ -73,7 +86,7 @@ fn corrupted_tables() {
     let from = start - (1 << 20);
     let mut rng = Rng(test_support::seed());
     let (mut found, mut built) = (0, 0);
-    let n = iterations(25, 250);
+    let n = iterations(100, 250);
     for _ in 0..n {
         let mut patches = vec![];
         for _ in 0..1 + rng.below(8) {
@@ -107,6 +120,12 @@ fn corrupted_tables() {
         }
     }
     eprintln!("{n} corrupted copies: tables found in {found}, index built in {built}");
+    // About one copy in 7 still builds (the corruption missed what is
+    // checked, or kept it consistent): none at all would mean the search
+    // refuses everything and no index was ever built from corrupted
+    // tables. 100 copies all fail with a chance under one in a million.
+    assert!(built > 0, "none of {n} built");
+    assert!(found < n, "every corrupted copy accepted");
 }
 
 /// Random changes to Debian's BTF header and types.
@@ -117,7 +136,7 @@ fn corrupted_btf() {
     let at = idx.addr_of("__start_BTF").unwrap().0;
     let sec = img.elf().section(".BTF").unwrap();
     let mut rng = Rng(test_support::seed());
-    let mut ok = 0;
+    let (mut parsed, mut ok) = (0, 0);
     let n = iterations(6, 60);
     for _ in 0..n {
         let mut patches = vec![];
@@ -139,12 +158,23 @@ fn corrupted_btf() {
             patches,
         };
         if let Ok(b) = Btf::parse(&view, Gva(at)) {
+            parsed += 1;
             if btf::task_layout(&b).is_ok() {
                 ok += 1;
             }
         }
     }
-    eprintln!("{n} corrupted BTF copies: task layout still found in {ok}");
+    eprintln!("{n} corrupted BTF copies: parsed {parsed}, task layout still found in {ok}");
+    // About 1 copy in 4 still parses and 1 in 5 still gives the layout.
+    // The 6 copies of a debug run (each parse walks all of Debian's BTF)
+    // are too few to require one: often none parses. The 60 of an
+    // optimized run (scripts/test.sh) all fail with a chance under one in
+    // ten million. tests/btf.rs checks the shares on synthetic blobs in
+    // every build.
+    if !cfg!(debug_assertions) {
+        assert!(parsed > 0 && ok > 0, "parsed {parsed}, layout {ok} of {n}");
+        assert!(parsed < n, "every corrupted copy parsed");
+    }
 }
 
 /// Truncated and mangled ELF files.
@@ -168,15 +198,26 @@ fn truncated_elf() {
             let _ = e.section(".text");
         }
     }
-    let mut copy = bytes[..0x4000].to_vec();
-    for _ in 0..iterations(200, 2000) {
+    // The header and program headers mangled one byte more at a time; once
+    // the identification is hit (nothing parses after that), start again
+    // from the real header.
+    let head = &bytes[..0x4000];
+    let mut copy = head.to_vec();
+    let n = iterations(200, 2000);
+    let mut parsed = 0;
+    for _ in 0..n {
         let p = rng.below(0x100) as usize;
         copy[p] = rng.next() as u8;
         if let Ok(e) = Elf::parse(&copy) {
+            parsed += 1;
             let _ = e.load_segments(|_| true);
             let _ = e.sections().count();
+        } else {
+            copy.copy_from_slice(head);
         }
     }
+    eprintln!("{n} mangled ELF headers: parsed {parsed}");
+    assert!(parsed >= n / 2, "{parsed} of {n}");
 }
 
 /// fentry classification over a view missing most of the text: every
