@@ -1,8 +1,6 @@
-//! Address newtypes. `Gpa` and `Hpa` are the loader's (one definition for the
-//! whole boot path); the EPT map is an identity map, so a guest-physical
-//! address of guest RAM equals the host-physical one, but the types keep the
-//! two roles apart in signatures.
+//! Address newtypes: the loader's, one definition for the workspace. The
+//! EPT map is an identity map, so a guest-physical address of guest RAM
+//! equals the host-physical one, but the types keep the two roles apart in
+//! signatures; a guest-virtual address is the guest kernel's.
 
-pub use loader::layout::{Gpa, Hpa};
-
-pub use guest_introspect::addr::Gva;
+pub use loader::layout::{Gpa, Gva, Hpa};

@@ -124,6 +124,90 @@ address_type!(
     Hpa
 );
 
+address_type!(
+    /// A guest-virtual address, as the guest kernel's page tables translate
+    /// it: one type for the whole workspace (introspection, the
+    /// trampolines, the tracer).
+    Gva
+);
+
+impl Gva {
+    /// `self + offset`, wrapping around the 64-bit space (used for
+    /// guest-supplied relative offsets, which may point anywhere).
+    #[inline]
+    pub const fn wrapping_add(self, offset: u64) -> Self {
+        Self(self.0.wrapping_add(offset))
+    }
+
+    /// Whether the address is canonical for 4-level paging: bits 63..47
+    /// all equal (SDM Vol. 1, 3.3.7.1 "Canonical Addressing").
+    #[inline]
+    pub const fn is_canonical(self) -> bool {
+        let top = self.0 >> 47;
+        top == 0 || top == 0x1_ffff
+    }
+
+    /// Whether the address lies in the top 2 GiB, where x86-64 Linux maps
+    /// its kernel image (`__START_KERNEL_map`, with or without KASLR).
+    #[inline]
+    pub const fn is_kernel_image(self) -> bool {
+        self.0 >= KERNEL_IMAGE_BASE
+    }
+}
+
+/// Start of the x86-64 kernel image mapping, `__START_KERNEL_map`
+/// (arch/x86/include/asm/page_64_types.h).
+pub const KERNEL_IMAGE_BASE: u64 = 0xffff_ffff_8000_0000;
+
+/// The address the kernel is linked at when `CONFIG_PHYSICAL_START` keeps its
+/// default of 16 MiB: `__START_KERNEL_map + 0x100_0000`. The KASLR slide is
+/// measured from here.
+pub const DEFAULT_TEXT_BASE: Gva = Gva(KERNEL_IMAGE_BASE + 0x100_0000);
+
+/// A half-open range of guest-virtual addresses, `[start, end)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GvaRange {
+    /// First address in the range.
+    pub start: Gva,
+    /// First address after the range.
+    pub end: Gva,
+}
+
+impl GvaRange {
+    /// `[start, end)`.
+    #[inline]
+    pub const fn new(start: Gva, end: Gva) -> Self {
+        Self { start, end }
+    }
+
+    /// `[start, start + len)`, clamped to the end of the address space.
+    #[inline]
+    pub const fn with_len(start: Gva, len: u64) -> Self {
+        Self {
+            start,
+            end: Gva(start.0.saturating_add(len)),
+        }
+    }
+
+    /// Whether `gva` is inside.
+    #[inline]
+    pub const fn contains(&self, gva: Gva) -> bool {
+        self.start.0 <= gva.0 && gva.0 < self.end.0
+    }
+
+    /// Number of bytes in the range (0 when `end <= start`).
+    #[inline]
+    pub const fn len(&self) -> u64 {
+        self.end.0.saturating_sub(self.start.0)
+    }
+
+    /// Whether the range holds no address.
+    #[inline]
+    pub const fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 impl Gpa {
     /// The host-physical address behind this guest-physical one under the
     /// identity EPT.

@@ -27,5 +27,5 @@ pub mod plan;
 pub use bootparams::{build as build_boot_params, BootError, BootParams, GuestBootConfig};
 pub use bzimage::{parse as parse_bzimage, BzImage, BzImageError};
 pub use e820::{E820Entry, E820Error, E820Kind, E820Map};
-pub use layout::{Gpa, Hpa};
+pub use layout::{Gpa, Gva, Hpa};
 pub use plan::{entry_point, plan_kernel_load, ENTRY_OFFSET_64};

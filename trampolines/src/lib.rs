@@ -28,7 +28,6 @@ pub use abi::{Hypercall, ReturnFrame};
 pub use ptregs::PtRegs;
 pub use region::{BuildError, HypercallMode, PathStats, TrampolineRegion};
 
-/// A guest-virtual address. This crate has no dependencies, so it keeps its
-/// own; callers convert from theirs through the `.0` field.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct Gva(pub u64);
+/// A guest-virtual address: the workspace's one type, from the loader's
+/// layout.
+pub use loader::layout::Gva;

@@ -11,8 +11,8 @@ use crate::phys;
 use crate::vcpu::{VmConfig, Vmcs};
 use crate::vm::Vm;
 use core::fmt;
-use guest_introspect::addr::Gva as KGva;
 use guest_introspect::paging::{self, Cr3, WalkError};
+use hypervisor::addr::Gva;
 use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite};
 use hypervisor::task_switch::LegacyPaging;
@@ -175,7 +175,7 @@ impl OperandWalk {
     /// The guest-physical address of `la` if `access` may touch it.
     fn translate(&self, la: u64, access: policy::StringAccess) -> Result<u64, MemoryFault> {
         let (gpa, writable, user) = match self {
-            Self::Long(cr3) => match paging::translate(&GuestRam, *cr3, KGva(la)) {
+            Self::Long(cr3) => match paging::translate(&GuestRam, *cr3, Gva(la)) {
                 Ok(t) => (t.gpa.0, t.writable, t.user),
                 Err(WalkError::NonCanonical { .. }) => return Err(MemoryFault::General),
                 Err(_) => return Err(MemoryFault::Page(la, access.not_present())),

@@ -11,11 +11,11 @@ use super::probes::{store_parts, HitSink, Probes, VcpuMem};
 use super::retstack::{PopResult, PushError, RetStack, MAX_USERS};
 use super::ring::EventRing;
 use super::split::in_hypervisor;
+use crate::addr::Gva;
 use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use crate::vmx::regs::GuestRegs;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
-use guest_introspect::addr::Gva as KGva;
 use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::StackMap;
@@ -317,7 +317,7 @@ impl Graph {
             return;
         }
         let mut slot = [0u8; 8];
-        let Ok(t) = paging::translate(env.ram, cr3, KGva(retp)) else {
+        let Ok(t) = paging::translate(env.ram, cr3, Gva(retp)) else {
             return;
         };
         if !retp.is_multiple_of(8)

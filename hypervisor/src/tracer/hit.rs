@@ -11,11 +11,11 @@ use super::region::Region;
 use super::site::Patch;
 use super::stream::FUNCTION_ID;
 use super::{Hypercall, Tracer};
+use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
 use crate::kprobe::{EventHeader, FetchContext, GuestLayout, IndexSymbols, RawEvent};
 use crate::vmx::regs::GuestRegs;
 use alloc::vec::Vec;
-use guest_introspect::addr::Gva as KGva;
 use guest_introspect::paging::{self, Cr3};
 use trampolines::PtRegs;
 
@@ -35,7 +35,7 @@ impl Tracer<'_> {
             return Hypercall::Foreign;
         };
         let which = if cpu.cpl == 0 {
-            region.tramp.hypercall_at(trampolines::Gva(rip))
+            region.tramp.hypercall_at(Gva(rip))
         } else {
             None
         };
@@ -120,7 +120,7 @@ impl Tracer<'_> {
             .map_or(0, Patch::chain_target);
         let cr3 = Cr3(cpu.cr3);
         let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
-        if paging::read_virt(env.ram, cr3, KGva(regs_gva), &mut image).is_err() {
+        if paging::read_virt(env.ram, cr3, Gva(regs_gva), &mut image).is_err() {
             self.cpu.stream.ring.count_lost();
             return chain;
         }
@@ -161,7 +161,7 @@ impl Tracer<'_> {
         out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
         if function {
             let mut ret = [0u8; 8];
-            let parent = paging::read_virt(env.ram, cr3, KGva(regs.sp), &mut ret)
+            let parent = paging::read_virt(env.ram, cr3, Gva(regs.sp), &mut ret)
                 .map_or(0, |()| u64::from_le_bytes(ret));
             header.probe_id = FUNCTION_ID;
             header.ip = func;
@@ -208,7 +208,7 @@ impl Tracer<'_> {
 /// bytes (its frame, not our shadow), or 0: not a call, or unreadable.
 fn site_call_target(ram: &dyn GuestDoor, cr3: Cr3, site: u64) -> u64 {
     let mut b = [0u8; 5];
-    if paging::read_virt(ram, cr3, KGva(site), &mut b).is_err() || b[0] != 0xe8 {
+    if paging::read_virt(ram, cr3, Gva(site), &mut b).is_err() || b[0] != 0xe8 {
         return 0;
     }
     let rel = i32::from_le_bytes([b[1], b[2], b[3], b[4]]);

@@ -4,6 +4,7 @@
 //! ring a hit writes to.
 
 use super::ring::EventRing;
+use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
 use crate::kprobe::{
     self, EventHeader, FetchContext, GuestMem, IndexSymbols, MemFault, ProbeSpec, RawEvent,
@@ -11,7 +12,6 @@ use crate::kprobe::{
 use alloc::format;
 use alloc::string::ToString;
 use alloc::vec::Vec;
-use guest_introspect::addr::Gva as KGva;
 use guest_introspect::paging::{self, Cr3};
 use protocol::ProbeInfo;
 
@@ -103,7 +103,7 @@ pub(super) struct VcpuMem<'a> {
 }
 
 impl GuestMem for VcpuMem<'_> {
-    fn read(&mut self, gva: KGva, buf: &mut [u8]) -> Result<(), MemFault> {
+    fn read(&mut self, gva: Gva, buf: &mut [u8]) -> Result<(), MemFault> {
         paging::read_virt(self.ram, self.cr3, gva, buf).map_err(|_| MemFault)
     }
 }

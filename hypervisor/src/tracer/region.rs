@@ -11,6 +11,7 @@
 
 use super::machine::{Env, KernelView, PAGE};
 use super::ReqError;
+use crate::addr::Gva;
 use crate::addr::{Gpa, Hpa};
 use crate::ept;
 use alloc::format;
@@ -76,7 +77,7 @@ impl Region {
             .find(|i| env.ram.read_word(pd + i * 8).is_ok_and(|e| e & PTE_P == 0))
             .ok_or_else(|| internal("no free slot in the kernel-image mapping".into()))?;
         let base = KERNEL_MAP + slot * (2 << 20);
-        let tramp = TrampolineRegion::build(trampolines::Gva(base), HypercallMode::Vmcall)
+        let tramp = TrampolineRegion::build(Gva(base), HypercallMode::Vmcall)
             .map_err(|e| internal(format!("trampolines: {e:?}")))?;
         let code = env.m.alloc_frame().ok_or_else(|| {
             ReqError::new(

@@ -12,8 +12,8 @@
 
 use core::fmt;
 
+use crate::addr::Gva;
 use trampolines::patch::{classify_site, decode_call_rel32, SiteInsn, NOP5, SITE_LEN};
-use trampolines::Gva;
 
 /// Bytes in a page.
 pub const PAGE_SIZE: usize = 4096;

@@ -7,12 +7,12 @@
 use super::machine::{Env, KernelView, PAGE};
 use super::region::Region;
 use super::site::{self, Patch, PatchError};
+use crate::addr::Gva;
 use crate::addr::{Gpa, Hpa};
 use crate::ept;
 use crate::guest_phys::GuestDoor;
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
-use guest_introspect::addr::Gva as KGva;
 use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::paging;
 use trampolines::patch::SITE_LEN;
@@ -133,13 +133,13 @@ impl SplitView {
         let Some(region) = region else {
             return Err(PatchError::Perm("no trampoline region"));
         };
-        if !site::site_fits_page(trampolines::Gva(site)) {
+        if !site::site_fits_page(Gva(site)) {
             return Err(PatchError::Perm("the site crosses a page boundary"));
         }
-        if site::rip_inside(trampolines::Gva(site), rip) {
+        if site::rip_inside(Gva(site), rip) {
             return Err(PatchError::Busy);
         }
-        let t = paging::translate(env.ram, k.cr3(), KGva(site)).map_err(|_| PatchError::Fault)?;
+        let t = paging::translate(env.ram, k.cr3(), Gva(site)).map_err(|_| PatchError::Fault)?;
         let gpa = t.gpa.0;
         if in_hypervisor(gpa) {
             return Err(PatchError::Perm("the site is not in guest memory"));
@@ -150,10 +150,10 @@ impl SplitView {
         if env.ram.read(gpa, &mut guest).is_err() {
             return Err(PatchError::Fault);
         }
-        site::check_guest_site(trampolines::Gva(site), &guest)?;
+        site::check_guest_site(Gva(site), &guest)?;
         let ours = region
             .tramp
-            .site_patch(trampolines::Gva(site))
+            .site_patch(Gva(site))
             .map_err(|_| PatchError::Perm("the trampolines are out of reach of a call"))?;
         let new_page = !self.pages.contains_key(&page);
         if new_page {
@@ -190,7 +190,7 @@ impl SplitView {
         site::write_checked(shadow, offset, &guest, &ours)?;
         h.patches.push(Patch {
             offset: offset as u16,
-            site: trampolines::Gva(site),
+            site: Gva(site),
             ours,
             guest,
         });

@@ -361,7 +361,7 @@ impl Guest {
             .report()
             .trampolines;
         assert_ne!(base, 0, "no trampoline region");
-        TrampolineRegion::build(trampolines::Gva(base), HypercallMode::Vmcall).unwrap()
+        TrampolineRegion::build(Gva(base), HypercallMode::Vmcall).unwrap()
     }
 
     fn cpu(&self, rsp: u64) -> CpuView {
