@@ -279,8 +279,12 @@ impl Control {
             } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
             Request::ProbeAdd { spec } => (
                 with_kernel(src, |src, k| {
-                    with_env(src.ept, |env| src.tracer.probe_add(&spec, k, env, src.rip))
-                        .map(|(name, site)| Response::ProbeAdded { name, site })
+                    with_env(src.ept, |env| src.tracer.probe_add(&spec, k, env, src.rip)).map(
+                        |hypervisor::tracer::ProbeAdded { name, site }| Response::ProbeAdded {
+                            name,
+                            site,
+                        },
+                    )
                 }),
                 Action::None,
             ),
@@ -299,13 +303,19 @@ impl Control {
                     with_env(src.ept, |env| {
                         src.tracer.function_add(&glob, k, env, src.rip)
                     })
-                    .map(|(traced, skipped, skipped_total)| {
-                        Response::FunctionAdded {
-                            traced,
-                            skipped,
-                            skipped_total,
-                        }
-                    })
+                    .map(
+                        |hypervisor::tracer::FunctionsAdded {
+                             traced,
+                             skipped,
+                             skipped_total,
+                         }| {
+                            Response::FunctionAdded {
+                                traced,
+                                skipped,
+                                skipped_total,
+                            }
+                        },
+                    )
                 }),
                 Action::None,
             ),

@@ -51,7 +51,7 @@ const REAP_EVERY_NS: u64 = 100_000_000;
 /// Heap one more tracked return stack may take (its entry; the frames are
 /// reserved fallibly by the stack itself).
 const STACK_ENTRY_BYTES: usize =
-    btree_entry_bytes::<u64, Tracked>() + btree_entry_bytes::<u64, (u64, i32, bool)>();
+    btree_entry_bytes::<u64, Tracked>() + btree_entry_bytes::<u64, Owner>();
 /// Retired text renderers kept at most: each start and stop of a session
 /// (the host's requests) retires one, and without a stream none is drained.
 const MAX_RETIRED: usize = 64;
@@ -78,6 +78,24 @@ struct Tracked {
     own: bool,
 }
 
+/// A stopped session's renderer, kept for its events still in the ring.
+pub(super) struct Retired {
+    /// The session's number.
+    pub(super) number: u32,
+    /// Its generation ([`RETIRED_GEN`] for one retired by a format switch).
+    pub(super) generation: u8,
+    pub(super) text: GraphText,
+}
+
+/// Who was last seen calling on a stack, and whether it is that task's own
+/// kernel stack.
+#[derive(Clone, Copy)]
+struct Owner {
+    task: u64,
+    pid: i32,
+    own: bool,
+}
+
 /// Where a hit's records and counts go: the probes (return probes count
 /// their misses), the vCPU's ring, and the counters.
 pub(super) struct Out<'a> {
@@ -91,7 +109,7 @@ pub(super) struct Out<'a> {
 /// at most [`MAX_RETIRED`] (the oldest goes first, as a renderer of a
 /// session stopped long ago does once drained), and none when the heap has
 /// no room (its events then print nothing, as for the oldest).
-fn retire(retired: &mut Vec<(u32, u8, GraphText)>, r: (u32, u8, GraphText)) {
+fn retire(retired: &mut Vec<Retired>, r: Retired) {
     if retired.len() >= MAX_RETIRED {
         retired.remove(0);
     }
@@ -113,14 +131,14 @@ pub(super) struct Graph {
     /// Ownership checks by stack: (task, pid, own). A task whose calls
     /// keep emptying and re-creating its return stack is checked once,
     /// not on every call; a new owner of the stack is checked again.
-    owners: BTreeMap<u64, (u64, i32, bool)>,
+    owners: BTreeMap<u64, Owner>,
     /// Each session number's generation (see [`GraphEventId`]).
     pub(super) generations: [u8; MAX_USERS],
     /// Text renderers of stopped sessions, by number and generation: the
     /// session's events still in the ring are rendered with them, then
     /// what they hold back is printed open and they go. (A renderer
     /// retired by a format switch gets a generation no event has.)
-    pub(super) retired: Vec<(u32, u8, GraphText)>,
+    pub(super) retired: Vec<Retired>,
     /// When the reaper last looked.
     last_reap_ns: u64,
     /// The guest's stacks: return stacks are kept per stack, keyed by its
@@ -212,7 +230,14 @@ impl Graph {
                 continue;
             }
             if let Some(g) = session.take() {
-                retire(&mut self.retired, (u, generation, g.text));
+                retire(
+                    &mut self.retired,
+                    Retired {
+                        number: u,
+                        generation,
+                        text: g.text,
+                    },
+                );
             }
         }
         for t in self.stacks.values_mut() {
@@ -336,13 +361,20 @@ impl Graph {
         if tracked.task != task || tracked.pid != header.pid {
             // A new owner (or a first one): is this its own stack?
             tracked.own = match self.owners.get(&key) {
-                Some(&(t0, p0, own)) if (t0, p0) == (task, header.pid) => own,
+                Some(o) if (o.task, o.pid) == (task, header.pid) => o.own,
                 _ => {
                     let own = k.task_stack(task) == Some(key);
                     if self.owners.len() >= 2 * MAX_STACKS {
                         self.owners.clear();
                     }
-                    self.owners.insert(key, (task, header.pid, own));
+                    self.owners.insert(
+                        key,
+                        Owner {
+                            task,
+                            pid: header.pid,
+                            own,
+                        },
+                    );
                     own
                 }
             };
@@ -590,7 +622,14 @@ impl Graph {
             if g.text.has_pending() {
                 let fresh = GraphText::new(g.filter.retval);
                 let old = core::mem::replace(&mut g.text, fresh);
-                retire(&mut self.retired, (user as u32, RETIRED_GEN, old));
+                retire(
+                    &mut self.retired,
+                    Retired {
+                        number: user as u32,
+                        generation: RETIRED_GEN,
+                        text: old,
+                    },
+                );
             }
         }
     }

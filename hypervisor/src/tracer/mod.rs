@@ -90,6 +90,26 @@ pub struct GraphStarted {
     pub skipped: u32,
 }
 
+/// A probe that was added.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeAdded {
+    /// `GROUP/EVENT`.
+    pub name: String,
+    /// The fentry site hooked for it.
+    pub site: u64,
+}
+
+/// The function tracer's answer to a glob.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FunctionsAdded {
+    /// Functions traced.
+    pub traced: u32,
+    /// The first few that could not be, each with why.
+    pub skipped: Vec<String>,
+    /// All that could not be.
+    pub skipped_total: u32,
+}
+
 /// What the exit handler does with a VMCALL.
 pub enum Hypercall {
     /// Ours: RAX is set; resume after the VMCALL.

@@ -8,7 +8,9 @@ use super::machine::{Env, KernelView};
 use super::probes::{Probe, MAX_PROBES};
 use super::retstack::MAX_USERS;
 use super::split::MAX_SITES;
-use super::{insert_site, out_of_memory, GraphStarted, ReqError, Tracer};
+use super::{
+    insert_site, out_of_memory, FunctionsAdded, GraphStarted, ProbeAdded, ReqError, Tracer,
+};
 use crate::kprobe::{self, Command, IndexSymbols};
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
@@ -27,7 +29,7 @@ impl Tracer<'_> {
         k: &dyn KernelView,
         env: &mut Env<'_>,
         rip: u64,
-    ) -> Result<(String, u64), ReqError> {
+    ) -> Result<ProbeAdded, ReqError> {
         let mut spec = match kprobe::parse(text) {
             Ok(Command::Add(s)) => s,
             Ok(Command::Delete(_)) => {
@@ -117,7 +119,7 @@ impl Tracer<'_> {
             hits: 0,
             misses: 0,
         });
-        Ok((name, site))
+        Ok(ProbeAdded { name, site })
     }
 
     /// `probe del NAME` (`EVENT` or `GROUP/EVENT`).
@@ -146,7 +148,7 @@ impl Tracer<'_> {
         k: &dyn KernelView,
         env: &mut Env<'_>,
         rip: u64,
-    ) -> Result<(u32, Vec<String>, u32), ReqError> {
+    ) -> Result<FunctionsAdded, ReqError> {
         self.ensure_region(k, env)?;
         let index = k.index();
         let view = PagedView::new(env.ram, k.cr3());
@@ -202,7 +204,11 @@ impl Tracer<'_> {
         }
         env.m.invept();
         log::info!("tracer: function tracer on {glob}: {traced} traced, {skipped_total} skipped");
-        Ok((traced, skipped, skipped_total))
+        Ok(FunctionsAdded {
+            traced,
+            skipped,
+            skipped_total,
+        })
     }
 
     /// Removes the function tracer everywhere.

@@ -3,7 +3,7 @@
 //! host asked for. The ring is the vCPU's; the renderers it uses (probe
 //! specs, graph sessions) are shared.
 
-use super::fgraph::Graph;
+use super::fgraph::{Graph, Retired};
 use super::graph::{self as graph_fmt, GraphEventId};
 use super::machine::KernelView;
 use super::probes::Probes;
@@ -27,6 +27,13 @@ const LEAF_HOLD_NS: u64 = 100_000_000;
 /// Output queue the drain leaves for responses.
 const TX_HEADROOM: usize = 8 * 1024;
 
+/// A rendered line that did not fit the last `TraceText`, and its source.
+#[derive(Default)]
+struct HeldLine {
+    source: u32,
+    text: String,
+}
+
 /// A vCPU's ring and the stream's state.
 pub(super) struct Stream {
     pub(super) ring: EventRing,
@@ -37,7 +44,7 @@ pub(super) struct Stream {
     lost_reported: u64,
     /// A rendered line that did not fit the last `TraceText`, and its
     /// source.
-    pending_line: Option<(u32, String)>,
+    pending_line: Option<HeldLine>,
 }
 
 impl Default for Stream {
@@ -73,7 +80,10 @@ impl Stream {
             if room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
                 return None;
             }
-            let (mut source, mut text) = self.pending_line.take().unwrap_or_default();
+            let HeldLine {
+                mut source,
+                mut text,
+            } = self.pending_line.take().unwrap_or_default();
             while text.len() < TRACE_TEXT_BUDGET {
                 if !self.ring.pop(&mut self.record) {
                     // The ring is empty: retired renderers print what they
@@ -83,7 +93,12 @@ impl Stream {
                     // because another session's events may have kept the
                     // ring busy while this one's children are not traced.
                     if text.is_empty() {
-                        while let Some((user, _, mut t)) = graph.retired.pop() {
+                        while let Some(Retired {
+                            number: user,
+                            text: mut t,
+                            ..
+                        }) = graph.retired.pop()
+                        {
                             if t.has_pending() {
                                 t.flush(&mut text, &syms);
                                 source = user;
@@ -122,7 +137,10 @@ impl Stream {
                 if !text.is_empty()
                     && (src != source || text.len() + line.len() > TRACE_TEXT_BUDGET)
                 {
-                    self.pending_line = Some((src, line));
+                    self.pending_line = Some(HeldLine {
+                        source: src,
+                        text: line,
+                    });
                     break;
                 }
                 text.push_str(&line);
@@ -187,8 +205,8 @@ fn render(
             _ => graph
                 .retired
                 .iter_mut()
-                .find(|(u, g, _)| *u as usize == user && *g == gen)
-                .map(|(_, _, t)| t),
+                .find(|r| r.number as usize == user && r.generation == gen)
+                .map(|r| &mut r.text),
         };
         // No renderer: a session stopped long ago; nothing to print.
         if let Some(t) = text {

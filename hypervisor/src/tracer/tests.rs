@@ -351,7 +351,8 @@ impl Guest {
     }
 
     fn probe(&mut self, spec: &str) -> Result<(String, u64), super::ReqError> {
-        self.with(|t, env, k| t.probe_add(spec, k, env, 0))
+        let added = self.with(|t, env, k| t.probe_add(spec, k, env, 0))?;
+        Ok((added.name, added.site))
     }
 
     /// The trampolines as the tracer built them (the layout is a function
@@ -666,10 +667,10 @@ fn forged_entries_are_refused_and_not_counted_as_hits() {
 #[test]
 fn the_function_tracer_records_function_and_parent() {
     let mut g = Guest::new();
-    let (traced, _, skipped) = g
+    let added = g
         .with(|t, env, k| t.function_add("*_func", k, env, 0))
         .unwrap();
-    assert_eq!((traced, skipped), (2, 0));
+    assert_eq!((added.traced, added.skipped_total), (2, 0));
     g.tracer().set_stream(Some(TraceFormat::Text));
     g.hit(OTHER, RETP, CALLER_RET, 0);
     let text = g.text();
