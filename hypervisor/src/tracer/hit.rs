@@ -98,13 +98,8 @@ impl Tracer<'_> {
         // into the trampoline with other registers is refused (and the
         // guest continues at whatever its forged pt_regs says: its own
         // memory, its own problem).
-        let Some(u) = self
-            .vm
-            .view
-            .sites
-            .get(&site)
-            .filter(|_| regs_gva == cpu.rsp)
-        else {
+        let key = Gva(site);
+        let Some(u) = self.vm.view.sites.get(&key).filter(|_| regs_gva == cpu.rsp) else {
             self.vm.stats.forged_entries += 1;
             // A call that was in flight when its site was unhooked is
             // refused too: it continues as the site's own bytes say (the
@@ -116,7 +111,7 @@ impl Tracer<'_> {
             .view
             .pages
             .get(&u.page)
-            .and_then(|h| h.patches.iter().find(|p| p.site.0 == site))
+            .and_then(|h| h.patches.iter().find(|p| p.site == key))
             .map_or(0, Patch::chain_target);
         let cr3 = Cr3(cpu.cr3);
         let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
@@ -151,7 +146,7 @@ impl Tracer<'_> {
         };
         let function = u.function;
         let graph = u.graph;
-        let func = u.func;
+        let func = u.func.0;
         let has_retprobes = !u.retprobes.is_empty();
         let mut out = HitSink {
             probes: &mut self.vm.probes.list,
@@ -179,7 +174,7 @@ impl Tracer<'_> {
                 self.vm
                     .view
                     .sites
-                    .get_mut(&site)
+                    .get_mut(&key)
                     .map(|u| core::mem::take(&mut u.retprobes))
                     .unwrap_or_default()
             } else {
@@ -196,7 +191,7 @@ impl Tracer<'_> {
                     env, out, tramp, graph, &retprobes, func, regs.sp, cr3, now_ns, header, task, k,
                 );
             }
-            if let Some(u) = self.vm.view.sites.get_mut(&site).filter(|_| has_retprobes) {
+            if let Some(u) = self.vm.view.sites.get_mut(&key).filter(|_| has_retprobes) {
                 u.retprobes = retprobes;
             }
         }

@@ -22,7 +22,7 @@ pub(super) const MAX_PROBES: usize = 1024;
 pub(super) struct Probe {
     pub(super) id: u32,
     pub(super) spec: ProbeSpec,
-    pub(super) site: u64,
+    pub(super) site: Gva,
     pub(super) hits: u64,
     pub(super) misses: u64,
 }
@@ -88,7 +88,7 @@ impl Probes {
                 name: format!("{}/{}", p.spec.group, p.spec.event),
                 spec: p.spec.to_string(),
                 symbol: p.spec.symbol.clone(),
-                site: p.site,
+                site: p.site.0,
                 hits: p.hits,
                 misses: p.misses,
             })

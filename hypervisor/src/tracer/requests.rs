@@ -11,6 +11,7 @@ use super::split::MAX_SITES;
 use super::{
     insert_site, out_of_memory, FunctionsAdded, GraphStarted, ProbeAdded, ReqError, Tracer,
 };
+use crate::addr::Gva;
 use crate::kprobe::{self, Command, IndexSymbols};
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
@@ -83,11 +84,11 @@ impl Tracer<'_> {
                 )
             })?;
         self.ensure_region(k, env)?;
-        let site = fs.site.0;
+        let site = fs.site;
         let hooked = self
             .vm
             .view
-            .hook(k, env, self.vm.region.as_ref(), site, fs.func.0, rip);
+            .hook(k, env, self.vm.region.as_ref(), site, fs.func, rip);
         env.m.invept();
         hooked.map_err(|e| {
             ReqError::new(
@@ -119,7 +120,7 @@ impl Tracer<'_> {
             hits: 0,
             misses: 0,
         });
-        Ok(ProbeAdded { name, site })
+        Ok(ProbeAdded { name, site: site.0 })
     }
 
     /// `probe del NAME` (`EVENT` or `GROUP/EVENT`).
@@ -183,10 +184,10 @@ impl Tracer<'_> {
             match self
                 .vm
                 .view
-                .hook(k, env, self.vm.region.as_ref(), fs.site.0, fs.func.0, rip)
+                .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func, rip)
             {
                 Ok(()) => {
-                    if let Some(u) = self.vm.view.sites.get_mut(&fs.site.0) {
+                    if let Some(u) = self.vm.view.sites.get_mut(&fs.site) {
                         if !u.function {
                             u.function = true;
                             self.vm.probes.functions += 1;
@@ -332,10 +333,10 @@ impl Tracer<'_> {
             match self
                 .vm
                 .view
-                .hook(k, env, self.vm.region.as_ref(), site, func, rip)
+                .hook(k, env, self.vm.region.as_ref(), Gva(site), Gva(func), rip)
             {
                 Ok(()) => {
-                    if let Some(u) = self.vm.view.sites.get_mut(&site) {
+                    if let Some(u) = self.vm.view.sites.get_mut(&Gva(site)) {
                         u.graph |= bit;
                     }
                     hooked += 1;

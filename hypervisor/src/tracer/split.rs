@@ -34,8 +34,8 @@ const RELEASE_BATCH: usize = 256;
 
 /// Who uses a hooked site.
 pub(super) struct SiteUse {
-    pub(super) page: u64,
-    pub(super) func: u64,
+    pub(super) page: Gpa,
+    pub(super) func: Gva,
     pub(super) probes: Vec<u32>,
     /// Ids of the return probes on the function, as the words of the
     /// data block their frames carry.
@@ -62,9 +62,9 @@ pub(super) struct Hooked {
 #[derive(Default)]
 pub(super) struct SplitView {
     /// Sites by guest-virtual address.
-    pub(super) sites: BTreeMap<u64, SiteUse>,
+    pub(super) sites: BTreeMap<Gva, SiteUse>,
     /// Hooked pages by guest-physical address.
-    pub(super) pages: BTreeMap<u64, Hooked>,
+    pub(super) pages: BTreeMap<Gpa, Hooked>,
     free_shadows: Vec<Hpa>,
     /// The page a guest access to hypervisor memory is stepped against.
     pub(super) scratch: Option<Hpa>,
@@ -73,16 +73,16 @@ pub(super) struct SplitView {
 /// Points the EPT entry of guest page `page` at `hpa` with `perms`. A
 /// failure (EPT tables exhausted) leaves the old entry, which is safe: the
 /// page keeps its previous view.
-pub(super) fn remap(env: &mut Env<'_>, page: u64, hpa: Hpa, perms: u64) {
-    if let Err(e) = env.m.ept_map(Gpa(page), hpa, perms) {
+pub(super) fn remap(env: &mut Env<'_>, page: Gpa, hpa: Hpa, perms: u64) {
+    if let Err(e) = env.m.ept_map(page, hpa, perms) {
         log::warn!("tracer: EPT entry of {page:#x} not changed: {e:?}");
     }
 }
 
 /// The guest's own bytes of page `gpa`.
-pub(super) fn page_bytes(ram: &dyn GuestDoor, gpa: u64) -> Option<[u8; PAGE]> {
+pub(super) fn page_bytes(ram: &dyn GuestDoor, page: Gpa) -> Option<[u8; PAGE]> {
     let mut b = [0u8; PAGE];
-    ram.read(gpa, &mut b).ok().map(|()| b)
+    ram.read(page.0, &mut b).ok().map(|()| b)
 }
 
 /// Whether `gpa` is hypervisor memory.
@@ -113,8 +113,8 @@ impl SplitView {
         k: &dyn KernelView,
         env: &mut Env<'_>,
         region: Option<&Region>,
-        site: u64,
-        func: u64,
+        site: Gva,
+        func: Gva,
         rip: u64,
     ) -> Result<(), PatchError> {
         if self.sites.contains_key(&site) {
@@ -133,27 +133,27 @@ impl SplitView {
         let Some(region) = region else {
             return Err(PatchError::Perm("no trampoline region"));
         };
-        if !site::site_fits_page(Gva(site)) {
+        if !site::site_fits_page(site) {
             return Err(PatchError::Perm("the site crosses a page boundary"));
         }
-        if site::rip_inside(Gva(site), rip) {
+        if site::rip_inside(site, rip) {
             return Err(PatchError::Busy);
         }
-        let t = paging::translate(env.ram, k.cr3(), Gva(site)).map_err(|_| PatchError::Fault)?;
+        let t = paging::translate(env.ram, k.cr3(), site).map_err(|_| PatchError::Fault)?;
         let gpa = t.gpa.0;
         if in_hypervisor(gpa) {
             return Err(PatchError::Perm("the site is not in guest memory"));
         }
-        let page = gpa & !(PAGE as u64 - 1);
-        let offset = (gpa - page) as usize;
+        let page = Gpa(gpa).align_down(PAGE as u64);
+        let offset = (gpa - page.0) as usize;
         let mut guest = [0u8; SITE_LEN];
         if env.ram.read(gpa, &mut guest).is_err() {
             return Err(PatchError::Fault);
         }
-        site::check_guest_site(Gva(site), &guest)?;
+        site::check_guest_site(site, &guest)?;
         let ours = region
             .tramp
-            .site_patch(Gva(site))
+            .site_patch(site)
             .map_err(|_| PatchError::Perm("the trampolines are out of reach of a call"))?;
         let new_page = !self.pages.contains_key(&page);
         if new_page {
@@ -190,12 +190,12 @@ impl SplitView {
         site::write_checked(shadow, offset, &guest, &ours)?;
         h.patches.push(Patch {
             offset: offset as u16,
-            site: Gva(site),
+            site,
             ours,
             guest,
         });
         if new_page {
-            if let Err(e) = env.m.ept_map(Gpa(page), h.shadow, ept::EXEC) {
+            if let Err(e) = env.m.ept_map(page, h.shadow, ept::EXEC) {
                 log::warn!("tracer: EPT map of {page:#x} failed: {e:?}");
                 // Nothing maps the shadow: give it back with the page.
                 if let Some(h) = self.pages.remove(&page) {
@@ -220,7 +220,7 @@ impl SplitView {
     }
 
     /// Removes our patch from `site` if nothing uses it any more.
-    pub(super) fn unhook_if_unused(&mut self, env: &mut Env<'_>, site: u64) {
+    pub(super) fn unhook_if_unused(&mut self, env: &mut Env<'_>, site: Gva) {
         let Some(u) = self.sites.get(&site) else {
             return;
         };
@@ -232,7 +232,7 @@ impl SplitView {
         let Some(h) = self.pages.get_mut(&page) else {
             return;
         };
-        if let Some(i) = h.patches.iter().position(|p| p.site.0 == site) {
+        if let Some(i) = h.patches.iter().position(|p| p.site == site) {
             let p = h.patches.swap_remove(i);
             let shadow = env.m.frame(h.shadow);
             if let Err(e) = site::write_checked(shadow, p.offset as usize, &p.ours, &p.guest) {
@@ -242,7 +242,7 @@ impl SplitView {
         if h.patches.is_empty() {
             let shadow = h.shadow;
             self.pages.remove(&page);
-            remap(env, page, Hpa(page), ept::RWX);
+            remap(env, page, page.identity_hpa(), ept::RWX);
             self.free_shadows.push(shadow);
         }
         // The caller flushes EPT once for the whole request.
@@ -269,9 +269,9 @@ impl SplitView {
 
     /// Unhooks every site nothing uses any more.
     fn unhook_unused(&mut self, env: &mut Env<'_>) {
-        let mut from = 0u64;
+        let mut from = Gva(0);
         loop {
-            let mut batch = [0u64; RELEASE_BATCH];
+            let mut batch = [Gva(0); RELEASE_BATCH];
             let mut n = 0;
             let mut next = None;
             for (&s, u) in self.sites.range(from..) {

@@ -73,14 +73,14 @@ const STEP_PAGES: usize = 8;
 /// instruction touching two watched pages opens both rather than making
 /// the two steps alternate forever.
 struct Step {
-    pages: [(u64, StepKind); STEP_PAGES],
+    pages: [(Gpa, StepKind); STEP_PAGES],
     open: usize,
     old_tf: bool,
     turns: u32,
 }
 
 impl Step {
-    fn pages(&self) -> &[(u64, StepKind)] {
+    fn pages(&self) -> &[(Gpa, StepKind)] {
         // `open` never passes STEP_PAGES; were it to, every page is open.
         self.pages.get(..self.open).unwrap_or(&self.pages)
     }
@@ -133,7 +133,7 @@ impl Stepper {
         env: &mut Env<'_>,
         mut s: StepShared<'_>,
     ) -> Violation {
-        let page = gpa & !(PAGE as u64 - 1);
+        let page = Gpa(gpa).align_down(PAGE as u64);
         let widen = match self.step.as_ref() {
             // The instruction being stepped touched another page (or the
             // same page again for another kind of access): open it too.
@@ -156,14 +156,14 @@ impl Stepper {
             // mapped to scratch can only if the access kind differs).
             return Violation::Widened;
         }
-        let watched = s.region.is_some_and(|r| r.pd_page == page);
+        let watched = s.region.is_some_and(|r| r.pd_page == page.0);
         let kind = if watched {
-            remap(env, page, Hpa(page), ept::RWX);
+            remap(env, page, page.identity_hpa(), ept::RWX);
             StepKind::Watch
         } else if s.view.pages.contains_key(&page) {
-            remap(env, page, Hpa(page), ept::RWX);
+            remap(env, page, page.identity_hpa(), ept::RWX);
             StepKind::Hooked { write }
-        } else if in_hypervisor(page) {
+        } else if in_hypervisor(page.0) {
             let scratch = match s.view.scratch {
                 Some(s) => s,
                 None => match env.m.alloc_frame() {
@@ -175,7 +175,7 @@ impl Stepper {
                 },
             };
             env.m.frame(scratch).fill(0xcc);
-            let restore = match env.m.ept_map(Gpa(page), scratch, ept::READ | ept::WRITE) {
+            let restore = match env.m.ept_map(page, scratch, ept::READ | ept::WRITE) {
                 Ok(old) => old,
                 Err(_) => return Violation::NotOurs,
             };
@@ -197,7 +197,7 @@ impl Stepper {
             }
         }
         s.stats.steps += 1;
-        let mut pages = [(0u64, StepKind::Watch); STEP_PAGES];
+        let mut pages = [(Gpa(0), StepKind::Watch); STEP_PAGES];
         pages[0] = (page, kind);
         self.step = Some(Step {
             pages,
@@ -249,7 +249,7 @@ impl Stepper {
 }
 
 /// Puts one page of a finished step back to its watched mapping.
-fn close_page(page: u64, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
+fn close_page(page: Gpa, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
     match kind {
         StepKind::Hooked { write } => {
             if let Some(h) = s.view.pages.get_mut(&page) {
@@ -269,17 +269,15 @@ fn close_page(page: u64, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
             if s.region.is_some_and(|r| r.restore_pde(env)) {
                 s.stats.region_restores += 1;
             }
-            remap(env, page, Hpa(page), ept::READ | ept::EXEC);
+            remap(env, page, page.identity_hpa(), ept::READ | ept::EXEC);
         }
         StepKind::Discard { restore } => {
             if restore & ept::RWX == 0 {
-                let _ = env.m.ept_unmap(Gpa(page));
+                let _ = env.m.ept_unmap(page);
             } else {
-                let _ = env.m.ept_map(
-                    Gpa(page),
-                    Hpa(restore & paging::ADDR_MASK),
-                    restore & ept::RWX,
-                );
+                let _ = env
+                    .m
+                    .ept_map(page, Hpa(restore & paging::ADDR_MASK), restore & ept::RWX);
             }
         }
     }
