@@ -389,29 +389,27 @@ impl Guest {
     /// The entry VMCALL with RDI = `regs_at`, RSP = `rsp`, RSI = `site`.
     fn entry_vmcall(&mut self, regs_at: u64, rsp: u64, site: u64) -> (Hypercall, u64) {
         let rip = self.region().entry_vmcall().unwrap().0;
-        let mut regs = GuestRegs {
-            rax: u64::from(HYPERCALL_ENTRY),
-            rdi: regs_at,
-            rsi: site,
-            ..GuestRegs::default()
-        };
-        let cpu = self.cpu(rsp);
-        let now = self.now_ns;
-        let out = self.with(|t, env, k| t.hypercall(env, rip, &mut regs, &cpu, Some(k), now));
-        (out, regs.rax)
+        self.vmcall(rip, rsp, HYPERCALL_ENTRY, regs_at, site)
     }
 
     /// The traced function returns into the return trampoline, whose frame
     /// has the return slot `retp`; it returns `retval`.
     fn ret(&mut self, retp: u64, retval: u64) -> (Hypercall, u64) {
         let rip = self.region().return_vmcall().unwrap().0;
+        let frame = retp - RETURN_FRAME_RETP as u64;
+        self.vmcall(rip, retp, HYPERCALL_RETURN, frame, retval)
+    }
+
+    /// A VMCALL at `rip` with RSP `rsp` and RAX, RDI, RSI as given; the
+    /// hypercall's outcome and the RAX it hands back.
+    fn vmcall(&mut self, rip: u64, rsp: u64, nr: u32, rdi: u64, rsi: u64) -> (Hypercall, u64) {
         let mut regs = GuestRegs {
-            rax: u64::from(HYPERCALL_RETURN),
-            rdi: retp - RETURN_FRAME_RETP as u64,
-            rsi: retval,
+            rax: u64::from(nr),
+            rdi,
+            rsi,
             ..GuestRegs::default()
         };
-        let cpu = self.cpu(retp);
+        let cpu = self.cpu(rsp);
         let now = self.now_ns;
         let out = self.with(|t, env, k| t.hypercall(env, rip, &mut regs, &cpu, Some(k), now));
         (out, regs.rax)
