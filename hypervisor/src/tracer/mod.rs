@@ -20,12 +20,13 @@
 //! | [`stream`] | the event ring, the stream's format and held line | the vCPU's |
 //! | [`step`] | the single step in flight | the vCPU's |
 //!
-//! The VM's parts are gathered in [`VmState`], which the VM owns, and the
-//! vCPU's in [`CpuState`], which each vCPU owns; a [`Tracer`] borrows one
-//! of each for one exit or one request. `requests.rs` serves the host's
-//! requests (the VM's state, but for the stream's format), `hit.rs` the
-//! hypercalls (both).
+//! The VM's parts are gathered in [`VmState`] (`vm_state.rs`), which the
+//! VM owns, and the vCPU's in [`CpuState`] (`cpu_state.rs`), which each
+//! vCPU owns; a [`Tracer`] borrows one of each for one exit or one
+//! request. `requests.rs` serves the host's requests (the VM's state, but
+//! for the stream's format), `hit.rs` the hypercalls (both).
 
+mod cpu_state;
 mod fgraph;
 pub mod graph;
 mod hit;
@@ -41,16 +42,16 @@ mod step;
 mod stream;
 #[cfg(test)]
 mod tests;
+mod vm_state;
 
+pub use cpu_state::CpuState;
 pub use step::{DebugState, Violation};
+pub use vm_state::VmState;
 
-use self::fgraph::Graph;
 use self::machine::{CpuView, Env, KernelView};
-use self::probes::Probes;
 use self::region::Region;
-use self::split::{SplitView, MAX_SITES};
-use self::step::{StepShared, Stepper};
-use self::stream::Stream;
+use self::split::MAX_SITES;
+use self::step::StepShared;
 use alloc::collections::BTreeMap;
 use alloc::format;
 use alloc::string::String;
@@ -140,26 +141,6 @@ fn insert_site(
 ) -> Result<(), OutOfMemory> {
     env.m.heap_check(btree_entry_bytes::<u64, u64>())?;
     fallible::try_insert(map, site, func, MAX_SITES).map(|_| ())
-}
-
-/// The tracer's state that every vCPU shares: one per VM.
-#[derive(Default)]
-pub struct VmState {
-    region: Option<Region>,
-    view: SplitView,
-    probes: Probes,
-    graph: Graph,
-    /// The counters for `status`. Kept per VM while there is one vCPU;
-    /// the hit and step counters are the vCPU's to keep once there are
-    /// more.
-    stats: TracerReport,
-}
-
-/// The tracer's state that belongs to one vCPU.
-#[derive(Default)]
-pub struct CpuState {
-    stream: Stream,
-    step: Stepper,
 }
 
 /// The tracer at work on one vCPU: the VM's state and that vCPU's,
