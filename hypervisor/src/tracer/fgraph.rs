@@ -542,6 +542,10 @@ impl Graph {
             ];
             store_parts(out.ring, out.record, &h, &values);
         }
+        if frame.data_lost {
+            // Its return probes and notrace marks could not be read back.
+            out.stats.graph_misses += 1;
+        }
         let ids = frame
             .data
             .iter()

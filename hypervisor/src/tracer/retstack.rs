@@ -58,6 +58,7 @@
 //! goes back into the trampoline, whose second return pops the caller's.
 
 use alloc::vec::Vec;
+use guest_introspect::fallible;
 
 /// Graph users that can share frames.
 pub const MAX_USERS: usize = 16;
@@ -170,6 +171,10 @@ pub struct Frame {
     pub depth: usize,
     /// Data blocks: (user index, words).
     pub data: Vec<(u8, Vec<u64>)>,
+    /// The heap had no room to copy the data blocks out: the frame is
+    /// popped all the same (its return must go back where it came from),
+    /// without them.
+    pub data_lost: bool,
 }
 
 /// Why a push failed.
@@ -411,7 +416,11 @@ impl RetStack {
             .get(start..i)?
             .split_first_chunk::<FRAME_WORDS>()?;
         let mut data = Vec::new();
-        // Data blocks, walked down from just below the frame tag.
+        let mut data_lost = false;
+        // Data blocks, walked down from just below the frame tag. Their
+        // copies are the one allocation of a return: it may fail (the heap
+        // is root's, its size follows the guest's calls), and then the
+        // frame goes without them.
         let mut rest = blocks;
         while let Some((&word, below)) = rest.split_last() {
             let t = Tag::decode(word)?;
@@ -420,7 +429,16 @@ impl RetStack {
             }
             let first = below.len().checked_sub(t.offset)?;
             let (before, block) = below.split_at_checked(first)?;
-            data.push((t.users as u8, block.to_vec()));
+            if !data_lost {
+                let copied = fallible::try_with_capacity(block.len()).and_then(|mut words| {
+                    words.extend_from_slice(block);
+                    fallible::try_push(&mut data, (t.users as u8, words))
+                });
+                if copied.is_err() {
+                    data = Vec::new();
+                    data_lost = true;
+                }
+            }
             rest = before;
         }
         data.reverse();
@@ -432,10 +450,27 @@ impl RetStack {
             users: tag.users,
             depth: self.depth - 1,
             data,
+            data_lost,
         };
         self.words.truncate(start);
         self.depth -= 1;
         Some(frame)
+    }
+
+    /// Removes the top frame without reading it (nothing is allocated).
+    fn drop_top(&mut self) -> bool {
+        let Some((i, tag)) = self.top_tag() else {
+            return false;
+        };
+        let Some(start) = i.checked_sub(tag.offset) else {
+            return false;
+        };
+        if tag.kind != TagType::Frame || start + FRAME_WORDS > i {
+            return false;
+        }
+        self.words.truncate(start);
+        self.depth = self.depth.saturating_sub(1);
+        true
     }
 
     /// Drops frames whose return slot lies below `sp` (a call on this stack
@@ -444,7 +479,7 @@ impl RetStack {
     pub fn reclaim_below(&mut self, sp: u64) -> usize {
         let mut n = 0;
         while self.top_retp().is_some_and(|r| r < sp) {
-            if self.pop_top().is_none() {
+            if !self.drop_top() {
                 break;
             }
             n += 1;
@@ -721,6 +756,26 @@ mod tests {
         assert_eq!(s.depth(), 1);
         s.push(4, 4, 4, STACK - 150, 1, &[]).unwrap();
         assert!(matches!(s.pop(STACK - 150), PopResult::Found { .. }));
+    }
+
+    #[test]
+    fn reclaiming_frames_with_data_keeps_the_live_frames_data() {
+        let mut s = RetStack::new(128);
+        s.push(1, 1, 1, STACK - 100, 1, &[(0, &[41, 42])]).unwrap();
+        s.push(2, 2, 2, STACK - 200, 1, &[(0, &[7]), (1, &[8, 9])])
+            .unwrap();
+        s.push(3, 3, 3, STACK - 300, 1, &[(2, &[5])]).unwrap();
+        // Two dead frames with data blocks go without being read.
+        assert_eq!(s.reclaim_below(STACK - 150), 2);
+        assert_eq!(s.depth(), 1);
+        match s.pop(STACK - 100) {
+            PopResult::Found { frame, dropped } => {
+                assert_eq!((frame.ret, dropped, frame.data_lost), (1, 0, false));
+                assert_eq!(frame.data, vec![(0, vec![41, 42])]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(s.is_empty());
     }
 
     #[test]
