@@ -1,7 +1,9 @@
 //! The few ACPI tables the hypervisor reads from firmware memory before the
-//! guest runs: the RSDP (to hand its address to the guest) and the FADT's PM1a
-//! control port (to notice the guest powering off). ACPI 6.4 sections 5.2.5
-//! (RSDP), 5.2.7/5.2.8 (RSDT/XSDT) and 5.2.9 (FADT).
+//! guest runs: the RSDP (to hand its address to the guest), the FADT's PM1a
+//! control port (to notice the guest powering off) and the MADT's
+//! processors (to take every one into VMX before the guest can start it).
+//! ACPI 6.4 sections 5.2.5 (RSDP), 5.2.7/5.2.8 (RSDT/XSDT), 5.2.9 (FADT)
+//! and 5.2.12 (MADT).
 
 /// Reads physical memory; `false` when the range is not readable.
 pub trait PhysRead {
@@ -66,8 +68,9 @@ fn table<'b>(mem: &impl PhysRead, addr: u64, sig: &[u8; 4], buf: &'b mut [u8]) -
     Some(t)
 }
 
-/// Follows RSDP -> XSDT or RSDT -> FACP and returns the PM1 control ports.
-pub fn find_fadt(mem: &impl PhysRead, rsdp: u64) -> Option<Fadt> {
+/// The system description tables the RSDP lists (through the XSDT when
+/// it has one, else the RSDT): their addresses, at most 32.
+fn sdt_addresses(mem: &impl PhysRead, rsdp: u64) -> Option<([u64; 32], usize)> {
     let mut r = [0u8; 36];
     if !mem.read(rsdp, &mut r[..20]) {
         return None;
@@ -83,20 +86,23 @@ pub fn find_fadt(mem: &impl PhysRead, rsdp: u64) -> Option<Fadt> {
         None => (le32(&r, 16)? as u64, 4usize, b"RSDT"),
     };
     let mut entries = [0u64; 32];
-    let n = {
-        let t = table(mem, root, sig, &mut buf)?;
-        let body = t.get(36..)?;
-        let mut n = 0;
-        for (e, raw) in entries.iter_mut().zip(body.chunks_exact(entry)) {
-            *e = if entry == 8 {
-                le64(raw, 0)?
-            } else {
-                le32(raw, 0)? as u64
-            };
-            n += 1;
-        }
-        n
-    };
+    let t = table(mem, root, sig, &mut buf)?;
+    let body = t.get(36..)?;
+    let mut n = 0;
+    for (e, raw) in entries.iter_mut().zip(body.chunks_exact(entry)) {
+        *e = if entry == 8 {
+            le64(raw, 0)?
+        } else {
+            le32(raw, 0)? as u64
+        };
+        n += 1;
+    }
+    Some((entries, n))
+}
+
+/// Follows RSDP -> XSDT or RSDT -> FACP and returns the PM1 control ports.
+pub fn find_fadt(mem: &impl PhysRead, rsdp: u64) -> Option<Fadt> {
+    let (entries, n) = sdt_addresses(mem, rsdp)?;
     for &addr in entries.iter().take(n) {
         let mut fb = [0u8; 512];
         if let Some(f) = table(mem, addr, b"FACP", &mut fb) {
@@ -115,6 +121,99 @@ pub fn find_fadt(mem: &impl PhysRead, rsdp: u64) -> Option<Fadt> {
         }
     }
     None
+}
+
+/// The most processors the hypervisor takes (and reads from the MADT).
+pub const MAX_CPUS: usize = 16;
+
+/// The processors the MADT lists as usable, in its order (the order in
+/// which Linux numbers them, after the boot processor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cpus {
+    /// The local APIC's physical address (the MADT's, or its 64-bit override).
+    pub lapic_base: u64,
+    /// APIC IDs of the enabled (or online-capable) processors.
+    ids: [u32; MAX_CPUS],
+    count: usize,
+    /// Usable processors past [`MAX_CPUS`], not taken.
+    pub ignored: usize,
+}
+
+impl Cpus {
+    /// The APIC IDs, in MADT order.
+    pub fn apic_ids(&self) -> &[u32] {
+        self.ids.get(..self.count).unwrap_or(&[])
+    }
+
+    fn push(&mut self, id: u32) {
+        if self.apic_ids().contains(&id) {
+            return;
+        }
+        match self.ids.get_mut(self.count) {
+            Some(slot) => {
+                *slot = id;
+                self.count += 1;
+            }
+            None => self.ignored += 1,
+        }
+    }
+}
+
+/// MADT entry types (ACPI 6.4 table 5.45).
+const MADT_LOCAL_APIC: u8 = 0;
+const MADT_LAPIC_OVERRIDE: u8 = 5;
+const MADT_LOCAL_X2APIC: u8 = 9;
+/// Local APIC flags: enabled, online capable (ACPI 6.4 table 5.47).
+const LAPIC_ENABLED: u32 = 1;
+const LAPIC_ONLINE_CAPABLE: u32 = 2;
+
+/// Reads the processors from the MADT ("APIC"). `None` when there is no
+/// readable MADT; a table cut short yields the entries before the cut.
+pub fn find_cpus(mem: &impl PhysRead, rsdp: u64) -> Option<Cpus> {
+    let (entries, n) = sdt_addresses(mem, rsdp)?;
+    let mut buf = [0u8; 4096];
+    let t = entries
+        .iter()
+        .take(n)
+        .find_map(|&addr| table(mem, addr, b"APIC", &mut buf).map(|t| t.len()))
+        .and_then(|len| buf.get(..len))?;
+    let mut cpus = Cpus {
+        lapic_base: u64::from(le32(t, 36)?),
+        ids: [0; MAX_CPUS],
+        count: 0,
+        ignored: 0,
+    };
+    let mut o = 44usize;
+    while let (Some(&kind), Some(&len)) = (t.get(o), t.get(o + 1)) {
+        let e = match t.get(o..o + usize::from(len)) {
+            Some(e) if len >= 2 => e,
+            _ => break,
+        };
+        match kind {
+            MADT_LOCAL_APIC => {
+                if let (Some(&id), Some(flags)) = (e.get(3), le32(e, 4)) {
+                    if flags & (LAPIC_ENABLED | LAPIC_ONLINE_CAPABLE) != 0 {
+                        cpus.push(u32::from(id));
+                    }
+                }
+            }
+            MADT_LOCAL_X2APIC => {
+                if let (Some(id), Some(flags)) = (le32(e, 4), le32(e, 8)) {
+                    if flags & (LAPIC_ENABLED | LAPIC_ONLINE_CAPABLE) != 0 {
+                        cpus.push(id);
+                    }
+                }
+            }
+            MADT_LAPIC_OVERRIDE => {
+                if let Some(base) = le64(e, 4) {
+                    cpus.lapic_base = base;
+                }
+            }
+            _ => {}
+        }
+        o += usize::from(len);
+    }
+    Some(cpus)
 }
 
 #[cfg(test)]
@@ -222,5 +321,85 @@ mod tests {
         m.0.insert(0x1000, rsdt);
         m.0.insert(0, rsdp(0x1000));
         assert_eq!(find_fadt(&m, 0), None);
+    }
+
+    fn madt(entries: &[&[u8]]) -> Vec<u8> {
+        let mut body = 0xfee0_0000u32.to_le_bytes().to_vec();
+        body.extend_from_slice(&1u32.to_le_bytes());
+        for e in entries {
+            body.extend_from_slice(e);
+        }
+        sdt(b"APIC", &body)
+    }
+
+    fn lapic(id: u8, flags: u32) -> Vec<u8> {
+        let mut e = vec![0u8, 8, id, id];
+        e.extend_from_slice(&flags.to_le_bytes());
+        e
+    }
+
+    fn with_madt(madt: Vec<u8>) -> Mem {
+        let mut m = Mem(BTreeMap::new());
+        m.0.insert(0, rsdp(0x1000));
+        m.0.insert(
+            0x1000,
+            sdt(b"RSDT", &[0x00, 0x20, 0, 0, 0x00, 0x30, 0, 0]),
+        );
+        m.0.insert(0x2000, sdt(b"FACP", &[0; 40]));
+        m.0.insert(0x3000, madt);
+        m
+    }
+
+    #[test]
+    fn the_madt_lists_usable_processors_in_order() {
+        let x2 = {
+            let mut e = vec![9u8, 16, 0, 0];
+            e.extend_from_slice(&300u32.to_le_bytes());
+            e.extend_from_slice(&1u32.to_le_bytes());
+            e.extend_from_slice(&7u32.to_le_bytes());
+            e
+        };
+        // An IOAPIC entry (type 1, 12 bytes) between the processors.
+        let ioapic = [1u8, 12, 0, 0, 0, 0, 0xc0, 0xfe, 0, 0, 0, 0];
+        let m = with_madt(madt(&[
+            &lapic(0, 1),
+            &ioapic,
+            &lapic(2, 1),
+            &lapic(1, 0), // disabled, not online capable
+            &lapic(3, 2), // online capable
+            &x2,
+            &lapic(2, 1), // listed twice
+        ]));
+        let cpus = find_cpus(&m, 0).unwrap();
+        assert_eq!(cpus.apic_ids(), &[0, 2, 3, 300]);
+        assert_eq!((cpus.lapic_base, cpus.ignored), (0xfee0_0000, 0));
+    }
+
+    #[test]
+    fn a_madt_override_moves_the_lapic_and_extra_processors_are_counted() {
+        let mut over = vec![5u8, 12, 0, 0];
+        over.extend_from_slice(&0x1_fee0_0000u64.to_le_bytes());
+        let procs: Vec<Vec<u8>> = (0..MAX_CPUS as u8 + 3).map(|i| lapic(i, 1)).collect();
+        let mut entries: Vec<&[u8]> = procs.iter().map(|p| p.as_slice()).collect();
+        entries.push(&over);
+        let cpus = find_cpus(&with_madt(madt(&entries)), 0).unwrap();
+        assert_eq!(cpus.apic_ids().len(), MAX_CPUS);
+        assert_eq!(cpus.apic_ids()[MAX_CPUS - 1], MAX_CPUS as u32 - 1);
+        assert_eq!((cpus.ignored, cpus.lapic_base), (3, 0x1_fee0_0000));
+    }
+
+    #[test]
+    fn a_truncated_or_corrupt_madt_yields_what_precedes_the_damage() {
+        // An entry whose length runs past the table, after one good entry.
+        let mut t = madt(&[&lapic(0, 1), &[0u8, 40, 1, 1]]);
+        fix_sum(&mut t, 9);
+        assert_eq!(find_cpus(&with_madt(t), 0).unwrap().apic_ids(), &[0]);
+        // A zero-length entry cannot loop forever.
+        let t = madt(&[&lapic(4, 1), &[7u8, 0, 0, 0]]);
+        assert_eq!(find_cpus(&with_madt(t), 0).unwrap().apic_ids(), &[4]);
+        // A bad checksum: no MADT at all.
+        let mut t = madt(&[&lapic(0, 1)]);
+        t[40] ^= 1;
+        assert_eq!(find_cpus(&with_madt(t), 0), None);
     }
 }
