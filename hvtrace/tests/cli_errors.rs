@@ -165,6 +165,10 @@ fn bad_numbers() {
     assert!(msg.contains("lots"), "{msg}");
     let msg = fails(&["run", "--bare", "--timeout", "0"]);
     assert!(msg.contains("--timeout"), "{msg}");
+    for cpus in ["0", "17"] {
+        let msg = fails(&["run", "--bare", "--cpus", cpus]);
+        assert!(msg.contains("--cpus must be between 1 and 16"), "{msg}");
+    }
 }
 
 #[test]
@@ -183,6 +187,7 @@ fn help_works() {
         "--exec",
         "--bare",
         "--timeout",
+        "--cpus",
         "--socket",
     ] {
         assert!(text.contains(option), "help lacks {option}");

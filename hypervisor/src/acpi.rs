@@ -341,10 +341,7 @@ mod tests {
     fn with_madt(madt: Vec<u8>) -> Mem {
         let mut m = Mem(BTreeMap::new());
         m.0.insert(0, rsdp(0x1000));
-        m.0.insert(
-            0x1000,
-            sdt(b"RSDT", &[0x00, 0x20, 0, 0, 0x00, 0x30, 0, 0]),
-        );
+        m.0.insert(0x1000, sdt(b"RSDT", &[0x00, 0x20, 0, 0, 0x00, 0x30, 0, 0]));
         m.0.insert(0x2000, sdt(b"FACP", &[0; 40]));
         m.0.insert(0x3000, madt);
         m

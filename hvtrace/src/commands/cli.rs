@@ -18,7 +18,7 @@ use clap::{value_parser, ArgGroup, Args, Parser, Subcommand};
 
 use crate::vm::config::{
     self, Emulator, EmulatorChoice, Guest, RunConfig, DEFAULT_APPEND, DEFAULT_BOCHS_IPS,
-    DEFAULT_MEMORY_MIB,
+    DEFAULT_CPUS, DEFAULT_MEMORY_MIB, MAX_CPUS,
 };
 use crate::vm::{guest, hv_image};
 
@@ -337,6 +337,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "MIB", default_value_t = DEFAULT_MEMORY_MIB)]
     pub memory: u32,
 
+    /// vCPUs of the guest VM (Bochs `cpu: count`, QEMU `-smp`); default 1,
+    /// as QEMU's own default: one vCPU keeps Bochs at full speed and a trace
+    /// readable; trace SMP behaviour with 2 or more.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_CPUS, allow_negative_numbers = true, value_parser = parse_cpus)]
+    pub cpus: u32,
+
     /// Run CMD in the guest shell and print its output (repeatable; on
     /// stderr when tracing); without any, the terminal is connected to the
     /// guest console.
@@ -419,6 +425,14 @@ pub struct RunArgs {
     pub graph_filter: GraphFilterArgs,
 }
 
+/// Parses `--cpus`: a count from 1 to [`MAX_CPUS`].
+fn parse_cpus(value: &str) -> Result<u32, String> {
+    match value.trim().parse::<u32>() {
+        Ok(n) if (1..=MAX_CPUS).contains(&n) => Ok(n),
+        _ => Err(format!("--cpus must be between 1 and {MAX_CPUS}")),
+    }
+}
+
 impl RunArgs {
     /// True when the run traces its commands (`--probe`, `--function`,
     /// `--graph`).
@@ -462,6 +476,7 @@ impl RunArgs {
         let mut cfg = RunConfig::new(kernel, initrd).with_emulator(emulator);
         cfg.append = args.append.clone();
         cfg.memory_mib = args.memory;
+        cfg.cpus = args.cpus;
         cfg.timeout = Duration::from_secs(args.timeout);
         cfg.keep_dir = args.keep_dir;
         cfg.progress = true;
@@ -541,7 +556,51 @@ mod tests {
         assert_eq!(args.emulator, EmulatorChoice::Auto);
         assert_eq!(args.append, DEFAULT_APPEND);
         assert_eq!(args.memory, 512);
+        assert_eq!(args.cpus, 1);
         assert!(args.exec.is_empty() && !args.bare && !args.detach);
+    }
+
+    #[test]
+    fn cpus_option() {
+        let args = run_args(Cli::try_parse_from(["hvtrace", "run", "--cpus", "2"]).unwrap());
+        assert_eq!(args.cpus, 2);
+        let args = run_args(Cli::try_parse_from(["hvtrace", "run", "--cpus=16"]).unwrap());
+        assert_eq!(args.cpus, 16);
+        // With --detach, and with a one-shot trace.
+        let args =
+            run_args(Cli::try_parse_from(["hvtrace", "run", "--detach", "--cpus", "4"]).unwrap());
+        assert!(args.detach && args.cpus == 4);
+        let args = run_args(
+            Cli::try_parse_from([
+                "hvtrace", "run", "--cpus", "2", "--graph", "vfs_read", "--exec", "true",
+            ])
+            .unwrap(),
+        );
+        assert!(args.traces() && args.cpus == 2);
+    }
+
+    #[test]
+    fn bad_cpu_counts_are_one_line() {
+        for bad in ["0", "17", "100", "-1", "two", ""] {
+            let err = Cli::try_parse_from(["hvtrace", "run", "--cpus", bad]).unwrap_err();
+            let line = one_line_error(&err);
+            assert!(!line.contains('\n'));
+            assert!(
+                line.contains("--cpus must be between 1 and 16"),
+                "{bad:?}: {line}"
+            );
+        }
+        let err = Cli::try_parse_from(["hvtrace", "run", "--cpus"]).unwrap_err();
+        assert!(one_line_error(&err).contains("--cpus <N>"));
+    }
+
+    #[test]
+    fn cpus_help() {
+        let run = help_of(&["run"]);
+        assert!(
+            run.contains("--cpus <N> vCPUs of the guest VM (Bochs `cpu: count`, QEMU `-smp`); default 1, as QEMU's own default: one vCPU keeps Bochs at full speed and a trace readable; trace SMP behaviour with 2 or more"),
+            "{run}"
+        );
     }
 
     #[test]

@@ -63,6 +63,7 @@ pub fn supervisor_args(cfg: &RunConfig, args: &RunArgs, run_dir: &Path) -> Resul
         abs("hypervisor image", hypervisor)?,
         format!("--append={}", cfg.append),
         format!("--memory={}", cfg.memory_mib),
+        format!("--cpus={}", cfg.cpus),
         format!("--timeout={}", cfg.timeout.as_secs().max(1)),
         format!("--bochs-ips={}", cfg.bochs_ips),
         format!("--console-cap={}", cfg.console_cap),
@@ -281,6 +282,7 @@ mod tests {
         let mut cfg = RunConfig::new("k/bzImage", "/i/initrd").with_hypervisor("hv");
         cfg.emulator = Emulator::Qemu { kvm: false };
         cfg.append = "console=ttyS0,115200 quiet".into();
+        cfg.cpus = 3;
         let a = supervisor_args(&cfg, &args, Path::new("/run/x")).unwrap();
         assert_eq!(&a[..3], ["supervise", "--run-dir", "/run/x"]);
         let kernel = &a[a.iter().position(|x| x == "--kernel").unwrap() + 1];
@@ -290,6 +292,7 @@ mod tests {
         );
         assert!(a.contains(&"--append=console=ttyS0,115200 quiet".to_string()));
         assert!(a.contains(&"--emulator=qemu".to_string()) && a.contains(&"--no-kvm".to_string()));
+        assert!(a.contains(&"--cpus=3".to_string()), "{a:?}");
         // The child parses what the parent builds.
         let mut argv = vec!["hvtrace".to_string(), "--socket".into(), "/s".into()];
         argv.extend(a);
@@ -298,6 +301,7 @@ mod tests {
             panic!("not supervise")
         };
         assert_eq!(s.run.append, "console=ttyS0,115200 quiet");
+        assert_eq!(s.run.cpus, 3);
         assert_eq!(s.run_dir, Path::new("/run/x"));
         assert!(s.run.quiet && s.run.no_kvm);
         // A bare run has no control channel to detach from.

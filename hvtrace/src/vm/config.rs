@@ -12,6 +12,14 @@ use crate::{vm::guest, vm::host};
 pub const DEFAULT_APPEND: &str = "console=ttyS0,115200 panic=-1";
 /// Guest RAM given to the emulator, in MiB.
 pub const DEFAULT_MEMORY_MIB: u32 = 512;
+/// vCPUs of the guest VM when none is asked for: one, as QEMU's own
+/// default. Bochs emulates every CPU in one host thread, so each extra vCPU
+/// slows all of them; one vCPU also keeps a trace's lines in one stream.
+pub const DEFAULT_CPUS: u32 = 1;
+/// The most vCPUs a run may have: no more than the hypervisor takes into
+/// VMX from the MADT (`hypervisor::acpi::MAX_CPUS`).
+pub const MAX_CPUS: u32 = 16;
+const _: () = assert!(MAX_CPUS as usize <= hypervisor::acpi::MAX_CPUS);
 /// Wall-clock limit of a whole run.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 /// Emulated instructions per second that Bochs assumes (its `ips`).
@@ -104,6 +112,10 @@ pub struct RunConfig {
     pub emulator: Emulator,
     /// Guest RAM in MiB.
     pub memory_mib: u32,
+    /// vCPUs of the guest VM, 1 to [`MAX_CPUS`] (default [`DEFAULT_CPUS`]):
+    /// Bochs' `cpu: count` (processors of one core and one thread each),
+    /// QEMU's `-smp`.
+    pub cpus: u32,
     /// The hypervisor image; `None` boots the kernel bare, without it.
     pub hypervisor: Option<PathBuf>,
     /// The hypervisor's own Multiboot command line, empty by default. It
@@ -148,6 +160,7 @@ impl RunConfig {
             append: DEFAULT_APPEND.to_string(),
             emulator: Emulator::Bochs,
             memory_mib: DEFAULT_MEMORY_MIB,
+            cpus: DEFAULT_CPUS,
             hypervisor: None,
             hypervisor_cmdline: String::new(),
             timeout: DEFAULT_TIMEOUT,
@@ -205,6 +218,9 @@ impl RunConfig {
                 "--memory {} MiB is too small (at least 64)",
                 self.memory_mib
             );
+        }
+        if !(1..=MAX_CPUS).contains(&self.cpus) {
+            bail!("--cpus must be between 1 and {MAX_CPUS}");
         }
         if self.append.contains(['\n', '\r']) {
             bail!("--append must be a single line");
@@ -283,6 +299,14 @@ pub fn check_file(what: &str, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// A vCPU count for messages: `1 vCPU`, `2 vCPUs`.
+pub fn vcpus(count: u32) -> String {
+    match count {
+        1 => "1 vCPU".to_string(),
+        n => format!("{n} vCPUs"),
+    }
+}
+
 /// True when the command line turns KASLR off.
 pub fn disables_kaslr(append: &str) -> bool {
     append.split_whitespace().any(|word| word == "nokaslr")
@@ -298,6 +322,37 @@ mod tests {
         assert!(disables_kaslr("nokaslr"));
         assert!(!disables_kaslr("console=ttyS0,115200 panic=-1"));
         assert!(!disables_kaslr("hvtrace_nokaslr_test=1"));
+    }
+
+    #[test]
+    fn one_vcpu_by_default() {
+        let cfg = RunConfig::new("k", "i");
+        assert_eq!(cfg.cpus, 1);
+        assert_eq!(DEFAULT_CPUS, 1);
+        assert_eq!(vcpus(1), "1 vCPU");
+        assert_eq!(vcpus(2), "2 vCPUs");
+    }
+
+    #[test]
+    fn validate_bounds_the_cpu_count() {
+        // Any existing regular file passes the file checks.
+        let exe = std::env::current_exe().unwrap();
+        let base = RunConfig::new(&exe, &exe);
+        for cpus in [1, 2, MAX_CPUS] {
+            let cfg = RunConfig {
+                cpus,
+                ..base.clone()
+            };
+            assert!(cfg.validate().is_ok(), "{cpus}");
+        }
+        for cpus in [0, MAX_CPUS + 1] {
+            let cfg = RunConfig {
+                cpus,
+                ..base.clone()
+            };
+            let err = format!("{:#}", cfg.validate().unwrap_err());
+            assert_eq!(err, "--cpus must be between 1 and 16");
+        }
     }
 
     #[test]

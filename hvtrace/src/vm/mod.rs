@@ -36,7 +36,7 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use self::bounded::CappedLog;
 use self::channel::{Channel, Endpoint, Listener};
-use self::config::{Emulator, RunConfig};
+use self::config::{vcpus, Emulator, RunConfig};
 use self::console::{ConsoleBuffer, ExecResult, Markers};
 use self::hvlog::{HvEvent, HvLog, FAULT_STOP};
 
@@ -251,8 +251,9 @@ impl Vm {
             "bare, without the hypervisor"
         };
         shared.note(&format!(
-            "starting {} ({what}); run directory {}",
+            "starting {} with {} ({what}); run directory {}",
             cfg.emulator,
+            vcpus(cfg.cpus),
             dir.display()
         ));
         if qemu && !unix {
@@ -1086,6 +1087,7 @@ fn prepare(
                     memory_mib: cfg.memory_mib,
                     ips: cfg.bochs_ips,
                     cpu_model: &cfg.bochs_cpu,
+                    cpus: cfg.cpus,
                     serial_port,
                     control_port,
                 },

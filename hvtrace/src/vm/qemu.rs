@@ -81,7 +81,8 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
         push(&["-accel", "tcg", "-cpu", "max"]);
     }
     let memory = cfg.memory_mib.to_string();
-    push(&["-m", &memory, "-smp", "1"]);
+    let cpus = cfg.cpus.to_string();
+    push(&["-m", &memory, "-smp", &cpus]);
     match hypervisor {
         Some(image) => {
             let image = image.to_string_lossy();
@@ -246,6 +247,34 @@ mod tests {
         let args = args(&cfg, false, Some(Path::new("/x/hypervisor")), ports);
         assert!(values(&args, "-debugcon").is_empty(), "{args:?}");
         assert_eq!(values(&args, "-serial"), ["chardev:con", "chardev:ctl"]);
+    }
+
+    #[test]
+    fn smp_is_the_cpu_count() {
+        let (serial, control) = (Endpoint::Tcp(5), Endpoint::Tcp(6));
+        let ports = Ports {
+            serial: &serial,
+            control: &control,
+        };
+        let one = RunConfig::new("k", "i");
+        for args in [
+            args(&one, true, Some(Path::new("/x/hypervisor")), ports),
+            args(&one, false, None, ports),
+        ] {
+            assert_eq!(values(&args, "-smp"), ["1"], "{args:?}");
+        }
+        let two = RunConfig {
+            cpus: 2,
+            ..RunConfig::new("k", "i")
+        };
+        for args in [
+            args(&two, true, Some(Path::new("/x/hypervisor")), ports),
+            args(&two, false, Some(Path::new("/x/hypervisor")), ports),
+            args(&two, false, None, ports),
+        ] {
+            assert_eq!(values(&args, "-smp"), ["2"], "{args:?}");
+            assert_eq!(values(&args, "-m"), ["512"], "{args:?}");
+        }
     }
 
     #[test]

@@ -121,6 +121,9 @@ fn power_off(fadt: Option<acpi::Fadt>) {
 enum Fatal {
     Vmx(vcpu::VmxError),
     Load(guest::LoadError),
+    /// The machine has processors that root does not take into VMX: the
+    /// guest could start them outside VMX, with the run of the machine.
+    UntakenCpus(usize),
 }
 
 impl core::fmt::Display for Fatal {
@@ -128,6 +131,11 @@ impl core::fmt::Display for Fatal {
         match self {
             Self::Vmx(e) => write!(f, "{e}"),
             Self::Load(e) => write!(f, "{e}"),
+            Self::UntakenCpus(n) => write!(
+                f,
+                "the machine has {n} processors and this hypervisor takes only one into VMX; \
+                 the guest could start the others outside it: start the machine with one CPU"
+            ),
         }
     }
 }
@@ -169,6 +177,19 @@ fn run(
         log::info!("ACPI PM1a control at port {:#x}", f.pm1a_cnt);
     }
     vcpu::check_support()?;
+    // Every processor the firmware lists must be root's before the guest
+    // runs: an application processor left in the firmware's hands would
+    // run whatever the guest's start-up IPI points it at, outside VMX.
+    if let Some(cpus) = rsdp.and_then(|r| acpi::find_cpus(&phys::Phys, r)) {
+        let n = cpus.apic_ids().len() + cpus.ignored;
+        log::info!(
+            "MADT: {n} processor(s), local APIC at {:#x}",
+            cpus.lapic_base
+        );
+        if n > 1 {
+            return Err(Fatal::UntakenCpus(n));
+        }
+    }
     let cfg = vcpu::setup(host, &boot, &entry, fadt)?;
     log::info!(
         "VMX ready, hypervisor memory in use {} KiB (heap {} of {} KiB)",

@@ -1,6 +1,7 @@
 //! VMX data: typed VMCS fields, capability arithmetic and the exit decoder.
 //! The instructions that act on them live in the binary's `arch` module.
 
+pub mod ap;
 pub mod caps;
 pub mod debug;
 pub mod entry;
