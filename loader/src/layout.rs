@@ -12,7 +12,8 @@
 //! 0x0000_9000 ┼ guest boot page tables: PML4                 BOOT_PML4
 //! 0x0000_A000 │   PDPT                                       BOOT_PDPT
 //! 0x0000_B000 │   4 page directories (2 MiB pages, 4 GiB)    BOOT_PD
-//! 0x0000_F000 ┼ (free)
+//! 0x0000_F000 ┼ AP start-up page: root's, not the guest's   AP_TRAMPOLINE
+//! 0x0001_0000 ┼ (free)
 //! 0x0002_0000 ┼ kernel command line, at most 64 KiB with NUL  CMDLINE
 //! 0x0003_0000 ┼ (free)
 //! 0x000A_0000 ┼ end of conventional RAM (VGA, option ROMs, BIOS above)
@@ -319,10 +320,17 @@ pub const CONTROL_PORT_BASE: u16 = 0x2F8;
 /// Last port of [`CONTROL_PORTS`].
 pub const CONTROL_PORT_LAST: u16 = 0x2FF;
 
+/// The page the hypervisor's application processors start in (a SIPI
+/// vector names a page below 1 MiB). It is root's for good: outside the
+/// guest's e820 and absent from EPT, so the guest can never choose the
+/// code an AP runs before it enters VMX.
+pub const AP_TRAMPOLINE: Hpa = Hpa(0xF000);
+
 /// The fixed low boot structures as `(base, size)`, for overlap checks and
 /// for callers that must keep other data out of them.
-pub const LOW_BOOT_STRUCTURES: [(u64, u64); 4] = [
+pub const LOW_BOOT_STRUCTURES: [(u64, u64); 5] = [
     (GDT.0, GDT_SIZE),
+    (AP_TRAMPOLINE.0, PAGE_SIZE),
     (ZERO_PAGE.0, ZERO_PAGE_SIZE),
     (BOOT_PML4.0, BOOT_TABLES_SIZE),
     (CMDLINE.0, COMMAND_LINE_MAX),

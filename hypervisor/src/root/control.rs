@@ -46,6 +46,23 @@ pub struct StatusSource<'a> {
     pub rip: u64,
     /// Root's guard counters.
     pub guard: protocol::GuardReport,
+    /// vCPUs the VM has (running or parked).
+    pub vcpus: usize,
+}
+
+/// The tracer hooks on one vCPU only, for now: with more, a split-view
+/// step would open a hooked page to the other vCPUs, and a patch could be
+/// torn under one that executes it (see ARCHITECTURE.md, SMP).
+fn smp_refusal(src: &StatusSource<'_>) -> Option<Response> {
+    (src.vcpus > 1).then(|| {
+        Response::error(
+            ErrorKind::Unsupported,
+            alloc::format!(
+                "tracing is not supported yet on a VM with {} vCPUs; start it with --cpus 1",
+                src.vcpus
+            ),
+        )
+    })
 }
 
 /// Name bytes per `Syms` answer, so that a page fits one frame.
@@ -277,6 +294,11 @@ impl Control {
                 cursor,
                 limit,
             } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
+            Request::ProbeAdd { .. } | Request::FunctionAdd { .. } | Request::GraphStart(_)
+                if src.vcpus > 1 =>
+            {
+                (smp_refusal(src).unwrap_or(Response::Ok), Action::None)
+            }
             Request::ProbeAdd { spec } => (
                 with_kernel(src, |src, k| {
                     with_env(src.ept, |env| src.tracer.probe_add(&spec, k, env, src.rip)).map(
@@ -456,7 +478,7 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
     StatusReport {
         hypervisor_version: String::from(crate::VERSION),
         protocol_version: protocol::PROTOCOL_VERSION,
-        vcpus: 1,
+        vcpus: src.vcpus as u32,
         uptime_ns: src.uptime_ns,
         guest_state: GuestState::Running,
         exits: src

@@ -11,6 +11,20 @@ use protocol::GuardReport;
 
 /// A vCPU's state across exits.
 pub struct CpuState {
+    /// Root's index of this vCPU (0: the boot processor); also its slot in
+    /// [`crate::vm::Vm::cpus`].
+    pub index: usize,
+    /// Whether this CPU's VMCS has been launched (VMRESUME from then on).
+    pub launched: bool,
+    /// TSC ticks spent waiting for the VM lock, and how often it was taken.
+    pub lock_wait_ticks: u64,
+    pub lock_takes: u64,
+    /// Guest APIC stores root could not decode, and start-up IPIs to the
+    /// boot processor, refused.
+    pub apic_refused: u64,
+    /// Entries on which root cleared the blocking-by-SMI bit that Bochs
+    /// 2.7 leaves in an AP's interruptibility state.
+    pub smi_blocking_cleared: u64,
     pub regs: GuestRegs,
     pub counters: ExitCounters,
     /// What root refused or emulated for this vCPU.
@@ -34,9 +48,16 @@ pub struct CpuState {
     pub tracer: tracer::CpuState,
 }
 
-impl Default for CpuState {
-    fn default() -> Self {
+impl CpuState {
+    /// The state of vCPU `index` before its first entry.
+    pub fn new(index: usize) -> Self {
         CpuState {
+            index,
+            launched: false,
+            lock_wait_ticks: 0,
+            lock_takes: 0,
+            apic_refused: 0,
+            smi_blocking_cleared: 0,
             regs: GuestRegs::default(),
             counters: ExitCounters::new(),
             guard: GuardReport::default(),

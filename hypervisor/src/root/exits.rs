@@ -2,14 +2,15 @@
 //! into a `RawExit`, decoded into a `VmExit`, counted, and handled here.
 
 use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
-use crate::control::{Action, Control, StatusSource};
+use crate::control::{Action, StatusSource};
 use crate::cpu_state::CpuState;
 use crate::hvprintln;
 use crate::introspect::{CpuView, GuestRam, KernelView};
 use crate::machine::with_env;
 use crate::phys;
-use crate::vcpu::{VmConfig, Vmcs};
+use crate::vcpu::Vmcs;
 use crate::vm::Vm;
+use alloc::vec::Vec;
 use core::fmt;
 use guest_introspect::paging::{self, Cr3, WalkError};
 use hypervisor::addr::Gva;
@@ -17,6 +18,7 @@ use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite};
 use hypervisor::task_switch::LegacyPaging;
 use hypervisor::tracer::{DebugState, Hypercall, Tracer, Violation};
+use hypervisor::vmx::ap;
 use hypervisor::vmx::debug;
 use hypervisor::vmx::entry::{self, Pending};
 use hypervisor::vmx::event::{self, Event};
@@ -109,9 +111,9 @@ impl HostCpu for RootCpu {
 /// The vCPU at work: the VM's state and its own, which the exit handlers
 /// below read and change. The two live in separate types ([`Vm`],
 /// [`CpuState`]) so that what an SMP guest shares is plain.
-pub struct Vcpu {
-    pub vm: Vm,
-    pub cpu: CpuState,
+pub struct Vcpu<'a> {
+    pub vm: &'a mut Vm,
+    pub cpu: &'a mut CpuState,
 }
 
 /// The tracer over the VM's state and the vCPU's.
@@ -228,45 +230,112 @@ const DR6_BT: u64 = 1 << 15;
 /// #PF.
 const PF: u8 = 14;
 
-impl Vcpu {
-    pub fn new(cfg: VmConfig, control: Option<Control>, tsc_hz: u64) -> Self {
-        Self {
-            vm: Vm::new(cfg, control, tsc_hz, insn::rdtsc()),
-            cpu: CpuState::default(),
+/// Fills the entry's event-injection fields (see
+/// [`hypervisor::vmx::entry::prepare_entry`]), with the NMI that root's
+/// own handler queued for this CPU.
+fn prepare_entry(cpu: &mut CpuState) -> Result<(), VmcsError> {
+    if cpu.index != 0 {
+        // Bochs 2.7 saves blocking by SMI after an AP's wait-for-SIPI, and
+        // refuses the next entry on it (see `hypervisor::vmx::ap`).
+        let intr = f::GUEST_INTERRUPTIBILITY.read(&Vmcs)?;
+        if intr & ap::BLOCKING_BY_SMI != 0 {
+            f::GUEST_INTERRUPTIBILITY.write(&mut Vmcs, intr & !ap::BLOCKING_BY_SMI)?;
+            cpu.smi_blocking_cleared += 1;
         }
     }
+    let mut pending = Pending {
+        inject: cpu.inject.take(),
+        vectoring: cpu.vectoring.take(),
+        nmi_window: cpu.nmi_window,
+    };
+    let done = entry::prepare_entry(
+        &mut Vmcs,
+        &mut pending,
+        crate::fatal::nmi_pending(cpu.index),
+    );
+    // Whatever was not written stays for the next entry.
+    cpu.inject = pending.inject;
+    cpu.vectoring = pending.vectoring;
+    cpu.nmi_window = pending.nmi_window;
+    let done = done?;
+    if done.nmi_delivered {
+        crate::fatal::take_nmi(cpu.index);
+        cpu.guard.nmis_injected += 1;
+    }
+    if done.reinjected {
+        cpu.guard.events_reinjected += 1;
+    }
+    Ok(())
+}
 
+/// Runs vCPU `cpu` until the VM stops: enter, read the exit, take the VM
+/// lock, handle the exit, let the lock go, enter again.
+pub fn run(cpu: &mut CpuState) -> StopReason {
+    let shared = crate::vm::shared();
+    if cpu.index == 0 {
+        let mut vm = shared.lock(&mut cpu.lock_wait_ticks);
+        if let Err(e) = (Vcpu { vm: &mut vm, cpu }).service() {
+            return e.into();
+        }
+    }
+    loop {
+        if let Err(e) = prepare_entry(cpu) {
+            return e.into();
+        }
+        // SAFETY: `vcpu::setup` or `vcpu::setup_ap` filled the current
+        // VMCS completely.
+        let outcome = unsafe { insn::vmx_run(&mut cpu.regs, cpu.launched) };
+        if let RunOutcome::EntryFailed(e) = outcome {
+            let err = f::VM_INSTRUCTION_ERROR.read(&Vmcs).unwrap_or(0);
+            hvprintln!(
+                "error: vCPU {}: {} failed: {e:?}, VM-instruction error {err}",
+                cpu.index,
+                if cpu.launched { "VMRESUME" } else { "VMLAUNCH" }
+            );
+            dump_vmcs();
+            return StopReason::EntryFailed;
+        }
+        cpu.launched = true;
+        let raw = match entry::read_exit(&Vmcs, &cpu.regs) {
+            Ok(r) => r,
+            Err(e) => return e.into(),
+        };
+        cpu.counters.record(raw.reason as u16);
+        cpu.vectoring = match entry::read_vectoring(&Vmcs) {
+            Ok(e) => e,
+            Err(e) => return e.into(),
+        };
+        let exit = decode(&raw);
+        let timer = matches!(exit, VmExit::PreemptionTimer);
+        let mut vm = shared.lock(&mut cpu.lock_wait_ticks);
+        cpu.lock_takes += 1;
+        let mut v = Vcpu { vm: &mut vm, cpu };
+        let now = v.vm.clock.update(insn::rdtsc());
+        match v.handle(exit) {
+            Ok(Next::Resume) => {}
+            Ok(Next::Stop(r)) => return r,
+            Err(e) => return e.into(),
+        }
+        if !timer && now.saturating_sub(v.cpu.last_turn) > v.cpu.turn_ticks {
+            match v.service() {
+                Ok(Next::Resume) => {}
+                Ok(Next::Stop(r)) => return r,
+                Err(e) => return e.into(),
+            }
+        }
+        if let Err(e) = v.ap_mailbox() {
+            return e.into();
+        }
+    }
+}
+
+impl Vcpu<'_> {
     /// Root's guard counters, as the status reports them.
     pub fn guard(&self) -> GuardReport {
         GuardReport {
             nmis_in_root: crate::fatal::nmis_in_root(),
             ..self.cpu.guard
         }
-    }
-
-    /// Fills the entry's event-injection fields (see
-    /// [`hypervisor::vmx::entry::prepare_entry`]), with the NMI that root's
-    /// own handler queued.
-    fn prepare_entry(&mut self) -> Result<(), VmcsError> {
-        let mut pending = Pending {
-            inject: self.cpu.inject.take(),
-            vectoring: self.cpu.vectoring.take(),
-            nmi_window: self.cpu.nmi_window,
-        };
-        let done = entry::prepare_entry(&mut Vmcs, &mut pending, crate::fatal::nmi_pending());
-        // Whatever was not written stays for the next entry.
-        self.cpu.inject = pending.inject;
-        self.cpu.vectoring = pending.vectoring;
-        self.cpu.nmi_window = pending.nmi_window;
-        let done = done?;
-        if done.nmi_delivered {
-            crate::fatal::take_nmi();
-            self.cpu.guard.nmis_injected += 1;
-        }
-        if done.reinjected {
-            self.cpu.guard.events_reinjected += 1;
-        }
-        Ok(())
     }
 
     fn timer_value(&self, busy: bool) -> u32 {
@@ -312,7 +381,10 @@ impl Vcpu {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
             self.cpu.debug_exits = false;
         }
-        if self.vm.control.is_some() {
+        if self.cpu.index == 0 {
+            self.resend_sipis();
+        }
+        if self.cpu.index == 0 && self.vm.control.is_some() {
             let now = self.now_ns();
             let cpu = self.cpu_view()?;
             let rip = f::GUEST_RIP.read(&Vmcs)?;
@@ -332,6 +404,7 @@ impl Vcpu {
                 ept: &self.vm.cfg.ept,
                 rip,
                 guard,
+                vcpus: self.vm.cpus.len(),
             };
             stop = c.poll(&mut src) == Action::Stop;
             let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
@@ -356,6 +429,9 @@ impl Vcpu {
                 self.cpu.timer = t;
             }
         }
+        if self.cpu.index != 0 {
+            return Ok(Next::Resume);
+        }
         if stop && self.vm.stopping.is_none() {
             // Keep the guest running a few turns so that the acknowledgement
             // reaches the host before the machine goes away.
@@ -368,55 +444,6 @@ impl Vcpu {
             self.vm.stopping = Some(left - 1);
         }
         Ok(Next::Resume)
-    }
-
-    /// Runs the guest until it stops.
-    pub fn run(&mut self) -> StopReason {
-        let mut launched = false;
-        if let Err(e) = self.service() {
-            return e.into();
-        }
-        loop {
-            if let Err(e) = self.prepare_entry() {
-                return e.into();
-            }
-            // SAFETY: `vcpu::setup` filled the current VMCS completely.
-            let outcome = unsafe { insn::vmx_run(&mut self.cpu.regs, launched) };
-            if let RunOutcome::EntryFailed(e) = outcome {
-                let err = f::VM_INSTRUCTION_ERROR.read(&Vmcs).unwrap_or(0);
-                hvprintln!(
-                    "error: {} failed: {e:?}, VM-instruction error {err}",
-                    if launched { "VMRESUME" } else { "VMLAUNCH" }
-                );
-                dump_vmcs();
-                return StopReason::EntryFailed;
-            }
-            launched = true;
-            let now = self.vm.clock.update(insn::rdtsc());
-            let raw = match entry::read_exit(&Vmcs, &self.cpu.regs) {
-                Ok(r) => r,
-                Err(e) => return e.into(),
-            };
-            self.cpu.counters.record(raw.reason as u16);
-            self.cpu.vectoring = match entry::read_vectoring(&Vmcs) {
-                Ok(e) => e,
-                Err(e) => return e.into(),
-            };
-            let exit = decode(&raw);
-            let timer = matches!(exit, VmExit::PreemptionTimer);
-            match self.handle(exit) {
-                Ok(Next::Resume) => {}
-                Ok(Next::Stop(r)) => return r,
-                Err(e) => return e.into(),
-            }
-            if !timer && now.saturating_sub(self.cpu.last_turn) > self.cpu.turn_ticks {
-                match self.service() {
-                    Ok(Next::Resume) => {}
-                    Ok(Next::Stop(r)) => return r,
-                    Err(e) => return e.into(),
-                }
-            }
-        }
     }
 
     /// Skips the instruction that exited (see
@@ -434,6 +461,28 @@ impl Vcpu {
     }
 
     fn handle(&mut self, exit: VmExit) -> Result<Next, VmcsError> {
+        // An AP's INIT and SIPI are root's to carry out (`smp`); the boot
+        // processor's INIT is the guest resetting the machine (below).
+        if self.cpu.index != 0 {
+            match exit {
+                VmExit::Sipi { vector } => {
+                    let vector = self
+                        .vm
+                        .cpus
+                        .get_mut(self.cpu.index)
+                        .and_then(|s| s.sipi.take())
+                        .unwrap_or(vector);
+                    return self.ap_start(vector);
+                }
+                VmExit::Init => return self.ap_park(),
+                _ => {}
+            }
+        }
+        if let VmExit::EptViolation(e) = exit {
+            if e.write && e.gpa & !0xfff == self.vm.lapic_base {
+                return self.apic_write(e.gpa & 0xfff);
+            }
+        }
         let exit = match handle::handle(exit, &mut self.cpu.regs, &mut RootCpu, &mut self.cpu.guard)
         {
             Outcome::Advance => return self.advance(),
@@ -445,7 +494,7 @@ impl Vcpu {
             Outcome::Nmi => {
                 // The NMI is the guest's; root's IDT handler marks it
                 // pending, and its IRET unblocks NMIs in root.
-                crate::fatal::nmi_exit();
+                crate::fatal::nmi_exit(self.cpu.index);
                 return Ok(Next::Resume);
             }
             Outcome::TripleFault => return Ok(Next::Stop(StopReason::TripleFault)),
@@ -492,6 +541,192 @@ impl Vcpu {
                 hvprintln!("error: unhandled exit {} ({r}): {other:?}", reason_name(r));
                 dump_vmcs();
                 Ok(Next::Stop(StopReason::Unhandled(r)))
+            }
+        }
+    }
+
+    /// Sends again the SIPIs that wait for parked APs (a physical SIPI
+    /// that reached an AP while it was in root was lost).
+    fn resend_sipis(&mut self) {
+        let lapic = self.vm.lapic_base;
+        for slot in self.vm.cpus.iter().skip(1) {
+            if let (Some(vector), true, false) = (slot.sipi, slot.life.is_parked(), slot.init) {
+                crate::smp::wake(lapic, slot.apic_id, vector);
+            }
+        }
+    }
+
+    /// Starts this parked AP at the SIPI's `vector`, as a SIPI starts a
+    /// CPU in wait-for-SIPI; a SIPI to a running AP is discarded.
+    fn ap_start(&mut self, vector: u8) -> Result<Next, VmcsError> {
+        let Some(slot) = self.vm.cpus.get_mut(self.cpu.index) else {
+            return Ok(Next::Resume);
+        };
+        if slot.life.on_sipi(vector).is_none() {
+            return Ok(Next::Resume);
+        }
+        slot.init = false;
+        ap::write_sipi_state(&mut Vmcs, vector, self.vm.cfg.has_timer)?;
+        self.cpu.timer = 0;
+        self.cpu.inject = None;
+        self.cpu.vectoring = None;
+        self.cpu.nmi_window = false;
+        // EPT may have changed while the AP was parked.
+        let _ = insn::invept_single(self.vm.cfg.ept.eptp());
+        log::info!(
+            "vCPU {} started at {:#x}",
+            self.cpu.index,
+            u64::from(vector) << 12
+        );
+        Ok(Next::Resume)
+    }
+
+    /// Resets this AP as INIT does and parks it in wait-for-SIPI.
+    fn ap_park(&mut self) -> Result<Next, VmcsError> {
+        let fixed = ap::FixedCrs {
+            cr0: self.vm.cfg.fixed.cr0,
+            cr4: self.vm.cfg.fixed.cr4,
+        };
+        ap::write_init_state(&mut Vmcs, &mut self.cpu.regs, fixed, insn::cpuid(1, 0)[0])?;
+        if let Some(slot) = self.vm.cpus.get_mut(self.cpu.index) {
+            slot.life.on_init();
+            slot.init = false;
+        }
+        self.cpu.inject = None;
+        self.cpu.vectoring = None;
+        self.cpu.nmi_window = false;
+        if self.cpu.debug_exits {
+            f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
+            self.cpu.debug_exits = false;
+        }
+        log::info!("vCPU {} parked by INIT", self.cpu.index);
+        Ok(Next::Resume)
+    }
+
+    /// Before an AP's next entry: the INIT and SIPI that other vCPUs
+    /// posted for it (`smp`).
+    fn ap_mailbox(&mut self) -> Result<(), VmcsError> {
+        if self.cpu.index == 0 {
+            return Ok(());
+        }
+        let Some(slot) = self.vm.cpus.get(self.cpu.index).copied() else {
+            return Ok(());
+        };
+        if slot.init {
+            self.ap_park()?;
+        }
+        let parked = self
+            .vm
+            .cpus
+            .get(self.cpu.index)
+            .is_some_and(|s| s.life.is_parked());
+        if parked {
+            if let Some(vector) = self
+                .vm
+                .cpus
+                .get_mut(self.cpu.index)
+                .and_then(|s| s.sipi.take())
+            {
+                self.ap_start(vector)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A guest store to the local APIC's page, which EPT keeps read-only:
+    /// root decodes the store, carries it out on this CPU's APIC, and
+    /// takes INIT and SIPI in the interrupt command register for its own
+    /// (`smp`). A store root cannot decode is refused with #GP.
+    fn apic_write(&mut self, offset: u64) -> Result<Next, VmcsError> {
+        let v = &Vmcs;
+        let rip = f::GUEST_RIP.read(v)?;
+        let cr3 = Cr3(f::GUEST_CR3.read(v)?);
+        let mut bytes = [0u8; 15];
+        // The instruction may end before a page it does not reach.
+        let room = (0x1000 - (rip & 0xfff)).min(15) as usize;
+        let mut got = 0;
+        for len in [15usize, room] {
+            if let Some(b) = bytes.get_mut(..len) {
+                if paging::read_virt(&GuestRam, cr3, Gva(rip), b).is_ok() {
+                    got = len;
+                    break;
+                }
+            }
+        }
+        let store = bytes.get(..got).and_then(hypervisor::apic::decode_store);
+        let Some(store) = store else {
+            self.cpu.apic_refused += 1;
+            return self.inject(GP, Some(0));
+        };
+        let value = match store.value {
+            hypervisor::apic::StoreValue::Imm(x) => x,
+            hypervisor::apic::StoreValue::Reg(4) => f::GUEST_RSP.read(v)? as u32,
+            hypervisor::apic::StoreValue::Reg(n) => {
+                gpr(&mut self.cpu.regs, n).map_or(0, |r| *r as u32)
+            }
+        };
+        let lapic = self.vm.lapic_base;
+        let old = crate::arch::ap_start::apic_read(lapic, offset);
+        if offset == hypervisor::apic::XAPIC_ICR_LOW {
+            let high = crate::arch::ap_start::apic_read(lapic, hypervisor::apic::XAPIC_ICR_HIGH);
+            let icr = hypervisor::apic::Icr::from_xapic(value, high);
+            self.guest_ipi(&icr, || {
+                crate::arch::ap_start::apic_write(lapic, offset, value)
+            });
+        } else {
+            crate::arch::ap_start::apic_write(lapic, offset, value);
+        }
+        if store.xchg {
+            if let hypervisor::apic::StoreValue::Reg(n) = store.value {
+                if n == 4 {
+                    f::GUEST_RSP.write(&mut Vmcs, u64::from(old))?;
+                } else if let Some(r) = gpr(&mut self.cpu.regs, n) {
+                    *r = u64::from(old);
+                }
+            }
+        }
+        entry::advance_by(&mut Vmcs, u64::from(store.len))?;
+        Ok(Next::Resume)
+    }
+
+    /// An IPI the guest asked for: INIT and SIPI to APs go to their slots
+    /// (and a SIPI to a parked AP wakes it); everything else is sent as
+    /// the guest wrote it, by `forward`.
+    fn guest_ipi(&mut self, icr: &hypervisor::apic::Icr, forward: impl FnOnce()) {
+        use hypervisor::apic::{classify, targets, IpiAction};
+        let action = classify(icr);
+        let (init, sipi) = match action {
+            IpiAction::Forward => {
+                forward();
+                return;
+            }
+            IpiAction::Ignore => return,
+            IpiAction::Init => (true, None),
+            IpiAction::Startup(vector) => (false, Some(vector)),
+        };
+        let ids: Vec<u32> = self.vm.cpus.iter().map(|s| s.apic_id).collect();
+        let mask = targets(icr, self.cpu.index, &ids);
+        let lapic = self.vm.lapic_base;
+        for (i, slot) in self.vm.cpus.iter_mut().enumerate() {
+            if i >= 32 || mask & (1 << i) == 0 {
+                continue;
+            }
+            if i == 0 {
+                // Start-up IPIs to the boot processor: nothing root models.
+                self.cpu.apic_refused += 1;
+                continue;
+            }
+            if init {
+                slot.sipi = None;
+                // A parked AP is already in the state INIT leaves.
+                slot.init = !slot.life.is_parked();
+            } else if let Some(vector) = sipi {
+                if slot.life.is_parked() || slot.init {
+                    slot.sipi = Some(vector);
+                    if !slot.init {
+                        crate::smp::wake(lapic, slot.apic_id, vector);
+                    }
+                }
             }
         }
     }

@@ -29,16 +29,19 @@ use crate::arch::instructions::{self as insn, TrapFrame};
 use crate::logger::DebugPort;
 use core::fmt::Write;
 use core::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
+use hypervisor::acpi::MAX_CPUS;
 
-/// An NMI arrived for the guest and is not injected yet.
-static NMI_PENDING: AtomicBool = AtomicBool::new(false);
+/// Per CPU (by root's CPU index, `arch::cpu::this_cpu`): an NMI arrived
+/// for the guest and is not injected yet.
+static NMI_PENDING: [AtomicBool; MAX_CPUS] = [const { AtomicBool::new(false) }; MAX_CPUS];
 /// NMIs taken while root ran (through root's IDT, not as an exit).
 static NMIS_IN_ROOT: AtomicU64 = AtomicU64::new(0);
 /// The ACPI PM1a control port, for a power-off from any context (0: none).
 static PM1A_CNT: AtomicU32 = AtomicU32::new(0);
-/// Set while root runs its NMI handler through INT 2 after an NMI exit, so
-/// that the handler does not count it as an NMI that interrupted root.
-static SOFT_NMI: AtomicBool = AtomicBool::new(false);
+/// Per CPU: set while root runs its NMI handler through INT 2 after an NMI
+/// exit, so that the handler does not count it as an NMI that interrupted
+/// root.
+static SOFT_NMI: [AtomicBool; MAX_CPUS] = [const { AtomicBool::new(false) }; MAX_CPUS];
 /// Set once the fatal path runs, so that a fault inside it only halts.
 static DYING: AtomicBool = AtomicBool::new(false);
 /// The control UART's base port, for the fatal report (0: none).
@@ -55,27 +58,35 @@ pub fn set_control_port(base: Option<u16>) {
     CONTROL_UART.store(base.unwrap_or(0), Ordering::Release);
 }
 
-/// Marks an NMI as pending for the guest.
+/// This CPU's slot in a per-CPU table (CPUs past the table share the last
+/// slot; root never starts them).
+fn slot<T>(table: &[T; MAX_CPUS], cpu: usize) -> &T {
+    // In bounds: the index is clamped to the table's length less one.
+    #[allow(clippy::indexing_slicing)]
+    &table[cpu.min(MAX_CPUS - 1)]
+}
+
+/// Marks an NMI as pending for the guest on this CPU.
 pub fn nmi_arrived() {
-    NMI_PENDING.store(true, Ordering::Release);
+    slot(&NMI_PENDING, crate::arch::cpu::this_cpu()).store(true, Ordering::Release);
 }
 
 /// An NMI exit: the NMI is the guest's. Root runs its own handler through
 /// INT 2, which marks the NMI pending and, by its IRET, lifts the NMI
 /// blocking that the exit left in root.
-pub fn nmi_exit() {
-    SOFT_NMI.store(true, Ordering::Release);
+pub fn nmi_exit(cpu: usize) {
+    slot(&SOFT_NMI, cpu).store(true, Ordering::Release);
     insn::run_nmi_handler();
 }
 
-/// Takes the pending NMI, if any.
-pub fn take_nmi() -> bool {
-    NMI_PENDING.swap(false, Ordering::AcqRel)
+/// Takes CPU `cpu`'s pending NMI, if any.
+pub fn take_nmi(cpu: usize) -> bool {
+    slot(&NMI_PENDING, cpu).swap(false, Ordering::AcqRel)
 }
 
-/// Whether an NMI is pending.
-pub fn nmi_pending() -> bool {
-    NMI_PENDING.load(Ordering::Acquire)
+/// Whether an NMI is pending on CPU `cpu`.
+pub fn nmi_pending(cpu: usize) -> bool {
+    slot(&NMI_PENDING, cpu).load(Ordering::Acquire)
 }
 
 /// NMIs that interrupted root itself.
@@ -206,7 +217,8 @@ extern "C" fn hv_root_trap(frame: &mut TrapFrame) {
         }
     }
     if frame.vector == 2 {
-        if !SOFT_NMI.swap(false, Ordering::AcqRel) {
+        let soft = slot(&SOFT_NMI, crate::arch::cpu::this_cpu());
+        if !soft.swap(false, Ordering::AcqRel) {
             NMIS_IN_ROOT.fetch_add(1, Ordering::Relaxed);
         }
         nmi_arrived();

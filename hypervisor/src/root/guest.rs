@@ -120,6 +120,8 @@ pub fn boot_info(magic: u32, mbi: u32) -> Result<BootInfo, LoadError> {
         .map_err(|_| LoadError::Other("memory map cannot be sanitized"))?;
     e820.remove_range(layout::HV_RESERVED.as_u64(), layout::HV_RESERVED_SIZE)
         .map_err(|_| LoadError::Other("memory map full while reserving hypervisor memory"))?;
+    e820.remove_range(layout::AP_TRAMPOLINE.as_u64(), layout::PAGE_SIZE)
+        .map_err(|_| LoadError::Other("memory map full while reserving the AP start-up page"))?;
 
     let (count, addr) = info.mods.ok_or(MultibootError::NoModules)?;
     if count == 0 {
@@ -168,10 +170,11 @@ pub fn load(b: &BootInfo, rsdp: Option<u64>) -> Result<GuestEntry, LoadError> {
         .ok_or(LoadError::Other("guest kernel module out of range"))?;
     let img = loader::parse_bzimage(image)?;
 
-    let mut avoid = [(0u64, 0u64); 6];
-    avoid[..4].copy_from_slice(&layout::LOW_BOOT_STRUCTURES);
-    avoid[4] = (b.kernel.0, b.kernel.1 as u64);
-    avoid[5] = b.initrd.unwrap_or((0, 0));
+    const LOW: usize = layout::LOW_BOOT_STRUCTURES.len();
+    let mut avoid = [(0u64, 0u64); LOW + 2];
+    avoid[..LOW].copy_from_slice(&layout::LOW_BOOT_STRUCTURES);
+    avoid[LOW] = (b.kernel.0, b.kernel.1 as u64);
+    avoid[LOW + 1] = b.initrd.unwrap_or((0, 0));
     let load = loader::plan_kernel_load(&img, &b.e820, &avoid)?;
     let pm = img.protected_mode();
     if !phys::write(load.as_u64(), pm) {

@@ -34,6 +34,7 @@ mod logger;
 mod machine;
 mod phys;
 mod rootstack;
+mod smp;
 mod uart;
 mod vcpu;
 mod vm;
@@ -95,18 +96,32 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
         }
         None => {}
     }
-    match run(magic, mbi, &host, rsdp, fadt, uart) {
-        Ok(StopReason::PowerOff { port, value, size }) => {
-            // Let the platform power off as the guest asked.
-            exits::forward_out(port, size, value);
-        }
-        Ok(_) => power_off(fadt),
-        Err(e) => {
-            hvprintln!("error: {e}");
-            power_off(fadt);
-        }
-    }
+    let Err(e) = run(magic, mbi, &host, rsdp, fadt, uart);
+    hvprintln!("error: {e}");
+    power_off(fadt);
     insn::halt_forever()
+}
+
+/// The end of the VM, on whichever vCPU saw it: the vCPU's exit counts and
+/// the reason, then the machine powers off (as the guest asked, or
+/// through ACPI).
+pub fn finish(cpu: &cpu_state::CpuState, reason: StopReason) -> ! {
+    hvprintln!("exit counts: {}", cpu.counters);
+    if cpu.index != 0 || crate::vm::shared().lock(&mut 0).cpus.len() > 1 {
+        hvprintln!(
+            "vCPU {}: VM lock taken {} times, {} TSC ticks waiting",
+            cpu.index,
+            cpu.lock_takes,
+            cpu.lock_wait_ticks
+        );
+    }
+    hvprintln!("guest stopped: {reason}");
+    if let StopReason::PowerOff { port, value, size } = reason {
+        // Let the platform power off as the guest asked.
+        exits::forward_out(port, size, value);
+        insn::halt_forever()
+    }
+    fatal::power_off_and_halt()
 }
 
 /// Powers the machine off through ACPI (S5 with SLP_TYP 0, as QEMU's and
@@ -124,6 +139,8 @@ enum Fatal {
     /// The machine has processors that root does not take into VMX: the
     /// guest could start them outside VMX, with the run of the machine.
     UntakenCpus(usize),
+    /// An AP could not be taken into VMX.
+    Smp(smp::SmpError),
 }
 
 impl core::fmt::Display for Fatal {
@@ -131,6 +148,7 @@ impl core::fmt::Display for Fatal {
         match self {
             Self::Vmx(e) => write!(f, "{e}"),
             Self::Load(e) => write!(f, "{e}"),
+            Self::Smp(e) => write!(f, "{e}"),
             Self::UntakenCpus(n) => write!(
                 f,
                 "the machine has {n} processors and this hypervisor takes only one into VMX; \
@@ -161,7 +179,7 @@ fn run(
     rsdp: Option<u64>,
     fadt: Option<acpi::Fadt>,
     uart: Option<uart::Uart>,
-) -> Result<StopReason, Fatal> {
+) -> Result<core::convert::Infallible, Fatal> {
     let boot = guest::boot_info(magic, mbi)?;
     let entry = guest::load(&boot, rsdp)?;
     // From here on, guest memory is reached only through the guarded door.
@@ -177,20 +195,44 @@ fn run(
         log::info!("ACPI PM1a control at port {:#x}", f.pm1a_cnt);
     }
     vcpu::check_support()?;
-    // Every processor the firmware lists must be root's before the guest
-    // runs: an application processor left in the firmware's hands would
-    // run whatever the guest's start-up IPI points it at, outside VMX.
-    if let Some(cpus) = rsdp.and_then(|r| acpi::find_cpus(&phys::Phys, r)) {
-        let n = cpus.apic_ids().len() + cpus.ignored;
+    let cpus = rsdp.and_then(|r| acpi::find_cpus(&phys::Phys, r));
+    if let Some(c) = &cpus {
         log::info!(
-            "MADT: {n} processor(s), local APIC at {:#x}",
-            cpus.lapic_base
+            "MADT: {} processor(s), local APIC at {:#x}",
+            c.apic_ids().len() + c.ignored,
+            c.lapic_base
         );
-        if n > 1 {
-            return Err(Fatal::UntakenCpus(n));
+        // Every processor the firmware lists must be root's before the
+        // guest runs: one left in the firmware's hands would run whatever
+        // the guest's start-up IPI points it at, outside VMX.
+        if c.ignored > 0 {
+            return Err(Fatal::UntakenCpus(c.apic_ids().len() + c.ignored));
         }
     }
+    let tsc_hz = clock::calibrate_tsc();
+    let bsp_apic_id = insn::cpuid(1, 0)[1] >> 24;
+    // The APs' guard pages change root's page tables: they go in before
+    // any VMCS records HOST_CR3.
+    let aps = match &cpus {
+        Some(c) => smp::prepare(c, bsp_apic_id).map_err(Fatal::Smp)?,
+        None => alloc::vec::Vec::new(),
+    };
     let cfg = vcpu::setup(host, &boot, &entry, fadt)?;
+    let lapic_base = cpus.map_or(0xfee0_0000, |c| c.lapic_base);
+    let slots = match aps.is_empty() {
+        false => smp::start_aps(lapic_base, &aps, bsp_apic_id, tsc_hz).map_err(Fatal::Smp)?,
+        true => alloc::vec![smp::ApSlot {
+            apic_id: bsp_apic_id,
+            life: hypervisor::vmx::ap::ApLife::Running { vector: 0 },
+            init: false,
+            sipi: None,
+        }],
+    };
+    if slots.len() > 1 {
+        // The guest's start-up IPIs are root's to carry out: its stores to
+        // the APIC page exit (`exits::apic_write`).
+        vcpu::protect_apic(&cfg.ept, lapic_base)?;
+    }
     log::info!(
         "VMX ready, hypervisor memory in use {} KiB (heap {} of {} KiB)",
         frames::used() >> 10,
@@ -198,7 +240,6 @@ fn run(
         heap::HEAP_SIZE >> 10
     );
 
-    let tsc_hz = clock::calibrate_tsc();
     let control = uart.map(control::Control::new);
     log::info!(
         "TSC {} MHz; control channel {}",
@@ -209,13 +250,23 @@ fn run(
             "absent (no UART at COM2)"
         }
     );
-    let mut vcpu = exits::Vcpu::new(cfg, control, tsc_hz);
-    vcpu.cpu.regs.rsi = entry.boot_params;
+    let vcpus = slots.len();
+    vm::publish(vm::Vm::new(
+        cfg,
+        control,
+        tsc_hz,
+        insn::rdtsc(),
+        slots,
+        lapic_base,
+    ));
+    let mut cpu = cpu_state::CpuState::new(0);
+    cpu.regs.rsi = entry.boot_params;
+    if vcpus > 1 {
+        log::info!("{vcpus} vCPUs: the boot processor runs, the APs wait for the guest's SIPIs");
+    }
     hvprintln!("guest started");
-    let reason = vcpu.run();
-    hvprintln!("exit counts: {}", vcpu.cpu.counters);
-    hvprintln!("guest stopped: {reason}");
-    Ok(reason)
+    let reason = exits::run(&mut cpu);
+    finish(&cpu, reason)
 }
 
 /// A panic ends the VM cleanly: one `error:` line on the log port and an

@@ -12,8 +12,10 @@ use hypervisor::addr::Gpa;
 use hypervisor::ept::{self, Ept, EptError, MemType};
 use hypervisor::pci;
 use hypervisor::policy;
+use hypervisor::vmx::ap;
 use hypervisor::vmx::caps::{self, EptVpidCap, MissingControls, VmxBasic};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
+use hypervisor::vmx::regs::GuestRegs;
 use loader::layout;
 use x86::vmx::vmcs::control::{
     EntryControls, ExitControls, PinbasedControls, PrimaryControls, SecondaryControls,
@@ -200,7 +202,23 @@ fn build_ept(b: &BootInfo, cap: EptVpidCap) -> Result<Ept, VmxError> {
         }
     }
     ept.unmap(&mut store, Gpa(hv.0), Gpa(hv.1))?;
+    let ap = layout::AP_TRAMPOLINE.as_u64();
+    ept.unmap(&mut store, Gpa(ap), Gpa(ap + layout::PAGE_SIZE))?;
     Ok(ept)
+}
+
+/// Makes the local APIC's page read-only to the guest (uncacheable, as
+/// MMIO): its stores exit, so that root sees its start-up IPIs.
+pub fn protect_apic(ept: &Ept, lapic: u64) -> Result<(), VmxError> {
+    let page = lapic & !0xfff;
+    ept.map_page(
+        &mut frames::PoolTables,
+        Gpa(page),
+        hypervisor::addr::Hpa(page),
+        ept::READ,
+        MemType::Uncacheable,
+    )?;
+    Ok(())
 }
 
 /// What the exit handlers need to know about the VM.
@@ -217,6 +235,127 @@ pub struct VmConfig {
     /// IA32_VMX_BASIC bit 54: INS/OUTS exits report the instruction
     /// information (address size, segment).
     pub ins_outs_info: bool,
+}
+
+/// What every vCPU's VMCS shares: the controls, the bitmaps, EPT and the
+/// fixed bits, set by the boot processor's [`setup`] and read by each AP
+/// ([`setup_ap`]).
+#[derive(Clone, Copy)]
+pub struct Template {
+    pin: u32,
+    proc1: u32,
+    proc2: u32,
+    exit: u32,
+    entry: u32,
+    io_a: u64,
+    io_b: u64,
+    msr_bitmap: u64,
+    eptp: u64,
+    host_cr3: u64,
+    pub fixed: Fixed,
+}
+
+/// The template, once the boot processor has built it.
+pub static TEMPLATE: spin::Once<Template> = spin::Once::new();
+
+/// Writes what every vCPU's VMCS has: the controls (`entry` may differ
+/// from the template's), bitmaps, EPT, the VPID and the host state of
+/// this CPU (its own GDT and TSS, root's shared IDT and page tables).
+fn fill_common(
+    v: &mut Vmcs,
+    t: &Template,
+    entry: u32,
+    host: &HostTables,
+    index: usize,
+) -> Result<(), VmxError> {
+    f::PIN_BASED_CONTROLS.write(v, t.pin)?;
+    f::PRIMARY_PROC_CONTROLS.write(v, t.proc1)?;
+    f::SECONDARY_PROC_CONTROLS.write(v, t.proc2)?;
+    f::EXIT_CONTROLS.write(v, t.exit)?;
+    f::ENTRY_CONTROLS.write(v, entry)?;
+    f::EXCEPTION_BITMAP.write(v, 0)?;
+    f::CR3_TARGET_COUNT.write(v, 0)?;
+    f::EPT_POINTER.write(v, t.eptp)?;
+    if t.proc2 & SecondaryControls::ENABLE_VPID.bits() != 0 {
+        // VPID 0 is root's; each vCPU gets its own.
+        f::VPID.write(v, (index + 1) as u16)?;
+    }
+    f::IO_BITMAP_A.write(v, t.io_a)?;
+    f::IO_BITMAP_B.write(v, t.io_b)?;
+    f::MSR_BITMAP.write(v, t.msr_bitmap)?;
+
+    // Host state (SDM 25.5, checked per 27.2.2/27.2.3).
+    f::HOST_CR0.write(v, insn::read_cr0())?;
+    f::HOST_CR3.write(v, t.host_cr3)?;
+    f::HOST_CR4.write(v, insn::read_cr4())?;
+    f::HOST_CS_SELECTOR.write(v, cpu::CODE)?;
+    for s in [
+        f::HOST_SS_SELECTOR,
+        f::HOST_DS_SELECTOR,
+        f::HOST_ES_SELECTOR,
+        f::HOST_FS_SELECTOR,
+        f::HOST_GS_SELECTOR,
+    ] {
+        s.write(v, cpu::DATA)?;
+    }
+    f::HOST_TR_SELECTOR.write(v, cpu::TSS)?;
+    f::HOST_FS_BASE.write(v, 0)?;
+    // Root's CPU index (`arch::cpu::this_cpu`).
+    f::HOST_GS_BASE.write(v, index as u64)?;
+    f::HOST_TR_BASE.write(v, host.tss_base)?;
+    f::HOST_GDTR_BASE.write(v, host.gdt_base)?;
+    f::HOST_IDTR_BASE.write(v, host.idt_base)?;
+    f::HOST_IA32_SYSENTER_CS.write(v, 0)?;
+    f::HOST_IA32_SYSENTER_ESP.write(v, 0)?;
+    f::HOST_IA32_SYSENTER_EIP.write(v, 0)?;
+    f::HOST_IA32_EFER.write(v, msr(IA32_EFER))?;
+    if t.exit & ExitControls::LOAD_IA32_PAT.bits() != 0 {
+        f::HOST_IA32_PAT.write(v, msr(IA32_PAT))?;
+    }
+    f::CR0_GUEST_HOST_MASK.write(v, policy::cr0_host_mask(t.fixed.cr0.0))?;
+    f::CR4_GUEST_HOST_MASK.write(v, policy::cr4_host_mask(t.fixed.cr4.0))?;
+    if entry & EntryControls::LOAD_IA32_PAT.bits() != 0 {
+        f::GUEST_IA32_PAT.write(v, 0x0007_0406_0007_0406)?;
+    }
+    f::VMCS_LINK_POINTER.write(v, u64::MAX)?;
+    Ok(())
+}
+
+/// Creates a fresh VMCS in a pool frame and makes it current.
+fn new_vmcs(basic: VmxBasic) -> Result<(), VmxError> {
+    let vmcs = frames::alloc().ok_or(VmxError::OutOfMemory)?;
+    phys::write(vmcs.0, &basic.revision().to_le_bytes());
+    // SAFETY: a fresh revision-stamped pool frame.
+    unsafe { insn::vmclear(vmcs.0) }.map_err(|e| VmxError::Instruction("VMCLEAR", e, 0))?;
+    // SAFETY: the same frame, now clear.
+    unsafe { insn::vmptrld(vmcs.0) }.map_err(|e| VmxError::Instruction("VMPTRLD", e, 0))?;
+    Ok(())
+}
+
+/// Sets up VMX on an AP: VMXON, its own VMCS with the template's controls,
+/// parked in wait-for-SIPI in the state INIT leaves
+/// ([`hypervisor::vmx::ap`]). The AP then enters it and waits there for the
+/// guest's start-up IPIs; returns its registers in that state.
+pub fn setup_ap(host: &HostTables, t: &Template, index: usize) -> Result<GuestRegs, VmxError> {
+    let basic = VmxBasic(msr(IA32_VMX_BASIC));
+    if msr(IA32_VMX_MISC) & ap::MISC_WAIT_FOR_SIPI == 0 {
+        return Err(VmxError::Controls(MissingControls {
+            word: "activity states (wait-for-SIPI)",
+            missing: 1 << 8,
+        }));
+    }
+    vmxon(basic)?;
+    new_vmcs(basic)?;
+    let v = &mut Vmcs;
+    let entry = t.entry & !EntryControls::IA32E_MODE_GUEST.bits();
+    fill_common(v, t, entry, host, index)?;
+    let mut regs = GuestRegs::default();
+    let fixed = ap::FixedCrs {
+        cr0: t.fixed.cr0,
+        cr4: t.fixed.cr4,
+    };
+    ap::write_init_state(v, &mut regs, fixed, insn::cpuid(1, 0)[0])?;
+    Ok(regs)
 }
 
 fn controls(
@@ -245,12 +384,7 @@ pub fn setup(
     let cap = EptVpidCap(msr(IA32_VMX_EPT_VPID_CAP));
     let ept = build_ept(b, cap)?;
 
-    let vmcs = frames::alloc().ok_or(VmxError::OutOfMemory)?;
-    phys::write(vmcs.0, &basic.revision().to_le_bytes());
-    // SAFETY: a fresh revision-stamped pool frame.
-    unsafe { insn::vmclear(vmcs.0) }.map_err(|e| VmxError::Instruction("VMCLEAR", e, 0))?;
-    // SAFETY: the same frame, now clear.
-    unsafe { insn::vmptrld(vmcs.0) }.map_err(|e| VmxError::Instruction("VMPTRLD", e, 0))?;
+    new_vmcs(basic)?;
 
     let t = basic.has_true_controls();
     // NMIs exit (root must never take one through a table the guest wrote,
@@ -337,18 +471,6 @@ pub fn setup(
         cap.0
     );
 
-    let v = &mut Vmcs;
-    f::PIN_BASED_CONTROLS.write(v, pin)?;
-    f::PRIMARY_PROC_CONTROLS.write(v, proc1)?;
-    f::SECONDARY_PROC_CONTROLS.write(v, proc2)?;
-    f::EXIT_CONTROLS.write(v, exit)?;
-    f::ENTRY_CONTROLS.write(v, entry_ctl)?;
-    f::EXCEPTION_BITMAP.write(v, 0)?;
-    f::CR3_TARGET_COUNT.write(v, 0)?;
-    f::EPT_POINTER.write(v, ept.eptp())?;
-    if proc2 & SecondaryControls::ENABLE_VPID.bits() != 0 {
-        f::VPID.write(v, 1)?;
-    }
     let has_timer = pin & PinbasedControls::VMX_PREEMPTION_TIMER.bits() != 0;
     let timer_shift = (msr(IA32_VMX_MISC) & 0x1f) as u32;
 
@@ -386,8 +508,6 @@ pub fn setup(
             }
         }
     }
-    f::IO_BITMAP_A.write(v, io_a.0)?;
-    f::IO_BITMAP_B.write(v, io_b.0)?;
     let msr_bm = frames::alloc().ok_or(VmxError::OutOfMemory)?;
     // SAFETY: a fresh pool frame owned here.
     let msr_bytes = unsafe { phys::frame_bytes_mut(msr_bm) };
@@ -396,35 +516,22 @@ pub fn setup(
         policy::INTERCEPTED_MSR_READS,
         policy::INTERCEPTED_MSR_WRITES,
     );
-    f::MSR_BITMAP.write(v, msr_bm.0)?;
-
-    // Host state (SDM 25.5, checked per 27.2.2/27.2.3).
-    f::HOST_CR0.write(v, insn::read_cr0())?;
-    f::HOST_CR3.write(v, insn::read_cr3())?;
-    f::HOST_CR4.write(v, insn::read_cr4())?;
-    f::HOST_CS_SELECTOR.write(v, cpu::CODE)?;
-    for s in [
-        f::HOST_SS_SELECTOR,
-        f::HOST_DS_SELECTOR,
-        f::HOST_ES_SELECTOR,
-        f::HOST_FS_SELECTOR,
-        f::HOST_GS_SELECTOR,
-    ] {
-        s.write(v, cpu::DATA)?;
-    }
-    f::HOST_TR_SELECTOR.write(v, cpu::TSS)?;
-    f::HOST_FS_BASE.write(v, 0)?;
-    f::HOST_GS_BASE.write(v, 0)?;
-    f::HOST_TR_BASE.write(v, host.tss_base)?;
-    f::HOST_GDTR_BASE.write(v, host.gdt_base)?;
-    f::HOST_IDTR_BASE.write(v, host.idt_base)?;
-    f::HOST_IA32_SYSENTER_CS.write(v, 0)?;
-    f::HOST_IA32_SYSENTER_ESP.write(v, 0)?;
-    f::HOST_IA32_SYSENTER_EIP.write(v, 0)?;
-    f::HOST_IA32_EFER.write(v, msr(IA32_EFER))?;
-    if exit & ExitControls::LOAD_IA32_PAT.bits() != 0 {
-        f::HOST_IA32_PAT.write(v, msr(IA32_PAT))?;
-    }
+    let template = Template {
+        pin,
+        proc1,
+        proc2,
+        exit,
+        entry: entry_ctl,
+        io_a: io_a.0,
+        io_b: io_b.0,
+        msr_bitmap: msr_bm.0,
+        eptp: ept.eptp(),
+        host_cr3: insn::read_cr3(),
+        fixed,
+    };
+    let v = &mut Vmcs;
+    fill_common(v, &template, entry_ctl, host, 0)?;
+    TEMPLATE.call_once(|| template);
 
     // Guest state: 64-bit mode as the Linux 64-bit boot protocol wants it.
     let cr0 = policy::CR0_PG | policy::CR0_NE | (1 << 4) | policy::CR0_PE;
@@ -432,14 +539,12 @@ pub fn setup(
         v,
         caps::apply_fixed(cr0, policy::cr0_host_mask(fixed.cr0.0), fixed.cr0.1),
     )?;
-    f::CR0_GUEST_HOST_MASK.write(v, policy::cr0_host_mask(fixed.cr0.0))?;
     f::CR0_READ_SHADOW.write(v, cr0)?;
     let cr4 = 1u64 << 5; // PAE
     f::GUEST_CR4.write(
         v,
         caps::apply_fixed(cr4, policy::cr4_host_mask(fixed.cr4.0), fixed.cr4.1),
     )?;
-    f::CR4_GUEST_HOST_MASK.write(v, policy::cr4_host_mask(fixed.cr4.0))?;
     f::CR4_READ_SHADOW.write(v, cr4)?;
     f::GUEST_CR3.write(v, entry.cr3)?;
     f::GUEST_DR7.write(v, 0x400)?;
@@ -465,9 +570,6 @@ pub fn setup(
     f::GUEST_IDTR_BASE.write(v, 0)?;
     f::GUEST_IDTR_LIMIT.write(v, 0)?;
     f::GUEST_IA32_EFER.write(v, policy::EFER_LME | policy::EFER_LMA)?;
-    if entry_ctl & EntryControls::LOAD_IA32_PAT.bits() != 0 {
-        f::GUEST_IA32_PAT.write(v, 0x0007_0406_0007_0406)?;
-    }
     f::GUEST_IA32_DEBUGCTL.write(v, 0)?;
     f::GUEST_IA32_SYSENTER_CS.write(v, 0)?;
     f::GUEST_IA32_SYSENTER_ESP.write(v, 0)?;
@@ -475,7 +577,6 @@ pub fn setup(
     f::GUEST_INTERRUPTIBILITY.write(v, 0)?;
     f::GUEST_ACTIVITY_STATE.write(v, 0)?;
     f::GUEST_PENDING_DEBUG_EXCEPTIONS.write(v, 0)?;
-    f::VMCS_LINK_POINTER.write(v, u64::MAX)?;
 
     Ok(VmConfig {
         fixed,

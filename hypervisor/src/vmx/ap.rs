@@ -44,6 +44,8 @@ pub const ACTIVITY_ACTIVE: u32 = 0;
 pub const ACTIVITY_HLT: u32 = 1;
 /// Wait-for-SIPI.
 pub const ACTIVITY_WAIT_FOR_SIPI: u32 = 3;
+/// Interruptibility bit 2: blocking by SMI.
+pub const BLOCKING_BY_SMI: u32 = 1 << 2;
 /// IA32_VMX_MISC bit 8: wait-for-SIPI is a supported activity state.
 pub const MISC_WAIT_FOR_SIPI: u64 = 1 << 8;
 /// Pin-based control bit 6: the VMX-preemption timer.

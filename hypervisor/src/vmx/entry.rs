@@ -42,6 +42,13 @@ pub fn read_vectoring(v: &impl VmcsIo) -> Result<Option<Event>, VmcsError> {
 /// the instruction completing would (SDM 25.4.2); blocking by NMI stays.
 pub fn advance(v: &mut impl VmcsIo) -> Result<(), VmcsError> {
     let len = u64::from(f::EXIT_INSTRUCTION_LEN.read(v)?);
+    advance_by(v, len)
+}
+
+/// Skips `len` bytes of instruction, as [`advance`] does, for exits that
+/// report no instruction length (an EPT violation on a store that root
+/// carried out itself).
+pub fn advance_by(v: &mut impl VmcsIo, len: u64) -> Result<(), VmcsError> {
     let rip = f::GUEST_RIP.read(v)?;
     f::GUEST_RIP.write(v, rip.wrapping_add(len))?;
     let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;

@@ -132,22 +132,7 @@ pub fn init() -> HostTables {
         }
     });
     let tss = tss as *const Tss as u64;
-    let gdt = GDT.call_once(|| {
-        let limit = (core::mem::size_of::<Tss>() - 1) as u64;
-        // Available 64-bit TSS (type 9), present.
-        let low = (limit & 0xffff)
-            | ((tss & 0xff_ffff) << 16)
-            | (0x89 << 40)
-            | (((limit >> 16) & 0xf) << 48)
-            | (((tss >> 24) & 0xff) << 56);
-        [
-            0,
-            0x00af_9a00_0000_ffff,
-            0x00cf_9200_0000_ffff,
-            low,
-            tss >> 32,
-        ]
-    });
+    let gdt = GDT.call_once(|| gdt_for(tss));
     let ptr = DescriptorTablePointer {
         limit: (core::mem::size_of_val(gdt) - 1) as u16,
         base: gdt.as_ptr() as u64,
@@ -178,6 +163,99 @@ pub fn init() -> HostTables {
         tss_base: tss,
         idt_base: idt.as_ptr() as u64,
     }
+}
+
+/// Root's GDT with the TSS at `tss`: null, 64-bit code, data, and the
+/// two-slot descriptor of an available 64-bit TSS (type 9), present.
+fn gdt_for(tss: u64) -> [u64; 5] {
+    let limit = (core::mem::size_of::<Tss>() - 1) as u64;
+    let low = (limit & 0xffff)
+        | ((tss & 0xff_ffff) << 16)
+        | (0x89 << 40)
+        | (((limit >> 16) & 0xf) << 48)
+        | (((tss >> 24) & 0xff) << 56);
+    [
+        0,
+        0x00af_9a00_0000_ffff,
+        0x00cf_9200_0000_ffff,
+        low,
+        tss >> 32,
+    ]
+}
+
+/// The room an AP's tables and interrupt stacks take: one page for its
+/// GDT and TSS, then its three IST stacks.
+pub const AP_TABLES_SIZE: u64 = 4096 + 3 * IST_STACK_SIZE as u64;
+
+/// Installs an AP's own GDT and TSS, built in `area` (a zeroed,
+/// page-aligned region of [`AP_TABLES_SIZE`] bytes that the AP owns for
+/// good), with the IDT every CPU shares; records `index` as this CPU's
+/// (see [`this_cpu`]).
+///
+/// # Safety
+/// `area` must be identity-mapped hypervisor memory that nothing else uses.
+pub unsafe fn init_ap(area: u64, index: usize) -> HostTables {
+    let tss_addr = area + 64;
+    let stacks = area + 4096;
+    let mut ist = [0u64; 7];
+    for (n, stack) in [
+        (IST_NMI, 1u64),
+        (IST_DOUBLE_FAULT, 2),
+        (IST_MACHINE_CHECK, 3),
+    ] {
+        if let Some(slot) = ist.get_mut(usize::from(n).wrapping_sub(1)) {
+            *slot = stacks + stack * IST_STACK_SIZE as u64;
+        }
+    }
+    let tss = Tss {
+        reserved0: 0,
+        rsp: [0; 3],
+        reserved1: 0,
+        ist,
+        reserved2: 0,
+        reserved3: 0,
+        iomap_base: 104,
+    };
+    let gdt = gdt_for(tss_addr);
+    // SAFETY: the caller gives this AP the area for good; the GDT (40
+    // bytes at its start) and the TSS (104 bytes at +64) do not overlap,
+    // and both are written before they are loaded.
+    unsafe {
+        core::ptr::write(area as *mut [u64; 5], gdt);
+        core::ptr::write_unaligned(tss_addr as *mut Tss, tss);
+    }
+    let ptr = DescriptorTablePointer {
+        limit: (core::mem::size_of::<[u64; 5]>() - 1) as u64 as u16,
+        base: area,
+    };
+    // SAFETY: the GDT just written holds valid code, data and TSS
+    // descriptors with the selectors reloaded right after.
+    unsafe {
+        insn::lgdt(&ptr);
+        insn::reload_segments(CODE, DATA);
+        insn::ltr(TSS);
+    }
+    reload_root_idt();
+    set_this_cpu(index);
+    HostTables {
+        gdt_base: area,
+        tss_base: tss_addr,
+        idt_base: IDT.get().map_or(0, |idt| idt.as_ptr() as u64),
+    }
+}
+
+/// Records this CPU's index in IA32_GS_BASE (root uses no GS otherwise;
+/// the VMCS's HOST_GS_BASE holds the same value, so every exit keeps it).
+pub fn set_this_cpu(index: usize) {
+    // SAFETY: IA32_GS_BASE exists on every x86-64 CPU and takes any
+    // canonical value; root never addresses through GS.
+    unsafe { insn::wrmsr(x86::msr::IA32_GS_BASE, index as u64) };
+}
+
+/// The index of the CPU this runs on (0 for the boot processor).
+pub fn this_cpu() -> usize {
+    // SAFETY: see `set_this_cpu`.
+    unsafe { insn::rdmsr(x86::msr::IA32_GS_BASE) as usize }
 }
 
 /// Loads root's IDT with its own limit.
