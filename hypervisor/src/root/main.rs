@@ -107,7 +107,7 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
 /// through ACPI).
 pub fn finish(cpu: &cpu_state::CpuState, reason: StopReason) -> ! {
     hvprintln!("exit counts: {}", cpu.counters);
-    if cpu.index != 0 || crate::vm::shared().lock(&mut 0).cpus.len() > 1 {
+    if cpu.index != 0 || cpu.lock_wait_ticks != 0 {
         hvprintln!(
             "vCPU {}: VM lock taken {} times, {} TSC ticks waiting",
             cpu.index,

@@ -158,6 +158,7 @@ pub fn init() -> HostTables {
         idt
     });
     load_idt(idt);
+    set_this_cpu(0);
     HostTables {
         gdt_base: gdt.as_ptr() as u64,
         tss_base: tss,
