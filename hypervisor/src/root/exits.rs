@@ -483,6 +483,25 @@ impl Vcpu<'_> {
                 return self.apic_write(e.gpa & 0xfff);
             }
         }
+        if let VmExit::MsrWrite {
+            msr: hypervisor::apic::X2APIC_ICR_MSR,
+            value,
+        } = exit
+        {
+            let icr = hypervisor::apic::Icr::from_x2apic(value);
+            let mut refused = false;
+            self.guest_ipi(&icr, || {
+                // SAFETY: the guest's own value for its own x2APIC's ICR,
+                // which it could write itself; a CPU not in x2APIC mode
+                // refuses it with #GP, which goes to the guest.
+                refused =
+                    unsafe { insn::wrmsr_safe(hypervisor::apic::X2APIC_ICR_MSR, value) }.is_err();
+            });
+            if refused {
+                return self.inject(GP, Some(0));
+            }
+            return self.advance();
+        }
         let exit = match handle::handle(exit, &mut self.cpu.regs, &mut RootCpu, &mut self.cpu.guard)
         {
             Outcome::Advance => return self.advance(),

@@ -516,6 +516,10 @@ pub fn setup(
         policy::INTERCEPTED_MSR_READS,
         policy::INTERCEPTED_MSR_WRITES,
     );
+    // The x2APIC's interrupt command register: INIT and SIPI are root's
+    // (`smp`); every other IPI is written through.
+    let icr = hypervisor::apic::X2APIC_ICR_MSR;
+    policy::msr_bitmap(msr_bytes, &[], &[(icr, icr)]);
     let template = Template {
         pin,
         proc1,
