@@ -37,6 +37,14 @@ impl ExitCounters {
         self.counts.get(r as usize).copied().unwrap_or(0)
     }
 
+    /// Adds `other`'s counts to these (another vCPU's, for the VM's sum).
+    pub fn add(&mut self, other: &ExitCounters) {
+        for (c, o) in self.counts.iter_mut().zip(other.counts.iter()) {
+            *c = c.saturating_add(*o);
+        }
+        self.other = self.other.saturating_add(other.other);
+    }
+
     /// Total exits.
     pub fn total(&self) -> u64 {
         self.counts.iter().sum::<u64>() + self.other
@@ -102,5 +110,18 @@ mod tests {
                 (u16::MAX, "OTHER", 1)
             ]
         );
+    }
+
+    #[test]
+    fn sums_of_two_vcpus() {
+        let (mut a, mut b) = (ExitCounters::new(), ExitCounters::new());
+        a.record(10);
+        a.record(10);
+        b.record(10);
+        b.record(48);
+        b.record(u16::MAX);
+        a.add(&b);
+        assert_eq!((a.get(10), a.get(48), a.total()), (3, 1, 5));
+        assert_eq!(b.total(), 3);
     }
 }

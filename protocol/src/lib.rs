@@ -64,12 +64,12 @@ pub use codec::{
 pub use message::{
     Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GraphFilter, GuardReport, GuestState,
     KernelReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceFormat,
-    TracerReport,
+    TracerReport, VcpuReport,
 };
 
 /// The version of the wire format: the frame header, the framing and every
 /// message type. Both ends must agree exactly.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 
 #[cfg(test)]
 mod tests;

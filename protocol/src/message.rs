@@ -501,6 +501,27 @@ pub struct StatusReport {
     pub tracer: TracerReport,
     /// VMX root's own guard counters.
     pub guard: GuardReport,
+    /// Each vCPU, the boot processor first.
+    pub per_vcpu: Vec<VcpuReport>,
+}
+
+/// One vCPU in [`StatusReport::per_vcpu`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VcpuReport {
+    /// Root's index of the vCPU (0: the boot processor).
+    pub index: u32,
+    /// Its local APIC ID.
+    pub apic_id: u32,
+    /// Parked in wait-for-SIPI: not started by the guest yet, or offline
+    /// after an INIT.
+    pub parked: bool,
+    /// Its VM exits.
+    pub exits_total: u64,
+    /// Time it waited for the VM lock, in nanoseconds, and how often it
+    /// took the lock.
+    pub lock_wait_ns: u64,
+    /// How often it took the VM lock.
+    pub lock_takes: u64,
 }
 
 /// The guest kernel as recovered from its memory.

@@ -82,6 +82,14 @@ fn status() -> StatusReport {
             graph_sessions: 2,
             retprobes: 1,
         },
+        per_vcpu: vec![crate::VcpuReport {
+            index: 0,
+            apic_id: 0,
+            parked: false,
+            exits_total: 7,
+            lock_wait_ns: 0,
+            lock_takes: 7,
+        }],
         guard: crate::GuardReport {
             nmi_exits: 5,
             nmis_in_root: 3,

@@ -10,8 +10,9 @@
 //!   boot log);
 //! - CPU hotplug: CPU 1 goes offline and comes back through INIT and SIPI
 //!   again (root's log says it parked and started it), and runs tasks;
-//! - `status` reports two vCPUs, and a probe is refused with a clear
-//!   error (tracing on more than one vCPU is not built yet).
+//! - `status` reports two vCPUs, each with its exits and its waits for the
+//!   VM lock (the VM's exits are their sum), and a probe is refused with a
+//!   clear error (tracing on more than one vCPU is not built yet).
 //!
 //! Run: `cargo test --release -p hvtrace-tests --test smp -- --nocapture`
 
@@ -110,6 +111,20 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
 
     let status = hv_status(&mut c);
     checks.eq("vCPUs in status", status.vcpus, 2);
+    checks.eq("vCPU reports in status", status.per_vcpu.len(), 2);
+    let sum: u64 = status.per_vcpu.iter().map(|v| v.exits_total).sum();
+    checks.eq("status exits: the vCPUs' sum", status.exits_total, sum);
+    if let Some(ap) = status.per_vcpu.get(1) {
+        checks.check(
+            ap.exits_total > 0 && !ap.parked && ap.lock_takes >= ap.exits_total,
+            format!("vCPU 1 in status: {ap:?}"),
+        );
+    }
+    let (code, text, err) = vm.cli(&["status"]);
+    checks.check(
+        code == 0 && text.contains("vCPU 1 (APIC ID 1): running"),
+        format!("hvtrace status does not show vCPU 1 running: {code} {text} {err}"),
+    );
     match hv_call(
         &mut c,
         Request::ProbeAdd {
@@ -143,9 +158,14 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
         log.contains("vCPU 1 parked by INIT"),
         "root's log shows no INIT parking vCPU 1 (hotplug)",
     );
-    eprintln!(
-        "smp: boot and hotplug done; exits of the boot vCPU {}",
-        status.exits_total
-    );
+    for v in &status.per_vcpu {
+        eprintln!(
+            "smp: vCPU {}: {} exits, waited {} us for the VM lock over {} takes",
+            v.index,
+            v.exits_total,
+            v.lock_wait_ns / 1000,
+            v.lock_takes
+        );
+    }
     checks.finish();
 }

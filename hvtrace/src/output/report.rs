@@ -87,6 +87,19 @@ pub fn status_text(status: &Status) -> String {
         ),
     );
     line("exits", format!("{} in all", r.exits_total));
+    if r.per_vcpu.len() > 1 {
+        for c in &r.per_vcpu {
+            out.push_str(&format!(
+                "  vCPU {} (APIC ID {}): {}, {} exits, waited {} us for the VM lock over {} takes\n",
+                c.index,
+                c.apic_id,
+                if c.parked { "parked" } else { "running" },
+                c.exits_total,
+                c.lock_wait_ns / 1000,
+                c.lock_takes
+            ));
+        }
+    }
     let exits = sorted_exits(r);
     let width = exits.iter().map(|e| e.0.len()).max().unwrap_or(0);
     for (name, reason, count) in &exits {
@@ -224,6 +237,24 @@ pub fn status_json(status: &Status) -> Json {
         ("kernel", kernel),
         ("current_task", task),
         ("exits_total", json::int(r.exits_total)),
+        (
+            "per_vcpu",
+            Json::Array(
+                r.per_vcpu
+                    .iter()
+                    .map(|c| {
+                        json::object([
+                            ("index", json::int(c.index)),
+                            ("apic_id", json::int(c.apic_id)),
+                            ("parked", Json::Bool(c.parked)),
+                            ("exits_total", json::int(c.exits_total)),
+                            ("lock_wait_ns", json::int(c.lock_wait_ns)),
+                            ("lock_takes", json::int(c.lock_takes)),
+                        ])
+                    })
+                    .collect(),
+            ),
+        ),
         ("exits", Json::Array(exits)),
         ("hv_memory_used", json::int(r.hv_memory_used)),
         ("hv_memory_total", json::int(r.hv_memory_total)),
@@ -384,6 +415,14 @@ mod tests {
             },
             kernel: None,
             tracer: protocol::TracerReport::default(),
+            per_vcpu: vec![protocol::VcpuReport {
+                index: 0,
+                apic_id: 0,
+                parked: false,
+                exits_total: 7,
+                lock_wait_ns: 0,
+                lock_takes: 7,
+            }],
             guard: protocol::GuardReport::default(),
         }
     }

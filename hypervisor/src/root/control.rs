@@ -33,7 +33,6 @@ pub enum Action {
 
 /// Hypervisor state the answers are built from.
 pub struct StatusSource<'a> {
-    pub counters: &'a hypervisor::stats::ExitCounters,
     pub uptime_ns: u64,
     pub memory_used: u64,
     pub memory_total: u64,
@@ -46,20 +45,21 @@ pub struct StatusSource<'a> {
     pub rip: u64,
     /// Root's guard counters.
     pub guard: protocol::GuardReport,
-    /// vCPUs the VM has (running or parked).
-    pub vcpus: usize,
+    /// Every vCPU (running or parked), the boot processor first, with its
+    /// exit counts.
+    pub cpus: &'a [crate::smp::ApSlot],
 }
 
 /// The tracer hooks on one vCPU only, for now: with more, a split-view
 /// step would open a hooked page to the other vCPUs, and a patch could be
 /// torn under one that executes it (see ARCHITECTURE.md, SMP).
 fn smp_refusal(src: &StatusSource<'_>) -> Option<Response> {
-    (src.vcpus > 1).then(|| {
+    (src.cpus.len() > 1).then(|| {
         Response::error(
             ErrorKind::Unsupported,
             alloc::format!(
                 "tracing is not supported yet on a VM with {} vCPUs; start it with --cpus 1",
-                src.vcpus
+                src.cpus.len()
             ),
         )
     })
@@ -295,7 +295,7 @@ impl Control {
                 limit,
             } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
             Request::ProbeAdd { .. } | Request::FunctionAdd { .. } | Request::GraphStart(_)
-                if src.vcpus > 1 =>
+                if src.cpus.len() > 1 =>
             {
                 (smp_refusal(src).unwrap_or(Response::Ok), Action::None)
             }
@@ -475,14 +475,18 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
     let _ = src
         .introspection
         .ensure(&src.cpu, src.tsc_hz, src.uptime_ns);
+    // The VM's exits: every vCPU's, summed.
+    let mut exits = hypervisor::stats::ExitCounters::new();
+    for c in src.cpus {
+        exits.add(&c.counters);
+    }
     StatusReport {
         hypervisor_version: String::from(crate::VERSION),
         protocol_version: protocol::PROTOCOL_VERSION,
-        vcpus: src.vcpus as u32,
+        vcpus: src.cpus.len() as u32,
         uptime_ns: src.uptime_ns,
         guest_state: GuestState::Running,
-        exits: src
-            .counters
+        exits: exits
             .nonzero_with_reason()
             .map(|(reason, name, count)| ExitCount {
                 reason,
@@ -490,7 +494,20 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
                 count,
             })
             .collect(),
-        exits_total: src.counters.total(),
+        exits_total: exits.total(),
+        per_vcpu: src
+            .cpus
+            .iter()
+            .enumerate()
+            .map(|(i, c)| protocol::VcpuReport {
+                index: i as u32,
+                apic_id: c.apic_id,
+                parked: c.life.is_parked(),
+                exits_total: c.counters.total(),
+                lock_wait_ns: crate::clock::tsc_to_ns(c.lock_wait_ticks, src.tsc_hz),
+                lock_takes: c.lock_takes,
+            })
+            .collect(),
         hv_memory_used: src.memory_used,
         hv_memory_total: src.memory_total,
         current_task: src.introspection.current_task(&src.cpu),

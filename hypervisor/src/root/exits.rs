@@ -309,6 +309,11 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         let timer = matches!(exit, VmExit::PreemptionTimer);
         let mut vm = shared.lock(&mut cpu.lock_wait_ticks);
         cpu.lock_takes += 1;
+        if let Some(slot) = vm.cpus.get_mut(cpu.index) {
+            slot.counters.record(raw.reason as u16);
+            slot.lock_wait_ticks = cpu.lock_wait_ticks;
+            slot.lock_takes = cpu.lock_takes;
+        }
         let mut v = Vcpu { vm: &mut vm, cpu };
         let now = v.vm.clock.update(insn::rdtsc());
         match v.handle(exit) {
@@ -393,7 +398,6 @@ impl Vcpu<'_> {
                 return Ok(Next::Resume);
             };
             let mut src = StatusSource {
-                counters: &self.cpu.counters,
                 uptime_ns: crate::clock::tsc_to_ns(self.vm.clock.now(), self.vm.tsc_hz),
                 memory_used: crate::frames::used(),
                 memory_total: loader::layout::HV_RESERVED_SIZE,
@@ -404,7 +408,7 @@ impl Vcpu<'_> {
                 ept: &self.vm.cfg.ept,
                 rip,
                 guard,
-                vcpus: self.vm.cpus.len(),
+                cpus: &self.vm.cpus,
             };
             stop = c.poll(&mut src) == Action::Stop;
             let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
@@ -628,10 +632,10 @@ impl Vcpu<'_> {
         if self.cpu.index == 0 {
             return Ok(());
         }
-        let Some(slot) = self.vm.cpus.get(self.cpu.index).copied() else {
+        let Some(init) = self.vm.cpus.get(self.cpu.index).map(|s| s.init) else {
             return Ok(());
         };
-        if slot.init {
+        if init {
             self.ap_park()?;
         }
         let parked = self

@@ -221,12 +221,10 @@ fn run(
     let lapic_base = cpus.map_or(0xfee0_0000, |c| c.lapic_base);
     let slots = match aps.is_empty() {
         false => smp::start_aps(lapic_base, &aps, bsp_apic_id, tsc_hz).map_err(Fatal::Smp)?,
-        true => alloc::vec![smp::ApSlot {
-            apic_id: bsp_apic_id,
-            life: hypervisor::vmx::ap::ApLife::Running { vector: 0 },
-            init: false,
-            sipi: None,
-        }],
+        true => alloc::vec![smp::ApSlot::new(
+            bsp_apic_id,
+            hypervisor::vmx::ap::ApLife::Running { vector: 0 },
+        )],
     };
     if slots.len() > 1 {
         // The guest's start-up IPIs are root's to carry out: its stores to

@@ -75,9 +75,10 @@ struct ApBoot {
 
 static AP_BOOT: spin::Mutex<[Option<ApBoot>; MAX_CPUS]> = spin::Mutex::new([None; MAX_CPUS]);
 
-/// One vCPU as the others see it: its APIC ID and root's account of its
-/// start-up state. Index 0 is the boot processor.
-#[derive(Clone, Copy, Debug)]
+/// One vCPU as the others see it: its APIC ID, root's account of its
+/// start-up state, and its counters for `status`. Index 0 is the boot
+/// processor.
+#[derive(Clone, Debug)]
 pub struct ApSlot {
     pub apic_id: u32,
     /// Parked or running (the boot processor is always running).
@@ -86,6 +87,26 @@ pub struct ApSlot {
     pub init: bool,
     /// A SIPI's vector waits for the AP to be parked.
     pub sipi: Option<u8>,
+    /// Its exits, by reason (recorded under the VM lock).
+    pub counters: hypervisor::stats::ExitCounters,
+    /// TSC ticks it waited for the VM lock, and how often it took it.
+    pub lock_wait_ticks: u64,
+    pub lock_takes: u64,
+}
+
+impl ApSlot {
+    /// A vCPU with `apic_id` in `life`, nothing counted yet.
+    pub fn new(apic_id: u32, life: ApLife) -> Self {
+        ApSlot {
+            apic_id,
+            life,
+            init: false,
+            sipi: None,
+            counters: hypervisor::stats::ExitCounters::new(),
+            lock_wait_ticks: 0,
+            lock_takes: 0,
+        }
+    }
 }
 
 /// Why the APs could not all be taken.
@@ -173,12 +194,7 @@ pub fn start_aps(
     tsc_hz: u64,
 ) -> Result<alloc::vec::Vec<ApSlot>, SmpError> {
     let mut slots = alloc::vec::Vec::new();
-    slots.push(ApSlot {
-        apic_id: bsp_apic_id,
-        life: ApLife::Running { vector: 0 },
-        init: false,
-        sipi: None,
-    });
+    slots.push(ApSlot::new(bsp_apic_id, ApLife::Running { vector: 0 }));
     let cr3 = insn::read_cr3();
     let page = layout::AP_TRAMPOLINE;
     phys::write(page.as_u64(), ap_start::trampoline());
@@ -207,12 +223,7 @@ pub fn start_aps(
             return Err(SmpError::ApFailed(id));
         }
         log::info!("AP {index} (APIC ID {id}) parked in wait-for-SIPI");
-        slots.push(ApSlot {
-            apic_id: id,
-            life: ApLife::Parked,
-            init: false,
-            sipi: None,
-        });
+        slots.push(ApSlot::new(id, ApLife::Parked));
     }
     // The trampoline page stays root's (outside the guest's e820, absent
     // from EPT); clear it all the same.

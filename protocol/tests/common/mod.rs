@@ -57,6 +57,14 @@ pub fn status_report() -> StatusReport {
         },
         kernel: None,
         tracer: protocol::TracerReport::default(),
+        per_vcpu: vec![protocol::VcpuReport {
+            index: 0,
+            apic_id: 0,
+            parked: false,
+            exits_total: 7,
+            lock_wait_ns: 0,
+            lock_takes: 7,
+        }],
         guard: protocol::GuardReport::default(),
     }
 }
