@@ -5,6 +5,8 @@
 //!   `/sys/devices/system/cpu/online`), and a task pinned to CPU 1 ran
 //!   there (field 39 of its own `/proc/self/stat`), with CPU 1 taking its
 //!   own timer interrupts;
+//! - the guest's sysrq backtrace of every CPU, asked for on CPU 0, comes
+//!   back from CPU 1 through an NMI IPI (which root carries through);
 //! - root started the AP at the guest's SIPI (its log says where), and the
 //!   AP start-up page is missing from the guest's e820 (the guest's own
 //!   boot log);
@@ -89,6 +91,21 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     checks.check(
         !e820.is_empty() && !covers_page,
         format!("the guest's e820 gives it the AP start-up page 0xf000: {e820}"),
+    );
+
+    // NMI IPIs reach the other vCPU: the guest's own backtrace of every
+    // CPU, asked for on CPU 0, comes back from CPU 1 through an NMI.
+    guest_exec(
+        &mut c,
+        "dmesg -c > /dev/null; taskset 1 sh -c 'echo l > /proc/sysrq-trigger'; sleep 1",
+    );
+    let backtraces = guest_exec(&mut c, "dmesg");
+    checks.check(
+        backtraces.contains("NMI backtrace for cpu 1"),
+        format!(
+            "no NMI backtrace from CPU 1: {}",
+            &backtraces[backtraces.len().saturating_sub(1500)..]
+        ),
     );
 
     // Hotplug: offline, then online again through INIT and SIPI.

@@ -229,6 +229,8 @@ const DR7_LOCAL_ENABLES: u64 = 0x55;
 const DR6_BT: u64 = 1 << 15;
 /// #PF.
 const PF: u8 = 14;
+/// IA32_APIC_BASE bits 12..=51: the APIC page's address.
+const APIC_BASE_ADDRESS: u64 = 0x000f_ffff_ffff_f000;
 
 /// Fills the entry's event-injection fields (see
 /// [`hypervisor::vmx::entry::prepare_entry`]), with the NMI that root's
@@ -488,6 +490,18 @@ impl Vcpu<'_> {
             }
         }
         if let VmExit::MsrWrite {
+            msr: policy::MSR_APIC_BASE,
+            value,
+        } = exit
+        {
+            // With more than one vCPU the APIC page is where root watches
+            // the guest's start-up IPIs: it stays where it is.
+            if self.vm.cpus.len() > 1 && value & APIC_BASE_ADDRESS != self.vm.lapic_base {
+                self.cpu.apic_refused += 1;
+                return self.inject(GP, Some(0));
+            }
+        }
+        if let VmExit::MsrWrite {
             msr: hypervisor::apic::X2APIC_ICR_MSR,
             value,
         } = exit
@@ -596,6 +610,10 @@ impl Vcpu<'_> {
         self.cpu.nmi_window = false;
         // EPT may have changed while the AP was parked.
         let _ = insn::invept_single(self.vm.cfg.ept.eptp());
+        // NMIs to this CPU were blocked by the way Bochs 2.7 takes the SIPI
+        // exit; an IRET in root lets them through again (a no-op on a CPU
+        // whose NMIs are not blocked).
+        insn::iret_to_self();
         log::info!(
             "vCPU {} started at {:#x}",
             self.cpu.index,

@@ -30,6 +30,9 @@
 //!   start states write the activity and the whole interruptibility field,
 //!   never trusting what was saved, and root keeps its own account of
 //!   each AP ([`ApLife`]).
+//! - The SIPI exit also leaves NMIs blocked on the AP (its exit cuts short
+//!   the SIPI's own unmasking), and only an IRET in root lifts that: root
+//!   runs one to itself after each start.
 //! - The preemption timer must not run while an AP is parked: the INIT
 //!   state clears its pin-based control, and the SIPI state sets it back.
 

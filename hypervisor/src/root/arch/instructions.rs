@@ -506,6 +506,34 @@ pub unsafe fn lidt(p: &DescriptorTablePointer) {
     unsafe { asm!("lidt [{}]", in(reg) p, options(readonly, nostack)) };
 }
 
+/// Executes an IRETQ to the next instruction, on the same stack: lifts
+/// the NMI blocking of this CPU in root. Bochs 2.7 leaves NMIs blocked on
+/// an AP after its SIPI exit (the exit cuts short the SIPI's own
+/// unmasking), and only an IRET in root lifts that.
+pub fn iret_to_self() {
+    // SAFETY: the frame pushed is this very context (SS:RSP as they were,
+    // RFLAGS, CS and the address right after IRETQ), so execution goes on
+    // unchanged; the asm may use the stack, which the compiler allows for
+    // (no `nostack`).
+    unsafe {
+        asm!(
+            "mov {sp}, rsp",
+            "mov {sel:e}, ss",
+            "push {sel}",
+            "push {sp}",
+            "pushfq",
+            "mov {sel:e}, cs",
+            "push {sel}",
+            "lea {sp}, [rip + 2f]",
+            "push {sp}",
+            "iretq",
+            "2:",
+            sp = out(reg) _,
+            sel = out(reg) _,
+        )
+    };
+}
+
 /// Runs root's own NMI handler through `INT 2`. After a VM exit caused by
 /// an NMI, physical NMIs stay blocked until an IRET executes in root (SDM
 /// 28.x, "NMI exiting"); the handler's IRETQ is that IRET.
