@@ -25,6 +25,13 @@ pub struct CpuState {
     /// Entries on which root cleared the blocking-by-SMI bit that Bochs
     /// 2.7 leaves in an AP's interruptibility state.
     pub smi_blocking_cleared: u64,
+    /// The APIC page whose guest stores exit (0: not protected, one vCPU).
+    pub lapic_base: u64,
+    /// Exits handled without the VM lock.
+    pub local_exits: u64,
+    /// The raw TSC at the last turn (the exits handled without the lock
+    /// look at it; root's monotonic clock is the VM's, behind the lock).
+    pub last_turn_tsc: u64,
     pub regs: GuestRegs,
     pub counters: ExitCounters,
     /// What root refused or emulated for this vCPU.
@@ -58,6 +65,9 @@ impl CpuState {
             lock_takes: 0,
             apic_refused: 0,
             smi_blocking_cleared: 0,
+            lapic_base: 0,
+            local_exits: 0,
+            last_turn_tsc: 0,
             regs: GuestRegs::default(),
             counters: ExitCounters::new(),
             guard: GuardReport::default(),

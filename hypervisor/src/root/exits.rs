@@ -128,6 +128,9 @@ macro_rules! tracer {
 /// divided by 2^IA32_VMX_MISC[4:0]).
 const IDLE_TURNS_PER_SEC: u64 = 200;
 const BUSY_TURNS_PER_SEC: u64 = 5000;
+/// Local exits between two looks at the clock under the VM lock (the
+/// look itself is cheap; the lock is not).
+const LOCAL_EXITS_PER_CHECK: u64 = 64;
 /// At most this many busy turns are spent draining output before a stop.
 const STOP_DRAIN_TURNS: u32 = 500;
 
@@ -309,19 +312,38 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         };
         let exit = decode(&raw);
         let timer = matches!(exit, VmExit::PreemptionTimer);
+        // Exits that touch nothing shared are handled without the VM lock.
+        let exit = match local_exit(cpu, exit) {
+            Local::Done(Ok(Next::Resume)) => {
+                // Turns are due on this path too: a vCPU whose exits are
+                // all local (an idle CPU taking interrupts, whose EOIs
+                // exit) may see its preemption timer expire rarely.
+                cpu.local_exits += 1;
+                let due = insn::rdtsc().saturating_sub(cpu.last_turn_tsc) > cpu.turn_ticks;
+                if !due && !cpu.local_exits.is_multiple_of(LOCAL_EXITS_PER_CHECK) {
+                    continue;
+                }
+                None
+            }
+            Local::Done(Ok(Next::Stop(r))) => return r,
+            Local::Done(Err(e)) => return e.into(),
+            Local::Shared(exit, policy_done) => Some((exit, policy_done)),
+        };
         let mut vm = shared.lock(&mut cpu.lock_wait_ticks);
         cpu.lock_takes += 1;
         if let Some(slot) = vm.cpus.get_mut(cpu.index) {
-            slot.counters.record(raw.reason as u16);
+            slot.counters.clone_from(&cpu.counters);
             slot.lock_wait_ticks = cpu.lock_wait_ticks;
             slot.lock_takes = cpu.lock_takes;
         }
         let mut v = Vcpu { vm: &mut vm, cpu };
         let now = v.vm.clock.update(insn::rdtsc());
-        match v.handle(exit) {
-            Ok(Next::Resume) => {}
-            Ok(Next::Stop(r)) => return r,
-            Err(e) => return e.into(),
+        if let Some((exit, policy_done)) = exit {
+            match v.handle(exit, policy_done) {
+                Ok(Next::Resume) => {}
+                Ok(Next::Stop(r)) => return r,
+                Err(e) => return e.into(),
+            }
         }
         if !timer && now.saturating_sub(v.cpu.last_turn) > v.cpu.turn_ticks {
             match v.service() {
@@ -334,6 +356,125 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             return e.into();
         }
     }
+}
+
+/// Where an exit is handled.
+enum Local {
+    /// Handled on the vCPU alone.
+    Done(Result<Next, VmcsError>),
+    /// Needs the VM's shared state (and its lock); `true` when the policy
+    /// of [`handle::handle`] has already looked at it.
+    Shared(VmExit, bool),
+}
+
+/// Handles the exits that need nothing shared, on the vCPU alone: the
+/// policy exits (CPUID, MSR reads, XSETBV, VMX instructions, NMIs, triple
+/// fault, INIT of the boot processor) and the guest's stores to the APIC
+/// page other than the interrupt command register. Everything else goes to
+/// [`Vcpu::handle`] under the VM lock.
+fn local_exit(cpu: &mut CpuState, exit: VmExit) -> Local {
+    match exit {
+        // Root's own: start-up IPIs, MSR writes (the APIC base and the
+        // x2APIC ICR among them), turns, the tracer's EPT.
+        VmExit::Init | VmExit::Sipi { .. } | VmExit::MsrWrite { .. } | VmExit::PreemptionTimer => {
+            return Local::Shared(exit, false)
+        }
+        VmExit::EptViolation(e) => {
+            let page = e.gpa & !0xfff;
+            let offset = e.gpa & 0xfff;
+            if e.write
+                && cpu.lapic_base != 0
+                && page == cpu.lapic_base
+                && offset != hypervisor::apic::XAPIC_ICR_LOW
+            {
+                return Local::Done(apic_store(cpu, offset).map(|_| Next::Resume));
+            }
+            return Local::Shared(exit, false);
+        }
+        _ => {}
+    }
+    match handle::handle(exit, &mut cpu.regs, &mut RootCpu, &mut cpu.guard) {
+        Outcome::Advance => Local::Done(entry::advance(&mut Vmcs).map(|()| Next::Resume)),
+        Outcome::Inject(e) => {
+            cpu.inject = Some(e);
+            Local::Done(Ok(Next::Resume))
+        }
+        Outcome::Resume => Local::Done(Ok(Next::Resume)),
+        Outcome::Nmi => {
+            // The NMI is the guest's; root's IDT handler marks it pending,
+            // and its IRET unblocks NMIs in root.
+            crate::fatal::nmi_exit(cpu.index);
+            Local::Done(Ok(Next::Resume))
+        }
+        Outcome::TripleFault => Local::Done(Ok(Next::Stop(StopReason::TripleFault))),
+        Outcome::Reset => Local::Done(Ok(Next::Stop(StopReason::Reset))),
+        Outcome::Root(exit) => Local::Shared(exit, true),
+    }
+}
+
+/// A decoded guest store to the APIC page: the instruction and the value.
+struct ApicStore {
+    store: hypervisor::apic::Store,
+    value: u32,
+}
+
+/// Decodes the guest's store at RIP; `None` when it is not one root
+/// carries out.
+fn decode_apic_store(cpu: &mut CpuState) -> Result<Option<ApicStore>, VmcsError> {
+    let v = &Vmcs;
+    let rip = f::GUEST_RIP.read(v)?;
+    let cr3 = Cr3(f::GUEST_CR3.read(v)?);
+    let mut bytes = [0u8; 15];
+    // The instruction may end before a page it does not reach.
+    let room = (0x1000 - (rip & 0xfff)).min(15) as usize;
+    let mut got = 0;
+    for len in [15usize, room] {
+        if let Some(b) = bytes.get_mut(..len) {
+            if paging::read_virt(&GuestRam, cr3, Gva(rip), b).is_ok() {
+                got = len;
+                break;
+            }
+        }
+    }
+    let Some(store) = bytes.get(..got).and_then(hypervisor::apic::decode_store) else {
+        return Ok(None);
+    };
+    let value = match store.value {
+        hypervisor::apic::StoreValue::Imm(x) => x,
+        hypervisor::apic::StoreValue::Reg(4) => f::GUEST_RSP.read(v)? as u32,
+        hypervisor::apic::StoreValue::Reg(n) => gpr(&mut cpu.regs, n).map_or(0, |r| *r as u32),
+    };
+    Ok(Some(ApicStore { store, value }))
+}
+
+/// Completes a store root carried out: XCHG's register gets the old
+/// value, and RIP moves past the instruction.
+fn complete_apic_store(cpu: &mut CpuState, s: &ApicStore, old: u32) -> Result<(), VmcsError> {
+    if s.store.xchg {
+        if let hypervisor::apic::StoreValue::Reg(n) = s.store.value {
+            if n == 4 {
+                f::GUEST_RSP.write(&mut Vmcs, u64::from(old))?;
+            } else if let Some(r) = gpr(&mut cpu.regs, n) {
+                *r = u64::from(old);
+            }
+        }
+    }
+    entry::advance_by(&mut Vmcs, u64::from(s.store.len))
+}
+
+/// A guest store to a register of the APIC page other than the ICR: root
+/// carries it out on this CPU's APIC (a store it cannot decode is refused
+/// with #GP).
+fn apic_store(cpu: &mut CpuState, offset: u64) -> Result<(), VmcsError> {
+    let Some(s) = decode_apic_store(cpu)? else {
+        cpu.apic_refused += 1;
+        cpu.inject = Some(Event::exception(GP, Some(0)));
+        return Ok(());
+    };
+    let lapic = cpu.lapic_base;
+    let old = crate::arch::ap_start::apic_read(lapic, offset);
+    crate::arch::ap_start::apic_write(lapic, offset, s.value);
+    complete_apic_store(cpu, &s, old)
 }
 
 impl Vcpu<'_> {
@@ -382,7 +523,8 @@ impl Vcpu<'_> {
     fn service(&mut self) -> Result<Next, VmcsError> {
         let mut stop = false;
         let mut busy = false;
-        self.cpu.last_turn = self.vm.clock.update(insn::rdtsc());
+        self.cpu.last_turn_tsc = insn::rdtsc();
+        self.cpu.last_turn = self.vm.clock.update(self.cpu.last_turn_tsc);
         with_env(&self.vm.cfg.ept, |env| tracer!(self).on_turn(env));
         if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
@@ -466,7 +608,7 @@ impl Vcpu<'_> {
         Ok(Next::Resume)
     }
 
-    fn handle(&mut self, exit: VmExit) -> Result<Next, VmcsError> {
+    fn handle(&mut self, exit: VmExit, policy_done: bool) -> Result<Next, VmcsError> {
         // An AP's INIT and SIPI are root's to carry out (`smp`); the boot
         // processor's INIT is the guest resetting the machine (below).
         if self.cpu.index != 0 {
@@ -520,8 +662,12 @@ impl Vcpu<'_> {
             }
             return self.advance();
         }
-        let exit = match handle::handle(exit, &mut self.cpu.regs, &mut RootCpu, &mut self.cpu.guard)
-        {
+        let outcome = if policy_done {
+            Outcome::Root(exit)
+        } else {
+            handle::handle(exit, &mut self.cpu.regs, &mut RootCpu, &mut self.cpu.guard)
+        };
+        let exit = match outcome {
             Outcome::Advance => return self.advance(),
             Outcome::Inject(e) => {
                 self.cpu.inject = Some(e);
@@ -604,6 +750,7 @@ impl Vcpu<'_> {
         }
         slot.init = false;
         ap::write_sipi_state(&mut Vmcs, vector, self.vm.cfg.has_timer)?;
+        self.cpu.lapic_base = self.vm.lapic_base;
         self.cpu.timer = 0;
         self.cpu.inject = None;
         self.cpu.vectoring = None;
@@ -679,54 +826,23 @@ impl Vcpu<'_> {
     /// takes INIT and SIPI in the interrupt command register for its own
     /// (`smp`). A store root cannot decode is refused with #GP.
     fn apic_write(&mut self, offset: u64) -> Result<Next, VmcsError> {
-        let v = &Vmcs;
-        let rip = f::GUEST_RIP.read(v)?;
-        let cr3 = Cr3(f::GUEST_CR3.read(v)?);
-        let mut bytes = [0u8; 15];
-        // The instruction may end before a page it does not reach.
-        let room = (0x1000 - (rip & 0xfff)).min(15) as usize;
-        let mut got = 0;
-        for len in [15usize, room] {
-            if let Some(b) = bytes.get_mut(..len) {
-                if paging::read_virt(&GuestRam, cr3, Gva(rip), b).is_ok() {
-                    got = len;
-                    break;
-                }
-            }
-        }
-        let store = bytes.get(..got).and_then(hypervisor::apic::decode_store);
-        let Some(store) = store else {
+        let Some(st) = decode_apic_store(self.cpu)? else {
             self.cpu.apic_refused += 1;
             return self.inject(GP, Some(0));
-        };
-        let value = match store.value {
-            hypervisor::apic::StoreValue::Imm(x) => x,
-            hypervisor::apic::StoreValue::Reg(4) => f::GUEST_RSP.read(v)? as u32,
-            hypervisor::apic::StoreValue::Reg(n) => {
-                gpr(&mut self.cpu.regs, n).map_or(0, |r| *r as u32)
-            }
         };
         let lapic = self.vm.lapic_base;
         let old = crate::arch::ap_start::apic_read(lapic, offset);
         if offset == hypervisor::apic::XAPIC_ICR_LOW {
             let high = crate::arch::ap_start::apic_read(lapic, hypervisor::apic::XAPIC_ICR_HIGH);
-            let icr = hypervisor::apic::Icr::from_xapic(value, high);
+            let icr = hypervisor::apic::Icr::from_xapic(st.value, high);
+            let value = st.value;
             self.guest_ipi(&icr, || {
                 crate::arch::ap_start::apic_write(lapic, offset, value)
             });
         } else {
-            crate::arch::ap_start::apic_write(lapic, offset, value);
+            crate::arch::ap_start::apic_write(lapic, offset, st.value);
         }
-        if store.xchg {
-            if let hypervisor::apic::StoreValue::Reg(n) = store.value {
-                if n == 4 {
-                    f::GUEST_RSP.write(&mut Vmcs, u64::from(old))?;
-                } else if let Some(r) = gpr(&mut self.cpu.regs, n) {
-                    *r = u64::from(old);
-                }
-            }
-        }
-        entry::advance_by(&mut Vmcs, u64::from(store.len))?;
+        complete_apic_store(self.cpu, &st, old)?;
         Ok(Next::Resume)
     }
 

@@ -260,6 +260,9 @@ fn run(
     let mut cpu = cpu_state::CpuState::new(0);
     cpu.regs.rsi = entry.boot_params;
     if vcpus > 1 {
+        cpu.lapic_base = lapic_base;
+    }
+    if vcpus > 1 {
         log::info!("{vcpus} vCPUs: the boot processor runs, the APs wait for the guest's SIPIs");
     }
     hvprintln!("guest started");
