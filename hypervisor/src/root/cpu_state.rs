@@ -29,6 +29,9 @@ pub struct CpuState {
     pub lapic_base: u64,
     /// Exits handled without the VM lock.
     pub local_exits: u64,
+    /// Parked in wait-for-SIPI (an AP before its start or after an INIT):
+    /// no event may be injected.
+    pub parked: bool,
     /// The raw TSC at the last turn (the exits handled without the lock
     /// look at it; root's monotonic clock is the VM's, behind the lock).
     pub last_turn_tsc: u64,
@@ -67,6 +70,7 @@ impl CpuState {
             smi_blocking_cleared: 0,
             lapic_base: 0,
             local_exits: 0,
+            parked: index != 0,
             last_turn_tsc: 0,
             regs: GuestRegs::default(),
             counters: ExitCounters::new(),

@@ -232,6 +232,10 @@ const DR7_LOCAL_ENABLES: u64 = 0x55;
 const DR6_BT: u64 = 1 << 15;
 /// #PF.
 const PF: u8 = 14;
+/// Primary processor-based control bit 22: NMI-window exiting.
+const NMI_WINDOW_EXITING: u32 = 1 << 22;
+/// IA32_APIC_BASE bit 10: x2APIC mode.
+const APIC_BASE_EXTD: u64 = 1 << 10;
 /// IA32_APIC_BASE bits 12..=51: the APIC page's address.
 const APIC_BASE_ADDRESS: u64 = 0x000f_ffff_ffff_f000;
 
@@ -247,6 +251,13 @@ fn prepare_entry(cpu: &mut CpuState) -> Result<(), VmcsError> {
             f::GUEST_INTERRUPTIBILITY.write(&mut Vmcs, intr & !ap::BLOCKING_BY_SMI)?;
             cpu.smi_blocking_cleared += 1;
         }
+    }
+    if cpu.parked {
+        // Wait-for-SIPI takes no event (SDM 27.3.1.5), and blocks NMIs.
+        cpu.inject = None;
+        cpu.vectoring = None;
+        crate::fatal::take_nmi(cpu.index);
+        return Ok(());
     }
     let mut pending = Pending {
         inject: cpu.inject.take(),
@@ -382,12 +393,18 @@ fn local_exit(cpu: &mut CpuState, exit: VmExit) -> Local {
         VmExit::EptViolation(e) => {
             let page = e.gpa & !0xfff;
             let offset = e.gpa & 0xfff;
-            if e.write
-                && cpu.lapic_base != 0
-                && page == cpu.lapic_base
-                && offset != hypervisor::apic::XAPIC_ICR_LOW
-            {
-                return Local::Done(apic_store(cpu, offset).map(|_| Next::Resume));
+            if e.write && cpu.lapic_base != 0 && page == cpu.lapic_base {
+                if offset & 0xf != 0 {
+                    // APIC registers are 16-byte aligned words: a store
+                    // elsewhere is refused, never carried out (it could
+                    // reach the ICR behind root's back).
+                    cpu.apic_refused += 1;
+                    cpu.inject = Some(Event::exception(GP, Some(0)));
+                    return Local::Done(Ok(Next::Resume));
+                }
+                if offset != hypervisor::apic::XAPIC_ICR_LOW {
+                    return Local::Done(apic_store(cpu, offset).map(|_| Next::Resume));
+                }
             }
             return Local::Shared(exit, false);
         }
@@ -472,7 +489,12 @@ fn apic_store(cpu: &mut CpuState, offset: u64) -> Result<(), VmcsError> {
         return Ok(());
     };
     let lapic = cpu.lapic_base;
-    let old = crate::arch::ap_start::apic_read(lapic, offset);
+    // Only XCHG reads the register (a read can have effects of its own).
+    let old = if s.store.xchg {
+        crate::arch::ap_start::apic_read(lapic, offset)
+    } else {
+        0
+    };
     crate::arch::ap_start::apic_write(lapic, offset, s.value);
     complete_apic_store(cpu, &s, old)
 }
@@ -613,21 +635,30 @@ impl Vcpu<'_> {
         // processor's INIT is the guest resetting the machine (below).
         if self.cpu.index != 0 {
             match exit {
-                VmExit::Sipi { vector } => {
+                VmExit::Sipi { .. } => {
+                    // Root's own SIPIs carry the guest's vector in the
+                    // slot; one without (sent again after the guest took
+                    // it back with an INIT, or late) starts nothing.
                     let vector = self
                         .vm
                         .cpus
                         .get_mut(self.cpu.index)
-                        .and_then(|s| s.sipi.take())
-                        .unwrap_or(vector);
-                    return self.ap_start(vector);
+                        .and_then(|s| s.sipi.take());
+                    return match vector {
+                        Some(v) => self.ap_start(v),
+                        None => self.stay_parked(),
+                    };
                 }
                 VmExit::Init => return self.ap_park(),
                 _ => {}
             }
         }
         if let VmExit::EptViolation(e) = exit {
-            if e.write && e.gpa & !0xfff == self.vm.lapic_base {
+            if e.write && self.cpu.lapic_base != 0 && e.gpa & !0xfff == self.cpu.lapic_base {
+                if e.gpa & 0xf != 0 {
+                    self.cpu.apic_refused += 1;
+                    return self.inject(GP, Some(0));
+                }
                 return self.apic_write(e.gpa & 0xfff);
             }
         }
@@ -648,6 +679,12 @@ impl Vcpu<'_> {
             value,
         } = exit
         {
+            // SAFETY: IA32_APIC_BASE exists on every CPU with a local APIC.
+            let base = unsafe { insn::rdmsr(policy::MSR_APIC_BASE) };
+            if base & APIC_BASE_EXTD == 0 {
+                // Not in x2APIC mode: the MSR does not exist for the guest.
+                return self.inject(GP, Some(0));
+            }
             let icr = hypervisor::apic::Icr::from_x2apic(value);
             let mut refused = false;
             self.guest_ipi(&icr, || {
@@ -751,10 +788,13 @@ impl Vcpu<'_> {
         slot.init = false;
         ap::write_sipi_state(&mut Vmcs, vector, self.vm.cfg.has_timer)?;
         self.cpu.lapic_base = self.vm.lapic_base;
-        self.cpu.timer = 0;
-        self.cpu.inject = None;
-        self.cpu.vectoring = None;
-        self.cpu.nmi_window = false;
+        self.cpu.parked = false;
+        self.forget_events()?;
+        if self.vm.cfg.has_timer {
+            let t = self.timer_value(false);
+            f::PREEMPTION_TIMER_VALUE.write(&mut Vmcs, t)?;
+            self.cpu.timer = t;
+        }
         // EPT may have changed while the AP was parked.
         let _ = insn::invept_single(self.vm.cfg.ept.eptp());
         // NMIs to this CPU were blocked by the way Bochs 2.7 takes the SIPI
@@ -769,6 +809,36 @@ impl Vcpu<'_> {
         Ok(Next::Resume)
     }
 
+    /// A SIPI exit that starts nothing: back to wait-for-SIPI (Bochs 2.7
+    /// saves the activity as active, and blocking bits, after it).
+    fn stay_parked(&mut self) -> Result<Next, VmcsError> {
+        if self
+            .vm
+            .cpus
+            .get(self.cpu.index)
+            .is_some_and(|s| s.life.is_parked())
+        {
+            f::GUEST_INTERRUPTIBILITY.write(&mut Vmcs, 0)?;
+            f::GUEST_ACTIVITY_STATE.write(&mut Vmcs, ap::ACTIVITY_WAIT_FOR_SIPI)?;
+        }
+        Ok(Next::Resume)
+    }
+
+    /// Drops the events this vCPU carried (INIT and SIPI discard them): the
+    /// event to inject, the interrupted one, a pending NMI and NMI-window
+    /// exiting, in the VMCS as well as in root's copy.
+    fn forget_events(&mut self) -> Result<(), VmcsError> {
+        self.cpu.inject = None;
+        self.cpu.vectoring = None;
+        crate::fatal::take_nmi(self.cpu.index);
+        if self.cpu.nmi_window {
+            let ctl = f::PRIMARY_PROC_CONTROLS.read(&Vmcs)?;
+            f::PRIMARY_PROC_CONTROLS.write(&mut Vmcs, ctl & !NMI_WINDOW_EXITING)?;
+            self.cpu.nmi_window = false;
+        }
+        Ok(())
+    }
+
     /// Resets this AP as INIT does and parks it in wait-for-SIPI.
     fn ap_park(&mut self) -> Result<Next, VmcsError> {
         let fixed = ap::FixedCrs {
@@ -780,9 +850,8 @@ impl Vcpu<'_> {
             slot.life.on_init();
             slot.init = false;
         }
-        self.cpu.inject = None;
-        self.cpu.vectoring = None;
-        self.cpu.nmi_window = false;
+        self.cpu.parked = true;
+        self.forget_events()?;
         if self.cpu.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
             self.cpu.debug_exits = false;
@@ -831,7 +900,11 @@ impl Vcpu<'_> {
             return self.inject(GP, Some(0));
         };
         let lapic = self.vm.lapic_base;
-        let old = crate::arch::ap_start::apic_read(lapic, offset);
+        let old = if st.store.xchg {
+            crate::arch::ap_start::apic_read(lapic, offset)
+        } else {
+            0
+        };
         if offset == hypervisor::apic::XAPIC_ICR_LOW {
             let high = crate::arch::ap_start::apic_read(lapic, hypervisor::apic::XAPIC_ICR_HIGH);
             let icr = hypervisor::apic::Icr::from_xapic(st.value, high);

@@ -141,6 +141,10 @@ enum Fatal {
     UntakenCpus(usize),
     /// An AP could not be taken into VMX.
     Smp(smp::SmpError),
+    /// No readable MADT: the processors cannot be known.
+    NoMadt,
+    /// The local APIC is not where the MADT says, or above 4 GiB.
+    ApicBase(u64, u64),
 }
 
 impl core::fmt::Display for Fatal {
@@ -149,6 +153,14 @@ impl core::fmt::Display for Fatal {
             Self::Vmx(e) => write!(f, "{e}"),
             Self::Load(e) => write!(f, "{e}"),
             Self::Smp(e) => write!(f, "{e}"),
+            Self::NoMadt => write!(
+                f,
+                "no readable ACPI MADT: the hypervisor cannot know the machine's processors, so it cannot keep them from the guest"
+            ),
+            Self::ApicBase(real, madt) => write!(
+                f,
+                "the local APIC is at {real:#x} but the MADT says {madt:#x} (or it lies above 4 GiB): the guest's start-up IPIs cannot be watched"
+            ),
             Self::UntakenCpus(n) => write!(
                 f,
                 "the machine has {n} processors and this hypervisor takes only one into VMX; \
@@ -195,20 +207,23 @@ fn run(
         log::info!("ACPI PM1a control at port {:#x}", f.pm1a_cnt);
     }
     vcpu::check_support()?;
-    let cpus = rsdp.and_then(|r| acpi::find_cpus(&phys::Phys, r));
-    if let Some(c) = &cpus {
-        log::info!(
-            "MADT: {} processor(s), local APIC at {:#x}",
-            c.apic_ids().len() + c.ignored,
-            c.lapic_base
-        );
-        // Every processor the firmware lists must be root's before the
-        // guest runs: one left in the firmware's hands would run whatever
-        // the guest's start-up IPI points it at, outside VMX.
-        if c.ignored > 0 {
-            return Err(Fatal::UntakenCpus(c.apic_ids().len() + c.ignored));
-        }
+    // Every processor must be root's before the guest runs: one left in
+    // the firmware's hands would run whatever the guest's start-up IPI
+    // points it at, outside VMX. Without a readable MADT root cannot know
+    // them, and the guest could still reach them (a broadcast INIT-SIPI
+    // needs no list), so the VM does not start.
+    let c = rsdp
+        .and_then(|r| acpi::find_cpus(&phys::Phys, r))
+        .ok_or(Fatal::NoMadt)?;
+    log::info!(
+        "MADT: {} processor(s), local APIC at {:#x}",
+        c.apic_ids().len() + c.ignored,
+        c.lapic_base
+    );
+    if c.ignored > 0 {
+        return Err(Fatal::UntakenCpus(c.apic_ids().len() + c.ignored));
     }
+    let cpus = Some(c);
     let tsc_hz = clock::calibrate_tsc();
     let bsp_apic_id = insn::cpuid(1, 0)[1] >> 24;
     // The APs' guard pages change root's page tables: they go in before
@@ -218,7 +233,26 @@ fn run(
         None => alloc::vec::Vec::new(),
     };
     let cfg = vcpu::setup(host, &boot, &entry, fadt)?;
-    let lapic_base = cpus.map_or(0xfee0_0000, |c| c.lapic_base);
+    // The APIC page root watches is the one this CPU really decodes; the
+    // MADT must agree, and root's page tables must map it (below 4 GiB).
+    // SAFETY: IA32_APIC_BASE exists on every CPU with a local APIC.
+    let lapic_base = unsafe { insn::rdmsr(x86::msr::IA32_APIC_BASE) } & 0x000f_ffff_ffff_f000;
+    if !aps.is_empty() {
+        let madt = cpus.map_or(0, |c| c.lapic_base);
+        if lapic_base != madt || lapic_base >= loader::layout::FOUR_GIB {
+            return Err(Fatal::ApicBase(lapic_base, madt));
+        }
+        if !cfg.has_timer {
+            // An AP's INIT is carried out at its next exit; without the
+            // preemption timer an AP halted with interrupts off has none.
+            return Err(Fatal::Vmx(vcpu::VmxError::Controls(
+                hypervisor::vmx::caps::MissingControls {
+                    word: "pin-based (the VMX preemption timer, needed with more than one vCPU)",
+                    missing: 1 << 6,
+                },
+            )));
+        }
+    }
     let slots = match aps.is_empty() {
         false => smp::start_aps(lapic_base, &aps, bsp_apic_id, tsc_hz).map_err(Fatal::Smp)?,
         true => alloc::vec![smp::ApSlot::new(
@@ -226,11 +260,15 @@ fn run(
             hypervisor::vmx::ap::ApLife::Running { vector: 0 },
         )],
     };
-    if slots.len() > 1 {
+    let lapic_base = if slots.len() > 1 {
         // The guest's start-up IPIs are root's to carry out: its stores to
         // the APIC page exit (`exits::apic_write`).
         vcpu::protect_apic(&cfg.ept, lapic_base)?;
-    }
+        lapic_base
+    } else {
+        // One vCPU: the APIC page is the guest's alone, and not watched.
+        0
+    };
     log::info!(
         "VMX ready, hypervisor memory in use {} KiB (heap {} of {} KiB)",
         frames::used() >> 10,
@@ -259,9 +297,7 @@ fn run(
     ));
     let mut cpu = cpu_state::CpuState::new(0);
     cpu.regs.rsi = entry.boot_params;
-    if vcpus > 1 {
-        cpu.lapic_base = lapic_base;
-    }
+    cpu.lapic_base = lapic_base;
     if vcpus > 1 {
         log::info!("{vcpus} vCPUs: the boot processor runs, the APs wait for the guest's SIPIs");
     }

@@ -70,6 +70,8 @@ hv_ap_start32:
     or eax, 0x100
     wrmsr
     mov eax, cr0
+    /* INIT left caching off (CD, NW): root runs with it on. */
+    and eax, 0x9fffffff
     or eax, 0x80000001
     mov cr0, eax
     mov eax, 0x18
