@@ -654,12 +654,13 @@ impl Vcpu<'_> {
             }
         }
         if let VmExit::EptViolation(e) = exit {
-            if e.write && self.cpu.lapic_base != 0 && e.gpa & !0xfff == self.cpu.lapic_base {
-                if e.gpa & 0xf != 0 {
-                    self.cpu.apic_refused += 1;
-                    return self.inject(GP, Some(0));
-                }
-                return self.apic_write(e.gpa & 0xfff);
+            // Every other store to the APIC page was handled in
+            // `local_exit`, which sees each exit first.
+            if e.write
+                && self.cpu.lapic_base != 0
+                && e.gpa == self.cpu.lapic_base + hypervisor::apic::XAPIC_ICR_LOW
+            {
+                return self.icr_write();
             }
         }
         if let VmExit::MsrWrite {
@@ -890,31 +891,26 @@ impl Vcpu<'_> {
         Ok(())
     }
 
-    /// A guest store to the local APIC's page, which EPT keeps read-only:
-    /// root decodes the store, carries it out on this CPU's APIC, and
-    /// takes INIT and SIPI in the interrupt command register for its own
-    /// (`smp`). A store root cannot decode is refused with #GP.
-    fn apic_write(&mut self, offset: u64) -> Result<Next, VmcsError> {
+    /// A guest store to the local APIC's interrupt command register
+    /// (low word): root decodes it and takes INIT and SIPI for its own
+    /// (`smp`); other IPIs are written through. A store root cannot decode
+    /// is refused with #GP.
+    fn icr_write(&mut self) -> Result<Next, VmcsError> {
         let Some(st) = decode_apic_store(self.cpu)? else {
             self.cpu.apic_refused += 1;
             return self.inject(GP, Some(0));
         };
-        let lapic = self.vm.lapic_base;
+        use crate::arch::ap_start::{apic_read, apic_write};
+        use hypervisor::apic::{XAPIC_ICR_HIGH, XAPIC_ICR_LOW};
+        let lapic = self.cpu.lapic_base;
         let old = if st.store.xchg {
-            crate::arch::ap_start::apic_read(lapic, offset)
+            apic_read(lapic, XAPIC_ICR_LOW)
         } else {
             0
         };
-        if offset == hypervisor::apic::XAPIC_ICR_LOW {
-            let high = crate::arch::ap_start::apic_read(lapic, hypervisor::apic::XAPIC_ICR_HIGH);
-            let icr = hypervisor::apic::Icr::from_xapic(st.value, high);
-            let value = st.value;
-            self.guest_ipi(&icr, || {
-                crate::arch::ap_start::apic_write(lapic, offset, value)
-            });
-        } else {
-            crate::arch::ap_start::apic_write(lapic, offset, st.value);
-        }
+        let icr = hypervisor::apic::Icr::from_xapic(st.value, apic_read(lapic, XAPIC_ICR_HIGH));
+        let value = st.value;
+        self.guest_ipi(&icr, || apic_write(lapic, XAPIC_ICR_LOW, value));
         complete_apic_store(self.cpu, &st, old)?;
         Ok(Next::Resume)
     }

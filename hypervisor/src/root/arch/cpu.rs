@@ -111,26 +111,7 @@ static GDT: Once<[u64; 5]> = Once::new();
 
 /// Installs the host GDT and TSS and reloads the segment registers.
 pub fn init() -> HostTables {
-    let tss = TSS_AREA.call_once(|| {
-        let stacks = core::ptr::addr_of!(IST_STACKS) as u64;
-        let top = |i: u64| stacks + (i + 1) * IST_STACK_SIZE as u64;
-        // IST n is slot n - 1 of the TSS's seven.
-        let mut ist = [0u64; 7];
-        for (n, stack) in [(IST_NMI, 0), (IST_DOUBLE_FAULT, 1), (IST_MACHINE_CHECK, 2)] {
-            if let Some(slot) = ist.get_mut(usize::from(n).wrapping_sub(1)) {
-                *slot = top(stack);
-            }
-        }
-        Tss {
-            reserved0: 0,
-            rsp: [0; 3],
-            reserved1: 0,
-            ist,
-            reserved2: 0,
-            reserved3: 0,
-            iomap_base: 104,
-        }
-    });
+    let tss = TSS_AREA.call_once(|| tss_with_stacks(core::ptr::addr_of!(IST_STACKS) as u64));
     let tss = tss as *const Tss as u64;
     let gdt = GDT.call_once(|| gdt_for(tss));
     let ptr = DescriptorTablePointer {
@@ -166,6 +147,28 @@ pub fn init() -> HostTables {
     }
 }
 
+/// A TSS whose NMI, #DF and #MC stacks are the three `IST_STACK_SIZE`
+/// stacks from `stacks` up, in that order.
+fn tss_with_stacks(stacks: u64) -> Tss {
+    let top = |i: u64| stacks + (i + 1) * IST_STACK_SIZE as u64;
+    // IST n is slot n - 1 of the TSS's seven.
+    let mut ist = [0u64; 7];
+    for (n, stack) in [(IST_NMI, 0), (IST_DOUBLE_FAULT, 1), (IST_MACHINE_CHECK, 2)] {
+        if let Some(slot) = ist.get_mut(usize::from(n).wrapping_sub(1)) {
+            *slot = top(stack);
+        }
+    }
+    Tss {
+        reserved0: 0,
+        rsp: [0; 3],
+        reserved1: 0,
+        ist,
+        reserved2: 0,
+        reserved3: 0,
+        iomap_base: 104,
+    }
+}
+
 /// Root's GDT with the TSS at `tss`: null, 64-bit code, data, and the
 /// two-slot descriptor of an available 64-bit TSS (type 9), present.
 fn gdt_for(tss: u64) -> [u64; 5] {
@@ -197,26 +200,7 @@ pub const AP_TABLES_SIZE: u64 = 4096 + 3 * IST_STACK_SIZE as u64;
 /// `area` must be identity-mapped hypervisor memory that nothing else uses.
 pub unsafe fn init_ap(area: u64, index: usize) -> HostTables {
     let tss_addr = area + 64;
-    let stacks = area + 4096;
-    let mut ist = [0u64; 7];
-    for (n, stack) in [
-        (IST_NMI, 1u64),
-        (IST_DOUBLE_FAULT, 2),
-        (IST_MACHINE_CHECK, 3),
-    ] {
-        if let Some(slot) = ist.get_mut(usize::from(n).wrapping_sub(1)) {
-            *slot = stacks + stack * IST_STACK_SIZE as u64;
-        }
-    }
-    let tss = Tss {
-        reserved0: 0,
-        rsp: [0; 3],
-        reserved1: 0,
-        ist,
-        reserved2: 0,
-        reserved3: 0,
-        iomap_base: 104,
-    };
+    let tss = tss_with_stacks(area + 4096);
     let gdt = gdt_for(tss_addr);
     // SAFETY: the caller gives this AP the area for good; the GDT (40
     // bytes at its start) and the TSS (104 bytes at +64) do not overlap,
@@ -226,7 +210,7 @@ pub unsafe fn init_ap(area: u64, index: usize) -> HostTables {
         core::ptr::write_unaligned(tss_addr as *mut Tss, tss);
     }
     let ptr = DescriptorTablePointer {
-        limit: (core::mem::size_of::<[u64; 5]>() - 1) as u64 as u16,
+        limit: (core::mem::size_of::<[u64; 5]>() - 1) as u16,
         base: area,
     };
     // SAFETY: the GDT just written holds valid code, data and TSS
