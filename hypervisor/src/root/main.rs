@@ -262,7 +262,7 @@ fn run(
     };
     let lapic_base = if slots.len() > 1 {
         // The guest's start-up IPIs are root's to carry out: its stores to
-        // the APIC page exit (`exits::apic_write`).
+        // the APIC page exit (`exits::local_exit`, `Vcpu::icr_write`).
         vcpu::protect_apic(&cfg.ept, lapic_base)?;
         lapic_base
     } else {
