@@ -46,6 +46,9 @@ pub enum EptError {
     Unaligned,
     /// The address is beyond the 48-bit guest-physical space.
     TooHigh,
+    /// A change every vCPU's view must see, refused: the other vCPUs did
+    /// not come to root in time.
+    Stalled,
 }
 
 impl core::fmt::Display for EptError {
@@ -54,6 +57,7 @@ impl core::fmt::Display for EptError {
             Self::OutOfTables => write!(f, "out of memory for EPT tables"),
             Self::Unaligned => write!(f, "EPT range is not page aligned"),
             Self::TooHigh => write!(f, "EPT address beyond 48 bits"),
+            Self::Stalled => write!(f, "the other vCPUs did not come to root in time"),
         }
     }
 }

@@ -522,6 +522,12 @@ pub struct VcpuReport {
     pub lock_wait_ns: u64,
     /// How often it took the VM lock.
     pub lock_takes: u64,
+    /// Time it was held in root while another vCPU changed what every
+    /// vCPU executes (hooking, unhooking), in nanoseconds.
+    pub held_ns: u64,
+    /// Trace records its ring lost (full, or a hit that could not be
+    /// recorded).
+    pub lost: u64,
 }
 
 /// The guest kernel as recovered from its memory.

@@ -88,6 +88,8 @@ fn status() -> StatusReport {
             parked: false,
             exits_total: 7,
             lock_wait_ns: 0,
+            held_ns: 0,
+            lost: 0,
             lock_takes: 7,
         }],
         guard: crate::GuardReport {

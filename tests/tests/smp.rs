@@ -1,5 +1,6 @@
-//! A guest with two vCPUs under the hypervisor in Bochs, on one detached
-//! boot of the fast-lane kernel (`--cpus 2`):
+//! Guests with two vCPUs under the hypervisor in Bochs (`--cpus 2`). On
+//! Debian's kernel: the boot and the kprobe oracle per CPU (below). On one
+//! detached boot of the fast-lane kernel:
 //!
 //! - the guest brought both CPUs up (its own `/proc/cpuinfo` and
 //!   `/sys/devices/system/cpu/online`), and a task pinned to CPU 1 ran
@@ -13,13 +14,291 @@
 //! - CPU hotplug: CPU 1 goes offline and comes back through INIT and SIPI
 //!   again (root's log says it parked and started it), and runs tasks;
 //! - `status` reports two vCPUs, each with its exits and its waits for the
-//!   VM lock (the VM's exits are their sum), and a probe is refused with a
-//!   clear error (tracing on more than one vCPU is not built yet).
+//!   VM lock (the VM's exits are their sum);
+//! - tracing on both vCPUs: our probe and the guest's own kprobe on the
+//!   same function record the same events for tasks pinned to CPU 0 and
+//!   CPU 1, with the same CPU column (the guest's own numbers);
+//! - patching under fire: a task on CPU 1 calls a function in a tight
+//!   loop while the host hooks and unhooks it ten times; the guest lives,
+//!   every round records hits from CPU 1 and none after the last unhook,
+//!   and vCPU 1 was held in root for the patching;
+//! - a function-graph session over sleepers pinned to each CPU gives each
+//!   its tree, on its own CPU;
+//! - a sleeper moved from CPU 0 to CPU 1 while asleep in a traced function
+//!   returns through us once, on CPU 1, with its whole sleep as duration;
+//! - hotplug with a probe and a graph session on, and a probe added and
+//!   removed while CPU 1 is offline (parked vCPUs are not waited for).
 //!
 //! Run: `cargo test --release -p hvtrace-tests --test smp -- --nocapture`
 
-use hvtrace_tests::{guest_exec, hv_call, hv_status, vm_lock, Checks, Detached};
-use protocol::{ErrorKind, Request, Response};
+use hvtrace::client::Client;
+use hvtrace_tests::{
+    cpuinfo_flags, guest_exec, hv_call, hv_status, parse_trace_line, vm_lock, Checks, Detached,
+    Stream,
+};
+use protocol::{Request, Response, TraceFormat};
+
+const TRACEFS: &str = "/sys/kernel/tracing";
+
+/// The CPU column of a trace_pipe line (`comm-pid [001] ...`), ours or the
+/// guest's.
+fn cpu_column(l: &str) -> Option<u32> {
+    let open = l.find(" [")? + 2;
+    let close = open + l[open..].find(']')?;
+    l[open..close].trim().parse().ok()
+}
+
+/// (comm, pid, cpu, body) of each trace line of `text` from a task named
+/// `comm`, sorted.
+fn events_of(text: &str, comm: &str) -> Vec<(String, i32, u32, String)> {
+    let mut v: Vec<_> = text
+        .lines()
+        .filter_map(|l| {
+            let t = parse_trace_line(l)?;
+            (t.comm == comm).then(|| (t.comm, t.pid, cpu_column(l).unwrap_or(u32::MAX), t.body))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// Adds a probe; false (and a failed check) when it is refused.
+fn probe_add(ck: &mut Checks, c: &mut Client, spec: &str) -> bool {
+    match hv_call(c, Request::ProbeAdd { spec: spec.into() }) {
+        Response::ProbeAdded { .. } => true,
+        other => {
+            ck.check(false, format!("probe add {spec}: {other:?}"));
+            false
+        }
+    }
+}
+
+/// The hits of probe `name` (0 when it is not there).
+fn probe_hits(c: &mut Client, name: &str) -> u64 {
+    match hv_call(c, Request::ProbeList) {
+        Response::Probes(list) => list
+            .iter()
+            .find(|p| p.name.ends_with(&format!("/{name}")))
+            .map_or(0, |p| p.hits),
+        _ => 0,
+    }
+}
+
+/// Starts a graph session on `root` alone, depth 1; its number.
+fn graph_start(ck: &mut Checks, c: &mut Client, root: &str) -> Option<u32> {
+    match hv_call(
+        c,
+        Request::GraphStart(protocol::GraphFilter {
+            functions: vec![root.into()],
+            trace: vec![root.into()],
+            max_depth: 1,
+            ..protocol::GraphFilter::default()
+        }),
+    ) {
+        Response::GraphStarted { session, .. } => Some(session),
+        other => {
+            ck.check(false, format!("graph start {root}: {other:?}"));
+            None
+        }
+    }
+}
+
+fn graph_stop(ck: &mut Checks, c: &mut Client, session: u32) {
+    let r = hv_call(
+        c,
+        Request::GraphStop {
+            session: Some(session),
+        },
+    );
+    ck.check(matches!(r, Response::Ok), format!("graph stop: {r:?}"));
+}
+
+fn probe_del(ck: &mut Checks, c: &mut Client, name: &str) {
+    let r = hv_call(c, Request::ProbeDel { name: name.into() });
+    ck.check(
+        matches!(r, Response::Ok),
+        format!("probe del {name}: {r:?}"),
+    );
+}
+
+/// Our probe and the guest's own kprobe, same spec, over `head` pinned to
+/// CPU 1, CPU 0 and CPU 1 again: the same events, CPU column included.
+fn probe_oracle_across_cpus(ck: &mut Checks, c: &mut Client) {
+    const SPEC: &str = "p:smpopen do_sys_openat2";
+    guest_exec(
+        c,
+        &format!("[ -e {TRACEFS}/trace ] || mount -t tracefs nodev {TRACEFS}"),
+    );
+    let mut stream = Stream::new();
+    if !probe_add(ck, c, SPEC) {
+        return;
+    }
+    let _ = stream.read(c);
+    let guest = guest_exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo '{SPEC}' > kprobe_events && echo > trace && \
+             echo 1 > events/kprobes/smpopen/enable && \
+             taskset 2 head -c 1 /etc/hostname > /dev/null; taskset 1 head -c 1 /etc/hostname > /dev/null; \
+             taskset 2 head -c 1 /etc/hostname > /dev/null; \
+             echo 0 > events/kprobes/smpopen/enable && cat trace && echo > kprobe_events"
+        ),
+    );
+    let ours = stream.read(c);
+    let g = events_of(&guest, "head");
+    let o = events_of(&ours, "head");
+    println!("smp oracle: guest {} events, ours {}", g.len(), o.len());
+    for (comm, pid, cpu, body) in o.iter().take(4) {
+        println!("  ours:  {comm}-{pid} [{cpu:03}] {body}");
+    }
+    ck.check(
+        g.iter().any(|e| e.2 == 1) && g.iter().any(|e| e.2 == 0),
+        format!("the guest's own events are not on both CPUs: {g:?}"),
+    );
+    ck.eq("our events equal the guest's, CPU column included", &o, &g);
+    ck.eq("stream losses (oracle)", stream.lost, 0);
+    probe_del(ck, c, "smpopen");
+}
+
+/// A task sleeps in a traced function on CPU 0 and is moved to CPU 1
+/// while asleep: it returns through us once, on CPU 1, after its whole
+/// sleep, and no frame is left.
+fn migrating_sleeper(ck: &mut Checks, c: &mut Client) {
+    let Some(session) = graph_start(ck, c, "do_nanosleep") else {
+        return;
+    };
+    let mut json = Stream::of(session, TraceFormat::Json, 0);
+    let _ = json.read(c);
+    let out = guest_exec(
+        c,
+        "taskset 1 hvbench sleep 1500 & p=$!; hvbench sleep 400; \
+         echo CPU $(cut -d' ' -f39 /proc/$p/stat); taskset -p 2 $p > /dev/null; wait $p; echo PID $p",
+    );
+    let text = json.read(c);
+    graph_stop(ck, c, session);
+    let pid: i32 = out
+        .split("PID ")
+        .nth(1)
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or(-1);
+    ck.check(
+        out.contains("CPU 0"),
+        format!("the sleeper was not asleep on CPU 0: {out}"),
+    );
+    let num = |l: &str, key: &str| -> Option<u64> {
+        let at = l.find(&format!("\"{key}\":"))? + key.len() + 3;
+        l[at..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .ok()
+    };
+    let mine: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains(&format!("\"pid\":{pid},")))
+        .collect();
+    let entries: Vec<&&str> = mine.iter().filter(|l| l.contains("graph_entry")).collect();
+    let returns: Vec<&&str> = mine.iter().filter(|l| l.contains("graph_return")).collect();
+    ck.eq("the sleeper's entries", entries.len(), 1);
+    ck.eq("the sleeper's returns", returns.len(), 1);
+    if let (Some(e), Some(r)) = (entries.first(), returns.first()) {
+        ck.eq("the sleeper's entry CPU", num(e, "cpu"), Some(0));
+        ck.eq("the sleeper's return CPU", num(r, "cpu"), Some(1));
+        let d = num(r, "duration_ns").unwrap_or(0);
+        ck.check(
+            (1_400_000_000..4_000_000_000).contains(&d),
+            format!("the sleeper's duration: {d} ns for a 1.5 s sleep"),
+        );
+    }
+    let st = hv_status(c).tracer;
+    ck.eq("return frames left after the move", st.graph_frames, 0);
+    println!("smp migrating sleeper: {}", mine.join(" | "));
+}
+
+/// Hooks and unhooks a function ten times while a task pinned to CPU 1
+/// calls it in a tight loop. Last of the tracing checks: the records of
+/// its hits are left to drain (COM2 carries about 100 lines a second), so
+/// the hits are counted from `probe list` instead.
+fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
+    const ROUNDS: usize = 10;
+    let held_before = hv_status(c).per_vcpu.get(1).map_or(0, |v| v.held_ns);
+    guest_exec(
+        c,
+        "rm -f /tmp/stop; taskset 2 sh -c 'while [ ! -e /tmp/stop ]; do hvbench getppid 2000 > /dev/null; done' > /dev/null 2>&1 & \
+         hvbench sleep 300; echo started",
+    );
+    let mut per_round = Vec::new();
+    for round in 0..ROUNDS {
+        if !probe_add(ck, c, "p:fire __x64_sys_getppid") {
+            break;
+        }
+        guest_exec(c, "hvbench sleep 200");
+        let hits = probe_hits(c, "fire");
+        ck.check(
+            hits > 0,
+            format!("round {round}: no hit while CPU 1 calls the function"),
+        );
+        per_round.push(hits);
+        probe_del(ck, c, "fire");
+    }
+    // Unhooked: no more hits, and the guest is well.
+    let hits_then = hv_status(c).tracer.hits;
+    guest_exec(c, "hvbench sleep 300");
+    ck.eq(
+        "hits after the last unhook",
+        hv_status(c).tracer.hits - hits_then,
+        0,
+    );
+    let alive = guest_exec(c, "touch /tmp/stop; wait; echo alive");
+    ck.check(
+        alive.contains("alive"),
+        format!("guest after the rounds: {alive}"),
+    );
+    let oops = guest_exec(
+        c,
+        "dmesg | grep -c -e 'BUG:' -e 'Oops' -e 'invalid opcode' || true",
+    );
+    ck.eq("oopses in the guest's log", oops.trim(), "0");
+    let st = hv_status(c);
+    ck.eq("sites hooked after the rounds", st.tracer.sites, 0);
+    let held = st.per_vcpu.get(1).map_or(0, |v| v.held_ns);
+    ck.check(
+        held > held_before,
+        format!("vCPU 1 was never held in root for patching: {held_before} -> {held} ns"),
+    );
+    println!(
+        "smp fire: hits per round {per_round:?}; vCPU 1 held {} us in all",
+        (held - held_before.min(held)) / 1000
+    );
+}
+
+/// A graph session on do_nanosleep over one sleeper pinned to each CPU:
+/// two trees, each on its sleeper's CPU.
+fn graph_on_two_cpus(ck: &mut Checks, c: &mut Client) {
+    let Some(session) = graph_start(ck, c, "do_nanosleep") else {
+        return;
+    };
+    let mut stream = Stream::of(session, TraceFormat::Text, 0);
+    let _ = stream.read(c);
+    guest_exec(
+        c,
+        "taskset 1 hvbench sleep 300 & taskset 2 hvbench sleep 300 & wait",
+    );
+    let text = stream.read(c);
+    graph_stop(ck, c, session);
+    // `N) ... |  do_nanosleep();` lines (a leaf at depth 1), by CPU.
+    let cpus: Vec<u32> = text
+        .lines()
+        .filter(|l| l.contains("do_nanosleep"))
+        .filter_map(|l| l.trim_start().split(')').next()?.trim().parse().ok())
+        .collect();
+    println!("smp graph: {text}");
+    ck.check(
+        cpus.contains(&0) && cpus.contains(&1),
+        format!("graph lines of do_nanosleep not on both CPUs: {cpus:?}\n{text}"),
+    );
+}
 
 /// The CPU a task pinned with `taskset MASK` ran on, from its own stat.
 fn cpu_of_pinned_task(c: &mut hvtrace::client::Client, mask: &str) -> String {
@@ -40,6 +319,53 @@ fn local_timer_counts(c: &mut hvtrace::client::Client) -> Vec<u64> {
         .collect()
 }
 
+/// Two processors, both online and without `vmx`, `nproc` 2, and exits on
+/// both vCPUs.
+fn boot_checks(ck: &mut Checks, c: &mut Client) {
+    let processors = guest_exec(c, "grep -c ^processor /proc/cpuinfo");
+    ck.eq("processors in /proc/cpuinfo", processors.trim(), "2");
+    ck.eq("nproc", guest_exec(c, "nproc").trim(), "2");
+    let online = guest_exec(c, "cat /sys/devices/system/cpu/online");
+    ck.eq("online CPUs", online.trim(), "0-1");
+    let cpuinfo = guest_exec(c, "cat /proc/cpuinfo");
+    let flag_lines = cpuinfo.lines().filter(|l| l.starts_with("flags")).count();
+    ck.eq("flags lines in /proc/cpuinfo", flag_lines, 2);
+    ck.check(
+        cpuinfo_flags(&cpuinfo).is_some_and(|f| !f.iter().any(|x| x == "vmx"))
+            && !cpuinfo.contains(" vmx"),
+        "the guest sees vmx",
+    );
+    let st = hv_status(c);
+    ck.check(
+        st.per_vcpu.len() == 2 && st.per_vcpu.iter().all(|v| v.exits_total > 0),
+        format!("not every vCPU has exits: {:?}", st.per_vcpu),
+    );
+}
+
+/// Debian's kernel on two vCPUs: the boot, and our probe against the
+/// guest's own kprobe with tasks pinned to each CPU.
+#[test]
+fn two_vcpus_boot_and_trace_debian() {
+    let _vm = vm_lock();
+    let vm = Detached::start_with("debian", "smp", &["--cpus", "2"]);
+    let mut c = vm.client();
+    let mut checks = Checks::new();
+    boot_checks(&mut checks, &mut c);
+    probe_oracle_across_cpus(&mut checks, &mut c);
+    let st = hv_status(&mut c);
+    for v in &st.per_vcpu {
+        eprintln!(
+            "smp debian: vCPU {}: {} exits, waited {} us for the VM lock over {} takes, held {} us",
+            v.index,
+            v.exits_total,
+            v.lock_wait_ns / 1000,
+            v.lock_takes,
+            v.held_ns / 1000
+        );
+    }
+    checks.finish();
+}
+
 #[test]
 fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     let _vm = vm_lock();
@@ -47,10 +373,7 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     let mut c = vm.client();
     let mut checks = Checks::new();
 
-    let processors = guest_exec(&mut c, "grep -c ^processor /proc/cpuinfo");
-    checks.eq("processors in /proc/cpuinfo", processors.trim(), "2");
-    let online = guest_exec(&mut c, "cat /sys/devices/system/cpu/online");
-    checks.eq("online CPUs", online.trim(), "0-1");
+    boot_checks(&mut checks, &mut c);
     checks.eq(
         "the CPU a task pinned to CPU 1 ran on",
         cpu_of_pinned_task(&mut c, "2").as_str(),
@@ -108,7 +431,10 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
         ),
     );
 
-    // Hotplug: offline, then online again through INIT and SIPI.
+    // Hotplug, with a probe and a graph session on: offline, then online
+    // again through INIT and SIPI.
+    let hot = probe_add(&mut checks, &mut c, "p:hot do_sys_openat2");
+    let session = graph_start(&mut checks, &mut c, "do_nanosleep");
     guest_exec(&mut c, "echo 0 > /sys/devices/system/cpu/cpu1/online");
     let online = guest_exec(&mut c, "cat /sys/devices/system/cpu/online");
     checks.eq("online CPUs with CPU 1 offline", online.trim(), "0");
@@ -117,14 +443,29 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
         cpu_of_pinned_task(&mut c, "3").as_str(),
         "0",
     );
+    // A change to every view with vCPU 1 parked: it is not waited for.
+    if probe_add(&mut checks, &mut c, "p:parked vfs_read") {
+        probe_del(&mut checks, &mut c, "parked");
+    }
     guest_exec(&mut c, "echo 1 > /sys/devices/system/cpu/cpu1/online");
     let online = guest_exec(&mut c, "cat /sys/devices/system/cpu/online");
     checks.eq("online CPUs after CPU 1 came back", online.trim(), "0-1");
+    let hits_before = probe_hits(&mut c, "hot");
     checks.eq(
         "the CPU a task pinned to CPU 1 ran on, after hotplug",
         cpu_of_pinned_task(&mut c, "2").as_str(),
         "1",
     );
+    checks.check(
+        probe_hits(&mut c, "hot") > hits_before,
+        "the probe did not fire on CPU 1 after it came back",
+    );
+    if hot {
+        probe_del(&mut checks, &mut c, "hot");
+    }
+    if let Some(s) = session {
+        graph_stop(&mut checks, &mut c, s);
+    }
 
     let status = hv_status(&mut c);
     checks.eq("vCPUs in status", status.vcpus, 2);
@@ -145,28 +486,10 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
         code == 0 && text.contains("vCPU 1 (APIC ID 1): running"),
         format!("hvtrace status does not show vCPU 1 running: {code} {text} {err}"),
     );
-    match hv_call(
-        &mut c,
-        Request::ProbeAdd {
-            spec: "p:smp_open do_sys_openat2".into(),
-        },
-    ) {
-        Response::Error { kind, message } => {
-            checks.eq(
-                "probe on two vCPUs: error kind",
-                kind,
-                ErrorKind::Unsupported,
-            );
-            checks.check(
-                message.contains("2 vCPUs"),
-                format!("the refusal does not say why: {message}"),
-            );
-        }
-        other => checks.check(
-            false,
-            format!("a probe on two vCPUs was not refused: {other:?}"),
-        ),
-    }
+    probe_oracle_across_cpus(&mut checks, &mut c);
+    graph_on_two_cpus(&mut checks, &mut c);
+    migrating_sleeper(&mut checks, &mut c);
+    patching_under_fire(&mut checks, &mut c);
 
     let log = vm.emulator_output();
     let starts = log.matches("vCPU 1 started at 0x").count();
@@ -178,13 +501,16 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
         log.contains("vCPU 1 parked by INIT"),
         "root's log shows no INIT parking vCPU 1 (hotplug)",
     );
+    let status = hv_status(&mut c);
     for v in &status.per_vcpu {
         eprintln!(
-            "smp: vCPU {}: {} exits, waited {} us for the VM lock over {} takes",
+            "smp: vCPU {}: {} exits, waited {} us for the VM lock over {} takes, held {} us, lost {}",
             v.index,
             v.exits_total,
             v.lock_wait_ns / 1000,
-            v.lock_takes
+            v.lock_takes,
+            v.held_ns / 1000,
+            v.lost
         );
     }
     checks.finish();

@@ -90,13 +90,15 @@ pub fn status_text(status: &Status) -> String {
     if r.per_vcpu.len() > 1 {
         for c in &r.per_vcpu {
             out.push_str(&format!(
-                "  vCPU {} (APIC ID {}): {}, {} exits, waited {} us for the VM lock over {} takes\n",
+                "  vCPU {} (APIC ID {}): {}, {} exits, waited {} us for the VM lock over {} takes, held {} us for patching, {} trace records lost\n",
                 c.index,
                 c.apic_id,
                 if c.parked { "parked" } else { "running" },
                 c.exits_total,
                 c.lock_wait_ns / 1000,
-                c.lock_takes
+                c.lock_takes,
+                c.held_ns / 1000,
+                c.lost
             ));
         }
     }
@@ -250,6 +252,8 @@ pub fn status_json(status: &Status) -> Json {
                             ("exits_total", json::int(c.exits_total)),
                             ("lock_wait_ns", json::int(c.lock_wait_ns)),
                             ("lock_takes", json::int(c.lock_takes)),
+                            ("held_ns", json::int(c.held_ns)),
+                            ("lost", json::int(c.lost)),
                         ])
                     })
                     .collect(),
@@ -421,6 +425,8 @@ mod tests {
                 parked: false,
                 exits_total: 7,
                 lock_wait_ns: 0,
+                held_ns: 0,
+                lost: 0,
                 lock_takes: 7,
             }],
             guard: protocol::GuardReport::default(),

@@ -35,6 +35,8 @@ use super::spec::IntType;
 pub const EVENT_VERSION: u8 = 1;
 /// Bytes before the first value.
 pub const HEADER_LEN: usize = 64;
+/// Byte offset of the timestamp in a record (the rings are merged by it).
+pub const TIMESTAMP_AT: usize = 24;
 
 const TAG_FAULT: u8 = 0;
 const TAG_STR: u8 = 14;

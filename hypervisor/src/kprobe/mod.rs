@@ -103,6 +103,7 @@ mod spec;
 
 pub use event::{
     encode_parts, encoded_len, DecodeError, EventHeader, RawEvent, EVENT_VERSION, HEADER_LEN,
+    TIMESTAMP_AT,
 };
 pub use fetch::{
     fetch, fetch_one, FetchContext, FetchedValue, GuestLayout, GuestMem, MemFault, NoSymbols,

@@ -10,13 +10,13 @@
 //! kernel, or with recovery's progress or failure.
 
 use crate::introspect::{CpuView, Introspection};
-use crate::machine::with_env;
+use crate::machine::with_world;
 use crate::uart::Uart;
 use alloc::collections::VecDeque;
 use alloc::string::String;
 use alloc::vec::Vec;
 use hypervisor::outq::{Lane, OutQueue};
-use hypervisor::tracer::Tracer;
+use hypervisor::tracer::{ReqError, Tracer};
 use protocol::{
     Body, ChannelReport, DecodeError, ErrorKind, Event, ExitCount, Frame, FrameDecoder, GuestState,
     Request, Response, StatusReport,
@@ -40,29 +40,17 @@ pub struct StatusSource<'a> {
     pub cpu: CpuView,
     pub tsc_hz: u64,
     pub tracer: Tracer<'a>,
-    pub ept: &'a hypervisor::ept::Ept,
-    /// The guest's RIP (sites it is executing inside are not patched).
+    /// Every vCPU's EPT view.
+    pub views: &'a [hypervisor::ept::Ept],
+    /// The vCPU serving the channel.
+    pub vcpu: usize,
+    /// Its guest RIP (sites a vCPU is executing inside are not patched).
     pub rip: u64,
     /// Root's guard counters.
     pub guard: protocol::GuardReport,
     /// Every vCPU (running or parked), the boot processor first, with its
     /// exit counts.
     pub cpus: &'a [crate::smp::ApSlot],
-}
-
-/// The tracer hooks on one vCPU only, for now: with more, a split-view
-/// step would open a hooked page to the other vCPUs, and a patch could be
-/// torn under one that executes it (see ARCHITECTURE.md, SMP).
-fn smp_refusal(src: &StatusSource<'_>) -> Option<Response> {
-    (src.cpus.len() > 1).then(|| {
-        Response::error(
-            ErrorKind::Unsupported,
-            alloc::format!(
-                "tracing is not supported yet on a VM with {} vCPUs; start it with --cpus 1",
-                src.cpus.len()
-            ),
-        )
-    })
 }
 
 /// Name bytes per `Syms` answer, so that a page fits one frame.
@@ -294,24 +282,21 @@ impl Control {
                 cursor,
                 limit,
             } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
-            Request::ProbeAdd { .. } | Request::FunctionAdd { .. } | Request::GraphStart(_)
-                if src.cpus.len() > 1 =>
-            {
-                (smp_refusal(src).unwrap_or(Response::Ok), Action::None)
-            }
             Request::ProbeAdd { spec } => (
                 with_kernel(src, |src, k| {
-                    with_env(src.ept, |env| src.tracer.probe_add(&spec, k, env, src.rip)).map(
-                        |hypervisor::tracer::ProbeAdded { name, site }| Response::ProbeAdded {
-                            name,
-                            site,
-                        },
-                    )
+                    with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
+                        src.tracer.probe_add(&spec, k, env)
+                    })
+                    .map(|hypervisor::tracer::ProbeAdded { name, site }| {
+                        Response::ProbeAdded { name, site }
+                    })
                 }),
                 Action::None,
             ),
             Request::ProbeDel { name } => (
-                match with_env(src.ept, |env| src.tracer.probe_del(&name, env)) {
+                match with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
+                    src.tracer.probe_del(&name, env)
+                }) {
                     Ok(()) => Response::Ok,
                     Err(hypervisor::tracer::ReqError { kind, message }) => {
                         Response::error(kind, message)
@@ -322,8 +307,8 @@ impl Control {
             Request::ProbeList => (Response::Probes(src.tracer.probe_list()), Action::None),
             Request::FunctionAdd { glob } => (
                 with_kernel(src, |src, k| {
-                    with_env(src.ept, |env| {
-                        src.tracer.function_add(&glob, k, env, src.rip)
+                    with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
+                        src.tracer.function_add(&glob, k, env)
                     })
                     .map(
                         |hypervisor::tracer::FunctionsAdded {
@@ -341,14 +326,19 @@ impl Control {
                 }),
                 Action::None,
             ),
-            Request::FunctionClear => {
-                with_env(src.ept, |env| src.tracer.function_clear(env));
-                (Response::Ok, Action::None)
-            }
+            Request::FunctionClear => (
+                match with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
+                    src.tracer.function_clear(env)
+                }) {
+                    Ok(()) => Response::Ok,
+                    Err(ReqError { kind, message }) => Response::error(kind, message),
+                },
+                Action::None,
+            ),
             Request::GraphStart(filter) => (
                 with_kernel(src, |src, k| {
-                    with_env(src.ept, |env| {
-                        src.tracer.graph_start(filter, k, env, src.rip)
+                    with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
+                        src.tracer.graph_start(filter, k, env)
                     })
                     .map(
                         |hypervisor::tracer::GraphStarted {
@@ -367,7 +357,9 @@ impl Control {
                 Action::None,
             ),
             Request::GraphStop { session } => (
-                match with_env(src.ept, |env| src.tracer.graph_stop(session, env)) {
+                match with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
+                    src.tracer.graph_stop(session, env)
+                }) {
                     Ok(()) => Response::Ok,
                     Err(hypervisor::tracer::ReqError { kind, message }) => {
                         Response::Error { kind, message }
@@ -506,6 +498,8 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
                 exits_total: c.counters.total(),
                 lock_wait_ns: crate::clock::tsc_to_ns(c.lock_wait_ticks, src.tsc_hz),
                 lock_takes: c.lock_takes,
+                held_ns: crate::clock::tsc_to_ns(c.held_ticks, src.tsc_hz),
+                lost: src.tracer.lost_of(i),
             })
             .collect(),
         hv_memory_used: src.memory_used,

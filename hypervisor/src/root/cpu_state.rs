@@ -25,6 +25,11 @@ pub struct CpuState {
     /// Entries on which root cleared the blocking-by-SMI bit that Bochs
     /// 2.7 leaves in an AP's interruptibility state.
     pub smi_blocking_cleared: u64,
+    /// This vCPU's EPT view (its VMCS's EPT pointer).
+    pub eptp: u64,
+    /// TSC ticks spent held in root while another vCPU had the world
+    /// stopped (`crate::world`).
+    pub held_ticks: u64,
     /// The APIC page whose guest stores exit (0: not protected, one vCPU).
     pub lapic_base: u64,
     /// Exits handled without the VM lock.
@@ -68,6 +73,8 @@ impl CpuState {
             lock_takes: 0,
             apic_refused: 0,
             smi_blocking_cleared: 0,
+            eptp: 0,
+            held_ticks: 0,
             lapic_base: 0,
             local_exits: 0,
             parked: index != 0,
@@ -82,7 +89,7 @@ impl CpuState {
             inject: None,
             vectoring: None,
             nmi_window: false,
-            tracer: tracer::CpuState::default(),
+            tracer: tracer::CpuState::new(index),
         }
     }
 }

@@ -288,6 +288,10 @@ fn prepare_entry(cpu: &mut CpuState) -> Result<(), VmcsError> {
 /// lock, handle the exit, let the lock go, enter again.
 pub fn run(cpu: &mut CpuState) -> StopReason {
     let shared = crate::vm::shared();
+    cpu.eptp = match f::EPT_POINTER.read(&Vmcs) {
+        Ok(e) => e,
+        Err(e) => return e.into(),
+    };
     if cpu.index == 0 {
         let mut vm = shared.lock(&mut cpu.lock_wait_ticks);
         if let Err(e) = (Vcpu { vm: &mut vm, cpu }).service() {
@@ -298,9 +302,13 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         if let Err(e) = prepare_entry(cpu) {
             return e.into();
         }
+        cpu.held_ticks = cpu.held_ticks.saturating_add(crate::world::entering_guest(
+            cpu.index, cpu.eptp, cpu.parked,
+        ));
         // SAFETY: `vcpu::setup` or `vcpu::setup_ap` filled the current
         // VMCS completely.
         let outcome = unsafe { insn::vmx_run(&mut cpu.regs, cpu.launched) };
+        crate::world::left_guest(cpu.index, f::GUEST_RIP.read(&Vmcs).unwrap_or(0));
         if let RunOutcome::EntryFailed(e) = outcome {
             let err = f::VM_INSTRUCTION_ERROR.read(&Vmcs).unwrap_or(0);
             hvprintln!(
@@ -346,6 +354,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             slot.counters.clone_from(&cpu.counters);
             slot.lock_wait_ticks = cpu.lock_wait_ticks;
             slot.lock_takes = cpu.lock_takes;
+            slot.held_ticks = cpu.held_ticks;
         }
         let mut v = Vcpu { vm: &mut vm, cpu };
         let now = v.vm.clock.update(insn::rdtsc());
@@ -547,7 +556,9 @@ impl Vcpu<'_> {
         let mut busy = false;
         self.cpu.last_turn_tsc = insn::rdtsc();
         self.cpu.last_turn = self.vm.clock.update(self.cpu.last_turn_tsc);
-        with_env(&self.vm.cfg.ept, |env| tracer!(self).on_turn(env));
+        with_env(&self.vm.cfg.views, self.cpu.index, |env| {
+            tracer!(self).on_turn(env)
+        });
         if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
             self.cpu.debug_exits = false;
@@ -571,7 +582,8 @@ impl Vcpu<'_> {
                 cpu,
                 tsc_hz: self.vm.tsc_hz,
                 tracer: tracer!(self),
-                ept: &self.vm.cfg.ept,
+                views: &self.vm.cfg.views,
+                vcpu: self.cpu.index,
                 rip,
                 guard,
                 cpus: &self.vm.cpus,
@@ -730,7 +742,7 @@ impl Vcpu<'_> {
             VmExit::Exception { vector: DB, info } => self.debug_exception(info),
             VmExit::PreemptionTimer => self.service(),
             VmExit::EptViolation(e) => {
-                match with_env(&self.vm.cfg.ept, |env| {
+                match with_env(&self.vm.cfg.views, self.cpu.index, |env| {
                     tracer!(self).on_violation(e.gpa, e.write, env)
                 }) {
                     Violation::Stepping => {
@@ -797,7 +809,7 @@ impl Vcpu<'_> {
             self.cpu.timer = t;
         }
         // EPT may have changed while the AP was parked.
-        let _ = insn::invept_single(self.vm.cfg.ept.eptp());
+        let _ = insn::invept_single(self.cpu.eptp);
         // NMIs to this CPU were blocked by the way Bochs 2.7 takes the SIPI
         // exit; an IRET in root lets them through again (a no-op on a CPU
         // whose NMIs are not blocked).
@@ -982,10 +994,12 @@ impl Vcpu<'_> {
             e.fetch,
             e.allowed
         );
-        let leaf = self.vm.cfg.ept.translate(
-            &mut crate::frames::PoolTables,
-            hypervisor::addr::Gpa(e.gpa & !0xfff),
-        );
+        let leaf = self.vm.cfg.views.get(self.cpu.index).and_then(|ept| {
+            ept.translate(
+                &mut crate::frames::PoolTables,
+                hypervisor::addr::Gpa(e.gpa & !0xfff),
+            )
+        });
         hvprintln!("error: EPT entry for that page: {leaf:?}");
         dump_vmcs();
         Ok(Next::Stop(StopReason::EptViolation { gpa: e.gpa }))
@@ -999,7 +1013,7 @@ impl Vcpu<'_> {
         let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
         let mut tracer = Tracer::new(&mut self.vm.tracer, &mut self.cpu.tracer);
         let regs = &mut self.cpu.regs;
-        match with_env(&self.vm.cfg.ept, |env| {
+        match with_env(&self.vm.cfg.views, self.cpu.index, |env| {
             tracer.hypercall(env, rip, regs, &cpu, kernel, now)
         }) {
             Hypercall::Handled => self.advance(),
@@ -1042,7 +1056,9 @@ impl Vcpu<'_> {
         } = tracer!(self).debug_state();
         let act = debug::decide(qual, int1, stepping, guest_tf, stray);
         if act.end_step {
-            with_env(&self.vm.cfg.ept, |env| tracer!(self).finish_step(env));
+            with_env(&self.vm.cfg.views, self.cpu.index, |env| {
+                tracer!(self).finish_step(env)
+            });
         } else if stray && act.tf == Some(false) {
             tracer!(self).clear_stray_tf();
         }

@@ -61,6 +61,11 @@ pub struct Kernel {
     facts: KernelFacts,
     pub report: KernelReport,
     cr3: Cr3,
+    /// `__per_cpu_offset[0 .. nr_cpu_ids]`: a CPU's GS base in kernel mode
+    /// is its entry, so its position there is the guest's number for the
+    /// CPU. Fixed once the kernel has set up its per-cpu areas, long
+    /// before recovery runs.
+    percpu: Vec<u64>,
 }
 
 /// Introspection state across the VM's life.
@@ -243,7 +248,7 @@ impl Introspection {
         Some(TaskInfo {
             pid: t.pid,
             comm: String::from_utf8_lossy(t.comm_bytes()).into_owned(),
-            cpu: 0,
+            cpu: k.cpu_number(cpu).unwrap_or(0),
         })
     }
 }
@@ -384,10 +389,12 @@ async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> 
                 };
                 let cr3 = shared.cpu.get().kernel_cr3(which);
                 let root = kernel_pgd(&f, cr3);
+                let percpu = stacks::percpu_offsets(&f.symbols, &PagedView::new(&GuestRam, root));
                 return Ok(Kernel {
                     facts: f,
                     report,
                     cr3: root,
+                    percpu,
                 });
             }
             Err(KallsymsError::BudgetExhausted) => return Err(spent(budget)),
@@ -459,6 +466,20 @@ impl KernelView for Kernel {
             pid: t.pid,
             comm,
         })
+    }
+
+    /// The guest's number for the CPU: where its kernel GS base stands in
+    /// `__per_cpu_offset` (CPU 0 on a kernel without per-cpu offsets,
+    /// which has one CPU).
+    fn cpu_number(&self, cpu: &CpuView) -> Option<u32> {
+        if self.percpu.is_empty() {
+            return Some(0);
+        }
+        let gs = cpu.kernel_gs();
+        self.percpu
+            .iter()
+            .position(|&base| base == gs)
+            .map(|i| i as u32)
     }
 
     /// The guest's stacks as they are now: every possible CPU's hardirq

@@ -1,17 +1,68 @@
-//! Root's side of the tracer's [`Machine`]: the frame pool, the EPT (with
-//! INVEPT), the heap, and the guarded door to guest RAM.
+//! Root's side of the tracer's [`Machine`]: the frame pool, the vCPUs' EPT
+//! views (with INVEPT), the heap, and the guarded door to guest RAM.
+//!
+//! Two environments: [`with_env`] for what one vCPU does to its own view
+//! (a single step, a hypercall, a turn), and [`with_world`] for a request
+//! that may change what every vCPU executes (hooking, unhooking), which
+//! holds the other vCPUs in root from its first change on
+//! (`crate::world`).
 
 use crate::arch::instructions as insn;
 use crate::frames::{self, PoolTables};
+use crate::world::{self, Stalled, World};
 use crate::{heap, phys};
 use guest_introspect::fallible::OutOfMemory;
+use hypervisor::acpi::MAX_CPUS;
 use hypervisor::addr::{Gpa, Hpa};
 use hypervisor::ept::{Ept, EptError, MemType};
 use hypervisor::tracer::machine::{Env, Machine, PAGE};
 
-/// The tracer's machine over the VM's EPT.
+/// The tracer's machine over the VM's EPT views, for vCPU `me`.
 struct Root<'a> {
-    ept: &'a Ept,
+    views: &'a [Ept],
+    me: usize,
+    /// May this environment hold the other vCPUs (a host request), and at
+    /// what TSC rate it counts its wait.
+    may_stop: Option<u64>,
+    /// The other vCPUs, once held.
+    world: Option<World>,
+    /// A hold that did not come in time (not tried again in this request).
+    stalled: bool,
+    /// Every vCPU's guest RIP: this vCPU's, then the others' once held.
+    rips: [u64; MAX_CPUS],
+    n_rips: usize,
+}
+
+impl<'a> Root<'a> {
+    fn new(views: &'a [Ept], me: usize, rip: u64, may_stop: Option<u64>) -> Self {
+        let mut rips = [0u64; MAX_CPUS];
+        rips[0] = rip;
+        Root {
+            views,
+            me,
+            may_stop,
+            world: None,
+            stalled: false,
+            rips,
+            n_rips: 1,
+        }
+    }
+
+    fn mine(&self) -> Result<&Ept, EptError> {
+        self.views.get(self.me).ok_or(EptError::OutOfTables)
+    }
+
+    /// Every view, for a change they must all see: only with the other
+    /// vCPUs held (or none to hold).
+    fn shared(&mut self) -> Result<&[Ept], EptError> {
+        if !self.stop_others() {
+            return Err(EptError::Stalled);
+        }
+        if let Some(w) = self.world.as_mut() {
+            w.ept_changed();
+        }
+        Ok(self.views)
+    }
 }
 
 impl Machine for Root<'_> {
@@ -26,24 +77,79 @@ impl Machine for Root<'_> {
     fn frame(&mut self, hpa: Hpa) -> &mut [u8; PAGE] {
         // SAFETY: the tracer passes only frames `alloc_frame` gave it, each
         // used by one owner (a trampoline page, a shadow, the scratch page),
-        // and holds the reference for one copy or patch.
+        // and holds the reference for one copy or patch; a frame other
+        // vCPUs may execute (a shadow) is patched only while the world is
+        // stopped, and resynced after a guest write the same way the
+        // guest's own write changed its page.
         unsafe { phys::frame_bytes_mut(hpa) }
     }
 
     fn ept_map(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
-        self.ept
-            .map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack)
+        let me = self.me;
+        let mut old = Err(EptError::OutOfTables);
+        for (i, ept) in self.shared()?.iter().enumerate() {
+            let r = ept.map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack);
+            if i == me || old.is_err() {
+                old = r;
+            }
+        }
+        old
     }
 
     fn ept_unmap(&mut self, gpa: Gpa) -> Result<(), EptError> {
-        self.ept
+        let end = Gpa(gpa.0.saturating_add(PAGE as u64));
+        let mut out = Ok(());
+        for ept in self.shared()? {
+            out = out.and(ept.unmap(&mut PoolTables, gpa, end));
+        }
+        out
+    }
+
+    fn ept_map_mine(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
+        self.mine()?
+            .map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack)
+    }
+
+    fn ept_unmap_mine(&mut self, gpa: Gpa) -> Result<(), EptError> {
+        self.mine()?
             .unmap(&mut PoolTables, gpa, Gpa(gpa.0.saturating_add(PAGE as u64)))
     }
 
     fn invept(&mut self) {
-        if insn::invept_single(self.ept.eptp()).is_err() {
+        let Ok(eptp) = self.mine().map(Ept::eptp) else {
+            return;
+        };
+        if insn::invept_single(eptp).is_err() {
             log::warn!("INVEPT failed");
         }
+    }
+
+    fn stop_others(&mut self) -> bool {
+        if self.views.len() <= 1 || self.world.is_some() {
+            return true;
+        }
+        let Some(tsc_hz) = self.may_stop.filter(|_| !self.stalled) else {
+            return false;
+        };
+        match world::stop(self.me, tsc_hz) {
+            Ok(w) => {
+                for (slot, rip) in self.rips.iter_mut().skip(1).zip(w.rips()) {
+                    *slot = rip;
+                    self.n_rips += 1;
+                }
+                self.world = Some(w);
+                true
+            }
+            Err(Stalled { vcpu }) => {
+                log::warn!("vCPU {vcpu} did not come to root in time for a change to every view");
+                self.stalled = true;
+                false
+            }
+        }
+    }
+
+    fn rips(&self) -> &[u64] {
+        self.rips.get(..self.n_rips).unwrap_or(&self.rips)
     }
 
     fn heap_check(&self, bytes: usize) -> Result<(), OutOfMemory> {
@@ -55,12 +161,40 @@ impl Machine for Root<'_> {
     }
 }
 
-/// Runs `f` with the tracer's environment over root's resources and the
-/// VM's EPT.
-pub fn with_env<R>(ept: &Ept, f: impl FnOnce(&mut Env<'_>) -> R) -> R {
-    let mut m = Root { ept };
+/// Runs `f` with the tracer's environment over root's resources and vCPU
+/// `me`'s EPT view, for what it does on its own (a step, a turn, a
+/// hypercall): nothing there changes every view.
+pub fn with_env<R>(views: &[Ept], me: usize, f: impl FnOnce(&mut Env<'_>) -> R) -> R {
+    let mut m = Root::new(views, me, 0, None);
     f(&mut Env {
         ram: phys::guest_ram(),
         m: &mut m,
     })
+}
+
+/// Runs a host request that may change what every vCPU executes: the
+/// environment holds the other vCPUs in root from its first hook or
+/// unhook to the end of `f` (`Machine::stop_others`), so the work before
+/// runs with them still running; `rip` is vCPU `me`'s guest RIP.
+pub fn with_world<R>(
+    views: &[Ept],
+    me: usize,
+    rip: u64,
+    tsc_hz: u64,
+    f: impl FnOnce(&mut Env<'_>) -> R,
+) -> R {
+    let mut m = Root::new(views, me, rip, Some(tsc_hz));
+    let r = f(&mut Env {
+        ram: phys::guest_ram(),
+        m: &mut m,
+    });
+    // Dropping the world lets the others go; each invalidates its view
+    // before it enters again if a shared entry changed.
+    if let Some(w) = m.world.take() {
+        log::info!(
+            "the other vCPUs were held {} us for a change to every view",
+            crate::clock::tsc_to_ns(w.held_for(), tsc_hz) / 1000
+        );
+    }
+    r
 }

@@ -38,6 +38,7 @@ mod smp;
 mod uart;
 mod vcpu;
 mod vm;
+mod world;
 
 use arch::instructions as insn;
 use exits::StopReason;
@@ -232,7 +233,7 @@ fn run(
         Some(c) => smp::prepare(c, bsp_apic_id).map_err(Fatal::Smp)?,
         None => alloc::vec::Vec::new(),
     };
-    let cfg = vcpu::setup(host, &boot, &entry, fadt)?;
+    let cfg = vcpu::setup(host, &boot, &entry, fadt, aps.len() + 1)?;
     // The APIC page root watches is the one this CPU really decodes; the
     // MADT must agree, and root's page tables must map it (below 4 GiB).
     // SAFETY: IA32_APIC_BASE exists on every CPU with a local APIC.
@@ -263,7 +264,7 @@ fn run(
     let lapic_base = if slots.len() > 1 {
         // The guest's start-up IPIs are root's to carry out: its stores to
         // the APIC page exit (`exits::local_exit`, `Vcpu::icr_write`).
-        vcpu::protect_apic(&cfg.ept, lapic_base)?;
+        vcpu::protect_apic(&cfg.views, lapic_base)?;
         lapic_base
     } else {
         // One vCPU: the APIC page is the guest's alone, and not watched.
@@ -287,6 +288,7 @@ fn run(
         }
     );
     let vcpus = slots.len();
+    world::set_vcpus(vcpus);
     vm::publish(vm::Vm::new(
         cfg,
         control,

@@ -92,6 +92,8 @@ pub struct ApSlot {
     /// TSC ticks it waited for the VM lock, and how often it took it.
     pub lock_wait_ticks: u64,
     pub lock_takes: u64,
+    /// TSC ticks held in root while another vCPU had the world stopped.
+    pub held_ticks: u64,
 }
 
 impl ApSlot {
@@ -105,6 +107,7 @@ impl ApSlot {
             counters: hypervisor::stats::ExitCounters::new(),
             lock_wait_ticks: 0,
             lock_takes: 0,
+            held_ticks: 0,
         }
     }
 }

@@ -208,24 +208,34 @@ fn build_ept(b: &BootInfo, cap: EptVpidCap) -> Result<Ept, VmxError> {
 }
 
 /// Makes the local APIC's page read-only to the guest (uncacheable, as
-/// MMIO): its stores exit, so that root sees its start-up IPIs.
-pub fn protect_apic(ept: &Ept, lapic: u64) -> Result<(), VmxError> {
+/// MMIO) in every vCPU's view: its stores exit, so that root sees its
+/// start-up IPIs.
+pub fn protect_apic(views: &[Ept], lapic: u64) -> Result<(), VmxError> {
     let page = lapic & !0xfff;
-    ept.map_page(
-        &mut frames::PoolTables,
-        Gpa(page),
-        hypervisor::addr::Hpa(page),
-        ept::READ,
-        MemType::Uncacheable,
-    )?;
+    for ept in views {
+        ept.map_page(
+            &mut frames::PoolTables,
+            Gpa(page),
+            hypervisor::addr::Hpa(page),
+            ept::READ,
+            MemType::Uncacheable,
+        )?;
+    }
     Ok(())
 }
+
+/// Each vCPU's EPT pointer, by index: an AP's VMCS takes its own from
+/// here ([`setup_ap`]).
+static EPTPS: spin::Once<alloc::vec::Vec<u64>> = spin::Once::new();
 
 /// What the exit handlers need to know about the VM.
 pub struct VmConfig {
     pub fixed: Fixed,
     pub fadt: Option<Fadt>,
-    pub ept: Ept,
+    /// Each vCPU's EPT view, by index: the same identity map, built the
+    /// same way; the tracer's shared changes go into every view, a single
+    /// step's into its vCPU's alone (see `crate::machine`).
+    pub views: alloc::vec::Vec<Ept>,
     /// Whether the VMX preemption timer is on.
     pub has_timer: bool,
     /// IA32_VMX_MISC[4:0]: the timer counts TSC >> this.
@@ -349,6 +359,10 @@ pub fn setup_ap(host: &HostTables, t: &Template, index: usize) -> Result<GuestRe
     let v = &mut Vmcs;
     let entry = t.entry & !EntryControls::IA32E_MODE_GUEST.bits();
     fill_common(v, t, entry, host, index)?;
+    // The AP's own EPT view.
+    if let Some(&eptp) = EPTPS.get().and_then(|e| e.get(index)) {
+        f::EPT_POINTER.write(v, eptp)?;
+    }
     let mut regs = GuestRegs::default();
     let fixed = ap::FixedCrs {
         cr0: t.fixed.cr0,
@@ -372,17 +386,26 @@ fn controls(
     )?)
 }
 
-/// Creates and fills the VMCS for the guest described by `entry`.
+/// Creates and fills the VMCS for the guest described by `entry`, with an
+/// EPT view for each of `vcpus` vCPUs.
 pub fn setup(
     host: &HostTables,
     b: &BootInfo,
     entry: &GuestEntry,
     fadt: Option<Fadt>,
+    vcpus: usize,
 ) -> Result<VmConfig, VmxError> {
     let basic = VmxBasic(msr(IA32_VMX_BASIC));
     let fixed = vmxon(basic)?;
     let cap = EptVpidCap(msr(IA32_VMX_EPT_VPID_CAP));
-    let ept = build_ept(b, cap)?;
+    let mut views = alloc::vec::Vec::new();
+    for _ in 0..vcpus.max(1) {
+        views.push(build_ept(b, cap)?);
+    }
+    EPTPS.call_once(|| views.iter().map(Ept::eptp).collect());
+    let ept = views
+        .first()
+        .ok_or(VmxError::EptCaps("at least one vCPU"))?;
 
     new_vmcs(basic)?;
 
@@ -585,7 +608,7 @@ pub fn setup(
     Ok(VmConfig {
         fixed,
         fadt,
-        ept,
+        views,
         has_timer,
         timer_shift,
         dma_block,

@@ -95,7 +95,7 @@ impl Vm {
             clock: MonoTsc::starting_at(tsc_now),
             stopping: None,
             introspection: Introspection::default(),
-            tracer: tracer::VmState::default(),
+            tracer: tracer::VmState::new(cpus.len()),
             pci_address: 0,
             cpus,
             lapic_base,

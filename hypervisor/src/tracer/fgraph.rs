@@ -103,6 +103,9 @@ pub(super) struct Out<'a> {
     pub(super) ring: &'a mut EventRing,
     pub(super) record: &'a mut Vec<u8>,
     pub(super) stats: &'a mut TracerReport,
+    /// The CPU number events carry when the guest's is not known: root's
+    /// index of the vCPU.
+    pub(super) vcpu: u32,
 }
 
 /// Keeps a stopped session's renderer for its events still in the ring:
@@ -499,7 +502,7 @@ impl Graph {
             .unwrap_or(Running::UNKNOWN);
         let header = EventHeader {
             probe_id: 0,
-            cpu: 0,
+            cpu: kernel.and_then(|k| k.cpu_number(cpu)).unwrap_or(out.vcpu),
             pid,
             timestamp_ns: now_ns,
             ip: frame.func,

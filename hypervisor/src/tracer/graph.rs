@@ -19,6 +19,7 @@
 //! A change of task prints ftrace's `=>` separator.
 
 use alloc::string::String;
+use alloc::vec::Vec;
 use core::fmt::Write;
 
 use crate::kprobe::json;
@@ -146,11 +147,17 @@ fn name(out: &mut String, syms: &dyn SymbolResolver, addr: u64) {
     }
 }
 
-/// The function_graph text renderer; it keeps one pending entry.
+/// The function_graph text renderer. Like the kernel's, it keeps its
+/// state per CPU: each CPU's entry held back for a leaf line, and each
+/// CPU's last pid (for the context-switch marker). The stream hands it
+/// every CPU's events merged in time order, so one CPU's calls may
+/// interleave with another's without breaking either's leaves.
 #[derive(Debug, Default)]
 pub struct GraphText {
-    pending: Option<(RawEvent, GraphValues)>,
-    last_pid: Option<i32>,
+    /// Entries held back, at most one per CPU.
+    pending: Vec<(RawEvent, GraphValues)>,
+    /// The last pid printed, per CPU.
+    last_pid: Vec<(u32, i32)>,
     /// Print return values (`funcgraph-retval`).
     pub retval: bool,
 }
@@ -159,8 +166,8 @@ impl GraphText {
     /// A renderer; `retval` as the funcgraph-retval option.
     pub fn new(retval: bool) -> Self {
         Self {
-            pending: None,
-            last_pid: None,
+            pending: Vec::new(),
+            last_pid: Vec::new(),
             retval,
         }
     }
@@ -190,18 +197,25 @@ impl GraphText {
 
     fn switch(&mut self, out: &mut String, ev: &RawEvent) {
         let pid = ev.header.pid;
-        if let Some(last) = self.last_pid {
-            if last != pid {
-                let mut comm = String::new();
-                crate::kprobe::push_lossy(&mut comm, ev.header.comm_bytes());
-                let _ = write!(
-                    out,
-                    " ------------------------------------------\n {})  pid {last} => {comm}-{pid}\n ------------------------------------------\n\n",
-                    ev.header.cpu
-                );
+        let cpu = ev.header.cpu;
+        match self.last_pid.iter_mut().find(|(c, _)| *c == cpu) {
+            Some((_, last)) => {
+                if *last != pid {
+                    let mut comm = String::new();
+                    crate::kprobe::push_lossy(&mut comm, ev.header.comm_bytes());
+                    let _ = write!(
+                        out,
+                        " ------------------------------------------\n {cpu})  pid {last} => {comm}-{pid}\n ------------------------------------------\n\n",
+                    );
+                }
+                *last = pid;
             }
+            // A CPU's first line has no marker; the list is bounded by the
+            // CPUs the guest has (a CPU number is the guest's, at most
+            // 16 values root reports; an unknown one falls back to root's
+            // index).
+            None => self.last_pid.push((cpu, pid)),
         }
-        self.last_pid = Some(pid);
     }
 
     fn open(&mut self, out: &mut String, ev: &RawEvent, v: GraphValues, syms: &dyn SymbolResolver) {
@@ -211,8 +225,14 @@ impl GraphText {
         out.push_str("() {\n");
     }
 
+    /// Takes CPU `cpu`'s held entry.
+    fn take_pending(&mut self, cpu: u32) -> Option<(RawEvent, GraphValues)> {
+        let i = self.pending.iter().position(|(p, _)| p.header.cpu == cpu)?;
+        Some(self.pending.swap_remove(i))
+    }
+
     /// Appends the lines `ev` completes (possibly none: an entry waits for
-    /// the next event).
+    /// the next event of its CPU).
     pub fn push(
         &mut self,
         out: &mut String,
@@ -223,16 +243,17 @@ impl GraphText {
         let Some(v) = GraphValues::of(kind, ev) else {
             return;
         };
+        let cpu = ev.header.cpu;
         match kind {
             GraphKind::Entry => {
-                if let Some((p, pv)) = self.pending.take() {
+                if let Some((p, pv)) = self.take_pending(cpu) {
                     self.switch(out, &p);
                     self.open(out, &p, pv, syms);
                 }
-                self.pending = Some((ev.clone(), v));
+                self.pending.push((ev.clone(), v));
             }
             GraphKind::Return => {
-                let leaf = match self.pending.take() {
+                let leaf = match self.take_pending(cpu) {
                     Some((p, pv))
                         if p.header.ip == ev.header.ip
                             && pv.depth == v.depth
@@ -251,7 +272,7 @@ impl GraphText {
                 if !leaf {
                     self.switch(out, ev);
                 }
-                Self::prefix(out, ev.header.cpu, Some(v.duration_ns));
+                Self::prefix(out, cpu, Some(v.duration_ns));
                 Self::indent(out, v.depth);
                 if leaf {
                     name(out, syms, ev.header.ip);
@@ -272,9 +293,11 @@ impl GraphText {
         }
     }
 
-    /// Prints a pending entry as an open call (the stream paused there).
+    /// Prints the held entries as open calls, oldest first (the stream
+    /// paused there).
     pub fn flush(&mut self, out: &mut String, syms: &dyn SymbolResolver) {
-        if let Some((p, pv)) = self.pending.take() {
+        self.pending.sort_by_key(|(p, _)| p.header.timestamp_ns);
+        for (p, pv) in core::mem::take(&mut self.pending) {
             self.switch(out, &p);
             self.open(out, &p, pv, syms);
         }
@@ -282,12 +305,15 @@ impl GraphText {
 
     /// Whether an entry is held back.
     pub fn has_pending(&self) -> bool {
-        self.pending.is_some()
+        !self.pending.is_empty()
     }
 
-    /// The time of the entry held back, if any.
+    /// The time of the oldest entry held back, if any.
     pub fn pending_since(&self) -> Option<u64> {
-        self.pending.as_ref().map(|(p, _)| p.header.timestamp_ns)
+        self.pending
+            .iter()
+            .map(|(p, _)| p.header.timestamp_ns)
+            .min()
     }
 }
 
@@ -507,6 +533,39 @@ mod tests {
         assert_eq!(lines[5], " 0)   3.000 us    |  vfs_read();");
         assert!(lines[7].contains("pid 90 => sleeper-7"), "{out}");
         assert_eq!(lines[10], " 0) @ 300000.000 us |  }");
+    }
+
+    #[test]
+    fn calls_on_two_cpus_interleave_and_keep_their_leaves() {
+        let on = |cpu: u32, mut e: RawEvent| {
+            e.header.cpu = cpu;
+            e
+        };
+        // A sleeper on CPU 1 and dd on CPU 0, their events merged in time.
+        let out = render(
+            &[
+                (E, on(1, ev(E, 7, 0x4000, &[0]))),
+                (E, on(0, ev(E, 90, 0x1000, &[0]))),
+                (E, on(0, ev(E, 90, 0x2000, &[1]))),
+                (R, on(1, ev(R, 7, 0x4000, &[0, 300_000, 0]))),
+                (R, on(0, ev(R, 90, 0x2000, &[1, 812, 0]))),
+                (R, on(0, ev(R, 90, 0x1000, &[0, 5_000, 0]))),
+            ],
+            false,
+        );
+        let lines: Vec<&str> = out.lines().collect();
+        // Each CPU's leaf is a leaf, its tree nests, and no switch marker
+        // appears (each CPU ran one task).
+        assert_eq!(
+            lines,
+            vec![
+                " 0)               |  vfs_read() {",
+                " 1) ! 300.000 us  |  do_nanosleep();",
+                " 0)   0.812 us    |    rw_verify_area();",
+                " 0)   5.000 us    |  }",
+            ],
+            "{out}"
+        );
     }
 
     #[test]

@@ -55,9 +55,10 @@ impl Tracer<'_> {
                 let tramp = Some(region.return_trampoline());
                 let out = Out {
                     probes: &mut self.vm.probes,
-                    ring: &mut self.cpu.stream.ring,
-                    record: &mut self.cpu.stream.record,
+                    ring: self.vm.stream.rings.of(self.cpu.index),
+                    record: &mut self.cpu.record,
                     stats: &mut self.vm.stats,
+                    vcpu: self.cpu.index as u32,
                 };
                 match self
                     .vm
@@ -116,7 +117,7 @@ impl Tracer<'_> {
         let cr3 = Cr3(cpu.cr3);
         let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
         if paging::read_virt(env.ram, cr3, Gva(regs_gva), &mut image).is_err() {
-            self.cpu.stream.ring.count_lost();
+            self.vm.stream.rings.of(self.cpu.index).count_lost();
             return chain;
         }
         let regs = PtRegs::from_le_bytes(&image);
@@ -130,7 +131,7 @@ impl Tracer<'_> {
         let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
         let mut header = EventHeader {
             probe_id: 0,
-            cpu: 0,
+            cpu: k.cpu_number(cpu).unwrap_or(self.cpu.index as u32),
             pid,
             timestamp_ns: now_ns,
             ip: site,
@@ -150,8 +151,8 @@ impl Tracer<'_> {
         let has_retprobes = !u.retprobes.is_empty();
         let mut out = HitSink {
             probes: &mut self.vm.probes.list,
-            ring: &mut self.cpu.stream.ring,
-            record: &mut self.cpu.stream.record,
+            ring: self.vm.stream.rings.of(self.cpu.index),
+            record: &mut self.cpu.record,
         };
         out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
         if function {
@@ -165,7 +166,11 @@ impl Tracer<'_> {
                 header,
                 values: Vec::new(),
             };
-            store(&mut self.cpu.stream.ring, &mut self.cpu.stream.record, &ev);
+            store(
+                self.vm.stream.rings.of(self.cpu.index),
+                &mut self.cpu.record,
+                &ev,
+            );
         }
         if graph != 0 || has_retprobes {
             self.vm.graph.refresh_stack_map(k, cpu, now_ns);
@@ -183,9 +188,10 @@ impl Tracer<'_> {
             if let Some(tramp) = self.vm.region.as_ref().map(Region::return_trampoline) {
                 let out = Out {
                     probes: &mut self.vm.probes,
-                    ring: &mut self.cpu.stream.ring,
-                    record: &mut self.cpu.stream.record,
+                    ring: self.vm.stream.rings.of(self.cpu.index),
+                    record: &mut self.cpu.record,
                     stats: &mut self.vm.stats,
+                    vcpu: self.cpu.index as u32,
                 };
                 self.vm.graph.enter(
                     env, out, tramp, graph, &retprobes, func, regs.sp, cr3, now_ns, header, task, k,

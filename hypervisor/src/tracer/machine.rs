@@ -40,12 +40,32 @@ pub trait Machine {
     /// The bytes of a frame [`Self::alloc_frame`] gave the tracer.
     fn frame(&mut self, hpa: Hpa) -> &mut [u8; PAGE];
     /// Points the EPT entry of the guest page `gpa` at `hpa` with `perms`
-    /// (write-back); returns the entry that was there.
+    /// (write-back) in every vCPU's view; returns the entry that was there
+    /// in this vCPU's. Root makes such a change with every other vCPU held
+    /// in root, and each of them invalidates its view before it enters the
+    /// guest again.
     fn ept_map(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError>;
-    /// Removes the EPT entry of the guest page `gpa`.
+    /// Removes the EPT entry of the guest page `gpa` in every vCPU's view.
     fn ept_unmap(&mut self, gpa: Gpa) -> Result<(), EptError>;
-    /// Makes the EPT changes so far visible to the guest (INVEPT).
+    /// Like [`Self::ept_map`], in this vCPU's view only (a single step
+    /// opens a page for one instruction of one vCPU).
+    fn ept_map_mine(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError>;
+    /// Like [`Self::ept_unmap`], in this vCPU's view only.
+    fn ept_unmap_mine(&mut self, gpa: Gpa) -> Result<(), EptError>;
+    /// Makes the EPT changes so far visible to this vCPU (INVEPT of its
+    /// view; the others' are root's to invalidate, see [`Self::ept_map`]).
     fn invept(&mut self);
+    /// Holds every other vCPU in root for the rest of the request, if they
+    /// are not held yet: a hook or an unhook changes what every vCPU
+    /// executes, and is made only while no other vCPU runs guest code (no
+    /// torn `call`, no stale translation; see [`Self::ept_map`]). False
+    /// when a vCPU did not come in time: nothing may be changed then. The
+    /// work before (parsing, globs, classifying sites) runs with every vCPU
+    /// still running.
+    fn stop_others(&mut self) -> bool;
+    /// Every vCPU's guest RIP, known once [`Self::stop_others`] held them
+    /// (this vCPU's always): a site one of them is inside is not patched.
+    fn rips(&self) -> &[u64];
     /// `Ok` when `bytes` more fit in the heap's room.
     fn heap_check(&self, bytes: usize) -> Result<(), OutOfMemory>;
     /// Bytes the heap has beyond its reserve.
@@ -134,6 +154,9 @@ pub trait KernelView {
     fn current(&self, cpu: &CpuView) -> Option<Running>;
     /// The guest's stacks as they are now.
     fn stack_map(&self, cpu: &CpuView) -> StackMap;
+    /// The guest's own number for the CPU described by `cpu` (what its
+    /// trace_pipe prints), when the kernel's per-cpu offsets say.
+    fn cpu_number(&self, cpu: &CpuView) -> Option<u32>;
     /// Logs a stack map that changed.
     fn log_stacks(&self, map: &StackMap);
     /// `task_struct.stack` of the task at `task`: the base of its kernel

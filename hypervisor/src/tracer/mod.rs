@@ -131,6 +131,19 @@ fn out_of_memory(env: &Env<'_>, what: &str, e: OutOfMemory) -> ReqError {
     )
 }
 
+/// Holds the other vCPUs in root for a change to what they execute; a
+/// request error when one does not come in time (nothing is changed).
+fn stop_others(env: &mut Env<'_>) -> Result<(), ReqError> {
+    if env.m.stop_others() {
+        Ok(())
+    } else {
+        Err(ReqError::new(
+            ErrorKind::NotReady,
+            format!("{}; nothing was changed, try again", self::split::STALLED),
+        ))
+    }
+}
+
 /// A map of guest sites (site -> function) for a request, at most
 /// [`MAX_SITES`] entries and within the heap's room.
 fn insert_site(
@@ -166,7 +179,7 @@ impl<'a> Tracer<'a> {
             functions: vm.probes.functions,
             sites: vm.view.sites.len() as u32,
             pages: vm.view.pages.len() as u32,
-            lost: self.cpu.stream.ring.lost(),
+            lost: vm.stream.rings.lost(),
             trampolines: vm.region.as_ref().map_or(0, |g| g.tramp.base().0),
             graph_stacks: stacks.stacks,
             graph_frames: stacks.frames,
@@ -177,9 +190,11 @@ impl<'a> Tracer<'a> {
         }
     }
 
-    /// The region, built on the first request that hooks.
+    /// The region, built on the first request that hooks (with the other
+    /// vCPUs held: it changes every EPT view).
     fn ensure_region(&mut self, k: &dyn KernelView, env: &mut Env<'_>) -> Result<(), ReqError> {
         if self.vm.region.is_none() {
+            stop_others(env)?;
             self.vm.region = Some(Region::build(k, env)?);
         }
         Ok(())
@@ -205,6 +220,11 @@ impl<'a> Tracer<'a> {
         self.cpu.step.on_turn(env, Self::step_shared(self.vm));
     }
 
+    /// Records vCPU `index`'s ring lost.
+    pub fn lost_of(&self, index: usize) -> u64 {
+        self.vm.lost_of(index)
+    }
+
     /// `probe list`.
     pub fn probe_list(&self) -> Vec<ProbeInfo> {
         self.vm.probes.infos()
@@ -212,12 +232,12 @@ impl<'a> Tracer<'a> {
 
     /// Whether rendered output is waiting (the stream wants busy turns).
     pub fn has_output(&self) -> bool {
-        self.cpu.stream.has_output()
+        self.vm.stream.has_output()
     }
 
     /// `TraceStart` / `TraceStop`.
     pub fn set_stream(&mut self, format: Option<TraceFormat>) {
-        self.cpu.stream.set_format(format, &mut self.vm.graph);
+        self.vm.stream.set_format(format, &mut self.vm.graph);
     }
 
     /// The stream's next `TraceText`, when there is output and the
@@ -229,7 +249,7 @@ impl<'a> Tracer<'a> {
         kernel: Option<&dyn KernelView>,
         now_ns: u64,
     ) -> Option<protocol::Event> {
-        self.cpu
+        self.vm
             .stream
             .next_text(room, kernel, now_ns, &self.vm.probes, &mut self.vm.graph)
     }

@@ -9,7 +9,8 @@ use super::probes::{Probe, MAX_PROBES};
 use super::retstack::MAX_USERS;
 use super::split::MAX_SITES;
 use super::{
-    insert_site, out_of_memory, FunctionsAdded, GraphStarted, ProbeAdded, ReqError, Tracer,
+    insert_site, out_of_memory, stop_others, FunctionsAdded, GraphStarted, ProbeAdded, ReqError,
+    Tracer,
 };
 use crate::addr::Gva;
 use crate::kprobe::{self, Command, IndexSymbols};
@@ -29,7 +30,6 @@ impl Tracer<'_> {
         text: &str,
         k: &dyn KernelView,
         env: &mut Env<'_>,
-        rip: u64,
     ) -> Result<ProbeAdded, ReqError> {
         let mut spec = match kprobe::parse(text) {
             Ok(Command::Add(s)) => s,
@@ -84,11 +84,12 @@ impl Tracer<'_> {
                 )
             })?;
         self.ensure_region(k, env)?;
+        stop_others(env)?;
         let site = fs.site;
         let hooked = self
             .vm
             .view
-            .hook(k, env, self.vm.region.as_ref(), site, fs.func, rip);
+            .hook(k, env, self.vm.region.as_ref(), site, fs.func);
         env.m.invept();
         hooked.map_err(|e| {
             ReqError::new(
@@ -131,6 +132,7 @@ impl Tracer<'_> {
                 format!("no probe named {name}"),
             ));
         };
+        stop_others(env)?;
         let p = self.vm.probes.list.remove(i);
         if let Some(u) = self.vm.view.sites.get_mut(&p.site) {
             u.probes.retain(|&x| x != p.id);
@@ -148,9 +150,7 @@ impl Tracer<'_> {
         glob: &str,
         k: &dyn KernelView,
         env: &mut Env<'_>,
-        rip: u64,
     ) -> Result<FunctionsAdded, ReqError> {
-        self.ensure_region(k, env)?;
         let index = k.index();
         let view = PagedView::new(env.ram, k.cr3());
         let classifier = Classifier::new(index);
@@ -160,6 +160,9 @@ impl Tracer<'_> {
         let mut seen = alloc::collections::BTreeSet::new();
         let ids = fallible::try_collect(index.glob(glob))
             .map_err(|e| out_of_memory(env, "the list of matching symbols", e))?;
+        // Classify first, with every vCPU still running; then hook, with
+        // the others held in root from the first hook on.
+        let mut found = Vec::new();
         for id in ids {
             let Ok(fs) = classifier.classify(&view, id) else {
                 continue; // not traceable: not a match for the tracer
@@ -169,7 +172,9 @@ impl Tracer<'_> {
             }
             // The set cannot reserve: past the site table's bound (or the
             // heap's room) the rest could not be hooked anyway.
-            if seen.len() >= MAX_SITES || env.m.heap_check(btree_entry_bytes::<u64, ()>()).is_err()
+            if seen.len() >= MAX_SITES
+                || env.m.heap_check(btree_entry_bytes::<u64, ()>()).is_err()
+                || fallible::try_push(&mut found, (id, fs.site, fs.func)).is_err()
             {
                 skipped_total += 1;
                 if skipped.len() < 8 {
@@ -181,13 +186,19 @@ impl Tracer<'_> {
                 continue;
             }
             seen.insert(fs.site.0);
+        }
+        if !found.is_empty() {
+            self.ensure_region(k, env)?;
+            stop_others(env)?;
+        }
+        for (id, site, func) in found {
             match self
                 .vm
                 .view
-                .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func, rip)
+                .hook(k, env, self.vm.region.as_ref(), site, func)
             {
                 Ok(()) => {
-                    if let Some(u) = self.vm.view.sites.get_mut(&fs.site) {
+                    if let Some(u) = self.vm.view.sites.get_mut(&site) {
                         if !u.function {
                             u.function = true;
                             self.vm.probes.functions += 1;
@@ -213,11 +224,13 @@ impl Tracer<'_> {
     }
 
     /// Removes the function tracer everywhere.
-    pub fn function_clear(&mut self, env: &mut Env<'_>) {
+    pub fn function_clear(&mut self, env: &mut Env<'_>) -> Result<(), ReqError> {
+        stop_others(env)?;
         self.vm
             .view
             .release(env, |u| core::mem::take(&mut u.function));
         self.vm.probes.functions = 0;
+        Ok(())
     }
 
     /// `GraphStart`: a new session; hooks its trace set and records its
@@ -227,7 +240,6 @@ impl Tracer<'_> {
         filter: GraphFilter,
         k: &dyn KernelView,
         env: &mut Env<'_>,
-        rip: u64,
     ) -> Result<GraphStarted, ReqError> {
         let Some(user) = self.vm.graph.free_number() else {
             return Err(ReqError::new(
@@ -259,7 +271,6 @@ impl Tracer<'_> {
             }
             n => n,
         };
-        self.ensure_region(k, env)?;
         self.vm.graph.stack_frames = frames;
         let index = k.index();
         let view = PagedView::new(env.ram, k.cr3());
@@ -328,12 +339,15 @@ impl Tracer<'_> {
             )
             .map_err(oom)?;
         let bit = 1u16 << user;
+        // Matched with every vCPU running; hooked with the others held.
+        self.ensure_region(k, env)?;
+        stop_others(env)?;
         let (mut hooked, mut skipped) = (0u32, 0u32);
         for (site, func) in wanted {
             match self
                 .vm
                 .view
-                .hook(k, env, self.vm.region.as_ref(), Gva(site), Gva(func), rip)
+                .hook(k, env, self.vm.region.as_ref(), Gva(site), Gva(func))
             {
                 Ok(()) => {
                     if let Some(u) = self.vm.view.sites.get_mut(&Gva(site)) {
@@ -382,6 +396,7 @@ impl Tracer<'_> {
                 alloc::vec![u]
             }
         };
+        stop_others(env)?;
         let mask = users.iter().fold(0u16, |m, &u| m | 1 << u);
         self.vm.graph.stop(mask);
         if mask != 0 {

@@ -126,6 +126,18 @@ impl EventRing {
         Some(u32::from_le_bytes(len) as usize)
     }
 
+    /// The little-endian `u64` at byte `offset` of the oldest record, if
+    /// there is one that long.
+    pub fn peek_u64(&self, offset: usize) -> Option<u64> {
+        let len = self.peek_len()?;
+        if offset.checked_add(8)? > len {
+            return None;
+        }
+        let mut b = [0u8; 8];
+        self.get(self.head + LEN_BYTES + offset, &mut b);
+        Some(u64::from_le_bytes(b))
+    }
+
     /// Removes the oldest record into `out` (replacing its contents).
     pub fn pop(&mut self, out: &mut Vec<u8>) -> bool {
         let Some(len) = self.peek_len() else {
@@ -141,6 +153,76 @@ impl EventRing {
             self.head = 0;
         }
         true
+    }
+}
+
+/// The vCPUs' rings, one each, read as one stream: oldest record first by
+/// the timestamp each record carries at a fixed offset. Each vCPU's ring is
+/// in its own order already (its records are stamped from one monotonic
+/// clock as they are stored), so taking the oldest head each time merges
+/// them.
+pub struct Rings {
+    rings: Vec<EventRing>,
+    /// Byte offset of the records' little-endian `u64` timestamp.
+    stamp_at: usize,
+}
+
+impl Rings {
+    /// `count` rings (at least one) of `each` bytes, with timestamps at
+    /// `stamp_at`.
+    pub fn new(count: usize, each: usize, stamp_at: usize) -> Self {
+        Rings {
+            rings: (0..count.max(1)).map(|_| EventRing::new(each)).collect(),
+            stamp_at,
+        }
+    }
+
+    /// How many rings.
+    pub fn count(&self) -> usize {
+        self.rings.len()
+    }
+
+    /// vCPU `index`'s ring (the last one for an index past the end, which
+    /// root never passes: it makes one ring per vCPU).
+    pub fn of(&mut self, index: usize) -> &mut EventRing {
+        let last = self.rings.len().saturating_sub(1);
+        // `new` makes at least one ring, so `last` is in bounds.
+        #[allow(clippy::indexing_slicing)]
+        &mut self.rings[index.min(last)]
+    }
+
+    /// Records lost by ring `index`.
+    pub fn lost_of(&self, index: usize) -> u64 {
+        self.rings.get(index).map_or(0, EventRing::lost)
+    }
+
+    /// Records lost by every ring.
+    pub fn lost(&self) -> u64 {
+        self.rings.iter().map(EventRing::lost).sum()
+    }
+
+    /// Whether every ring is empty.
+    pub fn is_empty(&self) -> bool {
+        self.rings.iter().all(EventRing::is_empty)
+    }
+
+    /// Removes the oldest record of all rings into `out`; returns its
+    /// ring's index. A record too short to carry a timestamp counts as
+    /// oldest (it is taken first, so it never blocks its ring).
+    pub fn pop_oldest(&mut self, out: &mut Vec<u8>) -> Option<usize> {
+        let mut best: Option<(usize, u64)> = None;
+        for (i, r) in self.rings.iter().enumerate() {
+            if r.is_empty() {
+                continue;
+            }
+            let ts = r.peek_u64(self.stamp_at).unwrap_or(0);
+            if best.is_none_or(|(_, b)| ts < b) {
+                best = Some((i, ts));
+            }
+        }
+        let (i, _) = best?;
+        let r = self.rings.get_mut(i)?;
+        r.pop(out).then_some(i)
     }
 }
 
@@ -176,6 +258,64 @@ mod tests {
         }
         assert_eq!(next_in, next_out);
         assert!(r.is_empty() && r.used() == 0);
+    }
+
+    #[test]
+    fn rings_are_merged_oldest_first_and_count_their_own_losses() {
+        // Records: an 8-byte id then the timestamp at offset 8.
+        let rec = |id: u64, ts: u64| {
+            let mut v = id.to_le_bytes().to_vec();
+            v.extend_from_slice(&ts.to_le_bytes());
+            v
+        };
+        let mut rs = Rings::new(3, 4 * (LEN_BYTES + 16), 8);
+        // Ring 0: 10, 40, 50; ring 1: 20, 30; ring 2: 5, then 60 and
+        // three more it has no room for.
+        for (ring, ts) in [(0, 10), (0, 40), (0, 50), (1, 20), (1, 30), (2, 5), (2, 60)] {
+            assert!(rs.of(ring).push(&rec(ring as u64, ts)));
+        }
+        for ts in [61, 62, 63] {
+            rs.of(2).push(&rec(2, ts));
+        }
+        assert_eq!(
+            (rs.lost_of(0), rs.lost_of(1), rs.lost_of(2), rs.lost()),
+            (0, 0, 1, 1)
+        );
+        let mut out = Vec::new();
+        let mut got = Vec::new();
+        while let Some(i) = rs.pop_oldest(&mut out) {
+            let ts = u64::from_le_bytes(out[8..16].try_into().unwrap());
+            got.push((i, ts));
+        }
+        assert_eq!(
+            got,
+            [
+                (2, 5),
+                (0, 10),
+                (1, 20),
+                (1, 30),
+                (0, 40),
+                (0, 50),
+                (2, 60),
+                (2, 61),
+                (2, 62)
+            ]
+        );
+        assert!(rs.is_empty());
+        // A timestamp that wraps the ring's end is read whole.
+        let mut r = EventRing::new(LEN_BYTES + 16 + 7);
+        let mut w = Rings {
+            rings: Vec::new(),
+            stamp_at: 8,
+        };
+        assert!(r.push(&[1; 3]));
+        assert!(r.pop(&mut out));
+        assert!(r.push(&rec(9, 0x1122_3344_5566_7788)));
+        assert_eq!(r.peek_u64(8), Some(0x1122_3344_5566_7788));
+        assert_eq!(r.peek_u64(9), None);
+        w.rings.push(r);
+        assert_eq!(w.pop_oldest(&mut out), Some(0));
+        assert_eq!(w.pop_oldest(&mut out), None);
     }
 
     #[test]

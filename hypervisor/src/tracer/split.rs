@@ -32,6 +32,9 @@ const SITE_BYTES: usize = btree_entry_bytes::<u64, SiteUse>()
 /// a release never allocates).
 const RELEASE_BATCH: usize = 256;
 
+/// Why a hook or an unhook could not be made.
+pub(super) const STALLED: &str = "the other vCPUs did not come to root in time";
+
 /// Who uses a hooked site.
 pub(super) struct SiteUse {
     pub(super) page: Gpa,
@@ -79,6 +82,13 @@ pub(super) fn remap(env: &mut Env<'_>, page: Gpa, hpa: Hpa, perms: u64) {
     }
 }
 
+/// [`remap`] in this vCPU's view only (a step's pages).
+pub(super) fn remap_mine(env: &mut Env<'_>, page: Gpa, hpa: Hpa, perms: u64) {
+    if let Err(e) = env.m.ept_map_mine(page, hpa, perms) {
+        log::warn!("tracer: EPT entry of {page:#x} not changed: {e:?}");
+    }
+}
+
 /// The guest's own bytes of page `gpa`.
 pub(super) fn page_bytes(ram: &dyn GuestDoor, page: Gpa) -> Option<[u8; PAGE]> {
     let mut b = [0u8; PAGE];
@@ -115,7 +125,6 @@ impl SplitView {
         region: Option<&Region>,
         site: Gva,
         func: Gva,
-        rip: u64,
     ) -> Result<(), PatchError> {
         if self.sites.contains_key(&site) {
             return Ok(());
@@ -136,7 +145,10 @@ impl SplitView {
         if !site::site_fits_page(site) {
             return Err(PatchError::Perm("the site crosses a page boundary"));
         }
-        if site::rip_inside(site, rip) {
+        if !env.m.stop_others() {
+            return Err(PatchError::Perm(STALLED));
+        }
+        if env.m.rips().iter().any(|&rip| site::rip_inside(site, rip)) {
             return Err(PatchError::Busy);
         }
         let t = paging::translate(env.ram, k.cr3(), site).map_err(|_| PatchError::Fault)?;
@@ -225,6 +237,12 @@ impl SplitView {
             return;
         };
         if !u.unused() {
+            return;
+        }
+        if !env.m.stop_others() {
+            // Left hooked with no users (a hit records nothing); the next
+            // release tries again.
+            log::warn!("tracer: {site:#x} not unhooked: {STALLED}");
             return;
         }
         let page = u.page;

@@ -12,13 +12,15 @@
 //! way, and the PDE checked after.
 //!
 //! The step belongs to one vCPU: one instruction of one vCPU. The pages it
-//! opens are opened in the one EPT that every vCPU shares today; an SMP
-//! guest needs per-vCPU EPT views for them.
+//! opens are opened in that vCPU's own EPT view (`Machine::ept_map_mine`):
+//! the other vCPUs keep executing the shadow, and their own reads and
+//! writes of the page keep faulting into steps of their own, so every
+//! write to a hooked page is seen and resynced.
 
 use super::machine::{Env, PAGE};
 use super::region::Region;
 use super::site;
-use super::split::{in_hypervisor, page_bytes, remap, SplitView};
+use super::split::{in_hypervisor, page_bytes, remap_mine, SplitView};
 use crate::addr::{Gpa, Hpa};
 use crate::ept;
 use guest_introspect::paging;
@@ -158,10 +160,10 @@ impl Stepper {
         }
         let watched = s.region.is_some_and(|r| r.pd_page == page.0);
         let kind = if watched {
-            remap(env, page, page.identity_hpa(), ept::RWX);
+            remap_mine(env, page, page.identity_hpa(), ept::RWX);
             StepKind::Watch
         } else if s.view.pages.contains_key(&page) {
-            remap(env, page, page.identity_hpa(), ept::RWX);
+            remap_mine(env, page, page.identity_hpa(), ept::RWX);
             StepKind::Hooked { write }
         } else if in_hypervisor(page.0) {
             let scratch = match s.view.scratch {
@@ -175,7 +177,7 @@ impl Stepper {
                 },
             };
             env.m.frame(scratch).fill(0xcc);
-            let restore = match env.m.ept_map(page, scratch, ept::READ | ept::WRITE) {
+            let restore = match env.m.ept_map_mine(page, scratch, ept::READ | ept::WRITE) {
                 Ok(old) => old,
                 Err(_) => return Violation::NotOurs,
             };
@@ -260,7 +262,7 @@ fn close_page(page: Gpa, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
                         site::resync(shadow, &orig, &mut h.patches);
                     }
                 }
-                remap(env, page, h.shadow, ept::EXEC);
+                remap_mine(env, page, h.shadow, ept::EXEC);
             } else {
                 // Unhooked meanwhile: the identity mapping stays.
             }
@@ -269,15 +271,15 @@ fn close_page(page: Gpa, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
             if s.region.is_some_and(|r| r.restore_pde(env)) {
                 s.stats.region_restores += 1;
             }
-            remap(env, page, page.identity_hpa(), ept::READ | ept::EXEC);
+            remap_mine(env, page, page.identity_hpa(), ept::READ | ept::EXEC);
         }
         StepKind::Discard { restore } => {
             if restore & ept::RWX == 0 {
-                let _ = env.m.ept_unmap(page);
+                let _ = env.m.ept_unmap_mine(page);
             } else {
-                let _ = env
-                    .m
-                    .ept_map(page, Hpa(restore & paging::ADDR_MASK), restore & ept::RWX);
+                let _ =
+                    env.m
+                        .ept_map_mine(page, Hpa(restore & paging::ADDR_MASK), restore & ept::RWX);
             }
         }
     }

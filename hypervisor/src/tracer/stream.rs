@@ -1,21 +1,25 @@
-//! The stream: the vCPU's event ring, and the rendering of its records
-//! into `TraceText` events for the control channel, in the format the
-//! host asked for. The ring is the vCPU's; the renderers it uses (probe
-//! specs, graph sessions) are shared.
+//! The stream: the vCPUs' event rings, and the rendering of their records,
+//! merged oldest first, into `TraceText` events for the control channel,
+//! in the format the host asked for. Each vCPU stores into its own ring;
+//! the stream, the renderers it uses (probe specs, graph sessions) and the
+//! control channel are the VM's.
 
 use super::fgraph::{Graph, Retired};
 use super::graph::{self as graph_fmt, GraphEventId};
 use super::machine::KernelView;
 use super::probes::Probes;
-use super::ring::EventRing;
+use super::ring::Rings;
 use crate::kprobe::{self, IndexSymbols, RawEvent};
 use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt::Write;
 use protocol::TraceFormat;
 
-/// Bytes of the vCPU's event ring.
+/// Bytes of all the vCPUs' event rings together (one vCPU has them all).
 const RING_BYTES: usize = 2 << 20;
+/// Bytes of one vCPU's ring at least, however many vCPUs share
+/// [`RING_BYTES`].
+const RING_BYTES_MIN: usize = 256 << 10;
 /// The probe id of function-tracer events (probes count from 1).
 pub(super) const FUNCTION_ID: u32 = 0;
 /// Text per `TraceText` event, so that a frame stays under `MAX_FRAME`.
@@ -34,11 +38,11 @@ struct HeldLine {
     text: String,
 }
 
-/// A vCPU's ring and the stream's state.
+/// The vCPUs' rings and the stream's state.
 pub(super) struct Stream {
-    pub(super) ring: EventRing,
-    /// Scratch for one encoded record.
-    pub(super) record: Vec<u8>,
+    pub(super) rings: Rings,
+    /// The record being rendered.
+    record: Vec<u8>,
     /// The streaming format, once the host asked for the stream.
     format: Option<TraceFormat>,
     lost_reported: u64,
@@ -49,17 +53,23 @@ pub(super) struct Stream {
 
 impl Default for Stream {
     fn default() -> Self {
+        Stream::new(1)
+    }
+}
+
+impl Stream {
+    /// The stream of a VM with `cpus` vCPUs: a ring each.
+    pub(super) fn new(cpus: usize) -> Self {
+        let each = (RING_BYTES / cpus.max(1)).max(RING_BYTES_MIN);
         Stream {
-            ring: EventRing::new(RING_BYTES),
+            rings: Rings::new(cpus, each, kprobe::TIMESTAMP_AT),
             record: Vec::with_capacity(512),
             format: None,
             lost_reported: 0,
             pending_line: None,
         }
     }
-}
 
-impl Stream {
     /// The stream's next `TraceText`, when there is output and the
     /// control channel's output queue has `room` bytes free: the exit loop
     /// sends it, and asks again while it has room. One `TraceText` carries
@@ -85,7 +95,7 @@ impl Stream {
                 mut text,
             } = self.pending_line.take().unwrap_or_default();
             while text.len() < TRACE_TEXT_BUDGET {
-                if !self.ring.pop(&mut self.record) {
+                if self.rings.pop_oldest(&mut self.record).is_none() {
                     // The ring is empty: retired renderers print what they
                     // hold back and go. An entry held back for a leaf is
                     // printed open once it is older than LEAF_HOLD_NS (its
@@ -145,11 +155,11 @@ impl Stream {
                 }
                 text.push_str(&line);
             }
-            let lost = self.ring.lost() - self.lost_reported;
+            let lost = self.rings.lost() - self.lost_reported;
             if text.is_empty() && lost == 0 {
                 return None;
             }
-            self.lost_reported = self.ring.lost();
+            self.lost_reported = self.rings.lost();
             Some(protocol::Event::TraceText {
                 format,
                 source,
@@ -170,7 +180,7 @@ impl Stream {
 
     /// Whether rendered output is waiting (the stream wants busy turns).
     pub(super) fn has_output(&self) -> bool {
-        self.format.is_some() && (!self.ring.is_empty() || self.pending_line.is_some())
+        self.format.is_some() && (!self.rings.is_empty() || self.pending_line.is_some())
     }
 }
 

@@ -123,14 +123,25 @@ impl TableStore for MemTables {
     }
 }
 
-/// Root's resources: frames from the hypervisor's reservation, an EPT over
-/// tables in memory, a heap budget.
+/// vCPUs of the synthetic guest.
+const VCPUS: usize = 2;
+
+/// Root's resources: frames from the hypervisor's reservation, an EPT view
+/// per vCPU over tables in memory, a heap budget.
 struct FakeRoot {
     frames: BTreeMap<u64, Box<[u8; PAGE]>>,
     next_frame: u64,
     frame_limit: u64,
     tables: MemTables,
-    ept: Ept,
+    views: Vec<Ept>,
+    /// The vCPU the tracer works for.
+    me: usize,
+    /// Every vCPU's RIP, as `stop_others` would find them.
+    rips: Vec<u64>,
+    /// Whether the other vCPUs come to root when asked; and how often they
+    /// were asked.
+    others_come: bool,
+    stops: u32,
     invepts: u32,
     heap_room: usize,
 }
@@ -138,31 +149,47 @@ struct FakeRoot {
 impl FakeRoot {
     fn new() -> Self {
         let mut tables = MemTables::default();
-        let ept = Ept::new(&mut tables).unwrap();
-        // Guest RAM identity-mapped read/write/execute, as the binary maps it.
-        for page in (RAM.0..RAM.1).step_by(PAGE) {
-            ept.map_page(
-                &mut tables,
-                Gpa(page),
-                Hpa(page),
-                ept::RWX,
-                MemType::WriteBack,
-            )
-            .unwrap();
-        }
+        let views: Vec<Ept> = (0..VCPUS)
+            .map(|_| {
+                let ept = Ept::new(&mut tables).unwrap();
+                // Guest RAM identity-mapped read/write/execute, as the
+                // binary maps it.
+                for page in (RAM.0..RAM.1).step_by(PAGE) {
+                    ept.map_page(
+                        &mut tables,
+                        Gpa(page),
+                        Hpa(page),
+                        ept::RWX,
+                        MemType::WriteBack,
+                    )
+                    .unwrap();
+                }
+                ept
+            })
+            .collect();
         FakeRoot {
             frames: BTreeMap::new(),
             next_frame: loader::layout::HV_RESERVED.0 + 8 * MIB,
             frame_limit: 64,
             tables,
-            ept,
+            views,
+            me: 0,
+            rips: vec![0],
+            others_come: true,
+            stops: 0,
             invepts: 0,
             heap_room: 64 << 20,
         }
     }
 
+    /// The EPT leaf of `gpa` in the current vCPU's view.
     fn leaf(&mut self, gpa: u64) -> Option<Leaf> {
-        self.ept.translate(&mut self.tables, Gpa(gpa))
+        self.leaf_in(self.me, gpa)
+    }
+
+    /// The EPT leaf of `gpa` in vCPU `view`'s view.
+    fn leaf_in(&mut self, view: usize, gpa: u64) -> Option<Leaf> {
+        self.views[view].translate(&mut self.tables, Gpa(gpa))
     }
 }
 
@@ -185,15 +212,36 @@ impl Machine for FakeRoot {
             .expect("a frame the tracer was given")
     }
     fn ept_map(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
-        self.ept
-            .map_page(&mut self.tables, gpa, hpa, perms, MemType::WriteBack)
+        let mut mine = 0;
+        for (i, ept) in self.views.iter().enumerate() {
+            let old = ept.map_page(&mut self.tables, gpa, hpa, perms, MemType::WriteBack)?;
+            if i == self.me {
+                mine = old;
+            }
+        }
+        Ok(mine)
     }
     fn ept_unmap(&mut self, gpa: Gpa) -> Result<(), EptError> {
-        self.ept
-            .unmap(&mut self.tables, gpa, Gpa(gpa.0 + PAGE as u64))
+        for ept in &self.views {
+            ept.unmap(&mut self.tables, gpa, Gpa(gpa.0 + PAGE as u64))?;
+        }
+        Ok(())
+    }
+    fn ept_map_mine(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
+        self.views[self.me].map_page(&mut self.tables, gpa, hpa, perms, MemType::WriteBack)
+    }
+    fn ept_unmap_mine(&mut self, gpa: Gpa) -> Result<(), EptError> {
+        self.views[self.me].unmap(&mut self.tables, gpa, Gpa(gpa.0 + PAGE as u64))
     }
     fn invept(&mut self) {
         self.invepts += 1;
+    }
+    fn stop_others(&mut self) -> bool {
+        self.stops += 1;
+        self.others_come
+    }
+    fn rips(&self) -> &[u64] {
+        &self.rips
     }
     fn heap_check(&self, bytes: usize) -> Result<(), OutOfMemory> {
         if bytes <= self.heap_room {
@@ -228,6 +276,12 @@ impl KernelView for FakeKernel {
     }
     fn stack_map(&self, _cpu: &CpuView) -> StackMap {
         StackMap::default()
+    }
+    fn cpu_number(&self, cpu: &CpuView) -> Option<u32> {
+        GS_BASES
+            .iter()
+            .position(|&gs| gs == cpu.gs_base)
+            .map(|i| GUEST_CPU[i])
     }
     fn log_stacks(&self, _map: &StackMap) {}
     fn task_stack(&self, task: u64) -> Option<u64> {
@@ -274,6 +328,12 @@ fn index() -> SymbolIndex {
     SymbolIndex::build(&view, &t).unwrap()
 }
 
+/// Each vCPU's kernel GS base, by root's index.
+const GS_BASES: [u64; VCPUS] = [0xffff_8880_7fa0_0000, 0xffff_8880_7fc0_0000];
+/// The guest's number for each vCPU, by root's index (not the same: the
+/// guest numbers its CPUs as it likes).
+const GUEST_CPU: [u32; VCPUS] = [3, 1];
+
 /// The guest: page tables, text and stack.
 struct Guest {
     ram: &'static SparseRam,
@@ -281,7 +341,9 @@ struct Guest {
     root: FakeRoot,
     kernel: FakeKernel,
     vm: VmState,
-    cpu: CpuState,
+    cpus: Vec<CpuState>,
+    /// The vCPU that runs (root's index).
+    on: usize,
     now_ns: u64,
 }
 
@@ -326,39 +388,41 @@ impl Guest {
                 },
                 task_stacks: BTreeMap::from([(TASK, STACK_BASE)]),
             },
-            vm: VmState::default(),
-            cpu: CpuState::default(),
+            vm: VmState::new(VCPUS),
+            cpus: (0..VCPUS).map(CpuState::new).collect(),
+            on: 0,
             now_ns: 1_000_000_000,
         }
     }
 
     /// The tracer over the VM's state and the vCPU's.
     fn tracer(&mut self) -> Tracer<'_> {
-        Tracer::new(&mut self.vm, &mut self.cpu)
+        Tracer::new(&mut self.vm, &mut self.cpus[self.on])
     }
 
     /// Runs `f` with the tracer, its environment and the kernel.
     fn with<R>(&mut self, f: impl FnOnce(&mut Tracer, &mut Env<'_>, &FakeKernel) -> R) -> R {
+        self.root.me = self.on;
         let mut env = Env {
             ram: &self.door,
             m: &mut self.root,
         };
         f(
-            &mut Tracer::new(&mut self.vm, &mut self.cpu),
+            &mut Tracer::new(&mut self.vm, &mut self.cpus[self.on]),
             &mut env,
             &self.kernel,
         )
     }
 
     fn probe(&mut self, spec: &str) -> Result<(String, u64), super::ReqError> {
-        let added = self.with(|t, env, k| t.probe_add(spec, k, env, 0))?;
+        let added = self.with(|t, env, k| t.probe_add(spec, k, env))?;
         Ok((added.name, added.site))
     }
 
     /// The trampolines as the tracer built them (the layout is a function
     /// of the base alone).
     fn region(&mut self) -> TrampolineRegion {
-        let base = Tracer::new(&mut self.vm, &mut self.cpu)
+        let base = Tracer::new(&mut self.vm, &mut self.cpus[self.on])
             .report()
             .trampolines;
         assert_ne!(base, 0, "no trampoline region");
@@ -370,6 +434,7 @@ impl Guest {
             cr3: PML4,
             cpl: 0,
             rsp,
+            gs_base: GS_BASES[self.on],
             ..CpuView::default()
         }
     }
@@ -420,7 +485,7 @@ impl Guest {
         let mut out = Vec::new();
         let now = self.now_ns;
         while let Some(ev) =
-            Tracer::new(&mut self.vm, &mut self.cpu).next_text(1 << 20, Some(&self.kernel), now)
+            Tracer::new(&mut self.vm, &mut self.cpus[0]).next_text(1 << 20, Some(&self.kernel), now)
         {
             match ev {
                 Event::TraceText { source, text, .. } => out.push((source, text)),
@@ -666,15 +731,142 @@ fn forged_entries_are_refused_and_not_counted_as_hits() {
 fn the_function_tracer_records_function_and_parent() {
     let mut g = Guest::new();
     let added = g
-        .with(|t, env, k| t.function_add("*_func", k, env, 0))
+        .with(|t, env, k| t.function_add("*_func", k, env))
         .unwrap();
     assert_eq!((added.traced, added.skipped_total), (2, 0));
     g.tracer().set_stream(Some(TraceFormat::Text));
     g.hit(OTHER, RETP, CALLER_RET, 0);
     let text = g.text();
     assert!(text.contains("other_func <-caller"), "{text}");
-    g.with(|t, env, _| t.function_clear(env));
+    g.with(|t, env, _| t.function_clear(env)).unwrap();
     assert_eq!(g.tracer().report().sites, 0);
+}
+
+#[test]
+fn hits_on_two_vcpus_are_merged_by_time_with_the_guests_cpu_numbers() {
+    let mut g = Guest::new();
+    g.with(|t, env, k| t.function_add("*_func", k, env))
+        .unwrap();
+    g.tracer().set_stream(Some(TraceFormat::Json));
+    // vCPU 1 stores two hits before vCPU 0 stores the one between them.
+    for (on, now) in [(1, 10_000), (1, 30_000), (0, 20_000)] {
+        g.on = on;
+        g.now_ns = now;
+        g.hit(OTHER, RETP, CALLER_RET, 0);
+    }
+    g.on = 0;
+    let text = g.text();
+    let got: Vec<(u64, u64)> = text
+        .lines()
+        .map(|l| {
+            let num = |key: &str| -> u64 {
+                let at = l.find(&format!("\"{key}\":")).unwrap() + key.len() + 3;
+                let digits: String = l[at..].chars().take_while(char::is_ascii_digit).collect();
+                digits.parse().unwrap()
+            };
+            (num("ts_ns"), num("cpu"))
+        })
+        .collect();
+    // Oldest first, each with the guest's number for its vCPU.
+    assert_eq!(
+        got,
+        [
+            (10_000, u64::from(GUEST_CPU[1])),
+            (20_000, u64::from(GUEST_CPU[0])),
+            (30_000, u64::from(GUEST_CPU[1]))
+        ],
+        "{text}"
+    );
+    // Losses are each vCPU's own.
+    assert_eq!((g.vm.lost_of(0), g.vm.lost_of(1)), (0, 0));
+}
+
+#[test]
+fn a_step_opens_the_page_in_its_own_vcpus_view_only() {
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    let page = gpa(FUNC) & !0xfff;
+    let shadow = g.root.leaf_in(0, page).unwrap();
+    assert_eq!(
+        (shadow.hpa, shadow.perms),
+        (g.root.leaf_in(1, page).unwrap().hpa, ept::EXEC),
+        "a hook is in every view"
+    );
+    // vCPU 1 writes the page: its view opens the guest's frame...
+    g.on = 1;
+    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, env));
+    assert!(matches!(v, Violation::Stepping));
+    let theirs = call_bytes(OTHER, TEXT + 0x8000);
+    g.ram.put(gpa(OTHER), &theirs);
+    let mine = g.root.leaf_in(1, page).unwrap();
+    assert_eq!((mine.hpa.0, mine.perms), (page, ept::RWX));
+    // ... while vCPU 0 keeps executing the shadow, with no step of its own.
+    let other = g.root.leaf_in(0, page).unwrap();
+    assert_eq!((other.hpa, other.perms), (shadow.hpa, ept::EXEC));
+    g.on = 0;
+    assert!(!g.tracer().wants_debug_exits());
+    // The step ends on vCPU 1: both views execute the resynced shadow.
+    g.on = 1;
+    g.with(|t, env, _| t.finish_step(env));
+    for view in 0..VCPUS {
+        let l = g.root.leaf_in(view, page).unwrap();
+        assert_eq!((l.hpa, l.perms), (shadow.hpa, ept::EXEC), "view {view}");
+    }
+    assert_eq!(
+        g.root.frames[&shadow.hpa.0][(OTHER & 0xfff) as usize..][..5],
+        theirs
+    );
+    // Unhooking returns the page to the guest in every view.
+    g.on = 0;
+    g.with(|t, env, _| t.probe_del("a", env)).unwrap();
+    for view in 0..VCPUS {
+        let l = g.root.leaf_in(view, page).unwrap();
+        assert_eq!((l.hpa.0, l.perms), (page, ept::RWX), "view {view}");
+    }
+}
+
+#[test]
+fn a_site_any_vcpu_is_inside_is_not_patched() {
+    let mut g = Guest::new();
+    // vCPU 1 was stopped with its RIP inside my_func's site.
+    g.root.rips = vec![0, FUNC + 2];
+    let e = g
+        .with(|t, env, k| t.probe_add("p:a my_func", k, env))
+        .unwrap_err();
+    assert!(e.message.contains("inside the site"), "{e:?}");
+    assert_eq!(g.tracer().report().sites, 0);
+    g.root.rips = vec![0, FUNC + 5];
+    g.with(|t, env, k| t.probe_add("p:a my_func", k, env))
+        .unwrap();
+}
+
+#[test]
+fn nothing_changes_when_the_other_vcpus_do_not_come() {
+    let mut g = Guest::new();
+    g.root.others_come = false;
+    let e = g
+        .with(|t, env, k| t.probe_add("p:a my_func", k, env))
+        .unwrap_err();
+    assert_eq!(e.kind, protocol::ErrorKind::NotReady, "{e:?}");
+    let e = g
+        .with(|t, env, k| t.function_add("*_func", k, env))
+        .unwrap_err();
+    assert_eq!(e.kind, protocol::ErrorKind::NotReady, "{e:?}");
+    let r = g.tracer().report();
+    assert_eq!((r.sites, r.pages, r.trampolines), (0, 0, 0));
+    for view in 0..VCPUS {
+        let l = g.root.leaf_in(view, gpa(FUNC) & !0xfff).unwrap();
+        assert_eq!(l.hpa.0, gpa(FUNC) & !0xfff, "view {view}");
+    }
+    // They come: the probe is made; they do not: its deletion is refused
+    // and it stays.
+    g.root.others_come = true;
+    g.probe("p:a my_func").unwrap();
+    g.root.others_come = false;
+    let e = g.with(|t, env, _| t.probe_del("a", env)).unwrap_err();
+    assert_eq!(e.kind, protocol::ErrorKind::NotReady, "{e:?}");
+    assert_eq!(g.tracer().report().sites, 1);
+    assert_eq!(g.tracer().probe_list().len(), 1);
 }
 
 // ----- function graph ----------------------------------------------------
@@ -691,7 +883,7 @@ fn graph(functions: &[&str]) -> GraphFilter {
 fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
     let mut g = Guest::new();
     let started = g
-        .with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
+        .with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
         .unwrap();
     assert_eq!((started.session, started.hooked, started.roots), (1, 2, 1));
     g.tracer().set_stream(Some(TraceFormat::Text));
@@ -741,7 +933,7 @@ fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
 #[test]
 fn calls_outside_the_roots_are_not_hijacked() {
     let mut g = Guest::new();
-    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
+    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
         .unwrap();
     g.hit(OTHER, RETP, CALLER_RET, 0);
     assert_eq!(g.ram.word(gpa(RETP)), CALLER_RET);
@@ -754,7 +946,7 @@ fn max_depth_and_comm_filters_apply_at_the_root() {
     let mut f = graph(&["my_func"]);
     f.max_depth = 1;
     f.comm = Some("sleeper".into());
-    g.with(|t, env, k| t.graph_start(f, k, env, 0)).unwrap();
+    g.with(|t, env, k| t.graph_start(f, k, env)).unwrap();
     g.hit(FUNC, RETP, CALLER_RET, 0);
     g.hit(OTHER, RETP - 0x100, FUNC + 0x40, 0);
     assert_eq!(g.tracer().report().graph_frames, 1, "depth 1 only");
@@ -785,14 +977,14 @@ fn a_return_probe_sees_the_return_value() {
 #[test]
 fn the_reaper_drops_the_stacks_of_dead_tasks_only() {
     let mut g = Guest::new();
-    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
+    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
         .unwrap();
     g.hit(FUNC, RETP, CALLER_RET, 0);
     assert_eq!(g.tracer().report().graph_frames, 1);
     let cpu = g.cpu(RETP);
     let reap = |g: &mut Guest| {
         g.now_ns += 1_000_000_000;
-        Tracer::new(&mut g.vm, &mut g.cpu).reap(Some(&g.kernel), &cpu, g.now_ns);
+        Tracer::new(&mut g.vm, &mut g.cpus[0]).reap(Some(&g.kernel), &cpu, g.now_ns);
         let r = g.tracer().report();
         (r.graph_frames, r.graph_reaped)
     };
@@ -815,7 +1007,7 @@ fn the_reaper_drops_the_stacks_of_dead_tasks_only() {
 #[test]
 fn graph_stop_keeps_frames_in_flight_returning() {
     let mut g = Guest::new();
-    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env, 0))
+    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
         .unwrap();
     g.hit(FUNC, RETP, CALLER_RET, 0);
     g.with(|t, env, _| t.graph_stop(None, env)).unwrap();

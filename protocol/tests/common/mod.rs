@@ -63,6 +63,8 @@ pub fn status_report() -> StatusReport {
             parked: false,
             exits_total: 7,
             lock_wait_ns: 0,
+            held_ns: 0,
+            lost: 0,
             lock_takes: 7,
         }],
         guard: protocol::GuardReport::default(),
