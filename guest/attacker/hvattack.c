@@ -13,7 +13,10 @@
  *                frame, clear the page-table entry that maps it
  *   vmcall=1     execute VMCALL in kernel mode, outside the trampolines
  *   reads=N      with func: time N reads of its first 9 bytes (the cost of
- *                a guest read of a hooked page: the split view's round trip)
+ *                a guest read of a hooked page: the split view's round
+ *                trip), counting the reads that do not show the fentry NOP5
+ *                at the start or after an ENDBR64 (the guest's own bytes,
+ *                which a hooked page must keep showing)
  *   nmi_storm=N  route PIT interrupts to NMI through the IOAPIC while
  *                exiting to root N thousand times (CPUID), with a gate
  *                of our own at guest-physical page 0 (where a host IDT base
@@ -69,6 +72,7 @@
 #include <linux/io.h>
 #include <linux/mm.h>
 #include <linux/ktime.h>
+#include <linux/string.h>
 #include <linux/pgtable.h>
 #include <asm/tlbflush.h>
 #include <asm/special_insns.h>
@@ -137,15 +141,24 @@ module_param(btf, ulong, 0);
 
 static void time_reads(void)
 {
+	static const u8 nop5[5] = { 0x0f, 0x1f, 0x44, 0x00, 0x00 };
+	static const u8 endbr64[4] = { 0xf3, 0x0f, 0x1e, 0xfa };
 	u8 b[9];
 	u64 t0, t;
-	int i, bad = 0;
+	int i, bad = 0, other = 0;
 
 	t0 = ktime_get_ns();
-	for (i = 0; i < reads; i++)
-		bad += copy_from_kernel_nofault(b, (void *)func, sizeof(b)) != 0;
+	for (i = 0; i < reads; i++) {
+		if (copy_from_kernel_nofault(b, (void *)func, sizeof(b)))
+			bad++;
+		else if (memcmp(b, nop5, sizeof(nop5)) &&
+			 (memcmp(b, endbr64, sizeof(endbr64)) ||
+			  memcmp(b + sizeof(endbr64), nop5, sizeof(nop5))))
+			other++;
+	}
 	t = ktime_get_ns() - t0;
-	pr_info("hvattack: timed %d reads of %lx: %llu ns (%d faulted)\n", reads, func, t, bad);
+	pr_info("hvattack: timed %d reads of %lx: %llu ns (%d faulted, %d not a nop5)\n",
+		reads, func, t, bad, other);
 }
 
 static void read_func(void)

@@ -528,6 +528,9 @@ pub struct VcpuReport {
     /// Trace records its ring lost (full, or a hit that could not be
     /// recorded).
     pub lost: u64,
+    /// Its VMCALL exits (one per traced call's entry, one per return
+    /// through a graph or return-probe frame).
+    pub vmcalls: u64,
 }
 
 /// The guest kernel as recovered from its memory.

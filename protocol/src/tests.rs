@@ -90,6 +90,7 @@ fn status() -> StatusReport {
             lock_wait_ns: 0,
             held_ns: 0,
             lost: 0,
+            vmcalls: 0,
             lock_takes: 7,
         }],
         guard: crate::GuardReport {

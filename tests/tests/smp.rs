@@ -18,16 +18,17 @@
 //! - tracing on both vCPUs: our probe and the guest's own kprobe on the
 //!   same function record the same events for tasks pinned to CPU 0 and
 //!   CPU 1, with the same CPU column (the guest's own numbers);
-//! - patching under fire: a task on CPU 1 calls a function in a tight
-//!   loop while the host hooks and unhooks it ten times; the guest lives,
-//!   every round records hits from CPU 1 and none after the last unhook,
-//!   and vCPU 1 was held in root for the patching;
 //! - a function-graph session over sleepers pinned to each CPU gives each
 //!   its tree, on its own CPU;
 //! - a sleeper moved from CPU 0 to CPU 1 while asleep in a traced function
 //!   returns through us once, on CPU 1, with its whole sleep as duration;
 //! - hotplug with a probe and a graph session on, and a probe added and
-//!   removed while CPU 1 is offline (parked vCPUs are not waited for).
+//!   removed while CPU 1 is offline (parked vCPUs are not waited for);
+//! - the attacker module reads a hooked function 3,000 times on CPU 0
+//!   while CPU 1 calls it: every read sees the NOP5 and every call is
+//!   traced;
+//! - patching under fire, with both CPUs calling the function and the
+//!   guest toggling its own kprobe and function tracer on it.
 //!
 //! Run: `cargo test --release -p hvtrace-tests --test smp -- --nocapture`
 
@@ -216,31 +217,72 @@ fn migrating_sleeper(ck: &mut Checks, c: &mut Client) {
     println!("smp migrating sleeper: {}", mine.join(" | "));
 }
 
-/// Hooks and unhooks a function ten times while a task pinned to CPU 1
-/// calls it in a tight loop. Last of the tracing checks: the records of
-/// its hits are left to drain (COM2 carries about 100 lines a second), so
-/// the hits are counted from `probe list` instead.
+/// Patching under fire: busy loops on both CPUs call a function while
+/// the host hooks and unhooks it ten times (a probe, the function tracer
+/// and a graph session in turn) and the guest turns its own kprobe and
+/// function tracer on and off on the same function. Last of the tracing
+/// checks: the records of the hits are left to drain (COM2 carries about
+/// 100 lines a second), so hits are counted from the counters.
 fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
-    const ROUNDS: usize = 10;
+    const ROUNDS: usize = 9;
+    const FUNC: &str = "__x64_sys_getppid";
     let held_before = hv_status(c).per_vcpu.get(1).map_or(0, |v| v.held_ns);
     guest_exec(
         c,
-        "rm -f /tmp/stop; taskset 2 sh -c 'while [ ! -e /tmp/stop ]; do hvbench getppid 2000 > /dev/null; done' > /dev/null 2>&1 & \
-         hvbench sleep 300; echo started",
+        &format!(
+            "rm -f /tmp/stop; for m in 1 2; do taskset $m sh -c 'while [ ! -e /tmp/stop ]; do hvbench getppid 2000 > /dev/null; done' > /dev/null 2>&1 & done; \
+             taskset 1 sh -c 'cd {TRACEFS}; echo p:gk {FUNC} > kprobe_events; while [ ! -e /tmp/stop ]; do \
+               echo 1 > events/kprobes/gk/enable; echo {FUNC} > set_ftrace_filter; echo function > current_tracer; hvbench sleep 40; \
+               echo nop > current_tracer; echo 0 > events/kprobes/gk/enable; hvbench sleep 40; done' > /dev/null 2>&1 & \
+             hvbench sleep 300; echo started"
+        ),
     );
     let mut per_round = Vec::new();
     for round in 0..ROUNDS {
-        if !probe_add(ck, c, "p:fire __x64_sys_getppid") {
-            break;
-        }
+        let hits0 = hv_status(c).tracer.hits;
+        let mut session = None;
+        let what = match round % 3 {
+            0 => {
+                if !probe_add(ck, c, &format!("p:fire {FUNC}")) {
+                    break;
+                }
+                "probe"
+            }
+            1 => {
+                let r = hv_call(c, Request::FunctionAdd { glob: FUNC.into() });
+                ck.check(
+                    matches!(r, Response::FunctionAdded { traced: 1, .. }),
+                    format!("function tracer on {FUNC}: {r:?}"),
+                );
+                "function"
+            }
+            _ => {
+                session = graph_start(ck, c, FUNC);
+                if session.is_none() {
+                    break;
+                }
+                "graph"
+            }
+        };
         guest_exec(c, "hvbench sleep 200");
-        let hits = probe_hits(c, "fire");
+        let hits = hv_status(c).tracer.hits - hits0;
         ck.check(
             hits > 0,
-            format!("round {round}: no hit while CPU 1 calls the function"),
+            format!("round {round} ({what}): no hit while both CPUs call {FUNC}"),
         );
-        per_round.push(hits);
-        probe_del(ck, c, "fire");
+        if what == "probe" {
+            ck.check(
+                probe_hits(c, "fire") > 0,
+                format!("round {round}: the probe counted no hit"),
+            );
+            probe_del(ck, c, "fire");
+        } else if what == "function" {
+            let r = hv_call(c, Request::FunctionClear);
+            ck.check(matches!(r, Response::Ok), format!("function clear: {r:?}"));
+        } else if let Some(s) = session {
+            graph_stop(ck, c, s);
+        }
+        per_round.push((hits, what));
     }
     // Unhooked: no more hits, and the guest is well.
     let hits_then = hv_status(c).tracer.hits;
@@ -250,27 +292,103 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
         hv_status(c).tracer.hits - hits_then,
         0,
     );
-    let alive = guest_exec(c, "touch /tmp/stop; wait; echo alive");
+    let alive = guest_exec(
+        c,
+        &format!("touch /tmp/stop; wait; cd {TRACEFS}; echo nop > current_tracer; echo 0 > events/kprobes/gk/enable; echo > kprobe_events; echo alive"),
+    );
     ck.check(
         alive.contains("alive"),
         format!("guest after the rounds: {alive}"),
     );
     let oops = guest_exec(
         c,
-        "dmesg | grep -c -e 'BUG:' -e 'Oops' -e 'invalid opcode' || true",
+        "dmesg | grep -c -e 'BUG:' -e 'Oops' -e 'invalid opcode' -e 'ftrace failed' || true",
     );
-    ck.eq("oopses in the guest's log", oops.trim(), "0");
+    ck.eq(
+        "oopses and ftrace failures in the guest's log",
+        oops.trim(),
+        "0",
+    );
     let st = hv_status(c);
     ck.eq("sites hooked after the rounds", st.tracer.sites, 0);
+    ck.check(
+        st.tracer.guest_writes > 0,
+        "the guest's own ftrace never wrote the hooked page",
+    );
     let held = st.per_vcpu.get(1).map_or(0, |v| v.held_ns);
     ck.check(
         held > held_before,
         format!("vCPU 1 was never held in root for patching: {held_before} -> {held} ns"),
     );
     println!(
-        "smp fire: hits per round {per_round:?}; vCPU 1 held {} us in all",
-        (held - held_before.min(held)) / 1000
+        "smp fire: hits per round {per_round:?}; vCPU 1 held {} us in all; guest writes stepped {}",
+        (held - held_before.min(held)) / 1000,
+        st.tracer.guest_writes
     );
+}
+
+/// The attacker on two vCPUs: the module reads a hooked function's first
+/// bytes in a loop on CPU 0 while a task on CPU 1 calls it. Every read sees
+/// the guest's NOP5 (the step opens the page in CPU 0's view only), and
+/// every call on CPU 1 is traced.
+fn attacker_on_two_cpus(ck: &mut Checks, c: &mut Client) {
+    const CALLS: u64 = 300;
+    let addr = guest_exec(c, "grep ' __x64_sys_getppid$' /proc/kallsyms");
+    let Some(addr) = addr.split_whitespace().next().map(str::to_string) else {
+        ck.check(false, "__x64_sys_getppid not in kallsyms");
+        return;
+    };
+    if !probe_add(ck, c, "p:atk2 __x64_sys_getppid") {
+        return;
+    }
+    let mut stream = Stream::new();
+    let _ = stream.read(c);
+    let st0 = hv_status(c);
+    let steps0 = st0.tracer.steps;
+    let vmcalls = |st: &protocol::StatusReport| st.per_vcpu.get(1).map_or(0, |v| v.vmcalls);
+    let log = guest_exec(
+        c,
+        &format!(
+            "dmesg -c > /dev/null; taskset 2 sh -c 'for i in 1 2 3 4 5 6 7 8 9 10; do hvbench getppid {} > /dev/null; hvbench sleep 10; done' & \
+             taskset 1 insmod /lib/hvattack.ko func=0x{addr} reads=3000 2>/dev/null; wait; dmesg | grep 'hvattack: timed'",
+            CALLS / 10
+        ),
+    );
+    let st1 = hv_status(c);
+    let steps = st1.tracer.steps - steps0;
+    let exits_cpu1 = vmcalls(&st1) - vmcalls(&st0);
+    let ours = stream.read(c);
+    probe_del(ck, c, "atk2");
+    let timed = log
+        .lines()
+        .find(|l| l.contains("hvattack: timed"))
+        .unwrap_or("");
+    println!("smp attacker: {timed}; {steps} steps");
+    ck.check(
+        timed.contains("(0 faulted, 0 not a nop5)"),
+        format!("a read of the hooked function did not see its NOP5: {log}"),
+    );
+    ck.check(
+        steps >= 3000,
+        format!("reads stepped: {steps} steps for 3000 reads"),
+    );
+    let traced = ours
+        .lines()
+        .filter(|l| l.contains(" atk2: ") && l.trim_start().starts_with("hvbench-"))
+        .collect::<Vec<_>>();
+    ck.eq("calls traced on CPU 1", traced.len() as u64, CALLS);
+    ck.check(
+        traced.iter().all(|l| cpu_column(l) == Some(1)),
+        "a traced call not on CPU 1",
+    );
+    // One exit per hit on vCPU 1: its VMCALL exits are its events (the
+    // hvbench calls, and any other task's on CPU 1).
+    let on_cpu1 = ours
+        .lines()
+        .filter(|l| l.contains(" atk2: ") && cpu_column(l) == Some(1))
+        .count() as u64;
+    println!("smp attacker: vCPU 1: {exits_cpu1} VMCALL exits for {on_cpu1} events");
+    ck.eq("VMCALL exits on vCPU 1 per event", exits_cpu1, on_cpu1);
 }
 
 /// A graph session on do_nanosleep over one sleeper pinned to each CPU:
@@ -369,7 +487,11 @@ fn two_vcpus_boot_and_trace_debian() {
 #[test]
 fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     let _vm = vm_lock();
-    let vm = Detached::start_with("fast", "smp", &["--cpus", "2"]);
+    // The initramfs with the attacker module (guest/attacker).
+    let initrd = hvtrace::vm::guest::run_script("scripts/guest/attacker.sh")
+        .expect("building the attacker module failed");
+    let initrd = initrd.to_str().expect("initrd path is not UTF-8");
+    let vm = Detached::start_with("fast", "smp", &["--cpus", "2", "--initrd", initrd]);
     let mut c = vm.client();
     let mut checks = Checks::new();
 
@@ -489,6 +611,7 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     probe_oracle_across_cpus(&mut checks, &mut c);
     graph_on_two_cpus(&mut checks, &mut c);
     migrating_sleeper(&mut checks, &mut c);
+    attacker_on_two_cpus(&mut checks, &mut c);
     patching_under_fire(&mut checks, &mut c);
 
     let log = vm.emulator_output();

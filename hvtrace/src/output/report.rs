@@ -254,6 +254,7 @@ pub fn status_json(status: &Status) -> Json {
                             ("lock_takes", json::int(c.lock_takes)),
                             ("held_ns", json::int(c.held_ns)),
                             ("lost", json::int(c.lost)),
+                            ("vmcalls", json::int(c.vmcalls)),
                         ])
                     })
                     .collect(),
@@ -427,6 +428,7 @@ mod tests {
                 lock_wait_ns: 0,
                 held_ns: 0,
                 lost: 0,
+                vmcalls: 0,
                 lock_takes: 7,
             }],
             guard: protocol::GuardReport::default(),

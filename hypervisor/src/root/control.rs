@@ -500,6 +500,7 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
                 lock_takes: c.lock_takes,
                 held_ns: crate::clock::tsc_to_ns(c.held_ticks, src.tsc_hz),
                 lost: src.tracer.lost_of(i),
+                vmcalls: c.counters.get(hypervisor::vmx::exit::reason::VMCALL),
             })
             .collect(),
         hv_memory_used: src.memory_used,

@@ -65,6 +65,7 @@ pub fn status_report() -> StatusReport {
             lock_wait_ns: 0,
             held_ns: 0,
             lost: 0,
+            vmcalls: 0,
             lock_takes: 7,
         }],
         guard: protocol::GuardReport::default(),
