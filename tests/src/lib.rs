@@ -549,6 +549,64 @@ pub fn hv_call(c: &mut hvtrace::client::Client, r: protocol::Request) -> protoco
         .response
 }
 
+/// What both tracers hook beneath `vfs_read` in the oracle (ftrace's
+/// `set_ftrace_filter` takes the same globs). Hooking every function would
+/// be faithful too, but the guest patching twenty thousand sites through
+/// our split view takes many minutes in Bochs.
+pub const TRACE_SET: &[&str] = &[
+    "vfs_read",
+    "rw_verify_area",
+    "*file_read_iter",
+    "filemap_*",
+    "copy_page_to_iter",
+    "_copy_to_iter",
+    "touch_atime",
+    "atime_needs_update",
+    "*fsnotify*",
+    "security_file_permission",
+    "shmem_*",
+    "folio_*",
+    "xas_*",
+];
+
+/// One function_graph line: depth and what it says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Node {
+    /// `name() {` at a depth.
+    Open(usize, String),
+    /// `name();` at a depth.
+    Leaf(usize, String),
+    /// `}` at a depth.
+    Close(usize),
+}
+
+/// Parses function_graph text (ours or the guest's) into nodes. Lines are
+/// ` CPU) [marker] [duration] |  <indent>call`; the indent is two spaces
+/// per level after the two that follow `|`.
+pub fn parse_graph(text: &str) -> Vec<Node> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let Some(bar) = line.find('|') else { continue };
+        let head = line[..bar].trim_start();
+        if !head.contains(')') || head.starts_with('#') {
+            continue;
+        }
+        let body = &line[bar + 1..];
+        let body = body.strip_prefix("  ").unwrap_or(body);
+        let indent = body.len() - body.trim_start().len();
+        let depth = indent / 2;
+        let t = body.trim();
+        if let Some(name) = t.strip_suffix("() {") {
+            out.push(Node::Open(depth, name.to_string()));
+        } else if let Some(name) = t.split("();").next().filter(|_| t.contains("();")) {
+            out.push(Node::Leaf(depth, name.to_string()));
+        } else if t.starts_with('}') {
+            out.push(Node::Close(depth));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

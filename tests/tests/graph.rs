@@ -18,67 +18,12 @@ use std::time::Instant;
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    guest_exec as exec, hv_call as call, hv_exits as exits, hv_status as status, parse_trace_lines,
-    vm_lock, Checks, Detached, Stream,
+    guest_exec as exec, hv_call as call, hv_exits as exits, hv_status as status, parse_graph,
+    parse_trace_lines, vm_lock, Checks, Detached, Node, Stream, TRACE_SET,
 };
 use protocol::{ErrorKind, GraphFilter, Request, Response, TraceFormat};
 
 const TRACEFS: &str = "/sys/kernel/tracing";
-
-/// What both tracers hook beneath `vfs_read` in the oracle (ftrace's
-/// `set_ftrace_filter` takes the same globs). Hooking every function would
-/// be faithful too, but the guest patching twenty thousand sites through
-/// our split view takes many minutes in Bochs.
-const TRACE_SET: &[&str] = &[
-    "vfs_read",
-    "rw_verify_area",
-    "*file_read_iter",
-    "filemap_*",
-    "copy_page_to_iter",
-    "_copy_to_iter",
-    "touch_atime",
-    "atime_needs_update",
-    "*fsnotify*",
-    "security_file_permission",
-    "shmem_*",
-    "folio_*",
-    "xas_*",
-];
-
-/// One function_graph line: depth and what it says.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Node {
-    Open(usize, String),
-    Leaf(usize, String),
-    Close(usize),
-}
-
-/// Parses function_graph text (ours or the guest's) into nodes. Lines are
-/// ` CPU) [marker] [duration] |  <indent>call`; the indent is two spaces
-/// per level after the two that follow `|`.
-fn parse_graph(text: &str) -> Vec<Node> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let Some(bar) = line.find('|') else { continue };
-        let head = line[..bar].trim_start();
-        if !head.contains(')') || head.starts_with('#') {
-            continue;
-        }
-        let body = &line[bar + 1..];
-        let body = body.strip_prefix("  ").unwrap_or(body);
-        let indent = body.len() - body.trim_start().len();
-        let depth = indent / 2;
-        let t = body.trim();
-        if let Some(name) = t.strip_suffix("() {") {
-            out.push(Node::Open(depth, name.to_string()));
-        } else if let Some(name) = t.split("();").next().filter(|_| t.contains("();")) {
-            out.push(Node::Leaf(depth, name.to_string()));
-        } else if t.starts_with('}') {
-            out.push(Node::Close(depth));
-        }
-    }
-    out
-}
 
 /// Graph lines of ours for one task: the stream interleaves tasks, marked
 /// by `=>` separators naming the task that follows.

@@ -19,7 +19,9 @@
 //!   same function record the same events for tasks pinned to CPU 0 and
 //!   CPU 1, with the same CPU column (the guest's own numbers);
 //! - a function-graph session over sleepers pinned to each CPU gives each
-//!   its tree, on its own CPU;
+//!   its tree, on its own CPU, and a `dd` read on each CPU at once gives
+//!   each CPU's tree under `vfs_read` equal to the guest's own
+//!   function_graph's for that CPU;
 //! - a sleeper moved from CPU 0 to CPU 1 while asleep in a traced function
 //!   returns through us once, on CPU 1, with its whole sleep as duration;
 //! - hotplug with a probe and a graph session on, and a probe added and
@@ -28,14 +30,16 @@
 //!   while CPU 1 calls it: every read sees the NOP5 and every call is
 //!   traced;
 //! - patching under fire, with both CPUs calling the function and the
-//!   guest toggling its own kprobe and function tracer on it.
+//!   guest toggling its own kprobe and function tracer on it;
+//! - the function tracer on `'*'` with a workload on each CPU: the guest
+//!   lives, both vCPUs hit, losses are reported per vCPU.
 //!
 //! Run: `cargo test --release -p hvtrace-tests --test smp -- --nocapture`
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    cpuinfo_flags, guest_exec, hv_call, hv_status, parse_trace_line, vm_lock, Checks, Detached,
-    Stream,
+    cpuinfo_flags, guest_exec, hv_call, hv_status, parse_graph, parse_trace_line, vm_lock, Checks,
+    Detached, Node, Stream, TRACE_SET,
 };
 use protocol::{Request, Response, TraceFormat};
 
@@ -327,6 +331,62 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
     );
 }
 
+/// The function tracer on every traceable function with a workload on
+/// each CPU: the guest lives, every vCPU hits, losses are reported per
+/// vCPU and add up, and clearing it leaves nothing hooked. Last: its
+/// records are not drained.
+fn scale(ck: &mut Checks, c: &mut Client) {
+    let before = hv_status(c);
+    let t0 = std::time::Instant::now();
+    let traced = match hv_call(c, Request::FunctionAdd { glob: "*".into() }) {
+        Response::FunctionAdded { traced, .. } => traced,
+        other => {
+            ck.check(false, format!("function add '*': {other:?}"));
+            return;
+        }
+    };
+    let hook_s = t0.elapsed().as_secs_f64();
+    let mid = hv_status(c);
+    let t1 = std::time::Instant::now();
+    let out = guest_exec(
+        c,
+        "taskset 2 cat /etc/hostname > /dev/null & taskset 1 ls / | wc -l; wait; echo done",
+    );
+    let work_s = t1.elapsed().as_secs_f64();
+    let after = hv_status(c);
+    ck.check(out.contains("done"), format!("workload under '*': {out:?}"));
+    let hits: Vec<u64> = after
+        .per_vcpu
+        .iter()
+        .zip(&mid.per_vcpu)
+        .map(|(a, m)| a.vmcalls - m.vmcalls)
+        .collect();
+    ck.check(
+        hits.len() == 2 && hits.iter().all(|&h| h > 100),
+        format!("'*' did not hit on every vCPU: VMCALL exits {hits:?}"),
+    );
+    let lost: u64 = after.per_vcpu.iter().map(|v| v.lost).sum();
+    ck.eq("losses: the vCPUs' sum", after.tracer.lost, lost);
+    let r = hv_call(c, Request::FunctionClear);
+    ck.check(
+        matches!(r, Response::Ok),
+        format!("function clear after '*': {r:?}"),
+    );
+    let end = hv_status(c);
+    ck.eq("sites after clearing '*'", end.tracer.sites, 0);
+    ck.eq("shadow pages after clearing '*'", end.tracer.pages, 0);
+    ck.eq(
+        "guest alive after '*'",
+        guest_exec(c, "echo alive").trim(),
+        "alive",
+    );
+    println!(
+        "smp scale: '*' traced {traced} functions in {hook_s:.1} s (vCPU 1 held {} us); workload {work_s:.1} s, VMCALL exits per vCPU {hits:?}, lost per vCPU {:?}",
+        (end.per_vcpu.get(1).map_or(0, |v| v.held_ns) - before.per_vcpu.get(1).map_or(0, |v| v.held_ns)) / 1000,
+        after.per_vcpu.iter().map(|v| v.lost).collect::<Vec<_>>()
+    );
+}
+
 /// The attacker on two vCPUs: the module reads a hooked function's first
 /// bytes in a loop on CPU 0 while a task on CPU 1 calls it. Every read sees
 /// the guest's NOP5 (the step opens the page in CPU 0's view only), and
@@ -389,6 +449,84 @@ fn attacker_on_two_cpus(ck: &mut Checks, c: &mut Client) {
         .count() as u64;
     println!("smp attacker: vCPU 1: {exits_cpu1} VMCALL exits for {on_cpu1} events");
     ck.eq("VMCALL exits on vCPU 1 per event", exits_cpu1, on_cpu1);
+}
+
+/// The lines of function_graph text (ours or the guest's) printed by CPU
+/// `cpu`, as nodes.
+fn graph_of_cpu(text: &str, cpu: u32) -> Vec<Node> {
+    let lines: String = text
+        .lines()
+        .filter(|l| {
+            l.trim_start()
+                .split(')')
+                .next()
+                .and_then(|n| n.trim().parse::<u32>().ok())
+                == Some(cpu)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    parse_graph(&lines)
+}
+
+/// Graph oracle on both CPUs at once: a `dd` read pinned to each CPU, the
+/// two at the same time, traced by our session and by the guest's own
+/// function_graph over the same functions. Each CPU's tree is the guest's.
+fn graph_oracle_per_cpu(ck: &mut Checks, c: &mut Client) {
+    let r = hv_call(
+        c,
+        Request::GraphStart(protocol::GraphFilter {
+            functions: vec!["vfs_read".into()],
+            trace: TRACE_SET.iter().map(|s| s.to_string()).collect(),
+            comm: Some("dd".into()),
+            ..protocol::GraphFilter::default()
+        }),
+    );
+    let Response::GraphStarted { session, .. } = r else {
+        ck.check(false, format!("graph start vfs_read: {r:?}"));
+        return;
+    };
+    let mut stream = Stream::of(session, TraceFormat::Text, 0);
+    let _ = stream.read(c);
+    let dd = "sh -c 'echo $$ >> set_ftrace_pid; exec dd if=/etc/hostname of=/dev/null bs=64 count=1 2>/dev/null'";
+    let guest = guest_exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo > set_ftrace_filter && for g in {}; do echo \"$g\" >> set_ftrace_filter 2>/dev/null; done; \
+             echo vfs_read > set_graph_function && echo 0 > options/funcgraph-irqs && \
+             echo function_graph > current_tracer && echo > trace && \
+             (taskset 1 {dd} & taskset 2 {dd} & wait) && \
+             cat trace > /tmp/graph.txt; echo nop > current_tracer; echo > set_graph_function; \
+             echo > set_ftrace_pid; echo > set_ftrace_filter; echo 1 > options/funcgraph-irqs; cat /tmp/graph.txt",
+            TRACE_SET
+                .iter()
+                .map(|g| format!("'{g}'"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+    );
+    let ours = stream.read(c);
+    graph_stop(ck, c, session);
+    for cpu in [0, 1] {
+        let g = graph_of_cpu(&guest, cpu);
+        let o = graph_of_cpu(&ours, cpu);
+        println!(
+            "smp graph oracle: CPU {cpu}: the guest's tree {} nodes, ours {}",
+            g.len(),
+            o.len()
+        );
+        ck.check(
+            g.len() >= 5,
+            format!(
+                "the guest's tree under vfs_read on CPU {cpu} has nodes: {}\n{guest}",
+                g.len()
+            ),
+        );
+        ck.eq(
+            &format!("our vfs_read tree on CPU {cpu} equals the guest's"),
+            &o,
+            &g,
+        );
+    }
 }
 
 /// A graph session on do_nanosleep over one sleeper pinned to each CPU:
@@ -610,9 +748,11 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     );
     probe_oracle_across_cpus(&mut checks, &mut c);
     graph_on_two_cpus(&mut checks, &mut c);
+    graph_oracle_per_cpu(&mut checks, &mut c);
     migrating_sleeper(&mut checks, &mut c);
     attacker_on_two_cpus(&mut checks, &mut c);
     patching_under_fire(&mut checks, &mut c);
+    scale(&mut checks, &mut c);
 
     let log = vm.emulator_output();
     let starts = log.matches("vCPU 1 started at 0x").count();
