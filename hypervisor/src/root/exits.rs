@@ -348,7 +348,22 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             Local::Done(Err(e)) => return e.into(),
             Local::Shared(exit, policy_done) => Some((exit, policy_done)),
         };
-        let mut vm = shared.lock(&mut cpu.lock_wait_ticks);
+        let mut vm = if timer && cpu.index != 0 {
+            // An AP's turn only re-arms its timer and looks at its
+            // mailbox: when another vCPU holds the lock (the boot
+            // processor serving a long request, or recovering the kernel),
+            // the turn waits for a later expiry rather than the AP for the
+            // lock.
+            match shared.try_lock() {
+                Some(g) => g,
+                None => {
+                    cpu.turns_skipped += 1;
+                    continue;
+                }
+            }
+        } else {
+            shared.lock(&mut cpu.lock_wait_ticks)
+        };
         cpu.lock_takes += 1;
         if let Some(slot) = vm.cpus.get_mut(cpu.index) {
             slot.counters.clone_from(&cpu.counters);

@@ -148,6 +148,13 @@ impl Machine for Root<'_> {
         }
     }
 
+    fn let_others_go(&mut self) {
+        if let Some(w) = self.world.take() {
+            drop(w);
+            self.n_rips = 1;
+        }
+    }
+
     fn rips(&self) -> &[u64] {
         self.rips.get(..self.n_rips).unwrap_or(&self.rips)
     }

@@ -65,6 +65,11 @@ pub fn shared() -> &'static Shared {
 }
 
 impl Shared {
+    /// The lock, if nobody holds it.
+    pub fn try_lock(&self) -> Option<spin::MutexGuard<'_, Vm>> {
+        self.0.try_lock()
+    }
+
     /// Takes the lock, adding the ticks spent waiting to `wait`.
     pub fn lock(&self, wait: &mut u64) -> spin::MutexGuard<'_, Vm> {
         if let Some(g) = self.0.try_lock() {

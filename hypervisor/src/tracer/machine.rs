@@ -63,6 +63,12 @@ pub trait Machine {
     /// work before (parsing, globs, classifying sites) runs with every vCPU
     /// still running.
     fn stop_others(&mut self) -> bool;
+    /// Lets the other vCPUs go again after a batch of changes (each
+    /// invalidates its view before it enters); the next
+    /// [`Self::stop_others`] holds them again. A long request (hooking
+    /// thousands of functions) hooks in batches, so that no vCPU is held
+    /// for the whole of it.
+    fn let_others_go(&mut self);
     /// Every vCPU's guest RIP, known once [`Self::stop_others`] held them
     /// (this vCPU's always): a site one of them is inside is not patched.
     fn rips(&self) -> &[u64];

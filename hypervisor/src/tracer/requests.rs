@@ -23,6 +23,9 @@ use guest_introspect::fentry::Classifier;
 use guest_introspect::view::PagedView;
 use protocol::{ErrorKind, GraphFilter};
 
+/// Sites hooked per hold of the other vCPUs in a long request.
+const HOOK_BATCH: usize = 512;
+
 impl Tracer<'_> {
     /// `probe add`.
     pub fn probe_add(
@@ -191,7 +194,12 @@ impl Tracer<'_> {
             self.ensure_region(k, env)?;
             stop_others(env)?;
         }
-        for (id, site, func) in found {
+        for (n, (id, site, func)) in found.into_iter().enumerate() {
+            if n > 0 && n % HOOK_BATCH == 0 {
+                // Let the other vCPUs run between batches.
+                env.m.invept();
+                env.m.let_others_go();
+            }
             match self
                 .vm
                 .view
@@ -343,7 +351,11 @@ impl Tracer<'_> {
         self.ensure_region(k, env)?;
         stop_others(env)?;
         let (mut hooked, mut skipped) = (0u32, 0u32);
-        for (site, func) in wanted {
+        for (n, (site, func)) in wanted.into_iter().enumerate() {
+            if n > 0 && n % HOOK_BATCH == 0 {
+                env.m.invept();
+                env.m.let_others_go();
+            }
             match self
                 .vm
                 .view

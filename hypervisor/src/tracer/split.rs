@@ -306,6 +306,12 @@ impl SplitView {
             for &s in batch.iter().take(n) {
                 self.unhook_if_unused(env, s);
             }
+            if next.is_some() {
+                // Let the other vCPUs run between batches (the next
+                // unhook holds them again).
+                env.m.invept();
+                env.m.let_others_go();
+            }
             match next {
                 Some(s) => from = s,
                 None => return,

@@ -142,6 +142,7 @@ struct FakeRoot {
     /// were asked.
     others_come: bool,
     stops: u32,
+    releases: u32,
     invepts: u32,
     heap_room: usize,
 }
@@ -177,6 +178,7 @@ impl FakeRoot {
             rips: vec![0],
             others_come: true,
             stops: 0,
+            releases: 0,
             invepts: 0,
             heap_room: 64 << 20,
         }
@@ -239,6 +241,9 @@ impl Machine for FakeRoot {
     fn stop_others(&mut self) -> bool {
         self.stops += 1;
         self.others_come
+    }
+    fn let_others_go(&mut self) {
+        self.releases += 1;
     }
     fn rips(&self) -> &[u64] {
         &self.rips
