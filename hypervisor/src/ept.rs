@@ -187,6 +187,22 @@ impl Ept {
         Ok(old)
     }
 
+    /// Puts back `raw`, a 4 KiB leaf entry [`Self::map_page`] returned, at
+    /// `gpa`: the undo of that call (its table exists, so nothing is
+    /// allocated).
+    pub fn restore_page(
+        &self,
+        store: &mut impl TableStore,
+        gpa: Gpa,
+        raw: u64,
+    ) -> Result<(), EptError> {
+        let pt = self
+            .table_at(store, gpa.0, 0)
+            .ok_or(EptError::OutOfTables)?;
+        *slot(store.table(pt), gpa.0, 0) = raw;
+        Ok(())
+    }
+
     /// Like [`Self::next`] for the PD entry for `gpa`, but a 2 MiB leaf there
     /// is split into 512 equivalent 4 KiB leaves first.
     fn next_split(store: &mut impl TableStore, pd: Hpa, gpa: u64) -> Result<Hpa, EptError> {
@@ -346,6 +362,27 @@ mod tests {
         assert_eq!(
             ept.map_page(&mut s, Gpa(0x1001), Hpa(0), READ, MemType::WriteBack),
             Err(EptError::Unaligned)
+        );
+    }
+
+    #[test]
+    fn a_mapped_page_can_be_put_back_as_it_was() {
+        let mut s = VecStore::default();
+        let ept = Ept::new(&mut s).unwrap();
+        ept.map_identity(&mut s, Gpa(0), Gpa(4 << 20), RWX, MemType::WriteBack, true)
+            .unwrap();
+        let page = Gpa(0x20_3000);
+        let old = ept
+            .map_page(&mut s, page, Hpa(0x9000_0000), EXEC, MemType::WriteBack)
+            .unwrap();
+        assert_eq!(ept.translate(&mut s, page).unwrap().hpa, Hpa(0x9000_0000));
+        ept.restore_page(&mut s, page, old).unwrap();
+        let l = ept.translate(&mut s, page).unwrap();
+        assert_eq!((l.hpa, l.perms, l.size), (Hpa(page.0), RWX, 4096));
+        // A page under a 2 MiB leaf has no table to put an entry back in.
+        assert_eq!(
+            ept.restore_page(&mut s, Gpa(0x1000), 0),
+            Err(EptError::OutOfTables)
         );
     }
 

@@ -203,10 +203,6 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
         "the guest's own ftrace never wrote the hooked page",
     );
     let held = st.per_vcpu.get(1).map_or(0, |v| v.held_ns);
-    ck.check(
-        held > held_before,
-        format!("vCPU 1 was never held in root for patching: {held_before} -> {held} ns"),
-    );
     println!(
         "smp fire: hits per round {per_round:?}; vCPU 1 held {} us in all; guest writes stepped {}",
         (held - held_before.min(held)) / 1000,
@@ -608,6 +604,13 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     checks.check(
         log.contains("vCPU 1 parked by INIT"),
         "root's log shows no INIT parking vCPU 1 (hotplug)",
+    );
+    // Every hook and unhook request held the other vCPU (root logs each
+    // hold): at least the fire test's 9 rounds of two.
+    let holds = log.matches("the other vCPUs were held").count();
+    checks.check(
+        holds >= 18,
+        format!("root's log shows {holds} holds of the other vCPUs for patching, want 18 or more"),
     );
     let status = hv_status(&mut c);
     for v in &status.per_vcpu {

@@ -75,6 +75,11 @@ impl Machine for Root<'_> {
     }
 
     fn frame(&mut self, hpa: Hpa) -> &mut [u8; PAGE] {
+        // A frame written while the world is stopped may be a shadow the
+        // others execute: they serialize (INVEPT) before they run again.
+        if let Some(w) = self.world.as_mut() {
+            w.ept_changed();
+        }
         // SAFETY: the tracer passes only frames `alloc_frame` gave it, each
         // used by one owner (a trampoline page, a shadow, the scratch page),
         // and holds the reference for one copy or patch; a frame other
@@ -86,14 +91,27 @@ impl Machine for Root<'_> {
 
     fn ept_map(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
         let me = self.me;
-        let mut old = Err(EptError::OutOfTables);
-        for (i, ept) in self.shared()?.iter().enumerate() {
-            let r = ept.map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack);
-            if i == me || old.is_err() {
-                old = r;
+        let views = self.shared()?;
+        let mut olds = [0u64; MAX_CPUS];
+        for (i, ept) in views.iter().enumerate() {
+            match ept.map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack) {
+                Ok(old) => {
+                    if let Some(o) = olds.get_mut(i) {
+                        *o = old;
+                    }
+                }
+                Err(e) => {
+                    // Every view or none: the views mapped so far get
+                    // their old entry back (their tables exist now, so
+                    // putting it back allocates nothing).
+                    for (ept, &old) in views.iter().zip(olds.iter()).take(i) {
+                        let _ = ept.restore_page(&mut PoolTables, gpa, old);
+                    }
+                    return Err(e);
+                }
             }
         }
-        old
+        Ok(olds.get(me).copied().unwrap_or(0))
     }
 
     fn ept_unmap(&mut self, gpa: Gpa) -> Result<(), EptError> {

@@ -359,10 +359,13 @@ pub fn setup_ap(host: &HostTables, t: &Template, index: usize) -> Result<GuestRe
     let v = &mut Vmcs;
     let entry = t.entry & !EntryControls::IA32E_MODE_GUEST.bits();
     fill_common(v, t, entry, host, index)?;
-    // The AP's own EPT view.
-    if let Some(&eptp) = EPTPS.get().and_then(|e| e.get(index)) {
-        f::EPT_POINTER.write(v, eptp)?;
-    }
+    // The AP's own EPT view (the boot processor made one per vCPU).
+    let eptp = EPTPS
+        .get()
+        .and_then(|e| e.get(index))
+        .copied()
+        .ok_or(VmxError::EptCaps("an EPT view for every vCPU"))?;
+    f::EPT_POINTER.write(v, eptp)?;
     let mut regs = GuestRegs::default();
     let fixed = ap::FixedCrs {
         cr0: t.fixed.cr0,

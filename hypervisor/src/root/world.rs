@@ -72,8 +72,9 @@ fn presence(index: usize) -> Option<&'static Presence> {
 /// Called first thing after each exit of vCPU `index`, with its guest RIP.
 pub fn left_guest(index: usize, rip: u64) {
     if let Some(p) = presence(index) {
-        p.in_guest.store(false, SeqCst);
+        // The RIP first: whoever sees the vCPU out of the guest reads it.
         p.rip.store(rip, SeqCst);
+        p.in_guest.store(false, SeqCst);
     }
 }
 
@@ -160,8 +161,8 @@ impl World {
     }
 
     /// The guest RIPs of the other vCPUs, where they were stopped (a
-    /// parked vCPU's too: it starts at its SIPI's vector, never inside a
-    /// site).
+    /// parked vCPU's is that of its last exit: checking it errs on the
+    /// safe side).
     pub fn rips(&self) -> impl Iterator<Item = u64> + '_ {
         PRESENCE
             .iter()
@@ -171,8 +172,9 @@ impl World {
             .map(|(_, p)| p.rip.load(SeqCst))
     }
 
-    /// The shared EPT entries changed: every vCPU invalidates its view
-    /// before it enters again.
+    /// The shared EPT entries or a shadow changed: every vCPU invalidates
+    /// its view before it enters again (INVEPT also serializes it, which
+    /// code changed under it calls for).
     pub fn ept_changed(&mut self) {
         self.changed = true;
     }

@@ -130,26 +130,49 @@ impl Patch {
     }
 }
 
-/// Rebuilds `shadow` from the guest's `original` page and puts `patches`
-/// back on top, recording the guest's bytes at each site. Returns how many
+/// Brings `shadow` up to the guest's `original` page under our
+/// `patches`, recording the guest's bytes at each site. Returns how many
 /// sites the guest had changed since the last sync.
+///
+/// Other vCPUs may be executing the shadow meanwhile, so only the bytes
+/// that differ outside our sites are written, one by one: that replays the
+/// guest's own write (whose cross-modifying protocol, int3 first, holds
+/// for the shadow as for its page), and our `call`s are never touched, so
+/// no vCPU can fetch one half rewritten.
 pub fn resync(
     shadow: &mut [u8; PAGE_SIZE],
     original: &[u8; PAGE_SIZE],
     patches: &mut [Patch],
 ) -> usize {
-    shadow.copy_from_slice(original);
+    let mut ours = [0u64; PAGE_SIZE / 64];
     let mut changed = 0;
     for p in patches.iter_mut() {
         let o = p.offset as usize;
-        let Some(slot) = shadow.get_mut(o..o + SITE_LEN) else {
+        let Some(guest) = original.get(o..o + SITE_LEN) else {
             continue;
         };
-        if slot != p.guest {
+        if guest != p.guest {
             changed += 1;
-            p.guest.copy_from_slice(slot);
+            p.guest.copy_from_slice(guest);
         }
-        slot.copy_from_slice(&p.ours);
+        for i in o..o + SITE_LEN {
+            if let Some(w) = ours.get_mut(i / 64) {
+                *w |= 1 << (i % 64);
+            }
+        }
+        // Our bytes are there already (written when the site was hooked);
+        // a slot that somehow is not gets them back.
+        if let Some(slot) = shadow.get_mut(o..o + SITE_LEN) {
+            if slot != p.ours {
+                slot.copy_from_slice(&p.ours);
+            }
+        }
+    }
+    for (i, (s, &g)) in shadow.iter_mut().zip(original.iter()).enumerate() {
+        let mine = ours.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0);
+        if !mine && *s != g {
+            *s = g;
+        }
     }
     changed
 }
