@@ -607,6 +607,31 @@ pub fn parse_graph(text: &str) -> Vec<Node> {
     out
 }
 
+/// Where the guest's tracefs is mounted.
+pub const TRACEFS: &str = "/sys/kernel/tracing";
+
+/// Runs `workload` (a shell fragment, run in tracefs; each traced task adds
+/// itself to `set_ftrace_pid`) under the guest's own function_graph over
+/// `vfs_read`'s tree ([`TRACE_SET`], interrupts not shown), then puts the
+/// tracer back; returns the guest's trace.
+pub fn guest_vfs_read_graph(c: &mut hvtrace::client::Client, workload: &str) -> String {
+    guest_exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo > set_ftrace_filter && for g in {}; do echo \"$g\" >> set_ftrace_filter 2>/dev/null; done; echo vfs_read > set_graph_function && echo 0 > options/funcgraph-irqs && \
+             echo function_graph > current_tracer && echo > trace && \
+             {workload} && \
+             cat trace > /tmp/graph.txt; echo nop > current_tracer; echo > set_graph_function; \
+             echo > set_ftrace_pid; echo > set_ftrace_filter; echo 1 > options/funcgraph-irqs; cat /tmp/graph.txt",
+            TRACE_SET
+                .iter()
+                .map(|g| format!("'{g}'"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,12 +18,11 @@ use std::time::Instant;
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    guest_exec as exec, hv_call as call, hv_exits as exits, hv_status as status, parse_graph,
-    parse_trace_lines, vm_lock, Checks, Detached, Node, Stream, TRACE_SET,
+    guest_exec as exec, guest_vfs_read_graph, hv_call as call, hv_exits as exits,
+    hv_status as status, parse_graph, parse_trace_lines, vm_lock, Checks, Detached, Node, Stream,
+    TRACEFS, TRACE_SET,
 };
 use protocol::{ErrorKind, GraphFilter, Request, Response, TraceFormat};
-
-const TRACEFS: &str = "/sys/kernel/tracing";
 
 /// Graph lines of ours for one task: the stream interleaves tasks, marked
 /// by `=>` separators naming the task that follows.
@@ -138,20 +137,9 @@ fn count_deeper(nodes: &[Node], depth: usize) -> usize {
 /// One `dd` read of /etc/hostname under the guest's own function_graph
 /// (vfs_read's tree over TRACE_SET); returns the guest's trace.
 fn guest_dd(c: &mut Client) -> String {
-    exec(
+    guest_vfs_read_graph(
         c,
-        &format!(
-            "cd {TRACEFS} && echo > set_ftrace_filter && for g in {}; do echo \"$g\" >> set_ftrace_filter 2>/dev/null; done; echo vfs_read > set_graph_function && echo 0 > options/funcgraph-irqs && \
-             echo function_graph > current_tracer && echo > trace && \
-             sh -c 'echo $$ > set_ftrace_pid; exec dd if=/etc/hostname of=/dev/null bs=64 count=1 2>/dev/null' && \
-             cat trace > /tmp/graph.txt; echo nop > current_tracer; echo > set_graph_function; \
-             echo > set_ftrace_pid; echo > set_ftrace_filter; echo 1 > options/funcgraph-irqs; cat /tmp/graph.txt",
-            TRACE_SET
-                .iter()
-                .map(|g| format!("'{g}'"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        ),
+        "sh -c 'echo $$ > set_ftrace_pid; exec dd if=/etc/hostname of=/dev/null bs=64 count=1 2>/dev/null'",
     )
 }
 

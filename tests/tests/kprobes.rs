@@ -30,10 +30,9 @@ use hvtrace_tests::{
 };
 use protocol::{ErrorKind, ProbeInfo, Request, Response};
 
-const TRACEFS: &str = "/sys/kernel/tracing";
 const PROBE: &str = "p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string";
 
-use hvtrace_tests::{parse_trace_lines as parse_all, TraceLine as Line};
+use hvtrace_tests::{parse_trace_lines as parse_all, TraceLine as Line, TRACEFS};
 
 fn probes(c: &mut Client) -> Vec<ProbeInfo> {
     match call(c, Request::ProbeList) {

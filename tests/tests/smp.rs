@@ -40,12 +40,13 @@ mod smp_common;
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    guest_exec, hv_call, hv_status, parse_graph, vm_lock, Checks, Detached, Node, Stream, TRACE_SET,
+    guest_exec, guest_vfs_read_graph, hv_call, hv_status, parse_graph, vm_lock, Checks, Detached,
+    Node, Stream, TRACEFS, TRACE_SET,
 };
 use protocol::{Request, Response, TraceFormat};
 use smp_common::{
-    boot_checks, cpu_column, graph_start, graph_stop, probe_add, probe_del, probe_hits,
-    probe_oracle_across_cpus, TRACEFS,
+    boot_checks, cpu_column, graph_start, graph_stop, print_vcpus, probe_add, probe_del,
+    probe_hits, probe_oracle_across_cpus,
 };
 
 /// A task sleeps in a traced function on CPU 0 and is moved to CPU 1
@@ -376,22 +377,7 @@ fn graph_oracle_per_cpu(ck: &mut Checks, c: &mut Client) {
     let mut stream = Stream::of(session, TraceFormat::Text, 0);
     let _ = stream.read(c);
     let dd = "sh -c 'echo $$ >> set_ftrace_pid; exec dd if=/etc/hostname of=/dev/null bs=64 count=1 2>/dev/null'";
-    let guest = guest_exec(
-        c,
-        &format!(
-            "cd {TRACEFS} && echo > set_ftrace_filter && for g in {}; do echo \"$g\" >> set_ftrace_filter 2>/dev/null; done; \
-             echo vfs_read > set_graph_function && echo 0 > options/funcgraph-irqs && \
-             echo function_graph > current_tracer && echo > trace && \
-             (taskset 1 {dd} & taskset 2 {dd} & wait) && \
-             cat trace > /tmp/graph.txt; echo nop > current_tracer; echo > set_graph_function; \
-             echo > set_ftrace_pid; echo > set_ftrace_filter; echo 1 > options/funcgraph-irqs; cat /tmp/graph.txt",
-            TRACE_SET
-                .iter()
-                .map(|g| format!("'{g}'"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        ),
-    );
+    let guest = guest_vfs_read_graph(c, &format!("(taskset 1 {dd} & taskset 2 {dd} & wait)"));
     let ours = stream.read(c);
     graph_stop(ck, c, session);
     for cpu in [0, 1] {
@@ -612,17 +598,6 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
         holds >= 18,
         format!("root's log shows {holds} holds of the other vCPUs for patching, want 18 or more"),
     );
-    let status = hv_status(&mut c);
-    for v in &status.per_vcpu {
-        eprintln!(
-            "smp: vCPU {}: {} exits, waited {} us for the VM lock over {} takes, held {} us, lost {}",
-            v.index,
-            v.exits_total,
-            v.lock_wait_ns / 1000,
-            v.lock_takes,
-            v.held_ns / 1000,
-            v.lost
-        );
-    }
+    print_vcpus("smp", &hv_status(&mut c));
     checks.finish();
 }

@@ -9,7 +9,7 @@
 mod smp_common;
 
 use hvtrace_tests::{hv_status, vm_lock, Checks, Detached};
-use smp_common::{boot_checks, probe_oracle_across_cpus};
+use smp_common::{boot_checks, print_vcpus, probe_oracle_across_cpus};
 
 /// Debian's kernel on two vCPUs: the boot, and our probe against the
 /// guest's own kprobe with tasks pinned to each CPU.
@@ -21,16 +21,6 @@ fn two_vcpus_boot_and_trace_debian() {
     let mut checks = Checks::new();
     boot_checks(&mut checks, &mut c);
     probe_oracle_across_cpus(&mut checks, &mut c);
-    let st = hv_status(&mut c);
-    for v in &st.per_vcpu {
-        eprintln!(
-            "smp debian: vCPU {}: {} exits, waited {} us for the VM lock over {} takes, held {} us",
-            v.index,
-            v.exits_total,
-            v.lock_wait_ns / 1000,
-            v.lock_takes,
-            v.held_ns / 1000
-        );
-    }
+    print_vcpus("smp debian", &hv_status(&mut c));
     checks.finish();
 }

@@ -34,8 +34,6 @@ pub struct CpuState {
     pub lapic_base: u64,
     /// Exits handled without the VM lock.
     pub local_exits: u64,
-    /// An AP's timer turns skipped because another vCPU held the VM lock.
-    pub turns_skipped: u64,
     /// Parked in wait-for-SIPI (an AP before its start or after an INIT):
     /// no event may be injected.
     pub parked: bool,
@@ -79,7 +77,6 @@ impl CpuState {
             held_ticks: 0,
             lapic_base: 0,
             local_exits: 0,
-            turns_skipped: 0,
             parked: index != 0,
             last_turn_tsc: 0,
             regs: GuestRegs::default(),

@@ -308,7 +308,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         // SAFETY: `vcpu::setup` or `vcpu::setup_ap` filled the current
         // VMCS completely.
         let outcome = unsafe { insn::vmx_run(&mut cpu.regs, cpu.launched) };
-        crate::world::left_guest(cpu.index, f::GUEST_RIP.read(&Vmcs).unwrap_or(0));
+        crate::world::left_guest(cpu.index, || f::GUEST_RIP.read(&Vmcs).unwrap_or(0));
         if let RunOutcome::EntryFailed(e) = outcome {
             let err = f::VM_INSTRUCTION_ERROR.read(&Vmcs).unwrap_or(0);
             hvprintln!(
@@ -356,10 +356,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             // lock.
             match shared.try_lock() {
                 Some(g) => g,
-                None => {
-                    cpu.turns_skipped += 1;
-                    continue;
-                }
+                None => continue,
             }
         } else {
             shared.lock(&mut cpu.lock_wait_ticks)

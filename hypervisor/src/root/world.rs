@@ -69,11 +69,15 @@ fn presence(index: usize) -> Option<&'static Presence> {
     PRESENCE.get(index)
 }
 
-/// Called first thing after each exit of vCPU `index`, with its guest RIP.
-pub fn left_guest(index: usize, rip: u64) {
+/// Called first thing after each exit of vCPU `index`; `rip` reads its
+/// guest RIP, which only a VM with other vCPUs to stop the world needs
+/// (one VMREAD saved on every exit of a single vCPU).
+pub fn left_guest(index: usize, rip: impl FnOnce() -> u64) {
     if let Some(p) = presence(index) {
-        // The RIP first: whoever sees the vCPU out of the guest reads it.
-        p.rip.store(rip, SeqCst);
+        if vcpus() > 1 {
+            // The RIP first: whoever sees the vCPU out of the guest reads it.
+            p.rip.store(rip(), SeqCst);
+        }
         p.in_guest.store(false, SeqCst);
     }
 }

@@ -6,11 +6,9 @@
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    cpuinfo_flags, guest_exec, hv_call, hv_status, parse_trace_line, Checks, Stream,
+    cpuinfo_flags, guest_exec, hv_call, hv_status, parse_trace_line, Checks, Stream, TRACEFS,
 };
 use protocol::{Request, Response};
-
-pub const TRACEFS: &str = "/sys/kernel/tracing";
 
 /// The CPU column of a trace_pipe line (`comm-pid [001] ...`), ours or the
 /// guest's.
@@ -153,4 +151,20 @@ pub fn boot_checks(ck: &mut Checks, c: &mut Client) {
         st.per_vcpu.len() == 2 && st.per_vcpu.iter().all(|v| v.exits_total > 0),
         format!("not every vCPU has exits: {:?}", st.per_vcpu),
     );
+}
+
+/// Prints each vCPU's exits, lock waits, time held for patching and
+/// records lost, as `status` has them, after `tag`.
+pub fn print_vcpus(tag: &str, st: &protocol::StatusReport) {
+    for v in &st.per_vcpu {
+        eprintln!(
+            "{tag}: vCPU {}: {} exits, waited {} us for the VM lock over {} takes, held {} us, lost {}",
+            v.index,
+            v.exits_total,
+            v.lock_wait_ns / 1000,
+            v.lock_takes,
+            v.held_ns / 1000,
+            v.lost
+        );
+    }
 }
