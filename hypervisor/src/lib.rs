@@ -36,4 +36,5 @@ pub mod selftest;
 pub mod stats;
 pub mod task_switch;
 pub mod tracer;
+pub mod vm_lock;
 pub mod vmx;

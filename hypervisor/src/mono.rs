@@ -35,6 +35,18 @@ impl MonoTsc {
         self.now
     }
 
+    /// The ticks since start at the raw reading `raw`, as [`Self::update`]
+    /// would return them, without moving the clock (a reader of a clock
+    /// others update).
+    pub const fn peek(&self, raw: u64) -> u64 {
+        let delta = raw.wrapping_sub(self.last_raw);
+        if delta <= i64::MAX as u64 {
+            self.now.saturating_add(delta)
+        } else {
+            self.now
+        }
+    }
+
     /// The ticks since start at the last update.
     pub const fn now(&self) -> u64 {
         self.now
@@ -58,6 +70,11 @@ mod tests {
         assert_eq!(c.update(u64::MAX), 600);
         assert_eq!(c.update(9), 610); // wrapped forward by 10 ticks
         assert_eq!(c.now(), 610);
+        // A peek reads as an update would, and moves nothing.
+        assert_eq!(c.peek(20), 621);
+        assert_eq!(c.peek(5), 610);
+        assert_eq!(c.now(), 610);
+        assert_eq!(c.update(20), 621);
     }
 
     #[test]

@@ -421,6 +421,11 @@ pub struct TracerReport {
     pub graph_sessions: u32,
     /// Return probes (`r:`), also counted in `probes`.
     pub retprobes: u32,
+    /// Hits that found the return stacks' lock held by another vCPU (the
+    /// tracer's only lock that hits on different vCPUs share, besides the
+    /// heap's and the log's; it is never held across a guest memory
+    /// access).
+    pub stack_lock_waits: u64,
 }
 
 impl Response {
@@ -531,6 +536,11 @@ pub struct VcpuReport {
     /// Its VMCALL exits (one per traced call's entry, one per return
     /// through a graph or return-probe frame).
     pub vmcalls: u64,
+    /// Hypercalls it served under the VM lock's shared side, with other
+    /// vCPUs' hits running at the same time.
+    pub shared_takes: u64,
+    /// Time it waited to take the shared side, in nanoseconds.
+    pub shared_wait_ns: u64,
 }
 
 /// The guest kernel as recovered from its memory.

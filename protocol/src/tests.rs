@@ -81,6 +81,7 @@ fn status() -> StatusReport {
             graph_reaped: 4,
             graph_sessions: 2,
             retprobes: 1,
+            stack_lock_waits: 4,
         },
         per_vcpu: vec![crate::VcpuReport {
             index: 0,
@@ -92,6 +93,8 @@ fn status() -> StatusReport {
             lost: 0,
             vmcalls: 0,
             lock_takes: 7,
+            shared_takes: 3,
+            shared_wait_ns: 9,
         }],
         guard: crate::GuardReport {
             nmi_exits: 5,

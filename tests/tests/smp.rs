@@ -45,8 +45,8 @@ use hvtrace_tests::{
 };
 use protocol::{Request, Response, TraceFormat};
 use smp_common::{
-    boot_checks, cpu_column, graph_start, graph_stop, print_vcpus, probe_add, probe_del,
-    probe_hits, probe_oracle_across_cpus,
+    boot_checks, cpu_column, graph_start, graph_stop, print_lock_waits, print_vcpus, probe_add,
+    probe_del, probe_hits, probe_oracle_across_cpus,
 };
 
 /// A task sleeps in a traced function on CPU 0 and is moved to CPU 1
@@ -114,7 +114,8 @@ fn migrating_sleeper(ck: &mut Checks, c: &mut Client) {
 fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
     const ROUNDS: usize = 9;
     const FUNC: &str = "__x64_sys_getppid";
-    let held_before = hv_status(c).per_vcpu.get(1).map_or(0, |v| v.held_ns);
+    let start = hv_status(c);
+    let held_before = start.per_vcpu.get(1).map_or(0, |v| v.held_ns);
     guest_exec(
         c,
         &format!(
@@ -172,6 +173,7 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
         }
         per_round.push((hits, what));
     }
+    print_lock_waits("smp fire", &start, &hv_status(c));
     // Unhooked: no more hits, and the guest is well.
     let hits_then = hv_status(c).tracer.hits;
     guest_exec(c, "hvbench sleep 300");
@@ -234,6 +236,7 @@ fn scale(ck: &mut Checks, c: &mut Client) {
     let out = guest_exec(c, "taskset 2 true; echo done");
     let work_s = t1.elapsed().as_secs_f64();
     let after = hv_status(c);
+    print_lock_waits("smp scale workload", &mid, &after);
     ck.check(out.contains("done"), format!("workload under '*': {out:?}"));
     let hits: Vec<u64> = after
         .per_vcpu

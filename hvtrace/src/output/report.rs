@@ -90,13 +90,15 @@ pub fn status_text(status: &Status) -> String {
     if r.per_vcpu.len() > 1 {
         for c in &r.per_vcpu {
             out.push_str(&format!(
-                "  vCPU {} (APIC ID {}): {}, {} exits, waited {} us for the VM lock over {} takes, held {} us for patching, {} trace records lost\n",
+                "  vCPU {} (APIC ID {}): {}, {} exits, waited {} us for the VM lock over {} takes and {} us for its shared side over {} hypercalls, held {} us for patching, {} trace records lost\n",
                 c.index,
                 c.apic_id,
                 if c.parked { "parked" } else { "running" },
                 c.exits_total,
                 c.lock_wait_ns / 1000,
                 c.lock_takes,
+                c.shared_wait_ns / 1000,
+                c.shared_takes,
                 c.held_ns / 1000,
                 c.lost
             ));
@@ -128,7 +130,7 @@ pub fn status_text(status: &Status) -> String {
                 != 0
         {
             out.push_str(&format!(
-                "{:<12} {} sessions, {} return probes; {} frames on {} stacks ({} B), {} misses, {} dropped, {} reaped, {} orphan returns\n",
+                "{:<12} {} sessions, {} return probes; {} frames on {} stacks ({} B), {} misses, {} dropped, {} reaped, {} orphan returns, {} waits for the stacks' lock\n",
                 "graph",
                 t.graph_sessions,
                 t.retprobes,
@@ -138,7 +140,8 @@ pub fn status_text(status: &Status) -> String {
                 t.graph_misses,
                 t.graph_dropped,
                 t.graph_reaped,
-                t.graph_orphans
+                t.graph_orphans,
+                t.stack_lock_waits
             ));
         }
     }
@@ -219,6 +222,7 @@ pub fn status_json(status: &Status) -> Json {
         ("graph_reaped", json::int(t.graph_reaped)),
         ("graph_sessions", json::int(u64::from(t.graph_sessions))),
         ("retprobes", json::int(u64::from(t.retprobes))),
+        ("stack_lock_waits", json::int(t.stack_lock_waits)),
         (
             "trampolines",
             match t.trampolines {
@@ -252,6 +256,8 @@ pub fn status_json(status: &Status) -> Json {
                             ("exits_total", json::int(c.exits_total)),
                             ("lock_wait_ns", json::int(c.lock_wait_ns)),
                             ("lock_takes", json::int(c.lock_takes)),
+                            ("shared_wait_ns", json::int(c.shared_wait_ns)),
+                            ("shared_takes", json::int(c.shared_takes)),
                             ("held_ns", json::int(c.held_ns)),
                             ("lost", json::int(c.lost)),
                             ("vmcalls", json::int(c.vmcalls)),
@@ -430,6 +436,8 @@ mod tests {
                 lost: 0,
                 vmcalls: 0,
                 lock_takes: 7,
+                shared_takes: 0,
+                shared_wait_ns: 0,
             }],
             guard: protocol::GuardReport::default(),
         }
@@ -565,7 +573,7 @@ mod tests {
         );
         let j = status_json(&status).to_string();
         assert!(
-            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"trampolines":"0xffffffffc0000000"}"#),
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
         );
         // The graph line shows once there is graph state.
@@ -577,12 +585,13 @@ mod tests {
         r.tracer.graph_stacks = 1;
         r.tracer.graph_bytes = 1280;
         r.tracer.graph_reaped = 30;
+        r.tracer.stack_lock_waits = 5;
         let s = status_text(&Status {
             report: r,
             round_trip: Duration::from_millis(1),
         });
         assert!(
-            s.contains("graph        2 sessions, 1 return probes; 3 frames on 1 stacks (1280 B), 0 misses, 0 dropped, 30 reaped, 0 orphan returns\n"),
+            s.contains("graph        2 sessions, 1 return probes; 3 frames on 1 stacks (1280 B), 0 misses, 0 dropped, 30 reaped, 0 orphan returns, 5 waits for the stacks' lock\n"),
             "{s}"
         );
     }

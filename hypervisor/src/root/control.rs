@@ -498,6 +498,8 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
                 exits_total: c.counters.total(),
                 lock_wait_ns: crate::clock::tsc_to_ns(c.lock_wait_ticks, src.tsc_hz),
                 lock_takes: c.lock_takes,
+                shared_takes: c.shared_takes,
+                shared_wait_ns: crate::clock::tsc_to_ns(c.shared_wait_ticks, src.tsc_hz),
                 held_ns: crate::clock::tsc_to_ns(c.held_ticks, src.tsc_hz),
                 lost: src.tracer.lost_of(i),
                 vmcalls: c.counters.get(hypervisor::vmx::exit::reason::VMCALL),

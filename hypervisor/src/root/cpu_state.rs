@@ -19,6 +19,10 @@ pub struct CpuState {
     /// TSC ticks spent waiting for the VM lock, and how often it was taken.
     pub lock_wait_ticks: u64,
     pub lock_takes: u64,
+    /// TSC ticks spent waiting for the VM lock's shared side (the tracer's
+    /// hypercalls), and how often it was taken.
+    pub shared_wait_ticks: u64,
+    pub shared_takes: u64,
     /// Guest APIC stores root could not decode, and start-up IPIs to the
     /// boot processor, refused.
     pub apic_refused: u64,
@@ -71,6 +75,8 @@ impl CpuState {
             launched: false,
             lock_wait_ticks: 0,
             lock_takes: 0,
+            shared_wait_ticks: 0,
+            shared_takes: 0,
             apic_refused: 0,
             smi_blocking_cleared: 0,
             eptp: 0,

@@ -9,7 +9,7 @@ use crate::introspect::{CpuView, GuestRam, KernelView};
 use crate::machine::with_env;
 use crate::phys;
 use crate::vcpu::Vmcs;
-use crate::vm::Vm;
+use crate::vm::{HitView, Vm};
 use alloc::vec::Vec;
 use core::fmt;
 use guest_introspect::paging::{self, Cr3, WalkError};
@@ -17,7 +17,7 @@ use hypervisor::addr::Gva;
 use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite};
 use hypervisor::task_switch::LegacyPaging;
-use hypervisor::tracer::{DebugState, Hypercall, Tracer, Violation};
+use hypervisor::tracer::{DebugState, Hit, Hypercall, Tracer, Violation};
 use hypervisor::vmx::ap;
 use hypervisor::vmx::debug;
 use hypervisor::vmx::entry::{self, Pending};
@@ -338,23 +338,42 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
                 // all local (an idle CPU taking interrupts, whose EOIs
                 // exit) may see its preemption timer expire rarely.
                 cpu.local_exits += 1;
-                let due = insn::rdtsc().saturating_sub(cpu.last_turn_tsc) > cpu.turn_ticks;
-                if !due && !cpu.local_exits.is_multiple_of(LOCAL_EXITS_PER_CHECK) {
+                if !turn_due(cpu) && !cpu.local_exits.is_multiple_of(LOCAL_EXITS_PER_CHECK) {
                     continue;
                 }
                 None
             }
             Local::Done(Ok(Next::Stop(r))) => return r,
             Local::Done(Err(e)) => return e.into(),
+            Local::Shared(VmExit::Vmcall, _) => {
+                // The tracer's hypercall: under the lock's shared side,
+                // with the other vCPUs' hits running too.
+                let vm = shared.read(&mut cpu.shared_wait_ticks);
+                cpu.shared_takes += 1;
+                let next = hypercall(vm.hit_view(), cpu);
+                drop(vm);
+                match next {
+                    Ok(Next::Resume) => {}
+                    Ok(Next::Stop(r)) => return r,
+                    Err(e) => return e.into(),
+                }
+                // A turn may be due (below, under the whole lock).
+                if !turn_due(cpu) {
+                    continue;
+                }
+                None
+            }
             Local::Shared(exit, policy_done) => Some((exit, policy_done)),
         };
-        let mut vm = if timer && cpu.index != 0 {
-            // An AP's turn only re-arms its timer and looks at its
-            // mailbox: when another vCPU holds the lock (the boot
-            // processor serving a long request, or recovering the kernel),
-            // the turn waits for a later expiry rather than the AP for the
-            // lock.
-            match shared.try_lock() {
+        let mut vm = if (timer || exit.is_none()) && cpu.index != 0 {
+            // An AP's turn (its timer's, or one due after a local exit or
+            // a hit) only re-arms its timer and looks at its mailbox: when
+            // another vCPU's exit handler holds the lock (the boot
+            // processor serving a long request, rendering the stream, or
+            // recovering the kernel), the turn waits for a later one
+            // rather than the AP for the lock. Hits inside are waited for
+            // (each is one hypercall, and none enters meanwhile).
+            match shared.lock_for_turn(&mut cpu.lock_wait_ticks) {
                 Some(g) => g,
                 None => continue,
             }
@@ -366,6 +385,8 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             slot.counters.clone_from(&cpu.counters);
             slot.lock_wait_ticks = cpu.lock_wait_ticks;
             slot.lock_takes = cpu.lock_takes;
+            slot.shared_wait_ticks = cpu.shared_wait_ticks;
+            slot.shared_takes = cpu.shared_takes;
             slot.held_ticks = cpu.held_ticks;
         }
         let mut v = Vcpu { vm: &mut vm, cpu };
@@ -388,6 +409,55 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             return e.into();
         }
     }
+}
+
+/// The vCPU state the tracer and introspection need, from the current
+/// VMCS.
+fn cpu_view() -> Result<CpuView, VmcsError> {
+    let v = &Vmcs;
+    let cpl = event::cpl_from_ss_ar(f::GUEST_SS_ACCESS_RIGHTS.read(v)?);
+    let kernel_gs_base = if cpl == 0 {
+        0
+    } else {
+        // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
+        unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) }
+    };
+    Ok(CpuView {
+        cr3: f::GUEST_CR3.read(v)?,
+        cpl,
+        gs_base: f::GUEST_GS_BASE.read(v)?,
+        kernel_gs_base,
+        la57: f::GUEST_CR4.read(v)? & policy::CR4_LA57 != 0,
+        rsp: f::GUEST_RSP.read(v)?,
+    })
+}
+
+/// The tracer's hypercall (a VMCALL from its trampolines, or anyone's: #UD
+/// then) with the VM shared: nothing here changes the VM but through what
+/// `hypervisor::tracer::Hit` locks or counts atomically.
+fn hypercall(vm: HitView<'_>, cpu: &mut CpuState) -> Result<Next, VmcsError> {
+    let rip = f::GUEST_RIP.read(&Vmcs)?;
+    let view = cpu_view()?;
+    let now = crate::clock::tsc_to_ns(vm.clock.peek(insn::rdtsc()), vm.tsc_hz);
+    let kernel = vm.kernel.map(|k| k as &dyn KernelView);
+    let mut hit = Hit::new(vm.tracer, &mut cpu.tracer);
+    let regs = &mut cpu.regs;
+    match with_env(vm.views, cpu.index, |env| {
+        hit.hypercall(env, rip, regs, &view, kernel, now)
+    }) {
+        Hypercall::Handled => entry::advance(&mut Vmcs).map(|()| Next::Resume),
+        Hypercall::Foreign => {
+            cpu.inject = Some(Event::exception(UD, None));
+            Ok(Next::Resume)
+        }
+    }
+}
+
+/// Whether a turn period has passed since the vCPU's last turn, by the
+/// raw TSC. A TSC the guest set back reads as a turn due (the difference
+/// wraps), and the turn starts the count again from there.
+fn turn_due(cpu: &CpuState) -> bool {
+    insn::rdtsc().wrapping_sub(cpu.last_turn_tsc) > cpu.turn_ticks
 }
 
 /// Where an exit is handled.
@@ -539,22 +609,7 @@ impl Vcpu<'_> {
     }
 
     fn cpu_view(&self) -> Result<CpuView, VmcsError> {
-        let v = &Vmcs;
-        let cpl = event::cpl_from_ss_ar(f::GUEST_SS_ACCESS_RIGHTS.read(v)?);
-        let kernel_gs_base = if cpl == 0 {
-            0
-        } else {
-            // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
-            unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) }
-        };
-        Ok(CpuView {
-            cr3: f::GUEST_CR3.read(v)?,
-            cpl,
-            gs_base: f::GUEST_GS_BASE.read(v)?,
-            kernel_gs_base,
-            la57: f::GUEST_CR4.read(v)? & policy::CR4_LA57 != 0,
-            rsp: f::GUEST_RSP.read(v)?,
-        })
+        cpu_view()
     }
 
     fn now_ns(&self) -> u64 {
@@ -1017,20 +1072,10 @@ impl Vcpu<'_> {
         Ok(Next::Stop(StopReason::EptViolation { gpa: e.gpa }))
     }
 
-    /// A VMCALL: the tracer's entry hypercall, or #UD.
+    /// A VMCALL: the tracer's entry hypercall, or #UD. (The exit loop
+    /// serves them under the lock's shared side; see [`hypercall`].)
     fn vmcall(&mut self) -> Result<Next, VmcsError> {
-        let rip = f::GUEST_RIP.read(&Vmcs)?;
-        let cpu = self.cpu_view()?;
-        let now = self.now_ns();
-        let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
-        let mut tracer = Tracer::new(&mut self.vm.tracer, &mut self.cpu.tracer);
-        let regs = &mut self.cpu.regs;
-        match with_env(&self.vm.cfg.views, self.cpu.index, |env| {
-            tracer.hypercall(env, rip, regs, &cpu, kernel, now)
-        }) {
-            Hypercall::Handled => self.advance(),
-            Hypercall::Foreign => self.inject(UD, None),
-        }
+        hypercall(self.vm.hit_view(), self.cpu)
     }
 
     /// Lets the guest execute one instruction against the page the tracer

@@ -92,6 +92,9 @@ pub struct ApSlot {
     /// TSC ticks it waited for the VM lock, and how often it took it.
     pub lock_wait_ticks: u64,
     pub lock_takes: u64,
+    /// The same for the lock's shared side (the tracer's hypercalls).
+    pub shared_wait_ticks: u64,
+    pub shared_takes: u64,
     /// TSC ticks held in root while another vCPU had the world stopped.
     pub held_ticks: u64,
 }
@@ -107,6 +110,8 @@ impl ApSlot {
             counters: hypervisor::stats::ExitCounters::new(),
             lock_wait_ticks: 0,
             lock_takes: 0,
+            shared_wait_ticks: 0,
+            shared_takes: 0,
             held_ticks: 0,
         }
     }

@@ -1,19 +1,32 @@
-//! The VM's state in root: what every vCPU shares, reached under one lock
-//! ([`shared`]); [`crate::cpu_state::CpuState`] is what each vCPU keeps
-//! for itself.
+//! The VM's state in root: what every vCPU shares, reached under one
+//! reader-writer lock ([`shared`]); [`crate::cpu_state::CpuState`] is
+//! what each vCPU keeps for itself.
 //!
-//! The lock is taken once per VM exit, after the exit is read and before
-//! it is handled, and let go before the next entry: it is held for one
-//! exit handler, never across guest execution. Each vCPU counts the TSC
-//! ticks it waited for it (`status` reports them).
+//! The lock is taken once per VM exit that needs the VM, after the exit is
+//! read and before it is handled, and let go before the next entry: it is
+//! held for one exit handler, never across guest execution.
+//! - The tracer's hypercalls (every traced call's entry and return) take
+//!   its shared side ([`Shared::read`]): hits on several vCPUs run at the
+//!   same time, page walks of the guest included. What a hit changes has
+//!   a lock or an atomic of its own (see `hypervisor::tracer::Hit`).
+//! - Every other exit that touches the VM (requests on COM2, turns, steps,
+//!   start-up IPIs, port and MSR exits root emulates) takes it whole
+//!   ([`Shared::lock`]).
+//!
+//! A vCPU that waits for the whole lock keeps new readers out until it has
+//! it, so that hits on the other vCPUs cannot starve the control channel.
+//! Each vCPU counts the TSC ticks it waited on either side (`status`
+//! reports them).
 
 use crate::control::Control;
-use crate::introspect::Introspection;
+use crate::introspect::{Introspection, Kernel};
 use crate::smp::ApSlot;
 use crate::vcpu::VmConfig;
 use alloc::vec::Vec;
+use hypervisor::ept::Ept;
 use hypervisor::mono::MonoTsc;
 use hypervisor::tracer;
+use hypervisor::vm_lock::VmLock;
 
 /// The VM's state across exits.
 pub struct Vm {
@@ -40,14 +53,18 @@ pub struct Vm {
     pub lapic_base: u64,
 }
 
-/// The VM behind its lock.
-pub struct Shared(spin::Mutex<Vm>);
+/// The VM behind its lock (writers first: see `hypervisor::vm_lock`).
+pub struct Shared(VmLock<Vm>);
 
-// SAFETY: the VM is only ever reached through the mutex, by one vCPU at a
-// time. The types inside it that are not `Send` (the reference-counted
-// state of an introspection in progress) are shared only among parts of
-// the VM itself, never handed out past the lock, so they move between
-// CPUs with the VM as a whole.
+// SAFETY: the VM is only ever reached through the lock. Whole, one vCPU
+// at a time. Shared, several vCPUs at once, each only through
+// [`Shared::read`]'s guard, of which root uses nothing but
+// [`Vm::hit_view`]: a [`HitView`], which the compiler checks is `Sync`
+// (below). The types inside the VM that are not `Send` (the
+// reference-counted state of an introspection in progress) are outside
+// that view, and are shared only among parts of the VM itself, never
+// handed out past the lock, so they move between CPUs with the VM as a
+// whole.
 unsafe impl Sync for Shared {}
 // SAFETY: as above: everything inside moves with the VM.
 unsafe impl Send for Shared {}
@@ -56,7 +73,7 @@ static VM: spin::Once<Shared> = spin::Once::new();
 
 /// Publishes the VM (the boot processor, once, before its first entry).
 pub fn publish(vm: Vm) {
-    VM.call_once(|| Shared(spin::Mutex::new(vm)));
+    VM.call_once(|| Shared(VmLock::new(vm)));
 }
 
 /// The VM, waiting until it is published.
@@ -65,24 +82,57 @@ pub fn shared() -> &'static Shared {
 }
 
 impl Shared {
-    /// The lock, if nobody holds it.
-    pub fn try_lock(&self) -> Option<spin::MutexGuard<'_, Vm>> {
-        self.0.try_lock()
+    /// Takes the whole lock, adding the ticks spent waiting to `wait`.
+    pub fn lock(&self, wait: &mut u64) -> spin::RwLockWriteGuard<'_, Vm> {
+        self.0.write(wait, crate::arch::instructions::rdtsc)
     }
 
-    /// Takes the lock, adding the ticks spent waiting to `wait`.
-    pub fn lock(&self, wait: &mut u64) -> spin::MutexGuard<'_, Vm> {
-        if let Some(g) = self.0.try_lock() {
-            return g;
-        }
-        let t0 = crate::arch::instructions::rdtsc();
-        let g = self.0.lock();
-        *wait = wait.saturating_add(crate::arch::instructions::rdtsc().saturating_sub(t0));
-        g
+    /// The whole lock for an AP's turn: after the hits inside, but not
+    /// after another vCPU's exit handler (a request, a turn rendering the
+    /// stream, a kernel recovery can hold it long); `None` then.
+    pub fn lock_for_turn(&self, wait: &mut u64) -> Option<spin::RwLockWriteGuard<'_, Vm>> {
+        self.0
+            .write_unless_written(wait, crate::arch::instructions::rdtsc)
+    }
+
+    /// Takes the shared side (after any vCPU waiting for the whole lock),
+    /// adding the ticks spent waiting to `wait`.
+    pub fn read(&self, wait: &mut u64) -> spin::RwLockReadGuard<'_, Vm> {
+        self.0.read(wait, crate::arch::instructions::rdtsc)
     }
 }
 
+/// What a hit reaches of the VM under the lock's shared side, which
+/// several vCPUs hold at once: the tracer's state (what a hit changes
+/// there is behind locks of its own or atomic), the recovered kernel, the
+/// EPT views (to make the tracer's environment; a hit changes no entry),
+/// and the clock and TSC rate, read.
+pub struct HitView<'a> {
+    pub tracer: &'a tracer::VmState,
+    pub kernel: Option<&'a Kernel>,
+    pub views: &'a [Ept],
+    pub clock: MonoTsc,
+    pub tsc_hz: u64,
+}
+
+/// The view is shared between vCPUs: everything in it must be `Sync`.
+const _: fn() = || {
+    fn shared_between_vcpus<T: Sync>() {}
+    shared_between_vcpus::<HitView<'static>>();
+};
+
 impl Vm {
+    /// What a hit may reach (see [`HitView`]).
+    pub fn hit_view(&self) -> HitView<'_> {
+        HitView {
+            tracer: &self.tracer,
+            kernel: self.introspection.kernel(),
+            views: &self.cfg.views,
+            clock: self.clock,
+            tsc_hz: self.tsc_hz,
+        }
+    }
+
     /// A VM with `cfg`, served on `control`, its TSC at `tsc_hz`; root's
     /// clock starts at `tsc_now`.
     pub fn new(

@@ -4,6 +4,18 @@
 //! session's events from those of an earlier session with its number.
 //! Shared by every vCPU: a task that sleeps in a traced function on one
 //! CPU and wakes on another pops its frames from the same stack.
+//!
+//! # Locking
+//!
+//! The sessions, generations and frame size change only through
+//! `&mut Graph` (a request, with no hit in flight), and hits read them
+//! freely. What hits change, the return stacks with their owners and the
+//! map of the guest's stacks, is in [`Stacks`] behind a spin lock of its
+//! own, held only for the map and frame work of one entry or return:
+//! never across a read or write of guest memory. An entry takes it twice
+//! (to decide, then to push, with the read of the return slot between);
+//! in between no other vCPU can change that stack, for a guest kernel
+//! stack is only ever used by the one CPU running on it.
 
 use super::graph::{GraphEventId, GraphKind, GraphText};
 use super::machine::{CpuView, Env, KernelView, Running};
@@ -11,11 +23,13 @@ use super::probes::{store_parts, HitSink, Probes, VcpuMem};
 use super::retstack::{PopResult, PushError, RetStack, MAX_USERS};
 use super::ring::EventRing;
 use super::split::in_hypervisor;
+use super::vm_state::{add, HitStats};
 use crate::addr::Gva;
 use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use crate::vmx::regs::GuestRegs;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::vec::Vec;
+use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::StackMap;
@@ -30,6 +44,8 @@ const RETIRED_GEN: u8 = 0xff;
 /// `set_graph_notrace` functions: nothing beneath it is traced for the
 /// session, and the frame's own return is silent.
 const NOTRACE_MARK: u64 = u64::from_le_bytes(*b"notrace\0");
+/// `Graph::map_read_ns` before the map of the guest's stacks is first read.
+const NEVER: u64 = u64::MAX;
 /// How often the map of the guest's stacks is read again (a CPU brought
 /// up later gets its IRQ and exception stacks then).
 const STACK_MAP_EVERY_NS: u64 = 1_000_000_000;
@@ -99,10 +115,10 @@ struct Owner {
 /// Where a hit's records and counts go: the probes (return probes count
 /// their misses), the vCPU's ring, and the counters.
 pub(super) struct Out<'a> {
-    pub(super) probes: &'a mut Probes,
+    pub(super) probes: &'a Probes,
     pub(super) ring: &'a mut EventRing,
     pub(super) record: &'a mut Vec<u8>,
-    pub(super) stats: &'a mut TracerReport,
+    pub(super) stats: &'a HitStats,
     /// The CPU number events carry when the guest's is not known: root's
     /// index of the vCPU.
     pub(super) vcpu: u32,
@@ -121,20 +137,46 @@ fn retire(retired: &mut Vec<Retired>, r: Retired) {
     }
 }
 
+/// What hits change: the return stacks, their owners, and the map of the
+/// guest's stacks they are keyed by.
+#[derive(Default)]
+struct Stacks {
+    /// Return stacks by guest kernel stack base. They outlive the users
+    /// while calls are in flight.
+    by_base: BTreeMap<u64, Tracked>,
+    /// Ownership checks by stack: (task, pid, own). A task whose calls
+    /// keep emptying and re-creating its return stack is checked once,
+    /// not on every call; a new owner of the stack is checked again.
+    owners: BTreeMap<u64, Owner>,
+    /// The guest's stacks: return stacks are kept per stack, keyed by its
+    /// base (a task's `THREAD_SIZE` block, or a CPU's IRQ or exception
+    /// stack), so that frames on one stack never count as dead because of
+    /// a call on another.
+    map: StackMap,
+}
+
+/// Whether an entry must learn if its stack is its task's own.
+enum OwnerCheck {
+    /// The stack's owner is the calling task already.
+    Same,
+    /// A new owner, checked before: the answer.
+    Known(bool),
+    /// A new owner: read `task_struct.stack` (outside the lock).
+    Read,
+}
+
 /// The function-graph state.
 pub(super) struct Graph {
     /// Function-graph sessions by return-stack user number (0 is the
     /// return probes' user and never a session).
     pub(super) sessions: Vec<Option<GraphSession>>,
-    /// Return stacks by guest kernel stack base. They outlive the users
-    /// while calls are in flight.
-    stacks: BTreeMap<u64, Tracked>,
+    /// What hits change, behind its own lock (see the module's notes).
+    stacks: spin::Mutex<Stacks>,
+    /// When the stacks' map was read ([`NEVER`]: not yet); written under
+    /// the stacks' lock, read without it.
+    map_read_ns: AtomicU64,
     /// Frames each new return stack holds.
     pub(super) stack_frames: u32,
-    /// Ownership checks by stack: (task, pid, own). A task whose calls
-    /// keep emptying and re-creating its return stack is checked once,
-    /// not on every call; a new owner of the stack is checked again.
-    owners: BTreeMap<u64, Owner>,
     /// Each session number's generation (see [`GraphEventId`]).
     pub(super) generations: [u8; MAX_USERS],
     /// Text renderers of stopped sessions, by number and generation: the
@@ -144,27 +186,18 @@ pub(super) struct Graph {
     pub(super) retired: Vec<Retired>,
     /// When the reaper last looked.
     last_reap_ns: u64,
-    /// The guest's stacks: return stacks are kept per stack, keyed by its
-    /// base (a task's `THREAD_SIZE` block, or a CPU's IRQ or exception
-    /// stack), so that frames on one stack never count as dead because of
-    /// a call on another.
-    stack_map: StackMap,
-    /// When `stack_map` was read (None: never).
-    stack_map_ns: Option<u64>,
 }
 
 impl Default for Graph {
     fn default() -> Self {
         Graph {
             sessions: (0..MAX_USERS).map(|_| None).collect(),
-            stacks: BTreeMap::new(),
+            stacks: spin::Mutex::new(Stacks::default()),
+            map_read_ns: AtomicU64::new(NEVER),
             stack_frames: STACK_FRAMES,
-            owners: BTreeMap::new(),
             generations: [0; MAX_USERS],
             retired: Vec::new(),
             last_reap_ns: 0,
-            stack_map: StackMap::default(),
-            stack_map_ns: None,
         }
     }
 }
@@ -194,8 +227,18 @@ impl Graph {
     }
 
     /// Whether sessions run or their frames are in flight.
-    pub(super) fn busy(&self) -> bool {
-        !self.stacks.is_empty() || self.sessions.iter().any(Option::is_some)
+    pub(super) fn busy(&mut self) -> bool {
+        !self.stacks.get_mut().by_base.is_empty() || self.sessions.iter().any(Option::is_some)
+    }
+
+    /// The return stacks, locked for a hit; a take that had to wait for
+    /// another vCPU is counted.
+    fn lock_stacks(&self, stats: &HitStats) -> spin::MutexGuard<'_, Stacks> {
+        if let Some(g) = self.stacks.try_lock() {
+            return g;
+        }
+        add(&stats.stack_lock_waits, 1);
+        self.stacks.lock()
     }
 
     /// Sessions running.
@@ -205,10 +248,11 @@ impl Graph {
 
     /// The return stacks' figures.
     pub(super) fn figures(&self) -> StackFigures {
+        let s = self.stacks.lock();
         StackFigures {
-            stacks: self.stacks.len() as u64,
-            frames: self.stacks.values().map(|s| s.st.depth() as u64).sum(),
-            bytes: self.stacks.values().map(|s| s.st.heap_bytes() as u64).sum(),
+            stacks: s.by_base.len() as u64,
+            frames: s.by_base.values().map(|t| t.st.depth() as u64).sum(),
+            bytes: s.by_base.values().map(|t| t.st.heap_bytes() as u64).sum(),
         }
     }
 
@@ -243,7 +287,7 @@ impl Graph {
                 );
             }
         }
-        for t in self.stacks.values_mut() {
+        for t in self.stacks.get_mut().by_base.values_mut() {
             t.st.clear_users(users);
         }
     }
@@ -252,7 +296,7 @@ impl Graph {
     /// that want this call, push one shared frame and hijack the return.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn enter(
-        &mut self,
+        &self,
         env: &mut Env<'_>,
         out: Out<'_>,
         tramp: u64,
@@ -266,15 +310,6 @@ impl Graph {
         task: u64,
         k: &dyn KernelView,
     ) {
-        let key = self.stack_map.key(retp);
-        // Frames below this call's return slot can never return (on this
-        // stack: the key is the stack's own).
-        if let Some(t) = self.stacks.get_mut(&key) {
-            out.stats.graph_dropped += t.st.reclaim_below(retp) as u64;
-            if t.st.is_empty() {
-                self.stacks.remove(&key);
-            }
-        }
         let comm = &header.comm;
         let mut users = 0u16;
         let mut entries: [(u8, u16); MAX_USERS] = [(0, 0); MAX_USERS];
@@ -283,67 +318,87 @@ impl Graph {
         // graph_notrace functions, then the return probes' ids.
         let mut data: [(u8, &[u64]); MAX_USERS] = [(0, &[]); MAX_USERS];
         let mut n_data = 0;
-        let stack = self.stacks.get(&key).map(|t| &t.st);
-        for (user, g) in (0..MAX_USERS as u8).zip(&self.sessions).skip(1) {
-            if sessions & (1 << user) == 0 {
-                continue;
-            }
-            let Some(g) = g else {
-                continue;
-            };
-            let (depth, hidden) = stack.map_or((0, false), |s| s.user_view(user, NOTRACE_MARK));
-            if hidden {
-                continue;
-            }
-            let f = &g.filter;
-            if depth == 0 {
-                let root_ok = g.roots.is_empty() || g.roots.contains(&func);
-                let pid_ok = f.pid.is_none_or(|p| p == header.pid);
-                let comm_ok = f.comm.as_deref().is_none_or(|c| {
-                    // The name ends at the first NUL, or fills the array.
-                    let name = comm.split(|&b| b == 0).next().unwrap_or(comm);
-                    c.as_bytes() == name
-                });
-                if !(root_ok && pid_ok && comm_ok) {
-                    continue;
-                }
-            }
-            if f.max_depth != 0 && depth >= f.max_depth as usize {
-                continue;
-            }
-            users |= 1 << user;
-            // Each of the MAX_USERS - 1 sessions adds at most one entry or
-            // one data block, the return probes one more data block: both
-            // arrays always have room.
-            if g.notrace.contains(&func) {
-                if let Some(d) = data.get_mut(n_data) {
-                    *d = (user, core::slice::from_ref(&NOTRACE_MARK));
-                    n_data += 1;
-                }
-            } else if let Some(e) = entries.get_mut(n_entries) {
-                *e = (user, depth as u16);
-                n_entries += 1;
-            }
-        }
-        if !retprobes.is_empty() {
-            users |= 1 << RETPROBE_USER;
-            if let Some(d) = data.get_mut(n_data) {
-                *d = (RETPROBE_USER, retprobes);
-                n_data += 1;
-            }
-        }
-        if users == 0 {
-            return;
-        }
         let stack_bytes = self.stack_frames as usize * FRAME_TAGGED * 8;
         let max_stacks = (STACK_BUDGET / stack_bytes.max(1)).min(MAX_STACKS);
-        if !self.stacks.contains_key(&key)
-            && (self.stacks.len() >= max_stacks || env.m.heap_check(STACK_ENTRY_BYTES).is_err())
-        {
-            out.stats.graph_misses += 1;
-            out.probes.retprobes_missed(retprobes);
-            return;
-        }
+        // First take: what the call is owed, from the stack as it is.
+        let (key, owner) = {
+            let mut s = self.lock_stacks(out.stats);
+            let key = s.map.key(retp);
+            // Frames below this call's return slot can never return (on
+            // this stack: the key is the stack's own).
+            if let Some(t) = s.by_base.get_mut(&key) {
+                add(&out.stats.graph_dropped, t.st.reclaim_below(retp) as u64);
+                if t.st.is_empty() {
+                    s.by_base.remove(&key);
+                }
+            }
+            let stack = s.by_base.get(&key).map(|t| &t.st);
+            for (user, g) in (0..MAX_USERS as u8).zip(&self.sessions).skip(1) {
+                if sessions & (1 << user) == 0 {
+                    continue;
+                }
+                let Some(g) = g else {
+                    continue;
+                };
+                let (depth, hidden) = stack.map_or((0, false), |s| s.user_view(user, NOTRACE_MARK));
+                if hidden {
+                    continue;
+                }
+                let f = &g.filter;
+                if depth == 0 {
+                    let root_ok = g.roots.is_empty() || g.roots.contains(&func);
+                    let pid_ok = f.pid.is_none_or(|p| p == header.pid);
+                    let comm_ok = f.comm.as_deref().is_none_or(|c| {
+                        // The name ends at the first NUL, or fills the array.
+                        let name = comm.split(|&b| b == 0).next().unwrap_or(comm);
+                        c.as_bytes() == name
+                    });
+                    if !(root_ok && pid_ok && comm_ok) {
+                        continue;
+                    }
+                }
+                if f.max_depth != 0 && depth >= f.max_depth as usize {
+                    continue;
+                }
+                users |= 1 << user;
+                // Each of the MAX_USERS - 1 sessions adds at most one entry
+                // or one data block, the return probes one more data block:
+                // both arrays always have room.
+                if g.notrace.contains(&func) {
+                    if let Some(d) = data.get_mut(n_data) {
+                        *d = (user, core::slice::from_ref(&NOTRACE_MARK));
+                        n_data += 1;
+                    }
+                } else if let Some(e) = entries.get_mut(n_entries) {
+                    *e = (user, depth as u16);
+                    n_entries += 1;
+                }
+            }
+            if !retprobes.is_empty() {
+                users |= 1 << RETPROBE_USER;
+                if let Some(d) = data.get_mut(n_data) {
+                    *d = (RETPROBE_USER, retprobes);
+                    n_data += 1;
+                }
+            }
+            if users == 0 {
+                return;
+            }
+            if !s.by_base.contains_key(&key)
+                && (s.by_base.len() >= max_stacks || env.m.heap_check(STACK_ENTRY_BYTES).is_err())
+            {
+                add(&out.stats.graph_misses, 1);
+                out.probes.retprobes_missed(retprobes);
+                return;
+            }
+            let owner = match (s.by_base.get(&key), s.owners.get(&key)) {
+                (Some(t), _) if (t.task, t.pid) == (task, header.pid) => OwnerCheck::Same,
+                (_, Some(o)) if (o.task, o.pid) == (task, header.pid) => OwnerCheck::Known(o.own),
+                _ => OwnerCheck::Read,
+            };
+            (key, owner)
+        };
+        // Between the takes, with the lock free: the guest's memory.
         let mut slot = [0u8; 8];
         let Ok(t) = paging::translate(env.ram, cr3, Gva(retp)) else {
             return;
@@ -355,65 +410,87 @@ impl Graph {
             return;
         }
         let ret = u64::from_le_bytes(slot);
-        let tracked = self.stacks.entry(key).or_insert_with(|| Tracked {
-            st: RetStack::new(self.stack_frames as usize * FRAME_TAGGED),
-            task: 0,
-            pid: 0,
-            own: false,
-        });
-        if tracked.task != task || tracked.pid != header.pid {
-            // A new owner (or a first one): is this its own stack?
-            tracked.own = match self.owners.get(&key) {
-                Some(o) if (o.task, o.pid) == (task, header.pid) => o.own,
-                _ => {
-                    let own = k.task_stack(task) == Some(key);
-                    if self.owners.len() >= 2 * MAX_STACKS {
-                        self.owners.clear();
-                    }
-                    self.owners.insert(
-                        key,
-                        Owner {
-                            task,
-                            pid: header.pid,
-                            own,
-                        },
-                    );
-                    own
+        // A new owner (or a first one): is this its own stack?
+        let read_own = match owner {
+            OwnerCheck::Read => Some(k.task_stack(task) == Some(key)),
+            _ => None,
+        };
+        // Second take: the push.
+        {
+            let mut s = self.lock_stacks(out.stats);
+            let s = &mut *s;
+            if let Some(own) = read_own {
+                if s.owners.len() >= 2 * MAX_STACKS {
+                    s.owners.clear();
                 }
-            };
-            tracked.task = task;
-            tracked.pid = header.pid;
-        }
-        // A frame at this very slot is the caller of a tail call: the callee
-        // stacks on it. (The slot may hold our trampoline, or the return
-        // handler of the guest's own function_graph, which hijacks after
-        // us; so the slot's value cannot tell a dead frame from a live one.
-        // A dead frame at the same slot pops harmlessly below the new one, or
-        // goes with the next call from a higher slot.)
-        if ret == tramp && tracked.st.top_retp() != Some(retp) {
-            // Our trampoline in a slot we have no frame for: never stack on it.
-            if tracked.st.is_empty() {
-                self.stacks.remove(&key);
+                s.owners.insert(
+                    key,
+                    Owner {
+                        task,
+                        pid: header.pid,
+                        own,
+                    },
+                );
             }
-            return;
-        }
-        let pushed = tracked.st.push(
-            ret,
-            func,
-            now_ns,
-            retp,
-            users,
-            data.get(..n_data).unwrap_or(&[]),
-        );
-        let empty = tracked.st.is_empty();
-        match pushed {
-            Ok(_) => {}
-            Err(e) => {
+            if !s.by_base.contains_key(&key) && s.by_base.len() >= max_stacks {
+                // Other vCPUs took the last room between the takes.
+                add(&out.stats.graph_misses, 1);
+                out.probes.retprobes_missed(retprobes);
+                return;
+            }
+            let tracked = s.by_base.entry(key).or_insert_with(|| Tracked {
+                st: RetStack::new(self.stack_frames as usize * FRAME_TAGGED),
+                task: 0,
+                pid: 0,
+                own: false,
+            });
+            if tracked.task != task || tracked.pid != header.pid {
+                tracked.own = match owner {
+                    OwnerCheck::Known(own) => own,
+                    OwnerCheck::Read => read_own.unwrap_or(false),
+                    // The task owned the stack at the first take, and its
+                    // return stack went since (another vCPU's return
+                    // found a frame on it): what the check said then, or
+                    // "borrowed", which only keeps the reaper off it (no
+                    // guest read under this lock).
+                    OwnerCheck::Same => s
+                        .owners
+                        .get(&key)
+                        .is_some_and(|o| (o.task, o.pid) == (task, header.pid) && o.own),
+                };
+                tracked.task = task;
+                tracked.pid = header.pid;
+            }
+            // A frame at this very slot is the caller of a tail call: the
+            // callee stacks on it. (The slot may hold our trampoline, or
+            // the return handler of the guest's own function_graph, which
+            // hijacks after us; so the slot's value cannot tell a dead
+            // frame from a live one. A dead frame at the same slot pops
+            // harmlessly below the new one, or goes with the next call
+            // from a higher slot.)
+            if ret == tramp && tracked.st.top_retp() != Some(retp) {
+                // Our trampoline in a slot we have no frame for: never
+                // stack on it.
+                if tracked.st.is_empty() {
+                    s.by_base.remove(&key);
+                }
+                return;
+            }
+            let pushed = tracked.st.push(
+                ret,
+                func,
+                now_ns,
+                retp,
+                users,
+                data.get(..n_data).unwrap_or(&[]),
+            );
+            let empty = tracked.st.is_empty();
+            if let Err(e) = pushed {
                 if e == PushError::Full {
-                    out.stats.graph_misses += 1;
+                    add(&out.stats.graph_misses, 1);
                 }
                 if empty {
-                    self.stacks.remove(&key);
+                    s.by_base.remove(&key);
                 }
                 out.probes.retprobes_missed(retprobes);
                 return;
@@ -445,7 +522,7 @@ impl Graph {
     /// A return through the trampoline: the original return address.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn leave(
-        &mut self,
+        &self,
         env: &mut Env<'_>,
         out: Out<'_>,
         tramp: Option<u64>,
@@ -458,45 +535,49 @@ impl Graph {
             .rdi
             .checked_add(trampolines::abi::RETURN_FRAME_RETP as u64)?;
         let retval = regs.rsi;
-        let mut key = self.stack_map.key(retp);
-        if self
-            .stacks
-            .get(&key)
-            .is_none_or(|t| t.st.top_retp() != Some(retp))
-        {
-            // The map changed since the entry (a CPU came up, or the guest
-            // moved a per-CPU stack pointer): find the frame where it was
-            // pushed, rather than leave the call with nowhere to return.
-            if let Some((&k, _)) = self
-                .stacks
-                .iter()
-                .find(|(_, t)| t.st.top_retp() == Some(retp))
-            {
-                key = k;
-            }
-        }
-        let t = self.stacks.get_mut(&key)?;
-        let PopResult::Found { frame, dropped } = t.st.pop(retp) else {
-            return None;
-        };
-        out.stats.graph_dropped += dropped as u64;
         // Each session's depth of the frame: its frames left below it.
         let mut depths = [0usize; MAX_USERS];
-        for (user, d) in depths.iter_mut().enumerate().skip(1) {
-            if frame.users & (1 << user) != 0 {
-                *d = t.st.user_view(user as u8, NOTRACE_MARK).0;
+        let (frame, caller) = {
+            let mut s = self.lock_stacks(out.stats);
+            let mut key = s.map.key(retp);
+            if s.by_base
+                .get(&key)
+                .is_none_or(|t| t.st.top_retp() != Some(retp))
+            {
+                // The map changed since the entry (a CPU came up, or the
+                // guest moved a per-CPU stack pointer): find the frame
+                // where it was pushed, rather than leave the call with
+                // nowhere to return.
+                if let Some((&k, _)) = s
+                    .by_base
+                    .iter()
+                    .find(|(_, t)| t.st.top_retp() == Some(retp))
+                {
+                    key = k;
+                }
             }
-        }
-        // A tail-called function's frame holds our trampoline as its
-        // return address; its real caller is in the frame below, at the
-        // same slot.
-        let caller = match t.st.frames().next() {
-            Some(below) if Some(frame.ret) == tramp && below.retp == retp => below.ret,
-            _ => frame.ret,
+            let t = s.by_base.get_mut(&key)?;
+            let PopResult::Found { frame, dropped } = t.st.pop(retp) else {
+                return None;
+            };
+            add(&out.stats.graph_dropped, dropped as u64);
+            for (user, d) in depths.iter_mut().enumerate().skip(1) {
+                if frame.users & (1 << user) != 0 {
+                    *d = t.st.user_view(user as u8, NOTRACE_MARK).0;
+                }
+            }
+            // A tail-called function's frame holds our trampoline as its
+            // return address; its real caller is in the frame below, at
+            // the same slot.
+            let caller = match t.st.frames().next() {
+                Some(below) if Some(frame.ret) == tramp && below.retp == retp => below.ret,
+                _ => frame.ret,
+            };
+            if t.st.is_empty() {
+                s.by_base.remove(&key);
+            }
+            (frame, caller)
         };
-        if t.st.is_empty() {
-            self.stacks.remove(&key);
-        }
         let Running { pid, comm, .. } = kernel
             .and_then(|k| k.current(cpu))
             .unwrap_or(Running::UNKNOWN);
@@ -547,7 +628,7 @@ impl Graph {
         }
         if frame.data_lost {
             // Its return probes and notrace marks could not be read back.
-            out.stats.graph_misses += 1;
+            add(&out.stats.graph_misses, 1);
         }
         let ids = frame
             .data
@@ -581,13 +662,14 @@ impl Graph {
         let Some(k) = kernel else {
             return;
         };
-        if self.stacks.is_empty() || now_ns.saturating_sub(self.last_reap_ns) < REAP_EVERY_NS {
+        let s = self.stacks.get_mut();
+        if s.by_base.is_empty() || now_ns.saturating_sub(self.last_reap_ns) < REAP_EVERY_NS {
             return;
         }
         self.last_reap_ns = now_ns;
         let running = k.current(cpu).map(|c| c.task);
-        let dead: Vec<u64> = self
-            .stacks
+        let dead: Vec<u64> = s
+            .by_base
             .iter()
             .filter(|(&base, t)| {
                 t.own && Some(t.task) != running && k.task_stack(t.task).is_some_and(|s| s != base)
@@ -595,29 +677,45 @@ impl Graph {
             .map(|(&base, _)| base)
             .collect();
         for base in dead {
-            if let Some(t) = self.stacks.remove(&base) {
+            if let Some(t) = s.by_base.remove(&base) {
                 stats.graph_reaped += t.st.depth() as u64;
             }
-            self.owners.remove(&base);
+            s.owners.remove(&base);
         }
     }
 
     /// Reads the guest's stacks again when the map is older than
     /// [`STACK_MAP_EVERY_NS`]; logs it when it changes (recovery logs the
-    /// first).
-    pub(super) fn refresh_stack_map(&mut self, k: &dyn KernelView, cpu: &CpuView, now_ns: u64) {
-        if self
-            .stack_map_ns
-            .is_some_and(|t| now_ns.saturating_sub(t) < STACK_MAP_EVERY_NS)
-        {
+    /// first). The read and the log run with the stacks' lock free, and a
+    /// hit with a fresh map takes no lock here at all.
+    pub(super) fn refresh_stack_map(
+        &self,
+        k: &dyn KernelView,
+        cpu: &CpuView,
+        now_ns: u64,
+        stats: &HitStats,
+    ) {
+        let due = |read: u64| read == NEVER || now_ns.saturating_sub(read) >= STACK_MAP_EVERY_NS;
+        if !due(self.map_read_ns.load(Relaxed)) {
             return;
         }
         let map = k.stack_map(cpu);
-        if self.stack_map_ns.is_some() && map != self.stack_map {
+        let changed = {
+            let mut s = self.lock_stacks(stats);
+            // Another vCPU may have read it meanwhile: one reading is
+            // enough.
+            let read = self.map_read_ns.load(Relaxed);
+            if !due(read) {
+                return;
+            }
+            let changed = read != NEVER && map != s.map;
+            s.map = map;
+            self.map_read_ns.store(now_ns, Relaxed);
+            changed.then(|| s.map.clone())
+        };
+        if let Some(map) = changed {
             k.log_stacks(&map);
         }
-        self.stack_map = map;
-        self.stack_map_ns = Some(now_ns);
     }
 
     /// Retires the text renderers that hold an entry back (the stream is
@@ -694,7 +792,7 @@ fn retprobe_hits(
     // Ids of probes deleted while the call was in flight find nothing.
     let ids = ids.iter().filter_map(|&i| u32::try_from(i).ok());
     let mut sink = HitSink {
-        probes: &mut out.probes.list,
+        probes: &out.probes.list,
         ring: out.ring,
         record: out.record,
     };

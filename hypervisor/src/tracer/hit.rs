@@ -3,6 +3,11 @@
 //! that hooked it, in that order, and hands back the chain target (the
 //! guest's own `call` at the site, if it has one); a return pops its frame
 //! and hands back the original return address.
+//!
+//! A hit reads the VM's tracer state through `&VmState`, so hits on
+//! different vCPUs run at the same time (root takes the VM lock's shared
+//! side for them). What a hit changes is its own vCPU's ring, atomic
+//! counters, and the return stacks under their own short lock.
 
 use super::fgraph::Out;
 use super::machine::{CpuView, Env, KernelView, Running};
@@ -10,7 +15,8 @@ use super::probes::{store, HitSink, VcpuMem};
 use super::region::Region;
 use super::site::Patch;
 use super::stream::FUNCTION_ID;
-use super::{Hypercall, Tracer};
+use super::vm_state::{add, VmState};
+use super::{CpuState, Hypercall, Tracer};
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
 use crate::kprobe::{EventHeader, FetchContext, GuestLayout, IndexSymbols, RawEvent};
@@ -20,6 +26,33 @@ use guest_introspect::paging::{self, Cr3};
 use trampolines::PtRegs;
 
 impl Tracer<'_> {
+    /// A VMCALL at guest `rip` in ring `cpl` (see [`Hit::hypercall`]).
+    pub fn hypercall(
+        &mut self,
+        env: &mut Env<'_>,
+        rip: u64,
+        regs: &mut GuestRegs,
+        cpu: &CpuView,
+        kernel: Option<&dyn KernelView>,
+        now_ns: u64,
+    ) -> Hypercall {
+        Hit::new(self.vm, self.cpu).hypercall(env, rip, regs, cpu, kernel, now_ns)
+    }
+}
+
+/// The tracer serving one vCPU's hypercall: the VM's state shared with the
+/// other vCPUs' hits, and this vCPU's own.
+pub struct Hit<'a> {
+    vm: &'a VmState,
+    cpu: &'a mut CpuState,
+}
+
+impl<'a> Hit<'a> {
+    /// A hit over the VM's state (shared) and the vCPU's.
+    pub fn new(vm: &'a VmState, cpu: &'a mut CpuState) -> Self {
+        Hit { vm, cpu }
+    }
+
     /// A VMCALL at guest `rip` in ring `cpl`.
     pub fn hypercall(
         &mut self,
@@ -31,7 +64,7 @@ impl Tracer<'_> {
         now_ns: u64,
     ) -> Hypercall {
         let Some(region) = &self.vm.region else {
-            self.vm.stats.foreign_vmcalls += 1;
+            add(&self.vm.hit.foreign_vmcalls, 1);
             return Hypercall::Foreign;
         };
         let which = if cpu.cpl == 0 {
@@ -53,11 +86,12 @@ impl Tracer<'_> {
                 if regs.rax == u64::from(trampolines::abi::HYPERCALL_RETURN) =>
             {
                 let tramp = Some(region.return_trampoline());
+                let mut ring = self.vm.stream.rings.lock(self.cpu.index);
                 let out = Out {
-                    probes: &mut self.vm.probes,
-                    ring: self.vm.stream.rings.of(self.cpu.index),
+                    probes: &self.vm.probes,
+                    ring: &mut ring,
                     record: &mut self.cpu.record,
-                    stats: &mut self.vm.stats,
+                    stats: &self.vm.hit,
                     vcpu: self.cpu.index as u32,
                 };
                 match self
@@ -72,13 +106,13 @@ impl Tracer<'_> {
                     None => {
                         // No frame: nowhere to return to. The guest (or an
                         // attacker) jumped into the return trampoline.
-                        self.vm.stats.graph_orphans += 1;
+                        add(&self.vm.hit.graph_orphans, 1);
                         Hypercall::Foreign
                     }
                 }
             }
             _ => {
-                self.vm.stats.foreign_vmcalls += 1;
+                add(&self.vm.hit.foreign_vmcalls, 1);
                 Hypercall::Foreign
             }
         }
@@ -101,7 +135,7 @@ impl Tracer<'_> {
         // memory, its own problem).
         let key = Gva(site);
         let Some(u) = self.vm.view.sites.get(&key).filter(|_| regs_gva == cpu.rsp) else {
-            self.vm.stats.forged_entries += 1;
+            add(&self.vm.hit.forged_entries, 1);
             // A call that was in flight when its site was unhooked is
             // refused too: it continues as the site's own bytes say (the
             // guest's `call` there, if it has one).
@@ -117,17 +151,17 @@ impl Tracer<'_> {
         let cr3 = Cr3(cpu.cr3);
         let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
         if paging::read_virt(env.ram, cr3, Gva(regs_gva), &mut image).is_err() {
-            self.vm.stream.rings.of(self.cpu.index).count_lost();
+            self.vm.stream.rings.lock(self.cpu.index).count_lost();
             return chain;
         }
         let regs = PtRegs::from_le_bytes(&image);
         if regs.ip != site.wrapping_add(5) {
             // The trampoline stores the site call's own return address as
             // ip: anything else did not come from a call at this site.
-            self.vm.stats.forged_entries += 1;
+            add(&self.vm.hit.forged_entries, 1);
             return chain;
         }
-        self.vm.stats.hits += 1;
+        add(&self.vm.hit.hits, 1);
         let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
         let mut header = EventHeader {
             probe_id: 0,
@@ -148,10 +182,12 @@ impl Tracer<'_> {
         let function = u.function;
         let graph = u.graph;
         let func = u.func.0;
-        let has_retprobes = !u.retprobes.is_empty();
+        // The vCPU's ring, locked for the hit (only this vCPU records into
+        // it; the drain waits for the VM to itself).
+        let mut ring = self.vm.stream.rings.lock(self.cpu.index);
         let mut out = HitSink {
-            probes: &mut self.vm.probes.list,
-            ring: self.vm.stream.rings.of(self.cpu.index),
+            probes: &self.vm.probes.list,
+            ring: &mut ring,
             record: &mut self.cpu.record,
         };
         out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
@@ -166,39 +202,33 @@ impl Tracer<'_> {
                 header,
                 values: Vec::new(),
             };
-            store(
-                self.vm.stream.rings.of(self.cpu.index),
-                &mut self.cpu.record,
-                &ev,
-            );
+            store(&mut ring, &mut self.cpu.record, &ev);
         }
-        if graph != 0 || has_retprobes {
-            self.vm.graph.refresh_stack_map(k, cpu, now_ns);
-            // The ids are lent out of the site for the call (no copy).
-            let retprobes = if has_retprobes {
-                self.vm
-                    .view
-                    .sites
-                    .get_mut(&key)
-                    .map(|u| core::mem::take(&mut u.retprobes))
-                    .unwrap_or_default()
-            } else {
-                Vec::new()
-            };
+        if graph != 0 || !u.retprobes.is_empty() {
+            let graph_state = &self.vm.graph;
+            graph_state.refresh_stack_map(k, cpu, now_ns, &self.vm.hit);
             if let Some(tramp) = self.vm.region.as_ref().map(Region::return_trampoline) {
                 let out = Out {
-                    probes: &mut self.vm.probes,
-                    ring: self.vm.stream.rings.of(self.cpu.index),
+                    probes: &self.vm.probes,
+                    ring: &mut ring,
                     record: &mut self.cpu.record,
-                    stats: &mut self.vm.stats,
+                    stats: &self.vm.hit,
                     vcpu: self.cpu.index as u32,
                 };
-                self.vm.graph.enter(
-                    env, out, tramp, graph, &retprobes, func, regs.sp, cr3, now_ns, header, task, k,
+                graph_state.enter(
+                    env,
+                    out,
+                    tramp,
+                    graph,
+                    &u.retprobes,
+                    func,
+                    regs.sp,
+                    cr3,
+                    now_ns,
+                    header,
+                    task,
+                    k,
                 );
-            }
-            if let Some(u) = self.vm.view.sites.get_mut(&key).filter(|_| has_retprobes) {
-                u.retprobes = retprobes;
             }
         }
         chain

@@ -15,16 +15,18 @@
 //! |---|---|---|
 //! | [`region`] | the trampolines' code page, page table and PDE | the VM's |
 //! | [`split`] | hooked sites, their users, shadow pages | the VM's |
-//! | [`probes`] | probe specs and counters, the function tracer's count | the VM's |
-//! | [`fgraph`] | graph sessions, return stacks, owners, generations | the VM's |
-//! | [`stream`] | the event ring, the stream's format and held line | the vCPU's |
+//! | [`probes`] | probe specs and (atomic) counters, the function tracer's count | the VM's |
+//! | [`fgraph`] | graph sessions, generations; return stacks and owners behind their own lock | the VM's |
+//! | [`stream`] | a ring per vCPU (each behind its own lock), the stream's format and held line | the VM's; a ring is its vCPU's |
 //! | [`step`] | the single step in flight | the vCPU's |
 //!
 //! The VM's parts are gathered in [`VmState`] (`vm_state.rs`), which the
 //! VM owns, and the vCPU's in [`CpuState`] (`cpu_state.rs`), which each
 //! vCPU owns; a [`Tracer`] borrows one of each for one exit or one
 //! request. `requests.rs` serves the host's requests (the VM's state, but
-//! for the stream's format), `hit.rs` the hypercalls (both).
+//! for the stream's format), `hit.rs` the hypercalls through [`Hit`],
+//! which reads the VM's state shared (`&VmState`): hits on several vCPUs
+//! run at the same time.
 
 mod cpu_state;
 mod fgraph;
@@ -45,6 +47,7 @@ mod tests;
 mod vm_state;
 
 pub use cpu_state::CpuState;
+pub use hit::Hit;
 pub use step::{DebugState, Violation};
 pub use vm_state::VmState;
 
@@ -174,7 +177,7 @@ impl<'a> Tracer<'a> {
     pub fn report(&self) -> TracerReport {
         let vm = &*self.vm;
         let stacks = vm.graph.figures();
-        TracerReport {
+        vm.hit.fill(TracerReport {
             probes: vm.probes.list.len() as u32,
             functions: vm.probes.functions,
             sites: vm.view.sites.len() as u32,
@@ -187,7 +190,7 @@ impl<'a> Tracer<'a> {
             graph_sessions: vm.graph.running(),
             retprobes: vm.probes.returns(),
             ..vm.stats
-        }
+        })
     }
 
     /// The region, built on the first request that hooks (with the other

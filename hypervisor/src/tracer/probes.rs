@@ -12,6 +12,7 @@ use crate::kprobe::{
 use alloc::format;
 use alloc::string::ToString;
 use alloc::vec::Vec;
+use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use guest_introspect::paging::{self, Cr3};
 use protocol::ProbeInfo;
 
@@ -23,8 +24,10 @@ pub(super) struct Probe {
     pub(super) id: u32,
     pub(super) spec: ProbeSpec,
     pub(super) site: Gva,
-    pub(super) hits: u64,
-    pub(super) misses: u64,
+    /// Hits recorded and hits lost: counted on the hit path, where other
+    /// vCPUs count theirs at the same time.
+    pub(super) hits: AtomicU64,
+    pub(super) misses: AtomicU64,
 }
 
 /// The probes and the function tracer's count.
@@ -70,13 +73,9 @@ impl Probes {
 
     /// Counts a missed hit on each return probe of a call that could not
     /// be hijacked (kretprobe's nmissed).
-    pub(super) fn retprobes_missed(&mut self, ids: &[u64]) {
-        for p in self
-            .list
-            .iter_mut()
-            .filter(|p| ids.contains(&u64::from(p.id)))
-        {
-            p.misses += 1;
+    pub(super) fn retprobes_missed(&self, ids: &[u64]) {
+        for p in self.list.iter().filter(|p| ids.contains(&u64::from(p.id))) {
+            p.misses.fetch_add(1, Relaxed);
         }
     }
 
@@ -89,8 +88,8 @@ impl Probes {
                 spec: p.spec.to_string(),
                 symbol: p.spec.symbol.clone(),
                 site: p.site.0,
-                hits: p.hits,
-                misses: p.misses,
+                hits: p.hits.load(Relaxed),
+                misses: p.misses.load(Relaxed),
             })
             .collect()
     }
@@ -133,7 +132,7 @@ pub(super) fn store_parts(
 
 /// Where probe hits go: the probes (for their counters) and the ring.
 pub(super) struct HitSink<'a> {
-    pub(super) probes: &'a mut Vec<Probe>,
+    pub(super) probes: &'a [Probe],
     pub(super) ring: &'a mut EventRing,
     pub(super) record: &'a mut Vec<u8>,
 }
@@ -149,7 +148,7 @@ impl HitSink<'_> {
         syms: &IndexSymbols<'_>,
     ) {
         for id in ids {
-            let Some(p) = self.probes.iter_mut().find(|p| p.id == id) else {
+            let Some(p) = self.probes.iter().find(|p| p.id == id) else {
                 continue;
             };
             header.probe_id = id;
@@ -158,9 +157,9 @@ impl HitSink<'_> {
                 values: kprobe::fetch(&p.spec.args, ctx, mem, syms),
             };
             if store(self.ring, self.record, &ev) {
-                p.hits += 1;
+                p.hits.fetch_add(1, Relaxed);
             } else {
-                p.misses += 1;
+                p.misses.fetch_add(1, Relaxed);
             }
         }
     }

@@ -18,6 +18,7 @@ use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
+use core::sync::atomic::AtomicU64;
 use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::fentry::Classifier;
 use guest_introspect::view::PagedView;
@@ -121,8 +122,8 @@ impl Tracer<'_> {
             id: pid,
             spec,
             site,
-            hits: 0,
-            misses: 0,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
         });
         Ok(ProbeAdded { name, site: site.0 })
     }

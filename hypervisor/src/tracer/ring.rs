@@ -161,8 +161,13 @@ impl EventRing {
 /// in its own order already (its records are stamped from one monotonic
 /// clock as they are stored), so taking the oldest head each time merges
 /// them.
+///
+/// Each ring has a lock of its own. On the hit path only its vCPU takes it
+/// (under the VM's shared lock, where nobody drains), so it is never
+/// waited for there; the drain runs with the VM to itself and reaches the
+/// rings through `&mut` without locking.
 pub struct Rings {
-    rings: Vec<EventRing>,
+    rings: Vec<spin::Mutex<EventRing>>,
     /// Byte offset of the records' little-endian `u64` timestamp.
     stamp_at: usize,
 }
@@ -172,7 +177,9 @@ impl Rings {
     /// `stamp_at`.
     pub fn new(count: usize, each: usize, stamp_at: usize) -> Self {
         Rings {
-            rings: (0..count.max(1)).map(|_| EventRing::new(each)).collect(),
+            rings: (0..count.max(1))
+                .map(|_| spin::Mutex::new(EventRing::new(each)))
+                .collect(),
             stamp_at,
         }
     }
@@ -182,28 +189,42 @@ impl Rings {
         self.rings.len()
     }
 
-    /// vCPU `index`'s ring (the last one for an index past the end, which
-    /// root never passes: it makes one ring per vCPU).
-    pub fn of(&mut self, index: usize) -> &mut EventRing {
+    /// The ring of vCPU `index` (the last one for an index past the end,
+    /// which root never passes: it makes one ring per vCPU).
+    fn slot(&self, index: usize) -> &spin::Mutex<EventRing> {
         let last = self.rings.len().saturating_sub(1);
         // `new` makes at least one ring, so `last` is in bounds.
         #[allow(clippy::indexing_slicing)]
-        &mut self.rings[index.min(last)]
+        &self.rings[index.min(last)]
+    }
+
+    /// vCPU `index`'s ring, with the rings to ourselves.
+    pub fn of(&mut self, index: usize) -> &mut EventRing {
+        let last = self.rings.len().saturating_sub(1);
+        // As in `slot`.
+        #[allow(clippy::indexing_slicing)]
+        self.rings[index.min(last)].get_mut()
+    }
+
+    /// vCPU `index`'s ring, locked: the hit path's way in, while other
+    /// vCPUs record into theirs.
+    pub fn lock(&self, index: usize) -> spin::MutexGuard<'_, EventRing> {
+        self.slot(index).lock()
     }
 
     /// Records lost by ring `index`.
     pub fn lost_of(&self, index: usize) -> u64 {
-        self.rings.get(index).map_or(0, EventRing::lost)
+        self.rings.get(index).map_or(0, |r| r.lock().lost())
     }
 
     /// Records lost by every ring.
     pub fn lost(&self) -> u64 {
-        self.rings.iter().map(EventRing::lost).sum()
+        self.rings.iter().map(|r| r.lock().lost()).sum()
     }
 
     /// Whether every ring is empty.
     pub fn is_empty(&self) -> bool {
-        self.rings.iter().all(EventRing::is_empty)
+        self.rings.iter().all(|r| r.lock().is_empty())
     }
 
     /// Removes the oldest record of all rings into `out`; returns its
@@ -211,7 +232,8 @@ impl Rings {
     /// oldest (it is taken first, so it never blocks its ring).
     pub fn pop_oldest(&mut self, out: &mut Vec<u8>) -> Option<usize> {
         let mut best: Option<(usize, u64)> = None;
-        for (i, r) in self.rings.iter().enumerate() {
+        for (i, r) in self.rings.iter_mut().enumerate() {
+            let r = r.get_mut();
             if r.is_empty() {
                 continue;
             }
@@ -221,7 +243,7 @@ impl Rings {
             }
         }
         let (i, _) = best?;
-        let r = self.rings.get_mut(i)?;
+        let r = self.rings.get_mut(i)?.get_mut();
         r.pop(out).then_some(i)
     }
 }
@@ -313,7 +335,7 @@ mod tests {
         assert!(r.push(&rec(9, 0x1122_3344_5566_7788)));
         assert_eq!(r.peek_u64(8), Some(0x1122_3344_5566_7788));
         assert_eq!(r.peek_u64(9), None);
-        w.rings.push(r);
+        w.rings.push(spin::Mutex::new(r));
         assert_eq!(w.pop_oldest(&mut out), Some(0));
         assert_eq!(w.pop_oldest(&mut out), None);
     }

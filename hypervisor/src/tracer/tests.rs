@@ -9,7 +9,7 @@
 //! trace.
 
 use super::machine::{CpuView, Env, KernelView, Machine, Running, PAGE};
-use super::{CpuState, DebugState, Hypercall, Tracer, Violation, VmState};
+use super::{CpuState, DebugState, Hit, Hypercall, Tracer, Violation, VmState};
 use crate::addr::{Gpa, Hpa};
 use crate::ept::{self, Ept, EptError, Leaf, MemType, TableStore};
 use crate::guest_phys::{GuestPhys, RawMemory};
@@ -22,8 +22,9 @@ use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
 use loader::e820::{E820Entry, E820Kind, E820Map};
 use protocol::{Event, GraphFilter, TraceFormat};
-use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::Mutex;
 use trampolines::abi::{HYPERCALL_ENTRY, HYPERCALL_RETURN, RETURN_FRAME_RETP};
 use trampolines::ptregs::PT_REGS_SIZE;
 use trampolines::{HypercallMode, TrampolineRegion};
@@ -57,9 +58,10 @@ const CALLER_RET: u64 = CALLER + 0x15;
 /// `NOP5` (`nopl 0x0(%rax,%rax,1)`), the fentry site of an idle kernel.
 const NOP5: [u8; 5] = [0x0f, 0x1f, 0x44, 0x00, 0x00];
 
-/// Physical memory as root maps it, sparse, by page.
+/// Physical memory as root maps it, sparse, by page (behind a lock: the
+/// hits of two vCPUs reach it from two threads).
 #[derive(Default)]
-struct SparseRam(RefCell<BTreeMap<u64, Box<[u8; PAGE]>>>);
+struct SparseRam(Mutex<BTreeMap<u64, Box<[u8; PAGE]>>>);
 
 impl SparseRam {
     fn put(&self, addr: u64, bytes: &[u8]) {
@@ -77,7 +79,7 @@ impl SparseRam {
 
 impl RawMemory for SparseRam {
     fn read(&self, addr: u64, buf: &mut [u8]) -> bool {
-        let pages = self.0.borrow();
+        let pages = self.0.lock().unwrap();
         for (i, b) in buf.iter_mut().enumerate() {
             let a = addr + i as u64;
             *b = pages
@@ -87,7 +89,7 @@ impl RawMemory for SparseRam {
         true
     }
     fn write(&self, addr: u64, bytes: &[u8]) -> bool {
-        let mut pages = self.0.borrow_mut();
+        let mut pages = self.0.lock().unwrap();
         for (i, &b) in bytes.iter().enumerate() {
             let a = addr + i as u64;
             pages
@@ -1021,4 +1023,146 @@ fn graph_stop_keeps_frames_in_flight_returning() {
     let (out, rax) = g.ret(RETP, 0);
     assert!(matches!(out, Hypercall::Handled));
     assert_eq!(rax, CALLER_RET);
+}
+
+/// A task's kernel stack for the second vCPU, below the first's.
+const STACK_BASE_2: u64 = STACK_BASE - 0x4000;
+
+#[test]
+fn hits_on_two_vcpus_run_at_once_over_the_shared_state() {
+    // The tracer's VM state is what root shares between the hits of its
+    // vCPUs: it must be `Sync` as a type, not by root's say-so.
+    fn sync<T: Sync>(_: &T) {}
+    let mut g = Guest::new();
+    sync(&g.vm);
+    g.with(|t, env, k| t.function_add("*_func", k, env))
+        .unwrap();
+    g.with(|t, env, k| t.graph_start(graph(&["other_func"]), k, env))
+        .unwrap();
+    g.tracer().set_stream(Some(TraceFormat::Json));
+    let region = g.region();
+    let entry_rip = region.entry_vmcall().unwrap().0;
+    let return_rip = region.return_vmcall().unwrap().0;
+    let tramp = region.return_trampoline().0;
+    // Two vCPUs in two threads, each a task on its own kernel stack,
+    // calling other_func N times: entry, then return, each time with a
+    // nested call of my_func on top half of the time.
+    const N: u64 = 1500;
+    let clock = AtomicU64::new(1_000_000_000);
+    let (vm, door, kernel, ram) = (&g.vm, &g.door, &g.kernel, g.ram);
+    std::thread::scope(|s| {
+        for (on, cpu_state) in g.cpus.iter_mut().enumerate() {
+            let clock = &clock;
+            s.spawn(move || {
+                let mut root = FakeRoot::new();
+                root.me = on;
+                let base = [STACK_BASE, STACK_BASE_2][on];
+                let call = |root: &mut FakeRoot,
+                            cpu_state: &mut CpuState,
+                            func: u64,
+                            retp: u64,
+                            ret: u64,
+                            i: u64| {
+                    ram.put(gpa(retp), &ret.to_le_bytes());
+                    let regs_at = retp - 8 - PT_REGS_SIZE as u64 - 0x40;
+                    ram.put(gpa(regs_at), &pt_regs(func + 5, retp, i));
+                    let mut regs = GuestRegs {
+                        rax: u64::from(HYPERCALL_ENTRY),
+                        rdi: regs_at,
+                        rsi: func,
+                        ..GuestRegs::default()
+                    };
+                    let cpu = CpuView {
+                        cr3: PML4,
+                        rsp: regs_at,
+                        gs_base: GS_BASES[on],
+                        ..CpuView::default()
+                    };
+                    let mut env = Env { ram: door, m: root };
+                    let now = clock.fetch_add(10, SeqCst);
+                    let out = Hit::new(vm, cpu_state).hypercall(
+                        &mut env,
+                        entry_rip,
+                        &mut regs,
+                        &cpu,
+                        Some(kernel),
+                        now,
+                    );
+                    assert!(matches!(out, Hypercall::Handled));
+                    assert_eq!(ram.word(gpa(retp)), tramp, "vCPU {on} call {i}");
+                };
+                let ret = |root: &mut FakeRoot, cpu_state: &mut CpuState, retp: u64, i: u64| {
+                    let mut regs = GuestRegs {
+                        rax: u64::from(HYPERCALL_RETURN),
+                        rdi: retp - RETURN_FRAME_RETP as u64,
+                        rsi: i,
+                        ..GuestRegs::default()
+                    };
+                    let cpu = CpuView {
+                        cr3: PML4,
+                        rsp: retp,
+                        gs_base: GS_BASES[on],
+                        ..CpuView::default()
+                    };
+                    let mut env = Env { ram: door, m: root };
+                    let now = clock.fetch_add(10, SeqCst);
+                    let out = Hit::new(vm, cpu_state).hypercall(
+                        &mut env,
+                        return_rip,
+                        &mut regs,
+                        &cpu,
+                        Some(kernel),
+                        now,
+                    );
+                    assert!(matches!(out, Hypercall::Handled), "vCPU {on} return {i}");
+                    regs.rax
+                };
+                let outer = base + 0x3f00;
+                let inner = outer - 0x100;
+                for i in 0..N {
+                    call(&mut root, cpu_state, OTHER, outer, CALLER_RET, i);
+                    if i % 2 == 0 {
+                        call(&mut root, cpu_state, FUNC, inner, OTHER + 0x40, i);
+                        assert_eq!(ret(&mut root, cpu_state, inner, i), OTHER + 0x40);
+                    }
+                    assert_eq!(ret(&mut root, cpu_state, outer, i), CALLER_RET);
+                }
+            });
+        }
+    });
+    let r = g.tracer().report();
+    assert_eq!(r.hits, 2 * (N + N / 2));
+    assert_eq!((r.graph_stacks, r.graph_frames), (0, 0));
+    assert_eq!(
+        (r.graph_misses, r.graph_dropped, r.graph_orphans),
+        (0, 0, 0)
+    );
+    assert_eq!((g.vm.lost_of(0), g.vm.lost_of(1)), (0, 0));
+    // Every record, merged oldest first, with the guest's CPU numbers:
+    // per CPU, N + N/2 function-tracer lines and the graph's entries and
+    // returns of other_func's trees (my_func nested in half of them).
+    let text = g.text();
+    let mut last_ts = 0;
+    let mut per_cpu = BTreeMap::<u64, u64>::new();
+    for l in text.lines() {
+        let num = |key: &str| -> u64 {
+            let at = l.find(&format!("\"{key}\":")).unwrap() + key.len() + 3;
+            let digits: String = l[at..].chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().unwrap()
+        };
+        let ts = num("ts_ns");
+        assert!(ts >= last_ts, "out of order at {l}");
+        last_ts = ts;
+        *per_cpu.entry(num("cpu")).or_default() += 1;
+    }
+    let each = (N + N / 2) * 3;
+    assert_eq!(
+        per_cpu,
+        BTreeMap::from([
+            (u64::from(GUEST_CPU[0]), each),
+            (u64::from(GUEST_CPU[1]), each)
+        ]),
+        "{}",
+        text.lines().take(8).collect::<Vec<_>>().join("\n")
+    );
 }

@@ -5,11 +5,18 @@ use super::probes::Probes;
 use super::region::Region;
 use super::split::SplitView;
 use super::stream::Stream;
+use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use protocol::TracerReport;
 
 /// The trampoline region, the hooked sites and pages, the probes, the
 /// function-graph sessions with their return stacks, and the stream with
 /// every vCPU's ring.
+///
+/// Hits (the hypercalls) reach it through `&VmState`, several vCPUs at
+/// once: what they change is behind a lock of its own (a vCPU's ring, the
+/// return stacks) or atomic (the counters in [`HitStats`] and the probes').
+/// Everything else changes only through `&mut VmState`, with no hit in
+/// flight.
 #[derive(Default)]
 pub struct VmState {
     pub(super) region: Option<Region>,
@@ -17,8 +24,46 @@ pub struct VmState {
     pub(super) probes: Probes,
     pub(super) graph: Graph,
     pub(super) stream: Stream,
-    /// The counters for `status`, summed over the vCPUs.
+    /// The counters for `status` that only requests, steps and turns
+    /// change (the hit path's are in `hit`).
     pub(super) stats: TracerReport,
+    /// The hit path's counters.
+    pub(super) hit: HitStats,
+}
+
+/// The counters the hit path adds to, summed over the vCPUs.
+#[derive(Default)]
+pub(super) struct HitStats {
+    pub(super) hits: AtomicU64,
+    pub(super) foreign_vmcalls: AtomicU64,
+    pub(super) forged_entries: AtomicU64,
+    pub(super) graph_misses: AtomicU64,
+    pub(super) graph_dropped: AtomicU64,
+    pub(super) graph_orphans: AtomicU64,
+    /// Takes of the return stacks' lock that found it held by another
+    /// vCPU.
+    pub(super) stack_lock_waits: AtomicU64,
+}
+
+/// Adds `n` to a hit counter.
+pub(super) fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Relaxed);
+}
+
+impl HitStats {
+    /// `report` with the hit path's counters filled in.
+    pub(super) fn fill(&self, report: TracerReport) -> TracerReport {
+        TracerReport {
+            hits: self.hits.load(Relaxed),
+            foreign_vmcalls: self.foreign_vmcalls.load(Relaxed),
+            forged_entries: self.forged_entries.load(Relaxed),
+            graph_misses: self.graph_misses.load(Relaxed),
+            graph_dropped: self.graph_dropped.load(Relaxed),
+            graph_orphans: self.graph_orphans.load(Relaxed),
+            stack_lock_waits: self.stack_lock_waits.load(Relaxed),
+            ..report
+        }
+    }
 }
 
 impl VmState {

@@ -67,6 +67,8 @@ pub fn status_report() -> StatusReport {
             lost: 0,
             vmcalls: 0,
             lock_takes: 7,
+            shared_takes: 3,
+            shared_wait_ns: 9,
         }],
         guard: protocol::GuardReport::default(),
     }

@@ -158,13 +158,36 @@ pub fn boot_checks(ck: &mut Checks, c: &mut Client) {
 pub fn print_vcpus(tag: &str, st: &protocol::StatusReport) {
     for v in &st.per_vcpu {
         eprintln!(
-            "{tag}: vCPU {}: {} exits, waited {} us for the VM lock over {} takes, held {} us, lost {}",
+            "{tag}: vCPU {}: {} exits, waited {} us for the VM lock over {} takes and {} us for its shared side over {} hypercalls, held {} us, lost {}",
             v.index,
             v.exits_total,
             v.lock_wait_ns / 1000,
             v.lock_takes,
+            v.shared_wait_ns / 1000,
+            v.shared_takes,
             v.held_ns / 1000,
             v.lost
+        );
+    }
+}
+
+/// Prints what each vCPU waited for the VM lock (whole and shared side)
+/// between two `status` reports, after `tag`.
+pub fn print_lock_waits(
+    tag: &str,
+    before: &protocol::StatusReport,
+    after: &protocol::StatusReport,
+) {
+    for (a, b) in after.per_vcpu.iter().zip(&before.per_vcpu) {
+        eprintln!(
+            "{tag}: vCPU {}: {} exits, {} VMCALLs; waited {} us for the VM lock over {} takes, {} us for its shared side over {} hypercalls",
+            a.index,
+            a.exits_total - b.exits_total,
+            a.vmcalls - b.vmcalls,
+            (a.lock_wait_ns - b.lock_wait_ns) / 1000,
+            a.lock_takes - b.lock_takes,
+            (a.shared_wait_ns - b.shared_wait_ns) / 1000,
+            a.shared_takes - b.shared_takes
         );
     }
 }
