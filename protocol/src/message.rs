@@ -541,6 +541,16 @@ pub struct VcpuReport {
     pub shared_takes: u64,
     /// Time it waited to take the shared side, in nanoseconds.
     pub shared_wait_ns: u64,
+    /// Its hypercalls, each exactly one of: an entry from a hooked site
+    /// recorded (`hits`), a return through a frame handed back
+    /// (`returns`), or anything else (`refused`: forged, foreign, orphan
+    /// returns, unreadable frames). Counted as they happen; `vmcalls`
+    /// (the exit counter) is published at the vCPU's turns.
+    pub hits: u64,
+    /// See `hits`.
+    pub returns: u64,
+    /// See `hits`.
+    pub refused: u64,
 }
 
 /// The guest kernel as recovered from its memory.

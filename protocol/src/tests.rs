@@ -95,6 +95,9 @@ fn status() -> StatusReport {
             lock_takes: 7,
             shared_takes: 3,
             shared_wait_ns: 9,
+            hits: 2,
+            returns: 1,
+            refused: 0,
         }],
         guard: crate::GuardReport {
             nmi_exits: 5,

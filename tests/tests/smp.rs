@@ -46,7 +46,7 @@ use hvtrace_tests::{
 use protocol::{Request, Response, TraceFormat};
 use smp_common::{
     boot_checks, cpu_column, graph_start, graph_stop, print_lock_waits, print_vcpus, probe_add,
-    probe_del, probe_hits, probe_oracle_across_cpus,
+    probe_del, probe_hits, probe_oracle_across_cpus, settled_status,
 };
 
 /// A task sleeps in a traced function on CPU 0 and is moved to CPU 1
@@ -127,6 +127,8 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
         ),
     );
     let mut per_round = Vec::new();
+    let mut per_vcpu_rounds = Vec::new();
+    let mut prev = settled_status(ck, c, "before the rounds");
     for round in 0..ROUNDS {
         let hits0 = hv_status(c).tracer.hits;
         let mut session = None;
@@ -172,6 +174,44 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
             graph_stop(ck, c, s);
         }
         per_round.push((hits, what));
+        // Unhooked: each vCPU's VMCALL exits of the round are its hits,
+        // its returns and the calls refused (in flight at the unhook),
+        // and nothing else (`settled_status`); every vCPU hit; a graph
+        // call exits exactly twice (every hijacked call returned through
+        // us), a probe or function hit once.
+        let now = settled_status(ck, c, &format!("round {round} ({what})"));
+        let mut line = Vec::new();
+        let (mut all_hits, mut all_returns) = (0, 0);
+        for (a, b) in now.per_vcpu.iter().zip(&prev.per_vcpu) {
+            let (hits, returns, refused) = (
+                a.hits - b.hits,
+                a.returns - b.returns,
+                a.refused - b.refused,
+            );
+            ck.check(
+                hits > 0,
+                format!("round {round} ({what}): no hit on vCPU {}", a.index),
+            );
+            all_hits += hits;
+            all_returns += returns;
+            line.push(format!(
+                "vCPU {}: {} VMCALLs = {hits} hits + {returns} returns + {refused} refused",
+                a.index,
+                a.vmcalls - b.vmcalls
+            ));
+        }
+        // (A call may return on another vCPU than it entered on, so the
+        // returns are matched over all of them.)
+        ck.eq(
+            &format!("round {round} ({what}): returns through us"),
+            all_returns,
+            if what == "graph" { all_hits } else { 0 },
+        );
+        per_vcpu_rounds.push(format!("{what}: {}", line.join(", ")));
+        prev = now;
+    }
+    for l in &per_vcpu_rounds {
+        println!("smp fire round: {l}");
     }
     print_lock_waits("smp fire", &start, &hv_status(c));
     // Unhooked: no more hits, and the guest is well.

@@ -90,11 +90,14 @@ pub fn status_text(status: &Status) -> String {
     if r.per_vcpu.len() > 1 {
         for c in &r.per_vcpu {
             out.push_str(&format!(
-                "  vCPU {} (APIC ID {}): {}, {} exits, waited {} us for the VM lock over {} takes and {} us for its shared side over {} hypercalls, held {} us for patching, {} trace records lost\n",
+                "  vCPU {} (APIC ID {}): {}, {} exits, {} hits, {} returns, {} refused; waited {} us for the VM lock over {} takes and {} us for its shared side over {} hypercalls, held {} us for patching, {} trace records lost\n",
                 c.index,
                 c.apic_id,
                 if c.parked { "parked" } else { "running" },
                 c.exits_total,
+                c.hits,
+                c.returns,
+                c.refused,
                 c.lock_wait_ns / 1000,
                 c.lock_takes,
                 c.shared_wait_ns / 1000,
@@ -261,6 +264,9 @@ pub fn status_json(status: &Status) -> Json {
                             ("held_ns", json::int(c.held_ns)),
                             ("lost", json::int(c.lost)),
                             ("vmcalls", json::int(c.vmcalls)),
+                            ("hits", json::int(c.hits)),
+                            ("returns", json::int(c.returns)),
+                            ("refused", json::int(c.refused)),
                         ])
                     })
                     .collect(),
@@ -438,6 +444,9 @@ mod tests {
                 lock_takes: 7,
                 shared_takes: 0,
                 shared_wait_ns: 0,
+                hits: 0,
+                returns: 0,
+                refused: 0,
             }],
             guard: protocol::GuardReport::default(),
         }

@@ -503,6 +503,9 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
                 held_ns: crate::clock::tsc_to_ns(c.held_ticks, src.tsc_hz),
                 lost: src.tracer.lost_of(i),
                 vmcalls: c.counters.get(hypervisor::vmx::exit::reason::VMCALL),
+                hits: src.tracer.hypercalls_of(i).hits,
+                returns: src.tracer.hypercalls_of(i).returns,
+                refused: src.tracer.hypercalls_of(i).refused,
             })
             .collect(),
         hv_memory_used: src.memory_used,

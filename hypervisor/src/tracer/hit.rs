@@ -53,7 +53,10 @@ impl<'a> Hit<'a> {
         Hit { vm, cpu }
     }
 
-    /// A VMCALL at guest `rip` in ring `cpl`.
+    /// A VMCALL at guest `rip` in ring `cpl`. Each is counted for its
+    /// vCPU as exactly one of: a hit recorded, a return handed back, or
+    /// refused (status's per-vCPU `hits`, `returns`, `refused`, which add up
+    /// to its VMCALL exits).
     pub fn hypercall(
         &mut self,
         env: &mut Env<'_>,
@@ -63,9 +66,33 @@ impl<'a> Hit<'a> {
         kernel: Option<&dyn KernelView>,
         now_ns: u64,
     ) -> Hypercall {
+        let (out, served) = self.serve(env, rip, regs, cpu, kernel, now_ns);
+        if let Some(c) = self.vm.hit.vcpus.get(self.cpu.index) {
+            add(
+                match served {
+                    Served::Hit => &c.hits,
+                    Served::Return => &c.returns,
+                    Served::Refused => &c.refused,
+                },
+                1,
+            );
+        }
+        out
+    }
+
+    /// [`Self::hypercall`], and what it was.
+    fn serve(
+        &mut self,
+        env: &mut Env<'_>,
+        rip: u64,
+        regs: &mut GuestRegs,
+        cpu: &CpuView,
+        kernel: Option<&dyn KernelView>,
+        now_ns: u64,
+    ) -> (Hypercall, Served) {
         let Some(region) = &self.vm.region else {
             add(&self.vm.hit.foreign_vmcalls, 1);
-            return Hypercall::Foreign;
+            return (Hypercall::Foreign, Served::Refused);
         };
         let which = if cpu.cpl == 0 {
             region.tramp.hypercall_at(Gva(rip))
@@ -76,11 +103,13 @@ impl<'a> Hit<'a> {
             Some(trampolines::Hypercall::Entry)
                 if regs.rax == u64::from(trampolines::abi::HYPERCALL_ENTRY) =>
             {
-                regs.rax = match kernel {
+                let (chain, served) = match kernel {
                     Some(k) => self.on_entry(env, regs.rdi, regs.rsi, cpu, k, now_ns),
-                    None => 0,
+                    // No kernel recovered yet: nothing to record with.
+                    None => (0, Served::Refused),
                 };
-                Hypercall::Handled
+                regs.rax = chain;
+                (Hypercall::Handled, served)
             }
             Some(trampolines::Hypercall::Return)
                 if regs.rax == u64::from(trampolines::abi::HYPERCALL_RETURN) =>
@@ -101,25 +130,25 @@ impl<'a> Hit<'a> {
                 {
                     Some(ret) => {
                         regs.rax = ret;
-                        Hypercall::Handled
+                        (Hypercall::Handled, Served::Return)
                     }
                     None => {
                         // No frame: nowhere to return to. The guest (or an
                         // attacker) jumped into the return trampoline.
                         add(&self.vm.hit.graph_orphans, 1);
-                        Hypercall::Foreign
+                        (Hypercall::Foreign, Served::Refused)
                     }
                 }
             }
             _ => {
                 add(&self.vm.hit.foreign_vmcalls, 1);
-                Hypercall::Foreign
+                (Hypercall::Foreign, Served::Refused)
             }
         }
     }
 
     /// An entry hypercall from `site` with the pt_regs at `regs_gva`;
-    /// returns the chain target.
+    /// returns the chain target, and whether the hit was recorded.
     fn on_entry(
         &mut self,
         env: &mut Env<'_>,
@@ -128,7 +157,7 @@ impl<'a> Hit<'a> {
         cpu: &CpuView,
         k: &dyn KernelView,
         now_ns: u64,
-    ) -> u64 {
+    ) -> (u64, Served) {
         // The ABI's frame: RDI = RSP = &pt_regs, RSI a hooked site. A jump
         // into the trampoline with other registers is refused (and the
         // guest continues at whatever its forged pt_regs says: its own
@@ -139,7 +168,10 @@ impl<'a> Hit<'a> {
             // A call that was in flight when its site was unhooked is
             // refused too: it continues as the site's own bytes say (the
             // guest's `call` there, if it has one).
-            return site_call_target(env.ram, Cr3(cpu.cr3), site);
+            return (
+                site_call_target(env.ram, Cr3(cpu.cr3), site),
+                Served::Refused,
+            );
         };
         let chain = self
             .vm
@@ -152,14 +184,14 @@ impl<'a> Hit<'a> {
         let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
         if paging::read_virt(env.ram, cr3, Gva(regs_gva), &mut image).is_err() {
             self.vm.stream.rings.lock(self.cpu.index).count_lost();
-            return chain;
+            return (chain, Served::Refused);
         }
         let regs = PtRegs::from_le_bytes(&image);
         if regs.ip != site.wrapping_add(5) {
             // The trampoline stores the site call's own return address as
             // ip: anything else did not come from a call at this site.
             add(&self.vm.hit.forged_entries, 1);
-            return chain;
+            return (chain, Served::Refused);
         }
         add(&self.vm.hit.hits, 1);
         let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
@@ -231,8 +263,18 @@ impl<'a> Hit<'a> {
                 );
             }
         }
-        chain
+        (chain, Served::Hit)
     }
+}
+
+/// What a hypercall was, for its vCPU's counts.
+enum Served {
+    /// An entry from a hooked site, recorded.
+    Hit,
+    /// A return through a frame, handed back.
+    Return,
+    /// Anything else: forged, foreign, orphan, or unreadable.
+    Refused,
 }
 
 /// The guest-virtual target of a `call rel32` at `site` in the guest's own

@@ -49,7 +49,7 @@ mod vm_state;
 pub use cpu_state::CpuState;
 pub use hit::Hit;
 pub use step::{DebugState, Violation};
-pub use vm_state::VmState;
+pub use vm_state::{HypercallCounts, VmState};
 
 use self::machine::{CpuView, Env, KernelView};
 use self::region::Region;
@@ -226,6 +226,11 @@ impl<'a> Tracer<'a> {
     /// Records vCPU `index`'s ring lost.
     pub fn lost_of(&self, index: usize) -> u64 {
         self.vm.lost_of(index)
+    }
+
+    /// vCPU `index`'s hypercalls, by what they were.
+    pub fn hypercalls_of(&self, index: usize) -> HypercallCounts {
+        self.vm.hypercalls_of(index)
     }
 
     /// `probe list`.

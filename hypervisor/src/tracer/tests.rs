@@ -732,6 +732,9 @@ fn forged_entries_are_refused_and_not_counted_as_hits() {
     let out = g.with(|t, env, k| t.hypercall(env, FUNC, &mut regs, &cpu, Some(k), 0));
     assert!(matches!(out, Hypercall::Foreign));
     assert_eq!(g.tracer().report().foreign_vmcalls, 1);
+    // Every one of the four hypercalls is counted for vCPU 0, as refused.
+    let c = g.vm.hypercalls_of(0);
+    assert_eq!((c.hits, c.returns, c.refused), (0, 0, 4));
 }
 
 #[test]
@@ -935,6 +938,9 @@ fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
     let (out, _) = g.ret(RETP, 0);
     assert!(matches!(out, Hypercall::Foreign));
     assert_eq!(g.tracer().report().graph_orphans, 1);
+    // Two entries recorded, two returns handed back, the orphan refused.
+    let c = g.vm.hypercalls_of(0);
+    assert_eq!((c.hits, c.returns, c.refused), (2, 2, 1));
 }
 
 #[test]
@@ -1132,6 +1138,11 @@ fn hits_on_two_vcpus_run_at_once_over_the_shared_state() {
     });
     let r = g.tracer().report();
     assert_eq!(r.hits, 2 * (N + N / 2));
+    // Each vCPU's hypercalls: its entries and its returns, nothing else.
+    for i in 0..2 {
+        let c = g.vm.hypercalls_of(i);
+        assert_eq!((c.hits, c.returns, c.refused), (N + N / 2, N + N / 2, 0));
+    }
     assert_eq!((r.graph_stacks, r.graph_frames), (0, 0));
     assert_eq!(
         (r.graph_misses, r.graph_dropped, r.graph_orphans),

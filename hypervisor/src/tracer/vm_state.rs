@@ -5,6 +5,7 @@ use super::probes::Probes;
 use super::region::Region;
 use super::split::SplitView;
 use super::stream::Stream;
+use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use protocol::TracerReport;
 
@@ -43,6 +44,30 @@ pub(super) struct HitStats {
     /// Takes of the return stacks' lock that found it held by another
     /// vCPU.
     pub(super) stack_lock_waits: AtomicU64,
+    /// Each vCPU's hypercalls, by what they were.
+    pub(super) vcpus: Vec<VcpuHits>,
+}
+
+/// One vCPU's hypercalls: each is exactly one of these.
+#[derive(Default)]
+pub(super) struct VcpuHits {
+    /// Entries from a hooked site, recorded.
+    pub(super) hits: AtomicU64,
+    /// Returns through a frame, handed back.
+    pub(super) returns: AtomicU64,
+    /// The rest: forged, foreign, orphan returns, unreadable frames.
+    pub(super) refused: AtomicU64,
+}
+
+/// A vCPU's hypercalls for `status`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HypercallCounts {
+    /// Entries from a hooked site, recorded.
+    pub hits: u64,
+    /// Returns through a frame, handed back.
+    pub returns: u64,
+    /// Forged, foreign, orphan returns, unreadable frames.
+    pub refused: u64,
 }
 
 /// Adds `n` to a hit counter.
@@ -71,8 +96,24 @@ impl VmState {
     pub fn new(cpus: usize) -> Self {
         VmState {
             stream: Stream::new(cpus),
+            hit: HitStats {
+                vcpus: (0..cpus.max(1)).map(|_| VcpuHits::default()).collect(),
+                ..HitStats::default()
+            },
             ..VmState::default()
         }
+    }
+
+    /// vCPU `index`'s hypercalls, by what they were.
+    pub fn hypercalls_of(&self, index: usize) -> HypercallCounts {
+        self.hit
+            .vcpus
+            .get(index)
+            .map_or(HypercallCounts::default(), |c| HypercallCounts {
+                hits: c.hits.load(Relaxed),
+                returns: c.returns.load(Relaxed),
+                refused: c.refused.load(Relaxed),
+            })
     }
 
     /// Records vCPU `index` lost (its ring was full, or a hit could not

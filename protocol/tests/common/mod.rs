@@ -69,6 +69,9 @@ pub fn status_report() -> StatusReport {
             lock_takes: 7,
             shared_takes: 3,
             shared_wait_ns: 9,
+            hits: 2,
+            returns: 1,
+            refused: 0,
         }],
         guard: protocol::GuardReport::default(),
     }

@@ -191,3 +191,34 @@ pub fn print_lock_waits(
         );
     }
 }
+
+/// `status` once every vCPU's VMCALL exits (the exit loop's counter,
+/// published at the vCPU's turns) equal its hypercalls as the tracer
+/// counted them (hits + returns + refused, counted as they happen): the
+/// two counts are kept apart, so they agree only if every VMCALL was
+/// served once and counted once. Polled while the published counters
+/// catch up (the caller makes sure no traced function runs then); a
+/// check fails if they never agree within 20 s.
+pub fn settled_status(ck: &mut Checks, c: &mut Client, what: &str) -> protocol::StatusReport {
+    let t0 = std::time::Instant::now();
+    loop {
+        let st = hv_status(c);
+        let apart: Vec<_> = st
+            .per_vcpu
+            .iter()
+            .filter(|v| v.vmcalls != v.hits + v.returns + v.refused)
+            .map(|v| (v.index, v.vmcalls, v.hits, v.returns, v.refused))
+            .collect();
+        if apart.is_empty() {
+            return st;
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(20) {
+            ck.check(
+                false,
+                format!("{what}: VMCALL exits and hypercalls never agree (vCPU, VMCALLs, hits, returns, refused): {apart:?}"),
+            );
+            return st;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
