@@ -650,6 +650,40 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         Err(BtfError::NoMember(name))
     }
 
+    /// The value of enumerator `name` of enum type `t` (`BTF_KIND_ENUM`,
+    /// 32-bit values, or `BTF_KIND_ENUM64`).
+    pub fn enumerator(&self, t: &TypeInfo, name: &'static str) -> Result<i64, BtfError> {
+        let (stride, wide) = match t.kind {
+            Kind::Enum => (8u32, false),
+            Kind::Enum64 => (12u32, true),
+            _ => return Err(BtfError::UnexpectedType("enum")),
+        };
+        for i in 0..t.vlen {
+            let at = stride
+                .checked_mul(i)
+                .and_then(|o| t.extra_at.checked_add(o))
+                .filter(|at| at.checked_add(stride).is_some_and(|e| e <= self.types_len))
+                .ok_or(BtfError::Malformed { at: t.extra_at })?;
+            let mut e = [0u8; 12];
+            let entry = e
+                .get_mut(..stride as usize)
+                .ok_or(BtfError::Malformed { at })?;
+            self.view
+                .read_virt(self.types.wrapping_add(at as u64), entry)?;
+            if self.name_is(u32_le(&e, 0), name)? {
+                let lo = u32_le(&e, 4);
+                return Ok(if wide {
+                    ((u32_le(&e, 8) as u64) << 32 | lo as u64) as i64
+                } else if t.kind_flag {
+                    lo as i64
+                } else {
+                    lo as i32 as i64
+                });
+            }
+        }
+        Err(BtfError::NoMember(name))
+    }
+
     /// `(element type id, element count)` of an array type.
     pub fn array(&self, t: &TypeInfo) -> Result<(u32, u32), BtfError> {
         if t.kind != Kind::Array {

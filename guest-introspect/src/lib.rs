@@ -85,6 +85,7 @@ pub mod fentry;
 pub mod glob;
 pub mod kallsyms;
 pub mod mem;
+pub mod module;
 pub mod paging;
 pub mod scan;
 pub mod stacks;

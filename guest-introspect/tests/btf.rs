@@ -168,3 +168,101 @@ fn cycles_are_bounded() {
     assert!(btf::pcpu_hot_current_task(&parsed).is_err());
     assert!(t0.elapsed().as_secs() < 5);
 }
+
+/// Enumerators: 32-bit (signed unless the kind flag says unsigned), 64-bit
+/// (`BTF_KIND_ENUM64`, 12-byte entries), and an enum that is the last type
+/// (its last 8-byte entry ends where the section does).
+#[test]
+fn enumerators() {
+    let mut b = Builder::new();
+    let states = b.enum_(
+        "module_state",
+        &[
+            ("MODULE_STATE_LIVE", 0),
+            ("MODULE_STATE_GOING", 2),
+            ("NEG", u32::MAX),
+        ],
+    );
+    let wide = b.head("wide", Kind::Enum64, 2, true, 8);
+    for (name, v) in [("SMALL", 5u64), ("HUGE", 0x1_0000_0002)] {
+        let n = b.s(name);
+        b.words(&[n, v as u32, (v >> 32) as u32]);
+    }
+    let last = b.enum_("mod_mem_type", &[("MOD_TEXT", 0), ("MOD_INIT_TEXT", 4)]);
+    let blob = b.blob();
+    let view = view_of(&blob, AT);
+    let p = Btf::parse(&view, Gva(AT)).unwrap();
+    let t = p.type_info(states).unwrap();
+    assert_eq!(p.enumerator(&t, "MODULE_STATE_GOING"), Ok(2));
+    assert_eq!(p.enumerator(&t, "NEG"), Ok(-1));
+    assert_eq!(
+        p.enumerator(&t, "MODULE_STATE_COMING"),
+        Err(BtfError::NoMember("MODULE_STATE_COMING"))
+    );
+    let w = p.type_info(wide).unwrap();
+    assert_eq!(p.enumerator(&w, "HUGE"), Ok(0x1_0000_0002));
+    assert_eq!(p.enumerator(&w, "SMALL"), Ok(5));
+    let l = p.type_info(last).unwrap();
+    assert_eq!(p.enumerator(&l, "MOD_INIT_TEXT"), Ok(4));
+    // Not an enum.
+    let int = b.int("int", 4);
+    let blob = b.blob();
+    let view = view_of(&blob, AT);
+    let p = Btf::parse(&view, Gva(AT)).unwrap();
+    let i = p.type_info(int).unwrap();
+    assert_eq!(p.enumerator(&i, "X"), Err(BtfError::UnexpectedType("enum")));
+}
+
+/// A `struct module` whose `mem` array names region indices past its end
+/// is refused, not read out of bounds.
+#[test]
+fn module_regions_past_the_array_are_refused() {
+    use guest_introspect::module::module_layout;
+    let mut b = Builder::new();
+    let int = b.int("int", 4);
+    let ch = b.int("char", 1);
+    let long = b.int("long", 8);
+    let ptr = b.alias(Kind::Ptr, "", ch);
+    let state = b.enum_(
+        "module_state",
+        &[
+            ("MODULE_STATE_LIVE", 0),
+            ("MODULE_STATE_COMING", 1),
+            ("MODULE_STATE_GOING", 2),
+            ("MODULE_STATE_UNFORMED", 3),
+        ],
+    );
+    let list = b.record(
+        Kind::Struct,
+        "list_head",
+        16,
+        &[m("next", long, 0), m("prev", long, 8)],
+    );
+    let name = b.array(ch, int, 56);
+    let region = b.record(
+        Kind::Struct,
+        "module_memory",
+        16,
+        &[m("base", ptr, 0), m("size", int, 8)],
+    );
+    let mem = b.array(region, int, 3);
+    b.enum_("mod_mem_type", &[("MOD_TEXT", 0), ("MOD_INIT_TEXT", 4)]);
+    b.record(
+        Kind::Struct,
+        "module",
+        200,
+        &[
+            m("state", state, 0),
+            m("list", list, 8),
+            m("name", name, 24),
+            m("mem", mem, 80),
+        ],
+    );
+    let blob = b.blob();
+    let view = view_of(&blob, AT);
+    let p = Btf::parse(&view, Gva(AT)).unwrap();
+    assert_eq!(
+        module_layout(&p),
+        Err(BtfError::UnexpectedType("MOD_INIT_TEXT"))
+    );
+}

@@ -253,6 +253,99 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
     );
 }
 
+/// What a probe hit costs on two vCPUs, against no probe and against the
+/// guest's own kprobe on the same function: `hvbench getppid N` on CPU 1
+/// alone, then on both CPUs at once. Each hit is exactly one VMCALL exit,
+/// on the vCPU that called. Costs are guest time per call (the TSC runs
+/// at Bochs's `ips`: one emulated instruction of each CPU per 20 ns).
+fn cost_on_two_cpus(ck: &mut Checks, c: &mut Client) {
+    const N: u64 = 3000;
+    const FUNC: &str = "__x64_sys_getppid";
+    let ns_of = |out: &str| -> Vec<f64> {
+        out.split_whitespace()
+            .filter_map(|t| t.strip_prefix("ns="))
+            .filter_map(|v| v.parse::<f64>().ok())
+            .map(|ns| ns / N as f64)
+            .collect()
+    };
+    let alone = format!("taskset 2 hvbench getppid {N}");
+    let both = format!(
+        "taskset 1 hvbench getppid {N} > /tmp/cpu0 & taskset 2 hvbench getppid {N}; wait; cat /tmp/cpu0"
+    );
+    // No rendering on the boot processor's turns while measuring: the
+    // records wait in the rings.
+    hv_call(c, Request::TraceStop);
+    let none = ns_of(&guest_exec(c, &alone));
+    if !probe_add(ck, c, &format!("p:cost {FUNC}")) {
+        return;
+    }
+    let s0 = settled_status(ck, c, "before the cost phases");
+    let ours = ns_of(&guest_exec(c, &alone));
+    let s1 = settled_status(ck, c, "after the probe on CPU 1");
+    let ours_both = ns_of(&guest_exec(c, &both));
+    let s2 = settled_status(ck, c, "after the probe on both CPUs");
+    probe_del(ck, c, "cost");
+    let hits = |a: &protocol::StatusReport, b: &protocol::StatusReport, i: usize| {
+        a.per_vcpu.get(i).map_or(0, |v| v.hits) - b.per_vcpu.get(i).map_or(0, |v| v.hits)
+    };
+    let vmcalls = |a: &protocol::StatusReport, b: &protocol::StatusReport, i: usize| {
+        a.per_vcpu.get(i).map_or(0, |v| v.vmcalls) - b.per_vcpu.get(i).map_or(0, |v| v.vmcalls)
+    };
+    ck.eq(
+        "probe hits and VMCALL exits on (vCPU 0, vCPU 1), CPU 1 calling",
+        (hits(&s1, &s0, 0), hits(&s1, &s0, 1), vmcalls(&s1, &s0, 1)),
+        (0, N, N),
+    );
+    ck.eq(
+        "probe hits and VMCALL exits on (vCPU 0, vCPU 1), both calling",
+        (
+            hits(&s2, &s1, 0),
+            vmcalls(&s2, &s1, 0),
+            hits(&s2, &s1, 1),
+            vmcalls(&s2, &s1, 1),
+        ),
+        (N, N, N, N),
+    );
+    guest_exec(
+        c,
+        &format!("cd {TRACEFS} && echo 'p:gcost {FUNC}' > kprobe_events && echo 1 > events/kprobes/gcost/enable"),
+    );
+    let guest = ns_of(&guest_exec(c, &alone));
+    let guest_both = ns_of(&guest_exec(c, &both));
+    guest_exec(
+        c,
+        &format!("cd {TRACEFS} && echo 0 > events/kprobes/gcost/enable && echo > kprobe_events"),
+    );
+    let waits = hv_status(c);
+    ck.check(
+        [&none, &ours, &guest].iter().all(|v| v.len() == 1)
+            && [&ours_both, &guest_both].iter().all(|v| v.len() == 2),
+        format!("hvbench timings: {none:?} {ours:?} {ours_both:?} {guest:?} {guest_both:?}"),
+    );
+    let base = none.first().copied().unwrap_or(f64::NAN);
+    println!("smp cost: {N} getppid calls per CPU per phase, 2 vCPUs (guest ns per call; 20 ns per emulated instruction)");
+    for (name, v) in [
+        ("no probe, CPU 1", &none),
+        ("hvtrace probe, CPU 1", &ours),
+        ("hvtrace probe, CPUs 1 and 0", &ours_both),
+        ("guest kprobe, CPU 1", &guest),
+        ("guest kprobe, CPUs 1 and 0", &guest_both),
+    ] {
+        let per: Vec<String> = v
+            .iter()
+            .map(|ns| {
+                format!(
+                    "{ns:.0} ns = {:.0} instr (+{:.0} per hit)",
+                    ns / 20.0,
+                    (ns - base) / 20.0
+                )
+            })
+            .collect();
+        println!("  {name:<28} {}", per.join("; "));
+    }
+    print_lock_waits("smp cost", &s0, &waits);
+}
+
 /// The function tracer on every traceable function while a task on CPU 1
 /// wakes and exits (each call exits, so that is the whole workload): the
 /// guest lives without a lockup or stall report, every vCPU hits, losses are
@@ -622,6 +715,7 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     migrating_sleeper(&mut checks, &mut c);
     attacker_on_two_cpus(&mut checks, &mut c);
     patching_under_fire(&mut checks, &mut c);
+    cost_on_two_cpus(&mut checks, &mut c);
     scale(&mut checks, &mut c);
 
     let log = vm.emulator_output();

@@ -192,3 +192,89 @@ fn running_task_from_gs_base() {
     // A wrong GS base faults cleanly.
     assert!(running_task(&view, Gva(0x1000), &cur, &layout).is_err());
 }
+
+/// `struct module` from each kernel's BTF: 6.1 keeps `core_layout` and
+/// `init_layout`, 6.12 the `mem[]` regions. What every version shares is
+/// checked exactly (`state`, then `list`, then `name[MODULE_NAME_LEN]`,
+/// 64 - 8 bytes on 64-bit, at the start of the struct; `Elf64_Sym *`
+/// symtab), the rest for what any build must satisfy.
+#[test]
+fn module_layout_from_btf() {
+    use guest_introspect::module::{module_layout, ModuleMemory};
+    let debian = common::debian();
+    let fast = common::fast();
+    let fast_map = common::fast_map_by_name();
+    let debian_btf = crate::debian()
+        .index
+        .addr_of("__start_BTF")
+        .expect("__start_BTF");
+    for (what, img, at) in [
+        ("Debian 6.1", debian, debian_btf),
+        ("fast lane 6.12", fast, Gva(fast_map["__start_BTF"])),
+    ] {
+        let view = img.view();
+        let b = Btf::parse(&view, at).unwrap();
+        let m = module_layout(&b).unwrap_or_else(|e| panic!("{what}: {e}"));
+        eprintln!("{what}: struct module {m:?}");
+        assert_eq!(
+            (m.state, m.list, m.name, m.name_len),
+            (0, 8, 24, 56),
+            "{what}"
+        );
+        assert_eq!(
+            (
+                m.states.live,
+                m.states.coming,
+                m.states.going,
+                m.states.unformed
+            ),
+            (0, 1, 2, 3),
+            "{what}"
+        );
+        assert!((500..4096).contains(&m.size), "{what}: {m:?}");
+        let (ks_at, ks) = m.kallsyms.expect("CONFIG_KALLSYMS");
+        assert!(ks_at > m.name && ks_at + 8 <= m.size, "{what}: {m:?}");
+        // symtab, num_symtab, strtab, typetab in that order (with the core
+        // copies after them).
+        assert!(
+            ks.symtab < ks.num_symtab && ks.num_symtab < ks.strtab,
+            "{what}"
+        );
+        assert!(ks.typetab.is_some_and(|t| t > ks.strtab), "{what}");
+        match (what, m.memory) {
+            (
+                "Debian 6.1",
+                ModuleMemory::Layouts {
+                    core,
+                    init,
+                    base,
+                    size,
+                    text_size,
+                },
+            ) => {
+                assert!(core < init && init < m.size, "{m:?}");
+                assert_eq!(base, 0);
+                assert!(size == 8 && text_size == 12, "{m:?}");
+            }
+            (
+                "fast lane 6.12",
+                ModuleMemory::Regions {
+                    mem,
+                    count,
+                    stride,
+                    base,
+                    size,
+                    text,
+                    init_text,
+                },
+            ) => {
+                // MOD_TEXT .. MOD_INIT_RODATA (6.4 and later).
+                assert_eq!((count, text, init_text), (7, 0, 4), "{m:?}");
+                assert!(mem + count * stride <= m.size, "{m:?}");
+                assert_eq!(base, 0);
+                assert_eq!(size, 8);
+            }
+            (w, mem) => panic!("{w}: unexpected layout {mem:?}"),
+        }
+    }
+}

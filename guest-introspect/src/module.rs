@@ -1,0 +1,509 @@
+//! Loadable modules as the kernel keeps them: what root needs of
+//! `struct module` to walk the `modules` list, find each module's code and
+//! read its own kallsyms, with every offset from the guest's BTF.
+//!
+//! Two layouts of a module's memory exist:
+//! - up to 6.3, `core_layout` and `init_layout` (`struct module_layout`:
+//!   `base`, `size`, `text_size`, ...), the text at the start of each;
+//! - from 6.4, `mem[MOD_MEM_NUM_TYPES]` (`struct module_memory`: `base`,
+//!   `size`, ...), indexed by `enum mod_mem_type` (`MOD_TEXT`,
+//!   `MOD_INIT_TEXT`, ...).
+//!
+//! Which one a kernel has, and every offset and index, come from its BTF;
+//! nothing here assumes a version's numbers.
+
+use crate::btf::{Btf, BtfError, Kind};
+use crate::budget::{block_on, Budget};
+use crate::fallible::OutOfMemory;
+use crate::view::{read_array, VirtMemory};
+use crate::{Gva, GvaRange};
+use alloc::string::String;
+use alloc::vec::Vec;
+
+/// What root reads of `struct module`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModuleLayout {
+    /// `sizeof(struct module)`.
+    pub size: u32,
+    /// Byte offset of `state` (a 4-byte `enum module_state`).
+    pub state: u32,
+    /// Byte offset of `list` (a `struct list_head`: `next`, then `prev`).
+    pub list: u32,
+    /// Byte offset of `name` (a NUL-terminated `char` array).
+    pub name: u32,
+    /// Its length (`MODULE_NAME_LEN`).
+    pub name_len: u32,
+    /// Where its code and data are.
+    pub memory: ModuleMemory,
+    /// Byte offset of `kallsyms` (a `struct mod_kallsyms *`), and that
+    /// struct's layout; `None` without `CONFIG_KALLSYMS`.
+    pub kallsyms: Option<(u32, ModKallsyms)>,
+    /// `enum module_state`'s values.
+    pub states: ModuleStates,
+}
+
+/// Where a module's memory is described.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleMemory {
+    /// Up to 6.3: two `struct module_layout`s.
+    Layouts {
+        /// Byte offset of `core_layout`.
+        core: u32,
+        /// Byte offset of `init_layout`.
+        init: u32,
+        /// Byte offset of `base` (a pointer) in `struct module_layout`.
+        base: u32,
+        /// Byte offset of `size` (4-byte).
+        size: u32,
+        /// Byte offset of `text_size` (4-byte; the text starts at `base`).
+        text_size: u32,
+    },
+    /// From 6.4: an array of `struct module_memory`.
+    Regions {
+        /// Byte offset of `mem`.
+        mem: u32,
+        /// Its elements (`MOD_MEM_NUM_TYPES`).
+        count: u32,
+        /// `sizeof(struct module_memory)`.
+        stride: u32,
+        /// Byte offset of `base` (a pointer) in `struct module_memory`.
+        base: u32,
+        /// Byte offset of `size` (4-byte).
+        size: u32,
+        /// Index of the text region (`MOD_TEXT`).
+        text: u32,
+        /// Index of the init text region (`MOD_INIT_TEXT`).
+        init_text: u32,
+    },
+}
+
+/// `struct mod_kallsyms`: a module's own symbol table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModKallsyms {
+    /// Byte offset of `symtab` (an `Elf64_Sym *`).
+    pub symtab: u32,
+    /// Byte offset of `num_symtab` (an unsigned int).
+    pub num_symtab: u32,
+    /// Byte offset of `strtab` (a `char *`).
+    pub strtab: u32,
+    /// Byte offset of `typetab` (a `char *`: each symbol's `nm` type),
+    /// where the kernel has it.
+    pub typetab: Option<u32>,
+}
+
+/// `enum module_state`'s values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModuleStates {
+    /// `MODULE_STATE_LIVE`: initialized.
+    pub live: i64,
+    /// `MODULE_STATE_COMING`: loaded, its init about to run.
+    pub coming: i64,
+    /// `MODULE_STATE_GOING`: being removed (or its init failed).
+    pub going: i64,
+    /// `MODULE_STATE_UNFORMED`: still being set up.
+    pub unformed: i64,
+}
+
+/// The layout of `struct module` in the kernel whose BTF is `btf`.
+pub fn module_layout<V: VirtMemory + ?Sized>(btf: &Btf<'_, V>) -> Result<ModuleLayout, BtfError> {
+    block_on(module_layout_paced(btf, &Budget::unlimited()))
+}
+
+/// Checks that member `name` of `outer` resolves to `kind`; its offset.
+async fn typed<V: VirtMemory + ?Sized>(
+    btf: &Btf<'_, V>,
+    outer: &crate::btf::TypeInfo,
+    name: &'static str,
+    kind: Kind,
+    pace: &Budget,
+) -> Result<u32, BtfError> {
+    let m = btf.member_paced(outer, name, pace).await?;
+    if btf.resolve_paced(m.type_id, pace).await?.kind != kind {
+        return Err(BtfError::UnexpectedType(name));
+    }
+    m.byte_offset().ok_or(BtfError::UnexpectedType(name))
+}
+
+/// [`module_layout`], pausing on `pace` between steps.
+pub async fn module_layout_paced<V: VirtMemory + ?Sized>(
+    btf: &Btf<'_, V>,
+    pace: &Budget,
+) -> Result<ModuleLayout, BtfError> {
+    let module = btf.find_paced(Kind::Struct, "module", pace).await?;
+    let state = btf.member_paced(&module, "state", pace).await?;
+    let state_t = btf.resolve_paced(state.type_id, pace).await?;
+    if state_t.kind != Kind::Enum || state_t.size_or_type != 4 {
+        return Err(BtfError::UnexpectedType("state"));
+    }
+    let states = ModuleStates {
+        live: btf.enumerator(&state_t, "MODULE_STATE_LIVE")?,
+        coming: btf.enumerator(&state_t, "MODULE_STATE_COMING")?,
+        going: btf.enumerator(&state_t, "MODULE_STATE_GOING")?,
+        unformed: btf.enumerator(&state_t, "MODULE_STATE_UNFORMED")?,
+    };
+    let list = typed(btf, &module, "list", Kind::Struct, pace).await?;
+    let name = btf.member_paced(&module, "name", pace).await?;
+    let name_t = btf.resolve_paced(name.type_id, pace).await?;
+    let (elem, name_len) = btf.array(&name_t)?;
+    let elem = btf.resolve_paced(elem, pace).await?;
+    if elem.kind != Kind::Int || elem.size_or_type != 1 || name_len == 0 {
+        return Err(BtfError::UnexpectedType("name"));
+    }
+    let memory = match btf.member_paced(&module, "mem", pace).await {
+        Ok(mem) => {
+            let mem_t = btf.resolve_paced(mem.type_id, pace).await?;
+            let (elem, count) = btf.array(&mem_t)?;
+            let elem = btf.resolve_paced(elem, pace).await?;
+            if elem.kind != Kind::Struct || count == 0 {
+                return Err(BtfError::UnexpectedType("mem"));
+            }
+            let kinds = btf.find_paced(Kind::Enum, "mod_mem_type", pace).await?;
+            let index = |name| -> Result<u32, BtfError> {
+                let v = btf.enumerator(&kinds, name)?;
+                u32::try_from(v)
+                    .ok()
+                    .filter(|&i| i < count)
+                    .ok_or(BtfError::UnexpectedType(name))
+            };
+            ModuleMemory::Regions {
+                mem: mem.byte_offset().ok_or(BtfError::UnexpectedType("mem"))?,
+                count,
+                stride: elem.size_or_type,
+                base: typed(btf, &elem, "base", Kind::Ptr, pace).await?,
+                size: typed(btf, &elem, "size", Kind::Int, pace).await?,
+                text: index("MOD_TEXT")?,
+                init_text: index("MOD_INIT_TEXT")?,
+            }
+        }
+        Err(BtfError::NoMember(_)) => {
+            let core = btf.member_paced(&module, "core_layout", pace).await?;
+            let layout = btf.resolve_paced(core.type_id, pace).await?;
+            if layout.kind != Kind::Struct {
+                return Err(BtfError::UnexpectedType("core_layout"));
+            }
+            ModuleMemory::Layouts {
+                core: core
+                    .byte_offset()
+                    .ok_or(BtfError::UnexpectedType("core_layout"))?,
+                init: typed(btf, &module, "init_layout", Kind::Struct, pace).await?,
+                base: typed(btf, &layout, "base", Kind::Ptr, pace).await?,
+                size: typed(btf, &layout, "size", Kind::Int, pace).await?,
+                text_size: typed(btf, &layout, "text_size", Kind::Int, pace).await?,
+            }
+        }
+        Err(e) => return Err(e),
+    };
+    let kallsyms = match btf.member_paced(&module, "kallsyms", pace).await {
+        Ok(m) => {
+            let at = m
+                .byte_offset()
+                .ok_or(BtfError::UnexpectedType("kallsyms"))?;
+            let ptr = btf.resolve_paced(m.type_id, pace).await?;
+            if ptr.kind != Kind::Ptr {
+                return Err(BtfError::UnexpectedType("kallsyms"));
+            }
+            let ks = btf.resolve_paced(ptr.size_or_type, pace).await?;
+            if ks.kind != Kind::Struct {
+                return Err(BtfError::UnexpectedType("mod_kallsyms"));
+            }
+            let typetab = match typed(btf, &ks, "typetab", Kind::Ptr, pace).await {
+                Ok(o) => Some(o),
+                Err(BtfError::NoMember(_)) => None,
+                Err(e) => return Err(e),
+            };
+            Some((
+                at,
+                ModKallsyms {
+                    symtab: typed(btf, &ks, "symtab", Kind::Ptr, pace).await?,
+                    num_symtab: typed(btf, &ks, "num_symtab", Kind::Int, pace).await?,
+                    strtab: typed(btf, &ks, "strtab", Kind::Ptr, pace).await?,
+                    typetab,
+                },
+            ))
+        }
+        Err(BtfError::NoMember(_)) => None,
+        Err(e) => return Err(e),
+    };
+    Ok(ModuleLayout {
+        size: module.size_or_type,
+        state: state
+            .byte_offset()
+            .ok_or(BtfError::UnexpectedType("state"))?,
+        list,
+        name: name.byte_offset().ok_or(BtfError::UnexpectedType("name"))?,
+        name_len,
+        memory,
+        kallsyms,
+        states,
+    })
+}
+
+/// Modules walked at most (a list that does not come back to its head
+/// within this many is refused: a cycle, or a guest in the middle of
+/// changing it).
+pub const MAX_MODULES: usize = 4096;
+/// Symbols read per module at most.
+pub const MAX_MODULE_SYMBOLS: u32 = 1 << 18;
+/// Bytes of a symbol name at most (`KSYM_NAME_LEN`).
+pub const MAX_SYMBOL_NAME: usize = 512;
+/// `sizeof(Elf64_Sym)`: `st_name` (u32), `st_info`, `st_other` (u8),
+/// `st_shndx` (u16), `st_value`, `st_size` (u64).
+const ELF64_SYM: u64 = 24;
+
+/// A loaded module, as read from guest memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Module {
+    /// Its `struct module`.
+    pub addr: Gva,
+    /// Its name.
+    pub name: String,
+    /// Its `state` (see [`ModuleStates`]).
+    pub state: i64,
+    /// Its core text (empty when it has none).
+    pub text: GvaRange,
+    /// Its init text (empty once freed, or when it has none).
+    pub init_text: GvaRange,
+    /// Its own symbols, as `/proc/kallsyms` lists them: named, in symtab
+    /// order.
+    pub symbols: Vec<ModuleSymbol>,
+}
+
+/// A module's symbol.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModuleSymbol {
+    /// Its address (`st_value`).
+    pub addr: u64,
+    /// Its `nm` type (`t`, `T`, `d`, ...; `?` without a type table).
+    pub kind: u8,
+    /// Its name.
+    pub name: String,
+}
+
+/// Why the module list could not be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModuleError {
+    /// A read of guest memory failed at this address.
+    Read(Gva),
+    /// The list did not come back to its head within [`MAX_MODULES`].
+    TooLong,
+    /// A module claims more symbols than [`MAX_MODULE_SYMBOLS`].
+    TooManySymbols(u32),
+    /// The heap refused the walk's memory.
+    OutOfMemory(OutOfMemory),
+}
+
+impl From<OutOfMemory> for ModuleError {
+    fn from(e: OutOfMemory) -> Self {
+        ModuleError::OutOfMemory(e)
+    }
+}
+
+impl core::fmt::Display for ModuleError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::Read(at) => write!(f, "module list: unreadable guest memory at {:#x}", at.0),
+            Self::TooLong => write!(
+                f,
+                "module list: no way back to its head within {MAX_MODULES} modules"
+            ),
+            Self::TooManySymbols(n) => write!(f, "a module claims {n} symbols"),
+            Self::OutOfMemory(e) => write!(f, "module list: out of memory ({} bytes)", e.bytes),
+        }
+    }
+}
+
+/// Reads `N` bytes at `at`.
+fn read<V: VirtMemory + ?Sized, const N: usize>(view: &V, at: u64) -> Result<[u8; N], ModuleError> {
+    read_array::<V, N>(view, Gva(at)).map_err(|_| ModuleError::Read(Gva(at)))
+}
+
+fn u64_at<V: VirtMemory + ?Sized>(view: &V, at: u64) -> Result<u64, ModuleError> {
+    read::<V, 8>(view, at).map(u64::from_le_bytes)
+}
+
+fn u32_at<V: VirtMemory + ?Sized>(view: &V, at: u64) -> Result<u32, ModuleError> {
+    read::<V, 4>(view, at).map(u32::from_le_bytes)
+}
+
+/// A NUL-terminated string of at most `max` bytes at `at` (cut there when
+/// it has no NUL), read in small pieces so that a string ending just
+/// before an unmapped page reads whole.
+fn c_string<V: VirtMemory + ?Sized>(view: &V, at: u64, max: usize) -> Result<String, ModuleError> {
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 32];
+    while out.len() < max {
+        let addr = at.wrapping_add(out.len() as u64);
+        // Up to the end of the page, 32 bytes at most.
+        let room = (0x1000 - (addr & 0xfff)).min(32) as usize;
+        let piece = chunk
+            .get_mut(..room.min(max - out.len()))
+            .ok_or(ModuleError::Read(Gva(addr)))?;
+        view.read_virt(Gva(addr), piece)
+            .map_err(|_| ModuleError::Read(Gva(addr)))?;
+        let end = piece.iter().position(|&b| b == 0);
+        let take = end.unwrap_or(piece.len());
+        crate::fallible::try_reserve(&mut out, take)?;
+        out.extend_from_slice(piece.get(..take).unwrap_or_default());
+        if end.is_some() {
+            break;
+        }
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+impl ModuleLayout {
+    /// The core and init text of the module at `m`.
+    fn text<V: VirtMemory + ?Sized>(
+        &self,
+        view: &V,
+        m: u64,
+    ) -> Result<(GvaRange, GvaRange), ModuleError> {
+        let range = |base: u64, len: u64| GvaRange::with_len(Gva(base), len);
+        Ok(match self.memory {
+            ModuleMemory::Layouts {
+                core,
+                init,
+                base,
+                text_size,
+                ..
+            } => {
+                let at = |l: u32, f: u32| m.wrapping_add(u64::from(l) + u64::from(f));
+                (
+                    range(
+                        u64_at(view, at(core, base))?,
+                        u64::from(u32_at(view, at(core, text_size))?),
+                    ),
+                    range(
+                        u64_at(view, at(init, base))?,
+                        u64::from(u32_at(view, at(init, text_size))?),
+                    ),
+                )
+            }
+            ModuleMemory::Regions {
+                mem,
+                stride,
+                base,
+                size,
+                text,
+                init_text,
+                ..
+            } => {
+                let at = |i: u32, f: u32| {
+                    m.wrapping_add(u64::from(mem) + u64::from(i) * u64::from(stride) + u64::from(f))
+                };
+                (
+                    range(
+                        u64_at(view, at(text, base))?,
+                        u64::from(u32_at(view, at(text, size))?),
+                    ),
+                    range(
+                        u64_at(view, at(init_text, base))?,
+                        u64::from(u32_at(view, at(init_text, size))?),
+                    ),
+                )
+            }
+        })
+    }
+
+    /// The named symbols of the module at `m`, from its `mod_kallsyms`.
+    fn symbols<V: VirtMemory + ?Sized>(
+        &self,
+        view: &V,
+        m: u64,
+    ) -> Result<Vec<ModuleSymbol>, ModuleError> {
+        let mut out = Vec::new();
+        let Some((at, ks)) = self.kallsyms else {
+            return Ok(out);
+        };
+        let p = u64_at(view, m.wrapping_add(u64::from(at)))?;
+        if p == 0 {
+            return Ok(out);
+        }
+        let field = |f: u32| p.wrapping_add(u64::from(f));
+        let symtab = u64_at(view, field(ks.symtab))?;
+        let n = u32_at(view, field(ks.num_symtab))?;
+        let strtab = u64_at(view, field(ks.strtab))?;
+        let typetab = match ks.typetab {
+            Some(t) => Some(u64_at(view, field(t))?),
+            None => None,
+        };
+        if n > MAX_MODULE_SYMBOLS {
+            return Err(ModuleError::TooManySymbols(n));
+        }
+        for i in 0..u64::from(n) {
+            let sym = read::<V, 24>(view, symtab.wrapping_add(i * ELF64_SYM))?;
+            let word = |o: usize| {
+                sym.get(o..o + 8)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0, u64::from_le_bytes)
+            };
+            let st_name = word(0) as u32;
+            let name = c_string(
+                view,
+                strtab.wrapping_add(u64::from(st_name)),
+                MAX_SYMBOL_NAME,
+            )?;
+            if name.is_empty() {
+                continue;
+            }
+            let kind = match typetab {
+                Some(t) => read::<V, 1>(view, t.wrapping_add(i))?[0],
+                None => b'?',
+            };
+            crate::fallible::try_push(
+                &mut out,
+                ModuleSymbol {
+                    addr: word(8),
+                    kind,
+                    name,
+                },
+            )?;
+        }
+        Ok(out)
+    }
+}
+
+/// The modules on the kernel's `modules` list, whose head is at `head`, in
+/// list order (the most recently loaded first, as the kernel adds them at
+/// the head). A module still being set up (`MODULE_STATE_UNFORMED`) is
+/// listed with its name and state only: its memory is not settled yet.
+pub fn walk_modules<V: VirtMemory + ?Sized>(
+    view: &V,
+    layout: &ModuleLayout,
+    head: Gva,
+) -> Result<Vec<Module>, ModuleError> {
+    let mut out = Vec::new();
+    let mut next = u64_at(view, head.0)?;
+    while next != head.0 {
+        if out.len() >= MAX_MODULES {
+            return Err(ModuleError::TooLong);
+        }
+        let m = next.wrapping_sub(u64::from(layout.list));
+        let name = c_string(
+            view,
+            m.wrapping_add(u64::from(layout.name)),
+            layout.name_len as usize,
+        )?;
+        let state = i64::from(u32_at(view, m.wrapping_add(u64::from(layout.state)))? as i32);
+        let (text, init_text, symbols) = if state == layout.states.unformed {
+            let none = GvaRange::new(Gva(0), Gva(0));
+            (none, none, Vec::new())
+        } else {
+            let (t, i) = layout.text(view, m)?;
+            (t, i, layout.symbols(view, m)?)
+        };
+        crate::fallible::try_push(
+            &mut out,
+            Module {
+                addr: Gva(m),
+                name,
+                state,
+                text,
+                init_text,
+                symbols,
+            },
+        )?;
+        next = u64_at(view, next)?;
+    }
+    Ok(out)
+}

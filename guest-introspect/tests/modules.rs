@@ -1,0 +1,310 @@
+//! The module list walk over synthetic guest memory laid out as 6.12 and
+//! 6.1 lay out `struct module` (the offsets the real kernels' BTF gives,
+//! see tests/real/facts.rs): names, states, text ranges and each module's
+//! own symbols; and lists that are broken or hostile.
+
+use guest_introspect::module::{
+    walk_modules, ModKallsyms, ModuleError, ModuleLayout, ModuleMemory, ModuleStates, ModuleSymbol,
+    MAX_MODULES,
+};
+use guest_introspect::view::SegmentView;
+use guest_introspect::{Gva, GvaRange};
+
+const BASE: u64 = 0xffff_ffff_c000_0000;
+const SIZE: usize = 1 << 16;
+/// The kernel's `modules` list head.
+const HEAD: u64 = BASE + 0x100;
+
+const STATES: ModuleStates = ModuleStates {
+    live: 0,
+    coming: 1,
+    going: 2,
+    unformed: 3,
+};
+const KALLSYMS: ModKallsyms = ModKallsyms {
+    symtab: 0,
+    num_symtab: 8,
+    strtab: 16,
+    typetab: Some(24),
+};
+
+/// The fast lane's (6.12) layout.
+fn regions() -> ModuleLayout {
+    ModuleLayout {
+        size: 1216,
+        state: 0,
+        list: 8,
+        name: 24,
+        name_len: 56,
+        memory: ModuleMemory::Regions {
+            mem: 320,
+            count: 7,
+            stride: 72,
+            base: 0,
+            size: 8,
+            text: 0,
+            init_text: 4,
+        },
+        kallsyms: Some((888, KALLSYMS)),
+        states: STATES,
+    }
+}
+
+/// Debian's (6.1) layout.
+fn layouts() -> ModuleLayout {
+    ModuleLayout {
+        size: 896,
+        memory: ModuleMemory::Layouts {
+            core: 320,
+            init: 400,
+            base: 0,
+            size: 8,
+            text_size: 12,
+        },
+        kallsyms: Some((544, KALLSYMS)),
+        ..regions()
+    }
+}
+
+/// Guest memory being laid out.
+struct Mem(Vec<u8>);
+
+impl Mem {
+    fn new() -> Mem {
+        Mem(vec![0; SIZE])
+    }
+    fn put(&mut self, at: u64, bytes: &[u8]) {
+        let o = (at - BASE) as usize;
+        self.0[o..o + bytes.len()].copy_from_slice(bytes);
+    }
+    fn q(&mut self, at: u64, v: u64) {
+        self.put(at, &v.to_le_bytes());
+    }
+    fn d(&mut self, at: u64, v: u32) {
+        self.put(at, &v.to_le_bytes());
+    }
+    fn view(&self) -> SegmentView<'_> {
+        let mut v = SegmentView::new();
+        assert!(v.add(Gva(BASE), &self.0, SIZE as u64));
+        v
+    }
+}
+
+/// A module at `m` named `name` in `state`, with core text at `text`
+/// (`len` bytes), init text `init`, and `syms` (name, type, address); its
+/// tables go at `tables`.
+#[allow(clippy::too_many_arguments)]
+fn module(
+    mem: &mut Mem,
+    l: &ModuleLayout,
+    m: u64,
+    name: &str,
+    state: u32,
+    text: (u64, u32),
+    init: (u64, u32),
+    syms: &[(&str, u8, u64)],
+    tables: u64,
+) {
+    mem.d(m + u64::from(l.state), state);
+    mem.put(m + u64::from(l.name), name.as_bytes());
+    match l.memory {
+        ModuleMemory::Layouts {
+            core,
+            init: i,
+            base,
+            text_size,
+            ..
+        } => {
+            mem.q(m + u64::from(core + base), text.0);
+            mem.d(m + u64::from(core + text_size), text.1);
+            mem.q(m + u64::from(i + base), init.0);
+            mem.d(m + u64::from(i + text_size), init.1);
+        }
+        ModuleMemory::Regions {
+            mem: at,
+            stride,
+            base,
+            size,
+            text: t,
+            init_text,
+            ..
+        } => {
+            for (idx, (b, n)) in [(t, text), (init_text, init)] {
+                let r = m + u64::from(at + idx * stride);
+                mem.q(r + u64::from(base), b);
+                mem.d(r + u64::from(size), n);
+            }
+        }
+    }
+    // mod_kallsyms, then the symtab (a null symbol first, as the kernel
+    // keeps it), the types and the strings.
+    let (ks_at, ks) = l.kallsyms.unwrap();
+    let ks_addr = tables;
+    let symtab = tables + 0x40;
+    let n = syms.len() as u64 + 1;
+    let typetab = symtab + 24 * n;
+    let strtab = typetab + n + 8;
+    mem.q(m + u64::from(ks_at), ks_addr);
+    mem.q(ks_addr + u64::from(ks.symtab), symtab);
+    mem.d(ks_addr + u64::from(ks.num_symtab), n as u32);
+    mem.q(ks_addr + u64::from(ks.strtab), strtab);
+    mem.q(ks_addr + u64::from(ks.typetab.unwrap()), typetab);
+    let mut str_off = 1u32; // offset 0: the empty name
+    for (i, (s, kind, addr)) in syms.iter().enumerate() {
+        let e = symtab + 24 * (i as u64 + 1);
+        mem.d(e, str_off);
+        mem.q(e + 8, *addr);
+        mem.put(typetab + i as u64 + 1, &[*kind]);
+        mem.put(strtab + u64::from(str_off), s.as_bytes());
+        str_off += s.len() as u32 + 1;
+    }
+}
+
+/// Links modules at `ms` (their `struct module` addresses) into the list
+/// at HEAD, in that order.
+fn link(mem: &mut Mem, l: &ModuleLayout, ms: &[u64]) {
+    let nodes: Vec<u64> = std::iter::once(HEAD)
+        .chain(ms.iter().map(|m| m + u64::from(l.list)))
+        .collect();
+    for (i, &node) in nodes.iter().enumerate() {
+        let next = nodes[(i + 1) % nodes.len()];
+        let prev = nodes[(i + nodes.len() - 1) % nodes.len()];
+        mem.q(node, next);
+        mem.q(node + 8, prev);
+    }
+}
+
+#[test]
+fn both_layouts_walk_to_names_text_and_symbols() {
+    for l in [regions(), layouts()] {
+        let mut mem = Mem::new();
+        let (a, b, c) = (BASE + 0x1000, BASE + 0x2000, BASE + 0x3000);
+        module(
+            &mut mem,
+            &l,
+            a,
+            "ext4",
+            0,
+            (0xffff_ffff_c100_0000, 0x5_2000),
+            (0, 0),
+            &[
+                ("ext4_file_open", b't', 0xffff_ffff_c100_1230),
+                ("ext4_fs_type", b'd', 0xffff_ffff_c108_0000),
+            ],
+            BASE + 0x8000,
+        );
+        module(
+            &mut mem,
+            &l,
+            b,
+            "loop",
+            1,
+            (0xffff_ffff_c120_0000, 0x3000),
+            (0xffff_ffff_c130_0000, 0x800),
+            &[("loop_init", b't', 0xffff_ffff_c130_0010)],
+            BASE + 0x9000,
+        );
+        // Being set up: no memory or symbols read yet.
+        module(
+            &mut mem,
+            &l,
+            c,
+            "dummy",
+            3,
+            (0xdead, 1),
+            (0, 0),
+            &[],
+            BASE + 0xa000,
+        );
+        link(&mut mem, &l, &[a, b, c]);
+        let view = mem.view();
+        let got = walk_modules(&view, &l, Gva(HEAD)).unwrap();
+        let summary: Vec<_> = got
+            .iter()
+            .map(|m| (m.addr.0, m.name.as_str(), m.state, m.text, m.init_text))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (
+                    a,
+                    "ext4",
+                    0,
+                    GvaRange::with_len(Gva(0xffff_ffff_c100_0000), 0x5_2000),
+                    GvaRange::new(Gva(0), Gva(0))
+                ),
+                (
+                    b,
+                    "loop",
+                    1,
+                    GvaRange::with_len(Gva(0xffff_ffff_c120_0000), 0x3000),
+                    GvaRange::with_len(Gva(0xffff_ffff_c130_0000), 0x800)
+                ),
+                (
+                    c,
+                    "dummy",
+                    3,
+                    GvaRange::new(Gva(0), Gva(0)),
+                    GvaRange::new(Gva(0), Gva(0))
+                ),
+            ],
+            "{l:?}"
+        );
+        assert_eq!(
+            got[0].symbols,
+            [
+                ModuleSymbol {
+                    addr: 0xffff_ffff_c100_1230,
+                    kind: b't',
+                    name: "ext4_file_open".into()
+                },
+                ModuleSymbol {
+                    addr: 0xffff_ffff_c108_0000,
+                    kind: b'd',
+                    name: "ext4_fs_type".into()
+                }
+            ]
+        );
+        assert_eq!(got[1].symbols.len(), 1);
+        assert!(got[2].symbols.is_empty());
+        // No modules: the head points at itself.
+        link(&mut mem, &l, &[]);
+        assert_eq!(walk_modules(&mem.view(), &l, Gva(HEAD)), Ok(vec![]));
+    }
+}
+
+#[test]
+fn broken_and_hostile_lists_are_errors() {
+    let l = regions();
+    let mut mem = Mem::new();
+    let a = BASE + 0x1000;
+    module(&mut mem, &l, a, "a", 0, (0, 0), (0, 0), &[], BASE + 0x8000);
+    // A list that loops without coming back to its head.
+    link(&mut mem, &l, &[a]);
+    mem.q(a + 8, a + 8);
+    assert_eq!(
+        walk_modules(&mem.view(), &l, Gva(HEAD)),
+        Err(ModuleError::TooLong)
+    );
+    assert_eq!(MAX_MODULES, 4096);
+    // A next pointer out of guest memory.
+    mem.q(a + 8, 0x1234_5000);
+    assert!(matches!(
+        walk_modules(&mem.view(), &l, Gva(HEAD)),
+        Err(ModuleError::Read(_))
+    ));
+    // A symbol count no module has.
+    link(&mut mem, &l, &[a]);
+    let ks = u64::from_le_bytes(mem.0[(a - BASE + 888) as usize..][..8].try_into().unwrap());
+    mem.d(ks + 8, u32::MAX);
+    assert_eq!(
+        walk_modules(&mem.view(), &l, Gva(HEAD)),
+        Err(ModuleError::TooManySymbols(u32::MAX))
+    );
+    // A name with no NUL stops at MODULE_NAME_LEN.
+    mem.d(ks + 8, 1);
+    mem.put(a + 24, &[b'x'; 56]);
+    mem.put(a + 24 + 56, b"overflow");
+    let got = walk_modules(&mem.view(), &l, Gva(HEAD)).unwrap();
+    assert_eq!(got[0].name, "x".repeat(56));
+}
