@@ -284,14 +284,23 @@ fn function_tracer(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     // ftrace records pids and prints each one's latest comm, so a call made
     // during exec shows the new name; we record the name at the hit. Compare
     // by pid and `func <-parent`.
+    // The workload's tasks are the pids the guest shows as `cat`; all
+    // their lines count, whatever comm the guest printed on each (its
+    // saved comm for a pid is the one last recorded, so the exec of the
+    // last `cat` may still show the shell's name).
     let key = |l: &Line| (l.pid, l.body.clone());
-    let mut g: Vec<(i32, String)> = parse_all(&guest)
+    let guest_lines = parse_all(&guest);
+    let pids: Vec<i32> = guest_lines
         .iter()
-        .filter(|l| l.comm == "cat" && l.body.starts_with(&format!("{func} <-")))
+        .filter(|l| l.comm == "cat")
+        .map(|l| l.pid)
+        .collect();
+    let mut g: Vec<(i32, String)> = guest_lines
+        .iter()
+        .filter(|l| pids.contains(&l.pid) && l.body.starts_with(&format!("{func} <-")))
         .map(key)
         .collect();
     g.sort();
-    let pids: Vec<i32> = g.iter().map(|k| k.0).collect();
     let mut mine: Vec<(i32, String)> = ours
         .iter()
         .filter(|l| pids.contains(&l.pid) && l.body.starts_with(&format!("{func} <-")))

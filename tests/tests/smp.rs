@@ -128,6 +128,7 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
     );
     let mut per_round = Vec::new();
     let mut per_vcpu_rounds = Vec::new();
+    let mut hits_per_vcpu = [0u64; 2];
     let mut prev = settled_status(ck, c, "before the rounds");
     for round in 0..ROUNDS {
         let hits0 = hv_status(c).tracer.hits;
@@ -176,9 +177,9 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
         per_round.push((hits, what));
         // Unhooked: each vCPU's VMCALL exits of the round are its hits,
         // its returns and the calls refused (in flight at the unhook),
-        // and nothing else (`settled_status`); every vCPU hit; a graph
-        // call exits exactly twice (every hijacked call returned through
-        // us), a probe or function hit once.
+        // and nothing else (`settled_status`); a graph call exits exactly
+        // twice (every hijacked call returned through us), a probe or
+        // function hit once.
         let now = settled_status(ck, c, &format!("round {round} ({what})"));
         let mut line = Vec::new();
         let (mut all_hits, mut all_returns) = (0, 0);
@@ -188,10 +189,9 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
                 a.returns - b.returns,
                 a.refused - b.refused,
             );
-            ck.check(
-                hits > 0,
-                format!("round {round} ({what}): no hit on vCPU {}", a.index),
-            );
+            if let Some(h) = hits_per_vcpu.get_mut(a.index as usize) {
+                *h += hits;
+            }
             all_hits += hits;
             all_returns += returns;
             line.push(format!(
@@ -213,6 +213,12 @@ fn patching_under_fire(ck: &mut Checks, c: &mut Client) {
     for l in &per_vcpu_rounds {
         println!("smp fire round: {l}");
     }
+    // Both CPUs ran their loop through the rounds (in a given round the
+    // boot processor's guest may get little time: it also serves COM2).
+    ck.check(
+        hits_per_vcpu.iter().all(|&h| h > 0),
+        format!("hits per vCPU over the rounds: {hits_per_vcpu:?}"),
+    );
     print_lock_waits("smp fire", &start, &hv_status(c));
     // Unhooked: no more hits, and the guest is well.
     let hits_then = hv_status(c).tracer.hits;
