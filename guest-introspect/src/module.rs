@@ -348,7 +348,14 @@ fn c_string<V: VirtMemory + ?Sized>(view: &V, at: u64, max: usize) -> Result<Str
             break;
         }
     }
-    Ok(String::from_utf8_lossy(&out).into_owned())
+    // Kernel and module names are ASCII: anything else becomes `?` in
+    // place, so the bytes become the string without another allocation.
+    for b in &mut out {
+        if !b.is_ascii() {
+            *b = b'?';
+        }
+    }
+    Ok(String::from_utf8(out).unwrap_or_default())
 }
 
 impl ModuleLayout {

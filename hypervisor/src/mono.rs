@@ -27,10 +27,7 @@ impl MonoTsc {
     /// A reading that went backwards (or jumped by more than 2^63, which no
     /// TSC does) adds nothing.
     pub fn update(&mut self, raw: u64) -> u64 {
-        let delta = raw.wrapping_sub(self.last_raw);
-        if delta <= i64::MAX as u64 {
-            self.now = self.now.saturating_add(delta);
-        }
+        self.now = self.peek(raw);
         self.last_raw = raw;
         self.now
     }

@@ -1063,6 +1063,37 @@ fn hits_on_two_vcpus_run_at_once_over_the_shared_state() {
                 let mut root = FakeRoot::new();
                 root.me = on;
                 let base = [STACK_BASE, STACK_BASE_2][on];
+                // One VMCALL of this vCPU at `rip` with RSP `rsp` and
+                // RAX, RDI, RSI as given: its outcome and the RAX back.
+                let vmcall = |root: &mut FakeRoot,
+                              cpu_state: &mut CpuState,
+                              rip: u64,
+                              rsp: u64,
+                              [rax, rdi, rsi]: [u64; 3]| {
+                    let mut regs = GuestRegs {
+                        rax,
+                        rdi,
+                        rsi,
+                        ..GuestRegs::default()
+                    };
+                    let cpu = CpuView {
+                        cr3: PML4,
+                        rsp,
+                        gs_base: GS_BASES[on],
+                        ..CpuView::default()
+                    };
+                    let mut env = Env { ram: door, m: root };
+                    let now = clock.fetch_add(10, SeqCst);
+                    let out = Hit::new(vm, cpu_state).hypercall(
+                        &mut env,
+                        rip,
+                        &mut regs,
+                        &cpu,
+                        Some(kernel),
+                        now,
+                    );
+                    (out, regs.rax)
+                };
                 let call = |root: &mut FakeRoot,
                             cpu_state: &mut CpuState,
                             func: u64,
@@ -1072,56 +1103,17 @@ fn hits_on_two_vcpus_run_at_once_over_the_shared_state() {
                     ram.put(gpa(retp), &ret.to_le_bytes());
                     let regs_at = retp - 8 - PT_REGS_SIZE as u64 - 0x40;
                     ram.put(gpa(regs_at), &pt_regs(func + 5, retp, i));
-                    let mut regs = GuestRegs {
-                        rax: u64::from(HYPERCALL_ENTRY),
-                        rdi: regs_at,
-                        rsi: func,
-                        ..GuestRegs::default()
-                    };
-                    let cpu = CpuView {
-                        cr3: PML4,
-                        rsp: regs_at,
-                        gs_base: GS_BASES[on],
-                        ..CpuView::default()
-                    };
-                    let mut env = Env { ram: door, m: root };
-                    let now = clock.fetch_add(10, SeqCst);
-                    let out = Hit::new(vm, cpu_state).hypercall(
-                        &mut env,
-                        entry_rip,
-                        &mut regs,
-                        &cpu,
-                        Some(kernel),
-                        now,
-                    );
+                    let regs = [u64::from(HYPERCALL_ENTRY), regs_at, func];
+                    let (out, _) = vmcall(root, cpu_state, entry_rip, regs_at, regs);
                     assert!(matches!(out, Hypercall::Handled));
                     assert_eq!(ram.word(gpa(retp)), tramp, "vCPU {on} call {i}");
                 };
                 let ret = |root: &mut FakeRoot, cpu_state: &mut CpuState, retp: u64, i: u64| {
-                    let mut regs = GuestRegs {
-                        rax: u64::from(HYPERCALL_RETURN),
-                        rdi: retp - RETURN_FRAME_RETP as u64,
-                        rsi: i,
-                        ..GuestRegs::default()
-                    };
-                    let cpu = CpuView {
-                        cr3: PML4,
-                        rsp: retp,
-                        gs_base: GS_BASES[on],
-                        ..CpuView::default()
-                    };
-                    let mut env = Env { ram: door, m: root };
-                    let now = clock.fetch_add(10, SeqCst);
-                    let out = Hit::new(vm, cpu_state).hypercall(
-                        &mut env,
-                        return_rip,
-                        &mut regs,
-                        &cpu,
-                        Some(kernel),
-                        now,
-                    );
+                    let frame = retp - RETURN_FRAME_RETP as u64;
+                    let regs = [u64::from(HYPERCALL_RETURN), frame, i];
+                    let (out, rax) = vmcall(root, cpu_state, return_rip, retp, regs);
                     assert!(matches!(out, Hypercall::Handled), "vCPU {on} return {i}");
-                    regs.rax
+                    rax
                 };
                 let outer = base + 0x3f00;
                 let inner = outer - 0x100;
