@@ -14,6 +14,7 @@ use crate::addr::{Gva, GvaRange, DEFAULT_TEXT_BASE, KERNEL_IMAGE_BASE};
 use crate::btf::{self, Btf, BtfError, TaskLayout};
 use crate::budget::{block_on, Budget, Metered, RECOVERY_BUDGET};
 use crate::kallsyms::{self, KallsymsError, KallsymsTables, LocateStats, SymbolIndex};
+use crate::module::ModuleLayout;
 use crate::scan::{ScanStats, ScanStep, Scanner};
 use crate::stacks::StackLayout;
 use crate::view::{read_array, ViewError, VirtMemory};
@@ -289,6 +290,9 @@ pub struct KernelFacts {
     pub current: Result<CurrentTask, CurrentError>,
     /// `THREAD_SIZE` and where the per-CPU stacks are.
     pub stacks: StackLayout,
+    /// `struct module`'s layout, or why it is unknown (no BTF, or a
+    /// kernel without modules).
+    pub modules: Result<ModuleLayout, BtfError>,
 }
 
 /// Finds the kernel in `ranges` of `view`: kallsyms, the symbol index, the
@@ -371,6 +375,11 @@ pub async fn discover_budgeted<V: VirtMemory + ?Sized>(
         Ok(b) => btf::task_layout_paced(b, budget).await,
         Err(e) => Err(*e),
     };
+    budget.set_stage("module layout");
+    let modules = match &parsed {
+        Ok(b) => crate::module::module_layout_paced(b, budget).await,
+        Err(e) => Err(*e),
+    };
     let current = current_task_paced(&symbols, parsed.as_ref().ok(), budget).await;
     budget.set_stage("stacks");
     let stacks = crate::stacks::layout_paced(&symbols, parsed.as_ref().ok(), budget).await;
@@ -385,5 +394,6 @@ pub async fn discover_budgeted<V: VirtMemory + ?Sized>(
         task,
         current,
         stacks,
+        modules,
     }))
 }

@@ -29,6 +29,7 @@ use core::fmt;
 
 use crate::addr::{Gva, GvaRange};
 use crate::kallsyms::{SymbolId, SymbolIndex};
+use crate::module::{is_code_letter, Module, ModuleSymbol};
 use crate::view::{read_array, ViewError, VirtMemory};
 
 /// The NOP5 `ftrace_init` writes over each site (`x86_nops[5]`).
@@ -230,18 +231,27 @@ impl<'i> Classifier<'i> {
                 NotTraceable::NotText
             });
         }
-        let site = match read_array::<_, 9>(view, sym.addr) {
-            Ok(bytes) => decode_site(&bytes, sym.addr, &self.targets),
-            // Freed init text is usually unmapped in a booted guest.
-            Err(_) if in_init => return Err(NotTraceable::InitText { site: None }),
-            Err(e) => return Err(NotTraceable::Unreadable(e)),
-        };
-        if in_init {
-            return Err(NotTraceable::InitText {
-                site: site.map(|s| s.site),
-            });
-        }
-        site.ok_or(NotTraceable::NoFentry)
+        self.site_at(view, sym.addr, in_init)
+    }
+
+    /// The site of a function at `addr`, in init text or not.
+    fn site_at<V: VirtMemory + ?Sized>(
+        &self,
+        view: &V,
+        addr: Gva,
+        in_init: bool,
+    ) -> Result<FentrySite, NotTraceable> {
+        site_at(view, &self.targets, addr, in_init)
+    }
+
+    /// [`classify_module`] with this classifier's targets.
+    pub fn classify_module<V: VirtMemory + ?Sized>(
+        &self,
+        view: &V,
+        m: &Module,
+        sym: &ModuleSymbol,
+    ) -> Result<FentrySite, NotTraceable> {
+        classify_module(view, &self.targets, m, sym)
     }
 
     /// The fentry site of the first function called `name`.
@@ -252,6 +262,47 @@ impl<'i> Classifier<'i> {
     ) -> Option<Result<FentrySite, NotTraceable>> {
         self.index.lookup(name).map(|id| self.classify(view, id))
     }
+}
+
+/// The site of a function at `addr`, in init text or not.
+fn site_at<V: VirtMemory + ?Sized>(
+    view: &V,
+    targets: &SiteTargets,
+    addr: Gva,
+    in_init: bool,
+) -> Result<FentrySite, NotTraceable> {
+    let site = match read_array::<_, 9>(view, addr) {
+        Ok(bytes) => decode_site(&bytes, addr, targets),
+        // Freed init text is usually unmapped in a booted guest.
+        Err(_) if in_init => return Err(NotTraceable::InitText { site: None }),
+        Err(e) => return Err(NotTraceable::Unreadable(e)),
+    };
+    if in_init {
+        return Err(NotTraceable::InitText {
+            site: site.map(|s| s.site),
+        });
+    }
+    site.ok_or(NotTraceable::NoFentry)
+}
+
+/// The fentry site of symbol `sym` of module `m`, or why it has none: as
+/// for the kernel's own functions, with the module's core text in place of
+/// the kernel's (its init text runs once, then is freed).
+pub fn classify_module<V: VirtMemory + ?Sized>(
+    view: &V,
+    targets: &SiteTargets,
+    m: &Module,
+    sym: &ModuleSymbol,
+) -> Result<FentrySite, NotTraceable> {
+    if !is_code_letter(sym.kind) {
+        return Err(NotTraceable::DataSymbol);
+    }
+    let addr = Gva(sym.addr);
+    let in_init = m.init_text.contains(addr);
+    if !m.text.contains(addr) && !in_init {
+        return Err(NotTraceable::NotText);
+    }
+    site_at(view, targets, addr, in_init)
 }
 
 /// Counts over every symbol.

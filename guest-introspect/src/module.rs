@@ -417,6 +417,7 @@ impl ModuleLayout {
         &self,
         view: &V,
         m: u64,
+        charge: &mut impl FnMut(usize) -> Result<(), ModuleError>,
     ) -> Result<Vec<ModuleSymbol>, ModuleError> {
         let mut out = Vec::new();
         let Some((at, ks)) = self.kallsyms else {
@@ -453,6 +454,7 @@ impl ModuleLayout {
             if name.is_empty() {
                 continue;
             }
+            charge(core::mem::size_of::<ModuleSymbol>() + name.len())?;
             let kind = match typetab {
                 Some(t) => read::<V, 1>(view, t.wrapping_add(i))?[0],
                 None => b'?',
@@ -479,13 +481,34 @@ pub fn walk_modules<V: VirtMemory + ?Sized>(
     layout: &ModuleLayout,
     head: Gva,
 ) -> Result<Vec<Module>, ModuleError> {
+    walk_modules_limited(view, layout, head, usize::MAX)
+}
+
+/// [`walk_modules`], refusing (as out of memory) a walk whose modules and
+/// symbols would take more than `max_bytes` of heap: the counts and names
+/// are the guest's.
+pub fn walk_modules_limited<V: VirtMemory + ?Sized>(
+    view: &V,
+    layout: &ModuleLayout,
+    head: Gva,
+    max_bytes: usize,
+) -> Result<Vec<Module>, ModuleError> {
     let mut out = Vec::new();
+    let mut used = 0usize;
+    let mut charge = |bytes: usize| -> Result<(), ModuleError> {
+        used = used.saturating_add(bytes);
+        if used > max_bytes {
+            return Err(ModuleError::OutOfMemory(OutOfMemory { bytes: used }));
+        }
+        Ok(())
+    };
     let mut next = u64_at(view, head.0)?;
     while next != head.0 {
         if out.len() >= MAX_MODULES {
             return Err(ModuleError::TooLong);
         }
         let m = next.wrapping_sub(u64::from(layout.list));
+        charge(core::mem::size_of::<Module>() + layout.name_len as usize)?;
         let name = c_string(
             view,
             m.wrapping_add(u64::from(layout.name)),
@@ -497,7 +520,7 @@ pub fn walk_modules<V: VirtMemory + ?Sized>(
             (none, none, Vec::new())
         } else {
             let (t, i) = layout.text(view, m)?;
-            (t, i, layout.symbols(view, m)?)
+            (t, i, layout.symbols(view, m, &mut charge)?)
         };
         crate::fallible::try_push(
             &mut out,
@@ -513,4 +536,188 @@ pub fn walk_modules<V: VirtMemory + ?Sized>(
         next = u64_at(view, next)?;
     }
     Ok(out)
+}
+
+/// Whether an `nm` type letter is a function's (`t`, `T`, `w`, `W`).
+pub fn is_code_letter(kind: u8) -> bool {
+    matches!(kind, b't' | b'T' | b'w' | b'W')
+}
+
+/// A module symbol by position: its module's index in [`ModuleIndex`]'s
+/// list and its own in that module's symbols.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ModuleSymbolId {
+    /// Index of the module.
+    pub module: u32,
+    /// Index of the symbol in the module's symbols.
+    pub symbol: u32,
+}
+
+/// An address inside a module's text, resolved as `%pS` would.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModuleResolved<'a> {
+    /// The module's name.
+    pub module: &'a str,
+    /// The closest symbol at or before the address.
+    pub name: &'a str,
+    /// The symbol's address.
+    pub addr: u64,
+    /// Bytes from the symbol to the address.
+    pub offset: u64,
+    /// Bytes to the next symbol, or to the end of the text.
+    pub size: u64,
+}
+
+/// The loaded modules as of one walk of the `modules` list, with their
+/// symbols in `/proc/kallsyms` order and an address-sorted table of their
+/// functions for lookups from a return address or a site.
+#[derive(Clone, Debug, Default)]
+pub struct ModuleIndex {
+    modules: Vec<Module>,
+    /// Functions in module text, sorted by address.
+    by_addr: Vec<(u64, ModuleSymbolId)>,
+    /// Heap the index takes.
+    bytes: usize,
+}
+
+impl ModuleIndex {
+    /// Indexes the modules of a walk (in list order); fails only when the
+    /// heap refuses the address table.
+    pub fn new(modules: Vec<Module>) -> Result<Self, OutOfMemory> {
+        let mut by_addr = Vec::new();
+        let n: usize = modules
+            .iter()
+            .map(|m| m.symbols.iter().filter(|s| is_code_letter(s.kind)).count())
+            .sum();
+        crate::fallible::try_reserve(&mut by_addr, n)?;
+        let mut bytes = modules.capacity() * core::mem::size_of::<Module>();
+        for (mi, m) in modules.iter().enumerate() {
+            bytes +=
+                m.name.capacity() + m.symbols.capacity() * core::mem::size_of::<ModuleSymbol>();
+            for (si, s) in m.symbols.iter().enumerate() {
+                bytes += s.name.capacity();
+                if is_code_letter(s.kind)
+                    && (m.text.contains(Gva(s.addr)) || m.init_text.contains(Gva(s.addr)))
+                {
+                    by_addr.push((
+                        s.addr,
+                        ModuleSymbolId {
+                            module: mi as u32,
+                            symbol: si as u32,
+                        },
+                    ));
+                }
+            }
+        }
+        by_addr.sort_unstable();
+        bytes += by_addr.capacity() * core::mem::size_of::<(u64, ModuleSymbolId)>();
+        Ok(Self {
+            modules,
+            by_addr,
+            bytes,
+        })
+    }
+
+    /// The modules, in list order (the most recently loaded first).
+    pub fn modules(&self) -> &[Module] {
+        &self.modules
+    }
+
+    /// Heap bytes the index takes (modules, names, symbols and the address
+    /// table).
+    pub fn heap_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Symbols over all modules.
+    pub fn symbol_count(&self) -> usize {
+        self.modules.iter().map(|m| m.symbols.len()).sum()
+    }
+
+    /// The module and symbol of `id`.
+    pub fn get(&self, id: ModuleSymbolId) -> Option<(&Module, &ModuleSymbol)> {
+        let m = self.modules.get(id.module as usize)?;
+        Some((m, m.symbols.get(id.symbol as usize)?))
+    }
+
+    /// The module called `name` that is set up (not `MODULE_STATE_UNFORMED`).
+    pub fn module(&self, name: &str, states: &ModuleStates) -> Option<(u32, &Module)> {
+        self.modules
+            .iter()
+            .enumerate()
+            .find(|(_, m)| m.name == name && m.state != states.unformed)
+            .map(|(i, m)| (i as u32, m))
+    }
+
+    /// Every symbol in `/proc/kallsyms` order: module by module in list
+    /// order, each in its symtab order; modules still being set up are
+    /// left out, as the kernel leaves them out.
+    pub fn kallsyms_order<'a>(
+        &'a self,
+        states: &'a ModuleStates,
+    ) -> impl Iterator<Item = (ModuleSymbolId, &'a Module, &'a ModuleSymbol)> + 'a {
+        self.modules
+            .iter()
+            .enumerate()
+            .filter(move |(_, m)| m.state != states.unformed)
+            .flat_map(|(mi, m)| {
+                m.symbols.iter().enumerate().map(move |(si, s)| {
+                    (
+                        ModuleSymbolId {
+                            module: mi as u32,
+                            symbol: si as u32,
+                        },
+                        m,
+                        s,
+                    )
+                })
+            })
+    }
+
+    /// The symbol called `name`: in the module called `module` when given,
+    /// else in the first module (list order) that has it.
+    pub fn lookup(
+        &self,
+        module: Option<&str>,
+        name: &str,
+        states: &ModuleStates,
+    ) -> Option<ModuleSymbolId> {
+        self.kallsyms_order(states)
+            .find(|(_, m, s)| module.is_none_or(|want| m.name == want) && s.name == name)
+            .map(|(id, _, _)| id)
+    }
+
+    /// The function of module text that `addr` is in: the closest function
+    /// symbol at or before it in the same module, sized up to the next
+    /// symbol or the end of the text it is in.
+    pub fn resolve(&self, addr: Gva) -> Option<ModuleResolved<'_>> {
+        let i = self.by_addr.partition_point(|&(a, _)| a <= addr.0);
+        let at = self.by_addr.get(i.checked_sub(1)?)?.0;
+        // Of aliases, the first in symtab order, as the kernel picks.
+        let first = self.by_addr.partition_point(|&(a, _)| a < at);
+        let (m, s) = self.get(self.by_addr.get(first)?.1)?;
+        let region = [m.text, m.init_text]
+            .into_iter()
+            .find(|r| r.contains(addr) && r.contains(Gva(at)))?;
+        let next = self
+            .by_addr
+            .get(i)
+            .map(|&(a, _)| a)
+            .filter(|&a| region.contains(Gva(a)))
+            .unwrap_or(region.end.0);
+        Some(ModuleResolved {
+            module: &m.name,
+            name: &s.name,
+            addr: at,
+            offset: addr.0 - at,
+            size: next - at,
+        })
+    }
+
+    /// Whether `addr` is in the text (core or init) of a module.
+    pub fn in_text(&self, addr: Gva) -> bool {
+        self.modules
+            .iter()
+            .any(|m| m.text.contains(addr) || m.init_text.contains(addr))
+    }
 }

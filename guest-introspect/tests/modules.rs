@@ -3,9 +3,12 @@
 //! see tests/real/facts.rs): names, states, text ranges and each module's
 //! own symbols; and lists that are broken or hostile.
 
+use guest_introspect::fentry::{
+    classify_module, Endbr, NotTraceable, SiteState, SiteTargets, NOP5,
+};
 use guest_introspect::module::{
-    walk_modules, ModKallsyms, ModuleError, ModuleLayout, ModuleMemory, ModuleStates, ModuleSymbol,
-    MAX_MODULES,
+    walk_modules, walk_modules_limited, ModKallsyms, ModuleError, ModuleIndex, ModuleLayout,
+    ModuleMemory, ModuleResolved, ModuleStates, ModuleSymbol, ModuleSymbolId, MAX_MODULES,
 };
 use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
@@ -307,4 +310,172 @@ fn broken_and_hostile_lists_are_errors() {
     mem.put(a + 24 + 56, b"overflow");
     let got = walk_modules(&mem.view(), &l, Gva(HEAD)).unwrap();
     assert_eq!(got[0].name, "x".repeat(56));
+}
+
+/// Two modules (the second still being set up) walked into an index:
+/// `/proc/kallsyms` order, lookups by module and name, `%pS`-style
+/// resolution within one module's text, and each function's fentry site
+/// read from module text.
+#[test]
+fn the_index_resolves_and_classifies_module_functions() {
+    let l = regions();
+    let mut mem = Mem::new();
+    let (a, b) = (BASE + 0x1000, BASE + 0x2000);
+    let text = BASE + 0x8000;
+    module(
+        &mut mem,
+        &l,
+        a,
+        "hvtarget",
+        STATES.live as u32,
+        (text, 0x100),
+        (BASE + 0x9000, 0x40),
+        &[
+            ("hvtarget_leaf", b't', text),
+            ("hvtarget_sum", b't', text + 0x10),
+            ("hvtarget_poke", b't', text + 0x40),
+            ("alias_of_sum", b'T', text + 0x10),
+            ("hvtarget_init", b't', BASE + 0x9000),
+            ("__this_module", b'D', BASE + 0xa000),
+            ("no_site", b't', text + 0x80),
+        ],
+        BASE + 0x3000,
+    );
+    module(
+        &mut mem,
+        &l,
+        b,
+        "halfway",
+        STATES.unformed as u32,
+        (0, 0),
+        (0, 0),
+        &[],
+        BASE + 0x4000,
+    );
+    link(&mut mem, &l, &[a, b]);
+    // Sites: a bare NOP5, an ENDBR64 then a NOP5, `call __fentry__` not
+    // yet patched is not in a booted module; nothing at no_site.
+    mem.put(text, &NOP5);
+    mem.put(text + 0x10, &[0xf3, 0x0f, 0x1e, 0xfa]);
+    mem.put(text + 0x14, &NOP5);
+    mem.put(text + 0x40, &NOP5);
+    mem.put(
+        text + 0x80,
+        &[0x55, 0x48, 0x89, 0xe5, 0x90, 0x90, 0x90, 0x90, 0x90],
+    );
+    let view = mem.view();
+    let walked = walk_modules(&view, &l, Gva(HEAD)).unwrap();
+    let idx = ModuleIndex::new(walked).unwrap();
+    assert_eq!(idx.modules().len(), 2);
+    assert_eq!(idx.symbol_count(), 7);
+    assert!(idx.heap_bytes() > 7 * std::mem::size_of::<ModuleSymbol>());
+
+    // Kallsyms order leaves the unformed module out.
+    let names: Vec<(&str, &str)> = idx
+        .kallsyms_order(&STATES)
+        .map(|(_, m, s)| (m.name.as_str(), s.name.as_str()))
+        .collect();
+    assert_eq!(names.len(), 7);
+    assert!(names.iter().all(|(m, _)| *m == "hvtarget"));
+    assert_eq!(names[0].1, "hvtarget_leaf");
+    assert_eq!(names[6].1, "no_site");
+
+    let sum = idx
+        .lookup(Some("hvtarget"), "hvtarget_sum", &STATES)
+        .unwrap();
+    assert_eq!(
+        sum,
+        ModuleSymbolId {
+            module: 0,
+            symbol: 1
+        }
+    );
+    assert_eq!(idx.lookup(None, "hvtarget_sum", &STATES), Some(sum));
+    assert_eq!(idx.lookup(Some("ext4"), "hvtarget_sum", &STATES), None);
+    assert_eq!(idx.lookup(None, "ext4_file_open", &STATES), None);
+    assert!(idx.module("hvtarget", &STATES).is_some());
+    assert!(idx.module("halfway", &STATES).is_none());
+
+    // Resolution: the first of aliases, sized to the next function or the
+    // end of the text the address is in.
+    assert_eq!(
+        idx.resolve(Gva(text + 0x14)),
+        Some(ModuleResolved {
+            module: "hvtarget",
+            name: "hvtarget_sum",
+            addr: text + 0x10,
+            offset: 4,
+            size: 0x30,
+        })
+    );
+    let last = idx.resolve(Gva(text + 0xff)).unwrap();
+    assert_eq!((last.name, last.offset, last.size), ("no_site", 0x7f, 0x80));
+    assert_eq!(idx.resolve(Gva(text + 0x100)), None, "past the text");
+    assert_eq!(
+        idx.resolve(Gva(text - 1)),
+        None,
+        "before the first function"
+    );
+    let init = idx.resolve(Gva(BASE + 0x9004)).unwrap();
+    assert_eq!((init.name, init.size), ("hvtarget_init", 0x40));
+    assert!(idx.in_text(Gva(text + 0x50)));
+    assert!(!idx.in_text(Gva(BASE + 0xa000)));
+
+    // Sites (with no call targets known: a booted module's sites hold the
+    // NOP5).
+    let site = |name: &str| {
+        let id = idx.lookup(None, name, &STATES).unwrap();
+        let (m, s) = idx.get(id).unwrap();
+        classify_module(&view, &SiteTargets::default(), m, s)
+    };
+    let leaf = site("hvtarget_leaf").unwrap();
+    assert_eq!(
+        (leaf.site.0, leaf.endbr, leaf.state),
+        (text, Endbr::None, SiteState::Nop)
+    );
+    let s = site("hvtarget_sum").unwrap();
+    assert_eq!(
+        (s.func.0, s.site.0, s.endbr),
+        (text + 0x10, text + 0x14, Endbr::Endbr64)
+    );
+    assert_eq!(site("no_site"), Err(NotTraceable::NoFentry));
+    assert_eq!(site("__this_module"), Err(NotTraceable::DataSymbol));
+    assert!(matches!(
+        site("hvtarget_init"),
+        Err(NotTraceable::InitText { .. })
+    ));
+}
+
+/// A module list whose symbols would take more heap than allowed is
+/// refused as out of memory, not read to the end.
+#[test]
+fn a_walk_over_its_byte_limit_is_refused() {
+    let l = layouts();
+    let mut mem = Mem::new();
+    let a = BASE + 0x1000;
+    let syms: Vec<(String, u8, u64)> = (0..40)
+        .map(|i| (format!("function_number_{i}"), b't', BASE + 0x8000 + i * 16))
+        .collect();
+    let refs: Vec<(&str, u8, u64)> = syms.iter().map(|(n, k, a)| (n.as_str(), *k, *a)).collect();
+    module(
+        &mut mem,
+        &l,
+        a,
+        "big",
+        STATES.live as u32,
+        (BASE + 0x8000, 0x1000),
+        (0, 0),
+        &refs,
+        BASE + 0x3000,
+    );
+    link(&mut mem, &l, &[a]);
+    let view = mem.view();
+    assert_eq!(
+        walk_modules(&view, &l, Gva(HEAD)).unwrap()[0].symbols.len(),
+        40
+    );
+    match walk_modules_limited(&view, &l, Gva(HEAD), 1024) {
+        Err(ModuleError::OutOfMemory(e)) => assert!(e.bytes > 1024),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
 }

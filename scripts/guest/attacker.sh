@@ -1,27 +1,39 @@
 #!/usr/bin/env bash
-# Build the hostile test module guest/attacker/hvattack.c against the
-# fast-lane kernel, and an initramfs for the fast lane that carries it as
-# /lib/hvattack.ko (scripts/guest/initramfs.sh with the module added).
+# Build the test modules of guest/attacker against the fast-lane kernel:
+# the hostile hvattack.c and the tracing target hvtarget.c. Then build an
+# initramfs for the fast lane that carries them as /lib/hvattack.ko and
+# /lib/hvtarget.ko (scripts/guest/initramfs.sh with the modules added).
 #
-# The module is cached as $CACHE/hvattack-<hash>.ko, keyed by its source and
-# the fast kernel's release and config. Prints the initramfs path on stdout.
+# The modules are cached in $CACHE/hvattack-<hash>/, keyed by their sources
+# and the fast kernel's release and config. Prints the initramfs path on
+# stdout.
 set -euo pipefail
 
 # shellcheck source=scripts/guest/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 MOD_DIR=$HVTRACE_REPO/guest/attacker
-[[ -f $MOD_DIR/hvattack.c && -f $MOD_DIR/Kbuild ]] || die "missing $MOD_DIR/hvattack.c or Kbuild"
+MODULES=(hvattack hvtarget)
+for m in "${MODULES[@]}"; do
+    [[ -f $MOD_DIR/$m.c ]] || die "missing $MOD_DIR/$m.c"
+done
+[[ -f $MOD_DIR/Kbuild ]] || die "missing $MOD_DIR/Kbuild"
 
 kernel=$("$HVTRACE_REPO/scripts/guest/fast-kernel.sh")
 kdir=$(dirname "$kernel")
 CACHE=$(hv_cache_dir)
 release=$(cat "$kdir/release")
-hash=$(hv_hash "$MOD_DIR/hvattack.c" "$MOD_DIR/Kbuild" "$kdir/.config" -- "release $release")
-ko=$CACHE/hvattack-$hash/hvattack.ko
-if [[ -f $ko ]]; then
-    log "cached: $ko"
-    HVTRACE_INITRAMFS_MODULE=$ko exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"
+sources=()
+for m in "${MODULES[@]}"; do
+    sources+=("$MOD_DIR/$m.c")
+done
+hash=$(hv_hash "${sources[@]}" "$MOD_DIR/Kbuild" "$kdir/.config" -- "release $release" "modules ${MODULES[*]}")
+out=$CACHE/hvattack-$hash
+kos=$(printf "$out/%s.ko:" "${MODULES[@]}")
+kos=${kos%:}
+if [[ -f $out/done ]]; then
+    log "cached: $out"
+    HVTRACE_INITRAMFS_MODULES=$kos exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"
 fi
 
 # The fast-lane build tree the kernel came from (kept by fast-kernel.sh).
@@ -45,21 +57,26 @@ fi
 
 work=$(mktemp -d "$CACHE/.attacker.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-cp "$MOD_DIR/hvattack.c" "$MOD_DIR/Kbuild" "$work/"
-log "building hvattack.ko against $release"
+for m in "${MODULES[@]}"; do
+    cp "$MOD_DIR/$m.c" "$work/"
+done
+cp "$MOD_DIR/Kbuild" "$work/"
+log "building ${MODULES[*]} against $release"
 # The tree has no Module.symvers (only bzImage was built) and the kernel
 # has no module versioning, so unresolved-symbol warnings are expected.
 if ! make -C "${src%/}" O="$build" ARCH=x86_64 M="$work" KBUILD_MODPOST_WARN=1 modules \
     >"$work/build.log" 2>&1; then
     tail -n 30 "$work/build.log" >&2
-    die "building hvattack.ko failed"
+    die "building the test modules failed"
 fi
-[[ -f $work/hvattack.ko ]] || die "hvattack.ko not produced"
-
-mkdir -p "$(dirname "$ko")"
-cp "$work/hvattack.ko" "$ko.tmp"
-mv -f "$ko.tmp" "$ko"
-log "built: $ko"
+mkdir -p "$out"
+for m in "${MODULES[@]}"; do
+    [[ -f $work/$m.ko ]] || die "$m.ko not produced"
+    cp "$work/$m.ko" "$out/$m.ko.tmp"
+    mv -f "$out/$m.ko.tmp" "$out/$m.ko"
+done
+touch "$out/done"
+log "built: $out"
 rm -rf "$work"
 trap - EXIT
-HVTRACE_INITRAMFS_MODULE=$ko exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"
+HVTRACE_INITRAMFS_MODULES=$kos exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"

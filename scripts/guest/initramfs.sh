@@ -19,9 +19,9 @@ BENCH_SRC=$HVTRACE_REPO/guest/tools/hvbench.c
 BUSYBOX=/bin/busybox
 # Bump when the archive layout in write_cpio below changes.
 LAYOUT=2
-# Optional: a kernel module to carry as /lib/<name> (the attacker module of
-# the VM tests, see scripts/guest/attacker.sh).
-EXTRA_MODULE=${HVTRACE_INITRAMFS_MODULE:-}
+# Optional: kernel modules to carry as /lib/<name>, colon-separated (the
+# test modules of the VM tests, see scripts/guest/attacker.sh).
+EXTRA_MODULES=${HVTRACE_INITRAMFS_MODULES:-}
 
 [[ -f $INIT ]] || die "missing $INIT"
 [[ -f $BENCH_SRC ]] || die "missing $BENCH_SRC"
@@ -37,10 +37,12 @@ bb_version=$(dpkg-query -W -f='${Version}' busybox-static)
 gcc_version=$(gcc -dumpfullversion)
 extra=()
 kind=""
-if [[ -n $EXTRA_MODULE ]]; then
-    [[ -f $EXTRA_MODULE ]] || die "missing $EXTRA_MODULE"
-    extra=("$EXTRA_MODULE")
-    kind=-$(basename "$EXTRA_MODULE" .ko)
+if [[ -n $EXTRA_MODULES ]]; then
+    IFS=: read -r -a extra <<<"$EXTRA_MODULES"
+    for m in "${extra[@]}"; do
+        [[ -f $m ]] || die "missing $m"
+    done
+    kind=-$(basename "${extra[0]}" .ko)
 fi
 hash=$(hv_hash "$INIT" "$BUSYBOX" "$BENCH_SRC" "${extra[@]}" -- "layout $LAYOUT" "busybox $bb_version" "gcc $gcc_version")
 out=$CACHE/initramfs-$(hv_sanitize_version "$bb_version")$kind-$hash.cpio.gz
@@ -57,10 +59,10 @@ bench=$(mktemp "$out.hvbench.XXXXXX")
 trap 'rm -f "$tmp" "$bench"' EXIT
 gcc -static -O2 -Wall -Werror -o "$bench" "$BENCH_SRC" || die "building hvbench failed"
 
-python3 - "$BUSYBOX" "$INIT" "$tmp" "$bench" "$EXTRA_MODULE" <<'PY'
+python3 - "$BUSYBOX" "$INIT" "$tmp" "$bench" "$EXTRA_MODULES" <<'PY'
 import gzip, os, sys
 
-busybox, init, out, bench, module = sys.argv[1:6]
+busybox, init, out, bench, modules = sys.argv[1:6]
 entries = []  # (name, mode, data, rdev_major, rdev_minor)
 
 def d(name, mode=0o755):
@@ -86,9 +88,10 @@ f("bin/busybox", open(busybox, "rb").read(), 0o755)
 l("bin/sh", "busybox")
 f("init", open(init, "rb").read(), 0o755)
 f("bin/hvbench", open(bench, "rb").read(), 0o755)
-if module:
+if modules:
     d("lib")
-    f("lib/" + os.path.basename(module), open(module, "rb").read())
+    for module in modules.split(":"):
+        f("lib/" + os.path.basename(module), open(module, "rb").read())
 f("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
 f("etc/group", b"root:x:0:\n")
 f("etc/hostname", b"hvtrace-guest\n")
