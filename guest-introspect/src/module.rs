@@ -92,7 +92,7 @@ pub struct ModKallsyms {
 }
 
 /// `enum module_state`'s values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ModuleStates {
     /// `MODULE_STATE_LIVE`: initialized.
     pub live: i64,
@@ -574,6 +574,8 @@ pub struct ModuleResolved<'a> {
 #[derive(Clone, Debug, Default)]
 pub struct ModuleIndex {
     modules: Vec<Module>,
+    /// The kernel's module state values.
+    states: ModuleStates,
     /// Functions in module text, sorted by address.
     by_addr: Vec<(u64, ModuleSymbolId)>,
     /// Heap the index takes.
@@ -583,7 +585,7 @@ pub struct ModuleIndex {
 impl ModuleIndex {
     /// Indexes the modules of a walk (in list order); fails only when the
     /// heap refuses the address table.
-    pub fn new(modules: Vec<Module>) -> Result<Self, OutOfMemory> {
+    pub fn new(modules: Vec<Module>, states: ModuleStates) -> Result<Self, OutOfMemory> {
         let mut by_addr = Vec::new();
         let n: usize = modules
             .iter()
@@ -613,6 +615,7 @@ impl ModuleIndex {
         bytes += by_addr.capacity() * core::mem::size_of::<(u64, ModuleSymbolId)>();
         Ok(Self {
             modules,
+            states,
             by_addr,
             bytes,
         })
@@ -641,25 +644,25 @@ impl ModuleIndex {
     }
 
     /// The module called `name` that is set up (not `MODULE_STATE_UNFORMED`).
-    pub fn module(&self, name: &str, states: &ModuleStates) -> Option<(u32, &Module)> {
+    pub fn module(&self, name: &str) -> Option<(u32, &Module)> {
         self.modules
             .iter()
             .enumerate()
-            .find(|(_, m)| m.name == name && m.state != states.unformed)
+            .find(|(_, m)| m.name == name && m.state != self.states.unformed)
             .map(|(i, m)| (i as u32, m))
     }
 
     /// Every symbol in `/proc/kallsyms` order: module by module in list
     /// order, each in its symtab order; modules still being set up are
     /// left out, as the kernel leaves them out.
-    pub fn kallsyms_order<'a>(
-        &'a self,
-        states: &'a ModuleStates,
-    ) -> impl Iterator<Item = (ModuleSymbolId, &'a Module, &'a ModuleSymbol)> + 'a {
+    pub fn kallsyms_order(
+        &self,
+    ) -> impl Iterator<Item = (ModuleSymbolId, &Module, &ModuleSymbol)> + '_ {
+        let unformed = self.states.unformed;
         self.modules
             .iter()
             .enumerate()
-            .filter(move |(_, m)| m.state != states.unformed)
+            .filter(move |(_, m)| m.state != unformed)
             .flat_map(|(mi, m)| {
                 m.symbols.iter().enumerate().map(move |(si, s)| {
                     (
@@ -676,13 +679,8 @@ impl ModuleIndex {
 
     /// The symbol called `name`: in the module called `module` when given,
     /// else in the first module (list order) that has it.
-    pub fn lookup(
-        &self,
-        module: Option<&str>,
-        name: &str,
-        states: &ModuleStates,
-    ) -> Option<ModuleSymbolId> {
-        self.kallsyms_order(states)
+    pub fn lookup(&self, module: Option<&str>, name: &str) -> Option<ModuleSymbolId> {
+        self.kallsyms_order()
             .find(|(_, m, s)| module.is_none_or(|want| m.name == want) && s.name == name)
             .map(|(id, _, _)| id)
     }

@@ -365,14 +365,14 @@ fn the_index_resolves_and_classifies_module_functions() {
     );
     let view = mem.view();
     let walked = walk_modules(&view, &l, Gva(HEAD)).unwrap();
-    let idx = ModuleIndex::new(walked).unwrap();
+    let idx = ModuleIndex::new(walked, STATES).unwrap();
     assert_eq!(idx.modules().len(), 2);
     assert_eq!(idx.symbol_count(), 7);
     assert!(idx.heap_bytes() > 7 * std::mem::size_of::<ModuleSymbol>());
 
     // Kallsyms order leaves the unformed module out.
     let names: Vec<(&str, &str)> = idx
-        .kallsyms_order(&STATES)
+        .kallsyms_order()
         .map(|(_, m, s)| (m.name.as_str(), s.name.as_str()))
         .collect();
     assert_eq!(names.len(), 7);
@@ -380,9 +380,7 @@ fn the_index_resolves_and_classifies_module_functions() {
     assert_eq!(names[0].1, "hvtarget_leaf");
     assert_eq!(names[6].1, "no_site");
 
-    let sum = idx
-        .lookup(Some("hvtarget"), "hvtarget_sum", &STATES)
-        .unwrap();
+    let sum = idx.lookup(Some("hvtarget"), "hvtarget_sum").unwrap();
     assert_eq!(
         sum,
         ModuleSymbolId {
@@ -390,11 +388,11 @@ fn the_index_resolves_and_classifies_module_functions() {
             symbol: 1
         }
     );
-    assert_eq!(idx.lookup(None, "hvtarget_sum", &STATES), Some(sum));
-    assert_eq!(idx.lookup(Some("ext4"), "hvtarget_sum", &STATES), None);
-    assert_eq!(idx.lookup(None, "ext4_file_open", &STATES), None);
-    assert!(idx.module("hvtarget", &STATES).is_some());
-    assert!(idx.module("halfway", &STATES).is_none());
+    assert_eq!(idx.lookup(None, "hvtarget_sum"), Some(sum));
+    assert_eq!(idx.lookup(Some("ext4"), "hvtarget_sum"), None);
+    assert_eq!(idx.lookup(None, "ext4_file_open"), None);
+    assert!(idx.module("hvtarget").is_some());
+    assert!(idx.module("halfway").is_none());
 
     // Resolution: the first of aliases, sized to the next function or the
     // end of the text the address is in.
@@ -424,7 +422,7 @@ fn the_index_resolves_and_classifies_module_functions() {
     // Sites (with no call targets known: a booted module's sites hold the
     // NOP5).
     let site = |name: &str| {
-        let id = idx.lookup(None, name, &STATES).unwrap();
+        let id = idx.lookup(None, name).unwrap();
         let (m, s) = idx.get(id).unwrap();
         classify_module(&view, &SiteTargets::default(), m, s)
     };

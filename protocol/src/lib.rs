@@ -63,13 +63,13 @@ pub use codec::{
 };
 pub use message::{
     Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GraphFilter, GuardReport, GuestState,
-    KernelReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceFormat,
-    TracerReport, VcpuReport,
+    KernelReport, ModulesReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo,
+    TraceFormat, TracerReport, VcpuReport,
 };
 
 /// The version of the wire format: the frame header, the framing and every
 /// message type. Both ends must agree exactly.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 
 #[cfg(test)]
 mod tests;

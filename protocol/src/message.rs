@@ -104,6 +104,9 @@ pub enum Request {
         glob: String,
         /// Type letters to keep (`"tT"`); empty keeps every type.
         kinds: String,
+        /// Keep only this module's symbols; empty keeps the kernel image's
+        /// and every module's.
+        module: String,
         /// Where to resume the scan.
         cursor: u32,
         /// Most matches wanted in this answer (the hypervisor may send fewer
@@ -572,6 +575,27 @@ pub struct KernelReport {
     pub recovery_ns: u64,
     /// Why the task layout (pid/comm) is unknown, if it is.
     pub task_layout_error: Option<String>,
+    /// The loaded modules as of the last walk of the module list (at the
+    /// last request that looked symbols up).
+    pub modules: ModulesReport,
+}
+
+/// What the last walk of the guest's module list found.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModulesReport {
+    /// Walks done.
+    pub walks: u32,
+    /// Modules on the list.
+    pub modules: u32,
+    /// Their symbols, over all modules.
+    pub symbols: u32,
+    /// Heap bytes the module index takes in root.
+    pub index_bytes: u64,
+    /// Root time the last walk took (guest time), nanoseconds.
+    pub walk_ns: u64,
+    /// Why the last walk failed (no module symbols are known then) or
+    /// module symbols are unavailable, if so.
+    pub error: Option<String>,
 }
 
 /// One symbol of a [`Response::Syms`] answer.
@@ -589,6 +613,8 @@ pub struct SymbolInfo {
     pub site: Option<u64>,
     /// Why the symbol cannot be traced, when it cannot (empty when it can).
     pub not_traceable: String,
+    /// The module the symbol belongs to (empty for the kernel image's own).
+    pub module: String,
 }
 
 /// Control-channel counters kept by the hypervisor.

@@ -10,6 +10,7 @@ use crate::codec::{
     MAX_FATAL_REASON, MAX_FRAME, MAX_WIRE_FRAME,
 };
 use crate::message::*;
+use crate::ModulesReport;
 use crate::PROTOCOL_VERSION;
 
 fn status() -> StatusReport {
@@ -56,6 +57,14 @@ fn status() -> StatusReport {
             index_bytes: 2 << 20,
             recovery_ns: 1_200_000_000,
             task_layout_error: None,
+            modules: ModulesReport {
+                walks: 3,
+                modules: 2,
+                symbols: 4_021,
+                index_bytes: 300_000,
+                walk_ns: 45_000_000,
+                error: Some("module list: unreadable guest memory at 0x10".into()),
+            },
         }),
         tracer: TracerReport {
             probes: 2,
@@ -138,6 +147,7 @@ fn samples() -> Vec<Body> {
         Body::Request(Request::Syms {
             glob: "*".into(),
             kinds: String::new(),
+            module: "ext4".into(),
             cursor: 0,
             limit: 100,
         }),
@@ -176,6 +186,7 @@ fn samples() -> Vec<Body> {
                 kind: b'T',
                 site: Some(0xffff_ffff_8130_0004),
                 not_traceable: String::new(),
+                module: "hvtarget".into(),
             }],
         }),
         Body::Response(Response::Exec {

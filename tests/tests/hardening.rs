@@ -65,6 +65,7 @@ fn adjacent_traceable(c: &mut hvtrace::client::Client) -> Option<(SymbolInfo, Sy
         let req = Request::Syms {
             glob: "*".into(),
             kinds: "tT".into(),
+            module: String::new(),
             cursor,
             limit: 1000,
         };

@@ -35,6 +35,7 @@ fn all_symbols(c: &mut Client, kinds: &str) -> (Vec<SymbolInfo>, Option<u32>) {
         let req = Request::Syms {
             glob: "*".into(),
             kinds: kinds.into(),
+            module: String::new(),
             cursor,
             limit: 1000,
         };

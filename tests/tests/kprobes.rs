@@ -337,6 +337,7 @@ fn benchmark(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         Request::Syms {
             glob: func.into(),
             kinds: String::new(),
+            module: String::new(),
             cursor: 0,
             limit: 4,
         },

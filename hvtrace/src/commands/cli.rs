@@ -78,6 +78,9 @@ pub struct SymsArgs {
     /// Keep only these type letters (`tT` for text), as /proc/kallsyms prints them.
     #[arg(long, value_name = "LETTERS", default_value = "")]
     pub kinds: String,
+    /// Keep only this loaded module's symbols (`ext4`).
+    #[arg(long, value_name = "NAME", default_value = "")]
+    pub module: String,
     /// Print JSON lines instead of text.
     #[arg(long)]
     pub json: bool,

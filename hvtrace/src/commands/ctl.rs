@@ -114,6 +114,7 @@ pub fn syms(socket: &Path, args: &SymsArgs) -> Result<u8> {
         let request = Request::Syms {
             glob: args.glob.clone(),
             kinds: args.kinds.clone(),
+            module: args.module.clone(),
             cursor,
             limit: SYMS_PAGE,
         };

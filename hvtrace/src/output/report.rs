@@ -294,8 +294,9 @@ pub fn status_json(status: &Status) -> Json {
     ])
 }
 
-/// One symbol as text (`ffffffff81234560 00000150 T vfs_read site=ffffffff81234564`)
-/// or as a JSON object.
+/// One symbol as text (`ffffffff81234560 00000150 T vfs_read site=ffffffff81234564`,
+/// with ` [module]` after a module symbol's name, as `/proc/kallsyms` puts
+/// it) or as a JSON object.
 pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
     let kind = char::from(s.kind);
     if json {
@@ -306,6 +307,9 @@ pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
             ("type", Json::String(kind.to_string())),
             ("traceable", Json::Bool(s.site.is_some())),
         ];
+        if !s.module.is_empty() {
+            fields.push(("module", Json::String(s.module.clone())));
+        }
         match s.site {
             Some(site) => fields.push(("site", Json::String(format!("{site:#x}")))),
             None => fields.push(("not_traceable", Json::String(s.not_traceable.clone()))),
@@ -316,7 +320,14 @@ pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
         Some(site) => format!("site={site:016x}"),
         None => format!("not traceable: {}", s.not_traceable),
     };
-    format!("{:016x} {:08x} {kind} {} {trace}", s.addr, s.size, s.name)
+    if s.module.is_empty() {
+        format!("{:016x} {:08x} {kind} {} {trace}", s.addr, s.size, s.name)
+    } else {
+        format!(
+            "{:016x} {:08x} {kind} {} [{}] {trace}",
+            s.addr, s.size, s.name, s.module
+        )
+    }
 }
 
 /// The line that reports an added probe.
@@ -481,6 +492,7 @@ mod tests {
             index_bytes: 1 << 20,
             recovery_ns: 5_000_000,
             task_layout_error: None,
+            modules: Default::default(),
         });
         r.current_task = Some(protocol::TaskInfo {
             pid: 1,

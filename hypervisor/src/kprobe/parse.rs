@@ -48,7 +48,7 @@ pub enum ParseErrorKind {
     MissingSymbol,
     /// A raw address as probe point.
     AddressProbe,
-    /// `MOD:SYM`.
+    /// `MOD:SYM` whose `MOD` is not a module name.
     ModuleSymbol,
     /// A uprobe (`PATH:OFFSET`).
     UprobeSpec,
@@ -150,7 +150,7 @@ impl ParseErrorKind {
             BadEventName => "event name must be a C identifier",
             MissingSymbol => "missing probe point (a function name)",
             AddressProbe => "probing a raw address is not supported, name the function",
-            ModuleSymbol => "MOD:SYM probe points are not supported",
+            ModuleSymbol => "bad module name (MOD:SYM)",
             UprobeSpec => "uprobes are not supported",
             BadSymbol => "bad symbol name",
             BadProbeSuffix => "bad probe point suffix (only %return)",
@@ -432,14 +432,17 @@ fn parse_add(spec: &str, head: Tok<'_>, rest: &[Tok<'_>]) -> Result<ProbeSpec, P
     let Some(&point) = rest.first() else {
         return Err(ParseError::missing(K::MissingSymbol, spec.trim_end().len()));
     };
-    let symbol = parse_probe_point(point, &mut is_return)?;
+    let (module, symbol) = parse_probe_point(point, &mut is_return)?;
 
     // The event name.
     let (group, event) = match colon {
         Some(c) => parse_event_name(head.from(c + 1))?,
         None => (None, None),
     };
-    let event = event.unwrap_or_else(|| default_event_name(is_return, &symbol));
+    let event = event.unwrap_or_else(|| match &module {
+        Some(m) => default_event_name(is_return, &format!("{m}:{symbol}")),
+        None => default_event_name(is_return, &symbol),
+    });
     let group = group.unwrap_or_else(|| DEFAULT_GROUP.to_string());
 
     let args_toks = rest.get(1..).unwrap_or(&[]);
@@ -461,13 +464,18 @@ fn parse_add(spec: &str, head: Tok<'_>, rest: &[Tok<'_>]) -> Result<ProbeSpec, P
         kind,
         group,
         event,
+        module,
         symbol,
         args,
     })
 }
 
-/// `SYM`, `SYM+0`, `SYM%return`, `SYM+0%return`.
-fn parse_probe_point(point: Tok<'_>, is_return: &mut bool) -> Result<String, ParseError> {
+/// `[MOD:]SYM`, `[MOD:]SYM+0`, `[MOD:]SYM%return`, `[MOD:]SYM+0%return`:
+/// the module, when named, and the symbol.
+fn parse_probe_point(
+    point: Tok<'_>,
+    is_return: &mut bool,
+) -> Result<(Option<String>, String), ParseError> {
     use ParseErrorKind as K;
     let text = point.text;
     if kstrtoull(text, 0).is_some() {
@@ -494,8 +502,14 @@ fn parse_probe_point(point: Tok<'_>, is_return: &mut bool) -> Result<String, Par
         }
         sym = sym.sub(0, sign);
     }
-    if sym.text.contains(':') {
-        return Err(point.err(K::ModuleSymbol));
+    let mut module = None;
+    if let Some(colon) = sym.text.find(':') {
+        let m = sym.sub(0, colon);
+        if !is_module_name(m.text) {
+            return Err(m.err(K::ModuleSymbol));
+        }
+        module = Some(m.text.to_string());
+        sym = sym.from(colon + 1);
     }
     if !is_symbol_name(sym.text) {
         return Err(if sym.text.is_empty() {
@@ -504,7 +518,16 @@ fn parse_probe_point(point: Tok<'_>, is_return: &mut bool) -> Result<String, Par
             sym.err(K::BadSymbol)
         });
     }
-    Ok(sym.text.to_string())
+    Ok((module, sym.text.to_string()))
+}
+
+/// A module name as the kernel keeps it (`MODULE_NAME_LEN`: at most 55
+/// bytes): letters, digits, `_` and `-`.
+fn is_module_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() < 56
+        && s.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
 }
 
 /// A kernel symbol: C identifier characters plus the `.` of compiler

@@ -106,6 +106,9 @@ pub struct ProbeSpec {
     pub group: String,
     /// The event name (`p_SYM_0` / `r_SYM_0` unless given).
     pub event: String,
+    /// The module named in `MOD:SYM`, if any: the function is looked up
+    /// there only.
+    pub module: Option<String>,
     /// The probed function.
     pub symbol: String,
     /// The fetch arguments, in order.
@@ -143,7 +146,11 @@ impl fmt::Display for ProbeSpec {
             ProbeKind::Return { maxactive: 0 } => f.write_str("r")?,
             ProbeKind::Return { maxactive } => write!(f, "r{maxactive}")?,
         }
-        write!(f, ":{}/{} {}", self.group, self.event, self.symbol)?;
+        write!(f, ":{}/{} ", self.group, self.event)?;
+        if let Some(m) = &self.module {
+            write!(f, "{m}:")?;
+        }
+        f.write_str(&self.symbol)?;
         for a in &self.args {
             write!(f, " {}={}", a.name, a.body)?;
         }

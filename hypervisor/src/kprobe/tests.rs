@@ -531,12 +531,15 @@ const INVALID: &[(&str, ParseErrorKind, usize, usize, &str)] = {
             "probing a raw address is not supported, name the function \"0xffffffff81000000\" at column 3",
         ),
         (
-            "p ext4:ext4_sync_file",
+            "p ext!4:ext4_sync_file",
             ModuleSymbol,
             2,
-            19,
-            "MOD:SYM probe points are not supported \"ext4:ext4_sync_file\" at column 3",
+            5,
+            "bad module name (MOD:SYM) \"ext!4\" at column 3",
         ),
+        (":ext4_sync_file", BadCommand, 0, 1, "probe definition must start with 'p', 'r' or '-:' \":\" at column 1"),
+        ("p :ext4_sync_file", ModuleSymbol, 2, 0, "bad module name (MOD:SYM) at column 3"),
+        ("p ext4:", BadSymbol, 2, 5, "bad symbol name \"ext4:\" at column 3"),
         ("p /bin/sh:0x10", UprobeSpec, 2, 12, "uprobes are not supported \"/bin/sh:0x10\" at column 3"),
         ("p foo%ret", BadProbeSuffix, 5, 4, "bad probe point suffix (only %return) \"%ret\" at column 6"),
         ("p 1foo", BadSymbol, 2, 4, "bad symbol name \"1foo\" at column 3"),
@@ -1370,4 +1373,24 @@ fn module_symbols_show_the_module() {
     let mut s = String::new();
     write_symbol(&mut s, &Mod, 0xffff_ffff_c000_0003);
     assert_eq!(s, "ext4_sync_file+0x3/0x40 [ext4]");
+}
+
+/// `MOD:SYM` names the module; the event name Linux makes for it, and the
+/// spec as listed, keep the module.
+#[test]
+fn module_probe_points() {
+    let p = probe("p:myopen ext4:ext4_file_open +0(%si):u32");
+    assert_eq!(p.module.as_deref(), Some("ext4"));
+    assert_eq!(p.symbol, "ext4_file_open");
+    assert_eq!(p.event, "myopen");
+    assert_eq!(
+        p.to_string(),
+        "p:kprobes/myopen ext4:ext4_file_open arg1=+0(%si):u32"
+    );
+    assert_eq!(probe(&p.to_string()), p);
+    let r = probe("r hvtarget:hvtarget_sum+0 $retval");
+    assert_eq!(r.event, "r_hvtarget_hvtarget_sum_0");
+    assert_eq!(r.module.as_deref(), Some("hvtarget"));
+    let plain = probe("p vfs_read");
+    assert_eq!(plain.module, None);
 }

@@ -279,9 +279,13 @@ impl Control {
             Request::Syms {
                 glob,
                 kinds,
+                module,
                 cursor,
                 limit,
-            } => (syms(src, &glob, &kinds, cursor, limit), Action::None),
+            } => (
+                syms(src, &glob, &kinds, &module, cursor, limit),
+                Action::None,
+            ),
             Request::ProbeAdd { spec } => (
                 with_kernel(src, |src, k| {
                     with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
@@ -420,6 +424,8 @@ fn with_kernel(
             alloc::format!("guest kernel not found yet: {e}"),
         );
     }
+    // Every such request looks functions up: in the modules loaded now.
+    src.introspection.refresh_modules(src.tsc_hz);
     // The recovered kernel lives as long as the VM; take it out of `src`
     // for the call so that the tracer can be borrowed mutably beside it.
     let kernel = src.introspection.take_kernel();
@@ -440,23 +446,39 @@ fn request_name(r: &Request) -> &'static str {
     }
 }
 
-fn syms(src: &mut StatusSource<'_>, glob: &str, kinds: &str, cursor: u32, limit: u32) -> Response {
-    match src
+fn syms(
+    src: &mut StatusSource<'_>,
+    glob: &str,
+    kinds: &str,
+    module: &str,
+    cursor: u32,
+    limit: u32,
+) -> Response {
+    if let Err(e) = src
         .introspection
         .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
     {
-        Ok(k) => {
-            let (total, next, symbols) = k.symbols(glob, kinds, cursor, limit, SYMS_PAGE_BUDGET);
+        return Response::error(
+            ErrorKind::NotReady,
+            alloc::format!("guest kernel not found yet: {e}"),
+        );
+    }
+    if cursor == 0 {
+        // A listing starts with the modules loaded now; its later pages
+        // go on through the same walk's.
+        src.introspection.refresh_modules(src.tsc_hz);
+    }
+    match src.introspection.kernel() {
+        Some(k) => {
+            let (total, next, symbols) =
+                k.symbols(glob, kinds, module, cursor, limit, SYMS_PAGE_BUDGET);
             Response::Syms {
                 total,
                 next,
                 symbols,
             }
         }
-        Err(e) => Response::error(
-            ErrorKind::NotReady,
-            alloc::format!("guest kernel not found yet: {e}"),
-        ),
+        None => Response::error(ErrorKind::Internal, "introspection lost its kernel"),
     }
 }
 

@@ -32,6 +32,7 @@ use guest_introspect::facts::{self, KernelFacts};
 use guest_introspect::fentry::{self, Classifier};
 use guest_introspect::kallsyms::{KallsymsError, SymbolId};
 use guest_introspect::mem::{GuestMemory, MemError};
+use guest_introspect::module::{self, ModuleIndex};
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::{self, StackKind, StackMap};
 use guest_introspect::view::PagedView;
@@ -45,6 +46,12 @@ pub use hypervisor::tracer::machine::{CpuView, KernelView, Running};
 /// Heap the symbol index may take at most; less when the heap has less
 /// room ([`crate::heap::room`]) when recovery starts.
 const MAX_INDEX_BYTES: usize = 10 << 20;
+/// Work units one walk of the module list may spend (reads, charged as
+/// recovery's are): some 250 units a symbol, so a quarter of a million
+/// symbols.
+const MODULE_WALK_BUDGET: u64 = 64 << 20;
+/// Heap the module index may take at most.
+const MAX_MODULE_BYTES: usize = 8 << 20;
 
 /// Guest RAM as introspection reads it: anything but hypervisor memory and
 /// what the hypervisor's own page tables do not map.
@@ -66,6 +73,8 @@ pub struct Kernel {
     /// CPU. Fixed once the kernel has set up its per-cpu areas, long
     /// before recovery runs.
     percpu: Vec<u64>,
+    /// The loaded modules as of the last walk ([`Kernel::refresh_modules`]).
+    modules: ModuleIndex,
 }
 
 /// Introspection state across the VM's life.
@@ -223,6 +232,14 @@ impl Introspection {
     /// The recovered kernel, if recovery succeeded.
     pub fn kernel(&self) -> Option<&Kernel> {
         self.kernel.as_ref()
+    }
+
+    /// Walks the guest's module list again, once the kernel is recovered
+    /// ([`Kernel::refresh_modules`]).
+    pub fn refresh_modules(&mut self, tsc_hz: u64) {
+        if let Some(k) = self.kernel.as_mut() {
+            k.refresh_modules(tsc_hz);
+        }
     }
 
     /// Takes the kernel out for a call that needs it beside other mutable
@@ -386,6 +403,7 @@ async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> 
                     // Root time over all slices; the driver fills it in.
                     recovery_ns: 0,
                     task_layout_error: f.task.as_ref().err().map(|e| e.to_string()),
+                    modules: Default::default(),
                 };
                 let cr3 = shared.cpu.get().kernel_cr3(which);
                 let root = kernel_pgd(&f, cr3);
@@ -395,6 +413,7 @@ async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> 
                     report,
                     cr3: root,
                     percpu,
+                    modules: ModuleIndex::default(),
                 });
             }
             Err(KallsymsError::BudgetExhausted) => return Err(spent(budget)),
@@ -443,6 +462,11 @@ impl KernelView for Kernel {
     /// The symbol index.
     fn index(&self) -> &guest_introspect::kallsyms::SymbolIndex {
         &self.facts.symbols
+    }
+
+    /// The loaded modules as of the last walk.
+    fn modules(&self) -> &ModuleIndex {
+        &self.modules
     }
 
     /// The kernel's own top-level table (`init_top_pgt`), valid for the
@@ -541,15 +565,88 @@ impl KernelView for Kernel {
 }
 
 impl Kernel {
+    /// Walks the kernel's module list again and replaces the module index
+    /// with what it finds: every request that looks symbols up starts
+    /// here, so that it sees the modules loaded now. The walk reads at
+    /// most [`MODULE_WALK_BUDGET`] units of guest memory and keeps its
+    /// heap within [`MAX_MODULE_BYTES`] (and half the heap's room): the
+    /// list, counts and names are the guest's. The last walk's index is
+    /// dropped first (its heap is the new one's), so a failed walk leaves
+    /// no module symbols, and the report says why.
+    pub fn refresh_modules(&mut self, tsc_hz: u64) {
+        let t0 = insn::rdtsc();
+        let r = &mut self.report.modules;
+        r.walks = r.walks.saturating_add(1);
+        let layout = match &self.facts.modules {
+            Ok(l) => *l,
+            Err(e) => {
+                r.error = Some(format!("struct module's layout is unknown: {e}"));
+                return;
+            }
+        };
+        let Some(head) = self.facts.symbols.addr_of("modules") else {
+            r.error = Some("the guest's kallsyms has no `modules` list head".to_string());
+            return;
+        };
+        let budget = Budget::new(MODULE_WALK_BUDGET);
+        let view = PagedView::new(&GuestRam, self.cr3);
+        let metered = Metered::new(&view, &budget);
+        // The old index goes first: its heap is the new one's.
+        self.modules = ModuleIndex::default();
+        let max = MAX_MODULE_BYTES.min(crate::heap::room() / 2);
+        let walked = module::walk_modules_limited(&metered, &layout, head, max)
+            .map_err(|e| e.to_string())
+            .and_then(|ms| ModuleIndex::new(ms, layout.states).map_err(|e| e.to_string()));
+        let r = &mut self.report.modules;
+        r.walk_ns = clock::tsc_to_ns(insn::rdtsc().saturating_sub(t0), tsc_hz);
+        match walked {
+            Ok(index) => {
+                r.modules = index.modules().len() as u32;
+                r.symbols = index.symbol_count() as u32;
+                r.index_bytes = index.heap_bytes() as u64;
+                r.error = None;
+                if r.walks == 1 {
+                    log::info!(
+                        "introspection: {} modules, {} symbols, index {} KiB, walked in {} us",
+                        r.modules,
+                        r.symbols,
+                        r.index_bytes >> 10,
+                        r.walk_ns / 1000
+                    );
+                }
+                self.modules = index;
+            }
+            Err(e) => {
+                let e = if budget.exhausted() {
+                    format!(
+                        "the module walk spent its budget of {} Mi units",
+                        MODULE_WALK_BUDGET >> 20
+                    )
+                } else {
+                    e
+                };
+                log::warn!("introspection: module list: {e}");
+                r.modules = 0;
+                r.symbols = 0;
+                r.index_bytes = 0;
+                r.error = Some(e);
+            }
+        }
+    }
+
     /// One page of the symbols matching `glob` (and, when `kinds` is not
-    /// empty, whose type letter is in it), scanning from symbol `cursor` in
-    /// address order. Stops at `limit` matches or when `budget` bytes of
-    /// answer are reached, so that the page fits a frame. Returns the count
-    /// of all matches (on the first page only), the next cursor and the page.
+    /// empty, whose type letter is in it), in `/proc/kallsyms` order: the
+    /// kernel image's by address, then the modules' (only module
+    /// `module`'s when it is not empty). Scans from position
+    /// `cursor` (the kernel image's symbols first, then the modules'),
+    /// stopping at `limit` matches or when `budget` bytes of answer are
+    /// reached, so that the page fits a frame. Returns the count of all
+    /// matches (on the first page only), the next cursor and the page.
     pub fn symbols(
         &self,
         glob: &str,
         kinds: &str,
+        module: &str,
         cursor: u32,
         limit: u32,
         budget: usize,
@@ -558,23 +655,45 @@ impl Kernel {
         let view = PagedView::new(&GuestRam, self.cr3);
         let classifier = Classifier::new(index);
         let mut name = Vec::with_capacity(64);
+        let kind_ok = |k: u8| kinds.is_empty() || kinds.as_bytes().contains(&k);
         let matches = |id: SymbolId, name: &mut Vec<u8>| {
-            if !kinds.is_empty() && !kinds.contains(index.symbol(id).kind.letter()) {
+            if !module.is_empty() || !kind_ok(index.symbol(id).kind.letter() as u8) {
                 return false;
             }
             name.clear();
             index.name_into(id, name);
             guest_introspect::glob::matches(glob.as_bytes(), name)
         };
+        let module_matches = |m: &module::Module, s: &module::ModuleSymbol| {
+            (module.is_empty() || m.name == module)
+                && kind_ok(s.kind)
+                && guest_introspect::glob::matches(glob.as_bytes(), s.name.as_bytes())
+        };
+        let core = index.len() as u32;
         let total = (cursor == 0).then(|| {
-            (0..index.len() as u32)
-                .filter(|&i| matches(SymbolId(i), &mut name))
-                .count() as u32
+            let c = if module.is_empty() {
+                (0..core)
+                    .filter(|&i| matches(SymbolId(i), &mut name))
+                    .count()
+            } else {
+                0
+            };
+            let m = self
+                .modules
+                .kallsyms_order()
+                .filter(|(_, m, s)| module_matches(m, s))
+                .count();
+            (c + m) as u32
         });
         let mut out = Vec::new();
         let mut used = 0usize;
-        let mut id = cursor;
-        while (id as usize) < index.len() {
+        // With a module named, the kernel image's symbols are passed over.
+        let mut id = if module.is_empty() {
+            cursor
+        } else {
+            cursor.max(core)
+        };
+        while id < core {
             if out.len() as u32 >= limit || used >= budget {
                 return (total, Some(id), out);
             }
@@ -584,6 +703,33 @@ impl Kernel {
                 out.push(s);
             }
             id += 1;
+        }
+        for (_, m, s) in self.modules.kallsyms_order().skip((id - core) as usize) {
+            if out.len() as u32 >= limit || used >= budget {
+                return (total, Some(id), out);
+            }
+            if module_matches(m, s) {
+                let (site, not_traceable) = match classifier.classify_module(&view, m, s) {
+                    Ok(site) => (Some(site.site.0), String::new()),
+                    Err(e) => (None, format!("{e:?}")),
+                };
+                let size = self
+                    .modules
+                    .resolve(Gva(s.addr))
+                    .filter(|r| r.addr == s.addr)
+                    .map_or(0, |r| r.size);
+                used += s.name.len() + m.name.len() + not_traceable.len() + 32;
+                out.push(SymbolInfo {
+                    name: s.name.clone(),
+                    addr: s.addr,
+                    size,
+                    kind: s.kind,
+                    site,
+                    not_traceable,
+                    module: m.name.clone(),
+                });
+            }
+            id = id.saturating_add(1);
         }
         (total, None, out)
     }
@@ -607,5 +753,6 @@ fn info<V: guest_introspect::view::VirtMemory + ?Sized>(
         kind: s.kind.letter() as u8,
         site,
         not_traceable,
+        module: String::new(),
     }
 }

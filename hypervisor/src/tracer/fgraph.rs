@@ -779,7 +779,7 @@ fn retprobe_hits(
         sp: retp.wrapping_add(8),
         ss: 0x18,
     };
-    let syms = IndexSymbols(k.index());
+    let syms = IndexSymbols::new(k.index(), Some(k.modules()));
     let mut mem = VcpuMem {
         ram: env.ram,
         cr3: Cr3(cpu.cr3),

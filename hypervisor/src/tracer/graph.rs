@@ -138,9 +138,15 @@ pub fn duration_mark(ns: u64) -> char {
     }
 }
 
+/// `%ps`: the function's name, with ` [module]` for a module's.
 fn name(out: &mut String, syms: &dyn SymbolResolver, addr: u64) {
     match syms.symbolize(guest_introspect::addr::Gva(addr)) {
-        Some(s) => out.push_str(&s.name),
+        Some(s) => {
+            out.push_str(&s.name);
+            if let Some(m) = s.module {
+                let _ = write!(out, " [{m}]");
+            }
+        }
         None => {
             let _ = write!(out, "0x{addr:x}");
         }

@@ -204,7 +204,7 @@ impl<'a> Hit<'a> {
             ret_ip: 0,
             comm,
         };
-        let syms = IndexSymbols(k.index());
+        let syms = IndexSymbols::new(k.index(), Some(k.modules()));
         let mut mem = VcpuMem { ram: env.ram, cr3 };
         let ctx = FetchContext {
             regs: &regs,

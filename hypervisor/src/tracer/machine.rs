@@ -12,6 +12,7 @@ use crate::ept::EptError;
 use crate::guest_phys::GuestDoor;
 use guest_introspect::fallible::OutOfMemory;
 use guest_introspect::kallsyms::SymbolIndex;
+use guest_introspect::module::ModuleIndex;
 use guest_introspect::paging::Cr3;
 use guest_introspect::stacks::StackMap;
 
@@ -154,6 +155,9 @@ impl Running {
 pub trait KernelView {
     /// The symbol index (kallsyms).
     fn index(&self) -> &SymbolIndex;
+    /// The loaded modules and their symbols, as of the last walk of the
+    /// kernel's module list.
+    fn modules(&self) -> &ModuleIndex;
     /// The kernel's own top-level page table, valid for the VM's life.
     fn cr3(&self) -> Cr3;
     /// The task running on the vCPU described by `cpu`.

@@ -42,6 +42,7 @@ pub mod site;
 mod split;
 mod step;
 mod stream;
+pub mod symbols;
 #[cfg(test)]
 mod tests;
 mod vm_state;

@@ -8,6 +8,7 @@ use super::machine::{Env, KernelView};
 use super::probes::{Probe, MAX_PROBES};
 use super::retstack::MAX_USERS;
 use super::split::MAX_SITES;
+use super::symbols;
 use super::{
     insert_site, out_of_memory, stop_others, FunctionsAdded, GraphStarted, ProbeAdded, ReqError,
     Tracer,
@@ -65,26 +66,22 @@ impl Tracer<'_> {
         }
         fallible::try_grow(&mut self.vm.probes.list, 1)
             .map_err(|e| out_of_memory(env, "a probe", e))?;
-        let syms = IndexSymbols(k.index());
+        let syms = IndexSymbols::new(k.index(), Some(k.modules()));
         spec.resolve_symbols(&syms).map_err(|name| {
             ReqError::new(
                 ErrorKind::NotFound,
                 format!("symbol {name} is not in the guest's kallsyms"),
             )
         })?;
-        let id = k.index().lookup(&spec.symbol).ok_or_else(|| {
-            ReqError::new(
-                ErrorKind::NotFound,
-                format!("function {} is not in the guest's kallsyms", spec.symbol),
-            )
-        })?;
+        let sym = symbols::lookup(k, spec.module.as_deref(), &spec.symbol)
+            .map_err(|m| ReqError::new(ErrorKind::NotFound, m))?;
         let view = PagedView::new(env.ram, k.cr3());
-        let fs = Classifier::new(k.index())
-            .classify(&view, id)
+        let fs = sym
+            .classify(k, &Classifier::new(k.index()), &view)
             .map_err(|e| {
                 ReqError::new(
                     ErrorKind::InvalidArgument,
-                    format!("{} cannot be probed: {e}", spec.symbol),
+                    format!("{} cannot be probed: {e}", sym.name(k)),
                 )
             })?;
         self.ensure_region(k, env)?;
@@ -155,20 +152,19 @@ impl Tracer<'_> {
         k: &dyn KernelView,
         env: &mut Env<'_>,
     ) -> Result<FunctionsAdded, ReqError> {
-        let index = k.index();
         let view = PagedView::new(env.ram, k.cr3());
-        let classifier = Classifier::new(index);
+        let classifier = Classifier::new(k.index());
         let mut traced = 0u32;
         let mut skipped = Vec::new();
         let mut skipped_total = 0u32;
         let mut seen = alloc::collections::BTreeSet::new();
-        let ids = fallible::try_collect(index.glob(glob))
+        let ids = fallible::try_collect(symbols::glob(k, glob))
             .map_err(|e| out_of_memory(env, "the list of matching symbols", e))?;
         // Classify first, with every vCPU still running; then hook, with
         // the others held in root from the first hook on.
         let mut found = Vec::new();
         for id in ids {
-            let Ok(fs) = classifier.classify(&view, id) else {
+            let Ok(fs) = id.classify(k, &classifier, &view) else {
                 continue; // not traceable: not a match for the tracer
             };
             if seen.contains(&fs.site.0) {
@@ -184,7 +180,7 @@ impl Tracer<'_> {
                 if skipped.len() < 8 {
                     skipped.push(format!(
                         "{}: out of hypervisor memory for the request",
-                        index.name(id)
+                        id.name(k)
                     ));
                 }
                 continue;
@@ -218,7 +214,7 @@ impl Tracer<'_> {
                 Err(e) => {
                     skipped_total += 1;
                     if skipped.len() < 8 {
-                        skipped.push(format!("{}: {e}", index.name(id)));
+                        skipped.push(format!("{}: {e}", id.name(k)));
                     }
                 }
             }
@@ -281,10 +277,9 @@ impl Tracer<'_> {
             n => n,
         };
         self.vm.graph.stack_frames = frames;
-        let index = k.index();
         let view = PagedView::new(env.ram, k.cr3());
-        let classifier = Classifier::new(index);
-        let site_of = |id| classifier.classify(&view, id).ok();
+        let classifier = Classifier::new(k.index());
+        let site_of = |id: symbols::SymRef| id.classify(k, &classifier, &view).ok();
         // Each set is bounded ([`MAX_SITES`]) and checked against the
         // heap's room entry by entry: the globs are the host's, the
         // symbols the guest's.
@@ -292,7 +287,7 @@ impl Tracer<'_> {
         let sites_of = |globs: &[String]| -> Result<BTreeMap<u64, u64>, ReqError> {
             let mut out = BTreeMap::new();
             for g in globs {
-                for id in index.glob(g) {
+                for id in symbols::glob(k, g) {
                     if let Some(fs) = site_of(id) {
                         insert_site(env, &mut out, fs.site.0, fs.func.0).map_err(oom)?;
                     }

@@ -85,7 +85,7 @@ impl Stream {
     ) -> Option<protocol::Event> {
         let format = self.format?;
         let k = kernel?;
-        let syms = IndexSymbols(k.index());
+        let syms = IndexSymbols::new(k.index(), Some(k.modules()));
         {
             if room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
                 return None;

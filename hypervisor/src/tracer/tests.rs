@@ -266,6 +266,8 @@ impl Machine for FakeRoot {
 /// tables, and the task and stack answers a test sets.
 struct FakeKernel {
     index: SymbolIndex,
+    /// No modules.
+    modules: guest_introspect::module::ModuleIndex,
     running: Running,
     /// `task_struct.stack` by task (absent: unreadable).
     task_stacks: BTreeMap<u64, u64>,
@@ -274,6 +276,9 @@ struct FakeKernel {
 impl KernelView for FakeKernel {
     fn index(&self) -> &SymbolIndex {
         &self.index
+    }
+    fn modules(&self) -> &guest_introspect::module::ModuleIndex {
+        &self.modules
     }
     fn cr3(&self) -> Cr3 {
         Cr3(PML4)
@@ -388,6 +393,7 @@ impl Guest {
             root: FakeRoot::new(),
             kernel: FakeKernel {
                 index: index(),
+                modules: Default::default(),
                 running: Running {
                     task: TASK,
                     pid: 42,

@@ -91,6 +91,7 @@ pub fn sample_bodies() -> Vec<Body> {
         Body::Request(Request::Syms {
             glob: "vfs_*".into(),
             kinds: "tT".into(),
+            module: String::new(),
             cursor: 40,
             limit: 20,
         }),

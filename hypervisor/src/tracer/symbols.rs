@@ -1,0 +1,90 @@
+//! The guest's functions as the tracer's requests find them: the kernel
+//! image's own (kallsyms) and the loaded modules' (each module's own
+//! symbol table, as of the last walk of the module list).
+
+use super::machine::KernelView;
+use alloc::string::{String, ToString};
+use guest_introspect::fentry::{Classifier, FentrySite, NotTraceable};
+use guest_introspect::kallsyms::SymbolId;
+use guest_introspect::module::ModuleSymbolId;
+use guest_introspect::view::VirtMemory;
+
+/// A symbol of the kernel image or of a module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SymRef {
+    /// In kallsyms.
+    Core(SymbolId),
+    /// In a module's own table.
+    Module(ModuleSymbolId),
+}
+
+impl SymRef {
+    /// Its name, with ` [module]` after a module's, as `/proc/kallsyms`
+    /// shows it.
+    pub fn name(self, k: &dyn KernelView) -> String {
+        match self {
+            SymRef::Core(id) => k.index().name(id),
+            SymRef::Module(id) => match k.modules().get(id) {
+                Some((m, s)) => alloc::format!("{} [{}]", s.name, m.name),
+                None => "?".to_string(),
+            },
+        }
+    }
+
+    /// Its fentry site, or why it has none.
+    pub fn classify<V: VirtMemory + ?Sized>(
+        self,
+        k: &dyn KernelView,
+        classifier: &Classifier<'_>,
+        view: &V,
+    ) -> Result<FentrySite, NotTraceable> {
+        match self {
+            SymRef::Core(id) => classifier.classify(view, id),
+            SymRef::Module(id) => match k.modules().get(id) {
+                Some((m, s)) => classifier.classify_module(view, m, s),
+                None => Err(NotTraceable::NotText),
+            },
+        }
+    }
+}
+
+/// The symbols whose name matches `glob`: the kernel image's, then each
+/// loaded module's.
+pub fn glob<'a>(k: &'a dyn KernelView, glob: &'a str) -> impl Iterator<Item = SymRef> + 'a {
+    k.index().glob(glob).map(SymRef::Core).chain(
+        k.modules()
+            .kallsyms_order()
+            .filter(move |(_, _, s)| {
+                guest_introspect::glob::matches(glob.as_bytes(), s.name.as_bytes())
+            })
+            .map(|(id, _, _)| SymRef::Module(id)),
+    )
+}
+
+/// The function a probe names: `symbol` in `module` when one is named (a
+/// module that is not loaded is an error here), else the kernel image's
+/// first `symbol`, else the first loaded module's, as the kernel's own
+/// name lookup goes.
+pub fn lookup(k: &dyn KernelView, module: Option<&str>, symbol: &str) -> Result<SymRef, String> {
+    match module {
+        Some(m) => {
+            if k.modules().module(m).is_none() {
+                return Err(alloc::format!("module {m} is not loaded"));
+            }
+            k.modules()
+                .lookup(Some(m), symbol)
+                .map(SymRef::Module)
+                .ok_or_else(|| alloc::format!("function {symbol} is not in module {m}'s symbols"))
+        }
+        None => k
+            .index()
+            .lookup(symbol)
+            .map(SymRef::Core)
+            .or_else(|| k.modules().lookup(None, symbol).map(SymRef::Module))
+            .ok_or_else(|| {
+                alloc::format!(
+                    "function {symbol} is not in the guest's kallsyms nor in a loaded module"
+                )
+            }),
+    }
+}
