@@ -7,11 +7,14 @@
  * can be checked against the guest's own tracers.
  *
  * Writing a number N to /sys/module/hvtarget/parameters/poke runs
- * hvtarget_poke: it parses N with the core kernel's kstrtoint, calls
- * hvtarget_sum(N), which calls hvtarget_leaf N times (capped at 64), and
- * keeps the result in /sys/module/hvtarget/parameters/last. Loading the
+ * hvtarget_poke: it parses N with the core kernel's kstrtoint, checks the
+ * writer's CAP_SYS_ADMIN through the core kernel's capable() (a traceable
+ * chain down to the security hooks), calls hvtarget_sum(N), which calls
+ * hvtarget_leaf N times (capped at 64), and keeps the result in
+ * /sys/module/hvtarget/parameters/last. Loading the
  * module runs hvtarget_sum(3) from its init function (init text).
  */
+#include <linux/capability.h>
 #include <linux/kernel.h>
 #include <linux/module.h>
 #include <linux/moduleparam.h>
@@ -43,6 +46,8 @@ static noinline int hvtarget_poke(const char *val, const struct kernel_param *kp
 	err = kstrtoint(val, 0, &n);
 	if (err)
 		return err;
+	if (!capable(CAP_SYS_ADMIN))
+		return -EPERM;
 	last = hvtarget_sum(n);
 	return 0;
 }

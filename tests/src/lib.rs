@@ -549,6 +549,19 @@ pub fn hv_call(c: &mut hvtrace::client::Client, r: protocol::Request) -> protoco
         .response
 }
 
+/// Stops graph session `session`; whether the hypervisor answered Ok.
+pub fn hv_graph_stop(c: &mut hvtrace::client::Client, session: u32) -> bool {
+    matches!(
+        hv_call(
+            c,
+            protocol::Request::GraphStop {
+                session: Some(session)
+            }
+        ),
+        protocol::Response::Ok
+    )
+}
+
 /// What both tracers hook beneath `vfs_read` in the oracle (ftrace's
 /// `set_ftrace_filter` takes the same globs). Hooking every function would
 /// be faithful too, but the guest patching twenty thousand sites through

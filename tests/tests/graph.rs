@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    guest_exec as exec, guest_vfs_read_graph, hv_call as call, hv_exits as exits,
+    guest_exec as exec, guest_vfs_read_graph, hv_call as call, hv_exits as exits, hv_graph_stop,
     hv_status as status, parse_graph, parse_trace_lines, vm_lock, Checks, Detached, Node, Stream,
     TRACEFS, TRACE_SET,
 };
@@ -379,18 +379,7 @@ fn sleepers(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     );
     let wall = t0.elapsed();
     let text = stream.read(c);
-    ck.check(
-        matches!(
-            call(
-                c,
-                Request::GraphStop {
-                    session: Some(session)
-                }
-            ),
-            Response::Ok
-        ),
-        "graph stop",
-    );
+    ck.check(hv_graph_stop(c, session), "graph stop");
     // What the guest's unwinder shows for a task sleeping inside a
     // hijacked call, against the same sleep untraced. /proc/PID/stack
     // leaves out scheduler functions (do_nanosleep is `__sched`), so the

@@ -16,8 +16,14 @@
 //!   own function tracer's for the same calls;
 //! - removing everything restores the guest's own pages (no shadow left).
 //!
-//! The fast lane also runs the benchmark (`benchmark` below): VM exits per
-//! hit and emulated instructions per hit against the guest's own kprobes.
+//! The fast lane also runs module code (`module_code` below, over the test
+//! module `guest/attacker/hvtarget.c`): our symbols for the module equal its
+//! `/proc/kallsyms` lines; a `MOD:SYM` probe (refused clearly before the
+//! module loads), the function tracer over the module's functions and a
+//! graph session rooted in the module, whose tree runs through core
+//! functions and back, each equal the guest's own tracer over the same
+//! calls. Then the benchmark (`benchmark` below): VM exits per hit and
+//! emulated instructions per hit against the guest's own kprobes.
 //!
 //! Run: `cargo test -p hvtrace-tests --test kprobes -- --nocapture`
 
@@ -25,14 +31,16 @@ use std::time::Instant;
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
-    guest_exec as exec, hv_call as call, hv_exits as exits, hv_status as status, vm_lock, Checks,
-    Detached, Stream,
+    guest_exec as exec, hv_call as call, hv_exits as exits, hv_graph_stop, hv_status as status,
+    vm_lock, Checks, Detached, Stream,
 };
 use protocol::{ErrorKind, ProbeInfo, Request, Response};
 
 const PROBE: &str = "p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string";
 
-use hvtrace_tests::{parse_trace_lines as parse_all, TraceLine as Line, TRACEFS};
+use hvtrace_tests::{
+    parse_graph, parse_trace_lines as parse_all, Node, TraceLine as Line, TRACEFS,
+};
 
 fn probes(c: &mut Client) -> Vec<ProbeInfo> {
     match call(c, Request::ProbeList) {
@@ -483,6 +491,7 @@ fn exercise(guest: &str, fast_lane: bool) {
     function_tracer(&mut ck, &mut c, &mut stream);
     if fast_lane {
         attacker(&mut ck, &mut c, &mut stream);
+        module_code(&mut ck, &mut c, &mut stream);
         benchmark(&mut ck, &mut c, &mut stream);
     }
     let t = status(&mut c).tracer;
@@ -721,4 +730,324 @@ fn scale(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     ck.eq("shadow pages after clearing '*'", end.pages, 0);
     let alive = exec(c, "echo alive");
     ck.eq("guest alive after '*'", alive.trim(), "alive");
+}
+
+/// (pid, body) of the trace lines of `text` whose body starts with
+/// `prefix`, sorted.
+fn pid_bodies(text: &str, prefix: &str) -> Vec<(i32, String)> {
+    let mut v: Vec<(i32, String)> = parse_all(text)
+        .into_iter()
+        .filter(|l| l.body.starts_with(prefix))
+        .map(|l| (l.pid, l.body))
+        .collect();
+    v.sort();
+    v
+}
+
+/// The test module's symbols from our walk of the module list, as
+/// (address, type, name), in our order.
+fn module_symbols(c: &mut Client, module: &str) -> Vec<protocol::SymbolInfo> {
+    let mut cursor = 0;
+    let mut out = Vec::new();
+    loop {
+        let req = Request::Syms {
+            glob: "*".into(),
+            kinds: String::new(),
+            module: module.into(),
+            cursor,
+            limit: 1000,
+        };
+        match call(c, req) {
+            Response::Syms { next, symbols, .. } => {
+                out.extend(symbols);
+                match next {
+                    Some(n) => cursor = n,
+                    None => return out,
+                }
+            }
+            other => panic!("syms failed: {other:?}"),
+        }
+    }
+}
+
+/// Module code (guest/attacker/hvtarget.c), against the guest's own
+/// tracers: a `MOD:SYM` probe before the module loads is refused clearly;
+/// after `insmod`, our symbols for the module equal its `/proc/kallsyms`
+/// lines (address, type, name, in order); a `MOD:SYM` probe's events equal
+/// the guest's own kprobe on the same function, defined the same way, over
+/// the same pokes; and the function tracer over `hvtarget_*` equals the
+/// guest's function tracer over the same functions. The module stays
+/// loaded (the scale test's `*` then covers its functions too).
+fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    const MPROBE: &str = "p:modsum hvtarget:hvtarget_sum n=%di:s32";
+    match call(
+        c,
+        Request::ProbeAdd {
+            spec: MPROBE.into(),
+        },
+    ) {
+        Response::Error { kind, message } => {
+            ck.eq(
+                "probe on a module not loaded: error kind",
+                kind,
+                ErrorKind::NotFound,
+            );
+            ck.check(
+                message.contains("module hvtarget is not loaded"),
+                format!("probe on a module not loaded: {message}"),
+            );
+        }
+        other => ck.check(false, format!("probe on a module not loaded: {other:?}")),
+    }
+    // Its init ran hvtarget_sum(3): 1 + 4 + 7.
+    let loaded = exec(
+        c,
+        "insmod /lib/hvtarget.ko && cat /sys/module/hvtarget/parameters/last",
+    );
+    ck.eq("module loaded, its init ran", loaded.trim(), "12");
+
+    // Symbols.
+    let t0 = Instant::now();
+    let ours = module_symbols(c, "hvtarget");
+    let took = t0.elapsed();
+    let guest: Vec<(u64, char, String)> = exec(c, "grep '\\[hvtarget\\]$' /proc/kallsyms")
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
+            let kind = f.next()?.chars().next()?;
+            Some((addr, kind, f.next()?.to_string()))
+        })
+        .collect();
+    let mine: Vec<(u64, char, String)> = ours
+        .iter()
+        .map(|s| (s.addr, char::from(s.kind), s.name.clone()))
+        .collect();
+    let st = status(c);
+    let report = st
+        .kernel
+        .as_ref()
+        .map(|k| k.modules.clone())
+        .unwrap_or_default();
+    println!(
+        "module symbols: guest {}, ours {} (listed in {:.1} s); walk: {report:?}",
+        guest.len(),
+        mine.len(),
+        took.as_secs_f64()
+    );
+    for s in ours.iter().filter(|s| s.name.starts_with("hvtarget_")) {
+        println!(
+            "  {:#x} {} {} site={:?} {}",
+            s.addr,
+            char::from(s.kind),
+            s.name,
+            s.site,
+            s.not_traceable
+        );
+    }
+    ck.check(
+        guest.iter().any(|s| s.2 == "hvtarget_sum") && guest.len() >= 6,
+        format!("the guest lists the module's symbols: {guest:?}"),
+    );
+    ck.eq("module symbols equal /proc/kallsyms", &mine, &guest);
+    ck.check(
+        ours.iter().all(|s| s.module == "hvtarget"),
+        "every listed symbol is the module's",
+    );
+    let traceable: Vec<&str> = ours
+        .iter()
+        .filter(|s| s.site.is_some())
+        .map(|s| s.name.as_str())
+        .collect();
+    ck.eq(
+        "traceable module functions",
+        traceable,
+        vec!["hvtarget_leaf", "hvtarget_sum", "hvtarget_poke"],
+    );
+    ck.check(
+        report.error.is_none() && report.modules >= 1,
+        format!("module walk: {report:?}"),
+    );
+
+    // A probe named MOD:SYM, against the guest's own.
+    match call(
+        c,
+        Request::ProbeAdd {
+            spec: MPROBE.into(),
+        },
+    ) {
+        Response::ProbeAdded { name, .. } => {
+            ck.eq("module probe name", name.as_str(), "kprobes/modsum")
+        }
+        other => ck.check(false, format!("module probe add failed: {other:?}")),
+    }
+    match call(
+        c,
+        Request::ProbeAdd {
+            spec: "p:nosuch hvtarget:hvtarget_nosuch".into(),
+        },
+    ) {
+        Response::Error { kind, message } => {
+            ck.eq(
+                "unknown symbol in a loaded module: kind",
+                kind,
+                ErrorKind::NotFound,
+            );
+            ck.check(
+                message.contains("hvtarget_nosuch") && !message.contains('\n'),
+                format!("unknown symbol in a loaded module: {message}"),
+            );
+        }
+        other => ck.check(false, format!("unknown module symbol accepted: {other:?}")),
+    }
+    let _ = stream.read(c);
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo '{MPROBE}' >> kprobe_events && echo > trace && \
+             echo 1 > events/kprobes/modsum/enable && \
+             for n in 4 7 9; do echo $n > /sys/module/hvtarget/parameters/poke; done && \
+             echo 0 > events/kprobes/modsum/enable && cat trace && echo '-:modsum' >> kprobe_events"
+        ),
+    );
+    let ours = stream.read(c);
+    // The guest prints a pid's recorded comm, which may be missing
+    // (`<...>`) for the shell: compare by pid and body.
+    let (g, o) = (
+        pid_bodies(&guest, "modsum: "),
+        pid_bodies(&ours, "modsum: "),
+    );
+    for l in o.iter().take(1) {
+        println!("  ours:  {l:?}");
+    }
+    for l in g.iter().take(1) {
+        println!("  guest: {l:?}");
+    }
+    ck.eq("guest kprobe events on the module function", g.len(), 3);
+    ck.check(
+        g.iter().all(|l| l.1.contains(" [hvtarget])")) && g.iter().any(|l| l.1.ends_with(" n=7")),
+        format!("the guest's module probe lines: {g:?}"),
+    );
+    ck.eq("our module probe events equal the guest's", &o, &g);
+    ck.check(
+        matches!(
+            call(
+                c,
+                Request::ProbeDel {
+                    name: "modsum".into()
+                }
+            ),
+            Response::Ok
+        ),
+        "module probe deleted",
+    );
+
+    // The function tracer over the module's functions, against the guest's.
+    match call(
+        c,
+        Request::FunctionAdd {
+            glob: "hvtarget_*".into(),
+        },
+    ) {
+        Response::FunctionAdded { traced, .. } => ck.eq("module functions traced", traced, 3),
+        other => ck.check(
+            false,
+            format!("function add on the module failed: {other:?}"),
+        ),
+    }
+    let _ = stream.read(c);
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 'hvtarget_*' > set_ftrace_filter && echo function > current_tracer && \
+             echo > trace && echo 5 > /sys/module/hvtarget/parameters/poke && cat trace; \
+             echo nop > current_tracer; echo > set_ftrace_filter"
+        ),
+    );
+    let ours = stream.read(c);
+    let (g, o) = (
+        pid_bodies(&guest, "hvtarget_"),
+        pid_bodies(&ours, "hvtarget_"),
+    );
+    println!(
+        "module function tracer: guest {} lines, ours {}; e.g. {:?}",
+        g.len(),
+        o.len(),
+        o.first()
+    );
+    // hvtarget_poke, hvtarget_sum and five hvtarget_leaf calls.
+    ck.eq("guest function lines for one poke of 5", g.len(), 7);
+    ck.eq("our module function lines equal the guest's", &o, &g);
+    ck.check(
+        matches!(call(c, Request::FunctionClear), Response::Ok),
+        "function clear",
+    );
+    ck.eq("sites after function clear", status(c).tracer.sites, 0);
+    module_graph(ck, c, stream);
+    ck.eq("stream losses", stream.lost, 0);
+}
+
+/// A graph session rooted at the module's hvtarget_poke, over its own
+/// functions and the core kernel's capability check it calls, against the
+/// guest's own function_graph with the same root and filter: module and
+/// core frames interleave in one tree.
+fn module_graph(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    const SET: [&str; 5] = [
+        "hvtarget_*",
+        "capable",
+        "ns_capable*",
+        "security_capable",
+        "cap_capable",
+    ];
+    let _ = stream.read(c);
+    let filter = protocol::GraphFilter {
+        functions: vec!["hvtarget_poke".into()],
+        trace: SET.iter().map(|s| s.to_string()).collect(),
+        ..protocol::GraphFilter::default()
+    };
+    let session = match call(c, Request::GraphStart(filter)) {
+        Response::GraphStarted { session, roots, .. } => {
+            ck.eq("module graph roots", roots, 1);
+            session
+        }
+        other => {
+            ck.check(false, format!("graph on the module refused: {other:?}"));
+            return;
+        }
+    };
+    let mut ours = Stream::of(session, protocol::TraceFormat::Text, stream.cursor);
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo > set_ftrace_filter && for g in {}; do echo \"$g\" >> set_ftrace_filter; done; \
+             echo hvtarget_poke > set_graph_function && echo 0 > options/funcgraph-irqs && \
+             echo function_graph > current_tracer && echo > trace && \
+             echo 3 > /sys/module/hvtarget/parameters/poke && \
+             cat trace > /tmp/graph.txt; echo nop > current_tracer; echo > set_graph_function; \
+             echo > set_ftrace_filter; echo 1 > options/funcgraph-irqs; cat /tmp/graph.txt",
+            SET.iter().map(|g| format!("'{g}'")).collect::<Vec<_>>().join(" ")
+        ),
+    );
+    let text = ours.read(c);
+    ck.check(hv_graph_stop(c, session), "module graph stopped");
+    let _ = stream.read(c);
+    let (g, o) = (parse_graph(&guest), parse_graph(&text));
+    for line in text.lines().filter(|l| l.contains('|')).take(12) {
+        println!("  ours:  {line}");
+    }
+    for line in guest.lines().filter(|l| l.contains('|')).take(12) {
+        println!("  guest: {line}");
+    }
+    ck.check(
+        g.iter()
+            .any(|n| matches!(n, Node::Open(0, f) if f == "hvtarget_poke [hvtarget]"))
+            && g.iter()
+                .any(|n| matches!(n, Node::Open(1, f) | Node::Leaf(1, f) if f == "capable"))
+            && g.iter()
+                .filter(|n| matches!(n, Node::Leaf(2, f) if f == "hvtarget_leaf [hvtarget]"))
+                .count()
+                == 3,
+        format!("the guest's graph under hvtarget_poke: {g:?}"),
+    );
+    ck.eq("our module graph equals the guest's", &o, &g);
 }
