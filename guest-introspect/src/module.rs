@@ -538,6 +538,16 @@ pub fn walk_modules_limited<V: VirtMemory + ?Sized>(
     Ok(out)
 }
 
+/// The core and init text of the module whose `struct module` is at `m`,
+/// read now (for a module that is going, whatever the list shows).
+pub fn module_text<V: VirtMemory + ?Sized>(
+    view: &V,
+    layout: &ModuleLayout,
+    m: Gva,
+) -> Result<(GvaRange, GvaRange), ModuleError> {
+    layout.text(view, m.0)
+}
+
 /// Whether an `nm` type letter is a function's (`t`, `T`, `w`, `W`).
 pub fn is_code_letter(kind: u8) -> bool {
     matches!(kind, b't' | b'T' | b'w' | b'W')

@@ -485,6 +485,7 @@ fn probe_commands_against_a_fake_supervisor() {
             site: 0x1000,
             hits: 7,
             misses: 0,
+            pending: false,
         }]),
         _ => Response::error(ErrorKind::Internal, "unexpected"),
     });

@@ -248,6 +248,7 @@ fn guest_text_reaches_the_terminal_escaped() {
             site: 0x1000,
             hits: 1,
             misses: 0,
+            pending: false,
         }])
     };
 

@@ -324,12 +324,14 @@ pub struct ProbeInfo {
     pub spec: String,
     /// The probed function.
     pub symbol: String,
-    /// The fentry site.
+    /// The fentry site (0 while pending).
     pub site: u64,
     /// Hits recorded.
     pub hits: u64,
     /// Hits not recorded (the ring was full).
     pub misses: u64,
+    /// The probe waits for its module to load (or to load again).
+    pub pending: bool,
 }
 
 /// What VMX root did to keep the guest out and its events whole, in a
@@ -429,6 +431,19 @@ pub struct TracerReport {
     /// heap's and the log's; it is never held across a guest memory
     /// access).
     pub stack_lock_waits: u64,
+    /// Root's hidden hooks on the kernel's module code (0 or 2), also
+    /// counted in `sites`.
+    pub module_hooks: u32,
+    /// Module loads seen at them.
+    pub module_loads: u64,
+    /// Module unloads seen at them.
+    pub module_unloads: u64,
+    /// Probes armed when their module loaded.
+    pub module_armed: u64,
+    /// Sites unhooked when their module was going.
+    pub module_unhooked: u64,
+    /// Probes waiting for their module.
+    pub pending_probes: u32,
 }
 
 impl Response {

@@ -91,6 +91,12 @@ fn status() -> StatusReport {
             graph_sessions: 2,
             retprobes: 1,
             stack_lock_waits: 4,
+            module_hooks: 2,
+            module_loads: 21,
+            module_unloads: 20,
+            module_armed: 21,
+            module_unhooked: 40,
+            pending_probes: 1,
         },
         per_vcpu: vec![crate::VcpuReport {
             index: 0,

@@ -147,6 +147,19 @@ pub fn status_text(status: &Status) -> String {
                 t.stack_lock_waits
             ));
         }
+        if t.module_hooks > 0 || t.module_loads > 0 || t.module_unloads > 0 || t.pending_probes > 0
+        {
+            out.push_str(&format!(
+                "{:<12} {} hidden hooks; {} loads ({} probes armed), {} unloads ({} sites unhooked); {} probes pending\n",
+                "modules",
+                t.module_hooks,
+                t.module_loads,
+                t.module_armed,
+                t.module_unloads,
+                t.module_unhooked,
+                t.pending_probes
+            ));
+        }
     }
     let c = &r.channel;
     out.push_str(&format!(
@@ -226,6 +239,12 @@ pub fn status_json(status: &Status) -> Json {
         ("graph_sessions", json::int(u64::from(t.graph_sessions))),
         ("retprobes", json::int(u64::from(t.retprobes))),
         ("stack_lock_waits", json::int(t.stack_lock_waits)),
+        ("module_hooks", json::int(u64::from(t.module_hooks))),
+        ("module_loads", json::int(t.module_loads)),
+        ("module_unloads", json::int(t.module_unloads)),
+        ("module_armed", json::int(t.module_armed)),
+        ("module_unhooked", json::int(t.module_unhooked)),
+        ("pending_probes", json::int(u64::from(t.pending_probes))),
         (
             "trampolines",
             match t.trampolines {
@@ -345,12 +364,18 @@ pub fn probe_line(p: &ProbeInfo, json: bool) -> String {
             ("misses", json::int(p.misses)),
             ("symbol", json::str(p.symbol.clone())),
             ("site", Json::String(format!("{:#x}", p.site))),
+            ("pending", Json::Bool(p.pending)),
             ("spec", json::str(p.spec.clone())),
         ])
         .to_string();
     }
+    let pending = if p.pending {
+        "  (pending: its module is not loaded)"
+    } else {
+        ""
+    };
     format!(
-        "  {:<44} {:>15} {:>15}  {}",
+        "  {:<44} {:>15} {:>15}  {}{pending}",
         p.name, p.hits, p.misses, p.spec
     )
 }
@@ -594,7 +619,7 @@ mod tests {
         );
         let j = status_json(&status).to_string();
         assert!(
-            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"trampolines":"0xffffffffc0000000"}"#),
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"module_hooks":0,"module_loads":0,"module_unloads":0,"module_armed":0,"module_unhooked":0,"pending_probes":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
         );
         // The graph line shows once there is graph state.
@@ -626,6 +651,7 @@ mod tests {
             site: 0xffff_ffff_8123_4564,
             hits: 12,
             misses: 1,
+            pending: false,
         };
         let text = probe_line(&p, false);
         assert_eq!(

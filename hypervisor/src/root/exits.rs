@@ -6,7 +6,7 @@ use crate::control::{Action, StatusSource};
 use crate::cpu_state::CpuState;
 use crate::hvprintln;
 use crate::introspect::{CpuView, GuestRam, KernelView};
-use crate::machine::with_env;
+use crate::machine::{with_env, with_world};
 use crate::phys;
 use crate::vcpu::Vmcs;
 use crate::vm::{HitView, Vm};
@@ -17,6 +17,7 @@ use hypervisor::addr::Gva;
 use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite};
 use hypervisor::task_switch::LegacyPaging;
+use hypervisor::tracer::modules::ModuleEvent;
 use hypervisor::tracer::{DebugState, Hit, Hypercall, Tracer, Violation};
 use hypervisor::vmx::ap;
 use hypervisor::vmx::debug;
@@ -357,15 +358,18 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
                     Ok(Next::Stop(r)) => return r,
                     Err(e) => return e.into(),
                 }
-                // A turn may be due (below, under the whole lock).
-                if !turn_due(cpu) {
+                // A module load or unload seen at a hidden hook is served
+                // below, under the whole lock, before the vCPU enters
+                // again; a turn may be due too.
+                if !cpu.tracer.has_module_event() && !turn_due(cpu) {
                     continue;
                 }
                 None
             }
             Local::Shared(exit, policy_done) => Some((exit, policy_done)),
         };
-        let mut vm = if (timer || exit.is_none()) && cpu.index != 0 {
+        let module_event = cpu.tracer.has_module_event();
+        let mut vm = if (timer || exit.is_none()) && cpu.index != 0 && !module_event {
             // An AP's turn (its timer's, or one due after a local exit or
             // a hit) only re-arms its timer and looks at its mailbox: when
             // another vCPU's exit handler holds the lock (the boot
@@ -396,6 +400,11 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
                 Ok(Next::Resume) => {}
                 Ok(Next::Stop(r)) => return r,
                 Err(e) => return e.into(),
+            }
+        }
+        if let Some(ev) = v.cpu.tracer.take_module_event() {
+            if let Err(e) = v.module_event(ev) {
+                return e.into();
             }
         }
         if !timer && now.saturating_sub(v.cpu.last_turn) > v.cpu.turn_ticks {
@@ -614,6 +623,32 @@ impl Vcpu<'_> {
 
     fn now_ns(&self) -> u64 {
         crate::clock::tsc_to_ns(self.vm.clock.now(), self.vm.tsc_hz)
+    }
+
+    /// A module load or unload this vCPU saw at a hidden hook (see
+    /// `hypervisor::tracer::modules`): the module list is walked again and
+    /// the tracer arms or disarms what is on the module, holding the other
+    /// vCPUs for its changes, before this vCPU runs the kernel function's
+    /// body.
+    fn module_event(&mut self, ev: ModuleEvent) -> Result<(), VmcsError> {
+        let rip = f::GUEST_RIP.read(&Vmcs)?;
+        let tsc_hz = self.vm.tsc_hz;
+        let t0 = insn::rdtsc();
+        self.vm.introspection.refresh_modules(tsc_hz);
+        let kernel = self.vm.introspection.take_kernel();
+        if let Some(k) = kernel.as_ref() {
+            with_world(&self.vm.cfg.views, self.cpu.index, rip, tsc_hz, |env| {
+                tracer!(self).module_event(ev, k, env)
+            });
+        }
+        self.vm.introspection.put_kernel(kernel);
+        log::info!(
+            "module {:?} at {:#x} served in {} us of root time",
+            ev.hook,
+            ev.module,
+            crate::clock::tsc_to_ns(insn::rdtsc().saturating_sub(t0), tsc_hz) / 1000
+        );
+        Ok(())
     }
 
     /// Gives the control channel and the tracer a turn and sets the next

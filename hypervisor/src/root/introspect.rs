@@ -469,6 +469,13 @@ impl KernelView for Kernel {
         &self.modules
     }
 
+    /// A module's core and init text, read through `init_top_pgt` now.
+    fn module_text(&self, module: u64) -> Option<(GvaRange, GvaRange)> {
+        let layout = self.facts.modules.as_ref().ok()?;
+        let view = PagedView::new(&GuestRam, self.cr3);
+        module::module_text(&view, layout, Gva(module)).ok()
+    }
+
     /// The kernel's own top-level table (`init_top_pgt`), valid for the
     /// VM's life, unlike the CR3 of whichever task recovery interrupted.
     fn cr3(&self) -> Cr3 {

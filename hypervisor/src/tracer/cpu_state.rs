@@ -1,5 +1,6 @@
 //! The tracer's state that belongs to one vCPU.
 
+use super::modules::ModuleEvent;
 use super::step::Stepper;
 use alloc::vec::Vec;
 
@@ -11,6 +12,10 @@ pub struct CpuState {
     pub(super) step: Stepper,
     /// Scratch for one encoded record.
     pub(super) record: Vec<u8>,
+    /// A module load or unload seen at a hidden hook by this vCPU's last
+    /// hypercall, for the exit handler to serve before the vCPU enters
+    /// the guest again.
+    pub(super) module_event: Option<ModuleEvent>,
 }
 
 impl CpuState {
@@ -20,7 +25,19 @@ impl CpuState {
             index,
             step: Stepper::default(),
             record: Vec::with_capacity(512),
+            module_event: None,
         }
+    }
+
+    /// Whether the last hypercall saw a module load or unload.
+    pub fn has_module_event(&self) -> bool {
+        self.module_event.is_some()
+    }
+
+    /// The module load or unload the last hypercall saw, if any (see
+    /// [`super::modules`]).
+    pub fn take_module_event(&mut self) -> Option<ModuleEvent> {
+        self.module_event.take()
     }
 }
 

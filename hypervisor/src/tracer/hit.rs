@@ -11,6 +11,7 @@
 
 use super::fgraph::Out;
 use super::machine::{CpuView, Env, KernelView, Running};
+use super::modules::ModuleEvent;
 use super::probes::{store, HitSink, VcpuMem};
 use super::region::Region;
 use super::site::Patch;
@@ -194,6 +195,14 @@ impl<'a> Hit<'a> {
             return (chain, Served::Refused);
         }
         add(&self.vm.hit.hits, 1);
+        if let Some(hook) = u.hidden {
+            // A module load or unload: served by the exit handler with the
+            // whole VM, before this vCPU runs the function's body.
+            self.cpu.module_event = Some(ModuleEvent {
+                hook,
+                module: regs.di,
+            });
+        }
         let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
         let mut header = EventHeader {
             probe_id: 0,

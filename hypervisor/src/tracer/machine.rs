@@ -15,6 +15,7 @@ use guest_introspect::kallsyms::SymbolIndex;
 use guest_introspect::module::ModuleIndex;
 use guest_introspect::paging::Cr3;
 use guest_introspect::stacks::StackMap;
+use guest_introspect::GvaRange;
 
 /// Bytes of a page (and of a frame).
 pub const PAGE: usize = 4096;
@@ -158,6 +159,10 @@ pub trait KernelView {
     /// The loaded modules and their symbols, as of the last walk of the
     /// kernel's module list.
     fn modules(&self) -> &ModuleIndex;
+    /// The core and init text of the module whose `struct module` is at
+    /// `module`, read from guest memory now (`None` when unreadable or
+    /// the layout is unknown).
+    fn module_text(&self, module: u64) -> Option<(GvaRange, GvaRange)>;
     /// The kernel's own top-level page table, valid for the VM's life.
     fn cr3(&self) -> Cr3;
     /// The task running on the vCPU described by `cpu`.

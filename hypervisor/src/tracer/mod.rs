@@ -33,6 +33,7 @@ mod fgraph;
 pub mod graph;
 mod hit;
 pub mod machine;
+pub mod modules;
 mod probes;
 mod region;
 mod requests;
@@ -190,6 +191,12 @@ impl<'a> Tracer<'a> {
             graph_bytes: stacks.bytes,
             graph_sessions: vm.graph.running(),
             retprobes: vm.probes.returns(),
+            module_hooks: vm.modules.hooks.len() as u32,
+            module_loads: vm.modules.loads,
+            module_unloads: vm.modules.unloads,
+            module_armed: vm.modules.armed,
+            module_unhooked: vm.modules.unhooked,
+            pending_probes: vm.probes.list.iter().filter(|p| p.site.is_none()).count() as u32,
             ..vm.stats
         })
     }

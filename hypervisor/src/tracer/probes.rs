@@ -23,7 +23,12 @@ pub(super) const MAX_PROBES: usize = 1024;
 pub(super) struct Probe {
     pub(super) id: u32,
     pub(super) spec: ProbeSpec,
-    pub(super) site: Gva,
+    /// The hooked site; `None` while the probe waits for its module to
+    /// load (pending).
+    pub(super) site: Option<Gva>,
+    /// The module the probed function is in (named in the spec, or where
+    /// the name was found), if not the kernel image.
+    pub(super) module: Option<alloc::string::String>,
     /// Hits recorded and hits lost: counted on the hit path, where other
     /// vCPUs count theirs at the same time.
     pub(super) hits: AtomicU64,
@@ -87,7 +92,8 @@ impl Probes {
                 name: format!("{}/{}", p.spec.group, p.spec.event),
                 spec: p.spec.to_string(),
                 symbol: p.spec.symbol.clone(),
-                site: p.site.0,
+                site: p.site.map_or(0, |s| s.0),
+                pending: p.site.is_none(),
                 hits: p.hits.load(Relaxed),
                 misses: p.misses.load(Relaxed),
             })

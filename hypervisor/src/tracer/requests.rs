@@ -5,6 +5,7 @@
 use super::fgraph::{GraphSession, MAX_STACK_FRAMES, STACK_FRAMES};
 use super::graph::GraphText;
 use super::machine::{Env, KernelView};
+use super::modules;
 use super::probes::{Probe, MAX_PROBES};
 use super::retstack::MAX_USERS;
 use super::split::MAX_SITES;
@@ -73,8 +74,24 @@ impl Tracer<'_> {
                 format!("symbol {name} is not in the guest's kallsyms"),
             )
         })?;
-        let sym = symbols::lookup(k, spec.module.as_deref(), &spec.symbol)
-            .map_err(|m| ReqError::new(ErrorKind::NotFound, m))?;
+        let sym = match symbols::lookup(k, spec.module.as_deref(), &spec.symbol) {
+            Ok(sym) => sym,
+            Err(_)
+                if spec
+                    .module
+                    .as_deref()
+                    .is_some_and(|m| k.modules().module(m).is_none()) =>
+            {
+                // Its module is not loaded: pending until it loads, as
+                // the kernel keeps such a kprobe.
+                return self.probe_add_pending(spec, k, env);
+            }
+            Err(m) => return Err(ReqError::new(ErrorKind::NotFound, m)),
+        };
+        let module = match sym {
+            symbols::SymRef::Module(id) => k.modules().get(id).map(|(m, _)| m.name.clone()),
+            symbols::SymRef::Core(_) => None,
+        };
         let view = PagedView::new(env.ram, k.cr3());
         let fs = sym
             .classify(k, &Classifier::new(k.index()), &view)
@@ -85,6 +102,10 @@ impl Tracer<'_> {
                 )
             })?;
         self.ensure_region(k, env)?;
+        if module.is_some() {
+            // An unload must be seen before anything is hooked there.
+            self.ensure_module_hooks(k, env, true)?;
+        }
         stop_others(env)?;
         let site = fs.site;
         let hooked = self
@@ -92,12 +113,13 @@ impl Tracer<'_> {
             .view
             .hook(k, env, self.vm.region.as_ref(), site, fs.func);
         env.m.invept();
-        hooked.map_err(|e| {
-            ReqError::new(
+        if let Err(e) = hooked {
+            self.release_module_hooks_if_idle(env);
+            return Err(ReqError::new(
                 ErrorKind::InvalidArgument,
                 format!("cannot hook {} at {site:#x}: {e}", spec.symbol),
-            )
-        })?;
+            ));
+        }
         let pid = self.vm.probes.next_id;
         let pushed = match self.vm.view.sites.get_mut(&site) {
             Some(u) if spec.kind.is_return() => {
@@ -109,6 +131,7 @@ impl Tracer<'_> {
         if let Err(e) = pushed {
             // A site hooked for this probe alone goes again.
             self.vm.view.unhook_if_unused(env, site);
+            self.release_module_hooks_if_idle(env);
             env.m.invept();
             return Err(out_of_memory(env, "the probe's site", e));
         }
@@ -118,11 +141,43 @@ impl Tracer<'_> {
         self.vm.probes.list.push(Probe {
             id: pid,
             spec,
-            site,
+            site: Some(site),
+            module,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         });
         Ok(ProbeAdded { name, site: site.0 })
+    }
+
+    /// A probe on a function of a module that is not loaded: kept pending,
+    /// with the hidden hooks in to arm it when the module loads.
+    fn probe_add_pending(
+        &mut self,
+        spec: kprobe::ProbeSpec,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+    ) -> Result<ProbeAdded, ReqError> {
+        let module = spec.module.clone();
+        let pid = self.vm.probes.next_id;
+        let name = format!("{}/{}", spec.group, spec.event);
+        self.vm.probes.list.push(Probe {
+            id: pid,
+            spec,
+            site: None,
+            module,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        });
+        if let Err(e) = self
+            .ensure_region(k, env)
+            .and_then(|()| self.ensure_module_hooks(k, env, true))
+        {
+            self.vm.probes.list.pop();
+            return Err(e);
+        }
+        self.vm.probes.next_id += 1;
+        log::info!("tracer: probe {name} pending until its module loads");
+        Ok(ProbeAdded { name, site: 0 })
     }
 
     /// `probe del NAME` (`EVENT` or `GROUP/EVENT`).
@@ -135,11 +190,14 @@ impl Tracer<'_> {
         };
         stop_others(env)?;
         let p = self.vm.probes.list.remove(i);
-        if let Some(u) = self.vm.view.sites.get_mut(&p.site) {
-            u.probes.retain(|&x| x != p.id);
-            u.retprobes.retain(|&x| x != u64::from(p.id));
+        if let Some(site) = p.site {
+            if let Some(u) = self.vm.view.sites.get_mut(&site) {
+                u.probes.retain(|&x| x != p.id);
+                u.retprobes.retain(|&x| x != u64::from(p.id));
+            }
+            self.vm.view.unhook_if_unused(env, site);
         }
-        self.vm.view.unhook_if_unused(env, p.site);
+        self.release_module_hooks_if_idle(env);
         env.m.invept();
         Ok(())
     }
@@ -186,6 +244,25 @@ impl Tracer<'_> {
                 continue;
             }
             seen.insert(fs.site.0);
+        }
+        // Module functions are hooked only while unloads are followed.
+        let core = k.index().text();
+        if found
+            .iter()
+            .any(|&(_, site, _)| modules::outside_core(core, site))
+        {
+            if let Err(e) = self.ensure_module_hooks(k, env, true) {
+                found.retain(|&(id, site, _)| {
+                    if !modules::outside_core(core, site) {
+                        return true;
+                    }
+                    skipped_total += 1;
+                    if skipped.len() < 8 {
+                        skipped.push(format!("{}: {}", id.name(k), e.message));
+                    }
+                    false
+                });
+            }
         }
         if !found.is_empty() {
             self.ensure_region(k, env)?;
@@ -235,6 +312,7 @@ impl Tracer<'_> {
             .view
             .release(env, |u| core::mem::take(&mut u.function));
         self.vm.probes.functions = 0;
+        self.release_module_hooks_if_idle(env);
         Ok(())
     }
 
@@ -343,10 +421,24 @@ impl Tracer<'_> {
             )
             .map_err(oom)?;
         let bit = 1u16 << user;
+        // Module functions are hooked only while unloads are followed.
+        let core = k.index().text();
+        let mut skipped = 0u32;
+        if wanted.keys().any(|&s| modules::outside_core(core, Gva(s))) {
+            if let Err(e) = self.ensure_module_hooks(k, env, true) {
+                let before = wanted.len();
+                wanted.retain(|&s, _| !modules::outside_core(core, Gva(s)));
+                skipped += (before - wanted.len()) as u32;
+                log::warn!(
+                    "tracer: graph session {user}: module functions left out: {}",
+                    e.message
+                );
+            }
+        }
         // Matched with every vCPU running; hooked with the others held.
         self.ensure_region(k, env)?;
         stop_others(env)?;
-        let (mut hooked, mut skipped) = (0u32, 0u32);
+        let mut hooked = 0u32;
         for (n, (site, func)) in wanted.into_iter().enumerate() {
             if n > 0 && n % HOOK_BATCH == 0 {
                 env.m.invept();
@@ -414,6 +506,7 @@ impl Tracer<'_> {
                 had
             });
         }
+        self.release_module_hooks_if_idle(env);
         Ok(())
     }
 }

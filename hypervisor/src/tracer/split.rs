@@ -5,6 +5,7 @@
 //! own frame ([`super::step`], per vCPU). Shared by every vCPU.
 
 use super::machine::{Env, KernelView, PAGE};
+use super::modules::ModuleHook;
 use super::region::Region;
 use super::site::{self, Patch, PatchError};
 use crate::addr::Gva;
@@ -46,12 +47,18 @@ pub(super) struct SiteUse {
     pub(super) function: bool,
     /// The graph sessions (bit N: session N) that hooked the function.
     pub(super) graph: u16,
+    /// Root's own hook on the kernel's module code, if this is one.
+    pub(super) hidden: Option<ModuleHook>,
 }
 
 impl SiteUse {
     /// Nothing uses the site any more: it may be unhooked.
     fn unused(&self) -> bool {
-        self.probes.is_empty() && self.retprobes.is_empty() && !self.function && self.graph == 0
+        self.probes.is_empty()
+            && self.retprobes.is_empty()
+            && !self.function
+            && self.graph == 0
+            && self.hidden.is_none()
     }
 }
 
@@ -226,6 +233,7 @@ impl SplitView {
                 function: false,
                 retprobes: Vec::new(),
                 graph: 0,
+                hidden: None,
             },
         );
         Ok(())

@@ -48,6 +48,14 @@ const CALLER: u64 = TEXT + 0x1000;
 const FUNC: u64 = TEXT + 0x2000;
 const OTHER: u64 = TEXT + 0x2100;
 const FTRACE_CALLER: u64 = TEXT + 0x9000;
+/// The kernel's module functions the hidden hooks go on.
+const DO_INIT_MODULE: u64 = TEXT + 0x3000;
+const FREE_MODULE: u64 = TEXT + 0x3100;
+/// A module's `struct module`, and its text: outside the kernel's text,
+/// inside the mapping the page tables have (module space, for the test).
+const MOD_STRUCT: u64 = 0xffff_8880_0200_0000;
+const MOD_TEXT: u64 = TEXT + 0x18_0000;
+const MOD_FUNC: u64 = MOD_TEXT + 0x40;
 const ETEXT: u64 = TEXT + 0x10_0000;
 /// A task's kernel stack (16 KiB) inside the same mapping.
 const STACK_BASE: u64 = TEXT + 0x1f_0000;
@@ -280,6 +288,16 @@ impl KernelView for FakeKernel {
     fn modules(&self) -> &guest_introspect::module::ModuleIndex {
         &self.modules
     }
+    fn module_text(
+        &self,
+        module: u64,
+    ) -> Option<(guest_introspect::GvaRange, guest_introspect::GvaRange)> {
+        self.modules
+            .modules()
+            .iter()
+            .find(|m| m.addr.0 == module)
+            .map(|m| (m.text, m.init_text))
+    }
     fn cr3(&self) -> Cr3 {
         Cr3(PML4)
     }
@@ -314,6 +332,8 @@ fn index() -> SymbolIndex {
         sym(b'T', "caller", CALLER),
         sym(b'T', "my_func", FUNC),
         sym(b't', "other_func", OTHER),
+        sym(b't', "do_init_module", DO_INIT_MODULE),
+        sym(b't', "free_module", FREE_MODULE),
         sym(b'T', "ftrace_caller", FTRACE_CALLER),
         sym(b'T', "_etext", ETEXT),
     ];
@@ -376,7 +396,7 @@ impl Guest {
             );
         }
         // Every function starts with its fentry NOP5, then `ret`.
-        for f in [CALLER, FUNC, OTHER] {
+        for f in [CALLER, FUNC, OTHER, DO_INIT_MODULE, FREE_MODULE, MOD_FUNC] {
             ram.put(gpa(f), &NOP5);
             ram.put(gpa(f) + 5, &[0xc3]);
         }
@@ -1174,4 +1194,160 @@ fn hits_on_two_vcpus_run_at_once_over_the_shared_state() {
         "{}",
         text.lines().take(8).collect::<Vec<_>>().join("\n")
     );
+}
+
+// ----- modules that come and go ----------------------------------------
+
+/// The module list as the kernel has it with `hvtarget` loaded (or not).
+fn modules(loaded: bool) -> guest_introspect::module::ModuleIndex {
+    use guest_introspect::module::{Module, ModuleIndex, ModuleStates, ModuleSymbol};
+    let states = ModuleStates {
+        live: 0,
+        coming: 1,
+        going: 2,
+        unformed: 3,
+    };
+    let list = if loaded {
+        vec![Module {
+            addr: Gva(MOD_STRUCT),
+            name: "hvtarget".into(),
+            state: states.coming,
+            text: GvaRange::with_len(Gva(MOD_TEXT), 0x1000),
+            init_text: GvaRange::new(Gva(0), Gva(0)),
+            symbols: vec![ModuleSymbol {
+                addr: MOD_FUNC,
+                kind: b't',
+                name: "hvtarget_sum".into(),
+            }],
+        }]
+    } else {
+        Vec::new()
+    };
+    ModuleIndex::new(list, states).unwrap()
+}
+
+impl Guest {
+    /// The guest calls the kernel function `func` with `struct module *`
+    /// `module`; the hidden hook there notes the event, which the exit
+    /// handler then serves (with the module list as the kernel now has
+    /// it). Returns the event seen.
+    fn module_call(&mut self, func: u64, module: u64) -> Option<super::modules::ModuleEvent> {
+        let (out, _) = self.hit(func, RETP, CALLER_RET, module);
+        assert!(matches!(out, Hypercall::Handled));
+        let ev = self.cpus[self.on].take_module_event()?;
+        self.with(|t, env, k| t.module_event(ev, k, env));
+        Some(ev)
+    }
+
+    fn sites_and_pages(&mut self) -> (u32, u32, u32) {
+        let r = self.tracer().report();
+        (r.sites, r.pages, r.module_hooks)
+    }
+}
+
+#[test]
+fn a_probe_on_a_module_not_loaded_is_armed_at_its_load_and_pending_again_at_its_unload() {
+    use super::modules::{ModuleEvent, ModuleHook};
+    let mut g = Guest::new();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    // Pending: nothing of the module is hooked, but root's own hooks on
+    // do_init_module and free_module are in.
+    let (name, site) = g.probe("p:ms hvtarget:hvtarget_sum n=%di").unwrap();
+    assert_eq!((name.as_str(), site), ("kprobes/ms", 0));
+    let list = g.tracer().probe_list();
+    assert!(list[0].pending && list[0].site == 0, "{list:?}");
+    assert_eq!(g.sites_and_pages(), (2, 1, 2));
+    assert_eq!(g.tracer().report().pending_probes, 1);
+    let mod_page = gpa(MOD_FUNC) & !0xfff;
+    assert!(g.root.leaf(mod_page).is_none_or(|l| l.hpa.0 == mod_page));
+    // An unknown symbol of a loaded module is an error, not pending.
+    g.kernel.modules = modules(true);
+    let e = g.probe("p:nosuch hvtarget:hvtarget_nosuch").unwrap_err();
+    assert_eq!(e.kind, protocol::ErrorKind::NotFound);
+    assert!(e.message.contains("hvtarget_nosuch") && !e.message.contains('\n'));
+    g.kernel.modules = modules(false);
+
+    for round in 0..20u64 {
+        // The module loads: the hook on do_init_module sees it before its
+        // init runs, and the probe is armed at once.
+        g.kernel.modules = modules(true);
+        let ev = g.module_call(DO_INIT_MODULE, MOD_STRUCT);
+        assert_eq!(
+            ev,
+            Some(ModuleEvent {
+                hook: ModuleHook::Load,
+                module: MOD_STRUCT
+            })
+        );
+        let list = g.tracer().probe_list();
+        assert!(!list[0].pending && list[0].site == MOD_FUNC, "{list:?}");
+        assert_eq!(g.sites_and_pages(), (3, 2, 2), "round {round}");
+        let leaf = g.root.leaf(mod_page).unwrap();
+        assert_eq!(leaf.perms, ept::EXEC);
+        let shadow = g.root.frames[&leaf.hpa.0].clone();
+        let off = (MOD_FUNC & 0xfff) as usize;
+        assert_eq!(
+            shadow[off..off + 5],
+            call_bytes(MOD_FUNC, g.region().entry().0)
+        );
+        // Its init calls the function: the probe fires, shown as the
+        // module's.
+        g.hit(MOD_FUNC, RETP, CALLER_RET, 3 + round);
+        let text = g.text();
+        assert!(
+            text.contains("ms: (hvtarget_sum+0x0/0xfc0 [hvtarget])")
+                && text.contains(&format!("n={:#x}", 3 + round)),
+            "{text}"
+        );
+        // The module goes: at free_module everything on its text is
+        // unhooked and the guest's page mapped back, before the kernel
+        // frees it; the probe is pending again.
+        let ev = g.module_call(FREE_MODULE, MOD_STRUCT);
+        assert_eq!(ev.map(|e| e.hook), Some(ModuleHook::Unload));
+        g.kernel.modules = modules(false);
+        let leaf = g.root.leaf(mod_page).unwrap();
+        assert_eq!((leaf.hpa.0, leaf.perms), (mod_page, ept::RWX));
+        assert_eq!(g.sites_and_pages(), (2, 1, 2), "round {round}");
+        assert!(g.tracer().probe_list()[0].pending);
+    }
+    let r = g.tracer().report();
+    assert_eq!(
+        (
+            r.module_loads,
+            r.module_unloads,
+            r.module_armed,
+            r.module_unhooked
+        ),
+        (20, 20, 20, 20)
+    );
+    assert_eq!(g.tracer().probe_list()[0].hits, 20);
+    // The last pending probe goes: so do root's hooks.
+    g.with(|t, env, _| t.probe_del("ms", env)).unwrap();
+    assert_eq!(g.sites_and_pages(), (0, 0, 0));
+}
+
+#[test]
+fn the_function_tracer_on_a_module_follows_its_unload() {
+    let mut g = Guest::new();
+    g.kernel.modules = modules(true);
+    let added = g
+        .with(|t, env, k| t.function_add("hvtarget_*", k, env))
+        .unwrap();
+    assert_eq!(added.traced, 1);
+    // Root's hooks came in with the module's function.
+    assert_eq!(g.sites_and_pages(), (3, 2, 2));
+    assert_eq!(g.tracer().report().functions, 1);
+    g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
+    g.kernel.modules = modules(false);
+    let r = g.tracer().report();
+    // Nothing left to follow: root's hooks went too.
+    assert_eq!(
+        (r.sites, r.pages, r.module_hooks, r.functions),
+        (0, 0, 0, 0)
+    );
+    // The kernel's own functions are not the module's: an unload of a
+    // module whose text is unknown touches nothing.
+    g.with(|t, env, k| t.function_add("my_func", k, env))
+        .unwrap();
+    assert_eq!(g.sites_and_pages(), (1, 1, 0));
 }

@@ -1,6 +1,7 @@
 //! The tracer's state that every vCPU shares: one per VM.
 
 use super::fgraph::Graph;
+use super::modules::ModuleTrack;
 use super::probes::Probes;
 use super::region::Region;
 use super::split::SplitView;
@@ -30,6 +31,8 @@ pub struct VmState {
     pub(super) stats: TracerReport,
     /// The hit path's counters.
     pub(super) hit: HitStats,
+    /// The hidden hooks that follow module loads and unloads.
+    pub(super) modules: ModuleTrack,
 }
 
 /// The counters the hit path adds to, summed over the vCPUs.

@@ -136,6 +136,7 @@ pub fn sample_bodies() -> Vec<Body> {
             site: 0xffff_ffff_8123_4564,
             hits: 3,
             misses: 1,
+            pending: false,
         }])),
         Body::Response(Response::FunctionAdded {
             traced: 40,

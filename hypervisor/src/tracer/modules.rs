@@ -1,0 +1,302 @@
+//! Modules that come and go: root learns of each load and unload in time
+//! from hidden hooks of its own on the kernel's module code, and arms and
+//! disarms the probes and hooks on a module's functions there.
+//!
+//! - **Load**: `do_init_module(mod)` runs once a module is formed (its text
+//!   in place and executable, its symbols readable, state
+//!   `MODULE_STATE_COMING`) and before it calls the module's init. Its
+//!   entry hits our hidden hook; the vCPU that loads the module stays in
+//!   root while root walks the module list again and hooks the pending
+//!   probes on the module's functions, so they fire from the init on.
+//! - **Unload**: `free_module(mod)` runs after a module's exit (or its
+//!   failed init) and before the kernel frees its memory. At its entry
+//!   root unhooks every site in the module's text (core and init): the
+//!   probes there go back to pending, the function tracer and graph
+//!   sessions lose those functions, and no shadow page stays mapped over
+//!   a page the kernel is about to free.
+//!
+//! The hit on a hidden hook only notes the event for its vCPU
+//! ([`CpuState::take_module_event`]); the exit handler serves it with the
+//! whole VM lock, before the vCPU enters the guest again: that is what
+//! makes it in time. The hidden hooks are installed while something needs
+//! them (a pending probe, or a hooked site outside the kernel's text) and
+//! removed when nothing does.
+
+use super::machine::{Env, KernelView};
+use super::{stop_others, symbols, ReqError, Tracer};
+use crate::addr::Gva;
+use alloc::format;
+use alloc::vec::Vec;
+use guest_introspect::fentry::Classifier;
+use guest_introspect::view::PagedView;
+use guest_introspect::GvaRange;
+use protocol::ErrorKind;
+
+/// Which of the kernel's module functions a hidden hook is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleHook {
+    /// `do_init_module`: a module is about to run its init.
+    Load,
+    /// `free_module`: a module's memory is about to be freed.
+    Unload,
+}
+
+impl ModuleHook {
+    /// The kernel function hooked.
+    pub fn function(self) -> &'static str {
+        match self {
+            ModuleHook::Load => "do_init_module",
+            ModuleHook::Unload => "free_module",
+        }
+    }
+}
+
+/// A load or unload seen at a hidden hook, for the exit handler.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModuleEvent {
+    /// Which hook.
+    pub hook: ModuleHook,
+    /// The `struct module *` the function was called with (RDI).
+    pub module: u64,
+}
+
+/// The hidden hooks and what they did.
+#[derive(Default)]
+pub(super) struct ModuleTrack {
+    /// The sites of the hidden hooks, while installed.
+    pub(super) hooks: Vec<Gva>,
+    /// Loads and unloads seen.
+    pub(super) loads: u64,
+    pub(super) unloads: u64,
+    /// Probes armed at a load, sites unhooked at an unload.
+    pub(super) armed: u64,
+    pub(super) unhooked: u64,
+    /// The kernel image's text, as of the last request: a hooked site
+    /// outside it is in a module.
+    pub(super) core_text: Option<GvaRange>,
+}
+
+/// Whether `site` is outside the kernel image's text `core` (in a
+/// module).
+pub(super) fn outside_core(core: Option<GvaRange>, site: Gva) -> bool {
+    !core.is_some_and(|t| t.contains(site))
+}
+
+impl Tracer<'_> {
+    /// Whether anything needs the hidden hooks: a pending probe, or a
+    /// user's hook outside the kernel's text.
+    fn modules_needed(&self) -> bool {
+        let core = self.vm.modules.core_text;
+        self.vm.probes.list.iter().any(|p| p.site.is_none())
+            || self
+                .vm
+                .view
+                .sites
+                .iter()
+                .any(|(&s, u)| u.hidden.is_none() && outside_core(core, s))
+    }
+
+    /// Installs the hidden hooks if they are not in and something needs
+    /// them, or `about_to` (a request is about to hook module functions).
+    /// An error when the kernel's module functions cannot be hooked: then
+    /// module functions cannot be traced safely.
+    pub(super) fn ensure_module_hooks(
+        &mut self,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        about_to: bool,
+    ) -> Result<(), ReqError> {
+        self.vm.modules.core_text = k.index().text();
+        if !self.vm.modules.hooks.is_empty() || !(about_to || self.modules_needed()) {
+            return Ok(());
+        }
+        let view = PagedView::new(env.ram, k.cr3());
+        let classifier = Classifier::new(k.index());
+        let mut found = [None, None];
+        for (slot, hook) in found.iter_mut().zip([ModuleHook::Load, ModuleHook::Unload]) {
+            let site = symbols::lookup(k, None, hook.function())
+                .ok()
+                .filter(|s| matches!(s, symbols::SymRef::Core(_)))
+                .and_then(|s| s.classify(k, &classifier, &view).ok())
+                .ok_or_else(|| {
+                    ReqError::new(
+                        ErrorKind::Unsupported,
+                        format!(
+                            "this kernel's {} has no fentry site: module loads and unloads cannot be followed, so module functions cannot be traced",
+                            hook.function()
+                        ),
+                    )
+                })?;
+            *slot = Some((hook, site));
+        }
+        self.ensure_region(k, env)?;
+        stop_others(env)?;
+        for (hook, fs) in found.into_iter().flatten() {
+            if let Err(e) = self
+                .vm
+                .view
+                .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func)
+            {
+                self.drop_module_hooks(env);
+                return Err(ReqError::new(
+                    ErrorKind::Unsupported,
+                    format!("cannot hook {} to follow modules: {e}", hook.function()),
+                ));
+            }
+            if let Some(u) = self.vm.view.sites.get_mut(&fs.site) {
+                u.hidden = Some(hook);
+            }
+            self.vm.modules.hooks.push(fs.site);
+        }
+        env.m.invept();
+        log::info!("tracer: following module loads and unloads at do_init_module and free_module");
+        Ok(())
+    }
+
+    /// Removes the hidden hooks when nothing needs them any more.
+    pub(super) fn release_module_hooks_if_idle(&mut self, env: &mut Env<'_>) {
+        if !self.vm.modules.hooks.is_empty() && !self.modules_needed() {
+            self.drop_module_hooks(env);
+        }
+    }
+
+    fn drop_module_hooks(&mut self, env: &mut Env<'_>) {
+        for site in core::mem::take(&mut self.vm.modules.hooks) {
+            if let Some(u) = self.vm.view.sites.get_mut(&site) {
+                u.hidden = None;
+            }
+            self.vm.view.unhook_if_unused(env, site);
+        }
+        env.m.invept();
+    }
+
+    /// Serves a load or unload seen at a hidden hook, with the module
+    /// index of a walk made just now. Runs with the whole VM lock, the
+    /// vCPU that hit still in root.
+    pub fn module_event(&mut self, ev: ModuleEvent, k: &dyn KernelView, env: &mut Env<'_>) {
+        match ev.hook {
+            ModuleHook::Load => self.module_loaded(ev.module, k, env),
+            ModuleHook::Unload => self.module_unloading(ev.module, k, env),
+        }
+        self.release_module_hooks_if_idle(env);
+        env.m.invept();
+    }
+
+    /// Arms the pending probes on the module at `module`.
+    fn module_loaded(&mut self, module: u64, k: &dyn KernelView, env: &mut Env<'_>) {
+        self.vm.modules.loads += 1;
+        let Some(name) = k
+            .modules()
+            .modules()
+            .iter()
+            .find(|m| m.addr.0 == module)
+            .map(|m| m.name.clone())
+        else {
+            log::warn!(
+                "tracer: a module at {module:#x} is loading, but the module list does not show it"
+            );
+            return;
+        };
+        let view = PagedView::new(env.ram, k.cr3());
+        let classifier = Classifier::new(k.index());
+        let mut armed = 0u32;
+        for i in 0..self.vm.probes.list.len() {
+            let Some(p) = self.vm.probes.list.get(i) else {
+                break;
+            };
+            if p.site.is_some() || p.module.as_deref() != Some(name.as_str()) {
+                continue;
+            }
+            let fs = match symbols::lookup(k, Some(&name), &p.spec.symbol)
+                .and_then(|s| {
+                    s.classify(k, &classifier, &view)
+                        .map_err(|e| format!("{e}"))
+                }) {
+                Ok(fs) => fs,
+                Err(e) => {
+                    log::warn!(
+                        "tracer: probe {}/{} stays pending: {e}",
+                        p.spec.group,
+                        p.spec.event
+                    );
+                    continue;
+                }
+            };
+            let id = p.id;
+            let is_return = p.spec.kind.is_return();
+            if let Err(e) = self
+                .vm
+                .view
+                .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func)
+            {
+                log::warn!(
+                    "tracer: probe {id} stays pending: cannot hook {:#x}: {e}",
+                    fs.site.0
+                );
+                continue;
+            }
+            let pushed = match self.vm.view.sites.get_mut(&fs.site) {
+                Some(u) if is_return => {
+                    guest_introspect::fallible::try_push(&mut u.retprobes, u64::from(id))
+                }
+                Some(u) => guest_introspect::fallible::try_push(&mut u.probes, id),
+                None => Ok(()),
+            };
+            if pushed.is_err() {
+                self.vm.view.unhook_if_unused(env, fs.site);
+                continue;
+            }
+            if let Some(p) = self.vm.probes.list.get_mut(i) {
+                p.site = Some(fs.site);
+            }
+            armed += 1;
+        }
+        self.vm.modules.armed += u64::from(armed);
+        log::info!("tracer: module {name} is loading: {armed} pending probes armed");
+    }
+
+    /// Unhooks everything in the text of the module at `module`.
+    fn module_unloading(&mut self, module: u64, k: &dyn KernelView, env: &mut Env<'_>) {
+        self.vm.modules.unloads += 1;
+        let Some((text, init)) = k.module_text(module) else {
+            log::warn!("tracer: a module at {module:#x} is going, but its text cannot be read");
+            return;
+        };
+        let core = k.index().text();
+        let inside = |s: Gva| (text.contains(s) || init.contains(s)) && outside_core(core, s);
+        let sites: Vec<Gva> = self
+            .vm
+            .view
+            .sites
+            .iter()
+            .filter(|(&s, u)| inside(s) && u.hidden.is_none())
+            .map(|(&s, _)| s)
+            .collect();
+        for &site in &sites {
+            let Some(u) = self.vm.view.sites.get_mut(&site) else {
+                continue;
+            };
+            u.probes.clear();
+            u.retprobes.clear();
+            u.graph = 0;
+            if core::mem::take(&mut u.function) {
+                self.vm.probes.functions = self.vm.probes.functions.saturating_sub(1);
+            }
+            self.vm.view.unhook_if_unused(env, site);
+        }
+        let mut pending = 0u32;
+        for p in self.vm.probes.list.iter_mut() {
+            if p.site.is_some_and(|s| sites.contains(&s)) {
+                p.site = None;
+                pending += 1;
+            }
+        }
+        self.vm.modules.unhooked += sites.len() as u64;
+        log::info!(
+            "tracer: a module at {module:#x} is going ({:#x}-{:#x}): {} sites unhooked, {pending} probes pending again",
+            text.start.0,
+            text.end.0,
+            sites.len()
+        );
+    }
+}
