@@ -22,6 +22,10 @@ LAYOUT=2
 # Optional: kernel modules to carry as /lib/<name>, colon-separated (the
 # test modules of the VM tests, see scripts/guest/attacker.sh).
 EXTRA_MODULES=${HVTRACE_INITRAMFS_MODULES:-}
+# Optional: a directory whose files are added at the same paths under the
+# archive's root (the Debian kernel's modules, see
+# scripts/guest/debian-modules.sh); its `done` marker is left out.
+EXTRA_TREE=${HVTRACE_INITRAMFS_TREE:-}
 
 [[ -f $INIT ]] || die "missing $INIT"
 [[ -f $BENCH_SRC ]] || die "missing $BENCH_SRC"
@@ -44,7 +48,15 @@ if [[ -n $EXTRA_MODULES ]]; then
     done
     kind=-$(basename "${extra[0]}" .ko)
 fi
-hash=$(hv_hash "$INIT" "$BUSYBOX" "$BENCH_SRC" "${extra[@]}" -- "layout $LAYOUT" "busybox $bb_version" "gcc $gcc_version")
+tree_files=()
+if [[ -n $EXTRA_TREE ]]; then
+    [[ -d $EXTRA_TREE ]] || die "missing $EXTRA_TREE"
+    mapfile -t tree_files < <(cd "$EXTRA_TREE" && find . -type f ! -name done | LC_ALL=C sort)
+    ((${#tree_files[@]} > 0)) || die "$EXTRA_TREE has no files"
+    kind=$kind-tree
+fi
+tree_hash=$(cd "${EXTRA_TREE:-/}" && if ((${#tree_files[@]})); then sha256sum "${tree_files[@]}"; fi | sha256sum | cut -c1-12)
+hash=$(hv_hash "$INIT" "$BUSYBOX" "$BENCH_SRC" "${extra[@]}" -- "layout $LAYOUT" "busybox $bb_version" "gcc $gcc_version" "tree $tree_hash")
 out=$CACHE/initramfs-$(hv_sanitize_version "$bb_version")$kind-$hash.cpio.gz
 
 if [[ -f $out ]]; then
@@ -59,10 +71,10 @@ bench=$(mktemp "$out.hvbench.XXXXXX")
 trap 'rm -f "$tmp" "$bench"' EXIT
 gcc -static -O2 -Wall -Werror -o "$bench" "$BENCH_SRC" || die "building hvbench failed"
 
-python3 - "$BUSYBOX" "$INIT" "$tmp" "$bench" "$EXTRA_MODULES" <<'PY'
+python3 - "$BUSYBOX" "$INIT" "$tmp" "$bench" "$EXTRA_MODULES" "$EXTRA_TREE" <<'PY'
 import gzip, os, sys
 
-busybox, init, out, bench, modules = sys.argv[1:6]
+busybox, init, out, bench, modules, tree = sys.argv[1:7]
 entries = []  # (name, mode, data, rdev_major, rdev_minor)
 
 def d(name, mode=0o755):
@@ -92,6 +104,19 @@ if modules:
     d("lib")
     for module in modules.split(":"):
         f("lib/" + os.path.basename(module), open(module, "rb").read())
+if tree:
+    have = {name for name, *_ in entries}
+    for top, dirs, files in sorted(os.walk(tree)):
+        dirs.sort()
+        rel = os.path.relpath(top, tree)
+        if rel != "." and rel not in have:
+            d(rel)
+            have.add(rel)
+        for name in sorted(files):
+            if rel == "." and name == "done":
+                continue
+            path = name if rel == "." else rel + "/" + name
+            f(path, open(os.path.join(top, name), "rb").read())
 f("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
 f("etc/group", b"root:x:0:\n")
 f("etc/hostname", b"hvtrace-guest\n")

@@ -471,7 +471,17 @@ fn exercise(guest: &str, fast_lane: bool) {
             ],
         )
     } else {
-        Detached::start(guest, "kprobes")
+        // Debian boots with its own ext4 modules in the initramfs.
+        let initrd = hvtrace::vm::guest::run_script("scripts/guest/debian-modules.sh")
+            .expect("building the Debian module initramfs failed");
+        Detached::start_with(
+            guest,
+            "kprobes",
+            &[
+                "--initrd",
+                initrd.to_str().expect("initrd path is not UTF-8"),
+            ],
+        )
     };
     let mut c = vm.client();
     let mut ck = Checks::new();
@@ -493,6 +503,8 @@ fn exercise(guest: &str, fast_lane: bool) {
         attacker(&mut ck, &mut c, &mut stream);
         module_code(&mut ck, &mut c, &mut stream);
         benchmark(&mut ck, &mut c, &mut stream);
+    } else {
+        ext4_module(&mut ck, &mut c, &mut stream);
     }
     let t = status(&mut c).tracer;
     ck.eq("ring losses before the scale test", t.lost, 0);
@@ -770,41 +782,82 @@ fn module_symbols(c: &mut Client, module: &str) -> Vec<protocol::SymbolInfo> {
     }
 }
 
+/// The probe on the test module's function, ours and the guest's.
+const MPROBE: &str = "p:modsum hvtarget:hvtarget_sum n=%di:s32";
+const POKE: &str = "/sys/module/hvtarget/parameters/poke";
+
 /// Module code (guest/attacker/hvtarget.c), against the guest's own
-/// tracers: a `MOD:SYM` probe before the module loads is refused clearly;
-/// after `insmod`, our symbols for the module equal its `/proc/kallsyms`
-/// lines (address, type, name, in order); a `MOD:SYM` probe's events equal
-/// the guest's own kprobe on the same function, defined the same way, over
-/// the same pokes; and the function tracer over `hvtarget_*` equals the
-/// guest's function tracer over the same functions. The module stays
-/// loaded (the scale test's `*` then covers its functions too).
+/// tracers, in the order a user meets it:
+/// - a `MOD:SYM` probe before the module loads is pending, ours and the
+///   guest's own; at `insmod` both fire on the module's init call (root
+///   armed ours before the init ran);
+/// - our symbols for the module equal its `/proc/kallsyms` lines;
+/// - the probe's events over pokes equal the guest's, the function tracer
+///   over `hvtarget_*` equals the guest's, and a graph rooted in the
+///   module equals the guest's function_graph;
+/// - `rmmod` with the probe, the function tracer and the graph session on
+///   the module: the guest lives, nothing of ours stays on the module's
+///   text, the probe is pending again; `insmod` re-arms it and it fires;
+/// - 20 rounds of unload, load and a poke with the probe armed: sites,
+///   pages and return stacks back to the same figures after each.
 fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
-    const MPROBE: &str = "p:modsum hvtarget:hvtarget_sum n=%di:s32";
+    // Pending, ours and the guest's.
     match call(
         c,
         Request::ProbeAdd {
             spec: MPROBE.into(),
         },
     ) {
-        Response::Error { kind, message } => {
-            ck.eq(
-                "probe on a module not loaded: error kind",
-                kind,
-                ErrorKind::NotFound,
-            );
-            ck.check(
-                message.contains("module hvtarget is not loaded"),
-                format!("probe on a module not loaded: {message}"),
-            );
+        Response::ProbeAdded { name, site } => {
+            ck.eq("pending probe name", name.as_str(), "kprobes/modsum");
+            ck.eq("a pending probe has no site", site, 0);
         }
         other => ck.check(false, format!("probe on a module not loaded: {other:?}")),
     }
-    // Its init ran hvtarget_sum(3): 1 + 4 + 7.
-    let loaded = exec(
+    let pending = |c: &mut Client| {
+        probes(c)
+            .iter()
+            .find(|p| p.name == "kprobes/modsum")
+            .map(|p| p.pending)
+    };
+    ck.eq("listed as pending", pending(c), Some(true));
+    let t = status(c).tracer;
+    ck.eq("root's hooks on the module code", t.module_hooks, 2);
+    ck.eq("pending probes", t.pending_probes, 1);
+    let _ = stream.read(c);
+    // Its init runs hvtarget_sum(3) (1 + 4 + 7 = 12).
+    let guest = exec(
         c,
-        "insmod /lib/hvtarget.ko && cat /sys/module/hvtarget/parameters/last",
+        &format!(
+            "cd {TRACEFS} && echo '{MPROBE}' >> kprobe_events && echo 1 > events/kprobes/modsum/enable && \
+             echo > trace && insmod /lib/hvtarget.ko && echo last=$(cat /sys/module/hvtarget/parameters/last) && cat trace"
+        ),
     );
-    ck.eq("module loaded, its init ran", loaded.trim(), "12");
+    let ours = stream.read(c);
+    ck.check(
+        guest.contains("last=12"),
+        format!("module loaded, its init ran: {guest}"),
+    );
+    let (g, o) = (
+        pid_bodies(&guest, "modsum: "),
+        pid_bodies(&ours, "modsum: "),
+    );
+    println!("pending probe at load: ours {o:?}, guest {g:?}");
+    ck.check(
+        g.len() == 1 && g[0].1.ends_with(" n=3"),
+        format!("the guest's pending probe fired on the init call: {g:?}"),
+    );
+    ck.eq(
+        "our pending probe fired on the init call, as the guest's",
+        &o,
+        &g,
+    );
+    ck.eq("armed once loaded", pending(c), Some(false));
+    let t = status(c).tracer;
+    ck.check(
+        t.module_loads >= 1 && t.module_armed == 1 && t.pending_probes == 0,
+        format!("loads and armed probes: {t:?}"),
+    );
 
     // Symbols.
     let t0 = Instant::now();
@@ -835,16 +888,6 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         mine.len(),
         took.as_secs_f64()
     );
-    for s in ours.iter().filter(|s| s.name.starts_with("hvtarget_")) {
-        println!(
-            "  {:#x} {} {} site={:?} {}",
-            s.addr,
-            char::from(s.kind),
-            s.name,
-            s.site,
-            s.not_traceable
-        );
-    }
     ck.check(
         guest.iter().any(|s| s.2 == "hvtarget_sum") && guest.len() >= 6,
         format!("the guest lists the module's symbols: {guest:?}"),
@@ -869,18 +912,7 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         format!("module walk: {report:?}"),
     );
 
-    // A probe named MOD:SYM, against the guest's own.
-    match call(
-        c,
-        Request::ProbeAdd {
-            spec: MPROBE.into(),
-        },
-    ) {
-        Response::ProbeAdded { name, .. } => {
-            ck.eq("module probe name", name.as_str(), "kprobes/modsum")
-        }
-        other => ck.check(false, format!("module probe add failed: {other:?}")),
-    }
+    // The probe over pokes, against the guest's.
     match call(
         c,
         Request::ProbeAdd {
@@ -904,10 +936,7 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     let guest = exec(
         c,
         &format!(
-            "cd {TRACEFS} && echo '{MPROBE}' >> kprobe_events && echo > trace && \
-             echo 1 > events/kprobes/modsum/enable && \
-             for n in 4 7 9; do echo $n > /sys/module/hvtarget/parameters/poke; done && \
-             echo 0 > events/kprobes/modsum/enable && cat trace && echo '-:modsum' >> kprobe_events"
+            "cd {TRACEFS} && echo > trace && for n in 4 7 9; do echo $n > {POKE}; done && cat trace"
         ),
     );
     let ours = stream.read(c);
@@ -929,20 +958,9 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         format!("the guest's module probe lines: {g:?}"),
     );
     ck.eq("our module probe events equal the guest's", &o, &g);
-    ck.check(
-        matches!(
-            call(
-                c,
-                Request::ProbeDel {
-                    name: "modsum".into()
-                }
-            ),
-            Response::Ok
-        ),
-        "module probe deleted",
-    );
 
-    // The function tracer over the module's functions, against the guest's.
+    // The function tracer over the module's functions, against the
+    // guest's; ours stays on for the unload.
     match call(
         c,
         Request::FunctionAdd {
@@ -960,7 +978,7 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         c,
         &format!(
             "cd {TRACEFS} && echo 'hvtarget_*' > set_ftrace_filter && echo function > current_tracer && \
-             echo > trace && echo 5 > /sys/module/hvtarget/parameters/poke && cat trace; \
+             echo > trace && echo 5 > {POKE} && cat trace; \
              echo nop > current_tracer; echo > set_ftrace_filter"
         ),
     );
@@ -978,20 +996,145 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     // hvtarget_poke, hvtarget_sum and five hvtarget_leaf calls.
     ck.eq("guest function lines for one poke of 5", g.len(), 7);
     ck.eq("our module function lines equal the guest's", &o, &g);
+    let session = module_graph(ck, c, stream);
+
+    // Unload with all of it on the module.
+    let before = status(c).tracer;
+    let out = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 0 > events/kprobes/modsum/enable && rmmod hvtarget && echo unloaded; echo alive"
+        ),
+    );
+    ck.check(
+        out.contains("unloaded") && out.contains("alive"),
+        format!("rmmod with our hooks on the module: {out}"),
+    );
+    let t = status(c).tracer;
+    println!("unload: before {before:?}\n        after {t:?}");
+    // The graph session's core functions stay hooked; its 3 module
+    // functions went, with the probe's and the function tracer's.
+    let graph_core = session.map_or(0, |(_, hooked)| hooked.saturating_sub(3));
+    ck.eq(
+        "sites left after the unload: root's own two and the graph's core functions",
+        (t.sites, t.module_hooks),
+        (2 + graph_core, 2),
+    );
+    ck.eq("function tracer functions after the unload", t.functions, 0);
+    ck.eq("pending again after the unload", pending(c), Some(true));
+    ck.check(
+        t.module_unloads == before.module_unloads + 1
+            && t.module_unhooked >= before.module_unhooked + 3,
+        format!("the unload was seen and the module's sites unhooked: {t:?}"),
+    );
+    if let Some((s, _)) = session {
+        ck.check(
+            hv_graph_stop(c, s),
+            "graph session on the unloaded module stopped",
+        );
+    }
+    ck.eq("sites after the graph stops", status(c).tracer.sites, 2);
     ck.check(
         matches!(call(c, Request::FunctionClear), Response::Ok),
         "function clear",
     );
-    ck.eq("sites after function clear", status(c).tracer.sites, 0);
-    module_graph(ck, c, stream);
+
+    // Load again: armed again, it fires on the init call, as the guest's.
+    let _ = stream.read(c);
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 1 > events/kprobes/modsum/enable && echo > trace && \
+             insmod /lib/hvtarget.ko && cat trace && echo 0 > events/kprobes/modsum/enable"
+        ),
+    );
+    let ours = stream.read(c);
+    let (g, o) = (
+        pid_bodies(&guest, "modsum: "),
+        pid_bodies(&ours, "modsum: "),
+    );
+    ck.check(
+        g.len() == 1 && g[0].1.ends_with(" n=3"),
+        format!("the guest's probe fired on the second load: {g:?}"),
+    );
+    ck.eq("ours re-armed at the second load, as the guest's", &o, &g);
+    ck.eq("armed after the second load", pending(c), Some(false));
+
+    // Churn: unload, load and poke, 20 times, with the probe armed.
+    // Frames are not among the figures: EPT tables made to split a large
+    // page for a module page stay (bounded by guest RAM), and a module
+    // may land on other pages at each load.
+    let figures = |c: &mut Client| {
+        let t = status(c).tracer;
+        (t.sites, t.pages, t.graph_stacks, t.graph_frames)
+    };
+    let memory0 = status(c).hv_memory_used;
+    let base = figures(c);
+    let hits0 = hits(c, "kprobes/modsum");
+    let loads0 = status(c).tracer.module_loads;
+    let mut drift = Vec::new();
+    for round in 0..20 {
+        let out = exec(
+            c,
+            &format!("rmmod hvtarget && insmod /lib/hvtarget.ko && echo 2 > {POKE} && echo ok"),
+        );
+        let now = figures(c);
+        if !out.contains("ok") || now != base {
+            drift.push((round, out.trim().to_string(), now));
+        }
+    }
+    let t = status(c).tracer;
+    println!(
+        "churn: baseline (sites, pages, stacks, frames) {base:?}; loads {} -> {}, probe hits +{}, hypervisor memory {} -> {} KiB",
+        loads0,
+        t.module_loads,
+        hits(c, "kprobes/modsum") - hits0,
+        memory0 >> 10,
+        status(c).hv_memory_used >> 10
+    );
+    ck.eq(
+        "rounds whose figures left the baseline",
+        &drift,
+        &Vec::new(),
+    );
+    ck.eq("loads seen in the churn", t.module_loads - loads0, 20);
+    // Each round: the init's call and the poke's.
+    ck.eq(
+        "probe hits in the churn",
+        hits(c, "kprobes/modsum") - hits0,
+        40,
+    );
+    ck.check(
+        matches!(
+            call(
+                c,
+                Request::ProbeDel {
+                    name: "modsum".into()
+                }
+            ),
+            Response::Ok
+        ),
+        "module probe deleted",
+    );
+    exec(
+        c,
+        &format!("cd {TRACEFS} && echo '-:modsum' >> kprobe_events"),
+    );
+    let t = status(c).tracer;
+    ck.eq(
+        "nothing left hooked, root's own hooks included",
+        (t.sites, t.module_hooks),
+        (0, 0),
+    );
     ck.eq("stream losses", stream.lost, 0);
 }
 
 /// A graph session rooted at the module's hvtarget_poke, over its own
 /// functions and the core kernel's capability check it calls, against the
 /// guest's own function_graph with the same root and filter: module and
-/// core frames interleave in one tree.
-fn module_graph(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+/// core frames interleave in one tree. Returns the session, left running,
+/// and the functions it hooked.
+fn module_graph(ck: &mut Checks, c: &mut Client, stream: &mut Stream) -> Option<(u32, u32)> {
     const SET: [&str; 5] = [
         "hvtarget_*",
         "capable",
@@ -1006,15 +1149,21 @@ fn module_graph(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         ..protocol::GraphFilter::default()
     };
     let session = match call(c, Request::GraphStart(filter)) {
-        Response::GraphStarted { session, roots, .. } => {
+        Response::GraphStarted {
+            session,
+            roots,
+            hooked,
+            ..
+        } => {
             ck.eq("module graph roots", roots, 1);
-            session
+            (session, hooked)
         }
         other => {
             ck.check(false, format!("graph on the module refused: {other:?}"));
-            return;
+            return None;
         }
     };
+    let (session, hooked) = session;
     let mut ours = Stream::of(session, protocol::TraceFormat::Text, stream.cursor);
     let guest = exec(
         c,
@@ -1029,7 +1178,6 @@ fn module_graph(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         ),
     );
     let text = ours.read(c);
-    ck.check(hv_graph_stop(c, session), "module graph stopped");
     let _ = stream.read(c);
     let (g, o) = (parse_graph(&guest), parse_graph(&text));
     for line in text.lines().filter(|l| l.contains('|')).take(12) {
@@ -1050,4 +1198,152 @@ fn module_graph(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         format!("the guest's graph under hvtarget_poke: {g:?}"),
     );
     ck.eq("our module graph equals the guest's", &o, &g);
+    Some((session, hooked))
+}
+
+/// Debian's own ext4 module, as a user meets it: a probe on
+/// `ext4:ext4_file_open` defined before ext4 loads is pending, ours and the
+/// guest's own; `modprobe ext4`, a file system made with mke2fs on a loop
+/// device, and opens of a file there fire both the same way; our symbols
+/// for `[ext4]` equal the guest's `/proc/kallsyms`; after `umount` and
+/// `rmmod ext4` ours is pending again and nothing of ours stays on ext4's
+/// text; `modprobe` again re-arms it and it fires.
+fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    const EPROBE: &str = "p:extopen ext4:ext4_file_open";
+    const MOUNT: &str = "mkdir -p /mnt/ext && mount -t ext4 -o loop /tmp/ext.img /mnt/ext";
+    match call(
+        c,
+        Request::ProbeAdd {
+            spec: EPROBE.into(),
+        },
+    ) {
+        Response::ProbeAdded { site, .. } => ck.eq("ext4 probe pending: no site", site, 0),
+        other => ck.check(false, format!("probe on ext4 before it loads: {other:?}")),
+    }
+    let pending = |c: &mut Client| {
+        probes(c)
+            .iter()
+            .find(|p| p.name == "kprobes/extopen")
+            .map(|p| p.pending)
+    };
+    ck.eq("ext4 probe listed as pending", pending(c), Some(true));
+    let _ = stream.read(c);
+    let t0 = Instant::now();
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo '{EPROBE}' >> kprobe_events && echo 1 > events/kprobes/extopen/enable && \
+             echo > trace && modprobe ext4 && modprobe loop && \
+             dd if=/dev/zero of=/tmp/ext.img bs=1k count=4096 2>/dev/null && mke2fs -F /tmp/ext.img >/dev/null && \
+             {MOUNT} && echo hello > /mnt/ext/f && cat /mnt/ext/f && cat /mnt/ext/f >/dev/null && \
+             echo mounted && cat trace"
+        ),
+    );
+    let ours = stream.read(c);
+    println!(
+        "ext4: modprobe, mke2fs, mount and opens in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    ck.check(
+        guest.contains("hello") && guest.contains("mounted"),
+        format!("ext4 on a loop device: {guest}"),
+    );
+    let (g, o) = (
+        pid_bodies(&guest, "extopen: "),
+        pid_bodies(&ours, "extopen: "),
+    );
+    println!("ext4 pending probe: ours {o:?}\n  guest {g:?}");
+    ck.check(
+        g.len() >= 3 && g.iter().all(|l| l.1.contains(" [ext4])")),
+        format!("the guest's ext4 probe fired on the opens: {g:?}"),
+    );
+    ck.eq("our ext4 probe events equal the guest's", &o, &g);
+    ck.eq("ext4 probe armed", pending(c), Some(false));
+
+    // Symbols.
+    let t0 = Instant::now();
+    let ours = module_symbols(c, "ext4");
+    let took = t0.elapsed();
+    let guest: Vec<(u64, char, String)> = exec(c, "grep '\\[ext4\\]$' /proc/kallsyms")
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
+            let kind = f.next()?.chars().next()?;
+            Some((addr, kind, f.next()?.to_string()))
+        })
+        .collect();
+    let mine: Vec<(u64, char, String)> = ours
+        .iter()
+        .map(|s| (s.addr, char::from(s.kind), s.name.clone()))
+        .collect();
+    let report = status(c).kernel.map(|k| k.modules).unwrap_or_default();
+    println!(
+        "ext4 symbols: guest {}, ours {} ({} traceable), listed in {:.1} s; walk {report:?}",
+        guest.len(),
+        mine.len(),
+        ours.iter().filter(|s| s.site.is_some()).count(),
+        took.as_secs_f64()
+    );
+    ck.check(
+        guest.len() > 1000,
+        format!("ext4 symbols in /proc/kallsyms: {}", guest.len()),
+    );
+    ck.eq("[ext4] symbols equal /proc/kallsyms", &mine, &guest);
+
+    // Unload, then load again.
+    let out = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 0 > events/kprobes/extopen/enable && umount /mnt/ext && rmmod ext4 && echo unloaded; echo alive"
+        ),
+    );
+    ck.check(
+        out.contains("unloaded") && out.contains("alive"),
+        format!("rmmod ext4 with our probe on it: {out}"),
+    );
+    let t = status(c).tracer;
+    ck.eq("ext4 probe pending after rmmod", pending(c), Some(true));
+    ck.eq(
+        "sites after rmmod ext4: root's own two",
+        (t.sites, t.module_hooks),
+        (2, 2),
+    );
+    let _ = stream.read(c);
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 1 > events/kprobes/extopen/enable && echo > trace && modprobe ext4 && \
+             {MOUNT} && cat /mnt/ext/f && umount /mnt/ext && cat trace; \
+             echo 0 > events/kprobes/extopen/enable; echo '-:extopen' >> kprobe_events"
+        ),
+    );
+    let ours = stream.read(c);
+    let (g, o) = (
+        pid_bodies(&guest, "extopen: "),
+        pid_bodies(&ours, "extopen: "),
+    );
+    ck.check(
+        guest.contains("hello") && !g.is_empty(),
+        format!("ext4 again: {guest}"),
+    );
+    ck.eq(
+        "ours re-armed at the second modprobe, as the guest's",
+        &o,
+        &g,
+    );
+    ck.check(
+        matches!(
+            call(
+                c,
+                Request::ProbeDel {
+                    name: "extopen".into()
+                }
+            ),
+            Response::Ok
+        ),
+        "ext4 probe deleted",
+    );
+    let t = status(c).tracer;
+    ck.eq("nothing left hooked", (t.sites, t.module_hooks), (0, 0));
 }

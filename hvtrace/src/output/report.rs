@@ -351,7 +351,12 @@ pub fn symbol_line(s: &protocol::SymbolInfo, json: bool) -> String {
 
 /// The line that reports an added probe.
 pub fn added_line(name: &str, site: u64) -> String {
-    format!("added {name} at {site:#x}")
+    if site == 0 {
+        // A probe on a module that is not loaded: armed when it loads.
+        format!("added {name}, pending until its module loads")
+    } else {
+        format!("added {name} at {site:#x}")
+    }
 }
 
 /// One probe as text (`  kprobes/myopen    12    0  p:kprobes/myopen ...`)
@@ -664,11 +669,24 @@ mod tests {
         let json = probe_line(&p, true);
         assert_eq!(
             json,
-            r#"{"name":"kprobes/myopen","hits":12,"misses":1,"symbol":"do_sys_openat2","site":"0xffffffff81234564","spec":"p:kprobes/myopen do_sys_openat2 dfd=%di"}"#
+            r#"{"name":"kprobes/myopen","hits":12,"misses":1,"symbol":"do_sys_openat2","site":"0xffffffff81234564","pending":false,"spec":"p:kprobes/myopen do_sys_openat2 dfd=%di"}"#
         );
+        let pending = ProbeInfo {
+            site: 0,
+            pending: true,
+            spec: "p:kprobes/modsum hvtarget:hvtarget_sum".into(),
+            ..p.clone()
+        };
+        assert!(probe_line(&pending, false).ends_with(
+            "p:kprobes/modsum hvtarget:hvtarget_sum  (pending: its module is not loaded)"
+        ));
         assert_eq!(
             added_line("kprobes/myopen", 0xffff_ffff_8123_4564),
             "added kprobes/myopen at 0xffffffff81234564"
+        );
+        assert_eq!(
+            added_line("kprobes/modsum", 0),
+            "added kprobes/modsum, pending until its module loads"
         );
     }
 

@@ -207,11 +207,10 @@ impl Tracer<'_> {
             if p.site.is_some() || p.module.as_deref() != Some(name.as_str()) {
                 continue;
             }
-            let fs = match symbols::lookup(k, Some(&name), &p.spec.symbol)
-                .and_then(|s| {
-                    s.classify(k, &classifier, &view)
-                        .map_err(|e| format!("{e}"))
-                }) {
+            let fs = match symbols::lookup(k, Some(&name), &p.spec.symbol).and_then(|s| {
+                s.classify(k, &classifier, &view)
+                    .map_err(|e| format!("{e}"))
+            }) {
                 Ok(fs) => fs,
                 Err(e) => {
                     log::warn!(
