@@ -756,6 +756,20 @@ fn pid_bodies(text: &str, prefix: &str) -> Vec<(i32, String)> {
     v
 }
 
+/// The guest's `/proc/kallsyms` lines of `module`, as (address, type,
+/// name), in its order.
+fn guest_module_kallsyms(c: &mut Client, module: &str) -> Vec<(u64, char, String)> {
+    exec(c, &format!("grep '\\[{module}\\]$' /proc/kallsyms"))
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
+            let kind = f.next()?.chars().next()?;
+            Some((addr, kind, f.next()?.to_string()))
+        })
+        .collect()
+}
+
 /// The test module's symbols from our walk of the module list, as
 /// (address, type, name), in our order.
 fn module_symbols(c: &mut Client, module: &str) -> Vec<protocol::SymbolInfo> {
@@ -863,15 +877,7 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     let t0 = Instant::now();
     let ours = module_symbols(c, "hvtarget");
     let took = t0.elapsed();
-    let guest: Vec<(u64, char, String)> = exec(c, "grep '\\[hvtarget\\]$' /proc/kallsyms")
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
-            let kind = f.next()?.chars().next()?;
-            Some((addr, kind, f.next()?.to_string()))
-        })
-        .collect();
+    let guest = guest_module_kallsyms(c, "hvtarget");
     let mine: Vec<(u64, char, String)> = ours
         .iter()
         .map(|s| (s.addr, char::from(s.kind), s.name.clone()))
@@ -1264,15 +1270,7 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     let t0 = Instant::now();
     let ours = module_symbols(c, "ext4");
     let took = t0.elapsed();
-    let guest: Vec<(u64, char, String)> = exec(c, "grep '\\[ext4\\]$' /proc/kallsyms")
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
-            let kind = f.next()?.chars().next()?;
-            Some((addr, kind, f.next()?.to_string()))
-        })
-        .collect();
+    let guest = guest_module_kallsyms(c, "ext4");
     let mine: Vec<(u64, char, String)> = ours
         .iter()
         .map(|s| (s.addr, char::from(s.kind), s.name.clone()))
