@@ -410,3 +410,25 @@ fn ftrace_records_list() {
         Err(RecordsError::Read(_))
     ));
 }
+
+/// Root follows module loads and unloads at the fentry sites of
+/// `do_init_module` and `free_module` (hypervisor `tracer/modules.rs`):
+/// both real kernels have them, per their own `__mcount_loc`.
+#[test]
+fn module_load_and_free_have_fentry_sites() {
+    for (what, idx, oracle) in [
+        ("fast-lane", &crate::fast().index, fast_oracle()),
+        ("Debian", &crate::debian().index, debian_oracle()),
+    ] {
+        for f in ["do_init_module", "free_module"] {
+            let a = idx
+                .addr_of(f)
+                .unwrap_or_else(|| panic!("{what}: no {f} in kallsyms"))
+                .0;
+            assert!(
+                oracle.text.contains(&a) || oracle.text.contains(&(a + 4)),
+                "{what}: {f} at {a:#x} has no fentry site"
+            );
+        }
+    }
+}
