@@ -513,6 +513,7 @@ fn exercise(guest: &str, fast_lane: bool) {
     }
     let t = status(&mut c).tracer;
     println!("{guest}: tracer counters at the end: {t:?}");
+    module_event_cost(&vm.emulator_output(), &t);
     let alive = exec(&mut c, "echo alive");
     ck.eq("guest still healthy", alive.trim(), "alive");
     ck.finish();
@@ -754,6 +755,42 @@ fn pid_bodies(text: &str, prefix: &str) -> Vec<(i32, String)> {
         .collect();
     v.sort();
     v
+}
+
+/// Prints what serving each module load and unload cost in root, from the
+/// hypervisor's log (`module Load at ... served in N us of root time`),
+/// with Bochs' 50 M instructions a second of guest time.
+fn module_event_cost(log: &str, t: &protocol::TracerReport) {
+    let mut us: Vec<(bool, u64)> = log
+        .lines()
+        .filter_map(|l| {
+            let load = l.contains("module Load at");
+            if !load && !l.contains("module Unload at") {
+                return None;
+            }
+            let n = l.split("served in ").nth(1)?.split_whitespace().next()?;
+            Some((load, n.parse().ok()?))
+        })
+        .collect();
+    if us.is_empty() {
+        return;
+    }
+    us.sort_by_key(|&(_, n)| n);
+    for load in [true, false] {
+        let v: Vec<u64> = us.iter().filter(|e| e.0 == load).map(|e| e.1).collect();
+        if let (Some(min), Some(max)) = (v.first(), v.last()) {
+            let median = v[v.len() / 2];
+            println!(
+                "module {}: {} served (status: {}), root time min/median/max {min}/{median}/{max} us = {}/{}/{} guest instructions at 50 M/s",
+                if load { "loads" } else { "unloads" },
+                v.len(),
+                if load { t.module_loads } else { t.module_unloads },
+                min * 50,
+                median * 50,
+                max * 50
+            );
+        }
+    }
 }
 
 /// The guest's `/proc/kallsyms` lines of `module`, as (address, type,
