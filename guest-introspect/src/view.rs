@@ -312,3 +312,96 @@ mod tests {
         assert!(v.slid(u64::MAX - 0x1000).is_none());
     }
 }
+
+/// Pages a [`PageCache`] keeps.
+const CACHED_PAGES: usize = 4;
+/// Bytes of a page.
+const PAGE: u64 = 4096;
+
+/// A view that keeps the last few whole pages it read from another view,
+/// for a walk that reads several tables piece by piece (a module's symtab,
+/// strtab and typetab: a few bytes at a time from each of three places).
+/// A read within a kept page is a copy; any other reads its whole page
+/// once (or, when the whole page cannot be read, just the bytes asked
+/// for, uncached). The pages are a snapshot: for one walk, not to keep.
+pub struct PageCache<'a, V: ?Sized> {
+    inner: &'a V,
+    /// `CACHED_PAGES` pages, and which page each holds (`u64::MAX`: none).
+    bytes: core::cell::RefCell<Vec<u8>>,
+    tags: core::cell::RefCell<[u64; CACHED_PAGES]>,
+    /// The slot the next miss replaces (round robin).
+    next: core::cell::Cell<usize>,
+}
+
+impl<'a, V: VirtMemory + ?Sized> PageCache<'a, V> {
+    /// A cache over `inner`; without the heap for its pages it passes
+    /// every read through.
+    pub fn new(inner: &'a V) -> Self {
+        let bytes = crate::fallible::try_vec(0u8, CACHED_PAGES * PAGE as usize).unwrap_or_default();
+        Self {
+            inner,
+            bytes: core::cell::RefCell::new(bytes),
+            tags: core::cell::RefCell::new([u64::MAX; CACHED_PAGES]),
+            next: core::cell::Cell::new(0),
+        }
+    }
+
+    /// Copies `[gva, gva + buf.len())`, all within one page, from the cache,
+    /// reading the page first if it is not kept.
+    fn read_in_page(&self, gva: Gva, buf: &mut [u8]) -> Result<(), ViewError> {
+        let page = gva.0 & !(PAGE - 1);
+        let off = (gva.0 - page) as usize;
+        let mut bytes = self.bytes.borrow_mut();
+        if bytes.is_empty() {
+            return self.inner.read_virt(gva, buf);
+        }
+        let mut tags = self.tags.borrow_mut();
+        let slot = match tags.iter().position(|&t| t == page) {
+            Some(s) => s,
+            None => {
+                let s = self.next.get() % CACHED_PAGES;
+                let dst = bytes
+                    .get_mut(s * PAGE as usize..(s + 1) * PAGE as usize)
+                    .ok_or(ViewError::Unmapped { gva, resume: None })?;
+                if self.inner.read_virt(Gva(page), dst).is_err() {
+                    // Part of the page is not readable (or the budget is
+                    // nearly spent): read what was asked for alone.
+                    if let Some(t) = tags.get_mut(s) {
+                        *t = u64::MAX;
+                    }
+                    return self.inner.read_virt(gva, buf);
+                }
+                if let Some(t) = tags.get_mut(s) {
+                    *t = page;
+                }
+                self.next.set(s + 1);
+                s
+            }
+        };
+        let from = bytes
+            .get(slot * PAGE as usize + off..slot * PAGE as usize + off + buf.len())
+            .ok_or(ViewError::Unmapped { gva, resume: None })?;
+        buf.copy_from_slice(from);
+        Ok(())
+    }
+}
+
+impl<V: VirtMemory + ?Sized> VirtMemory for PageCache<'_, V> {
+    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), ViewError> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let at = gva
+                .0
+                .checked_add(done as u64)
+                .ok_or(ViewError::Unmapped { gva, resume: None })?;
+            let in_page = (PAGE - (at & (PAGE - 1))) as usize;
+            let n = in_page.min(buf.len() - done);
+            let piece = buf
+                .get_mut(done..done + n)
+                .ok_or(ViewError::Unmapped { gva, resume: None })?;
+            self.read_in_page(Gva(at), piece)?;
+            done += n;
+        }
+        Ok(())
+    }
+}

@@ -477,3 +477,55 @@ fn a_walk_over_its_byte_limit_is_refused() {
         other => panic!("expected a refusal, got {other:?}"),
     }
 }
+
+/// The walk through a page cache gives the same modules, with far fewer
+/// reads of the view underneath.
+#[test]
+fn a_page_cache_gives_the_same_walk_with_fewer_reads() {
+    use guest_introspect::view::{PageCache, ViewError, VirtMemory};
+    use std::cell::Cell;
+    struct Counting<'a>(SegmentView<'a>, Cell<u32>);
+    impl VirtMemory for Counting<'_> {
+        fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), ViewError> {
+            self.1.set(self.1.get() + 1);
+            self.0.read_virt(gva, buf)
+        }
+    }
+    let l = layouts();
+    let mut mem = Mem::new();
+    let a = BASE + 0x1000;
+    let syms: Vec<(String, u8, u64)> = (0..200)
+        .map(|i| (format!("function_number_{i}"), b't', BASE + 0x8000 + i * 16))
+        .collect();
+    let refs: Vec<(&str, u8, u64)> = syms.iter().map(|(n, k, a)| (n.as_str(), *k, *a)).collect();
+    module(
+        &mut mem,
+        &l,
+        a,
+        "big",
+        STATES.live as u32,
+        (BASE + 0x8000, 0x1000),
+        (0, 0),
+        &refs,
+        BASE + 0x3000,
+    );
+    link(&mut mem, &l, &[a]);
+    let plain = Counting(mem.view(), Cell::new(0));
+    let whole = walk_modules(&plain, &l, Gva(HEAD)).unwrap();
+    let counted = Counting(mem.view(), Cell::new(0));
+    let cache = PageCache::new(&counted);
+    let cached = walk_modules(&cache, &l, Gva(HEAD)).unwrap();
+    assert_eq!(cached, whole);
+    assert_eq!(cached[0].symbols.len(), 200);
+    println!(
+        "reads: {} plain, {} through the cache",
+        plain.1.get(),
+        counted.1.get()
+    );
+    assert!(plain.1.get() > 600);
+    assert!(counted.1.get() < 20, "{} reads", counted.1.get());
+    // A read across a page boundary and one of a hole behave as before.
+    let mut b = [0u8; 16];
+    assert!(cache.read_virt(Gva(BASE + 0xff8), &mut b).is_ok());
+    assert!(cache.read_virt(Gva(BASE + SIZE as u64), &mut b).is_err());
+}

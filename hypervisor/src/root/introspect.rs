@@ -36,7 +36,7 @@ use guest_introspect::module::{self, ModuleIndex};
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::{self, StackKind, StackMap};
 use guest_introspect::view::PagedView;
-use guest_introspect::view::{ViewError, VirtMemory};
+use guest_introspect::view::{PageCache, ViewError, VirtMemory};
 use loader::layout::Gpa;
 use protocol::{KernelReport, SymbolInfo, TaskInfo};
 
@@ -598,10 +598,13 @@ impl Kernel {
         let budget = Budget::new(MODULE_WALK_BUDGET);
         let view = PagedView::new(&GuestRam, self.cr3);
         let metered = Metered::new(&view, &budget);
+        // The tables are read a few bytes at a time from three places:
+        // whole pages, kept, cost one page walk each.
+        let cached = PageCache::new(&metered);
         // The old index goes first: its heap is the new one's.
         self.modules = ModuleIndex::default();
         let max = MAX_MODULE_BYTES.min(crate::heap::room() / 2);
-        let walked = module::walk_modules_limited(&metered, &layout, head, max)
+        let walked = module::walk_modules_limited(&cached, &layout, head, max)
             .map_err(|e| e.to_string())
             .and_then(|ms| ModuleIndex::new(ms, layout.states).map_err(|e| e.to_string()));
         let r = &mut self.report.modules;
