@@ -276,43 +276,6 @@ impl VirtMemory for SegmentView<'_> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn segments_cross_and_holes() {
-        let a = [1u8, 2, 3, 4];
-        let b = [5u8, 6];
-        let mut v = SegmentView::new();
-        assert!(v.add(Gva(0x1000), &a, 6)); // 1 2 3 4 0 0
-        assert!(v.add(Gva(0x1006), &b, 2));
-        assert!(!v.add(Gva(0x1005), &b, 2), "overlap refused");
-        let mut buf = [0xffu8; 8];
-        v.read_virt(Gva(0x1000), &mut buf).unwrap();
-        assert_eq!(buf, [1, 2, 3, 4, 0, 0, 5, 6]);
-        let e = v.read_virt(Gva(0x1004), &mut [0u8; 8]).unwrap_err();
-        assert_eq!(
-            e,
-            ViewError::Unmapped {
-                gva: Gva(0x1008),
-                resume: None
-            }
-        );
-        let e = v.read_virt(Gva(0x10), &mut [0u8; 1]).unwrap_err();
-        assert_eq!(
-            e,
-            ViewError::Unmapped {
-                gva: Gva(0x10),
-                resume: Some(Gva(0x1000))
-            }
-        );
-        let s = v.slid(0x20_0000).unwrap();
-        assert_eq!(read_u16(&s, Gva(0x20_1006)), Ok(0x0605));
-        assert!(v.slid(u64::MAX - 0x1000).is_none());
-    }
-}
-
 /// Pages a [`PageCache`] keeps.
 const CACHED_PAGES: usize = 4;
 /// Bytes of a page.
@@ -403,5 +366,42 @@ impl<V: VirtMemory + ?Sized> VirtMemory for PageCache<'_, V> {
             done += n;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_cross_and_holes() {
+        let a = [1u8, 2, 3, 4];
+        let b = [5u8, 6];
+        let mut v = SegmentView::new();
+        assert!(v.add(Gva(0x1000), &a, 6)); // 1 2 3 4 0 0
+        assert!(v.add(Gva(0x1006), &b, 2));
+        assert!(!v.add(Gva(0x1005), &b, 2), "overlap refused");
+        let mut buf = [0xffu8; 8];
+        v.read_virt(Gva(0x1000), &mut buf).unwrap();
+        assert_eq!(buf, [1, 2, 3, 4, 0, 0, 5, 6]);
+        let e = v.read_virt(Gva(0x1004), &mut [0u8; 8]).unwrap_err();
+        assert_eq!(
+            e,
+            ViewError::Unmapped {
+                gva: Gva(0x1008),
+                resume: None
+            }
+        );
+        let e = v.read_virt(Gva(0x10), &mut [0u8; 1]).unwrap_err();
+        assert_eq!(
+            e,
+            ViewError::Unmapped {
+                gva: Gva(0x10),
+                resume: Some(Gva(0x1000))
+            }
+        );
+        let s = v.slid(0x20_0000).unwrap();
+        assert_eq!(read_u16(&s, Gva(0x20_1006)), Ok(0x0605));
+        assert!(v.slid(u64::MAX - 0x1000).is_none());
     }
 }
