@@ -231,17 +231,7 @@ impl<'i> Classifier<'i> {
                 NotTraceable::NotText
             });
         }
-        self.site_at(view, sym.addr, in_init)
-    }
-
-    /// The site of a function at `addr`, in init text or not.
-    fn site_at<V: VirtMemory + ?Sized>(
-        &self,
-        view: &V,
-        addr: Gva,
-        in_init: bool,
-    ) -> Result<FentrySite, NotTraceable> {
-        site_at(view, &self.targets, addr, in_init)
+        site_at(view, &self.targets, sym.addr, in_init)
     }
 
     /// [`classify_module`] with this classifier's targets.

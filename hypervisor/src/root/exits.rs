@@ -17,7 +17,7 @@ use hypervisor::addr::Gva;
 use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite};
 use hypervisor::task_switch::LegacyPaging;
-use hypervisor::tracer::modules::ModuleEvent;
+use hypervisor::tracer::modules::{ModuleEvent, ModuleHook};
 use hypervisor::tracer::{DebugState, Hit, Hypercall, Tracer, Violation};
 use hypervisor::vmx::ap;
 use hypervisor::vmx::debug;
@@ -626,15 +626,19 @@ impl Vcpu<'_> {
     }
 
     /// A module load or unload this vCPU saw at a hidden hook (see
-    /// `hypervisor::tracer::modules`): the module list is walked again and
-    /// the tracer arms or disarms what is on the module, holding the other
-    /// vCPUs for its changes, before this vCPU runs the kernel function's
-    /// body.
+    /// `hypervisor::tracer::modules`): the tracer arms or disarms what is
+    /// on the module, holding the other vCPUs for its changes, before this
+    /// vCPU runs the kernel function's body. A load walks the module list
+    /// again first (the pending probes are looked up in the new module's
+    /// symbols); an unload needs no walk (the going module's text is read
+    /// from its own `struct module`).
     fn module_event(&mut self, ev: ModuleEvent) -> Result<(), VmcsError> {
         let rip = f::GUEST_RIP.read(&Vmcs)?;
         let tsc_hz = self.vm.tsc_hz;
         let t0 = insn::rdtsc();
-        self.vm.introspection.refresh_modules(tsc_hz);
+        if ev.hook == ModuleHook::Load {
+            self.vm.introspection.refresh_modules(tsc_hz);
+        }
         let kernel = self.vm.introspection.take_kernel();
         if let Some(k) = kernel.as_ref() {
             with_world(&self.vm.cfg.views, self.cpu.index, rip, tsc_hz, |env| {

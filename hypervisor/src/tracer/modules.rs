@@ -23,6 +23,7 @@
 //! removed when nothing does.
 
 use super::machine::{Env, KernelView};
+use super::requests::AttachError;
 use super::{stop_others, symbols, ReqError, Tracer};
 use crate::addr::Gva;
 use alloc::format;
@@ -170,9 +171,9 @@ impl Tracer<'_> {
         env.m.invept();
     }
 
-    /// Serves a load or unload seen at a hidden hook, with the module
-    /// index of a walk made just now. Runs with the whole VM lock, the
-    /// vCPU that hit still in root.
+    /// Serves a load or unload seen at a hidden hook; for a load, with the
+    /// module index of a walk made just now. Runs with the whole VM lock,
+    /// the vCPU that hit still in root.
     pub fn module_event(&mut self, ev: ModuleEvent, k: &dyn KernelView, env: &mut Env<'_>) {
         match ev.hook {
             ModuleHook::Load => self.module_loaded(ev.module, k, env),
@@ -223,27 +224,19 @@ impl Tracer<'_> {
             };
             let id = p.id;
             let is_return = p.spec.kind.is_return();
-            if let Err(e) = self
-                .vm
-                .view
-                .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func)
-            {
-                log::warn!(
-                    "tracer: probe {id} stays pending: cannot hook {:#x}: {e}",
-                    fs.site.0
-                );
-                continue;
-            }
-            let pushed = match self.vm.view.sites.get_mut(&fs.site) {
-                Some(u) if is_return => {
-                    guest_introspect::fallible::try_push(&mut u.retprobes, u64::from(id))
+            match self.attach_probe(k, env, &fs, id, is_return) {
+                Ok(()) => {}
+                Err(AttachError::Hook(e)) => {
+                    log::warn!(
+                        "tracer: probe {id} stays pending: cannot hook {:#x}: {e}",
+                        fs.site.0
+                    );
+                    continue;
                 }
-                Some(u) => guest_introspect::fallible::try_push(&mut u.probes, id),
-                None => Ok(()),
-            };
-            if pushed.is_err() {
-                self.vm.view.unhook_if_unused(env, fs.site);
-                continue;
+                Err(AttachError::Memory(e)) => {
+                    log::warn!("tracer: probe {id} stays pending: {e}");
+                    continue;
+                }
             }
             if let Some(p) = self.vm.probes.list.get_mut(i) {
                 p.site = Some(fs.site);

@@ -8,6 +8,7 @@ use super::machine::{Env, KernelView};
 use super::modules;
 use super::probes::{Probe, MAX_PROBES};
 use super::retstack::MAX_USERS;
+use super::site::PatchError;
 use super::split::MAX_SITES;
 use super::symbols;
 use super::{
@@ -21,10 +22,19 @@ use alloc::format;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use core::sync::atomic::AtomicU64;
+use guest_introspect::fallible::OutOfMemory;
 use guest_introspect::fallible::{self, btree_entry_bytes};
-use guest_introspect::fentry::Classifier;
+use guest_introspect::fentry::{Classifier, FentrySite};
 use guest_introspect::view::PagedView;
 use protocol::{ErrorKind, GraphFilter};
+
+/// Why a probe could not be put on its site.
+pub(super) enum AttachError {
+    /// The site could not be hooked.
+    Hook(PatchError),
+    /// The site's list of users could not grow.
+    Memory(OutOfMemory),
+}
 
 /// Sites hooked per hold of the other vCPUs in a long request.
 const HOOK_BATCH: usize = 512;
@@ -108,32 +118,19 @@ impl Tracer<'_> {
         }
         stop_others(env)?;
         let site = fs.site;
-        let hooked = self
-            .vm
-            .view
-            .hook(k, env, self.vm.region.as_ref(), site, fs.func);
-        env.m.invept();
-        if let Err(e) = hooked {
-            self.release_module_hooks_if_idle(env);
-            return Err(ReqError::new(
-                ErrorKind::InvalidArgument,
-                format!("cannot hook {} at {site:#x}: {e}", spec.symbol),
-            ));
-        }
         let pid = self.vm.probes.next_id;
-        let pushed = match self.vm.view.sites.get_mut(&site) {
-            Some(u) if spec.kind.is_return() => {
-                fallible::try_push(&mut u.retprobes, u64::from(pid))
-            }
-            Some(u) => fallible::try_push(&mut u.probes, pid),
-            None => Ok(()),
-        };
-        if let Err(e) = pushed {
-            // A site hooked for this probe alone goes again.
-            self.vm.view.unhook_if_unused(env, site);
+        let attached = self.attach_probe(k, env, &fs, pid, spec.kind.is_return());
+        env.m.invept();
+        if let Err(e) = attached {
             self.release_module_hooks_if_idle(env);
             env.m.invept();
-            return Err(out_of_memory(env, "the probe's site", e));
+            return Err(match e {
+                AttachError::Hook(e) => ReqError::new(
+                    ErrorKind::InvalidArgument,
+                    format!("cannot hook {} at {site:#x}: {e}", spec.symbol),
+                ),
+                AttachError::Memory(e) => out_of_memory(env, "the probe's site", e),
+            });
         }
         self.vm.probes.next_id += 1;
         let name = format!("{}/{}", spec.group, spec.event);
@@ -147,6 +144,33 @@ impl Tracer<'_> {
             misses: AtomicU64::new(0),
         });
         Ok(ProbeAdded { name, site: site.0 })
+    }
+
+    /// Hooks the site `fs` for probe `id` (a return probe when
+    /// `is_return`) and adds the probe to the site's users. A site hooked
+    /// for it alone goes again when the probe cannot be added.
+    pub(super) fn attach_probe(
+        &mut self,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        fs: &FentrySite,
+        id: u32,
+        is_return: bool,
+    ) -> Result<(), AttachError> {
+        self.vm
+            .view
+            .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func)
+            .map_err(AttachError::Hook)?;
+        let pushed = match self.vm.view.sites.get_mut(&fs.site) {
+            Some(u) if is_return => fallible::try_push(&mut u.retprobes, u64::from(id)),
+            Some(u) => fallible::try_push(&mut u.probes, id),
+            None => Ok(()),
+        };
+        if let Err(e) = pushed {
+            self.vm.view.unhook_if_unused(env, fs.site);
+            return Err(AttachError::Memory(e));
+        }
+        Ok(())
     }
 
     /// A probe on a function of a module that is not loaded: kept pending,
