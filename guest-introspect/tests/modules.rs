@@ -444,20 +444,17 @@ fn the_index_resolves_and_classifies_module_functions() {
     ));
 }
 
-/// A module list whose symbols would take more heap than allowed is
-/// refused as out of memory, not read to the end.
-#[test]
-fn a_walk_over_its_byte_limit_is_refused() {
-    let l = layouts();
+/// Guest memory with one module, `big`, of `n` functions in 6.1's layout.
+fn one_big_module(l: &ModuleLayout, n: u64) -> Mem {
     let mut mem = Mem::new();
     let a = BASE + 0x1000;
-    let syms: Vec<(String, u8, u64)> = (0..40)
+    let syms: Vec<(String, u8, u64)> = (0..n)
         .map(|i| (format!("function_number_{i}"), b't', BASE + 0x8000 + i * 16))
         .collect();
     let refs: Vec<(&str, u8, u64)> = syms.iter().map(|(n, k, a)| (n.as_str(), *k, *a)).collect();
     module(
         &mut mem,
-        &l,
+        l,
         a,
         "big",
         STATES.live as u32,
@@ -466,7 +463,16 @@ fn a_walk_over_its_byte_limit_is_refused() {
         &refs,
         BASE + 0x3000,
     );
-    link(&mut mem, &l, &[a]);
+    link(&mut mem, l, &[a]);
+    mem
+}
+
+/// A module list whose symbols would take more heap than allowed is
+/// refused as out of memory, not read to the end.
+#[test]
+fn a_walk_over_its_byte_limit_is_refused() {
+    let l = layouts();
+    let mem = one_big_module(&l, 40);
     let view = mem.view();
     assert_eq!(
         walk_modules(&view, &l, Gva(HEAD)).unwrap()[0].symbols.len(),
@@ -492,24 +498,7 @@ fn a_page_cache_gives_the_same_walk_with_fewer_reads() {
         }
     }
     let l = layouts();
-    let mut mem = Mem::new();
-    let a = BASE + 0x1000;
-    let syms: Vec<(String, u8, u64)> = (0..200)
-        .map(|i| (format!("function_number_{i}"), b't', BASE + 0x8000 + i * 16))
-        .collect();
-    let refs: Vec<(&str, u8, u64)> = syms.iter().map(|(n, k, a)| (n.as_str(), *k, *a)).collect();
-    module(
-        &mut mem,
-        &l,
-        a,
-        "big",
-        STATES.live as u32,
-        (BASE + 0x8000, 0x1000),
-        (0, 0),
-        &refs,
-        BASE + 0x3000,
-    );
-    link(&mut mem, &l, &[a]);
+    let mem = one_big_module(&l, 200);
     let plain = Counting(mem.view(), Cell::new(0));
     let whole = walk_modules(&plain, &l, Gva(HEAD)).unwrap();
     let counted = Counting(mem.view(), Cell::new(0));

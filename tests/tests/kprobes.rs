@@ -49,11 +49,17 @@ fn probes(c: &mut Client) -> Vec<ProbeInfo> {
     }
 }
 
+fn probe(c: &mut Client, name: &str) -> Option<ProbeInfo> {
+    probes(c).into_iter().find(|p| p.name == name)
+}
+
 fn hits(c: &mut Client, name: &str) -> u64 {
-    probes(c)
-        .iter()
-        .find(|p| p.name == name)
-        .map_or(0, |p| p.hits)
+    probe(c, name).map_or(0, |p| p.hits)
+}
+
+/// Whether probe `name` waits for its module (`None`: no such probe).
+fn pending(c: &mut Client, name: &str) -> Option<bool> {
+    probe(c, name).map(|p| p.pending)
 }
 
 /// `cat /etc/hostname` `n` times, each a new process.
@@ -903,13 +909,11 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         }
         other => ck.check(false, format!("probe on a module not loaded: {other:?}")),
     }
-    let pending = |c: &mut Client| {
-        probes(c)
-            .iter()
-            .find(|p| p.name == "kprobes/modsum")
-            .map(|p| p.pending)
-    };
-    ck.eq("listed as pending", pending(c), Some(true));
+    ck.eq(
+        "listed as pending",
+        pending(c, "kprobes/modsum"),
+        Some(true),
+    );
     let t = status(c).tracer;
     ck.eq("root's hooks on the module code", t.module_hooks, 2);
     ck.eq("pending probes", t.pending_probes, 1);
@@ -941,7 +945,11 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         &o,
         &g,
     );
-    ck.eq("armed once loaded", pending(c), Some(false));
+    ck.eq(
+        "armed once loaded",
+        pending(c, "kprobes/modsum"),
+        Some(false),
+    );
     let t = status(c).tracer;
     ck.check(
         t.module_loads >= 1 && t.module_armed == 1 && t.pending_probes == 0,
@@ -1102,7 +1110,11 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         (2 + graph_core, 2),
     );
     ck.eq("function tracer functions after the unload", t.functions, 0);
-    ck.eq("pending again after the unload", pending(c), Some(true));
+    ck.eq(
+        "pending again after the unload",
+        pending(c, "kprobes/modsum"),
+        Some(true),
+    );
     ck.check(
         t.module_unloads == before.module_unloads + 1
             && t.module_unhooked >= before.module_unhooked + 3,
@@ -1139,7 +1151,11 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         format!("the guest's probe fired on the second load: {g:?}"),
     );
     ck.eq("ours re-armed at the second load, as the guest's", &o, &g);
-    ck.eq("armed after the second load", pending(c), Some(false));
+    ck.eq(
+        "armed after the second load",
+        pending(c, "kprobes/modsum"),
+        Some(false),
+    );
 
     // Churn: unload, load and poke, 20 times, with the probe armed.
     // Frames are not among the figures: EPT tables made to split a large
@@ -1301,13 +1317,11 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         Response::ProbeAdded { site, .. } => ck.eq("ext4 probe pending: no site", site, 0),
         other => ck.check(false, format!("probe on ext4 before it loads: {other:?}")),
     }
-    let pending = |c: &mut Client| {
-        probes(c)
-            .iter()
-            .find(|p| p.name == "kprobes/extopen")
-            .map(|p| p.pending)
-    };
-    ck.eq("ext4 probe listed as pending", pending(c), Some(true));
+    ck.eq(
+        "ext4 probe listed as pending",
+        pending(c, "kprobes/extopen"),
+        Some(true),
+    );
     let _ = stream.read(c);
     let t0 = Instant::now();
     let guest = exec(
@@ -1339,7 +1353,11 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         format!("the guest's ext4 probe fired on the opens: {g:?}"),
     );
     ck.eq("our ext4 probe events equal the guest's", &o, &g);
-    ck.eq("ext4 probe armed", pending(c), Some(false));
+    ck.eq(
+        "ext4 probe armed",
+        pending(c, "kprobes/extopen"),
+        Some(false),
+    );
 
     // Symbols.
     let t0 = Instant::now();
@@ -1376,7 +1394,11 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         format!("rmmod ext4 with our probe on it: {out}"),
     );
     let t = status(c).tracer;
-    ck.eq("ext4 probe pending after rmmod", pending(c), Some(true));
+    ck.eq(
+        "ext4 probe pending after rmmod",
+        pending(c, "kprobes/extopen"),
+        Some(true),
+    );
     ck.eq(
         "sites after rmmod ext4: root's own two",
         (t.sites, t.module_hooks),
