@@ -444,6 +444,11 @@ pub struct TracerReport {
     pub module_unhooked: u64,
     /// Probes waiting for their module.
     pub pending_probes: u32,
+    /// Module globs (`MOD:GLOB`) that also cover modules loaded later:
+    /// the function tracer's, and one per graph session that has some.
+    pub module_globs: u32,
+    /// Functions hooked at module loads for those globs.
+    pub module_followed: u64,
 }
 
 impl Response {

@@ -97,6 +97,8 @@ fn status() -> StatusReport {
             module_armed: 21,
             module_unhooked: 40,
             pending_probes: 1,
+            module_globs: 2,
+            module_followed: 6,
         },
         per_vcpu: vec![crate::VcpuReport {
             index: 0,

@@ -1132,13 +1132,23 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         "function clear",
     );
 
-    // Load again: armed again, it fires on the init call, as the guest's.
+    // Module globs, set while the module is out, cover it from its next
+    // load on: our function tracer on `hvtarget:hvtarget_*` against the
+    // guest's cached `:mod:` filter, and a graph session rooted at
+    // `hvtarget:hvtarget_sum`.
+    let follow = follow_module_globs(ck, c, stream.cursor);
+
+    // Load again: armed again, it fires on the init call, as the guest's;
+    // the module globs' functions are hooked before the init runs too.
     let _ = stream.read(c);
     let guest = exec(
         c,
         &format!(
-            "cd {TRACEFS} && echo 1 > events/kprobes/modsum/enable && echo > trace && \
-             insmod /lib/hvtarget.ko && cat trace && echo 0 > events/kprobes/modsum/enable"
+            "cd {TRACEFS} && echo 'hvtarget_sum:mod:hvtarget' > set_ftrace_filter && \
+             echo 'hvtarget_leaf:mod:hvtarget' >> set_ftrace_filter && echo function > current_tracer && \
+             echo 1 > events/kprobes/modsum/enable && echo > trace && \
+             insmod /lib/hvtarget.ko && cat trace; echo 0 > events/kprobes/modsum/enable; \
+             echo nop > current_tracer; echo > set_ftrace_filter"
         ),
     );
     let ours = stream.read(c);
@@ -1156,6 +1166,24 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         pending(c, "kprobes/modsum"),
         Some(false),
     );
+    let (g, o) = (
+        pid_bodies(&guest, "hvtarget_"),
+        pid_bodies(&ours, "hvtarget_"),
+    );
+    println!("module glob at load: ours {o:?}\n  guest {g:?}");
+    // The init's hvtarget_sum(3) and its three hvtarget_leaf calls.
+    ck.check(
+        g.len() == 4 && g.iter().all(|l| !l.1.contains("hvtarget_poke")),
+        format!("the guest's cached :mod: filter traced the init's calls: {g:?}"),
+    );
+    ck.eq(
+        "our module glob traced the init's calls, as the guest's :mod: filter",
+        &o,
+        &g,
+    );
+    if let Some((session, mut text)) = follow {
+        followed_graph(ck, c, stream, session, &mut text);
+    }
 
     // Churn: unload, load and poke, 20 times, with the probe armed.
     // Frames are not among the figures: EPT tables made to split a large
@@ -1169,6 +1197,7 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     let base = figures(c);
     let hits0 = hits(c, "kprobes/modsum");
     let loads0 = status(c).tracer.module_loads;
+    let followed0 = status(c).tracer.module_followed;
     let mut drift = Vec::new();
     for round in 0..20 {
         let out = exec(
@@ -1181,6 +1210,11 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         }
     }
     let t = status(c).tracer;
+    ck.eq(
+        "functions hooked for the module glob in the churn",
+        t.module_followed - followed0,
+        60,
+    );
     println!(
         "churn: baseline (sites, pages, stacks, frames) {base:?}; loads {} -> {}, probe hits +{}, hypervisor memory {} -> {} KiB",
         loads0,
@@ -1200,6 +1234,10 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         "probe hits in the churn",
         hits(c, "kprobes/modsum") - hits0,
         40,
+    );
+    ck.check(
+        matches!(call(c, Request::FunctionClear), Response::Ok),
+        "function clear drops the module glob",
     );
     ck.check(
         matches!(
@@ -1224,6 +1262,89 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         (0, 0),
     );
     ck.eq("stream losses", stream.lost, 0);
+}
+
+/// With the module out: our function tracer on `hvtarget:hvtarget_*` and
+/// a graph session rooted at `hvtarget:hvtarget_sum` over `hvtarget:*` are
+/// accepted with nothing traced yet, and follow the module. Returns the
+/// session and its text stream.
+fn follow_module_globs(ck: &mut Checks, c: &mut Client, cursor: u64) -> Option<(u32, Stream)> {
+    match call(
+        c,
+        Request::FunctionAdd {
+            glob: "hvtarget:hvtarget_*".into(),
+        },
+    ) {
+        Response::FunctionAdded { traced, .. } => {
+            ck.eq("a module glob with the module out: traced now", traced, 0)
+        }
+        other => ck.check(false, format!("function add with a module glob: {other:?}")),
+    }
+    let filter = protocol::GraphFilter {
+        functions: vec!["hvtarget:hvtarget_sum".into()],
+        trace: vec!["hvtarget:*".into()],
+        ..protocol::GraphFilter::default()
+    };
+    let session = match call(c, Request::GraphStart(filter)) {
+        Response::GraphStarted { session, roots, .. } => {
+            ck.eq("graph roots while the module is out", roots, 0);
+            Some(session)
+        }
+        other => {
+            ck.check(false, format!("graph on a module glob refused: {other:?}"));
+            None
+        }
+    };
+    let t = status(c).tracer;
+    ck.eq(
+        "module globs followed, hidden hooks in",
+        (t.module_globs, t.module_hooks),
+        (2, 2),
+    );
+    session.map(|s| (s, Stream::of(s, protocol::TraceFormat::Text, cursor)))
+}
+
+/// The graph session started before the load: it caught the init's
+/// hvtarget_sum(3) tree, and over a poke it equals the guest's own
+/// function_graph rooted at hvtarget_sum. Stops the session.
+fn followed_graph(
+    ck: &mut Checks,
+    c: &mut Client,
+    stream: &mut Stream,
+    session: u32,
+    ours: &mut Stream,
+) {
+    let leaf = || Node::Leaf(1, "hvtarget_leaf [hvtarget]".to_string());
+    let at_load = parse_graph(&ours.read(c));
+    ck.eq(
+        "the graph rooted at a module glob caught the init's call",
+        at_load,
+        vec![
+            Node::Open(0, "hvtarget_sum [hvtarget]".to_string()),
+            leaf(),
+            leaf(),
+            leaf(),
+            Node::Close(0),
+        ],
+    );
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 'hvtarget_*' > set_ftrace_filter && \
+             echo hvtarget_sum > set_graph_function && echo 0 > options/funcgraph-irqs && \
+             echo function_graph > current_tracer && echo > trace && echo 2 > {POKE} && \
+             cat trace > /tmp/graph.txt; echo nop > current_tracer; echo > set_graph_function; \
+             echo > set_ftrace_filter; echo 1 > options/funcgraph-irqs; cat /tmp/graph.txt"
+        ),
+    );
+    let (g, o) = (parse_graph(&guest), parse_graph(&ours.read(c)));
+    let _ = stream.read(c);
+    ck.check(
+        g.len() == 4 && g.first() == Some(&Node::Open(0, "hvtarget_sum [hvtarget]".into())),
+        format!("the guest's graph under hvtarget_sum over a poke of 2: {g:?}"),
+    );
+    ck.eq("the followed module's graph equals the guest's", &o, &g);
+    ck.check(hv_graph_stop(c, session), "followed graph session stopped");
 }
 
 /// A graph session rooted at the module's hvtarget_poke, over its own

@@ -147,14 +147,20 @@ pub fn status_text(status: &Status) -> String {
                 t.stack_lock_waits
             ));
         }
-        if t.module_hooks > 0 || t.module_loads > 0 || t.module_unloads > 0 || t.pending_probes > 0
+        if t.module_hooks > 0
+            || t.module_loads > 0
+            || t.module_unloads > 0
+            || t.pending_probes > 0
+            || t.module_globs > 0
         {
             out.push_str(&format!(
-                "{:<12} {} hidden hooks; {} loads ({} probes armed), {} unloads ({} sites unhooked); {} probes pending\n",
+                "{:<12} {} hidden hooks; {} loads ({} probes armed, {} functions hooked for {} module globs), {} unloads ({} sites unhooked); {} probes pending\n",
                 "modules",
                 t.module_hooks,
                 t.module_loads,
                 t.module_armed,
+                t.module_followed,
+                t.module_globs,
                 t.module_unloads,
                 t.module_unhooked,
                 t.pending_probes
@@ -245,6 +251,8 @@ pub fn status_json(status: &Status) -> Json {
         ("module_armed", json::int(t.module_armed)),
         ("module_unhooked", json::int(t.module_unhooked)),
         ("pending_probes", json::int(u64::from(t.pending_probes))),
+        ("module_globs", json::int(u64::from(t.module_globs))),
+        ("module_followed", json::int(t.module_followed)),
         (
             "trampolines",
             match t.trampolines {
@@ -390,6 +398,11 @@ pub fn probe_line(p: &ProbeInfo, json: bool) -> String {
 /// characters are escaped).
 pub fn function_summary(glob: &str, traced: u32, skipped: &[String], skipped_total: u32) -> String {
     let mut line = format!("function tracer on {glob}: {traced} traced");
+    if let Some((module, _)) = glob.split_once(':') {
+        line.push_str(&format!(
+            " now, and the matching functions of modules {module} as they load"
+        ));
+    }
     if skipped_total > 0 {
         line.push_str(&format!(", {skipped_total} skipped"));
         if !skipped.is_empty() {
@@ -624,7 +637,7 @@ mod tests {
         );
         let j = status_json(&status).to_string();
         assert!(
-            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"module_hooks":0,"module_loads":0,"module_unloads":0,"module_armed":0,"module_unhooked":0,"pending_probes":0,"trampolines":"0xffffffffc0000000"}"#),
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"module_hooks":0,"module_loads":0,"module_unloads":0,"module_armed":0,"module_unhooked":0,"pending_probes":0,"module_globs":0,"module_followed":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
         );
         // The graph line shows once there is graph state.
@@ -704,6 +717,10 @@ mod tests {
         assert_eq!(
             function_summary("x", 0, &skipped, 2),
             "function tracer on x: 0 traced, 2 skipped (vfs_a: notrace; vfs_b: no fentry)"
+        );
+        assert_eq!(
+            function_summary("ext4:ext4_file_*", 0, &[], 0),
+            "function tracer on ext4:ext4_file_*: 0 traced now, and the matching functions of modules ext4 as they load"
         );
     }
 

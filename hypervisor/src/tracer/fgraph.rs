@@ -76,12 +76,28 @@ const MAX_RETIRED: usize = 64;
 /// renderer.
 pub(super) struct GraphSession {
     pub(super) filter: GraphFilter,
-    /// Functions that start a tree (empty: every hooked function).
+    /// Functions that start a tree, when `rooted`.
     pub(super) roots: BTreeSet<u64>,
+    /// Whether the session has roots (`filter.functions`); else every
+    /// hooked function starts a tree. A session rooted by module globs
+    /// alone may have no roots yet: it waits for its modules.
+    pub(super) rooted: bool,
     /// `set_graph_notrace` functions.
     pub(super) notrace: BTreeSet<u64>,
     /// The function_graph text renderer (it holds one entry back).
     pub(super) text: GraphText,
+}
+
+impl GraphSession {
+    /// Whether the session names module globs (`MOD:GLOB`) among its roots
+    /// or trace set: those also cover modules that load later.
+    pub(super) fn follows_modules(&self) -> bool {
+        let f = &self.filter;
+        f.functions
+            .iter()
+            .chain(&f.trace)
+            .any(|g| super::symbols::module_glob(g).is_some())
+    }
 }
 
 /// A return stack and the task last seen calling on its kernel stack.
@@ -346,7 +362,7 @@ impl Graph {
                 }
                 let f = &g.filter;
                 if depth == 0 {
-                    let root_ok = g.roots.is_empty() || g.roots.contains(&func);
+                    let root_ok = !g.rooted || g.roots.contains(&func);
                     let pid_ok = f.pid.is_none_or(|p| p == header.pid);
                     let comm_ok = f.comm.as_deref().is_none_or(|c| {
                         // The name ends at the first NUL, or fills the array.

@@ -197,6 +197,14 @@ impl<'a> Tracer<'a> {
             module_armed: vm.modules.armed,
             module_unhooked: vm.modules.unhooked,
             pending_probes: vm.probes.list.iter().filter(|p| p.site.is_none()).count() as u32,
+            module_globs: vm.modules.function_globs.len() as u32
+                + vm.graph
+                    .sessions
+                    .iter()
+                    .flatten()
+                    .filter(|g| g.follows_modules())
+                    .count() as u32,
+            module_followed: vm.modules.followed,
             ..vm.stats
         })
     }

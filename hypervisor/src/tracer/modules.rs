@@ -24,12 +24,16 @@
 
 use super::machine::{Env, KernelView};
 use super::requests::AttachError;
+use super::split::MAX_SITES;
 use super::{stop_others, symbols, ReqError, Tracer};
 use crate::addr::Gva;
+use alloc::collections::BTreeMap;
 use alloc::format;
+use alloc::string::String;
 use alloc::vec::Vec;
-use guest_introspect::fentry::Classifier;
-use guest_introspect::view::PagedView;
+use guest_introspect::fallible::{self, btree_entry_bytes, OutOfMemory};
+use guest_introspect::fentry::{Classifier, FentrySite};
+use guest_introspect::view::{PagedView, VirtMemory};
 use guest_introspect::GvaRange;
 use protocol::ErrorKind;
 
@@ -75,7 +79,16 @@ pub(super) struct ModuleTrack {
     /// The kernel image's text, as of the last request: a hooked site
     /// outside it is in a module.
     pub(super) core_text: Option<GvaRange>,
+    /// The function tracer's module globs (`MOD:GLOB`): they also cover
+    /// the modules that load later.
+    pub(super) function_globs: Vec<String>,
+    /// Functions hooked at loads for module globs (the function tracer's
+    /// and graph sessions').
+    pub(super) followed: u64,
 }
+
+/// Module globs the function tracer keeps at most.
+pub(super) const MAX_FUNCTION_GLOBS: usize = 64;
 
 /// Whether `site` is outside the kernel image's text `core` (in a
 /// module).
@@ -89,6 +102,14 @@ impl Tracer<'_> {
     fn modules_needed(&self) -> bool {
         let core = self.vm.modules.core_text;
         self.vm.probes.list.iter().any(|p| p.site.is_none())
+            || !self.vm.modules.function_globs.is_empty()
+            || self
+                .vm
+                .graph
+                .sessions
+                .iter()
+                .flatten()
+                .any(|g| g.follows_modules())
             || self
                 .vm
                 .view
@@ -244,7 +265,146 @@ impl Tracer<'_> {
             armed += 1;
         }
         self.vm.modules.armed += u64::from(armed);
-        log::info!("tracer: module {name} is loading: {armed} pending probes armed");
+        let followed = self.follow_module(&name, k, env, &view, &classifier);
+        log::info!(
+            "tracer: module {name} is loading: {armed} pending probes armed, {followed} functions hooked for module globs"
+        );
+    }
+
+    /// Hooks the functions of the module `name`, loading, that the
+    /// function tracer's module globs and the running graph sessions'
+    /// name, so they are traced from its init on. Returns the functions
+    /// hooked.
+    fn follow_module<V: VirtMemory + ?Sized>(
+        &mut self,
+        name: &str,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        view: &V,
+        classifier: &Classifier<'_>,
+    ) -> u32 {
+        match self.follow_plan(name, k, env, view, classifier) {
+            Ok((want, extra)) => self.follow_hook(want, extra, k, env),
+            Err(e) => {
+                log::warn!("tracer: module {name}: its functions are not followed: {e}");
+                0
+            }
+        }
+    }
+
+    /// What [`Self::follow_module`] hooks: each site with its function and
+    /// users (bit 0: the function tracer; bit N: graph session N), and the
+    /// graph sessions' new roots and `set_graph_notrace` functions (user,
+    /// function, root).
+    #[allow(clippy::type_complexity)]
+    fn follow_plan<V: VirtMemory + ?Sized>(
+        &self,
+        name: &str,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        view: &V,
+        classifier: &Classifier<'_>,
+    ) -> Result<(BTreeMap<u64, (u64, u16)>, Vec<(usize, u64, bool)>), OutOfMemory> {
+        // The module's functions that `globs` name (only the module globs
+        // among them if `only_modules`).
+        let sites = |globs: &[String], only_modules: bool| {
+            fallible::try_collect(
+                globs
+                    .iter()
+                    .filter(|g| !only_modules || symbols::module_glob(g).is_some())
+                    .flat_map(|g| symbols::glob_in_module(k, g, name))
+                    .filter_map(|id| id.classify(k, classifier, view).ok()),
+            )
+        };
+        let mut want: BTreeMap<u64, (u64, u16)> = BTreeMap::new();
+        let mut add = |env: &mut Env<'_>, fs: &FentrySite, bit: u16| {
+            if let Some(e) = want.get_mut(&fs.site.0) {
+                e.1 |= bit;
+                return Ok(());
+            }
+            if want.len() >= MAX_SITES {
+                return Err(OutOfMemory::of::<(u64, u64, u16)>(1));
+            }
+            env.m.heap_check(btree_entry_bytes::<u64, (u64, u16)>())?;
+            want.insert(fs.site.0, (fs.func.0, bit));
+            Ok(())
+        };
+        for g in &self.vm.modules.function_globs {
+            for fs in sites(core::slice::from_ref(g), true)? {
+                add(env, &fs, 1)?;
+            }
+        }
+        let mut extra = Vec::new();
+        for (user, g) in self.vm.graph.sessions.iter().enumerate() {
+            let Some(g) = g.as_ref().filter(|g| g.follows_modules()) else {
+                continue;
+            };
+            let bit = 1u16 << user;
+            let f = &g.filter;
+            let notrace = sites(&f.notrace, false)?;
+            let kept = |fs: &FentrySite| !notrace.iter().any(|n| n.site == fs.site);
+            for fs in sites(&f.functions, true)?.iter().filter(|fs| kept(fs)) {
+                add(env, fs, bit)?;
+                fallible::try_push(&mut extra, (user, fs.func.0, true))?;
+            }
+            for fs in sites(&f.trace, true)?.iter().filter(|fs| kept(fs)) {
+                add(env, fs, bit)?;
+            }
+            // A set_graph_notrace function is hooked even outside the
+            // trace set: its frame hides its callees.
+            for fs in sites(&f.graph_notrace, false)?.iter().filter(|fs| kept(fs)) {
+                add(env, fs, bit)?;
+                fallible::try_push(&mut extra, (user, fs.func.0, false))?;
+            }
+        }
+        Ok((want, extra))
+    }
+
+    /// Hooks what [`Self::follow_plan`] found; returns the functions
+    /// hooked.
+    fn follow_hook(
+        &mut self,
+        want: BTreeMap<u64, (u64, u16)>,
+        extra: Vec<(usize, u64, bool)>,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+    ) -> u32 {
+        let mut hooked = 0u32;
+        for (site, (func, bits)) in want {
+            let (site, func) = (Gva(site), Gva(func));
+            if let Err(e) = self
+                .vm
+                .view
+                .hook(k, env, self.vm.region.as_ref(), site, func)
+            {
+                log::warn!("tracer: cannot hook {:#x} of a loading module: {e}", site.0);
+                continue;
+            }
+            let Some(u) = self.vm.view.sites.get_mut(&site) else {
+                continue;
+            };
+            if bits & 1 != 0 && !u.function {
+                u.function = true;
+                self.vm.probes.functions += 1;
+            }
+            u.graph |= bits & !1;
+            hooked += 1;
+        }
+        for (user, func, root) in extra {
+            let Some(Some(g)) = self.vm.graph.sessions.get_mut(user) else {
+                continue;
+            };
+            let set = if root { &mut g.roots } else { &mut g.notrace };
+            if env.m.heap_check(btree_entry_bytes::<u64, ()>()).is_err() {
+                log::warn!(
+                    "tracer: graph session {user}: out of memory for a loading module's function"
+                );
+                continue;
+            }
+            set.insert(func);
+        }
+        self.vm.modules.followed += u64::from(hooked);
+        hooked
     }
 
     /// Unhooks everything in the text of the module at `module`.
@@ -275,6 +435,12 @@ impl Tracer<'_> {
                 self.vm.probes.functions = self.vm.probes.functions.saturating_sub(1);
             }
             self.vm.view.unhook_if_unused(env, site);
+        }
+        // Roots and set_graph_notrace functions in the module's text go
+        // with it: another module may load at the same addresses.
+        for g in self.vm.graph.sessions.iter_mut().flatten() {
+            g.roots.retain(|&f| !inside(Gva(f)));
+            g.notrace.retain(|&f| !inside(Gva(f)));
         }
         let mut pending = 0u32;
         for p in self.vm.probes.list.iter_mut() {

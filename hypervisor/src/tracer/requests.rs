@@ -234,6 +234,11 @@ impl Tracer<'_> {
         k: &dyn KernelView,
         env: &mut Env<'_>,
     ) -> Result<FunctionsAdded, ReqError> {
+        symbols::check_glob(glob).map_err(|e| ReqError::new(ErrorKind::InvalidArgument, e))?;
+        let follows = symbols::module_glob(glob).is_some();
+        if follows {
+            self.follow_function_glob(glob, k, env)?;
+        }
         let view = PagedView::new(env.ram, k.cr3());
         let classifier = Classifier::new(k.index());
         let mut traced = 0u32;
@@ -329,8 +334,42 @@ impl Tracer<'_> {
         })
     }
 
+    /// Keeps the function tracer's module glob `glob`, with the hidden
+    /// hooks in, so it covers the modules that load later too.
+    fn follow_function_glob(
+        &mut self,
+        glob: &str,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+    ) -> Result<(), ReqError> {
+        let globs = &self.vm.modules.function_globs;
+        if !globs.iter().any(|g| g == glob) {
+            if globs.len() >= modules::MAX_FUNCTION_GLOBS {
+                return Err(ReqError::new(
+                    ErrorKind::OutOfResources,
+                    format!(
+                        "the function tracer follows {} module globs already; clear it first",
+                        modules::MAX_FUNCTION_GLOBS
+                    ),
+                ));
+            }
+            let kept = fallible::try_string(glob)
+                .and_then(|g| fallible::try_push(&mut self.vm.modules.function_globs, g));
+            if let Err(e) = kept {
+                return Err(out_of_memory(env, "the function tracer's module globs", e));
+            }
+        }
+        self.ensure_region(k, env)?;
+        if let Err(e) = self.ensure_module_hooks(k, env, true) {
+            self.vm.modules.function_globs.retain(|g| g != glob);
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// Removes the function tracer everywhere.
     pub fn function_clear(&mut self, env: &mut Env<'_>) -> Result<(), ReqError> {
+        self.vm.modules.function_globs.clear();
         stop_others(env)?;
         self.vm
             .view
@@ -378,6 +417,15 @@ impl Tracer<'_> {
             }
             n => n,
         };
+        for g in filter
+            .functions
+            .iter()
+            .chain(&filter.trace)
+            .chain(&filter.notrace)
+            .chain(&filter.graph_notrace)
+        {
+            symbols::check_glob(g).map_err(|e| ReqError::new(ErrorKind::InvalidArgument, e))?;
+        }
         self.vm.graph.stack_frames = frames;
         let view = PagedView::new(env.ram, k.cr3());
         let classifier = Classifier::new(k.index());
@@ -411,7 +459,13 @@ impl Tracer<'_> {
                 insert_site(env, &mut wanted, site, func).map_err(oom)?;
             }
         }
-        if !filter.functions.is_empty() && roots.is_empty() {
+        // Module globs among the roots may match nothing yet: the session
+        // waits for their modules.
+        let waits = filter
+            .functions
+            .iter()
+            .any(|g| symbols::module_glob(g).is_some());
+        if !filter.functions.is_empty() && roots.is_empty() && !waits {
             return Err(ReqError::new(
                 ErrorKind::NotFound,
                 format!(
@@ -445,9 +499,19 @@ impl Tracer<'_> {
             )
             .map_err(oom)?;
         let bit = 1u16 << user;
-        // Module functions are hooked only while unloads are followed.
+        // Module functions are hooked only while unloads are followed;
+        // module globs need loads followed too.
         let core = k.index().text();
         let mut skipped = 0u32;
+        let follows = filter
+            .functions
+            .iter()
+            .chain(&filter.trace)
+            .any(|g| symbols::module_glob(g).is_some());
+        if follows {
+            self.ensure_region(k, env)?;
+            self.ensure_module_hooks(k, env, true)?;
+        }
         if wanted.keys().any(|&s| modules::outside_core(core, Gva(s))) {
             if let Err(e) = self.ensure_module_hooks(k, env, true) {
                 let before = wanted.len();
@@ -492,6 +556,7 @@ impl Tracer<'_> {
             GraphSession {
                 text: GraphText::new(filter.retval),
                 notrace: graph_notrace.into_values().collect(),
+                rooted: !filter.functions.is_empty(),
                 filter,
                 roots,
             },

@@ -48,17 +48,67 @@ impl SymRef {
     }
 }
 
-/// The symbols whose name matches `glob`: the kernel image's, then each
-/// loaded module's.
+/// The parts of a module glob `MOD:GLOB` (each a glob), as `[MOD:]SYM`
+/// names a probe's function: it matches the functions named by `GLOB` in
+/// the modules named by `MOD`, those loaded now and those that load later.
+/// `None` for a plain glob.
+pub fn module_glob(glob: &str) -> Option<(&str, &str)> {
+    glob.split_once(':')
+}
+
+/// Why a glob cannot be used: an empty part of `MOD:GLOB`.
+pub fn check_glob(glob: &str) -> Result<(), String> {
+    match module_glob(glob) {
+        Some((m, f)) if m.is_empty() || f.is_empty() || f.contains(':') => Err(alloc::format!(
+            "{glob}: a module glob is MODULE:FUNCTION, both parts non-empty"
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn matches(glob: &str, name: &str) -> bool {
+    guest_introspect::glob::matches(glob.as_bytes(), name.as_bytes())
+}
+
+/// The symbols whose name matches `glob`: for a plain glob the kernel
+/// image's, then each loaded module's; for `MOD:GLOB`, the loaded modules'
+/// named by `MOD` alone.
 pub fn glob<'a>(k: &'a dyn KernelView, glob: &'a str) -> impl Iterator<Item = SymRef> + 'a {
-    k.index().glob(glob).map(SymRef::Core).chain(
-        k.modules()
-            .kallsyms_order()
-            .filter(move |(_, _, s)| {
-                guest_introspect::glob::matches(glob.as_bytes(), s.name.as_bytes())
-            })
-            .map(|(id, _, _)| SymRef::Module(id)),
-    )
+    let (module, name) = match module_glob(glob) {
+        Some((m, f)) => (Some(m), f),
+        None => (None, glob),
+    };
+    module
+        .is_none()
+        .then(|| k.index().glob(name))
+        .into_iter()
+        .flatten()
+        .map(SymRef::Core)
+        .chain(
+            k.modules()
+                .kallsyms_order()
+                .filter(move |(_, m, s)| {
+                    module.is_none_or(|g| matches(g, &m.name)) && matches(name, &s.name)
+                })
+                .map(|(id, _, _)| SymRef::Module(id)),
+        )
+}
+
+/// The symbols of the loaded module named `module` that `glob` matches: a
+/// plain glob by name, `MOD:GLOB` when `MOD` also matches the module.
+pub fn glob_in_module<'a>(
+    k: &'a dyn KernelView,
+    glob: &'a str,
+    module: &'a str,
+) -> impl Iterator<Item = SymRef> + 'a {
+    let (wanted, name) = match module_glob(glob) {
+        Some((m, f)) => (matches(m, module), f),
+        None => (true, glob),
+    };
+    k.modules()
+        .kallsyms_order()
+        .filter(move |(_, m, s)| wanted && m.name == module && matches(name, &s.name))
+        .map(|(id, _, _)| SymRef::Module(id))
 }
 
 /// The function a probe names: `symbol` in `module` when one is named (a

@@ -1351,3 +1351,87 @@ fn the_function_tracer_on_a_module_follows_its_unload() {
         .unwrap();
     assert_eq!(g.sites_and_pages(), (1, 1, 0));
 }
+
+#[test]
+fn a_module_glob_covers_the_module_at_each_load() {
+    let mut g = Guest::new();
+    // Malformed module globs are refused.
+    for bad in [":x", "hvtarget:", "a:b:c"] {
+        let e = g.with(|t, env, k| t.function_add(bad, k, env)).unwrap_err();
+        assert_eq!(e.kind, protocol::ErrorKind::InvalidArgument, "{bad}");
+    }
+    // Not loaded: nothing traced yet, root's hooks in to follow loads.
+    let added = g
+        .with(|t, env, k| t.function_add("hvtarget:hvtarget_*", k, env))
+        .unwrap();
+    assert_eq!(added.traced, 0);
+    assert_eq!(g.sites_and_pages(), (2, 1, 2));
+    assert_eq!(g.tracer().report().module_globs, 1);
+    // A plain glob never matches a later module; the module glob does not
+    // match the kernel's own functions.
+    let plain = g.with(|t, env, k| t.function_add("my_*", k, env)).unwrap();
+    assert_eq!(plain.traced, 1);
+    assert_eq!(g.tracer().report().module_globs, 1);
+    for round in 0..3 {
+        g.kernel.modules = modules(true);
+        g.module_call(DO_INIT_MODULE, MOD_STRUCT).unwrap();
+        let r = g.tracer().report();
+        assert_eq!(
+            (r.sites, r.functions, r.module_followed),
+            (4, 2, round + 1),
+            "round {round}"
+        );
+        g.tracer().set_stream(Some(TraceFormat::Text));
+        g.hit(MOD_FUNC, RETP, CALLER_RET, 0);
+        let text = g.text();
+        assert!(text.contains(": hvtarget_sum <-caller"), "{text}");
+        g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
+        g.kernel.modules = modules(false);
+        assert_eq!(g.tracer().report().functions, 1, "round {round}");
+        assert_eq!(g.sites_and_pages(), (3, 2, 2), "round {round}");
+    }
+    // Clearing the function tracer drops the glob, and root's hooks.
+    g.with(|t, env, _| t.function_clear(env)).unwrap();
+    let r = g.tracer().report();
+    assert_eq!((r.sites, r.module_hooks, r.module_globs), (0, 0, 0));
+}
+
+#[test]
+fn a_graph_session_rooted_in_a_module_glob_waits_for_the_module() {
+    let mut g = Guest::new();
+    let f = GraphFilter {
+        functions: vec!["hvtarget:hvtarget_sum".into()],
+        trace: vec!["*_func".into()],
+        ..GraphFilter::default()
+    };
+    let started = g.with(|t, env, k| t.graph_start(f, k, env)).unwrap();
+    // No root yet: the kernel's functions do not start trees meanwhile.
+    assert_eq!((started.roots, started.hooked), (0, 2));
+    assert_eq!(g.tracer().report().module_hooks, 2);
+    assert_eq!(g.tracer().report().module_globs, 1);
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.ram.word(gpa(RETP)), CALLER_RET, "not a root");
+    let tramp = g.region().return_trampoline().0;
+    for round in 0..2 {
+        g.kernel.modules = modules(true);
+        g.module_call(DO_INIT_MODULE, MOD_STRUCT).unwrap();
+        // The module's function is a root now; under it the kernel's
+        // functions nest.
+        g.hit(MOD_FUNC, RETP, CALLER_RET, 0);
+        assert_eq!(g.ram.word(gpa(RETP)), tramp, "round {round}");
+        g.hit(FUNC, RETP - 0x100, MOD_FUNC + 0x40, 0);
+        assert_eq!(g.ram.word(gpa(RETP - 0x100)), tramp, "round {round}");
+        assert_eq!(g.ret(RETP - 0x100, 0).1, MOD_FUNC + 0x40);
+        assert_eq!(g.ret(RETP, 0).1, CALLER_RET);
+        g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
+        g.kernel.modules = modules(false);
+        // Gone with its module: the kernel's function is no root.
+        g.hit(FUNC, RETP, CALLER_RET, 0);
+        assert_eq!(g.ram.word(gpa(RETP)), CALLER_RET, "round {round}");
+        assert_eq!(g.tracer().report().graph_frames, 0);
+    }
+    // Stopping the session drops what followed the module.
+    g.with(|t, env, _| t.graph_stop(None, env)).unwrap();
+    let r = g.tracer().report();
+    assert_eq!((r.sites, r.module_hooks, r.module_globs), (0, 0, 0));
+}
