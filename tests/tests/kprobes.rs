@@ -1502,8 +1502,13 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         format!("ext4 symbols in /proc/kallsyms: {}", guest.len()),
     );
     same_module_symbols(ck, "ext4", &mine, &guest);
+    let mut ext4_sites: Vec<u64> = ours.iter().filter_map(|s| s.site).collect();
+    ext4_sites.sort_unstable();
+    ext4_sites.dedup();
+    let graph = ext4_graph(ck, c, stream);
 
     // Unload, then load again.
+    let before = status(c).tracer;
     let out = exec(
         c,
         &format!(
@@ -1512,7 +1517,7 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     );
     ck.check(
         out.contains("unloaded") && out.contains("alive"),
-        format!("rmmod ext4 with our probe on it: {out}"),
+        format!("rmmod ext4 with our probe and a graph session on it: {out}"),
     );
     let t = status(c).tracer;
     ck.eq(
@@ -1520,10 +1525,23 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         pending(c, "kprobes/extopen"),
         Some(true),
     );
+    // The graph session's core functions stay hooked; every site on
+    // ext4's text went.
+    let graph_core = graph
+        .as_ref()
+        .map_or(0, |g| g.hooked.saturating_sub(ext4_sites.len() as u32));
+    println!(
+        "rmmod ext4: sites {} -> {}, {} unhooked; the graph hooked {:?} ({} ext4 sites listed)",
+        before.sites,
+        t.sites,
+        t.module_unhooked - before.module_unhooked,
+        graph.as_ref().map(|g| g.hooked),
+        ext4_sites.len()
+    );
     ck.eq(
-        "sites after rmmod ext4: root's own two",
+        "sites after rmmod ext4: root's own two and the graph's core functions",
         (t.sites, t.module_hooks),
-        (2, 2),
+        (2 + graph_core, 2),
     );
     let _ = stream.read(c);
     let guest = exec(
@@ -1548,6 +1566,16 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         &o,
         &g,
     );
+    if let Some(mut g) = graph {
+        // The session's module globs re-armed ext4's functions at the
+        // second modprobe: the read through the new mount is a tree again.
+        let text = g.stream.read(c);
+        ck.check(
+            text.contains("ext4_file_read_iter [ext4]() {"),
+            format!("the graph session on ext4 after its reload: {text}"),
+        );
+        ck.check(hv_graph_stop(c, g.session), "ext4 graph session stopped");
+    }
     ck.check(
         matches!(
             call(
@@ -1562,4 +1590,108 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     );
     let t = status(c).tracer;
     ck.eq("nothing left hooked", (t.sites, t.module_hooks), (0, 0));
+}
+
+/// A graph session left running on ext4.
+struct ModuleGraph {
+    session: u32,
+    hooked: u32,
+    stream: Stream,
+}
+
+/// A graph session rooted at `ext4:ext4_file_read_iter` over ext4's
+/// functions (`ext4:*`) and the core kernel's read path, against the
+/// guest's own function_graph with the same root and filter
+/// (`*:mod:ext4`) over one read with a cold page cache: module and core
+/// frames interleave (ext4 → the page cache → ext4's readahead). The
+/// session is left running, for the unload.
+fn ext4_graph(ck: &mut Checks, c: &mut Client, stream: &mut Stream) -> Option<ModuleGraph> {
+    const CORE: [&str; 7] = [
+        "generic_file_read_iter",
+        "filemap_read",
+        "filemap_get_pages",
+        "page_cache_sync_ra",
+        "page_cache_ra_unbounded",
+        "read_pages",
+        "touch_atime",
+    ];
+    let mut trace = vec!["ext4:*".to_string()];
+    trace.extend(CORE.iter().map(|s| s.to_string()));
+    let filter = protocol::GraphFilter {
+        functions: vec!["ext4:ext4_file_read_iter".into()],
+        trace,
+        ..protocol::GraphFilter::default()
+    };
+    let _ = stream.read(c);
+    let t0 = Instant::now();
+    let (session, hooked) = match call(c, Request::GraphStart(filter)) {
+        Response::GraphStarted {
+            session,
+            roots,
+            hooked,
+            skipped,
+        } => {
+            println!(
+                "ext4 graph: {hooked} hooked, {roots} roots, {skipped} skipped in {:.1} s",
+                t0.elapsed().as_secs_f64()
+            );
+            ck.eq("ext4 graph roots", roots, 1);
+            (session, hooked)
+        }
+        other => {
+            ck.check(false, format!("graph on ext4 refused: {other:?}"));
+            return None;
+        }
+    };
+    let mut ours = Stream::of(session, protocol::TraceFormat::Text, stream.cursor);
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo '*:mod:ext4' > set_ftrace_filter && for g in {}; do echo $g >> set_ftrace_filter; done; \
+             echo ext4_file_read_iter > set_graph_function && echo 0 > options/funcgraph-irqs && \
+             sync && echo 3 > /proc/sys/vm/drop_caches && \
+             echo function_graph > current_tracer && echo > trace && cat /mnt/ext/f > /dev/null && \
+             cat trace > /tmp/graph.txt; echo nop > current_tracer; echo > set_graph_function; \
+             echo > set_ftrace_filter; echo 1 > options/funcgraph-irqs; cat /tmp/graph.txt",
+            CORE.join(" ")
+        ),
+    );
+    let text = ours.read(c);
+    let _ = stream.read(c);
+    let (g, o) = (parse_graph(&guest), parse_graph(&text));
+    for line in text.lines().filter(|l| l.contains('|')).take(16) {
+        println!("  ours:  {line}");
+    }
+    for line in guest.lines().filter(|l| l.contains('|')).take(16) {
+        println!("  guest: {line}");
+    }
+    // A module frame whose caller is a core frame, under the module root.
+    let mut open: Vec<&str> = Vec::new();
+    let mut core_to_module = false;
+    for n in &g {
+        match n {
+            Node::Open(d, f) | Node::Leaf(d, f) => {
+                open.truncate(*d);
+                if f.ends_with(" [ext4]") && open.last().is_some_and(|p| !p.contains(" [")) {
+                    core_to_module = true;
+                }
+                if matches!(n, Node::Open(..)) {
+                    open.push(f);
+                }
+            }
+            Node::Close(d) => open.truncate(*d),
+        }
+    }
+    ck.check(
+        g.first() == Some(&Node::Open(0, "ext4_file_read_iter [ext4]".into()))
+            && g.iter().any(|n| matches!(n, Node::Open(1, f) if f == "generic_file_read_iter"))
+            && core_to_module,
+        format!("the guest's graph of an ext4 read, module and core frames interleaved: {g:?}"),
+    );
+    ck.eq("our ext4 read graph equals the guest's", &o, &g);
+    Some(ModuleGraph {
+        session,
+        hooked,
+        stream: ours,
+    })
 }
