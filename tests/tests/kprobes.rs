@@ -1684,7 +1684,8 @@ fn ext4_graph(ck: &mut Checks, c: &mut Client, stream: &mut Stream) -> Option<Mo
     }
     ck.check(
         g.first() == Some(&Node::Open(0, "ext4_file_read_iter [ext4]".into()))
-            && g.iter().any(|n| matches!(n, Node::Open(1, f) if f == "generic_file_read_iter"))
+            && g.iter()
+                .any(|n| matches!(n, Node::Open(1, f) if f == "generic_file_read_iter"))
             && core_to_module,
         format!("the guest's graph of an ext4 read, module and core frames interleaved: {g:?}"),
     );
