@@ -192,6 +192,9 @@ impl SiteTargets {
 pub struct Classifier<'i> {
     index: &'i SymbolIndex,
     targets: SiteTargets,
+    /// Whether a module's init text is traceable (see
+    /// [`Classifier::with_module_init`]).
+    module_init: bool,
 }
 
 impl<'i> Classifier<'i> {
@@ -200,6 +203,18 @@ impl<'i> Classifier<'i> {
         Self {
             index,
             targets: SiteTargets::from_index(index),
+            module_init: false,
+        }
+    }
+
+    /// The same, with a module's init text traceable (`yes`) or not. Only
+    /// a caller that learns when the kernel is about to free a module's
+    /// init text, and removes its hooks there first, may say yes. The
+    /// kernel image's init text stays untraceable.
+    pub fn with_module_init(self, yes: bool) -> Self {
+        Self {
+            module_init: yes,
+            ..self
         }
     }
 
@@ -241,7 +256,7 @@ impl<'i> Classifier<'i> {
         m: &Module,
         sym: &ModuleSymbol,
     ) -> Result<FentrySite, NotTraceable> {
-        classify_module(view, &self.targets, m, sym)
+        classify_module(view, &self.targets, m, sym, self.module_init)
     }
 
     /// The fentry site of the first function called `name`.
@@ -276,13 +291,15 @@ fn site_at<V: VirtMemory + ?Sized>(
 }
 
 /// The fentry site of symbol `sym` of module `m`, or why it has none: as
-/// for the kernel's own functions, with the module's core text in place of
-/// the kernel's (its init text runs once, then is freed).
+/// for the kernel's own functions, with the module's text in place of the
+/// kernel's. Its init text (run once, then freed) is traceable only when
+/// `init_ok`; otherwise a function there is [`NotTraceable::InitText`].
 pub fn classify_module<V: VirtMemory + ?Sized>(
     view: &V,
     targets: &SiteTargets,
     m: &Module,
     sym: &ModuleSymbol,
+    init_ok: bool,
 ) -> Result<FentrySite, NotTraceable> {
     if !is_code_letter(sym.kind) {
         return Err(NotTraceable::DataSymbol);
@@ -292,7 +309,7 @@ pub fn classify_module<V: VirtMemory + ?Sized>(
     if !m.text.contains(addr) && !in_init {
         return Err(NotTraceable::NotText);
     }
-    site_at(view, targets, addr, in_init)
+    site_at(view, targets, addr, in_init && !init_ok)
 }
 
 /// Counts over every symbol.

@@ -359,6 +359,7 @@ fn the_index_resolves_and_classifies_module_functions() {
     mem.put(text + 0x10, &[0xf3, 0x0f, 0x1e, 0xfa]);
     mem.put(text + 0x14, &NOP5);
     mem.put(text + 0x40, &NOP5);
+    mem.put(BASE + 0x9000, &NOP5);
     mem.put(
         text + 0x80,
         &[0x55, 0x48, 0x89, 0xe5, 0x90, 0x90, 0x90, 0x90, 0x90],
@@ -424,7 +425,7 @@ fn the_index_resolves_and_classifies_module_functions() {
     let site = |name: &str| {
         let id = idx.lookup(None, name).unwrap();
         let (m, s) = idx.get(id).unwrap();
-        classify_module(&view, &SiteTargets::default(), m, s)
+        classify_module(&view, &SiteTargets::default(), m, s, false)
     };
     let leaf = site("hvtarget_leaf").unwrap();
     assert_eq!(
@@ -442,6 +443,14 @@ fn the_index_resolves_and_classifies_module_functions() {
         site("hvtarget_init"),
         Err(NotTraceable::InitText { .. })
     ));
+    // Traceable when the caller follows the freeing of init text.
+    let id = idx.lookup(None, "hvtarget_init").unwrap();
+    let (m, s) = idx.get(id).unwrap();
+    let init = classify_module(&view, &SiteTargets::default(), m, s, true).unwrap();
+    assert_eq!(
+        (init.func.0, init.site.0, init.state),
+        (s.addr, BASE + 0x9000, SiteState::Nop)
+    );
 }
 
 /// Guest memory with one module, `big`, of `n` functions in 6.1's layout.

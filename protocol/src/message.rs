@@ -449,6 +449,11 @@ pub struct TracerReport {
     pub module_globs: u32,
     /// Functions hooked at module loads for those globs.
     pub module_followed: u64,
+    /// Modules' init texts freed after their init returned, seen at the
+    /// hidden hook that follows it (none: init text is not traced).
+    pub module_inits_freed: u64,
+    /// Sites unhooked there (also counted in `module_unhooked`).
+    pub module_init_unhooked: u64,
 }
 
 impl Response {

@@ -99,6 +99,8 @@ fn status() -> StatusReport {
             pending_probes: 1,
             module_globs: 2,
             module_followed: 6,
+            module_inits_freed: 3,
+            module_init_unhooked: 1,
         },
         per_vcpu: vec![crate::VcpuReport {
             index: 0,

@@ -879,6 +879,8 @@ fn module_symbols(c: &mut Client, module: &str) -> Vec<protocol::SymbolInfo> {
 
 /// The probe on the test module's function, ours and the guest's.
 const MPROBE: &str = "p:modsum hvtarget:hvtarget_sum n=%di:s32";
+/// A probe on the module's init function, in its init text.
+const IPROBE: &str = "p:modinit hvtarget:hvtarget_init";
 const POKE: &str = "/sys/module/hvtarget/parameters/poke";
 
 /// Module code (guest/attacker/hvtarget.c), against the guest's own
@@ -915,7 +917,8 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         Some(true),
     );
     let t = status(c).tracer;
-    ck.eq("root's hooks on the module code", t.module_hooks, 2);
+    // do_init_module, free_module and module_arch_freeing_init.
+    ck.eq("root's hooks on the module code", t.module_hooks, 3);
     ck.eq("pending probes", t.pending_probes, 1);
     let _ = stream.read(c);
     // Its init runs hvtarget_sum(3) (1 + 4 + 7 = 12).
@@ -1105,9 +1108,9 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     // functions went, with the probe's and the function tracer's.
     let graph_core = session.map_or(0, |(_, hooked)| hooked.saturating_sub(3));
     ck.eq(
-        "sites left after the unload: root's own two and the graph's core functions",
+        "sites left after the unload: root's own three and the graph's core functions",
         (t.sites, t.module_hooks),
-        (2 + graph_core, 2),
+        (3 + graph_core, 3),
     );
     ck.eq("function tracer functions after the unload", t.functions, 0);
     ck.eq(
@@ -1126,7 +1129,7 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
             "graph session on the unloaded module stopped",
         );
     }
-    ck.eq("sites after the graph stops", status(c).tracer.sites, 2);
+    ck.eq("sites after the graph stops", status(c).tracer.sites, 3);
     ck.check(
         matches!(call(c, Request::FunctionClear), Response::Ok),
         "function clear",
@@ -1138,20 +1141,60 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     // `hvtarget:hvtarget_sum`.
     let follow = follow_module_globs(ck, c, stream.cursor);
 
+    // A probe on the module's init function (init text), pending, ours
+    // and the guest's.
+    match call(
+        c,
+        Request::ProbeAdd {
+            spec: IPROBE.into(),
+        },
+    ) {
+        Response::ProbeAdded { site, .. } => ck.eq("init probe pending: no site", site, 0),
+        other => ck.check(
+            false,
+            format!("probe on a module's init function: {other:?}"),
+        ),
+    }
+    let freed0 = status(c).tracer;
+
     // Load again: armed again, it fires on the init call, as the guest's;
-    // the module globs' functions are hooked before the init runs too.
+    // the module globs' functions (the init function among them) are
+    // hooked before the init runs too.
     let _ = stream.read(c);
     let guest = exec(
         c,
         &format!(
-            "cd {TRACEFS} && echo 'hvtarget_sum:mod:hvtarget' > set_ftrace_filter && \
-             echo 'hvtarget_leaf:mod:hvtarget' >> set_ftrace_filter && echo function > current_tracer && \
+            "cd {TRACEFS} && echo '{IPROBE}' >> kprobe_events && echo 1 > events/kprobes/modinit/enable && \
+             echo 'hvtarget_*:mod:hvtarget' > set_ftrace_filter && echo function > current_tracer && \
              echo 1 > events/kprobes/modsum/enable && echo > trace && \
              insmod /lib/hvtarget.ko && cat trace; echo 0 > events/kprobes/modsum/enable; \
-             echo nop > current_tracer; echo > set_ftrace_filter"
+             echo 0 > events/kprobes/modinit/enable; echo nop > current_tracer; echo > set_ftrace_filter"
         ),
     );
     let ours = stream.read(c);
+    let (g, o) = (
+        pid_bodies(&guest, "modinit: "),
+        pid_bodies(&ours, "modinit: "),
+    );
+    println!("init probe at load: ours {o:?}, guest {g:?}");
+    ck.check(
+        g.len() == 1 && g[0].1.contains("hvtarget_init+0x0/"),
+        format!("the guest's probe on the init function fired once: {g:?}"),
+    );
+    ck.eq("our probe on the init function, as the guest's", &o, &g);
+    // The init returned and its text is about to be freed: our hooks there
+    // went first, and the probe waits for the next load, as the guest's.
+    let t = status(c).tracer;
+    ck.eq(
+        "init probe pending again once the init text is freed",
+        pending(c, "kprobes/modinit"),
+        Some(true),
+    );
+    ck.check(
+        t.module_inits_freed == freed0.module_inits_freed + 1
+            && t.module_init_unhooked == freed0.module_init_unhooked + 1,
+        format!("the init text's one site unhooked before it was freed: {t:?}"),
+    );
     let (g, o) = (
         pid_bodies(&guest, "modsum: "),
         pid_bodies(&ours, "modsum: "),
@@ -1171,9 +1214,12 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         pid_bodies(&ours, "hvtarget_"),
     );
     println!("module glob at load: ours {o:?}\n  guest {g:?}");
-    // The init's hvtarget_sum(3) and its three hvtarget_leaf calls.
+    // The init function (init text), its hvtarget_sum(3) and the three
+    // hvtarget_leaf calls.
     ck.check(
-        g.len() == 4 && g.iter().all(|l| !l.1.contains("hvtarget_poke")),
+        g.len() == 5
+            && g.iter().any(|l| l.1.contains("hvtarget_init <-"))
+            && g.iter().all(|l| !l.1.contains("hvtarget_poke")),
         format!("the guest's cached :mod: filter traced the init's calls: {g:?}"),
     );
     ck.eq(
@@ -1198,6 +1244,8 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     let hits0 = hits(c, "kprobes/modsum");
     let loads0 = status(c).tracer.module_loads;
     let followed0 = status(c).tracer.module_followed;
+    let inits0 = status(c).tracer;
+    let init_hits0 = hits(c, "kprobes/modinit");
     let mut drift = Vec::new();
     for round in 0..20 {
         let out = exec(
@@ -1210,10 +1258,25 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         }
     }
     let t = status(c).tracer;
+    // hvtarget_init, _sum, _leaf and _poke at each load; the init
+    // function's site unhooked as each init text is freed.
     ck.eq(
         "functions hooked for the module glob in the churn",
         t.module_followed - followed0,
-        60,
+        80,
+    );
+    ck.eq(
+        "init texts freed and their sites unhooked in the churn",
+        (
+            t.module_inits_freed - inits0.module_inits_freed,
+            t.module_init_unhooked - inits0.module_init_unhooked,
+        ),
+        (20, 20),
+    );
+    ck.eq(
+        "init probe hits in the churn",
+        hits(c, "kprobes/modinit") - init_hits0,
+        20,
     );
     println!(
         "churn: baseline (sites, pages, stacks, frames) {base:?}; loads {} -> {}, probe hits +{}, hypervisor memory {} -> {} KiB",
@@ -1251,9 +1314,23 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         ),
         "module probe deleted",
     );
+    ck.check(
+        matches!(
+            call(
+                c,
+                Request::ProbeDel {
+                    name: "modinit".into()
+                }
+            ),
+            Response::Ok
+        ),
+        "init probe deleted",
+    );
     exec(
         c,
-        &format!("cd {TRACEFS} && echo '-:modsum' >> kprobe_events"),
+        &format!(
+            "cd {TRACEFS} && echo '-:modsum' >> kprobe_events && echo '-:modinit' >> kprobe_events"
+        ),
     );
     let t = status(c).tracer;
     ck.eq(
@@ -1299,7 +1376,7 @@ fn follow_module_globs(ck: &mut Checks, c: &mut Client, cursor: u64) -> Option<(
     ck.eq(
         "module globs followed, hidden hooks in",
         (t.module_globs, t.module_hooks),
-        (2, 2),
+        (2, 3),
     );
     session.map(|s| (s, Stream::of(s, protocol::TraceFormat::Text, cursor)))
 }
@@ -1539,9 +1616,9 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         ext4_sites.len()
     );
     ck.eq(
-        "sites after rmmod ext4: root's own two and the graph's core functions",
+        "sites after rmmod ext4: root's own three and the graph's core functions",
         (t.sites, t.module_hooks),
-        (2 + graph_core, 2),
+        (3 + graph_core, 3),
     );
     let _ = stream.read(c);
     let guest = exec(
@@ -1566,6 +1643,24 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         &o,
         &g,
     );
+    if graph.is_some() {
+        // The session's `ext4:*` covered ext4's init functions (init text)
+        // from the second modprobe to the end of its init, and they were
+        // unhooked before the kernel freed that text.
+        let t2 = status(c).tracer;
+        println!(
+            "ext4 reload: init texts freed {} -> {}, their sites unhooked {} -> {}",
+            t.module_inits_freed,
+            t2.module_inits_freed,
+            t.module_init_unhooked,
+            t2.module_init_unhooked
+        );
+        ck.check(
+            t2.module_inits_freed > t.module_inits_freed
+                && t2.module_init_unhooked > t.module_init_unhooked,
+            format!("ext4's init functions were traced and unhooked as its init text went: {t2:?}"),
+        );
+    }
     if let Some(mut g) = graph {
         // The session's module globs re-armed ext4's functions at the
         // second modprobe: the read through the new mount is a tree again.

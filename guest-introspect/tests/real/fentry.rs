@@ -412,7 +412,8 @@ fn ftrace_records_list() {
 }
 
 /// Root follows module loads and unloads at the fentry sites of
-/// `do_init_module` and `free_module` (hypervisor `tracer/modules.rs`):
+/// `do_init_module` and `free_module`, and the freeing of a module's init
+/// text at `module_arch_freeing_init`'s (hypervisor `tracer/modules.rs`):
 /// both real kernels have them, per their own `__mcount_loc`.
 #[test]
 fn module_load_and_free_have_fentry_sites() {
@@ -420,7 +421,7 @@ fn module_load_and_free_have_fentry_sites() {
         ("fast-lane", &crate::fast().index, fast_oracle()),
         ("Debian", &crate::debian().index, debian_oracle()),
     ] {
-        for f in ["do_init_module", "free_module"] {
+        for f in ["do_init_module", "free_module", "module_arch_freeing_init"] {
             let a = idx
                 .addr_of(f)
                 .unwrap_or_else(|| panic!("{what}: no {f} in kallsyms"))

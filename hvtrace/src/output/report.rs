@@ -154,13 +154,15 @@ pub fn status_text(status: &Status) -> String {
             || t.module_globs > 0
         {
             out.push_str(&format!(
-                "{:<12} {} hidden hooks; {} loads ({} probes armed, {} functions hooked for {} module globs), {} unloads ({} sites unhooked); {} probes pending\n",
+                "{:<12} {} hidden hooks; {} loads ({} probes armed, {} functions hooked for {} module globs), {} init texts freed ({} sites unhooked), {} unloads ({} sites unhooked); {} probes pending\n",
                 "modules",
                 t.module_hooks,
                 t.module_loads,
                 t.module_armed,
                 t.module_followed,
                 t.module_globs,
+                t.module_inits_freed,
+                t.module_init_unhooked,
                 t.module_unloads,
                 t.module_unhooked,
                 t.pending_probes
@@ -253,6 +255,8 @@ pub fn status_json(status: &Status) -> Json {
         ("pending_probes", json::int(u64::from(t.pending_probes))),
         ("module_globs", json::int(u64::from(t.module_globs))),
         ("module_followed", json::int(t.module_followed)),
+        ("module_inits_freed", json::int(t.module_inits_freed)),
+        ("module_init_unhooked", json::int(t.module_init_unhooked)),
         (
             "trampolines",
             match t.trampolines {
@@ -637,7 +641,7 @@ mod tests {
         );
         let j = status_json(&status).to_string();
         assert!(
-            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"module_hooks":0,"module_loads":0,"module_unloads":0,"module_armed":0,"module_unhooked":0,"pending_probes":0,"module_globs":0,"module_followed":0,"trampolines":"0xffffffffc0000000"}"#),
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"module_hooks":0,"module_loads":0,"module_unloads":0,"module_armed":0,"module_unhooked":0,"pending_probes":0,"module_globs":0,"module_followed":0,"module_inits_freed":0,"module_init_unhooked":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
         );
         // The graph line shows once there is graph state.

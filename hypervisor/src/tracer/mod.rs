@@ -205,6 +205,8 @@ impl<'a> Tracer<'a> {
                     .filter(|g| g.follows_modules())
                     .count() as u32,
             module_followed: vm.modules.followed,
+            module_inits_freed: vm.modules.inits_freed,
+            module_init_unhooked: vm.modules.init_unhooked,
             ..vm.stats
         })
     }

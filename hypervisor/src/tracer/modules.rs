@@ -14,6 +14,13 @@
 //!   probes there go back to pending, the function tracer and graph
 //!   sessions lose those functions, and no shadow page stays mapped over
 //!   a page the kernel is about to free.
+//! - **Init text**: once a module's init has returned, `do_init_module`
+//!   calls `module_arch_freeing_init(mod)` (the init text still in place)
+//!   and only then hands that text to a work item that frees it. At that
+//!   entry root unhooks every site in the module's init text, as at an
+//!   unload. A module's init functions are traceable only while this
+//!   third hook is in (a kernel without a site there keeps them
+//!   untraceable).
 //!
 //! The hit on a hidden hook only notes the event for its vCPU
 //! ([`CpuState::take_module_event`]); the exit handler serves it with the
@@ -44,6 +51,9 @@ pub enum ModuleHook {
     Load,
     /// `free_module`: a module's memory is about to be freed.
     Unload,
+    /// `module_arch_freeing_init`: a module's init has returned and its
+    /// init text is about to go (freed later, from a work item).
+    InitFreeing,
 }
 
 impl ModuleHook {
@@ -52,6 +62,7 @@ impl ModuleHook {
         match self {
             ModuleHook::Load => "do_init_module",
             ModuleHook::Unload => "free_module",
+            ModuleHook::InitFreeing => "module_arch_freeing_init",
         }
     }
 }
@@ -70,6 +81,13 @@ pub struct ModuleEvent {
 pub(super) struct ModuleTrack {
     /// The sites of the hidden hooks, while installed.
     pub(super) hooks: Vec<Gva>,
+    /// Whether the hook on `module_arch_freeing_init` is among them: only
+    /// then is a module's init text traceable.
+    pub(super) init_hook: bool,
+    /// Init texts freed (after a successful init) and the sites unhooked
+    /// there.
+    pub(super) inits_freed: u64,
+    pub(super) init_unhooked: u64,
     /// Loads and unloads seen.
     pub(super) loads: u64,
     pub(super) unloads: u64,
@@ -134,45 +152,81 @@ impl Tracer<'_> {
         }
         let view = PagedView::new(env.ram, k.cr3());
         let classifier = Classifier::new(k.index());
-        let mut found = [None, None];
-        for (slot, hook) in found.iter_mut().zip([ModuleHook::Load, ModuleHook::Unload]) {
-            let site = symbols::lookup(k, None, hook.function())
+        let site_of = |hook: ModuleHook| {
+            symbols::lookup(k, None, hook.function())
                 .ok()
                 .filter(|s| matches!(s, symbols::SymRef::Core(_)))
                 .and_then(|s| s.classify(k, &classifier, &view).ok())
-                .ok_or_else(|| {
-                    ReqError::new(
-                        ErrorKind::Unsupported,
-                        format!(
-                            "this kernel's {} has no fentry site: module loads and unloads cannot be followed, so module functions cannot be traced",
-                            hook.function()
-                        ),
-                    )
-                })?;
-            *slot = Some((hook, site));
+        };
+        let mut found = Vec::new();
+        for hook in [ModuleHook::Load, ModuleHook::Unload] {
+            let site = site_of(hook).ok_or_else(|| {
+                ReqError::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "this kernel's {} has no fentry site: module loads and unloads cannot be followed, so module functions cannot be traced",
+                        hook.function()
+                    ),
+                )
+            })?;
+            found.push((hook, site));
         }
+        // Optional: without it a module's init text is not traced.
+        let init = site_of(ModuleHook::InitFreeing);
         self.ensure_region(k, env)?;
         stop_others(env)?;
-        for (hook, fs) in found.into_iter().flatten() {
-            if let Err(e) = self
-                .vm
-                .view
-                .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func)
-            {
+        for (hook, fs) in found {
+            if let Err(e) = self.hidden_hook(k, env, hook, &fs) {
                 self.drop_module_hooks(env);
                 return Err(ReqError::new(
                     ErrorKind::Unsupported,
                     format!("cannot hook {} to follow modules: {e}", hook.function()),
                 ));
             }
-            if let Some(u) = self.vm.view.sites.get_mut(&fs.site) {
-                u.hidden = Some(hook);
-            }
-            self.vm.modules.hooks.push(fs.site);
+        }
+        match init.map(|fs| self.hidden_hook(k, env, ModuleHook::InitFreeing, &fs)) {
+            Some(Ok(())) => self.vm.modules.init_hook = true,
+            Some(Err(e)) => log::warn!(
+                "tracer: cannot hook module_arch_freeing_init ({e}): module init text is not traced"
+            ),
+            None => log::warn!(
+                "tracer: module_arch_freeing_init has no fentry site: module init text is not traced"
+            ),
         }
         env.m.invept();
-        log::info!("tracer: following module loads and unloads at do_init_module and free_module");
+        log::info!(
+            "tracer: following module loads and unloads at do_init_module and free_module{}",
+            if self.vm.modules.init_hook {
+                ", and the freeing of init text at module_arch_freeing_init"
+            } else {
+                ""
+            }
+        );
         Ok(())
+    }
+
+    /// Hooks the kernel function of `hook` at `fs` as a hidden hook.
+    fn hidden_hook(
+        &mut self,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        hook: ModuleHook,
+        fs: &FentrySite,
+    ) -> Result<(), super::site::PatchError> {
+        self.vm
+            .view
+            .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func)?;
+        if let Some(u) = self.vm.view.sites.get_mut(&fs.site) {
+            u.hidden = Some(hook);
+        }
+        self.vm.modules.hooks.push(fs.site);
+        Ok(())
+    }
+
+    /// The classifier of the tracer's requests: a module's init text is
+    /// traceable while root follows its freeing.
+    pub(super) fn classifier<'k>(&self, k: &'k dyn KernelView) -> Classifier<'k> {
+        Classifier::new(k.index()).with_module_init(self.vm.modules.init_hook)
     }
 
     /// Removes the hidden hooks when nothing needs them any more.
@@ -183,6 +237,7 @@ impl Tracer<'_> {
     }
 
     fn drop_module_hooks(&mut self, env: &mut Env<'_>) {
+        self.vm.modules.init_hook = false;
         for site in core::mem::take(&mut self.vm.modules.hooks) {
             if let Some(u) = self.vm.view.sites.get_mut(&site) {
                 u.hidden = None;
@@ -199,6 +254,7 @@ impl Tracer<'_> {
         match ev.hook {
             ModuleHook::Load => self.module_loaded(ev.module, k, env),
             ModuleHook::Unload => self.module_unloading(ev.module, k, env),
+            ModuleHook::InitFreeing => self.module_init_freeing(ev.module, k, env),
         }
         self.release_module_hooks_if_idle(env);
         env.m.invept();
@@ -220,7 +276,7 @@ impl Tracer<'_> {
             return;
         };
         let view = PagedView::new(env.ram, k.cr3());
-        let classifier = Classifier::new(k.index());
+        let classifier = self.classifier(k);
         let mut armed = 0u32;
         for i in 0..self.vm.probes.list.len() {
             let Some(p) = self.vm.probes.list.get(i) else {
@@ -415,7 +471,49 @@ impl Tracer<'_> {
             return;
         };
         let core = k.index().text();
-        let inside = |s: Gva| (text.contains(s) || init.contains(s)) && outside_core(core, s);
+        let (sites, pending) = self.unhook_text(
+            |s| (text.contains(s) || init.contains(s)) && outside_core(core, s),
+            env,
+        );
+        log::info!(
+            "tracer: a module at {module:#x} is going ({:#x}-{:#x}): {sites} sites unhooked, {pending} probes pending again",
+            text.start.0,
+            text.end.0,
+        );
+    }
+
+    /// Unhooks everything in the init text of the module at `module`: its
+    /// init has returned, and the kernel is about to free that text.
+    fn module_init_freeing(&mut self, module: u64, k: &dyn KernelView, env: &mut Env<'_>) {
+        self.vm.modules.inits_freed += 1;
+        let Some((_, init)) = k.module_text(module) else {
+            log::warn!(
+                "tracer: a module at {module:#x} is freeing its init text, but its text cannot be read"
+            );
+            return;
+        };
+        if init.is_empty() {
+            return;
+        }
+        let core = k.index().text();
+        let (sites, pending) = self.unhook_text(|s| init.contains(s) && outside_core(core, s), env);
+        self.vm.modules.init_unhooked += u64::from(sites);
+        if sites > 0 {
+            log::info!(
+                "tracer: a module at {module:#x} frees its init text ({:#x}-{:#x}): {sites} sites unhooked, {pending} probes pending again",
+                init.start.0,
+                init.end.0,
+            );
+        }
+    }
+
+    /// Unhooks every user's site for which `inside` holds (not the hidden
+    /// hooks): its probes go back to pending, the function tracer and the
+    /// graph sessions lose it, and the sessions' roots and
+    /// `set_graph_notrace` functions there go (another module may load at
+    /// the same addresses). Returns the sites unhooked and the probes
+    /// pending again.
+    fn unhook_text(&mut self, inside: impl Fn(Gva) -> bool, env: &mut Env<'_>) -> (u32, u32) {
         let sites: Vec<Gva> = self
             .vm
             .view
@@ -436,8 +534,6 @@ impl Tracer<'_> {
             }
             self.vm.view.unhook_if_unused(env, site);
         }
-        // Roots and set_graph_notrace functions in the module's text go
-        // with it: another module may load at the same addresses.
         for g in self.vm.graph.sessions.iter_mut().flatten() {
             g.roots.retain(|&f| !inside(Gva(f)));
             g.notrace.retain(|&f| !inside(Gva(f)));
@@ -450,11 +546,6 @@ impl Tracer<'_> {
             }
         }
         self.vm.modules.unhooked += sites.len() as u64;
-        log::info!(
-            "tracer: a module at {module:#x} is going ({:#x}-{:#x}): {} sites unhooked, {pending} probes pending again",
-            text.start.0,
-            text.end.0,
-            sites.len()
-        );
+        (sites.len() as u32, pending)
     }
 }

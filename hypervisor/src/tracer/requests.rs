@@ -24,7 +24,7 @@ use alloc::vec::Vec;
 use core::sync::atomic::AtomicU64;
 use guest_introspect::fallible::OutOfMemory;
 use guest_introspect::fallible::{self, btree_entry_bytes};
-use guest_introspect::fentry::{Classifier, FentrySite};
+use guest_introspect::fentry::FentrySite;
 use guest_introspect::view::PagedView;
 use protocol::{ErrorKind, GraphFilter};
 
@@ -103,14 +103,12 @@ impl Tracer<'_> {
             symbols::SymRef::Core(_) => None,
         };
         let view = PagedView::new(env.ram, k.cr3());
-        let fs = sym
-            .classify(k, &Classifier::new(k.index()), &view)
-            .map_err(|e| {
-                ReqError::new(
-                    ErrorKind::InvalidArgument,
-                    format!("{} cannot be probed: {e}", sym.name(k)),
-                )
-            })?;
+        let fs = sym.classify(k, &self.classifier(k), &view).map_err(|e| {
+            ReqError::new(
+                ErrorKind::InvalidArgument,
+                format!("{} cannot be probed: {e}", sym.name(k)),
+            )
+        })?;
         self.ensure_region(k, env)?;
         if module.is_some() {
             // An unload must be seen before anything is hooked there.
@@ -240,7 +238,7 @@ impl Tracer<'_> {
             self.follow_function_glob(glob, k, env)?;
         }
         let view = PagedView::new(env.ram, k.cr3());
-        let classifier = Classifier::new(k.index());
+        let classifier = self.classifier(k);
         let mut traced = 0u32;
         let mut skipped = Vec::new();
         let mut skipped_total = 0u32;
@@ -428,7 +426,7 @@ impl Tracer<'_> {
         }
         self.vm.graph.stack_frames = frames;
         let view = PagedView::new(env.ram, k.cr3());
-        let classifier = Classifier::new(k.index());
+        let classifier = self.classifier(k);
         let site_of = |id: symbols::SymRef| id.classify(k, &classifier, &view).ok();
         // Each set is bounded ([`MAX_SITES`]) and checked against the
         // heap's room entry by entry: the globs are the host's, the

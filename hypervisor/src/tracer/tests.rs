@@ -51,11 +51,15 @@ const FTRACE_CALLER: u64 = TEXT + 0x9000;
 /// The kernel's module functions the hidden hooks go on.
 const DO_INIT_MODULE: u64 = TEXT + 0x3000;
 const FREE_MODULE: u64 = TEXT + 0x3100;
+const FREEING_INIT: u64 = TEXT + 0x3200;
 /// A module's `struct module`, and its text: outside the kernel's text,
 /// inside the mapping the page tables have (module space, for the test).
 const MOD_STRUCT: u64 = 0xffff_8880_0200_0000;
 const MOD_TEXT: u64 = TEXT + 0x18_0000;
 const MOD_FUNC: u64 = MOD_TEXT + 0x40;
+/// Its init text, on another page, and its init function.
+const MOD_INIT_TEXT: u64 = TEXT + 0x1a_0000;
+const MOD_INIT_FUNC: u64 = MOD_INIT_TEXT + 0x10;
 const ETEXT: u64 = TEXT + 0x10_0000;
 /// A task's kernel stack (16 KiB) inside the same mapping.
 const STACK_BASE: u64 = TEXT + 0x1f_0000;
@@ -334,6 +338,7 @@ fn index() -> SymbolIndex {
         sym(b't', "other_func", OTHER),
         sym(b't', "do_init_module", DO_INIT_MODULE),
         sym(b't', "free_module", FREE_MODULE),
+        sym(b'W', "module_arch_freeing_init", FREEING_INIT),
         sym(b'T', "ftrace_caller", FTRACE_CALLER),
         sym(b'T', "_etext", ETEXT),
     ];
@@ -396,7 +401,16 @@ impl Guest {
             );
         }
         // Every function starts with its fentry NOP5, then `ret`.
-        for f in [CALLER, FUNC, OTHER, DO_INIT_MODULE, FREE_MODULE, MOD_FUNC] {
+        for f in [
+            CALLER,
+            FUNC,
+            OTHER,
+            DO_INIT_MODULE,
+            FREE_MODULE,
+            FREEING_INIT,
+            MOD_FUNC,
+            MOD_INIT_FUNC,
+        ] {
             ram.put(gpa(f), &NOP5);
             ram.put(gpa(f) + 5, &[0xc3]);
         }
@@ -1198,6 +1212,27 @@ fn hits_on_two_vcpus_run_at_once_over_the_shared_state() {
 
 // ----- modules that come and go ----------------------------------------
 
+/// The module list as the kernel has it while `hvtarget` is coming: its
+/// init text still in place, with `hvtarget_init` there.
+fn modules_coming() -> guest_introspect::module::ModuleIndex {
+    use guest_introspect::module::{ModuleIndex, ModuleStates, ModuleSymbol};
+    let idx = modules(true);
+    let states = ModuleStates {
+        live: 0,
+        coming: 1,
+        going: 2,
+        unformed: 3,
+    };
+    let mut list = idx.modules().to_vec();
+    list[0].init_text = GvaRange::with_len(Gva(MOD_INIT_TEXT), 0x1000);
+    list[0].symbols.push(ModuleSymbol {
+        addr: MOD_INIT_FUNC,
+        kind: b't',
+        name: "hvtarget_init".into(),
+    });
+    ModuleIndex::new(list, states).unwrap()
+}
+
 /// The module list as the kernel has it with `hvtarget` loaded (or not).
 fn modules(loaded: bool) -> guest_introspect::module::ModuleIndex {
     use guest_introspect::module::{Module, ModuleIndex, ModuleStates, ModuleSymbol};
@@ -1256,7 +1291,7 @@ fn a_probe_on_a_module_not_loaded_is_armed_at_its_load_and_pending_again_at_its_
     assert_eq!((name.as_str(), site), ("kprobes/ms", 0));
     let list = g.tracer().probe_list();
     assert!(list[0].pending && list[0].site == 0, "{list:?}");
-    assert_eq!(g.sites_and_pages(), (2, 1, 2));
+    assert_eq!(g.sites_and_pages(), (3, 1, 3));
     assert_eq!(g.tracer().report().pending_probes, 1);
     let mod_page = gpa(MOD_FUNC) & !0xfff;
     assert!(g.root.leaf(mod_page).is_none_or(|l| l.hpa.0 == mod_page));
@@ -1281,7 +1316,7 @@ fn a_probe_on_a_module_not_loaded_is_armed_at_its_load_and_pending_again_at_its_
         );
         let list = g.tracer().probe_list();
         assert!(!list[0].pending && list[0].site == MOD_FUNC, "{list:?}");
-        assert_eq!(g.sites_and_pages(), (3, 2, 2), "round {round}");
+        assert_eq!(g.sites_and_pages(), (4, 2, 3), "round {round}");
         let leaf = g.root.leaf(mod_page).unwrap();
         assert_eq!(leaf.perms, ept::EXEC);
         let shadow = g.root.frames[&leaf.hpa.0].clone();
@@ -1307,7 +1342,7 @@ fn a_probe_on_a_module_not_loaded_is_armed_at_its_load_and_pending_again_at_its_
         g.kernel.modules = modules(false);
         let leaf = g.root.leaf(mod_page).unwrap();
         assert_eq!((leaf.hpa.0, leaf.perms), (mod_page, ept::RWX));
-        assert_eq!(g.sites_and_pages(), (2, 1, 2), "round {round}");
+        assert_eq!(g.sites_and_pages(), (3, 1, 3), "round {round}");
         assert!(g.tracer().probe_list()[0].pending);
     }
     let r = g.tracer().report();
@@ -1335,7 +1370,7 @@ fn the_function_tracer_on_a_module_follows_its_unload() {
         .unwrap();
     assert_eq!(added.traced, 1);
     // Root's hooks came in with the module's function.
-    assert_eq!(g.sites_and_pages(), (3, 2, 2));
+    assert_eq!(g.sites_and_pages(), (4, 2, 3));
     assert_eq!(g.tracer().report().functions, 1);
     g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
     g.kernel.modules = modules(false);
@@ -1365,7 +1400,7 @@ fn a_module_glob_covers_the_module_at_each_load() {
         .with(|t, env, k| t.function_add("hvtarget:hvtarget_*", k, env))
         .unwrap();
     assert_eq!(added.traced, 0);
-    assert_eq!(g.sites_and_pages(), (2, 1, 2));
+    assert_eq!(g.sites_and_pages(), (3, 1, 3));
     assert_eq!(g.tracer().report().module_globs, 1);
     // A plain glob never matches a later module; the module glob does not
     // match the kernel's own functions.
@@ -1378,7 +1413,7 @@ fn a_module_glob_covers_the_module_at_each_load() {
         let r = g.tracer().report();
         assert_eq!(
             (r.sites, r.functions, r.module_followed),
-            (4, 2, round + 1),
+            (5, 2, round + 1),
             "round {round}"
         );
         g.tracer().set_stream(Some(TraceFormat::Text));
@@ -1388,7 +1423,7 @@ fn a_module_glob_covers_the_module_at_each_load() {
         g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
         g.kernel.modules = modules(false);
         assert_eq!(g.tracer().report().functions, 1, "round {round}");
-        assert_eq!(g.sites_and_pages(), (3, 2, 2), "round {round}");
+        assert_eq!(g.sites_and_pages(), (4, 2, 3), "round {round}");
     }
     // Clearing the function tracer drops the glob, and root's hooks.
     g.with(|t, env, _| t.function_clear(env)).unwrap();
@@ -1407,7 +1442,7 @@ fn a_graph_session_rooted_in_a_module_glob_waits_for_the_module() {
     let started = g.with(|t, env, k| t.graph_start(f, k, env)).unwrap();
     // No root yet: the kernel's functions do not start trees meanwhile.
     assert_eq!((started.roots, started.hooked), (0, 2));
-    assert_eq!(g.tracer().report().module_hooks, 2);
+    assert_eq!(g.tracer().report().module_hooks, 3);
     assert_eq!(g.tracer().report().module_globs, 1);
     g.hit(FUNC, RETP, CALLER_RET, 0);
     assert_eq!(g.ram.word(gpa(RETP)), CALLER_RET, "not a root");
@@ -1434,4 +1469,74 @@ fn a_graph_session_rooted_in_a_module_glob_waits_for_the_module() {
     g.with(|t, env, _| t.graph_stop(None, env)).unwrap();
     let r = g.tracer().report();
     assert_eq!((r.sites, r.module_hooks, r.module_globs), (0, 0, 0));
+}
+
+#[test]
+fn a_modules_init_text_is_traced_until_the_kernel_frees_it() {
+    let mut g = Guest::new();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    // A probe on the init function, pending; the function tracer on all
+    // the module's functions. The third hidden hook follows the freeing
+    // of init text.
+    g.probe("p:mi hvtarget:hvtarget_init n=%di").unwrap();
+    let added = g
+        .with(|t, env, k| t.function_add("hvtarget:*", k, env))
+        .unwrap();
+    assert_eq!(added.traced, 0);
+    assert_eq!(g.sites_and_pages(), (3, 1, 3));
+    let init_page = gpa(MOD_INIT_FUNC) & !0xfff;
+    for round in 1..=3u64 {
+        g.kernel.modules = modules_coming();
+        g.module_call(DO_INIT_MODULE, MOD_STRUCT).unwrap();
+        // Armed before the init runs: the probe and both functions.
+        let list = g.tracer().probe_list();
+        assert!(
+            !list[0].pending && list[0].site == MOD_INIT_FUNC,
+            "{list:?}"
+        );
+        assert_eq!(g.sites_and_pages(), (5, 3, 3), "round {round}");
+        assert_eq!(g.tracer().report().functions, 2);
+        let leaf = g.root.leaf(init_page).unwrap();
+        assert_eq!(leaf.perms, ept::EXEC);
+        // The init runs, and calls the module's core function.
+        g.hit(MOD_INIT_FUNC, RETP, CALLER_RET, round);
+        g.hit(MOD_FUNC, RETP - 0x100, MOD_INIT_FUNC + 0x20, 0);
+        let text = g.text();
+        assert!(
+            text.contains("mi: (hvtarget_init+0x0/0xff0 [hvtarget])")
+                && text.contains(&format!("n={round:#x}"))
+                && text.contains(": hvtarget_init <-caller")
+                && text.contains(": hvtarget_sum <-hvtarget_init\n"),
+            "{text}"
+        );
+        // The init returned: at module_arch_freeing_init the init text's
+        // sites go, before the kernel frees it; the core text's stay.
+        g.module_call(FREEING_INIT, MOD_STRUCT).unwrap();
+        g.kernel.modules = modules(true);
+        let leaf = g.root.leaf(init_page).unwrap();
+        assert_eq!((leaf.hpa.0, leaf.perms), (init_page, ept::RWX));
+        assert_eq!(g.sites_and_pages(), (4, 2, 3), "round {round}");
+        let r = g.tracer().report();
+        assert_eq!(
+            (r.functions, r.module_inits_freed, r.module_init_unhooked),
+            (1, round, round)
+        );
+        assert!(g.tracer().probe_list()[0].pending);
+        g.hit(MOD_FUNC, RETP, CALLER_RET, 0);
+        assert!(g.text().contains(": hvtarget_sum <-caller"));
+        // The module goes: its core text's site too.
+        g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
+        g.kernel.modules = modules(false);
+        assert_eq!(g.sites_and_pages(), (3, 1, 3), "round {round}");
+    }
+    // An init that fails: free_module takes the init text's sites too.
+    g.kernel.modules = modules_coming();
+    g.module_call(DO_INIT_MODULE, MOD_STRUCT).unwrap();
+    assert_eq!(g.sites_and_pages(), (5, 3, 3));
+    g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
+    g.kernel.modules = modules(false);
+    assert_eq!(g.sites_and_pages(), (3, 1, 3));
+    let leaf = g.root.leaf(init_page).unwrap();
+    assert_eq!((leaf.hpa.0, leaf.perms), (init_page, ept::RWX));
+    assert!(g.tracer().probe_list()[0].pending);
 }
