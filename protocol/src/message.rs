@@ -524,6 +524,9 @@ pub struct StatusReport {
     pub hv_memory_used: u64,
     /// Hypervisor memory reserved in all, in bytes.
     pub hv_memory_total: u64,
+    /// Bytes of the hypervisor's heap in use (the heap is one fixed
+    /// region of `hv_memory_used`).
+    pub hv_heap_used: u64,
     /// The task running on the reporting vCPU, once introspection knows it.
     pub current_task: Option<TaskInfo>,
     /// The control channel's own counters, as the hypervisor sees them.

@@ -34,6 +34,7 @@ fn status() -> StatusReport {
         ],
         exits_total: (1 << 40) + 3,
         hv_memory_used: 1 << 20,
+        hv_heap_used: 1 << 16,
         hv_memory_total: 1 << 26,
         current_task: Some(TaskInfo {
             pid: -1,

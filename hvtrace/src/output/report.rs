@@ -81,9 +81,10 @@ pub fn status_text(status: &Status) -> String {
     line(
         "memory",
         format!(
-            "{} used of {}",
+            "{} used of {} (heap: {} KiB in use)",
             mib(r.hv_memory_used),
-            mib(r.hv_memory_total)
+            mib(r.hv_memory_total),
+            r.hv_heap_used >> 10
         ),
     );
     line("exits", format!("{} in all", r.exits_total));
@@ -306,6 +307,7 @@ pub fn status_json(status: &Status) -> Json {
         ("exits", Json::Array(exits)),
         ("hv_memory_used", json::int(r.hv_memory_used)),
         ("hv_memory_total", json::int(r.hv_memory_total)),
+        ("hv_heap_used", json::int(r.hv_heap_used)),
         (
             "channel",
             json::object([
@@ -479,6 +481,7 @@ mod tests {
             exits_total: 6068,
             hv_memory_used: 8 * 1024 * 1024,
             hv_memory_total: 30 * 1024 * 1024,
+            hv_heap_used: 512 * 1024,
             current_task: None,
             channel: ChannelReport {
                 bytes_in: 100,
@@ -522,7 +525,10 @@ mod tests {
         assert!(timer < cpuid && cpuid < xsetbv, "{s}");
         assert!(s.contains("vcpus        1\n"), "{s}");
         assert!(s.contains("6068 in all"), "{s}");
-        assert!(s.contains("8.0 MiB used of 30.0 MiB"), "{s}");
+        assert!(
+            s.contains("8.0 MiB used of 30.0 MiB (heap: 512 KiB in use)"),
+            "{s}"
+        );
         assert!(s.contains("1 bad frames"), "{s}");
         assert!(s.contains("round trip   23.4 ms"), "{s}");
     }

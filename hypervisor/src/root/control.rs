@@ -36,6 +36,7 @@ pub struct StatusSource<'a> {
     pub uptime_ns: u64,
     pub memory_used: u64,
     pub memory_total: u64,
+    pub heap_used: u64,
     pub introspection: &'a mut Introspection,
     pub cpu: CpuView,
     pub tsc_hz: u64,
@@ -531,6 +532,7 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
             })
             .collect(),
         hv_memory_used: src.memory_used,
+        hv_heap_used: src.heap_used,
         hv_memory_total: src.memory_total,
         current_task: src.introspection.current_task(&src.cpu),
         channel,

@@ -684,6 +684,7 @@ impl Vcpu<'_> {
                 uptime_ns: crate::clock::tsc_to_ns(self.vm.clock.now(), self.vm.tsc_hz),
                 memory_used: crate::frames::used(),
                 memory_total: loader::layout::HV_RESERVED_SIZE,
+                heap_used: crate::heap::used() as u64,
                 introspection: &mut self.vm.introspection,
                 cpu,
                 tsc_hz: self.vm.tsc_hz,

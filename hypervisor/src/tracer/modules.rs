@@ -485,16 +485,18 @@ impl Tracer<'_> {
     /// Unhooks everything in the init text of the module at `module`: its
     /// init has returned, and the kernel is about to free that text.
     fn module_init_freeing(&mut self, module: u64, k: &dyn KernelView, env: &mut Env<'_>) {
-        self.vm.modules.inits_freed += 1;
         let Some((_, init)) = k.module_text(module) else {
             log::warn!(
                 "tracer: a module at {module:#x} is freeing its init text, but its text cannot be read"
             );
             return;
         };
+        // free_module calls it too, after its own hook took everything
+        // (the init text is empty by then, unless the init failed).
         if init.is_empty() {
             return;
         }
+        self.vm.modules.inits_freed += 1;
         let core = k.index().text();
         let (sites, pending) = self.unhook_text(|s| init.contains(s) && outside_core(core, s), env);
         self.vm.modules.init_unhooked += u64::from(sites);

@@ -42,6 +42,7 @@ pub fn status_report() -> StatusReport {
         exits_total: reasons.iter().map(|r| r.2).sum(),
         hv_memory_used: 3 << 20,
         hv_memory_total: 64 << 20,
+        hv_heap_used: 3 << 20,
         current_task: Some(TaskInfo {
             pid: 4242,
             comm: "kworker/0:1".into(),
