@@ -544,6 +544,23 @@ fn cost(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     );
     let two = measure(c);
     call(c, Request::GraphStop { session: None });
+    // max_depth 1 under the root, with the default trace set (every
+    // function): only the root is hooked.
+    let depth1 = graph_start(
+        c,
+        GraphFilter {
+            functions: vec![func.into()],
+            max_depth: 1,
+            ..GraphFilter::default()
+        },
+    );
+    ck.eq(
+        "a max_depth 1 session hooks its root alone",
+        depth1.map(|s| (s.1, s.2)),
+        Some((1, 1)),
+    );
+    let one = measure(c);
+    call(c, Request::GraphStop { session: None });
     exec(
         c,
         &format!(
@@ -553,7 +570,15 @@ fn cost(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     let guest = measure(c);
     exec(
         c,
-        &format!("cd {TRACEFS} && echo nop > current_tracer && echo > set_ftrace_filter && echo > set_graph_function"),
+        &format!(
+            "cd {TRACEFS} && echo nop > current_tracer && echo > set_ftrace_filter && echo 1 > max_graph_depth && \
+             echo function_graph > current_tracer"
+        ),
+    );
+    let guest1 = measure(c);
+    exec(
+        c,
+        &format!("cd {TRACEFS} && echo nop > current_tracer && echo 0 > max_graph_depth && echo > set_graph_function"),
     );
     let _ = stream.read(c);
     println!(
@@ -563,7 +588,9 @@ fn cost(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         ("no tracer", none),
         ("hvtrace graph", ours),
         ("hvtrace, 2 sessions", two),
+        ("hvtrace max_depth 1, *", one),
         ("guest function_graph", guest),
+        ("guest max_depth 1, *", guest1),
     ] {
         println!(
             "  {name:<22} {ns:>8.0} ns/call  {:>6.0} instr/call (+{:.0})  {:>6.1} us Bochs  {vmcalls} VMCALLs",
@@ -575,6 +602,7 @@ fn cost(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     ck.eq("VMCALLs without a tracer", none.2, 0);
     ck.eq("VMCALLs per traced call: exactly 2", ours.2, 2 * N);
     ck.eq("VMCALLs per call with two sessions: still 2", two.2, 2 * N);
+    ck.eq("VMCALLs per call with max_depth 1 over *: 2", one.2, 2 * N);
     ck.eq("VMCALLs under the guest's function_graph", guest.2, 0);
 }
 

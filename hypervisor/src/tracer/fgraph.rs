@@ -93,9 +93,14 @@ impl GraphSession {
     /// or trace set: those also cover modules that load later.
     pub(super) fn follows_modules(&self) -> bool {
         let f = &self.filter;
+        let trace: &[_] = if super::requests::hooks_callees(f) {
+            &f.trace
+        } else {
+            &[]
+        };
         f.functions
             .iter()
-            .chain(&f.trace)
+            .chain(trace)
             .any(|g| super::symbols::module_glob(g).is_some())
     }
 }

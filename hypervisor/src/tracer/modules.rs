@@ -403,8 +403,10 @@ impl Tracer<'_> {
                 add(env, fs, bit)?;
                 fallible::try_push(&mut extra, (user, fs.func.0, true))?;
             }
-            for fs in sites(&f.trace, true)?.iter().filter(|fs| kept(fs)) {
-                add(env, fs, bit)?;
+            if super::requests::hooks_callees(f) {
+                for fs in sites(&f.trace, true)?.iter().filter(|fs| kept(fs)) {
+                    add(env, fs, bit)?;
+                }
             }
             // A set_graph_notrace function is hooked even outside the
             // trace set: its frame hides its callees.

@@ -473,7 +473,11 @@ impl Tracer<'_> {
             ));
         }
         let every = [String::from("*")];
-        let trace: &[String] = if filter.trace.is_empty() {
+        let trace: &[String] = if !hooks_callees(&filter) {
+            // max_depth 1 under roots: nothing beneath a root is shown,
+            // so only the roots are hooked.
+            &[]
+        } else if filter.trace.is_empty() {
             &every
         } else {
             &filter.trace
@@ -504,7 +508,7 @@ impl Tracer<'_> {
         let follows = filter
             .functions
             .iter()
-            .chain(&filter.trace)
+            .chain(trace)
             .any(|g| symbols::module_glob(g).is_some());
         if follows {
             self.ensure_region(k, env)?;
@@ -596,4 +600,12 @@ impl Tracer<'_> {
         self.release_module_hooks_if_idle(env);
         Ok(())
     }
+}
+
+/// Whether a graph session with `filter` hooks functions beneath its
+/// roots: not when it has roots and `max_depth` 1, since then only the
+/// roots' own calls are shown (the kernel's function_graph still takes an
+/// entry for every traced callee and drops it; root need not see them).
+pub(super) fn hooks_callees(filter: &protocol::GraphFilter) -> bool {
+    !(filter.max_depth == 1 && !filter.functions.is_empty())
 }

@@ -984,6 +984,49 @@ fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
 }
 
 #[test]
+fn a_max_depth_1_session_hooks_only_its_roots() {
+    let mut g = Guest::new();
+    // The default trace set is every function: with max_depth 1 under a
+    // root, none of it is hooked.
+    let f = GraphFilter {
+        functions: vec!["my_func".into()],
+        max_depth: 1,
+        ..GraphFilter::default()
+    };
+    let started = g.with(|t, env, k| t.graph_start(f, k, env)).unwrap();
+    assert_eq!((started.hooked, started.roots), (1, 1));
+    assert_eq!(g.tracer().report().sites, 1);
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    let tramp = g.region().return_trampoline().0;
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.ram.word(gpa(RETP)), tramp);
+    g.now_ns += 4_000;
+    assert_eq!(g.ret(RETP, 0).1, CALLER_RET);
+    let text = g.text();
+    assert!(
+        text.lines().count() == 1 && text.contains("4.000 us") && text.ends_with("|  my_func();\n"),
+        "{text}"
+    );
+    g.with(|t, env, _| t.graph_stop(None, env)).unwrap();
+    // max_depth 2, or no roots: the trace set is hooked as before.
+    for f in [
+        GraphFilter {
+            functions: vec!["my_func".into()],
+            max_depth: 2,
+            ..GraphFilter::default()
+        },
+        GraphFilter {
+            max_depth: 1,
+            ..GraphFilter::default()
+        },
+    ] {
+        let started = g.with(|t, env, k| t.graph_start(f, k, env)).unwrap();
+        assert!(started.hooked >= 3, "{}", started.hooked);
+        g.with(|t, env, _| t.graph_stop(None, env)).unwrap();
+    }
+}
+
+#[test]
 fn calls_outside_the_roots_are_not_hijacked() {
     let mut g = Guest::new();
     g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
