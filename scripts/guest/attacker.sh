@@ -2,7 +2,9 @@
 # Build the test modules of guest/attacker against the fast-lane kernel:
 # the hostile hvattack.c and the tracing target hvtarget.c. Then build an
 # initramfs for the fast lane that carries them as /lib/hvattack.ko and
-# /lib/hvtarget.ko (scripts/guest/initramfs.sh with the modules added).
+# /lib/hvtarget.ko, and the kernel's own modules (its fragment's =m
+# options) as /lib/modules/RELEASE with modules.dep, for busybox modprobe
+# (scripts/guest/initramfs.sh with the modules added).
 #
 # The modules are cached in $CACHE/hvattack-<hash>/, keyed by their sources
 # and the fast kernel's release and config. Prints the initramfs path on
@@ -33,7 +35,8 @@ kos=$(printf "$out/%s.ko:" "${MODULES[@]}")
 kos=${kos%:}
 if [[ -f $out/done ]]; then
     log "cached: $out"
-    HVTRACE_INITRAMFS_MODULES=$kos exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"
+    HVTRACE_INITRAMFS_MODULES=$kos HVTRACE_INITRAMFS_TREE=$kdir/modules \
+        exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"
 fi
 
 # The fast-lane build tree the kernel came from (kept by fast-kernel.sh).
@@ -79,4 +82,5 @@ touch "$out/done"
 log "built: $out"
 rm -rf "$work"
 trap - EXIT
-HVTRACE_INITRAMFS_MODULES=$kos exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"
+HVTRACE_INITRAMFS_MODULES=$kos HVTRACE_INITRAMFS_TREE=$kdir/modules \
+    exec "$HVTRACE_REPO/scripts/guest/initramfs.sh"

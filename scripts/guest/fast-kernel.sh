@@ -23,7 +23,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 SRC_PKG=linux-source-6.12
 FRAGMENT=${HVTRACE_FAST_FRAGMENT:-$HVTRACE_REPO/guest/fast-lane.config}
 # Bump when the way the kernel is built changes, to invalidate cached outputs.
-RECIPE=1
+RECIPE=2
 # Options the tracer and the guest harness rely on. Checked in the final
 # .config in addition to everything the fragment sets.
 REQUIRED=(
@@ -51,7 +51,7 @@ out=$CACHE/$name
 
 complete() {
     local f
-    for f in bzImage vmlinux System.map .config release; do
+    for f in bzImage vmlinux System.map .config release modules/done; do
         [[ -f $1/$f ]] || return 1
     done
 }
@@ -173,6 +173,9 @@ verify_config
 # --- Build.
 log "building bzImage with $jobs jobs (a few minutes; log: $logfile)"
 run_logged "build" "${kmake[@]}" -j"$jobs" bzImage
+# The fragment's =m options: built and installed as a /lib/modules tree
+# (with depmod's modules.dep), for the initramfs of the module tests.
+run_logged "modules" "${kmake[@]}" -j"$jobs" modules
 verify_config
 
 release=$("${kmake[@]}" -s kernelrelease 2>/dev/null)
@@ -186,6 +189,11 @@ cp "$build/System.map" "$stage/System.map"
 cp "$build/.config" "$stage/.config"
 ln -s .config "$stage/config"
 printf '%s\n' "$release" >"$stage/release"
+run_logged "modules_install" "${kmake[@]}" INSTALL_MOD_PATH="$stage/modules" modules_install
+rm -f "$stage/modules/lib/modules/$release/build" "$stage/modules/lib/modules/$release/source"
+grep -q 'binfmt_misc.ko:' "$stage/modules/lib/modules/$release/modules.dep" ||
+    die "modules_install made no modules.dep entry for binfmt_misc"
+touch "$stage/modules/done"
 chmod 755 "$stage"
 rm -rf "$out"
 mv -T "$stage" "$out"

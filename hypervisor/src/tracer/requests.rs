@@ -607,5 +607,5 @@ impl Tracer<'_> {
 /// roots' own calls are shown (the kernel's function_graph still takes an
 /// entry for every traced callee and drops it; root need not see them).
 pub(super) fn hooks_callees(filter: &protocol::GraphFilter) -> bool {
-    !(filter.max_depth == 1 && !filter.functions.is_empty())
+    filter.max_depth != 1 || filter.functions.is_empty()
 }
