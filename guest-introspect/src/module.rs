@@ -493,6 +493,41 @@ pub fn walk_modules_limited<V: VirtMemory + ?Sized>(
     head: Gva,
     max_bytes: usize,
 ) -> Result<Vec<Module>, ModuleError> {
+    walk(view, layout, head, max_bytes, Vec::new(), None)
+}
+
+/// [`walk_modules_limited`] at a module's load, reusing the symbols of an
+/// earlier walk's modules (`old`) that are unchanged: same `struct
+/// module` address, name, state and text. The module at `loading` is
+/// always read in full. Each module's header is still read, so the list
+/// order and every module's state are the kernel's now; only the symbol
+/// tables of unchanged modules are not read again (a module's symbols
+/// change only with its state: from all of them while it is coming to its
+/// core ones once live).
+///
+/// Only for a caller that sees every load (then a module unloaded and
+/// loaded again at the same place since the earlier walk was read at that
+/// load): a module's text and header alone do not prove its symbols.
+pub fn rewalk_modules_at_load<V: VirtMemory + ?Sized>(
+    view: &V,
+    layout: &ModuleLayout,
+    head: Gva,
+    max_bytes: usize,
+    old: Vec<Module>,
+    loading: Gva,
+) -> Result<Vec<Module>, ModuleError> {
+    walk(view, layout, head, max_bytes, old, Some(loading))
+}
+
+fn walk<V: VirtMemory + ?Sized>(
+    view: &V,
+    layout: &ModuleLayout,
+    head: Gva,
+    max_bytes: usize,
+    mut old: Vec<Module>,
+    loading: Option<Gva>,
+) -> Result<Vec<Module>, ModuleError> {
+    let reuse = loading.is_some();
     let mut out = Vec::new();
     let mut used = 0usize;
     let mut charge = |bytes: usize| -> Result<(), ModuleError> {
@@ -520,7 +555,28 @@ pub fn walk_modules_limited<V: VirtMemory + ?Sized>(
             (none, none, Vec::new())
         } else {
             let (t, i) = layout.text(view, m)?;
-            (t, i, layout.symbols(view, m, &mut charge)?)
+            let same = |o: &Module| {
+                o.addr.0 == m
+                    && o.name == name
+                    && o.state == state
+                    && o.text == t
+                    && o.init_text == i
+            };
+            let kept = match old.iter().position(same) {
+                Some(at) if reuse && loading != Some(Gva(m)) => {
+                    let o = old.swap_remove(at);
+                    let bytes = o.symbols.capacity() * core::mem::size_of::<ModuleSymbol>()
+                        + o.symbols.iter().map(|s| s.name.capacity()).sum::<usize>();
+                    charge(bytes)?;
+                    Some(o.symbols)
+                }
+                _ => None,
+            };
+            let symbols = match kept {
+                Some(s) => s,
+                None => layout.symbols(view, m, &mut charge)?,
+            };
+            (t, i, symbols)
         };
         crate::fallible::try_push(
             &mut out,
@@ -593,6 +649,12 @@ pub struct ModuleIndex {
 }
 
 impl ModuleIndex {
+    /// The modules, taken out of the index (for
+    /// [`rewalk_modules_at_load`]).
+    pub fn into_modules(self) -> Vec<Module> {
+        self.modules
+    }
+
     /// Indexes the modules of a walk (in list order); fails only when the
     /// heap refuses the address table.
     pub fn new(modules: Vec<Module>, states: ModuleStates) -> Result<Self, OutOfMemory> {

@@ -7,8 +7,9 @@ use guest_introspect::fentry::{
     classify_module, Endbr, NotTraceable, SiteState, SiteTargets, NOP5,
 };
 use guest_introspect::module::{
-    walk_modules, walk_modules_limited, ModKallsyms, ModuleError, ModuleIndex, ModuleLayout,
-    ModuleMemory, ModuleResolved, ModuleStates, ModuleSymbol, ModuleSymbolId, MAX_MODULES,
+    rewalk_modules_at_load, walk_modules, walk_modules_limited, ModKallsyms, ModuleError,
+    ModuleIndex, ModuleLayout, ModuleMemory, ModuleResolved, ModuleStates, ModuleSymbol,
+    ModuleSymbolId, MAX_MODULES,
 };
 use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
@@ -66,6 +67,16 @@ fn layouts() -> ModuleLayout {
         },
         kallsyms: Some((544, KALLSYMS)),
         ..regions()
+    }
+}
+
+/// A view that counts the reads made through it.
+struct Counting<'a>(SegmentView<'a>, std::cell::Cell<u32>);
+
+impl guest_introspect::view::VirtMemory for Counting<'_> {
+    fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), guest_introspect::view::ViewError> {
+        self.1.set(self.1.get() + 1);
+        self.0.read_virt(gva, buf)
     }
 }
 
@@ -497,15 +508,8 @@ fn a_walk_over_its_byte_limit_is_refused() {
 /// reads of the view underneath.
 #[test]
 fn a_page_cache_gives_the_same_walk_with_fewer_reads() {
-    use guest_introspect::view::{PageCache, ViewError, VirtMemory};
+    use guest_introspect::view::{PageCache, VirtMemory};
     use std::cell::Cell;
-    struct Counting<'a>(SegmentView<'a>, Cell<u32>);
-    impl VirtMemory for Counting<'_> {
-        fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), ViewError> {
-            self.1.set(self.1.get() + 1);
-            self.0.read_virt(gva, buf)
-        }
-    }
     let l = layouts();
     let mem = one_big_module(&l, 200);
     let plain = Counting(mem.view(), Cell::new(0));
@@ -526,4 +530,100 @@ fn a_page_cache_gives_the_same_walk_with_fewer_reads() {
     let mut b = [0u8; 16];
     assert!(cache.read_virt(Gva(BASE + 0xff8), &mut b).is_ok());
     assert!(cache.read_virt(Gva(BASE + SIZE as u64), &mut b).is_err());
+}
+
+#[test]
+fn a_rewalk_at_a_load_reads_only_the_changed_modules_symbols() {
+    use std::cell::Cell;
+    let max = usize::MAX;
+    for l in [regions(), layouts()] {
+        // A big live module, and a small one coming (its init symbol still
+        // in its table).
+        let (big, small) = (BASE + 0x1000, BASE + 0x2000);
+        let mut mem = one_big_module(&l, 150);
+        let coming = [
+            ("small_fn", b't', BASE + 0xa000),
+            ("small_init", b't', BASE + 0xb000),
+        ];
+        module(
+            &mut mem,
+            &l,
+            small,
+            "small",
+            STATES.coming as u32,
+            (BASE + 0xa000, 0x100),
+            (BASE + 0xb000, 0x100),
+            &coming,
+            BASE + 0x6000,
+        );
+        link(&mut mem, &l, &[small, big]);
+        let first = walk_modules(&mem.view(), &l, Gva(HEAD)).unwrap();
+
+        // small's init is done: live, its init text gone and its table
+        // down to its core symbol. Then a third module loads.
+        let third = BASE + 0xc000;
+        module(
+            &mut mem,
+            &l,
+            small,
+            "small",
+            STATES.live as u32,
+            (BASE + 0xa000, 0x100),
+            (0, 0),
+            &coming[..1],
+            BASE + 0x6000,
+        );
+        module(
+            &mut mem,
+            &l,
+            third,
+            "third",
+            STATES.coming as u32,
+            (BASE + 0xd000, 0x100),
+            (0, 0),
+            &[("third_fn", b't', BASE + 0xd000)],
+            BASE + 0x7000,
+        );
+        link(&mut mem, &l, &[third, small, big]);
+        let full_view = Counting(mem.view(), Cell::new(0));
+        let full = walk_modules(&full_view, &l, Gva(HEAD)).unwrap();
+        let re_view = Counting(mem.view(), Cell::new(0));
+        let re = rewalk_modules_at_load(&re_view, &l, Gva(HEAD), max, first.clone(), Gva(third))
+            .unwrap();
+        // The same result: big's symbols kept, small's and third's read.
+        assert_eq!(re, full);
+        assert_eq!(
+            re[1].symbols.len(),
+            1,
+            "small is live: its core symbol only"
+        );
+        println!(
+            "reads: full walk {}, rewalk at the load {}",
+            full_view.1.get(),
+            re_view.1.get()
+        );
+        assert!(full_view.1.get() > 450 && re_view.1.get() < 60);
+
+        // The loading module is read in full even when it looks unchanged
+        // (a module loaded again at the same place).
+        let again =
+            rewalk_modules_at_load(&mem.view(), &l, Gva(HEAD), max, full.clone(), Gva(third))
+                .unwrap();
+        assert_eq!(again, full);
+        let mut stale = full.clone();
+        stale[0].symbols[0].name = "stale".into();
+        let fixed =
+            rewalk_modules_at_load(&mem.view(), &l, Gva(HEAD), max, stale.clone(), Gva(third))
+                .unwrap();
+        assert_eq!(fixed[0].symbols[0].name, "third_fn");
+        // Any other module is kept only when unchanged.
+        let kept =
+            rewalk_modules_at_load(&mem.view(), &l, Gva(HEAD), max, stale, Gva(small)).unwrap();
+        assert_eq!(kept[0].symbols[0].name, "stale");
+        // The byte limit counts kept symbols too.
+        assert!(matches!(
+            rewalk_modules_at_load(&mem.view(), &l, Gva(HEAD), 4096, full.clone(), Gva(third)),
+            Err(ModuleError::OutOfMemory(_))
+        ));
+    }
 }

@@ -637,7 +637,9 @@ impl Vcpu<'_> {
         let tsc_hz = self.vm.tsc_hz;
         let t0 = insn::rdtsc();
         if ev.hook == ModuleHook::Load {
-            self.vm.introspection.refresh_modules(tsc_hz);
+            self.vm
+                .introspection
+                .refresh_modules_at_load(tsc_hz, ev.module);
         }
         let kernel = self.vm.introspection.take_kernel();
         if let Some(k) = kernel.as_ref() {

@@ -238,7 +238,16 @@ impl Introspection {
     /// ([`Kernel::refresh_modules`]).
     pub fn refresh_modules(&mut self, tsc_hz: u64) {
         if let Some(k) = self.kernel.as_mut() {
-            k.refresh_modules(tsc_hz);
+            k.refresh_modules(tsc_hz, None);
+        }
+    }
+
+    /// The same at the load of the module whose `struct module` is at
+    /// `loading`, seen at the hidden hook on `do_init_module` (see
+    /// [`Kernel::refresh_modules`]).
+    pub fn refresh_modules_at_load(&mut self, tsc_hz: u64, loading: u64) {
+        if let Some(k) = self.kernel.as_mut() {
+            k.refresh_modules(tsc_hz, Some(Gva(loading)));
         }
     }
 
@@ -580,7 +589,13 @@ impl Kernel {
     /// list, counts and names are the guest's. The last walk's index is
     /// dropped first (its heap is the new one's), so a failed walk leaves
     /// no module symbols, and the report says why.
-    pub fn refresh_modules(&mut self, tsc_hz: u64) {
+    ///
+    /// At a load (`loading`: the module's `struct module`, from the hidden
+    /// hook on `do_init_module`, which sees every load while it is in) the
+    /// walk keeps the symbols of the modules that are unchanged since the
+    /// last walk and reads only the others' (`module::rewalk_modules_at_load`):
+    /// on Debian a load no longer re-reads ext4's 3,000 symbols.
+    pub fn refresh_modules(&mut self, tsc_hz: u64, loading: Option<Gva>) {
         let t0 = insn::rdtsc();
         let r = &mut self.report.modules;
         r.walks = r.walks.saturating_add(1);
@@ -601,12 +616,19 @@ impl Kernel {
         // The tables are read a few bytes at a time from three places:
         // whole pages, kept, cost one page walk each.
         let cached = PageCache::new(&metered);
-        // The old index goes first: its heap is the new one's.
-        self.modules = ModuleIndex::default();
+        // The old index goes first: its heap is the new one's (at a load,
+        // its modules are the rewalk's to keep).
+        let old = core::mem::take(&mut self.modules).into_modules();
         let max = MAX_MODULE_BYTES.min(crate::heap::room() / 2);
-        let walked = module::walk_modules_limited(&cached, &layout, head, max)
-            .map_err(|e| e.to_string())
-            .and_then(|ms| ModuleIndex::new(ms, layout.states).map_err(|e| e.to_string()));
+        let walked = match loading {
+            Some(m) => module::rewalk_modules_at_load(&cached, &layout, head, max, old, m),
+            None => {
+                drop(old);
+                module::walk_modules_limited(&cached, &layout, head, max)
+            }
+        }
+        .map_err(|e| e.to_string())
+        .and_then(|ms| ModuleIndex::new(ms, layout.states).map_err(|e| e.to_string()));
         let r = &mut self.report.modules;
         r.walk_ns = clock::tsc_to_ns(insn::rdtsc().saturating_sub(t0), tsc_hz);
         match walked {
