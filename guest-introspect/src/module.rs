@@ -527,7 +527,6 @@ fn walk<V: VirtMemory + ?Sized>(
     mut old: Vec<Module>,
     loading: Option<Gva>,
 ) -> Result<Vec<Module>, ModuleError> {
-    let reuse = loading.is_some();
     let mut out = Vec::new();
     let mut used = 0usize;
     let mut charge = |bytes: usize| -> Result<(), ModuleError> {
@@ -562,19 +561,15 @@ fn walk<V: VirtMemory + ?Sized>(
                     && o.text == t
                     && o.init_text == i
             };
-            let kept = match old.iter().position(same) {
-                Some(at) if reuse && loading != Some(Gva(m)) => {
+            let symbols = match old.iter().position(same) {
+                Some(at) if loading.is_some_and(|l| l.0 != m) => {
                     let o = old.swap_remove(at);
                     let bytes = o.symbols.capacity() * core::mem::size_of::<ModuleSymbol>()
                         + o.symbols.iter().map(|s| s.name.capacity()).sum::<usize>();
                     charge(bytes)?;
-                    Some(o.symbols)
+                    o.symbols
                 }
-                _ => None,
-            };
-            let symbols = match kept {
-                Some(s) => s,
-                None => layout.symbols(view, m, &mut charge)?,
+                _ => layout.symbols(view, m, &mut charge)?,
             };
             (t, i, symbols)
         };

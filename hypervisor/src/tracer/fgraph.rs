@@ -28,6 +28,7 @@ use crate::addr::Gva;
 use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use crate::vmx::regs::GuestRegs;
 use alloc::collections::{BTreeMap, BTreeSet};
+use alloc::string::String;
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use guest_introspect::fallible::{self, btree_entry_bytes};
@@ -89,20 +90,40 @@ pub(super) struct GraphSession {
 }
 
 impl GraphSession {
-    /// Whether the session names module globs (`MOD:GLOB`) among its roots
-    /// or trace set: those also cover modules that load later.
+    /// [`follows_modules`] for the session's filter.
     pub(super) fn follows_modules(&self) -> bool {
-        let f = &self.filter;
-        let trace: &[_] = if super::requests::hooks_callees(f) {
-            &f.trace
-        } else {
-            &[]
-        };
-        f.functions
-            .iter()
-            .chain(trace)
-            .any(|g| super::symbols::module_glob(g).is_some())
+        follows_modules(&self.filter)
     }
+}
+
+/// Whether a graph session with `filter` hooks functions beneath its
+/// roots: not when it has roots and `max_depth` 1, since then only the
+/// roots' own calls are shown (the kernel's function_graph still takes an
+/// entry for every traced callee and drops it; root need not see them).
+pub(super) fn hooks_callees(filter: &GraphFilter) -> bool {
+    filter.max_depth != 1 || filter.functions.is_empty()
+}
+
+/// The trace globs a session with `filter` hooks: its own, or none when
+/// it does not hook beneath its roots ([`hooks_callees`]). An empty trace
+/// set still means `*` to a session that does.
+pub(super) fn hooked_trace(filter: &GraphFilter) -> &[String] {
+    if hooks_callees(filter) {
+        &filter.trace
+    } else {
+        &[]
+    }
+}
+
+/// Whether a session with `filter` names module globs (`MOD:GLOB`) among
+/// its roots or the trace globs it hooks: those also cover modules that
+/// load later.
+pub(super) fn follows_modules(filter: &GraphFilter) -> bool {
+    filter
+        .functions
+        .iter()
+        .chain(hooked_trace(filter))
+        .any(|g| super::symbols::module_glob(g).is_some())
 }
 
 /// A return stack and the task last seen calling on its kernel stack.

@@ -29,6 +29,7 @@
 //! them (a pending probe, or a hooked site outside the kernel's text) and
 //! removed when nothing does.
 
+use super::fgraph;
 use super::machine::{Env, KernelView};
 use super::requests::AttachError;
 use super::split::MAX_SITES;
@@ -81,9 +82,6 @@ pub struct ModuleEvent {
 pub(super) struct ModuleTrack {
     /// The sites of the hidden hooks, while installed.
     pub(super) hooks: Vec<Gva>,
-    /// Whether the hook on `module_arch_freeing_init` is among them: only
-    /// then is a module's init text traceable.
-    pub(super) init_hook: bool,
     /// Init texts freed (after a successful init) and the sites unhooked
     /// there.
     pub(super) inits_freed: u64,
@@ -185,7 +183,7 @@ impl Tracer<'_> {
             }
         }
         match init.map(|fs| self.hidden_hook(k, env, ModuleHook::InitFreeing, &fs)) {
-            Some(Ok(())) => self.vm.modules.init_hook = true,
+            Some(Ok(())) => {}
             Some(Err(e)) => log::warn!(
                 "tracer: cannot hook module_arch_freeing_init ({e}): module init text is not traced"
             ),
@@ -196,7 +194,7 @@ impl Tracer<'_> {
         env.m.invept();
         log::info!(
             "tracer: following module loads and unloads at do_init_module and free_module{}",
-            if self.vm.modules.init_hook {
+            if self.follows_init_text() {
                 ", and the freeing of init text at module_arch_freeing_init"
             } else {
                 ""
@@ -226,7 +224,19 @@ impl Tracer<'_> {
     /// The classifier of the tracer's requests: a module's init text is
     /// traceable while root follows its freeing.
     pub(super) fn classifier<'k>(&self, k: &'k dyn KernelView) -> Classifier<'k> {
-        Classifier::new(k.index()).with_module_init(self.vm.modules.init_hook)
+        Classifier::new(k.index()).with_module_init(self.follows_init_text())
+    }
+
+    /// Whether the hook on `module_arch_freeing_init` is among the hidden
+    /// hooks: only then is a module's init text traceable.
+    fn follows_init_text(&self) -> bool {
+        self.vm.modules.hooks.iter().any(|s| {
+            self.vm
+                .view
+                .sites
+                .get(s)
+                .is_some_and(|u| u.hidden == Some(ModuleHook::InitFreeing))
+        })
     }
 
     /// Removes the hidden hooks when nothing needs them any more.
@@ -237,7 +247,6 @@ impl Tracer<'_> {
     }
 
     fn drop_module_hooks(&mut self, env: &mut Env<'_>) {
-        self.vm.modules.init_hook = false;
         for site in core::mem::take(&mut self.vm.modules.hooks) {
             if let Some(u) = self.vm.view.sites.get_mut(&site) {
                 u.hidden = None;
@@ -403,10 +412,11 @@ impl Tracer<'_> {
                 add(env, fs, bit)?;
                 fallible::try_push(&mut extra, (user, fs.func.0, true))?;
             }
-            if super::requests::hooks_callees(f) {
-                for fs in sites(&f.trace, true)?.iter().filter(|fs| kept(fs)) {
-                    add(env, fs, bit)?;
-                }
+            for fs in sites(fgraph::hooked_trace(f), true)?
+                .iter()
+                .filter(|fs| kept(fs))
+            {
+                add(env, fs, bit)?;
             }
             // A set_graph_notrace function is hooked even outside the
             // trace set: its frame hides its callees.

@@ -2,7 +2,7 @@
 //! function-graph sessions. Each changes shared state only (sites, pages,
 //! probes, sessions) and flushes EPT once before it answers.
 
-use super::fgraph::{GraphSession, MAX_STACK_FRAMES, STACK_FRAMES};
+use super::fgraph::{self, GraphSession, MAX_STACK_FRAMES, STACK_FRAMES};
 use super::graph::GraphText;
 use super::machine::{Env, KernelView};
 use super::modules;
@@ -473,7 +473,7 @@ impl Tracer<'_> {
             ));
         }
         let every = [String::from("*")];
-        let trace: &[String] = if !hooks_callees(&filter) {
+        let trace: &[String] = if !fgraph::hooks_callees(&filter) {
             // max_depth 1 under roots: nothing beneath a root is shown,
             // so only the roots are hooked.
             &[]
@@ -505,12 +505,7 @@ impl Tracer<'_> {
         // module globs need loads followed too.
         let core = k.index().text();
         let mut skipped = 0u32;
-        let follows = filter
-            .functions
-            .iter()
-            .chain(trace)
-            .any(|g| symbols::module_glob(g).is_some());
-        if follows {
+        if fgraph::follows_modules(&filter) {
             self.ensure_region(k, env)?;
             self.ensure_module_hooks(k, env, true)?;
         }
@@ -600,12 +595,4 @@ impl Tracer<'_> {
         self.release_module_hooks_if_idle(env);
         Ok(())
     }
-}
-
-/// Whether a graph session with `filter` hooks functions beneath its
-/// roots: not when it has roots and `max_depth` 1, since then only the
-/// roots' own calls are shown (the kernel's function_graph still takes an
-/// entry for every traced callee and drops it; root need not see them).
-pub(super) fn hooks_callees(filter: &protocol::GraphFilter) -> bool {
-    filter.max_depth != 1 || filter.functions.is_empty()
 }
