@@ -62,14 +62,15 @@ pub use codec::{
     FATAL_WIRE_MAX, HEADER_LEN, MAX_FATAL_REASON, MAX_FRAME, MAX_WIRE_FRAME,
 };
 pub use message::{
-    Body, ChannelReport, ErrorKind, Event, ExitCount, Frame, GraphFilter, GuardReport, GuestState,
-    KernelReport, ModulesReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo,
-    TraceFormat, TracerReport, VcpuReport,
+    Body, ChannelReport, CountFilter, ErrorKind, Event, ExitCount, Frame, FunctionCount,
+    GraphFilter, GuardReport, GuestState, KernelReport, ModulesReport, ProbeInfo, Request,
+    Response, StatusReport, SymbolInfo, TaskInfo, TraceChannel, TraceFormat, TracerReport,
+    VcpuReport,
 };
 
 /// The version of the wire format: the frame header, the framing and every
 /// message type. Both ends must agree exactly.
-pub const PROTOCOL_VERSION: u16 = 10;
+pub const PROTOCOL_VERSION: u16 = 11;
 
 #[cfg(test)]
 mod tests;

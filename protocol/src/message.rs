@@ -176,6 +176,68 @@ pub enum Request {
         /// The session, as [`Response::GraphStarted`] named it.
         session: Option<u32>,
     },
+    /// Chooses the path of [`Event::TraceText`]: the control channel
+    /// (the default), or the hypervisor's log port, which the host that
+    /// launched the emulator captures. Sent by that host once the
+    /// hypervisor is up; a host that does not read the log port never
+    /// sends it.
+    TraceChannel {
+        /// The path.
+        channel: TraceChannel,
+    },
+    /// Starts counting calls (bcc's funccount) in VMX root: every function
+    /// matching a glob is hooked, and each call adds one to the function's
+    /// counter; no event is recorded, so nothing is lost however hot the
+    /// functions are. One count runs at a time. Answered by
+    /// [`Response::CountStarted`].
+    CountStart(CountFilter),
+    /// Reads the counters (they keep counting): the functions called at
+    /// least once, in address order from `cursor` (0 for the first page,
+    /// then the answer's `next`). Answered by [`Response::Counts`].
+    CountRead {
+        /// Where to resume (a function's address).
+        cursor: u64,
+        /// Most functions wanted in this answer (the hypervisor may send
+        /// fewer to stay within a frame).
+        limit: u32,
+    },
+    /// Stops counting and unhooks what only the count used.
+    CountStop,
+}
+
+/// What [`Request::CountStart`] counts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CountFilter {
+    /// Globs of the functions counted (`vfs_*`, `ext4:*`).
+    pub functions: Vec<String>,
+    /// Only calls made by this thread id.
+    pub pid: Option<i32>,
+    /// Only calls made by tasks with this comm.
+    pub comm: Option<String>,
+}
+
+/// One function's count.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCount {
+    /// Its name, with `[module]` for a module's function.
+    pub name: String,
+    /// Its address.
+    pub addr: u64,
+    /// Calls counted.
+    pub calls: u64,
+}
+
+/// The path trace events take to the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum TraceChannel {
+    /// COM2, with the answers (about 11.5 KB/s in Bochs).
+    Control,
+    /// The log port (I/O port 0xE9: Bochs `port_e9_hack`, QEMU
+    /// `-debugcon`): each frame is written whole, between `0x00`
+    /// delimiters, among the log's text lines (which never hold `0x00`),
+    /// with no baud pacing. Frames on it have their own event sequence.
+    LogPort,
 }
 
 /// What the function-graph tracer traces, in the ftrace names.
@@ -302,6 +364,32 @@ pub enum Response {
         roots: u32,
         /// Matches that could not be hooked.
         skipped: u32,
+    },
+    /// Answer to [`Request::CountStart`].
+    CountStarted {
+        /// Functions hooked for the count.
+        functions: u32,
+        /// Matches that could not be hooked, and why (the first few).
+        skipped: Vec<String>,
+        /// All matches that could not be hooked.
+        skipped_total: u32,
+    },
+    /// Answer to [`Request::CountRead`].
+    Counts {
+        /// Functions counted (hooked), called or not.
+        functions: u32,
+        /// Calls counted over every function.
+        calls: u64,
+        /// Calls of counted functions left out by the pid or comm filter.
+        filtered: u64,
+        /// Root time since the count started, in nanoseconds.
+        elapsed_ns: u64,
+        /// Bytes of hypervisor memory the count holds.
+        memory: u64,
+        /// The functions of this page called at least once.
+        entries: Vec<FunctionCount>,
+        /// The cursor for the next page; `None` after the last one.
+        next: Option<u64>,
     },
     /// Answer to [`Request::TraceRead`].
     Trace {
@@ -661,6 +749,10 @@ pub struct ChannelReport {
     pub bad_frames: u64,
     /// Responses dropped because the output queue was full.
     pub dropped: u64,
+    /// Trace frames written to the log port ([`TraceChannel::LogPort`]).
+    pub bulk_frames: u64,
+    /// Bytes of those frames, delimiters included.
+    pub bulk_bytes: u64,
 }
 
 /// The guest's life cycle.

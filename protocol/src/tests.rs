@@ -48,6 +48,8 @@ fn status() -> StatusReport {
             frames_out: 3,
             bad_frames: 4,
             dropped: 5,
+            bulk_frames: 6,
+            bulk_bytes: 1 << 33,
         },
         kernel: Some(KernelReport {
             release: "6.1.0-57-amd64".into(),
@@ -171,6 +173,40 @@ fn samples() -> Vec<Body> {
             format: TraceFormat::Text,
         }),
         Body::Request(Request::TraceStop),
+        Body::Request(Request::TraceChannel {
+            channel: TraceChannel::LogPort,
+        }),
+        Body::Request(Request::TraceChannel {
+            channel: TraceChannel::Control,
+        }),
+        Body::Request(Request::CountStart(CountFilter {
+            functions: vec!["vfs_*".into(), "ext4:*".into()],
+            pid: Some(42),
+            comm: Some("dd".into()),
+        })),
+        Body::Request(Request::CountRead {
+            cursor: 0xffff_ffff_8100_0000,
+            limit: 100,
+        }),
+        Body::Request(Request::CountStop),
+        Body::Response(Response::CountStarted {
+            functions: 61,
+            skipped: vec!["vfs_x: the site crosses a page boundary".into()],
+            skipped_total: 1,
+        }),
+        Body::Response(Response::Counts {
+            functions: 61,
+            calls: u64::MAX,
+            filtered: 7,
+            elapsed_ns: 1 << 40,
+            memory: 4096,
+            entries: vec![FunctionCount {
+                name: "ext4_file_read_iter [ext4]".into(),
+                addr: 0xffff_ffff_c000_1000,
+                calls: 12,
+            }],
+            next: Some(0xffff_ffff_c000_1001),
+        }),
         Body::Request(Request::Exec {
             command: "cat /etc/hostname; echo $?".into(),
         }),
@@ -261,6 +297,10 @@ fn variant(body: &Body) -> String {
             Request::TraceRead { .. } => "Request::TraceRead",
             Request::GraphStart(_) => "Request::GraphStart",
             Request::GraphStop { .. } => "Request::GraphStop",
+            Request::TraceChannel { .. } => "Request::TraceChannel",
+            Request::CountStart(_) => "Request::CountStart",
+            Request::CountRead { .. } => "Request::CountRead",
+            Request::CountStop => "Request::CountStop",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",
@@ -283,6 +323,8 @@ fn variant(body: &Body) -> String {
             Response::ProbeAdded { .. } => "Response::ProbeAdded",
             Response::Probes(_) => "Response::Probes",
             Response::FunctionAdded { .. } => "Response::FunctionAdded",
+            Response::CountStarted { .. } => "Response::CountStarted",
+            Response::Counts { .. } => "Response::Counts",
             Response::Trace { .. } => "Response::Trace",
             Response::GraphStarted { .. } => "Response::GraphStarted",
         },
@@ -300,8 +342,9 @@ fn variant(body: &Body) -> String {
 /// Keep in step with the matches of `variant` (and with `ERROR_KINDS`, whose
 /// `match` below has no wildcard either).
 /// 11 requests, 6 plain responses, a status per guest state, one error per
-/// kind, 4 events.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 4;
+/// kind, 4 events; then `TraceChannel`, and the count's 3 requests and 2
+/// responses.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 5;
 
 #[test]
 fn samples_cover_every_variant() {

@@ -175,6 +175,12 @@ pub fn status_text(status: &Status) -> String {
         "{:<12} in {} B ({} frames), out {} B ({} frames), {} bad frames, {} dropped\n",
         "channel", c.bytes_in, c.frames_in, c.bytes_out, c.frames_out, c.bad_frames, c.dropped
     ));
+    if c.bulk_frames > 0 {
+        out.push_str(&format!(
+            "{:<12} {} trace frames ({} B) on the log port\n",
+            "", c.bulk_frames, c.bulk_bytes
+        ));
+    }
     out.push_str(&format!(
         "{:<12} {:.1} ms\n",
         "round trip",
@@ -317,6 +323,8 @@ pub fn status_json(status: &Status) -> Json {
                 ("frames_out", json::int(c.frames_out)),
                 ("bad_frames", json::int(c.bad_frames)),
                 ("dropped", json::int(c.dropped)),
+                ("bulk_frames", json::int(c.bulk_frames)),
+                ("bulk_bytes", json::int(c.bulk_bytes)),
             ]),
         ),
         ("tracer", tracer),
@@ -490,6 +498,8 @@ mod tests {
                 frames_out: 5,
                 bad_frames: 1,
                 dropped: 0,
+                bulk_frames: 3,
+                bulk_bytes: 9000,
             },
             kernel: None,
             tracer: protocol::TracerReport::default(),
@@ -588,6 +598,7 @@ mod tests {
             r#""current_task":null"#,
             r#""kernel":null"#,
             r#""bad_frames":1"#,
+            r#""bulk_frames":3,"bulk_bytes":9000"#,
             r#""round_trip_ms":12"#,
             r#""guest_state":"running""#,
         ] {

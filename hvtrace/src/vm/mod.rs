@@ -19,11 +19,12 @@ pub mod host;
 pub mod hv_image;
 pub mod hvlog;
 pub mod image;
+pub mod logport;
 pub mod qemu;
 pub mod tcp_table;
 
 use std::collections::{BTreeMap, VecDeque};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ExitStatus, Stdio};
@@ -68,6 +69,50 @@ struct Shared {
     echo: AtomicU8,
     progress: bool,
     start: Instant,
+    /// Trace frames from the log port, and who takes them.
+    bulk: Mutex<BulkTap>,
+}
+
+/// What the log port carried as trace frames ([`Vm::set_trace_sink`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BulkStats {
+    /// Frames decoded.
+    pub frames: u64,
+    /// Their bytes on the wire, delimiters included.
+    pub bytes: u64,
+    /// Segments that did not decode (each was one frame at most).
+    pub bad: u64,
+    /// Frames whose sequence numbers never came (lost or bad).
+    pub missing: u64,
+    /// Frames that came before anyone took them, dropped.
+    pub unheard: u64,
+}
+
+/// Where the log port's trace frames go.
+#[derive(Default)]
+struct BulkTap {
+    sink: Option<Box<dyn FnMut(protocol::Event) + Send>>,
+    stats: BulkStats,
+    last_seq: Option<u32>,
+}
+
+impl BulkTap {
+    fn frame(&mut self, frame: protocol::Frame, wire_len: u64) {
+        self.stats.frames += 1;
+        self.stats.bytes += wire_len;
+        if let Some(last) = self.last_seq {
+            // A jump backwards (a new hypervisor) counts nothing.
+            let ahead = frame.seq.wrapping_sub(last.wrapping_add(1));
+            if ahead < 1 << 31 {
+                self.stats.missing += u64::from(ahead);
+            }
+        }
+        self.last_seq = Some(frame.seq);
+        match (frame.body, self.sink.as_mut()) {
+            (protocol::Body::Event(event), Some(sink)) => sink(event),
+            _ => self.stats.unheard += 1,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -237,6 +282,7 @@ impl Vm {
                 ..Inner::default()
             }),
             cv: Condvar::new(),
+            bulk: Mutex::new(BulkTap::default()),
             echo: AtomicU8::new(if cfg.echo_boot_console {
                 Echo::Stderr as u8
             } else {
@@ -778,6 +824,23 @@ impl Vm {
         self.child.id()
     }
 
+    /// Hands every trace event the hypervisor writes to its log port to
+    /// `sink` (once asked to with `Request::TraceChannel`).
+    pub fn set_trace_sink(&self, sink: impl FnMut(protocol::Event) + Send + 'static) {
+        self.shared
+            .bulk
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .sink = Some(Box::new(sink));
+    }
+
+    /// Whether the hypervisor's log port reaches this process, so that it
+    /// can carry the trace stream: a run with the hypervisor, whose log
+    /// port is captured (Bochs always; QEMU unless told not to).
+    pub fn reads_log_port(&self) -> bool {
+        self.cfg.hypervisor.is_some() && (self.cfg.log_port || self.cfg.emulator == Emulator::Bochs)
+    }
+
     /// A handle that tells, from any thread, whether the VM has ended.
     pub fn watch(&self) -> VmWatch {
         VmWatch {
@@ -1040,6 +1103,15 @@ pub struct VmWatch {
 }
 
 impl VmWatch {
+    /// What the log port carried as trace frames so far.
+    pub fn trace_port_stats(&self) -> BulkStats {
+        self.shared
+            .bulk
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stats
+    }
+
     /// Why the VM is over, once it is: the hypervisor's `guest stopped:`
     /// reason, its first error, or the emulator's end (both of its output
     /// streams closed).
@@ -1111,69 +1183,47 @@ fn prepare(
     }
 }
 
-/// Reads the emulator's stdout or stderr line by line (lines longer than
-/// [`bounded::MAX_LINE`] in pieces): logs it (up to [`bounded::LOG_CAP`]),
-/// feeds the hypervisor lines to the log digest and keeps a tail of the
-/// rest.
+/// Reads the emulator's stdout or stderr: cuts it into lines (lines
+/// longer than [`bounded::MAX_LINE`] in pieces) and, on stdout, the trace
+/// frames of the log port ([`logport`]), which go to the trace sink; logs
+/// the lines (up to [`bounded::LOG_CAP`]), feeds the hypervisor lines to
+/// the log digest and keeps a tail of the rest.
 fn spawn_line_reader(
-    stream: impl Read + Send + 'static,
+    mut stream: impl Read + Send + 'static,
     log_path: PathBuf,
     shared: Arc<Shared>,
     is_stdout: bool,
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let mut log = CappedLog::create(&log_path, bounded::LOG_CAP).ok();
-        let mut reader = BufReader::new(stream);
-        let mut buf = Vec::new();
+        let mut demux = logport::LogDemux::new(bounded::MAX_LINE);
+        let mut buf = vec![0u8; 64 * 1024];
         let mut noted = 0u32;
+        let mut piece = |p: logport::Piece<'_>| match p {
+            logport::Piece::Line(line) => {
+                if let Some(log) = log.as_mut() {
+                    let _ = log.append(line);
+                }
+                take_line(&shared, line, &mut noted, &log_path);
+            }
+            logport::Piece::Frame(frame, wire_len) => {
+                let mut bulk = shared.bulk.lock().unwrap_or_else(|e| e.into_inner());
+                match frame {
+                    Ok(frame) if is_stdout => bulk.frame(frame, wire_len as u64),
+                    _ => bulk.stats.bad += 1,
+                }
+            }
+        };
         loop {
-            buf.clear();
-            match bounded::read_line(&mut reader, &mut buf, bounded::MAX_LINE) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-            if let Some(log) = log.as_mut() {
-                let _ = log.append(&buf);
-            }
-            let line = String::from_utf8_lossy(&buf);
-            let line = line.trim_end_matches(['\r', '\n']);
-            let mut inner = shared.lock();
-            let first = !inner.hv.alive();
-            match inner.hv.push_line(line) {
-                Some(event) => {
-                    drop(inner);
-                    if first {
-                        shared.note("hypervisor started");
-                    }
-                    match event {
-                        HvEvent::GuestStarted => shared.note("guest started"),
-                        HvEvent::Error(e) => shared.note(&format!("hypervisor error: {e}")),
-                        HvEvent::GuestStopped(_) | HvEvent::Repeated(_) => {}
-                        HvEvent::ExitCounts(_) | HvEvent::Text(_) => {
-                            noted = noted.saturating_add(1);
-                            if noted == MAX_NOTED_HV_LINES + 1 {
-                                shared.note(&format!(
-                                    "more than {MAX_NOTED_HV_LINES} hypervisor lines; the rest are only in {}",
-                                    log_path.display()
-                                ));
-                            } else if noted <= MAX_NOTED_HV_LINES {
-                                if let Some(body) = self::hvlog::strip_prefix(line) {
-                                    shared.note(&format!("hypervisor: {body}"));
-                                }
-                            }
-                        }
-                    }
-                }
-                None => {
-                    inner.tail.push_back(line.to_string());
-                    if inner.tail.len() > TAIL_LINES {
-                        inner.tail.pop_front();
-                    }
-                    drop(inner);
-                }
-            }
-            shared.cv.notify_all();
+            let n = match stream.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            };
+            demux.feed(&buf[..n], &mut piece);
         }
+        demux.finish(&mut piece);
         let mut inner = shared.lock();
         if is_stdout {
             inner.stdout_eof = true;
@@ -1183,6 +1233,50 @@ fn spawn_line_reader(
         drop(inner);
         shared.cv.notify_all();
     })
+}
+
+/// One line of the emulator's output: the hypervisor's go to the digest
+/// (and the first [`MAX_NOTED_HV_LINES`] to the progress notes), the
+/// others to the tail.
+fn take_line(shared: &Shared, raw: &[u8], noted: &mut u32, log_path: &Path) {
+    let line = String::from_utf8_lossy(raw);
+    let line = line.trim_end_matches(['\r', '\n']);
+    let mut inner = shared.lock();
+    let first = !inner.hv.alive();
+    match inner.hv.push_line(line) {
+        Some(event) => {
+            drop(inner);
+            if first {
+                shared.note("hypervisor started");
+            }
+            match event {
+                HvEvent::GuestStarted => shared.note("guest started"),
+                HvEvent::Error(e) => shared.note(&format!("hypervisor error: {e}")),
+                HvEvent::GuestStopped(_) | HvEvent::Repeated(_) => {}
+                HvEvent::ExitCounts(_) | HvEvent::Text(_) => {
+                    *noted = noted.saturating_add(1);
+                    if *noted == MAX_NOTED_HV_LINES + 1 {
+                        shared.note(&format!(
+                            "more than {MAX_NOTED_HV_LINES} hypervisor lines; the rest are only in {}",
+                            log_path.display()
+                        ));
+                    } else if *noted <= MAX_NOTED_HV_LINES {
+                        if let Some(body) = self::hvlog::strip_prefix(line) {
+                            shared.note(&format!("hypervisor: {body}"));
+                        }
+                    }
+                }
+            }
+        }
+        None => {
+            inner.tail.push_back(line.to_string());
+            if inner.tail.len() > TAIL_LINES {
+                inner.tail.pop_front();
+            }
+            drop(inner);
+        }
+    }
+    shared.cv.notify_all();
 }
 
 /// The bytes of console output a run keeps in memory: its console cap, at

@@ -19,7 +19,7 @@ use hypervisor::outq::{Lane, OutQueue};
 use hypervisor::tracer::{ReqError, Tracer};
 use protocol::{
     Body, ChannelReport, DecodeError, ErrorKind, Event, ExitCount, Frame, FrameDecoder, GuestState,
-    Request, Response, StatusReport,
+    Request, Response, StatusReport, TraceChannel,
 };
 
 /// What the rest of the hypervisor must do after a poll.
@@ -68,6 +68,22 @@ pub const PARK_NS: u64 = 5_000_000_000;
 /// Most requests held at once; more are answered at once.
 const PARK_LIMIT: usize = 8;
 
+/// Bytes of trace frames one turn writes to the log port at most: the
+/// guest waits while root writes, and Bochs hands each byte to the host
+/// as a write of its own (about 1 us of wall time per byte).
+const BULK_TURN_BYTES: usize = 32 * 1024;
+
+/// The log port as the trace stream's path ([`TraceChannel::LogPort`]).
+struct Bulk {
+    /// Sequence number of the next frame on the log port (a sequence of
+    /// its own: the host counts gaps on each path apart).
+    seq: u32,
+    /// Bytes written on this turn.
+    turn_bytes: usize,
+    /// The frame being encoded (kept, so that a turn allocates nothing).
+    wire: Vec<u8>,
+}
+
 /// A request held until recovery ends.
 struct Parked {
     seq: u32,
@@ -94,6 +110,8 @@ pub struct Control {
     parked: VecDeque<Parked>,
     /// Recovery was under way at the end of the last poll.
     recovering: bool,
+    /// Trace text goes to the log port instead of COM2.
+    bulk: Option<Bulk>,
 }
 
 impl Control {
@@ -108,6 +126,7 @@ impl Control {
             event_seq: 0,
             parked: VecDeque::new(),
             recovering: false,
+            bulk: None,
         }
     }
 
@@ -128,6 +147,9 @@ impl Control {
         let mut action = Action::None;
         let mut buf = [0u8; 64];
         self.rx_recent = false;
+        if let Some(b) = self.bulk.as_mut() {
+            b.turn_bytes = 0;
+        }
         loop {
             let n = self.uart.read_available(&mut buf);
             if n == 0 {
@@ -178,13 +200,34 @@ impl Control {
         self.stats.bytes_out += self.tx.write_to(|b| uart.write_some(b)) as u64;
     }
 
-    /// Room left for events in the output queue, in bytes.
+    /// Room left for trace events, in bytes: in the output queue, or on
+    /// the log port for the rest of this turn.
     pub fn tx_room(&self) -> usize {
-        TX_LIMIT.saturating_sub(self.tx.queued(Lane::Events))
+        match &self.bulk {
+            Some(b) if b.turn_bytes < BULK_TURN_BYTES => TX_LIMIT,
+            Some(_) => 0,
+            None => TX_LIMIT.saturating_sub(self.tx.queued(Lane::Events)),
+        }
     }
 
-    /// Queues an unsolicited event (dropped and counted when it does not fit).
+    /// Queues an unsolicited event (dropped and counted when it does not
+    /// fit); trace text goes to the log port at once when it is the
+    /// stream's path.
     pub fn send_event(&mut self, event: Event) {
+        if let (Some(b), Event::TraceText { .. }) = (self.bulk.as_mut(), &event) {
+            let frame = Frame::event(b.seq, event);
+            b.wire.clear();
+            if protocol::encode(&frame, &mut b.wire).is_err() {
+                self.stats.dropped += 1;
+                return;
+            }
+            b.seq = b.seq.wrapping_add(1);
+            crate::logger::write_frame(&b.wire);
+            b.turn_bytes += b.wire.len();
+            self.stats.bulk_frames += 1;
+            self.stats.bulk_bytes += b.wire.len() as u64;
+            return;
+        }
         let seq = self.event_seq;
         self.event_seq = self.event_seq.wrapping_add(1);
         self.send_on(Lane::Events, &Frame::event(seq, event));
@@ -380,6 +423,7 @@ impl Control {
                 src.tracer.set_stream(None);
                 (Response::Ok, Action::None)
             }
+            Request::TraceChannel { channel } => (self.set_channel(channel), Action::None),
             other => (
                 Response::error(
                     ErrorKind::Unsupported,
@@ -393,6 +437,38 @@ impl Control {
         };
         self.send(&Frame::response(seq, resp));
         action
+    }
+}
+
+impl Control {
+    /// `TraceChannel`: where trace text goes from now on. Frames already
+    /// queued on COM2 still go there.
+    fn set_channel(&mut self, channel: TraceChannel) -> Response {
+        match channel {
+            TraceChannel::Control => {
+                self.bulk = None;
+                Response::Ok
+            }
+            TraceChannel::LogPort => {
+                if self.bulk.is_some() {
+                    return Response::Ok;
+                }
+                let mut wire = Vec::new();
+                if wire.try_reserve(protocol::MAX_WIRE_FRAME).is_err() {
+                    return Response::error(
+                        ErrorKind::OutOfResources,
+                        "no memory for the log port's frame buffer",
+                    );
+                }
+                self.bulk = Some(Bulk {
+                    seq: 0,
+                    turn_bytes: 0,
+                    wire,
+                });
+                Response::Ok
+            }
+            _ => Response::error(ErrorKind::Unsupported, "unknown trace channel"),
+        }
     }
 }
 

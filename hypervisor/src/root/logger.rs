@@ -3,7 +3,7 @@
 //! Every line starts with `hvtrace: `; the host launcher parses a few of them
 //! (`guest started`, `exit counts:`, `guest stopped:`, `error:`).
 
-use crate::arch::instructions::outb;
+use crate::arch::instructions::rep_outsb;
 use core::fmt::{self, Write};
 use spin::Mutex;
 
@@ -14,13 +14,21 @@ pub struct DebugPort;
 
 impl Write for DebugPort {
     fn write_str(&mut self, s: &str) -> fmt::Result {
-        for b in s.bytes() {
-            // SAFETY: port 0xE9 is the emulator's debug console, owned by the
-            // hypervisor and never exposed to the guest as a device.
-            unsafe { outb(DEBUG_PORT, b) };
-        }
+        // SAFETY: port 0xE9 is the emulator's debug console, owned by the
+        // hypervisor and never exposed to the guest as a device.
+        unsafe { rep_outsb(DEBUG_PORT, s.as_bytes()) };
         Ok(())
     }
+}
+
+/// Writes one encoded control frame (`0x00`, COBS bytes, `0x00`: no other
+/// `0x00` inside) to the log port, between whole lines: the host's reader
+/// takes everything between two delimiters as a frame and the rest as
+/// text. The log lock keeps other vCPUs' lines out of the frame.
+pub fn write_frame(wire: &[u8]) {
+    let _lines = LOG.lock();
+    // SAFETY: as in `DebugPort::write_str`; the frame is plain bytes.
+    unsafe { rep_outsb(DEBUG_PORT, wire) };
 }
 
 pub static LOG: Mutex<DebugPort> = Mutex::new(DebugPort);

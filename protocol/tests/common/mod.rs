@@ -55,6 +55,8 @@ pub fn status_report() -> StatusReport {
             frames_out: 41,
             bad_frames: 2,
             dropped: 0,
+            bulk_frames: 7,
+            bulk_bytes: 21_000,
         },
         kernel: None,
         tracer: protocol::TracerReport::default(),

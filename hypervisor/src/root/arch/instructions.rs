@@ -202,6 +202,25 @@ pub unsafe fn outb(port: u16, v: u8) {
     unsafe { asm!("out dx, al", in("dx") port, in("al") v, options(nomem, nostack)) };
 }
 
+/// Writes `bytes` to an I/O port, one byte per iteration of one
+/// `rep outsb` (the direction flag is clear in root).
+///
+/// # Safety
+/// As [`outb`].
+pub unsafe fn rep_outsb(port: u16, bytes: &[u8]) {
+    // SAFETY: the caller owns the port; `rep outsb` reads `rcx` bytes from
+    // `rsi` upwards (DF is clear: root never sets it), all within `bytes`.
+    unsafe {
+        asm!(
+            "rep outsb",
+            in("dx") port,
+            inout("rsi") bytes.as_ptr() => _,
+            inout("rcx") bytes.len() => _,
+            options(readonly, nostack, preserves_flags)
+        )
+    };
+}
+
 /// Writes a 16-bit word to an I/O port.
 ///
 /// # Safety
