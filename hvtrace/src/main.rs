@@ -58,6 +58,7 @@ fn main() -> ExitCode {
         }),
         Command::Trace(args) => socket().and_then(|s| hvtrace::commands::ctl::trace(&s, args)),
         Command::Graph(args) => socket().and_then(|s| hvtrace::commands::graph::graph(&s, args)),
+        Command::Count(args) => socket().and_then(|s| hvtrace::commands::count::count(&s, args)),
         Command::Supervise(args) => {
             socket().and_then(|s| hvtrace::daemon::serve::supervise(&s, args))
         }

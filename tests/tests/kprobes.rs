@@ -27,6 +27,7 @@
 //!
 //! Run: `cargo test -p hvtrace-tests --test kprobes -- --nocapture`
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use hvtrace::client::Client;
@@ -413,6 +414,47 @@ fn benchmark(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
             name: "bench".into(),
         },
     );
+    // The same function counted in root: one VMCALL per call, no record.
+    let started = call(
+        c,
+        Request::CountStart(protocol::CountFilter {
+            functions: vec![func.into()],
+            ..Default::default()
+        }),
+    );
+    ck.check(
+        matches!(started, Response::CountStarted { functions: 1, .. }),
+        format!("count start on {func}: {started:?}"),
+    );
+    phases.push(measure(c, "hvtrace count (VMX root)"));
+    match call(
+        c,
+        Request::CountRead {
+            cursor: 0,
+            limit: 10,
+        },
+    ) {
+        Response::Counts {
+            calls,
+            filtered,
+            entries,
+            ..
+        } => {
+            // The benchmark's own calls, and getppid calls by anything
+            // else in the window (none are expected in this guest).
+            ck.eq("count: calls of the benchmark", calls, N);
+            ck.eq("count: calls left out", filtered, 0);
+            ck.check(
+                entries.len() == 1 && entries[0].name == func,
+                format!("count: one function, {func}: {entries:?}"),
+            );
+        }
+        other => ck.check(false, format!("count read: {other:?}")),
+    }
+    ck.check(
+        matches!(call(c, Request::CountStop), Response::Ok),
+        "count stop",
+    );
     let _ = stream.read(c);
     exec(
         c,
@@ -450,6 +492,11 @@ fn benchmark(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     ck.eq("VMCALLs with no probe", phases[0].vmcalls, 0);
     ck.eq("EPT/#DB exits with no probe", phases[0].other_exits, 0);
     ck.eq("probe hits", h1 - h0, N);
+    ck.eq(
+        "VMCALLs with our count (exactly one per call)",
+        phases[2].vmcalls,
+        N,
+    );
     ck.eq(
         "VMCALLs with our probe (exactly one per hit)",
         phases[1].vmcalls,
@@ -513,6 +560,7 @@ fn exercise(guest: &str, fast_lane: bool) {
     } else {
         ext4_module(&mut ck, &mut c, &mut stream);
     }
+    count_oracle(&mut ck, &mut c, &vm);
     let t = status(&mut c).tracer;
     ck.eq("ring losses before the scale test", t.lost, 0);
     if fast_lane {
@@ -689,6 +737,104 @@ fn split_view_cost(ck: &mut Checks, c: &mut Client, hooked: &str) {
         format!("reads of a hooked page are stepped: {hooked_steps} per read"),
     );
     ck.eq("steps for reads of an unhooked page", plain_steps, 0);
+}
+
+/// `hvtrace count 'vfs_*' --comm dd --exec WORKLOAD` (the CLI, counting in
+/// root) against the guest's own kprobes on every vfs_* function it can
+/// probe, filtered on the same comm, over the same workload: the same
+/// functions with the same counts.
+fn count_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
+    const WORK: &str = "dd if=/dev/zero of=/dev/null bs=4096 count=40 2>/dev/null; \
+                        dd if=/proc/version of=/dev/null bs=16 2>/dev/null; \
+                        dd if=/etc/hostname of=/tmp/hvcount bs=1 2>/dev/null";
+    let set_up = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && for f in $(grep '^vfs_' available_filter_functions | cut -d' ' -f1 | sort -u); do \
+               echo \"p:hvc/$f $f\" >> kprobe_events 2>/dev/null; done; \
+             echo 'comm == \"dd\"' > events/hvc/filter && echo > trace && echo 1 > events/hvc/enable && \
+             ls events/hvc | grep '^vfs_'"
+        ),
+    );
+    let probed: BTreeSet<&str> = set_up.split_whitespace().collect();
+    let guest_events = probed.len();
+    ck.check(
+        guest_events > 10,
+        format!("the guest probes its vfs_* functions: {set_up:?}"),
+    );
+    let t0 = Instant::now();
+    let (code, out, err) = vm.cli(&["count", "vfs_*", "--comm", "dd", "--exec", WORK]);
+    let took = t0.elapsed();
+    let trace = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 0 > events/hvc/enable && grep -v '^#' trace; \
+             for e in $(ls events/hvc | grep '^vfs_'); do echo \"-:hvc/$e\" >> kprobe_events; done; \
+             echo > trace; rm -f /tmp/hvcount"
+        ),
+    );
+    ck.eq("count exit code", code, 0);
+    let mut ours = BTreeMap::new();
+    let mut summary = "";
+    for l in out.lines().skip(1) {
+        match l
+            .rsplit_once(' ')
+            .map(|(n, v)| (n.trim(), v.parse::<u64>()))
+        {
+            Some((name, Ok(v))) if !name.is_empty() => {
+                ours.insert(name.to_string(), v);
+            }
+            _ => summary = l,
+        }
+    }
+    let mut guest: BTreeMap<String, u64> = BTreeMap::new();
+    for l in trace.lines() {
+        // `dd-123 [000] ..... 12.345678: vfs_read: (vfs_read+0x4/0x1a0)`
+        let words: Vec<&str> = l.split_whitespace().collect();
+        let at = words.iter().position(|w| {
+            w.strip_suffix(':')
+                .is_some_and(|t| t.contains('.') && t.parse::<f64>().is_ok())
+        });
+        if let Some(event) = at.and_then(|i| words.get(i + 1)) {
+            *guest
+                .entry(event.trim_end_matches(':').to_string())
+                .or_default() += 1;
+        }
+    }
+    println!(
+        "count: {} functions called by dd, ours (CLI, {:.1} s) {ours:?}; {summary}",
+        ours.len(),
+        took.as_secs_f64()
+    );
+    println!("count: the guest's kprobes ({guest_events} events, comm filter) {guest:?}");
+    if !err.trim().is_empty() {
+        println!("count: stderr: {}", err.trim());
+    }
+    let reads = ours.get("vfs_read").copied().unwrap_or(0);
+    ck.check(
+        reads >= 41,
+        format!("vfs_read counted at least 41 times for dd: {reads}"),
+    );
+    ck.check(!guest.is_empty(), "the guest's kprobes saw dd");
+    // Every function both sides can see: the same count. A function the
+    // guest could not probe is only listed.
+    let ours_probed: BTreeMap<String, u64> = ours
+        .iter()
+        .filter(|(n, _)| probed.contains(n.as_str()))
+        .map(|(n, v)| (n.clone(), *v))
+        .collect();
+    ck.eq(
+        "count per function, ours against the guest's kprobes",
+        &ours_probed,
+        &guest,
+    );
+    let only_ours: Vec<&String> = ours
+        .keys()
+        .filter(|n| !ours_probed.contains_key(*n))
+        .collect();
+    if !only_ours.is_empty() {
+        println!("count: counted by us only (the guest has no probe on them): {only_ours:?}");
+    }
 }
 
 /// The function tracer on every traceable function during a workload: the

@@ -56,9 +56,42 @@ pub enum Command {
     /// Trace call trees with the function-graph tracer (ftrace's
     /// function_graph) until the trace goes quiet, then stop it.
     Graph(GraphArgs),
+    /// Count calls per function in VMX root (as bcc's funccount): every
+    /// function matching a glob is hooked and counted, and only the counts
+    /// cross to the host, so nothing is lost however hot the functions.
+    Count(CountArgs),
     /// The supervisor of a detached VM (started by `run --detach`).
     #[command(hide = true)]
     Supervise(SuperviseArgs),
+}
+
+/// Options of `hvtrace count`.
+#[derive(Clone, Debug, Args)]
+pub struct CountArgs {
+    /// Globs of the functions counted (`vfs_*`, `ext4:*`).
+    #[arg(value_name = "GLOB", required = true)]
+    pub globs: Vec<String>,
+    /// Count only the calls of this thread id.
+    #[arg(long, value_name = "PID", value_parser = value_parser!(i32).range(0..))]
+    pub pid: Option<i32>,
+    /// Count only the calls of tasks with this name (comm).
+    #[arg(long, value_name = "NAME")]
+    pub comm: Option<String>,
+    /// Print the counts so far every SECS seconds too.
+    #[arg(long, value_name = "SECS")]
+    pub interval: Option<f64>,
+    /// End the count after SECS seconds [default: at Ctrl-C].
+    #[arg(long, value_name = "SECS", conflicts_with = "exec")]
+    pub duration: Option<f64>,
+    /// Count while this guest command runs, then end.
+    #[arg(long, value_name = "CMD")]
+    pub exec: Option<String>,
+    /// Print only the N most called functions.
+    #[arg(long, value_name = "N")]
+    pub top: Option<usize>,
+    /// Print JSON objects instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Options of `hvtrace status`.
@@ -356,6 +389,16 @@ pub struct RunArgs {
     /// behind the control socket (--socket) for `status`, `exec` and `stop`.
     #[arg(long, conflicts_with_all = ["exec", "bare", "probes", "functions", "graphs"])]
     pub detach: bool,
+
+    /// Count the calls of every function matching GLOB in VMX root while
+    /// the --exec commands run, then print the counts as `hvtrace count`
+    /// does (repeatable).
+    #[arg(long = "count", value_name = "GLOB", conflicts_with_all = ["bare", "probes", "functions", "graphs"])]
+    pub counts: Vec<String>,
+
+    /// With --count: count only the calls of tasks with this name (comm).
+    #[arg(long, value_name = "NAME", requires = "counts")]
+    pub count_comm: Option<String>,
 
     /// Add this probe (kprobe_events syntax) before the --exec commands run,
     /// and write the trace of the commands to stdout or --output (repeatable).

@@ -342,6 +342,20 @@ pub fn exec(socket: &Path, args: &ExecArgs) -> Result<u8> {
     }
 }
 
+/// Runs `command` in the guest; returns its output and status.
+pub fn run_in_guest(client: &mut Client, command: &str) -> Result<(String, i32)> {
+    let reply = client.call(
+        Request::Exec {
+            command: command.to_string(),
+        },
+        EXEC_TIMEOUT,
+    )?;
+    match reply.response {
+        Response::Exec { output, status } => Ok((output, status)),
+        other => Err(response_error(other)),
+    }
+}
+
 /// A guest command's status as a process exit code.
 pub fn exit_code(status: i32) -> u8 {
     u8::try_from(status).unwrap_or(255)

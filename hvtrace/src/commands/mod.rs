@@ -3,6 +3,7 @@
 //! `graph`.
 
 pub mod cli;
+pub mod count;
 pub mod ctl;
 pub mod graph;
 pub mod run;

@@ -33,8 +33,8 @@ use protocol::GraphFilter;
 
 use crate::client::Control;
 use crate::commands::cli::{OutputFormatArg, RunArgs};
-use crate::commands::ctl;
 use crate::commands::trace_read::{self, TraceEnd, TraceOutput, TraceReader};
+use crate::commands::{count, ctl};
 use crate::daemon::local::LocalVm;
 use crate::daemon::supervisor::Ending;
 use crate::output::report;
@@ -66,6 +66,9 @@ fn note_tcg(cfg: &RunConfig) {
 
 /// Runs `hvtrace run`; returns the process exit code.
 pub fn run(args: &RunArgs) -> Result<u8> {
+    if !args.counts.is_empty() {
+        return run_counted(args);
+    }
     if args.traces() {
         return run_traced(args);
     }
@@ -216,6 +219,37 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
     if traced.failed > 0 && args.fail_on_exec_error {
         finish(&report, 1)?;
         bail!("{} of {} commands failed", traced.failed, args.exec.len());
+    }
+    finish(&report, 0)
+}
+
+/// `hvtrace run --count GLOB ... --exec ...`: counts the calls while the
+/// commands run, prints the counts (stdout, or JSON with `--format json`),
+/// stops the VM.
+fn run_counted(args: &RunArgs) -> Result<u8> {
+    let filter = count::filter(&args.counts, None, args.count_comm.as_deref())?;
+    let json = matches!(args.format, Some(OutputFormatArg::Json));
+    let cfg = args.resolve()?;
+    note_tcg(&cfg);
+    let vm = LocalVm::start(cfg)?;
+    let mut control = vm.control();
+    let line = count::start(&mut control, filter)?;
+    eprintln!("hvtrace: {}", term::sanitize(&line));
+    let abort = AtomicBool::new(false);
+    let (failed, interrupted) = run_commands(&vm, &args.exec, &abort)?;
+    let counts = count::read(&mut control)?;
+    if json {
+        println!("{}", count::json_line(&counts));
+    } else {
+        print!("{}", count::text(&counts, None));
+    }
+    let report = vm.stop()?;
+    if interrupted {
+        return finish(&report, ctl::INTERRUPTED_EXIT);
+    }
+    if failed > 0 && args.fail_on_exec_error {
+        finish(&report, 1)?;
+        bail!("{} of {} commands failed", failed, args.exec.len());
     }
     finish(&report, 0)
 }

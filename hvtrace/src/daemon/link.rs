@@ -54,7 +54,9 @@ pub fn timeout_for(request: &Request, base: Duration) -> Duration {
         | Request::FunctionAdd { .. }
         | Request::FunctionClear
         | Request::GraphStart(_)
-        | Request::GraphStop { .. } => base.max(HOOK_TIMEOUT),
+        | Request::GraphStop { .. }
+        | Request::CountStart(_)
+        | Request::CountStop => base.max(HOOK_TIMEOUT),
         _ => base,
     }
 }

@@ -28,7 +28,7 @@ pub enum Piece<'a> {
     Line(&'a [u8]),
     /// A frame, decoded (or why it could not be), and its bytes on the
     /// wire (delimiters included).
-    Frame(Result<Frame, DecodeError>, usize),
+    Frame(Box<Result<Frame, DecodeError>>, usize),
 }
 
 /// Splits a byte stream into text lines and frames.
@@ -102,9 +102,9 @@ impl LogDemux {
     pub fn finish(&mut self, out: &mut dyn FnMut(Piece<'_>)) {
         if self.in_frame && (self.overlong || !self.segment.is_empty()) {
             out(Piece::Frame(
-                Err(DecodeError::Truncated {
+                Box::new(Err(DecodeError::Truncated {
                     len: self.segment.len(),
-                }),
+                })),
                 self.segment.len() + 1,
             ));
         }
@@ -151,9 +151,9 @@ impl LogDemux {
             self.overlong = false;
             self.segment.clear();
             out(Piece::Frame(
-                Err(DecodeError::TooLong {
+                Box::new(Err(DecodeError::TooLong {
                     len: MAX_WIRE_FRAME,
-                }),
+                })),
                 MAX_WIRE_FRAME,
             ));
             return;
@@ -174,14 +174,14 @@ impl LogDemux {
         let result = self.decoder.feed(&wire).last();
         let wire_len = wire.len();
         match result {
-            Some(Ok(frame)) => out(Piece::Frame(Ok(frame), wire_len)),
+            Some(Ok(frame)) => out(Piece::Frame(Box::new(Ok(frame)), wire_len)),
             Some(Err(_)) | None if find(&segment, PREFIX.as_bytes()).is_some() => {
                 // Out of step: a frame cut short, then text from the log
                 // prefix on; the delimiter just read opens a frame.
                 let at = find(&segment, PREFIX.as_bytes()).unwrap_or(0);
                 if at > 0 {
                     out(Piece::Frame(
-                        Err(DecodeError::Truncated { len: at }),
+                        Box::new(Err(DecodeError::Truncated { len: at })),
                         at + 1,
                     ));
                 }
@@ -193,9 +193,9 @@ impl LogDemux {
                 }
                 self.in_frame = true;
             }
-            Some(Err(e)) => out(Piece::Frame(Err(e), wire_len)),
+            Some(Err(e)) => out(Piece::Frame(Box::new(Err(e)), wire_len)),
             None => out(Piece::Frame(
-                Err(DecodeError::Truncated { len: segment.len() }),
+                Box::new(Err(DecodeError::Truncated { len: segment.len() })),
                 wire_len,
             )),
         }
@@ -228,15 +228,14 @@ mod tests {
         let mut out = |p: Piece<'_>| {
             got.push(match p {
                 Piece::Line(l) => Got::Line(String::from_utf8_lossy(l).into_owned()),
-                Piece::Frame(
+                Piece::Frame(f, _) => match *f {
                     Ok(Frame {
                         seq,
                         body: protocol::Body::Event(Event::TraceText { text, .. }),
                         ..
-                    }),
-                    _,
-                ) => Got::Text(seq, text),
-                Piece::Frame(..) => Got::Bad,
+                    }) => Got::Text(seq, text),
+                    _ => Got::Bad,
+                },
             })
         };
         for c in chunks {

@@ -84,7 +84,8 @@ pub struct BulkStats {
     pub bad: u64,
     /// Frames whose sequence numbers never came (lost or bad).
     pub missing: u64,
-    /// Frames that came before anyone took them, dropped.
+    /// Frames dropped: they came before anyone took them, or they were not
+    /// trace text.
     pub unheard: u64,
 }
 
@@ -108,8 +109,12 @@ impl BulkTap {
             }
         }
         self.last_seq = Some(frame.seq);
+        // Root sends trace text there and nothing else; anything else is
+        // not taken from this path.
         match (frame.body, self.sink.as_mut()) {
-            (protocol::Body::Event(event), Some(sink)) => sink(event),
+            (protocol::Body::Event(event @ protocol::Event::TraceText { .. }), Some(sink)) => {
+                sink(event)
+            }
             _ => self.stats.unheard += 1,
         }
     }
@@ -1208,7 +1213,7 @@ fn spawn_line_reader(
             }
             logport::Piece::Frame(frame, wire_len) => {
                 let mut bulk = shared.bulk.lock().unwrap_or_else(|e| e.into_inner());
-                match frame {
+                match *frame {
                     Ok(frame) if is_stdout => bulk.frame(frame, wire_len as u64),
                     _ => bulk.stats.bad += 1,
                 }

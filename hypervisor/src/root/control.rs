@@ -383,6 +383,45 @@ impl Control {
                 },
                 Action::None,
             ),
+            Request::CountStart(filter) => (
+                with_kernel(src, |src, k| {
+                    let now = src.uptime_ns;
+                    with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
+                        src.tracer.count_start(&filter, k, env, now)
+                    })
+                    .map(|a| Response::CountStarted {
+                        functions: a.traced,
+                        skipped: a.skipped,
+                        skipped_total: a.skipped_total,
+                    })
+                }),
+                Action::None,
+            ),
+            Request::CountRead { cursor, limit } => (
+                with_kernel(src, |src, k| {
+                    src.tracer
+                        .count_read(cursor, limit, k, src.uptime_ns)
+                        .map(|p| Response::Counts {
+                            functions: p.functions,
+                            calls: p.calls,
+                            filtered: p.filtered,
+                            elapsed_ns: p.elapsed_ns,
+                            memory: p.memory,
+                            entries: p.entries,
+                            next: p.next,
+                        })
+                }),
+                Action::None,
+            ),
+            Request::CountStop => (
+                match with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
+                    src.tracer.count_stop(env)
+                }) {
+                    Ok(()) => Response::Ok,
+                    Err(ReqError { kind, message }) => Response::error(kind, message),
+                },
+                Action::None,
+            ),
             Request::GraphStart(filter) => (
                 with_kernel(src, |src, k| {
                     with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
@@ -480,6 +519,8 @@ fn needs_kernel(r: &Request) -> bool {
             | Request::Syms { .. }
             | Request::ProbeAdd { .. }
             | Request::FunctionAdd { .. }
+            | Request::CountStart(_)
+            | Request::CountRead { .. }
             | Request::GraphStart(_)
     )
 }

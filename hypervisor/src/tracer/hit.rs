@@ -203,6 +203,22 @@ impl<'a> Hit<'a> {
                 module: regs.di,
             });
         }
+        if u.counted {
+            let c = &self.vm.count;
+            let counts = !c.filters() || {
+                let r = k.current(cpu).unwrap_or(Running::UNKNOWN);
+                c.admits(r.pid, &r.comm)
+            };
+            if counts {
+                add(&u.calls, 1);
+            } else {
+                add(&c.filtered, 1);
+            }
+            if u.probes.is_empty() && !u.function && u.graph == 0 && u.retprobes.is_empty() {
+                // Counted, and nothing else to do: no event.
+                return (chain, Served::Hit);
+            }
+        }
         let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
         let mut header = EventHeader {
             probe_id: 0,

@@ -28,6 +28,7 @@
 //! which reads the VM's state shared (`&VmState`): hits on several vCPUs
 //! run at the same time.
 
+pub mod count;
 mod cpu_state;
 mod fgraph;
 pub mod graph;

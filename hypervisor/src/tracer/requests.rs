@@ -9,7 +9,7 @@ use super::modules;
 use super::probes::{Probe, MAX_PROBES};
 use super::retstack::MAX_USERS;
 use super::site::PatchError;
-use super::split::MAX_SITES;
+use super::split::{SiteUse, MAX_SITES};
 use super::symbols;
 use super::{
     insert_site, out_of_memory, stop_others, FunctionsAdded, GraphStarted, ProbeAdded, ReqError,
@@ -34,6 +34,26 @@ pub(super) enum AttachError {
     Hook(PatchError),
     /// The site's list of users could not grow.
     Memory(OutOfMemory),
+}
+
+/// What a request found to hook ([`Tracer::traceable_matches`]).
+#[derive(Default)]
+pub(super) struct Matches {
+    /// (symbol, site, function) of each traceable match.
+    found: Vec<(symbols::SymRef, Gva, Gva)>,
+    /// Why the first few matches cannot be hooked.
+    skipped: Vec<String>,
+    /// Matches that cannot be hooked.
+    skipped_total: u32,
+}
+
+impl Matches {
+    fn skip(&mut self, why: impl FnOnce() -> String) {
+        self.skipped_total += 1;
+        if self.skipped.len() < 8 {
+            self.skipped.push(why());
+        }
+    }
 }
 
 /// Sites hooked per hold of the other vCPUs in a long request.
@@ -237,60 +257,95 @@ impl Tracer<'_> {
         if follows {
             self.follow_function_glob(glob, k, env)?;
         }
+        let matches = self.traceable_matches(&[glob], k, env)?;
+        let mut newly = 0;
+        let added = self.hook_matches(matches, k, env, |u, _| {
+            if !u.function {
+                u.function = true;
+                newly += 1;
+            }
+        })?;
+        self.vm.probes.functions += newly;
+        log::info!(
+            "tracer: function tracer on {glob}: {} traced, {} skipped",
+            added.traced,
+            added.skipped_total
+        );
+        Ok(added)
+    }
+
+    /// The traceable functions matching any of `globs` (each once, aliases
+    /// too), classified with every vCPU still running, and the matches
+    /// that cannot be hooked, with why. Module functions are kept only
+    /// while unloads are followed (the hidden hooks are put in here).
+    pub(super) fn traceable_matches(
+        &mut self,
+        globs: &[&str],
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+    ) -> Result<Matches, ReqError> {
         let view = PagedView::new(env.ram, k.cr3());
         let classifier = self.classifier(k);
-        let mut traced = 0u32;
-        let mut skipped = Vec::new();
-        let mut skipped_total = 0u32;
+        let mut m = Matches::default();
         let mut seen = alloc::collections::BTreeSet::new();
-        let ids = fallible::try_collect(symbols::glob(k, glob))
-            .map_err(|e| out_of_memory(env, "the list of matching symbols", e))?;
-        // Classify first, with every vCPU still running; then hook, with
-        // the others held in root from the first hook on.
-        let mut found = Vec::new();
-        for id in ids {
-            let Ok(fs) = id.classify(k, &classifier, &view) else {
-                continue; // not traceable: not a match for the tracer
-            };
-            if seen.contains(&fs.site.0) {
-                continue; // an alias of a function already done
-            }
-            // The set cannot reserve: past the site table's bound (or the
-            // heap's room) the rest could not be hooked anyway.
-            if seen.len() >= MAX_SITES
-                || env.m.heap_check(btree_entry_bytes::<u64, ()>()).is_err()
-                || fallible::try_push(&mut found, (id, fs.site, fs.func)).is_err()
-            {
-                skipped_total += 1;
-                if skipped.len() < 8 {
-                    skipped.push(format!(
-                        "{}: out of hypervisor memory for the request",
-                        id.name(k)
-                    ));
+        for glob in globs {
+            let ids = fallible::try_collect(symbols::glob(k, glob))
+                .map_err(|e| out_of_memory(env, "the list of matching symbols", e))?;
+            for id in ids {
+                let Ok(fs) = id.classify(k, &classifier, &view) else {
+                    continue; // not traceable: not a match for the tracer
+                };
+                if seen.contains(&fs.site.0) {
+                    continue; // an alias of a function already done
                 }
-                continue;
+                // The set cannot reserve: past the site table's bound (or
+                // the heap's room) the rest could not be hooked anyway.
+                if seen.len() >= MAX_SITES
+                    || env.m.heap_check(btree_entry_bytes::<u64, ()>()).is_err()
+                    || fallible::try_push(&mut m.found, (id, fs.site, fs.func)).is_err()
+                {
+                    m.skip(|| format!("{}: out of hypervisor memory for the request", id.name(k)));
+                    continue;
+                }
+                seen.insert(fs.site.0);
             }
-            seen.insert(fs.site.0);
         }
-        // Module functions are hooked only while unloads are followed.
         let core = k.index().text();
-        if found
+        if m.found
             .iter()
             .any(|&(_, site, _)| modules::outside_core(core, site))
         {
             if let Err(e) = self.ensure_module_hooks(k, env, true) {
+                let mut found = core::mem::take(&mut m.found);
                 found.retain(|&(id, site, _)| {
                     if !modules::outside_core(core, site) {
                         return true;
                     }
-                    skipped_total += 1;
-                    if skipped.len() < 8 {
-                        skipped.push(format!("{}: {}", id.name(k), e.message));
-                    }
+                    m.skip(|| format!("{}: {}", id.name(k), e.message));
                     false
                 });
+                m.found = found;
             }
         }
+        Ok(m)
+    }
+
+    /// Hooks `matches` (the other vCPUs held, a batch at a time) and marks
+    /// each hooked site's use with `mark` (given the symbol that matched). Returns what was hooked and
+    /// what was not.
+    pub(super) fn hook_matches(
+        &mut self,
+        matches: Matches,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+        mut mark: impl FnMut(&mut SiteUse, symbols::SymRef),
+    ) -> Result<FunctionsAdded, ReqError> {
+        let Matches {
+            found,
+            mut skipped,
+            mut skipped_total,
+        } = matches;
+        let mut traced = 0u32;
         if !found.is_empty() {
             self.ensure_region(k, env)?;
             stop_others(env)?;
@@ -308,10 +363,7 @@ impl Tracer<'_> {
             {
                 Ok(()) => {
                     if let Some(u) = self.vm.view.sites.get_mut(&site) {
-                        if !u.function {
-                            u.function = true;
-                            self.vm.probes.functions += 1;
-                        }
+                        mark(u, id);
                     }
                     traced += 1;
                 }
@@ -324,7 +376,6 @@ impl Tracer<'_> {
             }
         }
         env.m.invept();
-        log::info!("tracer: function tracer on {glob}: {traced} traced, {skipped_total} skipped");
         Ok(FunctionsAdded {
             traced,
             skipped,

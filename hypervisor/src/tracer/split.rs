@@ -26,7 +26,7 @@ pub(super) const MAX_SITES: usize = 1 << 16;
 const FRAME_RESERVE: u64 = 1 << 20;
 /// Heap one more hooked site may take: its `sites` entry, a `pages` entry
 /// and a patch.
-const SITE_BYTES: usize = btree_entry_bytes::<u64, SiteUse>()
+pub(super) const SITE_BYTES: usize = btree_entry_bytes::<u64, SiteUse>()
     + btree_entry_bytes::<u64, Hooked>()
     + core::mem::size_of::<Patch>();
 /// Sites released per pass when unhooking (a fixed buffer on root's stack:
@@ -49,6 +49,10 @@ pub(super) struct SiteUse {
     pub(super) graph: u16,
     /// Root's own hook on the kernel's module code, if this is one.
     pub(super) hidden: Option<ModuleHook>,
+    /// The call count (`CountStart`) counts this function.
+    pub(super) counted: bool,
+    /// Its calls counted since then (hits take the VM shared, so atomic).
+    pub(super) calls: core::sync::atomic::AtomicU64,
 }
 
 impl SiteUse {
@@ -59,6 +63,7 @@ impl SiteUse {
             && !self.function
             && self.graph == 0
             && self.hidden.is_none()
+            && !self.counted
     }
 }
 
@@ -234,6 +239,8 @@ impl SplitView {
                 retprobes: Vec::new(),
                 graph: 0,
                 hidden: None,
+                counted: false,
+                calls: core::sync::atomic::AtomicU64::new(0),
             },
         );
         Ok(())

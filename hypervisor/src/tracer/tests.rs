@@ -793,6 +793,103 @@ fn the_function_tracer_records_function_and_parent() {
 }
 
 #[test]
+fn a_count_counts_calls_in_root_records_nothing_and_keeps_other_uses() {
+    let mut g = Guest::new();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    let filter = protocol::CountFilter {
+        functions: vec!["my_func".into(), "other_*".into()],
+        ..Default::default()
+    };
+    let added = g
+        .with(|t, env, k| t.count_start(&filter, k, env, 1_000))
+        .unwrap();
+    assert_eq!((added.traced, added.skipped_total), (2, 0));
+    // One count at a time.
+    let again = g.with(|t, env, k| t.count_start(&filter, k, env, 1_000));
+    assert_eq!(again.unwrap_err().kind, protocol::ErrorKind::AlreadyExists);
+    for _ in 0..3 {
+        g.hit(FUNC, RETP, CALLER_RET, 0);
+    }
+    g.hit(OTHER, RETP, CALLER_RET, 0);
+    assert_eq!(g.text(), "", "a count records no event");
+    assert_eq!(g.tracer().report().hits, 4);
+    let read = |g: &mut Guest, cursor, limit| {
+        g.with(|t, _, k| t.count_read(cursor, limit, k, 5_000))
+            .unwrap()
+    };
+    let page = read(&mut g, 0, 100);
+    let got: Vec<(String, u64)> = page
+        .entries
+        .iter()
+        .map(|e| (e.name.clone(), e.calls))
+        .collect();
+    assert_eq!(
+        got,
+        [("my_func".to_string(), 3), ("other_func".to_string(), 1)]
+    );
+    assert_eq!((page.functions, page.calls, page.filtered), (2, 4, 0));
+    assert_eq!((page.elapsed_ns, page.next), (4_000, None));
+    assert!(page.memory > 0);
+    // Paged a function at a time, in address order.
+    let first = read(&mut g, 0, 1);
+    assert_eq!(first.entries.len(), 1);
+    let second = read(&mut g, first.next.unwrap(), 1);
+    assert_eq!(second.entries[0].name, "other_func");
+    assert_eq!(second.next, None);
+
+    // The function tracer on a counted function records, and counts go on.
+    g.with(|t, env, k| t.function_add("my_func", k, env))
+        .unwrap();
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert!(g.text().contains("my_func <-caller"));
+    assert_eq!(read(&mut g, 0, 100).calls, 5);
+    // Stopping the count keeps the function tracer's site, drops the rest.
+    g.with(|t, env, _| t.count_stop(env)).unwrap();
+    assert_eq!(g.tracer().report().sites, 1);
+    let gone = g.with(|t, _, k| t.count_read(0, 10, k, 0).map(|_| ()));
+    assert_eq!(gone.unwrap_err().kind, protocol::ErrorKind::NotFound);
+    g.with(|t, env, _| t.function_clear(env)).unwrap();
+    assert_eq!(g.tracer().report().sites, 0);
+}
+
+#[test]
+fn a_counts_comm_filter_counts_the_others_apart() {
+    let mut g = Guest::new();
+    let filter = protocol::CountFilter {
+        functions: vec!["my_func".into()],
+        comm: Some("sleeper".into()),
+        ..Default::default()
+    };
+    let name = g.kernel.running.comm;
+    assert!(name.starts_with(b"sleeper"), "the test task is sleeper");
+    g.with(|t, env, k| t.count_start(&filter, k, env, 0))
+        .unwrap();
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    g.kernel.running.comm = *b"other\0\0\0\0\0\0\0\0\0\0\0";
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    let page = g.with(|t, _, k| t.count_read(0, 10, k, 0)).unwrap();
+    assert_eq!((page.calls, page.filtered), (1, 2));
+    for bad in ["", "sixteen_bytes_xx"] {
+        let f = protocol::CountFilter {
+            functions: vec!["my_func".into()],
+            comm: Some(bad.into()),
+            ..Default::default()
+        };
+        g.with(|t, env, _| t.count_stop(env)).ok();
+        let e = g
+            .with(|t, env, k| t.count_start(&f, k, env, 0))
+            .unwrap_err();
+        assert_eq!(e.kind, protocol::ErrorKind::InvalidArgument, "{bad:?}");
+    }
+    let none = protocol::CountFilter::default();
+    let e = g
+        .with(|t, env, k| t.count_start(&none, k, env, 0))
+        .unwrap_err();
+    assert_eq!(e.kind, protocol::ErrorKind::InvalidArgument);
+}
+
+#[test]
 fn hits_on_two_vcpus_are_merged_by_time_with_the_guests_cpu_numbers() {
     let mut g = Guest::new();
     g.with(|t, env, k| t.function_add("*_func", k, env))

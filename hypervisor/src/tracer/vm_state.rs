@@ -1,5 +1,6 @@
 //! The tracer's state that every vCPU shares: one per VM.
 
+use super::count::CountState;
 use super::fgraph::Graph;
 use super::modules::ModuleTrack;
 use super::probes::Probes;
@@ -33,6 +34,8 @@ pub struct VmState {
     pub(super) hit: HitStats,
     /// The hidden hooks that follow module loads and unloads.
     pub(super) modules: ModuleTrack,
+    /// The call count, when one runs.
+    pub(super) count: CountState,
 }
 
 /// The counters the hit path adds to, summed over the vCPUs.
