@@ -58,7 +58,13 @@ fn main() -> ExitCode {
         }),
         Command::Trace(args) => socket().and_then(|s| hvtrace::commands::ctl::trace(&s, args)),
         Command::Graph(args) => socket().and_then(|s| hvtrace::commands::graph::graph(&s, args)),
-        Command::Count(args) => socket().and_then(|s| hvtrace::commands::count::count(&s, args)),
+        Command::Count(args) => {
+            socket().and_then(|s| hvtrace::commands::count::count(&s, args, false))
+        }
+        Command::Hist(args) => socket().and_then(|s| hvtrace::commands::count::hist(&s, args)),
+        Command::Latency(args) => {
+            socket().and_then(|s| hvtrace::commands::count::count(&s, args, true))
+        }
         Command::Supervise(args) => {
             socket().and_then(|s| hvtrace::daemon::serve::supervise(&s, args))
         }

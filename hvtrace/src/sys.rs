@@ -6,6 +6,8 @@
 //! and `std` can only offer as unsafe (and the `setsockopt` call inside the
 //! expansion of `nix`'s `sockopt_impl!`).
 //!
+//! - `mmap(2)`, `munmap(2)`: the host maps the file behind a QEMU guest's
+//!   RAM, shared, to read root's trace rings there.
 //! - `setsid(2)`: the detached supervisor leaves the terminal's session, so
 //!   closing the terminal does not end the VM.
 //! - `prctl(PR_SET_PDEATHSIG)`: an emulator dies with the process that
@@ -231,6 +233,105 @@ pub fn die_with_parent(cmd: &mut Command) {
             }
             Ok(())
         });
+    }
+}
+
+/// A file mapped shared, readable and writable (`mmap(2)` with
+/// `MAP_SHARED`), unmapped when dropped: the host's view of the file that
+/// backs a QEMU guest's RAM, where root's trace rings live.
+pub struct SharedMap {
+    ptr: std::ptr::NonNull<std::ffi::c_void>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; what is read
+// or written through it is synchronized by the ring's atomics.
+unsafe impl Send for SharedMap {}
+// SAFETY: as above.
+unsafe impl Sync for SharedMap {}
+
+impl SharedMap {
+    /// Maps the first `len` bytes of `file`.
+    pub fn map(file: &std::fs::File, len: usize) -> io::Result<SharedMap> {
+        use nix::sys::mman::{mmap, MapFlags, ProtFlags};
+        let size = std::num::NonZeroUsize::new(len)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "an empty mapping"))?;
+        // SAFETY: a fresh mapping chosen by the kernel (no address given),
+        // of a file we opened; nothing else in this process refers to it.
+        let ptr = unsafe {
+            mmap(
+                None,
+                size,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                file,
+                0,
+            )
+        }
+        .map_err(io::Error::from)?;
+        Ok(SharedMap { ptr, len })
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is mapped (never: a mapping has a length).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The ring at byte `offset` of the mapping, `len` bytes long, as its
+    /// producer formatted it; or, with `format`, made empty here (the
+    /// tests' writer does that).
+    pub fn ring(
+        &self,
+        offset: usize,
+        len: usize,
+        format: bool,
+    ) -> Result<MappedRing<'_>, protocol::ring::RingError> {
+        use protocol::ring::{Ring, RingError};
+        let end = offset.checked_add(len).ok_or(RingError::NotARing)?;
+        if end > self.len {
+            return Err(RingError::NotARing);
+        }
+        // SAFETY: `offset..end` lies within the mapping, which outlives the
+        // returned ring (its lifetime is the map's); `attach` and `format`
+        // check the alignment and the size they are given.
+        let ring = unsafe {
+            let base = self.ptr.as_ptr().cast::<u8>().add(offset);
+            if format {
+                Ring::format(base, len).ok_or(RingError::NotARing)
+            } else {
+                Ring::attach(base, len)
+            }
+        }?;
+        Ok(MappedRing {
+            ring,
+            _map: std::marker::PhantomData,
+        })
+    }
+}
+
+impl Drop for SharedMap {
+    fn drop(&mut self) {
+        // SAFETY: the mapping `map` made, unmapped once; every ring over it
+        // borrowed `self`, so none is left.
+        let _ = unsafe { nix::sys::mman::munmap(self.ptr, self.len) };
+    }
+}
+
+/// A ring inside a [`SharedMap`].
+pub struct MappedRing<'m> {
+    ring: protocol::ring::Ring,
+    _map: std::marker::PhantomData<&'m SharedMap>,
+}
+
+impl std::ops::Deref for MappedRing<'_> {
+    type Target = protocol::ring::Ring;
+    fn deref(&self) -> &protocol::ring::Ring {
+        &self.ring
     }
 }
 

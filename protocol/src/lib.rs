@@ -56,6 +56,7 @@ pub mod crc32;
 #[cfg(feature = "std")]
 pub mod io;
 pub mod message;
+pub mod ring;
 
 pub use codec::{
     encode, encode_fatal, DecodeError, EncodeError, FrameDecoder, Frames, CRC_LEN, FATAL_SEQ,
@@ -63,9 +64,9 @@ pub use codec::{
 };
 pub use message::{
     Body, ChannelReport, CountFilter, ErrorKind, Event, ExitCount, Frame, FunctionCount,
-    GraphFilter, GuardReport, GuestState, KernelReport, ModulesReport, ProbeInfo, Request,
-    Response, StatusReport, SymbolInfo, TaskInfo, TraceChannel, TraceFormat, TracerReport,
-    VcpuReport,
+    GraphFilter, GuardReport, GuestState, HistFilter, HistKey, HistRow, KernelReport,
+    ModulesReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceChannel,
+    TraceFormat, TracerReport, VcpuReport, LATENCY_BUCKETS,
 };
 
 /// The version of the wire format: the frame header, the framing and every

@@ -203,6 +203,48 @@ pub enum Request {
     },
     /// Stops counting and unhooks what only the count used.
     CountStop,
+    /// Reads the count's histograms ([`CountFilter::hist`]), a key per
+    /// row, from row `cursor` (0 for the first page, then the answer's
+    /// `next`). Answered by [`Response::Hist`].
+    HistRead {
+        /// Where to resume.
+        cursor: u32,
+    },
+}
+
+/// A histogram of one fetch argument (bpftrace's `hist()`), kept in root
+/// for each key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HistFilter {
+    /// An entry probe in kprobe_events syntax whose first fetch argument
+    /// is the value (`p vfs_read count=%dx:u64`); its function is the one
+    /// counted.
+    pub spec: String,
+    /// What the calls are grouped by.
+    pub key: HistKey,
+}
+
+/// The key of a histogram's rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum HistKey {
+    /// The probed function (one row).
+    Function,
+    /// The calling task's comm.
+    Comm,
+    /// The calling thread's id.
+    Pid,
+}
+
+/// One key's histogram.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HistRow {
+    /// The key as text: a function's name, a comm, a pid.
+    pub key: String,
+    /// Calls by value, in the [`LATENCY_BUCKETS`] log2 buckets (bucket 0:
+    /// the value 0; N: 2^(N-1) to 2^N - 1), trailing empty buckets left
+    /// out.
+    pub buckets: Vec<u64>,
 }
 
 /// What [`Request::CountStart`] counts.
@@ -214,7 +256,18 @@ pub struct CountFilter {
     pub pid: Option<i32>,
     /// Only calls made by tasks with this comm.
     pub comm: Option<String>,
+    /// Also time each call, through the return hijack (bcc's
+    /// funclatency): a log2 histogram of the durations over every
+    /// counted function.
+    pub latency: bool,
+    /// A histogram of a fetch argument instead of globs: `functions` is
+    /// left empty, and the spec's function is counted.
+    pub hist: Option<HistFilter>,
 }
+
+/// Buckets of a latency histogram: bucket 0 holds durations of 0 ns,
+/// bucket N (1 to 62) those of 2^(N-1) to 2^N - 1 ns, bucket 63 the rest.
+pub const LATENCY_BUCKETS: usize = 64;
 
 /// One function's count.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -238,6 +291,11 @@ pub enum TraceChannel {
     /// delimiters, among the log's text lines (which never hold `0x00`),
     /// with no baud pacing. Frames on it have their own event sequence.
     LogPort,
+    /// A ring in hypervisor memory ([`crate::ring`]) that the host reads
+    /// from the file backing the guest's RAM (QEMU's
+    /// `memory-backend-file,share=on`): each frame, as the control channel
+    /// encodes it, is one record. Answered by [`Response::TraceRing`].
+    SharedRing,
 }
 
 /// What the function-graph tracer traces, in the ftrace names.
@@ -390,6 +448,35 @@ pub enum Response {
         entries: Vec<FunctionCount>,
         /// The cursor for the next page; `None` after the last one.
         next: Option<u64>,
+        /// With `latency`: calls timed, by duration, in the
+        /// [`LATENCY_BUCKETS`] log2 buckets (trailing empty buckets left
+        /// out); empty otherwise.
+        latency: Vec<u64>,
+        /// Calls that could not be timed (their return could not be
+        /// hijacked: a return stack full, no room for one).
+        latency_missed: u64,
+    },
+    /// Answer to [`Request::TraceChannel`] with
+    /// [`TraceChannel::SharedRing`]: where the ring is.
+    TraceRing {
+        /// Its guest-physical address (the start of its header).
+        gpa: u64,
+        /// Its bytes, header included.
+        len: u64,
+    },
+    /// Answer to [`Request::HistRead`].
+    Hist {
+        /// The rows of this page.
+        rows: Vec<HistRow>,
+        /// The cursor for the next page; `None` after the last one.
+        next: Option<u32>,
+        /// Calls whose key found no room (the keys are bounded), counted
+        /// and not placed.
+        overflow: u64,
+        /// Calls whose value could not be read (`(fault)`).
+        faults: u64,
+        /// Most keys the histogram holds.
+        max_keys: u32,
     },
     /// Answer to [`Request::TraceRead`].
     Trace {

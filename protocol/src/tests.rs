@@ -183,7 +183,30 @@ fn samples() -> Vec<Body> {
             functions: vec!["vfs_*".into(), "ext4:*".into()],
             pid: Some(42),
             comm: Some("dd".into()),
+            latency: true,
+            hist: Some(HistFilter {
+                spec: "p vfs_read count=%dx:u64".into(),
+                key: HistKey::Comm,
+            }),
         })),
+        Body::Request(Request::HistRead { cursor: 3 }),
+        Body::Request(Request::TraceChannel {
+            channel: TraceChannel::SharedRing,
+        }),
+        Body::Response(Response::TraceRing {
+            gpa: 0x1c0_0000,
+            len: 1 << 20,
+        }),
+        Body::Response(Response::Hist {
+            rows: vec![HistRow {
+                key: "dd".into(),
+                buckets: vec![0, 0, 5, u64::MAX],
+            }],
+            next: Some(1),
+            overflow: 2,
+            faults: 1,
+            max_keys: 64,
+        }),
         Body::Request(Request::CountRead {
             cursor: 0xffff_ffff_8100_0000,
             limit: 100,
@@ -206,6 +229,8 @@ fn samples() -> Vec<Body> {
                 calls: 12,
             }],
             next: Some(0xffff_ffff_c000_1001),
+            latency: vec![0, 1, u64::MAX, 3],
+            latency_missed: 2,
         }),
         Body::Request(Request::Exec {
             command: "cat /etc/hostname; echo $?".into(),
@@ -301,6 +326,7 @@ fn variant(body: &Body) -> String {
             Request::CountStart(_) => "Request::CountStart",
             Request::CountRead { .. } => "Request::CountRead",
             Request::CountStop => "Request::CountStop",
+            Request::HistRead { .. } => "Request::HistRead",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",
@@ -325,6 +351,8 @@ fn variant(body: &Body) -> String {
             Response::FunctionAdded { .. } => "Response::FunctionAdded",
             Response::CountStarted { .. } => "Response::CountStarted",
             Response::Counts { .. } => "Response::Counts",
+            Response::Hist { .. } => "Response::Hist",
+            Response::TraceRing { .. } => "Response::TraceRing",
             Response::Trace { .. } => "Response::Trace",
             Response::GraphStarted { .. } => "Response::GraphStarted",
         },
@@ -342,9 +370,9 @@ fn variant(body: &Body) -> String {
 /// Keep in step with the matches of `variant` (and with `ERROR_KINDS`, whose
 /// `match` below has no wildcard either).
 /// 11 requests, 6 plain responses, a status per guest state, one error per
-/// kind, 4 events; then `TraceChannel`, and the count's 3 requests and 2
-/// responses.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 5;
+/// kind, 4 events; then `TraceChannel` with `TraceRing`, and the count's 4
+/// requests and 3 responses.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8;
 
 #[test]
 fn samples_cover_every_variant() {

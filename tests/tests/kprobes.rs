@@ -561,6 +561,8 @@ fn exercise(guest: &str, fast_lane: bool) {
         ext4_module(&mut ck, &mut c, &mut stream);
     }
     count_oracle(&mut ck, &mut c, &vm);
+    latency_oracle(&mut ck, &mut c, &vm);
+    hist_oracle(&mut ck, &mut c, &vm);
     let t = status(&mut c).tracer;
     ck.eq("ring losses before the scale test", t.lost, 0);
     if fast_lane {
@@ -835,6 +837,205 @@ fn count_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
     if !only_ours.is_empty() {
         println!("count: counted by us only (the guest has no probe on them): {only_ours:?}");
     }
+}
+
+/// `hvtrace latency vfs_read --comm dd --exec DD` (timed in root through
+/// the return hijack) against the guest's own function_graph over the same
+/// `dd`, run alone before it: the same number of calls, and the calls in
+/// the same log2 buckets of duration, ordered by duration and paired rank
+/// for rank, give or take one bucket (each tracer's own overhead lands
+/// inside what it measures). The slowest tenth is left out of the pairing:
+/// the two runs are different calls, and which of them a timer interrupt
+/// lands in differs from run to run.
+fn latency_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
+    const DD: &str = "dd if=/dev/zero of=/dev/null bs=4096 count=40";
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo vfs_read > set_ftrace_filter && echo vfs_read > set_graph_function && \
+             echo 0 > options/funcgraph-irqs && echo function_graph > current_tracer && echo > trace && \
+             sh -c 'echo $$ > set_ftrace_pid; exec {DD} 2>/dev/null' && \
+             cat trace > /tmp/graph.txt; echo nop > current_tracer; echo > set_graph_function; \
+             echo > set_ftrace_pid; echo > set_ftrace_filter; echo 1 > options/funcgraph-irqs; cat /tmp/graph.txt"
+        ),
+    );
+    // `  0)   9.120 us    |  vfs_read();`
+    let mut theirs: Vec<u64> = guest
+        .lines()
+        .filter(|l| l.contains("vfs_read();"))
+        .filter_map(|l| {
+            let left = l.split('|').next()?;
+            let words: Vec<&str> = left.split_whitespace().collect();
+            let unit = words
+                .iter()
+                .rposition(|w| ["ns", "us", "ms", "s"].contains(w))?;
+            let v: f64 = words.get(unit.checked_sub(1)?)?.parse().ok()?;
+            let scale = match words[unit] {
+                "ns" => 1.0,
+                "us" => 1e3,
+                "ms" => 1e6,
+                _ => 1e9,
+            };
+            Some((v * scale) as u64)
+        })
+        .collect();
+    theirs.sort_unstable();
+    let (code, out, err) = vm.cli(&[
+        "latency",
+        "vfs_read",
+        "--comm",
+        "dd",
+        "--exec",
+        &format!("{DD} 2>/dev/null"),
+        "--json",
+    ]);
+    ck.eq("latency exit code", code, 0);
+    let v: serde_json::Value = match serde_json::from_str(out.trim()) {
+        Ok(v) => v,
+        Err(e) => {
+            ck.check(false, format!("latency --json: {e}: {out:?} {err:?}"));
+            return;
+        }
+    };
+    let hist: Vec<u64> = v["latency_ns_log2"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|n| n.as_u64()).collect())
+        .unwrap_or_default();
+    // Our calls, bucket by bucket, in order of duration.
+    let ours: Vec<usize> = hist
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &n)| std::iter::repeat_n(b, n as usize))
+        .collect();
+    let bucket = |ns: u64| (u64::BITS - ns.leading_zeros()) as usize;
+    let guest_buckets: Vec<usize> = theirs.iter().map(|&ns| bucket(ns)).collect();
+    println!(
+        "latency: vfs_read by dd, ours {} calls {hist:?} (missed {}); the guest's function_graph {} calls, buckets {:?}",
+        ours.len(),
+        v["latency_missed"],
+        theirs.len(),
+        {
+            let mut h = vec![0u64; guest_buckets.iter().max().map_or(0, |m| m + 1)];
+            for &b in &guest_buckets {
+                h[b] += 1;
+            }
+            h
+        }
+    );
+    ck.eq(
+        "latency: calls timed, ours and the guest's",
+        ours.len(),
+        theirs.len(),
+    );
+    ck.check(
+        ours.len() >= 40,
+        format!("latency: dd's 40 reads timed: {}", ours.len()),
+    );
+    let paired = ours.len().min(guest_buckets.len()) * 9 / 10;
+    let off: Vec<(usize, usize)> = ours
+        .iter()
+        .zip(&guest_buckets)
+        .take(paired)
+        .filter(|(a, b)| a.abs_diff(**b) > 1)
+        .map(|(a, b)| (*a, *b))
+        .collect();
+    ck.check(
+        off.is_empty(),
+        format!(
+            "latency: the fastest {paired} calls within one log2 bucket of the guest's, rank for rank (ours, theirs): {off:?}"
+        ),
+    );
+}
+
+/// `hvtrace hist p vfs_read count=%dx:u64 --key comm --comm dd --exec` dd
+/// runs of known block sizes: each read lands in its block size's bucket,
+/// and the histogram equals the guest's own kprobe with the same fetch
+/// argument and comm filter, bucketed here.
+fn hist_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
+    const WORK: &str = "dd if=/dev/zero of=/dev/null bs=512 count=10 2>/dev/null; \
+                        dd if=/dev/zero of=/dev/null bs=4096 count=5 2>/dev/null; \
+                        dd if=/dev/zero of=/dev/null bs=65536 count=3 2>/dev/null";
+    exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 'p:hvh/vr vfs_read count=%dx:u64' >> kprobe_events && \
+             echo 'comm == \"dd\"' > events/hvh/vr/filter && echo > trace && echo 1 > events/hvh/vr/enable"
+        ),
+    );
+    let (code, out, err) = vm.cli(&[
+        "hist",
+        "p vfs_read count=%dx:u64",
+        "--key",
+        "comm",
+        "--comm",
+        "dd",
+        "--exec",
+        WORK,
+        "--json",
+    ]);
+    let trace = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 0 > events/hvh/vr/enable && grep -v '^#' trace; \
+             echo '-:hvh/vr' >> kprobe_events; echo > trace"
+        ),
+    );
+    ck.eq("hist exit code", code, 0);
+    let v: serde_json::Value = match serde_json::from_str(out.trim()) {
+        Ok(v) => v,
+        Err(e) => {
+            ck.check(false, format!("hist --json: {e}: {out:?} {err:?}"));
+            return;
+        }
+    };
+    let rows = v["rows"].as_array().cloned().unwrap_or_default();
+    let ours: BTreeMap<String, Vec<u64>> = rows
+        .iter()
+        .map(|r| {
+            let b = r["buckets_log2"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|n| n.as_u64()).collect())
+                .unwrap_or_default();
+            (r["key"].as_str().unwrap_or("").to_string(), b)
+        })
+        .collect();
+    let bucket = |n: u64| (u64::BITS - n.leading_zeros()) as usize;
+    let mut theirs = vec![0u64; 0];
+    for l in trace.lines() {
+        let Some(hex) = l.split("count=0x").nth(1) else {
+            continue;
+        };
+        let digits: String = hex.chars().take_while(char::is_ascii_hexdigit).collect();
+        if let Ok(n) = u64::from_str_radix(&digits, 16) {
+            let b = bucket(n);
+            if theirs.len() <= b {
+                theirs.resize(b + 1, 0);
+            }
+            theirs[b] += 1;
+        }
+    }
+    println!(
+        "hist: ours {ours:?} (overflow {}, faults {}); the guest's kprobe for dd {theirs:?}",
+        v["overflow"], v["faults"]
+    );
+    ck.eq(
+        "hist: one key, dd",
+        ours.keys().collect::<Vec<_>>(),
+        vec!["dd"],
+    );
+    let dd = ours.get("dd").cloned().unwrap_or_default();
+    ck.eq(
+        "hist: dd's histogram equals the guest's kprobe values",
+        &dd,
+        &theirs,
+    );
+    let at = |b: usize| dd.get(b).copied().unwrap_or(0);
+    // 512 -> bucket 10, 4096 -> 13, 65536 -> 17: each run's reads at least.
+    ck.check(
+        at(10) >= 10 && at(13) >= 5 && at(17) >= 3,
+        format!("hist: the block sizes' buckets hold their reads: {dd:?}"),
+    );
+    ck.eq("hist: overflow", v["overflow"].as_u64(), Some(0));
 }
 
 /// The function tracer on every traceable function during a workload: the

@@ -60,9 +60,69 @@ pub enum Command {
     /// function matching a glob is hooked and counted, and only the counts
     /// cross to the host, so nothing is lost however hot the functions.
     Count(CountArgs),
+    /// Time the calls of the functions matching the globs in VMX root, through
+    /// the return hijack, and print a log2 histogram of their durations (as
+    /// bcc's funclatency). Takes the options of `count`.
+    Latency(CountArgs),
+    /// A histogram of one fetch argument of an entry probe, in VMX root (as
+    /// bpftrace's `hist()`), keyed by function, comm or pid:
+    /// `hvtrace hist p vfs_read count=%dx:u64 --key comm`.
+    Hist(HistArgs),
     /// The supervisor of a detached VM (started by `run --detach`).
     #[command(hide = true)]
     Supervise(SuperviseArgs),
+}
+
+/// Options of `hvtrace hist`.
+#[derive(Clone, Debug, Args)]
+pub struct HistArgs {
+    /// An entry probe in kprobe_events syntax whose first fetch argument is
+    /// the value (several words are joined with spaces).
+    #[arg(value_name = "SPEC", required = true, num_args = 1..)]
+    pub spec: Vec<String>,
+    /// What the calls are grouped by.
+    #[arg(long, value_enum, default_value_t = HistKeyArg::Func)]
+    pub key: HistKeyArg,
+    /// Only the calls of this thread id.
+    #[arg(long, value_name = "PID", value_parser = value_parser!(i32).range(0..))]
+    pub pid: Option<i32>,
+    /// Only the calls of tasks with this name (comm).
+    #[arg(long, value_name = "NAME")]
+    pub comm: Option<String>,
+    /// Print the histogram so far every SECS seconds too.
+    #[arg(long, value_name = "SECS")]
+    pub interval: Option<f64>,
+    /// End after SECS seconds [default: at Ctrl-C].
+    #[arg(long, value_name = "SECS", conflicts_with = "exec")]
+    pub duration: Option<f64>,
+    /// Run this guest command, then end.
+    #[arg(long, value_name = "CMD")]
+    pub exec: Option<String>,
+    /// Print JSON objects instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The key of `hvtrace hist`'s rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HistKeyArg {
+    /// The probed function.
+    Func,
+    /// The task's comm.
+    Comm,
+    /// The thread id.
+    Pid,
+}
+
+impl HistKeyArg {
+    /// The wire form.
+    pub fn protocol(self) -> protocol::HistKey {
+        match self {
+            HistKeyArg::Func => protocol::HistKey::Function,
+            HistKeyArg::Comm => protocol::HistKey::Comm,
+            HistKeyArg::Pid => protocol::HistKey::Pid,
+        }
+    }
 }
 
 /// Options of `hvtrace count`.
@@ -400,6 +460,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "NAME", requires = "counts")]
     pub count_comm: Option<String>,
 
+    /// With --count: time each call too (through the return hijack) and
+    /// print the histogram of durations, as `hvtrace latency` does.
+    #[arg(long, requires = "counts")]
+    pub count_latency: bool,
+
     /// Add this probe (kprobe_events syntax) before the --exec commands run,
     /// and write the trace of the commands to stdout or --output (repeatable).
     #[arg(long = "probe", value_name = "SPEC", conflicts_with = "bare")]
@@ -593,6 +658,58 @@ mod tests {
             Command::Run(args) => args,
             other => panic!("not run: {other:?}"),
         }
+    }
+
+    #[test]
+    fn aggregation_commands_take_their_options_after_the_spec_or_globs() {
+        let cli = Cli::try_parse_from([
+            "hvtrace",
+            "hist",
+            "p vfs_read count=%dx:u64",
+            "--key",
+            "comm",
+            "--exec",
+            "dd bs=1",
+            "--json",
+        ])
+        .unwrap();
+        let Command::Hist(h) = cli.command else {
+            panic!("not hist")
+        };
+        assert_eq!(h.spec, ["p vfs_read count=%dx:u64"]);
+        assert_eq!(h.key, HistKeyArg::Comm);
+        assert_eq!(h.exec.as_deref(), Some("dd bs=1"));
+        assert!(h.json);
+        let cli = Cli::try_parse_from(["hvtrace", "hist", "p", "vfs_read", "n=%dx"]).unwrap();
+        let Command::Hist(h) = cli.command else {
+            panic!("not hist")
+        };
+        assert_eq!(
+            (h.spec.join(" ").as_str(), h.key),
+            ("p vfs_read n=%dx", HistKeyArg::Func)
+        );
+        let cli =
+            Cli::try_parse_from(["hvtrace", "latency", "vfs_*", "ext4:*", "--comm", "dd"]).unwrap();
+        let Command::Latency(c) = cli.command else {
+            panic!("not latency")
+        };
+        assert_eq!((c.globs.len(), c.comm.as_deref()), (2, Some("dd")));
+        // --duration and --exec are one or the other.
+        assert!(Cli::try_parse_from([
+            "hvtrace",
+            "count",
+            "f",
+            "--duration",
+            "1",
+            "--exec",
+            "true"
+        ])
+        .is_err());
+        let run = run_args(
+            Cli::try_parse_from(["hvtrace", "run", "--count", "vfs_*", "--count-latency"]).unwrap(),
+        );
+        assert!(run.count_latency && run.counts == ["vfs_*"]);
+        assert!(Cli::try_parse_from(["hvtrace", "run", "--count-latency"]).is_err());
     }
 
     #[test]

@@ -11,11 +11,11 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
-use protocol::{CountFilter, FunctionCount, Request, Response};
+use anyhow::{bail, Context, Result};
+use protocol::{CountFilter, FunctionCount, HistFilter, HistRow, Request, Response};
 
 use crate::client::{response_error, Control};
-use crate::commands::cli::CountArgs;
+use crate::commands::cli::{CountArgs, HistArgs};
 use crate::commands::ctl::{self, open, PROBE_TIMEOUT, STATUS_TIMEOUT};
 use crate::output::json::{self, Json};
 use crate::output::term;
@@ -41,10 +41,20 @@ pub struct Counts {
     pub memory: u64,
     /// The functions called at least once, in address order.
     pub entries: Vec<FunctionCount>,
+    /// Timed calls by duration, in log2 buckets of nanoseconds (empty
+    /// unless the count times calls).
+    pub latency: Vec<u64>,
+    /// Calls that could not be timed.
+    pub latency_missed: u64,
 }
 
 /// The filter of a count from its options, checked.
-pub fn filter(globs: &[String], pid: Option<i32>, comm: Option<&str>) -> Result<CountFilter> {
+pub fn filter(
+    globs: &[String],
+    pid: Option<i32>,
+    comm: Option<&str>,
+    latency: bool,
+) -> Result<CountFilter> {
     if globs.is_empty() {
         bail!("count needs at least one glob");
     }
@@ -60,6 +70,8 @@ pub fn filter(globs: &[String], pid: Option<i32>, comm: Option<&str>) -> Result<
         functions: globs.to_vec(),
         pid,
         comm: comm.map(str::to_string),
+        latency,
+        hist: None,
     })
 }
 
@@ -105,7 +117,11 @@ pub fn read(control: &mut dyn Control) -> Result<Counts> {
                 memory,
                 entries,
                 next,
+                latency,
+                latency_missed,
             } => {
+                out.latency = latency;
+                out.latency_missed = latency_missed;
                 out.functions = functions;
                 out.calls = calls;
                 out.filtered = filtered;
@@ -168,6 +184,225 @@ pub fn text(c: &Counts, top: Option<usize>) -> String {
     out
 }
 
+/// The latency histogram as bcc's funclatency draws it: one row per log2
+/// bucket of nanoseconds from the first to the last that holds a call.
+pub fn histogram(c: &Counts) -> String {
+    const BAR: usize = 40;
+    let mut out = format!(
+        "{:>20} : {:<8} {}\n",
+        "nsecs",
+        "count",
+        format_args!("{:<w$}", "distribution", w = BAR + 2)
+    );
+    let first = c.latency.iter().position(|&n| n != 0);
+    let last = c.latency.iter().rposition(|&n| n != 0);
+    let max = c.latency.iter().copied().max().unwrap_or(0).max(1);
+    if let (Some(first), Some(last)) = (first, last) {
+        for (i, &n) in c.latency.iter().enumerate().take(last + 1).skip(first) {
+            let (low, high) = match i {
+                0 => (0, 0),
+                63.. => (1u64 << 62, u64::MAX),
+                _ => (1u64 << (i - 1), (1u64 << i) - 1),
+            };
+            let stars = ((n as u128 * BAR as u128) / max as u128) as usize;
+            let _ = writeln!(
+                out,
+                "{:>20} : {:<8} |{:<BAR$}|",
+                format!("{low} -> {high}"),
+                n,
+                "*".repeat(stars)
+            );
+        }
+    }
+    let timed: u64 = c.latency.iter().sum();
+    let _ = writeln!(
+        out,
+        "{timed} calls timed{}",
+        match c.latency_missed {
+            0 => String::new(),
+            n => format!(", {n} not (their return could not be hijacked)"),
+        }
+    );
+    out
+}
+
+/// A histogram's rows at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Hists {
+    pub rows: Vec<HistRow>,
+    pub overflow: u64,
+    pub faults: u64,
+    pub max_keys: u32,
+}
+
+/// Reads every page of the histogram.
+pub fn read_hist(control: &mut dyn Control) -> Result<Hists> {
+    let mut out = Hists::default();
+    let mut cursor = 0u32;
+    for _ in 0..MAX_PAGES {
+        match control.request(Request::HistRead { cursor }, STATUS_TIMEOUT)? {
+            Response::Hist {
+                rows,
+                next,
+                overflow,
+                faults,
+                max_keys,
+            } => {
+                out.rows.extend(rows);
+                out.overflow = overflow;
+                out.faults = faults;
+                out.max_keys = max_keys;
+                match next {
+                    Some(n) if n > cursor => cursor = n,
+                    Some(_) => bail!("the hypervisor's histogram pages do not move on"),
+                    None => return Ok(out),
+                }
+            }
+            other => return Err(response_error(other)),
+        }
+    }
+    bail!("the histogram did not end within {MAX_PAGES} pages")
+}
+
+/// A power of two as bpftrace labels it: `512`, `1K`, `4M`.
+fn power_label(v: u64) -> String {
+    const UNITS: [&str; 7] = ["", "K", "M", "G", "T", "P", "E"];
+    let mut v = v;
+    let mut unit = 0;
+    while v >= 1024 && v.is_multiple_of(1024) && unit + 1 < UNITS.len() {
+        v /= 1024;
+        unit += 1;
+    }
+    format!("{v}{}", UNITS[unit])
+}
+
+/// The label of log2 bucket `i`: `[0]`, `[1]`, `[2, 4)`, ..., as bpftrace
+/// prints a `hist()`.
+pub fn bucket_label(i: usize) -> String {
+    match i {
+        0 => "[0]".to_string(),
+        1 => "[1]".to_string(),
+        63.. => format!("[{}, ...)", power_label(1 << 62)),
+        _ => format!(
+            "[{}, {})",
+            power_label(1 << (i - 1)),
+            power_label(1u64 << i)
+        ),
+    }
+}
+
+/// The histogram as bpftrace draws `@[key] = hist(value)`: a block per
+/// key, a row per bucket from its first used one to its last.
+pub fn hist_text(h: &Hists) -> String {
+    const BAR: usize = 52;
+    let mut out = String::new();
+    for r in &h.rows {
+        let _ = writeln!(out, "@[{}]:", term::sanitize(&r.key));
+        let first = r.buckets.iter().position(|&n| n != 0).unwrap_or(0);
+        let max = r.buckets.iter().copied().max().unwrap_or(0).max(1);
+        for (i, &n) in r.buckets.iter().enumerate().skip(first) {
+            let bar = ((n as u128 * BAR as u128) / max as u128) as usize;
+            let _ = writeln!(
+                out,
+                "{:<20} {:>8} |{:<BAR$}|",
+                bucket_label(i),
+                n,
+                "@".repeat(bar)
+            );
+        }
+        out.push('\n');
+    }
+    let _ = writeln!(
+        out,
+        "{} keys (at most {}){}{}",
+        h.rows.len(),
+        h.max_keys,
+        match h.overflow {
+            0 => String::new(),
+            n => format!(", {n} calls of further keys not placed"),
+        },
+        match h.faults {
+            0 => String::new(),
+            n => format!(", {n} values unreadable"),
+        }
+    );
+    out
+}
+
+/// The histogram as one JSON object.
+pub fn hist_json(h: &Hists) -> String {
+    let rows = h
+        .rows
+        .iter()
+        .map(|r| {
+            json::object([
+                ("key", Json::String(r.key.clone())),
+                (
+                    "buckets_log2",
+                    Json::Array(r.buckets.iter().map(|&n| json::int(n)).collect()),
+                ),
+            ])
+        })
+        .collect();
+    json::object([
+        ("rows", Json::Array(rows)),
+        ("overflow", json::int(h.overflow)),
+        ("faults", json::int(h.faults)),
+        ("max_keys", json::int(u64::from(h.max_keys))),
+    ])
+    .to_string()
+}
+
+/// `hvtrace hist`.
+pub fn hist(socket: &Path, args: &HistArgs) -> Result<u8> {
+    let spec = args.spec.join(" ");
+    ctl::check_probe_spec(&spec).with_context(|| format!("hist {spec:?}"))?;
+    if let Some(c) = &args.comm {
+        if c.is_empty() || c.len() > 15 {
+            bail!("--comm takes a name of 1 to 15 bytes (got {c:?})");
+        }
+    }
+    let filter = CountFilter {
+        functions: Vec::new(),
+        pid: args.pid,
+        comm: args.comm.clone(),
+        latency: false,
+        hist: Some(HistFilter {
+            spec,
+            key: args.key.protocol(),
+        }),
+    };
+    let interval = seconds("--interval", args.interval)?;
+    let duration = seconds("--duration", args.duration)?;
+    let mut client = open(socket)?;
+    let line = start(&mut client, filter)?;
+    eprintln!("hvtrace: histogram: {}", term::sanitize(&line));
+    let json = args.json;
+    let mut show = |c: &mut crate::client::Client, at: Option<Duration>| -> Result<()> {
+        let h = read_hist(c)?;
+        if json {
+            println!("{}", hist_json(&h));
+        } else {
+            if let Some(at) = at {
+                println!("[{:.1} s]", at.as_secs_f64());
+            }
+            print!("{}", hist_text(&h));
+        }
+        Ok(())
+    };
+    let result = run_until_done(
+        &mut client,
+        args.exec.as_deref(),
+        interval,
+        duration,
+        &mut show,
+    );
+    let stopped = stop(&mut client);
+    let code = result?;
+    stopped?;
+    Ok(code)
+}
+
 /// The counts as one JSON object.
 pub fn json_line(c: &Counts) -> String {
     let entries = c
@@ -188,33 +423,53 @@ pub fn json_line(c: &Counts) -> String {
         ("elapsed_ns", json::int(c.elapsed_ns)),
         ("memory", json::int(c.memory)),
         ("counts", Json::Array(entries)),
+        (
+            "latency_ns_log2",
+            Json::Array(c.latency.iter().map(|&n| json::int(n)).collect()),
+        ),
+        ("latency_missed", json::int(c.latency_missed)),
     ])
     .to_string()
 }
 
-fn print(c: &Counts, args: &CountArgs, at: Option<Duration>) {
+fn print(c: &Counts, args: &CountArgs, latency: bool, at: Option<Duration>) {
     if args.json {
         println!("{}", json_line(c));
     } else {
         if let Some(at) = at {
             println!("[{:.1} s]", at.as_secs_f64());
         }
-        print!("{}", text(c, args.top));
+        if latency {
+            print!("{}", histogram(c));
+        } else {
+            print!("{}", text(c, args.top));
+        }
         if at.is_some() {
             println!();
         }
     }
 }
 
-/// `hvtrace count`.
-pub fn count(socket: &Path, args: &CountArgs) -> Result<u8> {
-    let filter = filter(&args.globs, args.pid, args.comm.as_deref())?;
+/// `hvtrace count`, and `hvtrace latency` (`latency`: the histogram of
+/// durations instead of the counts).
+pub fn count(socket: &Path, args: &CountArgs, latency: bool) -> Result<u8> {
+    let filter = filter(&args.globs, args.pid, args.comm.as_deref(), latency)?;
     let interval = seconds("--interval", args.interval)?;
     let duration = seconds("--duration", args.duration)?;
     let mut client = open(socket)?;
     let line = start(&mut client, filter)?;
     eprintln!("hvtrace: {}", term::sanitize(&line));
-    let result = count_until_done(&mut client, args, interval, duration);
+    let mut show = |c: &mut crate::client::Client, at: Option<Duration>| -> Result<()> {
+        print(&read(c)?, args, latency, at);
+        Ok(())
+    };
+    let result = run_until_done(
+        &mut client,
+        args.exec.as_deref(),
+        interval,
+        duration,
+        &mut show,
+    );
     // The count goes whatever happened; its error comes second.
     let stopped = stop(&mut client);
     let code = result?;
@@ -222,14 +477,17 @@ pub fn count(socket: &Path, args: &CountArgs) -> Result<u8> {
     Ok(code)
 }
 
-fn count_until_done(
+/// Waits for the end of a count (its `--exec` command, `--duration`, or
+/// Ctrl-C), showing it at each `--interval`, then once more at the end.
+fn run_until_done(
     client: &mut crate::client::Client,
-    args: &CountArgs,
+    exec: Option<&str>,
     interval: Option<Duration>,
     duration: Option<Duration>,
+    show: &mut dyn FnMut(&mut crate::client::Client, Option<Duration>) -> Result<()>,
 ) -> Result<u8> {
     let t0 = Instant::now();
-    if let Some(cmd) = &args.exec {
+    if let Some(cmd) = exec {
         let (output, status) = ctl::run_in_guest(client, cmd)?;
         eprint!("{}", term::for_stream(&output, term::stderr_is_terminal()));
         if status != 0 {
@@ -249,13 +507,13 @@ fn count_until_done(
                 break;
             }
             if let Some(at) = next_print.filter(|&at| now >= at) {
-                print(&read(client)?, args, Some(at - t0));
+                show(client, Some(at - t0))?;
                 next_print = interval.map(|i| at + i);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-    print(&read(client)?, args, None);
+    show(client, None)?;
     Ok(0)
 }
 
@@ -295,7 +553,37 @@ mod tests {
                     calls: 3,
                 },
             ],
+            latency: vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 1],
+            latency_missed: 1,
         }
+    }
+
+    #[test]
+    fn the_histogram_draws_the_used_buckets_as_funclatency() {
+        let h = histogram(&counts());
+        let rows: Vec<&str> = h.lines().collect();
+        assert!(
+            rows[0].contains("nsecs") && rows[0].contains("distribution"),
+            "{h}"
+        );
+        assert!(
+            rows[1].contains("512 -> 1023") && rows[1].contains(": 4 "),
+            "{h}"
+        );
+        assert!(rows[1].contains(&format!("|{}|", "*".repeat(40))), "{h}");
+        assert!(
+            rows[2].contains("1024 -> 2047") && rows[2].contains(": 0 "),
+            "{h}"
+        );
+        assert!(
+            rows[3].contains("2048 -> 4095")
+                && rows[3].contains(&format!("|{:<40}|", "*".repeat(10))),
+            "{h}"
+        );
+        assert!(rows[4].starts_with("5 calls timed, 1 not"), "{h}");
+        assert_eq!(rows.len(), 5, "{h}");
+        let empty = histogram(&Counts::default());
+        assert_eq!(empty.lines().count(), 2, "{empty}");
     }
 
     #[test]
@@ -333,6 +621,59 @@ mod tests {
     }
 
     #[test]
+    fn a_histogram_draws_as_bpftrace() {
+        assert_eq!(bucket_label(0), "[0]");
+        assert_eq!(bucket_label(1), "[1]");
+        assert_eq!(bucket_label(2), "[2, 4)");
+        assert_eq!(bucket_label(10), "[512, 1K)");
+        assert_eq!(bucket_label(21), "[1M, 2M)");
+        assert_eq!(bucket_label(63), "[4E, ...)");
+        let h = Hists {
+            rows: vec![
+                HistRow {
+                    key: "dd".into(),
+                    buckets: vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 2],
+                },
+                HistRow {
+                    key: "a\x1bb".into(),
+                    buckets: vec![1],
+                },
+            ],
+            overflow: 3,
+            faults: 0,
+            max_keys: 64,
+        };
+        let t = hist_text(&h);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], "@[dd]:");
+        assert!(
+            lines[1].starts_with("[512, 1K)")
+                && lines[1].contains(&format!("|{}|", "@".repeat(52))),
+            "{t}"
+        );
+        assert!(
+            lines[2].starts_with("[1K, 2K)") && lines[2].contains(" 0 |"),
+            "{t}"
+        );
+        assert!(
+            lines[4].starts_with("[4K, 8K)")
+                && lines[4].contains(&format!("|{:<52}|", "@".repeat(26))),
+            "{t}"
+        );
+        assert_eq!(lines[6], "@[a\\x1bb]:", "{t}");
+        assert!(
+            t.contains("2 keys (at most 64), 3 calls of further keys not placed"),
+            "{t}"
+        );
+        let j = hist_json(&h);
+        assert!(
+            j.contains(r#"{"key":"dd","buckets_log2":[0,0,0,0,0,0,0,0,0,0,4,0,0,2]}"#),
+            "{j}"
+        );
+        assert!(j.contains(r#""overflow":3"#), "{j}");
+    }
+
+    #[test]
     fn json_has_every_field() {
         let j = json_line(&counts());
         for needle in [
@@ -348,12 +689,15 @@ mod tests {
 
     #[test]
     fn filters_are_checked_before_any_vm_is_asked() {
-        assert!(filter(&[], None, None).is_err());
-        assert!(filter(&[" ".into()], None, None).is_err());
-        assert!(filter(&["vfs_*".into()], None, Some("")).is_err());
-        assert!(filter(&["vfs_*".into()], None, Some("sixteen_bytes_xx")).is_err());
-        let f = filter(&["vfs_*".into()], Some(7), Some("dd")).unwrap();
-        assert_eq!((f.pid, f.comm.as_deref()), (Some(7), Some("dd")));
+        assert!(filter(&[], None, None, false).is_err());
+        assert!(filter(&[" ".into()], None, None, false).is_err());
+        assert!(filter(&["vfs_*".into()], None, Some(""), false).is_err());
+        assert!(filter(&["vfs_*".into()], None, Some("sixteen_bytes_xx"), false).is_err());
+        let f = filter(&["vfs_*".into()], Some(7), Some("dd"), true).unwrap();
+        assert_eq!(
+            (f.pid, f.comm.as_deref(), f.latency),
+            (Some(7), Some("dd"), true)
+        );
         assert!(seconds("--interval", Some(0.0)).is_err());
         assert!(seconds("--interval", Some(f64::NAN)).is_err());
         assert_eq!(
@@ -383,6 +727,8 @@ mod tests {
                         calls: 1,
                     }],
                     next,
+                    latency: vec![],
+                    latency_missed: 0,
                 })
             }
         }

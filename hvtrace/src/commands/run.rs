@@ -227,7 +227,12 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
 /// commands run, prints the counts (stdout, or JSON with `--format json`),
 /// stops the VM.
 fn run_counted(args: &RunArgs) -> Result<u8> {
-    let filter = count::filter(&args.counts, None, args.count_comm.as_deref())?;
+    let filter = count::filter(
+        &args.counts,
+        None,
+        args.count_comm.as_deref(),
+        args.count_latency,
+    )?;
     let json = matches!(args.format, Some(OutputFormatArg::Json));
     let cfg = args.resolve()?;
     note_tcg(&cfg);
@@ -242,6 +247,9 @@ fn run_counted(args: &RunArgs) -> Result<u8> {
         println!("{}", count::json_line(&counts));
     } else {
         print!("{}", count::text(&counts, None));
+        if args.count_latency {
+            print!("{}", count::histogram(&counts));
+        }
     }
     let report = vm.stop()?;
     if interrupted {

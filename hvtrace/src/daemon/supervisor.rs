@@ -634,6 +634,95 @@ impl Supervisor {
         }
     }
 
+    /// Asks the hypervisor to put the trace stream in a ring in its memory,
+    /// which this process reads from the file behind the guest's RAM, and
+    /// starts the thread that drains it. On any failure the caller falls
+    /// back to the log port.
+    fn use_ring(
+        &self,
+        path: &std::path::Path,
+        machine: crate::vm::shm::MachineType,
+        ram: u64,
+        watch: VmWatch,
+    ) -> bool {
+        let Some(link) = self.link.get() else {
+            return false;
+        };
+        let (gpa, len) = match link.request(Request::TraceChannel {
+            channel: TraceChannel::SharedRing,
+        }) {
+            Ok(Response::TraceRing { gpa, len }) => (gpa, len),
+            other => {
+                self.note(&format!("no shared trace ring: {other:?}"));
+                return false;
+            }
+        };
+        let mapped = crate::vm::shm::file_offset(machine, ram, gpa)
+            .filter(|&at| at.checked_add(len).is_some_and(|end| end <= ram))
+            .ok_or_else(|| format!("the ring at {gpa:#x} is not in the RAM file"))
+            .and_then(|at| {
+                let file = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(path)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let map = crate::sys::SharedMap::map(&file, ram as usize)
+                    .map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+                map.ring(at as usize, len as usize, false)
+                    .map_err(|e| format!("no ring at {at:#x}: {e:?}"))?;
+                Ok((map, at as usize))
+            });
+        let (map, at) = match mapped {
+            Ok(m) => m,
+            Err(e) => {
+                self.note(&format!("the shared trace ring cannot be read: {e}"));
+                return false;
+            }
+        };
+        let trace = self.trace.clone();
+        let start = self.start;
+        std::thread::spawn(move || {
+            let Ok(ring) = map.ring(at, len as usize, false) else {
+                return;
+            };
+            let mut buf = Vec::new();
+            let mut decoder = protocol::FrameDecoder::new();
+            let mut lost = 0;
+            loop {
+                let ended = watch.ended().is_some();
+                let drained = crate::vm::shm::drain(&ring, &mut buf, |record| {
+                    for frame in decoder.feed(record).flatten() {
+                        if let protocol::Body::Event(ev @ Event::TraceText { .. }) = frame.body {
+                            trace.on_event(ev, &|m| note_at(start, m));
+                        }
+                    }
+                });
+                if let Err(e) = drained {
+                    note_at(start, &format!("the shared trace ring: {e:#}"));
+                    return;
+                }
+                let now_lost = ring.lost();
+                if now_lost > lost {
+                    trace.on_event(
+                        Event::Lost {
+                            count: now_lost - lost,
+                        },
+                        &|m| note_at(start, m),
+                    );
+                    lost = now_lost;
+                }
+                if ended {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+        self.note(&format!(
+            "the trace stream takes a ring at {gpa:#x} ({len} bytes) in the guest RAM file"
+        ));
+        true
+    }
+
     /// Logs the control channel's and the trace buffer's counters.
     pub(crate) fn log_counters(&self) {
         if let Some(link) = self.link.get() {
@@ -679,7 +768,10 @@ pub(crate) fn run_vm(
     sup.set_phase(Phase::Booting);
     state("booting");
     vm.wait_ready()?;
-    if vm.reads_log_port() {
+    let ring = vm
+        .ram_file()
+        .is_some_and(|(path, machine, ram)| sup.use_ring(&path, machine, ram, vm.watch()));
+    if !ring && vm.reads_log_port() {
         sup.use_log_port(vm.watch());
     }
     if detached {

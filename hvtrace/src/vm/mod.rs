@@ -21,6 +21,7 @@ pub mod hvlog;
 pub mod image;
 pub mod logport;
 pub mod qemu;
+pub mod shm;
 pub mod tcp_table;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -844,6 +845,20 @@ impl Vm {
     /// port is captured (Bochs always; QEMU unless told not to).
     pub fn reads_log_port(&self) -> bool {
         self.cfg.hypervisor.is_some() && (self.cfg.log_port || self.cfg.emulator == Emulator::Bochs)
+    }
+
+    /// Where the hypervisor's trace ring can be read, when guest RAM is a
+    /// shared file: QEMU with KVM and the hypervisor (the file, the
+    /// machine type, the RAM's bytes).
+    pub fn ram_file(&self) -> Option<(PathBuf, shm::MachineType, u64)> {
+        match self.cfg.emulator {
+            Emulator::Qemu { kvm: true } if self.cfg.hypervisor.is_some() => Some((
+                self.dir.join(qemu::RAM_FILE),
+                qemu::MACHINE,
+                u64::from(self.cfg.memory_mib) << 20,
+            )),
+            _ => None,
+        }
     }
 
     /// A handle that tells, from any thread, whether the VM has ended.

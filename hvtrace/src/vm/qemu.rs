@@ -57,6 +57,13 @@ pub struct Ports<'a> {
     pub control: &'a Endpoint,
 }
 
+/// The file in the run directory that backs the guest's RAM (runs with the
+/// hypervisor).
+pub const RAM_FILE: &str = "guest-ram";
+
+/// The machine type QEMU runs, for the RAM file's layout.
+pub const MACHINE: super::shm::MachineType = super::shm::MachineType::Pc;
+
 /// The `-chardev` value of a socket client with id `id` connecting to
 /// `endpoint` (a unix socket's name is relative to QEMU's working
 /// directory, the run directory).
@@ -83,6 +90,17 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
     let memory = cfg.memory_mib.to_string();
     let cpus = cfg.cpus.to_string();
     push(&["-m", &memory, "-smp", &cpus]);
+    if hypervisor.is_some() {
+        // Guest RAM from a file in the run directory (owner-only), shared,
+        // so that the host can read the hypervisor's trace ring there
+        // (`vm::shm`); the machine is named, since the file's layout is
+        // the machine type's.
+        let backend = format!(
+            "memory-backend-file,id=ram,size={}M,mem-path={RAM_FILE},share=on",
+            cfg.memory_mib
+        );
+        push(&["-object", &backend, "-machine", "pc,memory-backend=ram"]);
+    }
     match hypervisor {
         Some(image) => {
             let image = image.to_string_lossy();
@@ -238,6 +256,15 @@ mod tests {
             assert_eq!(values(&args, "-display"), ["none"]);
             assert_eq!(values(&args, "-monitor"), ["none"]);
         }
+        // With the hypervisor, guest RAM comes from the shared file.
+        let hv = args(&cfg, true, Some(Path::new("/x/hypervisor")), ports);
+        assert_eq!(
+            values(&hv, "-object"),
+            ["memory-backend-file,id=ram,size=512M,mem-path=guest-ram,share=on"]
+        );
+        assert_eq!(values(&hv, "-machine"), ["pc,memory-backend=ram"]);
+        let bare = args(&cfg, false, None, ports);
+        assert!(values(&bare, "-object").is_empty(), "{bare:?}");
         // Without the log port: no debug console at all (with -nodefaults,
         // writes to port 0xE9 then go nowhere).
         let cfg = RunConfig {

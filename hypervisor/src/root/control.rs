@@ -73,8 +73,21 @@ const PARK_LIMIT: usize = 8;
 /// as a write of its own (about 1 us of wall time per byte).
 const BULK_TURN_BYTES: usize = 32 * 1024;
 
-/// The log port as the trace stream's path ([`TraceChannel::LogPort`]).
+/// Bytes of the trace ring in hypervisor memory
+/// ([`TraceChannel::SharedRing`]): header and data.
+const RING_BYTES: u64 = (1 << 20) + protocol::ring::RING_HEADER as u64;
+
+/// Where trace frames go besides COM2.
+enum BulkPath {
+    /// The log port.
+    Port,
+    /// The ring the host reads from the guest RAM file.
+    Ring(protocol::ring::Ring),
+}
+
+/// The log port or the shared ring as the trace stream's path.
 struct Bulk {
+    path: BulkPath,
     /// Sequence number of the next frame on the log port (a sequence of
     /// its own: the host counts gaps on each path apart).
     seq: u32,
@@ -110,8 +123,10 @@ pub struct Control {
     parked: VecDeque<Parked>,
     /// Recovery was under way at the end of the last poll.
     recovering: bool,
-    /// Trace text goes to the log port instead of COM2.
+    /// Trace text goes to the log port or the shared ring instead of COM2.
     bulk: Option<Bulk>,
+    /// The shared ring's place once made (it is made once, and kept).
+    ring_at: Option<(u64, u64)>,
 }
 
 impl Control {
@@ -127,6 +142,7 @@ impl Control {
             parked: VecDeque::new(),
             recovering: false,
             bulk: None,
+            ring_at: None,
         }
     }
 
@@ -222,7 +238,14 @@ impl Control {
                 return;
             }
             b.seq = b.seq.wrapping_add(1);
-            crate::logger::write_frame(&b.wire);
+            match &b.path {
+                BulkPath::Port => crate::logger::write_frame(&b.wire),
+                // A full ring drops the frame and counts it in its header,
+                // where the host reads it.
+                BulkPath::Ring(r) => {
+                    r.push(&b.wire);
+                }
+            }
             b.turn_bytes += b.wire.len();
             self.stats.bulk_frames += 1;
             self.stats.bulk_bytes += b.wire.len() as u64;
@@ -409,7 +432,21 @@ impl Control {
                             memory: p.memory,
                             entries: p.entries,
                             next: p.next,
+                            latency: p.latency,
+                            latency_missed: p.latency_missed,
                         })
+                }),
+                Action::None,
+            ),
+            Request::HistRead { cursor } => (
+                with_kernel(src, |src, k| {
+                    src.tracer.hist_read(cursor, k).map(|p| Response::Hist {
+                        rows: p.rows,
+                        next: p.next,
+                        overflow: p.overflow,
+                        faults: p.faults,
+                        max_keys: p.max_keys,
+                    })
                 }),
                 Action::None,
             ),
@@ -480,6 +517,26 @@ impl Control {
 }
 
 impl Control {
+    /// Sends trace frames along `path` from now on; `false` when there is
+    /// no memory for the frame buffer.
+    fn bulk_to(&mut self, path: BulkPath) -> bool {
+        if let Some(b) = self.bulk.as_mut() {
+            b.path = path;
+            return true;
+        }
+        let mut wire = Vec::new();
+        if wire.try_reserve(protocol::MAX_WIRE_FRAME).is_err() {
+            return false;
+        }
+        self.bulk = Some(Bulk {
+            path,
+            seq: 0,
+            turn_bytes: 0,
+            wire,
+        });
+        true
+    }
+
     /// `TraceChannel`: where trace text goes from now on. Frames already
     /// queued on COM2 still go there.
     fn set_channel(&mut self, channel: TraceChannel) -> Response {
@@ -488,27 +545,45 @@ impl Control {
                 self.bulk = None;
                 Response::Ok
             }
-            TraceChannel::LogPort => {
-                if self.bulk.is_some() {
-                    return Response::Ok;
+            TraceChannel::LogPort if self.bulk_to(BulkPath::Port) => Response::Ok,
+            TraceChannel::LogPort => no_frame_buffer(),
+            TraceChannel::SharedRing => {
+                let (gpa, len) = match self.ring_at {
+                    Some(at) => at,
+                    None => {
+                        let Some(hpa) = crate::frames::alloc_region(RING_BYTES) else {
+                            return Response::error(
+                                ErrorKind::OutOfResources,
+                                "no hypervisor memory for the trace ring",
+                            );
+                        };
+                        (hpa.0, RING_BYTES)
+                    }
+                };
+                // SAFETY: the region is ours alone (the frame pool never
+                // hands it out again), identity-mapped in root, outside the
+                // guest's e820 and absent from EPT; 4 KiB aligned.
+                let ring = unsafe { protocol::ring::Ring::format(gpa as *mut u8, len as usize) };
+                let Some(ring) = ring else {
+                    return Response::error(ErrorKind::Internal, "the trace ring is too small");
+                };
+                self.ring_at = Some((gpa, len));
+                if self.bulk_to(BulkPath::Ring(ring)) {
+                    Response::TraceRing { gpa, len }
+                } else {
+                    no_frame_buffer()
                 }
-                let mut wire = Vec::new();
-                if wire.try_reserve(protocol::MAX_WIRE_FRAME).is_err() {
-                    return Response::error(
-                        ErrorKind::OutOfResources,
-                        "no memory for the log port's frame buffer",
-                    );
-                }
-                self.bulk = Some(Bulk {
-                    seq: 0,
-                    turn_bytes: 0,
-                    wire,
-                });
-                Response::Ok
             }
             _ => Response::error(ErrorKind::Unsupported, "unknown trace channel"),
         }
     }
+}
+
+fn no_frame_buffer() -> Response {
+    Response::error(
+        ErrorKind::OutOfResources,
+        "no memory for the trace frames' buffer",
+    )
 }
 
 /// Requests answered from the recovered kernel.
@@ -521,6 +596,7 @@ fn needs_kernel(r: &Request) -> bool {
             | Request::FunctionAdd { .. }
             | Request::CountStart(_)
             | Request::CountRead { .. }
+            | Request::HistRead { .. }
             | Request::GraphStart(_)
     )
 }

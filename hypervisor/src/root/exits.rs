@@ -6,7 +6,7 @@ use crate::control::{Action, StatusSource};
 use crate::cpu_state::CpuState;
 use crate::hvprintln;
 use crate::introspect::{CpuView, GuestRam, KernelView};
-use crate::machine::{with_env, with_world};
+use crate::machine::{with_env, with_env_clocked, with_world};
 use crate::phys;
 use crate::vcpu::Vmcs;
 use crate::vm::{HitView, Vm};
@@ -451,7 +451,7 @@ fn hypercall(vm: HitView<'_>, cpu: &mut CpuState) -> Result<Next, VmcsError> {
     let kernel = vm.kernel.map(|k| k as &dyn KernelView);
     let mut hit = Hit::new(vm.tracer, &mut cpu.tracer);
     let regs = &mut cpu.regs;
-    match with_env(vm.views, cpu.index, |env| {
+    match with_env_clocked(vm.views, cpu.index, vm.clock, vm.tsc_hz, |env| {
         hit.hypercall(env, rip, regs, &view, kernel, now)
     }) {
         Hypercall::Handled => entry::advance(&mut Vmcs).map(|()| Next::Resume),

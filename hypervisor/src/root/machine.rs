@@ -31,6 +31,8 @@ struct Root<'a> {
     /// Every vCPU's guest RIP: this vCPU's, then the others' once held.
     rips: [u64; MAX_CPUS],
     n_rips: usize,
+    /// Root's clock and the TSC rate, for a hypercall's timing.
+    clock: Option<(hypervisor::mono::MonoTsc, u64)>,
 }
 
 impl<'a> Root<'a> {
@@ -45,6 +47,7 @@ impl<'a> Root<'a> {
             stalled: false,
             rips,
             n_rips: 1,
+            clock: None,
         }
     }
 
@@ -177,6 +180,11 @@ impl Machine for Root<'_> {
         self.rips.get(..self.n_rips).unwrap_or(&self.rips)
     }
 
+    fn clock_ns(&self) -> Option<u64> {
+        self.clock
+            .map(|(c, hz)| crate::clock::tsc_to_ns(c.peek(insn::rdtsc()), hz))
+    }
+
     fn heap_check(&self, bytes: usize) -> Result<(), OutOfMemory> {
         heap::check(bytes)
     }
@@ -191,6 +199,23 @@ impl Machine for Root<'_> {
 /// hypercall): nothing there changes every view.
 pub fn with_env<R>(views: &[Ept], me: usize, f: impl FnOnce(&mut Env<'_>) -> R) -> R {
     let mut m = Root::new(views, me, 0, None);
+    f(&mut Env {
+        ram: phys::guest_ram(),
+        m: &mut m,
+    })
+}
+
+/// [`with_env`] for a hypercall, with root's clock (`clock` at `tsc_hz`)
+/// for the tracer to read (`Machine::clock_ns`).
+pub fn with_env_clocked<R>(
+    views: &[Ept],
+    me: usize,
+    clock: hypervisor::mono::MonoTsc,
+    tsc_hz: u64,
+    f: impl FnOnce(&mut Env<'_>) -> R,
+) -> R {
+    let mut m = Root::new(views, me, 0, None);
+    m.clock = Some((clock, tsc_hz));
     f(&mut Env {
         ram: phys::guest_ram(),
         m: &mut m,

@@ -12,6 +12,7 @@ use super::machine::{Env, KernelView};
 use super::symbols;
 use super::{FunctionsAdded, ReqError, Tracer};
 use crate::addr::Gva;
+use crate::kprobe::{self, Command, ProbeSpec};
 use crate::kprobe::{IndexSymbols, SymbolResolver};
 use alloc::format;
 use alloc::string::String;
@@ -19,7 +20,86 @@ use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use guest_introspect::fallible;
 use guest_introspect::kallsyms::SymbolId;
-use protocol::{CountFilter, ErrorKind, FunctionCount};
+use protocol::{
+    CountFilter, ErrorKind, FunctionCount, HistFilter, HistKey, HistRow, LATENCY_BUCKETS,
+};
+
+/// The id a count with latency puts among a site's return probes: outside
+/// every probe's (`u32`) id, so that the return-probe path skips it, and
+/// the return hijack times the call for the count instead.
+pub(super) const LATENCY_ID: u64 = 1 << 32;
+
+/// Most keys a histogram holds; calls of further keys are counted in
+/// `overflow`.
+pub const HIST_KEYS: usize = 64;
+/// Row bytes per `Hist` answer, so that a page fits one frame.
+const HIST_PAGE_BUDGET: usize = 2400;
+
+/// A histogram of a fetch argument, a row per key (bpftrace's `hist()`).
+pub(super) struct Hist {
+    /// The entry probe whose first argument is the value.
+    pub(super) spec: ProbeSpec,
+    pub(super) key: HistKey,
+    /// The rows, at most [`HIST_KEYS`], their room reserved at the start
+    /// (a hit never allocates).
+    rows: spin::Mutex<Vec<HistSlot>>,
+    overflow: AtomicU64,
+    faults: AtomicU64,
+}
+
+struct HistSlot {
+    key: [u8; 16],
+    buckets: [u64; LATENCY_BUCKETS],
+}
+
+impl Hist {
+    /// One call: `value` (or a fault) under `key`.
+    pub(super) fn add(&self, key: [u8; 16], value: Option<u64>) {
+        let Some(v) = value else {
+            self.faults.fetch_add(1, Relaxed);
+            return;
+        };
+        let b = latency_bucket(v);
+        let mut rows = self.rows.lock();
+        let slot = match rows.iter().position(|r| r.key == key) {
+            Some(i) => rows.get_mut(i),
+            None if rows.len() < rows.capacity() => {
+                rows.push(HistSlot {
+                    key,
+                    buckets: [0; LATENCY_BUCKETS],
+                });
+                rows.last_mut()
+            }
+            None => None,
+        };
+        match slot.and_then(|r| r.buckets.get_mut(b)) {
+            Some(n) => *n += 1,
+            None => {
+                self.overflow.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// The key of a call.
+    pub(super) fn key_of(&self, func: u64, pid: i32, comm: &[u8; 16]) -> [u8; 16] {
+        let mut k = [0u8; 16];
+        match self.key {
+            HistKey::Comm => k = *comm,
+            HistKey::Pid => k[..4].copy_from_slice(&pid.to_le_bytes()),
+            _ => k[..8].copy_from_slice(&func.to_le_bytes()),
+        }
+        k
+    }
+}
+
+/// A page of histogram rows.
+pub struct HistPage {
+    pub rows: Vec<HistRow>,
+    pub next: Option<u32>,
+    pub overflow: u64,
+    pub faults: u64,
+    pub max_keys: u32,
+}
 
 /// Most globs a count takes.
 pub const MAX_COUNT_GLOBS: usize = 32;
@@ -27,7 +107,6 @@ pub const MAX_COUNT_GLOBS: usize = 32;
 const PAGE_BUDGET: usize = 2800;
 
 /// The running count.
-#[derive(Default)]
 pub(super) struct CountState {
     pub(super) on: bool,
     /// Only this thread id.
@@ -42,12 +121,61 @@ pub(super) struct CountState {
     pub(super) filtered: AtomicU64,
     /// (function, the kernel symbol that matched), by address.
     pub(super) names: Vec<(u64, SymbolId)>,
+    /// Calls are timed too.
+    pub(super) latency: bool,
+    /// Timed calls by duration: log2 buckets of nanoseconds.
+    pub(super) times: [AtomicU64; LATENCY_BUCKETS],
+    /// Calls that could not be timed.
+    pub(super) missed: AtomicU64,
+    /// The histogram of a fetch argument, when asked for.
+    pub(super) histogram: Option<Hist>,
+}
+
+/// The log2 bucket of a duration: 0 for 0 ns, N for 2^(N-1) to 2^N - 1,
+/// the last one from 2^62 up.
+pub fn latency_bucket(ns: u64) -> usize {
+    ((u64::BITS - ns.leading_zeros()) as usize).min(LATENCY_BUCKETS - 1)
+}
+
+impl Default for CountState {
+    fn default() -> Self {
+        CountState {
+            on: false,
+            pid: None,
+            comm: None,
+            functions: 0,
+            started_ns: 0,
+            filtered: AtomicU64::new(0),
+            names: Vec::new(),
+            latency: false,
+            times: core::array::from_fn(|_| AtomicU64::new(0)),
+            missed: AtomicU64::new(0),
+            histogram: None,
+        }
+    }
 }
 
 impl CountState {
     /// Whether the filter needs the running task.
     pub(super) fn filters(&self) -> bool {
         self.pid.is_some() || self.comm.is_some()
+    }
+
+    /// A timed call by (`pid`, `comm`) returned after `ns`.
+    pub(super) fn returned(&self, pid: i32, comm: &[u8; 16], ns: u64) {
+        if self.latency && self.admits(pid, comm) {
+            if let Some(b) = self.times.get(latency_bucket(ns)) {
+                b.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// A call whose return could not be hijacked, with its return probes'
+    /// ids.
+    pub(super) fn not_timed(&self, ids: &[u64]) {
+        if ids.contains(&LATENCY_ID) {
+            self.missed.fetch_add(1, Relaxed);
+        }
     }
 
     /// Whether a call by (`pid`, `comm`) is counted.
@@ -64,6 +192,8 @@ impl CountState {
 
 /// One page of counts.
 pub struct CountPage {
+    pub latency: Vec<u64>,
+    pub latency_missed: u64,
     pub functions: u32,
     pub calls: u64,
     pub filtered: u64,
@@ -89,13 +219,34 @@ impl Tracer<'_> {
                 "a count runs already; stop it first",
             ));
         }
-        if filter.functions.is_empty() || filter.functions.len() > MAX_COUNT_GLOBS {
+        let histogram = match &filter.hist {
+            Some(h) if filter.functions.is_empty() => Some(hist_of(h, k, env)?),
+            Some(_) => {
+                return Err(ReqError::new(
+                    ErrorKind::InvalidArgument,
+                    "a histogram counts its probe's function: give no globs with it",
+                ))
+            }
+            None => None,
+        };
+        let spec_glob;
+        let globs: Vec<&str> = match &histogram {
+            Some(h) => {
+                spec_glob = match &h.spec.module {
+                    Some(m) => format!("{m}:{}", h.spec.symbol),
+                    None => h.spec.symbol.clone(),
+                };
+                alloc::vec![spec_glob.as_str()]
+            }
+            None => filter.functions.iter().map(String::as_str).collect(),
+        };
+        if globs.is_empty() || globs.len() > MAX_COUNT_GLOBS {
             return Err(ReqError::new(
                 ErrorKind::InvalidArgument,
                 format!("a count takes 1 to {MAX_COUNT_GLOBS} globs"),
             ));
         }
-        for g in &filter.functions {
+        for g in &globs {
             symbols::check_glob(g).map_err(|e| ReqError::new(ErrorKind::InvalidArgument, e))?;
         }
         let comm = match &filter.comm {
@@ -112,16 +263,23 @@ impl Tracer<'_> {
             ),
             None => None,
         };
-        let globs: Vec<&str> = filter.functions.iter().map(String::as_str).collect();
         let matches = self.traceable_matches(&globs, k, env)?;
         // Counters start at zero: a site counted before (and still hooked
         // for another use) starts again.
         // The name that matched, for each function of the kernel image:
         // of several aliases at one address, the user's.
         let mut names = Vec::new();
+        let mut untimed = 0u32;
+        let latency = filter.latency;
         let added = self.hook_matches(matches, k, env, |u, id| {
             u.counted = true;
             u.calls.store(0, Relaxed);
+            if latency
+                && !u.retprobes.contains(&LATENCY_ID)
+                && fallible::try_push(&mut u.retprobes, LATENCY_ID).is_err()
+            {
+                untimed += 1;
+            }
             if let symbols::SymRef::Core(id) = id {
                 // Without room the name is looked up by address instead.
                 let _ = fallible::try_push(&mut names, (u.func.0, id));
@@ -135,6 +293,11 @@ impl Tracer<'_> {
         c.functions = added.traced;
         c.started_ns = now_ns;
         c.names = names;
+        c.latency = latency;
+        c.histogram = histogram;
+        if untimed > 0 {
+            log::warn!("tracer: {untimed} counted functions are not timed: out of memory");
+        }
         c.filtered = AtomicU64::new(0);
         log::info!(
             "tracer: counting {} functions ({} skipped)",
@@ -196,7 +359,21 @@ impl Tracer<'_> {
                 next = Some(u.func.0);
             }
         }
+        let mut latency = Vec::new();
+        if c.latency {
+            let used = c
+                .times
+                .iter()
+                .rposition(|b| b.load(Relaxed) != 0)
+                .map_or(0, |i| i + 1);
+            latency = fallible::try_collect(c.times.iter().take(used).map(|b| b.load(Relaxed)))
+                .map_err(|_| {
+                    ReqError::new(ErrorKind::OutOfResources, "no memory for the histogram")
+                })?;
+        }
         Ok(CountPage {
+            latency,
+            latency_missed: c.missed.load(Relaxed),
             functions: c.functions,
             calls,
             filtered: c.filtered.load(Relaxed),
@@ -208,19 +385,120 @@ impl Tracer<'_> {
         })
     }
 
+    /// `HistRead`: the histogram's rows from `cursor` on.
+    pub fn hist_read(&self, cursor: u32, k: &dyn KernelView) -> Result<HistPage, ReqError> {
+        let Some(h) = self.vm.count.histogram.as_ref() else {
+            return Err(ReqError::new(ErrorKind::NotFound, "no histogram runs"));
+        };
+        let syms = IndexSymbols::new(k.index(), Some(k.modules()));
+        let slots = h.rows.lock();
+        let mut rows = Vec::new();
+        let mut bytes = 0;
+        let mut next = None;
+        for (i, slot) in slots.iter().enumerate().skip(cursor as usize) {
+            let key = match h.key {
+                HistKey::Comm => {
+                    let name = slot.key.split(|&b| b == 0).next().unwrap_or(&slot.key);
+                    String::from_utf8_lossy(name).into_owned()
+                }
+                HistKey::Pid => {
+                    let mut p = [0u8; 4];
+                    p.copy_from_slice(slot.key.get(..4).unwrap_or(&[0; 4]));
+                    format!("{}", i32::from_le_bytes(p))
+                }
+                _ => {
+                    let mut a = [0u8; 8];
+                    a.copy_from_slice(slot.key.get(..8).unwrap_or(&[0; 8]));
+                    let func = u64::from_le_bytes(a);
+                    name_of(&syms, Gva(func), Gva(func))
+                }
+            };
+            let used = slot
+                .buckets
+                .iter()
+                .rposition(|&n| n != 0)
+                .map_or(0, |i| i + 1);
+            let size = key.len() + used * 10 + 8;
+            if !rows.is_empty() && bytes + size > HIST_PAGE_BUDGET {
+                next = Some(i as u32);
+                break;
+            }
+            bytes += size;
+            let buckets = fallible::try_collect(slot.buckets.iter().take(used).copied());
+            match buckets.and_then(|b| fallible::try_push(&mut rows, HistRow { key, buckets: b })) {
+                Ok(()) => {}
+                Err(_) => {
+                    return Err(ReqError::new(
+                        ErrorKind::OutOfResources,
+                        "no memory for the histogram's page",
+                    ))
+                }
+            }
+        }
+        Ok(HistPage {
+            rows,
+            next,
+            overflow: h.overflow.load(Relaxed),
+            faults: h.faults.load(Relaxed),
+            max_keys: HIST_KEYS as u32,
+        })
+    }
+
     /// `CountStop`: unhooks what only the count used.
     pub fn count_stop(&mut self, env: &mut Env<'_>) -> Result<(), ReqError> {
         if !self.vm.count.on {
             return Err(ReqError::new(ErrorKind::NotFound, "no count runs"));
         }
         super::stop_others(env)?;
-        self.vm
-            .view
-            .release(env, |u| core::mem::take(&mut u.counted));
+        self.vm.view.release(env, |u| {
+            let timed = u.retprobes.contains(&LATENCY_ID);
+            u.retprobes.retain(|&id| id != LATENCY_ID);
+            core::mem::take(&mut u.counted) || timed
+        });
         self.vm.count = CountState::default();
         self.release_module_hooks_if_idle(env);
         Ok(())
     }
+}
+
+/// The histogram of `h`: its spec parsed (an entry probe with a fetch
+/// argument), its `@SYM` bases resolved, the room for its rows reserved.
+fn hist_of(h: &HistFilter, k: &dyn KernelView, env: &mut Env<'_>) -> Result<Hist, ReqError> {
+    let bad = |m: String| ReqError::new(ErrorKind::InvalidArgument, m);
+    let mut spec = match kprobe::parse(&h.spec) {
+        Ok(Command::Add(s)) => s,
+        Ok(Command::Delete(_)) => {
+            return Err(bad("a histogram needs a probe, not a delete".into()))
+        }
+        Err(e) => return Err(bad(format!("{e}"))),
+    };
+    if spec.kind.is_return() {
+        return Err(bad(
+            "a histogram takes an entry probe (p), not a return probe".into(),
+        ));
+    }
+    if spec.args.is_empty() {
+        return Err(bad(
+            "a histogram needs a fetch argument in its probe (p vfs_read count=%dx:u64)".into(),
+        ));
+    }
+    let syms = IndexSymbols::new(k.index(), Some(k.modules()));
+    spec.resolve_symbols(&syms).map_err(|name| {
+        ReqError::new(
+            ErrorKind::NotFound,
+            format!("symbol {name} is not in the guest's kallsyms"),
+        )
+    })?;
+    let mut rows = Vec::new();
+    fallible::try_reserve(&mut rows, HIST_KEYS)
+        .map_err(|e| super::out_of_memory(env, "the histogram's rows", e))?;
+    Ok(Hist {
+        spec,
+        key: h.key,
+        rows: spin::Mutex::new(rows),
+        overflow: AtomicU64::new(0),
+        faults: AtomicU64::new(0),
+    })
 }
 
 /// `name` or `name [module]` of the function at `func`.

@@ -17,6 +17,7 @@
 //! in between no other vCPU can change that stack, for a guest kernel
 //! stack is only ever used by the one CPU running on it.
 
+use super::count::{CountState, LATENCY_ID};
 use super::graph::{GraphEventId, GraphKind, GraphText};
 use super::machine::{CpuView, Env, KernelView, Running};
 use super::probes::{store_parts, HitSink, Probes, VcpuMem};
@@ -158,12 +159,22 @@ struct Owner {
 /// their misses), the vCPU's ring, and the counters.
 pub(super) struct Out<'a> {
     pub(super) probes: &'a Probes,
+    /// The call count, which times calls through their returns.
+    pub(super) count: &'a CountState,
     pub(super) ring: &'a mut EventRing,
     pub(super) record: &'a mut Vec<u8>,
     pub(super) stats: &'a HitStats,
     /// The CPU number events carry when the guest's is not known: root's
     /// index of the vCPU.
     pub(super) vcpu: u32,
+}
+
+impl Out<'_> {
+    /// A call with return probes `ids` whose return could not be hijacked.
+    fn missed(&self, ids: &[u64]) {
+        self.probes.retprobes_missed(ids);
+        self.count.not_timed(ids);
+    }
 }
 
 /// Keeps a stopped session's renderer for its events still in the ring:
@@ -430,7 +441,7 @@ impl Graph {
                 && (s.by_base.len() >= max_stacks || env.m.heap_check(STACK_ENTRY_BYTES).is_err())
             {
                 add(&out.stats.graph_misses, 1);
-                out.probes.retprobes_missed(retprobes);
+                out.missed(retprobes);
                 return;
             }
             let owner = match (s.by_base.get(&key), s.owners.get(&key)) {
@@ -477,7 +488,7 @@ impl Graph {
             if !s.by_base.contains_key(&key) && s.by_base.len() >= max_stacks {
                 // Other vCPUs took the last room between the takes.
                 add(&out.stats.graph_misses, 1);
-                out.probes.retprobes_missed(retprobes);
+                out.missed(retprobes);
                 return;
             }
             let tracked = s.by_base.entry(key).or_insert_with(|| Tracked {
@@ -518,10 +529,17 @@ impl Graph {
                 }
                 return;
             }
+            // A call timed for the count starts now, not at the exit:
+            // root's work on the entry is not the function's.
+            let calltime = if retprobes.contains(&LATENCY_ID) {
+                env.m.clock_ns().unwrap_or(now_ns).max(now_ns)
+            } else {
+                now_ns
+            };
             let pushed = tracked.st.push(
                 ret,
                 func,
-                now_ns,
+                calltime,
                 retp,
                 users,
                 data.get(..n_data).unwrap_or(&[]),
@@ -534,7 +552,7 @@ impl Graph {
                 if empty {
                     s.by_base.remove(&key);
                 }
-                out.probes.retprobes_missed(retprobes);
+                out.missed(retprobes);
                 return;
             }
         }
@@ -678,6 +696,13 @@ impl Graph {
             .find(|(u, _)| *u == RETPROBE_USER)
             .map(|(_, d)| d.as_slice())
             .unwrap_or(&[]);
+        if ids.contains(&LATENCY_ID) {
+            out.count.returned(
+                header.pid,
+                &header.comm,
+                now_ns.saturating_sub(frame.calltime),
+            );
+        }
         if let (false, Some(k)) = (ids.is_empty(), kernel) {
             retprobe_hits(env, out, ids, regs, retp, caller, header, cpu, k);
         }

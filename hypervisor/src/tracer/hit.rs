@@ -9,6 +9,7 @@
 //! side for them). What a hit changes is its own vCPU's ring, atomic
 //! counters, and the return stacks under their own short lock.
 
+use super::count::LATENCY_ID;
 use super::fgraph::Out;
 use super::machine::{CpuView, Env, KernelView, Running};
 use super::modules::ModuleEvent;
@@ -20,7 +21,7 @@ use super::vm_state::{add, VmState};
 use super::{CpuState, Hypercall, Tracer};
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
-use crate::kprobe::{EventHeader, FetchContext, GuestLayout, IndexSymbols, RawEvent};
+use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols, RawEvent};
 use crate::vmx::regs::GuestRegs;
 use alloc::vec::Vec;
 use guest_introspect::paging::{self, Cr3};
@@ -118,6 +119,7 @@ impl<'a> Hit<'a> {
                 let tramp = Some(region.return_trampoline());
                 let mut ring = self.vm.stream.rings.lock(self.cpu.index);
                 let out = Out {
+                    count: &self.vm.count,
                     probes: &self.vm.probes,
                     ring: &mut ring,
                     record: &mut self.cpu.record,
@@ -205,16 +207,45 @@ impl<'a> Hit<'a> {
         }
         if u.counted {
             let c = &self.vm.count;
-            let counts = !c.filters() || {
-                let r = k.current(cpu).unwrap_or(Running::UNKNOWN);
-                c.admits(r.pid, &r.comm)
-            };
+            let keyed = c
+                .histogram
+                .as_ref()
+                .is_some_and(|h| h.key != protocol::HistKey::Function);
+            let running =
+                (c.filters() || keyed).then(|| k.current(cpu).unwrap_or(Running::UNKNOWN));
+            let counts = running.as_ref().is_none_or(|r| c.admits(r.pid, &r.comm));
             if counts {
                 add(&u.calls, 1);
+                if let Some(h) = &c.histogram {
+                    let r = running.unwrap_or(Running::UNKNOWN);
+                    let ctx = FetchContext {
+                        regs: &regs,
+                        comm: Some(&r.comm),
+                        layout: GuestLayout::X86_64_4LEVEL,
+                    };
+                    let mut mem = VcpuMem { ram: env.ram, cr3 };
+                    let syms = IndexSymbols::new(k.index(), Some(k.modules()));
+                    let value = h.spec.args.first().and_then(|a| {
+                        match kprobe::fetch_one(a, &ctx, &mut mem, &syms) {
+                            kprobe::FetchedValue::Int { value, .. }
+                            | kprobe::FetchedValue::Symbol(value)
+                            | kprobe::FetchedValue::SymStr(value) => Some(value),
+                            _ => None,
+                        }
+                    });
+                    h.add(h.key_of(u.func.0, r.pid, &r.comm), value);
+                }
             } else {
                 add(&c.filtered, 1);
             }
-            if u.probes.is_empty() && !u.function && u.graph == 0 && u.retprobes.is_empty() {
+            // The count's own timing is all a left-out call would hijack
+            // its return for.
+            let only_timing = matches!(u.retprobes.as_slice(), [LATENCY_ID]) && !counts;
+            if u.probes.is_empty()
+                && !u.function
+                && u.graph == 0
+                && (u.retprobes.is_empty() || only_timing)
+            {
                 // Counted, and nothing else to do: no event.
                 return (chain, Served::Hit);
             }
@@ -266,6 +297,7 @@ impl<'a> Hit<'a> {
             graph_state.refresh_stack_map(k, cpu, now_ns, &self.vm.hit);
             if let Some(tramp) = self.vm.region.as_ref().map(Region::return_trampoline) {
                 let out = Out {
+                    count: &self.vm.count,
                     probes: &self.vm.probes,
                     ring: &mut ring,
                     record: &mut self.cpu.record,

@@ -74,6 +74,12 @@ pub trait Machine {
     /// Every vCPU's guest RIP, known once [`Self::stop_others`] held them
     /// (this vCPU's always): a site one of them is inside is not patched.
     fn rips(&self) -> &[u64];
+    /// Root's time now, on the clock of the hit's `now_ns` (which is the
+    /// time its exit was taken), where the machine has a clock: a call
+    /// timed from here leaves out root's own work on its entry.
+    fn clock_ns(&self) -> Option<u64> {
+        None
+    }
     /// `Ok` when `bytes` more fit in the heap's room.
     fn heap_check(&self, bytes: usize) -> Result<(), OutOfMemory>;
     /// Bytes the heap has beyond its reserve.

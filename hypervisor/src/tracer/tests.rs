@@ -853,6 +853,139 @@ fn a_count_counts_calls_in_root_records_nothing_and_keeps_other_uses() {
 }
 
 #[test]
+fn a_count_with_latency_times_each_call_through_its_return() {
+    let mut g = Guest::new();
+    let filter = protocol::CountFilter {
+        functions: vec!["my_func".into()],
+        comm: Some("sleeper".into()),
+        latency: true,
+        ..Default::default()
+    };
+    g.with(|t, env, k| t.count_start(&filter, k, env, 0))
+        .unwrap();
+    // Three calls of 1, 1000 and 5000 ns; a fourth by another task is
+    // neither counted nor hijacked.
+    for d in [1u64, 1000, 5000] {
+        g.now_ns += 10_000;
+        g.hit(FUNC, RETP, CALLER_RET, 0);
+        let tramp = g.region().return_trampoline().0;
+        assert_eq!(g.ram.word(gpa(RETP)), tramp, "the return is hijacked");
+        g.now_ns += d;
+        let (_, rax) = g.ret(RETP, 0);
+        assert_eq!(rax, CALLER_RET, "the call returns to its caller");
+    }
+    let me = g.kernel.running.comm;
+    g.kernel.running.comm = *b"other\0\0\0\0\0\0\0\0\0\0\0";
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(
+        g.ram.word(gpa(RETP)),
+        CALLER_RET,
+        "a left-out call is not hijacked"
+    );
+    g.kernel.running.comm = me;
+    let page = g.with(|t, _, k| t.count_read(0, 10, k, 0)).unwrap();
+    assert_eq!((page.calls, page.filtered, page.latency_missed), (3, 1, 0));
+    // 1 ns: bucket 1; 1000 ns: bucket 10 (512..1023); 5000: 13 (4096..8191).
+    let mut want = vec![0u64; 14];
+    want[1] = 1;
+    want[10] = 1;
+    want[13] = 1;
+    assert_eq!(page.latency, want);
+    assert_eq!(super::count::latency_bucket(0), 0);
+    assert_eq!(super::count::latency_bucket(u64::MAX), 63);
+    g.with(|t, env, _| t.count_stop(env)).unwrap();
+    let r = g.tracer().report();
+    assert_eq!((r.sites, r.graph_frames), (0, 0));
+}
+
+#[test]
+fn a_histogram_buckets_a_fetch_argument_by_key_in_bounded_rows() {
+    let mut g = Guest::new();
+    let hist = |key| protocol::CountFilter {
+        hist: Some(protocol::HistFilter {
+            spec: "p my_func n=%di:u64".into(),
+            key,
+        }),
+        ..Default::default()
+    };
+    g.with(|t, env, k| t.count_start(&hist(protocol::HistKey::Comm), k, env, 0))
+        .unwrap();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    for n in [512, 512, 4096, 0] {
+        g.hit(FUNC, RETP, CALLER_RET, n);
+    }
+    g.kernel.running.comm = *b"other\0\0\0\0\0\0\0\0\0\0\0";
+    g.hit(FUNC, RETP, CALLER_RET, 1);
+    assert_eq!(g.text(), "", "a histogram records no event");
+    let page = g.with(|t, _, k| t.hist_read(0, k)).unwrap();
+    let rows: Vec<(String, Vec<u64>)> = page
+        .rows
+        .iter()
+        .map(|r| (r.key.clone(), r.buckets.clone()))
+        .collect();
+    let mut sleeper = vec![0u64; 14];
+    sleeper[0] = 1; // 0
+    sleeper[10] = 2; // 512..1023
+    sleeper[13] = 1; // 4096..8191
+    assert_eq!(
+        rows,
+        [
+            ("sleeper".to_string(), sleeper),
+            ("other".to_string(), vec![0, 1])
+        ]
+    );
+    assert_eq!((page.overflow, page.faults, page.next), (0, 0, None));
+    g.with(|t, env, _| t.count_stop(env)).unwrap();
+
+    // By pid: more pids than rows, the rest counted as overflow.
+    g.with(|t, env, k| t.count_start(&hist(protocol::HistKey::Pid), k, env, 0))
+        .unwrap();
+    let keys = super::count::HIST_KEYS as i32;
+    for pid in 0..keys + 3 {
+        g.kernel.running.pid = 1000 + pid;
+        g.hit(FUNC, RETP, CALLER_RET, 8);
+    }
+    let mut rows = Vec::new();
+    let mut cursor = 0;
+    let last = loop {
+        let page = g.with(|t, _, k| t.hist_read(cursor, k)).unwrap();
+        rows.extend(page.rows.iter().map(|r| r.key.clone()));
+        match page.next {
+            Some(n) => cursor = n,
+            None => break page,
+        }
+    };
+    assert_eq!(rows.len(), super::count::HIST_KEYS, "paged to the end");
+    assert_eq!(rows[0], "1000");
+    assert_eq!(last.overflow, 3);
+    g.with(|t, env, _| t.count_stop(env)).unwrap();
+
+    // A histogram takes an entry probe with an argument, and no globs.
+    for (spec, globs) in [
+        ("r my_func $retval", vec![]),
+        ("p my_func", vec![]),
+        ("p my_func n=%di", vec!["other_*".to_string()]),
+        ("p: bad", vec![]),
+    ] {
+        let mut f = hist(protocol::HistKey::Function);
+        f.functions = globs;
+        if let Some(h) = f.hist.as_mut() {
+            h.spec = spec.into();
+        }
+        let e = g
+            .with(|t, env, k| t.count_start(&f, k, env, 0))
+            .unwrap_err();
+        assert_eq!(
+            e.kind,
+            protocol::ErrorKind::InvalidArgument,
+            "{spec}: {}",
+            e.message
+        );
+    }
+    assert_eq!(g.tracer().report().sites, 0);
+}
+
+#[test]
 fn a_counts_comm_filter_counts_the_others_apart() {
     let mut g = Guest::new();
     let filter = protocol::CountFilter {
