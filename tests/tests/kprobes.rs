@@ -1002,11 +1002,16 @@ fn hist_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
     let bucket = |n: u64| (u64::BITS - n.leading_zeros()) as usize;
     let mut theirs = vec![0u64; 0];
     for l in trace.lines() {
-        let Some(hex) = l.split("count=0x").nth(1) else {
+        // `count=512` (a u64 prints in decimal; an x64 would be 0x...).
+        let Some(v) = l.split(" count=").nth(1) else {
             continue;
         };
-        let digits: String = hex.chars().take_while(char::is_ascii_hexdigit).collect();
-        if let Ok(n) = u64::from_str_radix(&digits, 16) {
+        let v = v.split_whitespace().next().unwrap_or("");
+        let n = match v.strip_prefix("0x") {
+            Some(hex) => u64::from_str_radix(hex, 16),
+            None => v.parse(),
+        };
+        if let Ok(n) = n {
             let b = bucket(n);
             if theirs.len() <= b {
                 theirs.resize(b + 1, 0);

@@ -1046,6 +1046,9 @@ impl Vm {
 impl Drop for Vm {
     fn drop(&mut self) {
         self.kill();
+        // The guest's RAM (QEMU with the hypervisor) is not a log: it goes
+        // even from a run directory that is kept.
+        let _ = std::fs::remove_file(self.dir.join(qemu::RAM_FILE));
         if self.finished && !self.cfg.keep_dir {
             let _ = std::fs::remove_dir_all(&self.dir);
         } else {
