@@ -790,17 +790,10 @@ fn count_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
         }
     }
     let mut guest: BTreeMap<String, u64> = BTreeMap::new();
-    for l in trace.lines() {
-        // `dd-123 [000] ..... 12.345678: vfs_read: (vfs_read+0x4/0x1a0)`
-        let words: Vec<&str> = l.split_whitespace().collect();
-        let at = words.iter().position(|w| {
-            w.strip_suffix(':')
-                .is_some_and(|t| t.contains('.') && t.parse::<f64>().is_ok())
-        });
-        if let Some(event) = at.and_then(|i| words.get(i + 1)) {
-            *guest
-                .entry(event.trim_end_matches(':').to_string())
-                .or_default() += 1;
+    for l in parse_all(&trace) {
+        // `vfs_read: (vfs_read+0x4/0x1a0)`
+        if let Some((event, _)) = l.body.split_once(':') {
+            *guest.entry(event.to_string()).or_default() += 1;
         }
     }
     println!(
@@ -1001,9 +994,10 @@ fn hist_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
         .collect();
     let bucket = |n: u64| (u64::BITS - n.leading_zeros()) as usize;
     let mut theirs = vec![0u64; 0];
-    for l in trace.lines() {
-        // `count=512` (a u64 prints in decimal; an x64 would be 0x...).
-        let Some(v) = l.split(" count=").nth(1) else {
+    for l in parse_all(&trace) {
+        // `vr: (vfs_read+0x4/0x1a0) count=512` (a u64 prints in decimal;
+        // an x64 would be 0x...).
+        let Some(v) = l.body.split(" count=").nth(1) else {
             continue;
         };
         let v = v.split_whitespace().next().unwrap_or("");

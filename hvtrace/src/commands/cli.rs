@@ -83,13 +83,21 @@ pub struct HistArgs {
     /// What the calls are grouped by.
     #[arg(long, value_enum, default_value_t = HistKeyArg::Func)]
     pub key: HistKeyArg,
+    #[command(flatten)]
+    pub run: AggregateArgs,
+}
+
+/// The options `count`, `latency` and `hist` share: which calls, how long,
+/// how the result is printed.
+#[derive(Clone, Debug, Args)]
+pub struct AggregateArgs {
     /// Only the calls of this thread id.
     #[arg(long, value_name = "PID", value_parser = value_parser!(i32).range(0..))]
     pub pid: Option<i32>,
     /// Only the calls of tasks with this name (comm).
     #[arg(long, value_name = "NAME")]
     pub comm: Option<String>,
-    /// Print the histogram so far every SECS seconds too.
+    /// Print the result so far every SECS seconds too.
     #[arg(long, value_name = "SECS")]
     pub interval: Option<f64>,
     /// End after SECS seconds [default: at Ctrl-C].
@@ -131,27 +139,11 @@ pub struct CountArgs {
     /// Globs of the functions counted (`vfs_*`, `ext4:*`).
     #[arg(value_name = "GLOB", required = true)]
     pub globs: Vec<String>,
-    /// Count only the calls of this thread id.
-    #[arg(long, value_name = "PID", value_parser = value_parser!(i32).range(0..))]
-    pub pid: Option<i32>,
-    /// Count only the calls of tasks with this name (comm).
-    #[arg(long, value_name = "NAME")]
-    pub comm: Option<String>,
-    /// Print the counts so far every SECS seconds too.
-    #[arg(long, value_name = "SECS")]
-    pub interval: Option<f64>,
-    /// End the count after SECS seconds [default: at Ctrl-C].
-    #[arg(long, value_name = "SECS", conflicts_with = "exec")]
-    pub duration: Option<f64>,
-    /// Count while this guest command runs, then end.
-    #[arg(long, value_name = "CMD")]
-    pub exec: Option<String>,
+    #[command(flatten)]
+    pub run: AggregateArgs,
     /// Print only the N most called functions.
     #[arg(long, value_name = "N")]
     pub top: Option<usize>,
-    /// Print JSON objects instead of text.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// Options of `hvtrace status`.
@@ -678,8 +670,8 @@ mod tests {
         };
         assert_eq!(h.spec, ["p vfs_read count=%dx:u64"]);
         assert_eq!(h.key, HistKeyArg::Comm);
-        assert_eq!(h.exec.as_deref(), Some("dd bs=1"));
-        assert!(h.json);
+        assert_eq!(h.run.exec.as_deref(), Some("dd bs=1"));
+        assert!(h.run.json);
         let cli = Cli::try_parse_from(["hvtrace", "hist", "p", "vfs_read", "n=%dx"]).unwrap();
         let Command::Hist(h) = cli.command else {
             panic!("not hist")
@@ -693,7 +685,7 @@ mod tests {
         let Command::Latency(c) = cli.command else {
             panic!("not latency")
         };
-        assert_eq!((c.globs.len(), c.comm.as_deref()), (2, Some("dd")));
+        assert_eq!((c.globs.len(), c.run.comm.as_deref()), (2, Some("dd")));
         // --duration and --exec are one or the other.
         assert!(Cli::try_parse_from([
             "hvtrace",

@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use protocol::{CountFilter, FunctionCount, HistFilter, HistRow, Request, Response};
 
 use crate::client::{response_error, Control};
-use crate::commands::cli::{CountArgs, HistArgs};
+use crate::commands::cli::{AggregateArgs, CountArgs, HistArgs};
 use crate::commands::ctl::{self, open, PROBE_TIMEOUT, STATUS_TIMEOUT};
 use crate::output::json::{self, Json};
 use crate::output::term;
@@ -61,11 +61,7 @@ pub fn filter(
     if let Some(g) = globs.iter().find(|g| g.trim().is_empty()) {
         bail!("count needs globs, not empty words (got {g:?})");
     }
-    if let Some(c) = comm {
-        if c.is_empty() || c.len() > 15 {
-            bail!("--comm takes a name of 1 to 15 bytes (got {c:?})");
-        }
-    }
+    check_comm(comm)?;
     Ok(CountFilter {
         functions: globs.to_vec(),
         pid,
@@ -73,6 +69,16 @@ pub fn filter(
         latency,
         hist: None,
     })
+}
+
+/// Refuses a comm the kernel could not hold (1 to 15 bytes).
+fn check_comm(comm: Option<&str>) -> Result<()> {
+    match comm {
+        Some(c) if c.is_empty() || c.len() > 15 => {
+            bail!("--comm takes a name of 1 to 15 bytes (got {c:?})")
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Starts the count; returns its summary line.
@@ -357,30 +363,21 @@ pub fn hist_json(h: &Hists) -> String {
 pub fn hist(socket: &Path, args: &HistArgs) -> Result<u8> {
     let spec = args.spec.join(" ");
     ctl::check_probe_spec(&spec).with_context(|| format!("hist {spec:?}"))?;
-    if let Some(c) = &args.comm {
-        if c.is_empty() || c.len() > 15 {
-            bail!("--comm takes a name of 1 to 15 bytes (got {c:?})");
-        }
-    }
+    let o = &args.run;
+    check_comm(o.comm.as_deref())?;
     let filter = CountFilter {
         functions: Vec::new(),
-        pid: args.pid,
-        comm: args.comm.clone(),
+        pid: o.pid,
+        comm: o.comm.clone(),
         latency: false,
         hist: Some(HistFilter {
             spec,
             key: args.key.protocol(),
         }),
     };
-    let interval = seconds("--interval", args.interval)?;
-    let duration = seconds("--duration", args.duration)?;
-    let mut client = open(socket)?;
-    let line = start(&mut client, filter)?;
-    eprintln!("hvtrace: histogram: {}", term::sanitize(&line));
-    let json = args.json;
-    let mut show = |c: &mut crate::client::Client, at: Option<Duration>| -> Result<()> {
+    aggregate(socket, filter, "histogram: ", o, &mut |c, at| {
         let h = read_hist(c)?;
-        if json {
+        if o.json {
             println!("{}", hist_json(&h));
         } else {
             if let Some(at) = at {
@@ -389,18 +386,7 @@ pub fn hist(socket: &Path, args: &HistArgs) -> Result<u8> {
             print!("{}", hist_text(&h));
         }
         Ok(())
-    };
-    let result = run_until_done(
-        &mut client,
-        args.exec.as_deref(),
-        interval,
-        duration,
-        &mut show,
-    );
-    let stopped = stop(&mut client);
-    let code = result?;
-    stopped?;
-    Ok(code)
+    })
 }
 
 /// The counts as one JSON object.
@@ -433,7 +419,7 @@ pub fn json_line(c: &Counts) -> String {
 }
 
 fn print(c: &Counts, args: &CountArgs, latency: bool, at: Option<Duration>) {
-    if args.json {
+    if args.run.json {
         println!("{}", json_line(c));
     } else {
         if let Some(at) = at {
@@ -453,24 +439,31 @@ fn print(c: &Counts, args: &CountArgs, latency: bool, at: Option<Duration>) {
 /// `hvtrace count`, and `hvtrace latency` (`latency`: the histogram of
 /// durations instead of the counts).
 pub fn count(socket: &Path, args: &CountArgs, latency: bool) -> Result<u8> {
-    let filter = filter(&args.globs, args.pid, args.comm.as_deref(), latency)?;
-    let interval = seconds("--interval", args.interval)?;
-    let duration = seconds("--duration", args.duration)?;
-    let mut client = open(socket)?;
-    let line = start(&mut client, filter)?;
-    eprintln!("hvtrace: {}", term::sanitize(&line));
-    let mut show = |c: &mut crate::client::Client, at: Option<Duration>| -> Result<()> {
+    let o = &args.run;
+    let filter = filter(&args.globs, o.pid, o.comm.as_deref(), latency)?;
+    aggregate(socket, filter, "", o, &mut |c, at| {
         print(&read(c)?, args, latency, at);
         Ok(())
-    };
-    let result = run_until_done(
-        &mut client,
-        args.exec.as_deref(),
-        interval,
-        duration,
-        &mut show,
-    );
-    // The count goes whatever happened; its error comes second.
+    })
+}
+
+/// Runs one aggregation on the VM at `socket`: starts it with `filter`
+/// (its summary line on stderr after `label`), waits for its end, shows
+/// it with `show` at each interval and at the end, and stops it whatever
+/// happened (its error comes second).
+fn aggregate(
+    socket: &Path,
+    filter: CountFilter,
+    label: &str,
+    o: &AggregateArgs,
+    show: &mut dyn FnMut(&mut crate::client::Client, Option<Duration>) -> Result<()>,
+) -> Result<u8> {
+    let interval = seconds("--interval", o.interval)?;
+    let duration = seconds("--duration", o.duration)?;
+    let mut client = open(socket)?;
+    let line = start(&mut client, filter)?;
+    eprintln!("hvtrace: {label}{}", term::sanitize(&line));
+    let result = run_until_done(&mut client, o.exec.as_deref(), interval, duration, show);
     let stopped = stop(&mut client);
     let code = result?;
     stopped?;

@@ -213,14 +213,30 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
             eprintln!("hvtrace: trace: {} line{plural}{to}{lost}", traced.lines);
         }
     }
-    if traced.interrupted || sys::interrupted() {
-        return finish(&report, ctl::INTERRUPTED_EXIT);
+    end_of_commands(
+        &report,
+        args,
+        traced.failed,
+        traced.interrupted || sys::interrupted(),
+    )
+}
+
+/// The exit of a run that ran its `--exec` commands: 130 after a Ctrl-C,
+/// an error when `failed` commands failed and that counts, else 0.
+fn end_of_commands(
+    report: &StopReport,
+    args: &RunArgs,
+    failed: usize,
+    interrupted: bool,
+) -> Result<u8> {
+    if interrupted {
+        return finish(report, ctl::INTERRUPTED_EXIT);
     }
-    if traced.failed > 0 && args.fail_on_exec_error {
-        finish(&report, 1)?;
-        bail!("{} of {} commands failed", traced.failed, args.exec.len());
+    if failed > 0 && args.fail_on_exec_error {
+        finish(report, 1)?;
+        bail!("{} of {} commands failed", failed, args.exec.len());
     }
-    finish(&report, 0)
+    finish(report, 0)
 }
 
 /// `hvtrace run --count GLOB ... --exec ...`: counts the calls while the
@@ -252,14 +268,7 @@ fn run_counted(args: &RunArgs) -> Result<u8> {
         }
     }
     let report = vm.stop()?;
-    if interrupted {
-        return finish(&report, ctl::INTERRUPTED_EXIT);
-    }
-    if failed > 0 && args.fail_on_exec_error {
-        finish(&report, 1)?;
-        bail!("{} of {} commands failed", failed, args.exec.len());
-    }
-    finish(&report, 0)
+    end_of_commands(&report, args, failed, interrupted)
 }
 
 /// Adds the probes and functions, starts the graph and the trace, runs the

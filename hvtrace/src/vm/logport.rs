@@ -171,33 +171,34 @@ impl LogDemux {
         wire.extend_from_slice(&segment);
         wire.push(0);
         self.decoder.reset();
-        let result = self.decoder.feed(&wire).last();
+        let result = self
+            .decoder
+            .feed(&wire)
+            .last()
+            .unwrap_or(Err(DecodeError::Truncated { len: segment.len() }));
         let wire_len = wire.len();
         match result {
-            Some(Ok(frame)) => out(Piece::Frame(Box::new(Ok(frame)), wire_len)),
-            Some(Err(_)) | None if find(&segment, PREFIX.as_bytes()).is_some() => {
+            Ok(frame) => out(Piece::Frame(Box::new(Ok(frame)), wire_len)),
+            Err(e) => match find(&segment, PREFIX.as_bytes()) {
                 // Out of step: a frame cut short, then text from the log
                 // prefix on; the delimiter just read opens a frame.
-                let at = find(&segment, PREFIX.as_bytes()).unwrap_or(0);
-                if at > 0 {
-                    out(Piece::Frame(
-                        Box::new(Err(DecodeError::Truncated { len: at })),
-                        at + 1,
-                    ));
-                }
-                for line in segment[at..].split_inclusive(|&b| b == b'\n') {
-                    self.take_text(line, out);
-                    if line.ends_with(b"\n") {
-                        self.flush_line(out);
+                Some(at) => {
+                    if at > 0 {
+                        out(Piece::Frame(
+                            Box::new(Err(DecodeError::Truncated { len: at })),
+                            at + 1,
+                        ));
                     }
+                    for line in segment[at..].split_inclusive(|&b| b == b'\n') {
+                        self.take_text(line, out);
+                        if line.ends_with(b"\n") {
+                            self.flush_line(out);
+                        }
+                    }
+                    self.in_frame = true;
                 }
-                self.in_frame = true;
-            }
-            Some(Err(e)) => out(Piece::Frame(Box::new(Err(e)), wire_len)),
-            None => out(Piece::Frame(
-                Box::new(Err(DecodeError::Truncated { len: segment.len() })),
-                wire_len,
-            )),
+                None => out(Piece::Frame(Box::new(Err(e)), wire_len)),
+            },
         }
         segment.clear();
         self.segment = segment;

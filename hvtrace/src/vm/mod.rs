@@ -1088,13 +1088,7 @@ fn spawn_control_tap(
     std::thread::spawn(move || {
         let mut decoder = protocol::FrameDecoder::new();
         let mut buf = [0u8; 4096];
-        loop {
-            let n = match stream.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
-            };
+        while let Some(n) = read_some(&mut stream, &mut buf) {
             let data = &buf[..n];
             for result in decoder.feed(data) {
                 if let Ok(protocol::Frame {
@@ -1237,13 +1231,7 @@ fn spawn_line_reader(
                 }
             }
         };
-        loop {
-            let n = match stream.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
-            };
+        while let Some(n) = read_some(&mut stream, &mut buf) {
             demux.feed(&buf[..n], &mut piece);
         }
         demux.finish(&mut piece);
@@ -1302,6 +1290,20 @@ fn take_line(shared: &Shared, raw: &[u8], noted: &mut u32, log_path: &Path) {
     shared.cv.notify_all();
 }
 
+/// Reads what `stream` has into `buf`; `None` at its end or on an error.
+/// A read interrupted by a signal (the CLI catches Ctrl-C, which may land
+/// in a reader thread) is tried again.
+fn read_some(stream: &mut impl Read, buf: &mut [u8]) -> Option<usize> {
+    loop {
+        match stream.read(buf) {
+            Ok(0) => return None,
+            Ok(n) => return Some(n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+}
+
 /// The bytes of console output a run keeps in memory: its console cap, at
 /// most [`console::CONSOLE_KEEP`].
 fn console_keep(cfg: &RunConfig) -> usize {
@@ -1324,14 +1326,7 @@ fn spawn_serial_reader(
     std::thread::spawn(move || {
         let mut log = CappedLog::create(&log_path, cap).ok();
         let mut buf = [0u8; 4096];
-        loop {
-            let n = match stream.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) => n,
-                // A signal the CLI catches (Ctrl-C) may land in this thread.
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => break,
-            };
+        while let Some(n) = read_some(&mut stream, &mut buf) {
             let data = &buf[..n];
             if let Some(log) = log.as_mut() {
                 let _ = log.append(data);

@@ -482,13 +482,7 @@ fn hist_of(h: &HistFilter, k: &dyn KernelView, env: &mut Env<'_>) -> Result<Hist
             "a histogram needs a fetch argument in its probe (p vfs_read count=%dx:u64)".into(),
         ));
     }
-    let syms = IndexSymbols::new(k.index(), Some(k.modules()));
-    spec.resolve_symbols(&syms).map_err(|name| {
-        ReqError::new(
-            ErrorKind::NotFound,
-            format!("symbol {name} is not in the guest's kallsyms"),
-        )
-    })?;
+    super::requests::resolve_fetch_symbols(&mut spec, k)?;
     let mut rows = Vec::new();
     fallible::try_reserve(&mut rows, HIST_KEYS)
         .map_err(|e| super::out_of_memory(env, "the histogram's rows", e))?;

@@ -36,6 +36,21 @@ pub(super) enum AttachError {
     Memory(OutOfMemory),
 }
 
+/// Resolves the `@SYM` bases of `spec`'s fetch arguments in the guest's
+/// symbols, as the kernel does when it registers a probe.
+pub(super) fn resolve_fetch_symbols(
+    spec: &mut kprobe::ProbeSpec,
+    k: &dyn KernelView,
+) -> Result<(), ReqError> {
+    let syms = IndexSymbols::new(k.index(), Some(k.modules()));
+    spec.resolve_symbols(&syms).map_err(|name| {
+        ReqError::new(
+            ErrorKind::NotFound,
+            format!("symbol {name} is not in the guest's kallsyms"),
+        )
+    })
+}
+
 /// What a request found to hook ([`Tracer::traceable_matches`]).
 #[derive(Default)]
 pub(super) struct Matches {
@@ -97,13 +112,7 @@ impl Tracer<'_> {
         }
         fallible::try_grow(&mut self.vm.probes.list, 1)
             .map_err(|e| out_of_memory(env, "a probe", e))?;
-        let syms = IndexSymbols::new(k.index(), Some(k.modules()));
-        spec.resolve_symbols(&syms).map_err(|name| {
-            ReqError::new(
-                ErrorKind::NotFound,
-                format!("symbol {name} is not in the guest's kallsyms"),
-            )
-        })?;
+        resolve_fetch_symbols(&mut spec, k)?;
         let sym = match symbols::lookup(k, spec.module.as_deref(), &spec.symbol) {
             Ok(sym) => sym,
             Err(_)
