@@ -82,6 +82,29 @@ fn check_one(rng: &mut Rng, n: usize, order: Order, absolute_percpu: bool) {
         assert!(syms[r.id.0 as usize].addr == s.addr && r.id.0 as usize <= i);
     }
     assert!(idx.lookup("no_such_symbol").is_none());
+    check_packed(rng, &idx, &what);
+}
+
+/// The packed index, read in pieces of random sizes, rebuilds an index
+/// that names and places every symbol alike.
+fn check_packed(rng: &mut Rng, idx: &SymbolIndex, what: &str) {
+    let total = idx.packed_len();
+    let mut bytes = Vec::new();
+    while bytes.len() < total {
+        let mut piece = vec![0xaa; 1 + rng.below(3000) as usize];
+        let got = idx.packed_at(bytes.len(), &mut piece);
+        assert!(got > 0 && got <= piece.len(), "{what}");
+        bytes.extend_from_slice(&piece[..got]);
+    }
+    assert_eq!(idx.packed_at(total, &mut [0u8; 8]), 0, "{what}");
+    let back = SymbolIndex::unpack(&bytes).unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(back.len(), idx.len(), "{what}");
+    for (a, b) in idx.iter().zip(back.iter()) {
+        assert_eq!(a, b, "{what}");
+        assert_eq!(idx.name(a.id), back.name(b.id), "{what}");
+    }
+    assert_eq!(back.text(), idx.text(), "{what}");
+    assert_eq!(back.init_text(), idx.init_text(), "{what}");
 }
 
 #[test]
@@ -98,6 +121,50 @@ fn all_layouts_and_sizes() {
             }
         }
     }
+}
+
+/// Packed bytes cut short, lengthened, or with any byte changed give an
+/// error or an index, never a panic; a changed header length is refused.
+#[test]
+fn packed_index_refuses_damage() {
+    let mut rng = Rng(test_support::seed());
+    let rb = 0xffff_ffff_8100_0000;
+    let syms = random_syms(&mut rng, 600, false, rb);
+    let (blob, _) = generate(&syms, Order::V612, false, rb);
+    let (mem, _) = place(&mut rng, &blob);
+    let mut view = SegmentView::new();
+    view.add(Gva(BASE), &mem, mem.len() as u64);
+    let range = GvaRange::with_len(Gva(BASE), mem.len() as u64);
+    let t = locate(&view, &[range], &mut LocateStats::default()).unwrap();
+    let idx = SymbolIndex::build(&view, &t).unwrap();
+    let mut bytes = vec![0; idx.packed_len()];
+    assert_eq!(idx.packed_at(0, &mut bytes), bytes.len());
+    for cut in [0, 7, 31, 543, bytes.len() - 1] {
+        assert!(SymbolIndex::unpack(&bytes[..cut]).is_err(), "cut at {cut}");
+    }
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(SymbolIndex::unpack(&longer).is_err());
+    let mut bad_magic = bytes.clone();
+    bad_magic[7] ^= 1;
+    assert!(SymbolIndex::unpack(&bad_magic).is_err());
+    let mut bad_count = bytes.clone();
+    bad_count[8] ^= 1;
+    assert!(SymbolIndex::unpack(&bad_count).is_err());
+    let (mut refused, mut built) = (0, 0);
+    for _ in 0..400 {
+        let mut b = bytes.clone();
+        let at = rng.below(b.len() as u64) as usize;
+        b[at] ^= 1 + rng.below(255) as u8;
+        match SymbolIndex::unpack(&b) {
+            Ok(i) => {
+                built += 1;
+                assert_eq!(i.len(), idx.len());
+            }
+            Err(_) => refused += 1,
+        }
+    }
+    assert!(refused > 0 && built > 0, "{refused} refused, {built} built");
 }
 
 /// Every single-byte change in any table gives an error or a consistent

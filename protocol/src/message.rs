@@ -210,6 +210,14 @@ pub enum Request {
         /// Where to resume.
         cursor: u32,
     },
+    /// Sends the host a copy of root's kernel symbol index (the guest's
+    /// kallsyms tables in their own encoding, behind a header) along the
+    /// trace stream's path ([`TraceChannel::LogPort`] or
+    /// [`TraceChannel::SharedRing`]): answered by
+    /// [`Response::SymbolsExport`], then [`Event::SymbolChunk`]s in order
+    /// on that path, a piece per hypervisor turn after the stream's own
+    /// frames. A new request starts a new export (a new id).
+    SymbolsExport,
 }
 
 /// A histogram of one fetch argument (bpftrace's `hist()`), kept in root
@@ -487,6 +495,15 @@ pub enum Response {
         /// Lines lost between `cursor` and `next` (the launcher's buffer is
         /// bounded, and the hypervisor reports its own losses inline).
         lost: u64,
+    },
+    /// Answer to [`Request::SymbolsExport`]: the export is under way.
+    SymbolsExport {
+        /// Its id, which its chunks carry.
+        id: u32,
+        /// Bytes it has in all.
+        bytes: u64,
+        /// Symbols in it.
+        symbols: u32,
     },
 }
 
@@ -923,5 +940,14 @@ pub enum Event {
     Fatal {
         /// What went wrong, one line (`hypervisor panic: ...`).
         reason: String,
+    },
+    /// A piece of the symbol index export ([`Request::SymbolsExport`]).
+    SymbolChunk {
+        /// The export's id.
+        id: u32,
+        /// Where the piece starts in the export.
+        offset: u64,
+        /// Its bytes.
+        data: Vec<u8>,
     },
 }

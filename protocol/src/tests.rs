@@ -190,6 +190,12 @@ fn samples() -> Vec<Body> {
             }),
         })),
         Body::Request(Request::HistRead { cursor: 3 }),
+        Body::Request(Request::SymbolsExport),
+        Body::Response(Response::SymbolsExport {
+            id: 2,
+            bytes: 1_603_833,
+            symbols: 94_266,
+        }),
         Body::Request(Request::TraceChannel {
             channel: TraceChannel::SharedRing,
         }),
@@ -279,6 +285,11 @@ fn samples() -> Vec<Body> {
             timestamp_ns: 0,
             payload: vec![],
         }),
+        Body::Event(Event::SymbolChunk {
+            id: 2,
+            offset: 2800,
+            data: vec![0, 1, 0xff, 0],
+        }),
         Body::Event(Event::Fatal {
             reason: "hypervisor panic: panicked at src/main.rs:1:1: ✗".into(),
         }),
@@ -327,6 +338,7 @@ fn variant(body: &Body) -> String {
             Request::CountRead { .. } => "Request::CountRead",
             Request::CountStop => "Request::CountStop",
             Request::HistRead { .. } => "Request::HistRead",
+            Request::SymbolsExport => "Request::SymbolsExport",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",
@@ -353,6 +365,7 @@ fn variant(body: &Body) -> String {
             Response::Counts { .. } => "Response::Counts",
             Response::Hist { .. } => "Response::Hist",
             Response::TraceRing { .. } => "Response::TraceRing",
+            Response::SymbolsExport { .. } => "Response::SymbolsExport",
             Response::Trace { .. } => "Response::Trace",
             Response::GraphStarted { .. } => "Response::GraphStarted",
         },
@@ -361,6 +374,7 @@ fn variant(body: &Body) -> String {
             Event::Lost { .. } => "Event::Lost",
             Event::Trace { .. } => "Event::Trace",
             Event::TraceText { .. } => "Event::TraceText",
+            Event::SymbolChunk { .. } => "Event::SymbolChunk",
             Event::Fatal { .. } => "Event::Fatal",
         },
     };
@@ -371,8 +385,9 @@ fn variant(body: &Body) -> String {
 /// `match` below has no wildcard either).
 /// 11 requests, 6 plain responses, a status per guest state, one error per
 /// kind, 4 events; then `TraceChannel` with `TraceRing`, and the count's 4
-/// requests and 3 responses.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8;
+/// requests and 3 responses; then the symbol export's request, answer and
+/// event.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3;
 
 #[test]
 fn samples_cover_every_variant() {

@@ -171,6 +171,82 @@ fn check_kernel(guest: Guest, name: &str) {
     );
     checks.check(kernel.kaslr_slide != 0, "KASLR slide is 0: was KASLR on?");
 
+    // The host's copy of the index: asked for when the trace stream first
+    // starts on the log port, rebuilt by the supervisor, listed in the run
+    // directory as /proc/kallsyms prints the kernel image's symbols. Its
+    // text lines must be the guest's own, in the guest's order.
+    let t2 = Instant::now();
+    let started = c.call(
+        Request::TraceStart {
+            format: protocol::TraceFormat::Text,
+        },
+        CALL,
+    );
+    checks.check(
+        matches!(&started, Ok(r) if r.response == Response::Ok),
+        format!("trace start: {started:?}"),
+    );
+    let listing = vm.run_dir.as_ref().map(|d| d.join("kallsyms"));
+    let mut host = None;
+    while t2.elapsed() < Duration::from_secs(180) {
+        if let Some(text) = listing
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+        {
+            host = Some(text);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let export_wall = t2.elapsed();
+    let _ = c.call(Request::TraceStop, CALL);
+    match host {
+        None => checks.check(
+            false,
+            format!("no host symbol listing in {listing:?} after {export_wall:?}"),
+        ),
+        Some(text) => {
+            let host_text: Vec<(u64, char, String)> = text
+                .lines()
+                .filter_map(|l| {
+                    let mut it = l.split(' ');
+                    let addr = u64::from_str_radix(it.next()?, 16).ok()?;
+                    let kind = it.next()?.chars().next()?;
+                    let name = it.next()?.to_string();
+                    Some((addr, kind, name))
+                })
+                .filter(|(_, k, _)| matches!(k, 't' | 'T'))
+                .collect();
+            // The kernel image's lines: module text (and the trampolines
+            // the guest lists as [bpf] or [__builtin__ftrace]) lies in
+            // module space, above the image's 1 GiB.
+            let image: Vec<&(u64, char, String)> = theirs
+                .iter()
+                .filter(|(a, _, _)| *a < 0xffff_ffff_c000_0000)
+                .collect();
+            let first_diff = host_text
+                .iter()
+                .zip(&image)
+                .position(|(a, b)| a != *b)
+                .map(|i| format!("line {i}: host {:?}, guest {:?}", host_text[i], image[i]));
+            println!(
+                "{name}: host symbol index over the log port: {} lines ({} text) in {:.1} s wall, against {:.1} s for the text symbols over the control channel",
+                text.lines().count(),
+                host_text.len(),
+                export_wall.as_secs_f64(),
+                dump_wall.as_secs_f64()
+            );
+            checks.check(
+                host_text.len() == image.len() && first_diff.is_none(),
+                format!(
+                    "host listing: {} text lines, the guest's image has {}; {first_diff:?}",
+                    host_text.len(),
+                    image.len()
+                ),
+            );
+        }
+    }
+
     // The CLI: `hvtrace syms GLOB` prints the guest's own address for a
     // function, with its fentry site; no match exits 1.
     let want = theirs

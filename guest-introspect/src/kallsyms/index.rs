@@ -119,6 +119,20 @@ impl Tokens {
     }
 }
 
+/// What an index is made of, borrowed for [`super::packed`].
+pub(super) struct PackedParts<'a> {
+    pub relative_base: u64,
+    pub mode: AddressMode,
+    pub offsets: &'a [i32],
+    pub names: &'a [u8],
+    pub anchors: &'a [u32],
+    pub token_table: &'a [u8],
+    pub token_starts: &'a [u16; 256],
+}
+
+/// One anchor every this many symbols, for [`super::packed`].
+pub(super) const ANCHOR_STRIDE: u32 = ANCHOR_EVERY;
+
 /// The symbol index. Build it with [`SymbolIndex::build`].
 #[derive(Clone)]
 pub struct SymbolIndex {
@@ -423,6 +437,20 @@ impl SymbolIndex {
         let s = self.symbol(self.lookup(start)?).addr;
         let e = self.symbol(self.lookup(end)?).addr;
         (s < e).then_some(GvaRange::new(s, e))
+    }
+
+    /// The parts [`super::packed`] writes out: relative base, address
+    /// mode, offsets, names stream, anchors, token table and token starts.
+    pub(super) fn packed_parts(&self) -> PackedParts<'_> {
+        PackedParts {
+            relative_base: self.relative_base,
+            mode: self.mode,
+            offsets: &self.offsets,
+            names: &self.names,
+            anchors: &self.anchors,
+            token_table: &self.tokens.bytes,
+            token_starts: &self.tokens.start,
+        }
     }
 
     /// The most hash table slots one symbol's insertion probed (a lookup of

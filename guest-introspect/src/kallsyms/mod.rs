@@ -58,11 +58,13 @@
 
 mod index;
 mod locate;
+mod packed;
 
 pub use index::{Resolved, Symbol, SymbolId, SymbolIndex, SymbolKind, DEFAULT_MAX_INDEX_BYTES};
 pub use locate::{
     locate, locate_budgeted, AddressMode, KallsymsError, KallsymsTables, Layout, LocateStats,
 };
+pub use packed::{PackedError, PACKED_MAGIC};
 
 /// The largest symbol count accepted (the index packs an id in 22 bits).
 pub const MAX_SYMS: u32 = (1 << 22) - 1;

@@ -219,6 +219,36 @@ fn names_round_trip() {
     }
 }
 
+/// The packed index of each real kernel rebuilds to the same symbols,
+/// names and text ranges; its size is what root sends the host.
+#[test]
+fn packed_index_round_trips() {
+    for r in [crate::fast(), crate::debian()] {
+        let idx = &r.index;
+        let mut bytes = vec![0; idx.packed_len()];
+        let mut at = 0;
+        while at < bytes.len() {
+            let end = (at + 2800).min(bytes.len());
+            at += idx.packed_at(at, &mut bytes[at..end]);
+        }
+        let back = guest_introspect::kallsyms::SymbolIndex::unpack(&bytes).unwrap();
+        assert_eq!(back.len(), idx.len());
+        assert!(idx.iter().zip(back.iter()).all(|(a, b)| a == b));
+        let step = if cfg!(debug_assertions) { 13 } else { 1 };
+        for i in (0..idx.len() as u32).step_by(step) {
+            let id = guest_introspect::SymbolId(i);
+            assert_eq!(idx.name(id), back.name(id));
+        }
+        assert_eq!(back.text(), idx.text());
+        eprintln!(
+            "{} symbols packed in {} bytes ({} of index heap)",
+            idx.len(),
+            bytes.len(),
+            idx.heap_bytes()
+        );
+    }
+}
+
 fn slide_and_check(img: &common::Image, r: &crate::Recovered, seed: u64) {
     let mut rng = Rng(seed);
     // KASLR keeps the image in the 1 GiB above __START_KERNEL_map, 2 MiB

@@ -10,4 +10,5 @@ pub mod serve;
 pub mod session;
 pub mod socket;
 pub mod supervisor;
+pub mod symbols;
 pub mod tracebuf;

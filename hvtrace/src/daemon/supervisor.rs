@@ -41,10 +41,11 @@
 //! options: the caller is its only client and calls it directly.
 
 use std::io::{Read, Write};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use super::symbols::HostSymbols;
 use anyhow::Result;
 use protocol::{ErrorKind, Event, Frame, Request, Response, TraceChannel, TraceFormat};
 
@@ -242,6 +243,10 @@ pub(crate) struct Supervisor {
     pub(crate) graphs: GraphOwners,
     /// The VM whose log port carries the trace stream, when it does.
     trace_port: OnceLock<VmWatch>,
+    /// The trace stream has a path of its own (the log port or the ring).
+    bulk: AtomicBool,
+    /// The host's copy of root's symbol index, once the VM started.
+    symbols: OnceLock<Arc<HostSymbols>>,
 }
 
 impl Supervisor {
@@ -260,6 +265,8 @@ impl Supervisor {
             stream: Mutex::new(None),
             graphs: GraphOwners::new(),
             trace_port: OnceLock::new(),
+            bulk: AtomicBool::new(false),
+            symbols: OnceLock::new(),
         }
     }
 
@@ -431,8 +438,34 @@ impl Supervisor {
         let response = self.forward(Request::TraceStart { format });
         if response == Response::Ok {
             *stream = Some(format);
+            self.export_symbols();
         }
         response
+    }
+
+    /// Asks root for its symbol index the first time the stream starts on
+    /// a path of its own (once per boot); the chunks come along that path.
+    fn export_symbols(&self) {
+        let (Some(symbols), Some(link)) = (self.symbols.get(), self.link.get()) else {
+            return;
+        };
+        if !self.bulk.load(Ordering::Relaxed) || !symbols.start() {
+            return;
+        }
+        match link.request(Request::SymbolsExport) {
+            Ok(Response::SymbolsExport {
+                id,
+                bytes,
+                symbols: n,
+            }) => {
+                self.note(&format!(
+                    "root sends its symbol index: {n} symbols in {bytes} bytes (export {id})"
+                ));
+                symbols.answered(id, bytes);
+            }
+            Ok(other) => symbols.refused(format!("root answered {other:?}")),
+            Err(e) => symbols.refused(e.to_string()),
+        }
     }
 
     fn trace_stop(&self) -> Response {
@@ -458,7 +491,10 @@ impl Supervisor {
             let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
             if *stream != Some(format) {
                 match self.forward(Request::TraceStart { format }) {
-                    Response::Ok => *stream = Some(format),
+                    Response::Ok => {
+                        *stream = Some(format);
+                        self.export_symbols();
+                    }
                     other => return other,
                 }
             }
@@ -623,6 +659,7 @@ impl Supervisor {
         }) {
             Ok(Response::Ok) => {
                 let _ = self.trace_port.set(watch);
+                self.bulk.store(true, Ordering::Relaxed);
                 self.note("the trace stream takes the log port");
             }
             Ok(other) => self.note(&format!(
@@ -681,6 +718,8 @@ impl Supervisor {
         };
         let trace = self.trace.clone();
         let start = self.start;
+        let symbols = self.symbols.get().cloned();
+        self.bulk.store(true, Ordering::Relaxed);
         std::thread::spawn(move || {
             let Ok(ring) = map.ring(at, len as usize, false) else {
                 return;
@@ -692,8 +731,16 @@ impl Supervisor {
                 let ended = watch.ended().is_some();
                 let drained = crate::vm::shm::drain(&ring, &mut buf, |record| {
                     for frame in decoder.feed(record).flatten() {
-                        if let protocol::Body::Event(ev @ Event::TraceText { .. }) = frame.body {
-                            trace.on_event(ev, &|m| note_at(start, m));
+                        match frame.body {
+                            protocol::Body::Event(ev @ Event::TraceText { .. }) => {
+                                trace.on_event(ev, &|m| note_at(start, m));
+                            }
+                            protocol::Body::Event(Event::SymbolChunk { id, offset, data }) => {
+                                if let Some(s) = &symbols {
+                                    s.chunk(id, offset, &data);
+                                }
+                            }
+                            _ => {}
                         }
                     }
                 });
@@ -739,6 +786,9 @@ impl Supervisor {
                 b.frames, b.bytes, b.bad, b.missing, b.unheard
             ));
         }
+        if let Some(line) = self.symbols.get().and_then(|s| s.summary()) {
+            self.note(&line);
+        }
         let t = self.trace.lock().stats();
         if t.lines + t.hv_lost > 0 {
             self.note(&format!(
@@ -764,7 +814,12 @@ pub(crate) fn run_vm(
     sup.attach(control.reader, control.writer, link::DEFAULT_TIMEOUT);
     let trace = sup.trace.clone();
     let start = sup.start;
-    vm.set_trace_sink(move |event| trace.on_event(event, &|message| note_at(start, message)));
+    let symbols = Arc::new(HostSymbols::new(Some(vm.run_dir().join("kallsyms"))));
+    let _ = sup.symbols.set(symbols.clone());
+    vm.set_trace_sink(move |event| match event {
+        Event::SymbolChunk { id, offset, data } => symbols.chunk(id, offset, &data),
+        event => trace.on_event(event, &|message| note_at(start, message)),
+    });
     sup.set_phase(Phase::Booting);
     state("booting");
     vm.wait_ready()?;

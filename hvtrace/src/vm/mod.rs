@@ -110,12 +110,16 @@ impl BulkTap {
             }
         }
         self.last_seq = Some(frame.seq);
-        // Root sends trace text there and nothing else; anything else is
-        // not taken from this path.
+        // Root sends trace text and its symbol index's pieces there and
+        // nothing else; anything else is not taken from this path.
         match (frame.body, self.sink.as_mut()) {
-            (protocol::Body::Event(event @ protocol::Event::TraceText { .. }), Some(sink)) => {
-                sink(event)
-            }
+            (
+                protocol::Body::Event(
+                    event @ (protocol::Event::TraceText { .. }
+                    | protocol::Event::SymbolChunk { .. }),
+                ),
+                Some(sink),
+            ) => sink(event),
             _ => self.stats.unheard += 1,
         }
     }

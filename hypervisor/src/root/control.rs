@@ -97,6 +97,25 @@ struct Bulk {
     wire: Vec<u8>,
 }
 
+/// Bytes of index per [`Event::SymbolChunk`], so that a frame stays
+/// under `MAX_FRAME`.
+const SYMBOL_CHUNK: usize = 3072;
+
+/// Bytes of the symbol export sent per turn at most, besides the
+/// stream's [`BULK_TURN_BYTES`].
+const EXPORT_TURN_BYTES: usize = 16 * 1024;
+
+/// The symbol index export under way ([`Request::SymbolsExport`]).
+struct SymbolExport {
+    id: u32,
+    /// Bytes sent.
+    offset: usize,
+    /// Bytes in all.
+    total: usize,
+    /// The piece being sent (kept, so that a turn allocates nothing).
+    piece: Vec<u8>,
+}
+
 /// A request held until recovery ends.
 struct Parked {
     seq: u32,
@@ -127,6 +146,10 @@ pub struct Control {
     bulk: Option<Bulk>,
     /// The shared ring's place once made (it is made once, and kept).
     ring_at: Option<(u64, u64)>,
+    /// The symbol index export under way, if any.
+    export: Option<SymbolExport>,
+    /// Id of the last export started.
+    export_id: u32,
 }
 
 impl Control {
@@ -143,6 +166,8 @@ impl Control {
             recovering: false,
             bulk: None,
             ring_at: None,
+            export: None,
+            export_id: 0,
         }
     }
 
@@ -156,6 +181,7 @@ impl Control {
             || !self.tx.is_empty()
             || self.decoder.buffered() != 0
             || !self.uart.tx_idle()
+            || self.export.is_some()
     }
 
     /// Moves bytes both ways and answers complete requests.
@@ -230,13 +256,24 @@ impl Control {
     /// fit); trace text goes to the log port at once when it is the
     /// stream's path.
     pub fn send_event(&mut self, event: Event) {
-        if let (Some(b), Event::TraceText { .. }) = (self.bulk.as_mut(), &event) {
-            let frame = Frame::event(b.seq, event);
-            b.wire.clear();
-            if protocol::encode(&frame, &mut b.wire).is_err() {
-                self.stats.dropped += 1;
-                return;
-            }
+        if self.bulk.is_some() && matches!(event, Event::TraceText { .. }) {
+            self.bulk_write(event);
+            return;
+        }
+        let seq = self.event_seq;
+        self.event_seq = self.event_seq.wrapping_add(1);
+        self.send_on(Lane::Events, &Frame::event(seq, event));
+    }
+
+    /// Writes `event` whole along the bulk path (when there is one) and
+    /// hands it back, so that its buffers can serve again.
+    fn bulk_write(&mut self, event: Event) -> Option<Event> {
+        let b = self.bulk.as_mut()?;
+        let frame = Frame::event(b.seq, event);
+        b.wire.clear();
+        if protocol::encode(&frame, &mut b.wire).is_err() {
+            self.stats.dropped += 1;
+        } else {
             b.seq = b.seq.wrapping_add(1);
             match &b.path {
                 BulkPath::Port => crate::logger::write_frame(&b.wire),
@@ -249,11 +286,11 @@ impl Control {
             b.turn_bytes += b.wire.len();
             self.stats.bulk_frames += 1;
             self.stats.bulk_bytes += b.wire.len() as u64;
-            return;
         }
-        let seq = self.event_seq;
-        self.event_seq = self.event_seq.wrapping_add(1);
-        self.send_on(Lane::Events, &Frame::event(seq, event));
+        match frame.body {
+            protocol::Body::Event(e) => Some(e),
+            _ => None,
+        }
     }
 
     fn send(&mut self, frame: &Frame) {
@@ -500,6 +537,12 @@ impl Control {
                 (Response::Ok, Action::None)
             }
             Request::TraceChannel { channel } => (self.set_channel(channel), Action::None),
+            Request::SymbolsExport => {
+                let resp = with_kernel(src, |_, k| {
+                    self.start_export(hypervisor::tracer::machine::KernelView::index(k))
+                });
+                (resp, Action::None)
+            }
             other => (
                 Response::error(
                     ErrorKind::Unsupported,
@@ -517,6 +560,79 @@ impl Control {
 }
 
 impl Control {
+    /// `SymbolsExport`: starts sending the index along the stream's path
+    /// (a new export replaces one under way).
+    fn start_export(
+        &mut self,
+        index: &guest_introspect::kallsyms::SymbolIndex,
+    ) -> Result<Response, hypervisor::tracer::ReqError> {
+        use hypervisor::tracer::ReqError;
+        if self.bulk.is_none() {
+            return Err(ReqError::new(
+                ErrorKind::NotReady,
+                "the symbol export needs the log port or the shared ring as the trace path",
+            ));
+        }
+        let mut piece = Vec::new();
+        if piece.try_reserve_exact(SYMBOL_CHUNK).is_err() {
+            return Err(ReqError::new(
+                ErrorKind::OutOfResources,
+                "no memory for the symbol export's buffer",
+            ));
+        }
+        self.export_id = self.export_id.wrapping_add(1);
+        let total = index.packed_len();
+        self.export = Some(SymbolExport {
+            id: self.export_id,
+            offset: 0,
+            total,
+            piece,
+        });
+        Ok(Response::SymbolsExport {
+            id: self.export_id,
+            bytes: total as u64,
+            symbols: index.len() as u32,
+        })
+    }
+
+    /// Sends up to [`EXPORT_TURN_BYTES`] of the symbol export on this turn,
+    /// after the stream's frames (a busy stream does not starve it).
+    pub fn export_turn(&mut self, index: Option<&guest_introspect::kallsyms::SymbolIndex>) {
+        let mut sent = 0;
+        while sent < EXPORT_TURN_BYTES {
+            let Some(index) = index else { return };
+            let Some(x) = self.export.as_mut() else {
+                return;
+            };
+            if self.bulk.is_none() || x.offset >= x.total {
+                self.export = None;
+                return;
+            }
+            x.piece.clear();
+            if x.piece.try_reserve_exact(SYMBOL_CHUNK).is_err() {
+                self.export = None;
+                return;
+            }
+            x.piece.resize(SYMBOL_CHUNK, 0);
+            let n = index.packed_at(x.offset, &mut x.piece);
+            x.piece.truncate(n);
+            if n == 0 {
+                self.export = None;
+                return;
+            }
+            let offset = x.offset as u64;
+            x.offset += n;
+            sent += n;
+            let id = x.id;
+            // The event takes the buffer for its frame and gives it back.
+            let data = core::mem::take(&mut x.piece);
+            let back = self.bulk_write(Event::SymbolChunk { id, offset, data });
+            if let (Some(Event::SymbolChunk { data, .. }), Some(x)) = (back, self.export.as_mut()) {
+                x.piece = data;
+            }
+        }
+    }
+
     /// Sends trace frames along `path` from now on; `false` when there is
     /// no memory for the frame buffer.
     fn bulk_to(&mut self, path: BulkPath) -> bool {
