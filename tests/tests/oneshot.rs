@@ -107,3 +107,78 @@ fn one_shot_graph_to_chrome() {
     let _ = std::fs::remove_dir_all(&dir);
     ck.finish();
 }
+
+/// `hvtrace run --hist SPEC --hist-key comm --count-comm dd --exec ...
+/// --format json` as a user types it: one boot, the histogram kept in VMX
+/// root while the commands run, printed once. dd reads its input in
+/// blocks of its `bs`: 10 reads of 512 bytes, 5 of 4096 and 3 of 65536 go
+/// to log2 buckets 10, 13 and 17, and nothing else is dd's.
+#[test]
+fn one_shot_hist() {
+    let _vm = vm_lock();
+    let output = Command::new(hvtrace_bin())
+        .args([
+            "run",
+            "--guest",
+            "fast",
+            "--hist",
+            "p vfs_read count=%dx:u64",
+            "--hist-key",
+            "comm",
+            "--count-comm",
+            "dd",
+            "--exec",
+            "dd if=/dev/zero of=/dev/null bs=512 count=10",
+            "--exec",
+            "dd if=/dev/zero of=/dev/null bs=4096 count=5",
+            "--exec",
+            "dd if=/dev/zero of=/dev/null bs=65536 count=3",
+            "--format",
+            "json",
+        ])
+        .arg("--hypervisor")
+        .arg(hypervisor_image())
+        .output()
+        .expect("running hvtrace run");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    println!("hvtrace run --hist: {}\n{stderr}\n{stdout}", output.status);
+    let mut ck = Checks::new();
+    ck.check(
+        output.status.success(),
+        format!("hvtrace run --hist succeeded: {}", output.status),
+    );
+    ck.check(
+        stderr.contains("hvtrace: histogram: counting 1 functions"),
+        "the histogram's start line on stderr",
+    );
+    let json = stdout
+        .lines()
+        .find(|l| l.starts_with("{\"rows\""))
+        .unwrap_or("");
+    match serde_json::from_str::<serde_json::Value>(json) {
+        Err(e) => ck.check(
+            false,
+            format!("no histogram JSON on stdout ({e}): {stdout:?}"),
+        ),
+        Ok(v) => {
+            let rows = v["rows"].as_array().cloned().unwrap_or_default();
+            ck.eq("rows", rows.len(), 1);
+            let key = rows.first().and_then(|r| r["key"].as_str()).unwrap_or("");
+            ck.eq("the row's key", key, "dd");
+            let buckets: Vec<u64> = rows
+                .first()
+                .and_then(|r| r["buckets_log2"].as_array())
+                .map(|a| a.iter().filter_map(|n| n.as_u64()).collect())
+                .unwrap_or_default();
+            let mut want = vec![0u64; 18];
+            want[10] = 10;
+            want[13] = 5;
+            want[17] = 3;
+            ck.eq("dd's reads by log2 bucket", buckets, want);
+            ck.eq("overflow", v["overflow"].as_u64(), Some(0));
+            ck.eq("faults", v["faults"].as_u64(), Some(0));
+        }
+    }
+    ck.finish();
+}

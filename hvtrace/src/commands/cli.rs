@@ -391,6 +391,7 @@ pub struct SuperviseArgs {
 /// Options of `hvtrace run`.
 #[derive(Clone, Debug, Args)]
 #[command(group(ArgGroup::new("tracing").args(["probes", "functions", "graphs"]).multiple(true).requires("exec")))]
+#[command(group(ArgGroup::new("aggregate").args(["counts", "hist"]).multiple(true)))]
 #[command(group(ArgGroup::new("graph_filter").args(["trace", "notrace", "graph_notrace", "max_depth", "stack_frames", "comm", "retval"]).multiple(true).requires("graphs")))]
 pub struct RunArgs {
     /// Built-in guest kernel (built or downloaded on first use).
@@ -448,14 +449,25 @@ pub struct RunArgs {
     #[arg(long = "count", value_name = "GLOB", conflicts_with_all = ["bare", "probes", "functions", "graphs"])]
     pub counts: Vec<String>,
 
-    /// With --count: count only the calls of tasks with this name (comm).
-    #[arg(long, value_name = "NAME", requires = "counts")]
+    /// With --count or --hist: only the calls of tasks with this name
+    /// (comm).
+    #[arg(long, value_name = "NAME", requires = "aggregate")]
     pub count_comm: Option<String>,
 
     /// With --count: time each call too (through the return hijack) and
     /// print the histogram of durations, as `hvtrace latency` does.
     #[arg(long, requires = "counts")]
     pub count_latency: bool,
+
+    /// Keep a histogram of the first fetch argument of this entry probe
+    /// (kprobe_events syntax) in VMX root while the --exec commands run,
+    /// then print it as `hvtrace hist` does.
+    #[arg(long = "hist", value_name = "SPEC", conflicts_with_all = ["bare", "probes", "functions", "graphs", "counts"])]
+    pub hist: Option<String>,
+
+    /// With --hist: what the histogram's rows are grouped by [default: func].
+    #[arg(long, value_enum, value_name = "KEY", requires = "hist")]
+    pub hist_key: Option<HistKeyArg>,
 
     /// Add this probe (kprobe_events syntax) before the --exec commands run,
     /// and write the trace of the commands to stdout or --output (repeatable).
@@ -702,6 +714,30 @@ mod tests {
         );
         assert!(run.count_latency && run.counts == ["vfs_*"]);
         assert!(Cli::try_parse_from(["hvtrace", "run", "--count-latency"]).is_err());
+        let run = run_args(
+            Cli::try_parse_from([
+                "hvtrace",
+                "run",
+                "--hist",
+                "p vfs_read count=%dx:u64",
+                "--hist-key",
+                "comm",
+                "--count-comm",
+                "dd",
+            ])
+            .unwrap(),
+        );
+        assert_eq!(run.hist.as_deref(), Some("p vfs_read count=%dx:u64"));
+        assert_eq!(run.hist_key, Some(HistKeyArg::Comm));
+        assert_eq!(run.count_comm.as_deref(), Some("dd"));
+        for bad in [
+            &["hvtrace", "run", "--hist-key", "comm"][..],
+            &["hvtrace", "run", "--count-comm", "dd"],
+            &["hvtrace", "run", "--hist", "p f", "--count", "g"],
+            &["hvtrace", "run", "--hist", "p f", "--probe", "p g"],
+        ] {
+            assert!(Cli::try_parse_from(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

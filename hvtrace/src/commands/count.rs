@@ -15,7 +15,7 @@ use anyhow::{bail, Context, Result};
 use protocol::{CountFilter, FunctionCount, HistFilter, HistRow, Request, Response};
 
 use crate::client::{response_error, Control};
-use crate::commands::cli::{AggregateArgs, CountArgs, HistArgs};
+use crate::commands::cli::{AggregateArgs, CountArgs, HistArgs, HistKeyArg};
 use crate::commands::ctl::{self, open, PROBE_TIMEOUT, STATUS_TIMEOUT};
 use crate::output::json::{self, Json};
 use crate::output::term;
@@ -359,22 +359,33 @@ pub fn hist_json(h: &Hists) -> String {
     .to_string()
 }
 
+/// The filter of a histogram from its options, checked.
+pub fn hist_filter(
+    spec: &str,
+    key: HistKeyArg,
+    pid: Option<i32>,
+    comm: Option<&str>,
+) -> Result<CountFilter> {
+    ctl::check_probe_spec(spec)?;
+    check_comm(comm)?;
+    Ok(CountFilter {
+        functions: Vec::new(),
+        pid,
+        comm: comm.map(str::to_string),
+        latency: false,
+        hist: Some(HistFilter {
+            spec: spec.to_string(),
+            key: key.protocol(),
+        }),
+    })
+}
+
 /// `hvtrace hist`.
 pub fn hist(socket: &Path, args: &HistArgs) -> Result<u8> {
     let spec = args.spec.join(" ");
-    ctl::check_probe_spec(&spec).with_context(|| format!("hist {spec:?}"))?;
     let o = &args.run;
-    check_comm(o.comm.as_deref())?;
-    let filter = CountFilter {
-        functions: Vec::new(),
-        pid: o.pid,
-        comm: o.comm.clone(),
-        latency: false,
-        hist: Some(HistFilter {
-            spec,
-            key: args.key.protocol(),
-        }),
-    };
+    let filter = hist_filter(&spec, args.key, o.pid, o.comm.as_deref())
+        .with_context(|| format!("hist {spec:?}"))?;
     aggregate(socket, filter, "histogram: ", o, &mut |c, at| {
         let h = read_hist(c)?;
         if o.json {

@@ -69,6 +69,9 @@ pub fn run(args: &RunArgs) -> Result<u8> {
     if !args.counts.is_empty() {
         return run_counted(args);
     }
+    if let Some(spec) = &args.hist {
+        return run_hist(args, spec);
+    }
     if args.traces() {
         return run_traced(args);
     }
@@ -266,6 +269,34 @@ fn run_counted(args: &RunArgs) -> Result<u8> {
         if args.count_latency {
             print!("{}", count::histogram(&counts));
         }
+    }
+    let report = vm.stop()?;
+    end_of_commands(&report, args, failed, interrupted)
+}
+
+/// `hvtrace run --hist SPEC --exec ...`: keeps the histogram while the
+/// commands run, prints it (stdout, or JSON with `--format json`), stops
+/// the VM.
+fn run_hist(args: &RunArgs, spec: &str) -> Result<u8> {
+    let key = args
+        .hist_key
+        .unwrap_or(crate::commands::cli::HistKeyArg::Func);
+    let filter = count::hist_filter(spec, key, None, args.count_comm.as_deref())
+        .with_context(|| format!("--hist {spec:?}"))?;
+    let json = matches!(args.format, Some(OutputFormatArg::Json));
+    let cfg = args.resolve()?;
+    note_tcg(&cfg);
+    let vm = LocalVm::start(cfg)?;
+    let mut control = vm.control();
+    let line = count::start(&mut control, filter)?;
+    eprintln!("hvtrace: histogram: {}", term::sanitize(&line));
+    let abort = AtomicBool::new(false);
+    let (failed, interrupted) = run_commands(&vm, &args.exec, &abort)?;
+    let h = count::read_hist(&mut control)?;
+    if json {
+        println!("{}", count::hist_json(&h));
+    } else {
+        print!("{}", count::hist_text(&h));
     }
     let report = vm.stop()?;
     end_of_commands(&report, args, failed, interrupted)

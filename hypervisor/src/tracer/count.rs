@@ -482,6 +482,17 @@ fn hist_of(h: &HistFilter, k: &dyn KernelView, env: &mut Env<'_>) -> Result<Hist
             "a histogram needs a fetch argument in its probe (p vfs_read count=%dx:u64)".into(),
         ));
     }
+    if let Some(first) = spec.args.first() {
+        if matches!(
+            first.ty,
+            kprobe::ArgType::String | kprobe::ArgType::UString | kprobe::ArgType::SymStr
+        ) {
+            return Err(bad(format!(
+                "a histogram buckets a number: the first fetch argument {}={} is a string",
+                first.name, first.body
+            )));
+        }
+    }
     super::requests::resolve_fetch_symbols(&mut spec, k)?;
     let mut rows = Vec::new();
     fallible::try_reserve(&mut rows, HIST_KEYS)

@@ -966,6 +966,9 @@ fn a_histogram_buckets_a_fetch_argument_by_key_in_bounded_rows() {
         ("p my_func", vec![]),
         ("p my_func n=%di", vec!["other_*".to_string()]),
         ("p: bad", vec![]),
+        ("p my_func s=+0(%di):string n=%si", vec![]),
+        ("p my_func s=$comm", vec![]),
+        ("p my_func s=%di:symstr", vec![]),
     ] {
         let mut f = hist(protocol::HistKey::Function);
         f.functions = globs;
@@ -981,6 +984,9 @@ fn a_histogram_buckets_a_fetch_argument_by_key_in_bounded_rows() {
             "{spec}: {}",
             e.message
         );
+        if spec.contains("s=") {
+            assert!(e.message.contains("is a string"), "{spec}: {}", e.message);
+        }
     }
     assert_eq!(g.tracer().report().sites, 0);
 }
