@@ -786,3 +786,170 @@ impl ModuleIndex {
             .any(|m| m.text.contains(addr) || m.init_text.contains(addr))
     }
 }
+
+/// The first bytes of a packed module index (and its format's version).
+pub const MODULES_MAGIC: [u8; 8] = *b"HVMODS\x00\x01";
+
+impl ModuleIndex {
+    /// The module index as one byte string, for the host (VMX root sends it
+    /// in pieces; [`ModuleIndex::unpack`] rebuilds it). Little-endian:
+    /// [`MODULES_MAGIC`], the four state values (`i64`), the module count
+    /// (`u32`), then per module its `struct module` address, state, core
+    /// text and init text (`u64` start and end each), name (`u16` length
+    /// and bytes), symbol count (`u32`) and symbols (address `u64`, type
+    /// letter, name as `u16` length and bytes). The buffer is reserved
+    /// fallibly: a heap without the room gives [`OutOfMemory`].
+    pub fn pack(&self) -> Result<Vec<u8>, OutOfMemory> {
+        let mut len = 8 + 4 * 8 + 4;
+        for m in &self.modules {
+            len += 6 * 8 + 2 + m.name.len().min(u16::MAX as usize) + 4;
+            for s in &m.symbols {
+                len += 8 + 1 + 2 + s.name.len().min(u16::MAX as usize);
+            }
+        }
+        let mut out = Vec::new();
+        crate::fallible::try_reserve(&mut out, len)?;
+        out.extend_from_slice(&MODULES_MAGIC);
+        for v in [
+            self.states.live,
+            self.states.coming,
+            self.states.going,
+            self.states.unformed,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        let name = |out: &mut Vec<u8>, n: &str| {
+            let b = n.as_bytes();
+            let b = b.get(..b.len().min(u16::MAX as usize)).unwrap_or_default();
+            out.extend_from_slice(&(b.len() as u16).to_le_bytes());
+            out.extend_from_slice(b);
+        };
+        out.extend_from_slice(&(self.modules.len() as u32).to_le_bytes());
+        for m in &self.modules {
+            for v in [
+                m.addr.0,
+                m.state as u64,
+                m.text.start.0,
+                m.text.end.0,
+                m.init_text.start.0,
+                m.init_text.end.0,
+            ] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            name(&mut out, &m.name);
+            out.extend_from_slice(&(m.symbols.len() as u32).to_le_bytes());
+            for s in &m.symbols {
+                out.extend_from_slice(&s.addr.to_le_bytes());
+                out.push(s.kind);
+                name(&mut out, &s.name);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Rebuilds an index from the bytes of [`ModuleIndex::pack`], checking
+    /// every length against what is left and the counts against
+    /// [`MAX_MODULES`] and [`MAX_MODULE_SYMBOLS`]; `Err` says what was
+    /// wrong.
+    pub fn unpack(bytes: &[u8]) -> Result<ModuleIndex, &'static str> {
+        struct Reader<'a>(&'a [u8]);
+        impl<'a> Reader<'a> {
+            fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
+                let (head, rest) = self.0.split_at_checked(n).ok_or("cut short")?;
+                self.0 = rest;
+                Ok(head)
+            }
+            fn u64(&mut self) -> Result<u64, &'static str> {
+                let b = self.take(8)?;
+                Ok(u64::from_le_bytes(b.try_into().map_err(|_| "cut short")?))
+            }
+            fn u32(&mut self) -> Result<u32, &'static str> {
+                let b = self.take(4)?;
+                Ok(u32::from_le_bytes(b.try_into().map_err(|_| "cut short")?))
+            }
+            fn name(&mut self) -> Result<String, &'static str> {
+                let b = self.take(2)?;
+                let n = u16::from_le_bytes(b.try_into().map_err(|_| "cut short")?);
+                let b = self.take(usize::from(n))?;
+                core::str::from_utf8(b)
+                    .map(String::from)
+                    .map_err(|_| "a name is not UTF-8")
+            }
+        }
+        let mut r = Reader(bytes);
+        if r.take(8)? != MODULES_MAGIC {
+            return Err("not a packed module index of this version");
+        }
+        let states = ModuleStates {
+            live: r.u64()? as i64,
+            coming: r.u64()? as i64,
+            going: r.u64()? as i64,
+            unformed: r.u64()? as i64,
+        };
+        let count = r.u32()? as usize;
+        if count > MAX_MODULES {
+            return Err("more modules than taken");
+        }
+        let mut modules = Vec::new();
+        crate::fallible::try_reserve(&mut modules, count).map_err(|_| "out of memory")?;
+        for _ in 0..count {
+            let addr = Gva(r.u64()?);
+            let state = r.u64()? as i64;
+            let text = GvaRange::new(Gva(r.u64()?), Gva(r.u64()?));
+            let init_text = GvaRange::new(Gva(r.u64()?), Gva(r.u64()?));
+            let name = r.name()?;
+            let n = r.u32()?;
+            if n > MAX_MODULE_SYMBOLS {
+                return Err("a module with more symbols than taken");
+            }
+            // Each symbol takes 11 bytes at least: a count beyond what is
+            // left is refused before anything is reserved for it.
+            if (n as usize).saturating_mul(11) > r.0.len() {
+                return Err("cut short");
+            }
+            let mut symbols = Vec::new();
+            crate::fallible::try_reserve(&mut symbols, n as usize).map_err(|_| "out of memory")?;
+            for _ in 0..n {
+                let addr = r.u64()?;
+                let kind = *r.take(1)?.first().ok_or("cut short")?;
+                let name = r.name()?;
+                symbols.push(ModuleSymbol { addr, kind, name });
+            }
+            modules.push(Module {
+                addr,
+                name,
+                state,
+                text,
+                init_text,
+                symbols,
+            });
+        }
+        if !r.0.is_empty() {
+            return Err("bytes after the last module");
+        }
+        ModuleIndex::new(modules, states).map_err(|_| "out of memory")
+    }
+
+    /// The state values the index was made with.
+    pub fn states(&self) -> ModuleStates {
+        self.states
+    }
+
+    /// Changes when the modules do (their `struct module`s, states, text
+    /// and symbol counts): root sends the host a new copy when it does.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut feed = |v: u64| {
+            h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3);
+        };
+        feed(self.modules.len() as u64);
+        for m in &self.modules {
+            feed(m.addr.0);
+            feed(m.state as u64);
+            feed(m.text.start.0);
+            feed(m.init_text.end.0);
+            feed(m.symbols.len() as u64);
+        }
+        h
+    }
+}

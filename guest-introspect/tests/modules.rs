@@ -9,7 +9,7 @@ use guest_introspect::fentry::{
 use guest_introspect::module::{
     rewalk_modules_at_load, walk_modules, walk_modules_limited, ModKallsyms, ModuleError,
     ModuleIndex, ModuleLayout, ModuleMemory, ModuleResolved, ModuleStates, ModuleSymbol,
-    ModuleSymbolId, MAX_MODULES,
+    ModuleSymbolId, MAX_MODULES, MAX_MODULE_SYMBOLS,
 };
 use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
@@ -462,6 +462,31 @@ fn the_index_resolves_and_classifies_module_functions() {
         (init.func.0, init.site.0, init.state),
         (s.addr, BASE + 0x9000, SiteState::Nop)
     );
+
+    // Packed for the host and rebuilt: the same modules, the same answers;
+    // cut short anywhere, lengthened or mislabelled, refused.
+    let packed = idx.pack().unwrap();
+    let back = ModuleIndex::unpack(&packed).unwrap();
+    assert_eq!(back.modules(), idx.modules());
+    assert_eq!(back.states(), idx.states());
+    assert_eq!(back.fingerprint(), idx.fingerprint());
+    for addr in [text, text + 0x14, text + 0xff, BASE + 0x9004, text + 0x100] {
+        assert_eq!(back.resolve(Gva(addr)), idx.resolve(Gva(addr)));
+    }
+    for cut in 0..packed.len() {
+        assert!(ModuleIndex::unpack(&packed[..cut]).is_err(), "cut at {cut}");
+    }
+    let mut longer = packed.clone();
+    longer.push(0);
+    assert!(ModuleIndex::unpack(&longer).is_err());
+    let mut other = packed.clone();
+    other[7] ^= 1;
+    assert!(ModuleIndex::unpack(&other).is_err());
+    // A symbol count far beyond the bytes is refused before any reserve.
+    let mut huge = packed.clone();
+    let at = 8 + 32 + 4 + 48 + 2 + "hvtarget".len();
+    huge[at..at + 4].copy_from_slice(&(MAX_MODULE_SYMBOLS).to_le_bytes());
+    assert!(ModuleIndex::unpack(&huge).is_err());
 }
 
 /// Guest memory with one module, `big`, of `n` functions in 6.1's layout.

@@ -65,8 +65,8 @@ pub use codec::{
 pub use message::{
     Body, ChannelReport, CountFilter, ErrorKind, Event, ExitCount, Frame, FunctionCount,
     GraphFilter, GuardReport, GuestState, HistFilter, HistKey, HistRow, KernelReport,
-    ModulesReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, TaskInfo, TraceChannel,
-    TraceFormat, TracerReport, VcpuReport, LATENCY_BUCKETS,
+    ModulesReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, SymbolsPart, TaskInfo,
+    TraceChannel, TraceFormat, TracerReport, VcpuReport, LATENCY_BUCKETS,
 };
 
 /// The version of the wire format: the frame header, the framing and every

@@ -215,8 +215,9 @@ pub enum Request {
     /// trace stream's path ([`TraceChannel::LogPort`] or
     /// [`TraceChannel::SharedRing`]): answered by
     /// [`Response::SymbolsExport`], then [`Event::SymbolChunk`]s in order
-    /// on that path, a piece per hypervisor turn after the stream's own
-    /// frames. A new request starts a new export (a new id).
+    /// on that path, some each hypervisor turn after the stream's own
+    /// frames; then the modules' index, and a new copy of it whenever the
+    /// loaded modules change. A new request starts over (new ids).
     SymbolsExport,
 }
 
@@ -818,6 +819,17 @@ pub struct ModulesReport {
     pub error: Option<String>,
 }
 
+/// What a [`Event::SymbolChunk`] is part of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum SymbolsPart {
+    /// The kernel image's symbol index (the guest's kallsyms tables,
+    /// packed).
+    Kernel,
+    /// The loaded modules and their symbols, packed.
+    Modules,
+}
+
 /// One symbol of a [`Response::Syms`] answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SymbolInfo {
@@ -941,10 +953,16 @@ pub enum Event {
         /// What went wrong, one line (`hypervisor panic: ...`).
         reason: String,
     },
-    /// A piece of the symbol index export ([`Request::SymbolsExport`]).
+    /// A piece of a symbol export: the kernel image's index, once, after
+    /// [`Request::SymbolsExport`]; the modules' index then, and again
+    /// whenever the loaded modules change.
     SymbolChunk {
-        /// The export's id.
+        /// The export's id (one sequence for both parts).
         id: u32,
+        /// Which index.
+        part: SymbolsPart,
+        /// Bytes of the export in all.
+        total: u64,
         /// Where the piece starts in the export.
         offset: u64,
         /// Its bytes.

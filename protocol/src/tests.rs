@@ -287,6 +287,8 @@ fn samples() -> Vec<Body> {
         }),
         Body::Event(Event::SymbolChunk {
             id: 2,
+            part: SymbolsPart::Modules,
+            total: 1 << 20,
             offset: 2800,
             data: vec![0, 1, 0xff, 0],
         }),

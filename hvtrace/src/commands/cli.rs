@@ -392,6 +392,7 @@ pub struct SuperviseArgs {
 #[derive(Clone, Debug, Args)]
 #[command(group(ArgGroup::new("tracing").args(["probes", "functions", "graphs"]).multiple(true).requires("exec")))]
 #[command(group(ArgGroup::new("aggregate").args(["counts", "hist"]).multiple(true)))]
+#[command(group(ArgGroup::new("formatted").args(["probes", "functions", "graphs", "counts", "hist"]).multiple(true)))]
 #[command(group(ArgGroup::new("graph_filter").args(["trace", "notrace", "graph_notrace", "max_depth", "stack_frames", "comm", "retval"]).multiple(true).requires("graphs")))]
 pub struct RunArgs {
     /// Built-in guest kernel (built or downloaded on first use).
@@ -489,9 +490,9 @@ pub struct RunArgs {
     )]
     pub graphs: Vec<String>,
 
-    /// Trace output format (with --probe, --function or --graph; chrome
-    /// needs --graph) [default: text].
-    #[arg(long, value_enum, value_name = "FORMAT", requires = "tracing")]
+    /// Output format (with --probe, --function or --graph, and text or json
+    /// with --count or --hist; chrome needs --graph) [default: text].
+    #[arg(long, value_enum, value_name = "FORMAT", requires = "formatted")]
     pub format: Option<OutputFormatArg>,
 
     /// Write the trace to FILE instead of stdout (with --probe, --function
@@ -724,10 +725,16 @@ mod tests {
                 "comm",
                 "--count-comm",
                 "dd",
+                "--format",
+                "json",
             ])
             .unwrap(),
         );
         assert_eq!(run.hist.as_deref(), Some("p vfs_read count=%dx:u64"));
+        assert!(
+            Cli::try_parse_from(["hvtrace", "run", "--count", "f", "--format", "json"]).is_ok()
+        );
+        assert!(Cli::try_parse_from(["hvtrace", "run", "--format", "json"]).is_err());
         assert_eq!(run.hist_key, Some(HistKeyArg::Comm));
         assert_eq!(run.count_comm.as_deref(), Some("dd"));
         for bad in [

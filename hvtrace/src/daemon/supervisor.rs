@@ -735,9 +735,15 @@ impl Supervisor {
                             protocol::Body::Event(ev @ Event::TraceText { .. }) => {
                                 trace.on_event(ev, &|m| note_at(start, m));
                             }
-                            protocol::Body::Event(Event::SymbolChunk { id, offset, data }) => {
+                            protocol::Body::Event(Event::SymbolChunk {
+                                id,
+                                part,
+                                total,
+                                offset,
+                                data,
+                            }) => {
                                 if let Some(s) = &symbols {
-                                    s.chunk(id, offset, &data);
+                                    s.chunk(id, part, total, offset, &data);
                                 }
                             }
                             _ => {}
@@ -817,7 +823,13 @@ pub(crate) fn run_vm(
     let symbols = Arc::new(HostSymbols::new(Some(vm.run_dir().join("kallsyms"))));
     let _ = sup.symbols.set(symbols.clone());
     vm.set_trace_sink(move |event| match event {
-        Event::SymbolChunk { id, offset, data } => symbols.chunk(id, offset, &data),
+        Event::SymbolChunk {
+            id,
+            part,
+            total,
+            offset,
+            data,
+        } => symbols.chunk(id, part, total, offset, &data),
         event => trace.on_event(event, &|message| note_at(start, message)),
     });
     sup.set_phase(Phase::Booting);

@@ -9,16 +9,20 @@
 //! ordered with each other), so they are kept from the first one on.
 //!
 //! The bytes are rebuilt with [`SymbolIndex::unpack`], which checks them
-//! as root's build checks guest memory, and the listing is written in the
-//! run directory as `kallsyms`, in `/proc/kallsyms`' form (the kernel
-//! image's symbols, in the kernel's order), for whoever post-processes a
-//! saved trace.
+//! as root's build checks guest memory. The modules' index follows it
+//! ([`ModuleIndex::unpack`]), and a new copy of it whenever the loaded
+//! modules change. The listing is written in the run directory as
+//! `kallsyms`, in `/proc/kallsyms`' form and order (the kernel image's
+//! symbols, then the modules' with ` [module]`), and again at each new
+//! copy of the modules, for whoever post-processes a saved trace.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use guest_introspect::kallsyms::{SymbolIndex, DEFAULT_MAX_INDEX_BYTES};
+use guest_introspect::module::ModuleIndex;
+use protocol::SymbolsPart;
 
 /// Most bytes of a packed index taken (the index's own bound).
 pub const MAX_PACKED: usize = DEFAULT_MAX_INDEX_BYTES;
@@ -44,6 +48,18 @@ struct Receiving {
     started: Instant,
 }
 
+/// The modules' index: the copy being received and the last one rebuilt.
+#[derive(Default)]
+struct Modules {
+    /// The export coming: its id, size and bytes so far.
+    coming: Option<(u32, usize, Vec<u8>)>,
+    index: Option<Arc<ModuleIndex>>,
+    /// Copies rebuilt.
+    copies: u32,
+    /// Why the last copy was refused, if it was.
+    error: Option<String>,
+}
+
 /// What a finished export took.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Received {
@@ -61,6 +77,7 @@ pub struct Received {
 /// threads that read the trace path.
 pub struct HostSymbols {
     state: Mutex<State>,
+    modules: Mutex<Modules>,
     cv: Condvar,
     /// Where the listing is written once the index is rebuilt.
     listing: Option<PathBuf>,
@@ -71,6 +88,7 @@ impl HostSymbols {
     pub fn new(listing: Option<PathBuf>) -> HostSymbols {
         HostSymbols {
             state: Mutex::new(State::Idle),
+            modules: Mutex::new(Modules::default()),
             cv: Condvar::new(),
             listing,
         }
@@ -128,7 +146,15 @@ impl HostSymbols {
     }
 
     /// One [`protocol::Event::SymbolChunk`].
-    pub fn chunk(&self, id: u32, offset: u64, data: &[u8]) {
+    pub fn chunk(&self, id: u32, part: SymbolsPart, total: u64, offset: u64, data: &[u8]) {
+        match part {
+            SymbolsPart::Kernel => self.kernel_chunk(id, total, offset, data),
+            SymbolsPart::Modules => self.module_chunk(id, total, offset, data),
+            _ => {}
+        }
+    }
+
+    fn kernel_chunk(&self, id: u32, total: u64, offset: u64, data: &[u8]) {
         let mut s = self.lock();
         let State::Receiving(r) = &mut *s else {
             return;
@@ -137,6 +163,18 @@ impl HostSymbols {
             Some(known) if known != id => return,
             Some(_) => {}
             None => r.id = Some(id),
+        }
+        if r.total.is_none() {
+            match usize::try_from(total).ok().filter(|&t| t <= MAX_PACKED) {
+                Some(t) => r.total = Some(t),
+                None => {
+                    *s = State::Failed(format!(
+                        "root offered {total} bytes of symbols, more than the {MAX_PACKED} taken"
+                    ));
+                    self.cv.notify_all();
+                    return;
+                }
+            }
         }
         if offset != r.bytes.len() as u64 {
             *s = State::Failed(format!(
@@ -156,6 +194,79 @@ impl HostSymbols {
         self.finish_if_done(&mut s);
     }
 
+    /// A piece of the modules' index: a new export (offset 0) replaces one
+    /// that did not finish; a piece out of place drops the copy (the last
+    /// whole one stays).
+    fn module_chunk(&self, id: u32, total: u64, offset: u64, data: &[u8]) {
+        let mut m = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if offset == 0 {
+            match usize::try_from(total).ok().filter(|&t| t <= MAX_PACKED) {
+                Some(t) => m.coming = Some((id, t, Vec::new())),
+                None => {
+                    m.coming = None;
+                    m.error = Some(format!("root offered {total} bytes of module symbols"));
+                    return;
+                }
+            }
+        }
+        let Some((cid, ctotal, bytes)) = m.coming.as_mut() else {
+            return;
+        };
+        if *cid != id || offset != bytes.len() as u64 || bytes.len() + data.len() > *ctotal {
+            m.coming = None;
+            m.error = Some(format!(
+                "module symbols: piece at byte {offset} of export {id} out of place (a frame was lost)"
+            ));
+            return;
+        }
+        bytes.extend_from_slice(data);
+        if bytes.len() < *ctotal {
+            return;
+        }
+        let Some((_, _, bytes)) = m.coming.take() else {
+            return;
+        };
+        match ModuleIndex::unpack(&bytes) {
+            Ok(index) => {
+                m.index = Some(Arc::new(index));
+                m.copies += 1;
+                m.error = None;
+            }
+            Err(e) => m.error = Some(format!("module symbols: {e}")),
+        }
+        let modules = m.index.clone();
+        drop(m);
+        // The listing follows the modules once the kernel's index is in.
+        let s = self.lock();
+        if let State::Ready(index, _) = &*s {
+            let index = index.clone();
+            drop(s);
+            if let Some(e) = self.write_listing(&index, modules.as_deref()) {
+                self.modules.lock().unwrap_or_else(|e| e.into_inner()).error = Some(e);
+            }
+        }
+    }
+
+    /// The modules' index, the last whole copy.
+    pub fn modules(&self) -> Option<Arc<ModuleIndex>> {
+        self.modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .index
+            .clone()
+    }
+
+    /// Writes the listing aside and renames it, so that a reader never
+    /// sees half of it; why not, when it could not.
+    fn write_listing(&self, index: &SymbolIndex, modules: Option<&ModuleIndex>) -> Option<String> {
+        let path = self.listing.as_ref()?;
+        let part = path.with_extension("part");
+        std::fs::write(&part, listing(index, modules))
+            .and_then(|()| std::fs::rename(&part, path))
+            .err()
+            .map(|e| format!("cannot write {}: {e}", path.display()))
+    }
+
     /// Rebuilds the index once every byte is in.
     fn finish_if_done(&self, s: &mut State) {
         let State::Receiving(r) = s else {
@@ -169,16 +280,11 @@ impl HostSymbols {
         *s = match SymbolIndex::unpack(&bytes) {
             Ok(index) => {
                 // The listing is a convenience: the index stands without
-                // it, so a failed write is only noted.
-                // Written aside and renamed, so that a reader never sees
-                // half of it.
-                let listing_error = self.listing.as_ref().and_then(|path| {
-                    let part = path.with_extension("part");
-                    std::fs::write(&part, listing(&index))
-                        .and_then(|()| std::fs::rename(&part, path))
-                        .err()
-                        .map(|e| format!("cannot write {}: {e}", path.display()))
-                });
+                // it, so a failed write is only noted. It waits for the
+                // modules' first copy, which root sends right after.
+                let listing_error = self
+                    .modules()
+                    .and_then(|m| self.write_listing(&index, Some(&m)));
                 let got = Received {
                     symbols: index.len(),
                     bytes: bytes.len(),
@@ -241,11 +347,21 @@ impl HostSymbols {
             )),
             State::Failed(why) => Some(format!("host symbol index: none: {why}")),
         }
+        .map(|line| {
+            let m = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            let n = m.index.as_ref().map_or(0, |i| i.modules().len());
+            let mut line = format!("{line}; {n} modules ({} copies)", m.copies);
+            if let Some(e) = &m.error {
+                line.push_str(&format!(" ({e})"));
+            }
+            line
+        })
     }
 }
 
-/// The index as `/proc/kallsyms` prints the kernel image's symbols.
-pub fn listing(index: &SymbolIndex) -> String {
+/// The indexes as `/proc/kallsyms` prints them: the kernel image's
+/// symbols, then the modules' with a tab and `[module]`.
+pub fn listing(index: &SymbolIndex, modules: Option<&ModuleIndex>) -> String {
     use std::fmt::Write;
     let mut out = String::with_capacity(index.len() * 40);
     for s in index.iter() {
@@ -255,6 +371,13 @@ pub fn listing(index: &SymbolIndex) -> String {
             s.addr.0,
             s.kind.letter(),
             index.name(s.id)
+        );
+    }
+    for (_, m, s) in modules.into_iter().flat_map(ModuleIndex::kallsyms_order) {
+        let _ = writeln!(
+            out,
+            "{:016x} {} {}\t[{}]",
+            s.addr, s.kind as char, s.name, m.name
         );
     }
     out
@@ -296,13 +419,21 @@ mod tests {
         assert!(h.start());
         assert!(!h.start(), "one export per boot");
         for (k, piece) in bytes.chunks(1000).enumerate() {
-            h.chunk(4, (k * 1000) as u64, piece);
+            h.chunk(
+                4,
+                SymbolsPart::Kernel,
+                bytes.len() as u64,
+                (k * 1000) as u64,
+                piece,
+            );
         }
-        assert!(h.wait(Duration::ZERO).is_err(), "no size yet");
+        assert!(!path.exists(), "the listing waits for the modules");
+        let none = modules(&[]).pack().unwrap();
+        h.chunk(5, SymbolsPart::Modules, none.len() as u64, 0, &none);
         h.answered(4, bytes.len() as u64);
         let (back, got) = h.wait(Duration::ZERO).unwrap();
         assert_eq!(got.symbols, idx.len());
-        assert_eq!(listing(&back), listing(&idx));
+        assert_eq!(listing(&back, None), listing(&idx, None));
         let file = std::fs::read_to_string(&path).unwrap();
         assert_eq!(file.lines().count(), idx.len());
         let first = idx.iter().next().unwrap();
@@ -321,15 +452,16 @@ mod tests {
         let h = HostSymbols::new(None);
         h.start();
         h.answered(1, bytes.len() as u64);
-        h.chunk(1, 0, &bytes[..1000]);
-        h.chunk(1, 2000, &bytes[2000..3000]);
+        let total = bytes.len() as u64;
+        h.chunk(1, SymbolsPart::Kernel, total, 0, &bytes[..1000]);
+        h.chunk(1, SymbolsPart::Kernel, total, 2000, &bytes[2000..3000]);
         let e = h.wait(Duration::ZERO).unwrap_err();
         assert!(e.contains("expected byte 1000"), "{e}");
 
         let h = HostSymbols::new(None);
         h.start();
         h.answered(1, 10);
-        h.chunk(1, 0, &bytes[..11]);
+        h.chunk(1, SymbolsPart::Kernel, 10, 0, &bytes[..11]);
         assert!(h.wait(Duration::ZERO).unwrap_err().contains("past its 10"));
 
         let h = HostSymbols::new(None);
@@ -342,16 +474,99 @@ mod tests {
         let h = HostSymbols::new(None);
         h.start();
         h.answered(2, bad.len() as u64);
-        h.chunk(2, 0, &bad);
+        h.chunk(2, SymbolsPart::Kernel, total, 0, &bad);
         assert!(h.wait(Duration::ZERO).is_err());
 
         // Chunks of another export are not mixed in.
         let h = HostSymbols::new(None);
         h.start();
         h.answered(3, bytes.len() as u64);
-        h.chunk(2, 0, &bytes);
+        h.chunk(2, SymbolsPart::Kernel, total, 0, &bytes);
         assert!(h.wait(Duration::ZERO).is_err());
-        h.chunk(3, 0, &bytes);
+        h.chunk(3, SymbolsPart::Kernel, total, 0, &bytes);
         assert!(h.wait(Duration::ZERO).is_ok());
+    }
+
+    fn modules(names: &[&str]) -> ModuleIndex {
+        use guest_introspect::module::{Module, ModuleStates, ModuleSymbol};
+        use guest_introspect::{Gva, GvaRange};
+        let states = ModuleStates {
+            live: 0,
+            coming: 1,
+            going: 2,
+            unformed: 3,
+        };
+        let base = 0xffff_ffff_c000_0000u64;
+        let ms = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let text = base + ((i as u64) << 20);
+                Module {
+                    addr: Gva(text + 0x8000),
+                    name: n.to_string(),
+                    state: 0,
+                    text: GvaRange::with_len(Gva(text), 0x1000),
+                    init_text: GvaRange::with_len(Gva(0), 0),
+                    symbols: vec![
+                        ModuleSymbol {
+                            addr: text,
+                            kind: b't',
+                            name: format!("{n}_open"),
+                        },
+                        ModuleSymbol {
+                            addr: text + 0x40,
+                            kind: b'T',
+                            name: format!("{n}_read"),
+                        },
+                    ],
+                }
+            })
+            .collect();
+        ModuleIndex::new(ms, states).unwrap()
+    }
+
+    #[test]
+    fn the_modules_follow_the_kernel_and_every_new_copy_replaces_the_last() {
+        let (idx, bytes) = packed();
+        let dir = std::env::temp_dir().join(format!("hvtrace-mods-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("kallsyms");
+        let h = HostSymbols::new(Some(path.clone()));
+        h.start();
+        h.chunk(1, SymbolsPart::Kernel, bytes.len() as u64, 0, &bytes);
+        let send = |id: u32, m: &ModuleIndex| {
+            let p = m.pack().unwrap();
+            for (k, piece) in p.chunks(50).enumerate() {
+                h.chunk(
+                    id,
+                    SymbolsPart::Modules,
+                    p.len() as u64,
+                    (k * 50) as u64,
+                    piece,
+                );
+            }
+        };
+        send(2, &modules(&["ext4", "loop"]));
+        let got = h.modules().unwrap();
+        assert_eq!(got.modules().len(), 2);
+        let file = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(file.lines().count(), idx.len() + 4);
+        assert!(
+            file.ends_with("ffffffffc0100040 T loop_read\t[loop]\n"),
+            "{file:?}"
+        );
+        // A new copy replaces it, listing and all.
+        send(3, &modules(&["ext4"]));
+        assert_eq!(h.modules().unwrap().modules().len(), 1);
+        let file = std::fs::read_to_string(&path).unwrap();
+        assert!(!file.contains("[loop]") && file.contains("\t[ext4]\n"));
+        // A piece out of place drops that copy; the last whole one stays.
+        let p = modules(&["a", "b", "c"]).pack().unwrap();
+        h.chunk(4, SymbolsPart::Modules, p.len() as u64, 0, &p[..10]);
+        h.chunk(4, SymbolsPart::Modules, p.len() as u64, 20, &p[20..]);
+        assert_eq!(h.modules().unwrap().modules().len(), 1);
+        assert!(h.summary().unwrap().contains("out of place"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -16,10 +16,11 @@ use alloc::collections::VecDeque;
 use alloc::string::String;
 use alloc::vec::Vec;
 use hypervisor::outq::{Lane, OutQueue};
+use hypervisor::tracer::machine::KernelView;
 use hypervisor::tracer::{ReqError, Tracer};
 use protocol::{
     Body, ChannelReport, DecodeError, ErrorKind, Event, ExitCount, Frame, FrameDecoder, GuestState,
-    Request, Response, StatusReport, TraceChannel,
+    Request, Response, StatusReport, SymbolsPart, TraceChannel,
 };
 
 /// What the rest of the hypervisor must do after a poll.
@@ -105,9 +106,13 @@ const SYMBOL_CHUNK: usize = 3072;
 /// stream's [`BULK_TURN_BYTES`].
 const EXPORT_TURN_BYTES: usize = 16 * 1024;
 
-/// The symbol index export under way ([`Request::SymbolsExport`]).
+/// A symbol export under way ([`Request::SymbolsExport`]).
 struct SymbolExport {
     id: u32,
+    part: SymbolsPart,
+    /// The modules' packed index (the kernel image's is read from the
+    /// index itself, a piece at a time).
+    modules: Vec<u8>,
     /// Bytes sent.
     offset: usize,
     /// Bytes in all.
@@ -146,10 +151,15 @@ pub struct Control {
     bulk: Option<Bulk>,
     /// The shared ring's place once made (it is made once, and kept).
     ring_at: Option<(u64, u64)>,
-    /// The symbol index export under way, if any.
+    /// The symbol export under way, if any.
     export: Option<SymbolExport>,
     /// Id of the last export started.
     export_id: u32,
+    /// The host asked for the symbols: the modules' index follows the
+    /// kernel image's, and again whenever the modules change.
+    exporting: bool,
+    /// The modules' fingerprint last sent (or that could not be packed).
+    modules_sent: Option<u64>,
 }
 
 impl Control {
@@ -168,6 +178,8 @@ impl Control {
             ring_at: None,
             export: None,
             export_id: 0,
+            exporting: false,
+            modules_sent: None,
         }
     }
 
@@ -538,9 +550,7 @@ impl Control {
             }
             Request::TraceChannel { channel } => (self.set_channel(channel), Action::None),
             Request::SymbolsExport => {
-                let resp = with_kernel(src, |_, k| {
-                    self.start_export(hypervisor::tracer::machine::KernelView::index(k))
-                });
+                let resp = with_kernel(src, |_, k| self.start_export(KernelView::index(k)));
                 (resp, Action::None)
             }
             other => (
@@ -561,12 +571,11 @@ impl Control {
 
 impl Control {
     /// `SymbolsExport`: starts sending the index along the stream's path
-    /// (a new export replaces one under way).
+    /// (a new export replaces one under way), the modules' after it.
     fn start_export(
         &mut self,
         index: &guest_introspect::kallsyms::SymbolIndex,
     ) -> Result<Response, hypervisor::tracer::ReqError> {
-        use hypervisor::tracer::ReqError;
         if self.bulk.is_none() {
             return Err(ReqError::new(
                 ErrorKind::NotReady,
@@ -584,10 +593,14 @@ impl Control {
         let total = index.packed_len();
         self.export = Some(SymbolExport {
             id: self.export_id,
+            part: SymbolsPart::Kernel,
+            modules: Vec::new(),
             offset: 0,
             total,
             piece,
         });
+        self.exporting = true;
+        self.modules_sent = None;
         Ok(Response::SymbolsExport {
             id: self.export_id,
             bytes: total as u64,
@@ -595,40 +608,90 @@ impl Control {
         })
     }
 
-    /// Sends up to [`EXPORT_TURN_BYTES`] of the symbol export on this turn,
-    /// after the stream's frames (a busy stream does not starve it).
-    pub fn export_turn(&mut self, index: Option<&guest_introspect::kallsyms::SymbolIndex>) {
+    /// Starts sending the modules' index when the host has the kernel's
+    /// and the modules changed since the last copy it got.
+    fn start_module_export(&mut self, modules: &guest_introspect::module::ModuleIndex) {
+        let print = modules.fingerprint();
+        if !self.exporting || self.export.is_some() || self.modules_sent == Some(print) {
+            return;
+        }
+        // Tried once per change: a heap without room for the copy leaves
+        // the host with the modules it had.
+        self.modules_sent = Some(print);
+        let mut piece = Vec::new();
+        let packed = modules.pack();
+        let (Ok(packed), Ok(())) = (packed, piece.try_reserve_exact(SYMBOL_CHUNK)) else {
+            log::warn!("control: no memory to send the host the modules' symbols");
+            return;
+        };
+        self.export_id = self.export_id.wrapping_add(1);
+        self.export = Some(SymbolExport {
+            id: self.export_id,
+            part: SymbolsPart::Modules,
+            total: packed.len(),
+            modules: packed,
+            offset: 0,
+            piece,
+        });
+    }
+
+    /// Sends up to [`EXPORT_TURN_BYTES`] of the symbol exports on this
+    /// turn, after the stream's frames (a busy stream does not starve
+    /// them).
+    pub fn export_turn(&mut self, kernel: Option<&dyn KernelView>) {
+        let Some(kernel) = kernel else { return };
+        if self.bulk.is_none() {
+            self.export = None;
+            return;
+        }
         let mut sent = 0;
         while sent < EXPORT_TURN_BYTES {
-            let Some(index) = index else { return };
+            if self.export.is_none() {
+                self.start_module_export(kernel.modules());
+            }
             let Some(x) = self.export.as_mut() else {
                 return;
             };
-            if self.bulk.is_none() || x.offset >= x.total {
-                self.export = None;
-                return;
-            }
             x.piece.clear();
             if x.piece.try_reserve_exact(SYMBOL_CHUNK).is_err() {
                 self.export = None;
                 return;
             }
             x.piece.resize(SYMBOL_CHUNK, 0);
-            let n = index.packed_at(x.offset, &mut x.piece);
+            let n = match x.part {
+                SymbolsPart::Kernel => kernel.index().packed_at(x.offset, &mut x.piece),
+                _ => {
+                    let rest = x.modules.get(x.offset..).unwrap_or_default();
+                    let n = rest.len().min(SYMBOL_CHUNK);
+                    if let (Some(dst), Some(src)) = (x.piece.get_mut(..n), rest.get(..n)) {
+                        dst.copy_from_slice(src);
+                    }
+                    n
+                }
+            };
             x.piece.truncate(n);
             if n == 0 {
                 self.export = None;
-                return;
+                continue;
             }
-            let offset = x.offset as u64;
+            let (id, part, total, offset) = (x.id, x.part, x.total as u64, x.offset as u64);
             x.offset += n;
             sent += n;
-            let id = x.id;
+            let done = x.offset >= x.total;
             // The event takes the buffer for its frame and gives it back.
             let data = core::mem::take(&mut x.piece);
-            let back = self.bulk_write(Event::SymbolChunk { id, offset, data });
+            let back = self.bulk_write(Event::SymbolChunk {
+                id,
+                part,
+                total,
+                offset,
+                data,
+            });
             if let (Some(Event::SymbolChunk { data, .. }), Some(x)) = (back, self.export.as_mut()) {
                 x.piece = data;
+            }
+            if done {
+                self.export = None;
             }
         }
     }

@@ -704,7 +704,7 @@ impl Vcpu<'_> {
             while let Some(ev) = tracer!(self).next_text(c.tx_room(), kernel, now) {
                 c.send_event(ev);
             }
-            c.export_turn(self.vm.introspection.kernel().map(|k| k.index()));
+            c.export_turn(self.vm.introspection.kernel().map(|k| k as &dyn KernelView));
             c.flush();
             busy = c.busy() || tracer!(self).has_output();
         }

@@ -1819,3 +1819,50 @@ fn a_modules_init_text_is_traced_until_the_kernel_frees_it() {
     assert_eq!((leaf.hpa.0, leaf.perms), (init_page, ept::RWX));
     assert!(g.tracer().probe_list()[0].pending);
 }
+
+/// What rendering costs in CPU, the figure that moving it to the host
+/// moves there: function-tracer and probe records rendered as trace_pipe
+/// lines and as JSON lines by the renderers root runs today (the host
+/// links the same code). Every record must come out as one line; the time
+/// of the rendering alone is printed per record and per million.
+#[test]
+fn rendering_cost_per_million_records() {
+    use std::time::{Duration, Instant};
+    let target: u64 = if cfg!(debug_assertions) {
+        20_000
+    } else {
+        400_000
+    };
+    const BATCH: u64 = 5_000;
+    for format in [TraceFormat::Text, TraceFormat::Json] {
+        let mut g = Guest::new();
+        g.with(|t, env, k| t.function_add("other_func", k, env))
+            .unwrap();
+        g.probe("p:bench my_func n=%di:u64 x=%di s=$stack1")
+            .unwrap();
+        g.tracer().set_stream(Some(format));
+        let (mut records, mut lines, mut bytes) = (0u64, 0u64, 0usize);
+        let mut spent = Duration::ZERO;
+        while records < target {
+            for i in 0..BATCH {
+                let f = if i % 2 == 0 { FUNC } else { OTHER };
+                g.hit(f, RETP, CALLER_RET, i);
+            }
+            records += BATCH;
+            let t0 = Instant::now();
+            let text = g.text();
+            spent += t0.elapsed();
+            lines += text.lines().count() as u64;
+            bytes += text.len();
+        }
+        assert_eq!(lines, records, "{format:?}: a line per record");
+        assert_eq!(g.tracer().report().lost, 0);
+        let ns = spent.as_nanos() as f64 / records as f64;
+        println!(
+            "rendering {format:?}: {records} records ({} bytes of text) in {:.3} s: {ns:.0} ns a record, {:.2} CPU s per million",
+            bytes,
+            spent.as_secs_f64(),
+            ns * 1e6 / 1e9
+        );
+    }
+}
