@@ -65,8 +65,9 @@ pub use codec::{
 pub use message::{
     Body, ChannelReport, CountFilter, ErrorKind, Event, ExitCount, Frame, FunctionCount,
     GraphFilter, GuardReport, GuestState, HistFilter, HistKey, HistRow, KernelReport,
-    ModulesReport, ProbeInfo, Request, Response, StatusReport, SymbolInfo, SymbolsPart, TaskInfo,
-    TraceChannel, TraceFormat, TracerReport, VcpuReport, LATENCY_BUCKETS,
+    ModulesReport, ProbeInfo, RenderContext, Request, Response, StatusReport, SymbolInfo,
+    SymbolsPart, TaskInfo, TraceChannel, TraceFormat, TracerReport, VcpuReport, LATENCY_BUCKETS,
+    RECORD_CONTINUES, RECORD_LEN_MASK, RECORD_MORE,
 };
 
 /// The version of the wire format: the frame header, the framing and every

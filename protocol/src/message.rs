@@ -346,6 +346,10 @@ pub enum TraceFormat {
     Text,
     /// One JSON object per line.
     Json,
+    /// Raw records ([`Event::TraceRecords`]) with what renders them
+    /// ([`Event::TraceContext`]), for the host to render: taken only on
+    /// the log port or the shared ring.
+    Records,
 }
 
 /// The hypervisor's answer to a [`Request`].
@@ -819,6 +823,43 @@ pub struct ModulesReport {
     pub error: Option<String>,
 }
 
+/// A record chunk's header bit: the chunk goes on with the record of the
+/// chunk before it ([`Event::TraceRecords`]).
+pub const RECORD_CONTINUES: u32 = 1 << 30;
+/// A record chunk's header bit: the record goes on in the next chunk.
+pub const RECORD_MORE: u32 = 1 << 31;
+/// The bytes of a record chunk, in its header.
+pub const RECORD_LEN_MASK: u32 = RECORD_CONTINUES - 1;
+
+/// One piece of the rendering context ([`Event::TraceContext`]): a
+/// `Begin`, the probes and graph sessions, an `End`; the host renders
+/// with the new context from the `End` on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum RenderContext {
+    /// A new context starts.
+    Begin,
+    /// A probe: its id in the records and its definition as
+    /// `kprobe_events` prints it.
+    Probe {
+        /// The id its records carry.
+        id: u32,
+        /// The definition.
+        spec: String,
+    },
+    /// A function-graph session.
+    Graph {
+        /// Its number (1 to 15).
+        number: u8,
+        /// Its generation (0 to 15), which its records carry.
+        generation: u8,
+        /// Whether its lines show return values.
+        retval: bool,
+    },
+    /// The context is whole.
+    End,
+}
+
 /// What a [`Event::SymbolChunk`] is part of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -968,4 +1009,23 @@ pub enum Event {
         /// Its bytes.
         data: Vec<u8>,
     },
+    /// Trace records ([`TraceFormat::Records`]), oldest first, as the
+    /// vCPUs' rings hold them, each in one or more chunks: a
+    /// little-endian `u32` header (bits 0-29 the chunk's bytes, bit 30
+    /// [`RECORD_CONTINUES`]: it goes on with the record of the last chunk
+    /// before it, bit 31 [`RECORD_MORE`]: the record goes on in the next
+    /// chunk), then the bytes. An event without records says the rings
+    /// were empty at `now_ns`.
+    TraceRecords {
+        /// Records the hypervisor lost since the last `TraceRecords`.
+        lost: u64,
+        /// Root's clock when the event was made, in nanoseconds.
+        now_ns: u64,
+        /// The chunks.
+        data: Vec<u8>,
+    },
+    /// What renders the records that follow ([`TraceFormat::Records`]):
+    /// sent whole whenever it changes, before any record that needs the
+    /// change.
+    TraceContext(RenderContext),
 }

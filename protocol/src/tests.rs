@@ -292,6 +292,15 @@ fn samples() -> Vec<Body> {
             offset: 2800,
             data: vec![0, 1, 0xff, 0],
         }),
+        Body::Event(Event::TraceRecords {
+            lost: 3,
+            now_ns: 1_000_000,
+            data: vec![4, 0, 0, 0x80, 1, 2, 3, 4],
+        }),
+        Body::Event(Event::TraceContext(RenderContext::Probe {
+            id: 7,
+            spec: "p:kprobes/a vfs_read n=%dx:u64".into(),
+        })),
         Body::Event(Event::Fatal {
             reason: "hypervisor panic: panicked at src/main.rs:1:1: ✗".into(),
         }),
@@ -377,6 +386,8 @@ fn variant(body: &Body) -> String {
             Event::Trace { .. } => "Event::Trace",
             Event::TraceText { .. } => "Event::TraceText",
             Event::SymbolChunk { .. } => "Event::SymbolChunk",
+            Event::TraceRecords { .. } => "Event::TraceRecords",
+            Event::TraceContext(_) => "Event::TraceContext",
             Event::Fatal { .. } => "Event::Fatal",
         },
     };
@@ -388,8 +399,8 @@ fn variant(body: &Body) -> String {
 /// 11 requests, 6 plain responses, a status per guest state, one error per
 /// kind, 4 events; then `TraceChannel` with `TraceRing`, and the count's 4
 /// requests and 3 responses; then the symbol export's request, answer and
-/// event.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3;
+/// event; then the records and their context.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2;
 
 #[test]
 fn samples_cover_every_variant() {

@@ -28,7 +28,7 @@
 //! Run: `cargo test -p hvtrace-tests --test kprobes -- --nocapture`
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hvtrace::client::Client;
 use hvtrace_tests::{
@@ -554,7 +554,7 @@ fn exercise(guest: &str, fast_lane: bool) {
     function_tracer(&mut ck, &mut c, &mut stream);
     if fast_lane {
         attacker(&mut ck, &mut c, &mut stream);
-        module_code(&mut ck, &mut c, &mut stream);
+        module_code(&mut ck, &mut c, &mut stream, vm.run_dir.as_deref());
         intree_module(&mut ck, &mut c);
         benchmark(&mut ck, &mut c, &mut stream);
     } else {
@@ -566,7 +566,7 @@ fn exercise(guest: &str, fast_lane: bool) {
     let t = status(&mut c).tracer;
     ck.eq("ring losses before the scale test", t.lost, 0);
     if fast_lane {
-        scale(&mut ck, &mut c, &mut stream);
+        scale(&mut ck, &mut c, &mut stream, vm.supervisor);
     }
     let t = status(&mut c).tracer;
     println!("{guest}: tracer counters at the end: {t:?}");
@@ -1039,7 +1039,7 @@ fn hist_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
 
 /// The function tracer on every traceable function during a workload: the
 /// guest keeps running, and the losses are reported.
-fn scale(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+fn scale(ck: &mut Checks, c: &mut Client, stream: &mut Stream, supervisor: Option<u32>) {
     let _ = stream.read(c);
     let lost_before = stream.lost;
     let before = status(c);
@@ -1070,12 +1070,25 @@ fn scale(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     );
     let mid = status(c).tracer;
     println!("scale: hooked: {mid:?}");
+    let cpu0 = supervisor.and_then(cpu_seconds);
     let t1 = Instant::now();
     let out = exec(c, "cat /etc/hostname; ls / | wc -l");
     let work = t1.elapsed();
     let lines = stream.read(c);
+    let cpu1 = supervisor.and_then(cpu_seconds);
     let after = status(c);
     let hits = after.tracer.hits - mid.hits;
+    // The supervisor read the log port, decoded the frames, rendered the
+    // records and kept the lines: its CPU time per million lines bounds
+    // what rendering on the host costs.
+    if let (Some(a), Some(b)) = (cpu0, cpu1) {
+        let n = lines.lines().count().max(1) as f64;
+        println!(
+            "scale: the supervisor used {:.2} CPU s for {n} lines: {:.2} CPU s per million",
+            b - a,
+            (b - a) * 1e6 / n
+        );
+    }
     println!(
         "scale: workload took {:.1} s under '*': {hits} hits, {} lines streamed, {} lost in the ring, {} lost on the way",
         work.as_secs_f64(),
@@ -1213,6 +1226,19 @@ fn same_module_symbols(
     );
 }
 
+/// CPU seconds (user and system) process `pid` has used, from
+/// /proc/PID/stat (clock ticks of 1/100 s, as Linux reports them to
+/// user space on x86-64).
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(") ")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the comm: state is field 3, utime 14 and stime 15.
+    let utime: u64 = f.get(11)?.parse().ok()?;
+    let stime: u64 = f.get(12)?.parse().ok()?;
+    Some((utime + stime) as f64 / 100.0)
+}
+
 /// The guest's `/proc/kallsyms` lines of `module`, as (address, type,
 /// name), in its order.
 fn guest_module_kallsyms(c: &mut Client, module: &str) -> Vec<(u64, char, String)> {
@@ -1273,7 +1299,12 @@ const POKE: &str = "/sys/module/hvtarget/parameters/poke";
 ///   text, the probe is pending again; `insmod` re-arms it and it fires;
 /// - 20 rounds of unload, load and a poke with the probe armed: sites,
 ///   pages and return stacks back to the same figures after each.
-fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+fn module_code(
+    ck: &mut Checks,
+    c: &mut Client,
+    stream: &mut Stream,
+    run_dir: Option<&std::path::Path>,
+) {
     // Pending, ours and the guest's.
     match call(
         c,
@@ -1361,6 +1392,42 @@ fn module_code(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         format!("the guest lists the module's symbols: {guest:?}"),
     );
     same_module_symbols(ck, "hvtarget", &mine, &guest);
+    // The host's copy follows the load: root sends the modules' index
+    // again once they change, and the run directory's listing has the
+    // module's lines as /proc/kallsyms prints them.
+    let listing = run_dir.map(|d| d.join("kallsyms"));
+    let t0 = Instant::now();
+    let mut host = Vec::new();
+    while t0.elapsed() < Duration::from_secs(30) {
+        let text = listing
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default();
+        host = text
+            .lines()
+            .filter_map(|l| l.strip_suffix("\t[hvtarget]"))
+            .filter_map(|l| {
+                let mut f = l.split(' ');
+                let addr = u64::from_str_radix(f.next()?, 16).ok()?;
+                let kind = f.next()?.chars().next()?;
+                Some((addr, kind, f.next()?.to_string()))
+            })
+            .collect::<Vec<_>>();
+        if !host.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    println!(
+        "host listing: {} [hvtarget] lines {:.1} s after the symbols were listed",
+        host.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    ck.eq(
+        "the host's listing of [hvtarget] equals our walk's",
+        &host,
+        &mine,
+    );
     ck.check(
         ours.iter().all(|s| s.module == "hvtarget"),
         "every listed symbol is the module's",

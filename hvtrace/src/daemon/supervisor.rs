@@ -47,6 +47,8 @@ use std::time::{Duration, Instant};
 
 use super::symbols::HostSymbols;
 use anyhow::Result;
+use hypervisor::kprobe::IndexSymbols;
+use hypervisor::tracer::render::RecordRenderer;
 use protocol::{ErrorKind, Event, Frame, Request, Response, TraceChannel, TraceFormat};
 
 use crate::daemon::link::{self, HvLink, LinkError};
@@ -71,6 +73,9 @@ pub const EXEC_CHUNK: usize = 3072;
 
 /// The longest a `TraceRead` waits for a line, whatever it asks for.
 pub const MAX_TRACE_WAIT: Duration = Duration::from_secs(30);
+/// How long a stream's start waits for root's symbols to reach the host
+/// (they are asked for as soon as the VM is up).
+const SYMBOLS_WAIT: Duration = Duration::from_secs(60);
 
 /// How long, once the VM has ended, the answers in progress get to go out.
 pub(crate) const END_GRACE: Duration = Duration::from_secs(10);
@@ -136,6 +141,18 @@ struct TraceShared {
     cv: Condvar,
     /// Binary `Trace` events received (this supervisor reads rendered text).
     binary: AtomicU64,
+    /// The host's copy of root's symbol index, once the VM started.
+    symbols: OnceLock<Arc<HostSymbols>>,
+    /// The renderer of root's records, while the stream is in records.
+    render: Mutex<Option<HostRender>>,
+    /// Records that came with no renderer (dropped).
+    unrendered: AtomicU64,
+}
+
+/// The stream rendered here: the renderer and the index it names with.
+struct HostRender {
+    renderer: RecordRenderer,
+    index: Arc<guest_introspect::kallsyms::SymbolIndex>,
 }
 
 impl TraceShared {
@@ -144,7 +161,14 @@ impl TraceShared {
             buf: Mutex::new(TraceBuffer::new()),
             cv: Condvar::new(),
             binary: AtomicU64::new(0),
+            symbols: OnceLock::new(),
+            render: Mutex::new(None),
+            unrendered: AtomicU64::new(0),
         }
+    }
+
+    fn render_lock(&self) -> MutexGuard<'_, Option<HostRender>> {
+        self.render.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock(&self) -> MutexGuard<'_, TraceBuffer> {
@@ -174,6 +198,40 @@ impl TraceShared {
             // The VM's control tap hands the fatal report to the VM's log
             // digest, where the log port's copy goes too.
             Event::Fatal { .. } => {}
+            Event::SymbolChunk {
+                id,
+                part,
+                total,
+                offset,
+                data,
+            } => {
+                if let Some(s) = self.symbols.get() {
+                    s.chunk(id, part, total, offset, &data);
+                }
+            }
+            Event::TraceContext(c) => {
+                if let Some(r) = self.render_lock().as_mut() {
+                    r.renderer.context(&c);
+                }
+            }
+            Event::TraceRecords { lost, now_ns, data } => {
+                let mut out = Vec::new();
+                match self.render_lock().as_mut() {
+                    Some(r) => {
+                        let modules = self.symbols.get().and_then(|s| s.modules());
+                        let syms = IndexSymbols::new(&r.index, modules.as_deref());
+                        r.renderer.records(lost, now_ns, &data, &syms, &mut out);
+                    }
+                    None => {
+                        if self.unrendered.fetch_add(1, Ordering::Relaxed) == 0 {
+                            note("trace records came with no renderer; they are dropped");
+                        }
+                    }
+                }
+                for e in out {
+                    self.on_event(e, note);
+                }
+            }
             Event::Trace { .. } => {
                 if self.binary.fetch_add(1, Ordering::Relaxed) == 0 {
                     note("the hypervisor sends binary trace records, which this hvtrace does not read; they are dropped");
@@ -245,8 +303,8 @@ pub(crate) struct Supervisor {
     trace_port: OnceLock<VmWatch>,
     /// The trace stream has a path of its own (the log port or the ring).
     bulk: AtomicBool,
-    /// The host's copy of root's symbol index, once the VM started.
-    symbols: OnceLock<Arc<HostSymbols>>,
+    /// The first stream rendered here was noted.
+    rendering_noted: AtomicBool,
 }
 
 impl Supervisor {
@@ -266,7 +324,7 @@ impl Supervisor {
             graphs: GraphOwners::new(),
             trace_port: OnceLock::new(),
             bulk: AtomicBool::new(false),
-            symbols: OnceLock::new(),
+            rendering_noted: AtomicBool::new(false),
         }
     }
 
@@ -435,37 +493,132 @@ impl Supervisor {
     /// the format on success.
     fn trace_start(&self, format: TraceFormat) -> Response {
         let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        let response = self.forward(Request::TraceStart { format });
+        let response = self.start_stream(format);
         if response == Response::Ok {
             *stream = Some(format);
-            self.export_symbols();
         }
         response
     }
 
-    /// Asks root for its symbol index the first time the stream starts on
-    /// a path of its own (once per boot); the chunks come along that path.
+    /// Starts root's stream for lines in `format`: as records rendered
+    /// here once the host has root's symbols (the stream's path being the
+    /// log port or the ring), else rendered by root. A switch of format
+    /// keeps the records stream and its context.
+    fn start_stream(&self, format: TraceFormat) -> Response {
+        if let Some(index) = self.host_index() {
+            {
+                let mut render = self.trace.render_lock();
+                match render.as_mut() {
+                    Some(r) => r.renderer.set_format(format),
+                    None => {
+                        *render = Some(HostRender {
+                            renderer: RecordRenderer::new(format),
+                            index,
+                        })
+                    }
+                }
+            }
+            let response = self.forward(Request::TraceStart {
+                format: TraceFormat::Records,
+            });
+            if response == Response::Ok {
+                if !self.rendering_noted.swap(true, Ordering::Relaxed) {
+                    self.note("the hypervisor streams records; they are rendered here");
+                }
+                return response;
+            }
+            *self.trace.render_lock() = None;
+            self.note(&format!(
+                "the stream is rendered by the hypervisor: records were refused: {response:?}"
+            ));
+        } else {
+            *self.trace.render_lock() = None;
+        }
+        self.forward(Request::TraceStart { format })
+    }
+
+    /// Root's symbol index as the host has it, waiting for it while it
+    /// comes; `None` without a path of the stream's own, or when the
+    /// export failed (the stream is then rendered by root).
+    fn host_index(&self) -> Option<Arc<guest_introspect::kallsyms::SymbolIndex>> {
+        if !self.bulk.load(Ordering::Relaxed) || std::env::var_os("HVTRACE_ROOT_RENDERS").is_some()
+        {
+            return None;
+        }
+        self.export_symbols();
+        let symbols = self.trace.symbols.get()?;
+        match symbols.wait(SYMBOLS_WAIT) {
+            Ok((index, _)) => Some(index),
+            Err(why) => {
+                self.note(&format!("the stream is rendered by the hypervisor: {why}"));
+                None
+            }
+        }
+    }
+
+    /// Asks root for its symbol index once per boot, when the stream has a
+    /// path of its own (the chunks come along that path).
     fn export_symbols(&self) {
-        let (Some(symbols), Some(link)) = (self.symbols.get(), self.link.get()) else {
+        let (Some(symbols), Some(link)) = (self.trace.symbols.get(), self.link.get()) else {
             return;
         };
         if !self.bulk.load(Ordering::Relaxed) || !symbols.start() {
             return;
         }
-        match link.request(Request::SymbolsExport) {
-            Ok(Response::SymbolsExport {
-                id,
-                bytes,
-                symbols: n,
-            }) => {
-                self.note(&format!(
-                    "root sends its symbol index: {n} symbols in {bytes} bytes (export {id})"
-                ));
-                symbols.answered(id, bytes);
+        // Root holds the request while it recovers the kernel, for a
+        // while; a kernel still not found is asked about again.
+        let deadline = Instant::now() + SYMBOLS_WAIT;
+        loop {
+            match link.request(Request::SymbolsExport) {
+                Ok(Response::SymbolsExport {
+                    id,
+                    bytes,
+                    symbols: n,
+                }) => {
+                    self.note(&format!(
+                        "root sends its symbol index: {n} symbols in {bytes} bytes (export {id})"
+                    ));
+                    symbols.answered(id, bytes);
+                }
+                Ok(Response::Error {
+                    kind: ErrorKind::NotReady,
+                    message,
+                }) if Instant::now() < deadline && self.ending().is_none() => {
+                    self.note(&format!("symbol export: {message}; asking again"));
+                    std::thread::sleep(Duration::from_secs(1));
+                    continue;
+                }
+                Ok(other) => symbols.refused(format!("root answered {other:?}")),
+                Err(e) => symbols.refused(e.to_string()),
             }
-            Ok(other) => symbols.refused(format!("root answered {other:?}")),
-            Err(e) => symbols.refused(e.to_string()),
+            break;
         }
+    }
+
+    /// `TraceChannel` from a client: forwarded; records go only on a path
+    /// of the stream's own, so a running stream is started again, as
+    /// records on the log port or the ring, rendered by root on COM2.
+    fn trace_channel(&self, channel: TraceChannel) -> Response {
+        let stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        let response = self.forward(Request::TraceChannel { channel });
+        if response != Response::Ok && !matches!(response, Response::TraceRing { .. }) {
+            return response;
+        }
+        let bulk = match channel {
+            TraceChannel::Control => false,
+            TraceChannel::LogPort => self.trace_port.get().is_some(),
+            _ => true,
+        };
+        self.bulk.store(bulk, Ordering::Relaxed);
+        if let Some(format) = *stream {
+            let restarted = self.start_stream(format);
+            if restarted != Response::Ok {
+                self.note(&format!(
+                    "the stream did not start again after the channel changed: {restarted:?}"
+                ));
+            }
+        }
+        response
     }
 
     fn trace_stop(&self) -> Response {
@@ -473,6 +626,7 @@ impl Supervisor {
         let response = self.forward(Request::TraceStop);
         if response == Response::Ok {
             *stream = None;
+            *self.trace.render_lock() = None;
         }
         response
     }
@@ -490,11 +644,8 @@ impl Supervisor {
         {
             let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
             if *stream != Some(format) {
-                match self.forward(Request::TraceStart { format }) {
-                    Response::Ok => {
-                        *stream = Some(format);
-                        self.export_symbols();
-                    }
+                match self.start_stream(format) {
+                    Response::Ok => *stream = Some(format),
                     other => return other,
                 }
             }
@@ -608,6 +759,7 @@ impl Backend for Supervisor {
             } => self.trace_read(cursor, format, source, wait_ms).into(),
             Request::TraceStart { format } => self.trace_start(format).into(),
             Request::TraceStop => self.trace_stop().into(),
+            Request::TraceChannel { channel } => self.trace_channel(channel).into(),
             other => self.forward(other).into(),
         }
     }
@@ -718,7 +870,6 @@ impl Supervisor {
         };
         let trace = self.trace.clone();
         let start = self.start;
-        let symbols = self.symbols.get().cloned();
         self.bulk.store(true, Ordering::Relaxed);
         std::thread::spawn(move || {
             let Ok(ring) = map.ring(at, len as usize, false) else {
@@ -731,22 +882,14 @@ impl Supervisor {
                 let ended = watch.ended().is_some();
                 let drained = crate::vm::shm::drain(&ring, &mut buf, |record| {
                     for frame in decoder.feed(record).flatten() {
-                        match frame.body {
-                            protocol::Body::Event(ev @ Event::TraceText { .. }) => {
-                                trace.on_event(ev, &|m| note_at(start, m));
-                            }
-                            protocol::Body::Event(Event::SymbolChunk {
-                                id,
-                                part,
-                                total,
-                                offset,
-                                data,
-                            }) => {
-                                if let Some(s) = &symbols {
-                                    s.chunk(id, part, total, offset, &data);
-                                }
-                            }
-                            _ => {}
+                        if let protocol::Body::Event(
+                            ev @ (Event::TraceText { .. }
+                            | Event::TraceRecords { .. }
+                            | Event::TraceContext(_)
+                            | Event::SymbolChunk { .. }),
+                        ) = frame.body
+                        {
+                            trace.on_event(ev, &|m| note_at(start, m));
                         }
                     }
                 });
@@ -792,8 +935,15 @@ impl Supervisor {
                 b.frames, b.bytes, b.bad, b.missing, b.unheard
             ));
         }
-        if let Some(line) = self.symbols.get().and_then(|s| s.summary()) {
+        if let Some(line) = self.trace.symbols.get().and_then(|s| s.summary()) {
             self.note(&line);
+        }
+        if let Some(r) = self.trace.render_lock().as_ref() {
+            let st = r.renderer.stats;
+            self.note(&format!(
+                "host rendering: {} records rendered, {} chunks out of place, {} probe definitions refused",
+                st.records, st.bad_chunks, st.bad_specs
+            ));
         }
         let t = self.trace.lock().stats();
         if t.lines + t.hv_lost > 0 {
@@ -821,17 +971,8 @@ pub(crate) fn run_vm(
     let trace = sup.trace.clone();
     let start = sup.start;
     let symbols = Arc::new(HostSymbols::new(Some(vm.run_dir().join("kallsyms"))));
-    let _ = sup.symbols.set(symbols.clone());
-    vm.set_trace_sink(move |event| match event {
-        Event::SymbolChunk {
-            id,
-            part,
-            total,
-            offset,
-            data,
-        } => symbols.chunk(id, part, total, offset, &data),
-        event => trace.on_event(event, &|message| note_at(start, message)),
-    });
+    let _ = sup.trace.symbols.set(symbols);
+    vm.set_trace_sink(move |event| trace.on_event(event, &|message| note_at(start, message)));
     sup.set_phase(Phase::Booting);
     state("booting");
     vm.wait_ready()?;
@@ -841,6 +982,10 @@ pub(crate) fn run_vm(
     if !ring && vm.reads_log_port() {
         sup.use_log_port(vm.watch());
     }
+    // Root's symbols come to the host while the guest idles, so that the
+    // first trace can be rendered here.
+    let exporter = sup.clone();
+    std::thread::spawn(move || exporter.export_symbols());
     if detached {
         vm.clear_deadline();
     }

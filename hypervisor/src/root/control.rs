@@ -20,7 +20,7 @@ use hypervisor::tracer::machine::KernelView;
 use hypervisor::tracer::{ReqError, Tracer};
 use protocol::{
     Body, ChannelReport, DecodeError, ErrorKind, Event, ExitCount, Frame, FrameDecoder, GuestState,
-    Request, Response, StatusReport, SymbolsPart, TraceChannel,
+    Request, Response, StatusReport, SymbolsPart, TraceChannel, TraceFormat,
 };
 
 /// What the rest of the hypervisor must do after a poll.
@@ -268,7 +268,11 @@ impl Control {
     /// fit); trace text goes to the log port at once when it is the
     /// stream's path.
     pub fn send_event(&mut self, event: Event) {
-        if self.bulk.is_some() && matches!(event, Event::TraceText { .. }) {
+        let bulk = matches!(
+            event,
+            Event::TraceText { .. } | Event::TraceRecords { .. } | Event::TraceContext(_)
+        );
+        if self.bulk.is_some() && bulk {
             self.bulk_write(event);
             return;
         }
@@ -541,8 +545,13 @@ impl Control {
                 Action::None,
             ),
             Request::TraceStart { format } => {
-                src.tracer.set_stream(Some(format));
-                (Response::Ok, Action::None)
+                if format == TraceFormat::Records && self.bulk.is_none() {
+                    let why = "records go only on the log port or the shared ring (TraceChannel)";
+                    (Response::error(ErrorKind::NotReady, why), Action::None)
+                } else {
+                    src.tracer.set_stream(Some(format));
+                    (Response::Ok, Action::None)
+                }
             }
             Request::TraceStop => {
                 src.tracer.set_stream(None);
@@ -633,6 +642,14 @@ impl Control {
             offset: 0,
             piece,
         });
+    }
+
+    /// A copy of the modules' symbols is on its way: the stream's records
+    /// wait for it.
+    pub fn sending_modules(&self) -> bool {
+        self.export
+            .as_ref()
+            .is_some_and(|x| x.part == SymbolsPart::Modules)
     }
 
     /// Sends up to [`EXPORT_TURN_BYTES`] of the symbol exports on this
@@ -777,6 +794,7 @@ fn needs_kernel(r: &Request) -> bool {
             | Request::CountRead { .. }
             | Request::HistRead { .. }
             | Request::GraphStart(_)
+            | Request::SymbolsExport
     )
 }
 

@@ -701,10 +701,14 @@ impl Vcpu<'_> {
             let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
             tracer!(self).reap(kernel, &cpu, now);
             let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
-            while let Some(ev) = tracer!(self).next_text(c.tx_room(), kernel, now) {
-                c.send_event(ev);
+            // A new copy of the modules' symbols goes before the records,
+            // which may name the modules' code (the host renders them).
+            c.export_turn(kernel);
+            if !c.sending_modules() {
+                while let Some(ev) = tracer!(self).next_text(c.tx_room(), kernel, now) {
+                    c.send_event(ev);
+                }
             }
-            c.export_turn(self.vm.introspection.kernel().map(|k| k as &dyn KernelView));
             c.flush();
             busy = c.busy() || tracer!(self).has_output();
         }

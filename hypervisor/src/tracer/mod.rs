@@ -37,6 +37,7 @@ pub mod machine;
 pub mod modules;
 mod probes;
 mod region;
+pub mod render;
 mod requests;
 pub mod retstack;
 pub mod ring;

@@ -23,13 +23,19 @@ const RING_BYTES_MIN: usize = 256 << 10;
 /// The probe id of function-tracer events (probes count from 1).
 pub(super) const FUNCTION_ID: u32 = 0;
 /// Text per `TraceText` event, so that a frame stays under `MAX_FRAME`.
-const TRACE_TEXT_BUDGET: usize = 2800;
+pub(super) const TRACE_TEXT_BUDGET: usize = 2800;
 /// How long (hypervisor time) a graph entry is held back for a leaf line
 /// once the ring has nothing more: a call without a return by then is
 /// printed open.
-const LEAF_HOLD_NS: u64 = 100_000_000;
+pub(crate) const LEAF_HOLD_NS: u64 = 100_000_000;
 /// Output queue the drain leaves for responses.
 const TX_HEADROOM: usize = 8 * 1024;
+/// Record bytes (chunk headers included) per `TraceRecords` event, so that
+/// a frame stays under `MAX_FRAME`.
+const RECORDS_BUDGET: usize = 3000;
+/// How often (hypervisor time) an idle stream of records says so while a
+/// graph session runs, so that the host ages the entries it holds back.
+const IDLE_EVERY_NS: u64 = LEAF_HOLD_NS / 2;
 
 /// A rendered line that did not fit the last `TraceText`, and its source.
 #[derive(Default)]
@@ -49,6 +55,17 @@ pub(super) struct Stream {
     /// A rendered line that did not fit the last `TraceText`, and its
     /// source.
     pending_line: Option<HeldLine>,
+    /// Records mode: the rest of a record cut at the end of the last
+    /// `TraceRecords`.
+    record_rest: Vec<u8>,
+    /// Records mode: the rendering context's fingerprint last sent, and
+    /// the context events still to send.
+    context_sent: Option<u64>,
+    context: alloc::collections::VecDeque<protocol::Event>,
+    /// Records mode: records went out since the last idle event, and when
+    /// that was.
+    sent_since_idle: bool,
+    last_idle_ns: u64,
 }
 
 impl Default for Stream {
@@ -67,6 +84,11 @@ impl Stream {
             format: None,
             lost_reported: 0,
             pending_line: None,
+            record_rest: Vec::new(),
+            context_sent: None,
+            context: alloc::collections::VecDeque::new(),
+            sent_since_idle: false,
+            last_idle_ns: 0,
         }
     }
 
@@ -84,6 +106,9 @@ impl Stream {
         graph: &mut Graph,
     ) -> Option<protocol::Event> {
         let format = self.format?;
+        if format == TraceFormat::Records {
+            return self.next_records(room, now_ns, probes, graph);
+        }
         let k = kernel?;
         let syms = IndexSymbols::new(k.index(), Some(k.modules()));
         {
@@ -169,19 +194,161 @@ impl Stream {
         }
     }
 
+    /// Records mode: the next context event, `TraceRecords` of the
+    /// oldest records (a record that does not fit goes on in the next
+    /// one), or, the rings being empty, one that says so (after records
+    /// went out, and every [`IDLE_EVERY_NS`] while a graph session runs).
+    fn next_records(
+        &mut self,
+        room: usize,
+        now_ns: u64,
+        probes: &Probes,
+        graph: &mut Graph,
+    ) -> Option<protocol::Event> {
+        if room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
+            return None;
+        }
+        // Root renders nothing here: what stopped sessions held back is
+        // the host's to print.
+        graph.retired.clear();
+        let print = context_fingerprint(probes, graph);
+        if self.context_sent != Some(print) {
+            self.context_sent = Some(print);
+            self.context = context_events(probes, graph);
+            // A stopped session's held entries print at the next idle
+            // event: make one due.
+            self.sent_since_idle = true;
+        }
+        if let Some(ev) = self.context.pop_front() {
+            return Some(ev);
+        }
+        let mut data = Vec::new();
+        if data.try_reserve(RECORDS_BUDGET).is_err() {
+            return None;
+        }
+        // What is left of a record here was cut at the end of the last
+        // event: its first chunk now continues it.
+        let mut rest = core::mem::take(&mut self.record_rest);
+        let mut continues = !rest.is_empty();
+        loop {
+            // Room is looked at before a record is taken, so that a record
+            // is only ever left here after a piece of it went out.
+            let room = RECORDS_BUDGET.saturating_sub(data.len() + 4);
+            if room == 0 {
+                break;
+            }
+            if rest.is_empty() {
+                if self.rings.pop_oldest(&mut self.record).is_none() {
+                    break;
+                }
+                rest = core::mem::take(&mut self.record);
+                continues = false;
+            }
+            let n = rest.len().min(room);
+            let more = n < rest.len();
+            let mut header = n as u32 & protocol::RECORD_LEN_MASK;
+            if continues {
+                header |= protocol::RECORD_CONTINUES;
+            }
+            if more {
+                header |= protocol::RECORD_MORE;
+            }
+            data.extend_from_slice(&header.to_le_bytes());
+            data.extend_from_slice(rest.get(..n).unwrap_or_default());
+            if more {
+                rest.drain(..n);
+                break;
+            }
+            // The buffer serves the next record.
+            rest.clear();
+            self.record = core::mem::take(&mut rest);
+        }
+        self.record_rest = rest;
+        let lost = self.rings.lost() - self.lost_reported;
+        if data.is_empty() && lost == 0 {
+            let due = self.sent_since_idle
+                || (graph.running() > 0
+                    && now_ns.saturating_sub(self.last_idle_ns) >= IDLE_EVERY_NS);
+            if !due {
+                return None;
+            }
+            self.sent_since_idle = false;
+            self.last_idle_ns = now_ns;
+        } else {
+            self.sent_since_idle = true;
+        }
+        self.lost_reported = self.rings.lost();
+        Some(protocol::Event::TraceRecords { lost, now_ns, data })
+    }
+
     /// `TraceStart` / `TraceStop`.
     pub(super) fn set_format(&mut self, format: Option<TraceFormat>, graph: &mut Graph) {
         if self.format != format {
             self.pending_line = None;
             graph.flush_held();
+            // A records stream starts with the whole context.
+            self.record_rest.clear();
+            self.context_sent = None;
+            self.context.clear();
         }
         self.format = format;
     }
 
-    /// Whether rendered output is waiting (the stream wants busy turns).
+    /// Whether output is waiting (the stream wants busy turns).
     pub(super) fn has_output(&self) -> bool {
-        self.format.is_some() && (!self.rings.is_empty() || self.pending_line.is_some())
+        self.format.is_some()
+            && (!self.rings.is_empty()
+                || self.pending_line.is_some()
+                || !self.record_rest.is_empty()
+                || !self.context.is_empty())
     }
+}
+
+/// Changes when what renders the records does: the probes (by id) and the
+/// graph sessions (by number and generation).
+fn context_fingerprint(probes: &Probes, graph: &Graph) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |v: u64| h = (h ^ v).wrapping_mul(0x0000_0100_0000_01b3);
+    for p in &probes.list {
+        feed(u64::from(p.id));
+    }
+    feed(u64::MAX);
+    for (user, g) in graph.sessions.iter().enumerate() {
+        if let Some(g) = g {
+            let generation = graph.generations.get(user).copied().unwrap_or(0);
+            feed(((user as u64) << 8) | u64::from(generation));
+            feed(u64::from(g.text.retval));
+        }
+    }
+    h
+}
+
+/// The whole rendering context, as the events that carry it.
+fn context_events(probes: &Probes, graph: &Graph) -> alloc::collections::VecDeque<protocol::Event> {
+    use protocol::{Event::TraceContext, RenderContext};
+    let mut out = alloc::collections::VecDeque::new();
+    let n = probes.list.len() + graph.sessions.len() + 2;
+    if out.try_reserve(n).is_err() {
+        return out;
+    }
+    out.push_back(TraceContext(RenderContext::Begin));
+    for p in &probes.list {
+        out.push_back(TraceContext(RenderContext::Probe {
+            id: p.id,
+            spec: alloc::string::ToString::to_string(&p.spec),
+        }));
+    }
+    for (user, g) in graph.sessions.iter().enumerate() {
+        if let Some(g) = g {
+            out.push_back(TraceContext(RenderContext::Graph {
+                number: user as u8,
+                generation: graph.generations.get(user).copied().unwrap_or(0),
+                retval: g.text.retval,
+            }));
+        }
+    }
+    out.push_back(TraceContext(RenderContext::End));
+    out
 }
 
 /// Renders `record`; returns its source.
@@ -243,7 +410,7 @@ fn render(
 }
 
 /// Cuts an over-long line at a character boundary.
-fn cut_line(line: &mut String, max: usize) {
+pub(super) fn cut_line(line: &mut String, max: usize) {
     if line.len() > max {
         let mut end = max;
         while !line.is_char_boundary(end) {

@@ -1866,3 +1866,182 @@ fn rendering_cost_per_million_records() {
         );
     }
 }
+
+// ----- rendering on the host ---------------------------------------------
+
+/// One run of a session with probes, the function tracer and graph
+/// sessions, with the stream drained at set points by `drain`: the same
+/// hits, deletions and stops whatever the format.
+fn rendering_scenario(g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(&mut Guest)) {
+    g.with(|t, env, k| t.function_add("other_func", k, env))
+        .unwrap();
+    g.probe("p:a my_func n=%di:u64 b=+0(%di):x8").unwrap();
+    g.probe("r:ra my_func ret=$retval").unwrap();
+    let mut f = graph(&["my_func"]);
+    f.retval = true;
+    g.with(|t, env, k| t.graph_start(f, k, env)).unwrap();
+    g.tracer().set_stream(Some(format));
+    let inner = RETP - 0x100;
+    // Hundreds of records of two sizes, drained at once: records end at
+    // every place in the events that carry them.
+    // The string probe's records grow a byte at a time, so that events
+    // fill to every length.
+    g.probe("p:str other_func s=+0(%di):string").unwrap();
+    let text = RETP - 0x2000;
+    for i in 0..400u64 {
+        let f = if i % 3 == 0 { FUNC } else { OTHER };
+        let len = (i % 97) as usize;
+        g.ram.put(gpa(text), &vec![b'a' + (i % 26) as u8; len]);
+        g.ram.put(gpa(text + len as u64), &[0]);
+        g.hit(f, inner, FUNC + 0x40, text);
+        g.now_ns += 10;
+        if f == FUNC {
+            g.ret(inner, i);
+        }
+    }
+    drain(g);
+    g.with(|t, env, _| t.probe_del("str", env)).unwrap();
+    // A tree with a leaf; the probe and the function tracer on the way.
+    g.hit(FUNC, RETP, CALLER_RET, CALLER);
+    g.now_ns += 1_000;
+    g.hit(OTHER, inner, FUNC + 0x40, 0);
+    g.now_ns += 2_000;
+    g.ret(inner, 7);
+    g.now_ns += 3_000;
+    g.ret(RETP, 0x10);
+    drain(g);
+    // A hit whose probe goes before the stream reads it: not printed.
+    g.hit(FUNC, RETP, CALLER_RET, 5);
+    g.now_ns += 1_000;
+    g.ret(RETP, 1);
+    g.with(|t, env, _| t.probe_del("a", env)).unwrap();
+    drain(g);
+    // An entry held back for a leaf when its session stops: printed open
+    // once the rings are empty.
+    g.hit(FUNC, RETP, CALLER_RET, 6);
+    drain(g);
+    g.with(|t, env, _| t.graph_stop(None, env)).unwrap();
+    g.now_ns += 1_000;
+    drain(g);
+    g.ret(RETP, 2);
+    // A new session (a new generation of number 1) whose entry waits for
+    // longer than the hold: printed open, then its return closes it.
+    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
+        .unwrap();
+    g.hit(FUNC, RETP, CALLER_RET, 8);
+    g.now_ns += 1_000;
+    drain(g);
+    g.now_ns += 2 * super::stream::LEAF_HOLD_NS;
+    drain(g);
+    g.now_ns += 1_000;
+    g.ret(RETP, 3);
+    drain(g);
+}
+
+/// The host's renderer, fed root's records and context, prints what root
+/// prints from the same hits, byte for byte, as trace_pipe lines and as
+/// JSON lines; records cut across events come back whole.
+#[test]
+fn the_host_renders_root_records_as_root_renders_them() {
+    use super::render::RecordRenderer;
+    use crate::kprobe::IndexSymbols;
+    for format in [TraceFormat::Text, TraceFormat::Json] {
+        let mut g = Guest::new();
+        let mut root_text = String::new();
+        rendering_scenario(&mut g, format, &mut |g| root_text.push_str(&g.text()));
+
+        let mut g = Guest::new();
+        let mut renderer = RecordRenderer::new(format);
+        let mut host_text = String::new();
+        let mut events = 0;
+        rendering_scenario(&mut g, TraceFormat::Records, &mut |g| {
+            let now = g.now_ns;
+            loop {
+                let ev =
+                    Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), now);
+                let Some(ev) = ev else { break };
+                events += 1;
+                let syms = IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
+                let mut out = Vec::new();
+                match ev {
+                    Event::TraceContext(c) => renderer.context(&c),
+                    Event::TraceRecords { lost, now_ns, data } => {
+                        renderer.records(lost, now_ns, &data, &syms, &mut out)
+                    }
+                    other => panic!("unexpected event {other:?}"),
+                }
+                for e in out {
+                    if let Event::TraceText { text, .. } = e {
+                        host_text.push_str(&text);
+                    }
+                }
+            }
+        });
+        assert!(root_text.lines().count() >= 8, "{root_text}");
+        let probe_line = match format {
+            TraceFormat::Json => r#""event":"a""#,
+            _ => "a: (my_func",
+        };
+        assert!(root_text.contains(probe_line), "{root_text}");
+        assert_eq!(host_text, root_text, "{format:?}: {events} events");
+        assert_eq!(renderer.stats.bad_chunks, 0);
+        assert_eq!(renderer.stats.bad_specs, 0);
+    }
+}
+
+/// Records split across events (a long string fetch), losses reported,
+/// and chunks out of place dropped without a panic.
+#[test]
+fn the_host_renderer_takes_split_records_and_refuses_misplaced_chunks() {
+    use super::render::RecordRenderer;
+    use crate::kprobe::IndexSymbols;
+    let mut g = Guest::new();
+    g.probe("p:s my_func s=+0(%di):string").unwrap();
+    let long = vec![b'x'; 3500];
+    let at = RETP - 0x2000;
+    g.ram.put(gpa(at), &long);
+    g.ram.put(gpa(at + 3500), &[0]);
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    g.hit(FUNC, RETP, CALLER_RET, at);
+    let root_text = g.text();
+    g.tracer().set_stream(Some(TraceFormat::Records));
+    g.hit(FUNC, RETP, CALLER_RET, at);
+    let mut renderer = RecordRenderer::new(TraceFormat::Text);
+    let syms = IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
+    let mut datas = Vec::new();
+    let mut out = Vec::new();
+    while let Some(ev) =
+        Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), g.now_ns)
+    {
+        match ev {
+            Event::TraceContext(c) => renderer.context(&c),
+            Event::TraceRecords { lost, now_ns, data } => {
+                datas.push(data.clone());
+                renderer.records(lost, now_ns, &data, &syms, &mut out);
+            }
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+    assert!(datas.len() >= 2, "the record was cut across events");
+    let host: String = out
+        .iter()
+        .filter_map(|e| match e {
+            Event::TraceText { text, .. } => Some(text.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert!(root_text.contains("xxxxxxxx"), "{root_text}");
+    assert_eq!(host, root_text);
+    // The second piece alone: a continuation without its start.
+    let before = renderer.stats.bad_chunks;
+    let mut out = Vec::new();
+    renderer.records(2, 0, &datas[1], &syms, &mut out);
+    assert_eq!(renderer.stats.bad_chunks, before + 1);
+    assert!(matches!(
+        out.as_slice(),
+        [Event::TraceText { lost: 2, text, .. }] if text.is_empty()
+    ));
+    // Garbage: a length past the end.
+    renderer.records(0, 0, &[0xff, 0xff, 0, 0, 1], &syms, &mut Vec::new());
+    assert_eq!(renderer.stats.bad_chunks, before + 2);
+}

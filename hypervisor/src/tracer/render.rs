@@ -1,0 +1,355 @@
+//! Rendering records away from root: the host's side of
+//! [`TraceFormat::Records`].
+//!
+//! Root sends the vCPUs' records as its rings hold them
+//! ([`Event::TraceRecords`]), and, whenever it changes, what renders them
+//! ([`Event::TraceContext`]: the probes' definitions and the graph
+//! sessions). A [`RecordRenderer`] turns both into the `TraceText` events
+//! root itself would have sent in the format asked for, with the renderers
+//! root uses (`kprobe`, [`super::graph`]): trace_pipe lines, function_graph
+//! text with its held-back leaves, JSON lines. Nothing in the input is
+//! trusted: a record that does not decode prints as root prints one, a
+//! chunk out of place is counted and dropped, and the held-back record is
+//! bounded.
+
+use super::graph::{write_graph_json, GraphEventId, GraphText};
+use super::stream::{cut_line, FUNCTION_ID, LEAF_HOLD_NS, TRACE_TEXT_BUDGET};
+use crate::kprobe::{self, Command, ProbeSpec, RawEvent, SymbolResolver};
+use alloc::collections::BTreeMap;
+use alloc::string::String;
+use alloc::vec::Vec;
+use core::fmt::Write;
+use protocol::{Event, RenderContext, TraceFormat};
+
+/// Bytes of text per `TraceText` the renderer makes, at most (a line
+/// longer than this is cut, as root cuts it).
+const TEXT_PER_EVENT: usize = 64 * 1024;
+/// The generation of a renderer retired by a format switch (generations
+/// are 4 bits: no record carries it).
+const RETIRED_BY_SWITCH: u8 = 0xff;
+/// Bytes of one record held across events, at most.
+const MAX_RECORD: usize = 64 * 1024;
+
+/// A graph session's renderer.
+struct HostGraph {
+    number: u8,
+    generation: u8,
+    text: GraphText,
+    /// Stopped: it renders the session's last records, then what it holds
+    /// back is printed open at the next idle event.
+    retired: bool,
+}
+
+/// A context being received: probes by id, and graph sessions as (number,
+/// generation, retval).
+type NextContext = (BTreeMap<u32, ProbeSpec>, Vec<(u8, u8, bool)>);
+
+/// What the renderer saw go wrong.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RenderStats {
+    /// Records rendered.
+    pub records: u64,
+    /// Chunks out of place (a lost frame in between), dropped.
+    pub bad_chunks: u64,
+    /// Probe definitions that did not parse.
+    pub bad_specs: u64,
+}
+
+/// The host's renderer of a records stream.
+pub struct RecordRenderer {
+    format: TraceFormat,
+    probes: BTreeMap<u32, ProbeSpec>,
+    /// The context being received (between `Begin` and `End`).
+    next: Option<NextContext>,
+    graphs: Vec<HostGraph>,
+    /// A record whose chunks are still coming.
+    partial: Vec<u8>,
+    /// The text being gathered, its source, and the losses it reports.
+    text: String,
+    source: u32,
+    lost: u64,
+    /// Counters.
+    pub stats: RenderStats,
+}
+
+impl RecordRenderer {
+    /// A renderer into `format` (text or JSON).
+    pub fn new(format: TraceFormat) -> Self {
+        RecordRenderer {
+            format,
+            probes: BTreeMap::new(),
+            next: None,
+            graphs: Vec::new(),
+            partial: Vec::new(),
+            text: String::new(),
+            source: 0,
+            lost: 0,
+            stats: RenderStats::default(),
+        }
+    }
+
+    /// The format it renders into.
+    pub fn format(&self) -> TraceFormat {
+        self.format
+    }
+
+    /// Renders into `format` from now on. As root does at a switch, the
+    /// graph renderers start afresh, and what they held back is printed
+    /// at the next idle event.
+    pub fn set_format(&mut self, format: TraceFormat) {
+        if format == self.format {
+            return;
+        }
+        self.format = format;
+        let mut fresh = Vec::new();
+        for g in &mut self.graphs {
+            if !g.retired {
+                fresh.push(HostGraph {
+                    number: g.number,
+                    generation: g.generation,
+                    text: GraphText::new(g.text.retval),
+                    retired: false,
+                });
+                // No record carries this generation.
+                g.generation = RETIRED_BY_SWITCH;
+                g.retired = true;
+            }
+        }
+        self.graphs.extend(fresh);
+    }
+
+    /// One piece of the context.
+    pub fn context(&mut self, c: &RenderContext) {
+        match c {
+            RenderContext::Begin => self.next = Some((BTreeMap::new(), Vec::new())),
+            RenderContext::Probe { id, spec } => {
+                let Some((probes, _)) = self.next.as_mut() else {
+                    return;
+                };
+                match kprobe::parse(spec) {
+                    Ok(Command::Add(p)) => {
+                        probes.insert(*id, p);
+                    }
+                    _ => self.stats.bad_specs += 1,
+                }
+            }
+            RenderContext::Graph {
+                number,
+                generation,
+                retval,
+            } => {
+                if let Some((_, graphs)) = self.next.as_mut() {
+                    graphs.push((*number, *generation, *retval));
+                }
+            }
+            RenderContext::End => {
+                let Some((probes, graphs)) = self.next.take() else {
+                    return;
+                };
+                self.probes = probes;
+                for g in &mut self.graphs {
+                    g.retired = !graphs
+                        .iter()
+                        .any(|&(n, gen, _)| n == g.number && gen == g.generation);
+                }
+                for (number, generation, retval) in graphs {
+                    let known = self
+                        .graphs
+                        .iter()
+                        .any(|g| g.number == number && g.generation == generation);
+                    if !known {
+                        self.graphs.push(HostGraph {
+                            number,
+                            generation,
+                            text: GraphText::new(retval),
+                            retired: false,
+                        });
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// One `TraceRecords` event: appends the `TraceText` events root would
+    /// have sent for these records to `out`.
+    pub fn records(
+        &mut self,
+        lost: u64,
+        now_ns: u64,
+        data: &[u8],
+        syms: &dyn SymbolResolver,
+        out: &mut Vec<Event>,
+    ) {
+        self.lost += lost;
+        let mut rest = data;
+        while let Some((head, tail)) = rest.split_first_chunk::<4>() {
+            let header = u32::from_le_bytes(*head);
+            let len = (header & protocol::RECORD_LEN_MASK) as usize;
+            let Some((bytes, tail)) = tail.split_at_checked(len) else {
+                self.stats.bad_chunks += 1;
+                break;
+            };
+            rest = tail;
+            let continues = header & protocol::RECORD_CONTINUES != 0;
+            let more = header & protocol::RECORD_MORE != 0;
+            // A continuation needs a held record; a start needs none.
+            if continues == self.partial.is_empty() {
+                // A piece lost in between: what was held is dropped, and
+                // a continuation without its start too.
+                self.stats.bad_chunks += 1;
+                self.partial.clear();
+                if continues {
+                    continue;
+                }
+            }
+            if more || continues {
+                if self.partial.len() + bytes.len() > MAX_RECORD {
+                    self.stats.bad_chunks += 1;
+                    self.partial.clear();
+                    continue;
+                }
+                self.partial.extend_from_slice(bytes);
+                if more {
+                    continue;
+                }
+                let record = core::mem::take(&mut self.partial);
+                self.render(&record, syms, out);
+            } else {
+                self.render(bytes, syms, out);
+            }
+        }
+        if data.is_empty() {
+            self.idle(now_ns, syms, out);
+        }
+        self.emit(out);
+    }
+
+    /// The rings were empty: stopped sessions print what they hold back
+    /// and go; an entry held back for a leaf longer than root would hold
+    /// it is printed open.
+    fn idle(&mut self, now_ns: u64, syms: &dyn SymbolResolver, out: &mut Vec<Event>) {
+        let mut i = 0;
+        while i < self.graphs.len() {
+            if self.graphs.get(i).is_some_and(|g| g.retired) {
+                let mut g = self.graphs.swap_remove(i);
+                if g.text.has_pending() {
+                    let mut text = String::new();
+                    g.text.flush(&mut text, syms);
+                    self.push(u32::from(g.number), text, out);
+                }
+            } else {
+                i += 1;
+            }
+        }
+        if self.format != TraceFormat::Text {
+            return;
+        }
+        let mut aged = Vec::new();
+        for g in &mut self.graphs {
+            let old = g
+                .text
+                .pending_since()
+                .is_some_and(|t| now_ns.saturating_sub(t) > LEAF_HOLD_NS);
+            if old {
+                let mut text = String::new();
+                g.text.flush(&mut text, syms);
+                aged.push((u32::from(g.number), text));
+            }
+        }
+        for (source, text) in aged {
+            self.push(source, text, out);
+        }
+    }
+
+    /// Renders one record into the gathered text.
+    fn render(&mut self, record: &[u8], syms: &dyn SymbolResolver, out: &mut Vec<Event>) {
+        self.stats.records += 1;
+        let mut line = String::new();
+        let source = self.render_one(record, &mut line, syms);
+        if line.is_empty() {
+            return;
+        }
+        cut_line(&mut line, TRACE_TEXT_BUDGET);
+        if !line.ends_with('\n') {
+            line.push('\n');
+        }
+        self.push(source, line, out);
+    }
+
+    /// Adds lines of `source` to the gathered text (sending what was
+    /// gathered first when the source changes or the event is full).
+    fn push(&mut self, source: u32, text: String, out: &mut Vec<Event>) {
+        if text.is_empty() {
+            return;
+        }
+        if !self.text.is_empty()
+            && (source != self.source || self.text.len() + text.len() > TEXT_PER_EVENT)
+        {
+            self.emit(out);
+        }
+        if self.text.is_empty() {
+            self.source = source;
+        }
+        self.text.push_str(&text);
+    }
+
+    /// Sends the gathered text (and the losses) as one `TraceText`.
+    fn emit(&mut self, out: &mut Vec<Event>) {
+        if self.text.is_empty() && self.lost == 0 {
+            return;
+        }
+        out.push(Event::TraceText {
+            format: self.format,
+            source: self.source,
+            lost: core::mem::take(&mut self.lost),
+            text: core::mem::take(&mut self.text),
+        });
+    }
+
+    /// Renders `record` as root does; returns its source.
+    fn render_one(&mut self, record: &[u8], out: &mut String, syms: &dyn SymbolResolver) -> u32 {
+        let Ok((ev, _)) = RawEvent::decode(record) else {
+            let _ = write!(out, "(undecodable record of {} bytes)", record.len());
+            return 0;
+        };
+        let id = ev.header.probe_id;
+        if let Some(GraphEventId {
+            kind,
+            number,
+            generation,
+        }) = GraphEventId::unpack(id)
+        {
+            let user = u32::from(number);
+            if self.format == TraceFormat::Json {
+                write_graph_json(out, kind, &ev, user, syms);
+                return user;
+            }
+            // No renderer: a session stopped long ago; nothing to print.
+            if let Some(g) = self
+                .graphs
+                .iter_mut()
+                .find(|g| g.number == number && g.generation == generation)
+            {
+                g.text.push(out, kind, &ev, syms);
+            }
+            return user;
+        }
+        if id == FUNCTION_ID {
+            match self.format {
+                TraceFormat::Json => kprobe::write_function_json(out, &ev, syms),
+                _ => kprobe::write_function_text(out, &ev, syms),
+            }
+            return 0;
+        }
+        // A probe deleted since the hit is no longer printable: skip it.
+        let Some(p) = self.probes.get(&id) else {
+            return 0;
+        };
+        match self.format {
+            TraceFormat::Json => kprobe::write_json(out, p, &ev, syms),
+            _ => kprobe::write_text(out, p, &ev, syms),
+        }
+        0
+    }
+}
