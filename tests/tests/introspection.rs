@@ -77,14 +77,18 @@ fn guest_kallsyms(c: &mut Client, dir: &Path) -> Vec<(u64, char, String)> {
     );
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter_map(|l| {
-            let mut it = l.split_whitespace();
-            let addr = u64::from_str_radix(it.next()?, 16).ok()?;
-            let kind = it.next()?.chars().next()?;
-            let name = it.next()?.to_string();
-            Some((addr, kind, name))
-        })
+        .filter_map(kallsyms_line)
         .collect()
+}
+
+/// A `/proc/kallsyms` line as (address, type, name); a module's `[name]`
+/// after it is left out.
+fn kallsyms_line(l: &str) -> Option<(u64, char, String)> {
+    let mut it = l.split_whitespace();
+    let addr = u64::from_str_radix(it.next()?, 16).ok()?;
+    let kind = it.next()?.chars().next()?;
+    let name = it.next()?.to_string();
+    Some((addr, kind, name))
 }
 
 fn check_kernel(guest: Guest, name: &str) {
@@ -209,13 +213,7 @@ fn check_kernel(guest: Guest, name: &str) {
             // Module lines end in a tab and `[module]`, as the guest's do.
             let host_text: Vec<(u64, char, String)> = text
                 .lines()
-                .filter_map(|l| {
-                    let mut it = l.split_whitespace();
-                    let addr = u64::from_str_radix(it.next()?, 16).ok()?;
-                    let kind = it.next()?.chars().next()?;
-                    let name = it.next()?.to_string();
-                    Some((addr, kind, name))
-                })
+                .filter_map(kallsyms_line)
                 .filter(|(_, k, _)| matches!(k, 't' | 'T'))
                 .collect();
             let modules = text.lines().filter(|l| l.ends_with(']')).count();

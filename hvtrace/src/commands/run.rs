@@ -252,26 +252,18 @@ fn run_counted(args: &RunArgs) -> Result<u8> {
         args.count_comm.as_deref(),
         args.count_latency,
     )?;
-    let json = matches!(args.format, Some(OutputFormatArg::Json));
-    let cfg = args.resolve()?;
-    note_tcg(&cfg);
-    let vm = LocalVm::start(cfg)?;
-    let mut control = vm.control();
-    let line = count::start(&mut control, filter)?;
-    eprintln!("hvtrace: {}", term::sanitize(&line));
-    let abort = AtomicBool::new(false);
-    let (failed, interrupted) = run_commands(&vm, &args.exec, &abort)?;
-    let counts = count::read(&mut control)?;
-    if json {
-        println!("{}", count::json_line(&counts));
-    } else {
-        print!("{}", count::text(&counts, None));
-        if args.count_latency {
-            print!("{}", count::histogram(&counts));
+    run_aggregated(args, filter, "", &mut |control, json| {
+        let counts = count::read(control)?;
+        if json {
+            println!("{}", count::json_line(&counts));
+        } else {
+            print!("{}", count::text(&counts, None));
+            if args.count_latency {
+                print!("{}", count::histogram(&counts));
+            }
         }
-    }
-    let report = vm.stop()?;
-    end_of_commands(&report, args, failed, interrupted)
+        Ok(())
+    })
 }
 
 /// `hvtrace run --hist SPEC --exec ...`: keeps the histogram while the
@@ -283,21 +275,36 @@ fn run_hist(args: &RunArgs, spec: &str) -> Result<u8> {
         .unwrap_or(crate::commands::cli::HistKeyArg::Func);
     let filter = count::hist_filter(spec, key, None, args.count_comm.as_deref())
         .with_context(|| format!("--hist {spec:?}"))?;
+    run_aggregated(args, filter, "histogram: ", &mut |control, json| {
+        let h = count::read_hist(control)?;
+        if json {
+            println!("{}", count::hist_json(&h));
+        } else {
+            print!("{}", count::hist_text(&h));
+        }
+        Ok(())
+    })
+}
+
+/// A one-shot aggregation: boots, starts it with `filter` (its summary
+/// line on stderr after `label`), runs the commands, prints the result
+/// with `show` (JSON with `--format json`), stops the VM.
+fn run_aggregated(
+    args: &RunArgs,
+    filter: protocol::CountFilter,
+    label: &str,
+    show: &mut dyn FnMut(&mut dyn crate::client::Control, bool) -> Result<()>,
+) -> Result<u8> {
     let json = matches!(args.format, Some(OutputFormatArg::Json));
     let cfg = args.resolve()?;
     note_tcg(&cfg);
     let vm = LocalVm::start(cfg)?;
     let mut control = vm.control();
     let line = count::start(&mut control, filter)?;
-    eprintln!("hvtrace: histogram: {}", term::sanitize(&line));
+    eprintln!("hvtrace: {label}{}", term::sanitize(&line));
     let abort = AtomicBool::new(false);
     let (failed, interrupted) = run_commands(&vm, &args.exec, &abort)?;
-    let h = count::read_hist(&mut control)?;
-    if json {
-        println!("{}", count::hist_json(&h));
-    } else {
-        print!("{}", count::hist_text(&h));
-    }
+    show(&mut control, json)?;
     let report = vm.stop()?;
     end_of_commands(&report, args, failed, interrupted)
 }

@@ -309,8 +309,7 @@ impl RecordRenderer {
 
     /// Renders `record` as root does; returns its source.
     fn render_one(&mut self, record: &[u8], out: &mut String, syms: &dyn SymbolResolver) -> u32 {
-        let Ok((ev, _)) = RawEvent::decode(record) else {
-            let _ = write!(out, "(undecodable record of {} bytes)", record.len());
+        let Some(ev) = decode_or_say(record, out) else {
             return 0;
         };
         let id = ev.header.probe_id;
@@ -335,21 +334,45 @@ impl RecordRenderer {
             }
             return user;
         }
-        if id == FUNCTION_ID {
-            match self.format {
-                TraceFormat::Json => kprobe::write_function_json(out, &ev, syms),
-                _ => kprobe::write_function_text(out, &ev, syms),
-            }
-            return 0;
-        }
-        // A probe deleted since the hit is no longer printable: skip it.
-        let Some(p) = self.probes.get(&id) else {
-            return 0;
-        };
-        match self.format {
-            TraceFormat::Json => kprobe::write_json(out, p, &ev, syms),
-            _ => kprobe::write_text(out, p, &ev, syms),
-        }
+        write_plain(out, self.format, &ev, self.probes.get(&id), syms);
         0
+    }
+}
+
+/// The record decoded; `None`, having said so in `out`, when it does not
+/// decode.
+pub(super) fn decode_or_say(record: &[u8], out: &mut String) -> Option<RawEvent> {
+    match RawEvent::decode(record) {
+        Ok((ev, _)) => Some(ev),
+        Err(_) => {
+            let _ = write!(out, "(undecodable record of {} bytes)", record.len());
+            None
+        }
+    }
+}
+
+/// A function-tracer record, or a probe's (`probe`: its definition), as a
+/// trace_pipe or JSON line. A probe deleted since the hit is no longer
+/// printable: nothing is written for it.
+pub(super) fn write_plain(
+    out: &mut String,
+    format: TraceFormat,
+    ev: &RawEvent,
+    probe: Option<&ProbeSpec>,
+    syms: &dyn SymbolResolver,
+) {
+    if ev.header.probe_id == FUNCTION_ID {
+        match format {
+            TraceFormat::Json => kprobe::write_function_json(out, ev, syms),
+            _ => kprobe::write_function_text(out, ev, syms),
+        }
+        return;
+    }
+    let Some(p) = probe else {
+        return;
+    };
+    match format {
+        TraceFormat::Json => kprobe::write_json(out, p, ev, syms),
+        _ => kprobe::write_text(out, p, ev, syms),
     }
 }

@@ -9,10 +9,9 @@ use super::graph::{self as graph_fmt, GraphEventId};
 use super::machine::KernelView;
 use super::probes::Probes;
 use super::ring::Rings;
-use crate::kprobe::{self, IndexSymbols, RawEvent};
+use crate::kprobe::{self, IndexSymbols};
 use alloc::string::String;
 use alloc::vec::Vec;
-use core::fmt::Write;
 use protocol::TraceFormat;
 
 /// Bytes of all the vCPUs' event rings together (one vCPU has them all).
@@ -360,8 +359,7 @@ fn render(
     probes: &Probes,
     graph: &mut Graph,
 ) -> u32 {
-    let Ok((ev, _)) = RawEvent::decode(record) else {
-        let _ = write!(out, "(undecodable record of {} bytes)", record.len());
+    let Some(ev) = super::render::decode_or_say(record, out) else {
         return 0;
     };
     let id = ev.header.probe_id;
@@ -391,21 +389,7 @@ fn render(
         }
         return user as u32;
     }
-    if id == FUNCTION_ID {
-        match format {
-            TraceFormat::Json => kprobe::write_function_json(out, &ev, syms),
-            _ => kprobe::write_function_text(out, &ev, syms),
-        }
-        return 0;
-    }
-    // A probe deleted since the hit is no longer printable: skip it.
-    let Some(p) = probes.get(id) else {
-        return 0;
-    };
-    match format {
-        TraceFormat::Json => kprobe::write_json(out, &p.spec, &ev, syms),
-        _ => kprobe::write_text(out, &p.spec, &ev, syms),
-    }
+    super::render::write_plain(out, format, &ev, probes.get(id).map(|p| &p.spec), syms);
     0
 }
 
