@@ -74,8 +74,10 @@ pub const EXEC_CHUNK: usize = 3072;
 /// The longest a `TraceRead` waits for a line, whatever it asks for.
 pub const MAX_TRACE_WAIT: Duration = Duration::from_secs(30);
 /// How long a stream's start waits for root's symbols to reach the host
-/// (they are asked for as soon as the VM is up).
-const SYMBOLS_WAIT: Duration = Duration::from_secs(60);
+/// (asked for at the first start: recovering the kernel, if no request
+/// did yet, and a few seconds of the log port); past it root renders this
+/// stream, and the next start takes the symbols that came meanwhile.
+const SYMBOLS_WAIT: Duration = Duration::from_secs(20);
 
 /// How long, once the VM has ended, the answers in progress get to go out.
 pub(crate) const END_GRACE: Duration = Duration::from_secs(10);
@@ -545,9 +547,10 @@ impl Supervisor {
         {
             return None;
         }
+        let deadline = Instant::now() + SYMBOLS_WAIT;
         self.export_symbols();
         let symbols = self.trace.symbols.get()?;
-        match symbols.wait(SYMBOLS_WAIT) {
+        match symbols.wait(deadline.saturating_duration_since(Instant::now())) {
             Ok((index, _)) => Some(index),
             Err(why) => {
                 self.note(&format!("the stream is rendered by the hypervisor: {why}"));
@@ -556,8 +559,10 @@ impl Supervisor {
         }
     }
 
-    /// Asks root for its symbol index once per boot, when the stream has a
-    /// path of its own (the chunks come along that path).
+    /// Asks root for its symbol index once per boot, at the first start of
+    /// a stream with a path of its own (the chunks come along that path).
+    /// Not at boot: recovering the kernel waits for a request that needs
+    /// it.
     fn export_symbols(&self) {
         let (Some(symbols), Some(link)) = (self.trace.symbols.get(), self.link.get()) else {
             return;
@@ -982,10 +987,6 @@ pub(crate) fn run_vm(
     if !ring && vm.reads_log_port() {
         sup.use_log_port(vm.watch());
     }
-    // Root's symbols come to the host while the guest idles, so that the
-    // first trace can be rendered here.
-    let exporter = sup.clone();
-    std::thread::spawn(move || exporter.export_symbols());
     if detached {
         vm.clear_deadline();
     }
