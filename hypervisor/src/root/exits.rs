@@ -360,8 +360,10 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
                 }
                 // A module load or unload seen at a hidden hook is served
                 // below, under the whole lock, before the vCPU enters
-                // again; a turn may be due too.
-                if !cpu.tracer.has_module_event() && !turn_due(cpu) {
+                // again; a turn may be due too, unless the hypercall
+                // entered a call the count times (the call's return, or
+                // the timer, takes the turn then).
+                if !cpu.tracer.has_module_event() && (!turn_due(cpu) || cpu.tracer.timed_entry()) {
                     continue;
                 }
                 None

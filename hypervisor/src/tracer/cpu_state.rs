@@ -16,6 +16,8 @@ pub struct CpuState {
     /// hypercall, for the exit handler to serve before the vCPU enters
     /// the guest again.
     pub(super) module_event: Option<ModuleEvent>,
+    /// The last hypercall entered a call the count times (`latency`).
+    pub(super) timed_entry: bool,
 }
 
 impl CpuState {
@@ -26,7 +28,15 @@ impl CpuState {
             step: Stepper::default(),
             record: Vec::with_capacity(512),
             module_event: None,
+            timed_entry: false,
         }
+    }
+
+    /// Whether the last hypercall entered a call the count times: a turn
+    /// then waits for a later exit, since its work would count in the
+    /// call's time (the call's clock was read on the entry).
+    pub fn timed_entry(&self) -> bool {
+        self.timed_entry
     }
 
     /// Whether the last hypercall saw a module load or unload.

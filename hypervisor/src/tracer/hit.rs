@@ -68,6 +68,7 @@ impl<'a> Hit<'a> {
         kernel: Option<&dyn KernelView>,
         now_ns: u64,
     ) -> Hypercall {
+        self.cpu.timed_entry = false;
         let (out, served) = self.serve(env, rip, regs, cpu, kernel, now_ns);
         if let Some(c) = self.vm.hit.vcpus.get(self.cpu.index) {
             add(
@@ -293,6 +294,8 @@ impl<'a> Hit<'a> {
             store(&mut ring, &mut self.cpu.record, &ev);
         }
         if graph != 0 || !u.retprobes.is_empty() {
+            // The count times this call from its clock read on this entry.
+            self.cpu.timed_entry = u.retprobes.contains(&LATENCY_ID);
             let graph_state = &self.vm.graph;
             graph_state.refresh_stack_map(k, cpu, now_ns, &self.vm.hit);
             if let Some(tramp) = self.vm.region.as_ref().map(Region::return_trampoline) {
