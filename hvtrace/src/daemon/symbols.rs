@@ -27,6 +27,12 @@ use protocol::SymbolsPart;
 /// Most bytes of a packed index taken (the index's own bound).
 pub const MAX_PACKED: usize = DEFAULT_MAX_INDEX_BYTES;
 
+/// An export's announced size in bytes, when it is one this host takes
+/// (at most [`MAX_PACKED`]).
+fn taken(total: u64) -> Option<usize> {
+    usize::try_from(total).ok().filter(|&t| t <= MAX_PACKED)
+}
+
 /// Where the export stands.
 enum State {
     /// Not asked for.
@@ -120,7 +126,7 @@ impl HostSymbols {
         let State::Receiving(r) = &mut *s else {
             return;
         };
-        let Some(total) = usize::try_from(total).ok().filter(|&t| t <= MAX_PACKED) else {
+        let Some(total) = taken(total) else {
             *s = State::Failed(format!(
                 "root offered {total} bytes of symbols, more than the {MAX_PACKED} taken"
             ));
@@ -165,7 +171,7 @@ impl HostSymbols {
             None => r.id = Some(id),
         }
         if r.total.is_none() {
-            match usize::try_from(total).ok().filter(|&t| t <= MAX_PACKED) {
+            match taken(total) {
                 Some(t) => r.total = Some(t),
                 None => {
                     *s = State::Failed(format!(
@@ -200,7 +206,7 @@ impl HostSymbols {
     fn module_chunk(&self, id: u32, total: u64, offset: u64, data: &[u8]) {
         let mut m = self.modules.lock().unwrap_or_else(|e| e.into_inner());
         if offset == 0 {
-            match usize::try_from(total).ok().filter(|&t| t <= MAX_PACKED) {
+            match taken(total) {
                 Some(t) => m.coming = Some((id, t, Vec::new())),
                 None => {
                     m.coming = None;

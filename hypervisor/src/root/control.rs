@@ -620,8 +620,13 @@ impl Control {
     /// Starts sending the modules' index when the host has the kernel's
     /// and the modules changed since the last copy it got.
     fn start_module_export(&mut self, modules: &guest_introspect::module::ModuleIndex) {
+        // Asked each turn: the fingerprint (a pass over the module list)
+        // only once the host takes copies and none is on its way.
+        if !self.exporting || self.export.is_some() {
+            return;
+        }
         let print = modules.fingerprint();
-        if !self.exporting || self.export.is_some() || self.modules_sent == Some(print) {
+        if self.modules_sent == Some(print) {
             return;
         }
         // Tried once per change: a heap without room for the copy leaves
