@@ -305,6 +305,14 @@ pub enum TraceChannel {
     /// `memory-backend-file,share=on`): each frame, as the control channel
     /// encodes it, is one record. Answered by [`Response::TraceRing`].
     SharedRing,
+    /// As [`TraceChannel::SharedRing`] for frames, and the host reads
+    /// the vCPUs' record rings themselves (each written by its vCPU in
+    /// root, [`crate::ring`] layout) once the stream is in
+    /// [`TraceFormat::Records`]: root then sends no record, only the
+    /// context, its clock and the symbols on the frame ring, and
+    /// [`Event::TraceDoorbell`] on COM2 when a record ring fills. Answered
+    /// by [`Response::TraceRings`].
+    SharedRings,
 }
 
 /// What the function-graph tracer traces, in the ftrace names.
@@ -510,6 +518,27 @@ pub enum Response {
         /// Symbols in it.
         symbols: u32,
     },
+    /// Answer to [`Request::TraceChannel`] with
+    /// [`TraceChannel::SharedRings`]: where the rings are.
+    TraceRings {
+        /// The frame ring (as [`Response::TraceRing`]).
+        frames: RingAt,
+        /// The record rings, one per vCPU, in root's vCPU order.
+        records: Vec<RingAt>,
+        /// Byte offset of each record's little-endian `u64` timestamp
+        /// (root's clock, nanoseconds): the rings merge on it.
+        stamp_at: u32,
+    },
+}
+
+/// Where a ring is in guest-physical memory (in hypervisor memory there:
+/// outside the guest's e820 and absent from its EPT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingAt {
+    /// The start of its header.
+    pub gpa: u64,
+    /// Its bytes, header included.
+    pub len: u64,
 }
 
 /// One probe, as `probe list` shows it (in the manner of kprobe_profile).
@@ -1028,4 +1057,7 @@ pub enum Event {
     /// sent whole whenever it changes, before any record that needs the
     /// change.
     TraceContext(RenderContext),
+    /// On COM2 ([`TraceChannel::SharedRings`]): a record ring is filling;
+    /// read the rings now.
+    TraceDoorbell,
 }

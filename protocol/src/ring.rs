@@ -216,6 +216,79 @@ impl Ring {
         Ok(true)
     }
 
+    /// Consumer: the oldest record's length, without taking it; `Ok(None)`
+    /// when the ring is empty.
+    pub fn peek_len(&self) -> Result<Option<usize>, RingError> {
+        let tail = self.word(TAIL_AT).load(Ordering::Relaxed);
+        let head = self.word(HEAD_AT).load(Ordering::Acquire);
+        let avail = head.wrapping_sub(tail);
+        if avail == 0 {
+            return Ok(None);
+        }
+        if avail > self.size as u64 || avail < LEN_BYTES as u64 {
+            return Err(RingError::Corrupt);
+        }
+        let mut len = [0u8; LEN_BYTES];
+        self.get(tail, &mut len);
+        let len = u32::from_le_bytes(len) as usize;
+        if record_bytes(len) as u64 > avail {
+            return Err(RingError::Corrupt);
+        }
+        Ok(Some(len))
+    }
+
+    /// Consumer: the little-endian `u64` at byte `offset` of the oldest
+    /// record, when there is a record that long.
+    pub fn peek_u64(&self, offset: usize) -> Option<u64> {
+        let len = self.peek_len().ok()??;
+        if offset.checked_add(8)? > len {
+            return None;
+        }
+        let tail = self.word(TAIL_AT).load(Ordering::Relaxed);
+        let mut b = [0u8; 8];
+        self.get(
+            tail.wrapping_add(LEN_BYTES as u64)
+                .wrapping_add(offset as u64),
+            &mut b,
+        );
+        Some(u64::from_le_bytes(b))
+    }
+
+    /// The producer's position: bytes ever written (acquire: the records
+    /// before it are whole).
+    pub fn head(&self) -> u64 {
+        self.word(HEAD_AT).load(Ordering::Acquire)
+    }
+
+    /// The consumer's position: bytes ever consumed.
+    pub fn tail(&self) -> u64 {
+        self.word(TAIL_AT).load(Ordering::Acquire)
+    }
+
+    /// Bytes written and not yet consumed, as either side sees them now
+    /// (at most the size: a tail that cannot be right reads as full).
+    pub fn used(&self) -> usize {
+        let used = self.head().wrapping_sub(self.tail());
+        usize::try_from(used).map_or(self.size, |u| u.min(self.size))
+    }
+
+    /// Whether nothing is waiting for the consumer.
+    pub fn is_empty(&self) -> bool {
+        self.head() == self.tail()
+    }
+
+    /// Consumer: drops everything published (after [`RingError::Corrupt`],
+    /// so that the ring serves again).
+    pub fn discard(&self) {
+        let head = self.word(HEAD_AT).load(Ordering::Acquire);
+        self.word(TAIL_AT).store(head, Ordering::Release);
+    }
+
+    /// Producer: counts a record it could not even build.
+    pub fn count_lost(&self) {
+        self.word(LOST_AT).fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Records the producer dropped.
     pub fn lost(&self) -> u64 {
         self.word(LOST_AT).load(Ordering::Relaxed)
@@ -277,6 +350,50 @@ mod tests {
         }
         assert!(!r.pop(&mut out).unwrap());
         assert!(!r.push(&vec![0; RING_MIN]), "larger than the ring");
+    }
+
+    #[test]
+    fn the_consumer_peeks_before_it_takes() {
+        let mut mem = vec![0u64; (RING_HEADER + RING_MIN) / 8];
+        let r = ring(&mut mem);
+        assert_eq!(r.peek_len(), Ok(None));
+        assert_eq!(r.peek_u64(0), None);
+        assert!(r.is_empty() && r.used() == 0);
+        // Move the positions so that the next record wraps the end.
+        let filler = [0u8; RING_MIN - 4 - 12];
+        assert!(r.push(&filler));
+        let mut out = Vec::new();
+        assert!(r.pop(&mut out).unwrap());
+        let mut rec = 7u64.to_le_bytes().to_vec();
+        rec.extend_from_slice(&0x1122_3344_5566_7788u64.to_le_bytes());
+        assert!(r.push(&rec));
+        assert_eq!(r.used(), record_bytes(16));
+        assert_eq!(r.peek_len(), Ok(Some(16)));
+        assert_eq!(
+            r.peek_u64(8),
+            Some(0x1122_3344_5566_7788),
+            "read across the wrap"
+        );
+        assert_eq!(r.peek_u64(9), None, "past the record");
+        assert!(!r.is_empty());
+        assert!(r.pop(&mut out).unwrap());
+        assert_eq!(out, rec);
+        // Discarding leaves an empty ring that serves again; a record the
+        // producer could not build is counted.
+        assert!(r.push(b"x"));
+        r.discard();
+        assert!(r.is_empty());
+        r.count_lost();
+        assert_eq!(r.lost(), 1);
+        assert!(r.push(b"y"));
+        assert!(r.pop(&mut out).unwrap());
+        assert_eq!(out, b"y");
+        // A length the producer never published is refused by the peek too.
+        assert!(r.push(b"z"));
+        let tail = r.tail();
+        r.put(tail, &10_000u32.to_le_bytes());
+        assert_eq!(r.peek_len(), Err(RingError::Corrupt));
+        assert_eq!(r.peek_u64(0), None);
     }
 
     #[test]

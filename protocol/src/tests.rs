@@ -203,6 +203,27 @@ fn samples() -> Vec<Body> {
             gpa: 0x1c0_0000,
             len: 1 << 20,
         }),
+        Body::Request(Request::TraceChannel {
+            channel: TraceChannel::SharedRings,
+        }),
+        Body::Response(Response::TraceRings {
+            frames: RingAt {
+                gpa: 0x1c0_0000,
+                len: (1 << 20) + 64,
+            },
+            records: vec![
+                RingAt {
+                    gpa: 0x1e0_0000,
+                    len: (1 << 20) + 64,
+                },
+                RingAt {
+                    gpa: 0x1f0_1000,
+                    len: (1 << 20) + 64,
+                },
+            ],
+            stamp_at: 8,
+        }),
+        Body::Event(Event::TraceDoorbell),
         Body::Response(Response::Hist {
             rows: vec![HistRow {
                 key: "dd".into(),
@@ -376,6 +397,7 @@ fn variant(body: &Body) -> String {
             Response::Counts { .. } => "Response::Counts",
             Response::Hist { .. } => "Response::Hist",
             Response::TraceRing { .. } => "Response::TraceRing",
+            Response::TraceRings { .. } => "Response::TraceRings",
             Response::SymbolsExport { .. } => "Response::SymbolsExport",
             Response::Trace { .. } => "Response::Trace",
             Response::GraphStarted { .. } => "Response::GraphStarted",
@@ -389,6 +411,7 @@ fn variant(body: &Body) -> String {
             Event::TraceRecords { .. } => "Event::TraceRecords",
             Event::TraceContext(_) => "Event::TraceContext",
             Event::Fatal { .. } => "Event::Fatal",
+            Event::TraceDoorbell => "Event::TraceDoorbell",
         },
     };
     name.into()
@@ -399,8 +422,9 @@ fn variant(body: &Body) -> String {
 /// 11 requests, 6 plain responses, a status per guest state, one error per
 /// kind, 4 events; then `TraceChannel` with `TraceRing`, and the count's 4
 /// requests and 3 responses; then the symbol export's request, answer and
-/// event; then the records and their context.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2;
+/// event; then the records and their context; then the per-vCPU rings'
+/// answer and doorbell.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2 + 2;
 
 #[test]
 fn samples_cover_every_variant() {

@@ -20,7 +20,7 @@ use hypervisor::tracer::machine::KernelView;
 use hypervisor::tracer::{ReqError, Tracer};
 use protocol::{
     Body, ChannelReport, DecodeError, ErrorKind, Event, ExitCount, Frame, FrameDecoder, GuestState,
-    Request, Response, StatusReport, SymbolsPart, TraceChannel, TraceFormat,
+    Request, Response, RingAt, StatusReport, SymbolsPart, TraceChannel, TraceFormat,
 };
 
 /// What the rest of the hypervisor must do after a poll.
@@ -557,7 +557,10 @@ impl Control {
                 src.tracer.set_stream(None);
                 (Response::Ok, Action::None)
             }
-            Request::TraceChannel { channel } => (self.set_channel(channel), Action::None),
+            Request::TraceChannel { channel } => {
+                let resp = self.set_channel(channel, &mut src.tracer);
+                (resp, Action::None)
+            }
             Request::SymbolsExport => {
                 let resp = with_kernel(src, |_, k| self.start_export(KernelView::index(k)));
                 (resp, Action::None)
@@ -740,7 +743,10 @@ impl Control {
 
     /// `TraceChannel`: where trace text goes from now on. Frames already
     /// queued on COM2 still go there.
-    fn set_channel(&mut self, channel: TraceChannel) -> Response {
+    fn set_channel(&mut self, channel: TraceChannel, tracer: &mut Tracer<'_>) -> Response {
+        // Root drains the record rings again unless the answer below says
+        // where they are.
+        tracer.set_host_reads(false);
         match channel {
             TraceChannel::Control => {
                 self.bulk = None;
@@ -748,6 +754,24 @@ impl Control {
             }
             TraceChannel::LogPort if self.bulk_to(BulkPath::Port) => Response::Ok,
             TraceChannel::LogPort => no_frame_buffer(),
+            TraceChannel::SharedRings => {
+                let frames = self.set_channel(TraceChannel::SharedRing, tracer);
+                let Response::TraceRing { gpa, len } = frames else {
+                    return frames;
+                };
+                let (rings, stamp_at) = tracer.record_rings();
+                let mut records = Vec::new();
+                if records.try_reserve_exact(rings.len()).is_err() {
+                    return no_frame_buffer();
+                }
+                records.extend(rings.into_iter().map(|(gpa, len)| RingAt { gpa, len }));
+                tracer.set_host_reads(true);
+                Response::TraceRings {
+                    frames: RingAt { gpa, len },
+                    records,
+                    stamp_at,
+                }
+            }
             TraceChannel::SharedRing => {
                 let (gpa, len) = match self.ring_at {
                     Some(at) => at,

@@ -650,6 +650,16 @@ impl Vcpu<'_> {
             });
         }
         self.vm.introspection.put_kernel(kernel);
+        // When the host reads the record rings, the new copy of the
+        // modules' symbols starts before the module's code can record: its
+        // first piece on the frame ring tells the host to hold the records
+        // until the copy is whole.
+        if tracer!(self).host_reads() {
+            let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
+            if let Some(c) = self.vm.control.as_mut() {
+                c.export_turn(kernel);
+            }
+        }
         log::info!(
             "module {:?} at {:#x} served in {} us of root time",
             ev.hook,
@@ -706,10 +716,17 @@ impl Vcpu<'_> {
             // A new copy of the modules' symbols goes before the records,
             // which may name the modules' code (the host renders them).
             c.export_turn(kernel);
-            if !c.sending_modules() {
+            // When the host reads the record rings, the context goes out
+            // in this turn whatever else is under way (see
+            // `Stream::next_records`); the host holds the records while a
+            // copy of the modules' symbols is on its way.
+            if !c.sending_modules() || tracer!(self).host_reads() {
                 while let Some(ev) = tracer!(self).next_text(c.tx_room(), kernel, now) {
                     c.send_event(ev);
                 }
+            }
+            if tracer!(self).doorbell(now) {
+                c.send_event(protocol::Event::TraceDoorbell);
             }
             c.flush();
             busy = c.busy() || tracer!(self).has_output();

@@ -263,6 +263,33 @@ impl<'a> Tracer<'a> {
         self.vm.stream.has_output()
     }
 
+    /// Where the vCPUs' record rings are (root's heap is identity-mapped:
+    /// these are physical addresses), in vCPU order, and the offset of
+    /// each record's timestamp.
+    pub fn record_rings(&self) -> (Vec<(u64, u64)>, u32) {
+        (
+            self.vm.stream.rings.regions(),
+            crate::kprobe::TIMESTAMP_AT as u32,
+        )
+    }
+
+    /// Whether the host reads the record rings itself once the stream is
+    /// in records ([`protocol::TraceChannel::SharedRings`]).
+    pub fn set_host_reads(&mut self, on: bool) {
+        self.vm.stream.set_host_reads(on);
+    }
+
+    /// Whether the host takes the records out of the rings (not root).
+    pub fn host_reads(&self) -> bool {
+        self.vm.stream.host_reads()
+    }
+
+    /// Whether to ring the host's doorbell now (the host reads the rings,
+    /// and one of them is filling).
+    pub fn doorbell(&mut self, now_ns: u64) -> bool {
+        self.vm.stream.doorbell(now_ns)
+    }
+
     /// `TraceStart` / `TraceStop`.
     pub fn set_stream(&mut self, format: Option<TraceFormat>) {
         self.vm.stream.set_format(format, &mut self.vm.graph);

@@ -376,3 +376,112 @@ pub(super) fn write_plain(
         _ => kprobe::write_text(out, p, ev, syms),
     }
 }
+
+/// Bytes of records per `TraceRecords` event a [`RingsReader`] makes, at
+/// most (a longer record goes alone).
+const READER_EVENT_BYTES: usize = 64 * 1024;
+
+/// The host's reader of root's record rings
+/// ([`protocol::TraceChannel::SharedRings`]): the vCPUs' rings, each
+/// written by its vCPU in root and read here, merged oldest first by the
+/// timestamp every record carries, into the `TraceRecords` events root
+/// would have sent (whole records, never cut).
+///
+/// The order against the context: root writes a context change to the
+/// frame ring in the turn that makes it, before any record that needs it
+/// can be written. So the host takes [`RingsReader::mark`] first, then
+/// reads the frame ring to its end, then takes the records up to the mark
+/// ([`RingsReader::take`]): every record it takes was written after the
+/// context it needs was on the frame ring.
+pub struct RingsReader {
+    rings: Vec<protocol::ring::Ring>,
+    stamp_at: usize,
+    lost_seen: u64,
+    record: Vec<u8>,
+}
+
+impl RingsReader {
+    /// A reader of `rings` (in root's vCPU order), whose records carry
+    /// their timestamp at `stamp_at`.
+    pub fn new(rings: Vec<protocol::ring::Ring>, stamp_at: usize) -> RingsReader {
+        RingsReader {
+            rings,
+            stamp_at,
+            lost_seen: 0,
+            record: Vec::new(),
+        }
+    }
+
+    /// The rings' producers' positions now.
+    pub fn mark(&self) -> Vec<u64> {
+        self.rings.iter().map(|r| r.head()).collect()
+    }
+
+    /// Whether every ring is empty now.
+    pub fn is_empty(&self) -> bool {
+        self.rings.iter().all(|r| r.is_empty())
+    }
+
+    /// Records the rings dropped (full), in all.
+    pub fn lost(&self) -> u64 {
+        self.rings.iter().map(|r| r.lost()).sum()
+    }
+
+    /// Takes the records written before `mark`, oldest first across the
+    /// rings, as `TraceRecords` events appended to `out` (the first
+    /// carries the losses since the last call); returns how many records.
+    /// A ring whose positions or lengths cannot be right is an error: the
+    /// records before it in this call are in `out` already.
+    pub fn take(
+        &mut self,
+        mark: &[u64],
+        out: &mut Vec<Event>,
+    ) -> Result<usize, protocol::ring::RingError> {
+        let lost_now = self.lost();
+        let mut lost = lost_now.saturating_sub(self.lost_seen);
+        self.lost_seen = lost_now;
+        let mut data = Vec::new();
+        let mut n = 0;
+        loop {
+            let mut best: Option<(usize, u64)> = None;
+            for (i, r) in self.rings.iter().enumerate() {
+                let Some(&until) = mark.get(i) else { continue };
+                let left = until.wrapping_sub(r.tail());
+                if left == 0 || left > r.size() as u64 {
+                    continue;
+                }
+                let ts = r.peek_u64(self.stamp_at).unwrap_or(0);
+                if best.is_none_or(|(_, b)| ts < b) {
+                    best = Some((i, ts));
+                }
+            }
+            let Some((i, _)) = best else { break };
+            let Some(r) = self.rings.get(i) else { break };
+            if !r.pop(&mut self.record)? {
+                break;
+            }
+            n += 1;
+            if !data.is_empty() && data.len() + 4 + self.record.len() > READER_EVENT_BYTES {
+                out.push(Event::TraceRecords {
+                    lost: core::mem::take(&mut lost),
+                    now_ns: 0,
+                    data: core::mem::take(&mut data),
+                });
+            }
+            let header = self.record.len() as u32 & protocol::RECORD_LEN_MASK;
+            data.extend_from_slice(&header.to_le_bytes());
+            data.extend_from_slice(&self.record);
+        }
+        if !data.is_empty() {
+            out.push(Event::TraceRecords {
+                lost,
+                now_ns: 0,
+                data,
+            });
+        } else if lost > 0 {
+            // An empty `TraceRecords` would say the rings were empty.
+            out.push(Event::Lost { count: lost });
+        }
+        Ok(n)
+    }
+}

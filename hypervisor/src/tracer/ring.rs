@@ -1,158 +1,107 @@
 //! A per-vCPU event ring: variable-length records in one fixed byte buffer,
-//! filled in VMX root at each hit and drained on the hypervisor's turns.
+//! filled in VMX root at each hit and drained on the hypervisor's turns, or
+//! by the host itself ([`protocol::TraceChannel::SharedRings`]).
 //!
-//! A record is stored as a little-endian `u32` length followed by its bytes.
-//! When a record does not fit, it is dropped and counted (the kernel's ring
-//! buffer in its default non-overwrite mode does the same for trace_pipe
-//! readers): what is already stored is never overwritten, so a reader sees
-//! the oldest events and a count of the newest that were lost.
+//! The ring is [`protocol::ring`]'s layout over memory this type owns (root
+//! heap, identity-mapped and outside the guest's e820 and EPT, so that its
+//! address is its physical address): a header with the producer's and the
+//! consumer's positions, then records of a little-endian `u32` length and
+//! their bytes. When a record does not fit, it is dropped and counted in
+//! the header (the kernel's ring buffer in its default non-overwrite mode
+//! does the same for trace_pipe readers): what is stored is never
+//! overwritten, so a reader sees the oldest events and a count of the
+//! newest that were lost. One producer (the ring's vCPU in root) and one
+//! consumer (root's stream, or the host when it reads the rings).
 
 use alloc::vec;
 use alloc::vec::Vec;
-
-/// Bytes of framing per record.
-const LEN_BYTES: usize = 4;
+use protocol::ring::{Ring, RING_HEADER, RING_MIN};
 
 /// A bounded FIFO of byte records.
 pub struct EventRing {
-    buf: Vec<u8>,
-    /// Offset of the oldest record.
-    head: usize,
-    /// Bytes in use (framing included).
-    used: usize,
-    records: usize,
-    lost: u64,
+    /// The ring's memory (header and data); never reallocated, since
+    /// `ring` points into it.
+    mem: Vec<u64>,
+    ring: Ring,
 }
 
+// SAFETY: `ring` points into `mem`'s heap buffer, which moves with the
+// value and is freed only when it is dropped (with the ring).
+unsafe impl Send for EventRing {}
+
 impl EventRing {
-    /// A ring of `capacity` bytes (framing included).
+    /// A ring of at least [`RING_MIN`] data bytes: the largest power of
+    /// two not above `capacity`.
     pub fn new(capacity: usize) -> Self {
-        Self {
-            buf: vec![0; capacity.max(LEN_BYTES + 1)],
-            head: 0,
-            used: 0,
-            records: 0,
-            lost: 0,
-        }
+        let data = capacity.max(RING_MIN);
+        let data = 1usize << (usize::BITS - 1 - data.leading_zeros());
+        let mut mem = vec![0u64; (RING_HEADER + data) / 8];
+        let len = mem.len() * 8;
+        // SAFETY: `mem` is 8-aligned, `len` bytes long, owned by the value
+        // the ring lives in and never reallocated; nothing else writes it.
+        let ring = unsafe { Ring::format(mem.as_mut_ptr().cast(), len) };
+        let ring = ring.unwrap_or_else(|| unreachable!("at least RING_MIN bytes of data"));
+        EventRing { mem, ring }
     }
 
-    /// Capacity in bytes.
+    /// Data bytes.
     pub fn capacity(&self) -> usize {
-        self.buf.len()
+        self.ring.size()
     }
 
-    /// Bytes in use.
+    /// Where the ring is (its header) and its bytes: root's heap is
+    /// identity-mapped, so this is its physical address there.
+    pub fn region(&self) -> (u64, u64) {
+        (self.mem.as_ptr() as u64, (self.mem.len() * 8) as u64)
+    }
+
+    /// Bytes in use (framing included).
     pub fn used(&self) -> usize {
-        self.used
-    }
-
-    /// Records stored.
-    pub fn len(&self) -> usize {
-        self.records
+        self.ring.used()
     }
 
     /// Whether nothing is stored.
     pub fn is_empty(&self) -> bool {
-        self.records == 0
+        self.ring.is_empty()
     }
 
     /// Records dropped because they did not fit, since the ring was made.
     pub fn lost(&self) -> u64 {
-        self.lost
+        self.ring.lost()
     }
 
     /// Counts a record the producer could not even build (it is lost too).
     pub fn count_lost(&mut self) {
-        self.lost += 1;
-    }
-
-    /// Copies `bytes` (never more than the buffer holds) in at offset `at`
-    /// modulo the capacity: up to the end of the buffer, the rest from its
-    /// start. Every range below is in bounds by that; none is skipped.
-    fn put(&mut self, at: usize, bytes: &[u8]) {
-        let cap = self.buf.len();
-        let start = at % cap;
-        let first = bytes.len().min(cap - start);
-        let Some((head, tail)) = bytes.split_at_checked(first) else {
-            return;
-        };
-        if let Some(dst) = self.buf.get_mut(start..start + first) {
-            dst.copy_from_slice(head);
-        }
-        if let Some(dst) = self.buf.get_mut(..tail.len()) {
-            dst.copy_from_slice(tail);
-        }
-    }
-
-    /// Fills `out` (never longer than the buffer) from offset `at` modulo
-    /// the capacity, wrapping as [`Self::put`] does.
-    fn get(&self, at: usize, out: &mut [u8]) {
-        let cap = self.buf.len();
-        let start = at % cap;
-        let first = out.len().min(cap - start);
-        let Some((head, tail)) = out.split_at_mut_checked(first) else {
-            return;
-        };
-        if let Some(src) = self.buf.get(start..start + first) {
-            head.copy_from_slice(src);
-        }
-        if let Some(src) = self.buf.get(..tail.len()) {
-            tail.copy_from_slice(src);
-        }
+        self.ring.count_lost();
     }
 
     /// Appends a record; `false` (and one more lost record) if it does not fit.
     pub fn push(&mut self, record: &[u8]) -> bool {
-        let need = LEN_BYTES + record.len();
-        if record.len() > u32::MAX as usize || need > self.buf.len() - self.used {
-            self.lost += 1;
-            return false;
-        }
-        let tail = self.head + self.used;
-        self.put(tail, &(record.len() as u32).to_le_bytes());
-        self.put(tail + LEN_BYTES, record);
-        self.used += need;
-        self.records += 1;
-        true
+        self.ring.push(record)
     }
 
     /// Length of the oldest record, if any.
     pub fn peek_len(&self) -> Option<usize> {
-        if self.records == 0 {
-            return None;
-        }
-        let mut len = [0u8; LEN_BYTES];
-        self.get(self.head, &mut len);
-        Some(u32::from_le_bytes(len) as usize)
+        self.ring.peek_len().ok().flatten()
     }
 
     /// The little-endian `u64` at byte `offset` of the oldest record, if
     /// there is one that long.
     pub fn peek_u64(&self, offset: usize) -> Option<u64> {
-        let len = self.peek_len()?;
-        if offset.checked_add(8)? > len {
-            return None;
-        }
-        let mut b = [0u8; 8];
-        self.get(self.head + LEN_BYTES + offset, &mut b);
-        Some(u64::from_le_bytes(b))
+        self.ring.peek_u64(offset)
     }
 
-    /// Removes the oldest record into `out` (replacing its contents).
+    /// Removes the oldest record into `out` (replacing its contents). A
+    /// ring whose positions cannot be right (only a host that read it
+    /// wrongly could make them so) is emptied and serves again.
     pub fn pop(&mut self, out: &mut Vec<u8>) -> bool {
-        let Some(len) = self.peek_len() else {
-            return false;
-        };
-        out.clear();
-        out.resize(len, 0);
-        self.get(self.head + LEN_BYTES, out);
-        self.head = (self.head + LEN_BYTES + len) % self.buf.len();
-        self.used -= LEN_BYTES + len;
-        self.records -= 1;
-        if self.records == 0 {
-            self.head = 0;
+        match self.ring.pop(out) {
+            Ok(taken) => taken,
+            Err(_) => {
+                self.ring.discard();
+                false
+            }
         }
-        true
     }
 }
 
@@ -212,6 +161,24 @@ impl Rings {
         self.slot(index).lock()
     }
 
+    /// Where each ring is, in vCPU order (see [`EventRing::region`]).
+    pub fn regions(&self) -> Vec<(u64, u64)> {
+        self.rings.iter().map(|r| r.lock().region()).collect()
+    }
+
+    /// The fullest ring's bytes in use, as a fraction of its size in
+    /// 1/256ths.
+    pub fn fullest(&self) -> usize {
+        self.rings
+            .iter()
+            .map(|r| {
+                let r = r.lock();
+                r.used().saturating_mul(256) / r.capacity().max(1)
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Records lost by ring `index`.
     pub fn lost_of(&self, index: usize) -> u64 {
         self.rings.get(index).map_or(0, |r| r.lock().lost())
@@ -254,23 +221,26 @@ mod tests {
 
     #[test]
     fn records_come_back_in_order_across_the_wrap() {
-        let mut r = EventRing::new(64);
+        let mut r = EventRing::new(RING_MIN);
+        assert_eq!(r.capacity(), RING_MIN);
         let mut out = Vec::new();
         let mut next_in = 0u8;
         let mut next_out = 0u8;
+        let mut stored = 0usize;
         for round in 0..200 {
-            // Records of 1..=20 bytes, each filled with its own number.
-            while r.push(&vec![next_in; 1 + (next_in as usize % 20)]) {
+            // Records of 1..=200 bytes, each filled with its own number.
+            while r.push(&vec![next_in; 1 + (next_in as usize % 200)]) {
                 next_in = next_in.wrapping_add(1);
+                stored += 1;
             }
-            let lost_before = r.lost();
-            assert_eq!(lost_before, round + 1);
+            assert_eq!(r.lost(), round + 1);
             // Drain about half.
-            for _ in 0..(r.len() / 2).max(1) {
+            for _ in 0..(stored / 2).max(1) {
                 assert!(r.pop(&mut out));
-                assert_eq!(out.len(), 1 + (next_out as usize % 20));
+                assert_eq!(out.len(), 1 + (next_out as usize % 200));
                 assert!(out.iter().all(|&b| b == next_out), "{out:?} {next_out}");
                 next_out = next_out.wrapping_add(1);
+                stored -= 1;
             }
             assert!(r.used() <= r.capacity());
         }
@@ -284,13 +254,15 @@ mod tests {
 
     #[test]
     fn rings_are_merged_oldest_first_and_count_their_own_losses() {
-        // Records: an 8-byte id then the timestamp at offset 8.
+        // Records: an 8-byte id then the timestamp at offset 8, padded so
+        // that a ring of RING_MIN holds four.
         let rec = |id: u64, ts: u64| {
             let mut v = id.to_le_bytes().to_vec();
             v.extend_from_slice(&ts.to_le_bytes());
+            v.resize(RING_MIN / 4 - 8, 0);
             v
         };
-        let mut rs = Rings::new(3, 4 * (LEN_BYTES + 16), 8);
+        let mut rs = Rings::new(3, RING_MIN, 8);
         // Ring 0: 10, 40, 50; ring 1: 20, 30; ring 2: 5, then 60 and
         // three more it has no room for.
         for (ring, ts) in [(0, 10), (0, 40), (0, 50), (1, 20), (1, 30), (2, 5), (2, 60)] {
@@ -303,6 +275,7 @@ mod tests {
             (rs.lost_of(0), rs.lost_of(1), rs.lost_of(2), rs.lost()),
             (0, 0, 1, 1)
         );
+        assert_eq!(rs.fullest(), 256 * 4 * (RING_MIN / 4) / RING_MIN);
         let mut out = Vec::new();
         let mut got = Vec::new();
         while let Some(i) = rs.pop_oldest(&mut out) {
@@ -324,17 +297,29 @@ mod tests {
             ]
         );
         assert!(rs.is_empty());
+        assert_eq!(rs.fullest(), 0);
+        // Each ring is where it says, one after another in vCPU order.
+        let regions = rs.regions();
+        assert_eq!(regions.len(), 3);
+        for (i, (at, len)) in regions.iter().enumerate() {
+            assert_eq!(*len as usize, RING_HEADER + RING_MIN);
+            assert_eq!(*at, rs.of(i).region().0);
+            // SAFETY: the ring's own memory, read as the host reads it.
+            let r = unsafe { Ring::attach(*at as *mut u8, *len as usize) }.unwrap();
+            assert_eq!(r.size(), RING_MIN);
+        }
         // A timestamp that wraps the ring's end is read whole.
-        let mut r = EventRing::new(LEN_BYTES + 16 + 7);
+        let mut r = EventRing::new(RING_MIN);
+        let filler = vec![1u8; RING_MIN - 4 - 12];
+        assert!(r.push(&filler));
+        assert!(r.pop(&mut out));
+        assert!(r.push(&rec(9, 0x1122_3344_5566_7788)[..16]));
+        assert_eq!(r.peek_u64(8), Some(0x1122_3344_5566_7788));
+        assert_eq!(r.peek_u64(9), None);
         let mut w = Rings {
             rings: Vec::new(),
             stamp_at: 8,
         };
-        assert!(r.push(&[1; 3]));
-        assert!(r.pop(&mut out));
-        assert!(r.push(&rec(9, 0x1122_3344_5566_7788)));
-        assert_eq!(r.peek_u64(8), Some(0x1122_3344_5566_7788));
-        assert_eq!(r.peek_u64(9), None);
         w.rings.push(spin::Mutex::new(r));
         assert_eq!(w.pop_oldest(&mut out), Some(0));
         assert_eq!(w.pop_oldest(&mut out), None);
@@ -342,20 +327,38 @@ mod tests {
 
     #[test]
     fn a_full_ring_keeps_the_oldest_and_counts_the_rest() {
-        let mut r = EventRing::new(4 * (LEN_BYTES + 8));
+        let mut r = EventRing::new(RING_MIN);
+        let rec = |i: u64| {
+            let mut v = i.to_le_bytes().to_vec();
+            v.resize(RING_MIN / 4 - 8, 0);
+            v
+        };
         for i in 0..10u64 {
-            r.push(&i.to_le_bytes());
+            r.push(&rec(i));
         }
-        assert_eq!(r.len(), 4);
         assert_eq!(r.lost(), 6);
         let mut out = Vec::new();
         for i in 0..4u64 {
             assert!(r.pop(&mut out));
-            assert_eq!(out, i.to_le_bytes());
+            assert_eq!(out, rec(i));
         }
         assert!(!r.pop(&mut out));
         // A record larger than the whole ring is refused, not split.
-        assert!(!r.push(&[0; 100]));
+        assert!(!r.push(&[0; RING_MIN + 1]));
         assert_eq!(r.lost(), 7);
+        // A position the host broke empties the ring, which serves again.
+        assert!(r.push(b"abc"));
+        let (at, len) = r.region();
+        // SAFETY: the ring's own memory, written as a careless host could.
+        let host = unsafe { Ring::attach(at as *mut u8, len as usize) }.unwrap();
+        assert!(host.pop(&mut out).unwrap());
+        assert!(r.push(b"def"));
+        // SAFETY: as above; the consumer's position moved past the head.
+        unsafe { (at as *mut u64).add(3).write(host.head() + 64) };
+        assert!(!r.pop(&mut out));
+        assert!(r.is_empty());
+        assert!(r.push(b"ghi"));
+        assert!(r.pop(&mut out));
+        assert_eq!(out, b"ghi");
     }
 }

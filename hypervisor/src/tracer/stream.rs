@@ -36,6 +36,12 @@ const RECORDS_BUDGET: usize = 3000;
 /// graph session runs, so that the host ages the entries it holds back.
 const IDLE_EVERY_NS: u64 = LEAF_HOLD_NS / 2;
 
+/// A ring this full (in 1/256ths of its size) rings the host's doorbell
+/// when the host reads the rings.
+const DOORBELL_FILL: usize = 64;
+/// The doorbell rings at most this often (hypervisor time).
+const DOORBELL_EVERY_NS: u64 = 5_000_000;
+
 /// A rendered line that did not fit the last `TraceText`, and its source.
 #[derive(Default)]
 struct HeldLine {
@@ -65,6 +71,12 @@ pub(super) struct Stream {
     /// that was.
     sent_since_idle: bool,
     last_idle_ns: u64,
+    /// The host reads the record rings itself in records mode
+    /// ([`protocol::TraceChannel::SharedRings`]); root sends the context
+    /// and its clock only.
+    host_reads: bool,
+    /// When the doorbell last rang.
+    last_doorbell_ns: u64,
 }
 
 impl Default for Stream {
@@ -88,7 +100,44 @@ impl Stream {
             context: alloc::collections::VecDeque::new(),
             sent_since_idle: false,
             last_idle_ns: 0,
+            host_reads: false,
+            last_doorbell_ns: 0,
         }
+    }
+
+    /// Whether root takes the records out of the rings (it does unless the
+    /// host reads them: records mode with [`Self::set_host_reads`]).
+    fn root_drains(&self) -> bool {
+        !(self.host_reads && self.format == Some(TraceFormat::Records))
+    }
+
+    /// See [`super::Tracer::host_reads`].
+    pub(super) fn host_reads(&self) -> bool {
+        !self.root_drains()
+    }
+
+    /// See [`super::Tracer::set_host_reads`].
+    pub(super) fn set_host_reads(&mut self, on: bool) {
+        if self.host_reads != on {
+            // The whole context goes again, on the new path.
+            self.context_sent = None;
+            self.context.clear();
+            self.record_rest.clear();
+        }
+        self.host_reads = on;
+    }
+
+    /// See [`super::Tracer::doorbell`].
+    pub(super) fn doorbell(&mut self, now_ns: u64) -> bool {
+        if self.root_drains()
+            || self.format.is_none()
+            || now_ns.saturating_sub(self.last_doorbell_ns) < DOORBELL_EVERY_NS
+            || self.rings.fullest() < DOORBELL_FILL
+        {
+            return false;
+        }
+        self.last_doorbell_ns = now_ns;
+        true
     }
 
     /// The stream's next `TraceText`, when there is output and the
@@ -204,7 +253,12 @@ impl Stream {
         probes: &Probes,
         graph: &mut Graph,
     ) -> Option<protocol::Event> {
-        if room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
+        // When the host reads the rings, the context goes out in the turn
+        // that changed it, whatever the room: the turn holds the VM to
+        // itself, so no record that needs the change is in a ring before
+        // it (the host reads the rings' positions before it reads the
+        // frames).
+        if !self.host_reads && room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
             return None;
         }
         // Root renders nothing here: what stopped sessions held back is
@@ -220,6 +274,28 @@ impl Stream {
         }
         if let Some(ev) = self.context.pop_front() {
             return Some(ev);
+        }
+        if self.host_reads {
+            // Root's clock, for the host to age what it holds back once it
+            // finds the rings empty (after records were written, after a
+            // context change, and every IDLE_EVERY_NS; one a turn at most);
+            // the losses are in the rings' headers.
+            if !self.rings.is_empty() {
+                self.sent_since_idle = true;
+            }
+            let due = now_ns > self.last_idle_ns
+                && (self.sent_since_idle
+                    || now_ns.saturating_sub(self.last_idle_ns) >= IDLE_EVERY_NS);
+            if !due {
+                return None;
+            }
+            self.sent_since_idle = false;
+            self.last_idle_ns = now_ns;
+            return Some(protocol::Event::TraceRecords {
+                lost: 0,
+                now_ns,
+                data: Vec::new(),
+            });
         }
         let mut data = Vec::new();
         if data.try_reserve(RECORDS_BUDGET).is_err() {
@@ -296,7 +372,7 @@ impl Stream {
     /// Whether output is waiting (the stream wants busy turns).
     pub(super) fn has_output(&self) -> bool {
         self.format.is_some()
-            && (!self.rings.is_empty()
+            && ((self.root_drains() && !self.rings.is_empty())
                 || self.pending_line.is_some()
                 || !self.record_rest.is_empty()
                 || !self.context.is_empty())

@@ -1989,6 +1989,144 @@ fn the_host_renders_root_records_as_root_renders_them() {
     }
 }
 
+/// The host reading the vCPUs' rings itself
+/// ([`protocol::TraceChannel::SharedRings`]): root sends only the context
+/// and its clock, the host's reader takes the records from the rings'
+/// memory (oldest first across the vCPUs, up to the mark it took before
+/// the frames) and renders them as root renders them, byte for byte.
+#[test]
+fn the_host_reading_the_rings_renders_as_root_renders() {
+    use super::render::{RecordRenderer, RingsReader};
+    use crate::kprobe::IndexSymbols;
+    // The main scenario, then hits on two vCPUs stored out of time order.
+    fn scenario(g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(&mut Guest)) {
+        rendering_scenario(g, format, drain);
+        g.with(|t, env, k| t.function_add("*_func", k, env))
+            .unwrap();
+        for (on, step) in [
+            (1, 10_000),
+            (1, 20_000),
+            (0, 5_000),
+            (0, 30_000),
+            (1, 1_000),
+        ] {
+            g.on = on;
+            g.now_ns += step;
+            g.hit(OTHER, RETP, CALLER_RET, 0);
+        }
+        g.on = 0;
+        g.now_ns += 1_000;
+        drain(g);
+    }
+    for format in [TraceFormat::Text, TraceFormat::Json] {
+        let mut g = Guest::new();
+        let mut root_text = String::new();
+        scenario(&mut g, format, &mut |g| root_text.push_str(&g.text()));
+
+        let mut g = Guest::new();
+        let (regions, stamp_at) = g.tracer().record_rings();
+        assert_eq!(regions.len(), VCPUS);
+        g.tracer().set_host_reads(true);
+        let rings = regions
+            .iter()
+            .map(|&(at, len)| {
+                // SAFETY: the tracer's own rings, alive as long as `g`,
+                // read as the host reads them from the RAM file.
+                unsafe { protocol::ring::Ring::attach(at as *mut u8, len as usize) }.unwrap()
+            })
+            .collect();
+        let mut reader = RingsReader::new(rings, stamp_at as usize);
+        let mut renderer = RecordRenderer::new(format);
+        let mut host_text = String::new();
+        let mut taken = 0;
+        scenario(&mut g, TraceFormat::Records, &mut |g| {
+            let syms = IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
+            let mut out = Vec::new();
+            // The mark, then the frames, then the records up to the mark.
+            let mark = reader.mark();
+            let mut idle = None;
+            // No room at all: the context goes all the same.
+            while let Some(ev) =
+                Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(0, Some(&g.kernel), g.now_ns)
+            {
+                match ev {
+                    Event::TraceContext(c) => renderer.context(&c),
+                    Event::TraceRecords { data, now_ns, .. } if data.is_empty() => {
+                        idle = Some(now_ns);
+                    }
+                    other => panic!("root sent {other:?} while the host reads the rings"),
+                }
+            }
+            assert!(
+                !Tracer::new(&mut g.vm, &mut g.cpus[0]).has_output(),
+                "root waits for nothing"
+            );
+            let mut events = Vec::new();
+            taken += reader.take(&mark, &mut events).unwrap();
+            for ev in events {
+                match ev {
+                    Event::TraceRecords { lost, now_ns, data } => {
+                        renderer.records(lost, now_ns, &data, &syms, &mut out)
+                    }
+                    other => panic!("the reader made {other:?}"),
+                }
+            }
+            if let Some(now) = idle.filter(|_| reader.is_empty()) {
+                renderer.records(0, now, &[], &syms, &mut out);
+            }
+            for e in out {
+                if let Event::TraceText { text, .. } = e {
+                    host_text.push_str(&text);
+                }
+            }
+        });
+        assert!(taken > 400, "{taken} records taken from the rings");
+        assert!(reader.is_empty() && reader.lost() == 0);
+        assert_eq!(host_text, root_text, "{format:?}");
+        // The two vCPUs' hits came out in time order.
+        let tail: Vec<&str> = root_text.lines().rev().take(5).collect();
+        assert_eq!(tail.len(), 5);
+        assert!(
+            tail.iter().filter(|l| l.contains("other_func")).count() == 5,
+            "{tail:?}"
+        );
+    }
+}
+
+/// A ring filling while the host reads the rings rings the doorbell, at
+/// most every few milliseconds; root never rings it when it drains.
+#[test]
+fn a_filling_ring_rings_the_doorbell_when_the_host_reads() {
+    let mut g = Guest::new();
+    g.with(|t, env, k| t.function_add("*_func", k, env))
+        .unwrap();
+    g.tracer().set_stream(Some(TraceFormat::Records));
+    // Enough hits to fill a quarter of vCPU 0's ring.
+    let fill = |g: &mut Guest| {
+        for _ in 0..12_000 {
+            g.hit(OTHER, RETP, CALLER_RET, 0);
+        }
+    };
+    fill(&mut g);
+    let now = 10_000_000;
+    assert!(!g.tracer().doorbell(now), "root drains: no doorbell");
+    g.tracer().set_host_reads(true);
+    assert!(g.tracer().doorbell(now));
+    assert!(!g.tracer().doorbell(now + 1_000_000), "too soon");
+    assert!(g.tracer().doorbell(now + 6_000_000));
+    // Emptied by the host: quiet.
+    for (at, len) in g.tracer().record_rings().0 {
+        // SAFETY: the tracer's own ring, read as the host reads it.
+        let r = unsafe { protocol::ring::Ring::attach(at as *mut u8, len as usize) }.unwrap();
+        r.discard();
+    }
+    assert!(!g.tracer().doorbell(now + 20_000_000));
+    // Nor without a stream.
+    fill(&mut g);
+    g.tracer().set_stream(None);
+    assert!(!g.tracer().doorbell(now + 40_000_000));
+}
+
 /// Records split across events (a long string fetch), losses reported,
 /// and chunks out of place dropped without a panic.
 #[test]
