@@ -328,6 +328,12 @@ pub struct MappedRing<'m> {
     _map: std::marker::PhantomData<&'m SharedMap>,
 }
 
+impl std::borrow::Borrow<protocol::ring::Ring> for MappedRing<'_> {
+    fn borrow(&self) -> &protocol::ring::Ring {
+        &self.ring
+    }
+}
+
 impl std::ops::Deref for MappedRing<'_> {
     type Target = protocol::ring::Ring;
     fn deref(&self) -> &protocol::ring::Ring {

@@ -149,6 +149,15 @@ struct TraceShared {
     render: Mutex<Option<HostRender>>,
     /// Records that came with no renderer (dropped).
     unrendered: AtomicU64,
+    /// The host takes the records out of root's rings itself (the channel
+    /// is `SharedRings` and the stream is in records). Held by the ring
+    /// reader while it takes records, so that root drains again only after
+    /// the reader stopped ([`Supervisor::stop_host_reads`]).
+    host_reads: Mutex<bool>,
+    /// Root's doorbell rings ([`Event::TraceDoorbell`]): counted, and the
+    /// ring reader woken.
+    doorbell: Mutex<u64>,
+    doorbell_cv: Condvar,
 }
 
 /// The stream rendered here: the renderer and the index it names with.
@@ -166,7 +175,28 @@ impl TraceShared {
             symbols: OnceLock::new(),
             render: Mutex::new(None),
             unrendered: AtomicU64::new(0),
+            host_reads: Mutex::new(false),
+            doorbell: Mutex::new(0),
+            doorbell_cv: Condvar::new(),
         }
+    }
+
+    fn host_reads_lock(&self) -> MutexGuard<'_, bool> {
+        self.host_reads.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits up to `wait` for the doorbell after `seen` rings; returns the
+    /// rings so far.
+    fn wait_doorbell(&self, seen: u64, wait: Duration) -> u64 {
+        let rings = self.doorbell.lock().unwrap_or_else(|e| e.into_inner());
+        if *rings != seen {
+            return *rings;
+        }
+        *self
+            .doorbell_cv
+            .wait_timeout(rings, wait)
+            .unwrap_or_else(|e| e.into_inner())
+            .0
     }
 
     fn render_lock(&self) -> MutexGuard<'_, Option<HostRender>> {
@@ -234,6 +264,10 @@ impl TraceShared {
                     self.on_event(e, note);
                 }
             }
+            Event::TraceDoorbell => {
+                *self.doorbell.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+                self.doorbell_cv.notify_all();
+            }
             Event::Trace { .. } => {
                 if self.binary.fetch_add(1, Ordering::Relaxed) == 0 {
                     note("the hypervisor sends binary trace records, which this hvtrace does not read; they are dropped");
@@ -283,6 +317,11 @@ impl TraceShared {
     }
 }
 
+/// How often the ring reader looks at root's rings without a doorbell.
+const RING_POLL: Duration = Duration::from_millis(10);
+/// How long records wait for a copy of the modules' symbols at most.
+const MODULES_HOLD: Duration = Duration::from_secs(2);
+
 /// The state the client threads share.
 pub(crate) struct Supervisor {
     phase: Mutex<Phase>,
@@ -307,6 +346,11 @@ pub(crate) struct Supervisor {
     bulk: AtomicBool,
     /// The first stream rendered here was noted.
     rendering_noted: AtomicBool,
+    /// A reader of root's record rings runs ([`Supervisor::use_ring`]).
+    rings_reader: AtomicBool,
+    /// The channel is `SharedRings`: the host reads the record rings once
+    /// the stream is in records.
+    channel_rings: AtomicBool,
 }
 
 impl Supervisor {
@@ -327,6 +371,8 @@ impl Supervisor {
             trace_port: OnceLock::new(),
             bulk: AtomicBool::new(false),
             rendering_noted: AtomicBool::new(false),
+            rings_reader: AtomicBool::new(false),
+            channel_rings: AtomicBool::new(false),
         }
     }
 
@@ -506,7 +552,14 @@ impl Supervisor {
     /// here once the host has root's symbols (the stream's path being the
     /// log port or the ring), else rendered by root. A switch of format
     /// keeps the records stream and its context.
+    /// Stops the ring reader taking records (it finishes the take under
+    /// way first): before any request after which root drains the rings.
+    fn stop_host_reads(&self) {
+        *self.trace.host_reads_lock() = false;
+    }
+
     fn start_stream(&self, format: TraceFormat) -> Response {
+        self.stop_host_reads();
         if let Some(index) = self.host_index() {
             {
                 let mut render = self.trace.render_lock();
@@ -524,8 +577,14 @@ impl Supervisor {
                 format: TraceFormat::Records,
             });
             if response == Response::Ok {
+                let rings = self.channel_rings.load(Ordering::Relaxed);
+                *self.trace.host_reads_lock() = rings;
                 if !self.rendering_noted.swap(true, Ordering::Relaxed) {
-                    self.note("the hypervisor streams records; they are rendered here");
+                    self.note(if rings {
+                        "the hypervisor's records are read from its rings and rendered here"
+                    } else {
+                        "the hypervisor streams records; they are rendered here"
+                    });
                 }
                 return response;
             }
@@ -605,10 +664,23 @@ impl Supervisor {
     /// records on the log port or the ring, rendered by root on COM2.
     fn trace_channel(&self, channel: TraceChannel) -> Response {
         let stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        self.stop_host_reads();
         let response = self.forward(Request::TraceChannel { channel });
-        if response != Response::Ok && !matches!(response, Response::TraceRing { .. }) {
+        if response != Response::Ok
+            && !matches!(
+                response,
+                Response::TraceRing { .. } | Response::TraceRings { .. }
+            )
+        {
             return response;
         }
+        // Root now drains the rings itself unless this is `SharedRings`
+        // and this process reads them (the rings stay where they were).
+        self.channel_rings.store(
+            matches!(response, Response::TraceRings { .. })
+                && self.rings_reader.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
         let bulk = match channel {
             TraceChannel::Control => false,
             TraceChannel::LogPort => self.trace_port.get().is_some(),
@@ -628,6 +700,7 @@ impl Supervisor {
 
     fn trace_stop(&self) -> Response {
         let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        self.stop_host_reads();
         let response = self.forward(Request::TraceStop);
         if response == Response::Ok {
             *stream = None;
@@ -842,6 +915,28 @@ impl Supervisor {
         let Some(link) = self.link.get() else {
             return false;
         };
+        let rings = link.request(Request::TraceChannel {
+            channel: TraceChannel::SharedRings,
+        });
+        match rings {
+            Ok(Response::TraceRings {
+                frames,
+                records,
+                stamp_at,
+            }) => match self.read_rings(
+                path,
+                machine,
+                ram,
+                frames,
+                &records,
+                stamp_at,
+                watch.clone(),
+            ) {
+                Ok(()) => return true,
+                Err(e) => self.note(&format!("the record rings cannot be read: {e}")),
+            },
+            other => self.note(&format!("no record rings to read: {other:?}")),
+        }
         let (gpa, len) = match link.request(Request::TraceChannel {
             channel: TraceChannel::SharedRing,
         }) {
@@ -922,6 +1017,102 @@ impl Supervisor {
             "the trace stream takes a ring at {gpa:#x} ({len} bytes) in the guest RAM file"
         ));
         true
+    }
+
+    /// Reads root's frame ring and every vCPU's record ring from the RAM
+    /// file ([`TraceChannel::SharedRings`]): a thread takes, each time the
+    /// doorbell rings or every [`RING_POLL`], the rings' marks, then the
+    /// frames, then (while the stream is in records and no copy of the
+    /// modules' symbols is on its way) the records up to the marks.
+    #[allow(clippy::too_many_arguments)]
+    fn read_rings(
+        &self,
+        path: &std::path::Path,
+        machine: crate::vm::shm::MachineType,
+        ram: u64,
+        frames: protocol::RingAt,
+        records: &[protocol::RingAt],
+        stamp_at: u32,
+        watch: VmWatch,
+    ) -> Result<(), String> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let map = crate::sys::SharedMap::map(&file, ram as usize)
+            .map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+        let place = |r: &protocol::RingAt| -> Result<(usize, usize), String> {
+            let at = crate::vm::shm::file_offset(machine, ram, r.gpa)
+                .filter(|&at| at.checked_add(r.len).is_some_and(|end| end <= ram))
+                .ok_or_else(|| format!("the ring at {:#x} is not in the RAM file", r.gpa))?;
+            map.ring(at as usize, r.len as usize, false)
+                .map_err(|e| format!("no ring at {:#x}: {e:?}", r.gpa))?;
+            Ok((at as usize, r.len as usize))
+        };
+        let frames_at = place(&frames)?;
+        let records_at = records.iter().map(place).collect::<Result<Vec<_>, _>>()?;
+        if records_at.is_empty() {
+            return Err("root named no record ring".into());
+        }
+        let trace = self.trace.clone();
+        let start = self.start;
+        self.bulk.store(true, Ordering::Relaxed);
+        self.rings_reader.store(true, Ordering::Relaxed);
+        self.channel_rings.store(true, Ordering::Relaxed);
+        let n = records_at.len();
+        std::thread::spawn(move || {
+            let note = |m: &str| note_at(start, m);
+            let ring = |(at, len): (usize, usize)| map.ring(at, len, false);
+            let Ok(frames) = ring(frames_at) else { return };
+            let Ok(rings) = records_at
+                .into_iter()
+                .map(ring)
+                .collect::<Result<Vec<_>, _>>()
+            else {
+                return;
+            };
+            let mut poll = crate::vm::shm::RingsPoll::new(frames, rings, stamp_at as usize);
+            let mut held_since: Option<Instant> = None;
+            let mut rung = 0;
+            let mut on = |ev: Event| trace.on_event(ev, &note);
+            loop {
+                let ended = watch.ended().is_some();
+                let mark = match poll.frames(&mut on) {
+                    Ok(mark) => mark,
+                    Err(e) => {
+                        note(&format!("{e:#}"));
+                        return;
+                    }
+                };
+                // Records naming a module's code wait for its symbols
+                // (for a while: a copy that never ends holds nothing).
+                let coming = trace.symbols.get().is_some_and(|s| s.modules_coming());
+                if !coming {
+                    held_since = None;
+                }
+                let hold = coming
+                    && *held_since.get_or_insert_with(Instant::now) + MODULES_HOLD > Instant::now();
+                let mut consume = trace.host_reads_lock();
+                if *consume && !hold {
+                    if let Err(e) = poll.records(&mark, &mut on) {
+                        note(&format!("{e:#}; no more records are read"));
+                        *consume = false;
+                        return;
+                    }
+                }
+                drop(consume);
+                if ended {
+                    return;
+                }
+                rung = trace.wait_doorbell(rung, RING_POLL);
+            }
+        });
+        self.note(&format!(
+            "the trace stream takes a frame ring at {:#x} and reads {n} record rings in the guest RAM file",
+            frames.gpa
+        ));
+        Ok(())
     }
 
     /// Logs the control channel's and the trace buffer's counters.

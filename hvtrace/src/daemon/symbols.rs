@@ -253,6 +253,16 @@ impl HostSymbols {
         }
     }
 
+    /// Whether a copy of the modules' index is on its way (its first
+    /// piece came, its last not yet).
+    pub fn modules_coming(&self) -> bool {
+        self.modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .coming
+            .is_some()
+    }
+
     /// The modules' index, the last whole copy.
     pub fn modules(&self) -> Option<Arc<ModuleIndex>> {
         self.modules

@@ -9,8 +9,11 @@
 //! type: QEMU puts the RAM below the PCI hole first, and the rest from
 //! 4 GiB up ([`file_offset`]).
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use hypervisor::tracer::render::RingsReader;
 use protocol::ring::{Ring, RingError};
+use protocol::Event;
+use std::borrow::Borrow;
 
 /// QEMU's machine types, for the RAM layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,6 +67,105 @@ pub fn drain(ring: &Ring, buf: &mut Vec<u8>, mut f: impl FnMut(&[u8])) -> Result
             Err(RingError::Corrupt) => bail!("the trace ring holds a record that cannot be right"),
             Err(RingError::NotARing) => bail!("not a trace ring"),
         }
+    }
+}
+
+/// The host's side of [`protocol::TraceChannel::SharedRings`]: root's
+/// frame ring and the vCPUs' record rings, read in the order that keeps
+/// each record after the context it needs: [`RingsPoll::frames`] takes the
+/// record rings' marks, then reads the frames; [`RingsPoll::records`] then
+/// takes the records up to those marks, oldest first across the vCPUs, and
+/// passes on root's last clock once the rings are empty.
+pub struct RingsPoll<R: Borrow<Ring>> {
+    frames: R,
+    reader: RingsReader<R>,
+    buf: Vec<u8>,
+    decoder: protocol::FrameDecoder,
+    frames_lost: u64,
+    /// Root's clock from its last idle event, not passed on yet.
+    idle: Option<u64>,
+}
+
+impl<R: Borrow<Ring>> RingsPoll<R> {
+    /// A reader of `frames` and of `records` (root's vCPU order), whose
+    /// records carry their timestamp at `stamp_at`.
+    pub fn new(frames: R, records: Vec<R>, stamp_at: usize) -> Self {
+        RingsPoll {
+            frames,
+            reader: RingsReader::new(records, stamp_at),
+            buf: Vec::new(),
+            decoder: protocol::FrameDecoder::new(),
+            frames_lost: 0,
+            idle: None,
+        }
+    }
+
+    /// Takes the record rings' marks, then every frame: the events the
+    /// stream carries go to `out` (root's idle events are kept for
+    /// [`Self::records`]), frames the ring dropped as `Lost`. Returns the
+    /// marks.
+    pub fn frames(&mut self, out: &mut dyn FnMut(Event)) -> Result<Vec<u64>> {
+        let mark = self.reader.mark();
+        let decoder = &mut self.decoder;
+        let idle = &mut self.idle;
+        drain(self.frames.borrow(), &mut self.buf, |record| {
+            for frame in decoder.feed(record).flatten() {
+                match frame.body {
+                    protocol::Body::Event(Event::TraceRecords { now_ns, data, .. })
+                        if data.is_empty() =>
+                    {
+                        *idle = Some(now_ns);
+                    }
+                    protocol::Body::Event(
+                        ev @ (Event::TraceText { .. }
+                        | Event::TraceRecords { .. }
+                        | Event::TraceContext(_)
+                        | Event::SymbolChunk { .. }),
+                    ) => out(ev),
+                    _ => {}
+                }
+            }
+        })
+        .context("the shared frame ring")?;
+        let lost = self.frames.borrow().lost();
+        if lost > self.frames_lost {
+            out(Event::Lost {
+                count: lost - self.frames_lost,
+            });
+            self.frames_lost = lost;
+        }
+        Ok(mark)
+    }
+
+    /// Whether every record ring is empty now.
+    pub fn reader_is_empty(&self) -> bool {
+        self.reader.is_empty()
+    }
+
+    /// Records the record rings dropped (full), in all.
+    pub fn records_lost(&self) -> u64 {
+        self.reader.lost()
+    }
+
+    /// Takes the records written before `mark` into `out` as
+    /// `TraceRecords` events, then, the rings being empty, root's last
+    /// clock as an empty one. Returns how many records.
+    pub fn records(&mut self, mark: &[u64], out: &mut dyn FnMut(Event)) -> Result<usize> {
+        let mut events = Vec::new();
+        let taken = self.reader.take(mark, &mut events);
+        for ev in events {
+            out(ev);
+        }
+        let n = taken.map_err(|e| anyhow::anyhow!("the record rings: {e:?}"))?;
+        if let Some(now_ns) = self.idle.filter(|_| self.reader.is_empty()) {
+            self.idle = None;
+            out(Event::TraceRecords {
+                lost: 0,
+                now_ns,
+                data: Vec::new(),
+            });
+        }
+        Ok(n)
     }
 }
 
@@ -222,6 +324,234 @@ mod tests {
             got > RECORDS / 10,
             "the fast reader kept up for a while ({line})"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    const RINGS_ENV: &str = "HVTRACE_TEST_RINGS_WRITER";
+    /// Records each "vCPU" writes.
+    const PER_VCPU: u64 = 60_000;
+    const VCPUS: usize = 2;
+    const FRAMES_LEN: usize = 64 + 16 * 1024;
+    const RECORD_RING_LEN: usize = 64 + 32 * 1024;
+    const STAMP_AT: usize = 8;
+
+    fn rings_layout() -> (usize, Vec<usize>, usize) {
+        let records: Vec<usize> = (0..VCPUS)
+            .map(|i| FRAMES_LEN + i * RECORD_RING_LEN)
+            .collect();
+        (0, records, FRAMES_LEN + VCPUS * RECORD_RING_LEN)
+    }
+
+    /// A record of vCPU `cpu`: its number, the shared clock, then bytes
+    /// that follow from both.
+    fn stamped(cpu: u64, seq: u64, ts: u64) -> Vec<u8> {
+        let len = 16 + (seq * 131 % 200) as usize;
+        let mut r = ((cpu << 56) | seq).to_le_bytes().to_vec();
+        r.extend_from_slice(&ts.to_le_bytes());
+        r.extend((16..len).map(|i| (seq as usize ^ i) as u8));
+        r
+    }
+
+    /// The other process: root as the tracer runs it, in miniature. Each
+    /// vCPU thread writes its own record ring, stamping records from one
+    /// clock; every 5,000 records vCPU 0 writes an idle event (root's
+    /// clock) to the frame ring, as root's turns do.
+    fn rings_writer(path: &str) {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        let (frames_at, records_at, total) = rings_layout();
+        let map = SharedMap::map(&file, total).unwrap();
+        let clock = std::sync::atomic::AtomicU64::new(1);
+        let frames = map.ring(frames_at, FRAMES_LEN, false).unwrap();
+        let dropped: Vec<u64> = std::thread::scope(|scope| {
+            let handles: Vec<_> = records_at
+                .iter()
+                .enumerate()
+                .map(|(cpu, &at)| {
+                    let map = &map;
+                    let clock = &clock;
+                    let frames = &frames;
+                    scope.spawn(move || {
+                        let ring = map.ring(at, RECORD_RING_LEN, false).unwrap();
+                        let mut dropped = 0;
+                        let mut wire = Vec::new();
+                        for seq in 0..PER_VCPU {
+                            let ts = clock.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            if !ring.push(&stamped(cpu as u64, seq, ts)) {
+                                dropped += 1;
+                            }
+                            if seq % 100 == 99 {
+                                std::thread::sleep(Duration::from_millis(3));
+                            }
+                            if cpu == 0 && seq % 5000 == 4999 {
+                                let idle = protocol::Frame::event(
+                                    (seq / 5000) as u32,
+                                    Event::TraceRecords {
+                                        lost: 0,
+                                        now_ns: ts,
+                                        data: Vec::new(),
+                                    },
+                                );
+                                wire.clear();
+                                protocol::encode(&idle, &mut wire).unwrap();
+                                assert!(frames.push(&wire));
+                            }
+                        }
+                        dropped
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        println!(
+            "rings writer: {} records, {} dropped",
+            PER_VCPU * VCPUS as u64,
+            dropped.iter().sum::<u64>()
+        );
+    }
+
+    /// The host's reader of root's record rings (the one the supervisor
+    /// runs) against rings written by the same ring code in another
+    /// process: each vCPU's records arrive whole and in its order, each
+    /// take is merged oldest first across the vCPUs, root's clock comes
+    /// through once the rings are empty, and every record the reader did
+    /// not get is counted lost by the writer.
+    #[test]
+    fn the_host_reads_every_vcpus_ring_from_another_process() {
+        if let Ok(path) = std::env::var(RINGS_ENV) {
+            rings_writer(&path);
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("hvtrace-rings-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ram");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        let (frames_at, records_at, total) = rings_layout();
+        file.set_len(total as u64).unwrap();
+        let map = SharedMap::map(&file, total).unwrap();
+        let frames = map.ring(frames_at, FRAMES_LEN, true).unwrap();
+        let rings: Vec<_> = records_at
+            .iter()
+            .map(|&at| map.ring(at, RECORD_RING_LEN, true).unwrap())
+            .collect();
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "vm::shm::tests::the_host_reads_every_vcpus_ring_from_another_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(RINGS_ENV, &path)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut poll = RingsPoll::new(frames, rings, STAMP_AT);
+        let mut next = [0u64; VCPUS];
+        let mut got = [0u64; VCPUS];
+        let mut idles = Vec::new();
+        let mut takes_merged = 0;
+        let start = Instant::now();
+        let mut status = None;
+        loop {
+            let mark = poll
+                .frames(&mut |ev| panic!("unexpected frame {ev:?}"))
+                .unwrap();
+            let mut stamps = Vec::new();
+            let mut events = Vec::new();
+            poll.records(&mark, &mut |ev| events.push(ev)).unwrap();
+            let mut lost = 0;
+            for ev in events {
+                match ev {
+                    Event::TraceRecords { data, now_ns, .. } if data.is_empty() => {
+                        idles.push(now_ns)
+                    }
+                    Event::TraceRecords { data, lost: l, .. } => {
+                        lost += l;
+                        let mut rest = data.as_slice();
+                        while let Some((head, tail)) = rest.split_first_chunk::<4>() {
+                            let len = u32::from_le_bytes(*head) as usize;
+                            let (r, tail) = tail.split_at(len);
+                            rest = tail;
+                            let id = u64::from_le_bytes(r[..8].try_into().unwrap());
+                            let (cpu, seq) = ((id >> 56) as usize, id & ((1 << 56) - 1));
+                            let ts = u64::from_le_bytes(r[8..16].try_into().unwrap());
+                            assert_eq!(r, stamped(cpu as u64, seq, ts).as_slice(), "torn");
+                            assert!(seq >= next[cpu], "vCPU {cpu}: {seq} after {}", next[cpu]);
+                            next[cpu] = seq + 1;
+                            got[cpu] += 1;
+                            stamps.push(ts);
+                        }
+                    }
+                    Event::Lost { count } => lost += count,
+                    other => panic!("the reader made {other:?}"),
+                }
+            }
+            let _ = lost;
+            assert!(stamps.is_sorted(), "one take is merged oldest first");
+            if stamps.len() > 1 {
+                takes_merged += 1;
+            }
+            if stamps.is_empty() {
+                if status.is_none() {
+                    status = child.try_wait().unwrap();
+                }
+                if status.is_some() && poll.reader_is_empty() {
+                    // One more look at the frames, for the last idle event.
+                    let mark = poll.frames(&mut |ev| panic!("{ev:?}")).unwrap();
+                    poll.records(&mark, &mut |ev| {
+                        if let Event::TraceRecords { now_ns, .. } = ev {
+                            idles.push(now_ns)
+                        }
+                    })
+                    .unwrap();
+                    break;
+                }
+            }
+            // A slow reader for the first half second, then a fast one.
+            let slow = start.elapsed() < Duration::from_millis(500);
+            std::thread::sleep(Duration::from_millis(if slow { 20 } else { 1 }));
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the writer stalled"
+            );
+        }
+        assert!(status.unwrap().success());
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut text).unwrap();
+        let line = text
+            .lines()
+            .find_map(|l| l.find("rings writer:").map(|at| &l[at..]))
+            .unwrap_or_else(|| panic!("no writer line in {text}"));
+        let dropped: u64 = line
+            .split_whitespace()
+            .rev()
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .unwrap();
+        let read: u64 = got.iter().sum();
+        println!(
+            "rings: {read} records read from {VCPUS} rings, {dropped} lost (slow reader first), {takes_merged} merged takes, {} idle events, in {:.2} s",
+            idles.len(),
+            start.elapsed().as_secs_f64()
+        );
+        assert_eq!(read + dropped, PER_VCPU * VCPUS as u64, "{line}");
+        assert_eq!(
+            poll.records_lost(),
+            dropped,
+            "both sides count the same losses"
+        );
+        assert!(dropped > 0, "the slow reader lost records ({line})");
+        assert!(got.iter().all(|&g| g > PER_VCPU / 10), "{got:?}");
+        assert!(!idles.is_empty() && idles.is_sorted(), "{idles:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -18,7 +18,9 @@ use crate::kprobe::{self, Command, ProbeSpec, RawEvent, SymbolResolver};
 use alloc::collections::BTreeMap;
 use alloc::string::String;
 use alloc::vec::Vec;
+use core::borrow::Borrow;
 use core::fmt::Write;
+use protocol::ring::Ring;
 use protocol::{Event, RenderContext, TraceFormat};
 
 /// Bytes of text per `TraceText` the renderer makes, at most (a line
@@ -393,17 +395,17 @@ const READER_EVENT_BYTES: usize = 64 * 1024;
 /// reads the frame ring to its end, then takes the records up to the mark
 /// ([`RingsReader::take`]): every record it takes was written after the
 /// context it needs was on the frame ring.
-pub struct RingsReader {
-    rings: Vec<protocol::ring::Ring>,
+pub struct RingsReader<R: Borrow<Ring>> {
+    rings: Vec<R>,
     stamp_at: usize,
     lost_seen: u64,
     record: Vec<u8>,
 }
 
-impl RingsReader {
+impl<R: Borrow<Ring>> RingsReader<R> {
     /// A reader of `rings` (in root's vCPU order), whose records carry
     /// their timestamp at `stamp_at`.
-    pub fn new(rings: Vec<protocol::ring::Ring>, stamp_at: usize) -> RingsReader {
+    pub fn new(rings: Vec<R>, stamp_at: usize) -> RingsReader<R> {
         RingsReader {
             rings,
             stamp_at,
@@ -414,17 +416,17 @@ impl RingsReader {
 
     /// The rings' producers' positions now.
     pub fn mark(&self) -> Vec<u64> {
-        self.rings.iter().map(|r| r.head()).collect()
+        self.rings.iter().map(|r| r.borrow().head()).collect()
     }
 
     /// Whether every ring is empty now.
     pub fn is_empty(&self) -> bool {
-        self.rings.iter().all(|r| r.is_empty())
+        self.rings.iter().all(|r| r.borrow().is_empty())
     }
 
     /// Records the rings dropped (full), in all.
     pub fn lost(&self) -> u64 {
-        self.rings.iter().map(|r| r.lost()).sum()
+        self.rings.iter().map(|r| r.borrow().lost()).sum()
     }
 
     /// Takes the records written before `mark`, oldest first across the
@@ -445,6 +447,7 @@ impl RingsReader {
         loop {
             let mut best: Option<(usize, u64)> = None;
             for (i, r) in self.rings.iter().enumerate() {
+                let r = r.borrow();
                 let Some(&until) = mark.get(i) else { continue };
                 let left = until.wrapping_sub(r.tail());
                 if left == 0 || left > r.size() as u64 {
@@ -457,7 +460,7 @@ impl RingsReader {
             }
             let Some((i, _)) = best else { break };
             let Some(r) = self.rings.get(i) else { break };
-            if !r.pop(&mut self.record)? {
+            if !r.borrow().pop(&mut self.record)? {
                 break;
             }
             n += 1;
