@@ -140,6 +140,13 @@ pub fn uid() -> u32 {
     unistd::getuid().as_raw()
 }
 
+/// Whether `path` is on a tmpfs (`statfs(2)`): what is written there
+/// stays in memory.
+pub fn is_tmpfs(path: &std::path::Path) -> bool {
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+}
+
 /// The effective user id of this process: whose files it may touch, and
 /// whom the control socket belongs to.
 pub fn euid() -> u32 {

@@ -860,7 +860,7 @@ impl Vm {
     pub fn ram_file(&self) -> Option<(PathBuf, shm::MachineType, u64)> {
         match self.cfg.emulator {
             Emulator::Qemu { kvm: true } if self.cfg.hypervisor.is_some() => Some((
-                self.dir.join(qemu::RAM_FILE),
+                qemu::ram_file(&self.dir),
                 qemu::MACHINE,
                 u64::from(self.cfg.memory_mib) << 20,
             )),
@@ -1055,7 +1055,7 @@ impl Drop for Vm {
         self.kill();
         // The guest's RAM (QEMU with the hypervisor) is not a log: it goes
         // even from a run directory that is kept.
-        let _ = std::fs::remove_file(self.dir.join(qemu::RAM_FILE));
+        qemu::remove_ram(&self.dir);
         if self.finished && !self.cfg.keep_dir {
             let _ = std::fs::remove_dir_all(&self.dir);
         } else {
@@ -1201,7 +1201,11 @@ fn prepare(
                 cfg,
                 kvm,
                 hv.as_deref(),
-                qemu::Ports { serial, control },
+                qemu::Ports {
+                    serial,
+                    control,
+                    ram: &qemu::ram_file(dir),
+                },
             )
         }
     }

@@ -55,11 +55,73 @@ pub struct Ports<'a> {
     pub serial: &'a Endpoint,
     /// COM2, the hypervisor's control channel.
     pub control: &'a Endpoint,
+    /// The file that backs the guest's RAM (runs with the hypervisor):
+    /// [`ram_file`].
+    pub ram: &'a Path,
 }
 
 /// The file in the run directory that backs the guest's RAM (runs with the
 /// hypervisor).
 pub const RAM_FILE: &str = "guest-ram";
+
+/// Where the file that backs the guest's RAM goes for the run in
+/// `run_dir`: in a directory of its own under `/dev/shm` when that is a
+/// tmpfs (guest RAM then never meets disk writeback; the directory is
+/// 0700 and named after the run directory), else in the run directory.
+/// `HVTRACE_RAM_DIR` names another parent for that directory.
+pub fn ram_file(run_dir: &Path) -> std::path::PathBuf {
+    let parent = match std::env::var_os("HVTRACE_RAM_DIR") {
+        Some(p) => Some(std::path::PathBuf::from(p)),
+        None => Some(std::path::PathBuf::from("/dev/shm")).filter(|p| crate::sys::is_tmpfs(p)),
+    };
+    ram_file_in(run_dir, parent)
+}
+
+/// [`ram_file`] with its parent directory chosen (`None`: the run
+/// directory).
+fn ram_file_in(run_dir: &Path, parent: Option<std::path::PathBuf>) -> std::path::PathBuf {
+    match (parent, run_dir.file_name()) {
+        (Some(parent), Some(name)) => {
+            let mut own = std::ffi::OsString::from("hvtrace-ram-");
+            own.push(name);
+            parent.join(own).join(RAM_FILE)
+        }
+        _ => run_dir.join(RAM_FILE),
+    }
+}
+
+/// Makes the RAM file's own directory (see [`ram_file`]) when it is not
+/// the run directory: owner-only, and refused when something else is
+/// there already.
+pub fn make_ram_dir(run_dir: &Path, ram: &Path) -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let Some(dir) = ram.parent().filter(|d| *d != run_dir) else {
+        return Ok(());
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let meta = std::fs::symlink_metadata(dir)?;
+            if !meta.is_dir() || meta.uid() != crate::sys::euid() || meta.mode() & 0o077 != 0 {
+                anyhow::bail!(
+                    "{} exists and is not a private directory of this user: the guest's RAM does not go there",
+                    dir.display()
+                );
+            }
+            Ok(())
+        }
+        Err(e) => Err(anyhow::anyhow!("cannot make {}: {e}", dir.display())),
+    }
+}
+
+/// Removes the RAM file and its own directory (see [`ram_file`]).
+pub fn remove_ram(run_dir: &Path) {
+    let ram = ram_file(run_dir);
+    let _ = std::fs::remove_file(&ram);
+    if let Some(dir) = ram.parent().filter(|d| *d != run_dir) {
+        let _ = std::fs::remove_dir(dir);
+    }
+}
 
 /// The machine type QEMU runs, for the RAM file's layout.
 pub const MACHINE: super::shm::MachineType = super::shm::MachineType::Pc;
@@ -96,8 +158,9 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
         // (`vm::shm`); the machine is named, since the file's layout is
         // the machine type's.
         let backend = format!(
-            "memory-backend-file,id=ram,size={}M,mem-path={RAM_FILE},share=on",
-            cfg.memory_mib
+            "memory-backend-file,id=ram,size={}M,mem-path={},share=on",
+            cfg.memory_mib,
+            escape_commas(&ports.ram.to_string_lossy())
         );
         push(&["-object", &backend, "-machine", "pc,memory-backend=ram"]);
     }
@@ -160,6 +223,9 @@ pub fn prepare(
     ports: Ports,
 ) -> Result<Command> {
     host::require_program(PROGRAM, "qemu-system-x86")?;
+    if hypervisor.is_some() {
+        make_ram_dir(dir, ports.ram)?;
+    }
     let mut cmd = Command::new(PROGRAM);
     cmd.args(args(cfg, kvm, hypervisor, ports)).current_dir(dir);
     Ok(cmd)
@@ -168,6 +234,56 @@ pub fn prepare(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn guest_ram_goes_to_a_private_directory_of_its_own() {
+        let base = std::env::temp_dir().join(format!("hvtrace-ramtest-{}", std::process::id()));
+        let run = base.join("run.abc");
+        std::fs::create_dir_all(&run).unwrap();
+        // No tmpfs: the run directory.
+        assert_eq!(ram_file_in(&run, None), run.join(RAM_FILE));
+        make_ram_dir(&run, &run.join(RAM_FILE)).unwrap();
+        // A tmpfs (or HVTRACE_RAM_DIR): a 0700 directory named after the run.
+        let ram = ram_file_in(&run, Some(base.clone()));
+        assert_eq!(ram, base.join("hvtrace-ram-run.abc").join(RAM_FILE));
+        make_ram_dir(&run, &ram).unwrap();
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(ram.parent().unwrap())
+                .unwrap()
+                .permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o700);
+        // Made again (a second start in the same run): still ours.
+        make_ram_dir(&run, &ram).unwrap();
+        // Somebody else's directory, or one others can enter, is refused.
+        std::fs::set_permissions(
+            ram.parent().unwrap(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let e = make_ram_dir(&run, &ram).unwrap_err().to_string();
+        assert!(e.contains("not a private directory"), "{e}");
+        // A comma in the path is escaped for QEMU's option parser.
+        let cfg = RunConfig::new("k", "i");
+        let (serial, control) = (Endpoint::Tcp(5), Endpoint::Tcp(6));
+        let odd = Path::new("/dev/shm/hvtrace-ram-a,b/guest-ram");
+        let args = args(
+            &cfg,
+            true,
+            Some(Path::new("/x/hypervisor")),
+            Ports {
+                serial: &serial,
+                control: &control,
+                ram: odd,
+            },
+        );
+        assert!(
+            values(&args, "-object")[0]
+                .contains("mem-path=/dev/shm/hvtrace-ram-a,,b/guest-ram,share=on"),
+            "{args:?}"
+        );
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 
     #[test]
     fn modules_escape_commas() {
@@ -193,6 +309,7 @@ mod tests {
         let ports = Ports {
             serial: &serial,
             control: &control,
+            ram: Path::new(RAM_FILE),
         };
         let kvm = args(&cfg, true, Some(Path::new("/x/hypervisor")), ports);
         assert_eq!(
@@ -218,6 +335,7 @@ mod tests {
         let ports = Ports {
             serial: &serial,
             control: &control,
+            ram: Path::new(RAM_FILE),
         };
         for args in [
             args(&cfg, true, Some(Path::new("/x/hypervisor")), ports),
@@ -282,6 +400,7 @@ mod tests {
         let ports = Ports {
             serial: &serial,
             control: &control,
+            ram: Path::new(RAM_FILE),
         };
         let one = RunConfig::new("k", "i");
         for args in [
@@ -311,6 +430,7 @@ mod tests {
         let ports = Ports {
             serial: &serial,
             control: &control,
+            ram: Path::new(RAM_FILE),
         };
         let args = args(&cfg, false, None, ports);
         assert_eq!(values(&args, "-serial"), ["chardev:con", "chardev:ctl"]);
