@@ -29,7 +29,7 @@ struct Recorded {
 }
 
 fn unhex(hex: &str) -> Vec<u8> {
-    assert!(hex.len() % 2 == 0, "odd hex");
+    assert!(hex.len().is_multiple_of(2), "odd hex");
     (0..hex.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
