@@ -358,6 +358,12 @@ pub enum TraceFormat {
     /// ([`Event::TraceContext`]), for the host to render: taken only on
     /// the log port or the shared ring.
     Records,
+    /// [`TraceFormat::Records`], and root's own rendering of the same
+    /// records as trace_pipe and function_graph text (`TraceText` in
+    /// [`TraceFormat::Text`]) beside them: for recording a stream and
+    /// checking the host's renderer against root's. Taken only on the log
+    /// port or the shared ring.
+    RecordsAndText,
 }
 
 /// The hypervisor's answer to a [`Request`].

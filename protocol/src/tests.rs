@@ -172,6 +172,12 @@ fn samples() -> Vec<Body> {
         Body::Request(Request::TraceStart {
             format: TraceFormat::Text,
         }),
+        Body::Request(Request::TraceStart {
+            format: TraceFormat::Records,
+        }),
+        Body::Request(Request::TraceStart {
+            format: TraceFormat::RecordsAndText,
+        }),
         Body::Request(Request::TraceStop),
         Body::Request(Request::TraceChannel {
             channel: TraceChannel::LogPort,
@@ -445,6 +451,30 @@ fn samples_cover_every_variant() {
     names.sort();
     names.dedup();
     assert_eq!(names.len(), VARIANTS, "{names:#?}");
+}
+
+/// Each trace format keeps its number on the wire: a new one goes at the
+/// end of the enum, so the older formats encode as they did.
+#[test]
+fn trace_formats_keep_their_wire_numbers() {
+    let formats = [
+        (TraceFormat::Text, 0u8),
+        (TraceFormat::Json, 1),
+        (TraceFormat::Records, 2),
+        (TraceFormat::RecordsAndText, 3),
+    ];
+    for (format, number) in formats {
+        let bytes = postcard::to_allocvec(&format).expect("encodes");
+        assert_eq!(bytes, [number], "{format:?}");
+        let back: TraceFormat = postcard::from_bytes(&bytes).expect("decodes");
+        assert_eq!(back, format);
+        let frame = Frame::request(7, Request::TraceStart { format });
+        let decoded = decode_all(&encode_one(&frame));
+        assert!(
+            matches!(decoded.as_slice(), [Ok(f)] if *f == frame),
+            "{decoded:?}"
+        );
+    }
 }
 
 fn encode_one(frame: &Frame) -> Vec<u8> {

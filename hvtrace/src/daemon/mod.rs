@@ -5,6 +5,7 @@ pub mod detach;
 pub mod link;
 pub mod local;
 pub mod owners;
+pub mod recording;
 pub mod segment;
 pub mod serve;
 pub mod session;

@@ -45,6 +45,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use super::recording::{Noting, Recorder};
 use super::symbols::HostSymbols;
 use anyhow::Result;
 use hypervisor::kprobe::IndexSymbols;
@@ -158,6 +159,13 @@ struct TraceShared {
     /// ring reader woken.
     doorbell: Mutex<u64>,
     doorbell_cv: Condvar,
+    /// The recording `HVTRACE_RECORD_STREAM` names, when it is set and
+    /// could be opened: streams rendered here are then started as records
+    /// and root's text ([`crate::daemon::recording`]).
+    recording: Option<Mutex<Recorder>>,
+    /// The stream is records and root's text: root's `TraceText` goes to
+    /// the recording, not to the buffer.
+    root_text_recorded: AtomicBool,
 }
 
 /// The stream rendered here: the renderer and the index it names with.
@@ -178,6 +186,8 @@ impl TraceShared {
             host_reads: Mutex::new(false),
             doorbell: Mutex::new(0),
             doorbell_cv: Condvar::new(),
+            recording: None,
+            root_text_recorded: AtomicBool::new(false),
         }
     }
 
@@ -199,6 +209,38 @@ impl TraceShared {
             .0
     }
 
+    /// With the recording `HVTRACE_RECORD_STREAM` names, if any (a file
+    /// that cannot be opened is noted, and nothing is recorded).
+    fn with_recording(mut self, start: Instant) -> TraceShared {
+        match Recorder::from_env() {
+            Some(Ok(r)) => {
+                note_at(start, "the trace stream is recorded with root's own text");
+                self.recording = Some(Mutex::new(r));
+            }
+            Some(Err(e)) => note_at(
+                start,
+                &format!("the stream recording cannot be opened: {e}"),
+            ),
+            None => {}
+        }
+        self
+    }
+
+    fn recorder(&self) -> Option<MutexGuard<'_, Recorder>> {
+        self.recording
+            .as_ref()
+            .map(|r| r.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Adds text to the buffer (root's, or rendered here).
+    fn buffer_text(&self, format: TraceFormat, source: u32, lost: u64, text: &str) {
+        let mut buf = self.lock();
+        buf.push_lost(lost);
+        buf.push_text(format, source, text);
+        drop(buf);
+        self.cv.notify_all();
+    }
+
     fn render_lock(&self) -> MutexGuard<'_, Option<HostRender>> {
         self.render.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -210,18 +252,17 @@ impl TraceShared {
     /// Takes one event from the hypervisor.
     fn on_event(&self, event: Event, note: &dyn Fn(&str)) {
         match event {
+            Event::TraceText { .. } if self.root_text_recorded.load(Ordering::Relaxed) => {
+                if let Some(mut r) = self.recorder() {
+                    r.event("root", &event);
+                }
+            }
             Event::TraceText {
                 format,
                 source,
                 lost,
                 text,
-            } => {
-                let mut buf = self.lock();
-                buf.push_lost(lost);
-                buf.push_text(format, source, &text);
-                drop(buf);
-                self.cv.notify_all();
-            }
+            } => self.buffer_text(format, source, lost, &text),
             Event::Lost { count } => {
                 self.lock().push_lost(count);
                 self.cv.notify_all();
@@ -242,17 +283,38 @@ impl TraceShared {
                 }
             }
             Event::TraceContext(c) => {
+                if let Some(mut r) = self.recorder() {
+                    r.event("ctx", &Event::TraceContext(c.clone()));
+                }
                 if let Some(r) = self.render_lock().as_mut() {
                     r.renderer.context(&c);
                 }
             }
             Event::TraceRecords { lost, now_ns, data } => {
+                let mut recorder = self.recorder();
+                if let Some(r) = recorder.as_mut() {
+                    r.event(
+                        "rec",
+                        &Event::TraceRecords {
+                            lost,
+                            now_ns,
+                            data: data.clone(),
+                        },
+                    );
+                }
                 let mut out = Vec::new();
                 match self.render_lock().as_mut() {
                     Some(r) => {
                         let modules = self.symbols.get().and_then(|s| s.modules());
                         let syms = IndexSymbols::new(&r.index, modules.as_deref());
-                        r.renderer.records(lost, now_ns, &data, &syms, &mut out);
+                        match recorder.as_mut() {
+                            Some(rec) => {
+                                let noting = Noting::new(&syms);
+                                r.renderer.records(lost, now_ns, &data, &noting, &mut out);
+                                rec.addresses(&noting.seen.borrow());
+                            }
+                            None => r.renderer.records(lost, now_ns, &data, &syms, &mut out),
+                        }
                     }
                     None => {
                         if self.unrendered.fetch_add(1, Ordering::Relaxed) == 0 {
@@ -261,7 +323,18 @@ impl TraceShared {
                     }
                 }
                 for e in out {
-                    self.on_event(e, note);
+                    if let Event::TraceText {
+                        format,
+                        source,
+                        lost,
+                        text,
+                    } = e
+                    {
+                        if let Some(r) = recorder.as_mut() {
+                            r.host_text(&text);
+                        }
+                        self.buffer_text(format, source, lost, &text);
+                    }
                 }
             }
             Event::TraceDoorbell => {
@@ -355,6 +428,7 @@ pub(crate) struct Supervisor {
 
 impl Supervisor {
     pub(crate) fn new() -> Supervisor {
+        let start = Instant::now();
         Supervisor {
             phase: Mutex::new(Phase::Starting),
             phase_cv: Condvar::new(),
@@ -364,8 +438,8 @@ impl Supervisor {
             busy: AtomicUsize::new(0),
             clients: AtomicUsize::new(0),
             client_ids: AtomicU32::new(1),
-            start: Instant::now(),
-            trace: Arc::new(TraceShared::new()),
+            start,
+            trace: Arc::new(TraceShared::new().with_recording(start)),
             stream: Mutex::new(None),
             graphs: GraphOwners::new(),
             trace_port: OnceLock::new(),
@@ -573,9 +647,17 @@ impl Supervisor {
                     }
                 }
             }
-            let response = self.forward(Request::TraceStart {
-                format: TraceFormat::Records,
-            });
+            // Recording: root's own text comes beside the records.
+            let recorded = self.trace.recording.is_some();
+            let records = if recorded {
+                TraceFormat::RecordsAndText
+            } else {
+                TraceFormat::Records
+            };
+            self.trace
+                .root_text_recorded
+                .store(recorded, Ordering::Relaxed);
+            let response = self.forward(Request::TraceStart { format: records });
             if response == Response::Ok {
                 let rings = self.channel_rings.load(Ordering::Relaxed);
                 *self.trace.host_reads_lock() = rings;
@@ -589,6 +671,9 @@ impl Supervisor {
                 return response;
             }
             *self.trace.render_lock() = None;
+            self.trace
+                .root_text_recorded
+                .store(false, Ordering::Relaxed);
             self.note(&format!(
                 "the stream is rendered by the hypervisor: records were refused: {response:?}"
             ));
@@ -705,6 +790,9 @@ impl Supervisor {
         if response == Response::Ok {
             *stream = None;
             *self.trace.render_lock() = None;
+            self.trace
+                .root_text_recorded
+                .store(false, Ordering::Relaxed);
         }
         response
     }

@@ -443,7 +443,7 @@ mod tests {
             .iter()
             .map(|&at| map.ring(at, RECORD_RING_LEN, true).unwrap())
             .collect();
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
                 "vm::shm::tests::the_host_reads_every_vcpus_ring_from_another_process",
@@ -454,6 +454,7 @@ mod tests {
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
+        let mut child = child;
         let mut poll = RingsPoll::new(frames, rings, STAMP_AT);
         let mut next = [0u64; VCPUS];
         let mut got = [0u64; VCPUS];

@@ -545,7 +545,8 @@ impl Control {
                 Action::None,
             ),
             Request::TraceStart { format } => {
-                if format == TraceFormat::Records && self.bulk.is_none() {
+                let records = matches!(format, TraceFormat::Records | TraceFormat::RecordsAndText);
+                if records && self.bulk.is_none() {
                     let why = "records go only on the log port or the shared ring (TraceChannel)";
                     (Response::error(ErrorKind::NotReady, why), Action::None)
                 } else {

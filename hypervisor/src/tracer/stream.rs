@@ -77,6 +77,9 @@ pub(super) struct Stream {
     host_reads: bool,
     /// When the doorbell last rang.
     last_doorbell_ns: u64,
+    /// Records-and-text mode: root's own rendering of the records sent,
+    /// as `TraceText` events waiting to go.
+    texts: alloc::collections::VecDeque<protocol::Event>,
 }
 
 impl Default for Stream {
@@ -102,6 +105,7 @@ impl Stream {
             last_idle_ns: 0,
             host_reads: false,
             last_doorbell_ns: 0,
+            texts: alloc::collections::VecDeque::new(),
         }
     }
 
@@ -155,10 +159,13 @@ impl Stream {
     ) -> Option<protocol::Event> {
         let format = self.format?;
         if format == TraceFormat::Records {
-            return self.next_records(room, now_ns, probes, graph);
+            return self.next_records(room, now_ns, probes, graph, None);
         }
         let k = kernel?;
         let syms = IndexSymbols::new(k.index(), Some(k.modules()));
+        if format == TraceFormat::RecordsAndText {
+            return self.next_records(room, now_ns, probes, graph, Some(&syms));
+        }
         {
             if room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
                 return None;
@@ -176,32 +183,8 @@ impl Stream {
                     // because another session's events may have kept the
                     // ring busy while this one's children are not traced.
                     if text.is_empty() {
-                        while let Some(Retired {
-                            number: user,
-                            text: mut t,
-                            ..
-                        }) = graph.retired.pop()
-                        {
-                            if t.has_pending() {
-                                t.flush(&mut text, &syms);
-                                source = user;
-                                break;
-                            }
-                        }
-                    }
-                    if text.is_empty() && format == TraceFormat::Text {
-                        for (user, g) in graph.sessions.iter_mut().enumerate() {
-                            let Some(g) = g else { continue };
-                            let old = g
-                                .text
-                                .pending_since()
-                                .is_some_and(|t| now_ns.saturating_sub(t) > LEAF_HOLD_NS);
-                            if old {
-                                g.text.flush(&mut text, &syms);
-                                source = user as u32;
-                                break;
-                            }
-                        }
+                        let aged = format == TraceFormat::Text;
+                        flush_held(&mut text, &mut source, &syms, graph, aged, now_ns);
                     }
                     break;
                 }
@@ -246,12 +229,18 @@ impl Stream {
     /// oldest records (a record that does not fit goes on in the next
     /// one), or, the rings being empty, one that says so (after records
     /// went out, and every [`IDLE_EVERY_NS`] while a graph session runs).
+    ///
+    /// With `text` (records-and-text mode), root also renders each record
+    /// it sends, as it renders trace_pipe text, into `TraceText` events
+    /// that go after the records, and prints what the graph sessions hold
+    /// back when the rings are empty, at the same points as then.
     fn next_records(
         &mut self,
         room: usize,
         now_ns: u64,
         probes: &Probes,
         graph: &mut Graph,
+        text: Option<&IndexSymbols<'_>>,
     ) -> Option<protocol::Event> {
         // When the host reads the rings, the context goes out in the turn
         // that changed it, whatever the room: the turn holds the VM to
@@ -261,9 +250,11 @@ impl Stream {
         if !self.host_reads && room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
             return None;
         }
-        // Root renders nothing here: what stopped sessions held back is
-        // the host's to print.
-        graph.retired.clear();
+        if text.is_none() {
+            // Root renders nothing here: what stopped sessions held back
+            // is the host's to print.
+            graph.retired.clear();
+        }
         let print = context_fingerprint(probes, graph);
         if self.context_sent != Some(print) {
             self.context_sent = Some(print);
@@ -297,6 +288,9 @@ impl Stream {
                 data: Vec::new(),
             });
         }
+        if let Some(ev) = self.texts.pop_front() {
+            return Some(ev);
+        }
         let mut data = Vec::new();
         if data.try_reserve(RECORDS_BUDGET).is_err() {
             return None;
@@ -305,6 +299,11 @@ impl Stream {
         // event: its first chunk now continues it.
         let mut rest = core::mem::take(&mut self.record_rest);
         let mut continues = !rest.is_empty();
+        // Records-and-text mode: root's lines of this turn, and their
+        // source; whether the rings were found empty.
+        let mut lines = String::new();
+        let mut source = 0;
+        let mut emptied = false;
         loop {
             // Room is looked at before a record is taken, so that a record
             // is only ever left here after a piece of it went out.
@@ -314,10 +313,16 @@ impl Stream {
             }
             if rest.is_empty() {
                 if self.rings.pop_oldest(&mut self.record).is_none() {
+                    emptied = true;
                     break;
                 }
                 rest = core::mem::take(&mut self.record);
                 continues = false;
+                if let Some(syms) = text {
+                    let mut line = String::new();
+                    let src = render(&rest, &mut line, TraceFormat::Text, syms, probes, graph);
+                    self.gather_text(&mut lines, &mut source, src, line);
+                }
             }
             let n = rest.len().min(room);
             let more = n < rest.len();
@@ -339,6 +344,16 @@ impl Stream {
             self.record = core::mem::take(&mut rest);
         }
         self.record_rest = rest;
+        if let Some(syms) = text {
+            // As root rendering text does on a turn that found the rings
+            // empty and printed nothing.
+            if emptied && lines.is_empty() {
+                flush_held(&mut lines, &mut source, syms, graph, true, now_ns);
+            }
+            if !lines.is_empty() {
+                self.texts.push_back(text_event(source, lines));
+            }
+        }
         let lost = self.rings.lost() - self.lost_reported;
         if data.is_empty() && lost == 0 {
             let due = self.sent_since_idle
@@ -356,6 +371,28 @@ impl Stream {
         Some(protocol::Event::TraceRecords { lost, now_ns, data })
     }
 
+    /// Records-and-text mode: adds a rendered `line` of source `src` to
+    /// the turn's `lines` of `source`, queueing what was gathered first as
+    /// a `TraceText` when the source changes or the event is full (the
+    /// rule of text mode's turns). An empty line adds nothing.
+    fn gather_text(&mut self, lines: &mut String, source: &mut u32, src: u32, mut line: String) {
+        if line.is_empty() {
+            return;
+        }
+        cut_line(&mut line, TRACE_TEXT_BUDGET);
+        if !line.ends_with('\n') {
+            line.push('\n');
+        }
+        if !lines.is_empty() && (src != *source || lines.len() + line.len() > TRACE_TEXT_BUDGET) {
+            self.texts
+                .push_back(text_event(*source, core::mem::take(lines)));
+        }
+        if lines.is_empty() {
+            *source = src;
+        }
+        lines.push_str(&line);
+    }
+
     /// `TraceStart` / `TraceStop`.
     pub(super) fn set_format(&mut self, format: Option<TraceFormat>, graph: &mut Graph) {
         if self.format != format {
@@ -365,6 +402,7 @@ impl Stream {
             self.record_rest.clear();
             self.context_sent = None;
             self.context.clear();
+            self.texts.clear();
         }
         self.format = format;
     }
@@ -375,7 +413,62 @@ impl Stream {
             && ((self.root_drains() && !self.rings.is_empty())
                 || self.pending_line.is_some()
                 || !self.record_rest.is_empty()
-                || !self.context.is_empty())
+                || !self.context.is_empty()
+                || !self.texts.is_empty())
+    }
+}
+
+/// The rings being empty: the first stopped session that holds entries
+/// back prints them and goes; with `aged`, when nothing was printed, the
+/// first session holding an entry for a leaf longer than
+/// [`LEAF_HOLD_NS`] prints it open. Counting time, not turns, because
+/// another session's events may have kept the ring busy while this one's
+/// children are not traced.
+fn flush_held(
+    text: &mut String,
+    source: &mut u32,
+    syms: &IndexSymbols<'_>,
+    graph: &mut Graph,
+    aged: bool,
+    now_ns: u64,
+) {
+    while let Some(Retired {
+        number: user,
+        text: mut t,
+        ..
+    }) = graph.retired.pop()
+    {
+        if t.has_pending() {
+            t.flush(text, syms);
+            *source = user;
+            break;
+        }
+    }
+    if !text.is_empty() || !aged {
+        return;
+    }
+    for (user, g) in graph.sessions.iter_mut().enumerate() {
+        let Some(g) = g else { continue };
+        let old = g
+            .text
+            .pending_since()
+            .is_some_and(|t| now_ns.saturating_sub(t) > LEAF_HOLD_NS);
+        if old {
+            g.text.flush(text, syms);
+            *source = user as u32;
+            break;
+        }
+    }
+}
+
+/// Root's own lines as the stream's `TraceText` (records-and-text mode:
+/// losses go with the records).
+fn text_event(source: u32, text: String) -> protocol::Event {
+    protocol::Event::TraceText {
+        format: TraceFormat::Text,
+        source,
+        lost: 0,
+        text,
     }
 }
 

@@ -2127,6 +2127,70 @@ fn a_filling_ring_rings_the_doorbell_when_the_host_reads() {
     assert!(!g.tracer().doorbell(now + 40_000_000));
 }
 
+/// Records and root's text: the same records, in the same events, as
+/// records alone, and beside them the text root renders alone; the host's
+/// renderer turns the records into that text.
+#[test]
+fn records_and_text_carry_the_records_and_roots_own_text() {
+    use super::render::RecordRenderer;
+    use crate::kprobe::IndexSymbols;
+    let mut g = Guest::new();
+    let mut root_text = String::new();
+    rendering_scenario(&mut g, TraceFormat::Text, &mut |g| {
+        root_text.push_str(&g.text())
+    });
+    let mut records_alone = Vec::new();
+    let mut g = Guest::new();
+    rendering_scenario(&mut g, TraceFormat::Records, &mut |g| {
+        let now = g.now_ns;
+        while let Some(ev) =
+            Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), now)
+        {
+            records_alone.push(ev);
+        }
+    });
+    let mut records = Vec::new();
+    let mut text = String::new();
+    let mut host_text = String::new();
+    let mut renderer = RecordRenderer::new(TraceFormat::Text);
+    let mut g = Guest::new();
+    rendering_scenario(&mut g, TraceFormat::RecordsAndText, &mut |g| {
+        let now = g.now_ns;
+        while let Some(ev) =
+            Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), now)
+        {
+            let syms = IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
+            let mut out = Vec::new();
+            match &ev {
+                Event::TraceText {
+                    format: TraceFormat::Text,
+                    lost: 0,
+                    text: t,
+                    ..
+                } => {
+                    text.push_str(t);
+                    continue;
+                }
+                Event::TraceContext(c) => renderer.context(c),
+                Event::TraceRecords { lost, now_ns, data } => {
+                    renderer.records(*lost, *now_ns, data, &syms, &mut out)
+                }
+                other => panic!("unexpected event {other:?}"),
+            }
+            records.push(ev);
+            for e in out {
+                if let Event::TraceText { text, .. } = e {
+                    host_text.push_str(&text);
+                }
+            }
+        }
+    });
+    assert!(root_text.lines().count() >= 8, "{root_text}");
+    assert_eq!(records, records_alone);
+    assert_eq!(text, root_text);
+    assert_eq!(host_text, root_text);
+}
+
 /// Records split across events (a long string fetch), losses reported,
 /// and chunks out of place dropped without a panic.
 #[test]
