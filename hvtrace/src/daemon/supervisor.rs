@@ -659,7 +659,8 @@ impl Supervisor {
                 .store(recorded, Ordering::Relaxed);
             let response = self.forward(Request::TraceStart { format: records });
             if response == Response::Ok {
-                let rings = self.channel_rings.load(Ordering::Relaxed);
+                // Root drains the rings itself when it renders beside them.
+                let rings = self.channel_rings.load(Ordering::Relaxed) && !recorded;
                 *self.trace.host_reads_lock() = rings;
                 if !self.rendering_noted.swap(true, Ordering::Relaxed) {
                     self.note(if rings {
