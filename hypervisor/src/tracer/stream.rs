@@ -247,7 +247,7 @@ impl Stream {
         // itself, so no record that needs the change is in a ring before
         // it (the host reads the rings' positions before it reads the
         // frames).
-        if !self.host_reads && room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
+        if self.root_drains() && room < TX_HEADROOM + protocol::MAX_WIRE_FRAME {
             return None;
         }
         if text.is_none() {
@@ -266,7 +266,7 @@ impl Stream {
         if let Some(ev) = self.context.pop_front() {
             return Some(ev);
         }
-        if self.host_reads {
+        if !self.root_drains() {
             // Root's clock, for the host to age what it holds back once it
             // finds the rings empty (after records were written, after a
             // context change, and every IDLE_EVERY_NS; one a turn at most);
