@@ -140,6 +140,19 @@ pub fn uid() -> u32 {
     unistd::getuid().as_raw()
 }
 
+/// Bytes free for an unprivileged user on the file system of `path`
+/// (`statvfs(2)`).
+pub fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    let s = nix::sys::statvfs::statvfs(path).ok()?;
+    s.blocks_available().checked_mul(s.fragment_size())
+}
+
+/// A new directory `PARENT/PREFIXxxxxxx` of this user's alone (mode 0700,
+/// a name no other process had: `mkdtemp(3)`).
+pub fn make_temp_dir(parent: &std::path::Path, prefix: &str) -> io::Result<std::path::PathBuf> {
+    nix::unistd::mkdtemp(&parent.join(format!("{prefix}XXXXXX"))).map_err(io::Error::from)
+}
+
 /// Whether `path` is on a tmpfs (`statfs(2)`): what is written there
 /// stays in memory.
 pub fn is_tmpfs(path: &std::path::Path) -> bool {

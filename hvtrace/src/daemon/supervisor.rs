@@ -159,6 +159,9 @@ struct TraceShared {
     /// ring reader woken.
     doorbell: Mutex<u64>,
     doorbell_cv: Condvar,
+    /// The ring reader stopped on an error: the next stream moves the
+    /// trace channel back to COM2.
+    rings_failed: AtomicBool,
     /// The recording `HVTRACE_RECORD_STREAM` names, when it is set and
     /// could be opened: streams rendered here are then started as records
     /// and root's text ([`crate::daemon::recording`]).
@@ -186,6 +189,7 @@ impl TraceShared {
             host_reads: Mutex::new(false),
             doorbell: Mutex::new(0),
             doorbell_cv: Condvar::new(),
+            rings_failed: AtomicBool::new(false),
             recording: None,
             root_text_recorded: AtomicBool::new(false),
         }
@@ -634,6 +638,19 @@ impl Supervisor {
 
     fn start_stream(&self, format: TraceFormat) -> Response {
         self.stop_host_reads();
+        if self.trace.rings_failed.swap(false, Ordering::Relaxed) {
+            // Nobody reads the rings any more: root drains them again and
+            // renders on COM2.
+            self.rings_reader.store(false, Ordering::Relaxed);
+            self.channel_rings.store(false, Ordering::Relaxed);
+            self.bulk.store(false, Ordering::Relaxed);
+            let back = self.forward(Request::TraceChannel {
+                channel: TraceChannel::Control,
+            });
+            self.note(&format!(
+                "the trace stream goes back to the control channel: {back:?}"
+            ));
+        }
         if let Some(index) = self.host_index() {
             {
                 let mut render = self.trace.render_lock();
@@ -750,7 +767,16 @@ impl Supervisor {
     /// records on the log port or the ring, rendered by root on COM2.
     fn trace_channel(&self, channel: TraceChannel) -> Response {
         let stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        if channel == TraceChannel::SharedRings && !self.rings_reader.load(Ordering::Relaxed) {
+            return Response::error(
+                ErrorKind::Unsupported,
+                "this VM's record rings are not read here (QEMU with KVM only)",
+            );
+        }
         self.stop_host_reads();
+        // Whatever root answers (or if no answer comes), it drains the
+        // rings itself unless it says where they are below.
+        self.channel_rings.store(false, Ordering::Relaxed);
         let response = self.forward(Request::TraceChannel { channel });
         if response != Response::Ok
             && !matches!(
@@ -996,7 +1022,7 @@ impl Supervisor {
     /// back to the log port.
     fn use_ring(
         &self,
-        path: &std::path::Path,
+        file: &std::fs::File,
         machine: crate::vm::shm::MachineType,
         ram: u64,
         watch: VmWatch,
@@ -1013,7 +1039,7 @@ impl Supervisor {
                 records,
                 stamp_at,
             }) => match self.read_rings(
-                path,
+                file,
                 machine,
                 ram,
                 frames,
@@ -1039,13 +1065,8 @@ impl Supervisor {
             .filter(|&at| at.checked_add(len).is_some_and(|end| end <= ram))
             .ok_or_else(|| format!("the ring at {gpa:#x} is not in the RAM file"))
             .and_then(|at| {
-                let file = std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(path)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-                let map = crate::sys::SharedMap::map(&file, ram as usize)
-                    .map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+                let map = crate::sys::SharedMap::map(file, ram as usize)
+                    .map_err(|e| format!("cannot map the guest's RAM file: {e}"))?;
                 map.ring(at as usize, len as usize, false)
                     .map_err(|e| format!("no ring at {at:#x}: {e:?}"))?;
                 Ok((map, at as usize))
@@ -1116,7 +1137,7 @@ impl Supervisor {
     #[allow(clippy::too_many_arguments)]
     fn read_rings(
         &self,
-        path: &std::path::Path,
+        file: &std::fs::File,
         machine: crate::vm::shm::MachineType,
         ram: u64,
         frames: protocol::RingAt,
@@ -1124,13 +1145,8 @@ impl Supervisor {
         stamp_at: u32,
         watch: VmWatch,
     ) -> Result<(), String> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        let map = crate::sys::SharedMap::map(&file, ram as usize)
-            .map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+        let map = crate::sys::SharedMap::map(file, ram as usize)
+            .map_err(|e| format!("cannot map the guest's RAM file: {e}"))?;
         let place = |r: &protocol::RingAt| -> Result<(usize, usize), String> {
             let at = crate::vm::shm::file_offset(machine, ram, r.gpa)
                 .filter(|&at| at.checked_add(r.len).is_some_and(|end| end <= ram))
@@ -1162,32 +1178,50 @@ impl Supervisor {
                 return;
             };
             let mut poll = crate::vm::shm::RingsPoll::new(frames, rings, stamp_at as usize);
-            let mut held_since: Option<Instant> = None;
+            // The modules' copy records wait for, and since when.
+            let mut held: Option<(u32, Instant)> = None;
             let mut rung = 0;
             let mut on = |ev: Event| trace.on_event(ev, &note);
+            let failed = |why: String| {
+                note(&format!("{why}; the rings are no longer read"));
+                *trace.host_reads_lock() = false;
+                trace.rings_failed.store(true, Ordering::Relaxed);
+            };
             loop {
                 let ended = watch.ended().is_some();
-                let mark = match poll.frames(&mut on) {
-                    Ok(mark) => mark,
-                    Err(e) => {
-                        note(&format!("{e:#}"));
-                        return;
-                    }
-                };
                 // Records naming a module's code wait for its symbols
                 // (for a while: a copy that never ends holds nothing).
-                let coming = trace.symbols.get().is_some_and(|s| s.modules_coming());
-                if !coming {
-                    held_since = None;
-                }
-                let hold = coming
-                    && *held_since.get_or_insert_with(Instant::now) + MODULES_HOLD > Instant::now();
+                let coming = trace.symbols.get().and_then(|s| s.modules_coming());
+                let hold = match (coming, held) {
+                    (None, _) => {
+                        held = None;
+                        false
+                    }
+                    (Some(id), Some((was, since))) if id == was => {
+                        since + MODULES_HOLD > Instant::now()
+                    }
+                    (Some(id), _) => {
+                        held = Some((id, Instant::now()));
+                        true
+                    }
+                };
+                // The consumer's lock is held from the marks to the last
+                // record taken: records are taken only against marks
+                // taken while this process was the consumer.
                 let mut consume = trace.host_reads_lock();
-                if *consume && !hold {
+                let consuming = *consume && !hold;
+                let mark = match poll.frames(consuming, &mut on) {
+                    Ok(mark) => mark,
+                    Err(e) => {
+                        drop(consume);
+                        return failed(format!("{e:#}"));
+                    }
+                };
+                if consuming {
                     if let Err(e) = poll.records(&mark, &mut on) {
-                        note(&format!("{e:#}; no more records are read"));
                         *consume = false;
-                        return;
+                        drop(consume);
+                        return failed(format!("{e:#}"));
                     }
                 }
                 drop(consume);
@@ -1261,9 +1295,9 @@ pub(crate) fn run_vm(
     sup.set_phase(Phase::Booting);
     state("booting");
     vm.wait_ready()?;
-    let ring = vm
-        .ram_file()
-        .is_some_and(|(path, machine, ram)| sup.use_ring(&path, machine, ram, vm.watch()));
+    let ram = vm.ram_file();
+    let ring =
+        ram.is_some_and(|(file, machine, ram)| sup.use_ring(&file, machine, ram, vm.watch()));
     if !ring && vm.reads_log_port() {
         sup.use_log_port(vm.watch());
     }

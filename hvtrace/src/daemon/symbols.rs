@@ -253,14 +253,15 @@ impl HostSymbols {
         }
     }
 
-    /// Whether a copy of the modules' index is on its way (its first
-    /// piece came, its last not yet).
-    pub fn modules_coming(&self) -> bool {
+    /// The export id of the copy of the modules' index on its way (its
+    /// first piece came, its last not yet), if one is.
+    pub fn modules_coming(&self) -> Option<u32> {
         self.modules
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .coming
-            .is_some()
+            .as_ref()
+            .map(|(id, _, _)| *id)
     }
 
     /// The modules' index, the last whole copy.

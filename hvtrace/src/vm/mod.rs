@@ -198,6 +198,12 @@ impl StopReport {
 pub struct Vm {
     cfg: RunConfig,
     dir: PathBuf,
+    /// The file behind the guest's RAM (QEMU with the hypervisor), until
+    /// it is claimed ([`Vm::ram_file`] opens it and takes it out of the
+    /// file system: a crash then leaves no guest RAM behind).
+    ram_path: Option<PathBuf>,
+    /// The RAM file, open, once claimed.
+    ram: Option<std::fs::File>,
     child: Child,
     status: Option<ExitStatus>,
     shared: Arc<Shared>,
@@ -274,12 +280,22 @@ impl Vm {
             .endpoint()
             .and_then(|serial| Ok((serial, control_listener.endpoint()?)))
             .context("cannot read the listeners' addresses")?;
-        let mut command = match prepare(&cfg, &dir, &endpoints.0, &endpoints.1) {
+        let ram_path = match cfg.emulator {
+            Emulator::Qemu { .. } if cfg.hypervisor.is_some() => {
+                Some(qemu::place_ram(&dir, u64::from(cfg.memory_mib) << 20)?)
+            }
+            _ => None,
+        };
+        let mut command = match prepare(&cfg, &dir, &endpoints.0, &endpoints.1, ram_path.as_deref())
+        {
             Ok(command) => command,
             Err(e) => {
                 // Nothing ran yet: the messages say all there is to know.
                 if cfg.run_dir.is_none() {
                     let _ = std::fs::remove_dir_all(&dir);
+                }
+                if let Some(ram) = &ram_path {
+                    qemu::remove_ram(&dir, ram);
                 }
                 return Err(e);
             }
@@ -333,6 +349,9 @@ impl Vm {
                 if cfg.run_dir.is_none() {
                     let _ = std::fs::remove_dir_all(&dir);
                 }
+                if let Some(ram) = &ram_path {
+                    qemu::remove_ram(&dir, ram);
+                }
                 bail!("cannot start {}: {e}", cfg.emulator);
             }
         };
@@ -357,6 +376,8 @@ impl Vm {
         let mut vm = Vm {
             cfg,
             dir: dir.clone(),
+            ram_path,
+            ram: None,
             child,
             status: None,
             shared,
@@ -857,15 +878,32 @@ impl Vm {
     /// Where the hypervisor's trace ring can be read, when guest RAM is a
     /// shared file: QEMU with KVM and the hypervisor (the file, the
     /// machine type, the RAM's bytes).
-    pub fn ram_file(&self) -> Option<(PathBuf, shm::MachineType, u64)> {
-        match self.cfg.emulator {
-            Emulator::Qemu { kvm: true } if self.cfg.hypervisor.is_some() => Some((
-                qemu::ram_file(&self.dir),
-                qemu::MACHINE,
-                u64::from(self.cfg.memory_mib) << 20,
-            )),
-            _ => None,
+    ///
+    /// The first call opens the file and removes it (and its directory)
+    /// from the file system: QEMU keeps its mapping and this process the
+    /// open file, and nothing of the guest's RAM outlives them.
+    pub fn ram_file(&mut self) -> Option<(std::fs::File, shm::MachineType, u64)> {
+        if !matches!(self.cfg.emulator, Emulator::Qemu { kvm: true }) {
+            return None;
         }
+        if self.ram.is_none() {
+            let path = self.ram_path.take()?;
+            let opened = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path);
+            qemu::remove_ram(&self.dir, &path);
+            match opened {
+                Ok(f) => self.ram = Some(f),
+                Err(e) => {
+                    self.shared
+                        .note(&format!("the guest's RAM file {}: {e}", path.display()));
+                    return None;
+                }
+            }
+        }
+        let file = self.ram.as_ref()?.try_clone().ok()?;
+        Some((file, qemu::MACHINE, u64::from(self.cfg.memory_mib) << 20))
     }
 
     /// A handle that tells, from any thread, whether the VM has ended.
@@ -1055,7 +1093,9 @@ impl Drop for Vm {
         self.kill();
         // The guest's RAM (QEMU with the hypervisor) is not a log: it goes
         // even from a run directory that is kept.
-        qemu::remove_ram(&self.dir);
+        if let Some(ram) = self.ram_path.take() {
+            qemu::remove_ram(&self.dir, &ram);
+        }
         if self.finished && !self.cfg.keep_dir {
             let _ = std::fs::remove_dir_all(&self.dir);
         } else {
@@ -1168,6 +1208,7 @@ fn prepare(
     dir: &Path,
     serial: &Endpoint,
     control: &Endpoint,
+    ram: Option<&Path>,
 ) -> Result<std::process::Command> {
     match cfg.emulator {
         Emulator::Bochs => {
@@ -1204,7 +1245,7 @@ fn prepare(
                 qemu::Ports {
                     serial,
                     control,
-                    ram: &qemu::ram_file(dir),
+                    ram: ram.unwrap_or(Path::new(qemu::RAM_FILE)),
                 },
             )
         }

@@ -22,7 +22,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 
 use crate::vm::channel::Endpoint;
 use crate::vm::config::RunConfig;
@@ -64,61 +64,46 @@ pub struct Ports<'a> {
 /// hypervisor).
 pub const RAM_FILE: &str = "guest-ram";
 
-/// Where the file that backs the guest's RAM goes for the run in
-/// `run_dir`: in a directory of its own under `/dev/shm` when that is a
-/// tmpfs (guest RAM then never meets disk writeback; the directory is
-/// 0700 and named after the run directory), else in the run directory.
-/// `HVTRACE_RAM_DIR` names another parent for that directory.
-pub fn ram_file(run_dir: &Path) -> std::path::PathBuf {
+/// Bytes a tmpfs must have free beyond the guest's RAM to take its file.
+const RAM_MARGIN: u64 = 64 << 20;
+
+/// Where the file that backs the guest's RAM (`bytes` of it) goes for the
+/// run in `run_dir`, as an absolute path: in a new directory of its own
+/// (0700, a name nobody had) under `/dev/shm` when that is a tmpfs with
+/// room for it and a margin (guest RAM then never meets disk writeback),
+/// else in the run directory. `HVTRACE_RAM_DIR` names another parent.
+pub fn place_ram(run_dir: &Path, bytes: u64) -> Result<std::path::PathBuf> {
     let parent = match std::env::var_os("HVTRACE_RAM_DIR") {
         Some(p) => Some(std::path::PathBuf::from(p)),
         None => Some(std::path::PathBuf::from("/dev/shm")).filter(|p| crate::sys::is_tmpfs(p)),
     };
-    ram_file_in(run_dir, parent)
-}
-
-/// [`ram_file`] with its parent directory chosen (`None`: the run
-/// directory).
-fn ram_file_in(run_dir: &Path, parent: Option<std::path::PathBuf>) -> std::path::PathBuf {
-    match (parent, run_dir.file_name()) {
-        (Some(parent), Some(name)) => {
-            let mut own = std::ffi::OsString::from("hvtrace-ram-");
-            own.push(name);
-            parent.join(own).join(RAM_FILE)
-        }
-        _ => run_dir.join(RAM_FILE),
-    }
-}
-
-/// Makes the RAM file's own directory (see [`ram_file`]) when it is not
-/// the run directory: owner-only, and refused when something else is
-/// there already.
-pub fn make_ram_dir(run_dir: &Path, ram: &Path) -> Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-    let Some(dir) = ram.parent().filter(|d| *d != run_dir) else {
-        return Ok(());
+    let room = |p: &Path| {
+        crate::sys::free_bytes(p).is_some_and(|free| free >= bytes.saturating_add(RAM_MARGIN))
     };
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            let meta = std::fs::symlink_metadata(dir)?;
-            if !meta.is_dir() || meta.uid() != crate::sys::euid() || meta.mode() & 0o077 != 0 {
-                anyhow::bail!(
-                    "{} exists and is not a private directory of this user: the guest's RAM does not go there",
-                    dir.display()
-                );
-            }
-            Ok(())
-        }
-        Err(e) => Err(anyhow::anyhow!("cannot make {}: {e}", dir.display())),
-    }
+    let file = match parent.filter(|p| room(p)) {
+        Some(parent) => crate::sys::make_temp_dir(&parent, "hvtrace-ram-")
+            .with_context(|| {
+                format!(
+                    "cannot make a directory for the guest's RAM in {}",
+                    parent.display()
+                )
+            })?
+            .join(RAM_FILE),
+        None => run_dir.join(RAM_FILE),
+    };
+    std::path::absolute(&file).with_context(|| format!("{}", file.display()))
 }
 
-/// Removes the RAM file and its own directory (see [`ram_file`]).
-pub fn remove_ram(run_dir: &Path) {
-    let ram = ram_file(run_dir);
-    let _ = std::fs::remove_file(&ram);
-    if let Some(dir) = ram.parent().filter(|d| *d != run_dir) {
+/// Removes the RAM file at `ram` and, when it is not the run directory
+/// `run_dir`, the directory [`place_ram`] made for it.
+pub fn remove_ram(run_dir: &Path, ram: &Path) {
+    let _ = std::fs::remove_file(ram);
+    let own = ram.parent().filter(|d| {
+        std::path::absolute(run_dir).is_ok_and(|r| r != *d)
+            && d.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("hvtrace-ram-"))
+    });
+    if let Some(dir) = own {
         let _ = std::fs::remove_dir(dir);
     }
 }
@@ -223,9 +208,6 @@ pub fn prepare(
     ports: Ports,
 ) -> Result<Command> {
     host::require_program(PROGRAM, "qemu-system-x86")?;
-    if hypervisor.is_some() {
-        make_ram_dir(dir, ports.ram)?;
-    }
     let mut cmd = Command::new(PROGRAM);
     cmd.args(args(cfg, kvm, hypervisor, ports)).current_dir(dir);
     Ok(cmd)
@@ -240,29 +222,37 @@ mod tests {
         let base = std::env::temp_dir().join(format!("hvtrace-ramtest-{}", std::process::id()));
         let run = base.join("run.abc");
         std::fs::create_dir_all(&run).unwrap();
-        // No tmpfs: the run directory.
-        assert_eq!(ram_file_in(&run, None), run.join(RAM_FILE));
-        make_ram_dir(&run, &run.join(RAM_FILE)).unwrap();
-        // A tmpfs (or HVTRACE_RAM_DIR): a 0700 directory named after the run.
-        let ram = ram_file_in(&run, Some(base.clone()));
-        assert_eq!(ram, base.join("hvtrace-ram-run.abc").join(RAM_FILE));
-        make_ram_dir(&run, &ram).unwrap();
-        let mode = std::os::unix::fs::PermissionsExt::mode(
-            &std::fs::metadata(ram.parent().unwrap())
+        // A parent with room: a fresh 0700 directory each time, never the
+        // same for two runs (even of the same run directory's name).
+        let mib = 1 << 20;
+        let dir_of = |p: &Path| p.parent().unwrap().to_path_buf();
+        let in_tmp = |bytes| {
+            // What place_ram makes under a parent with room.
+            let file = crate::sys::make_temp_dir(&base, "hvtrace-ram-")
                 .unwrap()
-                .permissions(),
+                .join(RAM_FILE);
+            assert!(crate::sys::free_bytes(&base).unwrap() >= bytes);
+            file
+        };
+        let (a, b) = (in_tmp(mib), in_tmp(mib));
+        assert_ne!(dir_of(&a), dir_of(&b));
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(dir_of(&a)).unwrap().permissions(),
         );
         assert_eq!(mode & 0o777, 0o700);
-        // Made again (a second start in the same run): still ours.
-        make_ram_dir(&run, &ram).unwrap();
-        // Somebody else's directory, or one others can enter, is refused.
-        std::fs::set_permissions(
-            ram.parent().unwrap(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o755),
-        )
-        .unwrap();
-        let e = make_ram_dir(&run, &ram).unwrap_err().to_string();
-        assert!(e.contains("not a private directory"), "{e}");
+        // No parent with room (none this large exists): the run directory,
+        // as an absolute path.
+        let huge = u64::MAX / 2;
+        let placed = place_ram(&run, huge).unwrap();
+        assert_eq!(placed, std::path::absolute(run.join(RAM_FILE)).unwrap());
+        // Removing takes the file, and its own directory but never the run
+        // directory.
+        std::fs::write(&a, b"x").unwrap();
+        remove_ram(&run, &a);
+        assert!(!dir_of(&a).exists());
+        std::fs::write(run.join(RAM_FILE), b"x").unwrap();
+        remove_ram(&run, &placed);
+        assert!(!placed.exists() && run.exists());
         // A comma in the path is escaped for QEMU's option parser.
         let cfg = RunConfig::new("k", "i");
         let (serial, control) = (Endpoint::Tcp(5), Endpoint::Tcp(6));

@@ -101,18 +101,29 @@ impl<R: Borrow<Ring>> RingsPoll<R> {
     }
 
     /// Takes the record rings' marks, then every frame: the events the
-    /// stream carries go to `out` (root's idle events are kept for
-    /// [`Self::records`]), frames the ring dropped as `Lost`. Returns the
-    /// marks.
-    pub fn frames(&mut self, out: &mut dyn FnMut(Event)) -> Result<Vec<u64>> {
+    /// stream carries go to `out`, frames the ring dropped as `Lost`; root's
+    /// idle events are kept for [`Self::records`] when the host takes the
+    /// records (`consuming`), and go to `out` at once when root drains the
+    /// rings itself. Returns the marks.
+    pub fn frames(&mut self, consuming: bool, out: &mut dyn FnMut(Event)) -> Result<Vec<u64>> {
         let mark = self.reader.mark();
         let decoder = &mut self.decoder;
         let idle = &mut self.idle;
+        if !consuming {
+            // Held over from when the host took the records.
+            if let Some(now_ns) = idle.take() {
+                out(Event::TraceRecords {
+                    lost: 0,
+                    now_ns,
+                    data: Vec::new(),
+                });
+            }
+        }
         drain(self.frames.borrow(), &mut self.buf, |record| {
             for frame in decoder.feed(record).flatten() {
                 match frame.body {
                     protocol::Body::Event(Event::TraceRecords { now_ns, data, .. })
-                        if data.is_empty() =>
+                        if data.is_empty() && consuming =>
                     {
                         *idle = Some(now_ns);
                     }
@@ -148,8 +159,9 @@ impl<R: Borrow<Ring>> RingsPoll<R> {
     }
 
     /// Takes the records written before `mark` into `out` as
-    /// `TraceRecords` events, then, the rings being empty, root's last
-    /// clock as an empty one. Returns how many records.
+    /// `TraceRecords` events, then root's last clock as an empty one once
+    /// nothing older is left in the rings ([`RingsReader::caught_up`]).
+    /// Returns how many records.
     pub fn records(&mut self, mark: &[u64], out: &mut dyn FnMut(Event)) -> Result<usize> {
         let mut events = Vec::new();
         let taken = self.reader.take(mark, &mut events);
@@ -157,7 +169,7 @@ impl<R: Borrow<Ring>> RingsPoll<R> {
             out(ev);
         }
         let n = taken.map_err(|e| anyhow::anyhow!("the record rings: {e:?}"))?;
-        if let Some(now_ns) = self.idle.filter(|_| self.reader.is_empty()) {
+        if let Some(now_ns) = self.idle.filter(|&t| self.reader.caught_up(t)) {
             self.idle = None;
             out(Event::TraceRecords {
                 lost: 0,
@@ -464,7 +476,7 @@ mod tests {
         let mut status = None;
         loop {
             let mark = poll
-                .frames(&mut |ev| panic!("unexpected frame {ev:?}"))
+                .frames(true, &mut |ev| panic!("unexpected frame {ev:?}"))
                 .unwrap();
             let mut stamps = Vec::new();
             let mut events = Vec::new();
@@ -507,7 +519,7 @@ mod tests {
                 }
                 if status.is_some() && poll.reader_is_empty() {
                     // One more look at the frames, for the last idle event.
-                    let mark = poll.frames(&mut |ev| panic!("{ev:?}")).unwrap();
+                    let mark = poll.frames(true, &mut |ev| panic!("{ev:?}")).unwrap();
                     poll.records(&mark, &mut |ev| {
                         if let Event::TraceRecords { now_ns, .. } = ev {
                             idles.push(now_ns)

@@ -151,6 +151,9 @@ pub struct Control {
     bulk: Option<Bulk>,
     /// The shared ring's place once made (it is made once, and kept).
     ring_at: Option<(u64, u64)>,
+    /// A `TraceContext` frame could not be written (see
+    /// [`Self::take_context_dropped`]).
+    context_dropped: bool,
     /// The symbol export under way, if any.
     export: Option<SymbolExport>,
     /// Id of the last export started.
@@ -176,6 +179,7 @@ impl Control {
             recovering: false,
             bulk: None,
             ring_at: None,
+            context_dropped: false,
             export: None,
             export_id: 0,
             exporting: false,
@@ -285,18 +289,23 @@ impl Control {
     /// hands it back, so that its buffers can serve again.
     fn bulk_write(&mut self, event: Event) -> Option<Event> {
         let b = self.bulk.as_mut()?;
+        let context = matches!(event, Event::TraceContext(_));
         let frame = Frame::event(b.seq, event);
         b.wire.clear();
         if protocol::encode(&frame, &mut b.wire).is_err() {
             self.stats.dropped += 1;
+            self.context_dropped |= context;
         } else {
             b.seq = b.seq.wrapping_add(1);
             match &b.path {
                 BulkPath::Port => crate::logger::write_frame(&b.wire),
                 // A full ring drops the frame and counts it in its header,
-                // where the host reads it.
+                // where the host reads it; a dropped context goes again
+                // whole ([`Self::take_context_dropped`]).
                 BulkPath::Ring(r) => {
-                    r.push(&b.wire);
+                    if !r.push(&b.wire) {
+                        self.context_dropped |= context;
+                    }
                 }
             }
             b.turn_bytes += b.wire.len();
@@ -307,6 +316,13 @@ impl Control {
             protocol::Body::Event(e) => Some(e),
             _ => None,
         }
+    }
+
+    /// Whether a piece of the stream's context was dropped since the last
+    /// call (the shared ring was full): the stream then sends the whole
+    /// context again.
+    pub fn take_context_dropped(&mut self) -> bool {
+        core::mem::take(&mut self.context_dropped)
     }
 
     fn send(&mut self, frame: &Frame) {
@@ -653,6 +669,17 @@ impl Control {
         });
     }
 
+    /// A module was loaded: a copy of the modules' symbols still on its
+    /// way is dropped (it was taken before the load) and a new one starts
+    /// at once, its first piece in this call, so that the host, which
+    /// reads the records itself, holds them until the new copy is whole.
+    pub fn module_loaded(&mut self, kernel: Option<&dyn KernelView>) {
+        if self.sending_modules() {
+            self.export = None;
+        }
+        self.export_turn(kernel);
+    }
+
     /// A copy of the modules' symbols is on its way: the stream's records
     /// wait for it.
     pub fn sending_modules(&self) -> bool {
@@ -774,8 +801,8 @@ impl Control {
                 }
             }
             TraceChannel::SharedRing => {
-                let (gpa, len) = match self.ring_at {
-                    Some(at) => at,
+                let (gpa, len, fresh) = match self.ring_at {
+                    Some((gpa, len)) => (gpa, len, false),
                     None => {
                         let Some(hpa) = crate::frames::alloc_region(RING_BYTES) else {
                             return Response::error(
@@ -783,15 +810,25 @@ impl Control {
                                 "no hypervisor memory for the trace ring",
                             );
                         };
-                        (hpa.0, RING_BYTES)
+                        (hpa.0, RING_BYTES, true)
                     }
                 };
                 // SAFETY: the region is ours alone (the frame pool never
                 // hands it out again), identity-mapped in root, outside the
-                // guest's e820 and absent from EPT; 4 KiB aligned.
-                let ring = unsafe { protocol::ring::Ring::format(gpa as *mut u8, len as usize) };
+                // guest's e820 and absent from EPT; 4 KiB aligned. Asked
+                // again, the ring the host may be reading goes on as it is
+                // (formatting it again would move its positions under the
+                // reader); the host writes only its consumer's position,
+                // which the ring checks before it trusts it.
+                let ring = unsafe {
+                    if fresh {
+                        protocol::ring::Ring::format(gpa as *mut u8, len as usize)
+                    } else {
+                        protocol::ring::Ring::attach(gpa as *mut u8, len as usize).ok()
+                    }
+                };
                 let Some(ring) = ring else {
-                    return Response::error(ErrorKind::Internal, "the trace ring is too small");
+                    return Response::error(ErrorKind::Internal, "the trace ring cannot be used");
                 };
                 self.ring_at = Some((gpa, len));
                 if self.bulk_to(BulkPath::Ring(ring)) {

@@ -657,7 +657,7 @@ impl Vcpu<'_> {
         if tracer!(self).host_reads() {
             let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
             if let Some(c) = self.vm.control.as_mut() {
-                c.export_turn(kernel);
+                c.module_loaded(kernel);
             }
         }
         log::info!(
@@ -724,6 +724,9 @@ impl Vcpu<'_> {
                 while let Some(ev) = tracer!(self).next_text(c.tx_room(), kernel, now) {
                     c.send_event(ev);
                 }
+            }
+            if c.take_context_dropped() {
+                tracer!(self).resend_context();
             }
             if tracer!(self).doorbell(now) {
                 c.send_event(protocol::Event::TraceDoorbell);

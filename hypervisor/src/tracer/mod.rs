@@ -279,6 +279,12 @@ impl<'a> Tracer<'a> {
         self.vm.stream.set_host_reads(on);
     }
 
+    /// Sends the whole rendering context again (a piece of it was
+    /// dropped on its way).
+    pub fn resend_context(&mut self) {
+        self.vm.stream.resend_context();
+    }
+
     /// Whether the host takes the records out of the rings (not root).
     pub fn host_reads(&self) -> bool {
         self.vm.stream.host_reads()

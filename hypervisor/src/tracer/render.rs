@@ -429,6 +429,17 @@ impl<R: Borrow<Ring>> RingsReader<R> {
         self.rings.iter().map(|r| r.borrow().lost()).sum()
     }
 
+    /// Whether nothing older than root's time `now_ns` is left in any ring
+    /// (each is empty, or its oldest record is stamped at `now_ns` or
+    /// later): the clock may then age what the renderer holds back, as
+    /// root's own idle event does when its rings are empty.
+    pub fn caught_up(&self, now_ns: u64) -> bool {
+        self.rings.iter().all(|r| {
+            let r = r.borrow();
+            r.is_empty() || r.peek_u64(self.stamp_at).is_some_and(|ts| ts >= now_ns)
+        })
+    }
+
     /// Takes the records written before `mark`, oldest first across the
     /// rings, as `TraceRecords` events appended to `out` (the first
     /// carries the losses since the last call); returns how many records.
@@ -460,8 +471,20 @@ impl<R: Borrow<Ring>> RingsReader<R> {
             }
             let Some((i, _)) = best else { break };
             let Some(r) = self.rings.get(i) else { break };
-            if !r.borrow().pop(&mut self.record)? {
-                break;
+            match r.borrow().pop(&mut self.record) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    // What was taken before goes out all the same.
+                    if !data.is_empty() {
+                        out.push(Event::TraceRecords {
+                            lost,
+                            now_ns: 0,
+                            data,
+                        });
+                    }
+                    return Err(e);
+                }
             }
             n += 1;
             if !data.is_empty() && data.len() + 4 + self.record.len() > READER_EVENT_BYTES {

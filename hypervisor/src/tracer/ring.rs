@@ -25,10 +25,6 @@ pub struct EventRing {
     ring: Ring,
 }
 
-// SAFETY: `ring` points into `mem`'s heap buffer, which moves with the
-// value and is freed only when it is dropped (with the ring).
-unsafe impl Send for EventRing {}
-
 impl EventRing {
     /// A ring of at least [`RING_MIN`] data bytes: the largest power of
     /// two not above `capacity`.

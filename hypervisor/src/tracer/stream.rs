@@ -77,6 +77,9 @@ pub(super) struct Stream {
     host_reads: bool,
     /// When the doorbell last rang.
     last_doorbell_ns: u64,
+    /// The doorbell rang for the ring's fill, and no ring has gone below
+    /// half the mark since: it does not ring again until one has.
+    doorbell_rung: bool,
     /// Records-and-text mode: root's own rendering of the records sent,
     /// as `TraceText` events waiting to go.
     texts: alloc::collections::VecDeque<protocol::Event>,
@@ -105,6 +108,7 @@ impl Stream {
             last_idle_ns: 0,
             host_reads: false,
             last_doorbell_ns: 0,
+            doorbell_rung: false,
             texts: alloc::collections::VecDeque::new(),
         }
     }
@@ -113,6 +117,12 @@ impl Stream {
     /// host reads them: records mode with [`Self::set_host_reads`]).
     fn root_drains(&self) -> bool {
         !(self.host_reads && self.format == Some(TraceFormat::Records))
+    }
+
+    /// See [`super::Tracer::resend_context`].
+    pub(super) fn resend_context(&mut self) {
+        self.context_sent = None;
+        self.context.clear();
     }
 
     /// See [`super::Tracer::host_reads`].
@@ -133,13 +143,22 @@ impl Stream {
 
     /// See [`super::Tracer::doorbell`].
     pub(super) fn doorbell(&mut self, now_ns: u64) -> bool {
-        if self.root_drains()
-            || self.format.is_none()
+        if self.root_drains() || self.format.is_none() {
+            return false;
+        }
+        // Once per filling: a ring that stays full (nobody reads) does not
+        // keep ringing.
+        let fill = self.rings.fullest();
+        if fill < DOORBELL_FILL / 2 {
+            self.doorbell_rung = false;
+        }
+        if self.doorbell_rung
+            || fill < DOORBELL_FILL
             || now_ns.saturating_sub(self.last_doorbell_ns) < DOORBELL_EVERY_NS
-            || self.rings.fullest() < DOORBELL_FILL
         {
             return false;
         }
+        self.doorbell_rung = true;
         self.last_doorbell_ns = now_ns;
         true
     }
@@ -259,6 +278,10 @@ impl Stream {
         if self.context_sent != Some(print) {
             self.context_sent = Some(print);
             self.context = context_events(probes, graph);
+            if self.context.is_empty() {
+                // No room to build it: tried again next time.
+                self.context_sent = None;
+            }
             // A stopped session's held entries print at the next idle
             // event: make one due.
             self.sent_since_idle = true;

@@ -2113,15 +2113,25 @@ fn a_filling_ring_rings_the_doorbell_when_the_host_reads() {
     g.tracer().set_host_reads(true);
     assert!(g.tracer().doorbell(now));
     assert!(!g.tracer().doorbell(now + 1_000_000), "too soon");
-    assert!(g.tracer().doorbell(now + 6_000_000));
-    // Emptied by the host: quiet.
-    for (at, len) in g.tracer().record_rings().0 {
-        // SAFETY: the tracer's own ring, read as the host reads it.
-        let r = unsafe { protocol::ring::Ring::attach(at as *mut u8, len as usize) }.unwrap();
-        r.discard();
-    }
+    assert!(
+        !g.tracer().doorbell(now + 6_000_000),
+        "once per filling: a ring nobody empties does not keep ringing"
+    );
+    // Emptied by the host: quiet, and ready to ring again.
+    let empty = |g: &mut Guest| {
+        for (at, len) in g.tracer().record_rings().0 {
+            // SAFETY: the tracer's own ring, read as the host reads it.
+            let r = unsafe { protocol::ring::Ring::attach(at as *mut u8, len as usize) }.unwrap();
+            r.discard();
+        }
+    };
+    empty(&mut g);
     assert!(!g.tracer().doorbell(now + 20_000_000));
+    fill(&mut g);
+    assert!(g.tracer().doorbell(now + 21_000_000), "filling again");
     // Nor without a stream.
+    empty(&mut g);
+    assert!(!g.tracer().doorbell(now + 30_000_000));
     fill(&mut g);
     g.tracer().set_stream(None);
     assert!(!g.tracer().doorbell(now + 40_000_000));
@@ -2246,4 +2256,40 @@ fn the_host_renderer_takes_split_records_and_refuses_misplaced_chunks() {
     // Garbage: a length past the end.
     renderer.records(0, 0, &[0xff, 0xff, 0, 0, 1], &syms, &mut Vec::new());
     assert_eq!(renderer.stats.bad_chunks, before + 2);
+}
+
+/// The host's reader passes root's clock on once nothing older is left in
+/// the rings: under steady traffic the rings are seldom empty, and held
+/// entries must still age.
+#[test]
+fn the_host_reader_passes_roots_clock_once_nothing_older_is_left() {
+    use super::render::RingsReader;
+    use super::ring::Rings;
+    let rec = |ts: u64| {
+        let mut v = 0u64.to_le_bytes().to_vec();
+        v.extend_from_slice(&ts.to_le_bytes());
+        v
+    };
+    let mut rings = Rings::new(2, protocol::ring::RING_MIN, 8);
+    rings.of(0).push(&rec(10));
+    rings.of(1).push(&rec(30));
+    let attached = rings
+        .regions()
+        .iter()
+        .map(|&(at, len)| {
+            // SAFETY: the rings' own memory, alive for the test.
+            unsafe { protocol::ring::Ring::attach(at as *mut u8, len as usize) }.unwrap()
+        })
+        .collect();
+    let mut reader = RingsReader::new(attached, 8);
+    assert!(!reader.caught_up(20), "a record from before 20 is waiting");
+    assert!(reader.caught_up(10));
+    let mark = reader.mark();
+    let mut out = Vec::new();
+    assert_eq!(reader.take(&mark, &mut out).unwrap(), 2);
+    assert!(reader.caught_up(20) && reader.is_empty());
+    // Newer records do not hold the clock back.
+    rings.of(1).push(&rec(25));
+    assert!(reader.caught_up(20) && !reader.is_empty());
+    assert!(!reader.caught_up(26));
 }
