@@ -274,6 +274,10 @@ pub struct TraceArgs {
     /// function tracer (repeatable).
     #[arg(long = "function", value_name = "GLOB")]
     pub functions: Vec<String>,
+    /// Take the function tracer off every function first (as writing
+    /// `nop` to ftrace's current_tracer), before any --function.
+    #[arg(long)]
+    pub clear_functions: bool,
 }
 
 /// The function-graph filter's options: one definition, flattened into

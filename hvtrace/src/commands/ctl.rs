@@ -266,12 +266,25 @@ pub fn add_functions(control: &mut dyn Control, glob: &str) -> Result<String> {
     }
 }
 
-/// `hvtrace trace`: adds the --function globs, then copies the trace to
+/// Takes the function tracer off every function it is on; returns the
+/// one-line summary.
+pub fn clear_functions(control: &mut dyn Control) -> Result<String> {
+    match control.request(Request::FunctionClear, PROBE_TIMEOUT)? {
+        Response::Ok => Ok("function tracer off".to_string()),
+        other => Err(response_error(other)),
+    }
+}
+
+/// `hvtrace trace`: clears the function tracer (--clear-functions), adds
+/// the --function globs, then copies the trace to
 /// stdout: until a read stays empty, or with --follow until interrupted or
 /// the VM ends. A Ctrl-C ends the copy at once (exit code 130); what was
 /// read is out already.
 pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
     let mut client = open(socket)?;
+    if args.clear_functions {
+        eprintln!("hvtrace: {}", clear_functions(&mut client)?);
+    }
     for glob in &args.functions {
         let summary = add_functions(&mut client, glob)?;
         eprintln!("hvtrace: {summary}");
@@ -498,6 +511,18 @@ mod tests {
             add_functions(&mut c, "vfs_*").unwrap(),
             "function tracer on vfs_*: 3 traced"
         );
+        let mut c = Canned {
+            answers: [
+                Ok(Response::Ok),
+                Ok(Response::error(ErrorKind::NotReady, "the VM is starting")),
+            ]
+            .into(),
+            seen: Vec::new(),
+        };
+        assert_eq!(clear_functions(&mut c).unwrap(), "function tracer off");
+        let e = clear_functions(&mut c).unwrap_err().to_string();
+        assert!(e.contains("the VM is starting"), "{e}");
+        assert_eq!(c.seen, [Request::FunctionClear, Request::FunctionClear]);
     }
 
     #[test]
