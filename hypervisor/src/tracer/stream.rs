@@ -32,9 +32,6 @@ const TX_HEADROOM: usize = 8 * 1024;
 /// Record bytes (chunk headers included) per `TraceRecords` event, so that
 /// a frame stays under `MAX_FRAME`.
 const RECORDS_BUDGET: usize = 3000;
-/// How often (hypervisor time) an idle stream of records says so while a
-/// graph session runs, so that the host ages the entries it holds back.
-const IDLE_EVERY_NS: u64 = LEAF_HOLD_NS / 2;
 
 /// A ring this full (in 1/256ths of its size) rings the host's doorbell
 /// when the host reads the rings.
@@ -247,7 +244,7 @@ impl Stream {
     /// Records mode: the next context event, `TraceRecords` of the
     /// oldest records (a record that does not fit goes on in the next
     /// one), or, the rings being empty, one that says so (after records
-    /// went out, and every [`IDLE_EVERY_NS`] while a graph session runs).
+    /// went out, and on every turn while a graph session runs).
     ///
     /// With `text` (records-and-text mode), root also renders each record
     /// it sends, as it renders trace_pipe text, into `TraceText` events
@@ -292,14 +289,13 @@ impl Stream {
         if !self.root_drains() {
             // Root's clock, for the host to age what it holds back once it
             // finds the rings empty (after records were written, after a
-            // context change, and every IDLE_EVERY_NS; one a turn at most);
+            // context change, and while a graph session runs; one a turn
+            // at most);
             // the losses are in the rings' headers.
             if !self.rings.is_empty() {
                 self.sent_since_idle = true;
             }
-            let due = now_ns > self.last_idle_ns
-                && (self.sent_since_idle
-                    || now_ns.saturating_sub(self.last_idle_ns) >= IDLE_EVERY_NS);
+            let due = now_ns > self.last_idle_ns && (self.sent_since_idle || graph.running() > 0);
             if !due {
                 return None;
             }
@@ -379,9 +375,11 @@ impl Stream {
         }
         let lost = self.rings.lost() - self.lost_reported;
         if data.is_empty() && lost == 0 {
-            let due = self.sent_since_idle
-                || (graph.running() > 0
-                    && now_ns.saturating_sub(self.last_idle_ns) >= IDLE_EVERY_NS);
+            // Every turn that finds the rings empty while a graph session
+            // runs, as root's own text mode ages its held entries on every
+            // such turn: the host ages them at the same turns, with the
+            // same clock.
+            let due = self.sent_since_idle || (graph.running() > 0 && now_ns > self.last_idle_ns);
             if !due {
                 return None;
             }

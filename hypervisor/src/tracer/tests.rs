@@ -2293,3 +2293,65 @@ fn the_host_reader_passes_roots_clock_once_nothing_older_is_left() {
     assert!(reader.caught_up(20) && !reader.is_empty());
     assert!(!reader.caught_up(26));
 }
+
+/// A held entry ages at the same turn on the host as in root: root's text
+/// mode prints an entry held longer than the hold open on the first turn
+/// that finds the rings empty after it; records mode says every such turn
+/// to the host while a session runs, so a return that comes after that
+/// turn closes an open entry on both sides, never a leaf on one.
+#[test]
+fn a_held_entry_ages_at_the_same_turn_on_the_host() {
+    use super::render::RecordRenderer;
+    use crate::kprobe::IndexSymbols;
+    let ms = 1_000_000;
+    let scenario = |g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(&mut Guest)| {
+        g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
+            .unwrap();
+        g.tracer().set_stream(Some(format));
+        g.now_ns = 5 * ms;
+        g.hit(FUNC, RETP, CALLER_RET, 8);
+        // Empty turns every 20 ms: root prints the entry open at 120 ms
+        // (held 115 ms); the return comes at 125 ms.
+        for t in 1..=6 {
+            g.now_ns = t * 20 * ms;
+            drain(g);
+        }
+        g.now_ns = 125 * ms;
+        g.ret(RETP, 3);
+        g.now_ns = 140 * ms;
+        drain(g);
+    };
+    let mut g = Guest::new();
+    let mut root_text = String::new();
+    scenario(&mut g, TraceFormat::Text, &mut |g| {
+        root_text.push_str(&g.text())
+    });
+    assert!(root_text.contains("my_func() {"), "{root_text}");
+    assert!(root_text.contains('}'), "{root_text}");
+
+    let mut g = Guest::new();
+    let mut renderer = RecordRenderer::new(TraceFormat::Text);
+    let mut host_text = String::new();
+    scenario(&mut g, TraceFormat::Records, &mut |g| {
+        let now = g.now_ns;
+        while let Some(ev) =
+            Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), now)
+        {
+            let syms = IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
+            let mut out = Vec::new();
+            match ev {
+                Event::TraceContext(c) => renderer.context(&c),
+                Event::TraceRecords { lost, now_ns, data } => {
+                    renderer.records(lost, now_ns, &data, &syms, &mut out)
+                }
+                other => panic!("unexpected event {other:?}"),
+            }
+            for e in out {
+                if let Event::TraceText { text, .. } = e {
+                    host_text.push_str(&text);
+                }
+            }
+        }
+    });
+    assert_eq!(host_text, root_text);
+}
