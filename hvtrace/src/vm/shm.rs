@@ -219,6 +219,56 @@ mod tests {
         r
     }
 
+    /// A file of `len` bytes in a directory of its own, for a test's
+    /// shared ring(s): the directory, and the file open.
+    fn shared_file(name: &str, len: usize) -> (std::path::PathBuf, std::fs::File) {
+        let dir = std::env::temp_dir().join(format!("hvtrace-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join("ram"))
+            .unwrap();
+        file.set_len(len as u64).unwrap();
+        (dir, file)
+    }
+
+    /// This test binary again, running test `test` alone as the writer
+    /// (told the file through `env`), its output piped.
+    fn spawn_writer(test: &str, env: &str, dir: &std::path::Path) -> std::process::Child {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(env, dir.join("ram"))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// The writer's closing line (`TAG ... N dropped`), after it ended
+    /// well: the line and N.
+    fn writer_dropped(
+        child: &mut std::process::Child,
+        status: Option<std::process::ExitStatus>,
+        tag: &str,
+    ) -> (String, u64) {
+        assert!(status.unwrap().success());
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut text).unwrap();
+        let line = text
+            .lines()
+            .find_map(|l| l.find(tag).map(|at| l[at..].to_string()))
+            .unwrap_or_else(|| panic!("no writer line in {text}"));
+        let dropped = line
+            .split_whitespace()
+            .rev()
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .unwrap();
+        (line, dropped)
+    }
+
     const WRITER_ENV: &str = "HVTRACE_TEST_RING_WRITER";
     const RECORDS: u64 = 200_000;
     const RING_LEN: usize = 64 + 64 * 1024;
@@ -251,30 +301,14 @@ mod tests {
             writer(&path);
             return;
         }
-        let dir = std::env::temp_dir().join(format!("hvtrace-ring-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("ram");
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
-        file.set_len(RING_LEN as u64).unwrap();
+        let (dir, file) = shared_file("ring", RING_LEN);
         let map = SharedMap::map(&file, RING_LEN).unwrap();
         let ring = map.ring(0, RING_LEN, true).unwrap();
-        let child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "vm::shm::tests::a_writer_and_a_reader_in_two_processes_share_the_ring",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(WRITER_ENV, &path)
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let child = spawn_writer(
+            "vm::shm::tests::a_writer_and_a_reader_in_two_processes_share_the_ring",
+            WRITER_ENV,
+            &dir,
+        );
         let mut got = 0u64;
         let mut last: Option<u64> = None;
         let mut buf = Vec::new();
@@ -310,19 +344,7 @@ mod tests {
                 "the writer stalled"
             );
         }
-        assert!(status.unwrap().success());
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut text).unwrap();
-        let line = text
-            .lines()
-            .find_map(|l| l.find("ring writer:").map(|at| &l[at..]))
-            .unwrap_or_else(|| panic!("no writer line in {text}"));
-        let dropped: u64 = line
-            .split_whitespace()
-            .rev()
-            .nth(1)
-            .and_then(|n| n.parse().ok())
-            .unwrap();
+        let (line, dropped) = writer_dropped(&mut child, status, "ring writer:");
         println!(
             "ring: {got} records read whole and in order, {dropped} lost (slow reader first), in {:.2} s",
             start.elapsed().as_secs_f64()
@@ -437,35 +459,19 @@ mod tests {
             rings_writer(&path);
             return;
         }
-        let dir = std::env::temp_dir().join(format!("hvtrace-rings-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("ram");
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
         let (frames_at, records_at, total) = rings_layout();
-        file.set_len(total as u64).unwrap();
+        let (dir, file) = shared_file("rings", total);
         let map = SharedMap::map(&file, total).unwrap();
         let frames = map.ring(frames_at, FRAMES_LEN, true).unwrap();
         let rings: Vec<_> = records_at
             .iter()
             .map(|&at| map.ring(at, RECORD_RING_LEN, true).unwrap())
             .collect();
-        let child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "vm::shm::tests::the_host_reads_every_vcpus_ring_from_another_process",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(RINGS_ENV, &path)
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let child = spawn_writer(
+            "vm::shm::tests::the_host_reads_every_vcpus_ring_from_another_process",
+            RINGS_ENV,
+            &dir,
+        );
         let mut child = child;
         let mut poll = RingsPoll::new(frames, rings, STAMP_AT);
         let mut next = [0u64; VCPUS];
@@ -537,19 +543,7 @@ mod tests {
                 "the writer stalled"
             );
         }
-        assert!(status.unwrap().success());
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut text).unwrap();
-        let line = text
-            .lines()
-            .find_map(|l| l.find("rings writer:").map(|at| &l[at..]))
-            .unwrap_or_else(|| panic!("no writer line in {text}"));
-        let dropped: u64 = line
-            .split_whitespace()
-            .rev()
-            .nth(1)
-            .and_then(|n| n.parse().ok())
-            .unwrap();
+        let (line, dropped) = writer_dropped(&mut child, status, "rings writer:");
         let read: u64 = got.iter().sum();
         println!(
             "rings: {read} records read from {VCPUS} rings, {dropped} lost (slow reader first), {takes_merged} merged takes, {} idle events, in {:.2} s",

@@ -1944,7 +1944,6 @@ fn rendering_scenario(g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(
 #[test]
 fn the_host_renders_root_records_as_root_renders_them() {
     use super::render::RecordRenderer;
-    use crate::kprobe::IndexSymbols;
     for format in [TraceFormat::Text, TraceFormat::Json] {
         let mut g = Guest::new();
         let mut root_text = String::new();
@@ -1955,27 +1954,7 @@ fn the_host_renders_root_records_as_root_renders_them() {
         let mut host_text = String::new();
         let mut events = 0;
         rendering_scenario(&mut g, TraceFormat::Records, &mut |g| {
-            let now = g.now_ns;
-            loop {
-                let ev =
-                    Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), now);
-                let Some(ev) = ev else { break };
-                events += 1;
-                let syms = IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
-                let mut out = Vec::new();
-                match ev {
-                    Event::TraceContext(c) => renderer.context(&c),
-                    Event::TraceRecords { lost, now_ns, data } => {
-                        renderer.records(lost, now_ns, &data, &syms, &mut out)
-                    }
-                    other => panic!("unexpected event {other:?}"),
-                }
-                for e in out {
-                    if let Event::TraceText { text, .. } = e {
-                        host_text.push_str(&text);
-                    }
-                }
-            }
+            events += render_on_the_host(g, &mut renderer, &mut host_text);
         });
         assert!(root_text.lines().count() >= 8, "{root_text}");
         let probe_line = match format {
@@ -2302,7 +2281,6 @@ fn the_host_reader_passes_roots_clock_once_nothing_older_is_left() {
 #[test]
 fn a_held_entry_ages_at_the_same_turn_on_the_host() {
     use super::render::RecordRenderer;
-    use crate::kprobe::IndexSymbols;
     let ms = 1_000_000;
     let scenario = |g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(&mut Guest)| {
         g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
@@ -2333,25 +2311,38 @@ fn a_held_entry_ages_at_the_same_turn_on_the_host() {
     let mut renderer = RecordRenderer::new(TraceFormat::Text);
     let mut host_text = String::new();
     scenario(&mut g, TraceFormat::Records, &mut |g| {
-        let now = g.now_ns;
-        while let Some(ev) =
-            Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), now)
-        {
-            let syms = IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
-            let mut out = Vec::new();
-            match ev {
-                Event::TraceContext(c) => renderer.context(&c),
-                Event::TraceRecords { lost, now_ns, data } => {
-                    renderer.records(lost, now_ns, &data, &syms, &mut out)
-                }
-                other => panic!("unexpected event {other:?}"),
-            }
-            for e in out {
-                if let Event::TraceText { text, .. } = e {
-                    host_text.push_str(&text);
-                }
-            }
-        }
+        render_on_the_host(g, &mut renderer, &mut host_text);
     });
     assert_eq!(host_text, root_text);
+}
+
+/// Takes every event root's stream has now (records mode) and renders it
+/// with the host's renderer into `text`; returns how many events.
+fn render_on_the_host(
+    g: &mut Guest,
+    renderer: &mut super::render::RecordRenderer,
+    text: &mut String,
+) -> usize {
+    let now = g.now_ns;
+    let mut events = 0;
+    while let Some(ev) =
+        Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), now)
+    {
+        events += 1;
+        let syms = crate::kprobe::IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
+        let mut out = Vec::new();
+        match ev {
+            Event::TraceContext(c) => renderer.context(&c),
+            Event::TraceRecords { lost, now_ns, data } => {
+                renderer.records(lost, now_ns, &data, &syms, &mut out)
+            }
+            other => panic!("unexpected event {other:?}"),
+        }
+        for e in out {
+            if let Event::TraceText { text: t, .. } = e {
+                text.push_str(&t);
+            }
+        }
+    }
+    events
 }
