@@ -47,6 +47,7 @@ h trace >"$work/trace.1"
 h trace --function vfs_statx --function do_faccessat >"$work/trace.2"
 h exec 'for i in 1 2 3 4 5 6 7 8 9 10; do stat / /proc >/dev/null; test -r /etc/hostname; done' >/dev/null
 h trace >"$work/trace.3"
+h trace --clear-functions >/dev/null
 # A function_graph session on vfs_read over dd.
 h graph --function vfs_read --comm dd --max-depth 4 --follow --output "$work/graph.txt" \
     2>"$work/graph.err" &
