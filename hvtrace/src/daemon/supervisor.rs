@@ -1424,6 +1424,11 @@ mod tests {
 
     impl FakeHv {
         fn new() -> FakeHv {
+            FakeHv::answering(|_| None)
+        }
+
+        /// A fake hypervisor whose answers come from `answer` first.
+        fn answering(answer: impl Fn(&Request) -> Option<Response> + Send + 'static) -> FakeHv {
             let (ours, theirs) = UnixStream::pair().unwrap();
             let sup = Supervisor::new();
             sup.attach(ours.try_clone().unwrap(), ours, Duration::from_secs(5));
@@ -1437,10 +1442,10 @@ mod tests {
                     let Body::Request(request) = frame.body else {
                         continue;
                     };
-                    let answer = match &request {
+                    let answer = answer(&request).unwrap_or(match &request {
                         Request::TraceStart { .. } | Request::TraceStop => Response::Ok,
                         _ => Response::Pong { nonce: 0 },
-                    };
+                    });
                     seen.lock().unwrap().push(request);
                     if w.lock()
                         .unwrap()
@@ -1790,5 +1795,248 @@ mod tests {
                 "the VM has ended (guest stopped: power off)"
             )
         );
+    }
+
+    /// Under QEMU's shared RAM file: the supervisor reads root's frame ring
+    /// and every vCPU's record ring, renders two vCPUs' records merged by
+    /// time with the symbols root sent on the frame ring, and gives the
+    /// rings back to root at a channel change (no record is taken after
+    /// it); a client's `SharedRings` is passed on only while this process
+    /// reads the rings.
+    #[test]
+    fn the_supervisor_reads_the_vcpus_rings_and_gives_them_back() {
+        use crate::sys::SharedMap;
+        use hypervisor::kprobe::{EventHeader, RawEvent};
+        use protocol::{RenderContext, RingAt, SymbolsPart};
+        const RAM: usize = 2 << 20;
+        const LEN: u64 = 64 + 64 * 1024;
+        let (frames_at, ring_at) = (0x1000u64, [0x40000u64, 0x80000]);
+        let dir = std::env::temp_dir().join(format!("hvtrace-suprings-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join("ram"))
+            .unwrap();
+        file.set_len(RAM as u64).unwrap();
+        // Root's side: the rings formatted where it says they are.
+        let root = Arc::new(SharedMap::map(&file, RAM).unwrap());
+        root.ring(frames_at as usize, LEN as usize, true).unwrap();
+        for at in ring_at {
+            root.ring(at as usize, LEN as usize, true).unwrap();
+        }
+        let (idx, packed) = crate::daemon::symbols::tests::packed();
+        let frame_seq = Arc::new(AtomicU32::new(0));
+        // Root writes frames on its frame ring, as its turns do.
+        let put_frame = {
+            let (root, seq) = (root.clone(), frame_seq.clone());
+            move |event: Event| {
+                let frames = root.ring(frames_at as usize, LEN as usize, false).unwrap();
+                let mut wire = Vec::new();
+                let n = seq.fetch_add(1, Ordering::Relaxed);
+                encode(&Frame::event(n, event), &mut wire).unwrap();
+                assert!(frames.push(&wire));
+            }
+        };
+        let symbols = idx.len() as u32;
+        let func = idx
+            .iter()
+            .find(|s| s.kind.letter().eq_ignore_ascii_case(&'t'))
+            .unwrap();
+        let (func_at, name) = (func.addr.0, idx.name(func.id).to_string());
+        let answer = {
+            let put_frame = put_frame.clone();
+            let packed = packed.clone();
+            move |r: &Request| match r {
+                Request::TraceChannel {
+                    channel: TraceChannel::SharedRings,
+                } => Some(Response::TraceRings {
+                    frames: RingAt {
+                        gpa: frames_at,
+                        len: LEN,
+                    },
+                    records: ring_at
+                        .iter()
+                        .map(|&gpa| RingAt { gpa, len: LEN })
+                        .collect(),
+                    stamp_at: hypervisor::kprobe::TIMESTAMP_AT as u32,
+                }),
+                Request::TraceChannel {
+                    channel: TraceChannel::SharedRing,
+                } => Some(Response::TraceRing {
+                    gpa: frames_at,
+                    len: LEN,
+                }),
+                Request::TraceChannel { .. } => Some(Response::Ok),
+                // Root sends the context in the turn that starts the
+                // stream, before any record can need it.
+                Request::TraceStart {
+                    format: TraceFormat::Records,
+                } => {
+                    put_frame(Event::TraceContext(RenderContext::Begin));
+                    put_frame(Event::TraceContext(RenderContext::Probe {
+                        id: 1,
+                        spec: format!("p:kprobes/hit {name}"),
+                    }));
+                    put_frame(Event::TraceContext(RenderContext::End));
+                    Some(Response::Ok)
+                }
+                Request::SymbolsExport => {
+                    for (k, piece) in packed.chunks(3000).enumerate() {
+                        put_frame(Event::SymbolChunk {
+                            id: 1,
+                            part: SymbolsPart::Kernel,
+                            total: packed.len() as u64,
+                            offset: (k * 3000) as u64,
+                            data: piece.to_vec(),
+                        });
+                    }
+                    put_frame(Event::SymbolChunk {
+                        id: 2,
+                        part: SymbolsPart::Modules,
+                        total: 0,
+                        offset: 0,
+                        data: Vec::new(),
+                    });
+                    Some(Response::SymbolsExport {
+                        id: 1,
+                        bytes: packed.len() as u64,
+                        symbols,
+                    })
+                }
+                _ => None,
+            }
+        };
+        let hv = FakeHv::answering(answer);
+        let _ = hv.sup.trace.symbols.set(Arc::new(HostSymbols::new(None)));
+        assert!(hv.sup.use_ring(
+            &file,
+            crate::vm::shm::MachineType::Pc,
+            RAM as u64,
+            VmWatch::detached()
+        ));
+        // Records of two vCPUs, out of time order between the rings,
+        // written before the stream starts: nobody takes them yet.
+        let record = |cpu: u32, pid: i32, ts: u64| {
+            let mut comm = [0u8; 16];
+            comm[..4].copy_from_slice(b"task");
+            RawEvent {
+                header: EventHeader {
+                    probe_id: 1,
+                    cpu,
+                    pid,
+                    timestamp_ns: ts,
+                    ip: func_at,
+                    ret_ip: 0,
+                    comm,
+                },
+                values: Vec::new(),
+            }
+            .encode()
+        };
+        let rings: Vec<_> = ring_at
+            .iter()
+            .map(|&at| root.ring(at as usize, LEN as usize, false).unwrap())
+            .collect();
+        for (cpu, pid, ts) in [
+            (1, 11, 2_000),
+            (1, 12, 4_000),
+            (0, 13, 3_000),
+            (0, 14, 1_000),
+        ] {
+            assert!(rings[cpu as usize].push(&record(cpu, pid, ts)));
+        }
+        std::thread::sleep(RING_POLL * 3);
+        assert!(
+            rings.iter().all(|r| !r.is_empty()),
+            "not taken before the stream"
+        );
+        assert_eq!(
+            hv.sup
+                .serve(Request::TraceStart {
+                    format: TraceFormat::Text
+                })
+                .response,
+            Response::Ok
+        );
+        assert!(
+            *hv.sup.trace.host_reads_lock(),
+            "the host takes the records"
+        );
+        let mut text = String::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while text.lines().count() < 4 && Instant::now() < deadline {
+            let chunk = hv.sup.trace.wait_read(
+                0,
+                TraceFormat::Text,
+                None,
+                Duration::from_millis(200),
+                &|| false,
+            );
+            text = chunk.text;
+        }
+        let pids: Vec<&str> = text
+            .lines()
+            .map(|l| l.split_whitespace().next().unwrap_or(""))
+            .collect();
+        // Ring 1 holds 2,000 and 4,000, ring 0 3,000 then 1,000: one take
+        // merges by time what each ring holds in its own order.
+        assert_eq!(pids, ["task-11", "task-13", "task-14", "task-12"], "{text}");
+        assert_eq!(text.matches("hit: (").count(), 4, "{text}");
+        assert_eq!(text.matches("+0x0/").count(), 4, "{text}");
+        assert!(rings.iter().all(|r| r.is_empty()), "the host took them");
+        // A channel change gives the rings back: records stay for root
+        // (which drains them into the frame ring with `SharedRing`).
+        assert!(matches!(
+            hv.sup
+                .serve(Request::TraceChannel {
+                    channel: TraceChannel::SharedRing
+                })
+                .response,
+            Response::TraceRing { .. }
+        ));
+        assert!(!*hv.sup.trace.host_reads_lock());
+        assert!(rings[0].push(&record(0, 15, 5_000)));
+        std::thread::sleep(RING_POLL * 5);
+        assert!(!rings[0].is_empty(), "no record taken once root drains");
+        // SharedRings again: passed on, and the host reads again.
+        assert!(matches!(
+            hv.sup
+                .serve(Request::TraceChannel {
+                    channel: TraceChannel::SharedRings
+                })
+                .response,
+            Response::TraceRings { .. }
+        ));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !rings[0].is_empty() && Instant::now() < deadline {
+            std::thread::sleep(RING_POLL);
+        }
+        assert!(rings[0].is_empty(), "the host reads the rings again");
+        assert!(hv.requests.lock().unwrap().contains(&Request::TraceStart {
+            format: TraceFormat::Records
+        }));
+        // A supervisor that reads no rings does not pass SharedRings on.
+        let plain = FakeHv::new();
+        let r = plain
+            .sup
+            .serve(Request::TraceChannel {
+                channel: TraceChannel::SharedRings,
+            })
+            .response;
+        assert!(
+            matches!(
+                r,
+                Response::Error {
+                    kind: ErrorKind::Unsupported,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert!(plain.requests.lock().unwrap().is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

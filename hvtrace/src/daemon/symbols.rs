@@ -401,7 +401,7 @@ pub fn listing(index: &SymbolIndex, modules: Option<&ModuleIndex>) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use guest_introspect::kallsyms::{locate, LocateStats};
     use guest_introspect::view::SegmentView;
@@ -410,7 +410,8 @@ mod tests {
     use test_support::Rng;
 
     /// A small real-format index and its packed bytes.
-    fn packed() -> (SymbolIndex, Vec<u8>) {
+    /// A symbol index of 700 random symbols, and its export.
+    pub(crate) fn packed() -> (SymbolIndex, Vec<u8>) {
         let mut rng = Rng(test_support::seed());
         let rb = 0xffff_ffff_8100_0000;
         let syms = random_syms(&mut rng, 700, false, rb);

@@ -1167,6 +1167,21 @@ pub struct VmWatch {
 }
 
 impl VmWatch {
+    /// A watch over no emulator, which never ends (host tests).
+    #[cfg(test)]
+    pub fn detached() -> VmWatch {
+        VmWatch {
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner::default()),
+                cv: Condvar::new(),
+                echo: AtomicU8::new(Echo::Off as u8),
+                progress: false,
+                start: Instant::now(),
+                bulk: Mutex::new(BulkTap::default()),
+            }),
+        }
+    }
+
     /// What the log port carried as trace frames so far.
     pub fn trace_port_stats(&self) -> BulkStats {
         self.shared
