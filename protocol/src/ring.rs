@@ -74,18 +74,10 @@ impl Ring {
     ///
     /// # Safety
     /// `base` is valid for reads and writes of `len` bytes, aligned to 8,
-    /// for as long as the ring is used, and nothing else writes there.
+    /// for as long as the ring is used, and nothing else writes there but
+    /// the consumer (its position), whose writes the ring checks.
     pub unsafe fn format(base: *mut u8, len: usize) -> Option<Ring> {
-        let room = len.checked_sub(RING_HEADER)?;
-        if room < RING_MIN {
-            return None;
-        }
-        // The largest power of two not above `room` (which is non-zero).
-        let size = 1usize.wrapping_shl(
-            usize::BITS
-                .wrapping_sub(1)
-                .wrapping_sub(room.leading_zeros()),
-        );
+        let size = Self::size_for(len)?;
         let r = Ring { base, size };
         r.word(SIZE_AT).store(size as u64, Ordering::Relaxed);
         r.word(HEAD_AT).store(0, Ordering::Relaxed);
@@ -94,6 +86,35 @@ impl Ring {
         r.word(RECORDS_AT).store(0, Ordering::Relaxed);
         r.word(MAGIC_AT).store(RING_MAGIC, Ordering::Release);
         Some(r)
+    }
+
+    /// The data size [`Self::format`] gives `len` bytes.
+    fn size_for(len: usize) -> Option<usize> {
+        let room = len.checked_sub(RING_HEADER)?;
+        if room < RING_MIN {
+            return None;
+        }
+        // The largest power of two not above `room` (which is non-zero).
+        Some(
+            1usize.wrapping_shl(
+                usize::BITS
+                    .wrapping_sub(1)
+                    .wrapping_sub(room.leading_zeros()),
+            ),
+        )
+    }
+
+    /// The producer's ring at `base` again, as [`Self::format`] made it
+    /// from the same `len`, without reading its header (whose size word
+    /// the consumer could have changed): the positions go on as they are.
+    ///
+    /// # Safety
+    /// As for [`Self::format`], and `format(base, len)` was called before.
+    pub unsafe fn resume(base: *mut u8, len: usize) -> Option<Ring> {
+        Some(Ring {
+            base,
+            size: Self::size_for(len)?,
+        })
     }
 
     /// The ring at `base`, as its producer formatted it.

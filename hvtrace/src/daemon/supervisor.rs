@@ -159,9 +159,7 @@ struct TraceShared {
     /// ring reader woken.
     doorbell: Mutex<u64>,
     doorbell_cv: Condvar,
-    /// The ring reader stopped on an error: the next stream moves the
-    /// trace channel back to COM2.
-    rings_failed: AtomicBool,
+
     /// The recording `HVTRACE_RECORD_STREAM` names, when it is set and
     /// could be opened: streams rendered here are then started as records
     /// and root's text ([`crate::daemon::recording`]).
@@ -189,7 +187,6 @@ impl TraceShared {
             host_reads: Mutex::new(false),
             doorbell: Mutex::new(0),
             doorbell_cv: Condvar::new(),
-            rings_failed: AtomicBool::new(false),
             recording: None,
             root_text_recorded: AtomicBool::new(false),
         }
@@ -398,6 +395,8 @@ impl TraceShared {
 const RING_POLL: Duration = Duration::from_millis(10);
 /// How long records wait for a copy of the modules' symbols at most.
 const MODULES_HOLD: Duration = Duration::from_secs(2);
+/// How long records wait in a row at most (copies after copies).
+const HOLD_IN_A_ROW: Duration = Duration::from_secs(10);
 
 /// The state the client threads share.
 pub(crate) struct Supervisor {
@@ -425,6 +424,9 @@ pub(crate) struct Supervisor {
     rendering_noted: AtomicBool,
     /// A reader of root's record rings runs ([`Supervisor::use_ring`]).
     rings_reader: AtomicBool,
+    /// A reader of root's frame ring runs (the record rings' reader, or
+    /// the frame ring's alone).
+    frame_reader: AtomicBool,
     /// The channel is `SharedRings`: the host reads the record rings once
     /// the stream is in records.
     channel_rings: AtomicBool,
@@ -450,6 +452,7 @@ impl Supervisor {
             bulk: AtomicBool::new(false),
             rendering_noted: AtomicBool::new(false),
             rings_reader: AtomicBool::new(false),
+            frame_reader: AtomicBool::new(false),
             channel_rings: AtomicBool::new(false),
         }
     }
@@ -630,6 +633,29 @@ impl Supervisor {
     /// here once the host has root's symbols (the stream's path being the
     /// log port or the ring), else rendered by root. A switch of format
     /// keeps the records stream and its context.
+    /// The ring reader stopped on a ring it cannot trust: root drains the
+    /// rings again and renders the stream on COM2 (restarted at once).
+    fn give_up_rings(&self) {
+        let stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        self.stop_host_reads();
+        self.rings_reader.store(false, Ordering::Relaxed);
+        self.frame_reader.store(false, Ordering::Relaxed);
+        self.channel_rings.store(false, Ordering::Relaxed);
+        self.bulk.store(false, Ordering::Relaxed);
+        let back = self.forward(Request::TraceChannel {
+            channel: TraceChannel::Control,
+        });
+        self.note(&format!(
+            "the trace stream goes back to the control channel: {back:?}"
+        ));
+        if let Some(format) = *stream {
+            let restarted = self.start_stream(format);
+            if restarted != Response::Ok {
+                self.note(&format!("the stream did not start again: {restarted:?}"));
+            }
+        }
+    }
+
     /// Stops the ring reader taking records (it finishes the take under
     /// way first): before any request after which root drains the rings.
     fn stop_host_reads(&self) {
@@ -638,19 +664,6 @@ impl Supervisor {
 
     fn start_stream(&self, format: TraceFormat) -> Response {
         self.stop_host_reads();
-        if self.trace.rings_failed.swap(false, Ordering::Relaxed) {
-            // Nobody reads the rings any more: root drains them again and
-            // renders on COM2.
-            self.rings_reader.store(false, Ordering::Relaxed);
-            self.channel_rings.store(false, Ordering::Relaxed);
-            self.bulk.store(false, Ordering::Relaxed);
-            let back = self.forward(Request::TraceChannel {
-                channel: TraceChannel::Control,
-            });
-            self.note(&format!(
-                "the trace stream goes back to the control channel: {back:?}"
-            ));
-        }
         if let Some(index) = self.host_index() {
             {
                 let mut render = self.trace.render_lock();
@@ -767,10 +780,17 @@ impl Supervisor {
     /// records on the log port or the ring, rendered by root on COM2.
     fn trace_channel(&self, channel: TraceChannel) -> Response {
         let stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        if channel == TraceChannel::SharedRings && !self.rings_reader.load(Ordering::Relaxed) {
+        // Nothing goes where nobody reads it.
+        let unread = match channel {
+            TraceChannel::SharedRings => !self.rings_reader.load(Ordering::Relaxed),
+            TraceChannel::SharedRing => !self.frame_reader.load(Ordering::Relaxed),
+            TraceChannel::LogPort => self.trace_port.get().is_none(),
+            _ => false,
+        };
+        if unread {
             return Response::error(
                 ErrorKind::Unsupported,
-                "this VM's record rings are not read here (QEMU with KVM only)",
+                "nothing reads that trace channel here (the shared rings: QEMU with KVM; the log port: a VM this supervisor launched)",
             );
         }
         self.stop_host_reads();
@@ -1021,7 +1041,7 @@ impl Supervisor {
     /// starts the thread that drains it. On any failure the caller falls
     /// back to the log port.
     fn use_ring(
-        &self,
+        self: &Arc<Self>,
         file: &std::fs::File,
         machine: crate::vm::shm::MachineType,
         ram: u64,
@@ -1081,6 +1101,7 @@ impl Supervisor {
         let trace = self.trace.clone();
         let start = self.start;
         self.bulk.store(true, Ordering::Relaxed);
+        self.frame_reader.store(true, Ordering::Relaxed);
         std::thread::spawn(move || {
             let Ok(ring) = map.ring(at, len as usize, false) else {
                 return;
@@ -1136,7 +1157,7 @@ impl Supervisor {
     /// modules' symbols is on its way) the records up to the marks.
     #[allow(clippy::too_many_arguments)]
     fn read_rings(
-        &self,
+        self: &Arc<Self>,
         file: &std::fs::File,
         machine: crate::vm::shm::MachineType,
         ram: u64,
@@ -1166,6 +1187,8 @@ impl Supervisor {
         self.rings_reader.store(true, Ordering::Relaxed);
         self.channel_rings.store(true, Ordering::Relaxed);
         let n = records_at.len();
+        let sup = Arc::downgrade(self);
+        self.frame_reader.store(true, Ordering::Relaxed);
         std::thread::spawn(move || {
             let note = |m: &str| note_at(start, m);
             let ring = |(at, len): (usize, usize)| map.ring(at, len, false);
@@ -1178,46 +1201,57 @@ impl Supervisor {
                 return;
             };
             let mut poll = crate::vm::shm::RingsPoll::new(frames, rings, stamp_at as usize);
-            // The modules' copy records wait for, and since when.
-            let mut held: Option<(u32, Instant)> = None;
             let mut rung = 0;
             let mut on = |ev: Event| trace.on_event(ev, &note);
             let failed = |why: String| {
                 note(&format!("{why}; the rings are no longer read"));
                 *trace.host_reads_lock() = false;
-                trace.rings_failed.store(true, Ordering::Relaxed);
+                if let Some(sup) = sup.upgrade() {
+                    sup.give_up_rings();
+                }
             };
+            // The copy of the modules' symbols records wait for, and since
+            // when; and since when they have waited without a break.
+            let mut held: Option<(u32, Instant)> = None;
+            let mut holding_since: Option<Instant> = None;
             loop {
                 let ended = watch.ended().is_some();
-                // Records naming a module's code wait for its symbols
-                // (for a while: a copy that never ends holds nothing).
-                let coming = trace.symbols.get().and_then(|s| s.modules_coming());
-                let hold = match (coming, held) {
-                    (None, _) => {
-                        held = None;
-                        false
-                    }
-                    (Some(id), Some((was, since))) if id == was => {
-                        since + MODULES_HOLD > Instant::now()
-                    }
-                    (Some(id), _) => {
-                        held = Some((id, Instant::now()));
-                        true
-                    }
-                };
                 // The consumer's lock is held from the marks to the last
                 // record taken: records are taken only against marks
                 // taken while this process was the consumer.
                 let mut consume = trace.host_reads_lock();
-                let consuming = *consume && !hold;
-                let mark = match poll.frames(consuming, &mut on) {
+                let host = *consume;
+                let mark = match poll.frames(host, &mut on) {
                     Ok(mark) => mark,
                     Err(e) => {
                         drop(consume);
                         return failed(format!("{e:#}"));
                     }
                 };
-                if consuming {
+                // Records naming a module's code wait for its symbols,
+                // whose first piece came before them on the frame ring (2 s
+                // a copy, 10 s in a row at most: a copy that never ends, or
+                // a guest loading modules without pause, holds nothing for
+                // good); and for a whole context after frames were lost.
+                let coming = trace.symbols.get().and_then(|s| s.modules_coming());
+                let now = Instant::now();
+                let module_hold = match (coming, held) {
+                    (None, _) => {
+                        held = None;
+                        false
+                    }
+                    (Some(id), Some((was, since))) if id == was => since + MODULES_HOLD > now,
+                    (Some(id), _) => {
+                        held = Some((id, now));
+                        true
+                    }
+                };
+                let hold = (module_hold || poll.waiting_for_context())
+                    && *holding_since.get_or_insert(now) + HOLD_IN_A_ROW > now;
+                if !(module_hold || poll.waiting_for_context()) {
+                    holding_since = None;
+                }
+                if host && !hold {
                     if let Err(e) = poll.records(&mark, &mut on) {
                         *consume = false;
                         drop(consume);
@@ -1416,7 +1450,7 @@ mod tests {
     /// answers `TraceStart` with `Ok` and everything else with `Pong`, and
     /// records the requests. The writer sends it events.
     struct FakeHv {
-        sup: Supervisor,
+        sup: Arc<Supervisor>,
         writer: Arc<Mutex<FrameWriter<UnixStream>>>,
         requests: Arc<Mutex<Vec<Request>>>,
         event_seq: u32,
@@ -1430,7 +1464,7 @@ mod tests {
         /// A fake hypervisor whose answers come from `answer` first.
         fn answering(answer: impl Fn(&Request) -> Option<Response> + Send + 'static) -> FakeHv {
             let (ours, theirs) = UnixStream::pair().unwrap();
-            let sup = Supervisor::new();
+            let sup = Arc::new(Supervisor::new());
             sup.attach(ours.try_clone().unwrap(), ours, Duration::from_secs(5));
             sup.set_phase(Phase::Ready);
             let writer = Arc::new(Mutex::new(FrameWriter::new(theirs.try_clone().unwrap())));
@@ -1987,6 +2021,29 @@ mod tests {
         assert_eq!(text.matches("hit: (").count(), 4, "{text}");
         assert_eq!(text.matches("+0x0/").count(), 4, "{text}");
         assert!(rings.iter().all(|r| r.is_empty()), "the host took them");
+        // A module's load: the first piece of the new modules' copy comes
+        // on the frame ring before its code's records, which wait for the
+        // copy to be whole.
+        let copy = crate::daemon::symbols::tests::modules(&["m1", "m2"])
+            .pack()
+            .unwrap();
+        let piece = |offset: usize, data: &[u8]| Event::SymbolChunk {
+            id: 3,
+            part: SymbolsPart::Modules,
+            total: copy.len() as u64,
+            offset: offset as u64,
+            data: data.to_vec(),
+        };
+        put_frame(piece(0, &copy[..8]));
+        assert!(rings[1].push(&record(1, 16, 4_500)));
+        std::thread::sleep(RING_POLL * 5);
+        assert!(!rings[1].is_empty(), "held while the modules' copy comes");
+        put_frame(piece(8, &copy[8..]));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !rings[1].is_empty() && Instant::now() < deadline {
+            std::thread::sleep(RING_POLL);
+        }
+        assert!(rings[1].is_empty(), "taken once the copy is whole");
         // A channel change gives the rings back: records stay for root
         // (which drains them into the frame ring with `SharedRing`).
         assert!(matches!(

@@ -505,7 +505,8 @@ pub(crate) mod tests {
         assert!(h.wait(Duration::ZERO).is_ok());
     }
 
-    fn modules(names: &[&str]) -> ModuleIndex {
+    /// A module index of modules named `names`.
+    pub(crate) fn modules(names: &[&str]) -> ModuleIndex {
         use guest_introspect::module::{Module, ModuleStates, ModuleSymbol};
         use guest_introspect::{Gva, GvaRange};
         let states = ModuleStates {

@@ -282,7 +282,15 @@ impl Vm {
             .context("cannot read the listeners' addresses")?;
         let ram_path = match cfg.emulator {
             Emulator::Qemu { .. } if cfg.hypervisor.is_some() => {
-                Some(qemu::place_ram(&dir, u64::from(cfg.memory_mib) << 20)?)
+                match qemu::place_ram(&dir, u64::from(cfg.memory_mib) << 20) {
+                    Ok(ram) => Some(ram),
+                    Err(e) => {
+                        if cfg.run_dir.is_none() {
+                            let _ = std::fs::remove_dir_all(&dir);
+                        }
+                        return Err(e);
+                    }
+                }
             }
             _ => None,
         };
@@ -888,10 +896,20 @@ impl Vm {
         }
         if self.ram.is_none() {
             let path = self.ram_path.take()?;
+            let bytes = u64::from(self.cfg.memory_mib) << 20;
             let opened = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
-                .open(&path);
+                .open(&path)
+                .and_then(|f| {
+                    // A shorter file would fault the mapping past its end.
+                    if f.metadata()?.len() < bytes {
+                        return Err(std::io::Error::other(format!(
+                            "shorter than the guest's {bytes} bytes of RAM"
+                        )));
+                    }
+                    Ok(f)
+                });
             qemu::remove_ram(&self.dir, &path);
             match opened {
                 Ok(f) => self.ram = Some(f),

@@ -77,6 +77,15 @@ pub fn place_ram(run_dir: &Path, bytes: u64) -> Result<std::path::PathBuf> {
         Some(p) => Some(std::path::PathBuf::from(p)),
         None => Some(std::path::PathBuf::from("/dev/shm")).filter(|p| crate::sys::is_tmpfs(p)),
     };
+    place_ram_in(run_dir, bytes, parent)
+}
+
+/// [`place_ram`] with the parent chosen (`None`: the run directory).
+fn place_ram_in(
+    run_dir: &Path,
+    bytes: u64,
+    parent: Option<std::path::PathBuf>,
+) -> Result<std::path::PathBuf> {
     let room = |p: &Path| {
         crate::sys::free_bytes(p).is_some_and(|free| free >= bytes.saturating_add(RAM_MARGIN))
     };
@@ -226,30 +235,34 @@ mod tests {
         // same for two runs (even of the same run directory's name).
         let mib = 1 << 20;
         let dir_of = |p: &Path| p.parent().unwrap().to_path_buf();
-        let in_tmp = |bytes| {
-            // What place_ram makes under a parent with room.
-            let file = crate::sys::make_temp_dir(&base, "hvtrace-ram-")
-                .unwrap()
-                .join(RAM_FILE);
-            assert!(crate::sys::free_bytes(&base).unwrap() >= bytes);
-            file
-        };
-        let (a, b) = (in_tmp(mib), in_tmp(mib));
+        let a = place_ram_in(&run, mib, Some(base.clone())).unwrap();
+        let b = place_ram_in(&run, mib, Some(base.clone())).unwrap();
         assert_ne!(dir_of(&a), dir_of(&b));
+        assert!(a.is_absolute() && a.starts_with(&base), "{a:?}");
+        assert!(dir_of(&a)
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("hvtrace-ram-"));
         let mode = std::os::unix::fs::PermissionsExt::mode(
             &std::fs::metadata(dir_of(&a)).unwrap().permissions(),
         );
         assert_eq!(mode & 0o777, 0o700);
-        // No parent with room (none this large exists): the run directory,
-        // as an absolute path.
-        let huge = u64::MAX / 2;
-        let placed = place_ram(&run, huge).unwrap();
-        assert_eq!(placed, std::path::absolute(run.join(RAM_FILE)).unwrap());
+        // A parent without room for it (none this large exists), or none:
+        // the run directory, as an absolute path.
+        let in_run = std::path::absolute(run.join(RAM_FILE)).unwrap();
+        assert_eq!(
+            place_ram_in(&run, u64::MAX / 2, Some(base.clone())).unwrap(),
+            in_run
+        );
+        let placed = place_ram_in(&run, mib, None).unwrap();
+        assert_eq!(placed, in_run);
         // Removing takes the file, and its own directory but never the run
         // directory.
         std::fs::write(&a, b"x").unwrap();
         remove_ram(&run, &a);
         assert!(!dir_of(&a).exists());
+        remove_ram(&run, &b);
         std::fs::write(run.join(RAM_FILE), b"x").unwrap();
         remove_ram(&run, &placed);
         assert!(!placed.exists() && run.exists());

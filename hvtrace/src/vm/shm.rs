@@ -84,7 +84,14 @@ pub struct RingsPoll<R: Borrow<Ring>> {
     frames_lost: u64,
     /// Root's clock from its last idle event, not passed on yet.
     idle: Option<u64>,
+    /// The frame ring dropped frames: records wait for a whole context
+    /// again (root sends one once the ring has room), since when.
+    context_wait: Option<std::time::Instant>,
 }
+
+/// How long records wait for a whole context after the frame ring dropped
+/// frames, at most.
+const CONTEXT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl<R: Borrow<Ring>> RingsPoll<R> {
     /// A reader of `frames` and of `records` (root's vCPU order), whose
@@ -97,6 +104,19 @@ impl<R: Borrow<Ring>> RingsPoll<R> {
             decoder: protocol::FrameDecoder::new(),
             frames_lost: 0,
             idle: None,
+            context_wait: None,
+        }
+    }
+
+    /// Whether records should wait: the frame ring dropped frames and no
+    /// whole context came since (for [`CONTEXT_WAIT`] at most).
+    pub fn waiting_for_context(&mut self) -> bool {
+        match self.context_wait {
+            Some(since) if since.elapsed() < CONTEXT_WAIT => true,
+            _ => {
+                self.context_wait = None;
+                false
+            }
         }
     }
 
@@ -109,6 +129,7 @@ impl<R: Borrow<Ring>> RingsPoll<R> {
         let mark = self.reader.mark();
         let decoder = &mut self.decoder;
         let idle = &mut self.idle;
+        let context_wait = &mut self.context_wait;
         if !consuming {
             // Held over from when the host took the records.
             if let Some(now_ns) = idle.take() {
@@ -132,7 +153,12 @@ impl<R: Borrow<Ring>> RingsPoll<R> {
                         | Event::TraceRecords { .. }
                         | Event::TraceContext(_)
                         | Event::SymbolChunk { .. }),
-                    ) => out(ev),
+                    ) => {
+                        if matches!(ev, Event::TraceContext(protocol::RenderContext::End)) {
+                            *context_wait = None;
+                        }
+                        out(ev)
+                    }
                     _ => {}
                 }
             }
@@ -140,6 +166,7 @@ impl<R: Borrow<Ring>> RingsPoll<R> {
         .context("the shared frame ring")?;
         let lost = self.frames.borrow().lost();
         if lost > self.frames_lost {
+            self.context_wait = Some(std::time::Instant::now());
             out(Event::Lost {
                 count: lost - self.frames_lost,
             });

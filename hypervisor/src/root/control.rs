@@ -151,9 +151,9 @@ pub struct Control {
     bulk: Option<Bulk>,
     /// The shared ring's place once made (it is made once, and kept).
     ring_at: Option<(u64, u64)>,
-    /// A `TraceContext` frame could not be written (see
-    /// [`Self::take_context_dropped`]).
-    context_dropped: bool,
+    /// A frame could not be written on the full shared ring (see
+    /// [`Self::take_context_resend`]).
+    frames_dropped: bool,
     /// The symbol export under way, if any.
     export: Option<SymbolExport>,
     /// Id of the last export started.
@@ -179,7 +179,7 @@ impl Control {
             recovering: false,
             bulk: None,
             ring_at: None,
-            context_dropped: false,
+            frames_dropped: false,
             export: None,
             export_id: 0,
             exporting: false,
@@ -289,22 +289,21 @@ impl Control {
     /// hands it back, so that its buffers can serve again.
     fn bulk_write(&mut self, event: Event) -> Option<Event> {
         let b = self.bulk.as_mut()?;
-        let context = matches!(event, Event::TraceContext(_));
         let frame = Frame::event(b.seq, event);
         b.wire.clear();
         if protocol::encode(&frame, &mut b.wire).is_err() {
             self.stats.dropped += 1;
-            self.context_dropped |= context;
         } else {
             b.seq = b.seq.wrapping_add(1);
             match &b.path {
                 BulkPath::Port => crate::logger::write_frame(&b.wire),
                 // A full ring drops the frame and counts it in its header,
-                // where the host reads it; a dropped context goes again
-                // whole ([`Self::take_context_dropped`]).
+                // where the host reads it; the host then holds the records
+                // until a whole context comes again, which the stream
+                // sends once the ring has room ([`Self::take_context_resend`]).
                 BulkPath::Ring(r) => {
                     if !r.push(&b.wire) {
-                        self.context_dropped |= context;
+                        self.frames_dropped = true;
                     }
                 }
             }
@@ -318,11 +317,20 @@ impl Control {
         }
     }
 
-    /// Whether a piece of the stream's context was dropped since the last
-    /// call (the shared ring was full): the stream then sends the whole
-    /// context again.
-    pub fn take_context_dropped(&mut self) -> bool {
-        core::mem::take(&mut self.context_dropped)
+    /// Whether the stream should send its whole context again: a frame
+    /// was dropped on the full shared ring (the host cannot tell which, and
+    /// holds the records until a whole context comes), and the ring has
+    /// room again (not every turn while it stays full).
+    pub fn take_context_resend(&mut self) -> bool {
+        let room = match self.bulk.as_ref().map(|b| &b.path) {
+            Some(BulkPath::Ring(r)) => r.used() < r.size() / 2,
+            _ => true,
+        };
+        if self.frames_dropped && room {
+            self.frames_dropped = false;
+            return true;
+        }
+        false
     }
 
     fn send(&mut self, frame: &Frame) {
@@ -815,16 +823,18 @@ impl Control {
                 };
                 // SAFETY: the region is ours alone (the frame pool never
                 // hands it out again), identity-mapped in root, outside the
-                // guest's e820 and absent from EPT; 4 KiB aligned. Asked
-                // again, the ring the host may be reading goes on as it is
+                // guest's e820 and absent from EPT; 4 KiB aligned. The host
+                // maps it from the RAM file: the ring trusts nothing it
+                // reads there but checks it (a position that cannot be
+                // right drops what is written). Asked again, the ring goes
+                // on as it is, its size from this side's own `len`
                 // (formatting it again would move its positions under the
-                // reader); the host writes only its consumer's position,
-                // which the ring checks before it trusts it.
+                // reader).
                 let ring = unsafe {
                     if fresh {
                         protocol::ring::Ring::format(gpa as *mut u8, len as usize)
                     } else {
-                        protocol::ring::Ring::attach(gpa as *mut u8, len as usize).ok()
+                        protocol::ring::Ring::resume(gpa as *mut u8, len as usize)
                     }
                 };
                 let Some(ring) = ring else {

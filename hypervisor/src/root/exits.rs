@@ -725,7 +725,7 @@ impl Vcpu<'_> {
                     c.send_event(ev);
                 }
             }
-            if c.take_context_dropped() {
+            if c.take_context_resend() {
                 tracer!(self).resend_context();
             }
             if tracer!(self).doorbell(now) {

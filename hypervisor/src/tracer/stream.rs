@@ -33,6 +33,10 @@ const TX_HEADROOM: usize = 8 * 1024;
 /// a frame stays under `MAX_FRAME`.
 const RECORDS_BUDGET: usize = 3000;
 
+/// Root time between two of the idle events a running graph session asks
+/// for, at least: root's idle turns come this far apart (200 a second),
+/// and busy turns would otherwise send one each.
+const IDLE_FLOOR_NS: u64 = 5_000_000;
 /// A ring this full (in 1/256ths of its size) rings the host's doorbell
 /// when the host reads the rings.
 const DOORBELL_FILL: usize = 64;
@@ -74,6 +78,9 @@ pub(super) struct Stream {
     host_reads: bool,
     /// When the doorbell last rang.
     last_doorbell_ns: u64,
+    /// The turn (its root time) whose context could not be built for want
+    /// of heap: not tried again in that turn.
+    context_failed_at: Option<u64>,
     /// The doorbell rang for the ring's fill, and no ring has gone below
     /// half the mark since: it does not ring again until one has.
     doorbell_rung: bool,
@@ -105,6 +112,7 @@ impl Stream {
             last_idle_ns: 0,
             host_reads: false,
             last_doorbell_ns: 0,
+            context_failed_at: None,
             doorbell_rung: false,
             texts: alloc::collections::VecDeque::new(),
         }
@@ -272,16 +280,17 @@ impl Stream {
             graph.retired.clear();
         }
         let print = context_fingerprint(probes, graph);
-        if self.context_sent != Some(print) {
-            self.context_sent = Some(print);
+        if self.context_sent != Some(print) && self.context_failed_at != Some(now_ns) {
             self.context = context_events(probes, graph);
             if self.context.is_empty() {
-                // No room to build it: tried again next time.
-                self.context_sent = None;
+                // No room to build it: tried again on a later turn.
+                self.context_failed_at = Some(now_ns);
+            } else {
+                self.context_sent = Some(print);
+                // A stopped session's held entries print at the next idle
+                // event: make one due.
+                self.sent_since_idle = true;
             }
-            // A stopped session's held entries print at the next idle
-            // event: make one due.
-            self.sent_since_idle = true;
         }
         if let Some(ev) = self.context.pop_front() {
             return Some(ev);
@@ -295,7 +304,10 @@ impl Stream {
             if !self.rings.is_empty() {
                 self.sent_since_idle = true;
             }
-            let due = now_ns > self.last_idle_ns && (self.sent_since_idle || graph.running() > 0);
+            let due = now_ns > self.last_idle_ns
+                && (self.sent_since_idle
+                    || (graph.running() > 0
+                        && now_ns.saturating_sub(self.last_idle_ns) >= IDLE_FLOOR_NS));
             if !due {
                 return None;
             }
@@ -376,10 +388,13 @@ impl Stream {
         let lost = self.rings.lost() - self.lost_reported;
         if data.is_empty() && lost == 0 {
             // Every turn that finds the rings empty while a graph session
-            // runs, as root's own text mode ages its held entries on every
-            // such turn: the host ages them at the same turns, with the
-            // same clock.
-            let due = self.sent_since_idle || (graph.running() > 0 && now_ns > self.last_idle_ns);
+            // runs (IDLE_FLOOR_NS apart at least), as root's own text mode
+            // ages its held entries on every such turn: the host ages them
+            // at the same turns, with the same clock (idle turns come
+            // IDLE_FLOOR_NS apart anyway).
+            let due = self.sent_since_idle
+                || (graph.running() > 0
+                    && now_ns.saturating_sub(self.last_idle_ns) >= IDLE_FLOOR_NS);
             if !due {
                 return None;
             }
