@@ -1845,16 +1845,7 @@ mod tests {
         const RAM: usize = 2 << 20;
         const LEN: u64 = 64 + 64 * 1024;
         let (frames_at, ring_at) = (0x1000u64, [0x40000u64, 0x80000]);
-        let dir = std::env::temp_dir().join(format!("hvtrace-suprings-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(dir.join("ram"))
-            .unwrap();
-        file.set_len(RAM as u64).unwrap();
+        let (dir, file) = crate::vm::shm::tests::shared_file("suprings", RAM);
         // Root's side: the rings formatted where it says they are.
         let root = Arc::new(SharedMap::map(&file, RAM).unwrap());
         root.ring(frames_at as usize, LEN as usize, true).unwrap();

@@ -209,7 +209,7 @@ impl<R: Borrow<Ring>> RingsPoll<R> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::sys::SharedMap;
     use std::time::{Duration, Instant};
@@ -248,7 +248,7 @@ mod tests {
 
     /// A file of `len` bytes in a directory of its own, for a test's
     /// shared ring(s): the directory, and the file open.
-    fn shared_file(name: &str, len: usize) -> (std::path::PathBuf, std::fs::File) {
+    pub(crate) fn shared_file(name: &str, len: usize) -> (std::path::PathBuf, std::fs::File) {
         let dir = std::env::temp_dir().join(format!("hvtrace-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = std::fs::OpenOptions::new()
