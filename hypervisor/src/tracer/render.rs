@@ -456,20 +456,15 @@ impl<R: Borrow<Ring>> RingsReader<R> {
         let mut data = Vec::new();
         let mut n = 0;
         loop {
-            let mut best: Option<(usize, u64)> = None;
-            for (i, r) in self.rings.iter().enumerate() {
+            // Each ring's oldest record, if it was written before the mark.
+            let heads = self.rings.iter().zip(mark).map(|(r, &until)| {
                 let r = r.borrow();
-                let Some(&until) = mark.get(i) else { continue };
                 let left = until.wrapping_sub(r.tail());
-                if left == 0 || left > r.size() as u64 {
-                    continue;
-                }
-                let ts = r.peek_u64(self.stamp_at).unwrap_or(0);
-                if best.is_none_or(|(_, b)| ts < b) {
-                    best = Some((i, ts));
-                }
-            }
-            let Some((i, _)) = best else { break };
+                (left != 0 && left <= r.size() as u64).then(|| r.peek_u64(self.stamp_at))
+            });
+            let Some(i) = super::ring::oldest(heads) else {
+                break;
+            };
             let Some(r) = self.rings.get(i) else { break };
             match r.borrow().pop(&mut self.record) {
                 Ok(true) => {}

@@ -194,21 +194,26 @@ impl Rings {
     /// ring's index. A record too short to carry a timestamp counts as
     /// oldest (it is taken first, so it never blocks its ring).
     pub fn pop_oldest(&mut self, out: &mut Vec<u8>) -> Option<usize> {
-        let mut best: Option<(usize, u64)> = None;
-        for (i, r) in self.rings.iter_mut().enumerate() {
+        let stamp_at = self.stamp_at;
+        let i = oldest(self.rings.iter_mut().map(|r| {
             let r = r.get_mut();
-            if r.is_empty() {
-                continue;
-            }
-            let ts = r.peek_u64(self.stamp_at).unwrap_or(0);
-            if best.is_none_or(|(_, b)| ts < b) {
-                best = Some((i, ts));
-            }
-        }
-        let (i, _) = best?;
+            (!r.is_empty()).then(|| r.peek_u64(stamp_at))
+        }))?;
         let r = self.rings.get_mut(i)?.get_mut();
         r.pop(out).then_some(i)
     }
+}
+
+/// The merge rule of the vCPUs' rings, root's and the host's: of the
+/// rings' oldest records (`None`: a ring with nothing to take; a record
+/// too short for a timestamp counts as oldest, so that it never blocks its
+/// ring), the index of the one stamped first (the lowest index on a tie).
+pub fn oldest(heads: impl Iterator<Item = Option<Option<u64>>>) -> Option<usize> {
+    heads
+        .enumerate()
+        .filter_map(|(i, head)| head.map(|ts| (i, ts.unwrap_or(0))))
+        .min_by_key(|&(_, ts)| ts)
+        .map(|(i, _)| i)
 }
 
 #[cfg(test)]
