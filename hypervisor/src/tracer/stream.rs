@@ -139,8 +139,7 @@ impl Stream {
     pub(super) fn set_host_reads(&mut self, on: bool) {
         if self.host_reads != on {
             // The whole context goes again, on the new path.
-            self.context_sent = None;
-            self.context.clear();
+            self.resend_context();
             self.record_rest.clear();
         }
         self.host_reads = on;
@@ -304,20 +303,10 @@ impl Stream {
             if !self.rings.is_empty() {
                 self.sent_since_idle = true;
             }
-            let due = now_ns > self.last_idle_ns
-                && (self.sent_since_idle
-                    || (graph.running() > 0
-                        && now_ns.saturating_sub(self.last_idle_ns) >= IDLE_FLOOR_NS));
-            if !due {
+            if now_ns <= self.last_idle_ns || !self.idle_due(now_ns, graph) {
                 return None;
             }
-            self.sent_since_idle = false;
-            self.last_idle_ns = now_ns;
-            return Some(protocol::Event::TraceRecords {
-                lost: 0,
-                now_ns,
-                data: Vec::new(),
-            });
+            return Some(self.idle(now_ns));
         }
         if let Some(ev) = self.texts.pop_front() {
             return Some(ev);
@@ -386,25 +375,38 @@ impl Stream {
             }
         }
         let lost = self.rings.lost() - self.lost_reported;
+        self.lost_reported = self.rings.lost();
         if data.is_empty() && lost == 0 {
-            // Every turn that finds the rings empty while a graph session
-            // runs (IDLE_FLOOR_NS apart at least), as root's own text mode
-            // ages its held entries on every such turn: the host ages them
-            // at the same turns, with the same clock (idle turns come
-            // IDLE_FLOOR_NS apart anyway).
-            let due = self.sent_since_idle
-                || (graph.running() > 0
-                    && now_ns.saturating_sub(self.last_idle_ns) >= IDLE_FLOOR_NS);
-            if !due {
+            if !self.idle_due(now_ns, graph) {
                 return None;
             }
-            self.sent_since_idle = false;
-            self.last_idle_ns = now_ns;
-        } else {
-            self.sent_since_idle = true;
+            return Some(self.idle(now_ns));
         }
-        self.lost_reported = self.rings.lost();
+        self.sent_since_idle = true;
         Some(protocol::Event::TraceRecords { lost, now_ns, data })
+    }
+
+    /// Whether the rings being empty is worth saying: after records went
+    /// out, after a context change, and on every turn while a graph
+    /// session runs (IDLE_FLOOR_NS apart at least), as root's own text
+    /// mode ages its held entries on every such turn: the host ages them
+    /// at the same turns, with the same clock (idle turns come
+    /// IDLE_FLOOR_NS apart anyway).
+    fn idle_due(&self, now_ns: u64, graph: &Graph) -> bool {
+        self.sent_since_idle
+            || (graph.running() > 0 && now_ns.saturating_sub(self.last_idle_ns) >= IDLE_FLOOR_NS)
+    }
+
+    /// The empty `TraceRecords` that says the rings were empty at
+    /// `now_ns`.
+    fn idle(&mut self, now_ns: u64) -> protocol::Event {
+        self.sent_since_idle = false;
+        self.last_idle_ns = now_ns;
+        protocol::Event::TraceRecords {
+            lost: 0,
+            now_ns,
+            data: Vec::new(),
+        }
     }
 
     /// Records-and-text mode: adds a rendered `line` of source `src` to
