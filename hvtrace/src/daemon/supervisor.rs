@@ -393,6 +393,9 @@ impl TraceShared {
 
 /// How often the ring reader looks at root's rings without a doorbell.
 const RING_POLL: Duration = Duration::from_millis(10);
+/// How often the reader of the frame ring alone (root drains its rings
+/// into it, and rings no doorbell) looks at it.
+const FRAME_RING_POLL: Duration = Duration::from_millis(2);
 /// How long records wait for a copy of the modules' symbols at most.
 const MODULES_HOLD: Duration = Duration::from_secs(2);
 /// How long records wait in a row at most (copies after copies).
@@ -1058,7 +1061,7 @@ impl Supervisor {
                 frames,
                 records,
                 stamp_at,
-            }) => match self.read_rings(
+            }) if !records.is_empty() => match self.read_rings(
                 file,
                 machine,
                 ram,
@@ -1072,89 +1075,33 @@ impl Supervisor {
             },
             other => self.note(&format!("no record rings to read: {other:?}")),
         }
-        let (gpa, len) = match link.request(Request::TraceChannel {
+        // The frame ring alone: root drains its rings into it.
+        let frames = match link.request(Request::TraceChannel {
             channel: TraceChannel::SharedRing,
         }) {
-            Ok(Response::TraceRing { gpa, len }) => (gpa, len),
+            Ok(Response::TraceRing { gpa, len }) => protocol::RingAt { gpa, len },
             other => {
                 self.note(&format!("no shared trace ring: {other:?}"));
                 return false;
             }
         };
-        let mapped = crate::vm::shm::file_offset(machine, ram, gpa)
-            .filter(|&at| at.checked_add(len).is_some_and(|end| end <= ram))
-            .ok_or_else(|| format!("the ring at {gpa:#x} is not in the RAM file"))
-            .and_then(|at| {
-                let map = crate::sys::SharedMap::map(file, ram as usize)
-                    .map_err(|e| format!("cannot map the guest's RAM file: {e}"))?;
-                map.ring(at as usize, len as usize, false)
-                    .map_err(|e| format!("no ring at {at:#x}: {e:?}"))?;
-                Ok((map, at as usize))
-            });
-        let (map, at) = match mapped {
-            Ok(m) => m,
+        match self.read_rings(file, machine, ram, frames, &[], 0, watch) {
+            Ok(()) => true,
             Err(e) => {
                 self.note(&format!("the shared trace ring cannot be read: {e}"));
-                return false;
+                false
             }
-        };
-        let trace = self.trace.clone();
-        let start = self.start;
-        self.bulk.store(true, Ordering::Relaxed);
-        self.frame_reader.store(true, Ordering::Relaxed);
-        std::thread::spawn(move || {
-            let Ok(ring) = map.ring(at, len as usize, false) else {
-                return;
-            };
-            let mut buf = Vec::new();
-            let mut decoder = protocol::FrameDecoder::new();
-            let mut lost = 0;
-            loop {
-                let ended = watch.ended().is_some();
-                let drained = crate::vm::shm::drain(&ring, &mut buf, |record| {
-                    for frame in decoder.feed(record).flatten() {
-                        if let protocol::Body::Event(
-                            ev @ (Event::TraceText { .. }
-                            | Event::TraceRecords { .. }
-                            | Event::TraceContext(_)
-                            | Event::SymbolChunk { .. }),
-                        ) = frame.body
-                        {
-                            trace.on_event(ev, &|m| note_at(start, m));
-                        }
-                    }
-                });
-                if let Err(e) = drained {
-                    note_at(start, &format!("the shared trace ring: {e:#}"));
-                    return;
-                }
-                let now_lost = ring.lost();
-                if now_lost > lost {
-                    trace.on_event(
-                        Event::Lost {
-                            count: now_lost - lost,
-                        },
-                        &|m| note_at(start, m),
-                    );
-                    lost = now_lost;
-                }
-                if ended {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        });
-        self.note(&format!(
-            "the trace stream takes a ring at {gpa:#x} ({len} bytes) in the guest RAM file"
-        ));
-        true
+        }
     }
 
     /// Reads root's frame ring and every vCPU's record ring from the RAM
     /// file ([`TraceChannel::SharedRings`]): a thread takes, each time the
     /// doorbell rings or every [`RING_POLL`], the rings' marks, then the
     /// frames, then (while the stream is in records and no copy of the
-    /// modules' symbols is on its way) the records up to the marks.
+    /// modules' symbols is on its way) the records up to the marks. With
+    /// no record ring ([`TraceChannel::SharedRing`]: root drains its rings
+    /// into the frame ring) it reads the frames alone, every
+    /// [`FRAME_RING_POLL`].
     #[allow(clippy::too_many_arguments)]
     fn read_rings(
         self: &Arc<Self>,
@@ -1178,15 +1125,13 @@ impl Supervisor {
         };
         let frames_at = place(&frames)?;
         let records_at = records.iter().map(place).collect::<Result<Vec<_>, _>>()?;
-        if records_at.is_empty() {
-            return Err("root named no record ring".into());
-        }
         let trace = self.trace.clone();
         let start = self.start;
-        self.bulk.store(true, Ordering::Relaxed);
-        self.rings_reader.store(true, Ordering::Relaxed);
-        self.channel_rings.store(true, Ordering::Relaxed);
         let n = records_at.len();
+        self.bulk.store(true, Ordering::Relaxed);
+        self.rings_reader.store(n > 0, Ordering::Relaxed);
+        self.channel_rings.store(n > 0, Ordering::Relaxed);
+        let every = if n > 0 { RING_POLL } else { FRAME_RING_POLL };
         let sup = Arc::downgrade(self);
         self.frame_reader.store(true, Ordering::Relaxed);
         std::thread::spawn(move || {
@@ -1262,12 +1207,12 @@ impl Supervisor {
                 if ended {
                     return;
                 }
-                rung = trace.wait_doorbell(rung, RING_POLL);
+                rung = trace.wait_doorbell(rung, every);
             }
         });
         self.note(&format!(
-            "the trace stream takes a frame ring at {:#x} and reads {n} record rings in the guest RAM file",
-            frames.gpa
+            "the trace stream takes a frame ring at {:#x} ({} bytes) and reads {n} record rings in the guest RAM file",
+            frames.gpa, frames.len
         ));
         Ok(())
     }
