@@ -248,6 +248,16 @@ impl Vm {
             }
             None => image::create_run_dir()?,
         };
+        // Undoes what was made when the start fails before the emulator
+        // runs: a run directory made here, the guest's RAM file.
+        let undo = |ram: Option<&Path>| {
+            if cfg.run_dir.is_none() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            if let Some(ram) = ram {
+                qemu::remove_ram(&dir, ram);
+            }
+        };
         // QEMU connects its serial ports to unix sockets in the run
         // directory when their paths fit a socket address; Bochs has TCP
         // only. Either way a connection is used only once it is shown to
@@ -270,9 +280,7 @@ impl Vm {
         let (listener, control_listener) = match bound {
             Ok(listeners) => listeners,
             Err(e) => {
-                if cfg.run_dir.is_none() {
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
+                undo(None);
                 return Err(e);
             }
         };
@@ -285,9 +293,7 @@ impl Vm {
                 match qemu::place_ram(&dir, u64::from(cfg.memory_mib) << 20) {
                     Ok(ram) => Some(ram),
                     Err(e) => {
-                        if cfg.run_dir.is_none() {
-                            let _ = std::fs::remove_dir_all(&dir);
-                        }
+                        undo(None);
                         return Err(e);
                     }
                 }
@@ -299,12 +305,7 @@ impl Vm {
             Ok(command) => command,
             Err(e) => {
                 // Nothing ran yet: the messages say all there is to know.
-                if cfg.run_dir.is_none() {
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
-                if let Some(ram) = &ram_path {
-                    qemu::remove_ram(&dir, ram);
-                }
+                undo(ram_path.as_deref());
                 return Err(e);
             }
         };
@@ -354,12 +355,7 @@ impl Vm {
         {
             Ok(child) => child,
             Err(e) => {
-                if cfg.run_dir.is_none() {
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
-                if let Some(ram) = &ram_path {
-                    qemu::remove_ram(&dir, ram);
-                }
+                undo(ram_path.as_deref());
                 bail!("cannot start {}: {e}", cfg.emulator);
             }
         };
