@@ -216,27 +216,18 @@ impl Ring {
     /// Consumer: takes the oldest record into `out` (replacing its
     /// contents). `Ok(false)`: the ring is empty.
     pub fn pop(&self, out: &mut alloc::vec::Vec<u8>) -> Result<bool, RingError> {
-        let tail = self.word(TAIL_AT).load(Ordering::Relaxed);
-        let head = self.word(HEAD_AT).load(Ordering::Acquire);
-        let avail = head.wrapping_sub(tail);
-        if avail == 0 {
+        let Some(len) = self.peek_len()? else {
             return Ok(false);
-        }
-        if avail > self.size as u64 || avail < LEN_BYTES as u64 {
-            return Err(RingError::Corrupt);
-        }
-        let mut len = [0u8; LEN_BYTES];
-        self.get(tail, &mut len);
-        let len = u32::from_le_bytes(len) as usize;
-        let need = record_bytes(len) as u64;
-        if need > avail {
-            return Err(RingError::Corrupt);
-        }
+        };
+        // The consumer's own position, as `peek_len` read it.
+        let tail = self.word(TAIL_AT).load(Ordering::Relaxed);
         out.clear();
         out.resize(len, 0);
         self.get(tail.wrapping_add(LEN_BYTES as u64), out);
-        self.word(TAIL_AT)
-            .store(tail.wrapping_add(need), Ordering::Release);
+        self.word(TAIL_AT).store(
+            tail.wrapping_add(record_bytes(len) as u64),
+            Ordering::Release,
+        );
         Ok(true)
     }
 
