@@ -1910,6 +1910,14 @@ mod tests {
             .iter()
             .map(|&at| root.ring(at as usize, LEN as usize, false).unwrap())
             .collect();
+        // Whether the host empties `ring` within 10 s.
+        let emptied = |ring: &protocol::ring::Ring| {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !ring.is_empty() && Instant::now() < deadline {
+                std::thread::sleep(RING_POLL);
+            }
+            ring.is_empty()
+        };
         for (cpu, pid, ts) in [
             (1, 11, 2_000),
             (1, 12, 4_000),
@@ -1975,11 +1983,7 @@ mod tests {
         std::thread::sleep(RING_POLL * 5);
         assert!(!rings[1].is_empty(), "held while the modules' copy comes");
         put_frame(piece(8, &copy[8..]));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !rings[1].is_empty() && Instant::now() < deadline {
-            std::thread::sleep(RING_POLL);
-        }
-        assert!(rings[1].is_empty(), "taken once the copy is whole");
+        assert!(emptied(&rings[1]), "taken once the copy is whole");
         // A channel change gives the rings back: records stay for root
         // (which drains them into the frame ring with `SharedRing`).
         assert!(matches!(
@@ -2003,11 +2007,7 @@ mod tests {
                 .response,
             Response::TraceRings { .. }
         ));
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !rings[0].is_empty() && Instant::now() < deadline {
-            std::thread::sleep(RING_POLL);
-        }
-        assert!(rings[0].is_empty(), "the host reads the rings again");
+        assert!(emptied(&rings[0]), "the host reads the rings again");
         assert!(hv.requests.lock().unwrap().contains(&Request::TraceStart {
             format: TraceFormat::Records
         }));
