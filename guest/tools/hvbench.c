@@ -8,13 +8,20 @@
  *                       exits 0 when the CPU (or hypervisor) raises #UD,
  *                       prints "returned" and exits 1 otherwise
  *   hvbench sleep MS    sleeps MS milliseconds in nanosleep
+ *   hvbench switch N    N round trips of one byte between two processes
+ *                       over two pipes (2N context switches on one CPU):
+ *                       the child sleeps in read(), the parent in poll()
+ *                       before its read(); prints
+ *                       "switches=2N ns=T ns_per_switch=X"
  */
 #define _GNU_SOURCE
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -36,7 +43,7 @@ static void on_sigill(int sig)
 
 static int usage(void)
 {
-	fprintf(stderr, "usage: hvbench getppid N | vmcall | sleep MS\n");
+	fprintf(stderr, "usage: hvbench getppid N | vmcall | sleep MS | switch N\n");
 	return 2;
 }
 
@@ -65,6 +72,37 @@ int main(int argc, char **argv)
 		long ms = strtol(argv[2], NULL, 0);
 		struct timespec ts = { ms / 1000, (ms % 1000) * 1000000L };
 		nanosleep(&ts, NULL);
+		return 0;
+	}
+	if (!strcmp(argv[1], "switch") && argc == 3) {
+		long n = strtol(argv[2], NULL, 0);
+		int there[2], back[2];
+		if (n <= 0)
+			return usage();
+		if (pipe(there) || pipe(back))
+			return 1;
+		pid_t child = fork();
+		if (child < 0)
+			return 1;
+		char b = 0;
+		if (child == 0) {
+			for (long i = 0; i < n; i++) {
+				if (read(there[0], &b, 1) != 1 || write(back[1], &b, 1) != 1)
+					_exit(1);
+			}
+			_exit(0);
+		}
+		long long t0 = now_ns();
+		for (long i = 0; i < n; i++) {
+			struct pollfd p = { .fd = back[0], .events = POLLIN };
+			if (write(there[1], &b, 1) != 1 || poll(&p, 1, -1) != 1 ||
+			    read(back[0], &b, 1) != 1)
+				return 1;
+		}
+		long long t = now_ns() - t0;
+		int status = 0;
+		waitpid(child, &status, 0);
+		printf("switches=%ld ns=%lld ns_per_switch=%lld\n", 2 * n, t, t / (2 * n));
 		return 0;
 	}
 	return usage();

@@ -686,6 +686,16 @@ pub struct TracerReport {
     pub module_inits_freed: u64,
     /// Sites unhooked there (also counted in `module_unhooked`).
     pub module_init_unhooked: u64,
+    /// Hooked pages the quiet EPT views map to the guest's own frames:
+    /// every site on them matters only beneath a graph session's roots,
+    /// and a vCPU inside none of those roots runs them unhooked.
+    pub quiet_pages: u32,
+    /// Whether root's hook on the scheduler's switch path (which picks a
+    /// vCPU's view for the task coming in) is installed.
+    pub switch_hook: bool,
+    /// Page changes in the quiet views put off because a vCPU was inside
+    /// one of the page's sites.
+    pub quiet_busy: u64,
 }
 
 impl Response {
@@ -814,6 +824,16 @@ pub struct VcpuReport {
     pub returns: u64,
     /// See `hits`.
     pub refused: u64,
+    /// Its moves between the armed EPT view (every hook) and the quiet
+    /// one (no hook that matters only beneath a graph session's roots).
+    pub view_switches: u64,
+    /// Time on the armed view and on the quiet one since its first move,
+    /// in nanoseconds.
+    pub armed_ns: u64,
+    /// See `armed_ns`.
+    pub quiet_ns: u64,
+    /// Whether it runs on the quiet view now.
+    pub quiet: bool,
 }
 
 /// The guest kernel as recovered from its memory.

@@ -493,15 +493,7 @@ fn sleepers(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
 
 fn cost(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     const N: u64 = 5000;
-    // The name ftrace lists for the syscall body (6.12 lists `__do_sys_`,
-    // whose `__x64_sys_` wrapper aliases it; 6.1 lists the wrapper).
-    let listed = exec(
-        c,
-        &format!(
-            "grep -m1 -E '^(__do_sys|__x64_sys)_getppid$' {TRACEFS}/available_filter_functions"
-        ),
-    );
-    let func = listed.trim().to_string();
+    let func = getppid_function(c);
     let func = func.as_str();
     ck.check(
         matches!(call(c, Request::TraceStop), Response::Ok),
@@ -604,6 +596,265 @@ fn cost(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     ck.eq("VMCALLs per call with two sessions: still 2", two.2, 2 * N);
     ck.eq("VMCALLs per call with max_depth 1 over *: 2", one.2, 2 * N);
     ck.eq("VMCALLs under the guest's function_graph", guest.2, 0);
+}
+
+/// The function ftrace lists for the getppid system call's body (6.12
+/// lists `__do_sys_`, whose `__x64_sys_` wrapper aliases it; 6.1 lists
+/// the wrapper).
+fn getppid_function(c: &mut Client) -> String {
+    exec(
+        c,
+        &format!(
+            "grep -m1 -E '^(__do_sys|__x64_sys)_getppid$' {TRACEFS}/available_filter_functions"
+        ),
+    )
+    .trim()
+    .to_string()
+}
+
+/// VMCALL exits and wall time of a guest command; its output.
+fn vmcalls_of(c: &mut Client, cmd: &str) -> (u64, f64, String) {
+    let before = exits(c).get("VMCALL").copied().unwrap_or(0);
+    let t0 = Instant::now();
+    let out = exec(c, cmd);
+    let wall = t0.elapsed().as_secs_f64();
+    let after = exits(c).get("VMCALL").copied().unwrap_or(0);
+    (after - before, wall, out)
+}
+
+/// A number after `key=` in hvbench's output.
+fn bench_value(out: &str, key: &str) -> f64 {
+    out.split_whitespace()
+        .find_map(|t| t.strip_prefix(key)?.strip_prefix('='))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Every vCPU's view switches so far.
+fn view_switches(c: &mut Client) -> u64 {
+    status(c).per_vcpu.iter().map(|v| v.view_switches).sum()
+}
+
+/// Sessions that cost only what they trace: a session with roots over
+/// every function (the default trace set) leaves the calls outside its
+/// roots unhooked (each vCPU runs on its quiet EPT view there), and
+/// root's scheduler hook costs one exit per context switch.
+///
+/// - **before** (what every call of a hooked function cost before the
+///   quiet views, wherever it ran): a getppid loop inside a root over `*`;
+/// - **quiet**: the same loop under a session rooted at `vfs_read`: its
+///   exits must not grow with the loop (`N` and `4N` calls cost the same,
+///   give or take the reads of the shell around it);
+/// - **scheduler hook**: a pipe ping-pong outside every root, with and
+///   without the hook: one exit per context switch, instructions added
+///   per switch;
+/// - **view switches**: the ping-pong under a session rooted at
+///   `pipe_read` (depth 2): the child sleeps inside the root, the parent
+///   in poll outside it, so each switch between them moves the view.
+fn quiet_views(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    const N: u64 = 5000;
+    const TRIPS: u64 = 1000;
+    let func = getppid_function(c);
+    let func = func.as_str();
+    ck.check(
+        matches!(call(c, Request::TraceStop), Response::Ok),
+        "trace stop",
+    );
+    let getppid = |c: &mut Client, n: u64| {
+        let (vmcalls, _, out) = vmcalls_of(c, &format!("hvbench getppid {n}"));
+        (vmcalls, bench_value(&out, "ns") / n as f64)
+    };
+    let switch = |c: &mut Client| {
+        let before = view_switches(c);
+        let (vmcalls, wall, out) = vmcalls_of(c, &format!("hvbench switch {TRIPS}"));
+        let views = view_switches(c) - before;
+        (vmcalls, bench_value(&out, "ns_per_switch"), views, wall)
+    };
+    let none = getppid(c, N);
+    let switch_none = switch(c);
+    // Before: every call inside a root over `*`, as every call of a
+    // hooked function cost wherever it ran.
+    let Some(armed_session) = graph_start(
+        c,
+        GraphFilter {
+            functions: vec![func.into()],
+            ..GraphFilter::default()
+        },
+    ) else {
+        ck.check(false, format!("a session rooted at {func} over *"));
+        return;
+    };
+    let st = status(c).tracer;
+    println!(
+        "quiet views: a session rooted at {func} over *: {} functions hooked, {} pages quiet, scheduler hook {}",
+        armed_session.1, st.quiet_pages, st.switch_hook
+    );
+    ck.check(
+        st.switch_hook,
+        "the scheduler hook is in while a session has roots",
+    );
+    ck.check(
+        st.quiet_pages > 100,
+        format!(
+            "most hooked pages are quiet: {} of {}",
+            st.quiet_pages, st.pages
+        ),
+    );
+    let armed = getppid(c, N);
+    // The ping-pong runs outside every root: the hook's exit alone.
+    let switch_hook = switch(c);
+    // A session rooted at vfs_read over the same functions (nothing new is
+    // hooked); the first one stops, and the loop runs outside every root.
+    let reads = graph_start(
+        c,
+        GraphFilter {
+            functions: vec!["vfs_read".into()],
+            ..GraphFilter::default()
+        },
+    );
+    ck.check(
+        matches!(
+            call(
+                c,
+                Request::GraphStop {
+                    session: Some(armed_session.0)
+                }
+            ),
+            Response::Ok
+        ),
+        "graph stop",
+    );
+    let quiet = getppid(c, N);
+    let quiet4 = getppid(c, 4 * N);
+    // Inside its roots the session still traces: a dd read's tree.
+    let mut ours = Stream::of(reads.map_or(0, |r| r.0), TraceFormat::Text, stream.cursor);
+    let _ = ours.read(c);
+    exec(
+        c,
+        "dd if=/etc/hostname of=/dev/null bs=64 count=1 2>/dev/null",
+    );
+    let dd = ours.read(c);
+    let dd_tree = parse_graph(&ours_for(&dd, "dd"));
+    call(c, Request::GraphStop { session: None });
+    // The view moves with the ping-pong under a session rooted at
+    // pipe_read, depth 2.
+    let pipe = graph_start(
+        c,
+        GraphFilter {
+            functions: vec!["pipe_read".into()],
+            max_depth: 2,
+            ..GraphFilter::default()
+        },
+    );
+    let switch_views = switch(c);
+    call(c, Request::GraphStop { session: None });
+    let _ = stream.read(c);
+    let end = status(c).tracer;
+    // The guest's own function_graph under the same root.
+    exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo vfs_read > set_graph_function && echo function_graph > current_tracer"
+        ),
+    );
+    let guest = getppid(c, N);
+    exec(
+        c,
+        &format!("cd {TRACEFS} && echo nop > current_tracer && echo > set_graph_function"),
+    );
+    let instr = |ns: f64| ns / 20.0;
+    println!("quiet views: {N} getppid calls (1 emulated instruction = 20 ns of guest time)");
+    for (name, (vmcalls, ns)) in [
+        ("no tracer", none),
+        ("inside a root over * (before)", armed),
+        ("rooted at vfs_read, quiet", quiet),
+        ("the same, 4N calls", quiet4),
+        ("guest function_graph, vfs_read", guest),
+    ] {
+        println!(
+            "  {name:<32} {vmcalls:>8} VMCALLs  {:>8.2} per call  {:>7.0} instr/call (+{:.0})",
+            vmcalls as f64 / N as f64,
+            instr(ns),
+            instr(ns - none.1)
+        );
+    }
+    println!("quiet views: {TRIPS} pipe round trips (2 context switches each)");
+    for (name, (vmcalls, ns, views, wall)) in [
+        ("no tracer", switch_none),
+        ("scheduler hook, outside roots", switch_hook),
+        ("rooted at pipe_read, depth 2", switch_views),
+    ] {
+        println!(
+            "  {name:<32} {vmcalls:>8} VMCALLs  {:>5.2} per switch  {:>7.0} instr/switch (+{:.0})  {views} view switches, {:.0} per second of Bochs",
+            vmcalls as f64 / (2 * TRIPS) as f64,
+            instr(ns),
+            instr(ns - switch_none.1),
+            views as f64 / wall
+        );
+    }
+    println!(
+        "quiet views: a dd read under vfs_read: {} nodes; at the end {} pages quiet, scheduler hook {}, {} page changes put off",
+        dd_tree.len(),
+        end.quiet_pages,
+        end.switch_hook,
+        end.quiet_busy
+    );
+    ck.check(
+        reads.is_some() && pipe.is_some(),
+        "sessions on vfs_read and pipe_read",
+    );
+    ck.eq("VMCALLs without a tracer", none.0, 0);
+    ck.check(
+        armed.0 >= 2 * N,
+        format!(
+            "inside a root every call exits: {} VMCALLs for {N} calls",
+            armed.0
+        ),
+    );
+    // Outside the roots the loop costs nothing: 3N more calls add fewer
+    // exits than 1 per 50 calls (the shell's own reads around the loop
+    // are roots, and cost the same in both runs).
+    ck.check(
+        quiet4.0 < quiet.0 + 3 * N / 50,
+        format!(
+            "the quiet loop's exits do not grow with it: {} for {N} calls, {} for {}",
+            quiet.0,
+            quiet4.0,
+            4 * N
+        ),
+    );
+    ck.check(
+        quiet.0 * 10 < armed.0,
+        format!(
+            "quiet costs a tenth of armed at most: {} against {}",
+            quiet.0, armed.0
+        ),
+    );
+    ck.check(
+        switch_hook.0 >= 2 * TRIPS,
+        format!(
+            "every context switch exits at the scheduler hook: {} VMCALLs for {} switches",
+            switch_hook.0,
+            2 * TRIPS
+        ),
+    );
+    ck.check(
+        switch_views.2 >= 2 * TRIPS,
+        format!(
+            "the view moves at each switch between a task inside a root and one outside: {} moves over {TRIPS} round trips",
+            switch_views.2
+        ),
+    );
+    ck.check(
+        dd_tree
+            .iter()
+            .any(|n| matches!(n, Node::Open(0, f) if f == "vfs_read")),
+        format!("a dd read is traced inside the root:\n{dd}"),
+    );
+    ck.check(
+        !end.switch_hook && end.quiet_pages == 0,
+        "the scheduler hook and the quiet pages go with the last session",
+    );
 }
 
 /// Tasks that exit inside traced functions (`do_exit` never returns)
@@ -1008,6 +1259,9 @@ fn exercise(guest: &str) {
         throughput(&mut ck, &mut c, &mut stream);
     }
     cost(&mut ck, &mut c, &mut stream);
+    if guest == "fast" {
+        quiet_views(&mut ck, &mut c, &mut stream);
+    }
     let t = status(&mut c).tracer;
     println!("{guest}: graph tracer counters at the end: {t:?}");
     let alive = exec(&mut c, "echo alive");

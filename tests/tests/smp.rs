@@ -51,11 +51,32 @@ use smp_common::{
 
 /// A task sleeps in a traced function on CPU 0 and is moved to CPU 1
 /// while asleep: it returns through us once, on CPU 1, after its whole
-/// sleep, and no frame is left.
+/// sleep, and no frame is left. The session traces `hrtimer_cancel`
+/// beneath the root (depth 2), which the quiet views leave unhooked
+/// outside it: do_nanosleep calls it once the sleep is over, on CPU 1,
+/// which the scheduler hook must have armed when the sleeper came in.
 fn migrating_sleeper(ck: &mut Checks, c: &mut Client) {
-    let Some(session) = graph_start(ck, c, "do_nanosleep") else {
+    let r = hv_call(
+        c,
+        Request::GraphStart(protocol::GraphFilter {
+            functions: vec!["do_nanosleep".into()],
+            trace: vec!["do_nanosleep".into(), "hrtimer_cancel".into()],
+            max_depth: 2,
+            ..protocol::GraphFilter::default()
+        }),
+    );
+    let Response::GraphStarted { session, .. } = r else {
+        ck.check(false, format!("graph start do_nanosleep: {r:?}"));
         return;
     };
+    let st = hv_status(c).tracer;
+    ck.check(
+        st.switch_hook && st.quiet_pages >= 1,
+        format!(
+            "hrtimer_cancel's page is quiet: {} quiet pages, scheduler hook {}",
+            st.quiet_pages, st.switch_hook
+        ),
+    );
     let mut json = Stream::of(session, TraceFormat::Json, 0);
     let _ = json.read(c);
     let out = guest_exec(
@@ -87,10 +108,28 @@ fn migrating_sleeper(ck: &mut Checks, c: &mut Client) {
         .lines()
         .filter(|l| l.contains(&format!("\"pid\":{pid},")))
         .collect();
-    let entries: Vec<&&str> = mine.iter().filter(|l| l.contains("graph_entry")).collect();
-    let returns: Vec<&&str> = mine.iter().filter(|l| l.contains("graph_return")).collect();
+    let of = |kind: &str, func: &str| -> Vec<&&str> {
+        mine.iter()
+            .filter(|l| l.contains(kind) && l.contains(&format!("\"func\":\"{func}\"")))
+            .collect()
+    };
+    let entries = of("graph_entry", "do_nanosleep");
+    let returns = of("graph_return", "do_nanosleep");
     ck.eq("the sleeper's entries", entries.len(), 1);
     ck.eq("the sleeper's returns", returns.len(), 1);
+    let cancels = of("graph_entry", "hrtimer_cancel");
+    ck.eq(
+        "hrtimer_cancel beneath the sleeper's root, after its wake",
+        cancels.len(),
+        1,
+    );
+    if let Some(e) = cancels.first() {
+        ck.eq(
+            "hrtimer_cancel's CPU (armed at the switch)",
+            num(e, "cpu"),
+            Some(1),
+        );
+    }
     if let (Some(e), Some(r)) = (entries.first(), returns.first()) {
         ck.eq("the sleeper's entry CPU", num(e, "cpu"), Some(0));
         ck.eq("the sleeper's return CPU", num(r, "cpu"), Some(1));

@@ -166,6 +166,54 @@ impl Started {
     }
 }
 
+/// The EPT views as `status` reports them: each vCPU's view switches and
+/// time armed and quiet (nanoseconds), and the pages left quiet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Views {
+    pub per_vcpu: Vec<(u64, u64, u64)>,
+    pub quiet_pages: u32,
+}
+
+/// The views now, from `status` (`None` when it cannot be had: the
+/// closing line then leaves them out).
+pub fn views(control: &mut dyn Control) -> Option<Views> {
+    match control.request(Request::Status, PROBE_TIMEOUT).ok()? {
+        Response::Status(r) => Some(Views {
+            per_vcpu: r
+                .per_vcpu
+                .iter()
+                .map(|v| (v.view_switches, v.armed_ns, v.quiet_ns))
+                .collect(),
+            quiet_pages: r.tracer.quiet_pages,
+        }),
+        _ => None,
+    }
+}
+
+/// What a session cost, from the views at its start and at its end: the
+/// functions hooked, the pages left unhooked outside its roots, and per
+/// vCPU the time armed (every hook) against quiet, and the view switches.
+pub fn cost_line(started: &Started, start: &Views, end: &Views) -> String {
+    let ms = |ns: u64| ns / 1_000_000;
+    let mut line = format!(
+        "function graph session {}: {} functions hooked, {} pages of them unhooked outside the roots",
+        started.session, started.hooked, end.quiet_pages
+    );
+    for (i, (e, b)) in end.per_vcpu.iter().zip(&start.per_vcpu).enumerate() {
+        let (switches, armed, quiet) = (
+            e.0.saturating_sub(b.0),
+            e.1.saturating_sub(b.1),
+            e.2.saturating_sub(b.2),
+        );
+        line.push_str(&format!(
+            "; vCPU {i}: armed {} ms, quiet {} ms, {switches} view switches",
+            ms(armed),
+            ms(quiet)
+        ));
+    }
+    line
+}
+
 /// Starts a function-graph session.
 pub fn start(control: &mut dyn Control, filter: GraphFilter) -> Result<Started> {
     match control.request(Request::GraphStart(filter), PROBE_TIMEOUT)? {
@@ -251,6 +299,7 @@ pub fn trace_session(
         }
     })?;
     eprintln!("hvtrace: {}", started.line());
+    let views_at_start = views(control);
     // Only this session's lines: probes, the function tracer and other
     // sessions may be writing to the stream too.
     let mut reader = reader.with_source(Some(started.session));
@@ -262,13 +311,19 @@ pub fn trace_session(
         &mut output,
         interrupted,
     );
+    let mut cost = None;
     let stopped = match &copied {
         // Nothing left to stop.
         Ok(CopyEnd::VmEnded(why)) => {
             eprintln!("hvtrace: {}", crate::output::term::sanitize(why));
             Ok(())
         }
-        _ => stop(control, started.session),
+        _ => {
+            if let (Some(a), Some(b)) = (&views_at_start, views(control)) {
+                cost = Some(cost_line(&started, a, &b));
+            }
+            stop(control, started.session)
+        }
     };
     let finished = output.finish();
     let end = copied?;
@@ -279,6 +334,9 @@ pub fn trace_session(
         // The reader of our output left (`| head`): nothing more to say.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
         Err(e) => bail!("cannot write the trace: {e}"),
+    }
+    if let Some(line) = cost {
+        eprintln!("hvtrace: {line}");
     }
     if end == CopyEnd::Stopped {
         let what = format!("function graph session {}", started.session);
@@ -414,9 +472,40 @@ mod tests {
 
     impl Control for Canned {
         fn request(&mut self, request: Request, _timeout: Duration) -> Result<Response> {
+            if request == Request::Status {
+                // No status here: the closing line leaves the views out.
+                return Ok(Response::error(ErrorKind::NotReady, "no status"));
+            }
             self.seen.push(request);
             Ok(self.answers.pop_front().expect("no answer left"))
         }
+    }
+
+    #[test]
+    fn the_cost_line_gives_each_vcpus_views_over_the_session() {
+        let started = Started {
+            session: 4,
+            hooked: 37_657,
+            roots: 1,
+            skipped: 0,
+        };
+        let at = |v: Vec<(u64, u64, u64)>, quiet_pages| Views {
+            per_vcpu: v,
+            quiet_pages,
+        };
+        let line = cost_line(
+            &started,
+            &at(vec![(10, 5_000_000, 0), (0, 0, 0)], 0),
+            &at(
+                vec![(14, 7_000_000, 900_000_000), (2, 1_000_000, 30_000_000)],
+                2_210,
+            ),
+        );
+        assert_eq!(
+            line,
+            "function graph session 4: 37657 functions hooked, 2210 pages of them unhooked outside the roots; \
+             vCPU 0: armed 2 ms, quiet 900 ms, 4 view switches; vCPU 1: armed 1 ms, quiet 30 ms, 2 view switches"
+        );
     }
 
     #[test]

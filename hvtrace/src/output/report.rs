@@ -128,6 +128,30 @@ pub fn status_text(status: &Status) -> String {
         if t.trampolines != 0 {
             out.push_str(&format!("{:<12} trampolines at {:#x}\n", "", t.trampolines));
         }
+        if t.switch_hook || t.quiet_pages != 0 || r.per_vcpu.iter().any(|c| c.view_switches != 0) {
+            out.push_str(&format!(
+                "{:<12} {} pages quiet (hooked only inside a graph root), scheduler hook {}{}\n",
+                "views",
+                t.quiet_pages,
+                if t.switch_hook { "in" } else { "out" },
+                if t.quiet_busy != 0 {
+                    format!(", {} page changes put off", t.quiet_busy)
+                } else {
+                    String::new()
+                }
+            ));
+            for c in &r.per_vcpu {
+                out.push_str(&format!(
+                    "{:<12} vCPU {}: on the {} view, {} switches, armed {} ms, quiet {} ms\n",
+                    "",
+                    c.index,
+                    if c.quiet { "quiet" } else { "armed" },
+                    c.view_switches,
+                    c.armed_ns / 1_000_000,
+                    c.quiet_ns / 1_000_000
+                ));
+            }
+        }
         if t.graph_sessions != 0
             || t.retprobes != 0
             || t.graph_stacks + t.graph_misses + t.graph_dropped + t.graph_orphans + t.graph_reaped
@@ -264,6 +288,9 @@ pub fn status_json(status: &Status) -> Json {
         ("module_followed", json::int(t.module_followed)),
         ("module_inits_freed", json::int(t.module_inits_freed)),
         ("module_init_unhooked", json::int(t.module_init_unhooked)),
+        ("quiet_pages", json::int(u64::from(t.quiet_pages))),
+        ("switch_hook", Json::Bool(t.switch_hook)),
+        ("quiet_busy", json::int(t.quiet_busy)),
         (
             "trampolines",
             match t.trampolines {
@@ -305,6 +332,10 @@ pub fn status_json(status: &Status) -> Json {
                             ("hits", json::int(c.hits)),
                             ("returns", json::int(c.returns)),
                             ("refused", json::int(c.refused)),
+                            ("view_switches", json::int(c.view_switches)),
+                            ("armed_ns", json::int(c.armed_ns)),
+                            ("quiet_ns", json::int(c.quiet_ns)),
+                            ("quiet", Json::Bool(c.quiet)),
                         ])
                     })
                     .collect(),
@@ -518,6 +549,10 @@ mod tests {
                 hits: 0,
                 returns: 0,
                 refused: 0,
+                view_switches: 0,
+                armed_ns: 0,
+                quiet_ns: 0,
+                quiet: false,
             }],
             guard: protocol::GuardReport::default(),
         }
@@ -658,7 +693,7 @@ mod tests {
         );
         let j = status_json(&status).to_string();
         assert!(
-            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"module_hooks":0,"module_loads":0,"module_unloads":0,"module_armed":0,"module_unhooked":0,"pending_probes":0,"module_globs":0,"module_followed":0,"module_inits_freed":0,"module_init_unhooked":0,"trampolines":"0xffffffffc0000000"}"#),
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"module_hooks":0,"module_loads":0,"module_unloads":0,"module_armed":0,"module_unhooked":0,"pending_probes":0,"module_globs":0,"module_followed":0,"module_inits_freed":0,"module_init_unhooked":0,"quiet_pages":0,"switch_hook":false,"quiet_busy":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
         );
         // The graph line shows once there is graph state.

@@ -432,19 +432,17 @@ impl Control {
             ),
             Request::ProbeAdd { spec } => (
                 with_kernel(src, |src, k| {
-                    with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
-                        src.tracer.probe_add(&spec, k, env)
-                    })
-                    .map(|hypervisor::tracer::ProbeAdded { name, site }| {
-                        Response::ProbeAdded { name, site }
-                    })
+                    world_request(src, Some(k), |t, env| t.probe_add(&spec, k, env)).map(
+                        |hypervisor::tracer::ProbeAdded { name, site }| Response::ProbeAdded {
+                            name,
+                            site,
+                        },
+                    )
                 }),
                 Action::None,
             ),
             Request::ProbeDel { name } => (
-                match with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
-                    src.tracer.probe_del(&name, env)
-                }) {
+                match world_request(src, None, |t, env| t.probe_del(&name, env)) {
                     Ok(()) => Response::Ok,
                     Err(hypervisor::tracer::ReqError { kind, message }) => {
                         Response::error(kind, message)
@@ -455,10 +453,7 @@ impl Control {
             Request::ProbeList => (Response::Probes(src.tracer.probe_list()), Action::None),
             Request::FunctionAdd { glob } => (
                 with_kernel(src, |src, k| {
-                    with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
-                        src.tracer.function_add(&glob, k, env)
-                    })
-                    .map(
+                    world_request(src, Some(k), |t, env| t.function_add(&glob, k, env)).map(
                         |hypervisor::tracer::FunctionsAdded {
                              traced,
                              skipped,
@@ -475,9 +470,7 @@ impl Control {
                 Action::None,
             ),
             Request::FunctionClear => (
-                match with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
-                    src.tracer.function_clear(env)
-                }) {
+                match world_request(src, None, |t, env| t.function_clear(env)) {
                     Ok(()) => Response::Ok,
                     Err(ReqError { kind, message }) => Response::error(kind, message),
                 },
@@ -486,14 +479,13 @@ impl Control {
             Request::CountStart(filter) => (
                 with_kernel(src, |src, k| {
                     let now = src.uptime_ns;
-                    with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
-                        src.tracer.count_start(&filter, k, env, now)
-                    })
-                    .map(|a| Response::CountStarted {
-                        functions: a.traced,
-                        skipped: a.skipped,
-                        skipped_total: a.skipped_total,
-                    })
+                    world_request(src, Some(k), |t, env| t.count_start(&filter, k, env, now)).map(
+                        |a| Response::CountStarted {
+                            functions: a.traced,
+                            skipped: a.skipped,
+                            skipped_total: a.skipped_total,
+                        },
+                    )
                 }),
                 Action::None,
             ),
@@ -528,9 +520,7 @@ impl Control {
                 Action::None,
             ),
             Request::CountStop => (
-                match with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
-                    src.tracer.count_stop(env)
-                }) {
+                match world_request(src, None, |t, env| t.count_stop(env)) {
                     Ok(()) => Response::Ok,
                     Err(ReqError { kind, message }) => Response::error(kind, message),
                 },
@@ -538,10 +528,7 @@ impl Control {
             ),
             Request::GraphStart(filter) => (
                 with_kernel(src, |src, k| {
-                    with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
-                        src.tracer.graph_start(filter, k, env)
-                    })
-                    .map(
+                    world_request(src, Some(k), |t, env| t.graph_start(filter, k, env)).map(
                         |hypervisor::tracer::GraphStarted {
                              session,
                              hooked,
@@ -558,9 +545,7 @@ impl Control {
                 Action::None,
             ),
             Request::GraphStop { session } => (
-                match with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
-                    src.tracer.graph_stop(session, env)
-                }) {
+                match world_request(src, None, |t, env| t.graph_stop(session, env)) {
                     Ok(()) => Response::Ok,
                     Err(hypervisor::tracer::ReqError { kind, message }) => {
                         Response::Error { kind, message }
@@ -876,6 +861,23 @@ fn needs_kernel(r: &Request) -> bool {
 }
 
 /// Runs `f` with the recovered kernel (recovering it first if needed).
+/// Runs a tracer request that may change who uses the hooked sites (the
+/// other vCPUs held from its first change on, as `with_world` does), then
+/// settles the quiet views to it (`Tracer::settle_views`; `k` lets it
+/// install the scheduler hook they need).
+fn world_request<R>(
+    src: &mut StatusSource<'_>,
+    k: Option<&crate::introspect::Kernel>,
+    f: impl FnOnce(&mut Tracer<'_>, &mut hypervisor::tracer::machine::Env<'_>) -> R,
+) -> R {
+    let tracer = &mut src.tracer;
+    with_world(src.views, src.vcpu, src.rip, src.tsc_hz, |env| {
+        let r = f(tracer, env);
+        tracer.settle_views(k.map(|k| k as &dyn KernelView), env);
+        r
+    })
+}
+
 fn with_kernel(
     src: &mut StatusSource<'_>,
     f: impl FnOnce(
@@ -981,7 +983,8 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
             .cpus
             .iter()
             .enumerate()
-            .map(|(i, c)| protocol::VcpuReport {
+            .map(|(i, c)| (i, c, src.tracer.hypercalls_of(i, src.uptime_ns)))
+            .map(|(i, c, h)| protocol::VcpuReport {
                 index: i as u32,
                 apic_id: c.apic_id,
                 parked: c.life.is_parked(),
@@ -993,9 +996,13 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
                 held_ns: crate::clock::tsc_to_ns(c.held_ticks, src.tsc_hz),
                 lost: src.tracer.lost_of(i),
                 vmcalls: c.counters.get(hypervisor::vmx::exit::reason::VMCALL),
-                hits: src.tracer.hypercalls_of(i).hits,
-                returns: src.tracer.hypercalls_of(i).returns,
-                refused: src.tracer.hypercalls_of(i).refused,
+                hits: h.hits,
+                returns: h.returns,
+                refused: h.refused,
+                view_switches: h.view_switches,
+                armed_ns: h.armed_ns,
+                quiet_ns: h.quiet_ns,
+                quiet: h.quiet,
             })
             .collect(),
         hv_memory_used: src.memory_used,

@@ -5,6 +5,7 @@
 
 use hypervisor::stats::ExitCounters;
 use hypervisor::tracer;
+use hypervisor::tracer::machine::View;
 use hypervisor::vmx::event::Event;
 use hypervisor::vmx::regs::GuestRegs;
 use protocol::GuardReport;
@@ -29,8 +30,10 @@ pub struct CpuState {
     /// Entries on which root cleared the blocking-by-SMI bit that Bochs
     /// 2.7 leaves in an AP's interruptibility state.
     pub smi_blocking_cleared: u64,
-    /// This vCPU's EPT view (its VMCS's EPT pointer).
-    pub eptp: u64,
+    /// This vCPU's two EPT views' pointers (armed, quiet), and the one its
+    /// VMCS has (the one the tracer last named for it).
+    pub eptps: [u64; 2],
+    pub view: View,
     /// TSC ticks spent held in root while another vCPU had the world
     /// stopped (`crate::world`).
     pub held_ticks: u64,
@@ -68,6 +71,14 @@ pub struct CpuState {
 }
 
 impl CpuState {
+    /// The EPT pointer of its view `view`.
+    pub fn eptp_of(&self, view: View) -> u64 {
+        match view {
+            View::Armed => self.eptps[0],
+            View::Quiet => self.eptps[1],
+        }
+    }
+
     /// The state of vCPU `index` before its first entry.
     pub fn new(index: usize) -> Self {
         CpuState {
@@ -79,7 +90,8 @@ impl CpuState {
             shared_takes: 0,
             apic_refused: 0,
             smi_blocking_cleared: 0,
-            eptp: 0,
+            eptps: [0; 2],
+            view: View::Armed,
             held_ticks: 0,
             lapic_base: 0,
             local_exits: 0,

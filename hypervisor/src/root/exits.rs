@@ -17,6 +17,7 @@ use hypervisor::addr::Gva;
 use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite};
 use hypervisor::task_switch::LegacyPaging;
+use hypervisor::tracer::machine::View;
 use hypervisor::tracer::modules::{ModuleEvent, ModuleHook};
 use hypervisor::tracer::{DebugState, Hit, Hypercall, Tracer, Violation};
 use hypervisor::vmx::ap;
@@ -289,10 +290,12 @@ fn prepare_entry(cpu: &mut CpuState) -> Result<(), VmcsError> {
 /// lock, handle the exit, let the lock go, enter again.
 pub fn run(cpu: &mut CpuState) -> StopReason {
     let shared = crate::vm::shared();
-    cpu.eptp = match f::EPT_POINTER.read(&Vmcs) {
+    let eptp = match f::EPT_POINTER.read(&Vmcs) {
         Ok(e) => e,
         Err(e) => return e.into(),
     };
+    cpu.eptps = crate::vcpu::eptps(cpu.index).unwrap_or([eptp; 2]);
+    cpu.view = View::Armed;
     if cpu.index == 0 {
         let mut vm = shared.lock(&mut cpu.lock_wait_ticks);
         if let Err(e) = (Vcpu { vm: &mut vm, cpu }).service() {
@@ -304,7 +307,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             return e.into();
         }
         cpu.held_ticks = cpu.held_ticks.saturating_add(crate::world::entering_guest(
-            cpu.index, cpu.eptp, cpu.parked,
+            cpu.index, cpu.eptps, cpu.parked,
         ));
         // SAFETY: `vcpu::setup` or `vcpu::setup_ap` filled the current
         // VMCS completely.
@@ -453,15 +456,31 @@ fn hypercall(vm: HitView<'_>, cpu: &mut CpuState) -> Result<Next, VmcsError> {
     let kernel = vm.kernel.map(|k| k as &dyn KernelView);
     let mut hit = Hit::new(vm.tracer, &mut cpu.tracer);
     let regs = &mut cpu.regs;
-    match with_env_clocked(vm.views, cpu.index, vm.clock, vm.tsc_hz, |env| {
+    let served = with_env_clocked(vm.views, cpu.index, cpu.view, vm.clock, vm.tsc_hz, |env| {
         hit.hypercall(env, rip, regs, &view, kernel, now)
-    }) {
+    });
+    switch_view(cpu)?;
+    match served {
         Hypercall::Handled => entry::advance(&mut Vmcs).map(|()| Next::Resume),
         Hypercall::Foreign => {
             cpu.inject = Some(Event::exception(UD, None));
             Ok(Next::Resume)
         }
     }
+}
+
+/// Moves the vCPU to the EPT view its tracer state names, if it is not
+/// there (`hypervisor::tracer::quiet`). No INVEPT: each view's
+/// translations are tagged by its own EPT pointer, and a change to a view
+/// invalidates it (`crate::world`, `Machine::invept`).
+fn switch_view(cpu: &mut CpuState) -> Result<(), VmcsError> {
+    let want = cpu.tracer.view();
+    if want != cpu.view {
+        let eptp = cpu.eptp_of(want);
+        f::EPT_POINTER.write(&mut Vmcs, eptp)?;
+        cpu.view = want;
+    }
+    Ok(())
 }
 
 /// Whether a turn period has passed since the vCPU's last turn, by the
@@ -646,7 +665,9 @@ impl Vcpu<'_> {
         let kernel = self.vm.introspection.take_kernel();
         if let Some(k) = kernel.as_ref() {
             with_world(&self.vm.cfg.views, self.cpu.index, rip, tsc_hz, |env| {
-                tracer!(self).module_event(ev, k, env)
+                let mut t = tracer!(self);
+                t.module_event(ev, k, env);
+                t.settle_views(Some(k), env);
             });
         }
         self.vm.introspection.put_kernel(kernel);
@@ -676,7 +697,7 @@ impl Vcpu<'_> {
         let mut busy = false;
         self.cpu.last_turn_tsc = insn::rdtsc();
         self.cpu.last_turn = self.vm.clock.update(self.cpu.last_turn_tsc);
-        with_env(&self.vm.cfg.views, self.cpu.index, |env| {
+        with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
             tracer!(self).on_turn(env)
         });
         if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
@@ -878,7 +899,7 @@ impl Vcpu<'_> {
             VmExit::Exception { vector: DB, info } => self.debug_exception(info),
             VmExit::PreemptionTimer => self.service(),
             VmExit::EptViolation(e) => {
-                match with_env(&self.vm.cfg.views, self.cpu.index, |env| {
+                match with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
                     tracer!(self).on_violation(e.gpa, e.write, env)
                 }) {
                     Violation::Stepping => {
@@ -945,7 +966,9 @@ impl Vcpu<'_> {
             self.cpu.timer = t;
         }
         // EPT may have changed while the AP was parked.
-        let _ = insn::invept_single(self.cpu.eptp);
+        for eptp in self.cpu.eptps {
+            let _ = insn::invept_single(eptp);
+        }
         // NMIs to this CPU were blocked by the way Bochs 2.7 takes the SIPI
         // exit; an IRET in root lets them through again (a no-op on a CPU
         // whose NMIs are not blocked).
@@ -1130,7 +1153,8 @@ impl Vcpu<'_> {
             e.fetch,
             e.allowed
         );
-        let leaf = self.vm.cfg.views.get(self.cpu.index).and_then(|ept| {
+        let at = crate::machine::view_index(self.cpu.index, self.cpu.view);
+        let leaf = self.vm.cfg.views.get(at).and_then(|ept| {
             ept.translate(
                 &mut crate::frames::PoolTables,
                 hypervisor::addr::Gpa(e.gpa & !0xfff),
@@ -1182,7 +1206,7 @@ impl Vcpu<'_> {
         } = tracer!(self).debug_state();
         let act = debug::decide(qual, int1, stepping, guest_tf, stray);
         if act.end_step {
-            with_env(&self.vm.cfg.views, self.cpu.index, |env| {
+            with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
                 tracer!(self).finish_step(env)
             });
         } else if stray && act.tf == Some(false) {

@@ -1,5 +1,6 @@
 //! Root's side of the tracer's [`Machine`]: the frame pool, the vCPUs' EPT
-//! views (with INVEPT), the heap, and the guarded door to guest RAM.
+//! views (two each, armed and quiet, with INVEPT), the heap, and the
+//! guarded door to guest RAM.
 //!
 //! Two environments: [`with_env`] for what one vCPU does to its own view
 //! (a single step, a hypercall, a turn), and [`with_world`] for a request
@@ -15,12 +16,15 @@ use guest_introspect::fallible::OutOfMemory;
 use hypervisor::acpi::MAX_CPUS;
 use hypervisor::addr::{Gpa, Hpa};
 use hypervisor::ept::{Ept, EptError, MemType};
-use hypervisor::tracer::machine::{Env, Machine, PAGE};
+use hypervisor::tracer::machine::{Env, Machine, View, PAGE};
 
-/// The tracer's machine over the VM's EPT views, for vCPU `me`.
+/// The tracer's machine over the VM's EPT views, for vCPU `me`, which
+/// runs on its view `view`. vCPU `i`'s two views are `views[2 * i]` (armed)
+/// and `views[2 * i + 1]` (quiet): see [`view_index`].
 struct Root<'a> {
     views: &'a [Ept],
     me: usize,
+    view: View,
     /// May this environment hold the other vCPUs (a host request), and at
     /// what TSC rate it counts its wait.
     may_stop: Option<u64>,
@@ -36,12 +40,13 @@ struct Root<'a> {
 }
 
 impl<'a> Root<'a> {
-    fn new(views: &'a [Ept], me: usize, rip: u64, may_stop: Option<u64>) -> Self {
+    fn new(views: &'a [Ept], me: usize, view: View, rip: u64, may_stop: Option<u64>) -> Self {
         let mut rips = [0u64; MAX_CPUS];
         rips[0] = rip;
         Root {
             views,
             me,
+            view,
             may_stop,
             world: None,
             stalled: false,
@@ -52,7 +57,13 @@ impl<'a> Root<'a> {
     }
 
     fn mine(&self) -> Result<&Ept, EptError> {
-        self.views.get(self.me).ok_or(EptError::OutOfTables)
+        self.own(self.view)
+    }
+
+    fn own(&self, view: View) -> Result<&Ept, EptError> {
+        self.views
+            .get(view_index(self.me, view))
+            .ok_or(EptError::OutOfTables)
     }
 
     /// Every view, for a change they must all see: only with the other
@@ -93,9 +104,9 @@ impl Machine for Root<'_> {
     }
 
     fn ept_map(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
-        let me = self.me;
+        let me = view_index(self.me, self.view);
         let views = self.shared()?;
-        let mut olds = [0u64; MAX_CPUS];
+        let mut olds = [0u64; 2 * MAX_CPUS];
         for (i, ept) in views.iter().enumerate() {
             match ept.map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack) {
                 Ok(old) => {
@@ -126,27 +137,57 @@ impl Machine for Root<'_> {
         out
     }
 
+    fn ept_map_quiet(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<(), EptError> {
+        let views = self.shared()?;
+        let mut olds = [0u64; MAX_CPUS];
+        let quiet = || views.iter().skip(View::Quiet as usize).step_by(2);
+        for (i, ept) in quiet().enumerate() {
+            match ept.map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack) {
+                Ok(old) => {
+                    if let Some(o) = olds.get_mut(i) {
+                        *o = old;
+                    }
+                }
+                Err(e) => {
+                    // Every quiet view or none, as in `ept_map`.
+                    for (ept, &old) in quiet().zip(olds.iter()).take(i) {
+                        let _ = ept.restore_page(&mut PoolTables, gpa, old);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn ept_map_mine(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
         self.mine()?
             .map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack)
     }
 
-    fn ept_unmap_mine(&mut self, gpa: Gpa) -> Result<(), EptError> {
-        self.mine()?
+    fn ept_map_own(&mut self, view: View, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
+        self.own(view)?
+            .map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack)
+    }
+
+    fn ept_unmap_own(&mut self, view: View, gpa: Gpa) -> Result<(), EptError> {
+        self.own(view)?
             .unmap(&mut PoolTables, gpa, Gpa(gpa.0.saturating_add(PAGE as u64)))
     }
 
     fn invept(&mut self) {
-        let Ok(eptp) = self.mine().map(Ept::eptp) else {
-            return;
-        };
-        if insn::invept_single(eptp).is_err() {
-            log::warn!("INVEPT failed");
+        for view in View::BOTH {
+            let Ok(eptp) = self.own(view).map(Ept::eptp) else {
+                continue;
+            };
+            if insn::invept_single(eptp).is_err() {
+                log::warn!("INVEPT failed");
+            }
         }
     }
 
     fn stop_others(&mut self) -> bool {
-        if self.views.len() <= 1 || self.world.is_some() {
+        if self.views.len() <= 2 || self.world.is_some() {
             return true;
         }
         let Some(tsc_hz) = self.may_stop.filter(|_| !self.stalled) else {
@@ -194,11 +235,16 @@ impl Machine for Root<'_> {
     }
 }
 
+/// Where vCPU `vcpu`'s view `view` is among the VM's views.
+pub fn view_index(vcpu: usize, view: View) -> usize {
+    2 * vcpu + view as usize
+}
+
 /// Runs `f` with the tracer's environment over root's resources and vCPU
-/// `me`'s EPT view, for what it does on its own (a step, a turn, a
-/// hypercall): nothing there changes every view.
-pub fn with_env<R>(views: &[Ept], me: usize, f: impl FnOnce(&mut Env<'_>) -> R) -> R {
-    let mut m = Root::new(views, me, 0, None);
+/// `me`'s EPT views (it runs on `view`), for what it does on its own (a
+/// step, a turn, a hypercall): nothing there changes every view.
+pub fn with_env<R>(views: &[Ept], me: usize, view: View, f: impl FnOnce(&mut Env<'_>) -> R) -> R {
+    let mut m = Root::new(views, me, view, 0, None);
     f(&mut Env {
         ram: phys::guest_ram(),
         m: &mut m,
@@ -210,11 +256,12 @@ pub fn with_env<R>(views: &[Ept], me: usize, f: impl FnOnce(&mut Env<'_>) -> R) 
 pub fn with_env_clocked<R>(
     views: &[Ept],
     me: usize,
+    view: View,
     clock: hypervisor::mono::MonoTsc,
     tsc_hz: u64,
     f: impl FnOnce(&mut Env<'_>) -> R,
 ) -> R {
-    let mut m = Root::new(views, me, 0, None);
+    let mut m = Root::new(views, me, view, 0, None);
     m.clock = Some((clock, tsc_hz));
     f(&mut Env {
         ram: phys::guest_ram(),
@@ -225,7 +272,8 @@ pub fn with_env_clocked<R>(
 /// Runs a host request that may change what every vCPU executes: the
 /// environment holds the other vCPUs in root from its first hook or
 /// unhook to the end of `f` (`Machine::stop_others`), so the work before
-/// runs with them still running; `rip` is vCPU `me`'s guest RIP.
+/// runs with them still running; `rip` is vCPU `me`'s guest RIP. (A
+/// request opens no page for a step: its view is the armed one.)
 pub fn with_world<R>(
     views: &[Ept],
     me: usize,
@@ -233,7 +281,7 @@ pub fn with_world<R>(
     tsc_hz: u64,
     f: impl FnOnce(&mut Env<'_>) -> R,
 ) -> R {
-    let mut m = Root::new(views, me, rip, Some(tsc_hz));
+    let mut m = Root::new(views, me, View::Armed, rip, Some(tsc_hz));
     let r = f(&mut Env {
         ram: phys::guest_ram(),
         m: &mut m,

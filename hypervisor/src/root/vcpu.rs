@@ -12,6 +12,7 @@ use hypervisor::addr::Gpa;
 use hypervisor::ept::{self, Ept, EptError, MemType};
 use hypervisor::pci;
 use hypervisor::policy;
+use hypervisor::tracer::machine::View;
 use hypervisor::vmx::ap;
 use hypervisor::vmx::caps::{self, EptVpidCap, MissingControls, VmxBasic};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
@@ -224,17 +225,26 @@ pub fn protect_apic(views: &[Ept], lapic: u64) -> Result<(), VmxError> {
     Ok(())
 }
 
-/// Each vCPU's EPT pointer, by index: an AP's VMCS takes its own from
-/// here ([`setup_ap`]).
+/// Every EPT view's pointer, by index (`crate::machine::view_index`): an
+/// AP's VMCS takes its armed view's from here ([`setup_ap`]).
 static EPTPS: spin::Once<alloc::vec::Vec<u64>> = spin::Once::new();
+
+/// vCPU `index`'s two views' EPT pointers (armed, quiet).
+pub fn eptps(index: usize) -> Option<[u64; 2]> {
+    let all = EPTPS.get()?;
+    let at = |v| all.get(crate::machine::view_index(index, v)).copied();
+    Some([at(View::Armed)?, at(View::Quiet)?])
+}
 
 /// What the exit handlers need to know about the VM.
 pub struct VmConfig {
     pub fixed: Fixed,
     pub fadt: Option<Fadt>,
-    /// Each vCPU's EPT view, by index: the same identity map, built the
-    /// same way; the tracer's shared changes go into every view, a single
-    /// step's into its vCPU's alone (see `crate::machine`).
+    /// Each vCPU's two EPT views, armed and quiet, by
+    /// `crate::machine::view_index`: the same identity map, built the same
+    /// way; the tracer's shared changes go into every view, its quiet
+    /// pages into the quiet views, a single step's into its vCPU's alone
+    /// (see `crate::machine`).
     pub views: alloc::vec::Vec<Ept>,
     /// Whether the VMX preemption timer is on.
     pub has_timer: bool,
@@ -362,7 +372,7 @@ pub fn setup_ap(host: &HostTables, t: &Template, index: usize) -> Result<GuestRe
     // The AP's own EPT view (the boot processor made one per vCPU).
     let eptp = EPTPS
         .get()
-        .and_then(|e| e.get(index))
+        .and_then(|e| e.get(crate::machine::view_index(index, View::Armed)))
         .copied()
         .ok_or(VmxError::EptCaps("an EPT view for every vCPU"))?;
     f::EPT_POINTER.write(v, eptp)?;
@@ -401,8 +411,9 @@ pub fn setup(
     let basic = VmxBasic(msr(IA32_VMX_BASIC));
     let fixed = vmxon(basic)?;
     let cap = EptVpidCap(msr(IA32_VMX_EPT_VPID_CAP));
+    // Two views per vCPU, armed then quiet (`crate::machine::view_index`).
     let mut views = alloc::vec::Vec::new();
-    for _ in 0..vcpus.max(1) {
+    for _ in 0..2 * vcpus.max(1) {
         views.push(build_ept(b, cap)?);
     }
     EPTPS.call_once(|| views.iter().map(Ept::eptp).collect());

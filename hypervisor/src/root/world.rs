@@ -82,11 +82,11 @@ pub fn left_guest(index: usize, rip: impl FnOnce() -> u64) {
     }
 }
 
-/// Called last thing before each entry of vCPU `index` (whose view is
-/// `eptp`; `parked` when it enters wait-for-SIPI): waits out a hold, and
-/// invalidates the view if the shared entries changed since its last
+/// Called last thing before each entry of vCPU `index` (whose views are
+/// `eptps`; `parked` when it enters wait-for-SIPI): waits out a hold, and
+/// invalidates both views if the shared entries changed since its last
 /// INVEPT. Returns how many TSC ticks it was held.
-pub fn entering_guest(index: usize, eptp: u64, parked: bool) -> u64 {
+pub fn entering_guest(index: usize, eptps: [u64; 2], parked: bool) -> u64 {
     let Some(p) = presence(index) else {
         return 0;
     };
@@ -101,8 +101,10 @@ pub fn entering_guest(index: usize, eptp: u64, parked: bool) -> u64 {
         }
         let generation = EPT_GENERATION.load(SeqCst);
         if p.seen.load(SeqCst) != generation {
-            if insn::invept_single(eptp).is_err() {
-                log::warn!("vCPU {index}: INVEPT failed");
+            for eptp in eptps {
+                if insn::invept_single(eptp).is_err() {
+                    log::warn!("vCPU {index}: INVEPT failed");
+                }
             }
             p.seen.store(generation, SeqCst);
         }

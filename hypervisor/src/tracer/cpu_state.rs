@@ -1,5 +1,6 @@
 //! The tracer's state that belongs to one vCPU.
 
+use super::machine::View;
 use super::modules::ModuleEvent;
 use super::step::Stepper;
 use alloc::vec::Vec;
@@ -18,6 +19,9 @@ pub struct CpuState {
     pub(super) module_event: Option<ModuleEvent>,
     /// The last hypercall entered a call the count times (`latency`).
     pub(super) timed_entry: bool,
+    /// The EPT view the vCPU is to run on (root moves it there after each
+    /// hypercall; see `super::quiet`).
+    pub(super) view: View,
 }
 
 impl CpuState {
@@ -29,7 +33,13 @@ impl CpuState {
             record: Vec::with_capacity(512),
             module_event: None,
             timed_entry: false,
+            view: View::Armed,
         }
+    }
+
+    /// The EPT view the vCPU is to run on.
+    pub fn view(&self) -> View {
+        self.view
     }
 
     /// Whether the last hypercall entered a call the count times: a turn

@@ -345,8 +345,65 @@ impl Graph {
         }
     }
 
+    /// The sessions (bit N: session N) whose trace sets matter only
+    /// beneath their roots: sessions with roots that hook callees. The
+    /// quiet views leave their sites unhooked (`super::quiet`).
+    pub(super) fn quiet_users(&self) -> u16 {
+        (0..MAX_USERS as u16)
+            .zip(&self.sessions)
+            .skip(1)
+            .filter(|(_, g)| {
+                g.as_ref()
+                    .is_some_and(|g| g.rooted && hooks_callees(&g.filter))
+            })
+            .fold(0, |m, (u, _)| m | 1 << u)
+    }
+
+    /// Whether `func` is a root of one of the sessions in `users`.
+    pub(super) fn is_root_of(&self, users: u16, func: Gva) -> bool {
+        (0..MAX_USERS)
+            .zip(&self.sessions)
+            .filter(|&(u, _)| users & (1 << u) != 0)
+            .any(|(_, g)| g.as_ref().is_some_and(|g| g.roots.contains(&func.0)))
+    }
+
+    /// Whether the vCPU described by `cpu`, running `task`, is inside a
+    /// root of one of the sessions in `users`: a frame of theirs is on the
+    /// stack it runs on, on `task`'s own kernel stack (`task_stack`: a
+    /// root entered from an interrupt returns to the task's state), or on
+    /// one of its CPU's own stacks (guest CPU `cpu_number`).
+    pub(super) fn inside_roots(
+        &self,
+        users: u16,
+        cpu: &CpuView,
+        task_stack: Option<u64>,
+        cpu_number: Option<u32>,
+        stats: &HitStats,
+    ) -> bool {
+        if users == 0 {
+            return false;
+        }
+        let s = self.lock_stacks(stats);
+        let has = |key: u64| {
+            s.by_base
+                .get(&key)
+                .is_some_and(|t| t.st.frames().any(|f| f.users & users != 0))
+        };
+        if has(s.map.key(cpu.rsp)) || task_stack.is_some_and(has) {
+            return true;
+        }
+        cpu_number.is_some_and(|n| {
+            s.map
+                .per_cpu()
+                .iter()
+                .filter(|r| r.cpu == Some(n))
+                .any(|r| has(r.base))
+        })
+    }
+
     /// The return half of an entry hit: for the sessions and return probes
     /// that want this call, push one shared frame and hijack the return.
+    /// Returns the users of the frame pushed (0: none).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn enter(
         &self,
@@ -362,7 +419,7 @@ impl Graph {
         header: EventHeader,
         task: u64,
         k: &dyn KernelView,
-    ) {
+    ) -> u16 {
         let comm = &header.comm;
         let mut users = 0u16;
         let mut entries: [(u8, u16); MAX_USERS] = [(0, 0); MAX_USERS];
@@ -435,14 +492,14 @@ impl Graph {
                 }
             }
             if users == 0 {
-                return;
+                return 0;
             }
             if !s.by_base.contains_key(&key)
                 && (s.by_base.len() >= max_stacks || env.m.heap_check(STACK_ENTRY_BYTES).is_err())
             {
                 add(&out.stats.graph_misses, 1);
                 out.missed(retprobes);
-                return;
+                return 0;
             }
             let owner = match (s.by_base.get(&key), s.owners.get(&key)) {
                 (Some(t), _) if (t.task, t.pid) == (task, header.pid) => OwnerCheck::Same,
@@ -454,13 +511,13 @@ impl Graph {
         // Between the takes, with the lock free: the guest's memory.
         let mut slot = [0u8; 8];
         let Ok(t) = paging::translate(env.ram, cr3, Gva(retp)) else {
-            return;
+            return 0;
         };
         if !retp.is_multiple_of(8)
             || in_hypervisor(t.gpa.0)
             || env.ram.read(t.gpa.0, &mut slot).is_err()
         {
-            return;
+            return 0;
         }
         let ret = u64::from_le_bytes(slot);
         // A new owner (or a first one): is this its own stack?
@@ -489,7 +546,7 @@ impl Graph {
                 // Other vCPUs took the last room between the takes.
                 add(&out.stats.graph_misses, 1);
                 out.missed(retprobes);
-                return;
+                return 0;
             }
             let tracked = s.by_base.entry(key).or_insert_with(|| Tracked {
                 st: RetStack::new(self.stack_frames as usize * FRAME_TAGGED),
@@ -527,7 +584,7 @@ impl Graph {
                 if tracked.st.is_empty() {
                     s.by_base.remove(&key);
                 }
-                return;
+                return 0;
             }
             // A call timed for the count starts now, not at the exit:
             // root's work on the entry is not the function's.
@@ -553,11 +610,11 @@ impl Graph {
                     s.by_base.remove(&key);
                 }
                 out.missed(retprobes);
-                return;
+                return 0;
             }
         }
         if env.ram.write_word(t.gpa.0, tramp).is_err() {
-            return;
+            return 0;
         }
         for &(user, depth) in entries.iter().take(n_entries) {
             let h = EventHeader {
@@ -577,9 +634,11 @@ impl Graph {
             }];
             store_parts(out.ring, out.record, &h, &values);
         }
+        users
     }
 
-    /// A return through the trampoline: the original return address.
+    /// A return through the trampoline: the original return address, and
+    /// the users of the frame it popped.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn leave(
         &self,
@@ -590,7 +649,7 @@ impl Graph {
         cpu: &CpuView,
         kernel: Option<&dyn KernelView>,
         now_ns: u64,
-    ) -> Option<u64> {
+    ) -> Option<(u64, u16)> {
         let retp = regs
             .rdi
             .checked_add(trampolines::abi::RETURN_FRAME_RETP as u64)?;
@@ -706,7 +765,7 @@ impl Graph {
         if let (false, Some(k)) = (ids.is_empty(), kernel) {
             retprobe_hits(env, out, ids, regs, retp, caller, header, cpu, k);
         }
-        Some(frame.ret)
+        Some((frame.ret, frame.users))
     }
 
     /// Drops the return stacks of tasks that died: a task that exits

@@ -11,7 +11,7 @@
 
 use super::count::LATENCY_ID;
 use super::fgraph::Out;
-use super::machine::{CpuView, Env, KernelView, Running};
+use super::machine::{CpuView, Env, KernelView, Running, View};
 use super::modules::ModuleEvent;
 use super::probes::{store, HitSink, VcpuMem};
 use super::region::Region;
@@ -127,13 +127,19 @@ impl<'a> Hit<'a> {
                     stats: &self.vm.hit,
                     vcpu: self.cpu.index as u32,
                 };
-                match self
+                let left = self
                     .vm
                     .graph
-                    .leave(env, out, tramp, regs, cpu, kernel, now_ns)
-                {
-                    Some(ret) => {
+                    .leave(env, out, tramp, regs, cpu, kernel, now_ns);
+                drop(ring);
+                match left {
+                    Some((ret, users)) => {
                         regs.rax = ret;
+                        if users & self.vm.arming_users() != 0 {
+                            // Out of a frame of a session with roots: out
+                            // of its last one, the vCPU goes quiet.
+                            pick_view(self.vm, self.cpu, kernel, cpu, now_ns);
+                        }
                         (Hypercall::Handled, Served::Return)
                     }
                     None => {
@@ -198,6 +204,13 @@ impl<'a> Hit<'a> {
             return (chain, Served::Refused);
         }
         add(&self.vm.hit.hits, 1);
+        if u.switch {
+            // A task comes in on this vCPU: the view its context wants.
+            pick_view(self.vm, self.cpu, Some(k), cpu, now_ns);
+            if u.unused_but_switch() {
+                return (chain, Served::Hit);
+            }
+        }
         if let Some(hook) = u.hidden {
             // A module load or unload: served by the exit handler with the
             // whole VM, before this vCPU runs the function's body.
@@ -307,7 +320,7 @@ impl<'a> Hit<'a> {
                     stats: &self.vm.hit,
                     vcpu: self.cpu.index as u32,
                 };
-                graph_state.enter(
+                let pushed = graph_state.enter(
                     env,
                     out,
                     tramp,
@@ -321,9 +334,56 @@ impl<'a> Hit<'a> {
                     task,
                     k,
                 );
+                drop(ring);
+                if pushed & self.vm.arming_users() != 0 {
+                    // Into a root (or deeper beneath one): armed.
+                    set_view(self.vm, self.cpu, View::Armed, now_ns);
+                }
             }
         }
         (chain, Served::Hit)
+    }
+}
+
+/// Picks the view for the vCPU's context as it is now: armed while it
+/// is inside a root of a session whose trace set the quiet view leaves
+/// unhooked, or while no kernel is known (when no such session runs,
+/// both views hook the same).
+fn pick_view(
+    vm: &VmState,
+    state: &mut CpuState,
+    kernel: Option<&dyn KernelView>,
+    cpu: &CpuView,
+    now_ns: u64,
+) {
+    let users = vm.arming_users();
+    let inside = match (users, kernel) {
+        (0, _) => false,
+        (_, None) => true,
+        (_, Some(k)) => {
+            let task = k.current(cpu).map(|r| r.task);
+            let stack = task.and_then(|t| k.task_stack(t));
+            vm.graph
+                .inside_roots(users, cpu, stack, k.cpu_number(cpu), &vm.hit)
+        }
+    };
+    let view = if inside || users == 0 {
+        View::Armed
+    } else {
+        View::Quiet
+    };
+    set_view(vm, state, view, now_ns);
+}
+
+/// Moves the vCPU to `view` (root switches its EPT pointer when it
+/// resumes the guest), counting the move.
+fn set_view(vm: &VmState, state: &mut CpuState, view: View, now_ns: u64) {
+    if state.view == view {
+        return;
+    }
+    state.view = view;
+    if let Some(c) = vm.hit.vcpus.get(state.index) {
+        c.switched(view == View::Quiet, now_ns);
     }
 }
 

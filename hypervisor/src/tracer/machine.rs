@@ -31,8 +31,9 @@ pub struct Env<'a> {
     pub m: &'a mut dyn Machine,
 }
 
-/// Root's resources, as the tracer uses them. One per VM: the EPT is
-/// shared by every vCPU.
+/// Root's resources, as the tracer uses them. One per VM: each vCPU has
+/// its two EPT views ([`View`]), which root keeps alike but where the
+/// tracer says otherwise.
 pub trait Machine {
     /// A hypervisor frame for the tracer (a trampoline page, a shadow, the
     /// scratch page), or `None` when the pool is exhausted.
@@ -49,13 +50,20 @@ pub trait Machine {
     fn ept_map(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError>;
     /// Removes the EPT entry of the guest page `gpa` in every vCPU's view.
     fn ept_unmap(&mut self, gpa: Gpa) -> Result<(), EptError>;
-    /// Like [`Self::ept_map`], in this vCPU's view only (a single step
-    /// opens a page for one instruction of one vCPU).
+    /// Like [`Self::ept_map`], in every vCPU's quiet view only (a page
+    /// whose hooks matter only inside a session's roots; see [`View`]).
+    fn ept_map_quiet(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<(), EptError>;
+    /// Like [`Self::ept_map`], in the view this vCPU runs on only (a
+    /// single step opens a page for one instruction of one vCPU).
     fn ept_map_mine(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError>;
-    /// Like [`Self::ept_unmap`], in this vCPU's view only.
-    fn ept_unmap_mine(&mut self, gpa: Gpa) -> Result<(), EptError>;
-    /// Makes the EPT changes so far visible to this vCPU (INVEPT of its
-    /// view; the others' are root's to invalidate, see [`Self::ept_map`]).
+    /// Like [`Self::ept_map`], in this vCPU's view `view` only (a step
+    /// puts a page back in both of its vCPU's views).
+    fn ept_map_own(&mut self, view: View, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError>;
+    /// Like [`Self::ept_unmap`], in this vCPU's view `view` only.
+    fn ept_unmap_own(&mut self, view: View, gpa: Gpa) -> Result<(), EptError>;
+    /// Makes the EPT changes so far visible to this vCPU (INVEPT of both
+    /// its views; the others' are root's to invalidate, see
+    /// [`Self::ept_map`]).
     fn invept(&mut self);
     /// Holds every other vCPU in root for the rest of the request, if they
     /// are not held yet: a hook or an unhook changes what every vCPU
@@ -84,6 +92,25 @@ pub trait Machine {
     fn heap_check(&self, bytes: usize) -> Result<(), OutOfMemory>;
     /// Bytes the heap has beyond its reserve.
     fn heap_room(&self) -> usize;
+}
+
+/// Which of a vCPU's two EPT views. Both map guest memory the same way
+/// and every hooked page to its shadow, but for the pages whose hooks
+/// matter only inside a function-graph session's roots: the quiet view
+/// maps those to the guest's own frames (execute-only, so that reads and
+/// writes still step), and a vCPU runs on it while it is inside none of
+/// those roots (`super::quiet`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum View {
+    /// Every hook executes.
+    Armed = 0,
+    /// The hooks of the roots' trace sets do not.
+    Quiet = 1,
+}
+
+impl View {
+    /// Both views.
+    pub const BOTH: [View; 2] = [View::Armed, View::Quiet];
 }
 
 /// The vCPU state the tracer and introspection need, read at an exit.

@@ -18,6 +18,7 @@
 //! | [`probes`] | probe specs and (atomic) counters, the function tracer's count | the VM's |
 //! | [`fgraph`] | graph sessions, generations; return stacks and owners behind their own lock | the VM's |
 //! | [`stream`] | a ring per vCPU (each behind its own lock), the stream's format and held line | the VM's; a ring is its vCPU's |
+//! | [`quiet`] | the scheduler hook, which pages the quiet views leave unhooked | the VM's |
 //! | [`step`] | the single step in flight | the vCPU's |
 //!
 //! The VM's parts are gathered in [`VmState`] (`vm_state.rs`), which the
@@ -36,6 +37,7 @@ mod hit;
 pub mod machine;
 pub mod modules;
 mod probes;
+pub mod quiet;
 mod region;
 pub mod render;
 mod requests;
@@ -209,6 +211,9 @@ impl<'a> Tracer<'a> {
             module_followed: vm.modules.followed,
             module_inits_freed: vm.modules.inits_freed,
             module_init_unhooked: vm.modules.init_unhooked,
+            quiet_pages: vm.quiet.pages,
+            switch_hook: vm.quiet.switch_site.is_some(),
+            quiet_busy: vm.quiet.busy,
             ..vm.stats
         })
     }
@@ -249,8 +254,8 @@ impl<'a> Tracer<'a> {
     }
 
     /// vCPU `index`'s hypercalls, by what they were.
-    pub fn hypercalls_of(&self, index: usize) -> HypercallCounts {
-        self.vm.hypercalls_of(index)
+    pub fn hypercalls_of(&self, index: usize, now_ns: u64) -> HypercallCounts {
+        self.vm.hypercalls_of(index, now_ns)
     }
 
     /// `probe list`.

@@ -4,7 +4,7 @@
 //! reads and writes of the page fault in EPT and are stepped against its
 //! own frame ([`super::step`], per vCPU). Shared by every vCPU.
 
-use super::machine::{Env, KernelView, PAGE};
+use super::machine::{Env, KernelView, View, PAGE};
 use super::modules::ModuleHook;
 use super::region::Region;
 use super::site::{self, Patch, PatchError};
@@ -51,6 +51,9 @@ pub(super) struct SiteUse {
     pub(super) hidden: Option<ModuleHook>,
     /// The call count (`CountStart`) counts this function.
     pub(super) counted: bool,
+    /// Root's own hook on the scheduler's switch path, which picks the
+    /// view of the vCPU a task comes in on (`super::quiet`).
+    pub(super) switch: bool,
     /// Its calls counted since then (hits take the VM shared, so atomic).
     pub(super) calls: core::sync::atomic::AtomicU64,
 }
@@ -64,6 +67,32 @@ impl SiteUse {
             && self.graph == 0
             && self.hidden.is_none()
             && !self.counted
+            && !self.switch
+    }
+
+    /// Whether root's scheduler hook is all the site is for.
+    pub(super) fn unused_but_switch(&self) -> bool {
+        self.probes.is_empty()
+            && self.retprobes.is_empty()
+            && !self.function
+            && self.graph == 0
+            && self.hidden.is_none()
+            && !self.counted
+    }
+
+    /// Whether the site matters only beneath a root of the sessions in
+    /// `rooted` (bit N: session N has roots), and is not such a root
+    /// itself (`is_root`): then the quiet view need not hook it.
+    pub(super) fn quiet_ok(&self, rooted: u16, is_root: impl Fn(u16, Gva) -> bool) -> bool {
+        self.graph != 0
+            && self.graph & !rooted == 0
+            && self.probes.is_empty()
+            && self.retprobes.is_empty()
+            && !self.function
+            && self.hidden.is_none()
+            && !self.counted
+            && !self.switch
+            && !is_root(self.graph, self.func)
     }
 }
 
@@ -71,6 +100,21 @@ impl SiteUse {
 pub(super) struct Hooked {
     pub(super) shadow: Hpa,
     pub(super) patches: Vec<Patch>,
+    /// The quiet views map the page to the guest's own frame (every site
+    /// on it matters only beneath a session's roots); else to the shadow,
+    /// as the armed views do.
+    pub(super) quiet: bool,
+}
+
+impl Hooked {
+    /// What view `view` maps the page `page` to while no step has it open.
+    pub(super) fn mapping(&self, view: View, page: Gpa) -> Hpa {
+        if view == View::Quiet && self.quiet {
+            page.identity_hpa()
+        } else {
+            self.shadow
+        }
+    }
 }
 
 /// The hooked sites and pages.
@@ -94,9 +138,29 @@ pub(super) fn remap(env: &mut Env<'_>, page: Gpa, hpa: Hpa, perms: u64) {
     }
 }
 
-/// [`remap`] in this vCPU's view only (a step's pages).
+/// [`remap`] in every vCPU's quiet view only; whether it was changed.
+pub(super) fn remap_quiet(env: &mut Env<'_>, page: Gpa, hpa: Hpa, perms: u64) -> bool {
+    match env.m.ept_map_quiet(page, hpa, perms) {
+        Ok(()) => true,
+        Err(e) => {
+            log::warn!("tracer: quiet EPT entry of {page:#x} not changed: {e:?}");
+            false
+        }
+    }
+}
+
+/// [`remap`] in the view this vCPU runs on only (a step opens its pages).
 pub(super) fn remap_mine(env: &mut Env<'_>, page: Gpa, hpa: Hpa, perms: u64) {
     if let Err(e) = env.m.ept_map_mine(page, hpa, perms) {
+        log::warn!("tracer: EPT entry of {page:#x} not changed: {e:?}");
+    }
+}
+
+/// [`remap`] in this vCPU's view `view` only (a step closes its pages in
+/// both of its vCPU's views: the vCPU may have changed view since it
+/// opened them, when a step was ended by force).
+pub(super) fn remap_own(env: &mut Env<'_>, view: View, page: Gpa, hpa: Hpa, perms: u64) {
+    if let Err(e) = env.m.ept_map_own(view, page, hpa, perms) {
         log::warn!("tracer: EPT entry of {page:#x} not changed: {e:?}");
     }
 }
@@ -192,6 +256,7 @@ impl SplitView {
                 Hooked {
                     shadow,
                     patches: Vec::new(),
+                    quiet: false,
                 },
             );
         }
@@ -240,6 +305,7 @@ impl SplitView {
                 graph: 0,
                 hidden: None,
                 counted: false,
+                switch: false,
                 calls: core::sync::atomic::AtomicU64::new(0),
             },
         );

@@ -12,15 +12,17 @@
 //! way, and the PDE checked after.
 //!
 //! The step belongs to one vCPU: one instruction of one vCPU. The pages it
-//! opens are opened in that vCPU's own EPT view (`Machine::ept_map_mine`):
-//! the other vCPUs keep executing the shadow, and their own reads and
+//! opens are opened in the EPT view that vCPU runs on
+//! (`Machine::ept_map_mine`), and closed in both of its views, each back
+//! to what the tracer says it maps (the views differ on quiet pages):
+//! the other vCPUs keep executing what they did, and their own reads and
 //! writes of the page keep faulting into steps of their own, so every
 //! write to a hooked page is seen and resynced.
 
-use super::machine::{Env, PAGE};
+use super::machine::{Env, View, PAGE};
 use super::region::Region;
 use super::site;
-use super::split::{in_hypervisor, page_bytes, remap_mine, SplitView};
+use super::split::{in_hypervisor, page_bytes, remap_mine, remap_own, SplitView};
 use crate::addr::{Gpa, Hpa};
 use crate::ept;
 use guest_introspect::paging;
@@ -262,7 +264,9 @@ fn close_page(page: Gpa, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
                         site::resync(shadow, &orig, &mut h.patches);
                     }
                 }
-                remap_mine(env, page, h.shadow, ept::EXEC);
+                for view in View::BOTH {
+                    remap_own(env, view, page, h.mapping(view, page), ept::EXEC);
+                }
             } else {
                 // Unhooked meanwhile: the identity mapping stays.
             }
@@ -271,15 +275,19 @@ fn close_page(page: Gpa, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
             if s.region.is_some_and(|r| r.restore_pde(env)) {
                 s.stats.region_restores += 1;
             }
-            remap_mine(env, page, page.identity_hpa(), ept::READ | ept::EXEC);
+            for view in View::BOTH {
+                remap_own(env, view, page, page.identity_hpa(), ept::READ | ept::EXEC);
+            }
         }
         StepKind::Discard { restore } => {
-            if restore & ept::RWX == 0 {
-                let _ = env.m.ept_unmap_mine(page);
-            } else {
-                let _ =
-                    env.m
-                        .ept_map_mine(page, Hpa(restore & paging::ADDR_MASK), restore & ept::RWX);
+            // Hypervisor memory is mapped alike in both views.
+            for view in View::BOTH {
+                if restore & ept::RWX == 0 {
+                    let _ = env.m.ept_unmap_own(view, page);
+                } else {
+                    let hpa = Hpa(restore & paging::ADDR_MASK);
+                    let _ = env.m.ept_map_own(view, page, hpa, restore & ept::RWX);
+                }
             }
         }
     }

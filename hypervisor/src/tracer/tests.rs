@@ -8,7 +8,7 @@
 //! memory, EPT entries, the return address handed back, the rendered
 //! trace.
 
-use super::machine::{CpuView, Env, KernelView, Machine, Running, PAGE};
+use super::machine::{CpuView, Env, KernelView, Machine, Running, View, PAGE};
 use super::{CpuState, DebugState, Hit, Hypercall, Tracer, Violation, VmState};
 use crate::addr::{Gpa, Hpa};
 use crate::ept::{self, Ept, EptError, Leaf, MemType, TableStore};
@@ -48,6 +48,13 @@ const CALLER: u64 = TEXT + 0x1000;
 const FUNC: u64 = TEXT + 0x2000;
 const OTHER: u64 = TEXT + 0x2100;
 const FTRACE_CALLER: u64 = TEXT + 0x9000;
+/// A function alone on its page, outside the `*_func` globs.
+const QUIET_LEAF: u64 = TEXT + 0x4000;
+/// The scheduler function root hooks for context switches, as GCC names
+/// it.
+const SWITCH: u64 = TEXT + 0x5000;
+/// A second task, whose kernel stack is `STACK_BASE_2`.
+const TASK_2: u64 = TASK + 0x4000;
 /// The kernel's module functions the hidden hooks go on.
 const DO_INIT_MODULE: u64 = TEXT + 0x3000;
 const FREE_MODULE: u64 = TEXT + 0x3100;
@@ -148,8 +155,11 @@ struct FakeRoot {
     frame_limit: u64,
     tables: MemTables,
     views: Vec<Ept>,
-    /// The vCPU the tracer works for.
+    /// Each vCPU's quiet view, by index.
+    quiet: Vec<Ept>,
+    /// The vCPU the tracer works for, and the view it runs on.
     me: usize,
+    active: View,
     /// Every vCPU's RIP, as `stop_others` would find them.
     rips: Vec<u64>,
     /// Whether the other vCPUs come to root when asked; and how often they
@@ -164,7 +174,7 @@ struct FakeRoot {
 impl FakeRoot {
     fn new() -> Self {
         let mut tables = MemTables::default();
-        let views: Vec<Ept> = (0..VCPUS)
+        let views: Vec<Ept> = (0..2 * VCPUS)
             .map(|_| {
                 let ept = Ept::new(&mut tables).unwrap();
                 // Guest RAM identity-mapped read/write/execute, as the
@@ -182,7 +192,10 @@ impl FakeRoot {
                 ept
             })
             .collect();
+        let (views, quiet) = (views[..VCPUS].to_vec(), views[VCPUS..].to_vec());
         FakeRoot {
+            quiet,
+            active: View::Armed,
             frames: BTreeMap::new(),
             next_frame: loader::layout::HV_RESERVED.0 + 8 * MIB,
             frame_limit: 64,
@@ -203,9 +216,22 @@ impl FakeRoot {
         self.leaf_in(self.me, gpa)
     }
 
-    /// The EPT leaf of `gpa` in vCPU `view`'s view.
+    /// The EPT leaf of `gpa` in vCPU `view`'s armed view.
     fn leaf_in(&mut self, view: usize, gpa: u64) -> Option<Leaf> {
         self.views[view].translate(&mut self.tables, Gpa(gpa))
+    }
+
+    /// The EPT leaf of `gpa` in vCPU `vcpu`'s quiet view.
+    fn quiet_leaf(&mut self, vcpu: usize, gpa: u64) -> Option<Leaf> {
+        self.quiet[vcpu].translate(&mut self.tables, Gpa(gpa))
+    }
+
+    /// This vCPU's view `view`.
+    fn own(&self, view: View) -> &Ept {
+        match view {
+            View::Armed => &self.views[self.me],
+            View::Quiet => &self.quiet[self.me],
+        }
     }
 }
 
@@ -235,19 +261,34 @@ impl Machine for FakeRoot {
                 mine = old;
             }
         }
+        for ept in &self.quiet {
+            ept.map_page(&mut self.tables, gpa, hpa, perms, MemType::WriteBack)?;
+        }
         Ok(mine)
     }
     fn ept_unmap(&mut self, gpa: Gpa) -> Result<(), EptError> {
-        for ept in &self.views {
+        for ept in self.views.iter().chain(&self.quiet) {
             ept.unmap(&mut self.tables, gpa, Gpa(gpa.0 + PAGE as u64))?;
         }
         Ok(())
     }
-    fn ept_map_mine(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
-        self.views[self.me].map_page(&mut self.tables, gpa, hpa, perms, MemType::WriteBack)
+    fn ept_map_quiet(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<(), EptError> {
+        for ept in &self.quiet {
+            ept.map_page(&mut self.tables, gpa, hpa, perms, MemType::WriteBack)?;
+        }
+        Ok(())
     }
-    fn ept_unmap_mine(&mut self, gpa: Gpa) -> Result<(), EptError> {
-        self.views[self.me].unmap(&mut self.tables, gpa, Gpa(gpa.0 + PAGE as u64))
+    fn ept_map_mine(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
+        let ept = *self.own(self.active);
+        ept.map_page(&mut self.tables, gpa, hpa, perms, MemType::WriteBack)
+    }
+    fn ept_map_own(&mut self, view: View, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
+        let ept = *self.own(view);
+        ept.map_page(&mut self.tables, gpa, hpa, perms, MemType::WriteBack)
+    }
+    fn ept_unmap_own(&mut self, view: View, gpa: Gpa) -> Result<(), EptError> {
+        let ept = *self.own(view);
+        ept.unmap(&mut self.tables, gpa, Gpa(gpa.0 + PAGE as u64))
     }
     fn invept(&mut self) {
         self.invepts += 1;
@@ -339,6 +380,8 @@ fn index() -> SymbolIndex {
         sym(b't', "do_init_module", DO_INIT_MODULE),
         sym(b't', "free_module", FREE_MODULE),
         sym(b'W', "module_arch_freeing_init", FREEING_INIT),
+        sym(b't', "quiet_leaf", QUIET_LEAF),
+        sym(b't', "finish_task_switch.isra.0", SWITCH),
         sym(b'T', "ftrace_caller", FTRACE_CALLER),
         sym(b'T', "_etext", ETEXT),
     ];
@@ -410,6 +453,8 @@ impl Guest {
             FREEING_INIT,
             MOD_FUNC,
             MOD_INIT_FUNC,
+            QUIET_LEAF,
+            SWITCH,
         ] {
             ram.put(gpa(f), &NOP5);
             ram.put(gpa(f) + 5, &[0xc3]);
@@ -433,7 +478,7 @@ impl Guest {
                     pid: 42,
                     comm: *b"sleeper\0\0\0\0\0\0\0\0\0",
                 },
-                task_stacks: BTreeMap::from([(TASK, STACK_BASE)]),
+                task_stacks: BTreeMap::from([(TASK, STACK_BASE), (TASK_2, STACK_BASE_2)]),
             },
             vm: VmState::new(VCPUS),
             cpus: (0..VCPUS).map(CpuState::new).collect(),
@@ -450,6 +495,8 @@ impl Guest {
     /// Runs `f` with the tracer, its environment and the kernel.
     fn with<R>(&mut self, f: impl FnOnce(&mut Tracer, &mut Env<'_>, &FakeKernel) -> R) -> R {
         self.root.me = self.on;
+        // Root runs the vCPU on the view its tracer state names.
+        self.root.active = self.cpus[self.on].view();
         let mut env = Env {
             ram: &self.door,
             m: &mut self.root,
@@ -773,7 +820,7 @@ fn forged_entries_are_refused_and_not_counted_as_hits() {
     assert!(matches!(out, Hypercall::Foreign));
     assert_eq!(g.tracer().report().foreign_vmcalls, 1);
     // Every one of the four hypercalls is counted for vCPU 0, as refused.
-    let c = g.vm.hypercalls_of(0);
+    let c = g.vm.hypercalls_of(0, 0);
     assert_eq!((c.hits, c.returns, c.refused), (0, 0, 4));
 }
 
@@ -1215,7 +1262,7 @@ fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
     assert!(matches!(out, Hypercall::Foreign));
     assert_eq!(g.tracer().report().graph_orphans, 1);
     // Two entries recorded, two returns handed back, the orphan refused.
-    let c = g.vm.hypercalls_of(0);
+    let c = g.vm.hypercalls_of(0, 0);
     assert_eq!((c.hits, c.returns, c.refused), (2, 2, 1));
 }
 
@@ -1451,7 +1498,7 @@ fn hits_on_two_vcpus_run_at_once_over_the_shared_state() {
     assert_eq!(r.hits, 2 * (N + N / 2));
     // Each vCPU's hypercalls: its entries and its returns, nothing else.
     for i in 0..2 {
-        let c = g.vm.hypercalls_of(i);
+        let c = g.vm.hypercalls_of(i, 0);
         assert_eq!((c.hits, c.returns, c.refused), (N + N / 2, N + N / 2, 0));
     }
     assert_eq!((r.graph_stacks, r.graph_frames), (0, 0));
@@ -2345,4 +2392,207 @@ fn render_on_the_host(
         }
     }
     events
+}
+
+// ----- the quiet views -----------------------------------------------------
+
+/// A session rooted at my_func tracing quiet_leaf, with the views settled
+/// as root settles them after each request.
+fn quiet_session(g: &mut Guest) -> u32 {
+    let f = GraphFilter {
+        functions: vec!["my_func".into()],
+        trace: vec!["quiet_leaf".into()],
+        ..GraphFilter::default()
+    };
+    g.with(|t, env, k| {
+        let s = t.graph_start(f, k, env).unwrap();
+        t.settle_views(Some(k), env);
+        s.session
+    })
+}
+
+/// Runs on vCPU `on` as task `task` (its stack `stack`): the scheduler
+/// hook's hit as the task comes in.
+fn switch_to(g: &mut Guest, on: usize, task: u64, stack: u64) {
+    g.on = on;
+    g.kernel.running.task = task;
+    let retp = stack + 0x3e00;
+    let (out, _) = g.hit(SWITCH, retp, CALLER_RET, 0);
+    assert!(matches!(out, Hypercall::Handled));
+}
+
+#[test]
+fn a_rooted_sessions_trace_set_is_unhooked_in_the_quiet_view_only() {
+    let mut g = Guest::new();
+    quiet_session(&mut g);
+    let r = g.tracer().report();
+    assert_eq!((r.quiet_pages, r.switch_hook), (1, true), "{r:?}");
+    let leaf = gpa(QUIET_LEAF) & !0xfff;
+    for vcpu in 0..VCPUS {
+        // The leaf's page: the shadow in the armed view, the guest's own
+        // frame (execute-only) in the quiet one.
+        let armed = g.root.leaf_in(vcpu, leaf).unwrap();
+        let quiet = g.root.quiet_leaf(vcpu, leaf).unwrap();
+        assert_ne!(armed.hpa.0, leaf);
+        assert_eq!(armed.perms, ept::EXEC);
+        assert_eq!((quiet.hpa.0, quiet.perms), (leaf, ept::EXEC));
+        // The root's page and the scheduler hook's are hooked in both.
+        for page in [gpa(FUNC) & !0xfff, gpa(SWITCH) & !0xfff] {
+            let a = g.root.leaf_in(vcpu, page).unwrap();
+            let q = g.root.quiet_leaf(vcpu, page).unwrap();
+            assert_ne!(a.hpa.0, page);
+            assert_eq!((q.hpa, q.perms), (a.hpa, ept::EXEC));
+        }
+    }
+    // A probe on the leaf needs its hits on every view: hooked again.
+    g.with(|t, env, k| {
+        t.probe_add("p:leaf quiet_leaf", k, env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    assert_eq!(g.tracer().report().quiet_pages, 0);
+    assert_ne!(g.root.quiet_leaf(1, leaf).unwrap().hpa.0, leaf);
+    g.with(|t, env, k| {
+        t.probe_del("leaf", env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    assert_eq!(g.root.quiet_leaf(1, leaf).unwrap().hpa.0, leaf);
+    // The session stops: nothing is quiet, and the scheduler hook goes.
+    g.with(|t, env, _| {
+        t.graph_stop(None, env).unwrap();
+        t.settle_views(None, env);
+    });
+    let r = g.tracer().report();
+    assert_eq!(
+        (r.quiet_pages, r.switch_hook, r.sites),
+        (0, false, 0),
+        "{r:?}"
+    );
+    let q = g.root.quiet_leaf(0, leaf).unwrap();
+    assert_eq!((q.hpa.0, q.perms), (leaf, ept::RWX));
+}
+
+#[test]
+fn a_vcpu_is_armed_inside_a_root_and_quiet_outside() {
+    let mut g = Guest::new();
+    quiet_session(&mut g);
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    // A task outside the root comes in: quiet.
+    switch_to(&mut g, 0, TASK, STACK_BASE);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+    // The root's entry arms the vCPU; its callee is traced there.
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    let inner = RETP - 0x100;
+    g.hit(QUIET_LEAF, inner, FUNC + 0x40, 0);
+    g.ret(inner, 0);
+    // Still inside the root after its callee returned.
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    g.ret(RETP, 0);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+    let text = g.text();
+    assert!(
+        text.contains("my_func() {") && text.contains("quiet_leaf();"),
+        "{text}"
+    );
+    let c = g.vm.hypercalls_of(0, g.now_ns);
+    assert_eq!(c.view_switches, 3);
+    assert!(c.quiet);
+}
+
+#[test]
+fn a_task_that_sleeps_in_a_root_arms_the_vcpu_it_wakes_on() {
+    let mut g = Guest::new();
+    quiet_session(&mut g);
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    switch_to(&mut g, 0, TASK, STACK_BASE);
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    // It sleeps: another task comes in on vCPU 0, which goes quiet.
+    g.now_ns += 1_000;
+    switch_to(&mut g, 0, TASK_2, STACK_BASE_2);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+    // It wakes on vCPU 1, quiet so far: the switch arms it there, before
+    // its first call.
+    switch_to(&mut g, 1, TASK_2, STACK_BASE_2);
+    assert_eq!(g.cpus[1].view(), View::Quiet);
+    g.now_ns += 1_000;
+    switch_to(&mut g, 1, TASK, STACK_BASE);
+    assert_eq!(g.cpus[1].view(), View::Armed);
+    let inner = RETP - 0x100;
+    g.hit(QUIET_LEAF, inner, FUNC + 0x40, 0);
+    g.ret(inner, 0);
+    g.ret(RETP, 0);
+    assert_eq!(g.cpus[1].view(), View::Quiet);
+    let text = g.text();
+    assert!(text.contains("quiet_leaf();"), "{text}");
+}
+
+#[test]
+fn a_root_entered_from_an_interrupt_returns_to_the_tasks_own_view() {
+    let mut g = Guest::new();
+    quiet_session(&mut g);
+    // An interrupt stack (its own block) on vCPU 0.
+    let irq_retp = STACK_BASE - 0x8000 + 0x3f00;
+    // On TASK_2, outside the session: the root in the interrupt arms the
+    // vCPU, and its return finds TASK_2's own stack outside: quiet.
+    switch_to(&mut g, 0, TASK_2, STACK_BASE_2);
+    g.hit(FUNC, irq_retp, CALLER_RET, 0);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    g.ret(irq_retp, 0);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+    // On TASK, inside the root: the interrupt's root returns, and the
+    // task's own stack still holds its root's frame: armed.
+    switch_to(&mut g, 0, TASK, STACK_BASE);
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    g.hit(FUNC, irq_retp, CALLER_RET, 0);
+    g.ret(irq_retp, 0);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    g.ret(RETP, 0);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+}
+
+#[test]
+fn a_step_on_a_quiet_page_puts_both_views_back() {
+    let mut g = Guest::new();
+    quiet_session(&mut g);
+    switch_to(&mut g, 1, TASK, STACK_BASE);
+    assert_eq!(g.cpus[1].view(), View::Quiet);
+    let leaf = gpa(QUIET_LEAF) & !0xfff;
+    let shadow = g.root.leaf_in(1, leaf).unwrap().hpa;
+    // vCPU 1, quiet, writes the page: its quiet view opens it.
+    let v = g.with(|t, env, _| t.on_violation(gpa(QUIET_LEAF) + 0x40, true, env));
+    assert!(matches!(v, Violation::Stepping));
+    let open = g.root.quiet_leaf(1, leaf).unwrap();
+    assert_eq!((open.hpa.0, open.perms), (leaf, ept::RWX));
+    assert_eq!(g.root.leaf_in(1, leaf).unwrap().hpa, shadow);
+    g.with(|t, env, _| t.finish_step(env));
+    let q = g.root.quiet_leaf(1, leaf).unwrap();
+    let a = g.root.leaf_in(1, leaf).unwrap();
+    assert_eq!((q.hpa.0, q.perms), (leaf, ept::EXEC));
+    assert_eq!((a.hpa, a.perms), (shadow, ept::EXEC));
+}
+
+#[test]
+fn a_session_with_nothing_to_leave_quiet_costs_no_scheduler_hook() {
+    let mut g = Guest::new();
+    // Rooted at its whole trace set: every hooked site is a root.
+    let f = GraphFilter {
+        functions: vec!["my_func".into()],
+        trace: vec!["my_func".into()],
+        ..GraphFilter::default()
+    };
+    g.with(|t, env, k| {
+        t.graph_start(f, k, env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let r = g.tracer().report();
+    assert_eq!(
+        (r.quiet_pages, r.switch_hook, r.sites),
+        (0, false, 1),
+        "{r:?}"
+    );
+    // Its calls pick no view: the vCPU stays where it was.
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    g.ret(RETP, 0);
+    assert_eq!(g.vm.hypercalls_of(0, g.now_ns).view_switches, 0);
 }

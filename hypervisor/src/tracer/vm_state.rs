@@ -4,6 +4,7 @@ use super::count::CountState;
 use super::fgraph::Graph;
 use super::modules::ModuleTrack;
 use super::probes::Probes;
+use super::quiet::QuietState;
 use super::region::Region;
 use super::split::SplitView;
 use super::stream::Stream;
@@ -36,6 +37,8 @@ pub struct VmState {
     pub(super) modules: ModuleTrack,
     /// The call count, when one runs.
     pub(super) count: CountState,
+    /// The quiet views: root's scheduler hook and the quiet pages.
+    pub(super) quiet: QuietState,
 }
 
 /// The counters the hit path adds to, summed over the vCPUs.
@@ -54,8 +57,8 @@ pub(super) struct HitStats {
     pub(super) vcpus: Vec<VcpuHits>,
 }
 
-/// One vCPU's hypercalls: each is exactly one of these.
-#[derive(Default)]
+/// One vCPU's hypercalls (each is exactly one of `hits`, `returns` and
+/// `refused`) and its EPT views.
 pub(super) struct VcpuHits {
     /// Entries from a hooked site, recorded.
     pub(super) hits: AtomicU64,
@@ -63,6 +66,66 @@ pub(super) struct VcpuHits {
     pub(super) returns: AtomicU64,
     /// The rest: forged, foreign, orphan returns, unreadable frames.
     pub(super) refused: AtomicU64,
+    /// Its moves between the armed and the quiet EPT view.
+    pub(super) switches: AtomicU64,
+    /// Nanoseconds (the hit clock) on each view since its first move:
+    /// closed stretches, then when the open one began ([`NOT_YET`]: no
+    /// move yet) and on which view.
+    pub(super) armed_ns: AtomicU64,
+    pub(super) quiet_ns: AtomicU64,
+    pub(super) since_ns: AtomicU64,
+    pub(super) on_quiet: core::sync::atomic::AtomicBool,
+}
+
+/// `VcpuHits::since_ns` of a vCPU that never changed view.
+pub(super) const NOT_YET: u64 = u64::MAX;
+
+impl Default for VcpuHits {
+    fn default() -> Self {
+        VcpuHits {
+            hits: AtomicU64::new(0),
+            returns: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            switches: AtomicU64::new(0),
+            armed_ns: AtomicU64::new(0),
+            quiet_ns: AtomicU64::new(0),
+            since_ns: AtomicU64::new(NOT_YET),
+            on_quiet: core::sync::atomic::AtomicBool::new(false),
+        }
+    }
+}
+
+impl VcpuHits {
+    /// The vCPU moves to the quiet view (`quiet`) or the armed one at
+    /// `now_ns`: the stretch on the other view closes.
+    pub(super) fn switched(&self, quiet: bool, now_ns: u64) {
+        add(&self.switches, 1);
+        let since = self.since_ns.swap(now_ns, Relaxed);
+        if since != NOT_YET {
+            let was = if quiet {
+                &self.armed_ns
+            } else {
+                &self.quiet_ns
+            };
+            add(was, now_ns.saturating_sub(since));
+        }
+        self.on_quiet.store(quiet, Relaxed);
+    }
+
+    /// Nanoseconds on the armed and on the quiet view at `now_ns`.
+    fn view_ns(&self, now_ns: u64) -> (u64, u64) {
+        let (mut armed, mut quiet) = (self.armed_ns.load(Relaxed), self.quiet_ns.load(Relaxed));
+        let since = self.since_ns.load(Relaxed);
+        if since != NOT_YET {
+            let open = now_ns.saturating_sub(since);
+            if self.on_quiet.load(Relaxed) {
+                quiet += open;
+            } else {
+                armed += open;
+            }
+        }
+        (armed, quiet)
+    }
 }
 
 /// A vCPU's hypercalls for `status`.
@@ -74,6 +137,14 @@ pub struct HypercallCounts {
     pub returns: u64,
     /// Forged, foreign, orphan returns, unreadable frames.
     pub refused: u64,
+    /// Moves between the armed and the quiet EPT view.
+    pub view_switches: u64,
+    /// Nanoseconds on the armed and on the quiet view since the first
+    /// move.
+    pub armed_ns: u64,
+    pub quiet_ns: u64,
+    /// Whether it runs on the quiet view now.
+    pub quiet: bool,
 }
 
 /// Adds `n` to a hit counter.
@@ -110,15 +181,23 @@ impl VmState {
         }
     }
 
-    /// vCPU `index`'s hypercalls, by what they were.
-    pub fn hypercalls_of(&self, index: usize) -> HypercallCounts {
+    /// vCPU `index`'s hypercalls, by what they were, and its views at
+    /// `now_ns` (the hit clock).
+    pub fn hypercalls_of(&self, index: usize, now_ns: u64) -> HypercallCounts {
         self.hit
             .vcpus
             .get(index)
-            .map_or(HypercallCounts::default(), |c| HypercallCounts {
-                hits: c.hits.load(Relaxed),
-                returns: c.returns.load(Relaxed),
-                refused: c.refused.load(Relaxed),
+            .map_or(HypercallCounts::default(), |c| {
+                let (armed_ns, quiet_ns) = c.view_ns(now_ns);
+                HypercallCounts {
+                    hits: c.hits.load(Relaxed),
+                    returns: c.returns.load(Relaxed),
+                    refused: c.refused.load(Relaxed),
+                    view_switches: c.switches.load(Relaxed),
+                    armed_ns,
+                    quiet_ns,
+                    quiet: c.on_quiet.load(Relaxed),
+                }
             })
     }
 
