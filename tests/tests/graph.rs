@@ -857,6 +857,64 @@ fn quiet_views(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     );
 }
 
+/// A session without roots filtered by comm is armed only while a task of
+/// that name runs: a shell that forks and execs into `hvbench` is traced
+/// from its exec on (root's hook on `__set_task_comm` arms its vCPU),
+/// every one of its calls; a loop under another name costs nothing.
+fn comm_exec(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    const CALLS: u64 = 100;
+    const N: u64 = 1000;
+    let func = getppid_function(c);
+    let Some(s) = graph_start(
+        c,
+        GraphFilter {
+            trace: vec![func.clone()],
+            comm: Some("hvbench".into()),
+            ..GraphFilter::default()
+        },
+    ) else {
+        ck.check(false, "a session filtered by comm");
+        return;
+    };
+    let st = status(c).tracer;
+    ck.check(
+        st.switch_hook && st.quiet_pages >= 1,
+        format!(
+            "the comm session's page is quiet: {} quiet pages, scheduler hook {}",
+            st.quiet_pages, st.switch_hook
+        ),
+    );
+    let mut ours = Stream::of(s.0, TraceFormat::Text, stream.cursor);
+    let _ = ours.read(c);
+    exec(c, "cp /bin/hvbench /tmp/hvother");
+    let (before, _, _) = vmcalls_of(c, &format!("/tmp/hvother getppid {N}"));
+    let (before4, _, _) = vmcalls_of(c, &format!("/tmp/hvother getppid {}", 4 * N));
+    exec(c, &format!("sh -c 'exec hvbench getppid {CALLS}'"));
+    let text = ours.read(c);
+    call(c, Request::GraphStop { session: Some(s.0) });
+    let calls = text
+        .lines()
+        .filter(|l| l.ends_with(&format!("{func}();")))
+        .count() as u64;
+    println!(
+        "comm filter: {calls} calls traced of {CALLS} after the exec; another name's loop: {before} VMCALLs for {N} calls, {before4} for {}",
+        4 * N
+    );
+    ck.eq(
+        "calls traced from the exec into the filtered name",
+        calls,
+        CALLS,
+    );
+    ck.check(
+        before4 < before + 3 * N / 50,
+        format!(
+            "another name's loop costs nothing: {before} VMCALLs for {N} calls, {before4} for {}",
+            4 * N
+        ),
+    );
+    let _ = stream.read(c);
+}
+
 /// Tasks that exit inside traced functions (`do_exit` never returns)
 /// leave frames no return pops; they are reclaimed once the task's stack
 /// is released, and the memory goes back to where it was.
@@ -1261,6 +1319,7 @@ fn exercise(guest: &str) {
     cost(&mut ck, &mut c, &mut stream);
     if guest == "fast" {
         quiet_views(&mut ck, &mut c, &mut stream);
+        comm_exec(&mut ck, &mut c, &mut stream);
     }
     let t = status(&mut c).tracer;
     println!("{guest}: graph tracer counters at the end: {t:?}");

@@ -700,6 +700,16 @@ impl Vcpu<'_> {
         with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
             tracer!(self).on_turn(env)
         });
+        if tracer!(self).view_due() {
+            // The sessions that filter by pid or comm changed: the view for
+            // the task this vCPU runs now.
+            let cpu = self.cpu_view()?;
+            let now = self.now_ns();
+            let kernel = self.vm.introspection.take_kernel();
+            tracer!(self).turn_view(kernel.as_ref().map(|k| k as &dyn KernelView), &cpu, now);
+            self.vm.introspection.put_kernel(kernel);
+            switch_view(self.cpu)?;
+        }
         if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
             self.cpu.debug_exits = false;

@@ -22,6 +22,9 @@ pub struct CpuState {
     /// The EPT view the vCPU is to run on (root moves it there after each
     /// hypercall; see `super::quiet`).
     pub(super) view: View,
+    /// The quiet views' epoch it last picked its view at a turn for
+    /// (`super::quiet::QuietState::epoch`).
+    pub(super) epoch: u64,
 }
 
 impl CpuState {
@@ -34,6 +37,7 @@ impl CpuState {
             module_event: None,
             timed_entry: false,
             view: View::Armed,
+            epoch: 0,
         }
     }
 

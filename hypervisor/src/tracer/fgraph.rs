@@ -127,6 +127,26 @@ pub(super) fn follows_modules(filter: &GraphFilter) -> bool {
         .any(|g| super::symbols::module_glob(g).is_some())
 }
 
+/// Whether a task with `pid` and `comm` passes the pid and comm filters
+/// of `f`.
+pub(super) fn admits(f: &GraphFilter, pid: i32, comm: &[u8; 16]) -> bool {
+    let pid_ok = f.pid.is_none_or(|p| p == pid);
+    let comm_ok = f.comm.as_deref().is_none_or(|c| {
+        // The name ends at the first NUL, or fills the array.
+        let name = comm.split(|&b| b == 0).next().unwrap_or(comm);
+        c.as_bytes() == name
+    });
+    pid_ok && comm_ok
+}
+
+/// A return handed back: where to, the users of the frame popped, and the
+/// users of the frames left below it on its stack.
+pub(super) struct Left {
+    pub(super) ret: u64,
+    pub(super) users: u16,
+    pub(super) below: u16,
+}
+
 /// A return stack and the task last seen calling on its kernel stack.
 struct Tracked {
     st: RetStack,
@@ -349,13 +369,35 @@ impl Graph {
     /// beneath their roots: sessions with roots that hook callees. The
     /// quiet views leave their sites unhooked (`super::quiet`).
     pub(super) fn quiet_users(&self) -> u16 {
+        self.users_where(|g| g.rooted && hooks_callees(&g.filter)) | self.filter_users()
+    }
+
+    /// The sessions without roots that trace only the tasks their pid or
+    /// comm filter admits: quiet too, armed while such a task runs.
+    pub(super) fn filter_users(&self) -> u16 {
+        self.users_where(|g| !g.rooted && (g.filter.pid.is_some() || g.filter.comm.is_some()))
+    }
+
+    /// The sessions in `users` that filter by comm.
+    pub(super) fn comm_users(&self, users: u16) -> u16 {
+        users & self.users_where(|g| g.filter.comm.is_some())
+    }
+
+    /// Whether the filter of one of the sessions in `users` admits a task
+    /// with `pid` and `comm`.
+    pub(super) fn admitted_by(&self, users: u16, pid: i32, comm: &[u8; 16]) -> bool {
+        (0..MAX_USERS)
+            .zip(&self.sessions)
+            .filter(|&(u, _)| users & (1 << u) != 0)
+            .any(|(_, g)| g.as_ref().is_some_and(|g| admits(&g.filter, pid, comm)))
+    }
+
+    /// The running sessions for which `pick` holds.
+    fn users_where(&self, pick: impl Fn(&GraphSession) -> bool) -> u16 {
         (0..MAX_USERS as u16)
             .zip(&self.sessions)
             .skip(1)
-            .filter(|(_, g)| {
-                g.as_ref()
-                    .is_some_and(|g| g.rooted && hooks_callees(&g.filter))
-            })
+            .filter(|(_, g)| g.as_ref().is_some_and(&pick))
             .fold(0, |m, (u, _)| m | 1 << u)
     }
 
@@ -457,13 +499,7 @@ impl Graph {
                 let f = &g.filter;
                 if depth == 0 {
                     let root_ok = !g.rooted || g.roots.contains(&func);
-                    let pid_ok = f.pid.is_none_or(|p| p == header.pid);
-                    let comm_ok = f.comm.as_deref().is_none_or(|c| {
-                        // The name ends at the first NUL, or fills the array.
-                        let name = comm.split(|&b| b == 0).next().unwrap_or(comm);
-                        c.as_bytes() == name
-                    });
-                    if !(root_ok && pid_ok && comm_ok) {
+                    if !(root_ok && admits(f, header.pid, comm)) {
                         continue;
                     }
                 }
@@ -637,8 +673,8 @@ impl Graph {
         users
     }
 
-    /// A return through the trampoline: the original return address, and
-    /// the users of the frame it popped.
+    /// A return through the trampoline: the original return address, the
+    /// users of the frame it popped and of the frames below it.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn leave(
         &self,
@@ -649,14 +685,14 @@ impl Graph {
         cpu: &CpuView,
         kernel: Option<&dyn KernelView>,
         now_ns: u64,
-    ) -> Option<(u64, u16)> {
+    ) -> Option<Left> {
         let retp = regs
             .rdi
             .checked_add(trampolines::abi::RETURN_FRAME_RETP as u64)?;
         let retval = regs.rsi;
         // Each session's depth of the frame: its frames left below it.
         let mut depths = [0usize; MAX_USERS];
-        let (frame, caller) = {
+        let (frame, caller, below) = {
             let mut s = self.lock_stacks(out.stats);
             let mut key = s.map.key(retp);
             if s.by_base
@@ -692,10 +728,11 @@ impl Graph {
                 Some(below) if Some(frame.ret) == tramp && below.retp == retp => below.ret,
                 _ => frame.ret,
             };
+            let below = t.st.frames().fold(0, |m, f| m | f.users);
             if t.st.is_empty() {
                 s.by_base.remove(&key);
             }
-            (frame, caller)
+            (frame, caller, below)
         };
         let Running { pid, comm, .. } = kernel
             .and_then(|k| k.current(cpu))
@@ -765,7 +802,11 @@ impl Graph {
         if let (false, Some(k)) = (ids.is_empty(), kernel) {
             retprobe_hits(env, out, ids, regs, retp, caller, header, cpu, k);
         }
-        Some((frame.ret, frame.users))
+        Some(Left {
+            ret: frame.ret,
+            users: frame.users,
+            below,
+        })
     }
 
     /// Drops the return stacks of tasks that died: a task that exits

@@ -14,6 +14,7 @@ use super::fgraph::Out;
 use super::machine::{CpuView, Env, KernelView, Running, View};
 use super::modules::ModuleEvent;
 use super::probes::{store, HitSink, VcpuMem};
+use super::quiet::SwitchHook;
 use super::region::Region;
 use super::site::Patch;
 use super::stream::FUNCTION_ID;
@@ -133,12 +134,13 @@ impl<'a> Hit<'a> {
                     .leave(env, out, tramp, regs, cpu, kernel, now_ns);
                 drop(ring);
                 match left {
-                    Some((ret, users)) => {
-                        regs.rax = ret;
-                        if users & self.vm.arming_users() != 0 {
-                            // Out of a frame of a session with roots: out
-                            // of its last one, the vCPU goes quiet.
-                            pick_view(self.vm, self.cpu, kernel, cpu, now_ns);
+                    Some(left) => {
+                        regs.rax = left.ret;
+                        let arming = self.vm.arming_users();
+                        if left.users & arming != 0 && left.below & arming == 0 {
+                            // Out of the last frame of a quiet session on
+                            // this stack: the view for what runs now.
+                            pick_view(self.vm, self.cpu, kernel, cpu, now_ns, None);
                         }
                         (Hypercall::Handled, Served::Return)
                     }
@@ -204,12 +206,25 @@ impl<'a> Hit<'a> {
             return (chain, Served::Refused);
         }
         add(&self.vm.hit.hits, 1);
-        if u.switch {
+        match u.switch {
             // A task comes in on this vCPU: the view its context wants.
-            pick_view(self.vm, self.cpu, Some(k), cpu, now_ns);
-            if u.unused_but_switch() {
-                return (chain, Served::Hit);
+            Some(SwitchHook::Schedule) => pick_view(self.vm, self.cpu, Some(k), cpu, now_ns, None),
+            // The running task takes a new name (`__set_task_comm(tsk,
+            // buf, ...)`, the name not written yet): the view for it.
+            Some(SwitchHook::Comm) => {
+                let running = k.current(cpu).map(|r| r.task);
+                let mut name = [0u8; 16];
+                let read = paging::read_virt(env.ram, Cr3(cpu.cr3), Gva(regs.si), &mut name);
+                if running == Some(regs.di) && read.is_ok() {
+                    // The kernel keeps at most 15 bytes and a NUL.
+                    name[15] = 0;
+                    pick_view(self.vm, self.cpu, Some(k), cpu, now_ns, Some(name));
+                }
             }
+            None => {}
+        }
+        if u.switch.is_some() && u.unused_but_switch() {
+            return (chain, Served::Hit);
         }
         if let Some(hook) = u.hidden {
             // A module load or unload: served by the exit handler with the
@@ -345,26 +360,37 @@ impl<'a> Hit<'a> {
     }
 }
 
-/// Picks the view for the vCPU's context as it is now: armed while it
-/// is inside a root of a session whose trace set the quiet view leaves
-/// unhooked, or while no kernel is known (when no such session runs,
-/// both views hook the same).
-fn pick_view(
+/// Picks the view for the vCPU's context as it is now: armed while the
+/// task it runs passes the filter of a session that filters by pid or
+/// comm (under `comm` when it is being renamed to that), or while it is
+/// inside a root of a session the quiet view leaves unhooked (a frame of
+/// one on its stacks), or while no kernel is known; quiet otherwise (when
+/// no such session runs, both views hook the same).
+pub(super) fn pick_view(
     vm: &VmState,
     state: &mut CpuState,
     kernel: Option<&dyn KernelView>,
     cpu: &CpuView,
     now_ns: u64,
+    comm: Option<[u8; 16]>,
 ) {
     let users = vm.arming_users();
     let inside = match (users, kernel) {
         (0, _) => false,
         (_, None) => true,
         (_, Some(k)) => {
-            let task = k.current(cpu).map(|r| r.task);
-            let stack = task.and_then(|t| k.task_stack(t));
-            vm.graph
-                .inside_roots(users, cpu, stack, k.cpu_number(cpu), &vm.hit)
+            let running = k.current(cpu);
+            let filtering = users & vm.graph.filter_users();
+            let admitted = filtering != 0
+                && running.is_some_and(|r| {
+                    vm.graph
+                        .admitted_by(filtering, r.pid, comm.as_ref().unwrap_or(&r.comm))
+                });
+            admitted || {
+                let stack = running.and_then(|r| k.task_stack(r.task));
+                vm.graph
+                    .inside_roots(users, cpu, stack, k.cpu_number(cpu), &vm.hit)
+            }
         }
     };
     let view = if inside || users == 0 {

@@ -32,7 +32,7 @@
 //! that can change who uses a site: it installs or removes the scheduler
 //! hook and sets each page's quiet mapping, with the other vCPUs held.
 
-use super::machine::{Env, KernelView};
+use super::machine::{CpuView, Env, KernelView};
 use super::split::remap_quiet;
 use super::{site, symbols, Tracer};
 use crate::addr::Gva;
@@ -40,16 +40,41 @@ use crate::ept;
 use guest_introspect::fentry::FentrySite;
 use guest_introspect::view::PagedView;
 
-/// The scheduler function root hooks to learn of context switches: it
-/// runs on the incoming task after every switch. Compilers may rename it
-/// with a suffix (`finish_task_switch.isra.0`).
-pub const SWITCH_FUNCTION: &str = "finish_task_switch";
+/// Root's hooks that pick a vCPU's view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwitchHook {
+    /// The scheduler's `finish_task_switch`, which runs on the incoming
+    /// task after every switch (compilers may name it with a suffix,
+    /// `finish_task_switch.isra.0`).
+    Schedule,
+    /// `__set_task_comm`, which renames a task (at exec among others): a
+    /// comm filter may admit it under its new name, or no longer.
+    Comm,
+}
+
+impl SwitchHook {
+    /// The kernel function hooked.
+    pub fn function(self) -> &'static str {
+        match self {
+            SwitchHook::Schedule => "finish_task_switch",
+            SwitchHook::Comm => "__set_task_comm",
+        }
+    }
+}
 
 /// The quiet views' state.
 #[derive(Default)]
 pub(super) struct QuietState {
     /// The scheduler hook's site, while installed.
     pub(super) switch_site: Option<Gva>,
+    /// The renaming hook's site, while a session filters by comm.
+    pub(super) comm_site: Option<Gva>,
+    /// Bumped when the sessions that filter by pid or comm change: each
+    /// vCPU picks its view again at its next turn (a task that runs when
+    /// such a session starts is known then, not at its next switch).
+    pub(super) epoch: u64,
+    /// The filtering sessions as of the last settling.
+    pub(super) filtering: u16,
     /// Why the hook could not be installed, once (then every page stays
     /// hooked in both views).
     pub(super) unavailable: Option<&'static str>,
@@ -97,8 +122,19 @@ impl Tracer<'_> {
         };
         if any && self.vm.quiet.switch_site.is_none() {
             if let Some(k) = k {
-                self.install_switch_hook(k, env);
+                self.install_switch_hook(k, env, SwitchHook::Schedule);
             }
+        }
+        let filtering = if any { self.vm.graph.filter_users() } else { 0 };
+        let comm = self.vm.graph.comm_users(filtering) != 0;
+        if comm && self.vm.quiet.comm_site.is_none() {
+            if let Some(k) = k {
+                self.install_switch_hook(k, env, SwitchHook::Comm);
+            }
+        }
+        if filtering != self.vm.quiet.filtering {
+            self.vm.quiet.filtering = filtering;
+            self.vm.quiet.epoch += 1;
         }
         let armed = any && self.vm.quiet.switch_site.is_some();
         let graph = &self.vm.graph;
@@ -163,69 +199,106 @@ impl Tracer<'_> {
             log::info!("tracer: {flips} pages changed in the quiet views; {quiet_pages} are quiet");
         }
         if !any && self.vm.quiet.switch_site.is_some() {
-            self.remove_switch_hook(env);
+            self.remove_switch_hook(env, SwitchHook::Schedule);
+        }
+        if !comm && self.vm.quiet.comm_site.is_some() {
+            self.remove_switch_hook(env, SwitchHook::Comm);
         }
     }
 
-    /// Hooks [`SWITCH_FUNCTION`] for root; on failure, says why once and
-    /// leaves every page hooked in both views.
-    fn install_switch_hook(&mut self, k: &dyn KernelView, env: &mut Env<'_>) {
-        let Some(fs) = switch_site(self, k, env) else {
-            let why = "the kernel's finish_task_switch has no fentry site";
-            if self.vm.quiet.unavailable.is_none() {
-                log::warn!(
-                    "tracer: {why}: sessions with roots hook their trace sets on every vCPU"
+    /// Whether the filtering sessions changed since this vCPU last picked
+    /// its view at a turn ([`Self::turn_view`]).
+    pub fn view_due(&self) -> bool {
+        self.cpu.epoch != self.vm.quiet.epoch
+    }
+
+    /// A timer turn of this vCPU: if the filtering sessions changed since
+    /// it last looked, it picks its view for the task it runs.
+    pub fn turn_view(&mut self, kernel: Option<&dyn KernelView>, cpu: &CpuView, now_ns: u64) {
+        if self.cpu.epoch != self.vm.quiet.epoch {
+            self.cpu.epoch = self.vm.quiet.epoch;
+            super::hit::pick_view(self.vm, self.cpu, kernel, cpu, now_ns, None);
+        }
+    }
+
+    /// Installs root's hook `hook`; on failure, says why once (without
+    /// the scheduler hook every page stays hooked in both views; without
+    /// the renaming hook a task that execs into a filtered name is armed
+    /// at its next switch).
+    fn install_switch_hook(&mut self, k: &dyn KernelView, env: &mut Env<'_>, hook: SwitchHook) {
+        let name = hook.function();
+        let hooked = match hook_site(self, k, env, name) {
+            None => Err(alloc::format!("the kernel's {name} has no fentry site")),
+            Some(fs) => self
+                .ensure_region(k, env)
+                .map_err(|e| e.message)
+                .and_then(|()| {
+                    let region = self.vm.region.as_ref();
+                    self.vm
+                        .view
+                        .hook(k, env, region, fs.site, fs.func)
+                        .map_err(|e| alloc::format!("{name} could not be hooked: {e}"))
+                })
+                .map(|()| fs.site),
+        };
+        match hooked {
+            Ok(site) => {
+                if let Some(u) = self.vm.view.sites.get_mut(&site) {
+                    u.switch = Some(hook);
+                }
+                match hook {
+                    SwitchHook::Schedule => {
+                        self.vm.quiet.switch_site = Some(site);
+                        self.vm.quiet.unavailable = None;
+                    }
+                    SwitchHook::Comm => self.vm.quiet.comm_site = Some(site),
+                }
+                env.m.invept();
+                log::info!(
+                    "tracer: {name} hooked at {:#x} to pick the vCPUs' views",
+                    site.0
                 );
             }
-            self.vm.quiet.unavailable = Some(why);
-            return;
-        };
-        if self.ensure_region(k, env).is_err() {
-            return;
-        }
-        if !env.m.stop_others() {
-            return;
-        }
-        let region = self.vm.region.as_ref();
-        match self.vm.view.hook(k, env, region, fs.site, fs.func) {
-            Ok(()) => {
-                if let Some(u) = self.vm.view.sites.get_mut(&fs.site) {
-                    u.switch = true;
+            Err(why) => {
+                if hook == SwitchHook::Schedule {
+                    if self.vm.quiet.unavailable.is_none() {
+                        log::warn!("tracer: {why}: sessions with roots or filters hook their trace sets on every vCPU");
+                    }
+                    self.vm.quiet.unavailable = Some("finish_task_switch could not be hooked");
+                } else {
+                    log::warn!("tracer: {why}: a task renamed into a comm filter is armed at its next switch");
                 }
-                self.vm.quiet.switch_site = Some(fs.site);
-                self.vm.quiet.unavailable = None;
-                env.m.invept();
-                log::info!("tracer: context switches seen at {:#x}", fs.site.0);
-            }
-            Err(e) => {
-                log::warn!("tracer: cannot hook finish_task_switch ({e}): sessions with roots hook their trace sets on every vCPU");
-                self.vm.quiet.unavailable = Some("finish_task_switch could not be hooked");
             }
         }
     }
 
-    /// Takes root's scheduler hook off (its site stays hooked while others
+    /// Takes root's hook `hook` off (its site stays hooked while others
     /// use it).
-    fn remove_switch_hook(&mut self, env: &mut Env<'_>) {
-        let Some(site) = self.vm.quiet.switch_site.take() else {
+    fn remove_switch_hook(&mut self, env: &mut Env<'_>, hook: SwitchHook) {
+        let slot = match hook {
+            SwitchHook::Schedule => &mut self.vm.quiet.switch_site,
+            SwitchHook::Comm => &mut self.vm.quiet.comm_site,
+        };
+        let Some(site) = slot.take() else {
             return;
         };
         if let Some(u) = self.vm.view.sites.get_mut(&site) {
-            u.switch = false;
+            u.switch = None;
         }
         self.vm.view.unhook_if_unused(env, site);
         env.m.invept();
     }
 }
 
-/// The fentry site of [`SWITCH_FUNCTION`], by its name or a suffixed one.
-fn switch_site(t: &Tracer<'_>, k: &dyn KernelView, env: &Env<'_>) -> Option<FentrySite> {
+/// The fentry site of the kernel function `name`, by its name or one
+/// with a compiler's suffix (`name.isra.0`).
+fn hook_site(t: &Tracer<'_>, k: &dyn KernelView, env: &Env<'_>, name: &str) -> Option<FentrySite> {
     let view = PagedView::new(env.ram, k.cr3());
     let classifier = t.classifier(k);
     let index = k.index();
-    let exact = index.lookup(SWITCH_FUNCTION);
+    let exact = index.lookup(name);
     let suffixed = || {
-        let mut pattern = alloc::string::String::from(SWITCH_FUNCTION);
+        let mut pattern = alloc::string::String::from(name);
         pattern.push_str(".*");
         let found = index.glob(&pattern).next();
         found

@@ -6,6 +6,7 @@
 
 use super::machine::{Env, KernelView, View, PAGE};
 use super::modules::ModuleHook;
+use super::quiet::SwitchHook;
 use super::region::Region;
 use super::site::{self, Patch, PatchError};
 use crate::addr::Gva;
@@ -51,9 +52,10 @@ pub(super) struct SiteUse {
     pub(super) hidden: Option<ModuleHook>,
     /// The call count (`CountStart`) counts this function.
     pub(super) counted: bool,
-    /// Root's own hook on the scheduler's switch path, which picks the
-    /// view of the vCPU a task comes in on (`super::quiet`).
-    pub(super) switch: bool,
+    /// Root's own hook on the scheduler's switch path or on a task's
+    /// change of name, which picks the view of the vCPU the task runs on
+    /// (`super::quiet`).
+    pub(super) switch: Option<SwitchHook>,
     /// Its calls counted since then (hits take the VM shared, so atomic).
     pub(super) calls: core::sync::atomic::AtomicU64,
 }
@@ -67,10 +69,10 @@ impl SiteUse {
             && self.graph == 0
             && self.hidden.is_none()
             && !self.counted
-            && !self.switch
+            && self.switch.is_none()
     }
 
-    /// Whether root's scheduler hook is all the site is for.
+    /// Whether root's view hook is all the site is for.
     pub(super) fn unused_but_switch(&self) -> bool {
         self.probes.is_empty()
             && self.retprobes.is_empty()
@@ -91,7 +93,7 @@ impl SiteUse {
             && !self.function
             && self.hidden.is_none()
             && !self.counted
-            && !self.switch
+            && self.switch.is_none()
             && !is_root(self.graph, self.func)
     }
 }
@@ -305,7 +307,7 @@ impl SplitView {
                 graph: 0,
                 hidden: None,
                 counted: false,
-                switch: false,
+                switch: None,
                 calls: core::sync::atomic::AtomicU64::new(0),
             },
         );

@@ -53,6 +53,10 @@ const QUIET_LEAF: u64 = TEXT + 0x4000;
 /// The scheduler function root hooks for context switches, as GCC names
 /// it.
 const SWITCH: u64 = TEXT + 0x5000;
+/// The kernel's renaming of a task.
+const SET_COMM: u64 = TEXT + 0x6000;
+/// Where a test puts a new task name.
+const NAME_AT: u64 = STACK_BASE + 0x100;
 /// A second task, whose kernel stack is `STACK_BASE_2`.
 const TASK_2: u64 = TASK + 0x4000;
 /// The kernel's module functions the hidden hooks go on.
@@ -382,6 +386,7 @@ fn index() -> SymbolIndex {
         sym(b'W', "module_arch_freeing_init", FREEING_INIT),
         sym(b't', "quiet_leaf", QUIET_LEAF),
         sym(b't', "finish_task_switch.isra.0", SWITCH),
+        sym(b'T', "__set_task_comm", SET_COMM),
         sym(b'T', "ftrace_caller", FTRACE_CALLER),
         sym(b'T', "_etext", ETEXT),
     ];
@@ -455,6 +460,7 @@ impl Guest {
             MOD_INIT_FUNC,
             QUIET_LEAF,
             SWITCH,
+            SET_COMM,
         ] {
             ram.put(gpa(f), &NOP5);
             ram.put(gpa(f) + 5, &[0xc3]);
@@ -538,9 +544,15 @@ impl Guest {
     /// which builds pt_regs below and issues the entry VMCALL. Returns the
     /// hypercall's outcome and RAX (the chain target).
     fn hit(&mut self, func: u64, retp: u64, ret: u64, rdi: u64) -> (Hypercall, u64) {
+        self.hit_si(func, retp, ret, rdi, 0)
+    }
+
+    /// [`Self::hit`] with RSI too.
+    fn hit_si(&mut self, func: u64, retp: u64, ret: u64, rdi: u64, rsi: u64) -> (Hypercall, u64) {
         self.ram.put(gpa(retp), &ret.to_le_bytes());
         let regs_at = retp - 8 - PT_REGS_SIZE as u64 - 0x40;
-        let image = pt_regs(func + 5, retp, rdi);
+        let mut image = pt_regs(func + 5, retp, rdi);
+        image[13 * 8..14 * 8].copy_from_slice(&rsi.to_le_bytes());
         self.ram.put(gpa(regs_at), &image);
         self.entry_vmcall(regs_at, regs_at, func)
     }
@@ -2595,4 +2607,78 @@ fn a_session_with_nothing_to_leave_quiet_costs_no_scheduler_hook() {
     g.hit(FUNC, RETP, CALLER_RET, 0);
     g.ret(RETP, 0);
     assert_eq!(g.vm.hypercalls_of(0, g.now_ns).view_switches, 0);
+}
+
+/// A session without roots over quiet_leaf, filtered by `comm` or `pid`,
+/// settled as root settles it.
+fn filtered_session(g: &mut Guest, comm: Option<&str>, pid: Option<i32>) {
+    let f = GraphFilter {
+        trace: vec!["quiet_leaf".into()],
+        comm: comm.map(Into::into),
+        pid,
+        ..GraphFilter::default()
+    };
+    g.with(|t, env, k| {
+        t.graph_start(f, k, env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+}
+
+#[test]
+fn a_comm_filter_arms_the_vcpu_while_its_task_runs_and_from_its_exec() {
+    let mut g = Guest::new();
+    filtered_session(&mut g, Some("worker"), None);
+    let r = g.tracer().report();
+    assert_eq!((r.quiet_pages, r.switch_hook), (1, true), "{r:?}");
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    // The running task is "sleeper": quiet.
+    switch_to(&mut g, 0, TASK, STACK_BASE);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+    // It execs into "worker": renamed, it is armed before its next call.
+    g.ram.put(gpa(NAME_AT), b"worker\0");
+    g.hit_si(SET_COMM, RETP, CALLER_RET, TASK, NAME_AT);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    g.kernel.running.comm = *b"worker\0\0\0\0\0\0\0\0\0\0";
+    g.hit(QUIET_LEAF, RETP, CALLER_RET, 0);
+    g.ret(RETP, 0);
+    assert!(g.text().contains("quiet_leaf();"));
+    // The renaming of another task changes nothing here.
+    g.ram.put(gpa(NAME_AT), b"idle\0");
+    g.hit_si(SET_COMM, RETP, CALLER_RET, TASK_2, NAME_AT);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    // Another task comes in: quiet; the worker comes back on vCPU 1: armed.
+    g.kernel.running.comm = *b"sleeper\0\0\0\0\0\0\0\0\0";
+    switch_to(&mut g, 0, TASK_2, STACK_BASE_2);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+    g.kernel.running.comm = *b"worker\0\0\0\0\0\0\0\0\0\0";
+    switch_to(&mut g, 1, TASK, STACK_BASE);
+    assert_eq!(g.cpus[1].view(), View::Armed);
+}
+
+#[test]
+fn a_pid_filter_arms_the_running_task_at_the_next_turn_after_its_start() {
+    let mut g = Guest::new();
+    // vCPU 0 went quiet under an earlier session.
+    filtered_session(&mut g, Some("worker"), None);
+    switch_to(&mut g, 0, TASK, STACK_BASE);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+    g.with(|t, env, _| {
+        t.graph_stop(None, env).unwrap();
+        t.settle_views(None, env);
+    });
+    // A session on pid 42, which vCPU 0 runs now: no switch comes, but
+    // the vCPU's next turn arms it.
+    filtered_session(&mut g, None, Some(42));
+    let cpu = g.cpu(RETP);
+    let now = g.now_ns;
+    let due = g.with(|t, _, k| {
+        let due = t.view_due();
+        t.turn_view(Some(k), &cpu, now);
+        due && !t.view_due()
+    });
+    assert!(due);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    // Its hooks: the scheduler's, no renaming hook (no comm filter).
+    let r = g.tracer().report();
+    assert_eq!((r.switch_hook, r.sites), (true, 2), "{r:?}");
 }
