@@ -690,6 +690,9 @@ pub struct TracerReport {
     /// every site on them matters only beneath a graph session's roots,
     /// and a vCPU inside none of those roots runs them unhooked.
     pub quiet_pages: u32,
+    /// Hooked pages the quiet views map to partial shadows of their own:
+    /// hooked there only at the sites that matter everywhere.
+    pub quiet_partial: u32,
     /// Whether root's hook on the scheduler's switch path (which picks a
     /// vCPU's view for the task coming in) is installed.
     pub switch_hook: bool,

@@ -130,9 +130,10 @@ pub fn status_text(status: &Status) -> String {
         }
         if t.switch_hook || t.quiet_pages != 0 || r.per_vcpu.iter().any(|c| c.view_switches != 0) {
             out.push_str(&format!(
-                "{:<12} {} pages quiet (hooked only inside a graph root), scheduler hook {}{}\n",
+                "{:<12} {} pages quiet (hooked only inside a graph root), {} partly, scheduler hook {}{}\n",
                 "views",
                 t.quiet_pages,
+                t.quiet_partial,
                 if t.switch_hook { "in" } else { "out" },
                 if t.quiet_busy != 0 {
                     format!(", {} page changes put off", t.quiet_busy)
@@ -289,6 +290,7 @@ pub fn status_json(status: &Status) -> Json {
         ("module_inits_freed", json::int(t.module_inits_freed)),
         ("module_init_unhooked", json::int(t.module_init_unhooked)),
         ("quiet_pages", json::int(u64::from(t.quiet_pages))),
+        ("quiet_partial", json::int(u64::from(t.quiet_partial))),
         ("switch_hook", Json::Bool(t.switch_hook)),
         ("quiet_busy", json::int(t.quiet_busy)),
         (
@@ -693,7 +695,7 @@ mod tests {
         );
         let j = status_json(&status).to_string();
         assert!(
-            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"module_hooks":0,"module_loads":0,"module_unloads":0,"module_armed":0,"module_unhooked":0,"pending_probes":0,"module_globs":0,"module_followed":0,"module_inits_freed":0,"module_init_unhooked":0,"quiet_pages":0,"switch_hook":false,"quiet_busy":0,"trampolines":"0xffffffffc0000000"}"#),
+            j.contains(r#""tracer":{"probes":2,"functions":40,"sites":42,"pages":9,"hits":12345,"lost":6,"steps":7,"guest_writes":1,"region_restores":0,"foreign_vmcalls":3,"forged_entries":0,"blocked_writes":4,"graph_frames":0,"graph_stacks":0,"graph_bytes":0,"graph_misses":0,"graph_dropped":0,"graph_orphans":0,"graph_reaped":0,"graph_sessions":0,"retprobes":0,"stack_lock_waits":0,"module_hooks":0,"module_loads":0,"module_unloads":0,"module_armed":0,"module_unhooked":0,"pending_probes":0,"module_globs":0,"module_followed":0,"module_inits_freed":0,"module_init_unhooked":0,"quiet_pages":0,"quiet_partial":0,"switch_hook":false,"quiet_busy":0,"trampolines":"0xffffffffc0000000"}"#),
             "{j}"
         );
         // The graph line shows once there is graph state.

@@ -212,6 +212,7 @@ impl<'a> Tracer<'a> {
             module_inits_freed: vm.modules.inits_freed,
             module_init_unhooked: vm.modules.init_unhooked,
             quiet_pages: vm.quiet.pages,
+            quiet_partial: vm.quiet.partial,
             switch_hook: vm.quiet.switch_site.is_some(),
             quiet_busy: vm.quiet.busy,
             ..vm.stats

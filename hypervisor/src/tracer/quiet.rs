@@ -1,27 +1,35 @@
 //! Sessions that cost only what they trace: each vCPU's quiet EPT view.
 //!
 //! A function-graph session with roots records a call of its trace set
-//! only beneath one of its roots, yet every call of a hooked function
-//! exits wherever it runs. So each vCPU has two views (`View`): the
-//! armed one hooks everything, and the quiet one maps to the guest's own
-//! frame (execute-only: the guest's reads and writes still step, and the
-//! shadow is resynced) every page whose sites matter only beneath such
-//! roots ([`SiteUse::quiet_ok`](super::split::SiteUse::quiet_ok)). Probes,
-//! the function tracer, counts, return probes, hidden hooks and the roots
-//! themselves keep their pages hooked in both.
+//! only beneath one of its roots (one filtered by pid or comm, only for
+//! the tasks it admits), yet every call of a hooked function exits
+//! wherever it runs. So each vCPU has two views (`View`): the armed one
+//! hooks everything, and the quiet one leaves unhooked the sites that
+//! matter only there ([`SiteUse::quiet_ok`](super::split::SiteUse::quiet_ok)):
+//! a page of such sites alone is mapped to the guest's own frame
+//! (execute-only: the guest's reads and writes still step, and the shadow
+//! is resynced), a page with other sites too to a partial shadow with our
+//! calls at those only (`QuietMap`). Probes, the function tracer, counts,
+//! return probes, hidden hooks and the roots themselves stay hooked in
+//! both.
 //!
 //! A vCPU runs on the armed view while its context is inside such a root
-//! (`Graph::inside_roots`), on the quiet one otherwise:
+//! (`Graph::inside_roots`) or runs a task such a filter admits, on the
+//! quiet one otherwise:
 //! - a root's entry (a frame of such a session pushed) arms it;
-//! - a return that pops such a frame looks at the stack it runs on, the
-//!   current task's own stack and its CPU's stacks, and goes quiet when
-//!   none holds such a frame (a root entered from an interrupt on a task
-//!   outside the session returns to the task's state);
+//! - a return that pops the last such frame of its stack looks at the
+//!   stack it runs on, the current task's own stack and its CPU's stacks,
+//!   and goes quiet when none holds such a frame (a root entered from an
+//!   interrupt on a task outside the session returns to the task's state);
 //! - root's own hook on `finish_task_switch` (which every task runs first
 //!   thing when it comes in on a CPU, a new task too) picks the view for
 //!   the task coming in: a task that sleeps inside a root and wakes on
 //!   another vCPU is armed there before its first call. Reading `current`
-//!   at a later exit would be too late: the quiet view takes none.
+//!   at a later exit would be too late: the quiet view takes none;
+//! - root's hook on `__set_task_comm` picks it for a task renamed (an exec
+//!   into a filtered name), with the new name read from its argument;
+//! - each vCPU's next timer turn after a filtering session starts or stops
+//!   picks it for the task running then.
 //!
 //! Root moves a vCPU to the view its tracer state names after each
 //! hypercall (a VMCS write of the EPT pointer; each view's translations
@@ -29,13 +37,14 @@
 //! invalidates both).
 //!
 //! [`Tracer::settle_views`] runs after every request and module event
-//! that can change who uses a site: it installs or removes the scheduler
-//! hook and sets each page's quiet mapping, with the other vCPUs held.
+//! that can change who uses a site: it installs or removes root's hooks
+//! and sets each page's quiet mapping, with the other vCPUs held.
 
 use super::machine::{CpuView, Env, KernelView};
-use super::split::remap_quiet;
+use super::site::Patch;
+use super::split::{page_bytes, remap_quiet, QuietMap, SplitView};
 use super::{site, symbols, Tracer};
-use crate::addr::Gva;
+use crate::addr::{Gpa, Gva};
 use crate::ept;
 use guest_introspect::fentry::FentrySite;
 use guest_introspect::view::PagedView;
@@ -78,11 +87,21 @@ pub(super) struct QuietState {
     /// Why the hook could not be installed, once (then every page stays
     /// hooked in both views).
     pub(super) unavailable: Option<&'static str>,
-    /// Pages the quiet views map to the guest's frames.
+    /// Pages the quiet views map to the guest's frames, and to partial
+    /// shadows.
     pub(super) pages: u32,
+    pub(super) partial: u32,
     /// Pages left as they were because a vCPU was inside one of their
     /// sites when they would have changed.
     pub(super) busy: u64,
+}
+
+/// What the quiet views should map a page to.
+#[derive(Clone, Copy)]
+enum Want {
+    Shadow,
+    Guest,
+    Partial,
 }
 
 impl super::VmState {
@@ -141,28 +160,44 @@ impl Tracer<'_> {
         let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
         let view = &mut self.vm.view;
         let quiet = &mut self.vm.quiet;
-        let mut quiet_pages = 0u32;
-        let mut flips = 0usize;
+        let (mut guest_pages, mut partial_pages, mut flips) = (0u32, 0u32, 0usize);
+        let mut count = |m: QuietMap| match m {
+            QuietMap::Guest => guest_pages += 1,
+            QuietMap::Partial(_) => partial_pages += 1,
+            QuietMap::Shadow => {}
+        };
         // A cursor rather than an iterator: pages change on the way.
         let mut next = view.pages.keys().next().copied();
         while let Some(page) = next {
-            next = view
-                .pages
-                .range(crate::addr::Gpa(page.0 + 1)..)
-                .next()
-                .map(|(&p, _)| p);
-            let Some(h) = view.pages.get(&page) else {
+            next = view.pages.range(Gpa(page.0 + 1)..).next().map(|(&p, _)| p);
+            let SplitView { pages, sites, .. } = &mut *view;
+            let Some(h) = pages.get(&page) else {
                 continue;
             };
-            let want = armed
-                && !h.patches.is_empty()
-                && h.patches.iter().all(|p| {
-                    view.sites
-                        .get(&p.site)
-                        .is_some_and(|u| u.quiet_ok(users, is_root))
-                });
-            if want == h.quiet {
-                quiet_pages += u32::from(want);
+            // A site matters everywhere unless it is quiet_ok.
+            let loud = |p: &Patch| {
+                !sites
+                    .get(&p.site)
+                    .is_some_and(|u| u.quiet_ok(users, is_root))
+            };
+            let n_loud = h.patches.iter().filter(|p| loud(p)).count();
+            let want = if !armed || n_loud == h.patches.len() {
+                Want::Shadow
+            } else if n_loud == 0 {
+                Want::Guest
+            } else {
+                Want::Partial
+            };
+            let same = match (want, h.quiet) {
+                (Want::Shadow, QuietMap::Shadow) | (Want::Guest, QuietMap::Guest) => true,
+                (Want::Partial, QuietMap::Partial(_)) => {
+                    h.patches.iter().all(|p| p.in_quiet == loud(p))
+                }
+                _ => false,
+            };
+            let was = h.quiet;
+            if same {
+                count(was);
                 continue;
             }
             // A page that cannot change now stays as it was: hooked in
@@ -173,7 +208,7 @@ impl Tracer<'_> {
                     "tracer: quiet view of {page:#x} not changed: {}",
                     super::split::STALLED
                 );
-                quiet_pages += u32::from(h.quiet);
+                count(was);
                 continue;
             }
             let rips = env.m.rips();
@@ -181,22 +216,82 @@ impl Tracer<'_> {
                 .patches
                 .iter()
                 .any(|p| rips.iter().any(|&rip| site::rip_inside(p.site, rip)));
-            let hpa = if want { page.identity_hpa() } else { h.shadow };
-            if inside || !remap_quiet(env, page, hpa, ept::EXEC) {
-                quiet.busy += u64::from(inside);
-                quiet_pages += u32::from(h.quiet);
+            if inside {
+                quiet.busy += 1;
+                count(was);
+                continue;
+            }
+            let shadow = h.shadow;
+            let now = match want {
+                Want::Shadow => QuietMap::Shadow,
+                Want::Guest => QuietMap::Guest,
+                Want::Partial => {
+                    // Rebuilt whole, with every vCPU held: the guest's
+                    // page, and our calls at the sites that matter
+                    // everywhere.
+                    let frame = match was {
+                        QuietMap::Partial(q) => Some(q),
+                        _ => view.alloc_quiet_shadow(env),
+                    };
+                    let orig = page_bytes(env.ram, page);
+                    let (Some(q), Some(orig)) = (frame, orig) else {
+                        if let (Some(q), false) = (frame, matches!(was, QuietMap::Partial(_))) {
+                            view.free_shadow(q);
+                        }
+                        count(was);
+                        continue;
+                    };
+                    let SplitView { pages, sites, .. } = &mut *view;
+                    let Some(h) = pages.get_mut(&page) else {
+                        continue;
+                    };
+                    let bytes = env.m.frame(q);
+                    bytes.copy_from_slice(&orig);
+                    for p in h.patches.iter_mut() {
+                        p.in_quiet = !sites
+                            .get(&p.site)
+                            .is_some_and(|u| u.quiet_ok(users, is_root));
+                        let at = usize::from(p.offset);
+                        if let (true, Some(slot)) = (p.in_quiet, bytes.get_mut(at..at + 5)) {
+                            slot.copy_from_slice(&p.ours);
+                        }
+                    }
+                    QuietMap::Partial(q)
+                }
+            };
+            let hpa = match now {
+                QuietMap::Shadow => shadow,
+                QuietMap::Guest => page.identity_hpa(),
+                QuietMap::Partial(q) => q,
+            };
+            if !remap_quiet(env, page, hpa, ept::EXEC) {
+                if let (QuietMap::Partial(q), false) = (now, matches!(was, QuietMap::Partial(_))) {
+                    view.free_shadow(q);
+                }
+                count(was);
                 continue;
             }
             if let Some(h) = view.pages.get_mut(&page) {
-                h.quiet = want;
+                h.quiet = now;
+                if !matches!(now, QuietMap::Partial(_)) {
+                    for p in h.patches.iter_mut() {
+                        p.in_quiet = false;
+                    }
+                }
+            }
+            if let (QuietMap::Partial(q), false) = (was, matches!(now, QuietMap::Partial(_))) {
+                view.free_shadow(q);
             }
             flips += 1;
-            quiet_pages += u32::from(want);
+            count(now);
         }
-        quiet.pages = quiet_pages;
+        quiet.pages = guest_pages;
+        quiet.partial = partial_pages;
         if flips != 0 {
             env.m.invept();
-            log::info!("tracer: {flips} pages changed in the quiet views; {quiet_pages} are quiet");
+            log::info!(
+                "tracer: {flips} pages changed in the quiet views; {guest_pages} left to the guest, {partial_pages} with a partial shadow"
+            );
         }
         if !any && self.vm.quiet.switch_site.is_some() {
             self.remove_switch_hook(env, SwitchHook::Schedule);

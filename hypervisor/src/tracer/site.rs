@@ -119,6 +119,10 @@ pub struct Patch {
     pub ours: [u8; SITE_LEN],
     /// The guest's bytes at the site, as of the last sync.
     pub guest: [u8; SITE_LEN],
+    /// Our bytes are in the page's partial quiet shadow too (the site
+    /// matters outside a graph session's roots, on a page with sites that
+    /// do not).
+    pub in_quiet: bool,
 }
 
 impl Patch {
@@ -144,6 +148,18 @@ pub fn resync(
     original: &[u8; PAGE_SIZE],
     patches: &mut [Patch],
 ) -> usize {
+    resync_where(shadow, original, patches, |_| true)
+}
+
+/// [`resync`] for a shadow that holds only the patches for which `here`
+/// holds (a quiet view's partial shadow): the other sites are the guest's
+/// bytes there, and are synced as such.
+pub fn resync_where(
+    shadow: &mut [u8; PAGE_SIZE],
+    original: &[u8; PAGE_SIZE],
+    patches: &mut [Patch],
+    here: impl Fn(&Patch) -> bool,
+) -> usize {
     let mut ours = [0u64; PAGE_SIZE / 64];
     let mut changed = 0;
     for p in patches.iter_mut() {
@@ -154,6 +170,9 @@ pub fn resync(
         if guest != p.guest {
             changed += 1;
             p.guest.copy_from_slice(guest);
+        }
+        if !here(p) {
+            continue;
         }
         for i in o..o + SITE_LEN {
             if let Some(w) = ours.get_mut(i / 64) {
@@ -257,6 +276,7 @@ mod tests {
                     site,
                     ours: call_rel32(site, entry).unwrap(),
                     guest: NOP5,
+                    in_quiet: false,
                 }
             })
             .collect();

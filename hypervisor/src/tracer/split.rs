@@ -25,6 +25,9 @@ use trampolines::patch::SITE_LEN;
 pub(super) const MAX_SITES: usize = 1 << 16;
 /// Frames kept free for everything else when shadows are allocated.
 const FRAME_RESERVE: u64 = 1 << 20;
+/// Frames kept free beyond that for hooks when partial quiet shadows are
+/// allocated.
+const QUIET_RESERVE: u64 = 4 << 20;
 /// Heap one more hooked site may take: its `sites` entry, a `pages` entry
 /// and a patch.
 pub(super) const SITE_BYTES: usize = btree_entry_bytes::<u64, SiteUse>()
@@ -102,19 +105,31 @@ impl SiteUse {
 pub(super) struct Hooked {
     pub(super) shadow: Hpa,
     pub(super) patches: Vec<Patch>,
-    /// The quiet views map the page to the guest's own frame (every site
-    /// on it matters only beneath a session's roots); else to the shadow,
-    /// as the armed views do.
-    pub(super) quiet: bool,
+    /// What the quiet views map the page to.
+    pub(super) quiet: QuietMap,
+}
+
+/// What the quiet views map a hooked page to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum QuietMap {
+    /// The shadow, as the armed views: every site on the page matters
+    /// everywhere (or nothing is quiet).
+    Shadow,
+    /// The guest's own frame: every site on the page matters only beneath
+    /// a session's roots or for its tasks.
+    Guest,
+    /// A partial shadow of its own, with our patches only at the sites
+    /// that matter everywhere (`Patch::in_quiet`).
+    Partial(Hpa),
 }
 
 impl Hooked {
     /// What view `view` maps the page `page` to while no step has it open.
     pub(super) fn mapping(&self, view: View, page: Gpa) -> Hpa {
-        if view == View::Quiet && self.quiet {
-            page.identity_hpa()
-        } else {
-            self.shadow
+        match (view, self.quiet) {
+            (View::Armed, _) | (View::Quiet, QuietMap::Shadow) => self.shadow,
+            (View::Quiet, QuietMap::Guest) => page.identity_hpa(),
+            (View::Quiet, QuietMap::Partial(q)) => q,
         }
     }
 }
@@ -179,6 +194,20 @@ pub(super) fn in_hypervisor(gpa: u64) -> bool {
 }
 
 impl SplitView {
+    /// A frame for a partial quiet shadow, only while the pool has
+    /// [`QUIET_RESERVE`] to spare: it saves exits, and hooks come first.
+    pub(super) fn alloc_quiet_shadow(&mut self, env: &mut Env<'_>) -> Option<Hpa> {
+        if env.m.frames_free() < FRAME_RESERVE + QUIET_RESERVE {
+            return None;
+        }
+        self.alloc_shadow(env).ok()
+    }
+
+    /// Gives a frame back for another shadow.
+    pub(super) fn free_shadow(&mut self, frame: Hpa) {
+        self.free_shadows.push(frame);
+    }
+
     fn alloc_shadow(&mut self, env: &mut Env<'_>) -> Result<Hpa, PatchError> {
         if let Some(f) = self.free_shadows.pop() {
             return Ok(f);
@@ -258,7 +287,7 @@ impl SplitView {
                 Hooked {
                     shadow,
                     patches: Vec::new(),
-                    quiet: false,
+                    quiet: QuietMap::Shadow,
                 },
             );
         }
@@ -284,6 +313,8 @@ impl SplitView {
             site,
             ours,
             guest,
+            // Not in a partial quiet shadow until the views are settled.
+            in_quiet: false,
         });
         if new_page {
             if let Err(e) = env.m.ept_map(page, h.shadow, ept::EXEC) {
@@ -339,12 +370,21 @@ impl SplitView {
             if let Err(e) = site::write_checked(shadow, p.offset as usize, &p.ours, &p.guest) {
                 log::warn!("tracer: unpatching {site:#x}: {e}");
             }
+            if let (QuietMap::Partial(q), true) = (h.quiet, p.in_quiet) {
+                let quiet = env.m.frame(q);
+                if let Err(e) = site::write_checked(quiet, p.offset as usize, &p.ours, &p.guest) {
+                    log::warn!("tracer: unpatching {site:#x} in its quiet shadow: {e}");
+                }
+            }
         }
         if h.patches.is_empty() {
-            let shadow = h.shadow;
+            let (shadow, quiet) = (h.shadow, h.quiet);
             self.pages.remove(&page);
             remap(env, page, page.identity_hpa(), ept::RWX);
             self.free_shadows.push(shadow);
+            if let QuietMap::Partial(q) = quiet {
+                self.free_shadows.push(q);
+            }
         }
         // The caller flushes EPT once for the whole request.
     }

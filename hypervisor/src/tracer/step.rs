@@ -22,7 +22,7 @@
 use super::machine::{Env, View, PAGE};
 use super::region::Region;
 use super::site;
-use super::split::{in_hypervisor, page_bytes, remap_mine, remap_own, SplitView};
+use super::split::{in_hypervisor, page_bytes, remap_mine, remap_own, QuietMap, SplitView};
 use crate::addr::{Gpa, Hpa};
 use crate::ept;
 use guest_introspect::paging;
@@ -262,6 +262,10 @@ fn close_page(page: Gpa, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
                     if let Some(orig) = page_bytes(env.ram, page) {
                         let shadow = env.m.frame(h.shadow);
                         site::resync(shadow, &orig, &mut h.patches);
+                        if let QuietMap::Partial(q) = h.quiet {
+                            let quiet = env.m.frame(q);
+                            site::resync_where(quiet, &orig, &mut h.patches, |p| p.in_quiet);
+                        }
                     }
                 }
                 for view in View::BOTH {

@@ -2682,3 +2682,57 @@ fn a_pid_filter_arms_the_running_task_at_the_next_turn_after_its_start() {
     let r = g.tracer().report();
     assert_eq!((r.switch_hook, r.sites), (true, 2), "{r:?}");
 }
+
+#[test]
+fn a_page_with_a_root_and_quiet_sites_gets_a_partial_quiet_shadow() {
+    let mut g = Guest::new();
+    // Room for a partial shadow beyond what hooks keep.
+    g.root.frame_limit = 2048;
+    // my_func (the root) and other_func (traced beneath it) share a page.
+    g.with(|t, env, k| {
+        t.graph_start(graph(&["my_func"]), k, env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let r = g.tracer().report();
+    assert_eq!((r.quiet_pages, r.quiet_partial), (0, 1), "{r:?}");
+    let page = gpa(FUNC) & !0xfff;
+    let armed = g.root.leaf_in(0, page).unwrap().hpa;
+    let quiet = g.root.quiet_leaf(0, page).unwrap();
+    assert!(quiet.hpa != armed && quiet.hpa.0 != page, "{quiet:?}");
+    assert_eq!(quiet.perms, ept::EXEC);
+    assert_eq!(g.root.quiet_leaf(1, page).unwrap().hpa, quiet.hpa);
+    let at = |g: &Guest, frame: Hpa, va: u64| -> [u8; 5] {
+        g.root.frames[&frame.0][(va & 0xfff) as usize..][..5]
+            .try_into()
+            .unwrap()
+    };
+    // The root's call in both shadows; other_func's only in the armed one.
+    assert_eq!(at(&g, quiet.hpa, FUNC), at(&g, armed, FUNC));
+    assert_ne!(at(&g, armed, FUNC), NOP5);
+    assert_eq!(at(&g, quiet.hpa, OTHER), NOP5);
+    assert_ne!(at(&g, armed, OTHER), NOP5);
+    // A quiet vCPU's write to the page (the guest's ftrace at other_func)
+    // reaches both shadows: the guest's call in the quiet one, ours kept
+    // in the armed one.
+    switch_to(&mut g, 1, TASK, STACK_BASE);
+    assert_eq!(g.cpus[1].view(), View::Quiet);
+    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, env));
+    assert!(matches!(v, Violation::Stepping));
+    let theirs = call_bytes(OTHER, FTRACE_CALLER);
+    g.ram.put(gpa(OTHER), &theirs);
+    g.with(|t, env, _| t.finish_step(env));
+    assert_eq!(at(&g, quiet.hpa, OTHER), theirs);
+    assert_ne!(at(&g, armed, OTHER), theirs);
+    assert_eq!(at(&g, quiet.hpa, FUNC), at(&g, armed, FUNC));
+    let q = g.root.quiet_leaf(1, page).unwrap();
+    assert_eq!((q.hpa, q.perms), (quiet.hpa, ept::EXEC));
+    // A probe on other_func: it matters everywhere, the page is hooked
+    // whole in the quiet view again.
+    g.with(|t, env, k| {
+        t.probe_add("p:o other_func", k, env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let r = g.tracer().report();
+    assert_eq!((r.quiet_pages, r.quiet_partial), (0, 0), "{r:?}");
+    assert_eq!(g.root.quiet_leaf(0, page).unwrap().hpa, armed);
+}
