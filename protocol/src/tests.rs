@@ -104,6 +104,10 @@ fn status() -> StatusReport {
             module_followed: 6,
             module_inits_freed: 3,
             module_init_unhooked: 1,
+            quiet_pages: 810,
+            quiet_partial: 3,
+            switch_hook: true,
+            quiet_busy: 1,
         },
         per_vcpu: vec![crate::VcpuReport {
             index: 0,
@@ -120,6 +124,10 @@ fn status() -> StatusReport {
             hits: 2,
             returns: 1,
             refused: 0,
+            view_switches: 12,
+            armed_ns: 5_000,
+            quiet_ns: 70_000,
+            quiet: false,
         }],
         guard: crate::GuardReport {
             nmi_exits: 5,

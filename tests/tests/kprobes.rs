@@ -1548,12 +1548,15 @@ fn module_code(
     let t = status(c).tracer;
     println!("unload: before {before:?}\n        after {t:?}");
     // The graph session's core functions stay hooked; its 3 module
-    // functions went, with the probe's and the function tracer's.
+    // functions went, with the probe's and the function tracer's. The
+    // session has roots and callees: root's scheduler hook picks the
+    // vCPU's view (the quiet one leaves the callees unhooked).
     let graph_core = session.map_or(0, |(_, hooked)| hooked.saturating_sub(3));
+    ck.check(t.switch_hook, "the scheduler hook is in for the rooted session");
     ck.eq(
-        "sites left after the unload: root's own three and the graph's core functions",
+        "sites left after the unload: root's three module hooks, its scheduler hook and the graph's core functions",
         (t.sites, t.module_hooks),
-        (3 + graph_core, 3),
+        (3 + 1 + graph_core, 3),
     );
     ck.eq("function tracer functions after the unload", t.functions, 0);
     ck.eq(

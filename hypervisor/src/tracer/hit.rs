@@ -380,6 +380,10 @@ pub(super) fn pick_view(
         (_, None) => true,
         (_, Some(k)) => {
             let running = k.current(cpu);
+            if running.is_none() {
+                // The task is not known: hooked everywhere is always safe.
+                return set_view(vm, state, View::Armed, now_ns);
+            }
             let filtering = users & vm.graph.filter_users();
             let admitted = filtering != 0
                 && running.is_some_and(|r| {

@@ -75,6 +75,10 @@ pub fn status_report() -> StatusReport {
             hits: 2,
             returns: 1,
             refused: 0,
+            view_switches: 4,
+            armed_ns: 1_000,
+            quiet_ns: 9_000,
+            quiet: true,
         }],
         guard: protocol::GuardReport::default(),
     }
