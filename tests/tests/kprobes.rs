@@ -1552,7 +1552,10 @@ fn module_code(
     // session has roots and callees: root's scheduler hook picks the
     // vCPU's view (the quiet one leaves the callees unhooked).
     let graph_core = session.map_or(0, |(_, hooked)| hooked.saturating_sub(3));
-    ck.check(t.switch_hook, "the scheduler hook is in for the rooted session");
+    ck.check(
+        t.switch_hook,
+        "the scheduler hook is in for the rooted session",
+    );
     ck.eq(
         "sites left after the unload: root's three module hooks, its scheduler hook and the graph's core functions",
         (t.sites, t.module_hooks),

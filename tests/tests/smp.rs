@@ -23,7 +23,11 @@
 //!   each CPU's tree under `vfs_read` equal to the guest's own
 //!   function_graph's for that CPU;
 //! - a sleeper moved from CPU 0 to CPU 1 while asleep in a traced function
-//!   returns through us once, on CPU 1, with its whole sleep as duration;
+//!   returns through us once, on CPU 1, with its whole sleep as duration,
+//!   and the callee it makes after its wake is traced there (the quiet
+//!   views arm CPU 1 when it comes in);
+//! - a getppid loop on CPU 1 outside a session's root costs no exits
+//!   while a dd read on CPU 0 inside it is traced (the quiet views);
 //! - hotplug with a probe and a graph session on, and a probe added and
 //!   removed while CPU 1 is offline (parked vCPUs are not waited for);
 //! - the attacker module reads a hooked function 3,000 times on CPU 0
@@ -69,14 +73,19 @@ fn migrating_sleeper(ck: &mut Checks, c: &mut Client) {
         ck.check(false, format!("graph start do_nanosleep: {r:?}"));
         return;
     };
-    let st = hv_status(c).tracer;
+    let status = hv_status(c);
+    let st = status.tracer;
     ck.check(
-        st.switch_hook && st.quiet_pages >= 1,
+        st.switch_hook && st.quiet_pages + st.quiet_partial >= 1,
         format!(
-            "hrtimer_cancel's page is quiet: {} quiet pages, scheduler hook {}",
-            st.quiet_pages, st.switch_hook
+            "hrtimer_cancel's page is quiet: {} quiet pages, {} partly, scheduler hook {}",
+            st.quiet_pages, st.quiet_partial, st.switch_hook
         ),
     );
+    let switches = |s: &protocol::StatusReport| -> Vec<u64> {
+        s.per_vcpu.iter().map(|v| v.view_switches).collect()
+    };
+    let switches_before = switches(&status);
     let mut json = Stream::of(session, TraceFormat::Json, 0);
     let _ = json.read(c);
     let out = guest_exec(
@@ -85,7 +94,18 @@ fn migrating_sleeper(ck: &mut Checks, c: &mut Client) {
          echo CPU $(cut -d' ' -f39 /proc/$p/stat); taskset -p 2 $p > /dev/null; wait $p; echo PID $p",
     );
     let text = json.read(c);
+    let switches_after = switches(&hv_status(c));
     graph_stop(ck, c, session);
+    // CPU 1 was quiet, armed when the sleeper came in, and quiet again
+    // after its root returned: two moves at least.
+    let moved = switches_after
+        .get(1)
+        .zip(switches_before.get(1))
+        .map_or(0, |(a, b)| a - b);
+    ck.check(
+        moved >= 2,
+        format!("CPU 1 moved between its views for the sleeper: {moved} moves"),
+    );
     let pid: i32 = out
         .split("PID ")
         .nth(1)
@@ -584,6 +604,78 @@ fn graph_oracle_per_cpu(ck: &mut Checks, c: &mut Client) {
     }
 }
 
+/// The quiet views on two CPUs: a session rooted at vfs_read whose trace
+/// set holds the getppid system call's body, while a getppid loop pinned
+/// to CPU 1 runs outside the root and a dd read on CPU 0 inside it. The
+/// loop's calls cost nothing (they cost two exits each with the trace set
+/// hooked on every view), and the dd read is traced.
+fn quiet_other_cpu(ck: &mut Checks, c: &mut Client) {
+    const N: u64 = 20_000;
+    let func = guest_exec(
+        c,
+        &format!(
+            "grep -m1 -E '^(__do_sys|__x64_sys)_getppid$' {TRACEFS}/available_filter_functions"
+        ),
+    )
+    .trim()
+    .to_string();
+    let mut trace: Vec<String> = TRACE_SET.iter().map(|s| s.to_string()).collect();
+    trace.push(func.clone());
+    let r = hv_call(
+        c,
+        Request::GraphStart(protocol::GraphFilter {
+            functions: vec!["vfs_read".into()],
+            trace,
+            ..protocol::GraphFilter::default()
+        }),
+    );
+    let Response::GraphStarted { session, .. } = r else {
+        ck.check(false, format!("graph start vfs_read: {r:?}"));
+        return;
+    };
+    let mut stream = Stream::of(session, TraceFormat::Text, 0);
+    let _ = stream.read(c);
+    let calls = |c: &mut Client| -> u64 {
+        hv_status(c)
+            .per_vcpu
+            .iter()
+            .map(|v| v.hits + v.returns)
+            .sum()
+    };
+    let st = hv_status(c);
+    let before = calls(c);
+    let out = guest_exec(
+        c,
+        &format!(
+            "taskset 2 hvbench getppid {N} & taskset 1 dd if=/etc/hostname of=/dev/null bs=64 count=1 2>/dev/null; wait"
+        ),
+    );
+    let spent = calls(c) - before;
+    let text = stream.read(c);
+    graph_stop(ck, c, session);
+    let views: Vec<(u64, bool)> = hv_status(c)
+        .per_vcpu
+        .iter()
+        .map(|v| (v.view_switches, v.quiet))
+        .collect();
+    println!(
+        "smp quiet views: {N} getppid calls on CPU 1 outside the root, a dd read on CPU 0 inside it: {spent} hypercalls in all ({} quiet pages, {} partial); view switches and quiet now per vCPU {views:?}; {out}",
+        st.tracer.quiet_pages, st.tracer.quiet_partial
+    );
+    ck.check(
+        st.tracer.switch_hook,
+        "the scheduler hook is in for the rooted session",
+    );
+    ck.check(
+        spent < N / 10,
+        format!("the loop outside the root costs nothing: {spent} hypercalls for {N} calls of a traced function"),
+    );
+    ck.check(
+        text.contains("vfs_read() {"),
+        format!("the dd read inside the root is traced:\n{text}"),
+    );
+}
+
 /// A graph session on do_nanosleep over one sleeper pinned to each CPU:
 /// two trees, each on its sleeper's CPU.
 fn graph_on_two_cpus(ck: &mut Checks, c: &mut Client) {
@@ -757,6 +849,7 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     probe_oracle_across_cpus(&mut checks, &mut c);
     graph_on_two_cpus(&mut checks, &mut c);
     graph_oracle_per_cpu(&mut checks, &mut c);
+    quiet_other_cpu(&mut checks, &mut c);
     migrating_sleeper(&mut checks, &mut c);
     attacker_on_two_cpus(&mut checks, &mut c);
     patching_under_fire(&mut checks, &mut c);

@@ -1779,8 +1779,11 @@ impl Vcpu<'_> {
         f::GUEST_CR3.write(v, u64::from(cpu.cr3))?;
         if cpu.cr3 != old_cr3 {
             // A MOV to CR3 would have flushed the old address space's
-            // translations; with VPID, VM entry does not.
-            let _ = insn::invept_single(f::EPT_POINTER.read(v)?);
+            // translations; with VPID, VM entry does not. Both views: the
+            // vCPU may move to the other one before its next CR3 load.
+            for eptp in self.cpu.eptps {
+                let _ = insn::invept_single(eptp);
+            }
         }
         if let (true, LegacyPaging::Pae { pdptes }) = (pdptes_changed, paging) {
             f::GUEST_PDPTE0.write(v, pdptes[0])?;

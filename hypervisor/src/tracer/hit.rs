@@ -140,7 +140,7 @@ impl<'a> Hit<'a> {
                         if left.users & arming != 0 && left.below & arming == 0 {
                             // Out of the last frame of a quiet session on
                             // this stack: the view for what runs now.
-                            pick_view(self.vm, self.cpu, kernel, cpu, now_ns, None);
+                            pick_view(self.vm, self.cpu, kernel, cpu, now_ns);
                         }
                         (Hypercall::Handled, Served::Return)
                     }
@@ -208,17 +208,24 @@ impl<'a> Hit<'a> {
         add(&self.vm.hit.hits, 1);
         match u.switch {
             // A task comes in on this vCPU: the view its context wants.
-            Some(SwitchHook::Schedule) => pick_view(self.vm, self.cpu, Some(k), cpu, now_ns, None),
+            Some(SwitchHook::Schedule) => pick_view(self.vm, self.cpu, Some(k), cpu, now_ns),
             // The running task takes a new name (`__set_task_comm(tsk,
-            // buf, ...)`, the name not written yet): the view for it.
+            // buf, ...)`, the name not written yet): armed if a filter
+            // admits the new name. Never quiet here: the calls made under
+            // the old name up to the rename are still its; the next
+            // switch picks the view for a name no filter admits.
             Some(SwitchHook::Comm) => {
-                let running = k.current(cpu).map(|r| r.task);
+                let running = k.current(cpu);
                 let mut name = [0u8; 16];
                 let read = paging::read_virt(env.ram, Cr3(cpu.cr3), Gva(regs.si), &mut name);
-                if running == Some(regs.di) && read.is_ok() {
-                    // The kernel keeps at most 15 bytes and a NUL.
-                    name[15] = 0;
-                    pick_view(self.vm, self.cpu, Some(k), cpu, now_ns, Some(name));
+                // The kernel keeps at most 15 bytes and a NUL.
+                name[15] = 0;
+                let filtering = self.vm.arming_users() & self.vm.graph.filter_users();
+                let admitted = running.filter(|r| r.task == regs.di).is_some_and(|r| {
+                    read.is_ok() && self.vm.graph.admitted_by(filtering, r.pid, &name)
+                });
+                if admitted {
+                    set_view(self.vm, self.cpu, View::Armed, now_ns);
                 }
             }
             None => {}
@@ -362,7 +369,7 @@ impl<'a> Hit<'a> {
 
 /// Picks the view for the vCPU's context as it is now: armed while the
 /// task it runs passes the filter of a session that filters by pid or
-/// comm (under `comm` when it is being renamed to that), or while it is
+/// comm, or while it is
 /// inside a root of a session the quiet view leaves unhooked (a frame of
 /// one on its stacks), or while no kernel is known; quiet otherwise (when
 /// no such session runs, both views hook the same).
@@ -372,7 +379,6 @@ pub(super) fn pick_view(
     kernel: Option<&dyn KernelView>,
     cpu: &CpuView,
     now_ns: u64,
-    comm: Option<[u8; 16]>,
 ) {
     let users = vm.arming_users();
     let inside = match (users, kernel) {
@@ -386,10 +392,7 @@ pub(super) fn pick_view(
             }
             let filtering = users & vm.graph.filter_users();
             let admitted = filtering != 0
-                && running.is_some_and(|r| {
-                    vm.graph
-                        .admitted_by(filtering, r.pid, comm.as_ref().unwrap_or(&r.comm))
-                });
+                && running.is_some_and(|r| vm.graph.admitted_by(filtering, r.pid, &r.comm));
             admitted || {
                 let stack = running.and_then(|r| k.task_stack(r.task));
                 vm.graph

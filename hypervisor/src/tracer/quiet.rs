@@ -84,6 +84,8 @@ pub(super) struct QuietState {
     pub(super) epoch: u64,
     /// The filtering sessions as of the last settling.
     pub(super) filtering: u16,
+    /// Whether views switched as of the last settling.
+    pub(super) on: bool,
     /// Why the hook could not be installed, once (then every page stays
     /// hooked in both views).
     pub(super) unavailable: Option<&'static str>,
@@ -139,23 +141,31 @@ impl Tracer<'_> {
                     .values()
                     .any(|u| u.quiet_ok(users, is_root))
         };
-        if any && self.vm.quiet.switch_site.is_none() {
-            if let Some(k) = k {
-                self.install_switch_hook(k, env, SwitchHook::Schedule);
-            }
+        let comm = any && self.vm.graph.comm_users(self.vm.graph.filter_users()) != 0;
+        // Hooks off first (their sites may go with them), then on.
+        if !any && self.vm.quiet.switch_site.is_some() {
+            self.remove_switch_hook(env, SwitchHook::Schedule);
         }
-        let filtering = if any { self.vm.graph.filter_users() } else { 0 };
-        let comm = self.vm.graph.comm_users(filtering) != 0;
-        if comm && self.vm.quiet.comm_site.is_none() {
-            if let Some(k) = k {
-                self.install_switch_hook(k, env, SwitchHook::Comm);
-            }
+        if !comm && self.vm.quiet.comm_site.is_some() {
+            self.remove_switch_hook(env, SwitchHook::Comm);
         }
-        if filtering != self.vm.quiet.filtering {
-            self.vm.quiet.filtering = filtering;
-            self.vm.quiet.epoch += 1;
+        if let (true, None, Some(k)) = (any, self.vm.quiet.switch_site, k) {
+            self.install_switch_hook(k, env, SwitchHook::Schedule);
         }
-        let armed = any && self.vm.quiet.switch_site.is_some();
+        // Renames matter only while views switch at all.
+        let switching = self.vm.quiet.switch_site.is_some();
+        if let (true, true, None, Some(k)) = (comm, switching, self.vm.quiet.comm_site, k) {
+            self.install_switch_hook(k, env, SwitchHook::Comm);
+        }
+        let armed = any && switching;
+        let filtering = if armed {
+            self.vm.graph.filter_users()
+        } else {
+            0
+        };
+        let mut repick = armed != self.vm.quiet.on || filtering != self.vm.quiet.filtering;
+        self.vm.quiet.on = armed;
+        self.vm.quiet.filtering = filtering;
         let graph = &self.vm.graph;
         let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
         let view = &mut self.vm.view;
@@ -188,43 +198,48 @@ impl Tracer<'_> {
             } else {
                 Want::Partial
             };
-            let same = match (want, h.quiet) {
+            let was = h.quiet;
+            let same = match (want, was) {
                 (Want::Shadow, QuietMap::Shadow) | (Want::Guest, QuietMap::Guest) => true,
                 (Want::Partial, QuietMap::Partial(_)) => {
                     h.patches.iter().all(|p| p.in_quiet == loud(p))
                 }
                 _ => false,
             };
-            let was = h.quiet;
             if same {
                 count(was);
                 continue;
             }
-            // A page that cannot change now stays as it was: hooked in
-            // both views is always safe; a quiet page that a new user
-            // needs hooked is logged, and the next request tries again.
-            if !env.m.stop_others() {
-                log::warn!(
-                    "tracer: quiet view of {page:#x} not changed: {}",
-                    super::split::STALLED
-                );
-                count(was);
-                continue;
-            }
+            // A site that now matters everywhere and the quiet views do
+            // not hook yet: if the page cannot take its new mapping, it
+            // takes the shadow (always right, if dearer).
+            let louder = match was {
+                QuietMap::Shadow => false,
+                QuietMap::Guest => n_loud > 0,
+                QuietMap::Partial(_) => h.patches.iter().any(|p| loud(p) && !p.in_quiet),
+            };
+            let shadow = h.shadow;
+            // With every vCPU held, none inside a site of the page.
+            let held = env.m.stop_others();
             let rips = env.m.rips();
             let inside = h
                 .patches
                 .iter()
                 .any(|p| rips.iter().any(|&rip| site::rip_inside(p.site, rip)));
-            if inside {
+            if !held || inside {
                 quiet.busy += 1;
+                if louder {
+                    log::warn!(
+                        "tracer: page {page:#x} is not hooked in the quiet views for its new users yet ({}); the next request tries again",
+                        if held { "a vCPU is inside one of its sites" } else { super::split::STALLED }
+                    );
+                }
                 count(was);
                 continue;
             }
-            let shadow = h.shadow;
             let now = match want {
-                Want::Shadow => QuietMap::Shadow,
-                Want::Guest => QuietMap::Guest,
+                Want::Shadow => Some(QuietMap::Shadow),
+                Want::Guest => Some(QuietMap::Guest),
                 Want::Partial => {
                     // Rebuilt whole, with every vCPU held: the guest's
                     // page, and our calls at the sites that matter
@@ -233,43 +248,54 @@ impl Tracer<'_> {
                         QuietMap::Partial(q) => Some(q),
                         _ => view.alloc_quiet_shadow(env),
                     };
-                    let orig = page_bytes(env.ram, page);
-                    let (Some(q), Some(orig)) = (frame, orig) else {
-                        if let (Some(q), false) = (frame, matches!(was, QuietMap::Partial(_))) {
-                            view.free_shadow(q);
+                    match (frame, page_bytes(env.ram, page)) {
+                        (Some(q), Some(orig)) => {
+                            let SplitView { pages, sites, .. } = &mut *view;
+                            let bytes = env.m.frame(q);
+                            bytes.copy_from_slice(&orig);
+                            if let Some(h) = pages.get_mut(&page) {
+                                for p in h.patches.iter_mut() {
+                                    p.in_quiet = !sites
+                                        .get(&p.site)
+                                        .is_some_and(|u| u.quiet_ok(users, is_root));
+                                    let at = usize::from(p.offset);
+                                    let slot = bytes.get_mut(at..at + trampolines::patch::SITE_LEN);
+                                    if let (true, Some(slot)) = (p.in_quiet, slot) {
+                                        slot.copy_from_slice(&p.ours);
+                                    }
+                                }
+                            }
+                            Some(QuietMap::Partial(q))
                         }
-                        count(was);
-                        continue;
-                    };
-                    let SplitView { pages, sites, .. } = &mut *view;
-                    let Some(h) = pages.get_mut(&page) else {
-                        continue;
-                    };
-                    let bytes = env.m.frame(q);
-                    bytes.copy_from_slice(&orig);
-                    for p in h.patches.iter_mut() {
-                        p.in_quiet = !sites
-                            .get(&p.site)
-                            .is_some_and(|u| u.quiet_ok(users, is_root));
-                        let at = usize::from(p.offset);
-                        if let (true, Some(slot)) = (p.in_quiet, bytes.get_mut(at..at + 5)) {
-                            slot.copy_from_slice(&p.ours);
+                        (frame, _) => {
+                            if let (Some(q), false) = (frame, matches!(was, QuietMap::Partial(_))) {
+                                view.free_shadow(q);
+                            }
+                            // No frame to spare (or the page unreadable):
+                            // the whole shadow is right.
+                            Some(QuietMap::Shadow)
                         }
                     }
-                    QuietMap::Partial(q)
                 }
             };
-            let hpa = match now {
+            let mut now = now.unwrap_or(QuietMap::Shadow);
+            let hpa = |m: QuietMap| match m {
                 QuietMap::Shadow => shadow,
                 QuietMap::Guest => page.identity_hpa(),
                 QuietMap::Partial(q) => q,
             };
-            if !remap_quiet(env, page, hpa, ept::EXEC) {
+            if !remap_quiet(env, page, hpa(now), ept::EXEC) {
                 if let (QuietMap::Partial(q), false) = (now, matches!(was, QuietMap::Partial(_))) {
                     view.free_shadow(q);
                 }
-                count(was);
-                continue;
+                // The shadow's entry exists (the page is mapped): mapping
+                // it again allocates nothing.
+                now = if louder && remap_quiet(env, page, shadow, ept::EXEC) {
+                    QuietMap::Shadow
+                } else {
+                    count(was);
+                    continue;
+                };
             }
             if let Some(h) = view.pages.get_mut(&page) {
                 h.quiet = now;
@@ -289,30 +315,33 @@ impl Tracer<'_> {
         quiet.partial = partial_pages;
         if flips != 0 {
             env.m.invept();
+            repick = true;
             log::info!(
                 "tracer: {flips} pages changed in the quiet views; {guest_pages} left to the guest, {partial_pages} with a partial shadow"
             );
         }
-        if !any && self.vm.quiet.switch_site.is_some() {
-            self.remove_switch_hook(env, SwitchHook::Schedule);
-        }
-        if !comm && self.vm.quiet.comm_site.is_some() {
-            self.remove_switch_hook(env, SwitchHook::Comm);
+        if repick {
+            // Every vCPU picks its view again at its next turn (one that
+            // stays on a view meanwhile misses nothing a hit would have
+            // armed it for, but for a task that was inside a root or
+            // admitted by a filter before the pages went quiet).
+            quiet.epoch += 1;
         }
     }
 
-    /// Whether the filtering sessions changed since this vCPU last picked
-    /// its view at a turn ([`Self::turn_view`]).
+    /// Whether the quiet views changed (the pages, the filtering
+    /// sessions, switching on or off) since this vCPU last picked its view
+    /// at a turn ([`Self::turn_view`]).
     pub fn view_due(&self) -> bool {
         self.cpu.epoch != self.vm.quiet.epoch
     }
 
-    /// A timer turn of this vCPU: if the filtering sessions changed since
-    /// it last looked, it picks its view for the task it runs.
+    /// A timer turn of this vCPU: if the quiet views changed since it last
+    /// looked, it picks its view for the task it runs.
     pub fn turn_view(&mut self, kernel: Option<&dyn KernelView>, cpu: &CpuView, now_ns: u64) {
         if self.cpu.epoch != self.vm.quiet.epoch {
             self.cpu.epoch = self.vm.quiet.epoch;
-            super::hit::pick_view(self.vm, self.cpu, kernel, cpu, now_ns, None);
+            super::hit::pick_view(self.vm, self.cpu, kernel, cpu, now_ns);
         }
     }
 

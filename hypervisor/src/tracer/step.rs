@@ -149,15 +149,30 @@ impl Stepper {
             }
             None => false,
         };
-        if widen
-            && self
-                .step
-                .as_ref()
-                .is_some_and(|s| s.pages().iter().any(|&(p, _)| p == page))
-        {
-            // Already open (a write after a read on a hooked page that is
-            // now identity mapped RWX cannot fault again; a hypervisor page
-            // mapped to scratch can only if the access kind differs).
+        let open = self.step.as_ref().filter(|_| widen).and_then(|st| {
+            st.pages()
+                .iter()
+                .find(|&&(p, _)| p == page)
+                .map(|&(_, k)| k)
+        });
+        if let Some(kind) = open {
+            // Already open: a hypervisor page mapped to scratch faults again
+            // for another kind of access; any page faults again when the
+            // vCPU moved to its other view since the step opened it, or a
+            // request put the page's quiet mapping back meanwhile. Open it
+            // again in the view the vCPU runs on (the same entry as before
+            // where nothing changed).
+            match kind {
+                StepKind::Hooked { .. } | StepKind::Watch => {
+                    remap_mine(env, page, page.identity_hpa(), ept::RWX);
+                }
+                StepKind::Discard { .. } => {
+                    if let Some(scratch) = s.view.scratch {
+                        let _ = env.m.ept_map_mine(page, scratch, ept::READ | ept::WRITE);
+                    }
+                }
+            }
+            env.m.invept();
             return Violation::Widened;
         }
         let watched = s.region.is_some_and(|r| r.pd_page == page.0);

@@ -2736,3 +2736,55 @@ fn a_page_with_a_root_and_quiet_sites_gets_a_partial_quiet_shadow() {
     assert_eq!((r.quiet_pages, r.quiet_partial), (0, 0), "{r:?}");
     assert_eq!(g.root.quiet_leaf(0, page).unwrap().hpa, armed);
 }
+
+#[test]
+fn a_new_user_of_a_quiet_page_is_hooked_there_even_without_a_frame_to_spare() {
+    let mut g = Guest::new();
+    // Rooted at quiet_leaf: my_func and other_func's page is all quiet.
+    let f = GraphFilter {
+        functions: vec!["quiet_leaf".into()],
+        trace: vec!["*_func".into(), "quiet_leaf".into()],
+        ..GraphFilter::default()
+    };
+    g.with(|t, env, k| {
+        t.graph_start(f, k, env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let page = gpa(FUNC) & !0xfff;
+    assert_eq!(g.root.quiet_leaf(0, page).unwrap().hpa.0, page);
+    // A probe on other_func: its page wants a partial shadow, and the pool
+    // has none to spare here; the whole shadow takes its place.
+    g.with(|t, env, k| {
+        t.probe_add("p:o other_func", k, env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let armed = g.root.leaf_in(0, page).unwrap().hpa;
+    for vcpu in 0..VCPUS {
+        assert_eq!(g.root.quiet_leaf(vcpu, page).unwrap().hpa, armed);
+    }
+    let r = g.tracer().report();
+    assert_eq!((r.quiet_pages, r.quiet_partial), (0, 0), "{r:?}");
+}
+
+#[test]
+fn a_step_open_on_one_view_opens_again_on_the_other() {
+    let mut g = Guest::new();
+    quiet_session(&mut g);
+    switch_to(&mut g, 1, TASK, STACK_BASE);
+    assert_eq!(g.cpus[1].view(), View::Quiet);
+    let leaf = gpa(QUIET_LEAF) & !0xfff;
+    let v = g.with(|t, env, _| t.on_violation(gpa(QUIET_LEAF) + 0x40, false, env));
+    assert!(matches!(v, Violation::Stepping));
+    // The stepped context comes back on the armed view (a step preempted,
+    // its vCPU armed meanwhile): the same page faults there, and opens.
+    g.cpus[1].view = View::Armed;
+    let v = g.with(|t, env, _| t.on_violation(gpa(QUIET_LEAF) + 0x40, false, env));
+    assert!(matches!(v, Violation::Widened));
+    let a = g.root.leaf_in(1, leaf).unwrap();
+    assert_eq!((a.hpa.0, a.perms), (leaf, ept::RWX));
+    // The step's end puts both views back.
+    g.with(|t, env, _| t.finish_step(env));
+    let q = g.root.quiet_leaf(1, leaf).unwrap();
+    assert_eq!((q.hpa.0, q.perms), (leaf, ept::EXEC));
+    assert_ne!(g.root.leaf_in(1, leaf).unwrap().hpa.0, leaf);
+}
