@@ -918,110 +918,6 @@ fn comm_exec(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     let _ = stream.read(c);
 }
 
-/// A root entered from an interrupt on a task outside the session: a
-/// session rooted at `hrtimer_interrupt` (depth 2) while a getppid loop
-/// runs, traced at the same time by the guest's own function_graph with
-/// the same root, filter and depth (started before ours and stopped after
-/// it, so it sees every tick we see). Each of our trees is one the guest
-/// printed, and the vCPU moves to the armed view at each root and back to
-/// the quiet one when it returns to the loop.
-fn irq_root(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
-    const SET: [&str; 8] = [
-        "hrtimer_*",
-        "__hrtimer_*",
-        "tick_*",
-        "ktime_get*",
-        "_raw_spin_lock*",
-        "_raw_spin_unlock*",
-        "clockevents_*",
-        "lapic_next_*",
-    ];
-    let globs = SET.map(|g| format!("'{g}'")).join(" ");
-    exec(
-        c,
-        &format!(
-            "cd {TRACEFS} && echo > set_ftrace_filter && for g in {globs}; do echo \"$g\" >> set_ftrace_filter 2>/dev/null; done; \
-             echo hrtimer_interrupt > set_graph_function && echo 2 > max_graph_depth && \
-             echo function_graph > current_tracer && echo > trace"
-        ),
-    );
-    let Some(s) = graph_start(
-        c,
-        GraphFilter {
-            functions: vec!["hrtimer_interrupt".into()],
-            trace: SET.iter().map(|g| g.to_string()).collect(),
-            max_depth: 2,
-            ..GraphFilter::default()
-        },
-    ) else {
-        ck.check(false, "a session rooted at hrtimer_interrupt");
-        return;
-    };
-    let mut ours = Stream::of(s.0, TraceFormat::Text, stream.cursor);
-    let _ = ours.read(c);
-    let moves =
-        |c: &mut Client| -> u64 { status(c).per_vcpu.iter().map(|v| v.view_switches).sum() };
-    let before = moves(c);
-    exec(c, "hvbench getppid 20000");
-    let moved = moves(c) - before;
-    let text = ours.read(c);
-    call(c, Request::GraphStop { session: Some(s.0) });
-    let guest = exec(
-        c,
-        &format!(
-            "cd {TRACEFS} && cat trace > /tmp/irq.txt; echo nop > current_tracer; echo 0 > max_graph_depth; \
-             echo > set_graph_function; echo > set_ftrace_filter; cat /tmp/irq.txt"
-        ),
-    );
-    let shapes = |t: &str| -> Vec<String> {
-        tree_of(&parse_graph(t))
-            .iter()
-            .filter(|t| t.name == "hrtimer_interrupt")
-            .map(|t| format!("{t:?}"))
-            .collect()
-    };
-    let (o, g) = (shapes(&text), shapes(&guest));
-    let known: std::collections::BTreeSet<&String> = g.iter().collect();
-    let strange: Vec<&String> = o.iter().filter(|t| !known.contains(t)).collect();
-    println!(
-        "irq root: {} trees of ours ({} shapes), {} of the guest's ({} shapes); {moved} view moves",
-        o.len(),
-        o.iter().collect::<std::collections::BTreeSet<_>>().len(),
-        g.len(),
-        known.len()
-    );
-    for t in o.iter().take(2) {
-        println!("  ours: {t}");
-    }
-    ck.check(
-        o.len() >= 5,
-        format!(
-            "ticks traced beneath hrtimer_interrupt: {}\n{text}",
-            o.len()
-        ),
-    );
-    ck.check(
-        o.iter().any(|t| t.contains("children: [Tree")),
-        format!("our hrtimer_interrupt trees have callees: {:?}", o.first()),
-    );
-    ck.check(
-        o.len() <= g.len(),
-        format!("ours {} trees, the guest's {}", o.len(), g.len()),
-    );
-    ck.check(
-        strange.is_empty(),
-        format!("each of our trees is one the guest printed; not: {strange:?}"),
-    );
-    ck.check(
-        moved >= o.len() as u64,
-        format!(
-            "the vCPU moves to the armed view and back at each tick: {moved} moves for {} roots",
-            o.len()
-        ),
-    );
-    let _ = stream.read(c);
-}
-
 /// Tasks that exit inside traced functions (`do_exit` never returns)
 /// leave frames no return pops; they are reclaimed once the task's stack
 /// is released, and the memory goes back to where it was.
@@ -1427,7 +1323,6 @@ fn exercise(guest: &str) {
     if guest == "fast" {
         quiet_views(&mut ck, &mut c, &mut stream);
         comm_exec(&mut ck, &mut c, &mut stream);
-        irq_root(&mut ck, &mut c, &mut stream);
     }
     let t = status(&mut c).tracer;
     println!("{guest}: graph tracer counters at the end: {t:?}");
