@@ -49,8 +49,8 @@ use hvtrace_tests::{
 };
 use protocol::{Request, Response, TraceFormat};
 use smp_common::{
-    boot_checks, cpu_column, graph_start, graph_stop, print_lock_waits, print_vcpus, probe_add,
-    probe_del, probe_hits, probe_oracle_across_cpus, settled_status,
+    boot_checks, cpu_column, graph_start, graph_start_with, graph_stop, print_lock_waits,
+    print_vcpus, probe_add, probe_del, probe_hits, probe_oracle_across_cpus, settled_status,
 };
 
 /// A task sleeps in a traced function on CPU 0 and is moved to CPU 1
@@ -60,17 +60,16 @@ use smp_common::{
 /// outside it: do_nanosleep calls it once the sleep is over, on CPU 1,
 /// which the scheduler hook must have armed when the sleeper came in.
 fn migrating_sleeper(ck: &mut Checks, c: &mut Client) {
-    let r = hv_call(
+    let Some(session) = graph_start_with(
+        ck,
         c,
-        Request::GraphStart(protocol::GraphFilter {
+        protocol::GraphFilter {
             functions: vec!["do_nanosleep".into()],
             trace: vec!["do_nanosleep".into(), "hrtimer_cancel".into()],
             max_depth: 2,
             ..protocol::GraphFilter::default()
-        }),
-    );
-    let Response::GraphStarted { session, .. } = r else {
-        ck.check(false, format!("graph start do_nanosleep: {r:?}"));
+        },
+    ) else {
         return;
     };
     let status = hv_status(c);
@@ -562,17 +561,16 @@ fn graph_of_cpu(text: &str, cpu: u32) -> Vec<Node> {
 /// two at the same time, traced by our session and by the guest's own
 /// function_graph over the same functions. Each CPU's tree is the guest's.
 fn graph_oracle_per_cpu(ck: &mut Checks, c: &mut Client) {
-    let r = hv_call(
+    let Some(session) = graph_start_with(
+        ck,
         c,
-        Request::GraphStart(protocol::GraphFilter {
+        protocol::GraphFilter {
             functions: vec!["vfs_read".into()],
             trace: TRACE_SET.iter().map(|s| s.to_string()).collect(),
             comm: Some("dd".into()),
             ..protocol::GraphFilter::default()
-        }),
-    );
-    let Response::GraphStarted { session, .. } = r else {
-        ck.check(false, format!("graph start vfs_read: {r:?}"));
+        },
+    ) else {
         return;
     };
     let mut stream = Stream::of(session, TraceFormat::Text, 0);
@@ -621,16 +619,15 @@ fn quiet_other_cpu(ck: &mut Checks, c: &mut Client) {
     .to_string();
     let mut trace: Vec<String> = TRACE_SET.iter().map(|s| s.to_string()).collect();
     trace.push(func.clone());
-    let r = hv_call(
+    let Some(session) = graph_start_with(
+        ck,
         c,
-        Request::GraphStart(protocol::GraphFilter {
+        protocol::GraphFilter {
             functions: vec!["vfs_read".into()],
             trace,
             ..protocol::GraphFilter::default()
-        }),
-    );
-    let Response::GraphStarted { session, .. } = r else {
-        ck.check(false, format!("graph start vfs_read: {r:?}"));
+        },
+    ) else {
         return;
     };
     let mut stream = Stream::of(session, TraceFormat::Text, 0);

@@ -64,25 +64,24 @@ pub(super) struct SiteUse {
 }
 
 impl SiteUse {
-    /// Nothing uses the site any more: it may be unhooked.
-    fn unused(&self) -> bool {
+    /// No probe, return probe, function tracer, module hook or count uses
+    /// the site (graph sessions and root's view hooks aside).
+    fn no_other_user(&self) -> bool {
         self.probes.is_empty()
             && self.retprobes.is_empty()
             && !self.function
-            && self.graph == 0
             && self.hidden.is_none()
             && !self.counted
-            && self.switch.is_none()
+    }
+
+    /// Nothing uses the site any more: it may be unhooked.
+    fn unused(&self) -> bool {
+        self.no_other_user() && self.graph == 0 && self.switch.is_none()
     }
 
     /// Whether root's view hook is all the site is for.
     pub(super) fn unused_but_switch(&self) -> bool {
-        self.probes.is_empty()
-            && self.retprobes.is_empty()
-            && !self.function
-            && self.graph == 0
-            && self.hidden.is_none()
-            && !self.counted
+        self.no_other_user() && self.graph == 0
     }
 
     /// Whether the site matters only beneath a root of the sessions in
@@ -91,11 +90,7 @@ impl SiteUse {
     pub(super) fn quiet_ok(&self, rooted: u16, is_root: impl Fn(u16, Gva) -> bool) -> bool {
         self.graph != 0
             && self.graph & !rooted == 0
-            && self.probes.is_empty()
-            && self.retprobes.is_empty()
-            && !self.function
-            && self.hidden.is_none()
-            && !self.counted
+            && self.no_other_user()
             && self.switch.is_none()
             && !is_root(self.graph, self.func)
     }

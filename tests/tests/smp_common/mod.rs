@@ -56,18 +56,29 @@ pub fn probe_hits(c: &mut Client, name: &str) -> u64 {
 
 /// Starts a graph session on `root` alone, depth 1; its number.
 pub fn graph_start(ck: &mut Checks, c: &mut Client, root: &str) -> Option<u32> {
-    match hv_call(
+    graph_start_with(
+        ck,
         c,
-        Request::GraphStart(protocol::GraphFilter {
+        protocol::GraphFilter {
             functions: vec![root.into()],
             trace: vec![root.into()],
             max_depth: 1,
             ..protocol::GraphFilter::default()
-        }),
-    ) {
+        },
+    )
+}
+
+/// Starts a graph session with `filter`; its number.
+pub fn graph_start_with(
+    ck: &mut Checks,
+    c: &mut Client,
+    filter: protocol::GraphFilter,
+) -> Option<u32> {
+    let roots = filter.functions.join(",");
+    match hv_call(c, Request::GraphStart(filter)) {
         Response::GraphStarted { session, .. } => Some(session),
         other => {
-            ck.check(false, format!("graph start {root}: {other:?}"));
+            ck.check(false, format!("graph start {roots}: {other:?}"));
             None
         }
     }
