@@ -64,10 +64,10 @@ pub use codec::{
 };
 pub use message::{
     Body, ChannelReport, CountFilter, ErrorKind, Event, ExitCount, Frame, FunctionCount,
-    GraphFilter, GuardReport, GuestState, HistFilter, HistKey, HistRow, KernelReport,
-    ModulesReport, ProbeInfo, RenderContext, Request, Response, RingAt, StatusReport, SymbolInfo,
-    SymbolsPart, TaskInfo, TraceChannel, TraceFormat, TracerReport, VcpuReport, LATENCY_BUCKETS,
-    RECORD_CONTINUES, RECORD_LEN_MASK, RECORD_MORE,
+    GraphFilter, GraphSessionReport, GuardReport, GuestState, HistFilter, HistKey, HistRow,
+    KernelReport, ModulesReport, ProbeInfo, RenderContext, Request, Response, RingAt, StatusReport,
+    SymbolInfo, SymbolsPart, TaskInfo, TraceChannel, TraceFormat, TracerReport, VcpuReport,
+    LATENCY_BUCKETS, RECORD_CONTINUES, RECORD_LEN_MASK, RECORD_MORE,
 };
 
 /// The version of the wire format: the frame header, the framing and every

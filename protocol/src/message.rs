@@ -784,6 +784,23 @@ pub struct StatusReport {
     pub guard: GuardReport,
     /// Each vCPU, the boot processor first.
     pub per_vcpu: Vec<VcpuReport>,
+    /// Each function-graph session running, by number.
+    pub graph_sessions: Vec<GraphSessionReport>,
+}
+
+/// One function-graph session in [`StatusReport::graph_sessions`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GraphSessionReport {
+    /// Its number (1 to 15).
+    pub session: u32,
+    /// Functions hooked for it.
+    pub hooked: u32,
+    /// Its roots (0: it has none, and every hooked function starts a
+    /// tree).
+    pub roots: u32,
+    /// Its hooked functions the quiet EPT views leave unhooked (they
+    /// matter only beneath its roots, or for the tasks its filter admits).
+    pub quiet: u32,
 }
 
 /// One vCPU in [`StatusReport::per_vcpu`].

@@ -129,6 +129,12 @@ fn status() -> StatusReport {
             quiet_ns: 70_000,
             quiet: false,
         }],
+        graph_sessions: vec![crate::GraphSessionReport {
+            session: 3,
+            hooked: 19_855,
+            roots: 1,
+            quiet: 19_850,
+        }],
         guard: crate::GuardReport {
             nmi_exits: 5,
             nmis_in_root: 3,

@@ -684,7 +684,19 @@ fn quiet_views(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         ck.check(false, format!("a session rooted at {func} over *"));
         return;
     };
-    let st = status(c).tracer;
+    let full = status(c);
+    let st = full.tracer;
+    let per_session = full
+        .graph_sessions
+        .iter()
+        .find(|g| g.session == armed_session.0)
+        .copied();
+    println!("quiet views: status per session {per_session:?}");
+    ck.check(
+        per_session
+            .is_some_and(|g| g.hooked == armed_session.1 && g.roots == 1 && g.quiet > g.hooked / 2),
+        format!("status gives the session's hooked functions, most of them quiet: {per_session:?}"),
+    );
     println!(
         "quiet views: a session rooted at {func} over *: {} functions hooked, {} pages quiet, {} partly, scheduler hook {}",
         armed_session.1, st.quiet_pages, st.quiet_partial, st.switch_hook

@@ -141,6 +141,20 @@ pub fn status_text(status: &Status) -> String {
                     String::new()
                 }
             ));
+            for g in &r.graph_sessions {
+                out.push_str(&format!(
+                    "{:<12} graph session {}: {} functions hooked, {} left unhooked outside its {}\n",
+                    "",
+                    g.session,
+                    g.hooked,
+                    g.quiet,
+                    match g.roots {
+                        0 => "tasks".to_string(),
+                        1 => "root".to_string(),
+                        n => format!("{n} roots"),
+                    }
+                ));
+            }
             for c in &r.per_vcpu {
                 out.push_str(&format!(
                     "{:<12} vCPU {}: on the {} view, {} switches, armed {} ms, quiet {} ms\n",
@@ -344,6 +358,22 @@ pub fn status_json(status: &Status) -> Json {
             ),
         ),
         ("exits", Json::Array(exits)),
+        (
+            "graph_sessions",
+            Json::Array(
+                r.graph_sessions
+                    .iter()
+                    .map(|g| {
+                        json::object([
+                            ("session", json::int(g.session)),
+                            ("hooked", json::int(g.hooked)),
+                            ("roots", json::int(g.roots)),
+                            ("quiet", json::int(g.quiet)),
+                        ])
+                    })
+                    .collect(),
+            ),
+        ),
         ("hv_memory_used", json::int(r.hv_memory_used)),
         ("hv_memory_total", json::int(r.hv_memory_total)),
         ("hv_heap_used", json::int(r.hv_heap_used)),
@@ -556,6 +586,7 @@ mod tests {
                 quiet_ns: 0,
                 quiet: false,
             }],
+            graph_sessions: Vec::new(),
             guard: protocol::GuardReport::default(),
         }
     }

@@ -1013,5 +1013,6 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
         kernel: src.introspection.report().cloned(),
         tracer: src.tracer.report(),
         guard: src.guard,
+        graph_sessions: src.tracer.graph_sessions(),
     }
 }

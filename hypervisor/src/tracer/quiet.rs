@@ -120,6 +120,36 @@ impl super::VmState {
 }
 
 impl Tracer<'_> {
+    /// Each graph session's hooked functions, roots, and functions the
+    /// quiet views leave unhooked, for `status`.
+    pub fn graph_sessions(&self) -> alloc::vec::Vec<protocol::GraphSessionReport> {
+        let graph = &self.vm.graph;
+        let users = graph.quiet_users();
+        let quiet_on = self.vm.quiet.on;
+        let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
+        let mut out = alloc::vec::Vec::new();
+        for (n, g) in graph.sessions.iter().enumerate() {
+            let Some(g) = g else {
+                continue;
+            };
+            let bit = 1u16 << (n % 16);
+            let mut r = protocol::GraphSessionReport {
+                session: n as u32,
+                roots: g.roots.len() as u32,
+                ..Default::default()
+            };
+            for u in self.vm.view.sites.values().filter(|u| u.graph & bit != 0) {
+                r.hooked += 1;
+                r.quiet += u32::from(quiet_on && u.quiet_ok(users, is_root));
+            }
+            // At most 15 sessions: a status answer's worth.
+            if guest_introspect::fallible::try_push(&mut out, r).is_err() {
+                break;
+            }
+        }
+        out
+    }
+
     /// After a change to who uses the hooked sites: the scheduler hook is
     /// in exactly while a session's trace set can go quiet, and each
     /// hooked page is quiet exactly when all its sites are

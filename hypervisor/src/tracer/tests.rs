@@ -2439,6 +2439,18 @@ fn a_rooted_sessions_trace_set_is_unhooked_in_the_quiet_view_only() {
     quiet_session(&mut g);
     let r = g.tracer().report();
     assert_eq!((r.quiet_pages, r.switch_hook), (1, true), "{r:?}");
+    // Status per session: my_func and quiet_leaf hooked, one root, the
+    // leaf left unhooked outside it.
+    let s = g.tracer().graph_sessions();
+    assert_eq!(
+        s,
+        [protocol::GraphSessionReport {
+            session: 1,
+            hooked: 2,
+            roots: 1,
+            quiet: 1
+        }]
+    );
     let leaf = gpa(QUIET_LEAF) & !0xfff;
     for vcpu in 0..VCPUS {
         // The leaf's page: the shadow in the armed view, the guest's own

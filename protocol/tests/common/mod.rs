@@ -80,6 +80,12 @@ pub fn status_report() -> StatusReport {
             quiet_ns: 9_000,
             quiet: true,
         }],
+        graph_sessions: vec![protocol::GraphSessionReport {
+            session: 1,
+            hooked: 4,
+            roots: 0,
+            quiet: 3,
+        }],
         guard: protocol::GuardReport::default(),
     }
 }
