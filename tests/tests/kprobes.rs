@@ -2044,10 +2044,16 @@ fn ext4_module(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         graph.as_ref().map(|g| g.hooked),
         ext4_sites.len()
     );
+    // Root's scheduler hook picks the vCPUs' views while the rooted
+    // session hooks callees the quiet views leave out.
+    ck.check(
+        t.switch_hook,
+        "the scheduler hook is in for the rooted session",
+    );
     ck.eq(
-        "sites after rmmod ext4: root's own three and the graph's core functions",
+        "sites after rmmod ext4: root's three module hooks, its scheduler hook and the graph's core functions",
         (t.sites, t.module_hooks),
-        (3 + graph_core, 3),
+        (3 + 1 + graph_core, 3),
     );
     let _ = stream.read(c);
     let guest = exec(
