@@ -646,9 +646,9 @@ fn view_switches(c: &mut Client) -> u64 {
 ///
 /// - **before** (what every call of a hooked function cost before the
 ///   quiet views, wherever it ran): a getppid loop inside a root over `*`;
-/// - **quiet**: the same loop under a session rooted at `vfs_read`: its
-///   exits must not grow with the loop (`N` and `4N` calls cost the same,
-///   give or take the reads of the shell around it);
+/// - **quiet**: the same loop under a session rooted at `vfs_read`, over
+///   `N` and `4N` calls: each call costs under 1 % of what a call inside
+///   the root adds;
 /// - **scheduler hook**: a pipe ping-pong outside every root, with and
 ///   without the hook: one exit per context switch, instructions added
 ///   per switch;
@@ -828,18 +828,22 @@ fn quiet_views(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
             armed.0
         ),
     );
-    // Outside the roots the loop costs nothing: 3N more calls add fewer
-    // exits than 1 per 50 calls (the shell's own reads around the loop
-    // are roots, and cost the same in both runs).
-    ck.check(
-        quiet4.0 < quiet.0 + 3 * N / 50,
-        format!(
-            "the quiet loop's exits do not grow with it: {} for {N} calls, {} for {}",
-            quiet.0,
-            quiet4.0,
-            4 * N
-        ),
-    );
+    // Outside the roots the loop costs nothing: each of its calls takes
+    // under 1 % of the guest time a call inside a root adds (root's work
+    // on an exit runs on the guest's clock in Bochs, so an exit per call
+    // would show). The VMCALLs around the loop are other tasks' reads,
+    // which are roots: how many come in a run depends on its length (a
+    // CI run saw 614 for N calls and 2,409 for 4N).
+    for (n, run) in [(N, quiet), (4 * N, quiet4)] {
+        ck.check(
+            instr(run.1 - none.1) < instr(armed.1 - none.1) / 100.0,
+            format!(
+                "the loop outside the root costs nothing: {:.0} instructions per call more than untraced over {n} calls, against {:.0} inside a root",
+                instr(run.1 - none.1),
+                instr(armed.1 - none.1)
+            ),
+        );
+    }
     ck.check(
         quiet.0 * 10 < armed.0,
         format!(
@@ -880,7 +884,10 @@ fn quiet_views(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
 /// A session without roots filtered by comm is armed only while a task of
 /// that name runs: a shell that forks and execs into `hvbench` is traced
 /// from its exec on (root's hook on `__set_task_comm` arms its vCPU),
-/// every one of its calls; a loop under another name costs nothing.
+/// every one of its calls; a loop under another name costs nothing. One
+/// filtered by pid traces a shell that slept when the session started
+/// (armed when it comes in) from its wake to its exec's end, and not the
+/// child it forks.
 fn comm_exec(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     const CALLS: u64 = 100;
     const N: u64 = 1000;
@@ -931,6 +938,49 @@ fn comm_exec(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
             "another name's loop costs nothing: {before} VMCALLs for {N} calls, {before4} for {}",
             4 * N
         ),
+    );
+    // A pid filter on a shell that waits on a pipe when the session
+    // starts, then forks a child (another pid, outside the filter) and
+    // execs into hvbench (the same pid, inside it).
+    exec(
+        c,
+        "rm -f /tmp/go /tmp/pid.out; mkfifo /tmp/go; \
+         (sh -c 'echo $$ > /tmp/pid; read x < /tmp/go; hvbench getppid 50 >/dev/null; exec hvbench getppid 100 > /tmp/pid.out' &); \
+         while [ ! -s /tmp/pid ]; do hvbench sleep 20; done",
+    );
+    let pid: i32 = exec(c, "cat /tmp/pid").trim().parse().unwrap_or(-1);
+    let Some(s) = graph_start(
+        c,
+        GraphFilter {
+            trace: vec![func.clone()],
+            pid: Some(pid),
+            ..GraphFilter::default()
+        },
+    ) else {
+        ck.check(false, format!("a session filtered by pid {pid}"));
+        return;
+    };
+    let mut ours = Stream::of(s.0, TraceFormat::Text, stream.cursor);
+    let _ = ours.read(c);
+    let out = exec(
+        c,
+        "echo go > /tmp/go; while [ ! -s /tmp/pid.out ]; do hvbench sleep 20; done; cat /tmp/pid.out",
+    );
+    let text = ours.read(c);
+    call(c, Request::GraphStop { session: Some(s.0) });
+    let calls = text
+        .lines()
+        .filter(|l| l.ends_with(&format!("{func}();")))
+        .count() as u64;
+    println!(
+        "pid filter: {calls} calls traced of {CALLS} after the exec of pid {pid} ({})",
+        out.trim()
+    );
+    ck.check(pid > 1, format!("the shell's pid: {pid}"));
+    ck.eq(
+        "calls traced for the pid (its forked child's left out)",
+        calls,
+        CALLS,
     );
     let _ = stream.read(c);
 }
