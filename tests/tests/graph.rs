@@ -916,13 +916,21 @@ fn comm_exec(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     exec(c, "cp /bin/hvbench /tmp/hvother");
     let (before, _, _) = vmcalls_of(c, &format!("/tmp/hvother getppid {N}"));
     let (before4, _, _) = vmcalls_of(c, &format!("/tmp/hvother getppid {}", 4 * N));
+    // The session's leaf lines of the getppid body, once stopped.
+    let traced = |c: &mut Client, ours: &mut Stream, session: u32| -> u64 {
+        let text = ours.read(c);
+        call(
+            c,
+            Request::GraphStop {
+                session: Some(session),
+            },
+        );
+        text.lines()
+            .filter(|l| l.ends_with(&format!("{func}();")))
+            .count() as u64
+    };
     exec(c, &format!("sh -c 'exec hvbench getppid {CALLS}'"));
-    let text = ours.read(c);
-    call(c, Request::GraphStop { session: Some(s.0) });
-    let calls = text
-        .lines()
-        .filter(|l| l.ends_with(&format!("{func}();")))
-        .count() as u64;
+    let calls = traced(c, &mut ours, s.0);
     println!(
         "comm filter: {calls} calls traced of {CALLS} after the exec; another name's loop: {before} VMCALLs for {N} calls, {before4} for {}",
         4 * N
@@ -966,12 +974,7 @@ fn comm_exec(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
         c,
         "echo go > /tmp/go; while [ ! -s /tmp/pid.out ]; do hvbench sleep 20; done; cat /tmp/pid.out",
     );
-    let text = ours.read(c);
-    call(c, Request::GraphStop { session: Some(s.0) });
-    let calls = text
-        .lines()
-        .filter(|l| l.ends_with(&format!("{func}();")))
-        .count() as u64;
+    let calls = traced(c, &mut ours, s.0);
     println!(
         "pid filter: {calls} calls traced of {CALLS} after the exec of pid {pid} ({})",
         out.trim()

@@ -71,6 +71,14 @@ pub struct CpuState {
 }
 
 impl CpuState {
+    /// Invalidates the cached translations of both its views (INVEPT of
+    /// each; a failure leaves nothing more to do).
+    pub fn invalidate_views(&self) {
+        for eptp in self.eptps {
+            let _ = crate::arch::instructions::invept_single(eptp);
+        }
+    }
+
     /// The EPT pointer of its view `view`.
     pub fn eptp_of(&self, view: View) -> u64 {
         match view {

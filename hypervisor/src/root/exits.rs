@@ -976,9 +976,7 @@ impl Vcpu<'_> {
             self.cpu.timer = t;
         }
         // EPT may have changed while the AP was parked.
-        for eptp in self.cpu.eptps {
-            let _ = insn::invept_single(eptp);
-        }
+        self.cpu.invalidate_views();
         // NMIs to this CPU were blocked by the way Bochs 2.7 takes the SIPI
         // exit; an IRET in root lets them through again (a no-op on a CPU
         // whose NMIs are not blocked).
@@ -1781,9 +1779,7 @@ impl Vcpu<'_> {
             // A MOV to CR3 would have flushed the old address space's
             // translations; with VPID, VM entry does not. Both views: the
             // vCPU may move to the other one before its next CR3 load.
-            for eptp in self.cpu.eptps {
-                let _ = insn::invept_single(eptp);
-            }
+            self.cpu.invalidate_views();
         }
         if let (true, LegacyPaging::Pae { pdptes }) = (pdptes_changed, paging) {
             f::GUEST_PDPTE0.write(v, pdptes[0])?;

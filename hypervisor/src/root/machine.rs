@@ -107,24 +107,7 @@ impl Machine for Root<'_> {
         let me = view_index(self.me, self.view);
         let views = self.shared()?;
         let mut olds = [0u64; 2 * MAX_CPUS];
-        for (i, ept) in views.iter().enumerate() {
-            match ept.map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack) {
-                Ok(old) => {
-                    if let Some(o) = olds.get_mut(i) {
-                        *o = old;
-                    }
-                }
-                Err(e) => {
-                    // Every view or none: the views mapped so far get
-                    // their old entry back (their tables exist now, so
-                    // putting it back allocates nothing).
-                    for (ept, &old) in views.iter().zip(olds.iter()).take(i) {
-                        let _ = ept.restore_page(&mut PoolTables, gpa, old);
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        map_every(views.iter(), gpa, hpa, perms, &mut olds)?;
         Ok(olds.get(me).copied().unwrap_or(0))
     }
 
@@ -139,25 +122,8 @@ impl Machine for Root<'_> {
 
     fn ept_map_quiet(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<(), EptError> {
         let views = self.shared()?;
-        let mut olds = [0u64; MAX_CPUS];
-        let quiet = || views.iter().skip(View::Quiet as usize).step_by(2);
-        for (i, ept) in quiet().enumerate() {
-            match ept.map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack) {
-                Ok(old) => {
-                    if let Some(o) = olds.get_mut(i) {
-                        *o = old;
-                    }
-                }
-                Err(e) => {
-                    // Every quiet view or none, as in `ept_map`.
-                    for (ept, &old) in quiet().zip(olds.iter()).take(i) {
-                        let _ = ept.restore_page(&mut PoolTables, gpa, old);
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(())
+        let quiet = views.iter().skip(View::Quiet as usize).step_by(2);
+        map_every(quiet, gpa, hpa, perms, &mut [0u64; MAX_CPUS])
     }
 
     fn ept_map_mine(&mut self, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError> {
@@ -233,6 +199,36 @@ impl Machine for Root<'_> {
     fn heap_room(&self) -> usize {
         heap::room()
     }
+}
+
+/// Maps the guest page `gpa` to `hpa` with `perms` (write-back) in every
+/// view of `each`, or in none: on a failure the views mapped so far get
+/// their old entry back (their tables exist now, so putting it back
+/// allocates nothing). The entries that were there go into `olds`, by
+/// position.
+fn map_every<'v>(
+    each: impl Iterator<Item = &'v Ept> + Clone,
+    gpa: Gpa,
+    hpa: Hpa,
+    perms: u64,
+    olds: &mut [u64],
+) -> Result<(), EptError> {
+    for (i, ept) in each.clone().enumerate() {
+        match ept.map_page(&mut PoolTables, gpa, hpa, perms, MemType::WriteBack) {
+            Ok(old) => {
+                if let Some(o) = olds.get_mut(i) {
+                    *o = old;
+                }
+            }
+            Err(e) => {
+                for (ept, &old) in each.zip(olds.iter()).take(i) {
+                    let _ = ept.restore_page(&mut PoolTables, gpa, old);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Where vCPU `vcpu`'s view `view` is among the VM's views.

@@ -386,10 +386,16 @@ impl Graph {
     /// Whether the filter of one of the sessions in `users` admits a task
     /// with `pid` and `comm`.
     pub(super) fn admitted_by(&self, users: u16, pid: i32, comm: &[u8; 16]) -> bool {
+        self.sessions_in(users)
+            .any(|g| admits(&g.filter, pid, comm))
+    }
+
+    /// The running sessions among `users` (bit N: session N).
+    fn sessions_in(&self, users: u16) -> impl Iterator<Item = &GraphSession> {
         (0..MAX_USERS)
             .zip(&self.sessions)
-            .filter(|&(u, _)| users & (1 << u) != 0)
-            .any(|(_, g)| g.as_ref().is_some_and(|g| admits(&g.filter, pid, comm)))
+            .filter(move |&(u, _)| users & (1 << u) != 0)
+            .filter_map(|(_, g)| g.as_ref())
     }
 
     /// The running sessions for which `pick` holds.
@@ -403,10 +409,7 @@ impl Graph {
 
     /// Whether `func` is a root of one of the sessions in `users`.
     pub(super) fn is_root_of(&self, users: u16, func: Gva) -> bool {
-        (0..MAX_USERS)
-            .zip(&self.sessions)
-            .filter(|&(u, _)| users & (1 << u) != 0)
-            .any(|(_, g)| g.as_ref().is_some_and(|g| g.roots.contains(&func.0)))
+        self.sessions_in(users).any(|g| g.roots.contains(&func.0))
     }
 
     /// Whether the vCPU described by `cpu`, running `task`, is inside a

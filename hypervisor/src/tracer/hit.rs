@@ -384,21 +384,18 @@ pub(super) fn pick_view(
     let inside = match (users, kernel) {
         (0, _) => false,
         (_, None) => true,
-        (_, Some(k)) => {
-            let running = k.current(cpu);
-            if running.is_none() {
-                // The task is not known: hooked everywhere is always safe.
-                return set_view(vm, state, View::Armed, now_ns);
+        (_, Some(k)) => match k.current(cpu) {
+            // The task is not known: hooked everywhere is always safe.
+            None => true,
+            Some(r) => {
+                let filtering = users & vm.graph.filter_users();
+                (filtering != 0 && vm.graph.admitted_by(filtering, r.pid, &r.comm)) || {
+                    let stack = k.task_stack(r.task);
+                    vm.graph
+                        .inside_roots(users, cpu, stack, k.cpu_number(cpu), &vm.hit)
+                }
             }
-            let filtering = users & vm.graph.filter_users();
-            let admitted = filtering != 0
-                && running.is_some_and(|r| vm.graph.admitted_by(filtering, r.pid, &r.comm));
-            admitted || {
-                let stack = running.and_then(|r| k.task_stack(r.task));
-                vm.graph
-                    .inside_roots(users, cpu, stack, k.cpu_number(cpu), &vm.hit)
-            }
-        }
+        },
     };
     let view = if inside || users == 0 {
         View::Armed

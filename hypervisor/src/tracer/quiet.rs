@@ -41,8 +41,9 @@
 //! and sets each page's quiet mapping, with the other vCPUs held.
 
 use super::machine::{CpuView, Env, KernelView};
+use super::retstack::MAX_USERS;
 use super::site::Patch;
-use super::split::{page_bytes, remap_quiet, QuietMap, SplitView};
+use super::split::{page_bytes, remap_quiet, QuietMap, SiteUse, SplitView};
 use super::{site, symbols, Tracer};
 use crate::addr::{Gpa, Gva};
 use crate::ept;
@@ -86,9 +87,9 @@ pub(super) struct QuietState {
     pub(super) filtering: u16,
     /// Whether views switched as of the last settling.
     pub(super) on: bool,
-    /// Why the hook could not be installed, once (then every page stays
-    /// hooked in both views).
-    pub(super) unavailable: Option<&'static str>,
+    /// The scheduler hook could not be installed, and the log said so
+    /// (every page then stays hooked in both views).
+    pub(super) unavailable: bool,
     /// Pages the quiet views map to the guest's frames, and to partial
     /// shadows.
     pub(super) pages: u32,
@@ -96,6 +97,19 @@ pub(super) struct QuietState {
     /// Pages left as they were because a vCPU was inside one of their
     /// sites when they would have changed.
     pub(super) busy: u64,
+}
+
+/// Whether the site patched by `p` matters everywhere (it is not
+/// `quiet_ok` for the quiet sessions `users`): the quiet views hook it.
+fn matters_everywhere(
+    sites: &alloc::collections::BTreeMap<Gva, SiteUse>,
+    p: &Patch,
+    users: u16,
+    is_root: impl Fn(u16, Gva) -> bool,
+) -> bool {
+    !sites
+        .get(&p.site)
+        .is_some_and(|u| u.quiet_ok(users, is_root))
 }
 
 /// What the quiet views should map a page to.
@@ -127,21 +141,28 @@ impl Tracer<'_> {
         let users = graph.quiet_users();
         let quiet_on = self.vm.quiet.on;
         let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
+        // One pass over the sites: (hooked, quiet) by session number.
+        let mut counts = [(0u32, 0u32); MAX_USERS];
+        for u in self.vm.view.sites.values().filter(|u| u.graph != 0) {
+            let quiet = u32::from(quiet_on && u.quiet_ok(users, is_root));
+            for (n, c) in counts.iter_mut().enumerate() {
+                if u.graph & (1 << n) != 0 {
+                    c.0 += 1;
+                    c.1 += quiet;
+                }
+            }
+        }
         let mut out = alloc::vec::Vec::new();
-        for (n, g) in graph.sessions.iter().enumerate() {
+        for ((n, g), &(hooked, quiet)) in graph.sessions.iter().enumerate().zip(&counts) {
             let Some(g) = g else {
                 continue;
             };
-            let bit = 1u16 << (n % 16);
-            let mut r = protocol::GraphSessionReport {
+            let r = protocol::GraphSessionReport {
                 session: n as u32,
+                hooked,
                 roots: g.roots.len() as u32,
-                ..Default::default()
+                quiet,
             };
-            for u in self.vm.view.sites.values().filter(|u| u.graph & bit != 0) {
-                r.hooked += 1;
-                r.quiet += u32::from(quiet_on && u.quiet_ok(users, is_root));
-            }
             // At most 15 sessions: a status answer's worth.
             if guest_introspect::fallible::try_push(&mut out, r).is_err() {
                 break;
@@ -214,12 +235,7 @@ impl Tracer<'_> {
             let Some(h) = pages.get(&page) else {
                 continue;
             };
-            // A site matters everywhere unless it is quiet_ok.
-            let loud = |p: &Patch| {
-                !sites
-                    .get(&p.site)
-                    .is_some_and(|u| u.quiet_ok(users, is_root))
-            };
+            let loud = |p: &Patch| matters_everywhere(sites, p, users, is_root);
             let n_loud = h.patches.iter().filter(|p| loud(p)).count();
             let want = if !armed || n_loud == h.patches.len() {
                 Want::Shadow
@@ -267,9 +283,9 @@ impl Tracer<'_> {
                 count(was);
                 continue;
             }
-            let now = match want {
-                Want::Shadow => Some(QuietMap::Shadow),
-                Want::Guest => Some(QuietMap::Guest),
+            let mut now = match want {
+                Want::Shadow => QuietMap::Shadow,
+                Want::Guest => QuietMap::Guest,
                 Want::Partial => {
                     // Rebuilt whole, with every vCPU held: the guest's
                     // page, and our calls at the sites that matter
@@ -285,9 +301,7 @@ impl Tracer<'_> {
                             bytes.copy_from_slice(&orig);
                             if let Some(h) = pages.get_mut(&page) {
                                 for p in h.patches.iter_mut() {
-                                    p.in_quiet = !sites
-                                        .get(&p.site)
-                                        .is_some_and(|u| u.quiet_ok(users, is_root));
+                                    p.in_quiet = matters_everywhere(sites, p, users, is_root);
                                     let at = usize::from(p.offset);
                                     let slot = bytes.get_mut(at..at + trampolines::patch::SITE_LEN);
                                     if let (true, Some(slot)) = (p.in_quiet, slot) {
@@ -295,7 +309,7 @@ impl Tracer<'_> {
                                     }
                                 }
                             }
-                            Some(QuietMap::Partial(q))
+                            QuietMap::Partial(q)
                         }
                         (frame, _) => {
                             if let (Some(q), false) = (frame, matches!(was, QuietMap::Partial(_))) {
@@ -303,12 +317,11 @@ impl Tracer<'_> {
                             }
                             // No frame to spare (or the page unreadable):
                             // the whole shadow is right.
-                            Some(QuietMap::Shadow)
+                            QuietMap::Shadow
                         }
                     }
                 }
             };
-            let mut now = now.unwrap_or(QuietMap::Shadow);
             let hpa = |m: QuietMap| match m {
                 QuietMap::Shadow => shadow,
                 QuietMap::Guest => page.identity_hpa(),
@@ -403,7 +416,7 @@ impl Tracer<'_> {
                 match hook {
                     SwitchHook::Schedule => {
                         self.vm.quiet.switch_site = Some(site);
-                        self.vm.quiet.unavailable = None;
+                        self.vm.quiet.unavailable = false;
                     }
                     SwitchHook::Comm => self.vm.quiet.comm_site = Some(site),
                 }
@@ -415,10 +428,10 @@ impl Tracer<'_> {
             }
             Err(why) => {
                 if hook == SwitchHook::Schedule {
-                    if self.vm.quiet.unavailable.is_none() {
+                    if !self.vm.quiet.unavailable {
                         log::warn!("tracer: {why}: sessions with roots or filters hook their trace sets on every vCPU");
                     }
-                    self.vm.quiet.unavailable = Some("finish_task_switch could not be hooked");
+                    self.vm.quiet.unavailable = true;
                 } else {
                     log::warn!("tracer: {why}: a task renamed into a comm filter is armed at its next switch");
                 }
@@ -451,12 +464,7 @@ fn hook_site(t: &Tracer<'_>, k: &dyn KernelView, env: &Env<'_>, name: &str) -> O
     let classifier = t.classifier(k);
     let index = k.index();
     let exact = index.lookup(name);
-    let suffixed = || {
-        let mut pattern = alloc::string::String::from(name);
-        pattern.push_str(".*");
-        let found = index.glob(&pattern).next();
-        found
-    };
+    let suffixed = || index.glob(&alloc::format!("{name}.*")).next();
     exact.or_else(suffixed).and_then(|id| {
         symbols::SymRef::Core(id)
             .classify(k, &classifier, &view)
