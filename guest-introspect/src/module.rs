@@ -13,9 +13,9 @@
 //! nothing here assumes a version's numbers.
 
 use crate::btf::{Btf, BtfError, Kind};
-use crate::budget::{block_on, Budget};
+use crate::budget::{block_on, Budget, Metered};
 use crate::fallible::OutOfMemory;
-use crate::view::{read_array, VirtMemory};
+use crate::view::{read_array, PageCache, ViewError, VirtMemory};
 use crate::{Gva, GvaRange};
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -244,6 +244,20 @@ pub async fn module_layout_paced<V: VirtMemory + ?Sized>(
 pub const MAX_MODULES: usize = 4096;
 /// Symbols read per module at most.
 pub const MAX_MODULE_SYMBOLS: u32 = 1 << 18;
+/// Symbol table entries one walk reads at most, over all its modules (a
+/// rewalk's kept symbols count as read): a quarter of a million, as many
+/// as one module may have. A list whose tables claim more is refused
+/// ([`ModuleError::TooManyWalkSymbols`]) before the table that would pass
+/// the cap is read.
+pub const MAX_WALK_SYMBOLS: u32 = 1 << 18;
+/// Work units one walk of the module list may spend
+/// ([`walk_modules_budgeted`]): every read the walk makes is charged
+/// ([`crate::budget::read_cost`]), cached or not, and so is every page the
+/// cache reads underneath. A named symbol costs some 300 units (three
+/// reads and its share of the pages), so the budget stops a walk at about
+/// 220,000 of them; nameless entries (two reads) cost less, and
+/// [`MAX_WALK_SYMBOLS`] stops those first.
+pub const MODULE_WALK_BUDGET: u64 = 64 << 20;
 /// Bytes of a symbol name at most (`KSYM_NAME_LEN`).
 pub const MAX_SYMBOL_NAME: usize = 512;
 /// `sizeof(Elf64_Sym)`: `st_name` (u32), `st_info`, `st_other` (u8),
@@ -288,6 +302,11 @@ pub enum ModuleError {
     TooLong,
     /// A module claims more symbols than [`MAX_MODULE_SYMBOLS`].
     TooManySymbols(u32),
+    /// The modules' tables claim more symbols than [`MAX_WALK_SYMBOLS`]
+    /// in all (the total they claim, up to the module that passed it).
+    TooManyWalkSymbols(u64),
+    /// The walk's work budget is spent ([`walk_modules_budgeted`]).
+    OverBudget,
     /// The heap refused the walk's memory.
     OutOfMemory(OutOfMemory),
 }
@@ -307,14 +326,41 @@ impl core::fmt::Display for ModuleError {
                 "module list: no way back to its head within {MAX_MODULES} modules"
             ),
             Self::TooManySymbols(n) => write!(f, "a module claims {n} symbols"),
+            Self::TooManyWalkSymbols(n) => write!(
+                f,
+                "module list: the modules claim {n} symbols, more than the {MAX_WALK_SYMBOLS} a walk reads"
+            ),
+            Self::OverBudget => write!(
+                f,
+                "module list: the walk spent its work budget before the end of the list"
+            ),
             Self::OutOfMemory(e) => write!(f, "module list: out of memory ({} bytes)", e.bytes),
         }
     }
 }
 
+/// Adds `n` symbol table entries to a walk's count: refused past
+/// [`MAX_WALK_SYMBOLS`].
+fn count_entries(entries: &mut u64, n: usize) -> Result<(), ModuleError> {
+    *entries = entries.saturating_add(n as u64);
+    if *entries > u64::from(MAX_WALK_SYMBOLS) {
+        return Err(ModuleError::TooManyWalkSymbols(*entries));
+    }
+    Ok(())
+}
+
+/// The walk's error for a failed read at `at`: a spent budget is not
+/// unreadable memory.
+fn read_error(e: ViewError, at: u64) -> ModuleError {
+    match e {
+        ViewError::OverBudget { .. } => ModuleError::OverBudget,
+        _ => ModuleError::Read(Gva(at)),
+    }
+}
+
 /// Reads `N` bytes at `at`.
 fn read<V: VirtMemory + ?Sized, const N: usize>(view: &V, at: u64) -> Result<[u8; N], ModuleError> {
-    read_array::<V, N>(view, Gva(at)).map_err(|_| ModuleError::Read(Gva(at)))
+    read_array::<V, N>(view, Gva(at)).map_err(|e| read_error(e, at))
 }
 
 fn u64_at<V: VirtMemory + ?Sized>(view: &V, at: u64) -> Result<u64, ModuleError> {
@@ -339,7 +385,7 @@ fn c_string<V: VirtMemory + ?Sized>(view: &V, at: u64, max: usize) -> Result<Str
             .get_mut(..room.min(max - out.len()))
             .ok_or(ModuleError::Read(Gva(addr)))?;
         view.read_virt(Gva(addr), piece)
-            .map_err(|_| ModuleError::Read(Gva(addr)))?;
+            .map_err(|e| read_error(e, addr))?;
         let end = piece.iter().position(|&b| b == 0);
         let take = end.unwrap_or(piece.len());
         crate::fallible::try_reserve(&mut out, take)?;
@@ -418,6 +464,7 @@ impl ModuleLayout {
         view: &V,
         m: u64,
         charge: &mut impl FnMut(usize) -> Result<(), ModuleError>,
+        entries: &mut u64,
     ) -> Result<Vec<ModuleSymbol>, ModuleError> {
         let mut out = Vec::new();
         let Some((at, ks)) = self.kallsyms else {
@@ -438,6 +485,7 @@ impl ModuleLayout {
         if n > MAX_MODULE_SYMBOLS {
             return Err(ModuleError::TooManySymbols(n));
         }
+        count_entries(entries, n as usize)?;
         for i in 0..u64::from(n) {
             let sym = read::<V, 24>(view, symtab.wrapping_add(i * ELF64_SYM))?;
             let word = |o: usize| {
@@ -476,6 +524,8 @@ impl ModuleLayout {
 /// list order (the most recently loaded first, as the kernel adds them at
 /// the head). A module still being set up (`MODULE_STATE_UNFORMED`) is
 /// listed with its name and state only: its memory is not settled yet.
+/// At most [`MAX_MODULES`] modules and [`MAX_WALK_SYMBOLS`] symbol table
+/// entries in all are read; a list that claims more is an error.
 pub fn walk_modules<V: VirtMemory + ?Sized>(
     view: &V,
     layout: &ModuleLayout,
@@ -519,6 +569,30 @@ pub fn rewalk_modules_at_load<V: VirtMemory + ?Sized>(
     walk(view, layout, head, max_bytes, old, Some(loading))
 }
 
+/// The walk root makes: [`walk_modules_limited`], or
+/// [`rewalk_modules_at_load`] when `loading` is given, through a
+/// [`PageCache`] (whole pages, kept, cost one page walk each), charging
+/// `budget` for every read the walk makes, whether the cache has its page
+/// or not, and for every page the cache reads: a list that keeps hitting
+/// a few cached pages pays for its reads all the same. The walk fails with
+/// [`ModuleError::OverBudget`] once the budget is spent.
+pub fn walk_modules_budgeted<V: VirtMemory + ?Sized>(
+    view: &V,
+    layout: &ModuleLayout,
+    head: Gva,
+    max_bytes: usize,
+    old: Vec<Module>,
+    loading: Option<Gva>,
+    budget: &Budget,
+) -> Result<Vec<Module>, ModuleError> {
+    // Charged twice over: below the cache for the pages it reads, above
+    // it for every read the walk makes.
+    let pages = Metered::new(view, budget);
+    let cached = PageCache::new(&pages);
+    let reads = Metered::new(&cached, budget);
+    walk(&reads, layout, head, max_bytes, old, loading)
+}
+
 fn walk<V: VirtMemory + ?Sized>(
     view: &V,
     layout: &ModuleLayout,
@@ -536,6 +610,8 @@ fn walk<V: VirtMemory + ?Sized>(
         }
         Ok(())
     };
+    // Symbol table entries read (or kept) so far, over all modules.
+    let mut entries = 0u64;
     let mut next = u64_at(view, head.0)?;
     while next != head.0 {
         if out.len() >= MAX_MODULES {
@@ -564,12 +640,13 @@ fn walk<V: VirtMemory + ?Sized>(
             let symbols = match old.iter().position(same) {
                 Some(at) if loading.is_some_and(|l| l.0 != m) => {
                     let o = old.swap_remove(at);
+                    count_entries(&mut entries, o.symbols.len())?;
                     let bytes = o.symbols.capacity() * core::mem::size_of::<ModuleSymbol>()
                         + o.symbols.iter().map(|s| s.name.capacity()).sum::<usize>();
                     charge(bytes)?;
                     o.symbols
                 }
-                _ => layout.symbols(view, m, &mut charge)?,
+                _ => layout.symbols(view, m, &mut charge, &mut entries)?,
             };
             (t, i, symbols)
         };

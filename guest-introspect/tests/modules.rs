@@ -652,3 +652,168 @@ fn a_rewalk_at_a_load_reads_only_the_changed_modules_symbols() {
         ));
     }
 }
+
+/// Every read of the walk is charged, whether the page cache has its page
+/// or not: a list that keeps to a few cached pages pays for its work.
+#[test]
+fn a_walk_through_the_cache_pays_for_every_read() {
+    use guest_introspect::budget::{Budget, READ_PAGE_COST};
+    use guest_introspect::module::{walk_modules_budgeted, MODULE_WALK_BUDGET};
+    use std::cell::Cell;
+    let l = layouts();
+    // An honest module of 200 functions: the walk's result is the plain
+    // walk's, and the budget was charged for every read the plain walk
+    // makes, though only a few pages were read underneath.
+    let mem = one_big_module(&l, 200);
+    let plain = Counting(mem.view(), Cell::new(0));
+    let whole = walk_modules(&plain, &l, Gva(HEAD)).unwrap();
+    let under = Counting(mem.view(), Cell::new(0));
+    let budget = Budget::new(MODULE_WALK_BUDGET);
+    let got = walk_modules_budgeted(&under, &l, Gva(HEAD), usize::MAX, Vec::new(), None, &budget);
+    assert_eq!(got.as_ref(), Ok(&whole));
+    println!(
+        "reads: {} by the walk, {} charged, {} underneath, {} units",
+        plain.1.get(),
+        budget.reads(),
+        under.1.get(),
+        budget.used()
+    );
+    assert!(under.1.get() < 20, "{} reads underneath", under.1.get());
+    assert!(budget.reads() >= u64::from(plain.1.get()));
+    assert!(budget.used() >= u64::from(plain.1.get()) * READ_PAGE_COST);
+
+    // A hostile list: one module whose list entry points back at itself
+    // (so the walk meets it again and again, up to MAX_MODULES times), its
+    // 150 nameless symbols in one page of symtab. Nearly every read hits
+    // the cache; the walk stops once its budget is spent, long before
+    // 4,096 times 150 symbols.
+    let l = regions();
+    let mut mem = Mem::new();
+    let a = BASE + 0x1000;
+    let nameless = vec![("", b't', 0u64); 150];
+    module(
+        &mut mem,
+        &l,
+        a,
+        "loop",
+        STATES.live as u32,
+        (BASE + 0xe000, 0x100),
+        (0, 0),
+        &nameless,
+        BASE + 0x8000,
+    );
+    link(&mut mem, &l, &[a]);
+    mem.q(a + u64::from(l.list), a + u64::from(l.list));
+    let walk = |limit: u64| {
+        let under = Counting(mem.view(), Cell::new(0));
+        let budget = Budget::new(limit);
+        let got =
+            walk_modules_budgeted(&under, &l, Gva(HEAD), usize::MAX, Vec::new(), None, &budget);
+        println!(
+            "hostile loop, budget {limit}: {} reads charged, {} underneath, {} units: {got:?}",
+            budget.reads(),
+            under.1.get(),
+            budget.used()
+        );
+        assert!(under.1.get() < 20, "{} reads underneath", under.1.get());
+        assert!(budget.used() <= limit);
+        assert!(budget.reads() <= limit / READ_PAGE_COST + 1);
+        (got, budget.exhausted())
+    };
+    assert_eq!(
+        walk(MODULE_WALK_BUDGET / 16),
+        (Err(ModuleError::OverBudget), true)
+    );
+    // With root's budget the walk's cap of symbols stops it first (the
+    // nameless entries cost least); either way, within the budget.
+    assert!(matches!(
+        walk(MODULE_WALK_BUDGET).0,
+        Err(ModuleError::OverBudget | ModuleError::TooManyWalkSymbols(_))
+    ));
+}
+
+/// A walk reads at most MAX_WALK_SYMBOLS symbol table entries over all
+/// its modules: a list whose tables claim more is refused before the
+/// table that passes the cap is read.
+#[test]
+fn a_walk_reads_at_most_its_cap_of_symbols() {
+    use guest_introspect::module::MAX_WALK_SYMBOLS;
+    const { assert!(MAX_WALK_SYMBOLS <= MAX_MODULE_SYMBOLS) };
+    let cap = u64::from(MAX_WALK_SYMBOLS);
+    let l = regions();
+    let mut mem = Mem::new();
+    let (a, b) = (BASE + 0x1000, BASE + 0x2000);
+    // `a`: ten functions (and the null symbol: 11 entries).
+    let syms: Vec<(String, u8, u64)> = (0..10)
+        .map(|i| (format!("a_fn_{i}"), b't', BASE + 0xe000 + i * 16))
+        .collect();
+    let refs: Vec<(&str, u8, u64)> = syms.iter().map(|(n, k, a)| (n.as_str(), *k, *a)).collect();
+    let live = STATES.live as u32;
+    let text = (BASE + 0xe000, 0x1000);
+    module(
+        &mut mem,
+        &l,
+        a,
+        "a",
+        live,
+        text,
+        (0, 0),
+        &refs,
+        BASE + 0x8000,
+    );
+    // `b`: a big table of nameless entries, in zeroed memory elsewhere.
+    module(
+        &mut mem,
+        &l,
+        b,
+        "b",
+        live,
+        (BASE + 0xf000, 0x100),
+        (0, 0),
+        &[],
+        BASE + 0x9000,
+    );
+    let zeroes = BASE + 0x100_0000;
+    let ks = BASE + 0x9000;
+    mem.q(ks, zeroes);
+    mem.q(ks + 16, zeroes);
+    mem.q(ks + 24, zeroes);
+    link(&mut mem, &l, &[a, b]);
+    fn with_zeroes(mem: &Mem, at: u64, len: u64) -> SegmentView<'_> {
+        let mut v = mem.view();
+        assert!(v.add(Gva(at), &[], len));
+        v
+    }
+    let len = 24 * cap + 4096;
+    // Up to the cap in all: read.
+    mem.d(ks + 8, (cap - 11) as u32);
+    let got = walk_modules(&with_zeroes(&mem, zeroes, len), &l, Gva(HEAD)).unwrap();
+    assert_eq!((got[0].symbols.len(), got[1].symbols.len()), (10, 0));
+    // One more: refused, whether walked in full or at a load.
+    mem.d(ks + 8, (cap - 10) as u32);
+    assert_eq!(
+        walk_modules(&with_zeroes(&mem, zeroes, len), &l, Gva(HEAD)),
+        Err(ModuleError::TooManyWalkSymbols(cap + 1))
+    );
+    assert_eq!(
+        walk_modules_limited(&with_zeroes(&mem, zeroes, len), &l, Gva(HEAD), usize::MAX),
+        Err(ModuleError::TooManyWalkSymbols(cap + 1))
+    );
+    // At a load the symbols kept from an earlier walk count too.
+    mem.d(ks + 8, (cap - 9) as u32);
+    assert_eq!(
+        rewalk_modules_at_load(
+            &with_zeroes(&mem, zeroes, len),
+            &l,
+            Gva(HEAD),
+            usize::MAX,
+            got,
+            Gva(b)
+        ),
+        Err(ModuleError::TooManyWalkSymbols(cap + 1))
+    );
+    // The refusal reads nothing of the table that passes the cap.
+    let counted = Counting(with_zeroes(&mem, zeroes, len), std::cell::Cell::new(0));
+    assert!(walk_modules(&counted, &l, Gva(HEAD)).is_err());
+    assert!(counted.1.get() < 100, "{} reads", counted.1.get());
+}

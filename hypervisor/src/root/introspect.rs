@@ -32,11 +32,11 @@ use guest_introspect::facts::{self, KernelFacts};
 use guest_introspect::fentry::{self, Classifier};
 use guest_introspect::kallsyms::{KallsymsError, SymbolId};
 use guest_introspect::mem::{GuestMemory, MemError};
-use guest_introspect::module::{self, ModuleIndex};
+use guest_introspect::module::{self, ModuleIndex, MODULE_WALK_BUDGET};
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::{self, StackKind, StackMap};
 use guest_introspect::view::PagedView;
-use guest_introspect::view::{PageCache, ViewError, VirtMemory};
+use guest_introspect::view::{ViewError, VirtMemory};
 use loader::layout::Gpa;
 use protocol::{KernelReport, SymbolInfo, TaskInfo};
 
@@ -46,10 +46,6 @@ pub use hypervisor::tracer::machine::{CpuView, KernelView, Running};
 /// Heap the symbol index may take at most; less when the heap has less
 /// room ([`crate::heap::room`]) when recovery starts.
 const MAX_INDEX_BYTES: usize = 10 << 20;
-/// Work units one walk of the module list may spend (reads, charged as
-/// recovery's are): some 250 units a symbol, so a quarter of a million
-/// symbols.
-const MODULE_WALK_BUDGET: u64 = 64 << 20;
 /// Heap the module index may take at most.
 const MAX_MODULE_BYTES: usize = 8 << 20;
 
@@ -583,8 +579,10 @@ impl KernelView for Kernel {
 impl Kernel {
     /// Walks the kernel's module list again and replaces the module index
     /// with what it finds: every request that looks symbols up starts
-    /// here, so that it sees the modules loaded now. The walk reads at
-    /// most [`MODULE_WALK_BUDGET`] units of guest memory and keeps its
+    /// here, so that it sees the modules loaded now. The walk spends at
+    /// most [`MODULE_WALK_BUDGET`] units of work (every read charged,
+    /// whether the page cache has its page or not), at most
+    /// [`module::MAX_WALK_SYMBOLS`] symbol table entries, and keeps its
     /// heap within [`MAX_MODULE_BYTES`] (and half the heap's room): the
     /// list, counts and names are the guest's. The last walk's index is
     /// dropped first (its heap is the new one's), so a failed walk leaves
@@ -612,23 +610,19 @@ impl Kernel {
         };
         let budget = Budget::new(MODULE_WALK_BUDGET);
         let view = PagedView::new(&GuestRam, self.cr3);
-        let metered = Metered::new(&view, &budget);
-        // The tables are read a few bytes at a time from three places:
-        // whole pages, kept, cost one page walk each.
-        let cached = PageCache::new(&metered);
         // The old index goes first: its heap is the new one's (at a load,
         // its modules are the rewalk's to keep).
-        let old = core::mem::take(&mut self.modules).into_modules();
-        let max = MAX_MODULE_BYTES.min(crate::heap::room() / 2);
-        let walked = match loading {
-            Some(m) => module::rewalk_modules_at_load(&cached, &layout, head, max, old, m),
-            None => {
-                drop(old);
-                module::walk_modules_limited(&cached, &layout, head, max)
-            }
+        let mut old = core::mem::take(&mut self.modules).into_modules();
+        if loading.is_none() {
+            old = Vec::new();
         }
-        .map_err(|e| e.to_string())
-        .and_then(|ms| ModuleIndex::new(ms, layout.states).map_err(|e| e.to_string()));
+        let max = MAX_MODULE_BYTES.min(crate::heap::room() / 2);
+        // Through a cache of whole pages (the tables are read a few bytes
+        // at a time from three places), every read charged all the same.
+        let walked =
+            module::walk_modules_budgeted(&view, &layout, head, max, old, loading, &budget)
+                .map_err(|e| e.to_string())
+                .and_then(|ms| ModuleIndex::new(ms, layout.states).map_err(|e| e.to_string()));
         let r = &mut self.report.modules;
         r.walk_ns = clock::tsc_to_ns(insn::rdtsc().saturating_sub(t0), tsc_hz);
         match walked {
