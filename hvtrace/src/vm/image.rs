@@ -31,9 +31,16 @@ pub const RUN_DIR_MODE: u32 = 0o700;
 
 /// Creates a fresh, empty run directory under the system temp directory,
 /// mode [`RUN_DIR_MODE`]. A directory already there under the same name is
-/// not taken over: that is an error.
+/// not taken over: that is an error; so is a temp directory where others
+/// could replace it ([`check_parent`]).
 pub fn create_run_dir() -> Result<PathBuf> {
+    create_run_dir_in(&std::env::temp_dir(), crate::sys::euid())
+}
+
+/// [`create_run_dir`] in `parent`, for user `euid`.
+fn create_run_dir_in(parent: &Path, euid: u32) -> Result<PathBuf> {
     static SEQ: AtomicU32 = AtomicU32::new(0);
+    check_parent(parent, euid, "the run directory")?;
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
@@ -44,42 +51,124 @@ pub fn create_run_dir() -> Result<PathBuf> {
         SEQ.fetch_add(1, Ordering::Relaxed),
         nanos
     );
-    let dir = std::env::temp_dir().join(name);
+    let dir = parent.join(name);
     DirBuilder::new()
         .mode(RUN_DIR_MODE)
         .create(&dir)
         .with_context(|| format!("cannot create run directory {}", dir.display()))?;
-    make_private(&dir)?;
+    make_private_as(&dir, euid)?;
     Ok(dir)
 }
 
 /// Makes sure the run directory `dir` (given by the caller) exists: one
 /// that is missing is created with mode [`RUN_DIR_MODE`] (and its missing
-/// parents too); one that is there is used as it is.
+/// parents too); one that is there is used as it is when it is ours and
+/// nobody else may write in it. Either way its directory must be one where
+/// nobody but us and root can put another in its place ([`check_parent`]),
+/// and so must a symbolic link's, when `dir` is one.
 pub fn ensure_run_dir(dir: &Path) -> Result<()> {
-    if std::fs::symlink_metadata(dir).is_ok() {
-        if !dir.is_dir() {
-            bail!("run directory {} is not a directory", dir.display());
-        }
-        return Ok(());
-    }
-    DirBuilder::new()
-        .recursive(true)
-        .mode(RUN_DIR_MODE)
-        .create(dir)
-        .with_context(|| format!("cannot create run directory {}", dir.display()))?;
-    make_private(dir)
+    ensure_run_dir_as(dir, crate::sys::euid())
 }
 
-/// Gives a directory this process just created mode [`RUN_DIR_MODE`]
-/// (whatever the umask took away) and checks that it is ours.
-fn make_private(dir: &Path) -> Result<()> {
+/// [`ensure_run_dir`] for user `euid`.
+fn ensure_run_dir_as(dir: &Path, euid: u32) -> Result<()> {
+    let d = dir.display();
+    let what = format!("the run directory {d}");
+    match std::fs::symlink_metadata(dir) {
+        Ok(link) => {
+            if !dir.is_dir() {
+                bail!("run directory {d} is not a directory");
+            }
+            if link.file_type().is_symlink() {
+                // Where the link is: whoever may replace it may point it
+                // elsewhere.
+                if link.uid() != euid && link.uid() != 0 {
+                    bail!(
+                        "refusing the run directory {d}: it is a symbolic link of uid {}, neither you (uid {euid}) nor root",
+                        link.uid()
+                    );
+                }
+                check_parent(&parent_of(dir), euid, &what)?;
+            }
+            let real = std::fs::canonicalize(dir)
+                .with_context(|| format!("cannot resolve run directory {d}"))?;
+            check_parent(&parent_of(&real), euid, &what)?;
+            let meta = std::fs::metadata(&real)
+                .with_context(|| format!("cannot check run directory {d}"))?;
+            let mode = meta.mode() & 0o7777;
+            if meta.uid() != euid {
+                bail!(
+                    "refusing the run directory {d}: it belongs to uid {}, not you (uid {euid})",
+                    meta.uid()
+                );
+            }
+            if mode & 0o022 != 0 {
+                bail!("refusing the run directory {d}: others may write in it (mode {mode:04o})");
+            }
+            Ok(())
+        }
+        Err(_) => {
+            DirBuilder::new()
+                .recursive(true)
+                .mode(RUN_DIR_MODE)
+                .create(dir)
+                .with_context(|| format!("cannot create run directory {d}"))?;
+            make_private_as(dir, euid)?;
+            let real = std::fs::canonicalize(dir)
+                .with_context(|| format!("cannot resolve run directory {d}"))?;
+            check_parent(&parent_of(&real), euid, &what)
+        }
+    }
+}
+
+/// The directory `path` is in: `.` for a bare name, `path` itself for the
+/// root.
+fn parent_of(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if p.as_os_str().is_empty() => PathBuf::from("."),
+        Some(p) => p.to_path_buf(),
+        None => path.to_path_buf(),
+    }
+}
+
+/// Checks that nobody but user `euid` and root can replace an entry of
+/// directory `dir`, where `what` (named in the error) goes or is: `dir`
+/// belongs to one of them and is not writable by others unless sticky (as
+/// `/tmp` and `/dev/shm` are, mode 1777, where entries are their owners'
+/// alone). Anyone else could swap a directory of their own in for ours
+/// there. The error is one line naming `dir` and why.
+pub fn check_parent(dir: &Path, euid: u32, what: &str) -> Result<()> {
+    let d = dir.display();
+    let meta = std::fs::metadata(dir)
+        .with_context(|| format!("cannot check {d}, the directory of {what}"))?;
+    if !meta.is_dir() {
+        bail!("cannot use {d} for {what}: it is not a directory");
+    }
+    if meta.uid() != euid && meta.uid() != 0 {
+        bail!(
+            "refusing {d} for {what}: it belongs to uid {}, neither you (uid {euid}) nor root, who could put a directory of their own in place of hvtrace's",
+            meta.uid()
+        );
+    }
+    let mode = meta.mode() & 0o7777;
+    if crate::daemon::socket::others_may_replace(mode) {
+        bail!(
+            "refusing {d} for {what}: it is writable by others (mode {mode:04o}) without the sticky bit, so anyone could put a directory of their own in place of hvtrace's"
+        );
+    }
+    Ok(())
+}
+
+/// Gives a directory this process just created (for user `euid`) mode
+/// [`RUN_DIR_MODE`], whatever the umask took away, and checks that it is
+/// theirs.
+fn make_private_as(dir: &Path, euid: u32) -> Result<()> {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(RUN_DIR_MODE))
         .with_context(|| format!("cannot restrict run directory {}", dir.display()))?;
     let meta = std::fs::symlink_metadata(dir)
         .with_context(|| format!("cannot check run directory {}", dir.display()))?;
     let mode = meta.mode() & 0o7777;
-    if !meta.is_dir() || meta.uid() != crate::sys::euid() || mode != RUN_DIR_MODE {
+    if !meta.is_dir() || meta.uid() != euid || mode != RUN_DIR_MODE {
         bail!(
             "run directory {} is not a private directory of ours (uid {}, mode {mode:o})",
             dir.display(),
@@ -249,6 +338,118 @@ mod tests {
         assert!(e.contains("is not a directory"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_dir_all(&other);
+    }
+
+    /// A user who is neither us nor root.
+    const STRANGER: u32 = 65534;
+
+    fn set_mode(p: &Path, mode: u32) {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// A run directory given by the caller is refused when it, or the
+    /// directory it is in, lets someone else swap it: in a directory of
+    /// another user's, or one writable by others without the sticky bit;
+    /// or when it is not ours or others may write in it. A sticky parent
+    /// of root's, as /tmp, is fine.
+    #[test]
+    fn a_run_directory_others_could_swap_is_refused() {
+        let euid = crate::sys::euid();
+        let base = create_run_dir().unwrap();
+        let parent = base.join("parent");
+        let run = parent.join("run");
+        std::fs::create_dir_all(&run).unwrap();
+        set_mode(&run, 0o700);
+        let err = |dir: &Path, as_whom: u32| {
+            format!("{:#}", ensure_run_dir_as(dir, as_whom).unwrap_err())
+        };
+        ensure_run_dir_as(&run, euid).unwrap();
+
+        // The parent writable by others, without the sticky bit: refused,
+        // whether the run directory is there or to be made.
+        let p = parent.display().to_string();
+        for mode in [0o777, 0o770, 0o757] {
+            set_mode(&parent, mode);
+            let e = err(&run, euid);
+            assert!(
+                e.contains(&format!("refusing {p} for the run directory")),
+                "{e}"
+            );
+            assert!(
+                e.contains(&format!(
+                    "writable by others (mode {mode:04o}) without the sticky bit"
+                )),
+                "{e}"
+            );
+            assert!(!e.contains('\n'), "one line: {e}");
+            let e = err(&parent.join("new"), euid);
+            assert!(e.contains("writable by others"), "{e}");
+        }
+        // Sticky, as /tmp: fine.
+        set_mode(&parent, 0o1777);
+        ensure_run_dir_as(&run, euid).unwrap();
+        set_mode(&parent, 0o755);
+
+        // The run directory itself writable by others: refused.
+        for mode in [0o770, 0o707, 0o1777] {
+            set_mode(&run, mode);
+            let e = err(&run, euid);
+            assert!(
+                e.contains(&format!("others may write in it (mode {mode:04o})")),
+                "{e}"
+            );
+        }
+        set_mode(&run, 0o755);
+        ensure_run_dir_as(&run, euid).unwrap();
+
+        if euid == 0 {
+            // Root hands the parent to another user: refused, sticky or not.
+            for mode in [0o755, 0o1777] {
+                std::os::unix::fs::chown(&parent, Some(STRANGER), None).unwrap();
+                set_mode(&parent, mode);
+                let e = err(&run, euid);
+                assert!(
+                    e.contains(&format!(
+                        "it belongs to uid {STRANGER}, neither you (uid 0) nor root"
+                    )),
+                    "{e}"
+                );
+            }
+            std::os::unix::fs::chown(&parent, Some(0), None).unwrap();
+            set_mode(&parent, 0o755);
+            // A run directory of another user's: refused.
+            std::os::unix::fs::chown(&run, Some(STRANGER), None).unwrap();
+            let e = err(&run, euid);
+            assert!(
+                e.contains(&format!("it belongs to uid {STRANGER}, not you (uid 0)")),
+                "{e}"
+            );
+            std::os::unix::fs::chown(&run, Some(0), None).unwrap();
+            // A link, in a good directory, to the run directory: fine; a
+            // link of another user's: refused.
+            let link = base.join("link");
+            std::os::unix::fs::symlink(&run, &link).unwrap();
+            ensure_run_dir_as(&link, euid).unwrap();
+            std::os::unix::fs::lchown(&link, Some(STRANGER), None).unwrap();
+            let e = err(&link, euid);
+            assert!(
+                e.contains(&format!("symbolic link of uid {STRANGER}")),
+                "{e}"
+            );
+        } else {
+            // Seen as another user: the run directory is not theirs.
+            let e = err(&run, STRANGER);
+            assert!(e.contains(&format!("it belongs to uid {euid}")), "{e}");
+        }
+
+        // A fresh run directory is made only in a good place.
+        set_mode(&parent, 0o777);
+        let e = format!("{:#}", create_run_dir_in(&parent, euid).unwrap_err());
+        assert!(e.contains("writable by others (mode 0777)"), "{e}");
+        set_mode(&parent, 0o1777);
+        let fresh = create_run_dir_in(&parent, euid).unwrap();
+        assert!(fresh.starts_with(&parent));
+        let _ = std::fs::remove_dir_all(&base);
     }
 
     #[test]

@@ -11,7 +11,11 @@
 //! `-nodefaults` leaves out every device QEMU would add by itself (network
 //! card, VGA, floppy and CD-ROM drives, default serial and parallel ports,
 //! monitor); what the run needs is listed: the two serial ports, in order
-//! COM1 (0x3F8) and COM2 (0x2F8), the log port and the exit port. Both
+//! COM1 (0x3F8) and COM2 (0x2F8), and the log port. No exit device
+//! (`isa-debug-exit`): a guest could end QEMU through it with a status of
+//! its choosing. The hypervisor ends QEMU as the guest does, by ACPI
+//! power-off through PM1a (S5, which the `pc` machine implements), and
+//! reports a fault in root on the log port and COM2 first. Both
 //! serial ports are `-chardev socket` clients of the run's listeners: unix
 //! sockets in the run directory, named relative to it, or TCP on 127.0.0.1
 //! when the directory's path is too long for a socket address (see
@@ -27,7 +31,7 @@ use anyhow::{Context, Result};
 use crate::vm::channel::Endpoint;
 use crate::vm::config::RunConfig;
 use crate::vm::host;
-use crate::vm::image::{INITRD_NAME, KERNEL_NAME};
+use crate::vm::image::{self, INITRD_NAME, KERNEL_NAME};
 
 /// The QEMU binary.
 pub const PROGRAM: &str = "qemu-system-x86_64";
@@ -72,22 +76,64 @@ const RAM_MARGIN: u64 = 64 << 20;
 /// (0700, a name nobody had) under `/dev/shm` when that is a tmpfs with
 /// room for it and a margin (guest RAM then never meets disk writeback),
 /// else in the run directory. `HVTRACE_RAM_DIR` names another parent.
+///
+/// Whoever can replace entries of that parent could put a directory of
+/// their own in place of ours and get a writable mapping of the guest's
+/// and the hypervisor's memory: the parent must be ours or root's, and not
+/// writable by others unless sticky (as `/dev/shm`, mode 1777, is;
+/// [`image::check_parent`]). A `/dev/shm` that is not is passed over for
+/// the run directory, with a line on stderr; a named parent is refused.
 pub fn place_ram(run_dir: &Path, bytes: u64) -> Result<std::path::PathBuf> {
     let parent = match std::env::var_os("HVTRACE_RAM_DIR") {
-        Some(p) => Some(std::path::PathBuf::from(p)),
-        None => Some(std::path::PathBuf::from("/dev/shm")).filter(|p| crate::sys::is_tmpfs(p)),
+        Some(p) => RamParent::Named(std::path::PathBuf::from(p)),
+        None => {
+            let shm = std::path::PathBuf::from("/dev/shm");
+            if crate::sys::is_tmpfs(&shm) {
+                RamParent::Shm(shm)
+            } else {
+                RamParent::RunDir
+            }
+        }
     };
-    place_ram_in(run_dir, bytes, parent)
+    place_ram_in(run_dir, bytes, parent, crate::sys::euid())
 }
 
-/// [`place_ram`] with the parent chosen (`None`: the run directory).
+/// Where [`place_ram`] looks first for a directory of the RAM file's own.
+#[derive(Clone, Debug)]
+enum RamParent {
+    /// `HVTRACE_RAM_DIR`: refused when others could replace its entries.
+    Named(std::path::PathBuf),
+    /// `/dev/shm`: passed over for the run directory when others could
+    /// replace its entries.
+    Shm(std::path::PathBuf),
+    /// None: the run directory.
+    RunDir,
+}
+
+/// [`place_ram`] with the parent chosen, for user `euid`.
 fn place_ram_in(
     run_dir: &Path,
     bytes: u64,
-    parent: Option<std::path::PathBuf>,
+    parent: RamParent,
+    euid: u32,
 ) -> Result<std::path::PathBuf> {
+    const WHAT: &str = "the guest's RAM";
     let room = |p: &Path| {
         crate::sys::free_bytes(p).is_some_and(|free| free >= bytes.saturating_add(RAM_MARGIN))
+    };
+    let parent = match parent {
+        RamParent::Named(p) => {
+            image::check_parent(&p, euid, WHAT)?;
+            Some(p)
+        }
+        RamParent::Shm(p) => match image::check_parent(&p, euid, WHAT) {
+            Ok(()) => Some(p),
+            Err(e) => {
+                eprintln!("hvtrace: {e:#}; it goes in the run directory instead");
+                None
+            }
+        },
+        RamParent::RunDir => None,
     };
     let file = match parent.filter(|p| room(p)) {
         Some(parent) => crate::sys::make_temp_dir(&parent, "hvtrace-ram-")
@@ -195,10 +241,7 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
         &control,
         "-serial",
         "chardev:ctl",
-        // Lets the hypervisor end QEMU: a write of N to port 0xf4 exits with
-        // status 2N+1.
-        "-device",
-        "isa-debug-exit,iobase=0xf4,iosize=0x04",
+        // No exit device: QEMU ends at the machine's ACPI power-off.
         "-display",
         "none",
         "-monitor",
@@ -235,8 +278,10 @@ mod tests {
         // same for two runs (even of the same run directory's name).
         let mib = 1 << 20;
         let dir_of = |p: &Path| p.parent().unwrap().to_path_buf();
-        let a = place_ram_in(&run, mib, Some(base.clone())).unwrap();
-        let b = place_ram_in(&run, mib, Some(base.clone())).unwrap();
+        let euid = crate::sys::euid();
+        let named = || RamParent::Named(base.clone());
+        let a = place_ram_in(&run, mib, named(), euid).unwrap();
+        let b = place_ram_in(&run, mib, named(), euid).unwrap();
         assert_ne!(dir_of(&a), dir_of(&b));
         assert!(a.is_absolute() && a.starts_with(&base), "{a:?}");
         assert!(dir_of(&a)
@@ -252,10 +297,10 @@ mod tests {
         // the run directory, as an absolute path.
         let in_run = std::path::absolute(run.join(RAM_FILE)).unwrap();
         assert_eq!(
-            place_ram_in(&run, u64::MAX / 2, Some(base.clone())).unwrap(),
+            place_ram_in(&run, u64::MAX / 2, named(), euid).unwrap(),
             in_run
         );
-        let placed = place_ram_in(&run, mib, None).unwrap();
+        let placed = place_ram_in(&run, mib, RamParent::RunDir, euid).unwrap();
         assert_eq!(placed, in_run);
         // Removing takes the file, and its own directory but never the run
         // directory.
@@ -285,6 +330,68 @@ mod tests {
                 .contains("mem-path=/dev/shm/hvtrace-ram-a,,b/guest-ram,share=on"),
             "{args:?}"
         );
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// A parent for the RAM's directory where others could put their own
+    /// in its place is refused when named (`HVTRACE_RAM_DIR`) and passed
+    /// over for the run directory when it is `/dev/shm`: one of another
+    /// user's (sticky or not), or one writable by others without the
+    /// sticky bit. A sticky one of root's, as `/dev/shm`, is used.
+    #[test]
+    fn a_ram_parent_others_could_swap_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let euid = crate::sys::euid();
+        let base = std::env::temp_dir().join(format!("hvtrace-ramparent-{}", std::process::id()));
+        let run = base.join("run");
+        let parent = base.join("parent");
+        std::fs::create_dir_all(&run).unwrap();
+        std::fs::create_dir_all(&parent).unwrap();
+        let set_mode = |mode: u32| {
+            std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(mode)).unwrap()
+        };
+        let in_run = std::path::absolute(run.join(RAM_FILE)).unwrap();
+        let mib = 1 << 20;
+        let p = parent.display().to_string();
+        let mut bad = vec![(0o777, euid), (0o770, euid), (0o757, euid)];
+        if euid == 0 {
+            // Another user's, with or without the sticky bit.
+            bad.extend([(0o755, 65534), (0o1777, 65534), (0o700, 65534)]);
+        }
+        for (mode, owner) in bad {
+            std::os::unix::fs::chown(&parent, Some(owner), None).unwrap();
+            set_mode(mode);
+            let named = place_ram_in(&run, mib, RamParent::Named(parent.clone()), euid);
+            let e = format!("{:#}", named.unwrap_err());
+            assert!(
+                e.contains(&format!("refusing {p} for the guest's RAM")),
+                "{e}"
+            );
+            let why = if owner == euid {
+                format!("writable by others (mode {mode:04o}) without the sticky bit")
+            } else {
+                format!("it belongs to uid {owner}, neither you (uid {euid}) nor root")
+            };
+            assert!(e.contains(&why), "{mode:o} {owner}: {e}");
+            assert!(!e.contains('\n'), "one line: {e}");
+            let shm = place_ram_in(&run, mib, RamParent::Shm(parent.clone()), euid).unwrap();
+            assert_eq!(shm, in_run, "{mode:o} {owner}");
+            assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 0);
+        }
+        // Root's (or ours) and sticky, as /dev/shm, or not writable by
+        // others: a directory of the RAM's own there.
+        std::os::unix::fs::chown(&parent, Some(euid), None).unwrap();
+        for mode in [0o1777, 0o755, 0o700] {
+            set_mode(mode);
+            for how in [
+                RamParent::Named(parent.clone()),
+                RamParent::Shm(parent.clone()),
+            ] {
+                let placed = place_ram_in(&run, mib, how, euid).unwrap();
+                assert!(placed.starts_with(&parent), "{mode:o}: {placed:?}");
+                remove_ram(&run, &placed);
+            }
+        }
         std::fs::remove_dir_all(&base).unwrap();
     }
 
@@ -370,10 +477,10 @@ mod tests {
                 ]
             );
             assert_eq!(values(&args, "-debugcon"), ["stdio"]);
-            assert_eq!(
-                values(&args, "-device"),
-                ["isa-debug-exit,iobase=0xf4,iosize=0x04"]
-            );
+            // No device of any kind: in particular no exit device, through
+            // which the guest could end QEMU with a status of its choosing.
+            assert!(values(&args, "-device").is_empty(), "{args:?}");
+            assert!(!args.iter().any(|a| a.contains("debug-exit")), "{args:?}");
             assert_eq!(values(&args, "-display"), ["none"]);
             assert_eq!(values(&args, "-monitor"), ["none"]);
         }
