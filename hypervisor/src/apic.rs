@@ -19,6 +19,11 @@
 //!
 //! [`Icr`] is the decoded register, [`classify`] says what root does with
 //! it and [`targets`] which of the VM's vCPUs an INIT or SIPI reaches.
+//! [`register_write`] says what root does with a store to any other
+//! register of the page (LVT entries with an INIT, SMI or reserved
+//! delivery mode are dropped: [`routed_mode_allowed`]), and
+//! [`guest_store`] whether root may decode a store at all (not one made by
+//! an event's delivery, and only in 64-bit mode on 4-level paging).
 //!
 //! Nothing here touches hardware; the exit handlers feed in the values.
 
@@ -29,6 +34,20 @@ pub const XAPIC_ICR_LOW: u64 = 0x300;
 pub const XAPIC_ICR_HIGH: u64 = 0x310;
 /// The x2APIC ICR MSR (SDM 11.12.1, table 11-6).
 pub const X2APIC_ICR_MSR: u32 = 0x830;
+/// The x2APIC's LVT MSRs, as inclusive ranges (SDM table 11-6): CMCI
+/// (0x82F); timer, thermal, performance counters, LINT0, LINT1, error
+/// (0x832..=0x837).
+pub const X2APIC_LVT_MSRS: [(u32, u32); 2] = [(0x82F, 0x82F), (0x832, 0x837)];
+
+/// The xAPIC page offset of the register an x2APIC LVT MSR names (MSR
+/// 0x800 + offset / 16, SDM 11.12.1), for [`register_write`]; `None` for
+/// any other MSR.
+pub fn x2apic_lvt_offset(msr: u32) -> Option<u64> {
+    X2APIC_LVT_MSRS
+        .iter()
+        .any(|&(lo, hi)| (lo..=hi).contains(&msr))
+        .then(|| u64::from(msr - 0x800) << 4)
+}
 
 /// ICR bits 8..=10, the delivery mode (SDM 11.6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -329,9 +348,302 @@ pub fn decode_store(bytes: &[u8]) -> Option<Store> {
     })
 }
 
+/// The delivery-mode field (bits 8..=10) of an LVT entry, an I/O APIC
+/// redirection entry or an MSI's data word: 000 fixed, 001 lowest
+/// priority, 010 SMI, 100 NMI, 101 INIT, 111 ExtINT, 011 and 110 reserved
+/// (SDM 11.5.1, 11.11.2; 82093AA I/O APIC datasheet 3.2.4).
+pub fn routed_mode(value: u32) -> u8 {
+    ((value >> 8) & 0b111) as u8
+}
+
+/// Whether the guest may program the delivery mode of `value` (an LVT
+/// entry, a redirection entry, an MSI's data) into a route that reaches
+/// the processors without passing root: fixed, lowest priority, NMI and
+/// ExtINT. INIT (which resets a vCPU behind root's back, and which Bochs
+/// 2.7 latches), SMI (firmware code outside VMX non-root), and the
+/// reserved encodings (start-up among them, which some emulators deliver)
+/// are not: Linux programs none of them there.
+pub fn routed_mode_allowed(value: u32) -> bool {
+    matches!(routed_mode(value), 0b000 | 0b001 | 0b100 | 0b111)
+}
+
+/// The xAPIC's LVT registers (SDM 11.5.1, table 11-1): CMCI, timer,
+/// thermal, performance counters, LINT0, LINT1, error.
+const XAPIC_LVTS: [u64; 7] = [0x2F0, 0x320, 0x330, 0x340, 0x350, 0x360, 0x370];
+
+/// The xAPIC registers a guest store may change besides the LVTs (SDM
+/// table 11-1): TPR, EOI, LDR, DFR, SVR, ESR, the ICR's two halves, the
+/// timer's initial count and divide configuration.
+const XAPIC_WRITABLE: [u64; 10] = [
+    0x080,
+    0x0B0,
+    0x0D0,
+    0x0E0,
+    0x0F0,
+    0x280,
+    XAPIC_ICR_LOW,
+    XAPIC_ICR_HIGH,
+    0x380,
+    0x3E0,
+];
+
+/// What root does with a guest store to a register of the xAPIC page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegisterWrite {
+    /// Write the value to the CPU's APIC. (For the ICR's low word the
+    /// caller first takes INIT and SIPI for itself: see [`classify`].)
+    Carry,
+    /// Drop the store: the register is read-only or reserved (a store has
+    /// no effect on hardware, or, at offset 0 under QEMU's emulated APIC,
+    /// sends an MSI), or it is the APIC ID (root routes start-up IPIs by
+    /// the MADT's IDs).
+    Ignore,
+    /// Drop the store: an LVT entry with a delivery mode the guest may not
+    /// program ([`routed_mode_allowed`]).
+    Refuse,
+}
+
+/// What root does with a guest store of `value` at `offset` (16-byte
+/// aligned) in the xAPIC page.
+pub fn register_write(offset: u64, value: u32) -> RegisterWrite {
+    if XAPIC_LVTS.contains(&offset) {
+        if routed_mode_allowed(value) {
+            RegisterWrite::Carry
+        } else {
+            RegisterWrite::Refuse
+        }
+    } else if XAPIC_WRITABLE.contains(&offset) {
+        RegisterWrite::Carry
+    } else {
+        RegisterWrite::Ignore
+    }
+}
+
+/// The guest's mode at an exit, as far as [`guest_store`] needs it: the
+/// guest's CR0, CR4, IA32_EFER and CS access rights from the VMCS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuestMode {
+    pub cr0: u64,
+    pub cr4: u64,
+    pub efer: u64,
+    pub cs_access_rights: u32,
+}
+
+/// CR0.PG.
+const CR0_PG: u64 = 1 << 31;
+/// CR4.PAE.
+const CR4_PAE: u64 = 1 << 5;
+/// CR4.LA57.
+const CR4_LA57: u64 = 1 << 12;
+/// IA32_EFER.LMA.
+const EFER_LMA: u64 = 1 << 10;
+/// Segment access rights bit 13: L, a 64-bit code segment.
+const CS_L: u32 = 1 << 13;
+
+impl GuestMode {
+    /// 64-bit mode on 4-level paging: CR0.PG, CR4.PAE and EFER.LMA set,
+    /// CR4.LA57 clear, and a 64-bit code segment (CS.L). Only there do
+    /// the decoder's encoding ([`decode_store`]: REX prefixes, RIP-relative
+    /// addressing) and root's 4-level walk of RIP hold.
+    pub fn long_4level(&self) -> bool {
+        self.cr0 & CR0_PG != 0
+            && self.cr4 & CR4_PAE != 0
+            && self.cr4 & CR4_LA57 == 0
+            && self.efer & EFER_LMA != 0
+            && self.cs_access_rights & CS_L != 0
+    }
+}
+
+/// Why root does not carry out a guest store that exited on an interrupt
+/// window (the APIC page, the I/O APIC's, the MSI window).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The store was part of an event's delivery (the IDT-vectoring
+    /// information of the exit is valid): the instruction at RIP is not
+    /// what stored.
+    DuringDelivery,
+    /// Not 64-bit mode on 4-level paging ([`GuestMode::long_4level`]).
+    NotLong4Level,
+    /// The instruction could not be fetched, or is not one
+    /// [`decode_store`] knows.
+    Undecodable,
+}
+
+/// Decides whether root may carry out a guest store that exited, and
+/// decodes it: refused during an event's delivery, outside 64-bit mode on
+/// 4-level paging, and when the bytes `fetch` reads at the guest's RIP
+/// (into the buffer; it returns how many it read, 0 when none) are not a
+/// store [`decode_store`] knows. `fetch` runs only when the first two
+/// checks pass, so root never walks the guest's page tables in a mode they
+/// do not have.
+pub fn guest_store(
+    mode: &GuestMode,
+    during_delivery: bool,
+    fetch: impl FnOnce(&mut [u8; MAX_INSN_LEN]) -> usize,
+) -> Result<Store, Refusal> {
+    if during_delivery {
+        return Err(Refusal::DuringDelivery);
+    }
+    if !mode.long_4level() {
+        return Err(Refusal::NotLong4Level);
+    }
+    let mut bytes = [0u8; MAX_INSN_LEN];
+    let got = fetch(&mut bytes).min(MAX_INSN_LEN);
+    bytes
+        .get(..got)
+        .and_then(decode_store)
+        .ok_or(Refusal::Undecodable)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A 64-bit kernel's mode: CR0.PG|PE, CR4.PAE, EFER.LME|LMA, CS 0xa09b.
+    const LONG: GuestMode = GuestMode {
+        cr0: 0x8005_0033,
+        cr4: 0x0030_06f0,
+        efer: 0xd01,
+        cs_access_rights: 0xa09b,
+    };
+
+    /// `mov [rip+0x10], eax`'s bytes, as a fetch at RIP.
+    fn fetch_mov(buf: &mut [u8; MAX_INSN_LEN]) -> usize {
+        let insn = [0x89, 0x05, 0x10, 0x00, 0x00, 0x00];
+        buf[..insn.len()].copy_from_slice(&insn);
+        insn.len()
+    }
+
+    #[test]
+    fn a_store_during_event_delivery_is_refused_without_a_fetch() {
+        assert_eq!(
+            guest_store(&LONG, false, fetch_mov),
+            Ok(Store {
+                len: 6,
+                value: StoreValue::Reg(0),
+                xchg: false
+            })
+        );
+        // The delivery of an event (a push onto a stack the guest pointed
+        // into the APIC page) exited: RIP is not the store's, and nothing
+        // is read there.
+        assert_eq!(
+            guest_store(&LONG, true, |_| panic!("fetched during delivery")),
+            Err(Refusal::DuringDelivery)
+        );
+    }
+
+    #[test]
+    fn only_64_bit_mode_on_4_level_paging_is_decoded() {
+        assert!(LONG.long_4level());
+        let refused = |m: GuestMode| guest_store(&m, false, |_| panic!("fetched in {m:x?}"));
+        for m in [
+            GuestMode { cr0: 0x11, ..LONG }, // paging off
+            GuestMode {
+                cr4: 0x6f0 & !0x20,
+                ..LONG
+            }, // no PAE
+            GuestMode {
+                cr4: 0x6f0 | CR4_LA57,
+                ..LONG
+            }, // 5-level paging
+            GuestMode {
+                efer: 0x100,
+                ..LONG
+            }, // LME without LMA
+            GuestMode { efer: 0, ..LONG },   // legacy mode
+            GuestMode {
+                cs_access_rights: 0xc09b,
+                ..LONG
+            }, // compatibility mode
+        ] {
+            assert!(!m.long_4level(), "{m:x?}");
+            assert_eq!(refused(m), Err(Refusal::NotLong4Level));
+        }
+        // Undecodable or unreadable bytes at RIP.
+        assert_eq!(guest_store(&LONG, false, |_| 0), Err(Refusal::Undecodable));
+        assert_eq!(
+            guest_store(&LONG, false, |b| {
+                b[0] = 0x88;
+                2
+            }),
+            Err(Refusal::Undecodable)
+        );
+        // A fetch that claims more than the buffer holds is cut to it.
+        assert!(guest_store(&LONG, false, |b| {
+            fetch_mov(b);
+            usize::MAX
+        })
+        .is_ok());
+    }
+
+    #[test]
+    fn lvt_entries_with_init_and_other_dangerous_modes_are_refused() {
+        for lvt in XAPIC_LVTS {
+            // Linux: masked fixed, NMI on LINT1, ExtINT on LINT0.
+            for ok in [
+                0x0001_00ef,
+                0x0000_0400,
+                0x0000_0700,
+                0x0000_00ec,
+                0x0001_0100,
+            ] {
+                assert_eq!(
+                    register_write(lvt, ok),
+                    RegisterWrite::Carry,
+                    "{lvt:#x} {ok:#x}"
+                );
+            }
+            // INIT (level or edge, masked or not), SMI, start-up, reserved.
+            for bad in [
+                0x0000_0500,
+                0x0000_8500,
+                0x0001_0500,
+                0x0000_0200,
+                0x0000_0600,
+                0x0000_0300,
+            ] {
+                assert_eq!(
+                    register_write(lvt, bad),
+                    RegisterWrite::Refuse,
+                    "{lvt:#x} {bad:#x}"
+                );
+            }
+        }
+        assert!(routed_mode_allowed(0x0000_0100));
+        assert!(!routed_mode_allowed(0xffff_f5ff));
+    }
+
+    #[test]
+    fn x2apic_lvt_msrs_name_the_xapic_lvts() {
+        let offsets: Vec<u64> = (0x800..0x900).filter_map(x2apic_lvt_offset).collect();
+        assert_eq!(offsets, XAPIC_LVTS);
+        assert_eq!(x2apic_lvt_offset(0x835), Some(0x350));
+        assert_eq!(x2apic_lvt_offset(X2APIC_ICR_MSR), None);
+        assert_eq!(x2apic_lvt_offset(0x838), None);
+    }
+
+    #[test]
+    fn only_writable_registers_are_carried() {
+        for reg in [
+            0x080, 0x0B0, 0x0D0, 0x0E0, 0x0F0, 0x280, 0x300, 0x310, 0x380, 0x3E0,
+        ] {
+            assert_eq!(
+                register_write(reg, 0x0000_0500),
+                RegisterWrite::Carry,
+                "{reg:#x}"
+            );
+        }
+        // Offset 0 (QEMU sends an MSI for it), the APIC ID, the version,
+        // APR, PPR, ISR/TMR/IRR, the current count, the x2APIC-only
+        // self-IPI, and the rest of the page.
+        for reg in [
+            0x000, 0x010, 0x020, 0x030, 0x090, 0x0A0, 0x0C0, 0x100, 0x270, 0x390, 0x3F0, 0x400,
+            0xFF0,
+        ] {
+            assert_eq!(register_write(reg, 0), RegisterWrite::Ignore, "{reg:#x}");
+        }
+    }
 
     #[test]
     fn linux_init_assert() {

@@ -13,6 +13,11 @@
 //!   recurses until its stack runs into the guard page. The expected end is
 //!   one `hvtrace: error: hypervisor fault in VMX root: #DF ...` line naming
 //!   the guard page, then a power-off.
+//! - `hvtrace.selftest=ap-stack-overflow`: the first AP, right after its
+//!   own IDT and IST stacks are in place and before it enters VMX (so the
+//!   machine needs VMX and two processors), recurses until its root stack
+//!   runs into the guard page under it. The expected end is the same
+//!   `#DF` line, naming the AP's guard page, then a power-off.
 //! - `hvtrace.selftest=panic`: right after the control UART (COM2) is
 //!   programmed, at the same point and so also without VMX, root panics.
 //!   The expected end is the fatal report on both ways out, one
@@ -29,6 +34,9 @@ pub enum SelfTest {
     StackOverflow,
     /// `hvtrace.selftest=panic`: panic in root.
     Panic,
+    /// `hvtrace.selftest=ap-stack-overflow`: overflow the first AP's root
+    /// stack.
+    ApStackOverflow,
 }
 
 impl SelfTest {
@@ -37,6 +45,7 @@ impl SelfTest {
         match self {
             Self::StackOverflow => "hvtrace.selftest=stack-overflow",
             Self::Panic => "hvtrace.selftest=panic",
+            Self::ApStackOverflow => "hvtrace.selftest=ap-stack-overflow",
         }
     }
 
@@ -44,7 +53,7 @@ impl SelfTest {
     /// matched whole (the first one is usually the image's path).
     pub fn from_cmdline(cmdline: &str) -> Option<SelfTest> {
         cmdline.split_ascii_whitespace().find_map(|w| {
-            [Self::StackOverflow, Self::Panic]
+            [Self::StackOverflow, Self::Panic, Self::ApStackOverflow]
                 .into_iter()
                 .find(|hook| w == hook.option())
         })
@@ -90,7 +99,12 @@ mod tests {
             SelfTest::from_cmdline("hypervisor hvtrace.selftest=panic"),
             Some(SelfTest::Panic)
         );
+        assert_eq!(
+            SelfTest::from_cmdline("hypervisor hvtrace.selftest=ap-stack-overflow"),
+            Some(SelfTest::ApStackOverflow)
+        );
         for line in [
+            "hypervisor hvtrace.selftest=ap-stack-overflow2",
             "hypervisor hvtrace.selftest=panic2",
             "hypervisor hvtrace.selftest=Panic",
             "hypervisor hvtrace.selftest=panic=1",

@@ -854,6 +854,12 @@ pub struct VcpuReport {
     pub quiet_ns: u64,
     /// Whether it runs on the quiet view now.
     pub quiet: bool,
+    /// The deepest its VMX-root stack has been used, in bytes (the
+    /// stack is filled with a pattern before root runs on it), and the
+    /// stack's size.
+    pub root_stack_used: u64,
+    /// See `root_stack_used`.
+    pub root_stack_size: u64,
 }
 
 /// The guest kernel as recovered from its memory.

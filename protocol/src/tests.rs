@@ -128,6 +128,8 @@ fn status() -> StatusReport {
             armed_ns: 5_000,
             quiet_ns: 70_000,
             quiet: false,
+            root_stack_used: 40_960,
+            root_stack_size: 131_072,
         }],
         graph_sessions: vec![crate::GraphSessionReport {
             session: 3,

@@ -555,6 +555,7 @@ fn exercise(guest: &str, fast_lane: bool) {
     if fast_lane {
         attacker(&mut ck, &mut c, &mut stream);
         module_code(&mut ck, &mut c, &mut stream, vm.run_dir.as_deref());
+        counted_module_churn(&mut ck, &mut c);
         intree_module(&mut ck, &mut c);
         benchmark(&mut ck, &mut c, &mut stream);
     } else {
@@ -2235,6 +2236,168 @@ fn delete_probes(ck: &mut Checks, c: &mut Client, names: &[&str], when: &str) {
     );
 }
 
+/// Every entry of the running count, page by page: (name, calls).
+fn count_entries(c: &mut Client) -> Option<(u64, Vec<(String, u64)>)> {
+    let mut cursor = 0;
+    let mut out = Vec::new();
+    for _ in 0..64 {
+        let Response::Counts {
+            calls,
+            entries,
+            next,
+            ..
+        } = call(c, Request::CountRead { cursor, limit: 50 })
+        else {
+            return None;
+        };
+        out.extend(entries.into_iter().map(|e| (e.name, e.calls)));
+        match next {
+            Some(n) => cursor = n,
+            None => return Some((calls, out)),
+        }
+    }
+    None
+}
+
+/// The calls of `name` in a count's entries: the live function's and its
+/// unloaded loads' (`NAME [MOD] (unloaded)`).
+fn count_of(entries: &[(String, u64)], name: &str) -> u64 {
+    entries
+        .iter()
+        .filter(|(n, _)| n.strip_suffix(" (unloaded)").unwrap_or(n) == name)
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// A count over a module that is unloaded and loaded again 20 times, with
+/// another module loaded between (the attacker, whose init fails: its
+/// text takes the frames hvtarget's just left). After each unload, no
+/// site of the module is left hooked (a counted site once stayed mapped to
+/// its shadow over the freed frames: the next module ran our call) and
+/// the figures are those before the count's module came; after each load,
+/// the count follows the module again (its glob), and the guest's own
+/// kprobe on `hvtarget_sum` counts the same calls as ours, summed over the
+/// loads.
+fn counted_module_churn(ck: &mut Checks, c: &mut Client) {
+    let loaded = exec(c, "grep -c '\\[hvtarget\\]' /proc/kallsyms || true");
+    ck.check(
+        loaded.trim().parse::<u32>().is_ok_and(|n| n > 0),
+        format!("hvtarget is loaded before the counted churn: {loaded:?}"),
+    );
+    exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 'p:gcsum hvtarget:hvtarget_sum' >> kprobe_events && echo 1 > events/kprobes/gcsum/enable"
+        ),
+    );
+    let started = call(
+        c,
+        Request::CountStart(protocol::CountFilter {
+            functions: vec!["hvtarget:*".into()],
+            ..Default::default()
+        }),
+    );
+    let Response::CountStarted { functions, .. } = started else {
+        ck.check(false, format!("count start on hvtarget:*: {started:?}"));
+        return;
+    };
+    ck.check(
+        functions >= 3,
+        format!("functions counted in hvtarget: {functions}"),
+    );
+    let figures = |c: &mut Client| {
+        let t = status(c).tracer;
+        (t.sites, t.pages)
+    };
+    let loaded_base = figures(c);
+    exec(c, "rmmod hvtarget");
+    let unloaded_base = figures(c);
+    ck.check(
+        unloaded_base.0 + functions <= loaded_base.0,
+        format!("the count's sites went with the module: {loaded_base:?} -> {unloaded_base:?}"),
+    );
+    exec(c, &format!("insmod /lib/hvtarget.ko && echo 2 > {POKE}"));
+    let heap0 = status(c).hv_heap_used;
+    let memory0 = status(c).hv_memory_used;
+    let mut drift = Vec::new();
+    let mut heap = Vec::new();
+    for round in 0..20 {
+        let out = exec(c, "rmmod hvtarget && echo unloaded");
+        let after_unload = figures(c);
+        let out2 = exec(
+            c,
+            &format!(
+                "insmod /lib/hvattack.ko 2>/dev/null; insmod /lib/hvtarget.ko && echo 2 > {POKE} && echo ok"
+            ),
+        );
+        let after_load = figures(c);
+        heap.push(status(c).hv_heap_used);
+        if !out.contains("unloaded")
+            || !out2.contains("ok")
+            || after_unload != unloaded_base
+            || after_load != loaded_base
+        {
+            drift.push((round, after_unload, after_load, out2.trim().to_string()));
+        }
+    }
+    check_churn_heap(ck, "counted hvtarget churn", heap0, &heap);
+    let memory = status(c).hv_memory_used;
+    let counts = count_entries(c);
+    let profile = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 0 > events/kprobes/gcsum/enable && grep gcsum kprobe_profile; \
+             echo '-:gcsum' >> kprobe_events"
+        ),
+    );
+    let guest: Option<u64> = profile
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok());
+    println!(
+        "counted churn: baseline loaded {loaded_base:?}, unloaded {unloaded_base:?}; hypervisor memory {} -> {} KiB; guest hvtarget_sum hits {guest:?}; count {counts:?}",
+        memory0 >> 10,
+        memory >> 10
+    );
+    ck.eq(
+        "counted churn rounds whose figures left the baseline",
+        &drift,
+        &Vec::new(),
+    );
+    match counts {
+        Some((total, entries)) => {
+            let ours = count_of(&entries, "hvtarget_sum [hvtarget]");
+            // 21 loads after the count started, two calls each (the
+            // init's and the poke's).
+            ck.eq("counted hvtarget_sum calls over the churn", ours, 42);
+            ck.eq(
+                "our count of hvtarget_sum equals the guest's kprobe",
+                Some(ours),
+                guest,
+            );
+            ck.check(
+                entries
+                    .iter()
+                    .any(|(n, _)| n == "hvtarget_sum [hvtarget] (unloaded)")
+                    && entries.iter().any(|(n, _)| n == "hvtarget_sum [hvtarget]"),
+                format!("the live function and its unloaded loads: {entries:?}"),
+            );
+            ck.check(total >= ours, format!("the count's total: {total}"));
+        }
+        None => ck.check(false, "count read after the churn"),
+    }
+    ck.check(
+        matches!(call(c, Request::CountStop), Response::Ok),
+        "count stop after the churn",
+    );
+    let alive = exec(c, "echo alive");
+    ck.eq(
+        "guest healthy after the counted churn",
+        alive.trim(),
+        "alive",
+    );
+}
+
 /// What a module's churn must leave as it found: sites, pages, graph
 /// stacks and frames.
 type ChurnFigures = (u32, u32, u64, u64);
@@ -2315,6 +2478,19 @@ fn loop_churn(ck: &mut Checks, c: &mut Client) {
         ),
     );
     const CHURN: &str = "rmmod loop && modprobe loop && echo ok";
+    // A count over the module runs through the churn too: it follows each
+    // load, and its sites go at each unload (the figures below).
+    let counting = matches!(
+        call(
+            c,
+            Request::CountStart(protocol::CountFilter {
+                functions: vec!["loop:*".into()],
+                ..Default::default()
+            })
+        ),
+        Response::CountStarted { .. }
+    );
+    ck.check(counting, "count start on loop:*");
     // Our hits are counted from the guest probe's definition on, as the
     // guest's kprobe_profile counts them: over the warm-up round too.
     let hits0 = hits(c, "kprobes/lpadd");
@@ -2368,6 +2544,19 @@ fn loop_churn(ck: &mut Checks, c: &mut Client) {
         Some(ours),
         guest,
     );
+    if counting {
+        let counted = count_entries(c).map(|(_, e)| count_of(&e, "loop_add [loop]"));
+        println!("loop churn: loop_add counted {counted:?}");
+        ck.eq(
+            "loop_add calls counted over the loads, as the guest's kprobe",
+            counted,
+            guest,
+        );
+        ck.check(
+            matches!(call(c, Request::CountStop), Response::Ok),
+            "count stop after the loop churn",
+        );
+    }
     ck.check(
         matches!(
             call(

@@ -12,6 +12,13 @@
 //! below the stack, and the machine dies without a word (a triple fault,
 //! which ends QEMU under `-no-reboot`).
 //!
+//! Each AP's root stack has its own guard page (`smp::prepare` takes it out
+//! of root's page tables). `hvtrace.selftest=ap-stack-overflow` makes the
+//! first AP recurse the same way once its own IDT and IST stacks are in
+//! place, before it enters VMX: AP bring-up needs VMX, so that half runs in
+//! Bochs with two processors (a minute or two to that point). The report
+//! must name the AP's guard page and CPU 1.
+//!
 //! Run: `cargo test --release -p hvtrace-tests --test root_stack_guard`
 
 use std::time::{Duration, Instant};
@@ -21,6 +28,8 @@ use hvtrace_tests::{guest_config, hypervisor_image, must, vm_lock, Checks};
 
 /// The hypervisor command line word of the hook (`hypervisor::selftest`).
 const HOOK: &str = "hvtrace.selftest=stack-overflow";
+/// The same for the first AP's stack.
+const AP_HOOK: &str = "hvtrace.selftest=ap-stack-overflow";
 
 #[test]
 fn root_stack_overflow_hits_the_guard_page_and_is_reported() {
@@ -95,6 +104,94 @@ fn root_stack_overflow_hits_the_guard_page_and_is_reported() {
         format!("the hypervisor got as far as VMX: {lines:?}"),
     );
     eprintln!("root_stack_guard: VM ended after {elapsed:?}; hypervisor lines: {lines:#?}");
+    vm.close();
+    checks.finish();
+}
+
+#[test]
+fn an_ap_root_stack_overflow_hits_its_guard_page_and_is_reported() {
+    let _vm = vm_lock();
+    let base = guest_config(Guest::Fast, Duration::from_secs(600))
+        .with_hypervisor(hypervisor_image())
+        .with_emulator(Emulator::Bochs);
+    let cfg = RunConfig {
+        hypervisor_cmdline: AP_HOOK.to_string(),
+        cpus: 2,
+        ..base
+    };
+    let started = Instant::now();
+    let mut vm = must(
+        Vm::start(cfg),
+        "starting Bochs with two processors and the AP stack-overflow hook",
+    );
+    let mut checks = Checks::new();
+    if vm.wait_ready().is_ok() {
+        checks.check(
+            false,
+            "the guest shell came up: the AP self-test did not run",
+        );
+    }
+    let status = vm.wait_exit_or_kill(Duration::from_secs(300));
+    checks.check(
+        matches!(status, Ok(Some(_))),
+        format!("Bochs did not end by itself after the AP's overflow ({status:?})"),
+    );
+    let elapsed = started.elapsed();
+    let lines = vm.hv_lines();
+    let errors = vm.hv_errors();
+    checks.check(
+        lines
+            .iter()
+            .any(|l| l.starts_with("self-test: overflowing AP 1's root stack")),
+        format!("the AP self-test did not start: {lines:?}"),
+    );
+    let double_faults: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.starts_with("error: hypervisor fault in VMX root: #DF"))
+        .collect();
+    checks.eq(
+        "`hypervisor fault in VMX root: #DF` lines",
+        double_faults.len(),
+        1,
+    );
+    checks.check(
+        double_faults
+            .iter()
+            .all(|l| l.contains("root stack overflow: guard page") && l.contains("CPU 1)")),
+        format!("the #DF report does not name the AP's guard page: {double_faults:?}"),
+    );
+    // The guard named is the AP's, not the boot processor's.
+    let bsp_guard = lines
+        .iter()
+        .find_map(|l| l.split_once("root stack guard page at "))
+        .map(|(_, g)| g.trim().to_string());
+    checks.check(
+        bsp_guard.is_some_and(|g| {
+            double_faults
+                .iter()
+                .all(|l| !l.contains(&format!("guard page {g}..")))
+        }),
+        format!(
+            "the #DF report names the boot processor's guard page: {double_faults:?} {lines:?}"
+        ),
+    );
+    checks.check(
+        errors.len() == 1,
+        format!("expected exactly one error line, got {errors:?}"),
+    );
+    checks.check(
+        !lines.iter().any(|l| l.contains("panic")),
+        format!("a panic was reported: {lines:?}"),
+    );
+    checks.check(
+        lines.iter().any(|l| l == "guest stopped: hypervisor fault"),
+        format!("no `guest stopped: hypervisor fault` line: {lines:?}"),
+    );
+    checks.check(
+        !vm.guest_started(),
+        format!("a `guest started` line appeared: {lines:?}"),
+    );
+    eprintln!("root_stack_guard (AP): VM ended after {elapsed:?}; hypervisor lines: {lines:#?}");
     vm.close();
     checks.finish();
 }

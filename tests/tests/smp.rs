@@ -36,7 +36,12 @@
 //! - patching under fire, with both CPUs calling the function and the
 //!   guest toggling its own kprobe and function tracer on it;
 //! - the function tracer on `'*'` with a workload on each CPU: the guest
-//!   lives, both vCPUs hit, losses are reported per vCPU.
+//!   lives, both vCPUs hit, losses are reported per vCPU;
+//! - the hostile guest on CPU 1 while CPU 0 traces (`hostile_on_cpu1`):
+//!   the hardening attacks, a fetch from hypervisor memory, a step storm
+//!   under a fast timer with the reader moving between CPUs, INIT through
+//!   the IOAPIC and LINT0; the guest's log stays clean and CPU 1 still
+//!   hotplugs.
 //!
 //! Run: `cargo test --release -p hvtrace-tests --test smp -- --nocapture`
 
@@ -540,6 +545,150 @@ fn attacker_on_two_cpus(ck: &mut Checks, c: &mut Client) {
     ck.eq("VMCALL exits on vCPU 1 per event", exits_cpu1, on_cpu1);
 }
 
+/// A guest-physical frame inside the hypervisor's reservation (2 MiB to
+/// 32 MiB), which EPT never maps for the guest.
+const HV_FRAME: u64 = 0x1f0_0000;
+
+/// The hostile guest on two vCPUs: every attack of the hardening test that
+/// needs no set-up of its own, loaded pinned to CPU 1 while a probe traces
+/// a loop pinned to CPU 0, and the attacks for the paths that only SMP or
+/// steps reach: a fetch from hypervisor memory (a #UD the module catches;
+/// the vCPU once spun there forever), a step storm (reads of a hooked
+/// page with a 10 us hrtimer firing and the reader moving itself between
+/// the CPUs every 64 reads: interrupts now end a step before they are
+/// delivered, and no stray single-step #DB reaches the guest), an IOAPIC
+/// entry in INIT mode aimed at APIC 1 and LVT LINT0 in INIT mode (INIT
+/// reaches a vCPU only through root). Then: no WARN, oops or BUG in the
+/// guest's log, CPU 0's probe kept firing, status answers, and CPU 1 goes
+/// offline and comes back.
+fn hostile_on_cpu1(ck: &mut Checks, c: &mut Client) {
+    let addr = guest_exec(c, "grep ' __x64_sys_getppid$' /proc/kallsyms");
+    let Some(func) = addr.split_whitespace().next().map(str::to_string) else {
+        ck.check(false, "__x64_sys_getppid not in kallsyms");
+        return;
+    };
+    if !probe_add(ck, c, "p:h0 __x64_sys_getppid") {
+        return;
+    }
+    guest_exec(
+        c,
+        "dmesg -c > /dev/null; rm -f /tmp/stop; taskset 1 sh -c 'while [ ! -e /tmp/stop ]; do hvbench getppid 200 > /dev/null; hvbench sleep 5; done' > /dev/null 2>&1 & echo started",
+    );
+    let hits0 = probe_hits(c, "h0");
+    let fetch = format!("hv_fetch={HV_FRAME:#x}");
+    let hwbp = format!("func=0x{func} hwbp=1");
+    let storm = format!("func=0x{func} step_storm=3000");
+    let attacks = [
+        "forge_e9=1",
+        "cr0_nw=1",
+        "bad_xsetbv=1",
+        "getsec=1",
+        "straddle=1",
+        "pci_dma=1",
+        "apic_base=1",
+        "vmcall=1",
+        "nmi_storm=5",
+        hwbp.as_str(),
+        fetch.as_str(),
+        storm.as_str(),
+        "ioapic_init=1",
+        "lint_init=1",
+    ];
+    let mut log = String::new();
+    for params in attacks {
+        let t0 = std::time::Instant::now();
+        let out = guest_exec(
+            c,
+            &format!(
+                "taskset 2 insmod /lib/hvattack.ko {params} 2>/dev/null; dmesg | grep 'hvattack: done' | wc -l"
+            ),
+        );
+        println!(
+            "hostile on CPU 1: {params}: {} in {:?}",
+            out.trim(),
+            t0.elapsed()
+        );
+        ck.check(
+            out.trim().parse::<u32>().is_ok_and(|n| n > 0),
+            format!("the attack {params} ran to its end on CPU 1: {out:?}"),
+        );
+        log.push_str(&guest_exec(c, "dmesg -c"));
+    }
+    guest_exec(c, "touch /tmp/stop; sleep 1");
+    let hits1 = probe_hits(c, "h0");
+    probe_del(ck, c, "h0");
+    let lines = |key: &str| {
+        log.lines()
+            .filter(|l| l.contains(key))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    println!("hostile on CPU 1:\n{}", lines("hvattack:"));
+    ck.check(
+        hits1 > hits0,
+        format!("CPU 0's probe fired while CPU 1 attacked: {hits0} -> {hits1}"),
+    );
+    let fetched = lines("hvattack: hv fetch");
+    ck.check(
+        fetched.contains(&format!("hv fetch {HV_FRAME:x}: returned, 1 #UD")),
+        format!("a fetch from hypervisor memory got #UD and returned: {fetched:?}"),
+    );
+    let storm = lines("hvattack: step storm");
+    let moved = storm
+        .split(", ")
+        .find_map(|p| p.strip_suffix(" moves"))
+        .and_then(|n| n.trim().parse::<u32>().ok());
+    let fires = storm
+        .split(", ")
+        .find_map(|p| p.strip_suffix(" timer fires"))
+        .and_then(|n| n.trim().parse::<u32>().ok());
+    ck.check(
+        storm.contains("(0 faulted, 0 not a nop5)")
+            && moved.is_some_and(|m| m >= 10)
+            && fires.is_some_and(|f| f > 0),
+        format!("the step storm read the NOP5 every time, moving between CPUs under a fast timer: {storm:?}"),
+    );
+    let init = lines("hvattack: ioapic init");
+    ck.check(
+        !init.is_empty(),
+        format!("the IOAPIC INIT attack ran: {init:?}"),
+    );
+    for bad in [
+        "WARNING",
+        "Oops",
+        "BUG:",
+        "exc_debug",
+        "general protection",
+        "soft lockup",
+    ] {
+        let found = lines(bad);
+        ck.check(
+            found.is_empty(),
+            format!("the guest's log during the attacks on CPU 1 has {bad}: {found}"),
+        );
+    }
+    let st = hv_status(c);
+    ck.eq("vCPUs in status after the attacks", st.vcpus, 2);
+    ck.eq(
+        "the CPU a task pinned to CPU 1 ran on, after the attacks",
+        cpu_of_pinned_task(c, "2").as_str(),
+        "1",
+    );
+    guest_exec(c, "echo 0 > /sys/devices/system/cpu/cpu1/online");
+    guest_exec(c, "echo 1 > /sys/devices/system/cpu/cpu1/online");
+    let online = guest_exec(c, "cat /sys/devices/system/cpu/online");
+    ck.eq(
+        "online CPUs after a hotplug that followed the attacks",
+        online.trim(),
+        "0-1",
+    );
+    ck.eq(
+        "the CPU a task pinned to CPU 1 ran on, after that hotplug",
+        cpu_of_pinned_task(c, "2").as_str(),
+        "1",
+    );
+}
+
 /// The lines of function_graph text (ours or the guest's) printed by CPU
 /// `cpu`, as nodes.
 fn graph_of_cpu(text: &str, cpu: u32) -> Vec<Node> {
@@ -850,6 +999,7 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
     migrating_sleeper(&mut checks, &mut c);
     attacker_on_two_cpus(&mut checks, &mut c);
     patching_under_fire(&mut checks, &mut c);
+    hostile_on_cpu1(&mut checks, &mut c);
     cost_on_two_cpus(&mut checks, &mut c);
     scale(&mut checks, &mut c);
 
@@ -870,6 +1020,28 @@ fn two_vcpus_boot_run_and_hotplug_fast_lane() {
         holds >= 18,
         format!("root's log shows {holds} holds of the other vCPUs for patching, want 18 or more"),
     );
-    print_vcpus("smp", &hv_status(&mut c));
+    let st = hv_status(&mut c);
+    print_vcpus("smp", &st);
+    // How deep each vCPU's root stack went over all of the above (module
+    // loads on CPU 1 with probes pending, view settling, steps, patching
+    // under fire, the hostile module): at most half of it, so that a path
+    // that grows shows here long before it reaches the guard page.
+    for v in &st.per_vcpu {
+        eprintln!(
+            "smp: vCPU {} root stack: {} of {} KiB used at the deepest",
+            v.index,
+            v.root_stack_used.div_ceil(1024),
+            v.root_stack_size >> 10
+        );
+        checks.check(
+            v.root_stack_size > 0
+                && v.root_stack_used > 0
+                && v.root_stack_used <= v.root_stack_size / 2,
+            format!(
+                "vCPU {}'s root stack: {} of {} bytes used, want at most half",
+                v.index, v.root_stack_used, v.root_stack_size
+            ),
+        );
+    }
     checks.finish();
 }

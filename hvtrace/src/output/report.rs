@@ -87,6 +87,22 @@ pub fn status_text(status: &Status) -> String {
             r.hv_heap_used >> 10
         ),
     );
+    let stacks: Vec<String> = r
+        .per_vcpu
+        .iter()
+        .filter(|c| c.root_stack_size != 0)
+        .map(|c| {
+            format!(
+                "vCPU {} {} of {} KiB",
+                c.index,
+                c.root_stack_used.div_ceil(1024),
+                c.root_stack_size >> 10
+            )
+        })
+        .collect();
+    if !stacks.is_empty() {
+        line("root stack", format!("{} (deepest use)", stacks.join(", ")));
+    }
     line("exits", format!("{} in all", r.exits_total));
     if r.per_vcpu.len() > 1 {
         for c in &r.per_vcpu {
@@ -352,6 +368,8 @@ pub fn status_json(status: &Status) -> Json {
                             ("armed_ns", json::int(c.armed_ns)),
                             ("quiet_ns", json::int(c.quiet_ns)),
                             ("quiet", Json::Bool(c.quiet)),
+                            ("root_stack_used", json::int(c.root_stack_used)),
+                            ("root_stack_size", json::int(c.root_stack_size)),
                         ])
                     })
                     .collect(),
@@ -585,6 +603,8 @@ mod tests {
                 armed_ns: 0,
                 quiet_ns: 0,
                 quiet: false,
+                root_stack_used: 0,
+                root_stack_size: 0,
             }],
             graph_sessions: Vec::new(),
             guard: protocol::GuardReport::default(),
@@ -609,6 +629,15 @@ mod tests {
         );
         assert!(s.contains("1 bad frames"), "{s}");
         assert!(s.contains("round trip   23.4 ms"), "{s}");
+        assert!(!s.contains("root stack"), "{s}");
+        let mut r = report();
+        r.per_vcpu[0].root_stack_used = 40_000;
+        r.per_vcpu[0].root_stack_size = 512 << 10;
+        let s = status_text(&Status {
+            report: r,
+            round_trip: Duration::from_micros(23_400),
+        });
+        assert!(s.contains("vCPU 0 40 of 512 KiB (deepest use)"), "{s}");
     }
 
     #[test]

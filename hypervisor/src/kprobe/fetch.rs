@@ -13,6 +13,7 @@
 
 use alloc::borrow::Cow;
 use alloc::vec::Vec;
+use guest_introspect::fallible::{self, OutOfMemory};
 
 use guest_introspect::addr::Gva;
 use trampolines::PtRegs;
@@ -168,14 +169,57 @@ pub enum FetchedValue {
     Fault,
 }
 
-/// Evaluates every argument of a probe.
+/// Evaluates every argument of a probe (none when the heap refuses the
+/// values: see [`try_fetch`]).
 pub fn fetch(
     args: &[FetchArg],
     ctx: &FetchContext<'_>,
     mem: &mut dyn GuestMem,
     syms: &dyn SymbolResolver,
 ) -> Vec<FetchedValue> {
-    args.iter().map(|a| fetch_one(a, ctx, mem, syms)).collect()
+    try_fetch(args, ctx, mem, syms).unwrap_or_default()
+}
+
+/// Evaluates every argument of a probe, every allocation fallible: the
+/// strings' lengths follow guest data, and hits run on many vCPUs at once,
+/// so a refused allocation fails the whole event (the caller counts it
+/// lost) rather than root.
+pub fn try_fetch(
+    args: &[FetchArg],
+    ctx: &FetchContext<'_>,
+    mem: &mut dyn GuestMem,
+    syms: &dyn SymbolResolver,
+) -> Result<Vec<FetchedValue>, OutOfMemory> {
+    let mut out = fallible::try_with_capacity(args.len())?;
+    let mut r = Reader {
+        mem,
+        layout: ctx.layout,
+        refused: None,
+    };
+    for a in args {
+        let v = eval(&a.expr, a.ty, ctx, &mut r, syms).unwrap_or(FetchedValue::Fault);
+        if let Some(e) = r.refused.take() {
+            return Err(e);
+        }
+        out.push(v);
+    }
+    Ok(out)
+}
+
+/// The heap one hit of a probe with `args` may take at most: its values,
+/// each string at its longest, and the record they encode to.
+pub fn worst_case_bytes(args: &[FetchArg]) -> usize {
+    let strings = args
+        .iter()
+        .filter(|a| {
+            matches!(a.ty, ArgType::String | ArgType::UString)
+                || matches!(a.expr.base, FetchBase::Comm | FetchBase::ImmString(_))
+        })
+        .count();
+    let values = args.len() * core::mem::size_of::<FetchedValue>();
+    // The values' strings, then the record (each string again, and a
+    // header and a few words per argument).
+    2 * strings * MAX_STRING_SIZE + values + 64 * args.len() + 128
 }
 
 /// Evaluates one argument.
@@ -188,6 +232,7 @@ pub fn fetch_one(
     let mut r = Reader {
         mem,
         layout: ctx.layout,
+        refused: None,
     };
     eval(&arg.expr, arg.ty, ctx, &mut r, syms).unwrap_or(FetchedValue::Fault)
 }
@@ -195,6 +240,24 @@ pub fn fetch_one(
 struct Reader<'m> {
     mem: &'m mut dyn GuestMem,
     layout: GuestLayout,
+    /// An allocation the heap refused (the value is then a fault, and the
+    /// event lost).
+    refused: Option<OutOfMemory>,
+}
+
+impl Reader<'_> {
+    /// `bytes` copied into a new string, or `None` (noted) when the heap
+    /// refuses it.
+    fn string(&mut self, bytes: &[u8]) -> Option<Vec<u8>> {
+        let mut v = Vec::new();
+        match fallible::try_extend_from_slice(&mut v, bytes) {
+            Ok(()) => Some(v),
+            Err(e) => {
+                self.refused = Some(e);
+                None
+            }
+        }
+    }
 }
 
 impl Reader<'_> {
@@ -264,11 +327,15 @@ impl Reader<'_> {
             }
             let chunk = buf.get_mut(..n)?;
             self.mem.read(Gva(at), chunk).ok()?;
-            if let Some(nul) = chunk.iter().position(|&c| c == 0) {
-                out.extend_from_slice(chunk.get(..nul)?);
+            let nul = chunk.iter().position(|&c| c == 0);
+            let part = chunk.get(..nul.unwrap_or(n))?;
+            if let Err(e) = fallible::try_extend_from_slice(&mut out, part) {
+                self.refused = Some(e);
+                return None;
+            }
+            if nul.is_some() {
                 return Some(out);
             }
-            out.extend_from_slice(chunk);
         }
         out.truncate(MAX_STRING_SIZE - 1);
         Some(out)
@@ -338,9 +405,9 @@ fn eval(
             let comm = ctx.comm?;
             let comm = comm.get(..TASK_COMM_LEN).unwrap_or(comm);
             let end = comm.iter().position(|&c| c == 0).unwrap_or(comm.len());
-            return Some(FetchedValue::Str(comm.get(..end)?.to_vec()));
+            return r.string(comm.get(..end)?).map(FetchedValue::Str);
         }
-        FetchBase::ImmString(s) => return Some(FetchedValue::Str(s.as_bytes().to_vec())),
+        FetchBase::ImmString(s) => return r.string(s.as_bytes()).map(FetchedValue::Str),
         _ => {}
     }
 

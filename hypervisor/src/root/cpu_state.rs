@@ -60,6 +60,8 @@ pub struct CpuState {
     pub turn_ticks: u64,
     /// Whether #DB is in the exception bitmap.
     pub debug_exits: bool,
+    /// Whether external interrupts exit (only while a step is armed).
+    pub irq_exits: bool,
     /// The event this exit's handler wants delivered at the next entry.
     pub inject: Option<Event>,
     /// The event whose delivery the last exit interrupted.
@@ -112,6 +114,7 @@ impl CpuState {
             last_turn: 0,
             turn_ticks: u64::MAX,
             debug_exits: false,
+            irq_exits: false,
             inject: None,
             vectoring: None,
             nmi_window: false,

@@ -241,6 +241,28 @@ const APIC_BASE_EXTD: u64 = 1 << 10;
 /// IA32_APIC_BASE bits 12..=51: the APIC page's address.
 const APIC_BASE_ADDRESS: u64 = 0x000f_ffff_ffff_f000;
 
+/// Pin-based control bit 0: external-interrupt exiting.
+const PIN_EXTERNAL_INTERRUPT_EXITING: u32 = 1;
+
+/// Whether this CPU lets external-interrupt exiting be set (its
+/// pin-based capability's allowed-1 half), read once.
+fn irq_exiting_allowed() -> bool {
+    static ALLOWED: spin::Once<bool> = spin::Once::new();
+    *ALLOWED.call_once(|| {
+        // SAFETY: the VMX capability MSRs exist on every CPU root runs on
+        // (VMXON succeeded); reading them has no side effect.
+        let basic = unsafe { insn::rdmsr(x86::msr::IA32_VMX_BASIC) };
+        let msr = if basic & (1 << 55) != 0 {
+            x86::msr::IA32_VMX_TRUE_PINBASED_CTLS
+        } else {
+            x86::msr::IA32_VMX_PINBASED_CTLS
+        };
+        // SAFETY: as above.
+        let caps = unsafe { insn::rdmsr(msr) };
+        (caps >> 32) as u32 & PIN_EXTERNAL_INTERRUPT_EXITING != 0
+    })
+}
+
 /// Fills the entry's event-injection fields (see
 /// [`hypervisor::vmx::entry::prepare_entry`]), with the NMI that root's
 /// own handler queued for this CPU.
@@ -519,12 +541,10 @@ fn local_exit(cpu: &mut CpuState, exit: VmExit) -> Local {
                     // APIC registers are 16-byte aligned words: a store
                     // elsewhere is refused, never carried out (it could
                     // reach the ICR behind root's back).
-                    cpu.apic_refused += 1;
-                    cpu.inject = Some(Event::exception(GP, Some(0)));
-                    return Local::Done(Ok(Next::Resume));
+                    return Local::Done(Ok(refuse_store(cpu)));
                 }
                 if offset != hypervisor::apic::XAPIC_ICR_LOW {
-                    return Local::Done(apic_store(cpu, offset).map(|_| Next::Resume));
+                    return Local::Done(apic_store(cpu, offset));
                 }
             }
             return Local::Shared(exit, false);
@@ -550,39 +570,87 @@ fn local_exit(cpu: &mut CpuState, exit: VmExit) -> Local {
     }
 }
 
-/// A decoded guest store to the APIC page: the instruction and the value.
+/// A decoded guest store to an interrupt window (the APIC page, an I/O
+/// APIC's, the MSI MiB): the instruction and the value.
 struct ApicStore {
     store: hypervisor::apic::Store,
     value: u32,
 }
 
-/// Decodes the guest's store at RIP; `None` when it is not one root
-/// carries out.
-fn decode_apic_store(cpu: &mut CpuState) -> Result<Option<ApicStore>, VmcsError> {
+/// Decodes the guest's store at RIP, through `hypervisor::apic::guest_store`:
+/// refused when the exit interrupted an event's delivery (the store was
+/// the delivery's, not the instruction's), outside 64-bit mode on 4-level
+/// paging (the only mode the decoder and the walk of RIP know), and when
+/// the instruction is not one root carries out.
+fn decode_apic_store(
+    cpu: &mut CpuState,
+) -> Result<Result<ApicStore, hypervisor::apic::Refusal>, VmcsError> {
     let v = &Vmcs;
+    let mode = hypervisor::apic::GuestMode {
+        cr0: f::GUEST_CR0.read(v)?,
+        cr4: f::GUEST_CR4.read(v)?,
+        efer: f::GUEST_IA32_EFER.read(v)?,
+        cs_access_rights: f::GUEST_CS_ACCESS_RIGHTS.read(v)?,
+    };
     let rip = f::GUEST_RIP.read(v)?;
     let cr3 = Cr3(f::GUEST_CR3.read(v)?);
-    let mut bytes = [0u8; 15];
-    // The instruction may end before a page it does not reach.
-    let room = (0x1000 - (rip & 0xfff)).min(15) as usize;
-    let mut got = 0;
-    for len in [15usize, room] {
-        if let Some(b) = bytes.get_mut(..len) {
-            if paging::read_virt(&GuestRam, cr3, Gva(rip), b).is_ok() {
-                got = len;
-                break;
+    let decoded = hypervisor::apic::guest_store(&mode, cpu.vectoring.is_some(), |bytes| {
+        // The instruction may end before a page it does not reach.
+        let room = (0x1000 - (rip & 0xfff)).min(15) as usize;
+        for len in [bytes.len(), room] {
+            if let Some(b) = bytes.get_mut(..len) {
+                if paging::read_virt(&GuestRam, cr3, Gva(rip), b).is_ok() {
+                    return len;
+                }
             }
         }
-    }
-    let Some(store) = bytes.get(..got).and_then(hypervisor::apic::decode_store) else {
-        return Ok(None);
+        0
+    });
+    let store = match decoded {
+        Ok(store) => store,
+        Err(why) => return Ok(Err(why)),
     };
     let value = match store.value {
         hypervisor::apic::StoreValue::Imm(x) => x,
         hypervisor::apic::StoreValue::Reg(4) => f::GUEST_RSP.read(v)? as u32,
         hypervisor::apic::StoreValue::Reg(n) => gpr(&mut cpu.regs, n).map_or(0, |r| *r as u32),
     };
-    Ok(Some(ApicStore { store, value }))
+    Ok(Ok(ApicStore { store, value }))
+}
+
+/// Refuses a guest store to an interrupt window with #GP(0). When the
+/// store was part of an event's delivery, the #GP meets that event as the
+/// SDM's double-fault rules say (`event::nested_fault`): a #DF after a
+/// contributory exception or a #PF, a shutdown during a #DF's delivery, so
+/// that a guest whose stack points into the window ends as it would on a
+/// CPU that faulted there, never in a loop of refusals.
+fn refuse_store(cpu: &mut CpuState) -> Next {
+    cpu.apic_refused += 1;
+    match event::nested_fault(cpu.vectoring.as_ref(), Event::exception(GP, Some(0))) {
+        event::Nested::Deliver(e) => {
+            cpu.vectoring = None;
+            cpu.inject = Some(e);
+            Next::Resume
+        }
+        event::Nested::Shutdown => Next::Stop(StopReason::TripleFault),
+    }
+}
+
+/// Set once a guest store that would program INIT (or SMI, or a reserved
+/// delivery mode) into an interrupt route was dropped: root logs the first.
+static ROUTE_REFUSED: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
+
+/// Counts a dropped store to an interrupt route (`what`, with `value`),
+/// and logs the first of the VM.
+fn route_refused(cpu: &mut CpuState, what: &str, value: u64) {
+    cpu.apic_refused += 1;
+    if !ROUTE_REFUSED.swap(true, core::sync::atomic::Ordering::Relaxed) {
+        log::info!(
+            "vCPU {}: the guest's {what} {value:#x} (delivery mode {:#05b}) dropped: no INIT, SMI or reserved mode past root; further ones are counted only",
+            cpu.index,
+            hypervisor::apic::routed_mode(value as u32)
+        );
+    }
 }
 
 /// Completes a store root carried out: XCHG's register gets the old
@@ -600,14 +668,16 @@ fn complete_apic_store(cpu: &mut CpuState, s: &ApicStore, old: u32) -> Result<()
     entry::advance_by(&mut Vmcs, u64::from(s.store.len))
 }
 
-/// A guest store to a register of the APIC page other than the ICR: root
-/// carries it out on this CPU's APIC (a store it cannot decode is refused
-/// with #GP).
-fn apic_store(cpu: &mut CpuState, offset: u64) -> Result<(), VmcsError> {
-    let Some(s) = decode_apic_store(cpu)? else {
-        cpu.apic_refused += 1;
-        cpu.inject = Some(Event::exception(GP, Some(0)));
-        return Ok(());
+/// A guest store to a register of the APIC page other than the ICR's low
+/// word: root carries it out on this CPU's APIC, unless
+/// `hypervisor::apic::register_write` drops it (a read-only or reserved
+/// register, the APIC ID, an LVT entry with INIT, SMI or a reserved
+/// delivery mode). A store it may not decode is refused ([`refuse_store`]).
+fn apic_store(cpu: &mut CpuState, offset: u64) -> Result<Next, VmcsError> {
+    use hypervisor::apic::RegisterWrite;
+    let s = match decode_apic_store(cpu)? {
+        Ok(s) => s,
+        Err(_) => return Ok(refuse_store(cpu)),
     };
     let lapic = cpu.lapic_base;
     // Only XCHG reads the register (a read can have effects of its own).
@@ -616,8 +686,13 @@ fn apic_store(cpu: &mut CpuState, offset: u64) -> Result<(), VmcsError> {
     } else {
         0
     };
-    crate::arch::ap_start::apic_write(lapic, offset, s.value);
-    complete_apic_store(cpu, &s, old)
+    match hypervisor::apic::register_write(offset, s.value) {
+        RegisterWrite::Carry => crate::arch::ap_start::apic_write(lapic, offset, s.value),
+        RegisterWrite::Ignore => {}
+        RegisterWrite::Refuse => route_refused(cpu, "LVT entry", u64::from(s.value)),
+    }
+    complete_apic_store(cpu, &s, old)?;
+    Ok(Next::Resume)
 }
 
 impl Vcpu<'_> {
@@ -710,9 +785,12 @@ impl Vcpu<'_> {
             self.vm.introspection.put_kernel(kernel);
             switch_view(self.cpu)?;
         }
-        if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
-            f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
-            self.cpu.debug_exits = false;
+        // #DB exits follow the tracer: on every vCPU while a step ended by
+        // force may have left TF in a context that resumes anywhere.
+        let want = tracer!(self).wants_debug_exits();
+        if want != self.cpu.debug_exits {
+            f::EXCEPTION_BITMAP.write(&mut Vmcs, if want { 1 << DB } else { 0 })?;
+            self.cpu.debug_exits = want;
         }
         if self.cpu.index == 0 {
             self.resend_sipis();
@@ -828,7 +906,7 @@ impl Vcpu<'_> {
                         None => self.stay_parked(),
                     };
                 }
-                VmExit::Init => return self.ap_park(),
+                VmExit::Init => return self.init_exit(),
                 _ => {}
             }
         }
@@ -840,6 +918,33 @@ impl Vcpu<'_> {
                 && e.gpa == self.cpu.lapic_base + hypervisor::apic::XAPIC_ICR_LOW
             {
                 return self.icr_write();
+            }
+            // The I/O APICs' pages and the MSI MiB (`hypervisor::irq`).
+            if let Some(w) = self.vm.windows.and_then(|w| w.classify(e.gpa)) {
+                if e.write && !matches!(w, hypervisor::irq::Window::LocalApic { .. }) {
+                    return self.window_store(w);
+                }
+            }
+        }
+        if let VmExit::MsrWrite { msr, value } = exit {
+            if let Some(offset) = hypervisor::apic::x2apic_lvt_offset(msr) {
+                // An x2APIC LVT entry: no INIT, SMI or reserved delivery
+                // mode (bits 32..=63 are reserved: the CPU refuses them).
+                if value >> 32 == 0
+                    && hypervisor::apic::register_write(offset, value as u32)
+                        == hypervisor::apic::RegisterWrite::Refuse
+                {
+                    route_refused(self.cpu, "x2APIC LVT entry", value);
+                    return self.advance();
+                }
+                // SAFETY: the guest's own value for its own x2APIC's LVT
+                // entry, which it could write itself, with a delivery mode
+                // checked above; a CPU not in x2APIC mode, or a reserved
+                // bit, makes it a #GP, which goes to the guest.
+                if unsafe { insn::wrmsr_safe(msr, value) }.is_err() {
+                    return self.inject(GP, Some(0));
+                }
+                return self.advance();
             }
         }
         if let VmExit::MsrWrite {
@@ -907,10 +1012,11 @@ impl Vcpu<'_> {
             VmExit::TaskSwitch { qualification } => self.task_switch(qualification),
             VmExit::Vmcall => self.vmcall(),
             VmExit::Exception { vector: DB, info } => self.debug_exception(info),
+            VmExit::ExternalInterrupt => self.interrupt_in_step(),
             VmExit::PreemptionTimer => self.service(),
             VmExit::EptViolation(e) => {
                 match with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
-                    tracer!(self).on_violation(e.gpa, e.write, env)
+                    tracer!(self).on_violation(e.gpa, e.write, e.fetch, env)
                 }) {
                     Violation::Stepping => {
                         self.clear_stale_step()?;
@@ -920,6 +1026,14 @@ impl Vcpu<'_> {
                     Violation::Widened => {
                         self.clear_stale_step()?;
                         Ok(Next::Resume)
+                    }
+                    Violation::FetchRefused { ended_tf } => {
+                        // The step that ended had set TF: the guest's own
+                        // goes back before #UD is delivered.
+                        if let Some(tf) = ended_tf {
+                            self.restore_guest_tf(tf)?;
+                        }
+                        self.inject(UD, None)
                     }
                     Violation::NotOurs => self.bad_violation(e),
                 }
@@ -1021,6 +1135,41 @@ impl Vcpu<'_> {
 
     /// Resets this AP as INIT does and parks it in wait-for-SIPI.
     fn ap_park(&mut self) -> Result<Next, VmcsError> {
+        self.ap_reset(true)
+    }
+
+    /// An INIT that reached this AP as a signal. None of the guest's
+    /// should: root carries out the INITs the guest writes to its ICR,
+    /// and drops those it would route past root (`hypervisor::irq`). One
+    /// that still comes parks the AP as INIT does; when they keep coming
+    /// (Bochs 2.7 keeps an INIT pending for good, so it parks the AP again
+    /// at every start) the AP is held parked and its SIPIs are dropped
+    /// (`hypervisor::irq::InitLimiter`), logged once.
+    fn init_exit(&mut self) -> Result<Next, VmcsError> {
+        use hypervisor::irq::{InitLimiter, InitVerdict};
+        let now = self.vm.clock.now();
+        let window = self.vm.tsc_hz;
+        let Some(slot) = self.vm.cpus.get_mut(self.cpu.index) else {
+            return self.ap_park();
+        };
+        match slot.init_limiter.on_init(now, window) {
+            InitVerdict::Park => self.ap_park(),
+            InitVerdict::Hold { first } => {
+                slot.sipi = None;
+                if first {
+                    log::info!(
+                        "vCPU {}: more than {} INIT exits in a second (an INIT the emulator keeps pending): it stays parked, and start-up IPIs to it are dropped",
+                        self.cpu.index,
+                        InitLimiter::LIMIT
+                    );
+                }
+                self.ap_reset(false)
+            }
+        }
+    }
+
+    /// [`Self::ap_park`], with its log line when `log`.
+    fn ap_reset(&mut self, log: bool) -> Result<Next, VmcsError> {
         let fixed = ap::FixedCrs {
             cr0: self.vm.cfg.fixed.cr0,
             cr4: self.vm.cfg.fixed.cr4,
@@ -1030,13 +1179,23 @@ impl Vcpu<'_> {
             slot.life.on_init();
             slot.init = false;
         }
+        // A step in flight ends: INIT resets RFLAGS, and the pages must
+        // not stay open while the AP sleeps.
+        if tracer!(self).debug_state().stepping {
+            with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
+                tracer!(self).finish_step(env)
+            });
+        }
+        self.step_irq_exits(false)?;
         self.cpu.parked = true;
         self.forget_events()?;
         if self.cpu.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
             self.cpu.debug_exits = false;
         }
-        log::info!("vCPU {} parked by INIT", self.cpu.index);
+        if log {
+            log::info!("vCPU {} parked by INIT", self.cpu.index);
+        }
         Ok(Next::Resume)
     }
 
@@ -1075,9 +1234,9 @@ impl Vcpu<'_> {
     /// (`smp`); other IPIs are written through. A store root cannot decode
     /// is refused with #GP.
     fn icr_write(&mut self) -> Result<Next, VmcsError> {
-        let Some(st) = decode_apic_store(self.cpu)? else {
-            self.cpu.apic_refused += 1;
-            return self.inject(GP, Some(0));
+        let st = match decode_apic_store(self.cpu)? {
+            Ok(st) => st,
+            Err(_) => return Ok(refuse_store(self.cpu)),
         };
         use crate::arch::ap_start::{apic_read, apic_write};
         use hypervisor::apic::{XAPIC_ICR_HIGH, XAPIC_ICR_LOW};
@@ -1090,6 +1249,56 @@ impl Vcpu<'_> {
         let icr = hypervisor::apic::Icr::from_xapic(st.value, apic_read(lapic, XAPIC_ICR_HIGH));
         let value = st.value;
         self.guest_ipi(&icr, || apic_write(lapic, XAPIC_ICR_LOW, value));
+        complete_apic_store(self.cpu, &st, old)?;
+        Ok(Next::Resume)
+    }
+
+    /// A guest store to an I/O APIC's page or to the MSI MiB
+    /// (`hypervisor::irq`): root carries it out, except a redirection
+    /// entry or an interrupt message with INIT, SMI or a reserved delivery
+    /// mode (dropped, counted) and a store to no register of the I/O APIC
+    /// (dropped). A store that is not aligned to its register (16 bytes in
+    /// the I/O APIC, 4 in the MSI MiB) or that root may not decode is
+    /// refused ([`refuse_store`]). Under the VM lock: the I/O APIC's
+    /// register select is one for all vCPUs, and root reads it back before
+    /// a store to the data window.
+    fn window_store(&mut self, window: hypervisor::irq::Window) -> Result<Next, VmcsError> {
+        use crate::arch::ap_start::{window_read, window_write};
+        use hypervisor::irq::{IoApicWrite, Window};
+        let (addr, aligned) = match window {
+            Window::IoApic { base, offset } => (base + offset, offset & 0xf == 0),
+            Window::Msi { address } => (address, address & 0x3 == 0),
+            // The local APIC's page is `local_exit`'s and `icr_write`'s.
+            Window::LocalApic { .. } => return Ok(refuse_store(self.cpu)),
+        };
+        if !aligned {
+            return Ok(refuse_store(self.cpu));
+        }
+        let st = match decode_apic_store(self.cpu)? {
+            Ok(st) => st,
+            Err(_) => return Ok(refuse_store(self.cpu)),
+        };
+        let (verdict, what) = match window {
+            Window::IoApic { base, offset } => {
+                let select = if offset == hypervisor::irq::IOWIN {
+                    window_read(base + hypervisor::irq::IOREGSEL)
+                } else {
+                    0
+                };
+                (
+                    hypervisor::irq::ioapic_write(offset, select, st.value),
+                    "I/O APIC redirection entry",
+                )
+            }
+            _ if hypervisor::irq::msi_write(st.value) => (IoApicWrite::Carry, ""),
+            _ => (IoApicWrite::Refuse, "interrupt message (MSI)"),
+        };
+        let old = if st.store.xchg { window_read(addr) } else { 0 };
+        match verdict {
+            IoApicWrite::Carry => window_write(addr, st.value),
+            IoApicWrite::Ignore => {}
+            IoApicWrite::Refuse => route_refused(self.cpu, what, u64::from(st.value)),
+        }
         complete_apic_store(self.cpu, &st, old)?;
         Ok(Next::Resume)
     }
@@ -1126,7 +1335,11 @@ impl Vcpu<'_> {
                 // A parked AP is already in the state INIT leaves.
                 slot.init = !slot.life.is_parked();
             } else if let Some(vector) = sipi {
-                if slot.life.is_parked() || slot.init {
+                if slot.init_limiter.holding() {
+                    // An AP an emulator's pending INIT would park again at
+                    // once (`Vcpu::init_exit`).
+                    self.cpu.apic_refused += 1;
+                } else if slot.life.is_parked() || slot.init {
                     slot.sipi = Some(vector);
                     if !slot.init {
                         crate::smp::wake(lapic, slot.apic_id, vector);
@@ -1196,6 +1409,70 @@ impl Vcpu<'_> {
             f::EXCEPTION_BITMAP.write(v, 1 << DB)?;
             self.cpu.debug_exits = true;
         }
+        self.step_irq_exits(true)?;
+        Ok(Next::Resume)
+    }
+
+    /// Puts the guest's own TF back after root's step ended without its
+    /// #DB (the step's TF must not ride into an event's frame).
+    fn restore_guest_tf(&mut self, guest_tf: bool) -> Result<(), VmcsError> {
+        let v = &mut Vmcs;
+        let rflags = f::GUEST_RFLAGS.read(v)?;
+        let want = if guest_tf {
+            rflags | RFLAGS_TF
+        } else {
+            rflags & !RFLAGS_TF
+        };
+        if want != rflags {
+            f::GUEST_RFLAGS.write(v, want)?;
+        }
+        self.clear_stale_step()?;
+        self.step_irq_exits(false)
+    }
+
+    /// External-interrupt exiting on while a step is armed, off otherwise
+    /// (without acknowledge on exit: the interrupt stays pending in the
+    /// local APIC, and root runs with interrupts off). Without it, an
+    /// interrupt pending at the step's entry would be delivered before the
+    /// stepped instruction, and its handler, softirqs and whatever the
+    /// scheduler picks next would run with the step's pages open.
+    fn step_irq_exits(&mut self, on: bool) -> Result<(), VmcsError> {
+        if self.cpu.irq_exits == on || (on && !irq_exiting_allowed()) {
+            return Ok(());
+        }
+        let v = &mut Vmcs;
+        let pin = f::PIN_BASED_CONTROLS.read(v)?;
+        let pin = if on {
+            pin | PIN_EXTERNAL_INTERRUPT_EXITING
+        } else {
+            pin & !PIN_EXTERNAL_INTERRUPT_EXITING
+        };
+        f::PIN_BASED_CONTROLS.write(v, pin)?;
+        self.cpu.irq_exits = on;
+        Ok(())
+    }
+
+    /// An external interrupt while a step was armed. The stepped
+    /// instruction has not run (its single-step #DB would have come before
+    /// any interrupt), so the step ends here, unfinished: its pages close,
+    /// the guest's own TF goes back, and the guest takes the interrupt at
+    /// the next entry in its own state. When the handler returns to the
+    /// instruction, it faults into a new step.
+    fn interrupt_in_step(&mut self) -> Result<Next, VmcsError> {
+        let DebugState {
+            stepping, guest_tf, ..
+        } = tracer!(self).debug_state();
+        if stepping {
+            with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
+                tracer!(self).finish_step(env)
+            });
+            self.restore_guest_tf(guest_tf)?;
+        }
+        self.step_irq_exits(false)?;
+        if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
+            f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
+            self.cpu.debug_exits = false;
+        }
         Ok(Next::Resume)
     }
 
@@ -1217,6 +1494,7 @@ impl Vcpu<'_> {
             with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
                 tracer!(self).finish_step(env)
             });
+            self.step_irq_exits(false)?;
         } else if stray && act.tf == Some(false) {
             tracer!(self).clear_stray_tf();
         }

@@ -239,23 +239,21 @@ extern "C" fn hv_root_trap(frame: &mut TrapFrame) {
     ))
 }
 
-/// The note a root fault report gets when it looks like a stack overflow:
-/// the fault address (CR2) is in the guard page under root's stack, or the
-/// interrupted RSP is in it or at the stack's very bottom (a #PF on the
-/// guard cannot be delivered on that stack and becomes #DF, whose frame
-/// keeps the RSP of the overflowing code). Prints nothing otherwise.
+/// The note a root fault report gets when it looks like a stack overflow
+/// (`rootstack::guard_hit`: the fault address (CR2) is in the guard page
+/// under one of root's stacks, the boot processor's or an AP's, or the
+/// interrupted RSP is in it or at the stack's very bottom). Prints
+/// nothing otherwise.
 struct StackOverflow(u64, u64);
 
 impl core::fmt::Display for StackOverflow {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         let &StackOverflow(rsp, cr2) = self;
-        let guard = loader::entry::stack_guard();
-        let bottom = guard + 4096;
-        if (guard..bottom).contains(&cr2) || (guard..=bottom).contains(&rsp) {
+        if let Some((guard, bottom, top)) = crate::rootstack::guard_hit(rsp, cr2) {
             write!(
                 f,
-                "; root stack overflow: guard page {guard:#x}..{bottom:#x} hit (stack {bottom:#x}..{:#x})",
-                loader::entry::stack_top()
+                "; root stack overflow: guard page {guard:#x}..{bottom:#x} hit (stack {bottom:#x}..{top:#x}, CPU {})",
+                crate::arch::cpu::this_cpu()
             )?;
         }
         Ok(())

@@ -5,16 +5,20 @@
 //! Every allocation whose size follows guest or host data is fallible
 //! (`guest_introspect::fallible`, `try_reserve`) and checked against
 //! [`room`]: what is free beyond [`RESERVE`], which is kept for the control
-//! channel's frames, the per-hit event buffers and the small fixed
+//! channel's frames and the small fixed
 //! structures. The big consumers check before they allocate: the symbol
 //! index is built within [`room`] at the time of recovery, the tracer's
 //! site and page maps and its graph sessions' sets check [`check`] before
 //! each new entry, and a return stack that finds no room is a counted miss.
 //!
+//! A hit fetches its probe's arguments only when [`room`] holds them at
+//! their longest (`MAX_TRACE_ARGS` strings of `MAX_STRING_SIZE`), through
+//! fallible allocations: a hit that does not fit is a counted loss, on
+//! whichever of the vCPUs it runs.
+//!
 //! The allocations left infallible are bounded by construction (a frame
-//! of at most `protocol::MAX_FRAME` bytes, a kprobe event of at most
-//! `MAX_TRACE_ARGS` strings of `MAX_STRING_SIZE`, fixed-size search
-//! buffers) and fit in [`RESERVE`]. Should one still fail, the allocation
+//! of at most `protocol::MAX_FRAME` bytes, fixed-size search buffers) and
+//! fit in [`RESERVE`]. Should one still fail, the allocation
 //! error handler of a `no_std` binary (Rust's default since 1.68) panics
 //! with "memory allocation of N bytes failed", and the panic handler
 //! reports that with the heap's state ([`report`]) and powers the machine

@@ -32,6 +32,9 @@ struct Root<'a> {
     world: Option<World>,
     /// A hold that did not come in time (not tried again in this request).
     stalled: bool,
+    /// Changes to every view go on without the hold (a module's unload
+    /// whose hold did not come: `Machine::must_stop_others`).
+    forced: bool,
     /// Every vCPU's guest RIP: this vCPU's, then the others' once held.
     rips: [u64; MAX_CPUS],
     n_rips: usize,
@@ -50,6 +53,7 @@ impl<'a> Root<'a> {
             may_stop,
             world: None,
             stalled: false,
+            forced: false,
             rips,
             n_rips: 1,
             clock: None,
@@ -69,7 +73,7 @@ impl<'a> Root<'a> {
     /// Every view, for a change they must all see: only with the other
     /// vCPUs held (or none to hold).
     fn shared(&mut self) -> Result<&[Ept], EptError> {
-        if !self.stop_others() {
+        if !self.stop_others() && !self.forced {
             return Err(EptError::Stalled);
         }
         if let Some(w) = self.world.as_mut() {
@@ -98,8 +102,11 @@ impl Machine for Root<'_> {
         // used by one owner (a trampoline page, a shadow, the scratch page),
         // and holds the reference for one copy or patch; a frame other
         // vCPUs may execute (a shadow) is patched only while the world is
-        // stopped, and resynced after a guest write the same way the
-        // guest's own write changed its page.
+        // stopped (or, when a module's unload could not stop it, over text
+        // the kernel is about to free, which no vCPU executes), and
+        // resynced after a guest write the same way the guest's own write
+        // changed its page. The frame is plain memory either way: a racing
+        // fetch sees old or new bytes, never root's state.
         unsafe { phys::frame_bytes_mut(hpa) }
     }
 
@@ -176,6 +183,27 @@ impl Machine for Root<'_> {
         }
     }
 
+    fn must_stop_others(&mut self) -> bool {
+        if self.world.is_some() || self.views.len() <= 2 {
+            return true;
+        }
+        if self.may_stop.is_none() {
+            self.forced = true;
+            return false;
+        }
+        for _ in 0..MUST_STOP_TRIES {
+            self.stalled = false;
+            if self.stop_others() {
+                return true;
+            }
+        }
+        log::error!(
+            "the other vCPUs did not come to root for a module's unload: its sites are unhooked without them"
+        );
+        self.forced = true;
+        false
+    }
+
     fn let_others_go(&mut self) {
         if let Some(w) = self.world.take() {
             drop(w);
@@ -200,6 +228,10 @@ impl Machine for Root<'_> {
         heap::room()
     }
 }
+
+/// Holds [`Machine::must_stop_others`] tries before it goes on without the
+/// other vCPUs (each waits `world::STOP_WAIT_MS`).
+const MUST_STOP_TRIES: u32 = 4;
 
 /// Maps the guest page `gpa` to `hpa` with `perms` (write-back) in every
 /// view of `each`, or in none: on a failure the views mapped so far get
@@ -284,6 +316,9 @@ pub fn with_world<R>(
     });
     // Dropping the world lets the others go; each invalidates its view
     // before it enters again if a shared entry changed.
+    if m.forced {
+        world::changed_unheld();
+    }
     if let Some(w) = m.world.take() {
         log::info!(
             "the other vCPUs were held {} us for a change to every view",

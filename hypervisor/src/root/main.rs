@@ -79,6 +79,10 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
         Ok(guard) => log::info!("root stack guard page at {guard:#x}"),
         Err(e) => fatal::die(format_args!("root stack guard page: {e}")),
     }
+    // How deep root's stack goes (`status`, and the log at the end).
+    let stack_bottom = loader::entry::stack_top() - loader::entry::STACK_SIZE;
+    rootstack::register(0, stack_bottom, loader::entry::stack_top());
+    rootstack::fill_below_here(stack_bottom);
     // The control channel's UART, before anything can fail on its way to
     // the guest (a missing VMX, a bad kernel): from here a fatal report
     // reaches the host on COM2 too, not only on the log port.
@@ -86,6 +90,7 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
     fatal::set_control_port(uart.is_some().then_some(loader::layout::CONTROL_PORT_BASE));
     match SelfTest::from_cmdline(guest::own_cmdline(magic, mbi)) {
         Some(SelfTest::StackOverflow) => rootstack::overflow(),
+        Some(SelfTest::ApStackOverflow) => rootstack::arm_ap_overflow(),
         Some(SelfTest::Panic) => {
             hvprintln!("self-test: panicking in VMX root");
             // The self-test asked for it: the VM test checks the report a
@@ -116,6 +121,7 @@ pub fn finish(cpu: &cpu_state::CpuState, reason: StopReason) -> ! {
             cpu.lock_wait_ticks
         );
     }
+    rootstack::log_use();
     hvprintln!("guest stopped: {reason}");
     if let StopReason::PowerOff { port, value, size } = reason {
         // Let the platform power off as the guest asked.
@@ -261,14 +267,30 @@ fn run(
             hypervisor::vmx::ap::ApLife::Running { vector: 0 },
         )],
     };
-    let lapic_base = if slots.len() > 1 {
+    let (lapic_base, windows) = if slots.len() > 1 {
         // The guest's start-up IPIs are root's to carry out: its stores to
-        // the APIC page exit (`exits::local_exit`, `Vcpu::icr_write`).
-        vcpu::protect_apic(&cfg.views, lapic_base)?;
-        lapic_base
+        // the APIC page exit (`exits::local_exit`, `Vcpu::icr_write`), and
+        // so do those to the other routes to an INIT (the I/O APICs, the
+        // MSI MiB; `hypervisor::irq`).
+        let ioapics = cpus.map(|c| c.ioapics().to_vec()).unwrap_or_default();
+        let ioapics = if ioapics.is_empty() {
+            alloc::vec![hypervisor::irq::IOAPIC_RANGE.start]
+        } else {
+            ioapics
+        };
+        let windows = hypervisor::irq::Windows::new(lapic_base, &ioapics);
+        if windows.ioapics().len() != ioapics.len() {
+            log::info!(
+                "I/O APICs {ioapics:x?}: only {:x?} are watched",
+                windows.ioapics()
+            );
+        }
+        vcpu::protect_windows(&cfg.views, &windows)?;
+        (lapic_base, Some(windows))
     } else {
-        // One vCPU: the APIC page is the guest's alone, and not watched.
-        0
+        // One vCPU: the APIC page is the guest's alone, and not watched
+        // (an INIT can only reset the boot processor, which stops the VM).
+        (0, None)
     };
     log::info!(
         "VMX ready, hypervisor memory in use {} KiB (heap {} of {} KiB)",
@@ -296,6 +318,7 @@ fn run(
         insn::rdtsc(),
         slots,
         lapic_base,
+        windows,
     ));
     let mut cpu = cpu_state::CpuState::new(0);
     cpu.regs.rsi = entry.boot_params;

@@ -30,7 +30,12 @@ use hypervisor::host_paging;
 use hypervisor::vmx::ap::ApLife;
 use loader::layout;
 
-/// Each AP's root stack (the boot processor keeps the boot stub's).
+/// Each AP's root stack (the boot processor keeps the boot stub's). The
+/// deepest direct-call chain an AP runs (the exit loop, view settling and
+/// the switch hook's region build) takes about 37 KiB in the release
+/// image; the rest is room for calls through trait objects, which a
+/// static count misses, and for growth. `status` reports each vCPU's
+/// deepest use (`rootstack::used`), and the smp VM test holds it to half.
 const AP_STACK_SIZE: u64 = 128 * 1024;
 /// ICR words (SDM 11.6.1): INIT, level-triggered, assert; STARTUP.
 const ICR_INIT_ASSERT: u32 = 0x0000_c500;
@@ -87,6 +92,9 @@ pub struct ApSlot {
     pub init: bool,
     /// A SIPI's vector waits for the AP to be parked.
     pub sipi: Option<u8>,
+    /// Its INIT exits (none come from a guest that sends INIT through
+    /// the ICR): past a few in a second, the AP stays parked.
+    pub init_limiter: hypervisor::irq::InitLimiter,
     /// Its exits, by reason (recorded under the VM lock).
     pub counters: hypervisor::stats::ExitCounters,
     /// TSC ticks it waited for the VM lock, and how often it took it.
@@ -107,6 +115,7 @@ impl ApSlot {
             life,
             init: false,
             sipi: None,
+            init_limiter: hypervisor::irq::InitLimiter::default(),
             counters: hypervisor::stats::ExitCounters::new(),
             lock_wait_ticks: 0,
             lock_takes: 0,
@@ -176,6 +185,11 @@ pub fn prepare(cpus: &Cpus, bsp_apic_id: u32) -> Result<alloc::vec::Vec<u32>, Sm
             };
             cr3 = host_paging::unmap_guard_page(&mut frames::PoolTables, read, cr3, region.0)
                 .map_err(SmpError::Paging)?;
+            let (bottom, top) = (region.0 + 4096, region.0 + 4096 + AP_STACK_SIZE);
+            crate::rootstack::register(index, bottom, top);
+            // SAFETY: the stack is this AP's, fresh from the pool, and
+            // the AP has not started.
+            unsafe { crate::rootstack::fill(bottom, top) };
             if let Some(slot) = boot.get_mut(index) {
                 *slot = Some(ApBoot {
                     stack_top: region.0 + 4096 + AP_STACK_SIZE,
@@ -278,6 +292,7 @@ extern "C" fn hv_ap_entry64(index: u64) -> ! {
     };
     // SAFETY: the boot processor gave this AP the tables area for good.
     let host = unsafe { cpu::init_ap(b.tables, index) };
+    crate::rootstack::ap_overflow_hook(index);
     let Some(t) = crate::vcpu::TEMPLATE.get() else {
         set_stage(index, Stage::Failed);
         insn::halt_forever()

@@ -208,19 +208,14 @@ fn build_ept(b: &BootInfo, cap: EptVpidCap) -> Result<Ept, VmxError> {
     Ok(ept)
 }
 
-/// Makes the local APIC's page read-only to the guest (uncacheable, as
-/// MMIO) in every vCPU's view: its stores exit, so that root sees its
-/// start-up IPIs.
-pub fn protect_apic(views: &[Ept], lapic: u64) -> Result<(), VmxError> {
-    let page = lapic & !0xfff;
+/// Makes the interrupt windows (the local APIC's page, the rest of the
+/// MSI MiB, the I/O APICs' pages) read-only to the guest (uncacheable, as
+/// MMIO) in every vCPU's view: their stores exit, so that root sees the
+/// guest's start-up IPIs and every INIT it could route past them
+/// (`hypervisor::irq`).
+pub fn protect_windows(views: &[Ept], windows: &hypervisor::irq::Windows) -> Result<(), VmxError> {
     for ept in views {
-        ept.map_page(
-            &mut frames::PoolTables,
-            Gpa(page),
-            hypervisor::addr::Hpa(page),
-            ept::READ,
-            MemType::Uncacheable,
-        )?;
+        windows.protect(ept, &mut frames::PoolTables)?;
     }
     Ok(())
 }
@@ -557,6 +552,8 @@ pub fn setup(
     // (`smp`); every other IPI is written through.
     let icr = hypervisor::apic::X2APIC_ICR_MSR;
     policy::msr_bitmap(msr_bytes, &[], &[(icr, icr)]);
+    // The x2APIC's LVT entries: no INIT (or SMI) delivery mode.
+    policy::msr_bitmap(msr_bytes, &[], &hypervisor::apic::X2APIC_LVT_MSRS);
     let template = Template {
         pin,
         proc1,

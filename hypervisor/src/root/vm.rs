@@ -51,6 +51,9 @@ pub struct Vm {
     /// The local APIC's MMIO base (read-only to the guest in EPT, so that
     /// root sees its interrupt command register writes).
     pub lapic_base: u64,
+    /// The interrupt windows whose guest stores exit (the local APIC's
+    /// page, the I/O APICs', the MSI MiB), with more than one vCPU.
+    pub windows: Option<hypervisor::irq::Windows>,
 }
 
 /// The VM behind its lock (writers first: see `hypervisor::vm_lock`).
@@ -142,6 +145,7 @@ impl Vm {
         tsc_now: u64,
         cpus: Vec<ApSlot>,
         lapic_base: u64,
+        windows: Option<hypervisor::irq::Windows>,
     ) -> Self {
         Vm {
             cfg,
@@ -154,6 +158,7 @@ impl Vm {
             pci_address: 0,
             cpus,
             lapic_base,
+            windows,
         }
     }
 }

@@ -186,6 +186,13 @@ impl World {
     }
 }
 
+/// The shared EPT entries changed without the world stopped (a module's
+/// unload whose hold did not come): every vCPU invalidates its views
+/// before it next enters.
+pub fn changed_unheld() {
+    EPT_GENERATION.fetch_add(1, SeqCst);
+}
+
 impl Drop for World {
     fn drop(&mut self) {
         if self.changed {

@@ -14,6 +14,7 @@ use super::{FunctionsAdded, ReqError, Tracer};
 use crate::addr::Gva;
 use crate::kprobe::{self, Command, ProbeSpec};
 use crate::kprobe::{IndexSymbols, SymbolResolver};
+use alloc::collections::BTreeMap;
 use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -129,7 +130,24 @@ pub(super) struct CountState {
     pub(super) missed: AtomicU64,
     /// The histogram of a fetch argument, when asked for.
     pub(super) histogram: Option<Hist>,
+    /// Counted functions whose module was unloaded: their calls until
+    /// then, summed over the loads, under their names marked unloaded,
+    /// in the order of the address each had when it first went (at most
+    /// [`MAX_UNLOADED`]; the calls of further ones are in
+    /// `unloaded_other`).
+    pub(super) unloaded: BTreeMap<u64, (String, u64)>,
+    pub(super) unloaded_other: u64,
+    /// The count's module globs (`MOD:GLOB`): they also count the
+    /// functions of the modules that load later (as the function tracer's
+    /// do).
+    pub(super) globs: Vec<String>,
 }
+
+/// Unloaded functions a count keeps by name.
+pub const MAX_UNLOADED: usize = 4096;
+
+/// What the name of a counted function whose module went ends with.
+pub const UNLOADED_MARK: &str = " (unloaded)";
 
 /// The log2 bucket of a duration: 0 for 0 ns, N for 2^(N-1) to 2^N - 1,
 /// the last one from 2^62 up.
@@ -151,11 +169,70 @@ impl Default for CountState {
             times: core::array::from_fn(|_| AtomicU64::new(0)),
             missed: AtomicU64::new(0),
             histogram: None,
+            unloaded: BTreeMap::new(),
+            unloaded_other: 0,
+            globs: Vec::new(),
         }
     }
 }
 
 impl CountState {
+    /// A loading module's function that a module glob of the count names:
+    /// counted (and timed, with latency) from its first call on.
+    pub(super) fn follow(&mut self, u: &mut super::split::SiteUse) {
+        if !self.on {
+            return;
+        }
+        u.counted = true;
+        u.calls.store(0, Relaxed);
+        if self.latency
+            && !u.retprobes.contains(&LATENCY_ID)
+            && fallible::try_push(&mut u.retprobes, LATENCY_ID).is_err()
+        {
+            self.missed.fetch_add(1, Relaxed);
+        }
+        self.functions += 1;
+    }
+
+    /// The counted function at `func` (site `site`) is going with its
+    /// module after `calls` calls: the count keeps them under its name,
+    /// marked unloaded (a later function at the same address is another
+    /// one). Allocates only when the heap has `room` for a name; without
+    /// it, or past [`MAX_UNLOADED`], the calls are kept without a name.
+    pub(super) fn unloaded(
+        &mut self,
+        k: &dyn KernelView,
+        func: Gva,
+        site: Gva,
+        calls: u64,
+        room: bool,
+    ) {
+        if !self.on {
+            return;
+        }
+        let syms = IndexSymbols::new(k.index(), Some(k.modules()));
+        let name = room.then(|| {
+            let mut n = name_of(&syms, func, site);
+            n.push_str(UNLOADED_MARK);
+            n
+        });
+        let Some(name) = name else {
+            self.unloaded_other = self.unloaded_other.saturating_add(calls);
+            return;
+        };
+        // The same function of an earlier load (elsewhere, perhaps).
+        if let Some(e) = self.unloaded.values_mut().find(|e| e.0 == name) {
+            e.1 = e.1.saturating_add(calls);
+            return;
+        }
+        let free = self.unloaded.len() < MAX_UNLOADED && !self.unloaded.contains_key(&func.0);
+        if free {
+            self.unloaded.insert(func.0, (name, calls));
+        } else {
+            self.unloaded_other = self.unloaded_other.saturating_add(calls);
+        }
+    }
+
     /// Whether the filter needs the running task.
     pub(super) fn filters(&self) -> bool {
         self.pid.is_some() || self.comm.is_some()
@@ -295,6 +372,34 @@ impl Tracer<'_> {
         c.names = names;
         c.latency = latency;
         c.histogram = histogram;
+        // Module globs follow the modules' loads (a histogram's function
+        // does not: its probe is resolved once).
+        let mut module_globs = Vec::new();
+        if c.histogram.is_none() {
+            for g in filter
+                .functions
+                .iter()
+                .filter(|g| symbols::module_glob(g).is_some())
+            {
+                if fallible::try_string(g)
+                    .and_then(|g| fallible::try_push(&mut module_globs, g))
+                    .is_err()
+                {
+                    log::warn!("tracer: the count does not follow {g}: out of memory");
+                }
+            }
+        }
+        c.globs = module_globs;
+        if !self.vm.count.globs.is_empty() {
+            if let Err(e) = self.ensure_module_hooks(k, env, true) {
+                log::warn!(
+                    "tracer: the count does not follow module loads: {}",
+                    e.message
+                );
+                self.vm.count.globs.clear();
+            }
+        }
+        let c = &mut self.vm.count;
         if untimed > 0 {
             log::warn!("tracer: {untimed} counted functions are not timed: out of memory");
         }
@@ -326,37 +431,77 @@ impl Tracer<'_> {
         let mut counted = 0u64;
         let mut bytes = 0usize;
         let mut next = None;
-        for (&site, u) in &self.vm.view.sites {
-            if !u.counted {
-                continue;
+        // The live counted sites and the functions whose module went, one
+        // sequence in address order (a site's function is just below it).
+        let live = self
+            .vm
+            .view
+            .sites
+            .iter()
+            .filter(|(_, u)| u.counted)
+            .map(|(&site, u)| (u.func.0, Some((site, u)), None));
+        let gone = c.unloaded.iter().map(|(&func, e)| (func, None, Some(e)));
+        let mut live = live.peekable();
+        let mut gone = gone.peekable();
+        let merged = core::iter::from_fn(|| {
+            let take_live = match (live.peek(), gone.peek()) {
+                (Some(l), Some(g)) => l.0 <= g.0,
+                (Some(_), None) => true,
+                (None, _) => false,
+            };
+            if take_live {
+                live.next()
+            } else {
+                gone.next()
             }
-            counted += 1;
-            let n = u.calls.load(Relaxed);
+        });
+        calls = calls.saturating_add(c.unloaded_other);
+        for (func, site_use, unloaded) in merged {
+            let n = match (site_use, unloaded) {
+                (Some((_, u)), _) => {
+                    counted += 1;
+                    u.calls.load(Relaxed)
+                }
+                (None, Some(&(_, n))) => n,
+                (None, None) => 0,
+            };
             calls += n;
-            if n == 0 || u.func.0 < cursor || next.is_some() {
+            if n == 0 || func < cursor || next.is_some() {
                 continue;
             }
-            let matched = c
-                .names
-                .binary_search_by_key(&u.func.0, |&(a, _)| a)
-                .ok()
-                .and_then(|i| c.names.get(i));
-            let name = match matched {
-                Some(&(_, id)) => k.index().name(id),
-                None => name_of(&syms, u.func, site),
+            let name = match (site_use, unloaded) {
+                (_, Some((name, _))) => match fallible::try_string(name) {
+                    Ok(n) => n,
+                    Err(_) => {
+                        next = Some(func);
+                        continue;
+                    }
+                },
+                (Some((site, u)), None) => {
+                    let matched = c
+                        .names
+                        .binary_search_by_key(&u.func.0, |&(a, _)| a)
+                        .ok()
+                        .and_then(|i| c.names.get(i));
+                    match matched {
+                        Some(&(_, id)) => k.index().name(id),
+                        None => name_of(&syms, u.func, site),
+                    }
+                }
+                (None, None) => continue,
             };
             if entries.len() >= limit.max(1) as usize || bytes + name.len() > PAGE_BUDGET {
-                next = Some(u.func.0);
+                next = Some(func);
                 continue;
             }
             bytes += name.len() + 24;
             let entry = FunctionCount {
                 name,
-                addr: u.func.0,
+                addr: func,
                 calls: n,
             };
             if fallible::try_push(&mut entries, entry).is_err() {
-                next = Some(u.func.0);
+                next = Some(func);
             }
         }
         let mut latency = Vec::new();

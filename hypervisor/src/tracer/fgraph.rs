@@ -965,6 +965,7 @@ fn retprobe_hits(
         probes: &out.probes.list,
         ring: out.ring,
         record: out.record,
+        heap: &*env.m,
     };
     sink.hits(ids, header, &ctx, &mut mem, &syms);
 }

@@ -313,6 +313,7 @@ impl<'a> Hit<'a> {
             probes: &self.vm.probes.list,
             ring: &mut ring,
             record: &mut self.cpu.record,
+            heap: &*env.m,
         };
         out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
         if function {

@@ -73,6 +73,15 @@ pub trait Machine {
     /// work before (parsing, globs, classifying sites) runs with every vCPU
     /// still running.
     fn stop_others(&mut self) -> bool;
+    /// Holds every other vCPU in root for a change that cannot wait for a
+    /// later request: a module's text is freed as soon as root's hook on
+    /// the kernel's unload returns, so its sites must be unhooked now.
+    /// Unlike [`Self::stop_others`] it tries again past a stall. False when
+    /// a vCPU still did not come: the changes are then made all the same
+    /// (every view's entries, each vCPU invalidating its views before it
+    /// enters again), since leaving a shadow mapped over freed text is
+    /// worse than a vCPU that is stuck in the guest seeing the change late.
+    fn must_stop_others(&mut self) -> bool;
     /// Lets the other vCPUs go again after a batch of changes (each
     /// invalidates its view before it enters); the next
     /// [`Self::stop_others`] holds them again. A long request (hooking

@@ -202,6 +202,7 @@ impl<'a> Tracer<'a> {
             module_unhooked: vm.modules.unhooked,
             pending_probes: vm.probes.list.iter().filter(|p| p.site.is_none()).count() as u32,
             module_globs: vm.modules.function_globs.len() as u32
+                + vm.count.globs.len() as u32
                 + vm.graph
                     .sessions
                     .iter()
@@ -246,7 +247,10 @@ impl<'a> Tracer<'a> {
                 self.vm.stats.region_restores += 1;
             }
         }
-        self.cpu.step.on_turn(env, Self::step_shared(self.vm));
+        self.vm.stray.on_turn();
+        if self.cpu.step.on_turn(env, Self::step_shared(self.vm)) {
+            self.vm.stray.forced();
+        }
     }
 
     /// Records vCPU `index`'s ring lost.
@@ -326,22 +330,31 @@ impl<'a> Tracer<'a> {
         self.vm.graph.reap(kernel, cpu, now_ns, &mut self.vm.stats);
     }
 
-    /// An EPT violation at `gpa`: a hooked page or hypervisor memory gets a
-    /// single step; anything else is not the tracer's.
-    pub fn on_violation(&mut self, gpa: u64, write: bool, env: &mut Env<'_>) -> Violation {
+    /// An EPT violation at `gpa` (a `write`, or an instruction `fetch`): a
+    /// hooked page or hypervisor memory gets a single step; a fetch from
+    /// hypervisor memory is refused; anything else is not the tracer's.
+    pub fn on_violation(
+        &mut self,
+        gpa: u64,
+        write: bool,
+        fetch: bool,
+        env: &mut Env<'_>,
+    ) -> Violation {
         self.cpu
             .step
-            .on_violation(gpa, write, env, Self::step_shared(self.vm))
+            .on_violation(gpa, write, fetch, env, Self::step_shared(self.vm))
     }
 
-    /// Records the guest's TF before the step set it.
+    /// Records the guest's TF before the step set it. A TF that a step of
+    /// ours ended by force may have left is taken as root's, once.
     pub fn set_old_tf(&mut self, tf: bool) {
-        self.cpu.step.set_old_tf(tf);
+        let stray = tf && self.vm.stray.take();
+        self.cpu.step.set_old_tf(tf && !stray);
     }
 
     /// What a #DB means to the tracer.
     pub fn debug_state(&self) -> DebugState {
-        self.cpu.step.debug_state()
+        self.cpu.step.debug_state(self.vm.stray.left > 0)
     }
 
     /// Ends the step in flight (its #DB arrived).
@@ -351,11 +364,13 @@ impl<'a> Tracer<'a> {
 
     /// Root's leftover TF has trapped and is cleared.
     pub fn clear_stray_tf(&mut self) {
-        self.cpu.step.clear_stray_tf();
+        self.vm.stray.take();
     }
 
-    /// Whether #DB must stay intercepted.
+    /// Whether #DB must stay intercepted: a step is in flight on this
+    /// vCPU, or a step ended by force may have left TF in a context that
+    /// can resume on any vCPU.
     pub fn wants_debug_exits(&self) -> bool {
-        self.cpu.step.wants_debug_exits()
+        self.cpu.step.stepping() || self.vm.stray.left > 0
     }
 }

@@ -103,6 +103,17 @@ pub(super) struct ModuleTrack {
     pub(super) followed: u64,
 }
 
+/// Heap a counted function's name takes when its module goes (the
+/// longest kernel symbol, its module's name and the mark).
+const UNLOADED_NAME_BYTES: usize = 512 + 64 + 16;
+
+/// The count's user bit in a loading module's plan (past the function
+/// tracer's bit 0 and the graph sessions' bits 1 to 15).
+const COUNT_BIT: u32 = 1 << 16;
+
+/// Sites an unload takes per pass (a fixed buffer on root's stack).
+const UNLOAD_BATCH: usize = 128;
+
 /// Module globs the function tracer keeps at most.
 pub(super) const MAX_FUNCTION_GLOBS: usize = 64;
 
@@ -119,6 +130,7 @@ impl Tracer<'_> {
         let core = self.vm.modules.core_text;
         self.vm.probes.list.iter().any(|p| p.site.is_none())
             || !self.vm.modules.function_globs.is_empty()
+            || !self.vm.count.globs.is_empty()
             || self
                 .vm
                 .graph
@@ -218,6 +230,13 @@ impl Tracer<'_> {
             u.hidden = Some(hook);
         }
         self.vm.modules.hooks.push(fs.site);
+        // A vCPU on its quiet view must not load or unload a module unseen.
+        if !self.vm.view.make_loud(env, fs.site) {
+            log::warn!(
+                "tracer: {} is not hooked in the quiet views yet",
+                hook.function()
+            );
+        }
         Ok(())
     }
 
@@ -358,7 +377,8 @@ impl Tracer<'_> {
     }
 
     /// What [`Self::follow_module`] hooks: each site with its function and
-    /// users (bit 0: the function tracer; bit N: graph session N), and the
+    /// users (bit 0: the function tracer; bit N: graph session N;
+    /// [`COUNT_BIT`]: the count), and the
     /// graph sessions' new roots and `set_graph_notrace` functions (user,
     /// function, root).
     #[allow(clippy::type_complexity)]
@@ -369,7 +389,7 @@ impl Tracer<'_> {
         env: &mut Env<'_>,
         view: &V,
         classifier: &Classifier<'_>,
-    ) -> Result<(BTreeMap<u64, (u64, u16)>, Vec<(usize, u64, bool)>), OutOfMemory> {
+    ) -> Result<(BTreeMap<u64, (u64, u32)>, Vec<(usize, u64, bool)>), OutOfMemory> {
         // The module's functions that `globs` name (only the module globs
         // among them if `only_modules`).
         let sites = |globs: &[String], only_modules: bool| {
@@ -381,16 +401,16 @@ impl Tracer<'_> {
                     .filter_map(|id| id.classify(k, classifier, view).ok()),
             )
         };
-        let mut want: BTreeMap<u64, (u64, u16)> = BTreeMap::new();
-        let mut add = |env: &mut Env<'_>, fs: &FentrySite, bit: u16| {
+        let mut want: BTreeMap<u64, (u64, u32)> = BTreeMap::new();
+        let mut add = |env: &mut Env<'_>, fs: &FentrySite, bit: u32| {
             if let Some(e) = want.get_mut(&fs.site.0) {
                 e.1 |= bit;
                 return Ok(());
             }
             if want.len() >= MAX_SITES {
-                return Err(OutOfMemory::of::<(u64, u64, u16)>(1));
+                return Err(OutOfMemory::of::<(u64, u64, u32)>(1));
             }
-            env.m.heap_check(btree_entry_bytes::<u64, (u64, u16)>())?;
+            env.m.heap_check(btree_entry_bytes::<u64, (u64, u32)>())?;
             want.insert(fs.site.0, (fs.func.0, bit));
             Ok(())
         };
@@ -399,12 +419,17 @@ impl Tracer<'_> {
                 add(env, &fs, 1)?;
             }
         }
+        for g in &self.vm.count.globs {
+            for fs in sites(core::slice::from_ref(g), true)? {
+                add(env, &fs, COUNT_BIT)?;
+            }
+        }
         let mut extra = Vec::new();
         for (user, g) in self.vm.graph.sessions.iter().enumerate() {
             let Some(g) = g.as_ref().filter(|g| g.follows_modules()) else {
                 continue;
             };
-            let bit = 1u16 << user;
+            let bit = 1u32 << user;
             let f = &g.filter;
             let notrace = sites(&f.notrace, false)?;
             let kept = |fs: &FentrySite| !notrace.iter().any(|n| n.site == fs.site);
@@ -432,7 +457,7 @@ impl Tracer<'_> {
     /// hooked.
     fn follow_hook(
         &mut self,
-        want: BTreeMap<u64, (u64, u16)>,
+        want: BTreeMap<u64, (u64, u32)>,
         extra: Vec<(usize, u64, bool)>,
         k: &dyn KernelView,
         env: &mut Env<'_>,
@@ -455,7 +480,11 @@ impl Tracer<'_> {
                 u.function = true;
                 self.vm.probes.functions += 1;
             }
-            u.graph |= bits & !1;
+            if bits & COUNT_BIT != 0 && !u.counted {
+                self.vm.count.follow(u);
+            }
+            // Graph sessions are bits 1 to 15.
+            u.graph |= (bits & 0xfffe) as u16;
             hooked += 1;
         }
         for (user, func, root) in extra {
@@ -485,6 +514,7 @@ impl Tracer<'_> {
         let core = k.index().text();
         let (sites, pending) = self.unhook_text(
             |s| (text.contains(s) || init.contains(s)) && outside_core(core, s),
+            k,
             env,
         );
         log::info!(
@@ -510,7 +540,8 @@ impl Tracer<'_> {
         }
         self.vm.modules.inits_freed += 1;
         let core = k.index().text();
-        let (sites, pending) = self.unhook_text(|s| init.contains(s) && outside_core(core, s), env);
+        let (sites, pending) =
+            self.unhook_text(|s| init.contains(s) && outside_core(core, s), k, env);
         self.vm.modules.init_unhooked += u64::from(sites);
         if sites > 0 {
             log::info!(
@@ -521,45 +552,82 @@ impl Tracer<'_> {
         }
     }
 
-    /// Unhooks every user's site for which `inside` holds (not the hidden
-    /// hooks): its probes go back to pending, the function tracer and the
-    /// graph sessions lose it, and the sessions' roots and
+    /// Unhooks every site for which `inside` holds, whatever its users
+    /// (not root's own hooks): the kernel is about to free that text, and
+    /// the frames may hold other code next. Each user learns its sites
+    /// went: its probes go back to pending, the function tracer and the
+    /// graph sessions lose them, the sessions' roots and
     /// `set_graph_notrace` functions there go (another module may load at
-    /// the same addresses). Returns the sites unhooked and the probes
-    /// pending again.
-    fn unhook_text(&mut self, inside: impl Fn(Gva) -> bool, env: &mut Env<'_>) -> (u32, u32) {
-        let sites: Vec<Gva> = self
-            .vm
-            .view
-            .sites
-            .iter()
-            .filter(|(&s, u)| inside(s) && u.hidden.is_none())
-            .map(|(&s, _)| s)
-            .collect();
-        for &site in &sites {
-            let Some(u) = self.vm.view.sites.get_mut(&site) else {
-                continue;
-            };
-            u.probes.clear();
-            u.retprobes.clear();
-            u.graph = 0;
-            if core::mem::take(&mut u.function) {
-                self.vm.probes.functions = self.vm.probes.functions.saturating_sub(1);
+    /// the same addresses), and the count keeps their calls under their
+    /// names, marked unloaded. The other vCPUs are held however long that
+    /// takes, and the sites go even if one does not come
+    /// ([`Machine::must_stop_others`](super::machine::Machine::must_stop_others)).
+    /// Returns the sites unhooked and the probes pending again.
+    fn unhook_text(
+        &mut self,
+        inside: impl Fn(Gva) -> bool,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+    ) -> (u32, u32) {
+        let gone = |s: Gva, u: &super::split::SiteUse| {
+            inside(s) && u.hidden.is_none() && u.switch.is_none()
+        };
+        let mut unhooked = 0u32;
+        let mut pending = 0u32;
+        let mut held = false;
+        // A fixed batch at a time (an unload never allocates): each batch's
+        // sites leave the map, so the next scan finds the rest.
+        loop {
+            let mut batch = [Gva(0); UNLOAD_BATCH];
+            let mut n = 0;
+            for (&s, u) in &self.vm.view.sites {
+                let Some(slot) = batch.get_mut(n) else {
+                    break;
+                };
+                if gone(s, u) {
+                    *slot = s;
+                    n += 1;
+                }
             }
-            self.vm.view.unhook_if_unused(env, site);
+            if n == 0 {
+                break;
+            }
+            if !held {
+                // Root logs it when a vCPU does not come: the sites go
+                // all the same.
+                held = true;
+                let _ = env.m.must_stop_others();
+            }
+            for &site in batch.iter().take(n) {
+                let Some(u) = self.vm.view.sites.get(&site) else {
+                    continue;
+                };
+                if u.function {
+                    self.vm.probes.functions = self.vm.probes.functions.saturating_sub(1);
+                }
+                if u.counted {
+                    let calls = u.calls.load(core::sync::atomic::Ordering::Relaxed);
+                    let room = env
+                        .m
+                        .heap_check(UNLOADED_NAME_BYTES + btree_entry_bytes::<u64, (String, u64)>())
+                        .is_ok();
+                    self.vm.count.unloaded(k, u.func, site, calls, room);
+                }
+                for p in self.vm.probes.list.iter_mut() {
+                    if p.site == Some(site) {
+                        p.site = None;
+                        pending += 1;
+                    }
+                }
+                self.vm.view.unhook(env, site);
+                unhooked += 1;
+            }
         }
         for g in self.vm.graph.sessions.iter_mut().flatten() {
             g.roots.retain(|&f| !inside(Gva(f)));
             g.notrace.retain(|&f| !inside(Gva(f)));
         }
-        let mut pending = 0u32;
-        for p in self.vm.probes.list.iter_mut() {
-            if p.site.is_some_and(|s| sites.contains(&s)) {
-                p.site = None;
-                pending += 1;
-            }
-        }
-        self.vm.modules.unhooked += sites.len() as u64;
-        (sites.len() as u32, pending)
+        self.vm.modules.unhooked += u64::from(unhooked);
+        (unhooked, pending)
     }
 }

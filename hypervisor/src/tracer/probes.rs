@@ -3,6 +3,7 @@
 //! tables, encoded into the vCPU's ring. Shared by every vCPU, but for the
 //! ring a hit writes to.
 
+use super::machine::Machine;
 use super::ring::EventRing;
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
@@ -13,6 +14,7 @@ use alloc::format;
 use alloc::string::ToString;
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use guest_introspect::fallible;
 use guest_introspect::paging::{self, Cr3};
 use protocol::ProbeInfo;
 
@@ -126,7 +128,13 @@ pub(super) fn store_parts(
     values: &[kprobe::FetchedValue],
 ) -> bool {
     scratch.clear();
-    scratch.resize(kprobe::encoded_len(values), 0);
+    let len = kprobe::encoded_len(values);
+    // Within what the heap gives: a record's length follows guest data.
+    if fallible::try_reserve(scratch, len).is_err() {
+        ring.count_lost();
+        return false;
+    }
+    scratch.resize(len, 0);
     match kprobe::encode_parts(header, values, scratch).and_then(|n| scratch.get(..n)) {
         Some(record) => ring.push(record),
         None => {
@@ -141,6 +149,8 @@ pub(super) struct HitSink<'a> {
     pub(super) probes: &'a [Probe],
     pub(super) ring: &'a mut EventRing,
     pub(super) record: &'a mut Vec<u8>,
+    /// The heap's room, checked before a hit fetches (see [`Self::hits`]).
+    pub(super) heap: &'a dyn Machine,
 }
 impl HitSink<'_> {
     /// Records a hit of each probe in `ids` (entry or return), its
@@ -158,10 +168,26 @@ impl HitSink<'_> {
                 continue;
             };
             header.probe_id = id;
-            let ev = RawEvent {
-                header,
-                values: kprobe::fetch(&p.spec.args, ctx, mem, syms),
+            // Hits run on every vCPU at once, each fetching up to
+            // MAX_TRACE_ARGS strings the guest chooses: one that the
+            // heap's room beyond its reserve cannot hold at its longest is
+            // lost, and so is one whose allocation is refused all the same
+            // (a race with another vCPU's hit): never a failed allocation
+            // in root.
+            let values = match self
+                .heap
+                .heap_check(kprobe::worst_case_bytes(&p.spec.args))
+                .ok()
+                .and_then(|()| kprobe::try_fetch(&p.spec.args, ctx, mem, syms).ok())
+            {
+                Some(v) => v,
+                None => {
+                    self.ring.count_lost();
+                    p.misses.fetch_add(1, Relaxed);
+                    continue;
+                }
             };
+            let ev = RawEvent { header, values };
             if store(self.ring, self.record, &ev) {
                 p.hits.fetch_add(1, Relaxed);
             } else {

@@ -413,6 +413,8 @@ impl Tracer<'_> {
                 if let Some(u) = self.vm.view.sites.get_mut(&site) {
                     u.switch = Some(hook);
                 }
+                // It picks views from the quiet view too, from now on.
+                let _ = self.vm.view.make_loud(env, site);
                 match hook {
                     SwitchHook::Schedule => {
                         self.vm.quiet.switch_site = Some(site);

@@ -354,8 +354,17 @@ impl SplitView {
             log::warn!("tracer: {site:#x} not unhooked: {STALLED}");
             return;
         }
-        let page = u.page;
-        self.sites.remove(&site);
+        self.unhook(env, site);
+    }
+
+    /// Removes our patch from `site` whatever uses it: the caller has
+    /// taken its users off and held the other vCPUs, or must go on without
+    /// them (a module's text about to be freed, see
+    /// [`Machine::must_stop_others`](super::machine::Machine::must_stop_others)).
+    pub(super) fn unhook(&mut self, env: &mut Env<'_>, site: Gva) {
+        let Some(page) = self.sites.remove(&site).map(|u| u.page) else {
+            return;
+        };
         let Some(h) = self.pages.get_mut(&page) else {
             return;
         };
@@ -382,6 +391,61 @@ impl SplitView {
             }
         }
         // The caller flushes EPT once for the whole request.
+    }
+
+    /// Puts our `call` at `site` into the quiet views too, at once: a
+    /// user that must matter everywhere (root's own hooks) joined a page
+    /// the quiet views leave to the guest or to a partial shadow. Made
+    /// with the other vCPUs held, in the same call as the hook, so that no
+    /// vCPU on its quiet view runs the guest's NOP there until the views
+    /// settle. False when the quiet views could not be changed (the
+    /// settling after the request tries again).
+    pub(super) fn make_loud(&mut self, env: &mut Env<'_>, site: Gva) -> bool {
+        let Some(page) = self.sites.get(&site).map(|u| u.page) else {
+            return false;
+        };
+        let Some(h) = self.pages.get_mut(&page) else {
+            return false;
+        };
+        match h.quiet {
+            QuietMap::Shadow => true,
+            QuietMap::Partial(q) => {
+                let Some(p) = h.patches.iter_mut().find(|p| p.site == site) else {
+                    return false;
+                };
+                if p.in_quiet {
+                    return true;
+                }
+                if !env.m.stop_others() {
+                    return false;
+                }
+                // The partial shadow holds the guest's bytes at the site.
+                let quiet = env.m.frame(q);
+                if site::write_checked(quiet, usize::from(p.offset), &p.guest, &p.ours).is_ok() {
+                    p.in_quiet = true;
+                    return true;
+                }
+                // Not the bytes expected: the whole shadow is right.
+                let shadow = h.shadow;
+                if !remap_quiet(env, page, shadow, ept::EXEC) {
+                    return false;
+                }
+                h.quiet = QuietMap::Shadow;
+                for p in h.patches.iter_mut() {
+                    p.in_quiet = false;
+                }
+                self.free_shadows.push(q);
+                true
+            }
+            QuietMap::Guest => {
+                let shadow = h.shadow;
+                if !remap_quiet(env, page, shadow, ept::EXEC) {
+                    return false;
+                }
+                h.quiet = QuietMap::Shadow;
+                true
+            }
+        }
     }
 
     /// Takes one user off every site (`release` does it and says whether

@@ -39,6 +39,11 @@ pub enum Violation {
     /// One more page of the instruction already being stepped was opened;
     /// the step is armed already.
     Widened,
+    /// An instruction fetch from hypervisor memory: no step (a fetch from
+    /// a scratch page mapped without execute would fault again forever);
+    /// the guest gets #UD, as for bytes that are no instruction. A step in
+    /// flight was ended: `ended_tf` is the guest's own TF from before it.
+    FetchRefused { ended_tf: Option<bool> },
     /// Nothing of the tracer's.
     NotOurs,
 }
@@ -107,25 +112,75 @@ impl StepShared<'_> {
     }
 }
 
+/// Root's TF left behind by steps ended by force, for the whole VM: the
+/// stepped context was preempted with our TF in its saved RFLAGS, and may
+/// resume on any vCPU. While any may be left, every vCPU intercepts #DB,
+/// and a single-step #DB that no step of root's explains is swallowed
+/// (one per forced end); after [`STRAY_TURNS`] timer turns with none seen
+/// the contexts are taken to be gone.
+#[derive(Default)]
+pub(super) struct StrayTf {
+    /// Forced ends whose TF has not trapped yet.
+    pub(super) left: u32,
+    /// Turns since the last forced end.
+    turns: u32,
+}
+
+/// Timer turns (of any vCPU) after which TF left by forced step ends is
+/// no longer looked for.
+const STRAY_TURNS: u32 = 4096;
+
+impl StrayTf {
+    /// A step was ended by force.
+    pub(super) fn forced(&mut self) {
+        self.left = self.left.saturating_add(1);
+        self.turns = 0;
+    }
+
+    /// A timer turn of any vCPU.
+    pub(super) fn on_turn(&mut self) {
+        if self.left > 0 {
+            self.turns += 1;
+            if self.turns > STRAY_TURNS {
+                self.left = 0;
+            }
+        }
+    }
+
+    /// One left-over TF trapped (or was found set) and is cleared.
+    pub(super) fn take(&mut self) -> bool {
+        let had = self.left > 0;
+        self.left = self.left.saturating_sub(1);
+        had
+    }
+}
+
 /// A vCPU's step.
 #[derive(Default)]
 pub(super) struct Stepper {
     step: Option<Step>,
-    /// A forced step end left TF in some saved guest context.
-    stray_tf: bool,
+    /// Fetches from hypervisor memory refused (the first few are logged).
+    fetches_refused: u64,
 }
 
 impl Stepper {
     /// A timer turn: a step that did not finish within
-    /// [`STEP_TIMEOUT_TURNS`] is ended by force.
-    pub(super) fn on_turn(&mut self, env: &mut Env<'_>, s: StepShared<'_>) {
+    /// [`STEP_TIMEOUT_TURNS`] is ended by force (true: its TF may be left
+    /// in a saved context).
+    pub(super) fn on_turn(&mut self, env: &mut Env<'_>, s: StepShared<'_>) -> bool {
         if let Some(st) = self.step.as_mut() {
             st.turns += 1;
             if st.turns > STEP_TIMEOUT_TURNS {
                 self.end_step(env, s);
-                self.stray_tf = true;
+                return true;
             }
         }
+        false
+    }
+
+    /// Whether a step is in flight.
+    pub(super) fn stepping(&self) -> bool {
+        self.step.is_some()
     }
 
     /// An EPT violation at `gpa`: a hooked page or hypervisor memory gets a
@@ -134,10 +189,20 @@ impl Stepper {
         &mut self,
         gpa: u64,
         write: bool,
+        fetch: bool,
         env: &mut Env<'_>,
         mut s: StepShared<'_>,
     ) -> Violation {
         let page = Gpa(gpa).align_down(PAGE as u64);
+        if fetch && in_hypervisor(page.0) {
+            let ended_tf = self.step.as_ref().map(|st| st.old_tf);
+            self.end_step(env, s.reborrow());
+            self.fetches_refused = self.fetches_refused.saturating_add(1);
+            if self.fetches_refused <= 4 {
+                log::warn!("tracer: the guest fetched from hypervisor memory at {gpa:#x}: #UD");
+            }
+            return Violation::FetchRefused { ended_tf };
+        }
         let widen = match self.step.as_ref() {
             // The instruction being stepped touched another page (or the
             // same page again for another kind of access): open it too.
@@ -238,32 +303,22 @@ impl Stepper {
         env.m.invept();
     }
 
-    /// Records the guest's TF before the step set it. A TF left behind by
-    /// a step of ours that ended without its #DB is not the guest's.
+    /// Records the guest's TF before the step set it (false for a TF
+    /// left behind by a step of ours that ended without its #DB).
     pub(super) fn set_old_tf(&mut self, tf: bool) {
-        let stray = core::mem::take(&mut self.stray_tf);
         if let Some(s) = self.step.as_mut() {
-            s.old_tf = tf && !stray;
+            s.old_tf = tf;
         }
     }
 
-    /// What a #DB means to the tracer.
-    pub(super) fn debug_state(&self) -> DebugState {
+    /// What a #DB means to the tracer, with `stray` TF of root's possibly
+    /// left in guest contexts.
+    pub(super) fn debug_state(&self, stray: bool) -> DebugState {
         DebugState {
             stepping: self.step.is_some(),
             guest_tf: self.step.as_ref().is_some_and(|s| s.old_tf),
-            stray_tf: self.stray_tf,
+            stray_tf: stray,
         }
-    }
-
-    /// Root's leftover TF has trapped and is cleared.
-    pub(super) fn clear_stray_tf(&mut self) {
-        self.stray_tf = false;
-    }
-
-    /// Whether #DB must stay intercepted.
-    pub(super) fn wants_debug_exits(&self) -> bool {
-        self.step.is_some() || self.stray_tf
     }
 }
 
@@ -272,15 +327,17 @@ fn close_page(page: Gpa, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
     match kind {
         StepKind::Hooked { write } => {
             if let Some(h) = s.view.pages.get_mut(&page) {
-                if write {
-                    s.stats.guest_writes += 1;
-                    if let Some(orig) = page_bytes(env.ram, page) {
-                        let shadow = env.m.frame(h.shadow);
-                        site::resync(shadow, &orig, &mut h.patches);
-                        if let QuietMap::Partial(q) = h.quiet {
-                            let quiet = env.m.frame(q);
-                            site::resync_where(quiet, &orig, &mut h.patches, |p| p.in_quiet);
-                        }
+                // Resynced whatever opened the page: while it was open, this
+                // instruction, an event it raised or another context on
+                // this vCPU may have written it (the resync writes only
+                // the bytes that differ).
+                s.stats.guest_writes += u64::from(write);
+                if let Some(orig) = page_bytes(env.ram, page) {
+                    let shadow = env.m.frame(h.shadow);
+                    site::resync(shadow, &orig, &mut h.patches);
+                    if let QuietMap::Partial(q) = h.quiet {
+                        let quiet = env.m.frame(q);
+                        site::resync_where(quiet, &orig, &mut h.patches, |p| p.in_quiet);
                     }
                 }
                 for view in View::BOTH {

@@ -170,6 +170,8 @@ struct FakeRoot {
     /// were asked.
     others_come: bool,
     stops: u32,
+    /// Holds asked for with `must_stop_others` (a module's unload).
+    must_stops: u32,
     releases: u32,
     invepts: u32,
     heap_room: usize,
@@ -209,6 +211,7 @@ impl FakeRoot {
             rips: vec![0],
             others_come: true,
             stops: 0,
+            must_stops: 0,
             releases: 0,
             invepts: 0,
             heap_room: 64 << 20,
@@ -299,6 +302,11 @@ impl Machine for FakeRoot {
     }
     fn stop_others(&mut self) -> bool {
         self.stops += 1;
+        self.others_come
+    }
+    fn must_stop_others(&mut self) -> bool {
+        self.stops += 1;
+        self.must_stops += 1;
         self.others_come
     }
     fn let_others_go(&mut self) {
@@ -682,7 +690,7 @@ fn a_guest_write_to_a_hooked_page_is_stepped_and_merged_under_our_patch() {
 
     // The guest writes to the page (its ftrace turning other_func's site
     // into a call): EPT faults, the page is opened for one instruction.
-    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, env));
+    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, false, env));
     assert!(matches!(v, Violation::Stepping));
     let leaf = g.root.leaf(page).unwrap();
     assert_eq!((leaf.hpa.0, leaf.perms), (page, ept::RWX));
@@ -690,7 +698,7 @@ fn a_guest_write_to_a_hooked_page_is_stepped_and_merged_under_our_patch() {
     let theirs = call_bytes(OTHER, TEXT + 0x8000);
     g.ram.put(gpa(OTHER), &theirs);
     // A second page touched by the same instruction widens the step.
-    let v = g.with(|t, env, _| t.on_violation(loader::layout::HV_RESERVED.0, false, env));
+    let v = g.with(|t, env, _| t.on_violation(loader::layout::HV_RESERVED.0, false, false, env));
     assert!(matches!(v, Violation::Widened));
     g.tracer().set_old_tf(false);
     assert_eq!(
@@ -721,10 +729,106 @@ fn a_guest_write_to_a_hooked_page_is_stepped_and_merged_under_our_patch() {
 }
 
 #[test]
+fn a_write_while_a_read_step_is_open_reaches_the_shadow_when_it_closes() {
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    let page = gpa(FUNC) & !0xfff;
+    let shadow_hpa = g.root.leaf(page).unwrap().hpa;
+    // A read opens the page; before the step's #DB, something else on the
+    // vCPU (an interrupt's handler, a softirq) writes it: the guest's
+    // ftrace turns other_func's site into a call.
+    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), false, false, env));
+    assert!(matches!(v, Violation::Stepping));
+    let theirs = call_bytes(OTHER, TEXT + 0x8000);
+    g.ram.put(gpa(OTHER), &theirs);
+    g.with(|t, env, _| t.finish_step(env));
+    // The shadow has the write, behind our call.
+    let shadow = g.root.frames[&shadow_hpa.0].clone();
+    assert_eq!(shadow[(OTHER & 0xfff) as usize..][..5], theirs);
+    let entry = g.region().entry().0;
+    assert_eq!(
+        shadow[(FUNC & 0xfff) as usize..][..5],
+        call_bytes(FUNC, entry)
+    );
+    let r = g.tracer().report();
+    assert_eq!((r.steps, r.guest_writes), (1, 0));
+}
+
+#[test]
+fn tf_left_by_a_forced_step_end_is_looked_for_on_every_vcpu() {
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), false, false, env));
+    assert!(matches!(v, Violation::Stepping));
+    g.tracer().set_old_tf(false);
+    // The stepped context was preempted: the step times out on vCPU 0.
+    for _ in 0..8 {
+        g.with(|t, env, _| t.on_turn(env));
+    }
+    assert!(!g.tracer().debug_state().stepping);
+    // The context resumes on vCPU 1: its #DB is root's, not the guest's.
+    g.on = 1;
+    assert!(g.tracer().wants_debug_exits());
+    assert!(g.tracer().debug_state().stray_tf);
+    g.tracer().clear_stray_tf();
+    assert!(!g.tracer().wants_debug_exits());
+    g.on = 0;
+    assert!(!g.tracer().wants_debug_exits());
+}
+
+#[test]
+fn a_fetch_from_hypervisor_memory_is_refused_without_a_step() {
+    let mut g = Guest::new();
+    let hv = loader::layout::HV_RESERVED.0 + 0x7000;
+    // A fetch would fault again and again from a scratch page mapped
+    // without execute: it gets no step.
+    let v = g.with(|t, env, _| t.on_violation(hv, false, true, env));
+    assert!(matches!(v, Violation::FetchRefused { ended_tf: None }));
+    assert!(g.root.leaf(hv).is_none());
+    assert!(!g.tracer().wants_debug_exits());
+    // An instruction being stepped that runs on into hypervisor memory:
+    // its step ends, with the guest's TF handed back.
+    g.probe("p:a my_func").unwrap();
+    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), false, false, env));
+    assert!(matches!(v, Violation::Stepping));
+    g.tracer().set_old_tf(true);
+    let v = g.with(|t, env, _| t.on_violation(hv, false, true, env));
+    assert!(matches!(
+        v,
+        Violation::FetchRefused {
+            ended_tf: Some(true)
+        }
+    ));
+    assert!(!g.tracer().debug_state().stepping);
+    let page = gpa(FUNC) & !0xfff;
+    assert_eq!(g.root.leaf(page).unwrap().perms, ept::EXEC);
+}
+
+#[test]
+fn a_hit_the_heap_cannot_hold_is_lost_not_allocated() {
+    let mut g = Guest::new();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    g.probe("p:s my_func s=+0(%di):string n=%si").unwrap();
+    let name = STACK_BASE + 0x200;
+    g.ram.put(gpa(name), b"a string\0");
+    g.hit(FUNC, RETP, CALLER_RET, name);
+    assert!(g.text().contains("s=\"a string\""));
+    // The heap has room for less than one string at its longest: the hit
+    // is lost and counted, and nothing is fetched.
+    g.root.heap_room = 1024;
+    g.hit(FUNC, RETP, CALLER_RET, name);
+    g.root.heap_room = 64 << 20;
+    let list = g.tracer().probe_list();
+    assert_eq!((list[0].hits, list[0].misses), (1, 1), "{list:?}");
+    assert_eq!(g.tracer().report().lost, 1);
+    assert!(!g.text().contains("a string"));
+}
+
+#[test]
 fn a_guest_access_to_hypervisor_memory_sees_scratch() {
     let mut g = Guest::new();
     let hv = loader::layout::HV_RESERVED.0 + 0x5000;
-    let v = g.with(|t, env, _| t.on_violation(hv, true, env));
+    let v = g.with(|t, env, _| t.on_violation(hv, true, false, env));
     assert!(matches!(v, Violation::Stepping));
     let leaf = g.root.leaf(hv).unwrap();
     assert_eq!(leaf.perms, ept::READ | ept::WRITE);
@@ -733,7 +837,7 @@ fn a_guest_access_to_hypervisor_memory_sees_scratch() {
     assert!(g.root.leaf(hv).is_none());
     assert_eq!(g.tracer().report().blocked_writes, 1);
     // Guest RAM that is nobody's is not the tracer's business.
-    let v = g.with(|t, env, _| t.on_violation(RAM.0 + 0x10_0000, true, env));
+    let v = g.with(|t, env, _| t.on_violation(RAM.0 + 0x10_0000, true, false, env));
     assert!(matches!(v, Violation::NotOurs));
 }
 
@@ -1139,7 +1243,7 @@ fn a_step_opens_the_page_in_its_own_vcpus_view_only() {
     );
     // vCPU 1 writes the page: its view opens the guest's frame...
     g.on = 1;
-    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, env));
+    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, false, env));
     assert!(matches!(v, Violation::Stepping));
     let theirs = call_bytes(OTHER, TEXT + 0x8000);
     g.ram.put(gpa(OTHER), &theirs);
@@ -1697,6 +1801,153 @@ fn a_probe_on_a_module_not_loaded_is_armed_at_its_load_and_pending_again_at_its_
     // The last pending probe goes: so do root's hooks.
     g.with(|t, env, _| t.probe_del("ms", env)).unwrap();
     assert_eq!(g.sites_and_pages(), (0, 0, 0));
+}
+
+/// What the module's page maps to in vCPU `vcpu`'s armed and quiet views.
+fn mod_page_leaves(g: &mut Guest, vcpu: usize) -> (Leaf, Leaf) {
+    let page = gpa(MOD_FUNC) & !0xfff;
+    (
+        g.root.leaf_in(vcpu, page).unwrap(),
+        g.root.quiet_leaf(vcpu, page).unwrap(),
+    )
+}
+
+#[test]
+fn a_counted_module_function_is_unhooked_at_its_unload_and_keeps_its_calls() {
+    let mut g = Guest::new();
+    g.kernel.modules = modules(true);
+    let filter = protocol::CountFilter {
+        functions: vec!["hvtarget:*".into()],
+        latency: true,
+        ..Default::default()
+    };
+    let added = g
+        .with(|t, env, k| t.count_start(&filter, k, env, 0))
+        .unwrap();
+    assert_eq!(added.traced, 1);
+    // The module's function and root's three hooks.
+    assert_eq!(g.sites_and_pages(), (4, 2, 3));
+    for n in 0..7 {
+        g.hit(MOD_FUNC, RETP, CALLER_RET, n);
+    }
+    let page = gpa(MOD_FUNC) & !0xfff;
+    assert_ne!(mod_page_leaves(&mut g, 0).0.hpa.0, page);
+    assert_eq!(g.tracer().report().module_globs, 1);
+    // The module goes: its site goes with it, whatever counts it, and the
+    // guest's own frame is mapped back in every view before the kernel
+    // frees it (a shadow left there would run our call over whatever
+    // code the frame holds next).
+    g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
+    g.kernel.modules = modules(false);
+    // Root's own hooks stay: the count's module glob follows the loads.
+    assert_eq!(g.sites_and_pages(), (3, 1, 3));
+    for vcpu in 0..VCPUS {
+        let (armed, quiet) = mod_page_leaves(&mut g, vcpu);
+        assert_eq!((armed.hpa.0, armed.perms), (page, ept::RWX));
+        assert_eq!((quiet.hpa.0, quiet.perms), (page, ept::RWX));
+    }
+    // The count keeps the calls, under the function's name marked
+    // unloaded.
+    let read = g.with(|t, _, k| t.count_read(0, 10, k, 0)).unwrap();
+    assert_eq!(read.calls, 7);
+    let entries: Vec<_> = read
+        .entries
+        .iter()
+        .map(|e| (e.name.as_str(), e.addr, e.calls))
+        .collect();
+    assert_eq!(
+        entries,
+        [("hvtarget_sum [hvtarget] (unloaded)", MOD_FUNC, 7)]
+    );
+    // Another module's code in the same frames runs as the guest wrote
+    // it: a call there is no hit of ours.
+    let (out, _) = g.hit(MOD_FUNC, RETP, CALLER_RET, 0);
+    assert!(matches!(out, Hypercall::Handled));
+    assert_eq!(g.tracer().report().forged_entries, 1);
+    // The module loads again: its function is counted again from its
+    // load on, and its calls add up over the unloads.
+    g.kernel.modules = modules(true);
+    g.module_call(DO_INIT_MODULE, MOD_STRUCT).unwrap();
+    assert_eq!(g.sites_and_pages(), (4, 2, 3));
+    for n in 0..3 {
+        g.hit(MOD_FUNC, RETP, CALLER_RET, n);
+    }
+    let read = g.with(|t, _, k| t.count_read(0, 10, k, 0)).unwrap();
+    let entries: Vec<_> = read
+        .entries
+        .iter()
+        .map(|e| (e.name.as_str(), e.calls))
+        .collect();
+    assert_eq!(
+        (read.calls, entries),
+        (
+            10,
+            vec![
+                ("hvtarget_sum [hvtarget]", 3),
+                ("hvtarget_sum [hvtarget] (unloaded)", 7)
+            ]
+        )
+    );
+    g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
+    g.kernel.modules = modules(false);
+    assert_eq!(g.sites_and_pages(), (3, 1, 3));
+    let read = g.with(|t, _, k| t.count_read(0, 10, k, 0)).unwrap();
+    assert_eq!((read.calls, read.entries.len()), (10, 1));
+    assert_eq!(read.entries[0].calls, 10);
+    g.with(|t, env, _| t.count_stop(env)).unwrap();
+    assert_eq!(g.sites_and_pages(), (0, 0, 0));
+}
+
+#[test]
+fn an_unload_unhooks_even_when_the_other_vcpus_do_not_come() {
+    let mut g = Guest::new();
+    g.kernel.modules = modules(true);
+    g.with(|t, env, k| t.function_add("hvtarget_*", k, env))
+        .unwrap();
+    g.probe("p:ms hvtarget:hvtarget_sum").unwrap();
+    assert_eq!(g.sites_and_pages(), (4, 2, 3));
+    // Another vCPU is stuck in the guest: a request would change nothing,
+    // but the kernel frees the text as soon as the unload hook returns.
+    g.root.others_come = false;
+    let asked = g.root.must_stops;
+    g.module_call(FREE_MODULE, MOD_STRUCT).unwrap();
+    g.kernel.modules = modules(false);
+    assert!(g.root.must_stops > asked);
+    let page = gpa(MOD_FUNC) & !0xfff;
+    for vcpu in 0..VCPUS {
+        let (armed, quiet) = mod_page_leaves(&mut g, vcpu);
+        assert_eq!((armed.hpa.0, quiet.hpa.0), (page, page));
+    }
+    let r = g.tracer().report();
+    assert_eq!((r.sites, r.pages, r.functions), (3, 1, 0), "{r:?}");
+    assert!(g.tracer().probe_list()[0].pending);
+}
+
+#[test]
+fn a_hidden_hook_on_a_quiet_page_is_hooked_in_the_quiet_views_at_once() {
+    let mut g = Guest::new();
+    // A session rooted at my_func whose trace set is the kernel's module
+    // functions: their page is left to the guest in the quiet views.
+    let f = GraphFilter {
+        functions: vec!["my_func".into()],
+        trace: vec!["do_init_module".into(), "free_module".into()],
+        ..GraphFilter::default()
+    };
+    g.with(|t, env, k| {
+        t.graph_start(f, k, env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let page = gpa(FREE_MODULE) & !0xfff;
+    assert_eq!(g.root.quiet_leaf(1, page).unwrap().hpa.0, page);
+    // A pending probe puts root's hooks on those functions: a vCPU on its
+    // quiet view must see the next unload, before any settling.
+    g.probe("p:ms hvtarget:hvtarget_sum").unwrap();
+    for vcpu in 0..VCPUS {
+        let armed = g.root.leaf_in(vcpu, page).unwrap();
+        let quiet = g.root.quiet_leaf(vcpu, page).unwrap();
+        assert_ne!(armed.hpa.0, page);
+        assert_eq!((quiet.hpa, quiet.perms), (armed.hpa, ept::EXEC));
+    }
 }
 
 #[test]
@@ -2584,7 +2835,7 @@ fn a_step_on_a_quiet_page_puts_both_views_back() {
     let leaf = gpa(QUIET_LEAF) & !0xfff;
     let shadow = g.root.leaf_in(1, leaf).unwrap().hpa;
     // vCPU 1, quiet, writes the page: its quiet view opens it.
-    let v = g.with(|t, env, _| t.on_violation(gpa(QUIET_LEAF) + 0x40, true, env));
+    let v = g.with(|t, env, _| t.on_violation(gpa(QUIET_LEAF) + 0x40, true, false, env));
     assert!(matches!(v, Violation::Stepping));
     let open = g.root.quiet_leaf(1, leaf).unwrap();
     assert_eq!((open.hpa.0, open.perms), (leaf, ept::RWX));
@@ -2728,7 +2979,7 @@ fn a_page_with_a_root_and_quiet_sites_gets_a_partial_quiet_shadow() {
     // in the armed one.
     switch_to(&mut g, 1, TASK, STACK_BASE);
     assert_eq!(g.cpus[1].view(), View::Quiet);
-    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, env));
+    let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, false, env));
     assert!(matches!(v, Violation::Stepping));
     let theirs = call_bytes(OTHER, FTRACE_CALLER);
     g.ram.put(gpa(OTHER), &theirs);
@@ -2785,12 +3036,12 @@ fn a_step_open_on_one_view_opens_again_on_the_other() {
     switch_to(&mut g, 1, TASK, STACK_BASE);
     assert_eq!(g.cpus[1].view(), View::Quiet);
     let leaf = gpa(QUIET_LEAF) & !0xfff;
-    let v = g.with(|t, env, _| t.on_violation(gpa(QUIET_LEAF) + 0x40, false, env));
+    let v = g.with(|t, env, _| t.on_violation(gpa(QUIET_LEAF) + 0x40, false, false, env));
     assert!(matches!(v, Violation::Stepping));
     // The stepped context comes back on the armed view (a step preempted,
     // its vCPU armed meanwhile): the same page faults there, and opens.
     g.cpus[1].view = View::Armed;
-    let v = g.with(|t, env, _| t.on_violation(gpa(QUIET_LEAF) + 0x40, false, env));
+    let v = g.with(|t, env, _| t.on_violation(gpa(QUIET_LEAF) + 0x40, false, false, env));
     assert!(matches!(v, Violation::Widened));
     let a = g.root.leaf_in(1, leaf).unwrap();
     assert_eq!((a.hpa.0, a.perms), (leaf, ept::RWX));

@@ -39,6 +39,8 @@ pub struct VmState {
     pub(super) count: CountState,
     /// The quiet views: root's scheduler hook and the quiet pages.
     pub(super) quiet: QuietState,
+    /// Root's TF left in guest contexts by steps ended by force.
+    pub(super) stray: super::step::StrayTf,
 }
 
 /// The counters the hit path adds to, summed over the vCPUs.

@@ -209,9 +209,118 @@ pub fn plan_entry(
     }
 }
 
+/// The double-fault vector.
+pub const DF_VECTOR: u8 = 8;
+
+/// What the CPU does when an exception arises while it delivers another
+/// event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Nested {
+    /// Deliver this event (the interrupted one is lost, as on hardware).
+    Deliver(Event),
+    /// Shutdown: a fault while delivering a double fault (a triple fault).
+    Shutdown,
+}
+
+/// The exception classes of SDM Vol. 3A table 6-4.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Benign,
+    Contributory,
+    PageFault,
+    DoubleFault,
+}
+
+/// The class of an event: hardware exceptions by vector (#DE, #TS, #NP,
+/// #SS, #GP, #CP contributory; #PF, #VE page faults; #DF), everything else
+/// (interrupts, NMIs, INT n, INT3, INTO, INT1) benign.
+fn class(e: &Event) -> Class {
+    if e.kind != TYPE_HARDWARE_EXCEPTION {
+        return Class::Benign;
+    }
+    match e.vector {
+        0 | 10 | 11 | 12 | 13 | 21 => Class::Contributory,
+        14 | 20 => Class::PageFault,
+        DF_VECTOR => Class::DoubleFault,
+        _ => Class::Benign,
+    }
+}
+
+/// The event to deliver when the hardware exception `fault` arises while
+/// the CPU delivers `first` (the IDT-vectoring information of the exit;
+/// `None` when the exit interrupted no delivery): SDM Vol. 3A table 6-5.
+/// A contributory fault during a contributory exception or a page fault,
+/// and a page fault during a page fault, become #DF(0); a contributory
+/// fault or a page fault during #DF is a shutdown; anything else is
+/// delivered serially (the fault itself).
+pub fn nested_fault(first: Option<&Event>, fault: Event) -> Nested {
+    let Some(first) = first else {
+        return Nested::Deliver(fault);
+    };
+    let second = class(&fault);
+    let serious = matches!(second, Class::Contributory | Class::PageFault);
+    match class(first) {
+        Class::DoubleFault if serious => Nested::Shutdown,
+        Class::PageFault if serious => Nested::Deliver(Event::exception(DF_VECTOR, Some(0))),
+        Class::Contributory if second == Class::Contributory => {
+            Nested::Deliver(Event::exception(DF_VECTOR, Some(0)))
+        }
+        _ => Nested::Deliver(fault),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fault_during_delivery_follows_the_double_fault_rules() {
+        let gp = Event::exception(13, Some(0));
+        let df = Nested::Deliver(Event::exception(DF_VECTOR, Some(0)));
+        assert_eq!(nested_fault(None, gp), Nested::Deliver(gp));
+        // Benign first events: the fault is delivered, the event lost.
+        let ext = Event::from_vectoring(VALID | 0x31, 0, 0).unwrap();
+        let int_13 = Event::from_vectoring(VALID | (4 << 8) | 13, 0, 2).unwrap();
+        for first in [
+            ext,
+            Event::nmi(),
+            int_13,
+            Event::exception(1, None),
+            Event::exception(6, None),
+        ] {
+            assert_eq!(
+                nested_fault(Some(&first), gp),
+                Nested::Deliver(gp),
+                "{first:?}"
+            );
+        }
+        // Contributory or #PF first: #DF.
+        for first in [
+            Event::exception(0, None),
+            Event::exception(10, Some(8)),
+            Event::exception(13, Some(0)),
+            Event::exception(21, Some(1)),
+            Event::exception(14, Some(2)),
+            Event::exception(20, None),
+        ] {
+            assert_eq!(nested_fault(Some(&first), gp), df, "{first:?}");
+        }
+        // #PF during a contributory exception is delivered serially; during
+        // a #PF it is a #DF.
+        let pf = Event::exception(14, Some(2));
+        assert_eq!(
+            nested_fault(Some(&Event::exception(13, Some(0))), pf),
+            Nested::Deliver(pf)
+        );
+        assert_eq!(nested_fault(Some(&pf), pf), df);
+        // During #DF: shutdown, for contributory faults and #PF alike.
+        let first_df = Event::exception(DF_VECTOR, Some(0));
+        assert_eq!(nested_fault(Some(&first_df), gp), Nested::Shutdown);
+        assert_eq!(nested_fault(Some(&first_df), pf), Nested::Shutdown);
+        // A benign fault during #DF is delivered.
+        let ud = Event::exception(6, None);
+        assert_eq!(nested_fault(Some(&first_df), ud), Nested::Deliver(ud));
+    }
 
     #[test]
     fn interruption_fields_and_cpl_are_named() {

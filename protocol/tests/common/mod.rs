@@ -79,6 +79,8 @@ pub fn status_report() -> StatusReport {
             armed_ns: 1_000,
             quiet_ns: 9_000,
             quiet: true,
+            root_stack_used: 52_224,
+            root_stack_size: 524_288,
         }],
         graph_sessions: vec![protocol::GraphSessionReport {
             session: 1,

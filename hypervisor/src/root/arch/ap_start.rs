@@ -198,3 +198,25 @@ pub fn apic_write(lapic: u64, offset: u64, value: u32) {
     // which root's caller keeps for itself.
     unsafe { core::ptr::write_volatile(reg, value) }
 }
+
+/// Reads the 32-bit word at physical address `addr` (rounded down to 4
+/// bytes) in an interrupt window other than the local APIC's page: an I/O
+/// APIC's registers or the MSI MiB (`hypervisor::irq::Windows`).
+pub fn window_read(addr: u64) -> u32 {
+    let reg = (addr & !3) as *const u32;
+    // SAFETY: the windows lie in the MMIO hole below 4 GiB, which root's
+    // page tables identity-map (`hypervisor::irq::Windows` keeps to it);
+    // the word is aligned, and a read has no effect beyond what the
+    // guest's own read of it (which EPT lets through) would have.
+    unsafe { core::ptr::read_volatile(reg) }
+}
+
+/// Writes the 32-bit word at physical address `addr` (rounded down to 4
+/// bytes) in an interrupt window other than the local APIC's page, on the
+/// guest's behalf.
+pub fn window_write(addr: u64, value: u32) {
+    let reg = (addr & !3) as *mut u32;
+    // SAFETY: as in `window_read`; the value is the one the guest stored,
+    // which root's caller has checked (`hypervisor::irq`).
+    unsafe { core::ptr::write_volatile(reg, value) }
+}
