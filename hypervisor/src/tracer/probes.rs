@@ -35,7 +35,15 @@ pub(super) struct Probe {
     /// vCPUs count theirs at the same time.
     pub(super) hits: AtomicU64,
     pub(super) misses: AtomicU64,
+    /// The heap one hit may take at most (`kprobe::worst_case_bytes`).
+    pub(super) heap: usize,
 }
+
+/// A hit whose arguments may take more heap than this (any string) has
+/// the heap's room checked first; a probe of a few integers allocates a
+/// few hundred bytes, fallibly: no check, and no lock of the allocator's
+/// for it.
+const CHECKED_HIT_BYTES: usize = 4 << 10;
 
 /// The probes and the function tracer's count.
 pub(super) struct Probes {
@@ -174,11 +182,10 @@ impl HitSink<'_> {
             // lost, and so is one whose allocation is refused all the same
             // (a race with another vCPU's hit): never a failed allocation
             // in root.
-            let values = match self
-                .heap
-                .heap_check(kprobe::worst_case_bytes(&p.spec.args))
-                .ok()
-                .and_then(|()| kprobe::try_fetch(&p.spec.args, ctx, mem, syms).ok())
+            let room = p.heap <= CHECKED_HIT_BYTES || self.heap.heap_check(p.heap).is_ok();
+            let values = match room
+                .then(|| kprobe::try_fetch(&p.spec.args, ctx, mem, syms).ok())
+                .flatten()
             {
                 Some(v) => v,
                 None => {

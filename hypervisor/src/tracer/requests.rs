@@ -164,6 +164,7 @@ impl Tracer<'_> {
         log::info!("tracer: probe {name} on {} at {site:#x}", spec.symbol);
         self.vm.probes.list.push(Probe {
             id: pid,
+            heap: kprobe::worst_case_bytes(&spec.args),
             spec,
             site: Some(site),
             module,
@@ -213,6 +214,7 @@ impl Tracer<'_> {
         let name = format!("{}/{}", spec.group, spec.event);
         self.vm.probes.list.push(Probe {
             id: pid,
+            heap: kprobe::worst_case_bytes(&spec.args),
             spec,
             site: None,
             module,
