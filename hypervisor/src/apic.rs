@@ -187,11 +187,14 @@ pub enum IpiAction {
 ///
 /// INIT level de-assert (mode Init, level_triggered, !level_assert) ->
 /// Ignore (a no-op on every CPU since the Pentium 4, SDM 11.6.1);
-/// other Init -> Init; Startup -> Startup(vector); everything else ->
-/// Forward.
+/// other Init -> Init; Startup -> Startup(vector); SMI and the reserved
+/// modes -> Ignore (an SMI runs the firmware's handler outside VMX
+/// non-root, which no guest root serves needs; Linux sends none);
+/// everything else -> Forward.
 pub fn classify(icr: &Icr) -> IpiAction {
     match icr.mode {
         DeliveryMode::Init if icr.level_triggered && !icr.level_assert => IpiAction::Ignore,
+        DeliveryMode::Smi | DeliveryMode::Reserved(_) => IpiAction::Ignore,
         DeliveryMode::Init => IpiAction::Init,
         DeliveryMode::Startup => IpiAction::Startup(icr.vector),
         _ => IpiAction::Forward,
@@ -720,8 +723,12 @@ mod tests {
             assert_eq!(Icr::from_xapic((bits as u32) << 18, 0).shorthand, *sh);
         }
         assert!(Icr::from_xapic(1 << 11, 0).logical);
+        // SMI and the reserved modes reach no CPU.
+        for low in [0x0000_0200, 0x0000_0300, 0x0000_0700, 0x000c_0200] {
+            assert_eq!(classify(&Icr::from_xapic(low, 0)), IpiAction::Ignore);
+        }
         assert_eq!(
-            classify(&Icr::from_xapic(0x0000_0300, 0)),
+            classify(&Icr::from_xapic(0x0000_0100, 0)),
             IpiAction::Forward
         );
     }

@@ -158,14 +158,49 @@ fn gpr(regs: &mut GuestRegs, n: u8) -> Option<&mut u64> {
 }
 
 /// Guest-physical memory through the guarded door, for the task-switch
-/// emulation.
-struct GuardedPhys;
+/// emulation; it keeps the pages written, for the tracer's shadows.
+#[derive(Default)]
+struct GuardedPhys {
+    written: [u64; 8],
+    n: usize,
+    /// More pages written than `written` holds.
+    more: bool,
+}
+
+impl GuardedPhys {
+    /// Notes the pages of a write of `len` bytes at `gpa`.
+    fn note(&mut self, gpa: u64, len: usize) {
+        let last = gpa.saturating_add(len.max(1) as u64 - 1);
+        let mut page = gpa & !0xfff;
+        while page <= last {
+            if !self.written.iter().take(self.n).any(|&p| p == page) {
+                match self.written.get_mut(self.n) {
+                    Some(slot) => {
+                        *slot = page;
+                        self.n += 1;
+                    }
+                    None => self.more = true,
+                }
+            }
+            page = match page.checked_add(0x1000) {
+                Some(p) => p,
+                None => break,
+            };
+        }
+    }
+
+    /// The pages written, when all of them are known.
+    fn pages(&self) -> Option<&[u64]> {
+        (!self.more).then(|| self.written.get(..self.n).unwrap_or(&[]))
+    }
+}
 
 impl hypervisor::task_switch::Phys for GuardedPhys {
     fn read(&self, gpa: u64, buf: &mut [u8]) -> bool {
         phys::guest_ram().read(gpa, buf).is_ok()
     }
     fn write(&mut self, gpa: u64, buf: &[u8]) -> bool {
+        self.note(gpa, buf.len());
         phys::guest_ram().write(gpa, buf).is_ok()
     }
 }
@@ -187,7 +222,7 @@ impl OperandWalk {
                 Err(WalkError::NonCanonical { .. }) => return Err(MemoryFault::General),
                 Err(_) => return Err(MemoryFault::Page(la, access.not_present())),
             },
-            Self::Legacy(p) => match p.walk(&GuardedPhys, la as u32, access.write) {
+            Self::Legacy(p) => match p.walk(&GuardedPhys::default(), la as u32, access.write) {
                 Ok(w) => (w.gpa, w.writable, w.user),
                 Err(_) => return Err(MemoryFault::Page(la, access.not_present())),
             },
@@ -1413,6 +1448,24 @@ impl Vcpu<'_> {
         Ok(Next::Resume)
     }
 
+    /// Root's emulation wrote the guest pages `phys` noted, straight to
+    /// the guest's frames: a hooked one's shadows take the write (every
+    /// hooked page when more pages were written than were noted).
+    fn emulated_writes(&mut self, phys: &GuardedPhys) {
+        let pages = phys.pages();
+        with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
+            let mut t = tracer!(self);
+            match pages {
+                Some(pages) => {
+                    for &page in pages {
+                        t.emulated_write(page, env);
+                    }
+                }
+                None => t.resync_all(env),
+            }
+        });
+    }
+
     /// Puts the guest's own TF back after root's step ended without its
     /// #DB (the step's TF must not ride into an event's frame).
     fn restore_guest_tf(&mut self, guest_tf: bool) -> Result<(), VmcsError> {
@@ -1874,10 +1927,14 @@ impl Vcpu<'_> {
         })?;
         if io.input {
             let bytes = (self.cpu.regs.rax as u32).to_le_bytes();
+            let mut written = GuardedPhys::default();
             for (b, &gpa) in bytes.iter().zip(&gpas).take(size) {
                 // Not guest RAM (MMIO, a hole, hypervisor memory): dropped.
-                let _ = ram.write(gpa, core::slice::from_ref(b));
+                if ram.write(gpa, core::slice::from_ref(b)).is_ok() {
+                    written.note(gpa, 1);
+                }
             }
+            self.emulated_writes(&written);
         }
         self.cpu.regs.rax = saved;
         let step = if rflags & (1 << 10) != 0 {
@@ -2014,7 +2071,7 @@ impl Vcpu<'_> {
             legacy_paging(v, u64::from(cpu.cr3), cr4)?
         };
         let old_cr3 = cpu.cr3;
-        let mut phys = GuardedPhys;
+        let mut phys = GuardedPhys::default();
         let mut mem = ts::LegacyLinear {
             paging,
             phys: &mut phys,
@@ -2028,6 +2085,7 @@ impl Vcpu<'_> {
         };
         let outcome = ts::switch(&mut cpu, &mut mem, req);
         let (pdptes_changed, paging) = (mem.pdptes_changed, mem.paging);
+        self.emulated_writes(&phys);
         if let Outcome::FaultBefore(fault) = outcome {
             return self.task_fault(fault);
         }

@@ -345,6 +345,34 @@ impl<'a> Tracer<'a> {
             .on_violation(gpa, write, fetch, env, Self::step_shared(self.vm))
     }
 
+    /// Root wrote the guest-physical bytes at `gpa` on the guest's behalf
+    /// (an instruction it emulates: INS, a task switch's TSS, descriptor
+    /// and stack writes), straight to the guest's frame and not through
+    /// EPT: a hooked page's shadows take the write as after a step. True
+    /// when the page was hooked.
+    pub fn emulated_write(&mut self, gpa: u64, env: &mut Env<'_>) -> bool {
+        let page = crate::addr::Gpa(gpa).align_down(machine::PAGE as u64);
+        let hooked = step::resync_page(&mut self.vm.view, page, env);
+        self.vm.stats.guest_writes += u64::from(hooked);
+        hooked
+    }
+
+    /// [`Self::emulated_write`] for every hooked page (root does not know
+    /// which pages an emulated instruction wrote).
+    pub fn resync_all(&mut self, env: &mut Env<'_>) {
+        let mut next = self.vm.view.pages.keys().next().copied();
+        while let Some(page) = next {
+            step::resync_page(&mut self.vm.view, page, env);
+            next = self
+                .vm
+                .view
+                .pages
+                .range(crate::addr::Gpa(page.0 + 1)..)
+                .next()
+                .map(|(&p, _)| p);
+        }
+    }
+
     /// Records the guest's TF before the step set it. A TF that a step of
     /// ours ended by force may have left is taken as root's, once.
     pub fn set_old_tf(&mut self, tf: bool) {

@@ -322,24 +322,35 @@ impl Stepper {
     }
 }
 
+/// Brings the shadows of the hooked page `page` (the shadow, and its
+/// partial quiet shadow) up to the guest's own bytes, under our patches;
+/// nothing for a page that is not hooked. Whether it was hooked.
+pub(super) fn resync_page(view: &mut SplitView, page: Gpa, env: &mut Env<'_>) -> bool {
+    let Some(h) = view.pages.get_mut(&page) else {
+        return false;
+    };
+    if let Some(orig) = page_bytes(env.ram, page) {
+        let shadow = env.m.frame(h.shadow);
+        site::resync(shadow, &orig, &mut h.patches);
+        if let QuietMap::Partial(q) = h.quiet {
+            let quiet = env.m.frame(q);
+            site::resync_where(quiet, &orig, &mut h.patches, |p| p.in_quiet);
+        }
+    }
+    true
+}
+
 /// Puts one page of a finished step back to its watched mapping.
 fn close_page(page: Gpa, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
     match kind {
         StepKind::Hooked { write } => {
-            if let Some(h) = s.view.pages.get_mut(&page) {
-                // Resynced whatever opened the page: while it was open, this
-                // instruction, an event it raised or another context on
-                // this vCPU may have written it (the resync writes only
-                // the bytes that differ).
-                s.stats.guest_writes += u64::from(write);
-                if let Some(orig) = page_bytes(env.ram, page) {
-                    let shadow = env.m.frame(h.shadow);
-                    site::resync(shadow, &orig, &mut h.patches);
-                    if let QuietMap::Partial(q) = h.quiet {
-                        let quiet = env.m.frame(q);
-                        site::resync_where(quiet, &orig, &mut h.patches, |p| p.in_quiet);
-                    }
-                }
+            // Resynced whatever opened the page: while it was open, this
+            // instruction, an event it raised or another context on this
+            // vCPU may have written it (the resync writes only the bytes
+            // that differ).
+            s.stats.guest_writes += u64::from(write && s.view.pages.contains_key(&page));
+            resync_page(s.view, page, env);
+            if let Some(h) = s.view.pages.get(&page) {
                 for view in View::BOTH {
                     remap_own(env, view, page, h.mapping(view, page), ept::EXEC);
                 }

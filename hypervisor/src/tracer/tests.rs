@@ -755,6 +755,40 @@ fn a_write_while_a_read_step_is_open_reaches_the_shadow_when_it_closes() {
 }
 
 #[test]
+fn a_write_root_emulates_reaches_the_shadow() {
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    let page = gpa(FUNC) & !0xfff;
+    let shadow_hpa = g.root.leaf(page).unwrap().hpa;
+    // An INS or a task switch root emulates writes the guest's frame
+    // itself, not through EPT: no step sees it.
+    let theirs = call_bytes(OTHER, TEXT + 0x8000);
+    g.ram.put(gpa(OTHER), &theirs);
+    g.ram.put(gpa(OTHER) + 0x40, &[0x90, 0x90]);
+    assert!(g.with(|t, env, _| t.emulated_write(gpa(OTHER) + 0x40, env)));
+    let shadow = g.root.frames[&shadow_hpa.0].clone();
+    assert_eq!(shadow[(OTHER & 0xfff) as usize..][..5], theirs);
+    assert_eq!(
+        shadow[((OTHER & 0xfff) + 0x40) as usize..][..2],
+        [0x90, 0x90]
+    );
+    let entry = g.region().entry().0;
+    assert_eq!(
+        shadow[(FUNC & 0xfff) as usize..][..5],
+        call_bytes(FUNC, entry)
+    );
+    // A page nobody hooks: nothing to do.
+    assert!(!g.with(|t, env, _| t.emulated_write(RAM.0 + 0x10_0000, env)));
+    // Every hooked page at once, when root does not know which.
+    g.ram.put(gpa(OTHER) + 0x80, &[0xcc]);
+    g.with(|t, env, _| t.resync_all(env));
+    assert_eq!(
+        g.root.frames[&shadow_hpa.0][((OTHER & 0xfff) + 0x80) as usize],
+        0xcc
+    );
+}
+
+#[test]
 fn tf_left_by_a_forced_step_end_is_looked_for_on_every_vcpu() {
     let mut g = Guest::new();
     g.probe("p:a my_func").unwrap();
