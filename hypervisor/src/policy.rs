@@ -293,6 +293,42 @@ pub fn io_bitmap_set(
     }
 }
 
+/// The ports through which software resets the machine: the keyboard
+/// controller's command port, System Control Port A, and the PCI reset
+/// control register. A reset would restart the emulated machine without
+/// root (in Bochs its firmware would then honour the guest's CMOS
+/// shutdown byte and jump to a vector the guest chose, outside VMX), so
+/// root intercepts them and ends the VM instead, as it does for a triple
+/// fault or an INIT of the boot processor.
+pub const RESET_PORTS: [u16; 3] = [KBC_COMMAND, PORT_A, RESET_CONTROL];
+/// The keyboard controller's command port.
+pub const KBC_COMMAND: u16 = 0x64;
+/// System Control Port A (bit 0: fast reset; bit 1: the A20 gate).
+pub const PORT_A: u16 = 0x92;
+/// The PIIX reset control register (bit 2: reset the CPU).
+pub const RESET_CONTROL: u16 = 0xcf9;
+
+/// Whether the guest's write of `size` bytes of `value` at `port` asks
+/// for a reset: a keyboard-controller command that pulses output line 0
+/// (0xF0 to 0xFF with bit 0 clear, 0xFE among them) or System Control
+/// Port A with its fast-reset bit, in whichever byte of the access lands
+/// there; the reset control register with its CPU-reset bit, in a byte
+/// access to it alone (a wider access at 0xCF8 is the PCI configuration
+/// address, which the chipset decodes as such).
+pub fn resets(port: u16, size: u8, value: u32) -> bool {
+    if port == RESET_CONTROL && size == 1 {
+        return value & 0x04 != 0;
+    }
+    (0..size.min(4)).any(|i| {
+        let byte = (value >> (8 * u32::from(i))) as u8;
+        match port.checked_add(u16::from(i)) {
+            Some(KBC_COMMAND) => byte & 0xf0 == 0xf0 && byte & 1 == 0,
+            Some(PORT_A) => byte & 1 != 0,
+            _ => false,
+        }
+    })
+}
+
 /// What a guest IN from a port we own returns: all ones, like an ISA bus
 /// with nothing on it.
 pub const fn floating_bus(size: u8) -> u32 {
@@ -628,5 +664,34 @@ mod tests {
         assert_eq!(ins_user.denied(false, true), Some(0b111));
         assert_eq!(ins_user.not_present(), 0b110);
         assert_eq!(ins_kernel.not_present(), 0b010);
+    }
+
+    #[test]
+    fn software_resets_are_seen_on_each_port() {
+        assert!(resets(KBC_COMMAND, 1, 0xfe));
+        assert!(resets(KBC_COMMAND, 1, 0xf0));
+        // Other keyboard-controller commands (self-test, read the output
+        // port, pulse other lines) are the keyboard's.
+        for v in [0xaa, 0xd0, 0xd1, 0xff, 0xf1, 0x60] {
+            assert!(!resets(KBC_COMMAND, 1, v), "{v:#x}");
+        }
+        assert!(resets(PORT_A, 1, 0x01) && resets(PORT_A, 1, 0x03));
+        assert!(!resets(PORT_A, 1, 0x02), "the A20 gate alone");
+        // A word write whose second byte lands on port A.
+        assert!(resets(PORT_A - 1, 2, 0x0100));
+        assert!(resets(RESET_CONTROL, 1, 0x06) && resets(RESET_CONTROL, 1, 0x0e));
+        assert!(!resets(RESET_CONTROL, 1, 0x02), "the reset type alone");
+        // The PCI configuration address, a dword at 0xCF8: never a reset,
+        // whatever its second byte.
+        assert!(!resets(0xcf8, 4, 0x8000_0400));
+        assert!(!resets(0xcf8, 4, 0x8000_ff00));
+        assert!(!resets(0x60, 1, 0xfe));
+        let (mut a, mut b) = ([0u8; 4096], [0u8; 4096]);
+        for p in RESET_PORTS {
+            io_bitmap_set(&mut a, &mut b, p..=p);
+        }
+        assert_eq!(a[0x64 / 8] & (1 << (0x64 % 8)), 1 << 4);
+        assert_eq!(a[0x92 / 8] & (1 << (0x92 % 8)), 1 << 2);
+        assert_eq!(a[0xcf9 / 8] & (1 << (0xcf9 % 8)), 1 << 1);
     }
 }

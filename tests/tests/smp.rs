@@ -577,7 +577,7 @@ fn hostile_on_cpu1(ck: &mut Checks, c: &mut Client) {
     let hits0 = probe_hits(c, "h0");
     let fetch = format!("hv_fetch={HV_FRAME:#x}");
     let hwbp = format!("func=0x{func} hwbp=1");
-    let storm = format!("func=0x{func} step_storm=3000");
+    let storm = format!("func=0x{func} step_storm=1000");
     let attacks = [
         "forge_e9=1",
         "cr0_nw=1",

@@ -72,6 +72,37 @@ fn boot_under_hypervisor(guest: Guest, timeout: Duration) {
     checks.finish();
 }
 
+/// A software reset of the fast-lane guest (`reboot -f`: the kernel
+/// writes its reset command to the keyboard controller, or the PCI reset
+/// register) ends the VM with the reason `reset`, and root names the port:
+/// a reset would restart the emulated machine without root (in Bochs the
+/// firmware would then jump where the guest's CMOS shutdown byte says).
+#[test]
+fn fast_6_12_software_reset_ends_the_vm() {
+    let _vm = vm_lock();
+    let cfg = guest_config(Guest::Fast, Duration::from_secs(600))
+        .with_hypervisor(hypervisor_image())
+        .with_emulator(Emulator::Bochs);
+    let mut vm = must(launch(cfg), "booting the fast guest under the hypervisor");
+    let mut checks = Checks::new();
+    checks.ok("a shell", vm.exec("echo ready"));
+    checks.ok("reboot -f sent", vm.send(b"reboot -f\n"));
+    if let Some(report) = checks.ok("the VM stops after the reset", vm.wait_stop()) {
+        checks.eq("stop reason", report.reason.as_str(), "reset");
+        checks.check(
+            report
+                .hv_lines
+                .iter()
+                .any(|l| l.contains("the guest reset the machine through port 0x")),
+            format!(
+                "root names the reset port in its log: {:?}",
+                report.hv_lines
+            ),
+        );
+    }
+    checks.finish();
+}
+
 #[test]
 fn fast_6_12_boots_under_hypervisor_in_bochs() {
     boot_under_hypervisor(Guest::Fast, Duration::from_secs(600));

@@ -1816,6 +1816,19 @@ impl Vcpu<'_> {
         if !io.input && dma.is_some_and(|d| policy::io_touches(io.port, io.size, &d.ports)) {
             self.cpu.guard.dma_port_writes_blocked += 1;
         }
+        if !io.input {
+            // A software reset would restart the machine without root: the
+            // VM ends, as at a triple fault.
+            let out = self.cpu.regs.rax as u32;
+            if policy::resets(io.port, io.size, out) {
+                log::info!(
+                    "vCPU {}: the guest reset the machine through port {:#x}",
+                    self.cpu.index,
+                    io.port
+                );
+                return Ok(Some(StopReason::Reset));
+            }
+        }
         let ours = self.touches_owned(io);
         let pm1 = self.vm.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
         if let Some((a, b)) = pm1 {

@@ -530,6 +530,9 @@ pub fn setup(
         policy::io_bitmap_set(a, b2, policy::CONTROL_PORTS);
         policy::io_bitmap_set(a, b2, policy::DEBUG_PORT..=policy::DEBUG_PORT);
         policy::io_bitmap_set(a, b2, pci::CONFIG_ADDRESS..=*pci::CONFIG_DATA.end());
+        for p in policy::RESET_PORTS {
+            policy::io_bitmap_set(a, b2, p..=p);
+        }
         if let Some(d) = &dma_block {
             policy::io_bitmap_set(a, b2, d.ports.clone());
         }
