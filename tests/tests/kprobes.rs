@@ -2236,6 +2236,22 @@ fn delete_probes(ck: &mut Checks, c: &mut Client, names: &[&str], when: &str) {
     );
 }
 
+/// The hits of the guest's own kprobe `name` (its kprobe_profile), which
+/// is disabled and deleted.
+fn take_guest_kprobe(c: &mut Client, name: &str) -> Option<u64> {
+    let profile = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo 0 > events/kprobes/{name}/enable && grep {name} kprobe_profile; \
+             echo '-:{name}' >> kprobe_events"
+        ),
+    );
+    profile
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+}
+
 /// Every entry of the running count, page by page: (name, calls).
 fn count_entries(c: &mut Client) -> Option<(u64, Vec<(String, u64)>)> {
     let mut cursor = 0;
@@ -2343,17 +2359,7 @@ fn counted_module_churn(ck: &mut Checks, c: &mut Client) {
     check_churn_heap(ck, "counted hvtarget churn", heap0, &heap);
     let memory = status(c).hv_memory_used;
     let counts = count_entries(c);
-    let profile = exec(
-        c,
-        &format!(
-            "cd {TRACEFS} && echo 0 > events/kprobes/gcsum/enable && grep gcsum kprobe_profile; \
-             echo '-:gcsum' >> kprobe_events"
-        ),
-    );
-    let guest: Option<u64> = profile
-        .split_whitespace()
-        .nth(1)
-        .and_then(|n| n.parse().ok());
+    let guest = take_guest_kprobe(c, "gcsum");
     println!(
         "counted churn: baseline loaded {loaded_base:?}, unloaded {unloaded_base:?}; hypervisor memory {} -> {} KiB; guest hvtarget_sum hits {guest:?}; count {counts:?}",
         memory0 >> 10,
@@ -2506,17 +2512,7 @@ fn loop_churn(ck: &mut Checks, c: &mut Client) {
     let took = started.elapsed();
     check_churn_heap(ck, "loop churn", heap0, &heap);
     let ours = hits(c, "kprobes/lpadd") - hits0;
-    let profile = exec(
-        c,
-        &format!(
-            "cd {TRACEFS} && echo 0 > events/kprobes/lpadd/enable && grep lpadd kprobe_profile; \
-             echo '-:lpadd' >> kprobe_events"
-        ),
-    );
-    let guest: Option<u64> = profile
-        .split_whitespace()
-        .nth(1)
-        .and_then(|n| n.parse().ok());
+    let guest = take_guest_kprobe(c, "lpadd");
     let t = status(c).tracer;
     println!(
         "loop churn: 20 rounds in {:.1} s; baseline {base:?}; probe hits ours +{ours}, guest {guest:?}",

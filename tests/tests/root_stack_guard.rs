@@ -47,56 +47,17 @@ fn root_stack_overflow_hits_the_guard_page_and_is_reported() {
         "starting QEMU TCG with the stack-overflow hook",
     );
     let mut checks = Checks::new();
-    if vm.wait_ready().is_ok() {
-        checks.check(false, "the guest shell came up: the self-test did not run");
-    }
     // The hypervisor powers the machine off after its report: QEMU must end
     // by itself, well within this bound (a hang is a failure).
-    let status = vm.wait_exit_or_kill(Duration::from_secs(60));
-    checks.check(
-        matches!(status, Ok(Some(_))),
-        format!("QEMU did not end by itself after the overflow ({status:?})"),
+    let (lines, _) = check_reported(
+        &mut checks,
+        &mut vm,
+        "QEMU",
+        Duration::from_secs(60),
+        "self-test: overflowing root's stack",
+        |l| l.contains("root stack overflow: guard page"),
     );
     let elapsed = started.elapsed();
-    let lines = vm.hv_lines();
-    let errors = vm.hv_errors();
-    checks.check(
-        lines
-            .iter()
-            .any(|l| l.starts_with("self-test: overflowing root's stack")),
-        format!("the self-test did not start: {lines:?}"),
-    );
-    let double_faults: Vec<&String> = lines
-        .iter()
-        .filter(|l| l.starts_with("error: hypervisor fault in VMX root: #DF"))
-        .collect();
-    checks.eq(
-        "`hypervisor fault in VMX root: #DF` lines",
-        double_faults.len(),
-        1,
-    );
-    checks.check(
-        double_faults
-            .iter()
-            .all(|l| l.contains("root stack overflow: guard page")),
-        format!("the #DF report does not name the guard page: {double_faults:?}"),
-    );
-    checks.check(
-        errors.len() == 1,
-        format!("expected exactly one error line, got {errors:?}"),
-    );
-    checks.check(
-        !lines.iter().any(|l| l.contains("panic")),
-        format!("a panic was reported: {lines:?}"),
-    );
-    checks.check(
-        lines.iter().any(|l| l == "guest stopped: hypervisor fault"),
-        format!("no `guest stopped: hypervisor fault` line: {lines:?}"),
-    );
-    checks.check(
-        !vm.guest_started(),
-        format!("a `guest started` line appeared: {lines:?}"),
-    );
     checks.check(
         !lines
             .iter()
@@ -125,41 +86,15 @@ fn an_ap_root_stack_overflow_hits_its_guard_page_and_is_reported() {
         "starting Bochs with two processors and the AP stack-overflow hook",
     );
     let mut checks = Checks::new();
-    if vm.wait_ready().is_ok() {
-        checks.check(
-            false,
-            "the guest shell came up: the AP self-test did not run",
-        );
-    }
-    let status = vm.wait_exit_or_kill(Duration::from_secs(300));
-    checks.check(
-        matches!(status, Ok(Some(_))),
-        format!("Bochs did not end by itself after the AP's overflow ({status:?})"),
+    let (lines, double_faults) = check_reported(
+        &mut checks,
+        &mut vm,
+        "Bochs",
+        Duration::from_secs(300),
+        "self-test: overflowing AP 1's root stack",
+        |l| l.contains("root stack overflow: guard page") && l.contains("CPU 1)"),
     );
     let elapsed = started.elapsed();
-    let lines = vm.hv_lines();
-    let errors = vm.hv_errors();
-    checks.check(
-        lines
-            .iter()
-            .any(|l| l.starts_with("self-test: overflowing AP 1's root stack")),
-        format!("the AP self-test did not start: {lines:?}"),
-    );
-    let double_faults: Vec<&String> = lines
-        .iter()
-        .filter(|l| l.starts_with("error: hypervisor fault in VMX root: #DF"))
-        .collect();
-    checks.eq(
-        "`hypervisor fault in VMX root: #DF` lines",
-        double_faults.len(),
-        1,
-    );
-    checks.check(
-        double_faults
-            .iter()
-            .all(|l| l.contains("root stack overflow: guard page") && l.contains("CPU 1)")),
-        format!("the #DF report does not name the AP's guard page: {double_faults:?}"),
-    );
     // The guard named is the AP's, not the boot processor's.
     let bsp_guard = lines
         .iter()
@@ -174,6 +109,52 @@ fn an_ap_root_stack_overflow_hits_its_guard_page_and_is_reported() {
         format!(
             "the #DF report names the boot processor's guard page: {double_faults:?} {lines:?}"
         ),
+    );
+    eprintln!("root_stack_guard (AP): VM ended after {elapsed:?}; hypervisor lines: {lines:#?}");
+    vm.close();
+    checks.finish();
+}
+
+/// What an overflow's report must be, once the hook ran in `emulator`: no
+/// guest shell, the emulator ending by itself within `wait`, the
+/// self-test's `start` line, exactly one #DF line, which `names_guard`
+/// accepts, one error line, no panic, the stop line, no guest started.
+/// Returns the hypervisor's lines and the #DF lines.
+fn check_reported(
+    checks: &mut Checks,
+    vm: &mut Vm,
+    emulator: &str,
+    wait: Duration,
+    start: &str,
+    names_guard: impl Fn(&str) -> bool,
+) -> (Vec<String>, Vec<String>) {
+    if vm.wait_ready().is_ok() {
+        checks.check(false, "the guest shell came up: the self-test did not run");
+    }
+    let status = vm.wait_exit_or_kill(wait);
+    checks.check(
+        matches!(status, Ok(Some(_))),
+        format!("{emulator} did not end by itself after the overflow ({status:?})"),
+    );
+    let lines = vm.hv_lines();
+    let errors = vm.hv_errors();
+    checks.check(
+        lines.iter().any(|l| l.starts_with(start)),
+        format!("the self-test did not start ({start}): {lines:?}"),
+    );
+    let double_faults: Vec<String> = lines
+        .iter()
+        .filter(|l| l.starts_with("error: hypervisor fault in VMX root: #DF"))
+        .cloned()
+        .collect();
+    checks.eq(
+        "`hypervisor fault in VMX root: #DF` lines",
+        double_faults.len(),
+        1,
+    );
+    checks.check(
+        double_faults.iter().all(|l| names_guard(l)),
+        format!("the #DF report does not name the guard page: {double_faults:?}"),
     );
     checks.check(
         errors.len() == 1,
@@ -191,7 +172,5 @@ fn an_ap_root_stack_overflow_hits_its_guard_page_and_is_reported() {
         !vm.guest_started(),
         format!("a `guest started` line appeared: {lines:?}"),
     );
-    eprintln!("root_stack_guard (AP): VM ended after {elapsed:?}; hypervisor lines: {lines:#?}");
-    vm.close();
-    checks.finish();
+    (lines, double_faults)
 }

@@ -1469,9 +1469,16 @@ impl Vcpu<'_> {
     /// Puts the guest's own TF back after root's step ended without its
     /// #DB (the step's TF must not ride into an event's frame).
     fn restore_guest_tf(&mut self, guest_tf: bool) -> Result<(), VmcsError> {
+        self.set_guest_tf(guest_tf)?;
+        self.step_irq_exits(false)
+    }
+
+    /// Sets RFLAGS.TF to `tf` and drops a pending single-step (BS) that
+    /// root's own TF left.
+    fn set_guest_tf(&mut self, tf: bool) -> Result<(), VmcsError> {
         let v = &mut Vmcs;
         let rflags = f::GUEST_RFLAGS.read(v)?;
-        let want = if guest_tf {
+        let want = if tf {
             rflags | RFLAGS_TF
         } else {
             rflags & !RFLAGS_TF
@@ -1479,8 +1486,7 @@ impl Vcpu<'_> {
         if want != rflags {
             f::GUEST_RFLAGS.write(v, want)?;
         }
-        self.clear_stale_step()?;
-        self.step_irq_exits(false)
+        self.clear_stale_step()
     }
 
     /// External-interrupt exiting on while a step is armed, off otherwise
@@ -1552,19 +1558,9 @@ impl Vcpu<'_> {
             tracer!(self).clear_stray_tf();
         }
         if let Some(tf) = act.tf {
-            let rflags = f::GUEST_RFLAGS.read(v)?;
-            let rflags = if tf {
-                rflags | RFLAGS_TF
-            } else {
-                rflags & !RFLAGS_TF
-            };
-            f::GUEST_RFLAGS.write(v, rflags)?;
             // Bochs 2.7 leaves a stale BS here after a TF step, and the next
             // entry fails on it; the guest's other pending conditions stay.
-            let pending = f::GUEST_PENDING_DEBUG_EXCEPTIONS.read(v)?;
-            if pending & debug::PENDING_BS != 0 {
-                f::GUEST_PENDING_DEBUG_EXCEPTIONS.write(v, pending & !debug::PENDING_BS)?;
-            }
+            self.set_guest_tf(tf)?;
         }
         let next = match act.reflect {
             Some(bits) => {
