@@ -487,14 +487,9 @@ fn scale(ck: &mut Checks, c: &mut Client) {
 /// every call on CPU 1 is traced.
 fn attacker_on_two_cpus(ck: &mut Checks, c: &mut Client) {
     const CALLS: u64 = 300;
-    let addr = guest_exec(c, "grep ' __x64_sys_getppid$' /proc/kallsyms");
-    let Some(addr) = addr.split_whitespace().next().map(str::to_string) else {
-        ck.check(false, "__x64_sys_getppid not in kallsyms");
+    let Some(addr) = probed_getppid(ck, c, "atk2") else {
         return;
     };
-    if !probe_add(ck, c, "p:atk2 __x64_sys_getppid") {
-        return;
-    }
     let mut stream = Stream::new();
     let _ = stream.read(c);
     let st0 = hv_status(c);
@@ -545,6 +540,17 @@ fn attacker_on_two_cpus(ck: &mut Checks, c: &mut Client) {
     ck.eq("VMCALL exits on vCPU 1 per event", exits_cpu1, on_cpu1);
 }
 
+/// A probe `name` on `__x64_sys_getppid`, and the function's address as
+/// the guest's kallsyms has it (hex, for the attacker's parameters).
+fn probed_getppid(ck: &mut Checks, c: &mut Client, name: &str) -> Option<String> {
+    let line = guest_exec(c, "grep ' __x64_sys_getppid$' /proc/kallsyms");
+    let Some(addr) = line.split_whitespace().next().map(str::to_string) else {
+        ck.check(false, "__x64_sys_getppid not in kallsyms");
+        return None;
+    };
+    probe_add(ck, c, &format!("p:{name} __x64_sys_getppid")).then_some(addr)
+}
+
 /// A guest-physical frame inside the hypervisor's reservation (2 MiB to
 /// 32 MiB), which EPT never maps for the guest.
 const HV_FRAME: u64 = 0x1f0_0000;
@@ -562,14 +568,9 @@ const HV_FRAME: u64 = 0x1f0_0000;
 /// guest's log, CPU 0's probe kept firing, status answers, and CPU 1 goes
 /// offline and comes back.
 fn hostile_on_cpu1(ck: &mut Checks, c: &mut Client) {
-    let addr = guest_exec(c, "grep ' __x64_sys_getppid$' /proc/kallsyms");
-    let Some(func) = addr.split_whitespace().next().map(str::to_string) else {
-        ck.check(false, "__x64_sys_getppid not in kallsyms");
+    let Some(func) = probed_getppid(ck, c, "h0") else {
         return;
     };
-    if !probe_add(ck, c, "p:h0 __x64_sys_getppid") {
-        return;
-    }
     guest_exec(
         c,
         "dmesg -c > /dev/null; rm -f /tmp/stop; taskset 1 sh -c 'while [ ! -e /tmp/stop ]; do hvbench getppid 200 > /dev/null; hvbench sleep 5; done' > /dev/null 2>&1 & echo started",
