@@ -7,20 +7,39 @@ pub const CPUID_1_ECX_VMX: u32 = 1 << 5;
 
 /// Filters a CPUID result before the guest sees it: VMX is hidden, so the
 /// guest neither tries to use it nor trips over CR4.VMXE.
-pub fn filter_cpuid(leaf: u32, _subleaf: u32, mut r: [u32; 4]) -> [u32; 4] {
+///
+/// The host hypervisor is hidden too, as on a CPU with none: under KVM the
+/// hypervisor bit and KVM's leaves (0x4000_0000 up) would lead the guest
+/// to kvmclock's MSRs, PV IPIs and spinlock kicks (VMCALLs), none of which
+/// root serves (Debian's 6.1 hangs early dividing by kvmclock's zero
+/// rate). So is 5-level paging: root's walks of guest memory are 4-level,
+/// and CR4.LA57 is refused (`cr4_write`).
+pub fn filter_cpuid(leaf: u32, subleaf: u32, mut r: [u32; 4]) -> [u32; 4] {
     match leaf {
         // SMX is hidden with VMX: GETSEC then raises #UD, as it must
         // with CR4.SMXE clear, and the guest never sets SMXE.
-        1 => r[2] &= !(CPUID_1_ECX_VMX | CPUID_1_ECX_SMX),
+        1 => r[2] &= !(CPUID_1_ECX_VMX | CPUID_1_ECX_SMX | CPUID_1_ECX_HYPERVISOR),
         // Bochs 2.7 advertises APERF/MPERF but does not implement the MSRs;
         // Linux then reads them on every tick and Bochs logs each failed
         // read (tens of MB a minute). The guest loses only its frequency
         // estimate without them.
         6 => r[2] &= !CPUID_6_ECX_APERFMPERF,
+        7 if subleaf == 0 => r[2] &= !CPUID_7_ECX_LA57,
+        HYPERVISOR_LEAVES_START..=HYPERVISOR_LEAVES_END => r = [0; 4],
         _ => {}
     }
     r
 }
+
+/// CPUID.1:ECX[31]: a hypervisor is present.
+pub const CPUID_1_ECX_HYPERVISOR: u32 = 1 << 31;
+/// CPUID.(7,0):ECX[16]: 5-level paging.
+pub const CPUID_7_ECX_LA57: u32 = 1 << 16;
+/// The leaves hypervisors describe themselves in (KVM's `KVMKVMKVM` at
+/// 0x4000_0000, its features at 0x4000_0001, others' alike): all zero for
+/// the guest.
+pub const HYPERVISOR_LEAVES_START: u32 = 0x4000_0000;
+pub const HYPERVISOR_LEAVES_END: u32 = 0x4fff_ffff;
 
 /// CPUID.1:ECX.SMX.
 pub const CPUID_1_ECX_SMX: u32 = 1 << 6;
@@ -63,9 +82,16 @@ pub const fn cr0_host_mask(fixed0: u64) -> u64 {
     fixed0 & !(CR0_PE | CR0_PG)
 }
 
-/// The host-owned bits of CR4: everything VMX fixes to 1 (VMXE).
+/// The bits of CR4 root keeps at 1: everything VMX fixes to 1 (VMXE).
 pub const fn cr4_host_mask(fixed0: u64) -> u64 {
     fixed0 | CR4_VMXE
+}
+
+/// The CR4 guest/host mask: the bits root keeps at 1
+/// ([`cr4_host_mask`]), and LA57, which root keeps at 0 (the guest may
+/// not set it: its MOV exits and faults in [`cr4_write`]).
+pub const fn cr4_guest_host_mask(fixed0: u64) -> u64 {
+    cr4_host_mask(fixed0) | CR4_LA57
 }
 
 /// Result of a guest MOV to CR0 or CR4 that exited.
@@ -97,11 +123,12 @@ pub fn cr0_write(value: u64, fixed0: u64, fixed1: u64, cr4: u64, efer: u64) -> C
     }
 }
 
-/// A guest MOV to CR4: VMXE and SMXE are hidden from the guest, so setting
-/// them faults as on a CPU without VMX and SMX. In IA-32e mode (`lma`),
-/// clearing PAE or changing LA57 faults, as the SDM says.
+/// A guest MOV to CR4: VMXE, SMXE and LA57 are hidden from the guest, so
+/// setting them faults as on a CPU without VMX, SMX and 5-level paging.
+/// In IA-32e mode (`lma`), clearing PAE or changing LA57 faults, as the
+/// SDM says.
 pub fn cr4_write(value: u64, old: u64, fixed0: u64, fixed1: u64, lma: bool) -> CrWrite {
-    let hidden = CR4_VMXE | CR4_SMXE;
+    let hidden = CR4_VMXE | CR4_SMXE | CR4_LA57;
     let long_mode_change = lma && (value & CR4_PAE == 0 || (value ^ old) & CR4_LA57 != 0);
     if value & hidden != 0 || value & !(fixed1 | CR4_VMXE) != 0 || long_mode_change {
         return CrWrite::Fault;
@@ -407,10 +434,16 @@ mod tests {
 
     #[test]
     fn cpuid_hides_vmx_and_aperfmperf() {
+        // VMX, SMX and the hypervisor bit.
         let r = filter_cpuid(1, 0, [1, 2, 0xffff_ffff, 4]);
-        assert_eq!(r, [1, 2, 0xffff_ff9f, 4]);
+        assert_eq!(r, [1, 2, 0x7fff_ff9f, 4]);
+        // LA57 alone of leaf 7's first subleaf; the others pass.
         assert_eq!(
             filter_cpuid(7, 0, [1, 2, 0xffff_ffff, 4]),
+            [1, 2, 0xfffe_ffff, 4]
+        );
+        assert_eq!(
+            filter_cpuid(7, 1, [1, 2, 0xffff_ffff, 4]),
             [1, 2, 0xffff_ffff, 4]
         );
         assert_eq!(filter_cpuid(6, 0, [0, 0, 0x9, 0]), [0, 0, 0x8, 0]);
@@ -492,11 +525,22 @@ mod tests {
             cr4_write(0, 0x20, CR4_F0, CR4_F1, false),
             CrWrite::Load { .. }
         ));
-        // LA57 cannot change in long mode.
+        // LA57 cannot change in long mode, and is hidden outside it too
+        // (root walks guest memory with 4 levels).
         assert_eq!(
             cr4_write(0x20 | CR4_LA57, 0x20, CR4_F0, CR4_F1, true),
             CrWrite::Fault
         );
+        assert_eq!(
+            cr4_write(0x20 | CR4_LA57, 0x20, CR4_F0, CR4_F1 | CR4_LA57, false),
+            CrWrite::Fault
+        );
+        assert_ne!(cr4_guest_host_mask(CR4_F0) & CR4_LA57, 0, "its writes exit");
+        assert_eq!(cr4_host_mask(CR4_F0) & CR4_LA57, 0, "never forced on");
+        match cr4_write(0x20, 0x20, CR4_F0, CR4_F1 | CR4_LA57, true) {
+            CrWrite::Load { actual, .. } => assert_eq!(actual & CR4_LA57, 0),
+            CrWrite::Fault => panic!("a plain CR4 write faulted"),
+        }
     }
 
     #[test]

@@ -584,6 +584,7 @@ impl RunArgs {
             Emulator::Qemu { .. } if args.no_kvm => Emulator::Qemu { kvm: false },
             emulator => emulator,
         };
+        config::check_emulator(emulator, !args.bare, args.no_kvm)?;
 
         let kernel = match &args.kernel {
             Some(kernel) => kernel.clone(),

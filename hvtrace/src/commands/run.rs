@@ -59,7 +59,7 @@ const TRACE_POLL_MS: u32 = 250;
 fn note_tcg(cfg: &RunConfig) {
     if cfg.emulator == (Emulator::Qemu { kvm: false }) && cfg.under_hypervisor() {
         eprintln!(
-            "hvtrace: note: no KVM with VMX on this host; QEMU runs TCG, which cannot emulate VMX"
+            "hvtrace: note: QEMU runs TCG (--no-kvm), which cannot emulate VMX: the hypervisor will refuse to start"
         );
     }
 }

@@ -79,6 +79,30 @@ impl EmulatorChoice {
     }
 }
 
+/// Refuses a run that cannot work: the hypervisor (`hypervisor`) under
+/// QEMU without KVM's nested VMX, which TCG cannot emulate, unless the
+/// user asked for TCG (`tcg_asked`: `--no-kvm`, to see the hypervisor
+/// refuse a CPU without VMX). One line says what to do.
+pub fn check_emulator(emulator: Emulator, hypervisor: bool, tcg_asked: bool) -> Result<()> {
+    check_emulator_with(emulator, hypervisor, tcg_asked, host::kvm_vmx)
+}
+
+/// [`check_emulator`] with the host's answer (`kvm`) given.
+pub fn check_emulator_with(
+    emulator: Emulator,
+    hypervisor: bool,
+    tcg_asked: bool,
+    kvm: impl FnOnce() -> std::result::Result<(), String>,
+) -> Result<()> {
+    if emulator != (Emulator::Qemu { kvm: false }) || !hypervisor || tcg_asked {
+        return Ok(());
+    }
+    let why = kvm().err().unwrap_or_else(|| "KVM was not picked".into());
+    bail!(
+        "QEMU cannot run the hypervisor here: {why}; or run it in Bochs (--emulator bochs), or boot the guest alone (--bare)"
+    )
+}
+
 /// The built-in guest kernels (see `scripts/guest/`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Guest {
@@ -315,6 +339,24 @@ pub fn disables_kaslr(append: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hypervisor_run_under_tcg_is_refused_unless_asked_for() {
+        let tcg = Emulator::Qemu { kvm: false };
+        let nested_off = || Err("kvm_intel's nested VMX is off (nested=N)".to_string());
+        let e = check_emulator_with(tcg, true, false, nested_off).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("nested=N") && text.contains("--emulator bochs") && !text.contains('\n'),
+            "{text}"
+        );
+        // --no-kvm asks for TCG; a bare guest runs under TCG; KVM and
+        // Bochs run the hypervisor.
+        assert!(check_emulator_with(tcg, true, true, nested_off).is_ok());
+        assert!(check_emulator_with(tcg, false, false, nested_off).is_ok());
+        assert!(check_emulator_with(Emulator::Qemu { kvm: true }, true, false, nested_off).is_ok());
+        assert!(check_emulator_with(Emulator::Bochs, true, false, nested_off).is_ok());
+    }
 
     #[test]
     fn kaslr_detection() {

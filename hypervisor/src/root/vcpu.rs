@@ -328,7 +328,7 @@ fn fill_common(
         f::HOST_IA32_PAT.write(v, msr(IA32_PAT))?;
     }
     f::CR0_GUEST_HOST_MASK.write(v, policy::cr0_host_mask(t.fixed.cr0.0))?;
-    f::CR4_GUEST_HOST_MASK.write(v, policy::cr4_host_mask(t.fixed.cr4.0))?;
+    f::CR4_GUEST_HOST_MASK.write(v, policy::cr4_guest_host_mask(t.fixed.cr4.0))?;
     if entry & EntryControls::LOAD_IA32_PAT.bits() != 0 {
         f::GUEST_IA32_PAT.write(v, 0x0007_0406_0007_0406)?;
     }

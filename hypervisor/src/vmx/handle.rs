@@ -154,14 +154,22 @@ mod tests {
             match leaf {
                 // Vendor "GenuineIntel", max leaf 0xd.
                 0 => [0xd, 0x756e_6547, 0x6c65_746e, 0x4965_6e69],
-                // VMX (ecx 5), SMX (6), XSAVE/OSXSAVE (26/27).
+                // VMX (ecx 5), SMX (6), XSAVE/OSXSAVE (26/27), and the
+                // hypervisor bit (31), as under KVM.
                 1 => [
                     0x000906ea,
                     0,
-                    (1 << 5) | (1 << 6) | (1 << 26) | (1 << 27),
+                    (1 << 5) | (1 << 6) | (1 << 26) | (1 << 27) | (1 << 31),
                     0,
                 ],
+                // LA57 (ecx 16) and UMIP (ecx 2), as `-cpu host` on an Ice
+                // Lake-SP host offers them.
+                7 => [0, 0, (1 << 16) | (1 << 2), 0],
                 0xd => [0b111, 0, 0, 0],
+                // KVM's signature leaf ("KVMKVMKVM") and its features
+                // (kvmclock, PV EOI, PV IPIs, ...).
+                0x4000_0000 => [0x4000_0001, 0x4b4d_564b, 0x564b_4d56, 0x0000_004d],
+                0x4000_0001 => [0x0100_7afb, 0, 0, 0],
                 _ => [0; 4],
             }
         }
@@ -208,6 +216,23 @@ mod tests {
         assert_eq!(regs.rcx & (1 << 6), 0, "SMX is hidden with it");
         assert_eq!(regs.rcx & (3 << 26), 3 << 26, "XSAVE passes through");
         assert_eq!(regs.rax, 0x000906ea);
+    }
+
+    #[test]
+    fn the_host_hypervisor_and_5_level_paging_are_hidden() {
+        let mut cpu = Cpu::default();
+        let mut leaf = |leaf, subleaf| {
+            let (o, regs, _) = run(VmExit::Cpuid { leaf, subleaf }, &mut cpu);
+            assert_eq!(o, Outcome::Advance);
+            [regs.rax, regs.rbx, regs.rcx, regs.rdx]
+        };
+        assert_eq!(leaf(1, 0)[2] & (1 << 31), 0, "no hypervisor bit");
+        let seven = leaf(7, 0);
+        assert_eq!(seven[2] & (1 << 16), 0, "no LA57");
+        assert_eq!(seven[2] & (1 << 2), 1 << 2, "UMIP passes through");
+        for l in [0x4000_0000, 0x4000_0001, 0x4000_0100, 0x4fff_ffff] {
+            assert_eq!(leaf(l, 0), [0; 4], "leaf {l:#x}");
+        }
     }
 
     #[test]
