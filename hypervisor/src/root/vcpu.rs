@@ -168,8 +168,8 @@ fn vmxon(basic: VmxBasic) -> Result<Fixed, VmxError> {
 /// Builds the identity EPT: guest RAM write-back, the rest of the low 4 GiB
 /// (and anything else below the top of RAM) uncacheable, hypervisor memory absent.
 fn build_ept(b: &BootInfo, cap: EptVpidCap) -> Result<Ept, VmxError> {
-    if !cap.walk_length_4() || !cap.write_back() {
-        return Err(VmxError::EptCaps("4-level write-back paging structures"));
+    if let Some(missing) = cap.missing() {
+        return Err(VmxError::EptCaps(missing));
     }
     let mut store = frames::PoolTables;
     let ept = Ept::new(&mut store)?;

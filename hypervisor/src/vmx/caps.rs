@@ -45,9 +45,32 @@ impl EptVpidCap {
     pub const fn invept(self) -> bool {
         self.0 & (1 << 20) != 0
     }
+    /// Bit 25: single-context INVEPT.
+    pub const fn invept_single(self) -> bool {
+        self.0 & (1 << 25) != 0
+    }
     /// Bit 26: all-context INVEPT.
     pub const fn invept_all(self) -> bool {
         self.0 & (1 << 26) != 0
+    }
+
+    /// What root needs of EPT and this CPU lacks, first found, for the
+    /// refusal "EPT lacks ...": 4-level write-back paging structures (the
+    /// builder's), execute-only translations (hooked pages execute from
+    /// their shadow while the guest's reads and writes fault), and
+    /// single-context INVEPT (every change invalidates a vCPU's own
+    /// views). `None` when all are there. A nested KVM offers them all
+    /// when the host CPU has them (execute-only follows the host's).
+    pub const fn missing(self) -> Option<&'static str> {
+        if !self.walk_length_4() || !self.write_back() {
+            Some("4-level write-back paging structures")
+        } else if !self.execute_only() {
+            Some("execute-only translations (hooked pages execute from their shadow)")
+        } else if !self.invept() || !self.invept_single() {
+            Some("single-context INVEPT")
+        } else {
+            None
+        }
     }
 }
 
@@ -133,5 +156,28 @@ mod tests {
     fn fixed_bits_apply() {
         assert_eq!(apply_fixed(0x20, 0x2000, 0x3ff7ff), 0x2020);
         assert_eq!(apply_fixed(0x40_0000, 0, 0x3f_ffff), 0);
+    }
+
+    #[test]
+    fn ept_needs_are_named_one_at_a_time() {
+        // Bochs 2.7's value, as root logs it.
+        let bochs = EptVpidCap(0xf0106334141);
+        assert_eq!(bochs.missing(), None);
+        assert_eq!(
+            EptVpidCap(bochs.0 & !1).missing(),
+            Some("execute-only translations (hooked pages execute from their shadow)")
+        );
+        assert_eq!(
+            EptVpidCap(bochs.0 & !(1 << 25)).missing(),
+            Some("single-context INVEPT")
+        );
+        assert_eq!(
+            EptVpidCap(bochs.0 & !(1 << 20)).missing(),
+            Some("single-context INVEPT")
+        );
+        assert_eq!(
+            EptVpidCap(bochs.0 & !(1 << 14)).missing(),
+            Some("4-level write-back paging structures")
+        );
     }
 }
