@@ -163,7 +163,11 @@ pub fn remove_ram(run_dir: &Path, ram: &Path) {
     }
 }
 
-/// The machine type QEMU runs, for the RAM file's layout.
+/// The machine type QEMU runs, for the RAM file's layout. It stays `pc`
+/// (i440FX): `q35` adds PCI Express's MMCONFIG window, through which the
+/// guest would reach configuration space by memory stores that root's
+/// filter of the 0xCF8/0xCFC ports never sees (bus mastering, BARs over
+/// hypervisor memory).
 pub const MACHINE: super::shm::MachineType = super::shm::MachineType::Pc;
 
 /// The `-chardev` value of a socket client with id `id` connecting to
