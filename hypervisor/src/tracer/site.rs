@@ -187,10 +187,22 @@ pub fn resync_where(
             }
         }
     }
-    for (i, (s, &g)) in shadow.iter_mut().zip(original.iter()).enumerate() {
-        let mine = ours.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0);
-        if !mine && *s != g {
-            *s = g;
+    // 64 bytes at a time: a block without our bytes that equals the
+    // guest's is one comparison (the common case: a step that read the
+    // page, which every step's close now resyncs), and only a block that
+    // differs is walked byte by byte.
+    for ((s, g), &mask) in shadow
+        .chunks_exact_mut(64)
+        .zip(original.chunks_exact(64))
+        .zip(ours.iter())
+    {
+        if mask == 0 && s == g {
+            continue;
+        }
+        for (i, (s, &g)) in s.iter_mut().zip(g.iter()).enumerate() {
+            if mask & (1 << i) == 0 && *s != g {
+                *s = g;
+            }
         }
     }
     changed
@@ -303,6 +315,71 @@ mod tests {
         for (i, (&s, &g)) in shadow.iter().zip(changed.iter()).enumerate() {
             let ours = offsets.iter().any(|&o| (o..o + 5).contains(&i));
             assert!(ours || s == g, "byte {i:#x}");
+        }
+    }
+
+    /// The byte-by-byte rule the block-wise resync must equal: every byte
+    /// outside our patches becomes the guest's, our patches stay.
+    fn naive(shadow: &mut [u8; PAGE_SIZE], original: &[u8; PAGE_SIZE], patches: &[Patch]) {
+        for (i, (s, &g)) in shadow.iter_mut().zip(original.iter()).enumerate() {
+            let mine = patches
+                .iter()
+                .any(|p| (p.offset as usize..p.offset as usize + SITE_LEN).contains(&i));
+            if !mine {
+                *s = g;
+            }
+        }
+    }
+
+    #[test]
+    fn resync_block_by_block_equals_byte_by_byte() {
+        let offsets = [0x3c, 0x40, 0x7fd, 0xffb];
+        let original = page_with_sites(&offsets);
+        let entry = Gva(BASE - 0x20_0000);
+        let patches: alloc::vec::Vec<Patch> = offsets
+            .iter()
+            .map(|&o| {
+                let site = Gva(BASE + o as u64);
+                Patch {
+                    offset: o as u16,
+                    site,
+                    ours: call_rel32(site, entry).unwrap(),
+                    guest: NOP5,
+                    in_quiet: false,
+                }
+            })
+            .collect();
+        let mut shadow = [0; PAGE_SIZE];
+        let mut ps = patches.clone();
+        resync(&mut shadow, &original, &mut ps);
+        // Guest writes at block edges, beside our sites, inside blocks
+        // with and without sites, one at a time and all at once.
+        let spots = [
+            0,
+            1,
+            0x3b,
+            0x3f,
+            0x41 + 4,
+            0x45,
+            0x80,
+            0x7fc,
+            0x802,
+            0xfff,
+            0xffa,
+        ];
+        let mut all = original;
+        for &at in &spots {
+            let mut changed = original;
+            changed[at] ^= 0x5a;
+            all[at] ^= 0x5a;
+            for page in [changed, all] {
+                let mut fast = shadow;
+                let mut want = shadow;
+                let mut ps = patches.clone();
+                resync(&mut fast, &page, &mut ps);
+                naive(&mut want, &page, &patches);
+                assert_eq!(fast, want, "a write at {at:#x}");
+            }
         }
     }
 }
