@@ -274,12 +274,10 @@ mod tests {
         assert!(!rip_inside(Gva(BASE), BASE + 5));
     }
 
-    #[test]
-    fn resync_keeps_our_patches_and_records_the_guests_bytes() {
-        let offsets = [0x4, 0x804];
-        let original = page_with_sites(&offsets);
+    /// Our patches at `offsets` of the page at `BASE`, over the NOP5.
+    fn patches_at(offsets: &[usize]) -> alloc::vec::Vec<Patch> {
         let entry = Gva(BASE - 0x20_0000);
-        let mut patches: alloc::vec::Vec<Patch> = offsets
+        offsets
             .iter()
             .map(|&o| {
                 let site = Gva(BASE + o as u64);
@@ -291,7 +289,14 @@ mod tests {
                     in_quiet: false,
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn resync_keeps_our_patches_and_records_the_guests_bytes() {
+        let offsets = [0x4, 0x804];
+        let original = page_with_sites(&offsets);
+        let mut patches = patches_at(&offsets);
         let mut shadow = [0; PAGE_SIZE];
         assert_eq!(resync(&mut shadow, &original, &mut patches), 0);
         for p in &patches {
@@ -335,20 +340,7 @@ mod tests {
     fn resync_block_by_block_equals_byte_by_byte() {
         let offsets = [0x3c, 0x40, 0x7fd, 0xffb];
         let original = page_with_sites(&offsets);
-        let entry = Gva(BASE - 0x20_0000);
-        let patches: alloc::vec::Vec<Patch> = offsets
-            .iter()
-            .map(|&o| {
-                let site = Gva(BASE + o as u64);
-                Patch {
-                    offset: o as u16,
-                    site,
-                    ours: call_rel32(site, entry).unwrap(),
-                    guest: NOP5,
-                    in_quiet: false,
-                }
-            })
-            .collect();
+        let patches = patches_at(&offsets);
         let mut shadow = [0; PAGE_SIZE];
         let mut ps = patches.clone();
         resync(&mut shadow, &original, &mut ps);
