@@ -159,23 +159,32 @@ module_param(forge_hold, int, 0);
 static unsigned long btf;
 module_param(btf, ulong, 0);
 
-static void time_reads(void)
+/* One read of func's first 9 bytes: counted in *bad when it faults, in
+ * *other when it shows neither the fentry NOP5 at the start nor one
+ * after an ENDBR64 (the guest's own bytes, which a hooked page must keep
+ * showing). */
+static void read_nop5(int *bad, int *other)
 {
 	static const u8 nop5[5] = { 0x0f, 0x1f, 0x44, 0x00, 0x00 };
 	static const u8 endbr64[4] = { 0xf3, 0x0f, 0x1e, 0xfa };
 	u8 b[9];
+
+	if (copy_from_kernel_nofault(b, (void *)func, sizeof(b)))
+		(*bad)++;
+	else if (memcmp(b, nop5, sizeof(nop5)) &&
+		 (memcmp(b, endbr64, sizeof(endbr64)) ||
+		  memcmp(b + sizeof(endbr64), nop5, sizeof(nop5))))
+		(*other)++;
+}
+
+static void time_reads(void)
+{
 	u64 t0, t;
 	int i, bad = 0, other = 0;
 
 	t0 = ktime_get_ns();
-	for (i = 0; i < reads; i++) {
-		if (copy_from_kernel_nofault(b, (void *)func, sizeof(b)))
-			bad++;
-		else if (memcmp(b, nop5, sizeof(nop5)) &&
-			 (memcmp(b, endbr64, sizeof(endbr64)) ||
-			  memcmp(b + sizeof(endbr64), nop5, sizeof(nop5))))
-			other++;
-	}
+	for (i = 0; i < reads; i++)
+		read_nop5(&bad, &other);
 	t = ktime_get_ns() - t0;
 	pr_info("hvattack: timed %d reads of %lx: %llu ns (%d faulted, %d not a nop5)\n",
 		reads, func, t, bad, other);
@@ -525,23 +534,15 @@ static enum hrtimer_restart storm_tick(struct hrtimer *t)
 
 static void try_step_storm(void)
 {
-	static const u8 nop5[5] = { 0x0f, 0x1f, 0x44, 0x00, 0x00 };
-	static const u8 endbr64[4] = { 0xf3, 0x0f, 0x1e, 0xfa };
 	struct hrtimer timer;
 	int i, bad = 0, other = 0, moves = 0, cpu;
-	u8 b[9];
 
 	hrtimer_init(&timer, CLOCK_MONOTONIC, HRTIMER_MODE_REL);
 	timer.function = storm_tick;
 	atomic_set(&storm_fires, 0);
 	hrtimer_start(&timer, ns_to_ktime(10000), HRTIMER_MODE_REL);
 	for (i = 0; i < step_storm; i++) {
-		if (copy_from_kernel_nofault(b, (void *)func, sizeof(b)))
-			bad++;
-		else if (memcmp(b, nop5, sizeof(nop5)) &&
-			 (memcmp(b, endbr64, sizeof(endbr64)) ||
-			  memcmp(b + sizeof(endbr64), nop5, sizeof(nop5))))
-			other++;
+		read_nop5(&bad, &other);
 		if (i % 64 == 63) {
 			cpu = cpumask_next(raw_smp_processor_id(), cpu_online_mask);
 			if (cpu >= nr_cpu_ids)

@@ -296,12 +296,13 @@ pub fn identity_limit(ram_top: u64) -> u64 {
 const _: () = assert!(GIB_512 == 1 << 39);
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// Tables in a vector; "physical" addresses are (index + 1) * 4 KiB.
+    /// Tables in a vector; "physical" addresses are (index + 1) * 4 KiB;
+    /// at most 4,096 of them. The other modules' EPT tests use it too.
     #[derive(Default)]
-    struct VecStore(Vec<Box<[u64; 512]>>);
+    pub(crate) struct VecStore(Vec<Box<[u64; 512]>>);
 
     impl TableStore for VecStore {
         fn alloc_table(&mut self) -> Option<Hpa> {

@@ -239,21 +239,8 @@ impl InitLimiter {
 mod tests {
     use super::*;
     use crate::addr::Hpa;
+    use crate::ept::tests::VecStore;
     use crate::ept::RWX;
-
-    /// Tables in a vector; "physical" addresses are (index + 1) * 4 KiB.
-    #[derive(Default)]
-    struct VecStore(Vec<Box<[u64; 512]>>);
-
-    impl TableStore for VecStore {
-        fn alloc_table(&mut self) -> Option<Hpa> {
-            self.0.push(Box::new([0; 512]));
-            Some(Hpa(self.0.len() as u64 * 4096))
-        }
-        fn table(&mut self, hpa: Hpa) -> &mut [u64; 512] {
-            &mut self.0[(hpa.0 / 4096 - 1) as usize]
-        }
-    }
 
     /// The MMIO hole as root maps it before the windows: 2 MiB leaves,
     /// uncacheable, RWX.

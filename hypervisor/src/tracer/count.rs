@@ -93,6 +93,13 @@ impl Hist {
     }
 }
 
+/// One entry of a count's read: a live counted site (its site and use),
+/// or a function whose module went (its name and calls).
+enum Counted<'a> {
+    Live(Gva, &'a super::split::SiteUse),
+    Gone(&'a str, u64),
+}
+
 /// A page of histogram rows.
 pub struct HistPage {
     pub rows: Vec<HistRow>,
@@ -439,45 +446,40 @@ impl Tracer<'_> {
             .sites
             .iter()
             .filter(|(_, u)| u.counted)
-            .map(|(&site, u)| (u.func.0, Some((site, u)), None));
-        let gone = c.unloaded.iter().map(|(&func, e)| (func, None, Some(e)));
+            .map(|(&site, u)| (u.func.0, Counted::Live(site, u)));
+        let gone = c
+            .unloaded
+            .iter()
+            .map(|(&func, (name, n))| (func, Counted::Gone(name, *n)));
         let mut live = live.peekable();
         let mut gone = gone.peekable();
-        let merged = core::iter::from_fn(|| {
-            let take_live = match (live.peek(), gone.peek()) {
-                (Some(l), Some(g)) => l.0 <= g.0,
-                (Some(_), None) => true,
-                (None, _) => false,
-            };
-            if take_live {
-                live.next()
-            } else {
-                gone.next()
-            }
+        let merged = core::iter::from_fn(|| match (live.peek(), gone.peek()) {
+            (Some(l), Some(g)) if l.0 > g.0 => gone.next(),
+            (Some(_), _) => live.next(),
+            (None, _) => gone.next(),
         });
         calls = calls.saturating_add(c.unloaded_other);
-        for (func, site_use, unloaded) in merged {
-            let n = match (site_use, unloaded) {
-                (Some((_, u)), _) => {
+        for (func, entry) in merged {
+            let n = match entry {
+                Counted::Live(_, u) => {
                     counted += 1;
                     u.calls.load(Relaxed)
                 }
-                (None, Some(&(_, n))) => n,
-                (None, None) => 0,
+                Counted::Gone(_, n) => n,
             };
             calls += n;
             if n == 0 || func < cursor || next.is_some() {
                 continue;
             }
-            let name = match (site_use, unloaded) {
-                (_, Some((name, _))) => match fallible::try_string(name) {
+            let name = match entry {
+                Counted::Gone(name, _) => match fallible::try_string(name) {
                     Ok(n) => n,
                     Err(_) => {
                         next = Some(func);
                         continue;
                     }
                 },
-                (Some((site, u)), None) => {
+                Counted::Live(site, u) => {
                     let matched = c
                         .names
                         .binary_search_by_key(&u.func.0, |&(a, _)| a)
@@ -488,7 +490,6 @@ impl Tracer<'_> {
                         None => name_of(&syms, u.func, site),
                     }
                 }
-                (None, None) => continue,
             };
             if entries.len() >= limit.max(1) as usize || bytes + name.len() > PAGE_BUDGET {
                 next = Some(func);

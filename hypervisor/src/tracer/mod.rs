@@ -352,24 +352,19 @@ impl<'a> Tracer<'a> {
     /// when the page was hooked.
     pub fn emulated_write(&mut self, gpa: u64, env: &mut Env<'_>) -> bool {
         let page = crate::addr::Gpa(gpa).align_down(machine::PAGE as u64);
-        let hooked = step::resync_page(&mut self.vm.view, page, env);
-        self.vm.stats.guest_writes += u64::from(hooked);
-        hooked
+        let Some(h) = self.vm.view.pages.get_mut(&page) else {
+            return false;
+        };
+        step::resync_hooked(page, h, env);
+        self.vm.stats.guest_writes += 1;
+        true
     }
 
     /// [`Self::emulated_write`] for every hooked page (root does not know
     /// which pages an emulated instruction wrote).
     pub fn resync_all(&mut self, env: &mut Env<'_>) {
-        let mut next = self.vm.view.pages.keys().next().copied();
-        while let Some(page) = next {
-            step::resync_page(&mut self.vm.view, page, env);
-            next = self
-                .vm
-                .view
-                .pages
-                .range(crate::addr::Gpa(page.0 + 1)..)
-                .next()
-                .map(|(&p, _)| p);
+        for (&page, h) in self.vm.view.pages.iter_mut() {
+            step::resync_hooked(page, h, env);
         }
     }
 

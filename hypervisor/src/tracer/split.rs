@@ -407,8 +407,9 @@ impl SplitView {
         let Some(h) = self.pages.get_mut(&page) else {
             return false;
         };
-        match h.quiet {
-            QuietMap::Shadow => true,
+        let partial = match h.quiet {
+            QuietMap::Shadow => return true,
+            QuietMap::Guest => None,
             QuietMap::Partial(q) => {
                 let Some(p) = h.patches.iter_mut().find(|p| p.site == site) else {
                     return false;
@@ -425,27 +426,22 @@ impl SplitView {
                     p.in_quiet = true;
                     return true;
                 }
-                // Not the bytes expected: the whole shadow is right.
-                let shadow = h.shadow;
-                if !remap_quiet(env, page, shadow, ept::EXEC) {
-                    return false;
-                }
-                h.quiet = QuietMap::Shadow;
-                for p in h.patches.iter_mut() {
-                    p.in_quiet = false;
-                }
-                self.free_shadows.push(q);
-                true
+                Some(q)
             }
-            QuietMap::Guest => {
-                let shadow = h.shadow;
-                if !remap_quiet(env, page, shadow, ept::EXEC) {
-                    return false;
-                }
-                h.quiet = QuietMap::Shadow;
-                true
-            }
+        };
+        // The page left to the guest, or a partial shadow without the
+        // bytes expected: the whole shadow is right.
+        if !remap_quiet(env, page, h.shadow, ept::EXEC) {
+            return false;
         }
+        h.quiet = QuietMap::Shadow;
+        for p in h.patches.iter_mut() {
+            p.in_quiet = false;
+        }
+        if let Some(q) = partial {
+            self.free_shadows.push(q);
+        }
+        true
     }
 
     /// Takes one user off every site (`release` does it and says whether

@@ -22,7 +22,7 @@
 use super::machine::{Env, View, PAGE};
 use super::region::Region;
 use super::site;
-use super::split::{in_hypervisor, page_bytes, remap_mine, remap_own, QuietMap, SplitView};
+use super::split::{in_hypervisor, page_bytes, remap_mine, remap_own, Hooked, QuietMap, SplitView};
 use crate::addr::{Gpa, Hpa};
 use crate::ept;
 use guest_introspect::paging;
@@ -322,13 +322,9 @@ impl Stepper {
     }
 }
 
-/// Brings the shadows of the hooked page `page` (the shadow, and its
-/// partial quiet shadow) up to the guest's own bytes, under our patches;
-/// nothing for a page that is not hooked. Whether it was hooked.
-pub(super) fn resync_page(view: &mut SplitView, page: Gpa, env: &mut Env<'_>) -> bool {
-    let Some(h) = view.pages.get_mut(&page) else {
-        return false;
-    };
+/// Brings the shadows of the hooked page `page`, `h` (the shadow, and its
+/// partial quiet shadow) up to the guest's own bytes, under our patches.
+pub(super) fn resync_hooked(page: Gpa, h: &mut Hooked, env: &mut Env<'_>) {
     if let Some(orig) = page_bytes(env.ram, page) {
         let shadow = env.m.frame(h.shadow);
         site::resync(shadow, &orig, &mut h.patches);
@@ -337,7 +333,6 @@ pub(super) fn resync_page(view: &mut SplitView, page: Gpa, env: &mut Env<'_>) ->
             site::resync_where(quiet, &orig, &mut h.patches, |p| p.in_quiet);
         }
     }
-    true
 }
 
 /// Puts one page of a finished step back to its watched mapping.
@@ -348,9 +343,9 @@ fn close_page(page: Gpa, kind: StepKind, env: &mut Env<'_>, s: StepShared<'_>) {
             // instruction, an event it raised or another context on this
             // vCPU may have written it (the resync writes only the bytes
             // that differ).
-            s.stats.guest_writes += u64::from(write && s.view.pages.contains_key(&page));
-            resync_page(s.view, page, env);
-            if let Some(h) = s.view.pages.get(&page) {
+            if let Some(h) = s.view.pages.get_mut(&page) {
+                s.stats.guest_writes += u64::from(write);
+                resync_hooked(page, h, env);
                 for view in View::BOTH {
                     remap_own(env, view, page, h.mapping(view, page), ept::EXEC);
                 }
