@@ -860,6 +860,12 @@ pub struct VcpuReport {
     pub root_stack_used: u64,
     /// See `root_stack_used`.
     pub root_stack_size: u64,
+    /// What its exits would cost a nested KVM beyond the exits
+    /// themselves: VMREADs and VMWRITEs of fields KVM's shadow VMCS does
+    /// not hold, and INVEPTs (each an exit to KVM). Counted in Bochs too.
+    pub vmcs_unshadowed: u64,
+    /// See `vmcs_unshadowed`.
+    pub invept: u64,
 }
 
 /// The guest kernel as recovered from its memory.

@@ -130,6 +130,8 @@ fn status() -> StatusReport {
             quiet: false,
             root_stack_used: 40_960,
             root_stack_size: 131_072,
+            vmcs_unshadowed: 2,
+            invept: 5,
         }],
         graph_sessions: vec![crate::GraphSessionReport {
             session: 3,

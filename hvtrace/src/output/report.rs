@@ -103,6 +103,21 @@ pub fn status_text(status: &Status) -> String {
     if !stacks.is_empty() {
         line("root stack", format!("{} (deepest use)", stacks.join(", ")));
     }
+    let nested: Vec<String> = r
+        .per_vcpu
+        .iter()
+        .map(|c| {
+            format!(
+                "vCPU {} {} unshadowed VMCS accesses, {} INVEPT",
+                c.index, c.vmcs_unshadowed, c.invept
+            )
+        })
+        .collect();
+    if !nested.is_empty() {
+        // What nested KVM would add to the exits below: each is an exit
+        // to it.
+        line("nested cost", nested.join(", "));
+    }
     line("exits", format!("{} in all", r.exits_total));
     if r.per_vcpu.len() > 1 {
         for c in &r.per_vcpu {
@@ -370,6 +385,8 @@ pub fn status_json(status: &Status) -> Json {
                             ("quiet", Json::Bool(c.quiet)),
                             ("root_stack_used", json::int(c.root_stack_used)),
                             ("root_stack_size", json::int(c.root_stack_size)),
+                            ("vmcs_unshadowed", json::int(c.vmcs_unshadowed)),
+                            ("invept", json::int(c.invept)),
                         ])
                     })
                     .collect(),
@@ -605,6 +622,8 @@ mod tests {
                 quiet: false,
                 root_stack_used: 0,
                 root_stack_size: 0,
+                vmcs_unshadowed: 0,
+                invept: 0,
             }],
             graph_sessions: Vec::new(),
             guard: protocol::GuardReport::default(),

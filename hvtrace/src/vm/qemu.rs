@@ -180,6 +180,19 @@ pub fn chardev_arg(id: &str, endpoint: &Endpoint) -> String {
     }
 }
 
+/// The guest kernel's command line for a run: `append`, and under KVM
+/// `tsc=reliable` unless `append` sets `tsc=` itself. The TSC is
+/// invariant there (`+invtsc`), and the guest then keeps it as its
+/// clocksource without the watchdog, whose reads of a second clock
+/// would each exit (to root, and from root to KVM).
+pub fn guest_cmdline(append: &str, kvm: bool) -> String {
+    if kvm && !append.split_whitespace().any(|w| w.starts_with("tsc=")) {
+        format!("{append} tsc=reliable").trim_start().to_string()
+    } else {
+        append.to_string()
+    }
+}
+
 /// The QEMU arguments for a run whose files are staged in its working
 /// directory (`bzImage`, `initrd`, and `hypervisor` unless bare).
 pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports) -> Vec<String> {
@@ -189,10 +202,14 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
     // network would reach the host's 127.0.0.1), no VGA, no drives.
     push(&["-nodefaults"]);
     if kvm {
-        push(&["-enable-kvm", "-cpu", "host,+vmx"]);
+        // The host's CPU with VMX for root, and the invariant TSC: without
+        // it the guest's clocksource watchdog distrusts the TSC and falls
+        // back to a timer QEMU emulates (each read an exit through root).
+        push(&["-enable-kvm", "-cpu", "host,+vmx,+invtsc"]);
     } else {
         push(&["-accel", "tcg", "-cpu", "max"]);
     }
+    let append = guest_cmdline(&cfg.append, kvm);
     let memory = cfg.memory_mib.to_string();
     let cpus = cfg.cpus.to_string();
     push(&["-m", &memory, "-smp", &cpus]);
@@ -201,8 +218,11 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
         // so that the host can read the hypervisor's trace ring there
         // (`vm::shm`); the machine is named, since the file's layout is
         // the machine type's.
+        // Allocated whole at start (prealloc): no page fault on the host
+        // for a guest page's first touch, which under nested KVM is an
+        // exit to the host kernel in the middle of a hit.
         let backend = format!(
-            "memory-backend-file,id=ram,size={}M,mem-path={},share=on",
+            "memory-backend-file,id=ram,size={}M,mem-path={},share=on,prealloc=on",
             cfg.memory_mib,
             escape_commas(&ports.ram.to_string_lossy())
         );
@@ -211,7 +231,7 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
     match hypervisor {
         Some(image) => {
             let image = image.to_string_lossy();
-            let modules = modules_arg(&cfg.append);
+            let modules = modules_arg(&append);
             push(&["-kernel", &image, "-initrd", &modules]);
             // The hypervisor's own Multiboot command line (test hooks).
             if !cfg.hypervisor_cmdline.is_empty() {
@@ -225,7 +245,7 @@ pub fn args(cfg: &RunConfig, kvm: bool, hypervisor: Option<&Path>, ports: Ports)
                 "-initrd",
                 INITRD_NAME,
                 "-append",
-                &cfg.append,
+                &append,
             ]);
         }
     }
@@ -428,15 +448,43 @@ mod tests {
         let kvm = args(&cfg, true, Some(Path::new("/x/hypervisor")), ports);
         assert_eq!(
             &kvm[..4],
-            ["-nodefaults", "-enable-kvm", "-cpu", "host,+vmx"]
+            ["-nodefaults", "-enable-kvm", "-cpu", "host,+vmx,+invtsc"]
         );
         assert!(kvm.windows(2).any(|w| w == ["-kernel", "/x/hypervisor"]));
+        // The guest's command line travels as the module string, with
+        // tsc=reliable under KVM.
+        let modules = values(&kvm, "-initrd");
+        assert_eq!(modules.len(), 1);
+        assert!(modules[0].ends_with(" tsc=reliable,initrd"), "{modules:?}");
+        assert!(modules[0].starts_with("bzImage "), "{modules:?}");
         let tcg = args(&cfg, false, None, ports);
         assert_eq!(&tcg[..5], ["-nodefaults", "-accel", "tcg", "-cpu", "max"]);
         assert!(tcg.windows(2).any(|w| w == ["-kernel", "bzImage"]));
         assert!(tcg
             .windows(2)
             .any(|w| w[0] == "-append" && w[1] == cfg.append));
+        assert!(!cfg.append.contains("tsc="));
+        // A bare run under KVM gets it too.
+        let bare_kvm = args(&cfg, true, None, ports);
+        assert_eq!(
+            values(&bare_kvm, "-append"),
+            [format!("{} tsc=reliable", cfg.append)]
+        );
+    }
+
+    #[test]
+    fn tsc_reliable_only_under_kvm_and_only_once() {
+        assert_eq!(
+            guest_cmdline("console=ttyS0", true),
+            "console=ttyS0 tsc=reliable"
+        );
+        assert_eq!(guest_cmdline("", true), "tsc=reliable");
+        assert_eq!(guest_cmdline("console=ttyS0", false), "console=ttyS0");
+        // The user's own choice stays.
+        assert_eq!(
+            guest_cmdline("tsc=unstable quiet", true),
+            "tsc=unstable quiet"
+        );
     }
 
     #[test]
@@ -492,7 +540,7 @@ mod tests {
         let hv = args(&cfg, true, Some(Path::new("/x/hypervisor")), ports);
         assert_eq!(
             values(&hv, "-object"),
-            ["memory-backend-file,id=ram,size=512M,mem-path=guest-ram,share=on"]
+            ["memory-backend-file,id=ram,size=512M,mem-path=guest-ram,share=on,prealloc=on"]
         );
         assert_eq!(values(&hv, "-machine"), ["pc,memory-backend=ram"]);
         let bare = args(&cfg, false, None, ports);

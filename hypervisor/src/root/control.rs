@@ -1007,6 +1007,8 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
                     quiet: h.quiet,
                     root_stack_used,
                     root_stack_size,
+                    vmcs_unshadowed: crate::vcpu::NestedCost::of(i).0,
+                    invept: crate::vcpu::NestedCost::of(i).1,
                 },
             )
             .collect(),

@@ -17,6 +17,9 @@ pub struct CpuState {
     pub index: usize,
     /// Whether this CPU's VMCS has been launched (VMRESUME from then on).
     pub launched: bool,
+    /// The HOST_RSP its VMCS holds (0 before the first entry), written
+    /// by `vmx_run` only when it changes.
+    pub host_rsp: u64,
     /// TSC ticks spent waiting for the VM lock, and how often it was taken.
     pub lock_wait_ticks: u64,
     pub lock_takes: u64,
@@ -73,12 +76,10 @@ pub struct CpuState {
 }
 
 impl CpuState {
-    /// Invalidates the cached translations of both its views (INVEPT of
-    /// each; a failure leaves nothing more to do).
+    /// Invalidates the cached translations of both its views, each
+    /// before the vCPU next enters on it (`crate::world::entering_guest`).
     pub fn invalidate_views(&self) {
-        for eptp in self.eptps {
-            let _ = crate::arch::instructions::invept_single(eptp);
-        }
+        crate::world::own_views_changed(self.index);
     }
 
     /// The EPT pointer of its view `view`.
@@ -94,6 +95,7 @@ impl CpuState {
         CpuState {
             index,
             launched: false,
+            host_rsp: 0,
             lock_wait_ticks: 0,
             lock_takes: 0,
             shared_wait_ticks: 0,

@@ -364,11 +364,17 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             return e.into();
         }
         cpu.held_ticks = cpu.held_ticks.saturating_add(crate::world::entering_guest(
-            cpu.index, cpu.eptps, cpu.parked,
+            cpu.index, cpu.eptps, cpu.view, cpu.parked,
         ));
+        let host_rsp = cpu.host_rsp;
         // SAFETY: `vcpu::setup` or `vcpu::setup_ap` filled the current
-        // VMCS completely.
-        let outcome = unsafe { insn::vmx_run(&mut cpu.regs, cpu.launched) };
+        // VMCS completely; `cpu.host_rsp` is this VMCS's HOST_RSP (0
+        // before its first entry), and only `vmx_run` writes HOST_RSP and
+        // HOST_RIP.
+        let outcome = unsafe { insn::vmx_run(&mut cpu.regs, cpu.launched, &mut cpu.host_rsp) };
+        if cpu.host_rsp != host_rsp {
+            crate::vcpu::NestedCost::add(&crate::vcpu::NESTED_COST, cpu.index, 2, 0);
+        }
         crate::world::left_guest(cpu.index, || f::GUEST_RIP.read(&Vmcs).unwrap_or(0));
         if let RunOutcome::EntryFailed(e) = outcome {
             let err = f::VM_INSTRUCTION_ERROR.read(&Vmcs).unwrap_or(0);
@@ -485,30 +491,24 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
 /// The vCPU state the tracer and introspection need, from the current
 /// VMCS.
 fn cpu_view() -> Result<CpuView, VmcsError> {
-    let v = &Vmcs;
-    let cpl = event::cpl_from_ss_ar(f::GUEST_SS_ACCESS_RIGHTS.read(v)?);
-    let kernel_gs_base = if cpl == 0 {
-        0
-    } else {
+    CpuView::read(
+        &Vmcs,
         // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
-        unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) }
-    };
-    Ok(CpuView {
-        cr3: f::GUEST_CR3.read(v)?,
-        cpl,
-        gs_base: f::GUEST_GS_BASE.read(v)?,
-        kernel_gs_base,
-        la57: f::GUEST_CR4.read(v)? & policy::CR4_LA57 != 0,
-        rsp: f::GUEST_RSP.read(v)?,
-    })
+        || unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) },
+        || f::GUEST_GS_BASE.read(&Vmcs).unwrap_or(0),
+    )
 }
 
 /// The tracer's hypercall (a VMCALL from its trampolines, or anyone's: #UD
 /// then) with the VM shared: nothing here changes the VM but through what
 /// `hypervisor::tracer::Hit` locks or counts atomically.
 fn hypercall(vm: HitView<'_>, cpu: &mut CpuState) -> Result<Next, VmcsError> {
-    let rip = f::GUEST_RIP.read(&Vmcs)?;
-    let view = cpu_view()?;
+    let (rip, view) = entry::hypercall_start(
+        &Vmcs,
+        // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
+        || unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) },
+        || f::GUEST_GS_BASE.read(&Vmcs).unwrap_or(0),
+    )?;
     let now = crate::clock::tsc_to_ns(vm.clock.peek(insn::rdtsc()), vm.tsc_hz);
     let kernel = vm.kernel.map(|k| k as &dyn KernelView);
     let mut hit = Hit::new(vm.tracer, &mut cpu.tracer);
@@ -517,13 +517,10 @@ fn hypercall(vm: HitView<'_>, cpu: &mut CpuState) -> Result<Next, VmcsError> {
         hit.hypercall(env, rip, regs, &view, kernel, now)
     });
     switch_view(cpu)?;
-    match served {
-        Hypercall::Handled => entry::advance(&mut Vmcs).map(|()| Next::Resume),
-        Hypercall::Foreign => {
-            cpu.inject = Some(Event::exception(UD, None));
-            Ok(Next::Resume)
-        }
+    if let Some(ud) = entry::hypercall_end(&mut Vmcs, matches!(served, Hypercall::Handled))? {
+        cpu.inject = Some(ud);
     }
+    Ok(Next::Resume)
 }
 
 /// Moves the vCPU to the EPT view its tracer state names, if it is not
@@ -844,7 +841,7 @@ impl Vcpu<'_> {
                 memory_total: loader::layout::HV_RESERVED_SIZE,
                 heap_used: crate::heap::used() as u64,
                 introspection: &mut self.vm.introspection,
-                cpu,
+                cpu: cpu.clone(),
                 tsc_hz: self.vm.tsc_hz,
                 tracer: tracer!(self),
                 views: &self.vm.cfg.views,

@@ -21,7 +21,7 @@ use alloc::format;
 use alloc::rc::Rc;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
-use core::cell::Cell;
+use core::cell::{Cell, RefCell};
 use core::fmt::Write as _;
 use core::future::Future;
 use core::pin::Pin;
@@ -167,7 +167,7 @@ impl Introspection {
         let Some(job) = self.job.as_mut() else {
             return;
         };
-        job.shared.cpu.set(*cpu);
+        *job.shared.cpu.borrow_mut() = cpu.clone();
         let t0 = insn::rdtsc();
         let poll = budget::poll_slice(job.fut.as_mut(), &job.shared.budget, TURN_SLICE);
         job.ticks = job.ticks.saturating_add(insn::rdtsc().saturating_sub(t0));
@@ -291,7 +291,7 @@ struct Shared {
     /// The vCPU as of the current turn: reads walk that turn's kernel CR3
     /// (a CR3 kept from an earlier turn may belong to a task that has
     /// exited since, its tables freed).
-    cpu: Cell<CpuView>,
+    cpu: RefCell<CpuView>,
     /// Which of [`CpuView::kernel_cr3s`]: 0 the CR3 as it is, 1 the kernel
     /// half of a PTI pair.
     which: Cell<usize>,
@@ -304,7 +304,7 @@ struct TurnView<'s> {
 
 impl VirtMemory for TurnView<'_> {
     fn read_virt(&self, gva: Gva, buf: &mut [u8]) -> Result<(), ViewError> {
-        let cr3 = self.shared.cpu.get().kernel_cr3(self.shared.which.get());
+        let cr3 = self.shared.cpu.borrow().kernel_cr3(self.shared.which.get());
         paging::read_virt(&GuestRam, cr3, gva, buf).map_err(ViewError::from)
     }
 }
@@ -338,7 +338,7 @@ impl Job {
         })?;
         let shared = Rc::new(Shared {
             budget: Budget::new(RECOVERY_BUDGET),
-            cpu: Cell::new(*cpu),
+            cpu: RefCell::new(cpu.clone()),
             which: Cell::new(0),
         });
         Ok(Self {
@@ -410,7 +410,7 @@ async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> 
                     task_layout_error: f.task.as_ref().err().map(|e| e.to_string()),
                     modules: Default::default(),
                 };
-                let cr3 = shared.cpu.get().kernel_cr3(which);
+                let cr3 = shared.cpu.borrow().kernel_cr3(which);
                 let root = kernel_pgd(&f, cr3);
                 let percpu = stacks::percpu_offsets(&f.symbols, &PagedView::new(&GuestRam, root));
                 return Ok(Kernel {

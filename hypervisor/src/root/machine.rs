@@ -149,14 +149,9 @@ impl Machine for Root<'_> {
     }
 
     fn invept(&mut self) {
-        for view in View::BOTH {
-            let Ok(eptp) = self.own(view).map(Ept::eptp) else {
-                continue;
-            };
-            if insn::invept_single(eptp).is_err() {
-                log::warn!("INVEPT failed");
-            }
-        }
+        // Batched: each view is invalidated before this vCPU next enters
+        // on it, once however many changes came before.
+        world::own_views_changed(self.me);
     }
 
     fn stop_others(&mut self) -> bool {

@@ -249,16 +249,6 @@ fn run(
         if lapic_base != madt || lapic_base >= loader::layout::FOUR_GIB {
             return Err(Fatal::ApicBase(lapic_base, madt));
         }
-        if !cfg.has_timer {
-            // An AP's INIT is carried out at its next exit; without the
-            // preemption timer an AP halted with interrupts off has none.
-            return Err(Fatal::Vmx(vcpu::VmxError::Controls(
-                hypervisor::vmx::caps::MissingControls {
-                    word: "pin-based (the VMX preemption timer, needed with more than one vCPU)",
-                    missing: 1 << 6,
-                },
-            )));
-        }
     }
     let slots = match aps.is_empty() {
         false => smp::start_aps(lapic_base, &aps, bsp_apic_id, tsc_hz).map_err(Fatal::Smp)?,

@@ -7,6 +7,7 @@ use crate::frames;
 use crate::guest::{BootInfo, GuestEntry};
 use crate::phys;
 use core::fmt;
+use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use hypervisor::acpi::Fadt;
 use hypervisor::addr::Gpa;
 use hypervisor::ept::{self, Ept, EptError, MemType};
@@ -16,19 +17,15 @@ use hypervisor::tracer::machine::View;
 use hypervisor::vmx::ap;
 use hypervisor::vmx::caps::{self, EptVpidCap, MissingControls, VmxBasic};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
+use hypervisor::vmx::profile::{choose, CapProfile, Chosen, Refusal};
 use hypervisor::vmx::regs::GuestRegs;
 use loader::layout;
-use x86::vmx::vmcs::control::{
-    EntryControls, ExitControls, PinbasedControls, PrimaryControls, SecondaryControls,
-};
+use x86::vmx::vmcs::control::{EntryControls, ExitControls, SecondaryControls};
 
 // Architectural MSRs (SDM Vol. 4), as the x86 crate numbers them.
 use x86::msr::{
     IA32_EFER, IA32_FEATURE_CONTROL, IA32_PAT, IA32_VMX_BASIC, IA32_VMX_CR0_FIXED0,
-    IA32_VMX_CR0_FIXED1, IA32_VMX_CR4_FIXED0, IA32_VMX_CR4_FIXED1, IA32_VMX_ENTRY_CTLS,
-    IA32_VMX_EPT_VPID_CAP, IA32_VMX_EXIT_CTLS, IA32_VMX_MISC, IA32_VMX_PINBASED_CTLS,
-    IA32_VMX_PROCBASED_CTLS, IA32_VMX_PROCBASED_CTLS2, IA32_VMX_TRUE_ENTRY_CTLS,
-    IA32_VMX_TRUE_EXIT_CTLS, IA32_VMX_TRUE_PINBASED_CTLS, IA32_VMX_TRUE_PROCBASED_CTLS,
+    IA32_VMX_CR0_FIXED1, IA32_VMX_CR4_FIXED0, IA32_VMX_CR4_FIXED1, IA32_VMX_MISC,
 };
 
 const CR4_OSXSAVE: u64 = 1 << 18;
@@ -106,7 +103,54 @@ impl VmcsIo for Vmcs {
         // keep host state and controls consistent.
         unsafe { insn::vmwrite(encoding, value).is_ok() }
     }
+    fn unshadowed(&self, _encoding: u32, _write: bool) {
+        NestedCost::add(&NESTED_COST, cpu::this_cpu(), 1, 0);
+    }
 }
+
+/// Per CPU, what would exit to a nested KVM beyond the exits themselves:
+/// VMCS accesses outside its shadow VMCS (`hypervisor::vmx::shadow`) and
+/// INVEPTs. Each CPU adds to its own; the status report reads them.
+pub struct NestedCost {
+    pub unshadowed: AtomicU64,
+    pub invept: AtomicU64,
+}
+
+impl NestedCost {
+    /// Adds to CPU `cpu`'s counts (only that CPU calls this for itself:
+    /// a load and a store, no locked instruction).
+    pub fn add(all: &[NestedCost], cpu: usize, unshadowed: u64, invept: u64) {
+        if let Some(c) = all.get(cpu) {
+            for (counter, n) in [(&c.unshadowed, unshadowed), (&c.invept, invept)] {
+                if n != 0 {
+                    counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
+                }
+            }
+        }
+    }
+
+    /// CPU `cpu`'s counts: unshadowed VMCS accesses, INVEPTs.
+    pub fn of(cpu: usize) -> (u64, u64) {
+        NESTED_COST.get(cpu).map_or((0, 0), |c| {
+            (c.unshadowed.load(Relaxed), c.invept.load(Relaxed))
+        })
+    }
+}
+
+/// INVEPT (single-context) of `eptp` by vCPU `index`, counted in its
+/// [`NestedCost`].
+pub fn invept(index: usize, eptp: u64) -> Result<(), VmFail> {
+    NestedCost::add(&NESTED_COST, index, 0, 1);
+    insn::invept_single(eptp)
+}
+
+/// See [`NestedCost`].
+pub static NESTED_COST: [NestedCost; hypervisor::acpi::MAX_CPUS] = [const {
+    NestedCost {
+        unshadowed: AtomicU64::new(0),
+        invept: AtomicU64::new(0),
+    }
+}; hypervisor::acpi::MAX_CPUS];
 
 fn msr(m: u32) -> u64 {
     // SAFETY: only called for architectural VMX MSRs after CPUID said VMX
@@ -380,20 +424,6 @@ pub fn setup_ap(host: &HostTables, t: &Template, index: usize) -> Result<GuestRe
     Ok(regs)
 }
 
-fn controls(
-    word: &'static str,
-    required: u32,
-    optional: u32,
-    cap_msr: u32,
-) -> Result<u32, VmxError> {
-    Ok(caps::adjust_controls(
-        word,
-        required,
-        optional,
-        msr(cap_msr),
-    )?)
-}
-
 /// Creates and fills the VMCS for the guest described by `entry`, with an
 /// EPT view for each of `vcpus` vCPUs.
 pub fn setup(
@@ -403,9 +433,22 @@ pub fn setup(
     fadt: Option<Fadt>,
     vcpus: usize,
 ) -> Result<VmConfig, VmxError> {
-    let basic = VmxBasic(msr(IA32_VMX_BASIC));
+    // Every capability MSR, read here once; `choose` decides from them
+    // (the required and optional controls are listed in
+    // `hypervisor::vmx::profile`).
+    let profile = CapProfile::read(msr);
+    let basic = VmxBasic(profile.basic);
     let fixed = vmxon(basic)?;
-    let cap = EptVpidCap(msr(IA32_VMX_EPT_VPID_CAP));
+    // More than one vCPU needs the preemption timer and wait-for-SIPI
+    // (KVM offers its nested guests the latter from 5.11): refused here,
+    // once, before any AP starts.
+    let chosen = choose(&profile)
+        .and_then(|c| c.check_vcpus(vcpus).map(|()| c))
+        .map_err(|r| match r {
+            Refusal::Controls(m) => VmxError::Controls(m),
+            Refusal::Ept(m) => VmxError::EptCaps(m),
+        })?;
+    let cap = chosen.ept;
     // Two views per vCPU, armed then quiet (`crate::machine::view_index`).
     let mut views = alloc::vec::Vec::new();
     for _ in 0..2 * vcpus.max(1) {
@@ -418,93 +461,22 @@ pub fn setup(
 
     new_vmcs(basic)?;
 
-    let t = basic.has_true_controls();
-    // NMIs exit (root must never take one through a table the guest wrote,
-    // and the guest must still get each one); virtual NMIs let root track
-    // the guest's NMI blocking and use NMI-window exiting.
-    let pin = controls(
-        "pin-based",
-        (PinbasedControls::NMI_EXITING | PinbasedControls::VIRTUAL_NMIS).bits(),
-        PinbasedControls::VMX_PREEMPTION_TIMER.bits(),
-        if t {
-            IA32_VMX_TRUE_PINBASED_CTLS
-        } else {
-            IA32_VMX_PINBASED_CTLS
-        },
-    )?;
-    // NMI-window exiting is switched on only while an NMI waits for the
-    // guest, but it must exist.
-    controls(
-        "primary processor-based",
-        PrimaryControls::NMI_WINDOW_EXITING.bits(),
-        0,
-        if t {
-            IA32_VMX_TRUE_PROCBASED_CTLS
-        } else {
-            IA32_VMX_PROCBASED_CTLS
-        },
-    )?;
-    let proc1 = controls(
-        "primary processor-based",
-        (PrimaryControls::USE_IO_BITMAPS
-            | PrimaryControls::USE_MSR_BITMAPS
-            | PrimaryControls::SECONDARY_CONTROLS)
-            .bits(),
-        0,
-        if t {
-            IA32_VMX_TRUE_PROCBASED_CTLS
-        } else {
-            IA32_VMX_PROCBASED_CTLS
-        },
-    )?;
-    let proc2 = controls(
-        "secondary processor-based",
-        (SecondaryControls::ENABLE_EPT | SecondaryControls::UNRESTRICTED_GUEST).bits(),
-        (SecondaryControls::ENABLE_VPID
-            | SecondaryControls::ENABLE_RDTSCP
-            | SecondaryControls::ENABLE_INVPCID
-            | SecondaryControls::ENABLE_XSAVES_XRSTORS)
-            .bits(),
-        IA32_VMX_PROCBASED_CTLS2,
-    )?;
-    let exit = controls(
-        "VM-exit",
-        // DR7 is set to 0x400 at every VM exit (SDM 28.5.1): without saving
-        // it and loading it back, every exit would wipe the guest's own
-        // hardware breakpoints.
-        (ExitControls::HOST_ADDRESS_SPACE_SIZE
-            | ExitControls::SAVE_DEBUG_CONTROLS
-            | ExitControls::SAVE_IA32_EFER
-            | ExitControls::LOAD_IA32_EFER)
-            .bits(),
-        (ExitControls::SAVE_IA32_PAT | ExitControls::LOAD_IA32_PAT).bits(),
-        if t {
-            IA32_VMX_TRUE_EXIT_CTLS
-        } else {
-            IA32_VMX_EXIT_CTLS
-        },
-    )?;
-    let entry_ctl = controls(
-        "VM-entry",
-        (EntryControls::IA32E_MODE_GUEST
-            | EntryControls::LOAD_DEBUG_CONTROLS
-            | EntryControls::LOAD_IA32_EFER)
-            .bits(),
-        EntryControls::LOAD_IA32_PAT.bits(),
-        if t {
-            IA32_VMX_TRUE_ENTRY_CTLS
-        } else {
-            IA32_VMX_ENTRY_CTLS
-        },
-    )?;
+    let Chosen {
+        pin,
+        proc1,
+        proc2,
+        exit,
+        entry: entry_ctl,
+        ..
+    } = chosen;
     log::info!(
         "VMX: revision {:#x}, pin {pin:#x} proc {proc1:#x} proc2 {proc2:#x} exit {exit:#x} entry {entry_ctl:#x}, EPT/VPID caps {:#x}",
         basic.revision(),
         cap.0
     );
 
-    let has_timer = pin & PinbasedControls::VMX_PREEMPTION_TIMER.bits() != 0;
-    let timer_shift = (msr(IA32_VMX_MISC) & 0x1f) as u32;
+    let has_timer = chosen.preemption_timer;
+    let timer_shift = chosen.timer_shift;
 
     // I/O bitmaps: the control UART, the log port, PCI configuration, the
     // bus-master IDE registers, and the ACPI PM1 control ports so that the
@@ -626,6 +598,6 @@ pub fn setup(
         has_timer,
         timer_shift,
         dma_block,
-        ins_outs_info: msr(IA32_VMX_BASIC) & (1 << 54) != 0,
+        ins_outs_info: chosen.ins_outs_info,
     })
 }

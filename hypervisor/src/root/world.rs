@@ -23,6 +23,7 @@
 use crate::arch::instructions as insn;
 use core::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use hypervisor::acpi::MAX_CPUS;
+use hypervisor::tracer::machine::View;
 
 /// Where one vCPU is.
 struct Presence {
@@ -32,8 +33,11 @@ struct Presence {
     parked: AtomicBool,
     /// Its guest RIP at its last exit.
     rip: AtomicU64,
-    /// The EPT generation its view was last invalidated at.
-    seen: AtomicU64,
+    /// Per view (armed, quiet): the EPT generation it was last
+    /// invalidated at, and whether its own entries changed since
+    /// ([`own_views_changed`]). Only the vCPU itself writes them.
+    seen: [AtomicU64; 2],
+    dirty: [AtomicBool; 2],
 }
 
 static PRESENCE: [Presence; MAX_CPUS] = [const {
@@ -41,7 +45,8 @@ static PRESENCE: [Presence; MAX_CPUS] = [const {
         in_guest: AtomicBool::new(false),
         parked: AtomicBool::new(false),
         rip: AtomicU64::new(0),
-        seen: AtomicU64::new(0),
+        seen: [const { AtomicU64::new(0) }; 2],
+        dirty: [const { AtomicBool::new(false) }; 2],
     }
 }; MAX_CPUS];
 
@@ -82,12 +87,23 @@ pub fn left_guest(index: usize, rip: impl FnOnce() -> u64) {
     }
 }
 
-/// Called last thing before each entry of vCPU `index` (whose views are
-/// `eptps`; `parked` when it enters wait-for-SIPI): waits out a hold, and
-/// invalidates both views if the shared entries changed since its last
-/// INVEPT. Returns how many TSC ticks it was held.
-pub fn entering_guest(index: usize, eptps: [u64; 2], parked: bool) -> u64 {
+/// Called last thing before each entry of vCPU `index` on its view
+/// `view` (its views' pointers are `eptps`; `parked` when it enters
+/// wait-for-SIPI): waits out a hold, and invalidates the view it enters
+/// on if the shared entries changed since that view's last INVEPT or its
+/// own entries did. The other view is invalidated when the vCPU next
+/// enters on it: its stale translations are tagged with its own EPT
+/// pointer and unused until then. So a request's many changes cost one
+/// INVEPT per entry at most, of one view (each is an exit to a nested
+/// KVM, which drops its shadow EPT for it). Returns how many TSC ticks it
+/// was held.
+pub fn entering_guest(index: usize, eptps: [u64; 2], view: View, parked: bool) -> u64 {
     let Some(p) = presence(index) else {
+        return 0;
+    };
+    let v = view as usize;
+    let (Some(seen), Some(dirty), Some(&eptp)) = (p.seen.get(v), p.dirty.get(v), eptps.get(v))
+    else {
         return 0;
     };
     let mut held = 0u64;
@@ -100,13 +116,12 @@ pub fn entering_guest(index: usize, eptps: [u64; 2], parked: bool) -> u64 {
             held = held.saturating_add(insn::rdtsc().saturating_sub(t0));
         }
         let generation = EPT_GENERATION.load(SeqCst);
-        if p.seen.load(SeqCst) != generation {
-            for eptp in eptps {
-                if insn::invept_single(eptp).is_err() {
-                    log::warn!("vCPU {index}: INVEPT failed");
-                }
+        if seen.load(SeqCst) != generation || dirty.load(SeqCst) {
+            dirty.store(false, SeqCst);
+            if crate::vcpu::invept(index, eptp).is_err() {
+                log::warn!("vCPU {index}: INVEPT failed");
             }
-            p.seen.store(generation, SeqCst);
+            seen.store(generation, SeqCst);
         }
         p.parked.store(parked, SeqCst);
         p.in_guest.store(true, SeqCst);
@@ -116,6 +131,17 @@ pub fn entering_guest(index: usize, eptps: [u64; 2], parked: bool) -> u64 {
         // A hold went up meanwhile: it may already have counted this vCPU
         // out of the guest; step back and wait.
         p.in_guest.store(false, SeqCst);
+    }
+}
+
+/// vCPU `index` changed entries of its own views (a step's page, a quiet
+/// mapping, a task switch's CR3): each is invalidated before the vCPU
+/// next enters on it ([`entering_guest`]).
+pub fn own_views_changed(index: usize) {
+    if let Some(p) = presence(index) {
+        for d in &p.dirty {
+            d.store(true, SeqCst);
+        }
     }
 }
 

@@ -122,14 +122,50 @@ impl View {
     pub const BOTH: [View; 2] = [View::Armed, View::Quiet];
 }
 
+/// The guest's GS base at an exit, read from the VMCS the first time
+/// something asks: a nested KVM does not shadow GUEST_GS_BASE (each read
+/// is an exit to it), and only a hit that needs the running task asks.
+#[derive(Clone, Debug, Default)]
+pub struct GuestGs {
+    value: core::cell::OnceCell<u64>,
+    read: Option<fn() -> u64>,
+}
+
+impl GuestGs {
+    /// A base already known.
+    pub fn known(base: u64) -> Self {
+        let value = core::cell::OnceCell::new();
+        let _ = value.set(base);
+        Self { value, read: None }
+    }
+
+    /// A base `read` gives when first asked for (0 if `read` fails).
+    pub fn lazy(read: fn() -> u64) -> Self {
+        Self {
+            value: core::cell::OnceCell::new(),
+            read: Some(read),
+        }
+    }
+
+    /// The base, read now if it has not been.
+    pub fn get(&self) -> u64 {
+        *self.value.get_or_init(|| self.read.map_or(0, |r| r()))
+    }
+
+    /// Whether the base has been read (or was given).
+    pub fn was_read(&self) -> bool {
+        self.value.get().is_some()
+    }
+}
+
 /// The vCPU state the tracer and introspection need, read at an exit.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct CpuView {
     pub cr3: u64,
     /// Current privilege level (SS.DPL).
     pub cpl: u8,
-    /// GUEST_GS_BASE from the VMCS.
-    pub gs_base: u64,
+    /// GUEST_GS_BASE from the VMCS, when first asked for.
+    pub gs_base: GuestGs,
     /// IA32_KERNEL_GS_BASE (not switched by VMX, so the guest's value is
     /// live in root); read only when `cpl` is not 0, else 0.
     pub kernel_gs_base: u64,
@@ -140,11 +176,33 @@ pub struct CpuView {
 }
 
 impl CpuView {
+    /// Reads the view from the current VMCS at an exit: SS access rights,
+    /// CR3, CR4 and RSP (all shadowed by a nested KVM), the kernel's GS
+    /// base from `kernel_gs_base` only in user mode (IA32_KERNEL_GS_BASE
+    /// is not in the VMCS), and GUEST_GS_BASE through `gs` only when
+    /// asked for ([`GuestGs`]).
+    pub fn read(
+        v: &impl crate::vmx::fields::VmcsIo,
+        kernel_gs_base: impl FnOnce() -> u64,
+        gs: fn() -> u64,
+    ) -> Result<Self, crate::vmx::fields::VmcsError> {
+        use crate::vmx::fields as f;
+        let cpl = crate::vmx::event::cpl_from_ss_ar(f::GUEST_SS_ACCESS_RIGHTS.read(v)?);
+        Ok(CpuView {
+            cr3: f::GUEST_CR3.read(v)?,
+            cpl,
+            gs_base: GuestGs::lazy(gs),
+            kernel_gs_base: if cpl == 0 { 0 } else { kernel_gs_base() },
+            la57: f::GUEST_CR4.read(v)? & crate::policy::CR4_LA57 != 0,
+            rsp: f::GUEST_RSP.read(v)?,
+        })
+    }
+
     /// The kernel's GS base: GS_BASE in kernel mode, KERNEL_GS_BASE in
     /// user mode.
     pub fn kernel_gs(&self) -> u64 {
         if self.cpl == 0 {
-            self.gs_base
+            self.gs_base.get()
         } else {
             self.kernel_gs_base
         }

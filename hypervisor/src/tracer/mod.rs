@@ -121,6 +121,7 @@ pub struct FunctionsAdded {
 }
 
 /// What the exit handler does with a VMCALL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Hypercall {
     /// Ours: RAX is set; resume after the VMCALL.
     Handled,

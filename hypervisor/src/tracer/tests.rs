@@ -8,7 +8,7 @@
 //! memory, EPT entries, the return address handed back, the rendered
 //! trace.
 
-use super::machine::{CpuView, Env, KernelView, Machine, Running, View, PAGE};
+use super::machine::{CpuView, Env, GuestGs, KernelView, Machine, Running, View, PAGE};
 use super::{CpuState, DebugState, Hit, Hypercall, Tracer, Violation, VmState};
 use crate::addr::{Gpa, Hpa};
 use crate::ept::{self, Ept, EptError, Leaf, MemType, TableStore};
@@ -367,7 +367,7 @@ impl KernelView for FakeKernel {
     fn cpu_number(&self, cpu: &CpuView) -> Option<u32> {
         GS_BASES
             .iter()
-            .position(|&gs| gs == cpu.gs_base)
+            .position(|&gs| gs == cpu.gs_base.get())
             .map(|i| GUEST_CPU[i])
     }
     fn log_stacks(&self, _map: &StackMap) {}
@@ -542,7 +542,7 @@ impl Guest {
             cr3: PML4,
             cpl: 0,
             rsp,
-            gs_base: GS_BASES[self.on],
+            gs_base: GuestGs::known(GS_BASES[self.on]),
             ..CpuView::default()
         }
     }
@@ -1595,7 +1595,7 @@ fn hits_on_two_vcpus_run_at_once_over_the_shared_state() {
                     let cpu = CpuView {
                         cr3: PML4,
                         rsp,
-                        gs_base: GS_BASES[on],
+                        gs_base: GuestGs::known(GS_BASES[on]),
                         ..CpuView::default()
                     };
                     let mut env = Env { ram: door, m: root };

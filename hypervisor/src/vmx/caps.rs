@@ -14,6 +14,11 @@ impl VmxBasic {
     pub const fn region_size(self) -> u32 {
         ((self.0 >> 32) & 0x1fff) as u32
     }
+    /// Bit 54: INS/OUTS exits report the instruction information (address
+    /// size, segment).
+    pub const fn ins_outs_info(self) -> bool {
+        self.0 & (1 << 54) != 0
+    }
     /// Bit 55: the IA32_VMX_TRUE_*_CTLS MSRs exist and must be used.
     pub const fn has_true_controls(self) -> bool {
         self.0 & (1 << 55) != 0

@@ -8,6 +8,7 @@ use super::event::{self, EntryPlan, Event};
 use super::exit::RawExit;
 use super::fields::{self as f, VmcsError, VmcsIo};
 use super::regs::GuestRegs;
+use crate::tracer::machine::CpuView;
 use x86::vmx::vmcs::control::PrimaryControls;
 
 /// Reads the exit's fields, with the guest registers some exits take
@@ -56,6 +57,30 @@ pub fn advance_by(v: &mut impl VmcsIo, len: u64) -> Result<(), VmcsError> {
         f::GUEST_INTERRUPTIBILITY.write(v, intr & !event::BLOCKING_BY_STI_OR_MOV_SS)?;
     }
     Ok(())
+}
+
+/// The VMCS side of a VMCALL exit, before the tracer serves it: the
+/// guest's RIP and the vCPU's view ([`CpuView::read`]; GUEST_GS_BASE only
+/// if the hit asks for it). Every field read is one a nested KVM shadows.
+pub fn hypercall_start(
+    v: &impl VmcsIo,
+    kernel_gs_base: impl FnOnce() -> u64,
+    gs: fn() -> u64,
+) -> Result<(u64, CpuView), VmcsError> {
+    Ok((f::GUEST_RIP.read(v)?, CpuView::read(v, kernel_gs_base, gs)?))
+}
+
+/// The VMCS side of a VMCALL exit once served: the guest goes on past
+/// the VMCALL when the tracer handled it; otherwise it was not ours (no
+/// trampoline's, or forged) and the guest gets the #UD a VMCALL outside
+/// VMX would raise, returned for the next entry.
+pub fn hypercall_end(v: &mut impl VmcsIo, handled: bool) -> Result<Option<Event>, VmcsError> {
+    if handled {
+        advance(v)?;
+        Ok(None)
+    } else {
+        Ok(Some(Event::exception(super::handle::UD, None)))
+    }
 }
 
 /// The events a vCPU carries from one exit to its next entry.

@@ -6,6 +6,7 @@
 //! implements with VMREAD/VMWRITE and the tests with a map; a failed access is
 //! an error carrying the field, never a silent zero.
 
+use super::shadow;
 use core::marker::PhantomData;
 use x86::vmx::vmcs::{control, guest, host, ro};
 
@@ -33,6 +34,10 @@ pub trait VmcsIo {
     fn read_raw(&self, encoding: u32) -> Option<u64>;
     /// Writes the field with `encoding`; `false` when the CPU refuses.
     fn write_raw(&mut self, encoding: u32, value: u64) -> bool;
+    /// Told of each access to a field that a nested KVM does not shadow
+    /// ([`super::shadow`]): under KVM, each is an exit to it. The
+    /// hypervisor counts them per vCPU.
+    fn unshadowed(&self, _encoding: u32, _write: bool) {}
 }
 
 /// A value width a VMCS field can have.
@@ -80,6 +85,11 @@ pub struct Rw<T> {
     pub encoding: u32,
     /// Name, as the SDM spells it.
     pub name: &'static str,
+    /// Whether a nested KVM's shadow VMCS holds it for reads, and for
+    /// writes (known at compile time, so the check costs nothing on a
+    /// constant field).
+    pub read_shadowed: bool,
+    pub write_shadowed: bool,
     _w: PhantomData<T>,
 }
 
@@ -90,6 +100,8 @@ pub struct Ro<T> {
     pub encoding: u32,
     /// Name, as the SDM spells it.
     pub name: &'static str,
+    /// Whether a nested KVM's shadow VMCS holds it.
+    pub read_shadowed: bool,
     _w: PhantomData<T>,
 }
 
@@ -98,11 +110,16 @@ impl<T: Width> Rw<T> {
         Self {
             encoding,
             name,
+            read_shadowed: shadow::read_shadowed(encoding),
+            write_shadowed: shadow::write_shadowed(encoding),
             _w: PhantomData,
         }
     }
     /// VMREAD.
     pub fn read(self, io: &impl VmcsIo) -> Result<T, VmcsError> {
+        if !self.read_shadowed {
+            io.unshadowed(self.encoding, false);
+        }
         io.read_raw(self.encoding)
             .map(T::from_raw)
             .ok_or(VmcsError {
@@ -113,6 +130,9 @@ impl<T: Width> Rw<T> {
     }
     /// VMWRITE.
     pub fn write(self, io: &mut impl VmcsIo, v: T) -> Result<(), VmcsError> {
+        if !self.write_shadowed {
+            io.unshadowed(self.encoding, true);
+        }
         if io.write_raw(self.encoding, v.to_raw()) {
             Ok(())
         } else {
@@ -130,11 +150,15 @@ impl<T: Width> Ro<T> {
         Self {
             encoding,
             name,
+            read_shadowed: shadow::read_shadowed(encoding),
             _w: PhantomData,
         }
     }
     /// VMREAD.
     pub fn read(self, io: &impl VmcsIo) -> Result<T, VmcsError> {
+        if !self.read_shadowed {
+            io.unshadowed(self.encoding, false);
+        }
         io.read_raw(self.encoding)
             .map(T::from_raw)
             .ok_or(VmcsError {

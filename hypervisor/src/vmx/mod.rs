@@ -9,4 +9,6 @@ pub mod event;
 pub mod exit;
 pub mod fields;
 pub mod handle;
+pub mod profile;
 pub mod regs;
+pub mod shadow;

@@ -81,6 +81,8 @@ pub fn status_report() -> StatusReport {
             quiet: true,
             root_stack_used: 52_224,
             root_stack_size: 524_288,
+            vmcs_unshadowed: 3,
+            invept: 1,
         }],
         graph_sessions: vec![protocol::GraphSessionReport {
             session: 1,

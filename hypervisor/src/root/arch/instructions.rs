@@ -382,13 +382,21 @@ pub enum RunOutcome {
 /// general-purpose registers from `regs`, and returns at the next VM exit with
 /// them saved back into `regs`.
 ///
+/// `host_rsp` is the HOST_RSP this VMCS holds (0 before its first entry):
+/// HOST_RSP and HOST_RIP are written only when the stack pointer at entry
+/// differs from it, and it is updated then. A vCPU enters from one loop,
+/// so they are written once; a nested KVM shadows neither field, and each
+/// write would be an exit to it on every entry.
+///
 /// # Safety
 /// A VMCS must be current with complete, consistent guest, host and control
-/// state; its HOST_RIP/HOST_RSP are set here.
-pub unsafe fn vmx_run(regs: &mut GuestRegs, launched: bool) -> RunOutcome {
-    // SAFETY: the caller guarantees a complete VMCS; the trampoline keeps the
-    // System V callee-saved registers and the stack balanced on both paths.
-    let r = unsafe { vmx_run_raw(regs, launched as u64) };
+/// state; its HOST_RIP/HOST_RSP are set here. `host_rsp` must be this
+/// VMCS's own, and nothing else may write the two fields.
+pub unsafe fn vmx_run(regs: &mut GuestRegs, launched: bool, host_rsp: &mut u64) -> RunOutcome {
+    // SAFETY: the caller guarantees a complete VMCS and a `host_rsp` that
+    // says what its HOST_RSP holds; the trampoline keeps the System V
+    // callee-saved registers and the stack balanced on both paths.
+    let r = unsafe { vmx_run_raw(regs, launched as u64, host_rsp) };
     match r {
         0 => RunOutcome::Exited,
         1 => RunOutcome::EntryFailed(VmFail::Invalid),
@@ -400,7 +408,7 @@ use core::mem::offset_of;
 
 /// Returns 0 after a VM exit, 1 on VMfailInvalid, 2 on VMfailValid.
 #[unsafe(naked)]
-unsafe extern "C" fn vmx_run_raw(regs: *mut GuestRegs, launched: u64) -> u64 {
+unsafe extern "C" fn vmx_run_raw(regs: *mut GuestRegs, launched: u64, host_rsp: *mut u64) -> u64 {
     core::arch::naked_asm!(
         // Callee-saved host registers, then the regs pointer at [rsp].
         "push rbp",
@@ -410,12 +418,17 @@ unsafe extern "C" fn vmx_run_raw(regs: *mut GuestRegs, launched: u64) -> u64 {
         "push r14",
         "push r15",
         "push rdi",
-        // HOST_RSP = rsp, HOST_RIP = 3f (SDM 25.5 host-state area).
+        // HOST_RSP = rsp, HOST_RIP = 3f (SDM 25.5 host-state area), when
+        // rsp is not what the VMCS holds ([rdx]).
+        "cmp rsp, [rdx]",
+        "je 5f",
+        "mov [rdx], rsp",
         "mov rax, {host_rsp}",
         "vmwrite rax, rsp",
         "lea rbx, [rip + 3f]",
         "mov rax, {host_rip}",
         "vmwrite rax, rbx",
+        "5:",
         "test rsi, rsi",
         "mov rax, [rdi + {rax}]",
         "mov rbx, [rdi + {rbx}]",
