@@ -24,6 +24,7 @@ extern crate alloc;
 pub mod acpi;
 pub mod addr;
 pub mod apic;
+pub mod cpuid;
 pub mod ept;
 pub mod guest_phys;
 pub mod host_paging;

@@ -1,51 +1,11 @@
 //! What the hypervisor does for each intercepted guest operation, as pure
-//! functions: CPUID filtering, control-register writes under the guest/host
-//! masks, the MSRs we intercept and the I/O ports we own.
+//! functions: control-register writes under the guest/host masks, XSETBV,
+//! the MSRs we intercept and the I/O ports we own. What the guest reads
+//! from CPUID is [`crate::cpuid`]'s whitelist.
 
-/// CPUID.1:ECX.VMX (SDM Vol. 2A, CPUID).
+/// CPUID.1:ECX.VMX (SDM Vol. 2A, CPUID): root's own check that the CPU
+/// has VMX. The guest never sees it ([`crate::cpuid`]).
 pub const CPUID_1_ECX_VMX: u32 = 1 << 5;
-
-/// Filters a CPUID result before the guest sees it: VMX is hidden, so the
-/// guest neither tries to use it nor trips over CR4.VMXE.
-///
-/// The host hypervisor is hidden too, as on a CPU with none: under KVM the
-/// hypervisor bit and KVM's leaves (0x4000_0000 up) would lead the guest
-/// to kvmclock's MSRs, PV IPIs and spinlock kicks (VMCALLs), none of which
-/// root serves (Debian's 6.1 hangs early dividing by kvmclock's zero
-/// rate). So is 5-level paging: root's walks of guest memory are 4-level,
-/// and CR4.LA57 is refused (`cr4_write`).
-pub fn filter_cpuid(leaf: u32, subleaf: u32, mut r: [u32; 4]) -> [u32; 4] {
-    match leaf {
-        // SMX is hidden with VMX: GETSEC then raises #UD, as it must
-        // with CR4.SMXE clear, and the guest never sets SMXE.
-        1 => r[2] &= !(CPUID_1_ECX_VMX | CPUID_1_ECX_SMX | CPUID_1_ECX_HYPERVISOR),
-        // Bochs 2.7 advertises APERF/MPERF but does not implement the MSRs;
-        // Linux then reads them on every tick and Bochs logs each failed
-        // read (tens of MB a minute). The guest loses only its frequency
-        // estimate without them.
-        6 => r[2] &= !CPUID_6_ECX_APERFMPERF,
-        7 if subleaf == 0 => r[2] &= !CPUID_7_ECX_LA57,
-        HYPERVISOR_LEAVES_START..=HYPERVISOR_LEAVES_END => r = [0; 4],
-        _ => {}
-    }
-    r
-}
-
-/// CPUID.1:ECX[31]: a hypervisor is present.
-pub const CPUID_1_ECX_HYPERVISOR: u32 = 1 << 31;
-/// CPUID.(7,0):ECX[16]: 5-level paging.
-pub const CPUID_7_ECX_LA57: u32 = 1 << 16;
-/// The leaves hypervisors describe themselves in (KVM's `KVMKVMKVM` at
-/// 0x4000_0000, its features at 0x4000_0001, others' alike): all zero for
-/// the guest.
-pub const HYPERVISOR_LEAVES_START: u32 = 0x4000_0000;
-pub const HYPERVISOR_LEAVES_END: u32 = 0x4fff_ffff;
-
-/// CPUID.1:ECX.SMX.
-pub const CPUID_1_ECX_SMX: u32 = 1 << 6;
-
-/// CPUID.6:ECX.APERFMPERF.
-pub const CPUID_6_ECX_APERFMPERF: u32 = 1 << 0;
 
 /// CR0.PE.
 pub const CR0_PE: u64 = 1 << 0;
@@ -157,7 +117,8 @@ pub mod xcr0 {
 }
 
 /// Whether XSETBV of `value` into XCR `index` would succeed on a CPU whose
-/// CPUID.(EAX=0DH,ECX=0) reports `supported` (EDX:EAX). Root executes the
+/// CPUID.(EAX=0DH,ECX=0) reports `supported` (EDX:EAX): for the guest,
+/// what it reads there ([`crate::cpuid::xcr0_for_guest`]). Root executes the
 /// XSETBV itself, so any value that would #GP must be refused first: a #GP
 /// in VMX root is a hypervisor crash.
 pub fn xsetbv_valid(index: u32, value: u64, supported: u64) -> bool {
@@ -197,11 +158,20 @@ pub const INTERCEPTED_MSR_READS: &[(u32, u32)] = &[
 /// IA32_APIC_BASE: where the local APIC's MMIO window sits.
 pub const MSR_APIC_BASE: u32 = x86::msr::IA32_APIC_BASE;
 
+/// IA32_PEBS_ENABLE, IA32_DS_AREA and IA32_RTIT_CTL: where the CPU
+/// writes performance and trace records on its own, in root too.
+pub const MSR_PEBS_ENABLE: u32 = 0x3f1;
+pub const MSR_DS_AREA: u32 = 0x600;
+pub const MSR_RTIT_CTL: u32 = 0x570;
+
 /// MSRs whose writes exit.
 pub const INTERCEPTED_MSR_WRITES: &[(u32, u32)] = &[
     (MSR_APIC_BASE, MSR_APIC_BASE),
     (MSR_FEATURE_CONTROL, MSR_FEATURE_CONTROL),
     (MSR_VMX_FIRST, MSR_VMX_LAST),
+    (MSR_PEBS_ENABLE, MSR_PEBS_ENABLE),
+    (MSR_RTIT_CTL, MSR_RTIT_CTL),
+    (MSR_DS_AREA, MSR_DS_AREA),
 ];
 
 /// What to do with an intercepted RDMSR.
@@ -242,8 +212,15 @@ pub enum MsrWrite {
 ///   Such a write is refused with #GP; any other base is the guest's.
 /// - FEATURE_CONTROL is locked and the VMX capability MSRs are absent for
 ///   the guest: writes fault.
+/// - PEBS and the debug store (hidden from CPUID) and Processor Trace
+///   (hidden too): the CPU writes their records itself, PEBS's by linear
+///   address through IA32_DS_AREA whenever a counter overflows, root's
+///   execution included (these MSRs are not switched at exits), and
+///   Processor Trace's to physical addresses past EPT. Only 0 (off) is
+///   taken; anything else faults, as on a CPU without them.
 pub fn msr_write(msr: u32, value: u64, reserved: core::ops::Range<u64>) -> MsrWrite {
     match msr {
+        MSR_PEBS_ENABLE | MSR_DS_AREA | MSR_RTIT_CTL if value == 0 => MsrWrite::Forward,
         MSR_APIC_BASE => {
             let base = value & 0x000f_ffff_ffff_f000;
             if base < reserved.end && base + 0x1000 > reserved.start {
@@ -432,23 +409,6 @@ mod tests {
     const CR4_F0: u64 = 0x2000;
     const CR4_F1: u64 = 0x3727ff;
 
-    #[test]
-    fn cpuid_hides_vmx_and_aperfmperf() {
-        // VMX, SMX and the hypervisor bit.
-        let r = filter_cpuid(1, 0, [1, 2, 0xffff_ffff, 4]);
-        assert_eq!(r, [1, 2, 0x7fff_ff9f, 4]);
-        // LA57 alone of leaf 7's first subleaf; the others pass.
-        assert_eq!(
-            filter_cpuid(7, 0, [1, 2, 0xffff_ffff, 4]),
-            [1, 2, 0xfffe_ffff, 4]
-        );
-        assert_eq!(
-            filter_cpuid(7, 1, [1, 2, 0xffff_ffff, 4]),
-            [1, 2, 0xffff_ffff, 4]
-        );
-        assert_eq!(filter_cpuid(6, 0, [0, 0, 0x9, 0]), [0, 0, 0x8, 0]);
-    }
-
     const LONG: u64 = EFER_LME | EFER_LMA;
 
     #[test]
@@ -624,6 +584,24 @@ mod tests {
             MsrWrite::Fault
         );
         assert_eq!(msr_write(MSR_FEATURE_CONTROL, 5, hv), MsrWrite::Fault);
+    }
+
+    #[test]
+    fn records_the_cpu_writes_itself_stay_off() {
+        let hv = 0x100_0000..0x300_0000;
+        for msr in [MSR_PEBS_ENABLE, MSR_DS_AREA, MSR_RTIT_CTL] {
+            assert_eq!(msr_write(msr, 0, hv.clone()), MsrWrite::Forward);
+            // A DS area inside root's memory, PEBS on counter 0, tracing.
+            for value in [0x100_0000, 1, 1 << 63] {
+                assert_eq!(msr_write(msr, value, hv.clone()), MsrWrite::Fault);
+            }
+        }
+        let mut bm = [0u8; 4096];
+        msr_bitmap(&mut bm, &[], INTERCEPTED_MSR_WRITES);
+        for msr in [MSR_PEBS_ENABLE, MSR_DS_AREA, MSR_RTIT_CTL] {
+            let i = 2048 + msr as usize / 8;
+            assert_ne!(bm[i] & 1 << (msr % 8), 0, "{msr:#x} writes exit");
+        }
     }
 
     #[test]
