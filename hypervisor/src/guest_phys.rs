@@ -26,6 +26,10 @@ pub trait RawMemory {
 /// Most RAM ranges kept (an e820 holds at most 128 entries).
 const MAX_RANGES: usize = 128;
 
+/// The chunks of the fast check: 2 MiB each, the first 16 GiB.
+const CHUNK_SHIFT: u32 = 21;
+const CHUNKS: usize = 8192;
+
 /// Guest RAM, checked.
 pub struct GuestPhys<R> {
     /// The RAM entries of the map, sorted and merged, as `[start, end)`:
@@ -36,6 +40,11 @@ pub struct GuestPhys<R> {
     /// A range that is never guest RAM whatever the map says (hypervisor
     /// memory); checked as well, so a bad map cannot open it.
     reserved: core::ops::Range<u64>,
+    /// One bit per 2 MiB chunk that lies wholly inside one of `ranges`
+    /// and outside `reserved`: an access inside one such chunk is RAM
+    /// without the scan (each entry of every page walk asks). The scan
+    /// answers everything else, so the check is exactly as strict.
+    whole: [u64; CHUNKS / 64],
     raw: R,
 }
 
@@ -67,12 +76,22 @@ impl<R: RawMemory> GuestPhys<R> {
                 }
             }
         }
-        Self {
+        let mut door = Self {
             ranges,
             count,
             reserved,
+            whole: [0; CHUNKS / 64],
             raw,
+        };
+        for chunk in 0..CHUNKS as u64 {
+            let start = chunk << CHUNK_SHIFT;
+            if door.scan(start, start + (1 << CHUNK_SHIFT)) {
+                if let Some(w) = door.whole.get_mut((chunk / 64) as usize) {
+                    *w |= 1 << (chunk % 64);
+                }
+            }
         }
+        door
     }
 
     /// A door that refuses every access (before guest RAM is known).
@@ -81,8 +100,21 @@ impl<R: RawMemory> GuestPhys<R> {
             ranges: [(0, 0); MAX_RANGES],
             count: 0,
             reserved: 0..u64::MAX,
+            whole: [0; CHUNKS / 64],
             raw,
         }
+    }
+
+    /// Whether `[gpa, end)` (not empty) lies wholly inside one RAM range
+    /// and outside the reserved one, by the scan.
+    fn scan(&self, gpa: u64, end: u64) -> bool {
+        !self.touches_reserved(gpa, end)
+            && self
+                .ranges
+                .get(..self.count)
+                .unwrap_or(&[])
+                .iter()
+                .any(|&(start, stop)| start <= gpa && end <= stop)
     }
 
     /// Whether `[gpa, gpa + len)` is guest RAM (an empty range at a RAM
@@ -92,14 +124,15 @@ impl<R: RawMemory> GuestPhys<R> {
             return false;
         };
         let end = end.max(gpa.saturating_add(1));
+        let chunk = gpa >> CHUNK_SHIFT;
+        if chunk == (end - 1) >> CHUNK_SHIFT {
+            let word = self.whole.get((chunk / 64) as usize).copied().unwrap_or(0);
+            if word & (1 << (chunk % 64)) != 0 {
+                return true;
+            }
+        }
         // Merged ranges: the whole access lies in one of them, or it is not RAM.
-        !self.touches_reserved(gpa, end)
-            && self
-                .ranges
-                .get(..self.count)
-                .unwrap_or(&[])
-                .iter()
-                .any(|&(start, stop)| start <= gpa && end <= stop)
+        self.scan(gpa, end)
     }
 
     /// Whether `[gpa, end)` overlaps the reserved range.
@@ -299,6 +332,70 @@ mod tests {
         assert!(g.raw.0.borrow()[16 * MIB as usize..16 * MIB as usize + 8]
             .iter()
             .all(|&b| b == 0));
+    }
+
+    /// The chunk bitmap answers as the scan does, on random maps (RAM
+    /// ranges at any alignment, a reserved range anywhere) and random
+    /// accesses, aligned to chunks and not, inside, across and around.
+    #[test]
+    fn the_fast_check_agrees_with_the_scan_on_random_maps() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut fast_hits = 0u32;
+        for _ in 0..200 {
+            let mut entries = Vec::new();
+            let mut at = 0u64;
+            for _ in 0..(1 + next() % 8) {
+                at += next() % (256 * MIB);
+                let size = 1 + next() % (512 * MIB);
+                let size = if next() % 2 == 0 { size & !(2 * MIB - 1) } else { size };
+                entries.push(E820Entry {
+                    addr: at & !0xfff,
+                    size: size.max(0x1000),
+                    kind: if next() % 5 == 0 { 2 } else { 1 },
+                });
+                at += size;
+            }
+            let Ok(map) = E820Map::from_entries(&entries) else {
+                continue;
+            };
+            let rs = next() % (4096 * MIB);
+            let reserved = rs..rs + next() % (128 * MIB);
+            let g = GuestPhys::new(map, reserved, Buffer(RefCell::new(Vec::new())));
+            for _ in 0..2000 {
+                let base = match next() % 3 {
+                    0 => (next() % 2048) << CHUNK_SHIFT,
+                    1 => next() % (5000 * MIB),
+                    _ => entries[(next() % entries.len() as u64) as usize]
+                        .addr
+                        .wrapping_add(next() % (4 * MIB))
+                        .wrapping_sub(2 * MIB),
+                };
+                let len = [0, 1, 8, 4096, 2 * MIB, 3 * MIB][(next() % 6) as usize];
+                let end = base.saturating_add(len).max(base.saturating_add(1));
+                let want = base.checked_add(len).is_some() && g.scan(base, end);
+                assert_eq!(g.is_ram(base, len), want, "{base:#x}+{len:#x}");
+                fast_hits += u32::from(want);
+            }
+        }
+        assert!(fast_hits > 10_000, "the maps give RAM to check: {fast_hits}");
+    }
+
+    #[test]
+    fn the_chunk_bitmap_leaves_out_reserved_and_partial_chunks() {
+        let g = guest(true);
+        // [32, 64) MiB: 16 whole chunks; the hypervisor's [2, 32) none,
+        // though the map calls it RAM; [0, 640 KiB) and [1, 2) MiB are
+        // parts of chunk 0.
+        for chunk in 0..40u64 {
+            let set = g.whole[0] & (1 << chunk) != 0;
+            assert_eq!(set, (16..32).contains(&chunk), "chunk {chunk}");
+        }
     }
 
     #[test]

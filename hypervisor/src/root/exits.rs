@@ -392,7 +392,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             Err(e) => return e.into(),
         };
         cpu.counters.record(raw.reason as u16);
-        cpu.vectoring = match entry::read_vectoring(&Vmcs) {
+        cpu.vectoring = match entry::read_vectoring_of(&Vmcs, &raw) {
             Ok(e) => e,
             Err(e) => return e.into(),
         };
@@ -517,7 +517,7 @@ fn hypercall(vm: HitView<'_>, cpu: &mut CpuState) -> Result<Next, VmcsError> {
         hit.hypercall(env, rip, regs, &view, kernel, now)
     });
     switch_view(cpu)?;
-    if let Some(ud) = entry::hypercall_end(&mut Vmcs, matches!(served, Hypercall::Handled))? {
+    if let Some(ud) = entry::hypercall_end(&mut Vmcs, rip, matches!(served, Hypercall::Handled))? {
         cpu.inject = Some(ud);
     }
     Ok(Next::Resume)

@@ -12,10 +12,24 @@ use crate::tracer::machine::CpuView;
 use x86::vmx::vmcs::control::PrimaryControls;
 
 /// Reads the exit's fields, with the guest registers some exits take
-/// operands from.
+/// operands from. A VMCALL, the exit of every hit, needs its reason
+/// alone: its other fields are not read.
 pub fn read_exit(v: &impl VmcsIo, regs: &GuestRegs) -> Result<RawExit, VmcsError> {
+    let reason = f::EXIT_REASON.read(v)?;
+    if reason as u16 == super::exit::reason::VMCALL {
+        return Ok(RawExit {
+            reason,
+            qualification: 0,
+            guest_physical: 0,
+            guest_linear: 0,
+            interruption_info: 0,
+            rax: regs.rax,
+            rcx: regs.rcx,
+            rdx: regs.rdx,
+        });
+    }
     Ok(RawExit {
-        reason: f::EXIT_REASON.read(v)?,
+        reason,
         qualification: f::EXIT_QUALIFICATION.read(v)?,
         guest_physical: f::GUEST_PHYSICAL_ADDRESS.read(v)?,
         guest_linear: f::GUEST_LINEAR_ADDRESS.read(v)?,
@@ -24,6 +38,17 @@ pub fn read_exit(v: &impl VmcsIo, regs: &GuestRegs) -> Result<RawExit, VmcsError
         rcx: regs.rcx,
         rdx: regs.rdx,
     })
+}
+
+/// The event whose delivery the exit of `raw` interrupted (SDM 28.2.4),
+/// if any. A VMCALL has none: the IDT-vectoring information is valid only
+/// for an exit during an event's delivery through the IDT, and a VMCALL
+/// exits as its own instruction executes, so it is not read.
+pub fn read_vectoring_of(v: &impl VmcsIo, raw: &RawExit) -> Result<Option<Event>, VmcsError> {
+    if raw.reason as u16 == super::exit::reason::VMCALL {
+        return Ok(None);
+    }
+    read_vectoring(v)
 }
 
 /// The event whose delivery this exit interrupted (SDM 28.2.4), if any.
@@ -70,13 +95,26 @@ pub fn hypercall_start(
     Ok((f::GUEST_RIP.read(v)?, CpuView::read(v, kernel_gs_base, gs)?))
 }
 
-/// The VMCS side of a VMCALL exit once served: the guest goes on past
-/// the VMCALL when the tracer handled it; otherwise it was not ours (no
-/// trampoline's, or forged) and the guest gets the #UD a VMCALL outside
-/// VMX would raise, returned for the next entry.
-pub fn hypercall_end(v: &mut impl VmcsIo, handled: bool) -> Result<Option<Event>, VmcsError> {
+/// The VMCALL instruction's length (0F 01 C1), the trampolines' own.
+pub const VMCALL_LEN: u64 = 3;
+
+/// The VMCS side of a VMCALL exit at `rip` once served: the guest goes on
+/// past the VMCALL when the tracer handled it (one of the trampolines'
+/// VMCALLs, whose bytes are ours: no prefix, so the length is known);
+/// otherwise it was not ours (no trampoline's, or forged) and the guest
+/// gets the #UD a VMCALL outside VMX would raise, returned for the next
+/// entry.
+pub fn hypercall_end(
+    v: &mut impl VmcsIo,
+    rip: u64,
+    handled: bool,
+) -> Result<Option<Event>, VmcsError> {
     if handled {
-        advance(v)?;
+        f::GUEST_RIP.write(v, rip.wrapping_add(VMCALL_LEN))?;
+        let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
+        if intr & event::BLOCKING_BY_STI_OR_MOV_SS != 0 {
+            f::GUEST_INTERRUPTIBILITY.write(v, intr & !event::BLOCKING_BY_STI_OR_MOV_SS)?;
+        }
         Ok(None)
     } else {
         Ok(Some(Event::exception(super::handle::UD, None)))

@@ -74,15 +74,19 @@ mod tests {
         fields: HashMap<u32, u64>,
         touched: RefCell<BTreeSet<(u32, bool)>>,
         exits: RefCell<Vec<(u32, bool)>>,
+        /// VMREADs and VMWRITEs, each counted.
+        accesses: RefCell<[u32; 2]>,
     }
 
     impl VmcsIo for Recording {
         fn read_raw(&self, e: u32) -> Option<u64> {
             self.touched.borrow_mut().insert((e, false));
+            self.accesses.borrow_mut()[0] += 1;
             Some(*self.fields.get(&e).unwrap_or(&0))
         }
         fn write_raw(&mut self, e: u32, v: u64) -> bool {
             self.touched.borrow_mut().insert((e, true));
+            self.accesses.borrow_mut()[1] += 1;
             self.fields.insert(e, v);
             true
         }
@@ -111,7 +115,7 @@ mod tests {
             .insert(f::GUEST_RIP.encoding, 0xffff_ffff_c000_1000);
         let raw = entry::read_exit(v, &GuestRegs::default()).unwrap();
         assert_eq!(raw.reason, 18);
-        assert_eq!(entry::read_vectoring(v).unwrap(), None);
+        assert_eq!(entry::read_vectoring_of(v, &raw).unwrap(), None);
         let (rip, cpu) =
             entry::hypercall_start(v, || unreachable!("kernel mode"), read_gs).unwrap();
         assert_eq!(rip, 0xffff_ffff_c000_1000);
@@ -120,7 +124,7 @@ mod tests {
             assert_eq!(cpu.kernel_gs(), 0xffff_8880_7fc0_0000);
         }
         let mut pending = Pending {
-            inject: entry::hypercall_end(v, handled).unwrap(),
+            inject: entry::hypercall_end(v, rip, handled).unwrap(),
             ..Pending::default()
         };
         entry::prepare_entry(v, &mut pending, false).unwrap();
@@ -132,6 +136,9 @@ mod tests {
         let mut v = Recording::default();
         one_hit(&mut v, false, true);
         assert_eq!(*v.exits.borrow(), [], "a count's hit exits to KVM");
+        // The reason, RIP, SS access rights, CR3, CR4, RSP and the
+        // interruptibility read; RIP written past the VMCALL.
+        assert_eq!(*v.accesses.borrow(), [7, 1], "VMREADs and VMWRITEs per hit");
         assert_eq!(f::GUEST_RIP.read(&v).unwrap(), 0xffff_ffff_c000_1003);
         for &(e, write) in v.touched.borrow().iter() {
             let ok = if write {
