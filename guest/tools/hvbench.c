@@ -13,9 +13,32 @@
  *                       the child sleeps in read(), the parent in poll()
  *                       before its read(); prints
  *                       "switches=2N ns=T ns_per_switch=X"
+ *   hvbench rounds N FIFO [CPU]
+ *                       the loop server of scripts/bench.sh: one process
+ *                       that runs the benchmark's rounds as the host asks,
+ *                       so that every round of every phase runs in the same
+ *                       process. Pins itself to CPU when given
+ *                       (sched_setaffinity), opens FIFO read-write (so it
+ *                       never reads EOF while no writer has it open) and
+ *                       serves one line at a time:
+ *                         "getppid TAG"      N getppid() calls
+ *                         "openat TAG PATH"  N openat(AT_FDCWD, PATH,
+ *                                            O_RDONLY) calls, each followed
+ *                                            by its close()
+ *                         "ping TAG"         no calls
+ *                         "quit"             exits 0
+ *                       A loop starts SETTLE_MS after its line was read (the
+ *                       shell that wrote it goes to sleep meanwhile) and is
+ *                       timed alone; each line is answered on stdout, flushed:
+ *                       "TAG op=OP calls=N ns=T ns_per_call=X cpu=C"
+ *                       ("TAG op=ping pid=P cpu=C" for ping), or
+ *                       "TAG error=WHAT" (the server goes on).
  */
 #define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,8 +66,91 @@ static void on_sigill(int sig)
 
 static int usage(void)
 {
-	fprintf(stderr, "usage: hvbench getppid N | vmcall | sleep MS | switch N\n");
+	fprintf(stderr,
+		"usage: hvbench getppid N | vmcall | sleep MS | switch N | rounds N FIFO [CPU]\n");
 	return 2;
+}
+
+/* How long a round waits after its line, before its timed loop. */
+#define SETTLE_MS 100
+
+/* The longest line `rounds` takes (a tag and a path). */
+#define ROUND_LINE 512
+
+/* `hvbench rounds N FIFO [CPU]`: see the top of the file. */
+static int rounds(long n, const char *fifo, const char *cpu_arg)
+{
+	if (cpu_arg) {
+		char *end;
+		long cpu = strtol(cpu_arg, &end, 0);
+		cpu_set_t set;
+		if (*end || cpu < 0 || cpu >= CPU_SETSIZE)
+			return usage();
+		CPU_ZERO(&set);
+		CPU_SET(cpu, &set);
+		if (sched_setaffinity(0, sizeof set, &set)) {
+			fprintf(stderr, "hvbench: sched_setaffinity(%ld): %s\n", cpu, strerror(errno));
+			return 1;
+		}
+	}
+	int fd = open(fifo, O_RDWR);
+	if (fd < 0) {
+		fprintf(stderr, "hvbench: %s: %s\n", fifo, strerror(errno));
+		return 1;
+	}
+	FILE *in = fdopen(fd, "r");
+	if (!in)
+		return 1;
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	char line[ROUND_LINE];
+	while (fgets(line, sizeof line, in)) {
+		char op[16] = "", tag[64] = "", path[ROUND_LINE] = "";
+		int words = sscanf(line, "%15s %63s %511s", op, tag, path);
+		if (words < 1)
+			continue;
+		if (!strcmp(op, "quit"))
+			return 0;
+		if (words < 2) {
+			printf("- error=no-tag\n");
+			continue;
+		}
+		if (!strcmp(op, "ping")) {
+			printf("%s op=ping pid=%d cpu=%d\n", tag, (int)getpid(), sched_getcpu());
+			continue;
+		}
+		int open_loop = !strcmp(op, "openat");
+		if (!open_loop && strcmp(op, "getppid")) {
+			printf("%s error=unknown-op\n", tag);
+			continue;
+		}
+		if (open_loop && words < 3) {
+			printf("%s error=no-path\n", tag);
+			continue;
+		}
+		struct timespec settle = { 0, SETTLE_MS * 1000000L };
+		nanosleep(&settle, NULL);
+		long failed = 0;
+		long long t0 = now_ns();
+		if (open_loop) {
+			for (long i = 0; i < n; i++) {
+				long f = syscall(SYS_openat, AT_FDCWD, path, O_RDONLY);
+				if (f < 0)
+					failed++;
+				else
+					close((int)f);
+			}
+		} else {
+			for (long i = 0; i < n; i++)
+				syscall(SYS_getppid);
+		}
+		long long t = now_ns() - t0;
+		if (failed)
+			printf("%s error=openat-failed-%ld-of-%ld\n", tag, failed, n);
+		else
+			printf("%s op=%s calls=%ld ns=%lld ns_per_call=%lld cpu=%d\n", tag, op, n, t,
+			       t / n, sched_getcpu());
+	}
+	return 1;
 }
 
 int main(int argc, char **argv)
@@ -104,6 +210,12 @@ int main(int argc, char **argv)
 		waitpid(child, &status, 0);
 		printf("switches=%ld ns=%lld ns_per_switch=%lld\n", 2 * n, t, t / (2 * n));
 		return 0;
+	}
+	if (!strcmp(argv[1], "rounds") && (argc == 4 || argc == 5)) {
+		long n = strtol(argv[2], NULL, 0);
+		if (n <= 0)
+			return usage();
+		return rounds(n, argv[3], argc == 5 ? argv[4] : NULL);
 	}
 	return usage();
 }
