@@ -9,7 +9,8 @@ export PATH="$HOME/.cargo/bin:$PATH"
 
 bash scripts/setup.sh >/dev/null
 bash scripts/guest/initramfs.sh >/dev/null
-bash scripts/guest/debian-kernel.sh >/dev/null
+# Debian's kernel, and the Debian guest's initramfs with its modules.
+bash scripts/guest/debian-modules.sh >/dev/null
 
 if [ "$#" -eq 0 ]; then
     set -- --probe 'p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string' \

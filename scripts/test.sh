@@ -12,6 +12,7 @@ bash scripts/setup.sh >/dev/null
 bash scripts/guest/initramfs.sh >/dev/null
 bash scripts/guest/fast-kernel.sh >/dev/null
 bash scripts/guest/debian-kernel.sh >/dev/null
+bash scripts/guest/debian-modules.sh >/dev/null
 bash scripts/build-hypervisor.sh >/dev/null
 
 features=guest-introspect/real-kernels,loader/real-kernels

@@ -172,6 +172,39 @@ fn bad_numbers() {
 }
 
 #[test]
+fn modules_option_errors() {
+    let scratch = Scratch::new("modules");
+    let file = scratch.file("file");
+    // Only the Debian guest's initramfs carries its package's modules.
+    let msg = fails(&["run", "--guest", "fast", "--modules", "xfs"]);
+    assert_eq!(
+        msg,
+        "--modules adds modules of Debian's kernel package to the Debian guest's initramfs; the fast-lane guest (--guest fast) takes none"
+    );
+    // An initramfs or a kernel of the user's: the modules are theirs to add.
+    for other in ["--initrd", "--kernel"] {
+        let msg = fails(&["run", "--modules", "xfs", other, &file]);
+        assert!(
+            msg.contains("'--modules <LIST>' cannot be used with") && msg.contains(other),
+            "{msg}"
+        );
+    }
+    // Names as modprobe takes them: no paths, no .ko, none empty.
+    for (list, bad) in [
+        ("xfs,ext4.ko", "'ext4.ko' is not a module name"),
+        ("xfs,../fs/xfs", "'../fs/xfs' is not a module name"),
+        ("xfs,,btrfs", "an empty module name"),
+        ("", "an empty module name"),
+    ] {
+        let msg = fails(&["run", "--modules", list]);
+        assert!(
+            msg.contains("--modules <LIST>") && msg.contains(bad),
+            "{list}: {msg}"
+        );
+    }
+}
+
+#[test]
 fn help_works() {
     let output = Command::new(env!("CARGO_BIN_EXE_hvtrace"))
         .args(["run", "--help"])
@@ -188,6 +221,7 @@ fn help_works() {
         "--bare",
         "--timeout",
         "--cpus",
+        "--modules",
         "--socket",
     ] {
         assert!(text.contains(option), "help lacks {option}");

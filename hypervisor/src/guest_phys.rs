@@ -353,7 +353,11 @@ mod tests {
             for _ in 0..(1 + next() % 8) {
                 at += next() % (256 * MIB);
                 let size = 1 + next() % (512 * MIB);
-                let size = if next() % 2 == 0 { size & !(2 * MIB - 1) } else { size };
+                let size = if next() % 2 == 0 {
+                    size & !(2 * MIB - 1)
+                } else {
+                    size
+                };
                 entries.push(E820Entry {
                     addr: at & !0xfff,
                     size: size.max(0x1000),
@@ -383,7 +387,10 @@ mod tests {
                 fast_hits += u32::from(want);
             }
         }
-        assert!(fast_hits > 10_000, "the maps give RAM to check: {fast_hits}");
+        assert!(
+            fast_hits > 10_000,
+            "the maps give RAM to check: {fast_hits}"
+        );
     }
 
     #[test]

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Build the hvtrace guest initramfs: Debian's static busybox plus
-# guest/initramfs/init and guest/tools/hvbench.c (built static), as a gzip-compressed newc cpio archive.
+# guest/initramfs/init and guest/tools/hvbench.c (built static), as a gzip-compressed newc cpio archive
+# (or a bare one, see HVTRACE_INITRAMFS_COMPRESS below).
 #
-# Output: $CACHE/initramfs-<busybox version>-<hash>.cpio.gz, where the hash
-# covers the init script, the busybox binary and the archive layout below.
+# Output: $CACHE/initramfs-<busybox version>-<hash>.cpio.gz (.cpio when
+# uncompressed, see below), where the hash covers the init script, the
+# busybox binary and the archive layout below.
 # The archive is written without needing root (device nodes and owners come
 # from the archive writer, not from the file system) and is reproducible:
 # every entry is owned by root with a fixed timestamp.
@@ -26,6 +28,16 @@ EXTRA_MODULES=${HVTRACE_INITRAMFS_MODULES:-}
 # archive's root (the Debian kernel's modules, see
 # scripts/guest/debian-modules.sh); its `done` marker is left out.
 EXTRA_TREE=${HVTRACE_INITRAMFS_TREE:-}
+# Optional: `none` writes the archive uncompressed, for the archives that
+# carry megabytes of modules. GRUB unpacks a gzip-compressed multiboot
+# module itself, in code that Bochs emulates slowly (about 2 s of boot per
+# MB unpacked); the kernel takes a bare archive as it is.
+COMPRESS=${HVTRACE_INITRAMFS_COMPRESS:-gzip}
+case $COMPRESS in
+    gzip) suffix=.cpio.gz ;;
+    none) suffix=.cpio ;;
+    *) die "HVTRACE_INITRAMFS_COMPRESS must be gzip or none, not $COMPRESS" ;;
+esac
 
 [[ -f $INIT ]] || die "missing $INIT"
 [[ -f $BENCH_SRC ]] || die "missing $BENCH_SRC"
@@ -51,13 +63,13 @@ fi
 tree_files=()
 if [[ -n $EXTRA_TREE ]]; then
     [[ -d $EXTRA_TREE ]] || die "missing $EXTRA_TREE"
-    mapfile -t tree_files < <(cd "$EXTRA_TREE" && find . -type f ! -name done | LC_ALL=C sort)
+    mapfile -t tree_files < <(cd "$EXTRA_TREE" && find . -type f ! -name 'done' | LC_ALL=C sort)
     ((${#tree_files[@]} > 0)) || die "$EXTRA_TREE has no files"
     kind=$kind-tree
 fi
 tree_hash=$(cd "${EXTRA_TREE:-/}" && if ((${#tree_files[@]})); then sha256sum "${tree_files[@]}"; fi | sha256sum | cut -c1-12)
 hash=$(hv_hash "$INIT" "$BUSYBOX" "$BENCH_SRC" "${extra[@]}" -- "layout $LAYOUT" "busybox $bb_version" "gcc $gcc_version" "tree $tree_hash")
-out=$CACHE/initramfs-$(hv_sanitize_version "$bb_version")$kind-$hash.cpio.gz
+out=$CACHE/initramfs-$(hv_sanitize_version "$bb_version")$kind-$hash$suffix
 
 if [[ -f $out ]]; then
     log "cached: $out"
@@ -71,10 +83,10 @@ bench=$(mktemp "$out.hvbench.XXXXXX")
 trap 'rm -f "$tmp" "$bench"' EXIT
 gcc -static -O2 -Wall -Werror -o "$bench" "$BENCH_SRC" || die "building hvbench failed"
 
-python3 - "$BUSYBOX" "$INIT" "$tmp" "$bench" "$EXTRA_MODULES" "$EXTRA_TREE" <<'PY'
+python3 - "$BUSYBOX" "$INIT" "$tmp" "$bench" "$EXTRA_MODULES" "$EXTRA_TREE" "$COMPRESS" <<'PY'
 import gzip, os, sys
 
-busybox, init, out, bench, modules, tree = sys.argv[1:7]
+busybox, init, out, bench, modules, tree, compress = sys.argv[1:8]
 entries = []  # (name, mode, data, rdev_major, rdev_minor)
 
 def d(name, mode=0o755):
@@ -137,7 +149,10 @@ for ino, (name, mode, data, rmaj, rmin) in enumerate(entries + [("TRAILER!!!", 0
 blob += b"\0" * pad4(len(blob))
 
 with open(out, "wb") as fh:
-    fh.write(gzip.compress(bytes(blob), compresslevel=9, mtime=0))
+    if compress == "none":
+        fh.write(bytes(blob))
+    else:
+        fh.write(gzip.compress(bytes(blob), compresslevel=9, mtime=0))
 PY
 
 chmod 644 "$tmp"

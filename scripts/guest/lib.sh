@@ -120,3 +120,24 @@ hv_apt_ensure() {
 hv_apt_candidate() {
     apt-cache policy "$1" 2>/dev/null | awk '/Candidate:/ {print $2; exit}' | sed 's/^(none)$//'
 }
+
+# Puts a finished cache directory in place: renames WORK (which holds its
+# `done` marker) to DEST. When another run put DEST in place first, WORK
+# goes and DEST stays, untouched; a DEST without its marker (an older
+# layout's) is set aside and removed first.
+hv_publish_dir() {
+    local work=$1 dest=$2 stale
+    if mv -T "$work" "$dest" 2>/dev/null; then
+        return 0
+    fi
+    if [[ ! -f $dest/done ]]; then
+        stale=$(mktemp -d "$dest.stale.XXXXXX")
+        mv -T "$dest" "$stale/old" 2>/dev/null || true
+        rm -rf "$stale"
+        if mv -T "$work" "$dest" 2>/dev/null; then
+            return 0
+        fi
+        [[ -f $dest/done ]] || die "cannot put $dest in place"
+    fi
+    rm -rf "$work"
+}

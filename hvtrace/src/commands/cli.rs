@@ -407,9 +407,18 @@ pub struct RunArgs {
     #[arg(long, value_name = "PATH")]
     pub kernel: Option<PathBuf>,
 
-    /// Guest initramfs [default: the hvtrace busybox initramfs].
+    /// Guest initramfs [default: the hvtrace busybox initramfs; the Debian
+    /// guest's carries modules of its kernel package: ext4, vfat, isofs,
+    /// squashfs, overlay, loop and what they need].
     #[arg(long, value_name = "PATH")]
     pub initrd: Option<PathBuf>,
+
+    /// Debian guest: add these modules of Debian's kernel package, with what
+    /// they need, to the initramfs (comma-separated names, repeatable);
+    /// `modprobe NAME` loads them in the guest.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', value_parser = parse_module_name,
+          conflicts_with_all = ["initrd", "kernel"])]
+    pub modules: Vec<String>,
 
     /// Guest kernel command line.
     #[arg(long, value_name = "STR", default_value = DEFAULT_APPEND)]
@@ -553,6 +562,12 @@ fn parse_cpus(value: &str) -> Result<u32, String> {
     }
 }
 
+/// Parses one name of `--modules`.
+fn parse_module_name(value: &str) -> Result<String, String> {
+    guest::check_module_name(value)?;
+    Ok(value.to_string())
+}
+
 impl RunArgs {
     /// True when the run traces its commands (`--probe`, `--function`,
     /// `--graph`).
@@ -571,6 +586,7 @@ impl RunArgs {
         if args.timeout == 0 {
             bail!("--timeout must be at least 1 second");
         }
+        guest::check_modules_guest(args.guest, &args.modules)?;
         if let Some(kernel) = &args.kernel {
             config::check_file("kernel", kernel)?;
         }
@@ -590,9 +606,13 @@ impl RunArgs {
             Some(kernel) => kernel.clone(),
             None => guest::kernel(args.guest)?,
         };
-        let initrd = match &args.initrd {
-            Some(initrd) => initrd.clone(),
-            None => guest::initrd()?,
+        // The built-in guest's own initramfs goes with its own kernel; a
+        // kernel of the user's gets the plain one (the Debian package's
+        // modules would not load into it).
+        let initrd = match (&args.initrd, &args.kernel) {
+            (Some(initrd), _) => initrd.clone(),
+            (None, None) => guest::default_initrd(args.guest, &args.modules)?,
+            (None, Some(_)) => guest::initrd()?,
         };
         let mut cfg = RunConfig::new(kernel, initrd).with_emulator(emulator);
         cfg.append = args.append.clone();
@@ -761,6 +781,33 @@ mod tests {
         assert_eq!(args.memory, 512);
         assert_eq!(args.cpus, 1);
         assert!(args.exec.is_empty() && !args.bare && !args.detach);
+    }
+
+    #[test]
+    fn modules_option() {
+        let run = run_args(Cli::try_parse_from(["hvtrace", "run"]).unwrap());
+        assert!(run.modules.is_empty());
+        let run = run_args(
+            Cli::try_parse_from([
+                "hvtrace",
+                "run",
+                "--modules",
+                "xfs,nls_iso8859-1",
+                "--modules=nbd",
+                "--detach",
+            ])
+            .unwrap(),
+        );
+        assert_eq!(run.modules, ["xfs", "nls_iso8859-1", "nbd"]);
+        for bad in [
+            ["--modules", "xfs", "--initrd", "i"],
+            ["--modules", "xfs", "--kernel", "k"],
+        ] {
+            let mut argv = vec!["hvtrace", "run"];
+            argv.extend(bad);
+            assert!(Cli::try_parse_from(argv).is_err(), "{bad:?}");
+        }
+        assert!(Cli::try_parse_from(["hvtrace", "run", "--modules", "fs/xfs.ko"]).is_err());
     }
 
     #[test]

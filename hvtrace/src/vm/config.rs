@@ -200,10 +200,12 @@ impl RunConfig {
     }
 
     /// A configuration for one of the built-in guests, with the kernel and
-    /// the initramfs from the guest scripts (which build them on first use).
+    /// the guest's default initramfs from the guest scripts (which build
+    /// them on first use): the Debian guest's carries modules of its
+    /// kernel package ([`guest::default_initrd`]).
     pub fn for_guest(guest: Guest) -> Result<RunConfig> {
         let kernel = guest::kernel(guest)?;
-        let initrd = guest::initrd()?;
+        let initrd = guest::default_initrd(guest, &[])?;
         Ok(RunConfig::new(kernel, initrd))
     }
 

@@ -472,6 +472,47 @@ mod tests {
         );
     }
 
+    /// COM1 and COM2 as the run directory's unix sockets.
+    fn unix_sockets() -> (Endpoint, Endpoint) {
+        (
+            Endpoint::Unix("com1.sock".into()),
+            Endpoint::Unix("com2.sock".into()),
+        )
+    }
+
+    /// The command line README's "Running under QEMU with nested KVM"
+    /// shows is the one built for a default run (in its run directory).
+    #[test]
+    fn the_readme_shows_the_kvm_line_built() {
+        let cfg = RunConfig::new("k", "i");
+        let (serial, control) = unix_sockets();
+        let ports = Ports {
+            serial: &serial,
+            control: &control,
+            ram: Path::new("/dev/shm/hvtrace-ram-XXXXXX/guest-ram"),
+        };
+        let line = args(&cfg, true, Some(Path::new("hypervisor")), ports)
+            .iter()
+            .map(|a| {
+                if a.contains(' ') {
+                    format!("\"{a}\"")
+                } else {
+                    a.clone()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(" ");
+        let readme =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        let shown: String = readme
+            .split("```sh\nqemu-system-x86_64 ")
+            .nth(1)
+            .and_then(|rest| rest.split("\n```").next())
+            .unwrap_or_default()
+            .replace(" \\\n   ", "");
+        assert_eq!(shown, line, "README's KVM line");
+    }
+
     #[test]
     fn tsc_reliable_only_under_kvm_and_only_once() {
         assert_eq!(
@@ -490,10 +531,7 @@ mod tests {
     #[test]
     fn only_the_devices_the_run_needs() {
         let cfg = RunConfig::new("k", "i");
-        let (serial, control) = (
-            Endpoint::Unix("com1.sock".into()),
-            Endpoint::Unix("com2.sock".into()),
-        );
+        let (serial, control) = unix_sockets();
         let ports = Ports {
             serial: &serial,
             control: &control,
