@@ -98,8 +98,9 @@ impl HostCpu for RootCpu {
     }
     fn write_msr(&mut self, msr: u32, value: u64) -> Result<(), MsrRefused> {
         // SAFETY: policy forwards only IA32_APIC_BASE, with a base outside
-        // hypervisor memory; root uses no APIC, and a value the CPU refuses
-        // is a #GP for the guest.
+        // hypervisor memory (root uses no APIC), and 0 (off) to
+        // IA32_PEBS_ENABLE, IA32_DS_AREA and IA32_RTIT_CTL; a value the
+        // CPU refuses (or an MSR it lacks) is a #GP for the guest.
         unsafe { insn::wrmsr_safe(msr, value) }.map_err(|()| MsrRefused)
     }
     fn xsetbv(&mut self, xcr: u32, value: u64) {
@@ -495,8 +496,17 @@ fn cpu_view() -> Result<CpuView, VmcsError> {
         &Vmcs,
         // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
         || unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) },
-        || f::GUEST_GS_BASE.read(&Vmcs).unwrap_or(0),
+        read_gs_base,
     )
+}
+
+/// GUEST_GS_BASE for a view's lazy read: 0 (no task found there) when the
+/// VMREAD fails, which is logged.
+fn read_gs_base() -> u64 {
+    f::GUEST_GS_BASE.read(&Vmcs).unwrap_or_else(|e| {
+        log::warn!("{e}: the running task is not known");
+        0
+    })
 }
 
 /// The tracer's hypercall (a VMCALL from its trampolines, or anyone's: #UD
@@ -507,7 +517,7 @@ fn hypercall(vm: HitView<'_>, cpu: &mut CpuState) -> Result<Next, VmcsError> {
         &Vmcs,
         // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
         || unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) },
-        || f::GUEST_GS_BASE.read(&Vmcs).unwrap_or(0),
+        read_gs_base,
     )?;
     let now = crate::clock::tsc_to_ns(vm.clock.peek(insn::rdtsc()), vm.tsc_hz);
     let kernel = vm.kernel.map(|k| k as &dyn KernelView);

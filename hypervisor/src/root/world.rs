@@ -115,22 +115,31 @@ pub fn entering_guest(index: usize, eptps: [u64; 2], view: View, parked: bool) -
             }
             held = held.saturating_add(insn::rdtsc().saturating_sub(t0));
         }
+        p.parked.store(parked, SeqCst);
+        p.in_guest.store(true, SeqCst);
+        if HOLD.load(SeqCst) {
+            // A hold went up meanwhile: it may already have counted this
+            // vCPU out of the guest; step back and wait.
+            p.in_guest.store(false, SeqCst);
+            continue;
+        }
+        // Seen in the guest from here: a hold raised now waits for this
+        // vCPU's next exit before it changes anything, so the generation
+        // read below is at least that of every change made before this
+        // entry (read before `in_guest`, a whole hold could have come and
+        // gone between the read and the entry, unseen).
         let generation = EPT_GENERATION.load(SeqCst);
         if seen.load(SeqCst) != generation || dirty.load(SeqCst) {
             dirty.store(false, SeqCst);
-            if crate::vcpu::invept(index, eptp).is_err() {
+            if crate::vcpu::invept(index, eptp).is_ok() {
+                seen.store(generation, SeqCst);
+            } else {
+                // Tried again at the next entry.
+                dirty.store(true, SeqCst);
                 log::warn!("vCPU {index}: INVEPT failed");
             }
-            seen.store(generation, SeqCst);
         }
-        p.parked.store(parked, SeqCst);
-        p.in_guest.store(true, SeqCst);
-        if !HOLD.load(SeqCst) {
-            return held;
-        }
-        // A hold went up meanwhile: it may already have counted this vCPU
-        // out of the guest; step back and wait.
-        p.in_guest.store(false, SeqCst);
+        return held;
     }
 }
 

@@ -61,9 +61,10 @@ pub trait Machine {
     fn ept_map_own(&mut self, view: View, gpa: Gpa, hpa: Hpa, perms: u64) -> Result<u64, EptError>;
     /// Like [`Self::ept_unmap`], in this vCPU's view `view` only.
     fn ept_unmap_own(&mut self, view: View, gpa: Gpa) -> Result<(), EptError>;
-    /// Makes the EPT changes so far visible to this vCPU (INVEPT of both
-    /// its views; the others' are root's to invalidate, see
-    /// [`Self::ept_map`]).
+    /// Makes the EPT changes so far visible to this vCPU: both its views
+    /// are invalidated, each before the vCPU next runs on it (root
+    /// batches them at its entry); the others' are root's to invalidate,
+    /// see [`Self::ept_map`].
     fn invept(&mut self);
     /// Holds every other vCPU in root for the rest of the request, if they
     /// are not held yet: a hook or an unhook changes what every vCPU

@@ -95,12 +95,10 @@ pub fn hypercall_start(
     Ok((f::GUEST_RIP.read(v)?, CpuView::read(v, kernel_gs_base, gs)?))
 }
 
-/// The VMCALL instruction's length (0F 01 C1), the trampolines' own.
-pub const VMCALL_LEN: u64 = 3;
-
 /// The VMCS side of a VMCALL exit at `rip` once served: the guest goes on
-/// past the VMCALL when the tracer handled it (one of the trampolines'
-/// VMCALLs, whose bytes are ours: no prefix, so the length is known);
+/// past the VMCALL when the tracer handled it, by the length the exit
+/// reports (the trampolines' VMCALL has 3 bytes, but a guest that maps a
+/// page of its own at that address may put a prefixed one there);
 /// otherwise it was not ours (no trampoline's, or forged) and the guest
 /// gets the #UD a VMCALL outside VMX would raise, returned for the next
 /// entry.
@@ -110,7 +108,8 @@ pub fn hypercall_end(
     handled: bool,
 ) -> Result<Option<Event>, VmcsError> {
     if handled {
-        f::GUEST_RIP.write(v, rip.wrapping_add(VMCALL_LEN))?;
+        let len = u64::from(f::EXIT_INSTRUCTION_LEN.read(v)?);
+        f::GUEST_RIP.write(v, rip.wrapping_add(len))?;
         let intr = f::GUEST_INTERRUPTIBILITY.read(v)?;
         if intr & event::BLOCKING_BY_STI_OR_MOV_SS != 0 {
             f::GUEST_INTERRUPTIBILITY.write(v, intr & !event::BLOCKING_BY_STI_OR_MOV_SS)?;

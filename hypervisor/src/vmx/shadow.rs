@@ -136,9 +136,10 @@ mod tests {
         let mut v = Recording::default();
         one_hit(&mut v, false, true);
         assert_eq!(*v.exits.borrow(), [], "a count's hit exits to KVM");
-        // The reason, RIP, SS access rights, CR3, CR4, RSP and the
-        // interruptibility read; RIP written past the VMCALL.
-        assert_eq!(*v.accesses.borrow(), [7, 1], "VMREADs and VMWRITEs per hit");
+        // The reason, RIP, SS access rights, CR3, CR4, RSP, the
+        // instruction length and the interruptibility; RIP written past
+        // the VMCALL.
+        assert_eq!(*v.accesses.borrow(), [8, 1], "VMREADs and VMWRITEs per hit");
         assert_eq!(f::GUEST_RIP.read(&v).unwrap(), 0xffff_ffff_c000_1003);
         for &(e, write) in v.touched.borrow().iter() {
             let ok = if write {
