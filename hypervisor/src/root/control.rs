@@ -985,30 +985,33 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
             .enumerate()
             .map(|(i, c)| (i, c, src.tracer.hypercalls_of(i, src.uptime_ns)))
             .map(|(i, c, h)| (i, c, h, crate::rootstack::used(i).unwrap_or((0, 0))))
+            .map(|(i, c, h, stack)| (i, c, h, stack, crate::vcpu::NestedCost::of(i)))
             .map(
-                |(i, c, h, (root_stack_used, root_stack_size))| protocol::VcpuReport {
-                    index: i as u32,
-                    apic_id: c.apic_id,
-                    parked: c.life.is_parked(),
-                    exits_total: c.counters.total(),
-                    lock_wait_ns: crate::clock::tsc_to_ns(c.lock_wait_ticks, src.tsc_hz),
-                    lock_takes: c.lock_takes,
-                    shared_takes: c.shared_takes,
-                    shared_wait_ns: crate::clock::tsc_to_ns(c.shared_wait_ticks, src.tsc_hz),
-                    held_ns: crate::clock::tsc_to_ns(c.held_ticks, src.tsc_hz),
-                    lost: src.tracer.lost_of(i),
-                    vmcalls: c.counters.get(hypervisor::vmx::exit::reason::VMCALL),
-                    hits: h.hits,
-                    returns: h.returns,
-                    refused: h.refused,
-                    view_switches: h.view_switches,
-                    armed_ns: h.armed_ns,
-                    quiet_ns: h.quiet_ns,
-                    quiet: h.quiet,
-                    root_stack_used,
-                    root_stack_size,
-                    vmcs_unshadowed: crate::vcpu::NestedCost::of(i).0,
-                    invept: crate::vcpu::NestedCost::of(i).1,
+                |(i, c, h, (root_stack_used, root_stack_size), (vmcs_unshadowed, invept))| {
+                    protocol::VcpuReport {
+                        index: i as u32,
+                        apic_id: c.apic_id,
+                        parked: c.life.is_parked(),
+                        exits_total: c.counters.total(),
+                        lock_wait_ns: crate::clock::tsc_to_ns(c.lock_wait_ticks, src.tsc_hz),
+                        lock_takes: c.lock_takes,
+                        shared_takes: c.shared_takes,
+                        shared_wait_ns: crate::clock::tsc_to_ns(c.shared_wait_ticks, src.tsc_hz),
+                        held_ns: crate::clock::tsc_to_ns(c.held_ticks, src.tsc_hz),
+                        lost: src.tracer.lost_of(i),
+                        vmcalls: c.counters.get(hypervisor::vmx::exit::reason::VMCALL),
+                        hits: h.hits,
+                        returns: h.returns,
+                        refused: h.refused,
+                        view_switches: h.view_switches,
+                        armed_ns: h.armed_ns,
+                        quiet_ns: h.quiet_ns,
+                        quiet: h.quiet,
+                        root_stack_used,
+                        root_stack_size,
+                        vmcs_unshadowed,
+                        invept,
+                    }
                 },
             )
             .collect(),

@@ -374,7 +374,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         // HOST_RIP.
         let outcome = unsafe { insn::vmx_run(&mut cpu.regs, cpu.launched, &mut cpu.host_rsp) };
         if cpu.host_rsp != host_rsp {
-            crate::vcpu::NestedCost::add(&crate::vcpu::NESTED_COST, cpu.index, 2, 0);
+            crate::vcpu::NestedCost::add(cpu.index, 2, 0);
         }
         crate::world::left_guest(cpu.index, || f::GUEST_RIP.read(&Vmcs).unwrap_or(0));
         if let RunOutcome::EntryFailed(e) = outcome {
@@ -492,12 +492,14 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
 /// The vCPU state the tracer and introspection need, from the current
 /// VMCS.
 fn cpu_view() -> Result<CpuView, VmcsError> {
-    CpuView::read(
-        &Vmcs,
-        // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
-        || unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) },
-        read_gs_base,
-    )
+    CpuView::read(&Vmcs, read_kernel_gs_base, read_gs_base)
+}
+
+/// IA32_KERNEL_GS_BASE, the guest's while root runs (VMX does not switch
+/// it), for a view taken in user mode.
+fn read_kernel_gs_base() -> u64 {
+    // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
+    unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) }
 }
 
 /// GUEST_GS_BASE for a view's lazy read: 0 (no task found there) when the
@@ -513,12 +515,7 @@ fn read_gs_base() -> u64 {
 /// then) with the VM shared: nothing here changes the VM but through what
 /// `hypervisor::tracer::Hit` locks or counts atomically.
 fn hypercall(vm: HitView<'_>, cpu: &mut CpuState) -> Result<Next, VmcsError> {
-    let (rip, view) = entry::hypercall_start(
-        &Vmcs,
-        // SAFETY: IA32_KERNEL_GS_BASE exists on every x86-64 CPU.
-        || unsafe { insn::rdmsr(x86::msr::IA32_KERNEL_GSBASE) },
-        read_gs_base,
-    )?;
+    let (rip, view) = entry::hypercall_start(&Vmcs, read_kernel_gs_base, read_gs_base)?;
     let now = crate::clock::tsc_to_ns(vm.clock.peek(insn::rdtsc()), vm.tsc_hz);
     let kernel = vm.kernel.map(|k| k as &dyn KernelView);
     let mut hit = Hit::new(vm.tracer, &mut cpu.tracer);

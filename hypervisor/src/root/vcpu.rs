@@ -17,7 +17,7 @@ use hypervisor::tracer::machine::View;
 use hypervisor::vmx::ap;
 use hypervisor::vmx::caps::{self, EptVpidCap, MissingControls, VmxBasic};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
-use hypervisor::vmx::profile::{choose, CapProfile, Chosen, Refusal};
+use hypervisor::vmx::profile::{choose, CapProfile, Chosen, Refusal, WAIT_FOR_SIPI_MISSING};
 use hypervisor::vmx::regs::GuestRegs;
 use loader::layout;
 use x86::vmx::vmcs::control::{EntryControls, ExitControls, SecondaryControls};
@@ -104,7 +104,7 @@ impl VmcsIo for Vmcs {
         unsafe { insn::vmwrite(encoding, value).is_ok() }
     }
     fn unshadowed(&self, _encoding: u32, _write: bool) {
-        NestedCost::add(&NESTED_COST, cpu::this_cpu(), 1, 0);
+        NestedCost::add(cpu::this_cpu(), 1, 0);
     }
 }
 
@@ -119,8 +119,8 @@ pub struct NestedCost {
 impl NestedCost {
     /// Adds to CPU `cpu`'s counts (only that CPU calls this for itself:
     /// a load and a store, no locked instruction).
-    pub fn add(all: &[NestedCost], cpu: usize, unshadowed: u64, invept: u64) {
-        if let Some(c) = all.get(cpu) {
+    pub fn add(cpu: usize, unshadowed: u64, invept: u64) {
+        if let Some(c) = NESTED_COST.get(cpu) {
             for (counter, n) in [(&c.unshadowed, unshadowed), (&c.invept, invept)] {
                 if n != 0 {
                     counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
@@ -140,7 +140,7 @@ impl NestedCost {
 /// INVEPT (single-context) of `eptp` by vCPU `index`, counted in its
 /// [`NestedCost`].
 pub fn invept(index: usize, eptp: u64) -> Result<(), VmFail> {
-    NestedCost::add(&NESTED_COST, index, 0, 1);
+    NestedCost::add(index, 0, 1);
     insn::invept_single(eptp)
 }
 
@@ -398,10 +398,7 @@ fn new_vmcs(basic: VmxBasic) -> Result<(), VmxError> {
 pub fn setup_ap(host: &HostTables, t: &Template, index: usize) -> Result<GuestRegs, VmxError> {
     let basic = VmxBasic(msr(IA32_VMX_BASIC));
     if msr(IA32_VMX_MISC) & ap::MISC_WAIT_FOR_SIPI == 0 {
-        return Err(VmxError::Controls(MissingControls {
-            word: "activity states (wait-for-SIPI)",
-            missing: 1 << 8,
-        }));
+        return Err(VmxError::Controls(WAIT_FOR_SIPI_MISSING));
     }
     vmxon(basic)?;
     new_vmcs(basic)?;

@@ -152,11 +152,6 @@ impl GuestGs {
     pub fn get(&self) -> u64 {
         *self.value.get_or_init(|| self.read.map_or(0, |r| r()))
     }
-
-    /// Whether the base has been read (or was given).
-    pub fn was_read(&self) -> bool {
-        self.value.get().is_some()
-    }
 }
 
 /// The vCPU state the tracer and introspection need, read at an exit.

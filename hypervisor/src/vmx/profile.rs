@@ -197,15 +197,20 @@ impl Chosen {
                 missing: PinbasedControls::VMX_PREEMPTION_TIMER.bits(),
             }))
         } else if !self.wait_for_sipi {
-            Err(Refusal::Controls(MissingControls {
-                word: "activity states (wait-for-SIPI)",
-                missing: MISC_WAIT_FOR_SIPI as u32,
-            }))
+            Err(Refusal::Controls(WAIT_FOR_SIPI_MISSING))
         } else {
             Ok(())
         }
     }
 }
+
+/// The refusal of a CPU without the wait-for-SIPI activity state, which
+/// every AP is parked in (the boot processor's [`Chosen::check_vcpus`],
+/// and each AP's own check).
+pub const WAIT_FOR_SIPI_MISSING: MissingControls = MissingControls {
+    word: "activity states (wait-for-SIPI)",
+    missing: MISC_WAIT_FOR_SIPI as u32,
+};
 
 /// Why root will not run on a profile: the first need it lacks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
