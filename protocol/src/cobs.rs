@@ -47,9 +47,7 @@ pub const fn max_encoded_len(len: usize) -> usize {
 /// ```
 pub fn encode(input: &[u8], out: &mut Vec<u8>) {
     let mut enc = Encoder::begin(out);
-    for &b in input {
-        enc.push(out, b);
-    }
+    enc.push_all(out, input);
     enc.finish(out);
 }
 
@@ -175,6 +173,61 @@ impl Encoder {
                 self.full = true;
             }
         }
+    }
+
+    /// Encodes more message bytes: as [`Self::push`] byte by byte, into
+    /// room made once (records are short runs between zeros: a copy per
+    /// run costs more than it saves).
+    pub(crate) fn push_all(&mut self, out: &mut Vec<u8>, bytes: &[u8]) {
+        let start = out.len();
+        out.resize(start.saturating_add(max_encoded_len(bytes.len())), 0);
+        let mut at = start;
+        let mut code_at = self.code_at;
+        let mut run = self.run;
+        let mut full = self.full;
+        for &b in bytes {
+            if full {
+                code_at = at;
+                if let Some(c) = out.get_mut(at) {
+                    *c = 1;
+                }
+                at = at.saturating_add(1);
+                run = 0;
+                full = false;
+            }
+            if b == 0 {
+                if let Some(c) = out.get_mut(code_at) {
+                    *c = run.saturating_add(1);
+                }
+                code_at = at;
+                run = 0;
+            } else {
+                if let Some(d) = out.get_mut(at) {
+                    *d = b;
+                }
+                run = run.saturating_add(1);
+                if run == FULL_BLOCK {
+                    if let Some(c) = out.get_mut(code_at) {
+                        *c = FULL_BLOCK.saturating_add(1);
+                    }
+                    full = true;
+                }
+            }
+            // At most one byte out per byte in, plus one per 254: inside
+            // the room made above.
+            at = at.saturating_add(1);
+        }
+        out.truncate(at);
+        // The open block's code byte is written when it closes; until then
+        // it reads as a block of its bytes so far, as `push` leaves it.
+        if !full {
+            if let Some(c) = out.get_mut(code_at) {
+                *c = run.saturating_add(1);
+            }
+        }
+        self.code_at = code_at;
+        self.run = run;
+        self.full = full;
     }
 
     /// Ends the message (no delimiter is written).
@@ -400,6 +453,52 @@ mod tests {
                 // Re-encoding gives back a valid encoding of the same bytes.
                 assert_eq!(dec(&enc(&out)), Ok(out));
             }
+        }
+    }
+
+    /// `push_all` over any split of the message gives the bytes `push`
+    /// gives one at a time, around the 254-byte block edges and zeros.
+    #[test]
+    fn bulk_pushes_encode_as_single_ones() {
+        let mut seed = 0x1234_5678u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        for case in 0..400 {
+            let len = (next() % 1100) as usize;
+            // Zeros now dense, now rare, now absent.
+            let zero_every = [2, 7, 60, 300, u32::MAX][case % 5];
+            let msg: Vec<u8> = (0..len)
+                .map(|_| {
+                    let r = next();
+                    if r % zero_every == 0 {
+                        0
+                    } else {
+                        (r >> 8) as u8 | 1
+                    }
+                })
+                .collect();
+            let mut one = Vec::new();
+            let mut e = Encoder::begin(&mut one);
+            for &b in &msg {
+                e.push(&mut one, b);
+            }
+            e.finish(&mut one);
+            let mut bulk = Vec::new();
+            let mut e = Encoder::begin(&mut bulk);
+            let mut rest = &msg[..];
+            while !rest.is_empty() {
+                let n = ((next() % 600) as usize).min(rest.len());
+                let (a, b) = rest.split_at(n);
+                e.push_all(&mut bulk, a);
+                rest = b;
+            }
+            e.finish(&mut bulk);
+            assert_eq!(bulk, one, "case {case}, {len} bytes");
+            assert_eq!(dec(&bulk), Ok(msg));
         }
     }
 }

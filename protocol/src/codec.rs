@@ -129,8 +129,16 @@ impl PayloadWriter<'_> {
     }
 
     fn put_all(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.put(b);
+        let end = self.len.saturating_add(bytes.len());
+        if end <= MAX_FRAME {
+            // All kept: hashed and stuffed in bulk.
+            self.len = end;
+            self.crc.update(bytes);
+            self.cobs.push_all(self.out, bytes);
+        } else {
+            for &b in bytes {
+                self.put(b);
+            }
         }
     }
 }

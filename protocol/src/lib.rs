@@ -50,6 +50,7 @@
 
 extern crate alloc;
 
+mod bytes;
 pub mod cobs;
 pub mod codec;
 pub mod crc32;

@@ -1055,6 +1055,7 @@ pub enum Event {
         /// Time of the first record, in nanoseconds since the hypervisor started.
         timestamp_ns: u64,
         /// The records.
+        #[serde(with = "crate::bytes")]
         payload: Vec<u8>,
     },
     /// Rendered trace events (after [`Request::TraceStart`]).
@@ -1094,6 +1095,7 @@ pub enum Event {
         /// Where the piece starts in the export.
         offset: u64,
         /// Its bytes.
+        #[serde(with = "crate::bytes")]
         data: Vec<u8>,
     },
     /// Trace records ([`TraceFormat::Records`]), oldest first, as the
@@ -1109,6 +1111,7 @@ pub enum Event {
         /// Root's clock when the event was made, in nanoseconds.
         now_ns: u64,
         /// The chunks.
+        #[serde(with = "crate::bytes")]
         data: Vec<u8>,
     },
     /// What renders the records that follow ([`TraceFormat::Records`]):
