@@ -84,6 +84,7 @@ pub mod fallible;
 pub mod fentry;
 pub mod glob;
 pub mod kallsyms;
+pub mod linear;
 pub mod mem;
 pub mod module;
 pub mod paging;

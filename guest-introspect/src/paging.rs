@@ -244,6 +244,15 @@ pub fn translate<M: GuestMemory + ?Sized>(
     cr3: Cr3,
     gva: Gva,
 ) -> Result<Translation, WalkError> {
+    walk(mem, cr3, gva).map(|(t, _)| t)
+}
+
+/// [`translate`], and where the leaf entry is.
+fn walk<M: GuestMemory + ?Sized>(
+    mem: &M,
+    cr3: Cr3,
+    gva: Gva,
+) -> Result<(Translation, Gpa), WalkError> {
     if !gva.is_canonical() {
         return Err(WalkError::NonCanonical { gva });
     }
@@ -263,6 +272,9 @@ pub fn translate<M: GuestMemory + ?Sized>(
             leaf: entry,
         }
     };
+    let at = |table: u64, level: Level| {
+        Gpa((table & ADDR_MASK) + ((gva.0 >> level.shift()) & 0x1ff) * 8)
+    };
     let pml4e = entry(mem, cr3.pml4(), gva, Level::Pml4, &mut acc)?;
     if pml4e & PTE_LARGE != 0 {
         return Err(WalkError::Reserved {
@@ -272,14 +284,125 @@ pub fn translate<M: GuestMemory + ?Sized>(
     }
     let pdpte = entry(mem, Gpa(pml4e & ADDR_MASK), gva, Level::Pdpt, &mut acc)?;
     if pdpte & PTE_LARGE != 0 {
-        return Ok(leaf(pdpte, PageSize::Size1G, acc));
+        return Ok((leaf(pdpte, PageSize::Size1G, acc), at(pml4e, Level::Pdpt)));
     }
     let pde = entry(mem, Gpa(pdpte & ADDR_MASK), gva, Level::Pd, &mut acc)?;
     if pde & PTE_LARGE != 0 {
-        return Ok(leaf(pde, PageSize::Size2M, acc));
+        return Ok((leaf(pde, PageSize::Size2M, acc), at(pdpte, Level::Pd)));
     }
     let pte = entry(mem, Gpa(pde & ADDR_MASK), gva, Level::Pt, &mut acc)?;
-    Ok(leaf(pte, PageSize::Size4K, acc))
+    Ok((leaf(pte, PageSize::Size4K, acc), at(pde, Level::Pt)))
+}
+
+/// Translations kept by a [`WalkCache`].
+pub const WALK_CACHE_SLOTS: usize = 4;
+
+/// The last few translations of one address space, for **reads** of guest
+/// data on a hot path (never for writes: a write must see the tables as
+/// they are).
+///
+/// Each use reads the cached leaf entry again from guest memory and takes
+/// the translation only if it is unchanged: one 8-byte read instead of a
+/// walk's four. What it cannot see is a change above the leaf (a PDE
+/// pointed at another table); its owner flushes it on every turn of the
+/// run loop, which bounds how long such a change goes unseen, and a CR3
+/// other than the cached one empties it. A stale translation still reads
+/// guest RAM through the same [`GuestMemory`]: it can mislead the trace of
+/// a guest that rewrites its tables under a hot page, nothing else.
+#[derive(Clone, Debug, Default)]
+pub struct WalkCache {
+    cr3: u64,
+    slots: [Option<CachedLeaf>; WALK_CACHE_SLOTS],
+    next: usize,
+    /// Uses served from the cache, and walks.
+    hits: u64,
+    walks: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct CachedLeaf {
+    /// The page's first address and size.
+    base: u64,
+    size: PageSize,
+    /// Where the leaf entry is, and what it held.
+    leaf_at: Gpa,
+    leaf: u64,
+}
+
+impl WalkCache {
+    /// Forgets every translation.
+    pub fn flush(&mut self) {
+        self.slots = [None; WALK_CACHE_SLOTS];
+    }
+
+    /// (uses served from the cache, walks) since it was made.
+    pub fn counts(&self) -> (u64, u64) {
+        (self.hits, self.walks)
+    }
+
+    /// Where `gva` is, and the bytes from there to its page's end.
+    pub fn translate<M: GuestMemory + ?Sized>(
+        &mut self,
+        mem: &M,
+        cr3: Cr3,
+        gva: Gva,
+    ) -> Result<(Gpa, u64), WalkError> {
+        if self.cr3 != cr3.0 {
+            self.flush();
+            self.cr3 = cr3.0;
+        }
+        for slot in &mut self.slots {
+            let Some(c) = *slot else { continue };
+            let span = c.size.bytes();
+            if gva.0 & !(span - 1) != c.base {
+                continue;
+            }
+            if mem.read_u64(c.leaf_at).ok() == Some(c.leaf) {
+                self.hits += 1;
+                let frame = c.leaf & ADDR_MASK & !(span - 1);
+                let off = gva.0 & (span - 1);
+                return Ok((Gpa(frame | off), span - off));
+            }
+            *slot = None;
+        }
+        self.walks += 1;
+        let (t, leaf_at) = walk(mem, cr3, gva)?;
+        let size = t.size;
+        if let Some(slot) = self.slots.get_mut(self.next % WALK_CACHE_SLOTS) {
+            *slot = Some(CachedLeaf {
+                base: gva.0 & !(size.bytes() - 1),
+                size,
+                leaf_at,
+                leaf: t.leaf,
+            });
+        }
+        self.next = self.next.wrapping_add(1);
+        Ok((t.gpa, t.bytes_to_page_end()))
+    }
+
+    /// [`read_virt`] through the cache.
+    pub fn read_virt<M: GuestMemory + ?Sized>(
+        &mut self,
+        mem: &M,
+        cr3: Cr3,
+        gva: Gva,
+        buf: &mut [u8],
+    ) -> Result<(), WalkError> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let at = gva
+                .checked_add(done as u64)
+                .ok_or(WalkError::NonCanonical { gva: Gva(u64::MAX) })?;
+            let (gpa, room) = self.translate(mem, cr3, at)?;
+            let chunk = core::cmp::min((buf.len() - done) as u64, room) as usize;
+            let phys = |err| WalkError::Phys { gva: at, err };
+            let short = phys(MemError::OutOfRange { gpa, len: chunk });
+            let out = buf.get_mut(done..done + chunk).ok_or(short)?;
+            mem.read_phys(gpa, out).map_err(phys)?;
+            done += chunk;
+        }
+        Ok(())
+    }
 }
 
 /// Why the kernel's own top-level table could not be used.

@@ -384,3 +384,231 @@ fn the_kernels_own_pgd_is_found_through_a_tasks() {
         Err(RootError::Walk(_))
     ));
 }
+
+// ----- linear windows ----------------------------------------------------
+
+use guest_introspect::linear::{LinearError, LinearMaps, LinearView, LinearWindow};
+
+/// A randomized direct-map base, as `page_offset_base` holds it.
+const DIRECT: u64 = 0xffff_9a40_0000_0000;
+/// `page_offset_base` in the image's data.
+const POB_VAR: u64 = KTEXT + 0x28_0010;
+
+/// An image of 6 MiB at KTEXT on guest-physical 4 MiB (2 MiB pages), the
+/// first 16 MiB of RAM in the direct map at `direct_pa` for DIRECT (1 GiB
+/// page), and `page_offset_base` = DIRECT.
+fn kernel_layout(direct_pa: u64) -> Builder {
+    let mut b = Builder::new();
+    for i in 0..3 {
+        b.map(
+            KTEXT + i * 0x20_0000,
+            0x40_0000 + i * 0x20_0000,
+            PageSize::Size2M,
+            P | W,
+            P | W,
+        );
+    }
+    b.map(DIRECT, direct_pa, PageSize::Size1G, P | W | PTE_NX, P | W);
+    b.mem
+        .write_u64(Gpa(0x40_0000 + (POB_VAR - KTEXT)), DIRECT)
+        .unwrap();
+    b
+}
+
+#[test]
+fn linear_windows_are_found_and_read_as_the_walk_does() {
+    let mut b = kernel_layout(0);
+    // A "task" in the direct map and bytes in the image.
+    b.mem.write(Gpa(0x9a_0100), b"task comm bytes!").unwrap();
+    b.mem.write(Gpa(0x41_0000), b"image").unwrap();
+    let cr3 = b.cr3();
+    let found = LinearMaps::find(
+        &b.mem,
+        cr3,
+        Some(Gva(POB_VAR)),
+        Some((Gva(KTEXT), Gva(KTEXT + 0x60_0000))),
+    );
+    assert_eq!(
+        found.direct,
+        Ok(LinearWindow {
+            start: DIRECT,
+            end: DIRECT + (64 << 40),
+            delta: DIRECT
+        })
+    );
+    assert_eq!(
+        found.image,
+        Ok(LinearWindow {
+            start: KTEXT,
+            end: KTEXT + 0x60_0000,
+            delta: KTEXT - 0x40_0000
+        })
+    );
+    assert_eq!(found.maps.windows().len(), 2);
+    let fast = LinearView::new(&b.mem, cr3, &found.maps);
+    let slow = PagedView::new(&b.mem, cr3);
+    for (gva, len) in [
+        (DIRECT + 0x9a_0100, 16),
+        (KTEXT + 0x1_0000, 5),
+        // Past the image's end: walked (and unmapped there).
+        (KTEXT + 0x60_0000 - 2, 4),
+    ] {
+        let (mut a, mut c) = (vec![0u8; len], vec![0u8; len]);
+        let ra = fast.read_virt(Gva(gva), &mut a);
+        let rc = slow.read_virt(Gva(gva), &mut c);
+        assert_eq!((ra.is_ok(), &a), (rc.is_ok(), &c), "{gva:#x}");
+    }
+    assert_eq!(
+        found.maps.gpa(Gva(DIRECT + 0x9a_0100), 16),
+        Some(Gpa(0x9a_0100))
+    );
+    // A read that starts in the image and ends past it takes no window.
+    assert_eq!(found.maps.gpa(Gva(KTEXT + 0x60_0000 - 2), 4), None);
+    // The guest unmaps its direct map afterwards: the window still reads
+    // where the kernel's layout says (no walk); the walk fails.
+    let pdpt = b.descend(b.pml4, DIRECT, Level::Pml4, P | W);
+    b.mem
+        .write_u64(Builder::entry_addr(pdpt, DIRECT, Level::Pdpt), 0)
+        .unwrap();
+    let fast = LinearView::new(&b.mem, cr3, &found.maps);
+    let slow = PagedView::new(&b.mem, cr3);
+    let mut a = [0u8; 16];
+    fast.read_virt(Gva(DIRECT + 0x9a_0100), &mut a).unwrap();
+    assert_eq!(&a, b"task comm bytes!");
+    assert!(slow.read_virt(Gva(DIRECT + 0x9a_0100), &mut a).is_err());
+}
+
+#[test]
+fn a_direct_map_the_walks_disagree_with_is_not_used() {
+    // The direct map's first GiB maps guest-physical 1 GiB, not 0: not
+    // the linear map of all memory (and past this 16 MiB RAM).
+    let b = kernel_layout(1 << 30);
+    let cr3 = b.cr3();
+    let found = LinearMaps::find(
+        &b.mem,
+        cr3,
+        Some(Gva(POB_VAR)),
+        Some((Gva(KTEXT), Gva(KTEXT + 0x60_0000))),
+    );
+    assert!(
+        matches!(found.direct, Err(LinearError::Disagrees { .. })),
+        "{:?}",
+        found.direct
+    );
+    assert!(found.image.is_ok());
+    assert_eq!(found.maps.windows().len(), 1);
+    assert_eq!(found.maps.gpa(Gva(DIRECT + 0x100), 8), None);
+    // Without the variable the default base is tried: not mapped here.
+    let found = LinearMaps::find(
+        &b.mem,
+        cr3,
+        None,
+        Some((Gva(KTEXT), Gva(KTEXT + 0x60_0000))),
+    );
+    assert!(matches!(found.direct, Err(LinearError::Unmapped(_))));
+    // Without the image there is no sample for the direct map either.
+    let found = LinearMaps::find(&b.mem, cr3, Some(Gva(POB_VAR)), None);
+    assert!(found.maps.windows().is_empty());
+}
+
+#[test]
+fn a_hole_in_a_window_reads_as_the_walk_says() {
+    let b = kernel_layout(0);
+    let cr3 = b.cr3();
+    let found = LinearMaps::find(
+        &b.mem,
+        cr3,
+        Some(Gva(POB_VAR)),
+        Some((Gva(KTEXT), Gva(KTEXT + 0x60_0000))),
+    );
+    let fast = LinearView::new(&b.mem, cr3, &found.maps);
+    // Guest-physical 32 MiB is past this RAM: the physical read fails, the
+    // walk then maps it (the 1 GiB page) and fails the same way.
+    let mut buf = [0u8; 8];
+    let e = fast
+        .read_virt(Gva(DIRECT + (32 << 20)), &mut buf)
+        .unwrap_err();
+    let w = PagedView::new(&b.mem, cr3)
+        .read_virt(Gva(DIRECT + (32 << 20)), &mut buf)
+        .unwrap_err();
+    assert_eq!(e, w);
+}
+
+// ----- the walk cache ----------------------------------------------------
+
+use guest_introspect::paging::WalkCache;
+
+/// Guest memory that counts the reads made of it.
+struct Counting<'a>(&'a VecMemory, std::cell::Cell<u32>);
+
+impl guest_introspect::GuestMemory for Counting<'_> {
+    fn read_phys(&self, gpa: Gpa, buf: &mut [u8]) -> Result<(), MemError> {
+        self.1.set(self.1.get() + 1);
+        self.0.read_phys(gpa, buf)
+    }
+}
+
+#[test]
+fn the_walk_cache_reads_one_entry_and_follows_a_remapped_leaf() {
+    let mut b = Builder::new();
+    let stack = 0xffff_c900_0001_0000u64;
+    b.map(stack, 0x30_0000, PageSize::Size4K, P | W | PTE_NX, P | W);
+    b.map(
+        stack + 0x1000,
+        0x30_5000,
+        PageSize::Size4K,
+        P | W | PTE_NX,
+        P | W,
+    );
+    b.mem.write(Gpa(0x30_0ff8), &[1; 8]).unwrap();
+    b.mem.write(Gpa(0x30_5000), &[2; 8]).unwrap();
+    b.mem.write(Gpa(0x30_7000), &[3; 8]).unwrap();
+    let cr3 = b.cr3();
+    let mut cache = WalkCache::default();
+    let read = |b: &Builder, cache: &mut WalkCache, gva: u64, len: usize| {
+        let m = Counting(&b.mem, std::cell::Cell::new(0));
+        let mut buf = vec![0u8; len];
+        let r = cache.read_virt(&m, cr3, Gva(gva), &mut buf);
+        let mut want = vec![0u8; len];
+        let w = read_virt(&b.mem, cr3, Gva(gva), &mut want);
+        assert_eq!(r.is_ok(), w.is_ok(), "{gva:#x}");
+        assert_eq!(buf, want, "{gva:#x}");
+        m.1.get()
+    };
+    // Across the two pages: two walks (4 entries each) and two data reads.
+    assert_eq!(read(&b, &mut cache, stack + 0xff8, 16), 10);
+    // Again: one entry and one data read per page.
+    assert_eq!(read(&b, &mut cache, stack + 0xff8, 16), 4);
+    assert_eq!(cache.counts(), (2, 2));
+    // The guest points the second page elsewhere: the leaf read sees it.
+    b.map(
+        stack + 0x1000,
+        0x30_7000,
+        PageSize::Size4K,
+        P | W | PTE_NX,
+        P | W,
+    );
+    assert_eq!(read(&b, &mut cache, stack + 0x1000, 8), 1 + 4 + 1);
+    assert_eq!(read(&b, &mut cache, stack + 0x1000, 8), 2);
+    // Unmapped: the cached leaf no longer matches and the walk fails.
+    let pdpt = b.descend(b.pml4, stack, Level::Pml4, P | W);
+    let pd = b.descend(pdpt, stack, Level::Pdpt, P | W);
+    let pt_at = b.descend(pd, stack, Level::Pd, P | W);
+    b.mem
+        .write_u64(Builder::entry_addr(pt_at, stack + 0x1000, Level::Pt), 0)
+        .unwrap();
+    read(&b, &mut cache, stack + 0x1000, 8);
+    // Another address space empties it; a flush too.
+    let before = cache.counts().1;
+    let m = Counting(&b.mem, std::cell::Cell::new(0));
+    let mut buf = [0u8; 8];
+    cache
+        .read_virt(&m, Cr3(b.pml4), Gva(stack + 0xff8), &mut buf)
+        .unwrap();
+    cache.flush();
+    cache
+        .read_virt(&m, Cr3(b.pml4), Gva(stack + 0xff8), &mut buf)
+        .unwrap();
+    assert_eq!(cache.counts().1, before + 2);
+    assert_eq!(buf, [1; 8]);
+}

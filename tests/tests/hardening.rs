@@ -822,6 +822,22 @@ fn hostile_guest_fast_lane() {
             .contains("kernel walks use init_top_pgt at guest-physical"),
         "kernel walks use init_top_pgt",
     );
+    // `current`, its pid and its name are read through the kernel's
+    // linear maps, both found and checked against walks (the pids and
+    // names every probe line carries are checked against the guest's own
+    // events in the kprobes tests).
+    let log = vm.emulator_output();
+    let linear = log
+        .lines()
+        .find(|l| l.contains("introspection: linear maps:"))
+        .unwrap_or("");
+    println!("{linear}");
+    ck.check(
+        linear.contains("direct map 0xffff")
+            && linear.contains("image 0xffffffff")
+            && !linear.contains("not used"),
+        format!("both linear maps found and checked: {linear:?}"),
+    );
     forged_pdpt_at_region_setup(&mut ck, &vm, &mut c);
     sleepers_after_recovery_in_a_dead_process(&mut ck, &vm, &mut c, &busy);
     bad_instructions(&mut ck, &mut c);

@@ -31,6 +31,7 @@ use guest_introspect::budget::{self, Backoff, Budget, Metered, RECOVERY_BUDGET, 
 use guest_introspect::facts::{self, KernelFacts};
 use guest_introspect::fentry::{self, Classifier};
 use guest_introspect::kallsyms::{KallsymsError, SymbolId};
+use guest_introspect::linear::{LinearError, LinearMaps, LinearView, LinearWindow};
 use guest_introspect::mem::{GuestMemory, MemError};
 use guest_introspect::module::{self, ModuleIndex, MODULE_WALK_BUDGET};
 use guest_introspect::paging::{self, Cr3};
@@ -71,6 +72,9 @@ pub struct Kernel {
     percpu: Vec<u64>,
     /// The loaded modules as of the last walk ([`Kernel::refresh_modules`]).
     modules: ModuleIndex,
+    /// The direct map and the image's map, checked: `current`, its pid and
+    /// its name are read through them without walks.
+    linear: LinearMaps,
 }
 
 /// Introspection state across the VM's life.
@@ -413,11 +417,13 @@ async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> 
                 let cr3 = shared.cpu.borrow().kernel_cr3(which);
                 let root = kernel_pgd(&f, cr3);
                 let percpu = stacks::percpu_offsets(&f.symbols, &PagedView::new(&GuestRam, root));
+                let linear = linear_maps(&f, root);
                 return Ok(Kernel {
                     facts: f,
                     report,
                     cr3: root,
                     percpu,
+                    linear,
                     modules: ModuleIndex::default(),
                 });
             }
@@ -434,6 +440,24 @@ async fn recover(shared: Rc<Shared>, range: GvaRange) -> Result<Kernel, String> 
         }
     }
     Err(last)
+}
+
+/// The kernel's linear maps in the address space at `root`, each checked
+/// against walks ([`LinearMaps::find`]); logged either way.
+fn linear_maps(f: &KernelFacts, root: Cr3) -> LinearMaps {
+    let s = &f.symbols;
+    let image = s.addr_of("_text").zip(s.addr_of("_end"));
+    let found = LinearMaps::find(&GuestRam, root, s.addr_of("page_offset_base"), image);
+    let say = |w: &Result<LinearWindow, LinearError>| match w {
+        Ok(w) => format!("{:#x}..{:#x} at -{:#x}", w.start, w.end, w.delta),
+        Err(e) => format!("not used: {e}"),
+    };
+    log::info!(
+        "introspection: linear maps: direct map {}; image {}",
+        say(&found.direct),
+        say(&found.image)
+    );
+    found.maps
 }
 
 /// The kernel's own top-level table (`init_top_pgt`), which outlives every
@@ -491,7 +515,7 @@ impl KernelView for Kernel {
     fn current(&self, cpu: &CpuView) -> Option<Running> {
         let layout = self.facts.task.as_ref().ok()?;
         let current = self.facts.current.as_ref().ok()?;
-        let view = PagedView::new(&GuestRam, self.cr3);
+        let view = LinearView::new(&GuestRam, self.cr3, &self.linear);
         let t = facts::running_task(&view, Gva(cpu.kernel_gs()), current, layout).ok()?;
         let mut comm = [0u8; 16];
         for (to, &from) in comm.iter_mut().zip(t.comm_bytes()) {

@@ -4,6 +4,7 @@ use super::machine::View;
 use super::modules::ModuleEvent;
 use super::step::Stepper;
 use alloc::vec::Vec;
+use guest_introspect::paging::WalkCache;
 
 /// The vCPU's number, its single step and its scratch for encoding a
 /// record (its ring is in the VM's stream, which merges every vCPU's).
@@ -25,6 +26,10 @@ pub struct CpuState {
     /// The quiet views' epoch it last picked its view at a turn for
     /// (`super::quiet::QuietState::epoch`).
     pub(super) epoch: u64,
+    /// Recent translations for the hit's reads of the guest stack (the
+    /// `pt_regs` frame, the parent): flushed at every turn
+    /// ([`WalkCache`] says why that is enough).
+    pub(super) walks: WalkCache,
 }
 
 impl CpuState {
@@ -38,6 +43,7 @@ impl CpuState {
             timed_entry: false,
             view: View::Armed,
             epoch: 0,
+            walks: WalkCache::default(),
         }
     }
 

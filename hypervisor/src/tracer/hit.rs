@@ -194,7 +194,12 @@ impl<'a> Hit<'a> {
             .map_or(0, Patch::chain_target);
         let cr3 = Cr3(cpu.cr3);
         let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
-        if paging::read_virt(env.ram, cr3, Gva(regs_gva), &mut image).is_err() {
+        if self
+            .cpu
+            .walks
+            .read_virt(env.ram, cr3, Gva(regs_gva), &mut image)
+            .is_err()
+        {
             self.vm.stream.rings.lock(self.cpu.index).count_lost();
             return (chain, Served::Refused);
         }
@@ -318,7 +323,10 @@ impl<'a> Hit<'a> {
         out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
         if function {
             let mut ret = [0u8; 8];
-            let parent = paging::read_virt(env.ram, cr3, Gva(regs.sp), &mut ret)
+            let parent = self
+                .cpu
+                .walks
+                .read_virt(env.ram, cr3, Gva(regs.sp), &mut ret)
                 .map_or(0, |()| u64::from_le_bytes(ret));
             header.probe_id = FUNCTION_ID;
             header.ip = func;

@@ -243,6 +243,7 @@ impl<'a> Tracer<'a> {
     /// Called on every timer turn: keeps the region mapped, and ends steps
     /// that did not finish.
     pub fn on_turn(&mut self, env: &mut Env<'_>) {
+        self.cpu.walks.flush();
         if let Some(r) = &self.vm.region {
             if r.restore_pde(env) {
                 self.vm.stats.region_restores += 1;
