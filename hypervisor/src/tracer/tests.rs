@@ -990,6 +990,27 @@ fn the_function_tracer_records_function_and_parent() {
 }
 
 #[test]
+fn a_hits_stack_reads_share_one_walk_until_the_turn() {
+    let mut g = Guest::new();
+    g.with(|t, env, k| t.function_add("my_func", k, env))
+        .unwrap();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    // The frame and the parent are on one stack page: one walk, then the
+    // parent through the cached leaf.
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.cpus[0].walks.counts(), (1, 1));
+    // The next hit walks nothing.
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.cpus[0].walks.counts(), (3, 1));
+    // A turn forgets it.
+    g.with(|t, env, _| t.on_turn(env));
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.cpus[0].walks.counts(), (4, 2));
+    let text = g.text();
+    assert_eq!(text.matches("my_func <-caller").count(), 3, "{text}");
+}
+
+#[test]
 fn a_count_counts_calls_in_root_records_nothing_and_keeps_other_uses() {
     let mut g = Guest::new();
     g.tracer().set_stream(Some(TraceFormat::Text));
