@@ -119,13 +119,15 @@ impl core::error::Error for CobsError {}
 /// held, so that the same `Vec` can be inspected between calls.
 #[derive(Debug)]
 pub(crate) struct Encoder {
-    /// Index in `out` of the open block's code byte.
+    /// Index in `out` of the open block's code byte (written when the
+    /// block closes; `out` already has a byte there).
     code_at: usize,
-    /// Data bytes in the open block (0..=254).
+    /// Data bytes in the open block (0..=253).
     run: u8,
-    /// The last block is full (code 0xFF) and closed; the next byte opens a
-    /// new one. At the end of the message nothing more is written.
-    full: bool,
+    /// The open block was opened by the close of a full block, and nothing
+    /// came since: at the end of the message its code byte is taken back
+    /// (the canonical form ends on the full block).
+    after_full: bool,
 }
 
 impl Encoder {
@@ -136,104 +138,94 @@ impl Encoder {
         Self {
             code_at,
             run: 0,
-            full: false,
+            after_full: false,
         }
-    }
-
-    /// Closes the open block with its code byte.
-    fn close(&mut self, out: &mut [u8]) {
-        if let Some(code) = out.get_mut(self.code_at) {
-            // run <= 254, so the code is at most 255.
-            *code = self.run.saturating_add(1);
-        }
-    }
-
-    /// Opens a new block at the end of `out`.
-    fn open(&mut self, out: &mut Vec<u8>) {
-        self.code_at = out.len();
-        out.push(1);
-        self.run = 0;
-        self.full = false;
     }
 
     /// Encodes one more message byte.
     #[inline]
     pub(crate) fn push(&mut self, out: &mut Vec<u8>, byte: u8) {
-        if self.full {
-            self.open(out);
-        }
+        // The byte goes where the next data byte goes; a zero's place
+        // becomes the next block's code byte.
+        let at = out.len();
+        out.push(byte);
+        self.after_full = false;
         if byte == 0 {
-            self.close(out);
-            self.open(out);
+            self.close(out, self.run.wrapping_add(1));
+            self.code_at = at;
+            self.run = 0;
         } else {
-            out.push(byte);
-            self.run = self.run.saturating_add(1);
+            self.run = self.run.wrapping_add(1);
             if self.run == FULL_BLOCK {
-                self.close(out);
-                self.full = true;
+                self.close(out, FULL_BLOCK.wrapping_add(1));
+                self.code_at = out.len();
+                out.push(1);
+                self.run = 0;
+                self.after_full = true;
             }
         }
     }
 
-    /// Encodes more message bytes: as [`Self::push`] byte by byte, into
-    /// room made once (records are short runs between zeros: a copy per
-    /// run costs more than it saves).
+    /// Writes the open block's code byte.
+    #[inline]
+    fn close(&self, out: &mut [u8], code: u8) {
+        if let Some(c) = out.get_mut(self.code_at) {
+            *c = code;
+        }
+    }
+
+    /// Encodes more message bytes, as [`Self::push`] does one at a time,
+    /// into room made once: a record is short runs between zeros, so one
+    /// tight pass beats a copy per run.
     pub(crate) fn push_all(&mut self, out: &mut Vec<u8>, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
         let start = out.len();
+        // Each byte takes one place, and a full block one more.
         out.resize(start.saturating_add(max_encoded_len(bytes.len())), 0);
         let mut at = start;
         let mut code_at = self.code_at;
         let mut run = self.run;
-        let mut full = self.full;
+        let mut after_full = false;
         for &b in bytes {
-            if full {
-                code_at = at;
-                if let Some(c) = out.get_mut(at) {
-                    *c = 1;
-                }
-                at = at.saturating_add(1);
-                run = 0;
-                full = false;
+            if let Some(slot) = out.get_mut(at) {
+                *slot = b;
             }
+            // `at` stays below the room made above: no wrap.
+            at = at.wrapping_add(1);
+            after_full = false;
             if b == 0 {
                 if let Some(c) = out.get_mut(code_at) {
-                    *c = run.saturating_add(1);
+                    *c = run.wrapping_add(1);
                 }
-                code_at = at;
+                code_at = at.wrapping_sub(1);
                 run = 0;
             } else {
-                if let Some(d) = out.get_mut(at) {
-                    *d = b;
-                }
-                run = run.saturating_add(1);
+                run = run.wrapping_add(1);
                 if run == FULL_BLOCK {
                     if let Some(c) = out.get_mut(code_at) {
-                        *c = FULL_BLOCK.saturating_add(1);
+                        *c = FULL_BLOCK.wrapping_add(1);
                     }
-                    full = true;
+                    code_at = at;
+                    at = at.wrapping_add(1);
+                    run = 0;
+                    after_full = true;
                 }
             }
-            // At most one byte out per byte in, plus one per 254: inside
-            // the room made above.
-            at = at.saturating_add(1);
         }
         out.truncate(at);
-        // The open block's code byte is written when it closes; until then
-        // it reads as a block of its bytes so far, as `push` leaves it.
-        if !full {
-            if let Some(c) = out.get_mut(code_at) {
-                *c = run.saturating_add(1);
-            }
-        }
         self.code_at = code_at;
         self.run = run;
-        self.full = full;
+        self.after_full = after_full;
     }
 
     /// Ends the message (no delimiter is written).
-    pub(crate) fn finish(mut self, out: &mut [u8]) {
-        if !self.full {
-            self.close(out);
+    pub(crate) fn finish(self, out: &mut Vec<u8>) {
+        if self.after_full {
+            out.truncate(self.code_at);
+        } else {
+            self.close(out, self.run.wrapping_add(1));
         }
     }
 }

@@ -14,7 +14,6 @@ use alloc::format;
 use alloc::string::ToString;
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use guest_introspect::fallible;
 use guest_introspect::paging::{self, Cr3};
 use protocol::ProbeInfo;
 
@@ -128,28 +127,21 @@ pub(super) fn store(ring: &mut EventRing, scratch: &mut Vec<u8>, ev: &RawEvent) 
     store_parts(ring, scratch, &ev.header, &ev.values)
 }
 
-/// [`store`] of an event given by parts (no `RawEvent`, no allocation).
+/// [`store`] of an event given by parts (no `RawEvent`, no allocation but
+/// for a record that wraps the ring).
 pub(super) fn store_parts(
     ring: &mut EventRing,
     scratch: &mut Vec<u8>,
     header: &EventHeader,
     values: &[kprobe::FetchedValue],
 ) -> bool {
-    scratch.clear();
+    // Encoded straight into the ring; through `scratch` (within what the
+    // heap gives: a record's length follows guest data) only where the
+    // record would wrap.
     let len = kprobe::encoded_len(values);
-    // Within what the heap gives: a record's length follows guest data.
-    if fallible::try_reserve(scratch, len).is_err() {
-        ring.count_lost();
-        return false;
-    }
-    scratch.resize(len, 0);
-    match kprobe::encode_parts(header, values, scratch).and_then(|n| scratch.get(..n)) {
-        Some(record) => ring.push(record),
-        None => {
-            ring.count_lost();
-            false
-        }
-    }
+    ring.push_with(len, scratch, |buf| {
+        kprobe::encode_parts(header, values, buf) == Some(len)
+    })
 }
 
 /// Where probe hits go: the probes (for their counters) and the ring.

@@ -76,6 +76,18 @@ impl EventRing {
         self.ring.push(record)
     }
 
+    /// Appends a record of `len` bytes that `fill` writes, in place where
+    /// it can be (see [`Ring::push_with`]); `false` (and one more lost
+    /// record) if it does not fit or `fill` fails.
+    pub fn push_with(
+        &mut self,
+        len: usize,
+        scratch: &mut Vec<u8>,
+        fill: impl FnOnce(&mut [u8]) -> bool,
+    ) -> bool {
+        self.ring.push_with(len, scratch, fill)
+    }
+
     /// Length of the oldest record, if any.
     pub fn peek_len(&self) -> Option<usize> {
         self.ring.peek_len().ok().flatten()
