@@ -268,6 +268,36 @@ impl Ring {
         true
     }
 
+    /// Consumer: takes the oldest record if it is at most `max` bytes,
+    /// appending `prefix(len)` and then its bytes to `out`. `Ok(None)`: the
+    /// ring is empty; `Ok(Some(len))` with `len > max`: the record is left
+    /// where it is.
+    pub fn pop_append<const N: usize>(
+        &self,
+        out: &mut alloc::vec::Vec<u8>,
+        max: usize,
+        prefix: impl FnOnce(usize) -> [u8; N],
+    ) -> Result<Option<usize>, RingError> {
+        let Some(len) = self.peek_len()? else {
+            return Ok(None);
+        };
+        if len > max {
+            return Ok(Some(len));
+        }
+        let tail = self.word(TAIL_AT).load(Ordering::Relaxed);
+        out.extend_from_slice(&prefix(len));
+        let at = out.len();
+        out.resize(at.saturating_add(len), 0);
+        if let Some(dst) = out.get_mut(at..) {
+            self.get(tail.wrapping_add(LEN_BYTES as u64), dst);
+        }
+        self.word(TAIL_AT).store(
+            tail.wrapping_add(record_bytes(len) as u64),
+            Ordering::Release,
+        );
+        Ok(Some(len))
+    }
+
     /// Consumer: takes the oldest record into `out` (replacing its
     /// contents). `Ok(false)`: the ring is empty.
     pub fn pop(&self, out: &mut alloc::vec::Vec<u8>) -> Result<bool, RingError> {
@@ -438,6 +468,34 @@ mod tests {
         assert!(!r.push_with(RING_MIN, &mut scratch, |_| true));
         assert!(!r.pop(&mut out).unwrap());
         assert_eq!((r.records(), r.lost()), (2000, 2));
+    }
+
+    #[test]
+    fn records_appended_come_after_their_prefix_and_long_ones_stay() {
+        let mut mem = vec![0u64; (RING_HEADER + RING_MIN) / 8];
+        let r = ring(&mut mem);
+        let mut out = vec![9u8];
+        for round in 0..500u32 {
+            let len = (round * 53 % 200) as usize;
+            let rec: Vec<u8> = (0..len).map(|i| (i as u32 ^ round) as u8).collect();
+            assert!(r.push(&rec));
+            if len > 150 {
+                // Too long for the room: left for the next reader.
+                assert_eq!(r.pop_append(&mut out, 150, |n| [n as u8]), Ok(Some(len)));
+                let mut whole = Vec::new();
+                assert!(r.pop(&mut whole).unwrap());
+                assert_eq!(whole, rec);
+                continue;
+            }
+            out.truncate(1);
+            assert_eq!(
+                r.pop_append(&mut out, 150, |n| [n as u8, 0xAA]),
+                Ok(Some(len))
+            );
+            assert_eq!(out[..3], [9, len as u8, 0xAA], "record {round}");
+            assert_eq!(out[3..], rec[..], "record {round}");
+        }
+        assert_eq!(r.pop_append(&mut out, 150, |_| [0u8; 0]), Ok(None));
     }
 
     #[test]

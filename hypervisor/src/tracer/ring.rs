@@ -206,13 +206,51 @@ impl Rings {
     /// ring's index. A record too short to carry a timestamp counts as
     /// oldest (it is taken first, so it never blocks its ring).
     pub fn pop_oldest(&mut self, out: &mut Vec<u8>) -> Option<usize> {
-        let stamp_at = self.stamp_at;
-        let i = oldest(self.rings.iter_mut().map(|r| {
-            let r = r.get_mut();
-            (!r.is_empty()).then(|| r.peek_u64(stamp_at))
-        }))?;
+        let i = self.oldest_index()?;
         let r = self.rings.get_mut(i)?.get_mut();
         r.pop(out).then_some(i)
+    }
+
+    /// Appends `prefix(len)` and the oldest record of all rings to `out`
+    /// when the record is at most `max` bytes ([`Ring::pop_append`]):
+    /// `None` when the rings are empty; the record's length otherwise
+    /// (left where it is when over `max`).
+    pub fn pop_oldest_append<const N: usize>(
+        &mut self,
+        out: &mut Vec<u8>,
+        max: usize,
+        prefix: impl FnOnce(usize) -> [u8; N],
+    ) -> Option<usize> {
+        let i = self.oldest_index()?;
+        let r = &mut self.rings.get_mut(i)?.get_mut().ring;
+        match r.pop_append(out, max, prefix) {
+            Ok(len) => len,
+            Err(_) => {
+                // As `EventRing::pop`: emptied, and it serves again.
+                r.discard();
+                None
+            }
+        }
+    }
+
+    /// The ring whose oldest record is the oldest of all; a ring alone
+    /// in holding records needs no timestamp read.
+    fn oldest_index(&mut self) -> Option<usize> {
+        let stamp_at = self.stamp_at;
+        let mut holding = self
+            .rings
+            .iter_mut()
+            .map(|r| r.get_mut().is_empty())
+            .enumerate()
+            .filter(|&(_, empty)| !empty);
+        let (first, _) = holding.next()?;
+        if holding.next().is_none() {
+            return Some(first);
+        }
+        oldest(self.rings.iter_mut().map(|r| {
+            let r = r.get_mut();
+            (!r.is_empty()).then(|| r.peek_u64(stamp_at))
+        }))
     }
 }
 

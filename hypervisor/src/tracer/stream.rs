@@ -331,6 +331,20 @@ impl Stream {
             if room == 0 {
                 break;
             }
+            if rest.is_empty() && text.is_none() {
+                // A record that fits goes straight from its ring to the
+                // event, behind its chunk header (whole: no flags).
+                let header = |n: usize| (n as u32 & protocol::RECORD_LEN_MASK).to_le_bytes();
+                match self.rings.pop_oldest_append(&mut data, room, header) {
+                    None => {
+                        emptied = true;
+                        break;
+                    }
+                    Some(n) if n <= room => continue,
+                    // Longer than the room: cut below.
+                    Some(_) => {}
+                }
+            }
             if rest.is_empty() {
                 if self.rings.pop_oldest(&mut self.record).is_none() {
                     emptied = true;
