@@ -24,7 +24,10 @@
 # loop's own instructions per call), and per call: VM exits, VMCALL exits
 # and the vCPUs' counters of what a nested hypervisor would add
 # (`vmcs_unshadowed`, `invept`, and any counter named like vmreads,
-# vmwrites or locked_ops that the status reports).
+# vmwrites or locked_ops that the status reports), and root's own time
+# as the status reports it (`root_instr`: root on the hypercalls, from
+# each exit to the next entry less turns; `turns_instr`: root's turns,
+# where the trace stream's drain runs), in instructions per call.
 #
 # Guest time is CLOCK_MONOTONIC in the guest. Bochs runs with `clock:
 # sync=none` at 50 million instructions per emulated second, so 1 emulated
@@ -268,6 +271,12 @@ def vcpu_counters(before, after):
         a = sum(v.get(k, 0) for v in after.get("per_vcpu", []))
         b = sum(v.get(k, 0) for v in before.get("per_vcpu", []))
         out[k] = a - b
+    # Root's own time (status's root_* of each vCPU, in ns): on the
+    # hypercalls, and on the turns (the stream's drain among them).
+    for name, kinds in (("root_ns", ("root_hit", "root_return", "root_refused")), ("turns_ns", ("root_turns",))):
+        if all(k in v for v in after.get("per_vcpu", []) for k in kinds):
+            total = lambda s: sum(v.get(k, {}).get("sum_ns", 0) for v in s.get("per_vcpu", []) for k in kinds)
+            out[name] = total(after) - total(before)
     return out
 
 def per_vcpu_sum(status, key):
@@ -364,7 +373,11 @@ def report(args):
         counters = sorted(set().union(*(r["counters"].keys() for r in rs.values())))
         for k in counters:
             if all(k in r["counters"] for r in rs.values()):
-                row[f"{k}_per_hit"] = round(per_hit(k), 3)
+                if k.endswith("_ns"):
+                    # Root's time, as instructions per call.
+                    row[f"{k[:-3]}_instr_per_hit"] = round(per_hit(k) / ns_per_instr, 1)
+                else:
+                    row[f"{k}_per_hit"] = round(per_hit(k), 3)
         row["baseline"] = base
         row["loop_median"] = round(statistics.median(loop), 1)
         row["samples"] = [round(s, 1) for s in samples]

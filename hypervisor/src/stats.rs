@@ -1,6 +1,81 @@
-//! Per-reason exit counters.
+//! Per-reason exit counters, and root's time by kind of work.
 
 use crate::vmx::exit::{reason, reason_name};
+use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// What root's time went to on a vCPU: a hypercall by what it was (the
+/// tracer's count of the same name), or a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RootWork {
+    /// An entry hypercall recorded.
+    Hit = 0,
+    /// A return handed back.
+    Return = 1,
+    /// Any other VMCALL.
+    Refused = 2,
+    /// A turn of the run loop.
+    Turn = 3,
+}
+
+/// Kinds of [`RootWork`].
+pub const ROOT_WORK_KINDS: usize = 4;
+
+/// One kind of root work's time on one CPU, in TSC ticks: how often, in
+/// all, the shortest, the longest. Only its CPU adds to it (plain loads
+/// and stores, no locked instruction); the status report reads it from
+/// any CPU, each field whole.
+pub struct TimeStat {
+    count: AtomicU64,
+    sum: AtomicU64,
+    min: AtomicU64,
+    max: AtomicU64,
+}
+
+impl TimeStat {
+    /// Nothing yet.
+    pub const fn new() -> Self {
+        Self {
+            count: AtomicU64::new(0),
+            sum: AtomicU64::new(0),
+            min: AtomicU64::new(u64::MAX),
+            max: AtomicU64::new(0),
+        }
+    }
+
+    /// One more occurrence of `ticks` (by the owning CPU only).
+    #[inline]
+    pub fn add(&self, ticks: u64) {
+        let bump = |a: &AtomicU64, v: u64| a.store(v, Relaxed);
+        bump(&self.count, self.count.load(Relaxed).wrapping_add(1));
+        bump(&self.sum, self.sum.load(Relaxed).saturating_add(ticks));
+        if ticks < self.min.load(Relaxed) {
+            bump(&self.min, ticks);
+        }
+        if ticks > self.max.load(Relaxed) {
+            bump(&self.max, ticks);
+        }
+    }
+
+    /// (count, sum, min, max) in ticks; min and max 0 when there was none.
+    pub fn read(&self) -> (u64, u64, u64, u64) {
+        let count = self.count.load(Relaxed);
+        if count == 0 {
+            return (0, 0, 0, 0);
+        }
+        (
+            count,
+            self.sum.load(Relaxed),
+            self.min.load(Relaxed),
+            self.max.load(Relaxed),
+        )
+    }
+}
+
+impl Default for TimeStat {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 /// Counts of VM exits by basic reason.
 #[derive(Debug, Clone)]
@@ -82,6 +157,23 @@ impl core::fmt::Display for ExitCounters {
             f.write_str("none")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod time_tests {
+    use super::TimeStat;
+
+    #[test]
+    fn a_time_stat_keeps_count_sum_and_extremes() {
+        let t = TimeStat::new();
+        assert_eq!(t.read(), (0, 0, 0, 0));
+        for ticks in [700, 300, 1_000, 300] {
+            t.add(ticks);
+        }
+        assert_eq!(t.read(), (4, 2_300, 300, 1_000));
+        t.add(u64::MAX);
+        assert_eq!(t.read().1, u64::MAX, "the sum saturates");
     }
 }
 

@@ -66,14 +66,14 @@ pub use codec::{
 pub use message::{
     Body, ChannelReport, CountFilter, ErrorKind, Event, ExitCount, Frame, FunctionCount,
     GraphFilter, GraphSessionReport, GuardReport, GuestState, HistFilter, HistKey, HistRow,
-    KernelReport, ModulesReport, ProbeInfo, RenderContext, Request, Response, RingAt, StatusReport,
-    SymbolInfo, SymbolsPart, TaskInfo, TraceChannel, TraceFormat, TracerReport, VcpuReport,
-    LATENCY_BUCKETS, RECORD_CONTINUES, RECORD_LEN_MASK, RECORD_MORE,
+    KernelReport, ModulesReport, ProbeInfo, RenderContext, Request, Response, RingAt, RootTime,
+    StatusReport, SymbolInfo, SymbolsPart, TaskInfo, TraceChannel, TraceFormat, TracerReport,
+    VcpuReport, LATENCY_BUCKETS, RECORD_CONTINUES, RECORD_LEN_MASK, RECORD_MORE,
 };
 
 /// The version of the wire format: the frame header, the framing and every
 /// message type. Both ends must agree exactly.
-pub const PROTOCOL_VERSION: u16 = 16;
+pub const PROTOCOL_VERSION: u16 = 17;
 
 #[cfg(test)]
 mod tests;

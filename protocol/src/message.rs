@@ -866,6 +866,31 @@ pub struct VcpuReport {
     pub vmcs_unshadowed: u64,
     /// See `vmcs_unshadowed`.
     pub invept: u64,
+    /// Root's time on its hypercalls, by what each was (see `hits`): from
+    /// the VM exit to the next entry, less any turn taken on the way. In
+    /// Bochs, whose TSC advances one tick an instruction at 50 M
+    /// instructions a second, 20 ns is one instruction.
+    pub root_hit: RootTime,
+    /// See `root_hit`.
+    pub root_return: RootTime,
+    /// See `root_hit`.
+    pub root_refused: RootTime,
+    /// Root's time on its turns: the control channel, the trace stream's
+    /// drain, introspection, whatever exit they follow.
+    pub root_turns: RootTime,
+}
+
+/// How long root spent on one kind of work, over its occurrences.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RootTime {
+    /// Occurrences.
+    pub count: u64,
+    /// Their time together, in nanoseconds.
+    pub sum_ns: u64,
+    /// The shortest and the longest (0 when there was none).
+    pub min_ns: u64,
+    /// See `min_ns`.
+    pub max_ns: u64,
 }
 
 /// The guest kernel as recovered from its memory.

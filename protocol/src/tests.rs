@@ -132,6 +132,20 @@ fn status() -> StatusReport {
             root_stack_size: 131_072,
             vmcs_unshadowed: 2,
             invept: 5,
+            root_hit: crate::RootTime {
+                count: 2,
+                sum_ns: 48_000,
+                min_ns: 23_000,
+                max_ns: 25_000,
+            },
+            root_return: crate::RootTime::default(),
+            root_refused: crate::RootTime {
+                count: 1,
+                sum_ns: 9_000,
+                min_ns: 9_000,
+                max_ns: 9_000,
+            },
+            root_turns: crate::RootTime::default(),
         }],
         graph_sessions: vec![crate::GraphSessionReport {
             session: 3,

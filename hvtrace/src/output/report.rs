@@ -118,6 +118,29 @@ pub fn status_text(status: &Status) -> String {
         // to it.
         line("nested cost", nested.join(", "));
     }
+    let root: Vec<String> = r
+        .per_vcpu
+        .iter()
+        .filter_map(|c| {
+            let kinds = [
+                ("hits", &c.root_hit),
+                ("returns", &c.root_return),
+                ("refused", &c.root_refused),
+                ("turns", &c.root_turns),
+            ];
+            let parts: Vec<String> = kinds
+                .iter()
+                .filter(|(_, t)| t.count != 0)
+                .map(|(what, t)| format!("{what} {}", root_time_text(t)))
+                .collect();
+            (!parts.is_empty()).then(|| format!("vCPU {} {}", c.index, parts.join(", ")))
+        })
+        .collect();
+    if !root.is_empty() {
+        // Root's own time per hypercall (exit to next entry, turns apart)
+        // and per turn.
+        line("root time", root.join("; "));
+    }
     line("exits", format!("{} in all", r.exits_total));
     if r.per_vcpu.len() > 1 {
         for c in &r.per_vcpu {
@@ -387,6 +410,10 @@ pub fn status_json(status: &Status) -> Json {
                             ("root_stack_size", json::int(c.root_stack_size)),
                             ("vmcs_unshadowed", json::int(c.vmcs_unshadowed)),
                             ("invept", json::int(c.invept)),
+                            ("root_hit", root_time_json(&c.root_hit)),
+                            ("root_return", root_time_json(&c.root_return)),
+                            ("root_refused", root_time_json(&c.root_refused)),
+                            ("root_turns", root_time_json(&c.root_turns)),
                         ])
                     })
                     .collect(),
@@ -555,6 +582,28 @@ pub fn render_stop(events: &[Event]) -> String {
     out
 }
 
+/// `N x mean us (min .. max)` of a [`protocol::RootTime`].
+fn root_time_text(t: &protocol::RootTime) -> String {
+    let us = |ns: u64| ns as f64 / 1000.0;
+    format!(
+        "{} x {:.2} us ({:.2} .. {:.2})",
+        t.count,
+        us(t.sum_ns / t.count.max(1)),
+        us(t.min_ns),
+        us(t.max_ns)
+    )
+}
+
+/// A [`protocol::RootTime`] as JSON.
+fn root_time_json(t: &protocol::RootTime) -> Json {
+    json::object(vec![
+        ("count", json::int(t.count)),
+        ("sum_ns", json::int(t.sum_ns)),
+        ("min_ns", json::int(t.min_ns)),
+        ("max_ns", json::int(t.max_ns)),
+    ])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -624,6 +673,15 @@ mod tests {
                 root_stack_size: 0,
                 vmcs_unshadowed: 0,
                 invept: 0,
+                root_hit: protocol::RootTime {
+                    count: 4,
+                    sum_ns: 100_000,
+                    min_ns: 20_000,
+                    max_ns: 40_000,
+                },
+                root_return: protocol::RootTime::default(),
+                root_refused: protocol::RootTime::default(),
+                root_turns: protocol::RootTime::default(),
             }],
             graph_sessions: Vec::new(),
             guard: protocol::GuardReport::default(),
@@ -657,6 +715,19 @@ mod tests {
             round_trip: Duration::from_micros(23_400),
         });
         assert!(s.contains("vCPU 0 40 of 512 KiB (deepest use)"), "{s}");
+        assert!(
+            s.contains("root time    vCPU 0 hits 4 x 25.00 us (20.00 .. 40.00)\n"),
+            "{s}"
+        );
+        let j = status_json(&Status {
+            report: report(),
+            round_trip: Duration::from_micros(1),
+        })
+        .to_string();
+        assert!(
+            j.contains(r#""root_hit":{"count":4,"sum_ns":100000,"min_ns":20000,"max_ns":40000}"#),
+            "{j}"
+        );
     }
 
     #[test]

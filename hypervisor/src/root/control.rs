@@ -16,6 +16,7 @@ use alloc::collections::VecDeque;
 use alloc::string::String;
 use alloc::vec::Vec;
 use hypervisor::outq::{Lane, OutQueue};
+use hypervisor::stats::RootWork;
 use hypervisor::tracer::machine::KernelView;
 use hypervisor::tracer::{ReqError, Tracer};
 use protocol::{
@@ -1011,6 +1012,10 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
                         root_stack_size,
                         vmcs_unshadowed,
                         invept,
+                        root_hit: root_time(i, RootWork::Hit, src.tsc_hz),
+                        root_return: root_time(i, RootWork::Return, src.tsc_hz),
+                        root_refused: root_time(i, RootWork::Refused, src.tsc_hz),
+                        root_turns: root_time(i, RootWork::Turn, src.tsc_hz),
                     }
                 },
             )
@@ -1024,5 +1029,18 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
         tracer: src.tracer.report(),
         guard: src.guard,
         graph_sessions: src.tracer.graph_sessions(),
+    }
+}
+
+/// vCPU `cpu`'s time on `work`, for the status report.
+fn root_time(cpu: usize, work: RootWork, tsc_hz: u64) -> protocol::RootTime {
+    let (count, sum, min, max) =
+        crate::vcpu::root_time(cpu, work).map_or((0, 0, 0, 0), |t| t.read());
+    let ns = |ticks| crate::clock::tsc_to_ns(ticks, tsc_hz);
+    protocol::RootTime {
+        count,
+        sum_ns: ns(sum),
+        min_ns: ns(min),
+        max_ns: ns(max),
     }
 }

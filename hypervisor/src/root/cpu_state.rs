@@ -20,6 +20,10 @@ pub struct CpuState {
     /// The HOST_RSP its VMCS holds (0 before the first entry), written
     /// by `vmx_run` only when it changes.
     pub host_rsp: u64,
+    /// The hypercall being served, and the TSC at its exit (moved on by
+    /// the length of any turn taken before the next entry), until that
+    /// entry accounts for it (`vcpu::ROOT_TIME`).
+    pub pending_time: Option<(hypervisor::stats::RootWork, u64)>,
     /// TSC ticks spent waiting for the VM lock, and how often it was taken.
     pub lock_wait_ticks: u64,
     pub lock_takes: u64,
@@ -96,6 +100,7 @@ impl CpuState {
             index,
             launched: false,
             host_rsp: 0,
+            pending_time: None,
             lock_wait_ticks: 0,
             lock_takes: 0,
             shared_wait_ticks: 0,

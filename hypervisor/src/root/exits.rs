@@ -16,6 +16,7 @@ use guest_introspect::paging::{self, Cr3, WalkError};
 use hypervisor::addr::Gva;
 use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite};
+use hypervisor::stats::RootWork;
 use hypervisor::task_switch::LegacyPaging;
 use hypervisor::tracer::machine::View;
 use hypervisor::tracer::modules::{ModuleEvent, ModuleHook};
@@ -367,12 +368,18 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         cpu.held_ticks = cpu.held_ticks.saturating_add(crate::world::entering_guest(
             cpu.index, cpu.eptps, cpu.view, cpu.parked,
         ));
+        if let Some((work, exit_tsc)) = cpu.pending_time.take() {
+            if let Some(t) = crate::vcpu::root_time(cpu.index, work) {
+                t.add(insn::rdtsc().wrapping_sub(exit_tsc));
+            }
+        }
         let host_rsp = cpu.host_rsp;
         // SAFETY: `vcpu::setup` or `vcpu::setup_ap` filled the current
         // VMCS completely; `cpu.host_rsp` is this VMCS's HOST_RSP (0
         // before its first entry), and only `vmx_run` writes HOST_RSP and
         // HOST_RIP.
         let outcome = unsafe { insn::vmx_run(&mut cpu.regs, cpu.launched, &mut cpu.host_rsp) };
+        let exit_tsc = insn::rdtsc();
         if cpu.host_rsp != host_rsp {
             crate::vcpu::NestedCost::add(cpu.index, 2, 0);
         }
@@ -420,6 +427,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
                 cpu.shared_takes += 1;
                 let next = hypercall(vm.hit_view(), cpu);
                 drop(vm);
+                cpu.pending_time = cpu.tracer.take_served().map(|work| (work, exit_tsc));
                 match next {
                     Ok(Next::Resume) => {}
                     Ok(Next::Stop(r)) => return r,
@@ -807,6 +815,21 @@ impl Vcpu<'_> {
     /// Gives the control channel and the tracer a turn and sets the next
     /// timer period.
     fn service(&mut self) -> Result<Next, VmcsError> {
+        let next = self.turn();
+        // `turn` read the TSC first thing.
+        let spent = insn::rdtsc().wrapping_sub(self.cpu.last_turn_tsc);
+        if let Some(t) = crate::vcpu::root_time(self.cpu.index, RootWork::Turn) {
+            t.add(spent);
+        }
+        // A hypercall whose exit took this turn is timed without it.
+        if let Some((_, exit_tsc)) = &mut self.cpu.pending_time {
+            *exit_tsc = exit_tsc.wrapping_add(spent);
+        }
+        next
+    }
+
+    /// The turn [`Self::service`] times.
+    fn turn(&mut self) -> Result<Next, VmcsError> {
         let mut stop = false;
         let mut busy = false;
         self.cpu.last_turn_tsc = insn::rdtsc();

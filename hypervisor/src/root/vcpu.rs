@@ -13,6 +13,7 @@ use hypervisor::addr::Gpa;
 use hypervisor::ept::{self, Ept, EptError, MemType};
 use hypervisor::pci;
 use hypervisor::policy;
+use hypervisor::stats::{RootWork, TimeStat, ROOT_WORK_KINDS};
 use hypervisor::tracer::machine::View;
 use hypervisor::vmx::ap;
 use hypervisor::vmx::caps::{self, EptVpidCap, MissingControls, VmxBasic};
@@ -142,6 +143,16 @@ impl NestedCost {
 pub fn invept(index: usize, eptp: u64) -> Result<(), VmFail> {
     NestedCost::add(index, 0, 1);
     insn::invept_single(eptp)
+}
+
+/// Root's time per CPU by kind of work ([`hypervisor::stats::RootWork`]):
+/// each CPU adds to its own row, the status report reads them.
+pub static ROOT_TIME: [[TimeStat; ROOT_WORK_KINDS]; hypervisor::acpi::MAX_CPUS] =
+    [const { [const { TimeStat::new() }; ROOT_WORK_KINDS] }; hypervisor::acpi::MAX_CPUS];
+
+/// CPU `cpu`'s time on `work`, in ticks, when it has a row.
+pub fn root_time(cpu: usize, work: RootWork) -> Option<&'static TimeStat> {
+    ROOT_TIME.get(cpu)?.get(work as usize)
 }
 
 /// See [`NestedCost`].

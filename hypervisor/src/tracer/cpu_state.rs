@@ -3,6 +3,7 @@
 use super::machine::View;
 use super::modules::ModuleEvent;
 use super::step::Stepper;
+use crate::stats::RootWork;
 use alloc::vec::Vec;
 use guest_introspect::paging::WalkCache;
 
@@ -30,6 +31,9 @@ pub struct CpuState {
     /// `pt_regs` frame, the parent): flushed at every turn
     /// ([`WalkCache`] says why that is enough).
     pub(super) walks: WalkCache,
+    /// What the last hypercall was, until root takes it to account for
+    /// its time.
+    pub(super) served: Option<RootWork>,
 }
 
 impl CpuState {
@@ -44,6 +48,7 @@ impl CpuState {
             view: View::Armed,
             epoch: 0,
             walks: WalkCache::default(),
+            served: None,
         }
     }
 
@@ -57,6 +62,11 @@ impl CpuState {
     /// call's time (the call's clock was read on the entry).
     pub fn timed_entry(&self) -> bool {
         self.timed_entry
+    }
+
+    /// What the last hypercall was (a hit, a return, refused), once.
+    pub fn take_served(&mut self) -> Option<RootWork> {
+        self.served.take()
     }
 
     /// Whether the last hypercall saw a module load or unload.

@@ -23,6 +23,7 @@ use super::{CpuState, Hypercall, Tracer};
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
 use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols, RawEvent};
+use crate::stats::RootWork;
 use crate::vmx::regs::GuestRegs;
 use alloc::vec::Vec;
 use guest_introspect::paging::{self, Cr3};
@@ -71,6 +72,11 @@ impl<'a> Hit<'a> {
     ) -> Hypercall {
         self.cpu.timed_entry = false;
         let (out, served) = self.serve(env, rip, regs, cpu, kernel, now_ns);
+        self.cpu.served = Some(match served {
+            Served::Hit => RootWork::Hit,
+            Served::Return => RootWork::Return,
+            Served::Refused => RootWork::Refused,
+        });
         if let Some(c) = self.vm.hit.vcpus.get(self.cpu.index) {
             add(
                 match served {

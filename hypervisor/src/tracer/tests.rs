@@ -975,6 +975,22 @@ fn forged_entries_are_refused_and_not_counted_as_hits() {
 }
 
 #[test]
+fn each_hypercall_says_once_what_it_was_for_roots_time() {
+    use crate::stats::RootWork;
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert_eq!(g.cpus[0].take_served(), Some(RootWork::Hit));
+    assert_eq!(g.cpus[0].take_served(), None);
+    // RDI != RSP: forged.
+    g.entry_vmcall(RETP - 0x200, RETP - 0x1f8, FUNC);
+    assert_eq!(g.cpus[0].take_served(), Some(RootWork::Refused));
+    // A return with no frame: an orphan, refused too.
+    g.ret(RETP, 0);
+    assert_eq!(g.cpus[0].take_served(), Some(RootWork::Refused));
+}
+
+#[test]
 fn the_function_tracer_records_function_and_parent() {
     let mut g = Guest::new();
     let added = g
@@ -1413,6 +1429,10 @@ fn graph_entry_hijacks_the_return_and_the_return_gives_it_back() {
     g.now_ns += 3_000;
     let (_, rax) = g.ret(RETP, 0);
     assert_eq!(rax, CALLER_RET);
+    assert_eq!(
+        g.cpus[0].take_served(),
+        Some(crate::stats::RootWork::Return)
+    );
     let r = g.tracer().report();
     assert_eq!((r.graph_stacks, r.graph_frames), (0, 0));
 

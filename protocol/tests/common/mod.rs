@@ -83,6 +83,20 @@ pub fn status_report() -> StatusReport {
             root_stack_size: 524_288,
             vmcs_unshadowed: 3,
             invept: 1,
+            root_hit: protocol::RootTime {
+                count: 2,
+                sum_ns: 48_000,
+                min_ns: 23_000,
+                max_ns: 25_000,
+            },
+            root_return: protocol::RootTime::default(),
+            root_refused: protocol::RootTime {
+                count: 1,
+                sum_ns: 9_000,
+                min_ns: 9_000,
+                max_ns: 9_000,
+            },
+            root_turns: protocol::RootTime::default(),
         }],
         graph_sessions: vec![protocol::GraphSessionReport {
             session: 1,
