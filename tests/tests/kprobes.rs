@@ -424,9 +424,30 @@ fn benchmark(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     let mut phases = vec![measure(c, "no probe")];
     let spec = format!("p:bench {func}");
     call(c, Request::ProbeAdd { spec: spec.clone() });
+    // Root's own time on recorded hits (status's root_hit), summed over
+    // the vCPUs: (count, ns).
+    let root_hits = |c: &mut Client| {
+        status(c).per_vcpu.iter().fold((0, 0), |(n, ns), v| {
+            (n + v.root_hit.count, ns + v.root_hit.sum_ns)
+        })
+    };
+    let (rn0, rs0) = root_hits(c);
     let h0 = hits(c, "kprobes/bench");
     phases.push(measure(c, "hvtrace probe (VMX root)"));
     let h1 = hits(c, "kprobes/bench");
+    let (rn1, rs1) = root_hits(c);
+    // Each recorded hit is timed once, and root's time on it is part of
+    // what the call cost the guest.
+    ck.eq("root_hit counts the probe's hits", rn1 - rn0, h1 - h0);
+    let root_ns = (rs1 - rs0) as f64 / (rn1 - rn0).max(1) as f64;
+    let call_ns = phases[1].ns_per_call - phases[0].ns_per_call;
+    println!("root time per recorded hit: {root_ns:.0} ns of the call's +{call_ns:.0} ns");
+    ck.check(
+        root_ns > 0.0 && root_ns < call_ns,
+        format!(
+            "root's time per hit ({root_ns:.0} ns) is part of the call's cost (+{call_ns:.0} ns)"
+        ),
+    );
     call(
         c,
         Request::ProbeDel {

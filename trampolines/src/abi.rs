@@ -126,6 +126,12 @@ impl Hypercall {
     }
 }
 
+/// `pt_regs.sp` at an entry hypercall, from the frame's address (RDI =
+/// RSP): the frame sits right below the site call's return slot, and `sp`
+/// is the traced function's entry RSP just above that slot. VMX root may
+/// take it from here rather than read it off the stack.
+pub const ENTRY_SP_FROM_FRAME: u64 = crate::ptregs::PT_REGS_SIZE as u64 + 8;
+
 /// What the return trampoline saves on the guest stack.
 ///
 /// ```text

@@ -626,6 +626,10 @@ fn check_pt_regs(rig: &Rig, f: usize, ctx: &Ctx) {
     assert_eq!(r.sp, ctx.call_rsp - 8, "sp = the function's entry RSP");
     // pt_regs sits directly below the site call's return slot.
     assert_eq!(st.regs_ptr, r.sp - 8 - size_of::<PtRegs>() as u64);
+    assert_eq!(
+        st.regs.sp,
+        st.regs_ptr + trampolines::abi::ENTRY_SP_FROM_FRAME
+    );
     // [sp] is the traced function's return address: back into the harness.
     let h = hvt_harness as *const () as u64;
     assert!(

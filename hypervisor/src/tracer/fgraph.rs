@@ -953,6 +953,7 @@ fn retprobe_hits(
     let mut mem = VcpuMem {
         ram: env.ram,
         cr3: Cr3(cpu.cr3),
+        walks: None,
     };
     let ctx = FetchContext {
         regs: &regs,

@@ -199,17 +199,44 @@ impl<'a> Hit<'a> {
             .and_then(|h| h.patches.iter().find(|p| p.site == key))
             .map_or(0, Patch::chain_target);
         let cr3 = Cr3(cpu.cr3);
-        let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
-        if self
-            .cpu
-            .walks
-            .read_virt(env.ram, cr3, Gva(regs_gva), &mut image)
-            .is_err()
-        {
+        // The whole frame only for a use that reads registers: fetch
+        // arguments, a histogram's, the hooks that take the called
+        // function's arguments. Otherwise its one word that proves the
+        // entry (ip), and `sp`, which the ABI fixes from the frame.
+        let probes = &self.vm.probes.list;
+        let frame_needed = u.switch.is_some()
+            || u.hidden.is_some()
+            || (u.counted && self.vm.count.histogram.is_some())
+            || u.probes.iter().any(|&id| {
+                probes
+                    .iter()
+                    .find(|p| p.id == id)
+                    .is_some_and(|p| !p.spec.args.is_empty())
+            });
+        let regs = if frame_needed {
+            let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
+            self.cpu
+                .walks
+                .read_virt(env.ram, cr3, Gva(regs_gva), &mut image)
+                .ok()
+                .map(|()| PtRegs::from_le_bytes(&image))
+        } else {
+            let mut ip = [0u8; 8];
+            let at = regs_gva.wrapping_add(core::mem::offset_of!(PtRegs, ip) as u64);
+            self.cpu
+                .walks
+                .read_virt(env.ram, cr3, Gva(at), &mut ip)
+                .ok()
+                .map(|()| PtRegs {
+                    ip: u64::from_le_bytes(ip),
+                    sp: regs_gva.wrapping_add(trampolines::abi::ENTRY_SP_FROM_FRAME),
+                    ..PtRegs::default()
+                })
+        };
+        let Some(regs) = regs else {
             self.vm.stream.rings.lock(self.cpu.index).count_lost();
             return (chain, Served::Refused);
-        }
-        let regs = PtRegs::from_le_bytes(&image);
+        };
         if regs.ip != site.wrapping_add(5) {
             // The trampoline stores the site call's own return address as
             // ip: anything else did not come from a call at this site.
@@ -270,7 +297,11 @@ impl<'a> Hit<'a> {
                         comm: Some(&r.comm),
                         layout: GuestLayout::X86_64_4LEVEL,
                     };
-                    let mut mem = VcpuMem { ram: env.ram, cr3 };
+                    let mut mem = VcpuMem {
+                        ram: env.ram,
+                        cr3,
+                        walks: Some(&mut self.cpu.walks),
+                    };
                     let syms = IndexSymbols::new(k.index(), Some(k.modules()));
                     let value = h.spec.args.first().and_then(|a| {
                         match kprobe::fetch_one(a, &ctx, &mut mem, &syms) {
@@ -308,7 +339,11 @@ impl<'a> Hit<'a> {
             comm,
         };
         let syms = IndexSymbols::new(k.index(), Some(k.modules()));
-        let mut mem = VcpuMem { ram: env.ram, cr3 };
+        let mut mem = VcpuMem {
+            ram: env.ram,
+            cr3,
+            walks: Some(&mut self.cpu.walks),
+        };
         let ctx = FetchContext {
             regs: &regs,
             comm: Some(&comm),

@@ -14,7 +14,7 @@ use alloc::format;
 use alloc::string::ToString;
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use guest_introspect::paging::{self, Cr3};
+use guest_introspect::paging::{self, Cr3, WalkCache};
 use protocol::ProbeInfo;
 
 /// Probes defined at most.
@@ -114,11 +114,17 @@ impl Probes {
 pub(super) struct VcpuMem<'a> {
     pub(super) ram: &'a dyn GuestDoor,
     pub(super) cr3: Cr3,
+    /// The vCPU's walk cache, where the caller has it.
+    pub(super) walks: Option<&'a mut WalkCache>,
 }
 
 impl GuestMem for VcpuMem<'_> {
     fn read(&mut self, gva: Gva, buf: &mut [u8]) -> Result<(), MemFault> {
-        paging::read_virt(self.ram, self.cr3, gva, buf).map_err(|_| MemFault)
+        match &mut self.walks {
+            Some(w) => w.read_virt(self.ram, self.cr3, gva, buf),
+            None => paging::read_virt(self.ram, self.cr3, gva, buf),
+        }
+        .map_err(|_| MemFault)
     }
 }
 

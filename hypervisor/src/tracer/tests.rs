@@ -558,7 +558,10 @@ impl Guest {
     /// [`Self::hit`] with RSI too.
     fn hit_si(&mut self, func: u64, retp: u64, ret: u64, rdi: u64, rsi: u64) -> (Hypercall, u64) {
         self.ram.put(gpa(retp), &ret.to_le_bytes());
-        let regs_at = retp - 8 - PT_REGS_SIZE as u64 - 0x40;
+        // As the trampoline lays it out (`trampolines::abi`): the site
+        // call's return slot right below `retp`, pt_regs right below it.
+        self.ram.put(gpa(retp - 8), &(func + 5).to_le_bytes());
+        let regs_at = retp - trampolines::abi::ENTRY_SP_FROM_FRAME;
         let mut image = pt_regs(func + 5, retp, rdi);
         image[13 * 8..14 * 8].copy_from_slice(&rsi.to_le_bytes());
         self.ram.put(gpa(regs_at), &image);
@@ -1658,7 +1661,8 @@ fn hits_on_two_vcpus_run_at_once_over_the_shared_state() {
                             ret: u64,
                             i: u64| {
                     ram.put(gpa(retp), &ret.to_le_bytes());
-                    let regs_at = retp - 8 - PT_REGS_SIZE as u64 - 0x40;
+                    ram.put(gpa(retp - 8), &(func + 5).to_le_bytes());
+                    let regs_at = retp - trampolines::abi::ENTRY_SP_FROM_FRAME;
                     ram.put(gpa(regs_at), &pt_regs(func + 5, retp, i));
                     let regs = [u64::from(HYPERCALL_ENTRY), regs_at, func];
                     let (out, _) = vmcall(root, cpu_state, entry_rip, regs_at, regs);
