@@ -176,6 +176,22 @@ impl Ring {
         }
     }
 
+    /// Writes a record's length word at position `pos` (a record's start,
+    /// 8-aligned: the word never wraps).
+    fn put_len(&self, pos: u64, len: u32) {
+        if self.size.wrapping_sub(self.offset(pos)) >= LEN_BYTES {
+            // SAFETY: the 4 bytes lie within the data (checked), in the
+            // producer's part; an unaligned write of plain bytes.
+            unsafe {
+                self.data(pos)
+                    .cast::<[u8; LEN_BYTES]>()
+                    .write_unaligned(len.to_le_bytes())
+            };
+        } else {
+            self.put(pos, &len.to_le_bytes());
+        }
+    }
+
     /// Copies bytes out of the data from position `pos`, wrapping.
     fn get(&self, pos: u64, out: &mut [u8]) {
         let first = out.len().min(self.size.wrapping_sub(self.offset(pos)));
@@ -202,7 +218,7 @@ impl Ring {
             self.word(LOST_AT).fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        self.put(head, &(payload.len() as u32).to_le_bytes());
+        self.put_len(head, payload.len() as u32);
         self.put(head.wrapping_add(LEN_BYTES as u64), payload);
         // One producer: a plain store, not a locked add, on the hit path.
         let records = self.word(RECORDS_AT).load(Ordering::Relaxed);
@@ -259,7 +275,7 @@ impl Ring {
             self.word(LOST_AT).fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        self.put(head, &(len as u32).to_le_bytes());
+        self.put_len(head, len as u32);
         let records = self.word(RECORDS_AT).load(Ordering::Relaxed);
         self.word(RECORDS_AT)
             .store(records.wrapping_add(1), Ordering::Relaxed);

@@ -152,6 +152,18 @@ pub fn encoded_len(values: &[FetchedValue]) -> usize {
     n.next_multiple_of(8)
 }
 
+/// Two 4-byte halves as one 8-byte word.
+fn concat4(a: [u8; 4], b: [u8; 4]) -> [u8; 8] {
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+}
+
+/// Eight bytes of `comm` from `at` (0 or 8).
+fn comm_half(comm: &[u8; 16], at: usize) -> [u8; 8] {
+    comm.get(at..at + 8)
+        .and_then(|s| s.try_into().ok())
+        .unwrap_or([0; 8])
+}
+
 /// Writes the record of an event with `header` and `values` into `buf`
 /// (what [`RawEvent::encode_into`] does, without a `RawEvent`: the hot
 /// path builds its values on the stack); `None` if it does not fit.
@@ -165,18 +177,29 @@ pub fn encode_parts(
     let total = u32::try_from(len).ok()?;
     let count = values.len().min(u16::MAX as usize);
     let h = header;
-    let mut w = Writer { buf: rec, at: 0 };
-    w.put(&[EVENT_VERSION, 0]);
-    w.put(&(count as u16).to_le_bytes());
-    w.put(&total.to_le_bytes());
-    w.put(&h.probe_id.to_le_bytes());
-    w.put(&h.cpu.to_le_bytes());
-    w.put(&h.pid.to_le_bytes());
-    w.put(&0u32.to_le_bytes());
-    w.put(&h.timestamp_ns.to_le_bytes());
-    w.put(&h.ip.to_le_bytes());
-    w.put(&h.ret_ip.to_le_bytes());
-    w.put(&h.comm);
+    // The header, as one fixed-size array: its stores need no bounds
+    // checks and no copy calls (every hit writes one).
+    let (head, _) = rec.split_first_chunk_mut::<HEADER_LEN>()?;
+    let words: [[u8; 8]; 8] = [
+        concat4(
+            [EVENT_VERSION, 0, count as u8, (count >> 8) as u8],
+            total.to_le_bytes(),
+        ),
+        concat4(h.probe_id.to_le_bytes(), h.cpu.to_le_bytes()),
+        concat4(h.pid.to_le_bytes(), [0; 4]),
+        h.timestamp_ns.to_le_bytes(),
+        h.ip.to_le_bytes(),
+        h.ret_ip.to_le_bytes(),
+        comm_half(&h.comm, 0),
+        comm_half(&h.comm, 8),
+    ];
+    for (dst, src) in head.chunks_exact_mut(8).zip(words) {
+        dst.copy_from_slice(&src);
+    }
+    let mut w = Writer {
+        buf: rec,
+        at: HEADER_LEN,
+    };
     for v in values.iter().take(count) {
         match v {
             FetchedValue::Fault => w.put(&[TAG_FAULT]),
