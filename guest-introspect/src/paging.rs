@@ -388,20 +388,7 @@ impl WalkCache {
         gva: Gva,
         buf: &mut [u8],
     ) -> Result<(), WalkError> {
-        let mut done = 0usize;
-        while done < buf.len() {
-            let at = gva
-                .checked_add(done as u64)
-                .ok_or(WalkError::NonCanonical { gva: Gva(u64::MAX) })?;
-            let (gpa, room) = self.translate(mem, cr3, at)?;
-            let chunk = core::cmp::min((buf.len() - done) as u64, room) as usize;
-            let phys = |err| WalkError::Phys { gva: at, err };
-            let short = phys(MemError::OutOfRange { gpa, len: chunk });
-            let out = buf.get_mut(done..done + chunk).ok_or(short)?;
-            mem.read_phys(gpa, out).map_err(phys)?;
-            done += chunk;
-        }
-        Ok(())
+        read_pages(mem, gva, buf, |at| self.translate(mem, cr3, at))
     }
 }
 
@@ -460,21 +447,31 @@ pub fn read_virt<M: GuestMemory + ?Sized>(
     gva: Gva,
     buf: &mut [u8],
 ) -> Result<(), WalkError> {
+    read_pages(mem, gva, buf, |at| {
+        translate(mem, cr3, at).map(|t| (t.gpa, t.bytes_to_page_end()))
+    })
+}
+
+/// Reads `buf` from `gva` page by page, each piece where `translate` says
+/// (its guest-physical address and the bytes left in its page).
+fn read_pages<M: GuestMemory + ?Sized>(
+    mem: &M,
+    gva: Gva,
+    buf: &mut [u8],
+    mut translate: impl FnMut(Gva) -> Result<(Gpa, u64), WalkError>,
+) -> Result<(), WalkError> {
     let mut done = 0usize;
     while done < buf.len() {
         let at = gva
             .checked_add(done as u64)
             .ok_or(WalkError::NonCanonical { gva: Gva(u64::MAX) })?;
-        let t = translate(mem, cr3, at)?;
-        let chunk = core::cmp::min((buf.len() - done) as u64, t.bytes_to_page_end()) as usize;
+        let (gpa, room) = translate(at)?;
+        let chunk = core::cmp::min((buf.len() - done) as u64, room) as usize;
         let phys = |err| WalkError::Phys { gva: at, err };
         // `chunk` fits what is left of `buf`: this error is never returned.
-        let short = phys(MemError::OutOfRange {
-            gpa: t.gpa,
-            len: chunk,
-        });
+        let short = phys(MemError::OutOfRange { gpa, len: chunk });
         let out = buf.get_mut(done..done + chunk).ok_or(short)?;
-        mem.read_phys(t.gpa, out).map_err(phys)?;
+        mem.read_phys(gpa, out).map_err(phys)?;
         done += chunk;
     }
     Ok(())

@@ -394,6 +394,17 @@ const DIRECT: u64 = 0xffff_9a40_0000_0000;
 /// `page_offset_base` in the image's data.
 const POB_VAR: u64 = KTEXT + 0x28_0010;
 
+/// The linear maps of a [`kernel_layout`], with or without its
+/// `page_offset_base` and its image.
+fn find(b: &Builder, pob: bool, image: bool) -> guest_introspect::linear::LinearFound {
+    LinearMaps::find(
+        &b.mem,
+        b.cr3(),
+        pob.then_some(Gva(POB_VAR)),
+        image.then_some((Gva(KTEXT), Gva(KTEXT + 0x60_0000))),
+    )
+}
+
 /// An image of 6 MiB at KTEXT on guest-physical 4 MiB (2 MiB pages), the
 /// first 16 MiB of RAM in the direct map at `direct_pa` for DIRECT (1 GiB
 /// page), and `page_offset_base` = DIRECT.
@@ -422,12 +433,7 @@ fn linear_windows_are_found_and_read_as_the_walk_does() {
     b.mem.write(Gpa(0x9a_0100), b"task comm bytes!").unwrap();
     b.mem.write(Gpa(0x41_0000), b"image").unwrap();
     let cr3 = b.cr3();
-    let found = LinearMaps::find(
-        &b.mem,
-        cr3,
-        Some(Gva(POB_VAR)),
-        Some((Gva(KTEXT), Gva(KTEXT + 0x60_0000))),
-    );
+    let found = find(&b, true, true);
     assert_eq!(
         found.direct,
         Ok(LinearWindow {
@@ -484,12 +490,7 @@ fn a_direct_map_the_walks_disagree_with_is_not_used() {
     // the linear map of all memory (and past this 16 MiB RAM).
     let b = kernel_layout(1 << 30);
     let cr3 = b.cr3();
-    let found = LinearMaps::find(
-        &b.mem,
-        cr3,
-        Some(Gva(POB_VAR)),
-        Some((Gva(KTEXT), Gva(KTEXT + 0x60_0000))),
-    );
+    let found = find(&b, true, true);
     assert!(
         matches!(found.direct, Err(LinearError::Disagrees { .. })),
         "{:?}",
@@ -507,7 +508,7 @@ fn a_direct_map_the_walks_disagree_with_is_not_used() {
     );
     assert!(matches!(found.direct, Err(LinearError::Unmapped(_))));
     // Without the image there is no sample for the direct map either.
-    let found = LinearMaps::find(&b.mem, cr3, Some(Gva(POB_VAR)), None);
+    let found = find(&b, true, false);
     assert!(found.maps.windows().is_empty());
 }
 
@@ -515,12 +516,7 @@ fn a_direct_map_the_walks_disagree_with_is_not_used() {
 fn a_hole_in_a_window_reads_as_the_walk_says() {
     let b = kernel_layout(0);
     let cr3 = b.cr3();
-    let found = LinearMaps::find(
-        &b.mem,
-        cr3,
-        Some(Gva(POB_VAR)),
-        Some((Gva(KTEXT), Gva(KTEXT + 0x60_0000))),
-    );
+    let found = find(&b, true, true);
     let fast = LinearView::new(&b.mem, cr3, &found.maps);
     // Guest-physical 32 MiB is past this RAM: the physical read fails, the
     // walk then maps it (the 1 GiB page) and fails the same way.

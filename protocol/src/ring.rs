@@ -218,15 +218,21 @@ impl Ring {
             self.word(LOST_AT).fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        self.put_len(head, payload.len() as u32);
         self.put(head.wrapping_add(LEN_BYTES as u64), payload);
+        self.publish(head, payload.len(), need);
+        true
+    }
+
+    /// Producer: writes the length of the record at `head`, whose bytes
+    /// are in place, and publishes it (`need` bytes of the ring).
+    fn publish(&self, head: u64, len: usize, need: u64) {
+        self.put_len(head, len as u32);
         // One producer: a plain store, not a locked add, on the hit path.
         let records = self.word(RECORDS_AT).load(Ordering::Relaxed);
         self.word(RECORDS_AT)
             .store(records.wrapping_add(1), Ordering::Relaxed);
         self.word(HEAD_AT)
             .store(head.wrapping_add(need), Ordering::Release);
-        true
     }
 
     /// Producer: writes a record of `len` bytes that `fill` makes, in place
@@ -275,12 +281,7 @@ impl Ring {
             self.word(LOST_AT).fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        self.put_len(head, len as u32);
-        let records = self.word(RECORDS_AT).load(Ordering::Relaxed);
-        self.word(RECORDS_AT)
-            .store(records.wrapping_add(1), Ordering::Relaxed);
-        self.word(HEAD_AT)
-            .store(head.wrapping_add(need), Ordering::Release);
+        self.publish(head, len, need);
         true
     }
 
