@@ -454,6 +454,7 @@ pub fn read_virt<M: GuestMemory + ?Sized>(
 
 /// Reads `buf` from `gva` page by page, each piece where `translate` says
 /// (its guest-physical address and the bytes left in its page).
+#[inline(always)]
 fn read_pages<M: GuestMemory + ?Sized>(
     mem: &M,
     gva: Gva,
