@@ -18,7 +18,7 @@ use super::quiet::SwitchHook;
 use super::region::Region;
 use super::site::Patch;
 use super::stream::FUNCTION_ID;
-use super::vm_state::{add, VmState};
+use super::vm_state::{add, add_own, VmState};
 use super::{CpuState, Hypercall, Tracer};
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
@@ -78,7 +78,7 @@ impl<'a> Hit<'a> {
             Served::Refused => RootWork::Refused,
         });
         if let Some(c) = self.vm.hit.vcpus.get(self.cpu.index) {
-            add(
+            add_own(
                 match served {
                     Served::Hit => &c.hits,
                     Served::Return => &c.returns,
@@ -243,7 +243,6 @@ impl<'a> Hit<'a> {
             add(&self.vm.hit.forged_entries, 1);
             return (chain, Served::Refused);
         }
-        add(&self.vm.hit.hits, 1);
         match u.switch {
             // A task comes in on this vCPU: the view its context wants.
             Some(SwitchHook::Schedule) => pick_view(self.vm, self.cpu, Some(k), cpu, now_ns),

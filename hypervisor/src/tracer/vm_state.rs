@@ -46,7 +46,6 @@ pub struct VmState {
 /// The counters the hit path adds to, summed over the vCPUs.
 #[derive(Default)]
 pub(super) struct HitStats {
-    pub(super) hits: AtomicU64,
     pub(super) foreign_vmcalls: AtomicU64,
     pub(super) forged_entries: AtomicU64,
     pub(super) graph_misses: AtomicU64,
@@ -154,11 +153,19 @@ pub(super) fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Relaxed);
 }
 
+/// Adds `n` to a counter only its own vCPU writes: a load and a store, no
+/// locked instruction (readers see each value whole).
+pub(super) fn add_own(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
+}
+
 impl HitStats {
     /// `report` with the hit path's counters filled in.
     pub(super) fn fill(&self, report: TracerReport) -> TracerReport {
         TracerReport {
-            hits: self.hits.load(Relaxed),
+            // Each vCPU counts its own; no counter shared by all on the
+            // hit path.
+            hits: self.vcpus.iter().map(|c| c.hits.load(Relaxed)).sum(),
             foreign_vmcalls: self.foreign_vmcalls.load(Relaxed),
             forged_entries: self.forged_entries.load(Relaxed),
             graph_misses: self.graph_misses.load(Relaxed),
