@@ -18,7 +18,14 @@ pub enum RootWork {
 }
 
 /// Kinds of [`RootWork`].
-pub const ROOT_WORK_KINDS: usize = 4;
+pub const ROOT_WORK_KINDS: usize = RootWork::Turn as usize + 1;
+
+/// Adds `n` to a counter only one CPU writes: a load and a store, no
+/// locked instruction (readers on other CPUs see each value whole).
+#[inline]
+pub fn add_own(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
+}
 
 /// One kind of root work's time on one CPU, in TSC ticks: how often, in
 /// all, the shortest, the longest. Only its CPU adds to it (plain loads
@@ -45,14 +52,14 @@ impl TimeStat {
     /// One more occurrence of `ticks` (by the owning CPU only).
     #[inline]
     pub fn add(&self, ticks: u64) {
-        let bump = |a: &AtomicU64, v: u64| a.store(v, Relaxed);
-        bump(&self.count, self.count.load(Relaxed).wrapping_add(1));
-        bump(&self.sum, self.sum.load(Relaxed).saturating_add(ticks));
+        add_own(&self.count, 1);
+        self.sum
+            .store(self.sum.load(Relaxed).saturating_add(ticks), Relaxed);
         if ticks < self.min.load(Relaxed) {
-            bump(&self.min, ticks);
+            self.min.store(ticks, Relaxed);
         }
         if ticks > self.max.load(Relaxed) {
-            bump(&self.max, ticks);
+            self.max.store(ticks, Relaxed);
         }
     }
 

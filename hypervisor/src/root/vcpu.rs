@@ -13,7 +13,7 @@ use hypervisor::addr::Gpa;
 use hypervisor::ept::{self, Ept, EptError, MemType};
 use hypervisor::pci;
 use hypervisor::policy;
-use hypervisor::stats::{RootWork, TimeStat, ROOT_WORK_KINDS};
+use hypervisor::stats::{add_own, RootWork, TimeStat, ROOT_WORK_KINDS};
 use hypervisor::tracer::machine::View;
 use hypervisor::vmx::ap;
 use hypervisor::vmx::caps::{self, EptVpidCap, MissingControls, VmxBasic};
@@ -124,7 +124,7 @@ impl NestedCost {
         if let Some(c) = NESTED_COST.get(cpu) {
             for (counter, n) in [(&c.unshadowed, unshadowed), (&c.invept, invept)] {
                 if n != 0 {
-                    counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
+                    add_own(counter, n);
                 }
             }
         }

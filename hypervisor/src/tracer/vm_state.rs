@@ -153,12 +153,6 @@ pub(super) fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Relaxed);
 }
 
-/// Adds `n` to a counter only its own vCPU writes: a load and a store, no
-/// locked instruction (readers see each value whole).
-pub(super) fn add_own(counter: &AtomicU64, n: u64) {
-    counter.store(counter.load(Relaxed).wrapping_add(n), Relaxed);
-}
-
 impl HitStats {
     /// `report` with the hit path's counters filled in.
     pub(super) fn fill(&self, report: TracerReport) -> TracerReport {
