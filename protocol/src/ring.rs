@@ -315,22 +315,11 @@ impl Ring {
         Ok(Some(len))
     }
 
-    /// Consumer: takes the oldest record into `out` (replacing its
-    /// contents). `Ok(false)`: the ring is empty.
+    /// Consumer: takes the oldest record into `out` (emptied first).
+    /// `Ok(false)`: the ring is empty.
     pub fn pop(&self, out: &mut alloc::vec::Vec<u8>) -> Result<bool, RingError> {
-        let Some(len) = self.peek_len()? else {
-            return Ok(false);
-        };
-        // The consumer's own position, as `peek_len` read it.
-        let tail = self.word(TAIL_AT).load(Ordering::Relaxed);
         out.clear();
-        out.resize(len, 0);
-        self.get(tail.wrapping_add(LEN_BYTES as u64), out);
-        self.word(TAIL_AT).store(
-            tail.wrapping_add(record_bytes(len) as u64),
-            Ordering::Release,
-        );
-        Ok(true)
+        Ok(self.pop_append(out, usize::MAX, |_| [0u8; 0])?.is_some())
     }
 
     /// Consumer: the oldest record's length, without taking it; `Ok(None)`
