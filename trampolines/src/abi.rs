@@ -126,6 +126,10 @@ impl Hypercall {
     }
 }
 
+/// Length of the trampolines' `VMCALL` (0F 01 C1, no prefix): VMX root
+/// resumes a served hypercall at its address plus this.
+pub const VMCALL_LEN: u64 = 3;
+
 /// `pt_regs.sp` at an entry hypercall, from the frame's address (RDI =
 /// RSP): the frame sits right below the site call's return slot, and `sp`
 /// is the traced function's entry RSP just above that slot. VMX root may

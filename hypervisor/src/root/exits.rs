@@ -304,9 +304,12 @@ fn irq_exiting_allowed() -> bool {
 /// [`hypervisor::vmx::entry::prepare_entry`]), with the NMI that root's
 /// own handler queued for this CPU.
 fn prepare_entry(cpu: &mut CpuState) -> Result<(), VmcsError> {
-    if cpu.index != 0 {
+    if cpu.smi_check {
         // Bochs 2.7 saves blocking by SMI after an AP's wait-for-SIPI, and
-        // refuses the next entry on it (see `hypervisor::vmx::ap`).
+        // refuses the next entry on it (see `hypervisor::vmx::ap`; the
+        // SIPI state writes the whole field, and this checks the entry
+        // after it once more).
+        cpu.smi_check = false;
         let intr = f::GUEST_INTERRUPTIBILITY.read(&Vmcs)?;
         if intr & ap::BLOCKING_BY_SMI != 0 {
             f::GUEST_INTERRUPTIBILITY.write(&mut Vmcs, intr & !ap::BLOCKING_BY_SMI)?;
@@ -320,16 +323,17 @@ fn prepare_entry(cpu: &mut CpuState) -> Result<(), VmcsError> {
         crate::fatal::take_nmi(cpu.index);
         return Ok(());
     }
+    let nmi = crate::fatal::nmi_pending(cpu.index);
+    if cpu.inject.is_none() && cpu.vectoring.is_none() && !cpu.nmi_window && !nmi {
+        // The common entry (every hit's): nothing to deliver, no window.
+        return Ok(());
+    }
     let mut pending = Pending {
         inject: cpu.inject.take(),
         vectoring: cpu.vectoring.take(),
         nmi_window: cpu.nmi_window,
     };
-    let done = entry::prepare_entry(
-        &mut Vmcs,
-        &mut pending,
-        crate::fatal::nmi_pending(cpu.index),
-    );
+    let done = entry::prepare_entry(&mut Vmcs, &mut pending, nmi);
     // Whatever was not written stays for the next entry.
     cpu.inject = pending.inject;
     cpu.vectoring = pending.vectoring;
@@ -361,7 +365,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             return e.into();
         }
     }
-    loop {
+    'run: loop {
         if let Err(e) = prepare_entry(cpu) {
             return e.into();
         }
@@ -395,55 +399,74 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
             return StopReason::EntryFailed;
         }
         cpu.launched = true;
-        let raw = match entry::read_exit(&Vmcs, &cpu.regs) {
+        let reason = match f::EXIT_REASON.read(&Vmcs) {
             Ok(r) => r,
             Err(e) => return e.into(),
         };
-        cpu.counters.record(raw.reason as u16);
-        cpu.vectoring = match entry::read_vectoring_of(&Vmcs, &raw) {
-            Ok(e) => e,
-            Err(e) => return e.into(),
-        };
-        let exit = decode(&raw);
-        let timer = matches!(exit, VmExit::PreemptionTimer);
-        // Exits that touch nothing shared are handled without the VM lock.
-        let exit = match local_exit(cpu, exit) {
-            Local::Done(Ok(Next::Resume)) => {
-                // Turns are due on this path too: a vCPU whose exits are
-                // all local (an idle CPU taking interrupts, whose EOIs
-                // exit) may see its preemption timer expire rarely.
-                cpu.local_exits += 1;
-                if !turn_due(cpu) && !cpu.local_exits.is_multiple_of(LOCAL_EXITS_PER_CHECK) {
-                    continue;
-                }
-                None
-            }
-            Local::Done(Ok(Next::Stop(r))) => return r,
-            Local::Done(Err(e)) => return e.into(),
-            Local::Shared(VmExit::Vmcall, _) => {
-                // The tracer's hypercall: under the lock's shared side,
-                // with the other vCPUs' hits running too.
-                let vm = shared.read(&mut cpu.shared_wait_ticks);
-                cpu.shared_takes += 1;
-                let next = hypercall(vm.hit_view(), cpu);
-                drop(vm);
-                cpu.pending_time = cpu.tracer.take_served().map(|work| (work, exit_tsc));
-                match next {
-                    Ok(Next::Resume) => {}
-                    Ok(Next::Stop(r)) => return r,
+        cpu.counters.record(reason as u16);
+        let (exit, timer) = 'exit: {
+            if reason as u16 == hypervisor::vmx::exit::reason::VMCALL {
+                match fast_hypercall(shared, cpu, exit_tsc) {
+                    Ok(true) if !turn_due(cpu) => continue 'run,
+                    // Served, and a turn is due: taken below.
+                    Ok(true) => break 'exit (None, false),
+                    Ok(false) => {}
                     Err(e) => return e.into(),
                 }
-                // A module load or unload seen at a hidden hook is served
-                // below, under the whole lock, before the vCPU enters
-                // again; a turn may be due too, unless the hypercall
-                // entered a call the count times (the call's return, or
-                // the timer, takes the turn then).
-                if !cpu.tracer.has_module_event() && (!turn_due(cpu) || cpu.tracer.timed_entry()) {
-                    continue;
-                }
-                None
             }
-            Local::Shared(exit, policy_done) => Some((exit, policy_done)),
+            let raw = match entry::read_exit_of(&Vmcs, reason, &cpu.regs) {
+                Ok(r) => r,
+                Err(e) => return e.into(),
+            };
+            cpu.vectoring = match entry::read_vectoring_of(&Vmcs, &raw) {
+                Ok(e) => e,
+                Err(e) => return e.into(),
+            };
+            let exit = decode(&raw);
+            let timer = matches!(exit, VmExit::PreemptionTimer);
+            // Exits that touch nothing shared are handled without the VM
+            // lock.
+            let exit = match local_exit(cpu, exit) {
+                Local::Done(Ok(Next::Resume)) => {
+                    // Turns are due on this path too: a vCPU whose exits are
+                    // all local (an idle CPU taking interrupts, whose EOIs
+                    // exit) may see its preemption timer expire rarely.
+                    cpu.local_exits += 1;
+                    if !turn_due(cpu) && !cpu.local_exits.is_multiple_of(LOCAL_EXITS_PER_CHECK) {
+                        continue 'run;
+                    }
+                    None
+                }
+                Local::Done(Ok(Next::Stop(r))) => return r,
+                Local::Done(Err(e)) => return e.into(),
+                Local::Shared(VmExit::Vmcall, _) => {
+                    // The tracer's hypercall: under the lock's shared side,
+                    // with the other vCPUs' hits running too.
+                    let vm = shared.read(&mut cpu.shared_wait_ticks);
+                    cpu.shared_takes += 1;
+                    let next = hypercall(vm.hit_view(), cpu);
+                    drop(vm);
+                    cpu.pending_time = cpu.tracer.take_served().map(|work| (work, exit_tsc));
+                    match next {
+                        Ok(Next::Resume) => {}
+                        Ok(Next::Stop(r)) => return r,
+                        Err(e) => return e.into(),
+                    }
+                    // A module load or unload seen at a hidden hook is served
+                    // below, under the whole lock, before the vCPU enters
+                    // again; a turn may be due too, unless the hypercall
+                    // entered a call the count times (the call's return, or
+                    // the timer, takes the turn then).
+                    if !cpu.tracer.has_module_event()
+                        && (!turn_due(cpu) || cpu.tracer.timed_entry())
+                    {
+                        continue 'run;
+                    }
+                    None
+                }
+                Local::Shared(exit, policy_done) => Some((exit, policy_done)),
+            };
+            (exit, timer)
         };
         let module_event = cpu.tracer.has_module_event();
         let mut vm = if (timer || exit.is_none()) && cpu.index != 0 && !module_event {
@@ -517,6 +540,39 @@ fn read_gs_base() -> u64 {
         log::warn!("{e}: the running task is not known");
         0
     })
+}
+
+/// The entry hypercall's fast path ([`Hit::fast_entry`]): with the VM
+/// shared, three VMREADs after the exit reason and one VMWRITE. `false`:
+/// not served (another VMCALL, or a hit that needs more), and nothing
+/// changed; the general path serves it.
+fn fast_hypercall(
+    shared: &crate::vm::Shared,
+    cpu: &mut CpuState,
+    exit_tsc: u64,
+) -> Result<bool, VmcsError> {
+    let vm = shared.read(&mut cpu.shared_wait_ticks);
+    cpu.shared_takes += 1;
+    let (Some(vmcall), Some(k)) = (vm.tracer.entry_vmcall(), vm.introspection.kernel()) else {
+        return Ok(false);
+    };
+    let Some(exit) = entry::fast_entry_start(&Vmcs, vmcall)? else {
+        return Ok(false);
+    };
+    let served = Hit::new(&vm.tracer, &mut cpu.tracer).fast_entry(
+        phys::guest_ram(),
+        k.cr3(),
+        exit,
+        &cpu.regs,
+    );
+    drop(vm);
+    let Some(chain) = served else {
+        return Ok(false);
+    };
+    cpu.regs.rax = chain;
+    entry::fast_entry_end(&mut Vmcs, &exit)?;
+    cpu.pending_time = cpu.tracer.take_served().map(|work| (work, exit_tsc));
+    Ok(true)
 }
 
 /// The tracer's hypercall (a VMCALL from its trampolines, or anyone's: #UD
@@ -1145,6 +1201,7 @@ impl Vcpu<'_> {
         ap::write_sipi_state(&mut Vmcs, vector, self.vm.cfg.has_timer)?;
         self.cpu.lapic_base = self.vm.lapic_base;
         self.cpu.parked = false;
+        self.cpu.smi_check = true;
         self.forget_events()?;
         if self.vm.cfg.has_timer {
             let t = self.timer_value(false);

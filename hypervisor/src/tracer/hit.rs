@@ -165,6 +165,74 @@ impl<'a> Hit<'a> {
         }
     }
 
+    /// The entry hypercall's fast path, for a hit on a site whose only
+    /// user is a call count with no filter, histogram or timing (the
+    /// kernel's ftrace has its own for an `ftrace_ops` alone on a record).
+    /// `exit` is all root read of the VMCS beyond the exit reason. The hit
+    /// reads one word of guest memory, the frame's `ip` (the forgery
+    /// check), through the kernel's own page tables (`kernel_cr3`, which
+    /// map every kernel stack: no CR3 read), and counts the call on the
+    /// site and the hit on the vCPU, as [`Self::hypercall`] would. Returns
+    /// the chain target for RAX when served; `None` when anything else
+    /// applies (another user, a filter, an entry from elsewhere, a frame
+    /// that does not read or does not prove the entry), with nothing
+    /// counted: the general path then serves the hypercall from the start.
+    pub fn fast_entry(
+        &mut self,
+        ram: &dyn GuestDoor,
+        kernel_cr3: Cr3,
+        exit: FastExit,
+        regs: &GuestRegs,
+    ) -> Option<u64> {
+        let region = self.vm.region.as_ref()?;
+        if exit.cpl != 0
+            || region.tramp.entry_vmcall() != Some(Gva(exit.rip))
+            || regs.rax != u64::from(trampolines::abi::HYPERCALL_ENTRY)
+            || regs.rdi != exit.rsp
+        {
+            return None;
+        }
+        let c = &self.vm.count;
+        if c.filters() || c.histogram.is_some() {
+            return None;
+        }
+        let key = Gva(regs.rsi);
+        let u = self.vm.view.sites.get(&key)?;
+        if !u.counted_alone() {
+            return None;
+        }
+        let mut ip = [0u8; 8];
+        let at = exit
+            .rsp
+            .wrapping_add(core::mem::offset_of!(PtRegs, ip) as u64);
+        self.cpu
+            .walks
+            .read_virt(ram, kernel_cr3, Gva(at), &mut ip)
+            .ok()?;
+        if u64::from_le_bytes(ip) != key.0.wrapping_add(5) {
+            return None;
+        }
+        add(&u.calls, 1);
+        let chain = self.chain_of(u.page, key);
+        self.cpu.timed_entry = false;
+        self.cpu.served = Some(RootWork::Hit);
+        if let Some(c) = self.vm.hit.vcpus.get(self.cpu.index) {
+            add_own(&c.hits, 1);
+        }
+        Some(chain)
+    }
+
+    /// Where the entry trampoline continues for hooked `site` on guest
+    /// page `page`: the guest's own `call` target there, or 0.
+    fn chain_of(&self, page: crate::addr::Gpa, site: Gva) -> u64 {
+        self.vm
+            .view
+            .pages
+            .get(&page)
+            .and_then(|h| h.patches.iter().find(|p| p.site == site))
+            .map_or(0, Patch::chain_target)
+    }
+
     /// An entry hypercall from `site` with the pt_regs at `regs_gva`;
     /// returns the chain target, and whether the hit was recorded.
     fn on_entry(
@@ -191,13 +259,7 @@ impl<'a> Hit<'a> {
                 Served::Refused,
             );
         };
-        let chain = self
-            .vm
-            .view
-            .pages
-            .get(&u.page)
-            .and_then(|h| h.patches.iter().find(|p| p.site == key))
-            .map_or(0, Patch::chain_target);
+        let chain = self.chain_of(u.page, key);
         let cr3 = Cr3(cpu.cr3);
         // The whole frame only for a use that reads registers: fetch
         // arguments, a histogram's, the hooks that take the called
@@ -464,6 +526,18 @@ fn set_view(vm: &VmState, state: &mut CpuState, view: View, now_ns: u64) {
     if let Some(c) = vm.hit.vcpus.get(state.index) {
         c.switched(view == View::Quiet, now_ns);
     }
+}
+
+/// What root reads of the VMCS for [`Hit::fast_entry`], besides the exit
+/// reason: 3 VMREADs, each of a field a nested KVM shadows.
+#[derive(Clone, Copy, Debug)]
+pub struct FastExit {
+    /// GUEST_RIP: the VMCALL's address.
+    pub rip: u64,
+    /// The privilege level, from GUEST_SS_ACCESS_RIGHTS.
+    pub cpl: u8,
+    /// GUEST_RSP.
+    pub rsp: u64,
 }
 
 /// What a hypercall was, for its vCPU's counts.

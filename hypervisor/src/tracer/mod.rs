@@ -53,7 +53,7 @@ mod tests;
 mod vm_state;
 
 pub use cpu_state::CpuState;
-pub use hit::Hit;
+pub use hit::{FastExit, Hit};
 pub use step::{DebugState, Violation};
 pub use vm_state::{HypercallCounts, VmState};
 

@@ -74,6 +74,18 @@ impl SiteUse {
             && !self.counted
     }
 
+    /// Whether the call count is the site's only user, with no timing of
+    /// its calls (which takes a return probe).
+    pub(super) fn counted_alone(&self) -> bool {
+        self.counted
+            && self.probes.is_empty()
+            && self.retprobes.is_empty()
+            && !self.function
+            && self.graph == 0
+            && self.hidden.is_none()
+            && self.switch.is_none()
+    }
+
     /// Nothing uses the site any more: it may be unhooked.
     fn unused(&self) -> bool {
         self.no_other_user() && self.graph == 0 && self.switch.is_none()

@@ -1089,6 +1089,142 @@ fn a_count_counts_calls_in_root_records_nothing_and_keeps_other_uses() {
     assert_eq!(g.tracer().report().sites, 0);
 }
 
+impl Guest {
+    /// Lays out an entry as [`Guest::hit`] does (ip = `func` + 5) and
+    /// offers it to the fast path with the exit's `cpl`, RIP `rip` (the
+    /// entry VMCALL when `None`) and RSP = RDI = the frame; the chain
+    /// target when served.
+    fn fast(&mut self, func: u64, ip: u64, cpl: u8, rip: Option<u64>, nr: u32) -> Option<u64> {
+        let regs_at = RETP - trampolines::abi::ENTRY_SP_FROM_FRAME;
+        self.ram.put(gpa(RETP), &CALLER_RET.to_le_bytes());
+        self.ram.put(gpa(RETP - 8), &ip.to_le_bytes());
+        self.ram.put(gpa(regs_at), &pt_regs(ip, RETP, 0));
+        let rip = rip.unwrap_or_else(|| self.region().entry_vmcall().unwrap().0);
+        let regs = GuestRegs {
+            rax: u64::from(nr),
+            rdi: regs_at,
+            rsi: func,
+            ..GuestRegs::default()
+        };
+        let exit = super::FastExit {
+            rip,
+            cpl,
+            rsp: regs_at,
+        };
+        let cr3 = self.kernel.cr3();
+        Hit::new(&self.vm, &mut self.cpus[self.on]).fast_entry(&self.door, cr3, exit, &regs)
+    }
+
+    /// The calls the count has, over every function.
+    fn counted(&mut self) -> u64 {
+        self.with(|t, _, k| t.count_read(0, 100, k, 0))
+            .unwrap()
+            .calls
+    }
+}
+
+#[test]
+fn the_fast_path_serves_a_count_alone_as_the_general_path_would() {
+    let mut g = Guest::new();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    // The guest's own ftrace calls at FUNC: the chain target comes back.
+    g.ram.put(gpa(FUNC), &call_bytes(FUNC, FTRACE_CALLER));
+    let filter = protocol::CountFilter {
+        functions: vec!["my_func".into(), "other_*".into()],
+        ..Default::default()
+    };
+    g.with(|t, env, k| t.count_start(&filter, k, env, 0))
+        .unwrap();
+    assert_eq!(
+        g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_ENTRY),
+        Some(FTRACE_CALLER)
+    );
+    assert_eq!(g.cpus[0].take_served(), Some(crate::stats::RootWork::Hit));
+    assert_eq!(g.fast(OTHER, OTHER + 5, 0, None, HYPERCALL_ENTRY), Some(0));
+    // Served as the general path serves the same entry.
+    let (out, rax) = g.hit(FUNC, RETP, CALLER_RET, 0);
+    assert!(matches!(out, Hypercall::Handled));
+    assert_eq!(rax, FTRACE_CALLER);
+    assert_eq!(g.cpus[0].take_served(), Some(crate::stats::RootWork::Hit));
+    assert_eq!(g.counted(), 3);
+    let c = g.vm.hypercalls_of(0, 0);
+    assert_eq!((c.hits, c.refused), (3, 0));
+    assert_eq!(g.tracer().report().hits, 3);
+    assert_eq!(g.text(), "", "a count records no event");
+
+    // Everything else is left to the general path, with nothing counted.
+    let entry = g.region().entry_vmcall().unwrap().0;
+    let ret = g.region().return_vmcall().unwrap().0;
+    let refused = [
+        // User mode.
+        g.fast(FUNC, FUNC + 5, 3, None, HYPERCALL_ENTRY),
+        // Another VMCALL: the return trampoline's, or one of the guest's.
+        g.fast(FUNC, FUNC + 5, 0, Some(ret), HYPERCALL_ENTRY),
+        g.fast(FUNC, FUNC + 5, 0, Some(entry + 3), HYPERCALL_ENTRY),
+        // The wrong number.
+        g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_RETURN),
+        // A site nobody hooked.
+        g.fast(CALLER, CALLER + 5, 0, None, HYPERCALL_ENTRY),
+        // A frame whose ip is not the site's call: forged.
+        g.fast(FUNC, OTHER + 5, 0, None, HYPERCALL_ENTRY),
+    ];
+    assert_eq!(refused, [None; 6]);
+    assert_eq!(g.cpus[0].take_served(), None);
+    // RDI that is not RSP.
+    let mut regs = GuestRegs {
+        rax: u64::from(HYPERCALL_ENTRY),
+        rdi: RETP - 0x200,
+        rsi: FUNC,
+        ..GuestRegs::default()
+    };
+    let exit = super::FastExit {
+        rip: entry,
+        cpl: 0,
+        rsp: RETP - 0x1f8,
+    };
+    let cr3 = g.kernel.cr3();
+    let door = &g.door;
+    assert_eq!(
+        Hit::new(&g.vm, &mut g.cpus[0]).fast_entry(door, cr3, exit, &regs),
+        None
+    );
+    // A frame that does not read (outside the guest's tables).
+    regs.rdi = 0xffff_c900_0000_0000;
+    let exit = super::FastExit {
+        rsp: regs.rdi,
+        ..exit
+    };
+    assert_eq!(
+        Hit::new(&g.vm, &mut g.cpus[0]).fast_entry(door, cr3, exit, &regs),
+        None
+    );
+    assert_eq!(g.counted(), 3);
+    let c = g.vm.hypercalls_of(0, 0);
+    assert_eq!((c.hits, c.refused), (3, 0));
+
+    // Another user on the site: the function tracer records, so general.
+    g.with(|t, env, k| t.function_add("my_func", k, env))
+        .unwrap();
+    assert_eq!(g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_ENTRY), None);
+    assert_eq!(g.fast(OTHER, OTHER + 5, 0, None, HYPERCALL_ENTRY), Some(0));
+    g.with(|t, env, _| t.function_clear(env)).unwrap();
+    // A probe too.
+    g.probe("p:a my_func").unwrap();
+    assert_eq!(g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_ENTRY), None);
+    assert_eq!(g.counted(), 4);
+    g.with(|t, env, _| t.count_stop(env)).unwrap();
+    // A count with a filter reads the task: general.
+    let filtered = protocol::CountFilter {
+        comm: Some("sleeper".into()),
+        ..filter.clone()
+    };
+    g.with(|t, env, k| t.count_start(&filtered, k, env, 0))
+        .unwrap();
+    assert_eq!(g.fast(OTHER, OTHER + 5, 0, None, HYPERCALL_ENTRY), None);
+    g.hit(OTHER, RETP, CALLER_RET, 0);
+    assert_eq!(g.counted(), 1);
+}
+
 #[test]
 fn a_count_with_latency_times_each_call_through_its_return() {
     let mut g = Guest::new();

@@ -204,6 +204,12 @@ impl VmState {
             })
     }
 
+    /// The guest address of the entry trampoline's VMCALL, once the
+    /// region is placed (the fast path's first check).
+    pub fn entry_vmcall(&self) -> Option<u64> {
+        self.region.as_ref()?.tramp.entry_vmcall().map(|g| g.0)
+    }
+
     /// Records vCPU `index` lost (its ring was full, or a hit could not
     /// be recorded).
     pub fn lost_of(&self, index: usize) -> u64 {

@@ -9,13 +9,18 @@ use super::exit::RawExit;
 use super::fields::{self as f, VmcsError, VmcsIo};
 use super::regs::GuestRegs;
 use crate::tracer::machine::CpuView;
+use crate::tracer::FastExit;
 use x86::vmx::vmcs::control::PrimaryControls;
 
 /// Reads the exit's fields, with the guest registers some exits take
 /// operands from. A VMCALL, the exit of every hit, needs its reason
 /// alone: its other fields are not read.
 pub fn read_exit(v: &impl VmcsIo, regs: &GuestRegs) -> Result<RawExit, VmcsError> {
-    let reason = f::EXIT_REASON.read(v)?;
+    read_exit_of(v, f::EXIT_REASON.read(v)?, regs)
+}
+
+/// [`read_exit`] for an exit whose reason the caller has read.
+pub fn read_exit_of(v: &impl VmcsIo, reason: u32, regs: &GuestRegs) -> Result<RawExit, VmcsError> {
     if reason as u16 == super::exit::reason::VMCALL {
         return Ok(RawExit {
             reason,
@@ -93,6 +98,41 @@ pub fn hypercall_start(
     gs: fn() -> u64,
 ) -> Result<(u64, CpuView), VmcsError> {
     Ok((f::GUEST_RIP.read(v)?, CpuView::read(v, kernel_gs_base, gs)?))
+}
+
+/// The VMCS side of a VMCALL exit for the entry fast path
+/// ([`crate::tracer::Hit::fast_entry`]), the exit reason read: GUEST_RIP,
+/// and only when it is the entry trampoline's VMCALL (`entry_vmcall`),
+/// GUEST_SS_ACCESS_RIGHTS and GUEST_RSP. Three VMREADs, each of a field a
+/// nested KVM shadows; `None`: another VMCALL, for the general path.
+pub fn fast_entry_start(v: &impl VmcsIo, entry_vmcall: u64) -> Result<Option<FastExit>, VmcsError> {
+    let rip = f::GUEST_RIP.read(v)?;
+    if rip != entry_vmcall {
+        return Ok(None);
+    }
+    Ok(Some(FastExit {
+        rip,
+        cpl: event::cpl_from_ss_ar(f::GUEST_SS_ACCESS_RIGHTS.read(v)?),
+        rsp: f::GUEST_RSP.read(v)?,
+    }))
+}
+
+/// The VMCS side of an entry hypercall the fast path served: one VMWRITE,
+/// of RIP past the trampoline's VMCALL. [`hypercall_end`] reads two fields
+/// more, which this one does without:
+/// - the exit's instruction length: the region's VMCALL has no prefix
+///   ([`trampolines::abi::VMCALL_LEN`], asserted by the region's tests);
+/// - the interruptibility state: the trampoline's VMCALL follows a `mov
+///   eax, imm32`, so no blocking by STI or by MOV SS covers it (each
+///   covers only the instruction right after; SDM Vol. 3, 25.4.2).
+///
+/// A guest that maps bytes of its own at the region's address and runs a
+/// longer VMCALL there, or one right after STI or MOV SS, resumes three
+/// bytes on (or with that blocking one instruction longer): its own
+/// doing, and the entry stays valid (the blocking was valid at the exit;
+/// a pending NMI waits for its window, [`event::plan_entry`]).
+pub fn fast_entry_end(v: &mut impl VmcsIo, exit: &FastExit) -> Result<(), VmcsError> {
+    f::GUEST_RIP.write(v, exit.rip.wrapping_add(trampolines::abi::VMCALL_LEN))
 }
 
 /// The VMCS side of a VMCALL exit at `rip` once served: the guest goes on
@@ -239,6 +279,34 @@ mod tests {
     const VALID: u64 = 1 << 31;
     const HAS_CODE: u64 = 1 << 11;
     const NMI_WINDOW: u64 = PrimaryControls::NMI_WINDOW_EXITING.bits() as u64;
+
+    #[test]
+    fn the_fast_path_reads_three_fields_and_writes_rip_past_the_vmcall() {
+        const VMCALL: u64 = 0xffff_ffff_a000_0080;
+        let mut v = Vmcs::default();
+        v.set(f::GUEST_RIP.encoding, VMCALL);
+        // Ring 0's SS: DPL 0; a user SS has DPL 3 (bits 5-6).
+        v.set(f::GUEST_SS_ACCESS_RIGHTS.encoding, 0xc093);
+        v.set(f::GUEST_RSP.encoding, 0xffff_c900_0001_3e00);
+        let exit = fast_entry_start(&v, VMCALL).unwrap().unwrap();
+        assert_eq!(
+            (exit.rip, exit.cpl, exit.rsp),
+            (VMCALL, 0, 0xffff_c900_0001_3e00)
+        );
+        assert_eq!(v.accesses.get(), 3);
+        fast_entry_end(&mut v, &exit).unwrap();
+        assert_eq!(v.get(f::GUEST_RIP.encoding), VMCALL + 3);
+        assert_eq!(v.accesses.get(), 4);
+        // A user-mode SS reads as CPL 3.
+        v.set(f::GUEST_RIP.encoding, VMCALL);
+        v.set(f::GUEST_SS_ACCESS_RIGHTS.encoding, 0xc0f3);
+        assert_eq!(fast_entry_start(&v, VMCALL).unwrap().unwrap().cpl, 3);
+        // Another VMCALL: its RIP only.
+        v.accesses.set(0);
+        v.set(f::GUEST_RIP.encoding, VMCALL + 0x400);
+        assert!(fast_entry_start(&v, VMCALL).unwrap().is_none());
+        assert_eq!(v.accesses.get(), 1);
+    }
 
     #[test]
     fn advance_skips_the_instruction_and_ends_an_sti_shadow_only() {

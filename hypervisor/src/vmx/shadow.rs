@@ -165,6 +165,36 @@ mod tests {
     }
 
     #[test]
+    fn a_fast_hit_reads_four_shadowed_fields_and_writes_one() {
+        // `exits::run` and `fast_hypercall`: the reason, the entry
+        // VMCALL's RIP, SS access rights and RSP; RIP past the VMCALL; an
+        // entry with nothing to deliver.
+        const VMCALL: u64 = 0xffff_ffff_c000_1000;
+        let mut v = Recording::default();
+        v.fields.insert(f::EXIT_REASON.encoding, 18);
+        v.fields.insert(f::GUEST_RIP.encoding, VMCALL);
+        assert_eq!(f::EXIT_REASON.read(&v).unwrap(), 18);
+        let exit = entry::fast_entry_start(&v, VMCALL).unwrap().unwrap();
+        entry::fast_entry_end(&mut v, &exit).unwrap();
+        entry::prepare_entry(&mut v, &mut Pending::default(), false).unwrap();
+        assert_eq!(
+            *v.accesses.borrow(),
+            [4, 1],
+            "VMREADs and VMWRITEs per fast hit"
+        );
+        assert_eq!(*v.exits.borrow(), [], "a fast hit exits to KVM");
+        for &(e, write) in v.touched.borrow().iter() {
+            let ok = if write {
+                write_shadowed(e)
+            } else {
+                read_shadowed(e)
+            };
+            assert!(ok, "field {e:#x} (write: {write}) is not shadowed");
+        }
+        assert_eq!(f::GUEST_RIP.read(&v).unwrap(), VMCALL + 3);
+    }
+
+    #[test]
     fn unshadowed_fields_are_reported_on_each_access() {
         let mut v = Recording::default();
         f::GUEST_GS_BASE.read(&v).unwrap();
