@@ -157,61 +157,52 @@ impl Encoder {
     }
 
     /// Encodes more message bytes, as [`Self::push`] does one at a time,
-    /// into room made once, a run of non-zero bytes at a time: each run is
-    /// found eight bytes to a word and copied whole, so a byte costs a
-    /// fraction of an instruction and a run a few (the stream's cost per
-    /// record is mostly here).
+    /// into room made once, in one pass over a slice of it: records are
+    /// short runs between zeros (small numbers, padding), so a byte at a
+    /// time with no length kept beats a copy per run.
     pub(crate) fn push_all(&mut self, out: &mut Vec<u8>, bytes: &[u8]) {
-        if bytes.is_empty() {
+        let Some(&last) = bytes.last() else {
             return;
-        }
+        };
         let start = out.len();
         // Each byte takes one place, and a full block one more.
         out.resize(start.saturating_add(max_encoded_len(bytes.len())), 0);
+        let buf = out.as_mut_slice();
         let mut at = start;
         let mut code_at = self.code_at;
         let mut run = self.run;
-        let mut after_full = false;
-        let mut rest = bytes;
-        while !rest.is_empty() {
-            // The open block takes at most this many more data bytes.
-            let room = usize::from(FULL_BLOCK.saturating_sub(run));
-            let limit = rest.len().min(room);
-            let (head, _) = rest.split_at(limit);
-            let n = first_zero(head);
-            let (data, tail) = rest.split_at(n);
-            if let Some(dst) = out.get_mut(at..at.saturating_add(n)) {
-                dst.copy_from_slice(data);
-            }
-            at = at.saturating_add(n);
-            // `n` <= `room`, so the block holds at most 254.
-            run = run.saturating_add(n as u8);
-            rest = tail;
-            after_full = false;
-            if n < limit {
-                // A zero: it closes the block, and its place is the next
-                // block's code byte.
-                if let Some(c) = out.get_mut(code_at) {
+        for &b in bytes {
+            if b == 0 {
+                // The zero closes the block; its place is the next code
+                // byte (written when that block closes).
+                if let Some(c) = buf.get_mut(code_at) {
                     *c = run.wrapping_add(1);
                 }
                 code_at = at;
-                at = at.saturating_add(1);
                 run = 0;
-                rest = rest.get(1..).unwrap_or(&[]);
-            } else if run == FULL_BLOCK {
-                if let Some(c) = out.get_mut(code_at) {
-                    *c = FULL_BLOCK.wrapping_add(1);
+            } else {
+                if let Some(slot) = buf.get_mut(at) {
+                    *slot = b;
                 }
-                code_at = at;
-                at = at.saturating_add(1);
-                run = 0;
-                after_full = true;
+                run = run.wrapping_add(1);
+                if run == FULL_BLOCK {
+                    if let Some(c) = buf.get_mut(code_at) {
+                        *c = FULL_BLOCK.wrapping_add(1);
+                    }
+                    code_at = at.wrapping_add(1);
+                    at = code_at;
+                    run = 0;
+                }
             }
+            // `at` stays inside the room made above: no wrap.
+            at = at.wrapping_add(1);
         }
         out.truncate(at);
         self.code_at = code_at;
         self.run = run;
-        self.after_full = after_full;
+        // The block was closed full by the last byte (a zero would have
+        // left `run` 0 too, but closes a short block).
+        self.after_full = run == 0 && last != 0;
     }
 
     /// Ends the message (no delimiter is written).
@@ -222,35 +213,6 @@ impl Encoder {
             self.close(out, self.run.wrapping_add(1));
         }
     }
-}
-
-/// The index of the first zero in `b`, or its length: eight bytes at a
-/// time (a word has a zero byte where subtracting 1 from each byte borrows
-/// into a byte whose top bit was clear; the lowest such flag is the first
-/// zero, higher ones may be false), then byte by byte.
-#[inline]
-fn first_zero(b: &[u8]) -> usize {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGHS: u64 = 0x8080_8080_8080_8080;
-    let mut words = b.chunks_exact(8);
-    let mut i = 0usize;
-    for w in &mut words {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(w);
-        let x = u64::from_le_bytes(word);
-        let z = x.wrapping_sub(ONES) & !x & HIGHS;
-        if z != 0 {
-            return i + (z.trailing_zeros() / 8) as usize;
-        }
-        i += 8;
-    }
-    for &x in words.remainder() {
-        if x == 0 {
-            return i;
-        }
-        i += 1;
-    }
-    i
 }
 
 /// A streaming COBS decoder: fed the non-zero bytes between two delimiters one
@@ -503,32 +465,6 @@ mod tests {
             out[code_at] = code;
         }
         out
-    }
-
-    #[test]
-    fn first_zero_finds_the_first_at_every_place() {
-        for len in 0..40 {
-            for at in 0..=len {
-                let mut b: Vec<u8> = (0..len).map(|i| (i as u8 % 255) + 1).collect();
-                // 0x80 and 0x01 beside it: the bytes a word test gets wrong
-                // when it is wrong.
-                for (i, x) in b.iter_mut().enumerate() {
-                    if i % 3 == 0 {
-                        *x = 0x80;
-                    } else if i % 5 == 0 {
-                        *x = 0x01;
-                    }
-                }
-                if at < len {
-                    b[at] = 0;
-                    // A second zero later changes nothing.
-                    if at + 2 < len {
-                        b[at + 2] = 0;
-                    }
-                }
-                assert_eq!(first_zero(&b), at, "len {len}, zero at {at}");
-            }
-        }
     }
 
     /// `push_all` over any split of the message gives the bytes of one

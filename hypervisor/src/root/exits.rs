@@ -406,13 +406,20 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         cpu.counters.record(reason as u16);
         let (exit, timer) = 'exit: {
             if reason as u16 == hypervisor::vmx::exit::reason::VMCALL {
-                match fast_hypercall(shared, cpu, exit_tsc) {
-                    Ok(true) if !turn_due(cpu) => continue 'run,
-                    // Served, and a turn is due: taken below.
-                    Ok(true) => break 'exit (None, false),
-                    Ok(false) => {}
+                match vmcall_exit(shared, cpu, exit_tsc) {
+                    Ok(Next::Resume) => {}
+                    Ok(Next::Stop(r)) => return r,
                     Err(e) => return e.into(),
                 }
+                // A module load or unload seen at a hidden hook is served
+                // below, under the whole lock, before the vCPU enters
+                // again; a turn may be due too, unless the hypercall
+                // entered a call the count times (the call's return, or
+                // the timer, takes the turn then).
+                if !cpu.tracer.has_module_event() && (!turn_due(cpu) || cpu.tracer.timed_entry()) {
+                    continue 'run;
+                }
+                break 'exit (None, false);
             }
             let raw = match entry::read_exit_of(&Vmcs, reason, &cpu.regs) {
                 Ok(r) => r,
@@ -439,31 +446,6 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
                 }
                 Local::Done(Ok(Next::Stop(r))) => return r,
                 Local::Done(Err(e)) => return e.into(),
-                Local::Shared(VmExit::Vmcall, _) => {
-                    // The tracer's hypercall: under the lock's shared side,
-                    // with the other vCPUs' hits running too.
-                    let vm = shared.read(&mut cpu.shared_wait_ticks);
-                    cpu.shared_takes += 1;
-                    let next = hypercall(vm.hit_view(), cpu);
-                    drop(vm);
-                    cpu.pending_time = cpu.tracer.take_served().map(|work| (work, exit_tsc));
-                    match next {
-                        Ok(Next::Resume) => {}
-                        Ok(Next::Stop(r)) => return r,
-                        Err(e) => return e.into(),
-                    }
-                    // A module load or unload seen at a hidden hook is served
-                    // below, under the whole lock, before the vCPU enters
-                    // again; a turn may be due too, unless the hypercall
-                    // entered a call the count times (the call's return, or
-                    // the timer, takes the turn then).
-                    if !cpu.tracer.has_module_event()
-                        && (!turn_due(cpu) || cpu.tracer.timed_entry())
-                    {
-                        continue 'run;
-                    }
-                    None
-                }
                 Local::Shared(exit, policy_done) => Some((exit, policy_done)),
             };
             (exit, timer)
@@ -542,44 +524,55 @@ fn read_gs_base() -> u64 {
     })
 }
 
-/// The entry hypercall's fast path ([`Hit::fast_entry`]): with the VM
-/// shared, three VMREADs after the exit reason and one VMWRITE. `false`:
-/// not served (another VMCALL, or a hit that needs more), and nothing
-/// changed; the general path serves it.
-fn fast_hypercall(
+/// A VMCALL exit, under one take of the lock's shared side (the other
+/// vCPUs' hits run too): the entry fast path ([`Hit::fast_entry`]: three
+/// VMREADs after the exit reason, one VMWRITE) when it serves, otherwise
+/// the general hypercall ([`hypercall`]) at the RIP already read.
+fn vmcall_exit(
     shared: &crate::vm::Shared,
     cpu: &mut CpuState,
     exit_tsc: u64,
-) -> Result<bool, VmcsError> {
+) -> Result<Next, VmcsError> {
     let vm = shared.read(&mut cpu.shared_wait_ticks);
     cpu.shared_takes += 1;
-    let (Some(vmcall), Some(k)) = (vm.tracer.entry_vmcall(), vm.introspection.kernel()) else {
-        return Ok(false);
+    let hv = vm.hit_view();
+    let rip = f::GUEST_RIP.read(&Vmcs)?;
+    let fast = match (hv.tracer.entry_vmcall(), hv.kernel) {
+        (Some(vmcall), Some(k)) => match entry::fast_entry_at(&Vmcs, rip, vmcall)? {
+            Some(exit) => {
+                let (clock, tsc_hz) = (hv.clock, hv.tsc_hz);
+                Hit::new(hv.tracer, &mut cpu.tracer)
+                    .fast_entry(phys::guest_ram(), k, exit, &cpu.regs, read_gs_base, || {
+                        crate::clock::tsc_to_ns(clock.peek(insn::rdtsc()), tsc_hz)
+                    })
+                    .map(|chain| (exit, chain))
+            }
+            None => None,
+        },
+        _ => None,
     };
-    let Some(exit) = entry::fast_entry_start(&Vmcs, vmcall)? else {
-        return Ok(false);
+    let next = match fast {
+        Some((exit, chain)) => {
+            drop(vm);
+            cpu.regs.rax = chain;
+            entry::fast_entry_end(&mut Vmcs, &exit)?;
+            Next::Resume
+        }
+        None => {
+            let next = hypercall(hv, cpu, rip);
+            drop(vm);
+            next?
+        }
     };
-    let served = Hit::new(&vm.tracer, &mut cpu.tracer).fast_entry(
-        phys::guest_ram(),
-        k.cr3(),
-        exit,
-        &cpu.regs,
-    );
-    drop(vm);
-    let Some(chain) = served else {
-        return Ok(false);
-    };
-    cpu.regs.rax = chain;
-    entry::fast_entry_end(&mut Vmcs, &exit)?;
     cpu.pending_time = cpu.tracer.take_served().map(|work| (work, exit_tsc));
-    Ok(true)
+    Ok(next)
 }
 
 /// The tracer's hypercall (a VMCALL from its trampolines, or anyone's: #UD
 /// then) with the VM shared: nothing here changes the VM but through what
 /// `hypervisor::tracer::Hit` locks or counts atomically.
-fn hypercall(vm: HitView<'_>, cpu: &mut CpuState) -> Result<Next, VmcsError> {
-    let (rip, view) = entry::hypercall_start(&Vmcs, read_kernel_gs_base, read_gs_base)?;
+fn hypercall(vm: HitView<'_>, cpu: &mut CpuState, rip: u64) -> Result<Next, VmcsError> {
+    let view = cpu_view()?;
     let now = crate::clock::tsc_to_ns(vm.clock.peek(insn::rdtsc()), vm.tsc_hz);
     let kernel = vm.kernel.map(|k| k as &dyn KernelView);
     let mut hit = Hit::new(vm.tracer, &mut cpu.tracer);
@@ -1508,7 +1501,8 @@ impl Vcpu<'_> {
     /// A VMCALL: the tracer's entry hypercall, or #UD. (The exit loop
     /// serves them under the lock's shared side; see [`hypercall`].)
     fn vmcall(&mut self) -> Result<Next, VmcsError> {
-        hypercall(self.vm.hit_view(), self.cpu)
+        let rip = f::GUEST_RIP.read(&Vmcs)?;
+        hypercall(self.vm.hit_view(), self.cpu, rip)
     }
 
     /// Lets the guest execute one instruction against the page the tracer

@@ -165,24 +165,30 @@ impl<'a> Hit<'a> {
         }
     }
 
-    /// The entry hypercall's fast path, for a hit on a site whose only
-    /// user is a call count with no filter, histogram or timing (the
-    /// kernel's ftrace has its own for an `ftrace_ops` alone on a record).
-    /// `exit` is all root read of the VMCS beyond the exit reason. The hit
-    /// reads one word of guest memory, the frame's `ip` (the forgery
-    /// check), through the kernel's own page tables (`kernel_cr3`, which
-    /// map every kernel stack: no CR3 read), and counts the call on the
-    /// site and the hit on the vCPU, as [`Self::hypercall`] would. Returns
-    /// the chain target for RAX when served; `None` when anything else
-    /// applies (another user, a filter, an entry from elsewhere, a frame
-    /// that does not read or does not prove the entry), with nothing
-    /// counted: the general path then serves the hypercall from the start.
+    /// The entry hypercall's fast path (the kernel's ftrace has its own
+    /// for an `ftrace_ops` alone on a record): a hit on a site whose users
+    /// read no register and no guest memory of the call, i.e. a call count
+    /// with no filter, histogram or timing, probes with no fetch argument,
+    /// and the function tracer. `exit` is all root read of the VMCS beyond
+    /// the exit reason; the frame's `ip` word (the forgery check) and the
+    /// parent are read through the kernel's own page tables (`k.cr3()`,
+    /// which map every kernel stack: no CR3 read), the running task through
+    /// `gs` (GUEST_GS_BASE, read only by a hit that records), and the clock
+    /// through `now_ns` (read once, only by a hit that records). Counts,
+    /// records and the vCPU's counters come out as [`Self::hypercall`]'s
+    /// would. Returns the chain target for RAX when served; `None` when
+    /// anything else applies (another user, a filter, an entry from
+    /// elsewhere, a frame that does not read or does not prove the entry),
+    /// with nothing counted or recorded: the general path then serves the
+    /// hypercall from the start.
     pub fn fast_entry(
         &mut self,
         ram: &dyn GuestDoor,
-        kernel_cr3: Cr3,
+        k: &dyn KernelView,
         exit: FastExit,
         regs: &GuestRegs,
+        gs: fn() -> u64,
+        now_ns: impl FnOnce() -> u64,
     ) -> Option<u64> {
         let region = self.vm.region.as_ref()?;
         if exit.cpl != 0
@@ -192,27 +198,86 @@ impl<'a> Hit<'a> {
         {
             return None;
         }
-        let c = &self.vm.count;
-        if c.filters() || c.histogram.is_some() {
-            return None;
-        }
         let key = Gva(regs.rsi);
         let u = self.vm.view.sites.get(&key)?;
-        if !u.counted_alone() {
+        let c = &self.vm.count;
+        let probes = &self.vm.probes.list;
+        if !u.fast_users()
+            || (u.counted && (c.filters() || c.histogram.is_some()))
+            || !u.probes.iter().all(|&id| {
+                probes
+                    .iter()
+                    .find(|p| p.id == id)
+                    .is_none_or(|p| p.spec.args.is_empty())
+            })
+        {
             return None;
         }
+        let cr3 = k.cr3();
         let mut ip = [0u8; 8];
         let at = exit
             .rsp
             .wrapping_add(core::mem::offset_of!(PtRegs, ip) as u64);
-        self.cpu
-            .walks
-            .read_virt(ram, kernel_cr3, Gva(at), &mut ip)
-            .ok()?;
+        self.cpu.walks.read_virt(ram, cr3, Gva(at), &mut ip).ok()?;
         if u64::from_le_bytes(ip) != key.0.wrapping_add(5) {
             return None;
         }
-        add(&u.calls, 1);
+        if u.counted {
+            add(&u.calls, 1);
+        }
+        if !u.probes.is_empty() || u.function {
+            let cpu = CpuView {
+                cr3: cr3.0,
+                cpl: 0,
+                gs_base: super::machine::GuestGs::lazy(gs),
+                kernel_gs_base: 0,
+                la57: false,
+                rsp: exit.rsp,
+            };
+            let Running { pid, comm, .. } = k.current(&cpu).unwrap_or(Running::UNKNOWN);
+            let mut header = EventHeader {
+                probe_id: 0,
+                cpu: k.cpu_number(&cpu).unwrap_or(self.cpu.index as u32),
+                pid,
+                timestamp_ns: now_ns(),
+                ip: key.0,
+                ret_ip: 0,
+                comm,
+            };
+            let mut ring = self.vm.stream.rings.lock(self.cpu.index);
+            for &id in &u.probes {
+                let Some(p) = probes.iter().find(|p| p.id == id) else {
+                    continue;
+                };
+                header.probe_id = id;
+                let ev = RawEvent {
+                    header,
+                    values: Vec::new(),
+                };
+                if store(&mut ring, &mut self.cpu.record, &ev) {
+                    add(&p.hits, 1);
+                } else {
+                    add(&p.misses, 1);
+                }
+            }
+            if u.function {
+                let sp = exit.rsp.wrapping_add(trampolines::abi::ENTRY_SP_FROM_FRAME);
+                let mut ret = [0u8; 8];
+                let parent = self
+                    .cpu
+                    .walks
+                    .read_virt(ram, cr3, Gva(sp), &mut ret)
+                    .map_or(0, |()| u64::from_le_bytes(ret));
+                header.probe_id = FUNCTION_ID;
+                header.ip = u.func.0;
+                header.ret_ip = parent;
+                let ev = RawEvent {
+                    header,
+                    values: Vec::new(),
+                };
+                store(&mut ring, &mut self.cpu.record, &ev);
+            }
+        }
         let chain = self.chain_of(u.page, key);
         self.cpu.timed_entry = false;
         self.cpu.served = Some(RootWork::Hit);

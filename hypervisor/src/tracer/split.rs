@@ -74,13 +74,13 @@ impl SiteUse {
             && !self.counted
     }
 
-    /// Whether the call count is the site's only user, with no timing of
-    /// its calls (which takes a return probe).
-    pub(super) fn counted_alone(&self) -> bool {
-        self.counted
-            && self.probes.is_empty()
+    /// Whether every user of the site is one the entry fast path serves
+    /// (`Hit::fast_entry`): the call count with no timing of its calls
+    /// (which takes a return probe), entry probes, the function tracer;
+    /// and at least one of them.
+    pub(super) fn fast_users(&self) -> bool {
+        (self.counted || !self.probes.is_empty() || self.function)
             && self.retprobes.is_empty()
-            && !self.function
             && self.graph == 0
             && self.hidden.is_none()
             && self.switch.is_none()

@@ -1090,10 +1090,10 @@ fn a_count_counts_calls_in_root_records_nothing_and_keeps_other_uses() {
 }
 
 impl Guest {
-    /// Lays out an entry as [`Guest::hit`] does (ip = `func` + 5) and
-    /// offers it to the fast path with the exit's `cpl`, RIP `rip` (the
-    /// entry VMCALL when `None`) and RSP = RDI = the frame; the chain
-    /// target when served.
+    /// Lays out an entry as [`Guest::hit`] does (ip = `ip`) and offers it
+    /// to the fast path with the exit's `cpl`, RIP `rip` (the entry VMCALL
+    /// when `None`), RAX `nr` and RSP = RDI = the frame; the chain target
+    /// when served.
     fn fast(&mut self, func: u64, ip: u64, cpl: u8, rip: Option<u64>, nr: u32) -> Option<u64> {
         let regs_at = RETP - trampolines::abi::ENTRY_SP_FROM_FRAME;
         self.ram.put(gpa(RETP), &CALLER_RET.to_le_bytes());
@@ -1111,8 +1111,20 @@ impl Guest {
             cpl,
             rsp: regs_at,
         };
-        let cr3 = self.kernel.cr3();
-        Hit::new(&self.vm, &mut self.cpus[self.on]).fast_entry(&self.door, cr3, exit, &regs)
+        self.fast_exit(exit, &regs)
+    }
+
+    /// The fast path on `exit` and `regs` as given.
+    fn fast_exit(&mut self, exit: super::FastExit, regs: &GuestRegs) -> Option<u64> {
+        let now = self.now_ns;
+        Hit::new(&self.vm, &mut self.cpus[self.on]).fast_entry(
+            &self.door,
+            &self.kernel,
+            exit,
+            regs,
+            gs_of_vcpu0,
+            || now,
+        )
     }
 
     /// The calls the count has, over every function.
@@ -1123,8 +1135,14 @@ impl Guest {
     }
 }
 
+/// vCPU 0's GS base, as root's lazy GUEST_GS_BASE read gives it.
+fn gs_of_vcpu0() -> u64 {
+    GS_BASES[0]
+}
+
 #[test]
-fn the_fast_path_serves_a_count_alone_as_the_general_path_would() {
+fn the_fast_path_serves_counts_probes_and_functions_as_the_general_path_would() {
+    use crate::stats::RootWork;
     let mut g = Guest::new();
     g.tracer().set_stream(Some(TraceFormat::Text));
     // The guest's own ftrace calls at FUNC: the chain target comes back.
@@ -1139,13 +1157,13 @@ fn the_fast_path_serves_a_count_alone_as_the_general_path_would() {
         g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_ENTRY),
         Some(FTRACE_CALLER)
     );
-    assert_eq!(g.cpus[0].take_served(), Some(crate::stats::RootWork::Hit));
+    assert_eq!(g.cpus[0].take_served(), Some(RootWork::Hit));
     assert_eq!(g.fast(OTHER, OTHER + 5, 0, None, HYPERCALL_ENTRY), Some(0));
     // Served as the general path serves the same entry.
     let (out, rax) = g.hit(FUNC, RETP, CALLER_RET, 0);
     assert!(matches!(out, Hypercall::Handled));
     assert_eq!(rax, FTRACE_CALLER);
-    assert_eq!(g.cpus[0].take_served(), Some(crate::stats::RootWork::Hit));
+    assert_eq!(g.cpus[0].take_served(), Some(RootWork::Hit));
     assert_eq!(g.counted(), 3);
     let c = g.vm.hypercalls_of(0, 0);
     assert_eq!((c.hits, c.refused), (3, 0));
@@ -1182,36 +1200,49 @@ fn the_fast_path_serves_a_count_alone_as_the_general_path_would() {
         cpl: 0,
         rsp: RETP - 0x1f8,
     };
-    let cr3 = g.kernel.cr3();
-    let door = &g.door;
-    assert_eq!(
-        Hit::new(&g.vm, &mut g.cpus[0]).fast_entry(door, cr3, exit, &regs),
-        None
-    );
+    assert_eq!(g.fast_exit(exit, &regs), None);
     // A frame that does not read (outside the guest's tables).
     regs.rdi = 0xffff_c900_0000_0000;
     let exit = super::FastExit {
         rsp: regs.rdi,
         ..exit
     };
-    assert_eq!(
-        Hit::new(&g.vm, &mut g.cpus[0]).fast_entry(door, cr3, exit, &regs),
-        None
-    );
+    assert_eq!(g.fast_exit(exit, &regs), None);
     assert_eq!(g.counted(), 3);
     let c = g.vm.hypercalls_of(0, 0);
     assert_eq!((c.hits, c.refused), (3, 0));
+    assert_eq!(g.text(), "");
 
-    // Another user on the site: the function tracer records, so general.
+    // The function tracer and a probe with no argument on counted sites:
+    // served, each recording what the general path records.
     g.with(|t, env, k| t.function_add("my_func", k, env))
         .unwrap();
-    assert_eq!(g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_ENTRY), None);
+    g.probe("p:plain other_func").unwrap();
+    assert_eq!(
+        g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_ENTRY),
+        Some(FTRACE_CALLER)
+    );
     assert_eq!(g.fast(OTHER, OTHER + 5, 0, None, HYPERCALL_ENTRY), Some(0));
+    let fast_text = g.text();
+    g.hit(FUNC, RETP, CALLER_RET, 0);
+    g.hit(OTHER, RETP, CALLER_RET, 0);
+    let general_text = g.text();
+    assert!(fast_text.contains("my_func <-caller"), "{fast_text}");
+    assert!(fast_text.contains("plain: (other_func+0x0/"), "{fast_text}");
+    assert!(fast_text.contains("sleeper-42"), "{fast_text}");
+    assert_eq!(
+        fast_text, general_text,
+        "the fast path records as the general one"
+    );
+    assert_eq!(g.counted(), 7);
+    assert_eq!(g.tracer().probe_list()[0].hits, 2);
+    let c = g.vm.hypercalls_of(0, 0);
+    assert_eq!((c.hits, c.refused), (7, 0));
+
+    // A probe that fetches reads registers: general.
+    g.probe("p:args other_func x=%di").unwrap();
+    assert_eq!(g.fast(OTHER, OTHER + 5, 0, None, HYPERCALL_ENTRY), None);
     g.with(|t, env, _| t.function_clear(env)).unwrap();
-    // A probe too.
-    g.probe("p:a my_func").unwrap();
-    assert_eq!(g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_ENTRY), None);
-    assert_eq!(g.counted(), 4);
     g.with(|t, env, _| t.count_stop(env)).unwrap();
     // A count with a filter reads the task: general.
     let filtered = protocol::CountFilter {
@@ -1220,9 +1251,18 @@ fn the_fast_path_serves_a_count_alone_as_the_general_path_would() {
     };
     g.with(|t, env, k| t.count_start(&filtered, k, env, 0))
         .unwrap();
-    assert_eq!(g.fast(OTHER, OTHER + 5, 0, None, HYPERCALL_ENTRY), None);
-    g.hit(OTHER, RETP, CALLER_RET, 0);
+    assert_eq!(g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_ENTRY), None);
+    g.hit(FUNC, RETP, CALLER_RET, 0);
     assert_eq!(g.counted(), 1);
+    // A count that times its calls takes their returns: general.
+    g.with(|t, env, _| t.count_stop(env)).unwrap();
+    let timed = protocol::CountFilter {
+        latency: true,
+        ..filter
+    };
+    g.with(|t, env, k| t.count_start(&timed, k, env, 0))
+        .unwrap();
+    assert_eq!(g.fast(FUNC, FUNC + 5, 0, None, HYPERCALL_ENTRY), None);
 }
 
 #[test]

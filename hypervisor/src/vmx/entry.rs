@@ -106,7 +106,15 @@ pub fn hypercall_start(
 /// GUEST_SS_ACCESS_RIGHTS and GUEST_RSP. Three VMREADs, each of a field a
 /// nested KVM shadows; `None`: another VMCALL, for the general path.
 pub fn fast_entry_start(v: &impl VmcsIo, entry_vmcall: u64) -> Result<Option<FastExit>, VmcsError> {
-    let rip = f::GUEST_RIP.read(v)?;
+    fast_entry_at(v, f::GUEST_RIP.read(v)?, entry_vmcall)
+}
+
+/// [`fast_entry_start`] for a VMCALL at `rip`, read by the caller.
+pub fn fast_entry_at(
+    v: &impl VmcsIo,
+    rip: u64,
+    entry_vmcall: u64,
+) -> Result<Option<FastExit>, VmcsError> {
     if rip != entry_vmcall {
         return Ok(None);
     }
