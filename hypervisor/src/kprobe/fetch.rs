@@ -190,20 +190,52 @@ pub fn try_fetch(
     mem: &mut dyn GuestMem,
     syms: &dyn SymbolResolver,
 ) -> Result<Vec<FetchedValue>, OutOfMemory> {
-    let mut out = fallible::try_with_capacity(args.len())?;
+    let mut out = Vec::new();
+    try_fetch_into(args, ctx, mem, syms, &mut out)?;
+    Ok(out)
+}
+
+/// [`try_fetch`] into `out`, which keeps what it holds from the last
+/// call: its room, and the buffers of its strings, which this call's
+/// strings are read into in the same order. A hit that fetches what the
+/// last one did (the same probe, strings no longer than before) takes no
+/// heap at all. On an error `out` is left empty.
+pub fn try_fetch_into(
+    args: &[FetchArg],
+    ctx: &FetchContext<'_>,
+    mem: &mut dyn GuestMem,
+    syms: &dyn SymbolResolver,
+    out: &mut Vec<FetchedValue>,
+) -> Result<(), OutOfMemory> {
+    if let Err(e) = fallible::try_reserve(out, args.len().saturating_sub(out.len())) {
+        out.clear();
+        return Err(e);
+    }
     let mut r = Reader {
         mem,
         layout: ctx.layout,
         refused: None,
+        spare: Vec::new(),
     };
-    for a in args {
+    for (i, a) in args.iter().enumerate() {
+        // The buffer of the string this slot held, for this one.
+        r.spare = match out.get_mut(i) {
+            Some(FetchedValue::Str(b)) => core::mem::take(b),
+            _ => Vec::new(),
+        };
         let v = eval(&a.expr, a.ty, ctx, &mut r, syms).unwrap_or(FetchedValue::Fault);
         if let Some(e) = r.refused.take() {
+            out.clear();
             return Err(e);
         }
-        out.push(v);
+        match out.get_mut(i) {
+            Some(slot) => *slot = v,
+            // Within the room reserved above: no allocation.
+            None => out.push(v),
+        }
     }
-    Ok(out)
+    out.truncate(args.len());
+    Ok(())
 }
 
 /// The heap one hit of a probe with `args` may take at most: its values,
@@ -233,6 +265,7 @@ pub fn fetch_one(
         mem,
         layout: ctx.layout,
         refused: None,
+        spare: Vec::new(),
     };
     eval(&arg.expr, arg.ty, ctx, &mut r, syms).unwrap_or(FetchedValue::Fault)
 }
@@ -243,13 +276,22 @@ struct Reader<'m> {
     /// An allocation the heap refused (the value is then a fault, and the
     /// event lost).
     refused: Option<OutOfMemory>,
+    /// A buffer a string may be read into (its contents are not kept).
+    spare: Vec<u8>,
 }
 
 impl Reader<'_> {
-    /// `bytes` copied into a new string, or `None` (noted) when the heap
+    /// A buffer for a string: the spare one, emptied.
+    fn buffer(&mut self) -> Vec<u8> {
+        let mut v = core::mem::take(&mut self.spare);
+        v.clear();
+        v
+    }
+
+    /// `bytes` copied into a string, or `None` (noted) when the heap
     /// refuses it.
     fn string(&mut self, bytes: &[u8]) -> Option<Vec<u8>> {
-        let mut v = Vec::new();
+        let mut v = self.buffer();
         match fallible::try_extend_from_slice(&mut v, bytes) {
             Ok(()) => Some(v),
             Err(e) => {
@@ -310,7 +352,7 @@ impl Reader<'_> {
     /// with no terminator in reach is cut to `MAX_STRING_SIZE - 1` bytes.
     fn read_string(&mut self, addr: u64, user: bool) -> Option<Vec<u8>> {
         let as_user = user || addr < self.layout.task_size_max;
-        let mut out = Vec::new();
+        let mut out = self.buffer();
         // Small chunks: this runs on a VMX-root stack.
         let mut buf = [0u8; STRING_CHUNK];
         while out.len() < MAX_STRING_SIZE {

@@ -106,8 +106,9 @@ pub use event::{
     TIMESTAMP_AT,
 };
 pub use fetch::{
-    fetch, fetch_one, try_fetch, worst_case_bytes, FetchContext, FetchedValue, GuestLayout,
-    GuestMem, MemFault, NoSymbols, SymbolAt, SymbolResolver, MAX_STRING_SIZE, TASK_COMM_LEN,
+    fetch, fetch_one, try_fetch, try_fetch_into, worst_case_bytes, FetchContext, FetchedValue,
+    GuestLayout, GuestMem, MemFault, NoSymbols, SymbolAt, SymbolResolver, MAX_STRING_SIZE,
+    TASK_COMM_LEN,
 };
 pub use index::IndexSymbols;
 pub use parse::{parse, parse_probe, ParseError, ParseErrorKind};

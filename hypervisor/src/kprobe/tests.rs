@@ -885,6 +885,49 @@ fn the_openat_probe_fetches_the_filename() {
     );
 }
 
+#[test]
+fn fetching_into_the_last_values_reuses_their_room_and_strings() {
+    use crate::kprobe::try_fetch_into;
+    let r = regs();
+    let mut m = FakeMem::default();
+    m.write(USER, b"/etc/hostname\0");
+    let p = probe("p:myopen do_sys_openat2 dfd=%di filename=+0(%si):string c=$comm");
+    let syms = FakeSyms::kernel();
+    let mut values = Vec::new();
+    try_fetch_into(&p.args, &ctx(&r), &mut m, &syms, &mut values).unwrap();
+    assert_eq!(values, fetch(&p.args, &ctx(&r), &mut m, &syms));
+    let buffers = |v: &[FetchedValue]| -> Vec<(*const u8, usize)> {
+        v.iter()
+            .filter_map(|x| match x {
+                FetchedValue::Str(b) => Some((b.as_ptr(), b.capacity())),
+                _ => None,
+            })
+            .collect()
+    };
+    let (room, before) = (values.as_ptr(), buffers(&values));
+    assert_eq!(before.len(), 2);
+    // A shorter name next: the same buffers, no allocation.
+    m.write(USER, b"/tmp\0");
+    try_fetch_into(&p.args, &ctx(&r), &mut m, &syms, &mut values).unwrap();
+    assert_eq!(values[1], FetchedValue::Str(b"/tmp".to_vec()));
+    assert_eq!((values.as_ptr(), buffers(&values)), (room, before));
+    assert_eq!(values, fetch(&p.args, &ctx(&r), &mut m, &syms));
+    // Fewer arguments (another probe) leave fewer values; more add some.
+    let one = probe("p:one do_sys_openat2 filename=+0(%si):string");
+    try_fetch_into(&one.args, &ctx(&r), &mut m, &syms, &mut values).unwrap();
+    assert_eq!(values, [FetchedValue::Str(b"/tmp".to_vec())]);
+    try_fetch_into(&p.args, &ctx(&r), &mut m, &syms, &mut values).unwrap();
+    assert_eq!(values, fetch(&p.args, &ctx(&r), &mut m, &syms));
+    // A string that faults is a fault, in its place.
+    let r2 = PtRegs {
+        si: USER + 0x10_0000,
+        ..r
+    };
+    try_fetch_into(&p.args, &ctx(&r2), &mut m, &syms, &mut values).unwrap();
+    assert_eq!(values[1], FetchedValue::Fault);
+    assert_eq!(values.len(), 3);
+}
+
 /// A chain of pointers: di -> A, *(A+0) = B, *(B+16) = C, *(C+8) = 42.
 fn chain() -> (PtRegs, FakeMem, [u64; 3]) {
     let a = KDATA + 0x1000;

@@ -15,6 +15,9 @@ pub struct CpuState {
     pub(super) step: Stepper,
     /// Scratch for one encoded record.
     pub(super) record: Vec<u8>,
+    /// The fetched values of the last hit, whose room and strings' buffers
+    /// the next one reuses.
+    pub(super) values: Vec<crate::kprobe::FetchedValue>,
     /// A module load or unload seen at a hidden hook by this vCPU's last
     /// hypercall, for the exit handler to serve before the vCPU enters
     /// the guest again.
@@ -43,6 +46,7 @@ impl CpuState {
             index,
             step: Stepper::default(),
             record: Vec::with_capacity(512),
+            values: Vec::new(),
             module_event: None,
             timed_entry: false,
             view: View::Armed,

@@ -183,6 +183,8 @@ pub(super) struct Out<'a> {
     pub(super) count: &'a CountState,
     pub(super) ring: &'a mut EventRing,
     pub(super) record: &'a mut Vec<u8>,
+    /// The vCPU's fetched values, kept from hit to hit.
+    pub(super) values: &'a mut Vec<kprobe::FetchedValue>,
     pub(super) stats: &'a HitStats,
     /// The CPU number events carry when the guest's is not known: root's
     /// index of the vCPU.
@@ -966,6 +968,7 @@ fn retprobe_hits(
         probes: &out.probes.list,
         ring: out.ring,
         record: out.record,
+        values: out.values,
         heap: &*env.m,
     };
     sink.hits(ids, header, &ctx, &mut mem, &syms);

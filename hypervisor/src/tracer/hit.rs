@@ -131,6 +131,7 @@ impl<'a> Hit<'a> {
                     probes: &self.vm.probes,
                     ring: &mut ring,
                     record: &mut self.cpu.record,
+                    values: &mut self.cpu.values,
                     stats: &self.vm.hit,
                     vcpu: self.cpu.index as u32,
                 };
@@ -485,6 +486,7 @@ impl<'a> Hit<'a> {
             probes: &self.vm.probes.list,
             ring: &mut ring,
             record: &mut self.cpu.record,
+            values: &mut self.cpu.values,
             heap: &*env.m,
         };
         out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
@@ -515,6 +517,7 @@ impl<'a> Hit<'a> {
                     probes: &self.vm.probes,
                     ring: &mut ring,
                     record: &mut self.cpu.record,
+                    values: &mut self.cpu.values,
                     stats: &self.vm.hit,
                     vcpu: self.cpu.index as u32,
                 };

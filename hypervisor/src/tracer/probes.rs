@@ -155,6 +155,9 @@ pub(super) struct HitSink<'a> {
     pub(super) probes: &'a [Probe],
     pub(super) ring: &'a mut EventRing,
     pub(super) record: &'a mut Vec<u8>,
+    /// The vCPU's fetched values, kept from hit to hit: their room and
+    /// their strings' buffers serve the next hit (no heap per hit).
+    pub(super) values: &'a mut Vec<kprobe::FetchedValue>,
     /// The heap's room, checked before a hit fetches (see [`Self::hits`]).
     pub(super) heap: &'a dyn Machine,
 }
@@ -181,19 +184,14 @@ impl HitSink<'_> {
             // (a race with another vCPU's hit): never a failed allocation
             // in root.
             let room = p.heap <= CHECKED_HIT_BYTES || self.heap.heap_check(p.heap).is_ok();
-            let values = match room
-                .then(|| kprobe::try_fetch(&p.spec.args, ctx, mem, syms).ok())
-                .flatten()
-            {
-                Some(v) => v,
-                None => {
-                    self.ring.count_lost();
-                    p.misses.fetch_add(1, Relaxed);
-                    continue;
-                }
-            };
-            let ev = RawEvent { header, values };
-            if store(self.ring, self.record, &ev) {
+            let fetched =
+                room && kprobe::try_fetch_into(&p.spec.args, ctx, mem, syms, self.values).is_ok();
+            if !fetched {
+                self.ring.count_lost();
+                p.misses.fetch_add(1, Relaxed);
+                continue;
+            }
+            if store_parts(self.ring, self.record, &header, self.values) {
                 p.hits.fetch_add(1, Relaxed);
             } else {
                 p.misses.fetch_add(1, Relaxed);
