@@ -18,7 +18,7 @@ use hypervisor::pci;
 use hypervisor::policy::{self, CrWrite};
 use hypervisor::stats::RootWork;
 use hypervisor::task_switch::LegacyPaging;
-use hypervisor::tracer::machine::View;
+use hypervisor::tracer::machine::{GuestGs, View};
 use hypervisor::tracer::modules::{ModuleEvent, ModuleHook};
 use hypervisor::tracer::{DebugState, Hit, Hypercall, Tracer, Violation};
 use hypervisor::vmx::ap;
@@ -387,7 +387,13 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         if cpu.host_rsp != host_rsp {
             crate::vcpu::NestedCost::add(cpu.index, 2, 0);
         }
-        crate::world::left_guest(cpu.index, || f::GUEST_RIP.read(&Vmcs).unwrap_or(0));
+        // With other vCPUs, the world's holds want RIP at every exit: a
+        // VMCALL's handler takes it from here (one VMREAD per exit).
+        let mut exit_rip = None;
+        crate::world::left_guest(cpu.index, || {
+            exit_rip = f::GUEST_RIP.read(&Vmcs).ok();
+            exit_rip.unwrap_or(0)
+        });
         if let RunOutcome::EntryFailed(e) = outcome {
             let err = f::VM_INSTRUCTION_ERROR.read(&Vmcs).unwrap_or(0);
             hvprintln!(
@@ -406,7 +412,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         cpu.counters.record(reason as u16);
         let (exit, timer) = 'exit: {
             if reason as u16 == hypervisor::vmx::exit::reason::VMCALL {
-                match vmcall_exit(shared, cpu, exit_tsc) {
+                match vmcall_exit(shared, cpu, exit_tsc, exit_rip) {
                     Ok(Next::Resume) => {}
                     Ok(Next::Stop(r)) => return r,
                     Err(e) => return e.into(),
@@ -526,17 +532,22 @@ fn read_gs_base() -> u64 {
 
 /// A VMCALL exit, under one take of the lock's shared side (the other
 /// vCPUs' hits run too): the entry fast path ([`Hit::fast_entry`]: three
-/// VMREADs after the exit reason, one VMWRITE) when it serves, otherwise
-/// the general hypercall ([`hypercall`]) at the RIP already read.
+/// VMREADs after the exit reason, RIP among them unless the exit already
+/// read it (`rip`), and one VMWRITE) when it serves, otherwise the general
+/// hypercall ([`hypercall`]) at the same RIP.
 fn vmcall_exit(
     shared: &crate::vm::Shared,
     cpu: &mut CpuState,
     exit_tsc: u64,
+    rip: Option<u64>,
 ) -> Result<Next, VmcsError> {
     let vm = shared.read(&mut cpu.shared_wait_ticks);
     cpu.shared_takes += 1;
     let hv = vm.hit_view();
-    let rip = f::GUEST_RIP.read(&Vmcs)?;
+    let rip = match rip {
+        Some(r) => r,
+        None => f::GUEST_RIP.read(&Vmcs)?,
+    };
     let fast = match (hv.tracer.entry_vmcall(), hv.kernel) {
         (Some(vmcall), Some(k)) => match entry::fast_entry_at(&Vmcs, rip, vmcall)? {
             Some(exit) => {
@@ -572,7 +583,14 @@ fn vmcall_exit(
 /// then) with the VM shared: nothing here changes the VM but through what
 /// `hypervisor::tracer::Hit` locks or counts atomically.
 fn hypercall(vm: HitView<'_>, cpu: &mut CpuState, rip: u64) -> Result<Next, VmcsError> {
-    let view = cpu_view()?;
+    let mut view = cpu_view()?;
+    // The kernel's GS base as this turn's hits read it (CPL 0 only: in
+    // user mode the kernel's is IA32_KERNEL_GS_BASE).
+    if view.cpl == 0 {
+        if let Some(base) = cpu.tracer.kernel_gs() {
+            view.gs_base = GuestGs::known(base);
+        }
+    }
     let now = crate::clock::tsc_to_ns(vm.clock.peek(insn::rdtsc()), vm.tsc_hz);
     let kernel = vm.kernel.map(|k| k as &dyn KernelView);
     let mut hit = Hit::new(vm.tracer, &mut cpu.tracer);
@@ -580,6 +598,9 @@ fn hypercall(vm: HitView<'_>, cpu: &mut CpuState, rip: u64) -> Result<Next, Vmcs
     let served = with_env_clocked(vm.views, cpu.index, cpu.view, vm.clock, vm.tsc_hz, |env| {
         hit.hypercall(env, rip, regs, &view, kernel, now)
     });
+    if let (0, Some(base)) = (view.cpl, view.gs_base.peek()) {
+        cpu.tracer.keep_kernel_gs(base);
+    }
     switch_view(cpu)?;
     if let Some(ud) = entry::hypercall_end(&mut Vmcs, rip, matches!(served, Hypercall::Handled))? {
         cpu.inject = Some(ud);

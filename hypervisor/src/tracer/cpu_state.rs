@@ -37,6 +37,12 @@ pub struct CpuState {
     /// What the last hypercall was, until root takes it to account for
     /// its time.
     pub(super) served: Option<RootWork>,
+    /// The kernel's GS base on this vCPU (GUEST_GS_BASE at CPL 0, the CPU's
+    /// per-CPU area) as a hit last read it, kept until the next turn: one
+    /// read of the field per turn rather than per recorded hit (under
+    /// nested KVM each is an exit). A guest that moves it meanwhile has
+    /// its next records name the task as the per-CPU area it left says.
+    pub(super) kernel_gs: Option<u64>,
 }
 
 impl CpuState {
@@ -53,7 +59,18 @@ impl CpuState {
             epoch: 0,
             walks: WalkCache::default(),
             served: None,
+            kernel_gs: None,
         }
+    }
+    /// The kernel's GS base as this turn's hits read it, if one did.
+    pub fn kernel_gs(&self) -> Option<u64> {
+        self.kernel_gs
+    }
+
+    /// Keeps the kernel's GS base a hit read (GUEST_GS_BASE at CPL 0)
+    /// until the next turn.
+    pub fn keep_kernel_gs(&mut self, base: u64) {
+        self.kernel_gs = Some(base);
     }
 
     /// The EPT view the vCPU is to run on.

@@ -174,7 +174,8 @@ impl<'a> Hit<'a> {
     /// the exit reason; the frame's `ip` word (the forgery check) and the
     /// parent are read through the kernel's own page tables (`k.cr3()`,
     /// which map every kernel stack: no CR3 read), the running task through
-    /// `gs` (GUEST_GS_BASE, read only by a hit that records), and the clock
+    /// `gs` (GUEST_GS_BASE, read by the turn's first hit that records, kept
+    /// until the next turn: [`CpuState::kernel_gs`]), and the clock
     /// through `now_ns` (read once, only by a hit that records). Counts,
     /// records and the vCPU's counters come out as [`Self::hypercall`]'s
     /// would. Returns the chain target for RAX when served; `None` when
@@ -227,10 +228,18 @@ impl<'a> Hit<'a> {
             add(&u.calls, 1);
         }
         if !u.probes.is_empty() || u.function {
+            let base = match self.cpu.kernel_gs {
+                Some(b) => b,
+                None => {
+                    let b = gs();
+                    self.cpu.kernel_gs = Some(b);
+                    b
+                }
+            };
             let cpu = CpuView {
                 cr3: cr3.0,
                 cpl: 0,
-                gs_base: super::machine::GuestGs::lazy(gs),
+                gs_base: super::machine::GuestGs::known(base),
                 kernel_gs_base: 0,
                 la57: false,
                 rsp: exit.rsp,

@@ -152,6 +152,11 @@ impl GuestGs {
     pub fn get(&self) -> u64 {
         *self.value.get_or_init(|| self.read.map_or(0, |r| r()))
     }
+
+    /// The base if it is known (given, or read already), without reading.
+    pub fn peek(&self) -> Option<u64> {
+        self.value.get().copied()
+    }
 }
 
 /// The vCPU state the tracer and introspection need, read at an exit.

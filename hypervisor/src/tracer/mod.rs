@@ -244,6 +244,7 @@ impl<'a> Tracer<'a> {
     /// that did not finish.
     pub fn on_turn(&mut self, env: &mut Env<'_>) {
         self.cpu.walks.flush();
+        self.cpu.kernel_gs = None;
         if let Some(r) = &self.vm.region {
             if r.restore_pde(env) {
                 self.vm.stats.region_restores += 1;

@@ -1141,6 +1141,53 @@ fn gs_of_vcpu0() -> u64 {
 }
 
 #[test]
+fn the_fast_path_reads_the_gs_base_once_a_turn() {
+    static READS: AtomicU64 = AtomicU64::new(0);
+    fn gs() -> u64 {
+        READS.fetch_add(1, SeqCst);
+        GS_BASES[0]
+    }
+    let mut g = Guest::new();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    g.with(|t, env, k| t.function_add("my_func", k, env))
+        .unwrap();
+    let regs_at = RETP - trampolines::abi::ENTRY_SP_FROM_FRAME;
+    g.ram.put(gpa(RETP), &CALLER_RET.to_le_bytes());
+    g.ram.put(gpa(regs_at), &pt_regs(FUNC + 5, RETP, 0));
+    let regs = GuestRegs {
+        rax: u64::from(HYPERCALL_ENTRY),
+        rdi: regs_at,
+        rsi: FUNC,
+        ..GuestRegs::default()
+    };
+    let exit = super::FastExit {
+        rip: g.region().entry_vmcall().unwrap().0,
+        cpl: 0,
+        rsp: regs_at,
+    };
+    let mut fast = |g: &mut Guest| {
+        let (door, k) = (&g.door, &g.kernel);
+        Hit::new(&g.vm, &mut g.cpus[0]).fast_entry(door, k, exit, &regs, gs, || 0)
+    };
+    for _ in 0..3 {
+        assert_eq!(fast(&mut g), Some(0));
+    }
+    assert_eq!(
+        READS.load(SeqCst),
+        1,
+        "one GUEST_GS_BASE read for the turn's hits"
+    );
+    assert_eq!(g.cpus[0].kernel_gs(), Some(GS_BASES[0]));
+    g.with(|t, env, _| t.on_turn(env));
+    assert_eq!(g.cpus[0].kernel_gs(), None, "forgotten at the turn");
+    assert_eq!(fast(&mut g), Some(0));
+    assert_eq!(READS.load(SeqCst), 2);
+    // Each record names the task the GS base leads to.
+    let text = g.text();
+    assert_eq!(text.matches("sleeper-42").count(), 4, "{text}");
+}
+
+#[test]
 fn the_fast_path_serves_counts_probes_and_functions_as_the_general_path_would() {
     use crate::stats::RootWork;
     let mut g = Guest::new();
