@@ -37,10 +37,6 @@ pub struct CpuState {
     /// Entries on which root cleared the blocking-by-SMI bit that Bochs
     /// 2.7 leaves in an AP's interruptibility state.
     pub smi_blocking_cleared: u64,
-    /// The next entry checks for that bit: the first after the AP's
-    /// start-up (its SIPI exit is the one that saves it), so no other
-    /// entry reads the interruptibility state for it.
-    pub smi_check: bool,
     /// This vCPU's two EPT views' pointers (armed, quiet), and the one its
     /// VMCS has (the one the tracer last named for it).
     pub eptps: [u64; 2],
@@ -111,7 +107,6 @@ impl CpuState {
             shared_takes: 0,
             apic_refused: 0,
             smi_blocking_cleared: 0,
-            smi_check: false,
             eptps: [0; 2],
             view: View::Armed,
             held_ticks: 0,

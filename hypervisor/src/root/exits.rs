@@ -304,12 +304,11 @@ fn irq_exiting_allowed() -> bool {
 /// [`hypervisor::vmx::entry::prepare_entry`]), with the NMI that root's
 /// own handler queued for this CPU.
 fn prepare_entry(cpu: &mut CpuState) -> Result<(), VmcsError> {
-    if cpu.smi_check {
-        // Bochs 2.7 saves blocking by SMI after an AP's wait-for-SIPI, and
-        // refuses the next entry on it (see `hypervisor::vmx::ap`; the
-        // SIPI state writes the whole field, and this checks the entry
-        // after it once more).
-        cpu.smi_check = false;
+    if cpu.index != 0 {
+        // Bochs 2.7 saves blocking by SMI in an AP's exits once it has
+        // been in wait-for-SIPI (not only in the SIPI exit), and refuses
+        // the next entry on it (see `hypervisor::vmx::ap`): checked before
+        // every entry of an AP (a shadowed field under KVM).
         let intr = f::GUEST_INTERRUPTIBILITY.read(&Vmcs)?;
         if intr & ap::BLOCKING_BY_SMI != 0 {
             f::GUEST_INTERRUPTIBILITY.write(&mut Vmcs, intr & !ap::BLOCKING_BY_SMI)?;
@@ -1215,7 +1214,6 @@ impl Vcpu<'_> {
         ap::write_sipi_state(&mut Vmcs, vector, self.vm.cfg.has_timer)?;
         self.cpu.lapic_base = self.vm.lapic_base;
         self.cpu.parked = false;
-        self.cpu.smi_check = true;
         self.forget_events()?;
         if self.vm.cfg.has_timer {
             let t = self.timer_value(false);
