@@ -97,6 +97,48 @@ struct Bulk {
     turn_bytes: usize,
     /// The frame being encoded (kept, so that a turn allocates nothing).
     wire: Vec<u8>,
+    /// Frames for the log port, numbered and in order, not encoded yet:
+    /// the boot processor encodes and writes them after it lets the VM
+    /// lock go ([`Control::take_queued`]), so that the other vCPUs' hits
+    /// do not wait for a drain's encoding (most of its cost).
+    queued: Vec<Frame>,
+}
+
+/// Frames taken from the log port's queue, to encode and write outside
+/// the VM lock ([`Self::write`]), then handed back ([`Control::settle`]).
+pub struct QueuedBulk {
+    frames: Vec<Frame>,
+    wire: Vec<u8>,
+    written: (u64, u64, u64),
+}
+
+impl QueuedBulk {
+    /// Encodes and writes the frames, in order, to the log port (between
+    /// whole log lines, [`crate::logger::write_frame`]).
+    pub fn write(&mut self) {
+        for frame in self.frames.drain(..) {
+            self.wire.clear();
+            if protocol::encode(&frame, &mut self.wire).is_err() {
+                self.written.2 += 1;
+                continue;
+            }
+            crate::logger::write_frame(&self.wire);
+            self.written.0 += 1;
+            self.written.1 += self.wire.len() as u64;
+        }
+    }
+}
+
+/// What one queued frame adds to a turn's bytes on the log port, before
+/// it is encoded: its payload and the encoding's overhead at most.
+fn queued_estimate(event: &Event) -> usize {
+    let payload = match event {
+        Event::TraceRecords { data, .. } => data.len(),
+        Event::TraceText { text, .. } => text.len(),
+        Event::SymbolChunk { data, .. } => data.len(),
+        _ => 512,
+    };
+    payload + payload / 254 + 64
 }
 
 /// Bytes of index per [`Event::SymbolChunk`], so that a frame stays
@@ -290,6 +332,22 @@ impl Control {
     /// hands it back, so that its buffers can serve again.
     fn bulk_write(&mut self, event: Event) -> Option<Event> {
         let b = self.bulk.as_mut()?;
+        if matches!(b.path, BulkPath::Port) {
+            // Queued, numbered now: written in order by the boot
+            // processor outside the VM lock (a frame that cannot be queued
+            // is dropped and counted, and the host sees its number
+            // missing).
+            let estimate = queued_estimate(&event);
+            if b.queued.try_reserve(1).is_err() {
+                b.seq = b.seq.wrapping_add(1);
+                self.stats.dropped += 1;
+                return None;
+            }
+            b.queued.push(Frame::event(b.seq, event));
+            b.seq = b.seq.wrapping_add(1);
+            b.turn_bytes += estimate;
+            return None;
+        }
         let frame = Frame::event(b.seq, event);
         b.wire.clear();
         if protocol::encode(&frame, &mut b.wire).is_err() {
@@ -315,6 +373,48 @@ impl Control {
         match frame.body {
             protocol::Body::Event(e) => Some(e),
             _ => None,
+        }
+    }
+
+    /// The log port's queued frames, for the caller to write once it lets
+    /// the VM lock go ([`QueuedBulk::write`]) and to hand back with
+    /// [`Self::settle`]; only the boot processor takes them, so they reach
+    /// the port in their order.
+    pub fn take_queued(&mut self) -> Option<QueuedBulk> {
+        let b = self.bulk.as_mut()?;
+        if b.queued.is_empty() {
+            return None;
+        }
+        Some(QueuedBulk {
+            frames: core::mem::take(&mut b.queued),
+            wire: core::mem::take(&mut b.wire),
+            written: (0, 0, 0),
+        })
+    }
+
+    /// Counts frames [`QueuedBulk::write`] wrote, and keeps its buffers
+    /// for the next ones.
+    pub fn settle(&mut self, q: QueuedBulk) {
+        let (frames, bytes, dropped) = q.written;
+        self.stats.bulk_frames += frames;
+        self.stats.bulk_bytes += bytes;
+        self.stats.dropped += dropped;
+        if let Some(b) = self.bulk.as_mut() {
+            if b.wire.capacity() < q.wire.capacity() {
+                b.wire = q.wire;
+            }
+            if b.queued.is_empty() && b.queued.capacity() < q.frames.capacity() {
+                b.queued = q.frames;
+            }
+        }
+    }
+
+    /// Writes the queued frames now, under the VM lock (the channel
+    /// changes, or the VM stops).
+    pub fn write_queued(&mut self) {
+        if let Some(mut q) = self.take_queued() {
+            q.write();
+            self.settle(q);
         }
     }
 
@@ -746,6 +846,8 @@ impl Control {
     /// Sends trace frames along `path` from now on; `false` when there is
     /// no memory for the frame buffer.
     fn bulk_to(&mut self, path: BulkPath) -> bool {
+        // What the log port holds goes before anything on the new path.
+        self.write_queued();
         if let Some(b) = self.bulk.as_mut() {
             b.path = path;
             return true;
@@ -759,6 +861,7 @@ impl Control {
             seq: 0,
             turn_bytes: 0,
             wire,
+            queued: Vec::new(),
         });
         true
     }
@@ -771,6 +874,7 @@ impl Control {
         tracer.set_host_reads(false);
         match channel {
             TraceChannel::Control => {
+                self.write_queued();
                 self.bulk = None;
                 Response::Ok
             }

@@ -504,6 +504,25 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         if let Err(e) = v.ap_mailbox() {
             return e.into();
         }
+        // The boot processor writes the log port's queued frames after it
+        // lets the VM lock go: the other vCPUs' hits run meanwhile (the
+        // frames' encoding is most of a drain). It alone takes them, so
+        // they reach the port in their order.
+        let queued = if cpu.index == 0 {
+            vm.control.as_mut().and_then(|c| {
+                if let Some(q) = cpu.bulk_back.take() {
+                    c.settle(q);
+                }
+                c.take_queued()
+            })
+        } else {
+            None
+        };
+        drop(vm);
+        if let Some(mut q) = queued {
+            q.write();
+            cpu.bulk_back = Some(q);
+        }
     }
 }
 

@@ -112,6 +112,17 @@ pub extern "C" fn hv_entry64(magic: u32, mbi: u32) -> ! {
 /// the reason, then the machine powers off (as the guest asked, or
 /// through ACPI).
 pub fn finish(cpu: &cpu_state::CpuState, reason: StopReason) -> ! {
+    if cpu.index == 0 {
+        // The log port's frames still queued (a turn that stopped the VM
+        // returned before writing them), unless another vCPU holds the
+        // VM to itself.
+        let mut ticks = 0;
+        if let Some(mut vm) = vm::shared().lock_for_turn(&mut ticks) {
+            if let Some(c) = vm.control.as_mut() {
+                c.write_queued();
+            }
+        }
+    }
     hvprintln!("exit counts: {}", cpu.counters);
     if cpu.index != 0 || cpu.lock_wait_ticks != 0 {
         hvprintln!(
