@@ -1165,7 +1165,7 @@ fn the_fast_path_reads_the_gs_base_once_a_turn() {
         cpl: 0,
         rsp: regs_at,
     };
-    let mut fast = |g: &mut Guest| {
+    let fast = |g: &mut Guest| {
         let (door, k) = (&g.door, &g.kernel);
         Hit::new(&g.vm, &mut g.cpus[0]).fast_entry(door, k, exit, &regs, gs, || 0)
     };
