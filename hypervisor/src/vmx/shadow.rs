@@ -95,6 +95,20 @@ mod tests {
         }
     }
 
+    impl Recording {
+        /// Every field touched is one KVM shadows for that access.
+        fn assert_all_shadowed(&self) {
+            for &(e, write) in self.touched.borrow().iter() {
+                let ok = if write {
+                    write_shadowed(e)
+                } else {
+                    read_shadowed(e)
+                };
+                assert!(ok, "field {e:#x} (write: {write}) is not shadowed");
+            }
+        }
+    }
+
     thread_local! {
         /// The VMCS a lazy GS read reaches (a `fn` cannot capture one).
         static GS_READS: RefCell<u32> = const { RefCell::new(0) };
@@ -141,14 +155,7 @@ mod tests {
         // the VMCALL.
         assert_eq!(*v.accesses.borrow(), [8, 1], "VMREADs and VMWRITEs per hit");
         assert_eq!(f::GUEST_RIP.read(&v).unwrap(), 0xffff_ffff_c000_1003);
-        for &(e, write) in v.touched.borrow().iter() {
-            let ok = if write {
-                write_shadowed(e)
-            } else {
-                read_shadowed(e)
-            };
-            assert!(ok, "field {e:#x} (write: {write}) is not shadowed");
-        }
+        v.assert_all_shadowed();
         // A hit that records the running task reads GUEST_GS_BASE once,
         // however often it asks.
         GS_READS.with(|n| *n.borrow_mut() = 0);
@@ -183,14 +190,7 @@ mod tests {
             "VMREADs and VMWRITEs per fast hit"
         );
         assert_eq!(*v.exits.borrow(), [], "a fast hit exits to KVM");
-        for &(e, write) in v.touched.borrow().iter() {
-            let ok = if write {
-                write_shadowed(e)
-            } else {
-                read_shadowed(e)
-            };
-            assert!(ok, "field {e:#x} (write: {write}) is not shadowed");
-        }
+        v.assert_all_shadowed();
         assert_eq!(f::GUEST_RIP.read(&v).unwrap(), VMCALL + 3);
     }
 
