@@ -104,18 +104,30 @@ struct Bulk {
     queued: Vec<Frame>,
 }
 
-/// Frames taken from the log port's queue, to encode and write outside
-/// the VM lock ([`Self::write`]), then handed back ([`Control::settle`]).
+/// The boot processor's hold of frames taken from the log port's queue
+/// ([`Control::take_queued`]), to encode and write outside the VM lock
+/// ([`Self::write`]) and count ([`Control::settle`]). It keeps its own
+/// frame buffer from turn to turn.
+#[derive(Default)]
 pub struct QueuedBulk {
     frames: Vec<Frame>,
     wire: Vec<u8>,
+    /// Frames written, their bytes, and frames dropped, not counted yet.
     written: (u64, u64, u64),
 }
 
 impl QueuedBulk {
     /// Encodes and writes the frames, in order, to the log port (between
-    /// whole log lines, [`crate::logger::write_frame`]).
+    /// whole log lines, [`crate::logger::write_frame`]); with no room for
+    /// the frame buffer they are dropped and counted.
     pub fn write(&mut self) {
+        if self.wire.capacity() < protocol::MAX_WIRE_FRAME
+            && self.wire.try_reserve(protocol::MAX_WIRE_FRAME).is_err()
+        {
+            self.written.2 += self.frames.len() as u64;
+            self.frames.clear();
+            return;
+        }
         for frame in self.frames.drain(..) {
             self.wire.clear();
             if protocol::encode(&frame, &mut self.wire).is_err() {
@@ -380,41 +392,46 @@ impl Control {
     /// the VM lock go ([`QueuedBulk::write`]) and to hand back with
     /// [`Self::settle`]; only the boot processor takes them, so they reach
     /// the port in their order.
-    pub fn take_queued(&mut self) -> Option<QueuedBulk> {
-        let b = self.bulk.as_mut()?;
-        if b.queued.is_empty() {
-            return None;
+    /// Moves the queued frames into `q` (whose written frames are gone,
+    /// its queue's room coming back here); whether there were any.
+    pub fn take_queued(&mut self, q: &mut QueuedBulk) -> bool {
+        let Some(b) = self.bulk.as_mut() else {
+            return false;
+        };
+        if b.queued.is_empty() || !q.frames.is_empty() {
+            return false;
         }
-        Some(QueuedBulk {
-            frames: core::mem::take(&mut b.queued),
-            wire: core::mem::take(&mut b.wire),
-            written: (0, 0, 0),
-        })
+        core::mem::swap(&mut b.queued, &mut q.frames);
+        true
     }
 
-    /// Counts frames [`QueuedBulk::write`] wrote, and keeps its buffers
-    /// for the next ones.
-    pub fn settle(&mut self, q: QueuedBulk) {
-        let (frames, bytes, dropped) = q.written;
+    /// Counts the frames `q` wrote since the last call.
+    pub fn settle(&mut self, q: &mut QueuedBulk) {
+        let (frames, bytes, dropped) = core::mem::take(&mut q.written);
         self.stats.bulk_frames += frames;
         self.stats.bulk_bytes += bytes;
         self.stats.dropped += dropped;
-        if let Some(b) = self.bulk.as_mut() {
-            if b.wire.capacity() < q.wire.capacity() {
-                b.wire = q.wire;
-            }
-            if b.queued.is_empty() && b.queued.capacity() < q.frames.capacity() {
-                b.queued = q.frames;
-            }
-        }
     }
 
     /// Writes the queued frames now, under the VM lock (the channel
-    /// changes, or the VM stops).
+    /// changes, or the VM stops), with the bulk path's own frame buffer.
     pub fn write_queued(&mut self) {
-        if let Some(mut q) = self.take_queued() {
-            q.write();
-            self.settle(q);
+        let Some(b) = self.bulk.as_mut() else {
+            return;
+        };
+        if b.queued.is_empty() {
+            return;
+        }
+        let mut q = QueuedBulk {
+            frames: core::mem::take(&mut b.queued),
+            wire: core::mem::take(&mut b.wire),
+            written: (0, 0, 0),
+        };
+        q.write();
+        self.settle(&mut q);
+        if let Some(b) = self.bulk.as_mut() {
+            b.wire = q.wire;
+            b.queued = q.frames;
         }
     }
 

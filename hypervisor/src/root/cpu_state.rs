@@ -77,10 +77,10 @@ pub struct CpuState {
     pub nmi_window: bool,
     /// The tracer's per-vCPU state: event ring, stream, step.
     pub tracer: tracer::CpuState,
-    /// The log port's frames this vCPU wrote outside the VM lock, to hand
-    /// back to the control channel (counts and buffers) the next time it
-    /// holds the lock.
-    pub bulk_back: Option<crate::control::QueuedBulk>,
+    /// The log port's frames the boot processor writes outside the VM
+    /// lock, and what it wrote until the control channel counts it the
+    /// next time it holds the lock.
+    pub bulk: crate::control::QueuedBulk,
 }
 
 impl CpuState {
@@ -111,7 +111,7 @@ impl CpuState {
             shared_takes: 0,
             apic_refused: 0,
             smi_blocking_cleared: 0,
-            bulk_back: None,
+            bulk: Default::default(),
             eptps: [0; 2],
             view: View::Armed,
             held_ticks: 0,

@@ -482,46 +482,54 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
         }
         let mut v = Vcpu { vm: &mut vm, cpu };
         let now = v.vm.clock.update(insn::rdtsc());
-        if let Some((exit, policy_done)) = exit {
-            match v.handle(exit, policy_done) {
-                Ok(Next::Resume) => {}
-                Ok(Next::Stop(r)) => return r,
-                Err(e) => return e.into(),
+        let stop = 'tail: {
+            if let Some((exit, policy_done)) = exit {
+                match v.handle(exit, policy_done) {
+                    Ok(Next::Resume) => {}
+                    Ok(Next::Stop(r)) => break 'tail Some(r),
+                    Err(e) => break 'tail Some(e.into()),
+                }
             }
-        }
-        if let Some(ev) = v.cpu.tracer.take_module_event() {
-            if let Err(e) = v.module_event(ev) {
-                return e.into();
+            if let Some(ev) = v.cpu.tracer.take_module_event() {
+                if let Err(e) = v.module_event(ev) {
+                    break 'tail Some(e.into());
+                }
             }
-        }
-        if !timer && now.saturating_sub(v.cpu.last_turn) > v.cpu.turn_ticks {
-            match v.service() {
-                Ok(Next::Resume) => {}
-                Ok(Next::Stop(r)) => return r,
-                Err(e) => return e.into(),
+            if !timer && now.saturating_sub(v.cpu.last_turn) > v.cpu.turn_ticks {
+                match v.service() {
+                    Ok(Next::Resume) => {}
+                    Ok(Next::Stop(r)) => break 'tail Some(r),
+                    Err(e) => break 'tail Some(e.into()),
+                }
             }
-        }
-        if let Err(e) = v.ap_mailbox() {
-            return e.into();
+            if let Err(e) = v.ap_mailbox() {
+                break 'tail Some(e.into());
+            }
+            None
+        };
+        if let Some(r) = stop {
+            // The boot processor's last frames (the turn that stopped the
+            // VM queued some) go out now, under the lock.
+            if cpu.index == 0 {
+                if let Some(c) = vm.control.as_mut() {
+                    c.settle(&mut cpu.bulk);
+                    c.write_queued();
+                }
+            }
+            return r;
         }
         // The boot processor writes the log port's queued frames after it
         // lets the VM lock go: the other vCPUs' hits run meanwhile (the
         // frames' encoding is most of a drain). It alone takes them, so
         // they reach the port in their order.
-        let queued = if cpu.index == 0 {
-            vm.control.as_mut().and_then(|c| {
-                if let Some(q) = cpu.bulk_back.take() {
-                    c.settle(q);
-                }
-                c.take_queued()
-            })
-        } else {
-            None
-        };
+        let queued = cpu.index == 0
+            && vm.control.as_mut().is_some_and(|c| {
+                c.settle(&mut cpu.bulk);
+                c.take_queued(&mut cpu.bulk)
+            });
         drop(vm);
-        if let Some(mut q) = queued {
-            q.write();
-            cpu.bulk_back = Some(q);
+        if queued {
+            cpu.bulk.write();
         }
     }
 }
