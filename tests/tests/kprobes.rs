@@ -1281,9 +1281,14 @@ fn scale(ck: &mut Checks, c: &mut Client, stream: &mut Stream, supervisor: Optio
     let t1 = Instant::now();
     let out = exec(c, "cat /etc/hostname; ls / | wc -l");
     let work = t1.elapsed();
+    // The hits counted now have their records in the rings or on their
+    // way, so the read below, until the stream goes quiet, sees every one
+    // of them (and maybe later hits' lines too). Counted after the read,
+    // hits that came between its last empty wait and the count would
+    // have no line yet.
+    let after = status(c);
     let lines = stream.read(c);
     let cpu1 = supervisor.and_then(cpu_seconds);
-    let after = status(c);
     let hits = after.tracer.hits - mid.hits;
     // The supervisor read the log port, decoded the frames, rendered the
     // records and kept the lines: its CPU time per million lines bounds
