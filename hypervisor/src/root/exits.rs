@@ -574,29 +574,40 @@ fn vmcall_exit(
         Some(r) => r,
         None => f::GUEST_RIP.read(&Vmcs)?,
     };
-    let fast = match (hv.tracer.entry_vmcall(), hv.kernel) {
-        (Some(vmcall), Some(k)) => match entry::fast_entry_at(&Vmcs, rip, vmcall)? {
-            Some(exit) => {
-                let (clock, tsc_hz) = (hv.clock, hv.tsc_hz);
-                Hit::new(hv.tracer, &mut cpu.tracer)
-                    .fast_entry(phys::guest_ram(), k, exit, &cpu.regs, read_gs_base, || {
-                        crate::clock::tsc_to_ns(clock.peek(insn::rdtsc()), tsc_hz)
-                    })
-                    .map(|chain| (exit, chain))
-            }
-            None => None,
-        },
+    let exit = match hv.tracer.entry_vmcall() {
+        Some(vmcall) => entry::fast_entry_at(&Vmcs, rip, vmcall)?,
+        None => None,
+    };
+    let chain = match (exit, hv.kernel) {
+        (Some(exit), Some(k)) => {
+            let (clock, tsc_hz) = (hv.clock, hv.tsc_hz);
+            Hit::new(hv.tracer, &mut cpu.tracer).fast_entry(
+                phys::guest_ram(),
+                k,
+                exit,
+                &cpu.regs,
+                read_gs_base,
+                || crate::clock::tsc_to_ns(clock.peek(insn::rdtsc()), tsc_hz),
+            )
+        }
         _ => None,
     };
-    let next = match fast {
-        Some((exit, chain)) => {
+    let next = match (exit, chain) {
+        (Some(exit), Some(chain)) => {
             drop(vm);
             cpu.regs.rax = chain;
             entry::fast_entry_end(&mut Vmcs, &exit)?;
             Next::Resume
         }
-        None => {
-            let next = hypercall(hv, cpu, rip);
+        _ => {
+            // The fast path's reads (CPL, RSP) serve the general one.
+            let view = match exit {
+                Some(x) => {
+                    CpuView::read_rest(&Vmcs, x.cpl, x.rsp, read_kernel_gs_base, read_gs_base)?
+                }
+                None => cpu_view()?,
+            };
+            let next = hypercall(hv, cpu, rip, view);
             drop(vm);
             next?
         }
@@ -608,8 +619,12 @@ fn vmcall_exit(
 /// The tracer's hypercall (a VMCALL from its trampolines, or anyone's: #UD
 /// then) with the VM shared: nothing here changes the VM but through what
 /// `hypervisor::tracer::Hit` locks or counts atomically.
-fn hypercall(vm: HitView<'_>, cpu: &mut CpuState, rip: u64) -> Result<Next, VmcsError> {
-    let mut view = cpu_view()?;
+fn hypercall(
+    vm: HitView<'_>,
+    cpu: &mut CpuState,
+    rip: u64,
+    mut view: CpuView,
+) -> Result<Next, VmcsError> {
     // The kernel's GS base as this turn's hits read it (CPL 0 only: in
     // user mode the kernel's is IA32_KERNEL_GS_BASE).
     if view.cpl == 0 {
@@ -1548,7 +1563,7 @@ impl Vcpu<'_> {
     /// serves them under the lock's shared side; see [`hypercall`].)
     fn vmcall(&mut self) -> Result<Next, VmcsError> {
         let rip = f::GUEST_RIP.read(&Vmcs)?;
-        hypercall(self.vm.hit_view(), self.cpu, rip)
+        hypercall(self.vm.hit_view(), self.cpu, rip, cpu_view()?)
     }
 
     /// Lets the guest execute one instruction against the page the tracer

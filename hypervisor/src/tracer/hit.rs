@@ -13,16 +13,18 @@ use super::count::LATENCY_ID;
 use super::fgraph::Out;
 use super::machine::{CpuView, Env, KernelView, Running, View};
 use super::modules::ModuleEvent;
-use super::probes::{store, HitSink, VcpuMem};
+use super::probes::{store_parts, HitSink, VcpuMem};
 use super::quiet::SwitchHook;
 use super::region::Region;
+use super::ring::EventRing;
 use super::site::Patch;
+use super::split::SiteUse;
 use super::stream::FUNCTION_ID;
 use super::vm_state::{add, VmState};
 use super::{CpuState, Hypercall, Tracer};
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
-use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols, RawEvent};
+use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use crate::stats::{add_own, RootWork};
 use crate::vmx::regs::GuestRegs;
 use alloc::vec::Vec;
@@ -192,9 +194,8 @@ impl<'a> Hit<'a> {
         gs: fn() -> u64,
         now_ns: impl FnOnce() -> u64,
     ) -> Option<u64> {
-        let region = self.vm.region.as_ref()?;
         if exit.cpl != 0
-            || region.tramp.entry_vmcall() != Some(Gva(exit.rip))
+            || self.vm.entry_vmcall() != Some(exit.rip)
             || regs.rax != u64::from(trampolines::abi::HYPERCALL_ENTRY)
             || regs.rdi != exit.rsp
         {
@@ -203,15 +204,9 @@ impl<'a> Hit<'a> {
         let key = Gva(regs.rsi);
         let u = self.vm.view.sites.get(&key)?;
         let c = &self.vm.count;
-        let probes = &self.vm.probes.list;
         if !u.fast_users()
             || (u.counted && (c.filters() || c.histogram.is_some()))
-            || !u.probes.iter().all(|&id| {
-                probes
-                    .iter()
-                    .find(|p| p.id == id)
-                    .is_none_or(|p| p.spec.args.is_empty())
-            })
+            || self.probes_fetch(u)
         {
             return None;
         }
@@ -228,14 +223,7 @@ impl<'a> Hit<'a> {
             add(&u.calls, 1);
         }
         if !u.probes.is_empty() || u.function {
-            let base = match self.cpu.kernel_gs {
-                Some(b) => b,
-                None => {
-                    let b = gs();
-                    self.cpu.kernel_gs = Some(b);
-                    b
-                }
-            };
+            let base = *self.cpu.kernel_gs.get_or_insert_with(gs);
             let cpu = CpuView {
                 cr3: cr3.0,
                 cpl: 0,
@@ -256,15 +244,11 @@ impl<'a> Hit<'a> {
             };
             let mut ring = self.vm.stream.rings.lock(self.cpu.index);
             for &id in &u.probes {
-                let Some(p) = probes.iter().find(|p| p.id == id) else {
+                let Some(p) = self.vm.probes.get(id) else {
                     continue;
                 };
                 header.probe_id = id;
-                let ev = RawEvent {
-                    header,
-                    values: Vec::new(),
-                };
-                if store(&mut ring, &mut self.cpu.record, &ev) {
+                if store_parts(&mut ring, &mut self.cpu.record, &header, &[]) {
                     add(&p.hits, 1);
                 } else {
                     add(&p.misses, 1);
@@ -272,20 +256,9 @@ impl<'a> Hit<'a> {
             }
             if u.function {
                 let sp = exit.rsp.wrapping_add(trampolines::abi::ENTRY_SP_FROM_FRAME);
-                let mut ret = [0u8; 8];
-                let parent = self
-                    .cpu
-                    .walks
-                    .read_virt(ram, cr3, Gva(sp), &mut ret)
-                    .map_or(0, |()| u64::from_le_bytes(ret));
-                header.probe_id = FUNCTION_ID;
-                header.ip = u.func.0;
-                header.ret_ip = parent;
-                let ev = RawEvent {
-                    header,
-                    values: Vec::new(),
-                };
-                store(&mut ring, &mut self.cpu.record, &ev);
+                let (walks, record) = (&mut self.cpu.walks, &mut self.cpu.record);
+                let at = (ram, cr3, sp);
+                record_function(walks, at, u.func.0, header, &mut ring, record);
             }
         }
         let chain = self.chain_of(u.page, key);
@@ -295,6 +268,17 @@ impl<'a> Hit<'a> {
             add_own(&c.hits, 1);
         }
         Some(chain)
+    }
+
+    /// Whether a probe on the site fetches arguments (reads the frame's
+    /// registers, and maybe guest memory).
+    fn probes_fetch(&self, u: &SiteUse) -> bool {
+        u.probes.iter().any(|&id| {
+            self.vm
+                .probes
+                .get(id)
+                .is_some_and(|p| !p.spec.args.is_empty())
+        })
     }
 
     /// Where the entry trampoline continues for hooked `site` on guest
@@ -340,16 +324,10 @@ impl<'a> Hit<'a> {
         // arguments, a histogram's, the hooks that take the called
         // function's arguments. Otherwise its one word that proves the
         // entry (ip), and `sp`, which the ABI fixes from the frame.
-        let probes = &self.vm.probes.list;
         let frame_needed = u.switch.is_some()
             || u.hidden.is_some()
             || (u.counted && self.vm.count.histogram.is_some())
-            || u.probes.iter().any(|&id| {
-                probes
-                    .iter()
-                    .find(|p| p.id == id)
-                    .is_some_and(|p| !p.spec.args.is_empty())
-            });
+            || self.probes_fetch(u);
         let regs = if frame_needed {
             let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
             self.cpu
@@ -465,7 +443,7 @@ impl<'a> Hit<'a> {
             }
         }
         let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
-        let mut header = EventHeader {
+        let header = EventHeader {
             probe_id: 0,
             cpu: k.cpu_number(cpu).unwrap_or(self.cpu.index as u32),
             pid,
@@ -500,20 +478,15 @@ impl<'a> Hit<'a> {
         };
         out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
         if function {
-            let mut ret = [0u8; 8];
-            let parent = self
-                .cpu
-                .walks
-                .read_virt(env.ram, cr3, Gva(regs.sp), &mut ret)
-                .map_or(0, |()| u64::from_le_bytes(ret));
-            header.probe_id = FUNCTION_ID;
-            header.ip = func;
-            header.ret_ip = parent;
-            let ev = RawEvent {
+            let (walks, record) = (&mut self.cpu.walks, &mut self.cpu.record);
+            record_function(
+                walks,
+                (env.ram, cr3, regs.sp),
+                func,
                 header,
-                values: Vec::new(),
-            };
-            store(&mut ring, &mut self.cpu.record, &ev);
+                &mut ring,
+                record,
+            );
         }
         if graph != 0 || !u.retprobes.is_empty() {
             // The count times this call from its clock read on this entry.
@@ -603,6 +576,26 @@ fn set_view(vm: &VmState, state: &mut CpuState, view: View, now_ns: u64) {
     if let Some(c) = vm.hit.vcpus.get(state.index) {
         c.switched(view == View::Quiet, now_ns);
     }
+}
+
+/// Records the function tracer's event for a call of `func` with the hit's
+/// `header`: the parent is the return address at `sp` (read through the
+/// walk cache in the address space `cr3`; 0 when it does not read).
+fn record_function(
+    walks: &mut paging::WalkCache,
+    (ram, cr3, sp): (&dyn GuestDoor, Cr3, u64),
+    func: u64,
+    mut header: EventHeader,
+    ring: &mut EventRing,
+    record: &mut Vec<u8>,
+) {
+    let mut ret = [0u8; 8];
+    header.probe_id = FUNCTION_ID;
+    header.ip = func;
+    header.ret_ip = walks
+        .read_virt(ram, cr3, Gva(sp), &mut ret)
+        .map_or(0, |()| u64::from_le_bytes(ret));
+    store_parts(ring, record, &header, &[]);
 }
 
 /// What root reads of the VMCS for [`Hit::fast_entry`], besides the exit

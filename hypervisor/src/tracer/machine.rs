@@ -189,13 +189,27 @@ impl CpuView {
     ) -> Result<Self, crate::vmx::fields::VmcsError> {
         use crate::vmx::fields as f;
         let cpl = crate::vmx::event::cpl_from_ss_ar(f::GUEST_SS_ACCESS_RIGHTS.read(v)?);
+        Self::read_rest(v, cpl, f::GUEST_RSP.read(v)?, kernel_gs_base, gs)
+    }
+
+    /// [`Self::read`] for an exit whose privilege level and RSP the caller
+    /// has read (the entry fast path's [`crate::tracer::FastExit`]): CR3
+    /// and CR4 only.
+    pub fn read_rest(
+        v: &impl crate::vmx::fields::VmcsIo,
+        cpl: u8,
+        rsp: u64,
+        kernel_gs_base: impl FnOnce() -> u64,
+        gs: fn() -> u64,
+    ) -> Result<Self, crate::vmx::fields::VmcsError> {
+        use crate::vmx::fields as f;
         Ok(CpuView {
             cr3: f::GUEST_CR3.read(v)?,
             cpl,
             gs_base: GuestGs::lazy(gs),
             kernel_gs_base: if cpl == 0 { 0 } else { kernel_gs_base() },
             la57: f::GUEST_CR4.read(v)? & crate::policy::CR4_LA57 != 0,
-            rsp: f::GUEST_RSP.read(v)?,
+            rsp,
         })
     }
 

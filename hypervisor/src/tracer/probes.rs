@@ -7,9 +7,7 @@ use super::machine::Machine;
 use super::ring::EventRing;
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
-use crate::kprobe::{
-    self, EventHeader, FetchContext, GuestMem, IndexSymbols, MemFault, ProbeSpec, RawEvent,
-};
+use crate::kprobe::{self, EventHeader, FetchContext, GuestMem, IndexSymbols, MemFault, ProbeSpec};
 use alloc::format;
 use alloc::string::ToString;
 use alloc::vec::Vec;
@@ -128,13 +126,8 @@ impl GuestMem for VcpuMem<'_> {
     }
 }
 
-/// Encodes `ev` into the ring.
-pub(super) fn store(ring: &mut EventRing, scratch: &mut Vec<u8>, ev: &RawEvent) -> bool {
-    store_parts(ring, scratch, &ev.header, &ev.values)
-}
-
-/// [`store`] of an event given by parts (no `RawEvent`, no allocation but
-/// for a record that wraps the ring).
+/// Encodes an event given by parts into the ring (no `RawEvent`, no
+/// allocation but for a record that wraps the ring).
 pub(super) fn store_parts(
     ring: &mut EventRing,
     scratch: &mut Vec<u8>,

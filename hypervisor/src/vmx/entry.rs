@@ -8,7 +8,6 @@ use super::event::{self, EntryPlan, Event};
 use super::exit::RawExit;
 use super::fields::{self as f, VmcsError, VmcsIo};
 use super::regs::GuestRegs;
-use crate::tracer::machine::CpuView;
 use crate::tracer::FastExit;
 use x86::vmx::vmcs::control::PrimaryControls;
 
@@ -89,27 +88,12 @@ pub fn advance_by(v: &mut impl VmcsIo, len: u64) -> Result<(), VmcsError> {
     Ok(())
 }
 
-/// The VMCS side of a VMCALL exit, before the tracer serves it: the
-/// guest's RIP and the vCPU's view ([`CpuView::read`]; GUEST_GS_BASE only
-/// if the hit asks for it). Every field read is one a nested KVM shadows.
-pub fn hypercall_start(
-    v: &impl VmcsIo,
-    kernel_gs_base: impl FnOnce() -> u64,
-    gs: fn() -> u64,
-) -> Result<(u64, CpuView), VmcsError> {
-    Ok((f::GUEST_RIP.read(v)?, CpuView::read(v, kernel_gs_base, gs)?))
-}
-
-/// The VMCS side of a VMCALL exit for the entry fast path
-/// ([`crate::tracer::Hit::fast_entry`]), the exit reason read: GUEST_RIP,
-/// and only when it is the entry trampoline's VMCALL (`entry_vmcall`),
-/// GUEST_SS_ACCESS_RIGHTS and GUEST_RSP. Three VMREADs, each of a field a
-/// nested KVM shadows; `None`: another VMCALL, for the general path.
-pub fn fast_entry_start(v: &impl VmcsIo, entry_vmcall: u64) -> Result<Option<FastExit>, VmcsError> {
-    fast_entry_at(v, f::GUEST_RIP.read(v)?, entry_vmcall)
-}
-
-/// [`fast_entry_start`] for a VMCALL at `rip`, read by the caller.
+/// The VMCS side of a VMCALL exit at `rip` (GUEST_RIP, read by the
+/// caller) for the entry fast path ([`crate::tracer::Hit::fast_entry`]):
+/// only when it is the entry trampoline's VMCALL (`entry_vmcall`),
+/// GUEST_SS_ACCESS_RIGHTS and GUEST_RSP, each a field a nested KVM
+/// shadows; `None`: another VMCALL, for the general path. The general
+/// path's view of the same exit reads the rest ([`CpuView::read_rest`]).
 pub fn fast_entry_at(
     v: &impl VmcsIo,
     rip: u64,
@@ -296,7 +280,8 @@ mod tests {
         // Ring 0's SS: DPL 0; a user SS has DPL 3 (bits 5-6).
         v.set(f::GUEST_SS_ACCESS_RIGHTS.encoding, 0xc093);
         v.set(f::GUEST_RSP.encoding, 0xffff_c900_0001_3e00);
-        let exit = fast_entry_start(&v, VMCALL).unwrap().unwrap();
+        let start = |v: &Vmcs| fast_entry_at(v, f::GUEST_RIP.read(v).unwrap(), VMCALL).unwrap();
+        let exit = start(&v).unwrap();
         assert_eq!(
             (exit.rip, exit.cpl, exit.rsp),
             (VMCALL, 0, 0xffff_c900_0001_3e00)
@@ -308,11 +293,11 @@ mod tests {
         // A user-mode SS reads as CPL 3.
         v.set(f::GUEST_RIP.encoding, VMCALL);
         v.set(f::GUEST_SS_ACCESS_RIGHTS.encoding, 0xc0f3);
-        assert_eq!(fast_entry_start(&v, VMCALL).unwrap().unwrap().cpl, 3);
+        assert_eq!(start(&v).unwrap().cpl, 3);
         // Another VMCALL: its RIP only.
         v.accesses.set(0);
         v.set(f::GUEST_RIP.encoding, VMCALL + 0x400);
-        assert!(fast_entry_start(&v, VMCALL).unwrap().is_none());
+        assert!(start(&v).is_none());
         assert_eq!(v.accesses.get(), 1);
     }
 

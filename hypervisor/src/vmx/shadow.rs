@@ -61,6 +61,7 @@ pub const fn write_shadowed(encoding: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tracer::machine::CpuView;
     use crate::vmx::entry::{self, Pending};
     use crate::vmx::fields::{self as f, VmcsIo};
     use crate::vmx::regs::GuestRegs;
@@ -119,7 +120,8 @@ mod tests {
         0xffff_8880_7fc0_0000
     }
 
-    /// One VMCALL exit as root takes it (`exits::run` and `hypercall`):
+    /// One VMCALL exit as root takes it (`exits::run`, `vmcall_exit` and
+    /// `hypercall`):
     /// the exit, the event it interrupted, the hypercall's RIP and view,
     /// what the hit asks of the view, the VMCALL skipped, the next entry.
     fn one_hit(v: &mut Recording, needs_current: bool, handled: bool) {
@@ -130,9 +132,11 @@ mod tests {
         let raw = entry::read_exit(v, &GuestRegs::default()).unwrap();
         assert_eq!(raw.reason, 18);
         assert_eq!(entry::read_vectoring_of(v, &raw).unwrap(), None);
-        let (rip, cpu) =
-            entry::hypercall_start(v, || unreachable!("kernel mode"), read_gs).unwrap();
+        let rip = f::GUEST_RIP.read(v).unwrap();
         assert_eq!(rip, 0xffff_ffff_c000_1000);
+        // Not the entry VMCALL here: the fast path reads nothing more.
+        assert!(entry::fast_entry_at(v, rip, rip + 0x400).unwrap().is_none());
+        let cpu = CpuView::read(v, || unreachable!("kernel mode"), read_gs).unwrap();
         if needs_current {
             assert_eq!(cpu.kernel_gs(), 0xffff_8880_7fc0_0000);
             assert_eq!(cpu.kernel_gs(), 0xffff_8880_7fc0_0000);
@@ -173,15 +177,16 @@ mod tests {
 
     #[test]
     fn a_fast_hit_reads_four_shadowed_fields_and_writes_one() {
-        // `exits::run` and `fast_hypercall`: the reason, the entry
-        // VMCALL's RIP, SS access rights and RSP; RIP past the VMCALL; an
-        // entry with nothing to deliver.
+        // `exits::run` and `vmcall_exit`: the reason, the entry VMCALL's
+        // RIP, SS access rights and RSP; RIP past the VMCALL; an entry with
+        // nothing to deliver.
         const VMCALL: u64 = 0xffff_ffff_c000_1000;
         let mut v = Recording::default();
         v.fields.insert(f::EXIT_REASON.encoding, 18);
         v.fields.insert(f::GUEST_RIP.encoding, VMCALL);
         assert_eq!(f::EXIT_REASON.read(&v).unwrap(), 18);
-        let exit = entry::fast_entry_start(&v, VMCALL).unwrap().unwrap();
+        let rip = f::GUEST_RIP.read(&v).unwrap();
+        let exit = entry::fast_entry_at(&v, rip, VMCALL).unwrap().unwrap();
         entry::fast_entry_end(&mut v, &exit).unwrap();
         entry::prepare_entry(&mut v, &mut Pending::default(), false).unwrap();
         assert_eq!(
