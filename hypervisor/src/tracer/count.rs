@@ -10,6 +10,7 @@
 
 use super::machine::{Env, KernelView};
 use super::symbols;
+use super::users::User;
 use super::{FunctionsAdded, ReqError, Tracer};
 use crate::addr::Gva;
 use crate::kprobe::{self, Command, ProbeSpec};
@@ -190,12 +191,9 @@ impl CountState {
         if !self.on {
             return;
         }
-        u.counted = true;
-        u.calls.store(0, Relaxed);
-        if self.latency
-            && !u.retprobes.contains(&LATENCY_ID)
-            && fallible::try_push(&mut u.retprobes, LATENCY_ID).is_err()
-        {
+        // The count has no list to grow: it always joins.
+        let _ = u.users.join(User::Count);
+        if self.latency && u.users.join(User::CountTiming).is_err() {
             self.missed.fetch_add(1, Relaxed);
         }
         self.functions += 1;
@@ -356,12 +354,8 @@ impl Tracer<'_> {
         let mut untimed = 0u32;
         let latency = filter.latency;
         let added = self.hook_matches(matches, k, env, |u, id| {
-            u.counted = true;
-            u.calls.store(0, Relaxed);
-            if latency
-                && !u.retprobes.contains(&LATENCY_ID)
-                && fallible::try_push(&mut u.retprobes, LATENCY_ID).is_err()
-            {
+            let _ = u.users.join(User::Count);
+            if latency && u.users.join(User::CountTiming).is_err() {
                 untimed += 1;
             }
             if let symbols::SymRef::Core(id) = id {
@@ -445,7 +439,7 @@ impl Tracer<'_> {
             .view
             .sites
             .iter()
-            .filter(|(_, u)| u.counted)
+            .filter(|(_, u)| u.users.has(User::Count))
             .map(|(&site, u)| (u.func.0, Counted::Live(site, u)));
         let gone = c
             .unloaded
@@ -463,7 +457,7 @@ impl Tracer<'_> {
             let n = match entry {
                 Counted::Live(_, u) => {
                     counted += 1;
-                    u.calls.load(Relaxed)
+                    u.users.calls().load(Relaxed)
                 }
                 Counted::Gone(_, n) => n,
             };
@@ -596,11 +590,9 @@ impl Tracer<'_> {
             return Err(ReqError::new(ErrorKind::NotFound, "no count runs"));
         }
         super::stop_others(env)?;
-        self.vm.view.release(env, |u| {
-            let timed = u.retprobes.contains(&LATENCY_ID);
-            u.retprobes.retain(|&id| id != LATENCY_ID);
-            core::mem::take(&mut u.counted) || timed
-        });
+        self.vm
+            .view
+            .release(env, |u| u.leave(User::Count) | u.leave(User::CountTiming));
         self.vm.count = CountState::default();
         self.release_module_hooks_if_idle(env);
         Ok(())

@@ -9,7 +9,6 @@
 //! side for them). What a hit changes is its own vCPU's ring, atomic
 //! counters, and the return stacks under their own short lock.
 
-use super::count::LATENCY_ID;
 use super::fgraph::Out;
 use super::machine::{CpuView, Env, KernelView, Running, View};
 use super::modules::ModuleEvent;
@@ -20,6 +19,7 @@ use super::ring::EventRing;
 use super::site::Patch;
 use super::split::SiteUse;
 use super::stream::FUNCTION_ID;
+use super::users::User;
 use super::vm_state::{add, VmState};
 use super::{CpuState, Hypercall, Tracer};
 use crate::addr::Gva;
@@ -204,8 +204,9 @@ impl<'a> Hit<'a> {
         let key = Gva(regs.rsi);
         let u = self.vm.view.sites.get(&key)?;
         let c = &self.vm.count;
-        if !u.fast_users()
-            || (u.counted && (c.filters() || c.histogram.is_some()))
+        let counted = u.users.has(User::Count);
+        if !u.users.fast()
+            || (counted && (c.filters() || c.histogram.is_some()))
             || self.probes_fetch(u)
         {
             return None;
@@ -219,10 +220,11 @@ impl<'a> Hit<'a> {
         if u64::from_le_bytes(ip) != key.0.wrapping_add(5) {
             return None;
         }
-        if u.counted {
-            add(&u.calls, 1);
+        if counted {
+            add(u.users.calls(), 1);
         }
-        if !u.probes.is_empty() || u.function {
+        let function = u.users.has(User::Function);
+        if !u.users.probes().is_empty() || function {
             let base = *self.cpu.kernel_gs.get_or_insert_with(gs);
             let cpu = CpuView {
                 cr3: cr3.0,
@@ -243,7 +245,7 @@ impl<'a> Hit<'a> {
                 comm,
             };
             let mut ring = self.vm.stream.rings.lock(self.cpu.index);
-            for &id in &u.probes {
+            for &id in u.users.probes() {
                 let Some(p) = self.vm.probes.get(id) else {
                     continue;
                 };
@@ -254,7 +256,7 @@ impl<'a> Hit<'a> {
                     add(&p.misses, 1);
                 }
             }
-            if u.function {
+            if function {
                 let sp = exit.rsp.wrapping_add(trampolines::abi::ENTRY_SP_FROM_FRAME);
                 let (walks, record) = (&mut self.cpu.walks, &mut self.cpu.record);
                 let at = (ram, cr3, sp);
@@ -273,7 +275,7 @@ impl<'a> Hit<'a> {
     /// Whether a probe on the site fetches arguments (reads the frame's
     /// registers, and maybe guest memory).
     fn probes_fetch(&self, u: &SiteUse) -> bool {
-        u.probes.iter().any(|&id| {
+        u.users.probes().iter().any(|&id| {
             self.vm
                 .probes
                 .get(id)
@@ -324,9 +326,9 @@ impl<'a> Hit<'a> {
         // arguments, a histogram's, the hooks that take the called
         // function's arguments. Otherwise its one word that proves the
         // entry (ip), and `sp`, which the ABI fixes from the frame.
-        let frame_needed = u.switch.is_some()
-            || u.hidden.is_some()
-            || (u.counted && self.vm.count.histogram.is_some())
+        let frame_needed = u.users.switch().is_some()
+            || u.users.module().is_some()
+            || (u.users.has(User::Count) && self.vm.count.histogram.is_some())
             || self.probes_fetch(u);
         let regs = if frame_needed {
             let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
@@ -358,15 +360,151 @@ impl<'a> Hit<'a> {
             add(&self.vm.hit.forged_entries, 1);
             return (chain, Served::Refused);
         }
-        match u.switch {
-            // A task comes in on this vCPU: the view its context wants.
-            Some(SwitchHook::Schedule) => pick_view(self.vm, self.cpu, Some(k), cpu, now_ns),
-            // The running task takes a new name (`__set_task_comm(tsk,
-            // buf, ...)`, the name not written yet): armed if a filter
-            // admits the new name. Never quiet here: the calls made under
-            // the old name up to the rename are still its; the next
-            // switch picks the view for a name no filter admits.
-            Some(SwitchHook::Comm) => {
+        // A dispatch over the site's users, in `Users::iter`'s order: root's
+        // own hooks and the count decide what the call is, then what
+        // records serves it (entry probes, the function tracer, and the
+        // return hook's users together: one frame for them all).
+        let users = &u.users;
+        let mut counted_out = false;
+        for user in users.iter() {
+            match user {
+                User::Switch(hook) => {
+                    self.on_switch(hook, env, &regs, cpu, k, now_ns);
+                    if users.only_switch() {
+                        return (chain, Served::Hit);
+                    }
+                }
+                // A module load or unload: served by the exit handler with
+                // the whole VM, before this vCPU runs the function's body.
+                User::Module(hook) => {
+                    self.cpu.module_event = Some(ModuleEvent {
+                        hook,
+                        module: regs.di,
+                    });
+                }
+                User::Count => counted_out = !self.on_count(u, env, &regs, cpu, k),
+                User::Probe(_)
+                | User::Function
+                | User::Graph(_)
+                | User::ReturnProbe(_)
+                | User::CountTiming => break,
+            }
+        }
+        // The count's own timing is all a left-out call would hijack its
+        // return for.
+        let only_timing = counted_out
+            && users.probes().is_empty()
+            && !users.has(User::Function)
+            && !users.returns_beyond_timing();
+        if !users.records() || only_timing {
+            return (chain, Served::Hit);
+        }
+        let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
+        let header = EventHeader {
+            probe_id: 0,
+            cpu: k.cpu_number(cpu).unwrap_or(self.cpu.index as u32),
+            pid,
+            timestamp_ns: now_ns,
+            ip: site,
+            ret_ip: 0,
+            comm,
+        };
+        let syms = IndexSymbols::new(k.index(), Some(k.modules()));
+        let ctx = FetchContext {
+            regs: &regs,
+            comm: Some(&comm),
+            layout: GuestLayout::X86_64_4LEVEL,
+        };
+        let func = u.func.0;
+        // The vCPU's ring, locked for the hit (only this vCPU records into
+        // it; the drain waits for the VM to itself).
+        let mut ring = self.vm.stream.rings.lock(self.cpu.index);
+        let mut returns = false;
+        for user in users.iter() {
+            match user {
+                User::Probe(id) => {
+                    let mut mem = VcpuMem {
+                        ram: env.ram,
+                        cr3,
+                        walks: Some(&mut self.cpu.walks),
+                    };
+                    let mut out = HitSink {
+                        probes: &self.vm.probes.list,
+                        ring: &mut ring,
+                        record: &mut self.cpu.record,
+                        values: &mut self.cpu.values,
+                        heap: &*env.m,
+                    };
+                    out.hits(core::iter::once(id), header, &ctx, &mut mem, &syms);
+                }
+                User::Function => {
+                    let (walks, record) = (&mut self.cpu.walks, &mut self.cpu.record);
+                    let at = (env.ram, cr3, regs.sp);
+                    record_function(walks, at, func, header, &mut ring, record);
+                }
+                User::Graph(_) | User::ReturnProbe(_) | User::CountTiming => returns = true,
+                User::Switch(_) | User::Module(_) | User::Count => {}
+            }
+        }
+        if !returns {
+            return (chain, Served::Hit);
+        }
+        // The count times this call from its clock read on this entry.
+        self.cpu.timed_entry = users.has(User::CountTiming);
+        let graph_state = &self.vm.graph;
+        graph_state.refresh_stack_map(k, cpu, now_ns, &self.vm.hit);
+        if let Some(tramp) = self.vm.region.as_ref().map(Region::return_trampoline) {
+            let out = Out {
+                count: &self.vm.count,
+                probes: &self.vm.probes,
+                ring: &mut ring,
+                record: &mut self.cpu.record,
+                values: &mut self.cpu.values,
+                stats: &self.vm.hit,
+                vcpu: self.cpu.index as u32,
+            };
+            let pushed = graph_state.enter(
+                env,
+                out,
+                tramp,
+                users.graphs(),
+                users.returns(),
+                func,
+                regs.sp,
+                cr3,
+                now_ns,
+                header,
+                task,
+                k,
+            );
+            drop(ring);
+            if pushed & self.vm.arming_users() != 0 {
+                // Into a root (or deeper beneath one): armed.
+                set_view(self.vm, self.cpu, View::Armed, now_ns);
+            }
+        }
+        (chain, Served::Hit)
+    }
+
+    /// Root's view hook `hook` at an entry: a task comes in on this vCPU
+    /// (the view its context wants), or the running task takes a new name.
+    fn on_switch(
+        &mut self,
+        hook: SwitchHook,
+        env: &Env<'_>,
+        regs: &PtRegs,
+        cpu: &CpuView,
+        k: &dyn KernelView,
+        now_ns: u64,
+    ) {
+        match hook {
+            SwitchHook::Schedule => pick_view(self.vm, self.cpu, Some(k), cpu, now_ns),
+            // `__set_task_comm(tsk, buf, ...)`, the name not written yet:
+            // armed if a filter admits the new name. Never quiet here: the
+            // calls made under the old name up to the rename are still
+            // its; the next switch picks the view for a name no filter
+            // admits.
+            SwitchHook::Comm => {
                 let running = k.current(cpu);
                 let mut name = [0u8; 16];
                 let read = paging::read_virt(env.ram, Cr3(cpu.cr3), Gva(regs.si), &mut name);
@@ -380,151 +518,56 @@ impl<'a> Hit<'a> {
                     set_view(self.vm, self.cpu, View::Armed, now_ns);
                 }
             }
-            None => {}
         }
-        if u.switch.is_some() && u.unused_but_switch() {
-            return (chain, Served::Hit);
+    }
+
+    /// The count's entry of the call at site `u` (frame `regs`): counted,
+    /// with its histogram's value, unless a filter leaves the running task
+    /// out (then counted as filtered). Whether it was counted.
+    fn on_count(
+        &mut self,
+        u: &SiteUse,
+        env: &Env<'_>,
+        regs: &PtRegs,
+        cpu: &CpuView,
+        k: &dyn KernelView,
+    ) -> bool {
+        let c = &self.vm.count;
+        let keyed = c
+            .histogram
+            .as_ref()
+            .is_some_and(|h| h.key != protocol::HistKey::Function);
+        let running = (c.filters() || keyed).then(|| k.current(cpu).unwrap_or(Running::UNKNOWN));
+        let counts = running.as_ref().is_none_or(|r| c.admits(r.pid, &r.comm));
+        if !counts {
+            add(&c.filtered, 1);
+            return false;
         }
-        if let Some(hook) = u.hidden {
-            // A module load or unload: served by the exit handler with the
-            // whole VM, before this vCPU runs the function's body.
-            self.cpu.module_event = Some(ModuleEvent {
-                hook,
-                module: regs.di,
+        add(u.users.calls(), 1);
+        if let Some(h) = &c.histogram {
+            let r = running.unwrap_or(Running::UNKNOWN);
+            let ctx = FetchContext {
+                regs,
+                comm: Some(&r.comm),
+                layout: GuestLayout::X86_64_4LEVEL,
+            };
+            let mut mem = VcpuMem {
+                ram: env.ram,
+                cr3: Cr3(cpu.cr3),
+                walks: Some(&mut self.cpu.walks),
+            };
+            let syms = IndexSymbols::new(k.index(), Some(k.modules()));
+            let value = h.spec.args.first().and_then(|a| {
+                match kprobe::fetch_one(a, &ctx, &mut mem, &syms) {
+                    kprobe::FetchedValue::Int { value, .. }
+                    | kprobe::FetchedValue::Symbol(value)
+                    | kprobe::FetchedValue::SymStr(value) => Some(value),
+                    _ => None,
+                }
             });
+            h.add(h.key_of(u.func.0, r.pid, &r.comm), value);
         }
-        if u.counted {
-            let c = &self.vm.count;
-            let keyed = c
-                .histogram
-                .as_ref()
-                .is_some_and(|h| h.key != protocol::HistKey::Function);
-            let running =
-                (c.filters() || keyed).then(|| k.current(cpu).unwrap_or(Running::UNKNOWN));
-            let counts = running.as_ref().is_none_or(|r| c.admits(r.pid, &r.comm));
-            if counts {
-                add(&u.calls, 1);
-                if let Some(h) = &c.histogram {
-                    let r = running.unwrap_or(Running::UNKNOWN);
-                    let ctx = FetchContext {
-                        regs: &regs,
-                        comm: Some(&r.comm),
-                        layout: GuestLayout::X86_64_4LEVEL,
-                    };
-                    let mut mem = VcpuMem {
-                        ram: env.ram,
-                        cr3,
-                        walks: Some(&mut self.cpu.walks),
-                    };
-                    let syms = IndexSymbols::new(k.index(), Some(k.modules()));
-                    let value = h.spec.args.first().and_then(|a| {
-                        match kprobe::fetch_one(a, &ctx, &mut mem, &syms) {
-                            kprobe::FetchedValue::Int { value, .. }
-                            | kprobe::FetchedValue::Symbol(value)
-                            | kprobe::FetchedValue::SymStr(value) => Some(value),
-                            _ => None,
-                        }
-                    });
-                    h.add(h.key_of(u.func.0, r.pid, &r.comm), value);
-                }
-            } else {
-                add(&c.filtered, 1);
-            }
-            // The count's own timing is all a left-out call would hijack
-            // its return for.
-            let only_timing = matches!(u.retprobes.as_slice(), [LATENCY_ID]) && !counts;
-            if u.probes.is_empty()
-                && !u.function
-                && u.graph == 0
-                && (u.retprobes.is_empty() || only_timing)
-            {
-                // Counted, and nothing else to do: no event.
-                return (chain, Served::Hit);
-            }
-        }
-        let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
-        let header = EventHeader {
-            probe_id: 0,
-            cpu: k.cpu_number(cpu).unwrap_or(self.cpu.index as u32),
-            pid,
-            timestamp_ns: now_ns,
-            ip: site,
-            ret_ip: 0,
-            comm,
-        };
-        let syms = IndexSymbols::new(k.index(), Some(k.modules()));
-        let mut mem = VcpuMem {
-            ram: env.ram,
-            cr3,
-            walks: Some(&mut self.cpu.walks),
-        };
-        let ctx = FetchContext {
-            regs: &regs,
-            comm: Some(&comm),
-            layout: GuestLayout::X86_64_4LEVEL,
-        };
-        let function = u.function;
-        let graph = u.graph;
-        let func = u.func.0;
-        // The vCPU's ring, locked for the hit (only this vCPU records into
-        // it; the drain waits for the VM to itself).
-        let mut ring = self.vm.stream.rings.lock(self.cpu.index);
-        let mut out = HitSink {
-            probes: &self.vm.probes.list,
-            ring: &mut ring,
-            record: &mut self.cpu.record,
-            values: &mut self.cpu.values,
-            heap: &*env.m,
-        };
-        out.hits(u.probes.iter().copied(), header, &ctx, &mut mem, &syms);
-        if function {
-            let (walks, record) = (&mut self.cpu.walks, &mut self.cpu.record);
-            record_function(
-                walks,
-                (env.ram, cr3, regs.sp),
-                func,
-                header,
-                &mut ring,
-                record,
-            );
-        }
-        if graph != 0 || !u.retprobes.is_empty() {
-            // The count times this call from its clock read on this entry.
-            self.cpu.timed_entry = u.retprobes.contains(&LATENCY_ID);
-            let graph_state = &self.vm.graph;
-            graph_state.refresh_stack_map(k, cpu, now_ns, &self.vm.hit);
-            if let Some(tramp) = self.vm.region.as_ref().map(Region::return_trampoline) {
-                let out = Out {
-                    count: &self.vm.count,
-                    probes: &self.vm.probes,
-                    ring: &mut ring,
-                    record: &mut self.cpu.record,
-                    values: &mut self.cpu.values,
-                    stats: &self.vm.hit,
-                    vcpu: self.cpu.index as u32,
-                };
-                let pushed = graph_state.enter(
-                    env,
-                    out,
-                    tramp,
-                    graph,
-                    &u.retprobes,
-                    func,
-                    regs.sp,
-                    cr3,
-                    now_ns,
-                    header,
-                    task,
-                    k,
-                );
-                drop(ring);
-                if pushed & self.vm.arming_users() != 0 {
-                    // Into a root (or deeper beneath one): armed.
-                    set_view(self.vm, self.cpu, View::Armed, now_ns);
-                }
-            }
-        }
-        (chain, Served::Hit)
+        true
     }
 }
 

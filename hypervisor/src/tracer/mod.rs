@@ -50,6 +50,7 @@ mod stream;
 pub mod symbols;
 #[cfg(test)]
 mod tests;
+mod users;
 mod vm_state;
 
 pub use cpu_state::CpuState;

@@ -33,6 +33,7 @@ use super::fgraph;
 use super::machine::{Env, KernelView};
 use super::requests::AttachError;
 use super::split::MAX_SITES;
+use super::users::{User, MAX_GRAPH_SESSION};
 use super::{stop_others, symbols, ReqError, Tracer};
 use crate::addr::Gva;
 use alloc::collections::BTreeMap;
@@ -107,6 +108,8 @@ pub(super) struct ModuleTrack {
 /// longest kernel symbol, its module's name and the mark).
 const UNLOADED_NAME_BYTES: usize = 512 + 64 + 16;
 
+/// The function tracer's user bit in a loading module's plan.
+const FUNCTION_BIT: u32 = 1 << 0;
 /// The count's user bit in a loading module's plan (past the function
 /// tracer's bit 0 and the graph sessions' bits 1 to 15).
 const COUNT_BIT: u32 = 1 << 16;
@@ -143,7 +146,7 @@ impl Tracer<'_> {
                 .view
                 .sites
                 .iter()
-                .any(|(&s, u)| u.hidden.is_none() && outside_core(core, s))
+                .any(|(&s, u)| u.users.module().is_none() && outside_core(core, s))
     }
 
     /// Installs the hidden hooks if they are not in and something needs
@@ -227,7 +230,8 @@ impl Tracer<'_> {
             .view
             .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func)?;
         if let Some(u) = self.vm.view.sites.get_mut(&fs.site) {
-            u.hidden = Some(hook);
+            // A slot: joining needs no room.
+            let _ = u.users.join(User::Module(hook));
         }
         self.vm.modules.hooks.push(fs.site);
         // A vCPU on its quiet view must not load or unload a module unseen.
@@ -254,7 +258,7 @@ impl Tracer<'_> {
                 .view
                 .sites
                 .get(s)
-                .is_some_and(|u| u.hidden == Some(ModuleHook::InitFreeing))
+                .is_some_and(|u| u.users.has(User::Module(ModuleHook::InitFreeing)))
         })
     }
 
@@ -268,7 +272,9 @@ impl Tracer<'_> {
     fn drop_module_hooks(&mut self, env: &mut Env<'_>) {
         for site in core::mem::take(&mut self.vm.modules.hooks) {
             if let Some(u) = self.vm.view.sites.get_mut(&site) {
-                u.hidden = None;
+                if let Some(hook) = u.users.module() {
+                    u.users.leave(User::Module(hook));
+                }
             }
             self.vm.view.unhook_if_unused(env, site);
         }
@@ -416,7 +422,7 @@ impl Tracer<'_> {
         };
         for g in &self.vm.modules.function_globs {
             for fs in sites(core::slice::from_ref(g), true)? {
-                add(env, &fs, 1)?;
+                add(env, &fs, FUNCTION_BIT)?;
             }
         }
         for g in &self.vm.count.globs {
@@ -476,15 +482,18 @@ impl Tracer<'_> {
             let Some(u) = self.vm.view.sites.get_mut(&site) else {
                 continue;
             };
-            if bits & 1 != 0 && !u.function {
-                u.function = true;
+            // Joining a flag needs no room.
+            if bits & FUNCTION_BIT != 0 && u.users.join(User::Function).unwrap_or(false) {
                 self.vm.probes.functions += 1;
             }
-            if bits & COUNT_BIT != 0 && !u.counted {
+            if bits & COUNT_BIT != 0 && !u.users.has(User::Count) {
                 self.vm.count.follow(u);
             }
-            // Graph sessions are bits 1 to 15.
-            u.graph |= (bits & 0xfffe) as u16;
+            for n in 1..=MAX_GRAPH_SESSION {
+                if bits & 1 << n != 0 {
+                    let _ = u.users.join(User::Graph(n));
+                }
+            }
             hooked += 1;
         }
         for (user, func, root) in extra {
@@ -570,7 +579,7 @@ impl Tracer<'_> {
         env: &mut Env<'_>,
     ) -> (u32, u32) {
         let gone = |s: Gva, u: &super::split::SiteUse| {
-            inside(s) && u.hidden.is_none() && u.switch.is_none()
+            inside(s) && u.users.module().is_none() && u.users.switch().is_none()
         };
         let mut unhooked = 0u32;
         let mut pending = 0u32;
@@ -599,25 +608,15 @@ impl Tracer<'_> {
                 let _ = env.m.must_stop_others();
             }
             for &site in batch.iter().take(n) {
-                let Some(u) = self.vm.view.sites.get(&site) else {
+                let Some(u) = self.vm.view.sites.get_mut(&site) else {
                     continue;
                 };
-                if u.function {
-                    self.vm.probes.functions = self.vm.probes.functions.saturating_sub(1);
-                }
-                if u.counted {
-                    let calls = u.calls.load(core::sync::atomic::Ordering::Relaxed);
-                    let room = env
-                        .m
-                        .heap_check(UNLOADED_NAME_BYTES + btree_entry_bytes::<u64, (String, u64)>())
-                        .is_ok();
-                    self.vm.count.unloaded(k, u.func, site, calls, room);
-                }
-                for p in self.vm.probes.list.iter_mut() {
-                    if p.site == Some(site) {
-                        p.site = None;
-                        pending += 1;
-                    }
+                // Every user leaves, and learns that the site went.
+                let func = u.func;
+                let users = core::mem::take(&mut u.users);
+                let calls = users.calls().load(core::sync::atomic::Ordering::Relaxed);
+                for user in users.iter() {
+                    pending += self.site_left(user, site, func, calls, k, env);
                 }
                 self.vm.view.unhook(env, site);
                 unhooked += 1;
@@ -629,5 +628,48 @@ impl Tracer<'_> {
         }
         self.vm.modules.unhooked += u64::from(unhooked);
         (unhooked, pending)
+    }
+
+    /// Tells `user` that the module text under its site `site` (of
+    /// function `func`) is going: a probe goes back to pending (returns
+    /// 1), the function tracer loses a function, the count keeps the
+    /// site's `calls` under the function's name, marked unloaded. A graph
+    /// session keeps nothing per site (its roots and `set_graph_notrace`
+    /// functions go after the sites), and root's own hooks are never in
+    /// a module's text.
+    fn site_left(
+        &mut self,
+        user: User,
+        site: Gva,
+        func: Gva,
+        calls: u64,
+        k: &dyn KernelView,
+        env: &mut Env<'_>,
+    ) -> u32 {
+        match user {
+            User::Probe(id) | User::ReturnProbe(id) => {
+                let probe = self.vm.probes.list.iter_mut().find(|p| p.id == id);
+                match probe {
+                    Some(p) if p.site == Some(site) => {
+                        p.site = None;
+                        1
+                    }
+                    _ => 0,
+                }
+            }
+            User::Function => {
+                self.vm.probes.functions = self.vm.probes.functions.saturating_sub(1);
+                0
+            }
+            User::Count => {
+                let room = env
+                    .m
+                    .heap_check(UNLOADED_NAME_BYTES + btree_entry_bytes::<u64, (String, u64)>())
+                    .is_ok();
+                self.vm.count.unloaded(k, func, site, calls, room);
+                0
+            }
+            User::Graph(_) | User::CountTiming | User::Module(_) | User::Switch(_) => 0,
+        }
     }
 }

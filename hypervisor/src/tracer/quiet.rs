@@ -44,6 +44,7 @@ use super::machine::{CpuView, Env, KernelView};
 use super::retstack::MAX_USERS;
 use super::site::Patch;
 use super::split::{page_bytes, remap_quiet, QuietMap, SiteUse, SplitView};
+use super::users::User;
 use super::{site, symbols, Tracer};
 use crate::addr::{Gpa, Gva};
 use crate::ept;
@@ -143,10 +144,16 @@ impl Tracer<'_> {
         let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
         // One pass over the sites: (hooked, quiet) by session number.
         let mut counts = [(0u32, 0u32); MAX_USERS];
-        for u in self.vm.view.sites.values().filter(|u| u.graph != 0) {
+        for u in self
+            .vm
+            .view
+            .sites
+            .values()
+            .filter(|u| u.users.graphs() != 0)
+        {
             let quiet = u32::from(quiet_on && u.quiet_ok(users, is_root));
             for (n, c) in counts.iter_mut().enumerate() {
-                if u.graph & (1 << n) != 0 {
+                if u.users.graphs() & (1 << n) != 0 {
                     c.0 += 1;
                     c.1 += quiet;
                 }
@@ -411,7 +418,8 @@ impl Tracer<'_> {
         match hooked {
             Ok(site) => {
                 if let Some(u) = self.vm.view.sites.get_mut(&site) {
-                    u.switch = Some(hook);
+                    // A slot: joining needs no room.
+                    let _ = u.users.join(User::Switch(hook));
                 }
                 // It picks views from the quiet view too, from now on.
                 let _ = self.vm.view.make_loud(env, site);
@@ -452,7 +460,7 @@ impl Tracer<'_> {
             return;
         };
         if let Some(u) = self.vm.view.sites.get_mut(&site) {
-            u.switch = None;
+            u.users.leave(User::Switch(hook));
         }
         self.vm.view.unhook_if_unused(env, site);
         env.m.invept();

@@ -11,6 +11,7 @@ use super::retstack::MAX_USERS;
 use super::site::PatchError;
 use super::split::{SiteUse, MAX_SITES};
 use super::symbols;
+use super::users::User;
 use super::{
     insert_site, out_of_memory, stop_others, FunctionsAdded, GraphStarted, ProbeAdded, ReqError,
     Tracer,
@@ -189,9 +190,13 @@ impl Tracer<'_> {
             .view
             .hook(k, env, self.vm.region.as_ref(), fs.site, fs.func)
             .map_err(AttachError::Hook)?;
+        let user = if is_return {
+            User::ReturnProbe(id)
+        } else {
+            User::Probe(id)
+        };
         let pushed = match self.vm.view.sites.get_mut(&fs.site) {
-            Some(u) if is_return => fallible::try_push(&mut u.retprobes, u64::from(id)),
-            Some(u) => fallible::try_push(&mut u.probes, id),
+            Some(u) => u.users.join(user).map(|_| ()),
             None => Ok(()),
         };
         if let Err(e) = pushed {
@@ -245,8 +250,8 @@ impl Tracer<'_> {
         let p = self.vm.probes.list.remove(i);
         if let Some(site) = p.site {
             if let Some(u) = self.vm.view.sites.get_mut(&site) {
-                u.probes.retain(|&x| x != p.id);
-                u.retprobes.retain(|&x| x != u64::from(p.id));
+                u.users.leave(User::Probe(p.id));
+                u.users.leave(User::ReturnProbe(p.id));
             }
             self.vm.view.unhook_if_unused(env, site);
         }
@@ -271,8 +276,8 @@ impl Tracer<'_> {
         let matches = self.traceable_matches(&[glob], k, env)?;
         let mut newly = 0;
         let added = self.hook_matches(matches, k, env, |u, _| {
-            if !u.function {
-                u.function = true;
+            // A flag: joining needs no room.
+            if u.users.join(User::Function).unwrap_or(false) {
                 newly += 1;
             }
         })?;
@@ -431,9 +436,7 @@ impl Tracer<'_> {
     pub fn function_clear(&mut self, env: &mut Env<'_>) -> Result<(), ReqError> {
         self.vm.modules.function_globs.clear();
         stop_others(env)?;
-        self.vm
-            .view
-            .release(env, |u| core::mem::take(&mut u.function));
+        self.vm.view.release(env, |u| u.leave(User::Function));
         self.vm.probes.functions = 0;
         self.release_module_hooks_if_idle(env);
         Ok(())
@@ -562,7 +565,8 @@ impl Tracer<'_> {
                     .saturating_mul(btree_entry_bytes::<u64, ()>()),
             )
             .map_err(oom)?;
-        let bit = 1u16 << user;
+        // Session numbers are 1 to 15 (`free_number`).
+        let session = User::Graph(user as u8);
         // Module functions are hooked only while unloads are followed;
         // module globs need loads followed too.
         let core = k.index().text();
@@ -598,7 +602,8 @@ impl Tracer<'_> {
             {
                 Ok(()) => {
                     if let Some(u) = self.vm.view.sites.get_mut(&Gva(site)) {
-                        u.graph |= bit;
+                        // A flag: joining needs no room.
+                        let _ = u.users.join(session);
                     }
                     hooked += 1;
                 }
@@ -648,11 +653,7 @@ impl Tracer<'_> {
         let mask = users.iter().fold(0u16, |m, &u| m | 1 << u);
         self.vm.graph.stop(mask);
         if mask != 0 {
-            self.vm.view.release(env, |s| {
-                let had = s.graph & mask != 0;
-                s.graph &= !mask;
-                had
-            });
+            self.vm.view.release(env, |s| s.leave_graphs(mask));
         }
         self.release_module_hooks_if_idle(env);
         Ok(())

@@ -5,10 +5,9 @@
 //! own frame ([`super::step`], per vCPU). Shared by every vCPU.
 
 use super::machine::{Env, KernelView, View, PAGE};
-use super::modules::ModuleHook;
-use super::quiet::SwitchHook;
 use super::region::Region;
 use super::site::{self, Patch, PatchError};
+use super::users::Users;
 use crate::addr::Gva;
 use crate::addr::{Gpa, Hpa};
 use crate::ept;
@@ -40,71 +39,18 @@ const RELEASE_BATCH: usize = 256;
 /// Why a hook or an unhook could not be made.
 pub(super) const STALLED: &str = "the other vCPUs did not come to root in time";
 
-/// Who uses a hooked site.
+/// A hooked site: where it is, and who uses it.
 pub(super) struct SiteUse {
     pub(super) page: Gpa,
     pub(super) func: Gva,
-    pub(super) probes: Vec<u32>,
-    /// Ids of the return probes on the function, as the words of the
-    /// data block their frames carry.
-    pub(super) retprobes: Vec<u64>,
-    pub(super) function: bool,
-    /// The graph sessions (bit N: session N) that hooked the function.
-    pub(super) graph: u16,
-    /// Root's own hook on the kernel's module code, if this is one.
-    pub(super) hidden: Option<ModuleHook>,
-    /// The call count (`CountStart`) counts this function.
-    pub(super) counted: bool,
-    /// Root's own hook on the scheduler's switch path or on a task's
-    /// change of name, which picks the view of the vCPU the task runs on
-    /// (`super::quiet`).
-    pub(super) switch: Option<SwitchHook>,
-    /// Its calls counted since then (hits take the VM shared, so atomic).
-    pub(super) calls: core::sync::atomic::AtomicU64,
+    pub(super) users: Users,
 }
 
 impl SiteUse {
-    /// No probe, return probe, function tracer, module hook or count uses
-    /// the site (graph sessions and root's view hooks aside).
-    fn no_other_user(&self) -> bool {
-        self.probes.is_empty()
-            && self.retprobes.is_empty()
-            && !self.function
-            && self.hidden.is_none()
-            && !self.counted
-    }
-
-    /// Whether every user of the site is one the entry fast path serves
-    /// (`Hit::fast_entry`): the call count with no timing of its calls
-    /// (which takes a return probe), entry probes, the function tracer;
-    /// and at least one of them.
-    pub(super) fn fast_users(&self) -> bool {
-        (self.counted || !self.probes.is_empty() || self.function)
-            && self.retprobes.is_empty()
-            && self.graph == 0
-            && self.hidden.is_none()
-            && self.switch.is_none()
-    }
-
-    /// Nothing uses the site any more: it may be unhooked.
-    fn unused(&self) -> bool {
-        self.no_other_user() && self.graph == 0 && self.switch.is_none()
-    }
-
-    /// Whether root's view hook is all the site is for.
-    pub(super) fn unused_but_switch(&self) -> bool {
-        self.no_other_user() && self.graph == 0
-    }
-
     /// Whether the site matters only beneath a root of the sessions in
-    /// `rooted` (bit N: session N has roots), and is not such a root
-    /// itself (`is_root`): then the quiet view need not hook it.
+    /// `rooted` (see [`Users::quiet_ok`]).
     pub(super) fn quiet_ok(&self, rooted: u16, is_root: impl Fn(u16, Gva) -> bool) -> bool {
-        self.graph != 0
-            && self.graph & !rooted == 0
-            && self.no_other_user()
-            && self.switch.is_none()
-            && !is_root(self.graph, self.func)
+        self.users.quiet_ok(rooted, self.func, is_root)
     }
 }
 
@@ -339,14 +285,7 @@ impl SplitView {
             SiteUse {
                 page,
                 func,
-                probes: Vec::new(),
-                function: false,
-                retprobes: Vec::new(),
-                graph: 0,
-                hidden: None,
-                counted: false,
-                switch: None,
-                calls: core::sync::atomic::AtomicU64::new(0),
+                users: Users::default(),
             },
         );
         Ok(())
@@ -357,7 +296,7 @@ impl SplitView {
         let Some(u) = self.sites.get(&site) else {
             return;
         };
-        if !u.unused() {
+        if !u.users.is_empty() {
             return;
         }
         if !env.m.stop_others() {
@@ -456,18 +395,19 @@ impl SplitView {
         true
     }
 
-    /// Takes one user off every site (`release` does it and says whether
-    /// the site had that user) and unhooks the sites nothing else uses.
+    /// Takes one user off every site (`release` does it, through
+    /// [`Users::leave`], and says whether the site had that user) and
+    /// unhooks the sites nothing else uses.
     /// A release never allocates: the sites to unhook are taken a fixed
     /// batch at a time.
     pub(super) fn release(
         &mut self,
         env: &mut Env<'_>,
-        mut release: impl FnMut(&mut SiteUse) -> bool,
+        mut release: impl FnMut(&mut Users) -> bool,
     ) {
         let mut any = false;
         for u in self.sites.values_mut() {
-            any |= release(u);
+            any |= release(&mut u.users);
         }
         if any {
             self.unhook_unused(env);
@@ -488,7 +428,7 @@ impl SplitView {
                     next = Some(s);
                     break;
                 };
-                if u.unused() {
+                if u.users.is_empty() {
                     *slot = s;
                     n += 1;
                 }
