@@ -17,6 +17,7 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use hypervisor::outq::{Lane, OutQueue};
 use hypervisor::stats::RootWork;
+use hypervisor::tracer::door::{self, Needs};
 use hypervisor::tracer::machine::KernelView;
 use hypervisor::tracer::{ReqError, Tracer};
 use protocol::{
@@ -548,143 +549,14 @@ impl Control {
                 syms(src, &glob, &kinds, &module, cursor, limit),
                 Action::None,
             ),
-            Request::ProbeAdd { spec } => (
-                with_kernel(src, |src, k| {
-                    world_request(src, Some(k), |t, env| t.probe_add(&spec, k, env)).map(
-                        |hypervisor::tracer::ProbeAdded { name, site }| Response::ProbeAdded {
-                            name,
-                            site,
-                        },
-                    )
-                }),
-                Action::None,
-            ),
-            Request::ProbeDel { name } => (
-                match world_request(src, None, |t, env| t.probe_del(&name, env)) {
-                    Ok(()) => Response::Ok,
-                    Err(hypervisor::tracer::ReqError { kind, message }) => {
-                        Response::error(kind, message)
-                    }
-                },
-                Action::None,
-            ),
-            Request::ProbeList => (Response::Probes(src.tracer.probe_list()), Action::None),
-            Request::FunctionAdd { glob } => (
-                with_kernel(src, |src, k| {
-                    world_request(src, Some(k), |t, env| t.function_add(&glob, k, env)).map(
-                        |hypervisor::tracer::FunctionsAdded {
-                             traced,
-                             skipped,
-                             skipped_total,
-                         }| {
-                            Response::FunctionAdded {
-                                traced,
-                                skipped,
-                                skipped_total,
-                            }
-                        },
-                    )
-                }),
-                Action::None,
-            ),
-            Request::FunctionClear => (
-                match world_request(src, None, |t, env| t.function_clear(env)) {
-                    Ok(()) => Response::Ok,
-                    Err(ReqError { kind, message }) => Response::error(kind, message),
-                },
-                Action::None,
-            ),
-            Request::CountStart(filter) => (
-                with_kernel(src, |src, k| {
-                    let now = src.uptime_ns;
-                    world_request(src, Some(k), |t, env| t.count_start(&filter, k, env, now)).map(
-                        |a| Response::CountStarted {
-                            functions: a.traced,
-                            skipped: a.skipped,
-                            skipped_total: a.skipped_total,
-                        },
-                    )
-                }),
-                Action::None,
-            ),
-            Request::CountRead { cursor, limit } => (
-                with_kernel(src, |src, k| {
-                    src.tracer
-                        .count_read(cursor, limit, k, src.uptime_ns)
-                        .map(|p| Response::Counts {
-                            functions: p.functions,
-                            calls: p.calls,
-                            filtered: p.filtered,
-                            elapsed_ns: p.elapsed_ns,
-                            memory: p.memory,
-                            entries: p.entries,
-                            next: p.next,
-                            latency: p.latency,
-                            latency_missed: p.latency_missed,
-                        })
-                }),
-                Action::None,
-            ),
-            Request::HistRead { cursor } => (
-                with_kernel(src, |src, k| {
-                    src.tracer.hist_read(cursor, k).map(|p| Response::Hist {
-                        rows: p.rows,
-                        next: p.next,
-                        overflow: p.overflow,
-                        faults: p.faults,
-                        max_keys: p.max_keys,
-                    })
-                }),
-                Action::None,
-            ),
-            Request::CountStop => (
-                match world_request(src, None, |t, env| t.count_stop(env)) {
-                    Ok(()) => Response::Ok,
-                    Err(ReqError { kind, message }) => Response::error(kind, message),
-                },
-                Action::None,
-            ),
-            Request::GraphStart(filter) => (
-                with_kernel(src, |src, k| {
-                    world_request(src, Some(k), |t, env| t.graph_start(filter, k, env)).map(
-                        |hypervisor::tracer::GraphStarted {
-                             session,
-                             hooked,
-                             roots,
-                             skipped,
-                         }| Response::GraphStarted {
-                            session,
-                            hooked,
-                            roots,
-                            skipped,
-                        },
-                    )
-                }),
-                Action::None,
-            ),
-            Request::GraphStop { session } => (
-                match world_request(src, None, |t, env| t.graph_stop(session, env)) {
-                    Ok(()) => Response::Ok,
-                    Err(hypervisor::tracer::ReqError { kind, message }) => {
-                        Response::Error { kind, message }
-                    }
-                },
-                Action::None,
-            ),
-            Request::TraceStart { format } => {
-                let records = matches!(format, TraceFormat::Records | TraceFormat::RecordsAndText);
-                if records && self.bulk.is_none() {
-                    let why = "records go only on the log port or the shared ring (TraceChannel)";
-                    (Response::error(ErrorKind::NotReady, why), Action::None)
-                } else {
-                    src.tracer.set_stream(Some(format));
-                    (Response::Ok, Action::None)
-                }
+            Request::TraceStart { format }
+                if matches!(format, TraceFormat::Records | TraceFormat::RecordsAndText)
+                    && self.bulk.is_none() =>
+            {
+                let why = "records go only on the log port or the shared ring (TraceChannel)";
+                (Response::error(ErrorKind::NotReady, why), Action::None)
             }
-            Request::TraceStop => {
-                src.tracer.set_stream(None);
-                (Response::Ok, Action::None)
-            }
+            req if door::needs(&req).is_some() => (tracer_request(src, req), Action::None),
             Request::TraceChannel { channel } => {
                 let resp = self.set_channel(channel, &mut src.tracer);
                 (resp, Action::None)
@@ -998,6 +870,56 @@ fn world_request<R>(
         tracer.settle_views(k.map(|k| k as &dyn KernelView), env);
         r
     })
+}
+
+/// A request the tracer serves, through its door, with what it needs:
+/// the recovered kernel, the other vCPUs held, or both.
+fn tracer_request(src: &mut StatusSource<'_>, req: Request) -> Response {
+    let Some(needs) = door::needs(&req) else {
+        return Response::error(ErrorKind::Internal, "not a request of the tracer's");
+    };
+    let now_ns = src.uptime_ns;
+    let served = match needs {
+        Needs::State => {
+            let given = door::Given {
+                kernel: None,
+                env: None,
+                now_ns,
+            };
+            src.tracer.request(req, given)
+        }
+        Needs::World => world_request(src, None, |t, env| {
+            let given = door::Given {
+                kernel: None,
+                env: Some(env),
+                now_ns,
+            };
+            t.request(req, given)
+        }),
+        Needs::Kernel => {
+            return with_kernel(src, |src, k| {
+                let given = door::Given {
+                    kernel: Some(k),
+                    env: None,
+                    now_ns,
+                };
+                src.tracer.request(req, given)
+            });
+        }
+        Needs::KernelAndWorld => {
+            return with_kernel(src, |src, k| {
+                world_request(src, Some(k), |t, env| {
+                    let given = door::Given {
+                        kernel: Some(k),
+                        env: Some(env),
+                        now_ns,
+                    };
+                    t.request(req, given)
+                })
+            });
+        }
+    };
+    served.unwrap_or_else(|e| Response::error(e.kind, e.message))
 }
 
 fn with_kernel(

@@ -31,6 +31,7 @@
 
 pub mod count;
 mod cpu_state;
+pub mod door;
 mod fgraph;
 pub mod graph;
 mod hit;

@@ -3353,3 +3353,107 @@ fn a_step_open_on_one_view_opens_again_on_the_other() {
     assert_eq!((q.hpa.0, q.perms), (leaf, ept::EXEC));
     assert_ne!(g.root.leaf_in(1, leaf).unwrap().hpa.0, leaf);
 }
+
+// ----- the request door --------------------------------------------------
+
+#[test]
+fn the_request_door_serves_the_tracers_requests_with_what_they_need() {
+    use super::door::{needs, Given, Needs};
+    use protocol::{ErrorKind, Request, Response};
+    let add = || Request::ProbeAdd {
+        spec: "p:a my_func".into(),
+    };
+    // Root's own requests are not the tracer's.
+    assert_eq!(needs(&Request::Status), None);
+    assert_eq!(needs(&Request::Ping { nonce: 7 }), None);
+    assert_eq!(needs(&Request::ProbeList), Some(Needs::State));
+    assert_eq!(
+        needs(&Request::CountRead {
+            cursor: 0,
+            limit: 10
+        }),
+        Some(Needs::Kernel)
+    );
+    assert_eq!(
+        needs(&Request::ProbeDel { name: "a".into() }),
+        Some(Needs::World)
+    );
+    assert_eq!(needs(&add()), Some(Needs::KernelAndWorld));
+
+    let mut g = Guest::new();
+    fn given<'a, 'e>(
+        kernel: Option<&'a FakeKernel>,
+        env: Option<&'a mut Env<'e>>,
+    ) -> Given<'a, 'e> {
+        Given {
+            kernel: kernel.map(|k| k as &dyn KernelView),
+            env,
+            now_ns: 0,
+        }
+    }
+    // A request that changes hooks, without the world: refused, and
+    // nothing is hooked.
+    let e = g
+        .with(|t, _, k| t.request(add(), given(Some(k), None)))
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Internal);
+    assert_eq!(g.tracer().report().sites, 0);
+    // Without the kernel: refused too.
+    let e = g
+        .with(|t, env, _| t.request(add(), given(None, Some(env))))
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Internal);
+    assert_eq!(g.tracer().report().sites, 0);
+
+    // With both: added and hooked, as `probe_add` does.
+    let r = g
+        .with(|t, env, k| t.request(add(), given(Some(k), Some(env))))
+        .unwrap();
+    assert_eq!(
+        r,
+        Response::ProbeAdded {
+            name: "kprobes/a".into(),
+            site: FUNC
+        }
+    );
+    assert_eq!(g.tracer().report().sites, 1);
+    let r = g
+        .with(|t, _, _| t.request(Request::ProbeList, given(None, None)))
+        .unwrap();
+    let Response::Probes(list) = r else {
+        panic!("not a probe list: {r:?}");
+    };
+    assert_eq!(
+        list.iter().map(|p| (&*p.name, p.site)).collect::<Vec<_>>(),
+        [("kprobes/a", FUNC)]
+    );
+    // The tracer's own errors come through with their kind.
+    let e = g
+        .with(|t, env, k| t.request(add(), given(Some(k), Some(env))))
+        .unwrap_err();
+    assert_ne!(e.kind, ErrorKind::Internal, "{e:?}");
+    let del = || Request::ProbeDel { name: "a".into() };
+    let r = g
+        .with(|t, env, _| t.request(del(), given(None, Some(env))))
+        .unwrap();
+    assert_eq!(r, Response::Ok);
+    assert_eq!(g.tracer().report().sites, 0);
+    let e = g
+        .with(|t, env, _| t.request(del(), given(None, Some(env))))
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::NotFound);
+    // A read that needs the kernel, without it; and a request that is not
+    // the tracer's at all.
+    let read = Request::CountRead {
+        cursor: 0,
+        limit: 10,
+    };
+    let e = g
+        .with(|t, _, _| t.request(read, given(None, None)))
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Internal);
+    let e = g
+        .with(|t, env, k| t.request(Request::Status, given(Some(k), Some(env))))
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Internal);
+}
