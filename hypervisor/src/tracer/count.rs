@@ -11,6 +11,7 @@
 use super::machine::{Env, KernelView};
 use super::symbols;
 use super::users::User;
+pub(super) use super::users::LATENCY_ID;
 use super::{FunctionsAdded, ReqError, Tracer};
 use crate::addr::Gva;
 use crate::kprobe::{self, Command, ProbeSpec};
@@ -25,11 +26,6 @@ use guest_introspect::kallsyms::SymbolId;
 use protocol::{
     CountFilter, ErrorKind, FunctionCount, HistFilter, HistKey, HistRow, LATENCY_BUCKETS,
 };
-
-/// The id a count with latency puts among a site's return probes: outside
-/// every probe's (`u32`) id, so that the return-probe path skips it, and
-/// the return hijack times the call for the count instead.
-pub(super) const LATENCY_ID: u64 = 1 << 32;
 
 /// Most keys a histogram holds; calls of further keys are counted in
 /// `overflow`.
@@ -631,7 +627,7 @@ fn hist_of(h: &HistFilter, k: &dyn KernelView, env: &mut Env<'_>) -> Result<Hist
             )));
         }
     }
-    super::requests::resolve_fetch_symbols(&mut spec, k)?;
+    symbols::resolve_fetch_symbols(&mut spec, k)?;
     let mut rows = Vec::new();
     fallible::try_reserve(&mut rows, HIST_KEYS)
         .map_err(|e| super::out_of_memory(env, "the histogram's rows", e))?;

@@ -19,12 +19,12 @@
 
 use super::count::{CountState, LATENCY_ID};
 use super::graph::{GraphEventId, GraphKind, GraphText};
+use super::hit_stats::{add, HitStats};
 use super::machine::{CpuView, Env, KernelView, Running};
 use super::probes::{store_parts, HitSink, Probes, VcpuMem};
 use super::retstack::{PopResult, PushError, RetStack, MAX_USERS};
 use super::ring::EventRing;
 use super::split::in_hypervisor;
-use super::vm_state::{add, HitStats};
 use crate::addr::Gva;
 use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use crate::vmx::regs::GuestRegs;

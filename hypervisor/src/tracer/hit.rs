@@ -10,17 +10,18 @@
 //! counters, and the return stacks under their own short lock.
 
 use super::fgraph::Out;
+use super::hit_stats::add;
 use super::machine::{CpuView, Env, KernelView, Running, View};
 use super::modules::ModuleEvent;
 use super::probes::{store_parts, HitSink, VcpuMem};
 use super::quiet::SwitchHook;
 use super::region::Region;
+use super::render::FUNCTION_ID;
 use super::ring::EventRing;
 use super::site::Patch;
 use super::split::SiteUse;
-use super::stream::FUNCTION_ID;
 use super::users::User;
-use super::vm_state::{add, VmState};
+use super::vm_state::VmState;
 use super::{CpuState, Hypercall, Tracer};
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
@@ -149,7 +150,7 @@ impl<'a> Hit<'a> {
                         if left.users & arming != 0 && left.below & arming == 0 {
                             // Out of the last frame of a quiet session on
                             // this stack: the view for what runs now.
-                            pick_view(self.vm, self.cpu, kernel, cpu, now_ns);
+                            self.vm.pick_view(self.cpu, kernel, cpu, now_ns);
                         }
                         (Hypercall::Handled, Served::Return)
                     }
@@ -480,7 +481,7 @@ impl<'a> Hit<'a> {
             drop(ring);
             if pushed & self.vm.arming_users() != 0 {
                 // Into a root (or deeper beneath one): armed.
-                set_view(self.vm, self.cpu, View::Armed, now_ns);
+                self.vm.set_view(self.cpu, View::Armed, now_ns);
             }
         }
         (chain, Served::Hit)
@@ -498,7 +499,7 @@ impl<'a> Hit<'a> {
         now_ns: u64,
     ) {
         match hook {
-            SwitchHook::Schedule => pick_view(self.vm, self.cpu, Some(k), cpu, now_ns),
+            SwitchHook::Schedule => self.vm.pick_view(self.cpu, Some(k), cpu, now_ns),
             // `__set_task_comm(tsk, buf, ...)`, the name not written yet:
             // armed if a filter admits the new name. Never quiet here: the
             // calls made under the old name up to the rename are still
@@ -515,7 +516,7 @@ impl<'a> Hit<'a> {
                     read.is_ok() && self.vm.graph.admitted_by(filtering, r.pid, &name)
                 });
                 if admitted {
-                    set_view(self.vm, self.cpu, View::Armed, now_ns);
+                    self.vm.set_view(self.cpu, View::Armed, now_ns);
                 }
             }
         }
@@ -568,56 +569,6 @@ impl<'a> Hit<'a> {
             h.add(h.key_of(u.func.0, r.pid, &r.comm), value);
         }
         true
-    }
-}
-
-/// Picks the view for the vCPU's context as it is now: armed while the
-/// task it runs passes the filter of a session that filters by pid or
-/// comm, or while it is
-/// inside a root of a session the quiet view leaves unhooked (a frame of
-/// one on its stacks), or while no kernel is known; quiet otherwise (when
-/// no such session runs, both views hook the same).
-pub(super) fn pick_view(
-    vm: &VmState,
-    state: &mut CpuState,
-    kernel: Option<&dyn KernelView>,
-    cpu: &CpuView,
-    now_ns: u64,
-) {
-    let users = vm.arming_users();
-    let inside = match (users, kernel) {
-        (0, _) => false,
-        (_, None) => true,
-        (_, Some(k)) => match k.current(cpu) {
-            // The task is not known: hooked everywhere is always safe.
-            None => true,
-            Some(r) => {
-                let filtering = users & vm.graph.filter_users();
-                (filtering != 0 && vm.graph.admitted_by(filtering, r.pid, &r.comm)) || {
-                    let stack = k.task_stack(r.task);
-                    vm.graph
-                        .inside_roots(users, cpu, stack, k.cpu_number(cpu), &vm.hit)
-                }
-            }
-        },
-    };
-    let view = if inside || users == 0 {
-        View::Armed
-    } else {
-        View::Quiet
-    };
-    set_view(vm, state, view, now_ns);
-}
-
-/// Moves the vCPU to `view` (root switches its EPT pointer when it
-/// resumes the guest), counting the move.
-fn set_view(vm: &VmState, state: &mut CpuState, view: View, now_ns: u64) {
-    if state.view == view {
-        return;
-    }
-    state.view = view;
-    if let Some(c) = vm.hit.vcpus.get(state.index) {
-        c.switched(view == View::Quiet, now_ns);
     }
 }
 

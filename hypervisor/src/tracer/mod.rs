@@ -35,6 +35,7 @@ pub mod door;
 mod fgraph;
 pub mod graph;
 mod hit;
+mod hit_stats;
 pub mod machine;
 pub mod modules;
 mod probes;
@@ -56,8 +57,9 @@ mod vm_state;
 
 pub use cpu_state::CpuState;
 pub use hit::{FastExit, Hit};
+pub use hit_stats::HypercallCounts;
 pub use step::{DebugState, Violation};
-pub use vm_state::{HypercallCounts, VmState};
+pub use vm_state::VmState;
 
 use self::machine::{CpuView, Env, KernelView};
 use self::region::Region;

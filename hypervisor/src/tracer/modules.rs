@@ -31,8 +31,9 @@
 
 use super::fgraph;
 use super::machine::{Env, KernelView};
-use super::requests::AttachError;
+use super::split::AttachError;
 use super::split::MAX_SITES;
+pub use super::users::ModuleHook;
 use super::users::{User, MAX_GRAPH_SESSION};
 use super::{stop_others, symbols, ReqError, Tracer};
 use crate::addr::Gva;
@@ -45,29 +46,6 @@ use guest_introspect::fentry::{Classifier, FentrySite};
 use guest_introspect::view::{PagedView, VirtMemory};
 use guest_introspect::GvaRange;
 use protocol::ErrorKind;
-
-/// Which of the kernel's module functions a hidden hook is on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ModuleHook {
-    /// `do_init_module`: a module is about to run its init.
-    Load,
-    /// `free_module`: a module's memory is about to be freed.
-    Unload,
-    /// `module_arch_freeing_init`: a module's init has returned and its
-    /// init text is about to go (freed later, from a work item).
-    InitFreeing,
-}
-
-impl ModuleHook {
-    /// The kernel function hooked.
-    pub fn function(self) -> &'static str {
-        match self {
-            ModuleHook::Load => "do_init_module",
-            ModuleHook::Unload => "free_module",
-            ModuleHook::InitFreeing => "module_arch_freeing_init",
-        }
-    }
-}
 
 /// A load or unload seen at a hidden hook, for the exit handler.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -44,34 +44,13 @@ use super::machine::{CpuView, Env, KernelView};
 use super::retstack::MAX_USERS;
 use super::site::Patch;
 use super::split::{page_bytes, remap_quiet, QuietMap, SiteUse, SplitView};
+pub use super::users::SwitchHook;
 use super::users::User;
 use super::{site, symbols, Tracer};
 use crate::addr::{Gpa, Gva};
 use crate::ept;
 use guest_introspect::fentry::FentrySite;
 use guest_introspect::view::PagedView;
-
-/// Root's hooks that pick a vCPU's view.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SwitchHook {
-    /// The scheduler's `finish_task_switch`, which runs on the incoming
-    /// task after every switch (compilers may name it with a suffix,
-    /// `finish_task_switch.isra.0`).
-    Schedule,
-    /// `__set_task_comm`, which renames a task (at exec among others): a
-    /// comm filter may admit it under its new name, or no longer.
-    Comm,
-}
-
-impl SwitchHook {
-    /// The kernel function hooked.
-    pub fn function(self) -> &'static str {
-        match self {
-            SwitchHook::Schedule => "finish_task_switch",
-            SwitchHook::Comm => "__set_task_comm",
-        }
-    }
-}
 
 /// The quiet views' state.
 #[derive(Default)]
@@ -391,7 +370,7 @@ impl Tracer<'_> {
     pub fn turn_view(&mut self, kernel: Option<&dyn KernelView>, cpu: &CpuView, now_ns: u64) {
         if self.cpu.epoch != self.vm.quiet.epoch {
             self.cpu.epoch = self.vm.quiet.epoch;
-            super::hit::pick_view(self.vm, self.cpu, kernel, cpu, now_ns);
+            self.vm.pick_view(self.cpu, kernel, cpu, now_ns);
         }
     }
 

@@ -13,7 +13,6 @@
 //! bounded.
 
 use super::graph::{write_graph_json, GraphEventId, GraphText};
-use super::stream::{cut_line, FUNCTION_ID, LEAF_HOLD_NS, TRACE_TEXT_BUDGET};
 use crate::kprobe::{self, Command, ProbeSpec, RawEvent, SymbolResolver};
 use alloc::collections::BTreeMap;
 use alloc::string::String;
@@ -22,6 +21,15 @@ use core::borrow::Borrow;
 use core::fmt::Write;
 use protocol::ring::Ring;
 use protocol::{Event, RenderContext, TraceFormat};
+
+/// The probe id of function-tracer events (probes count from 1).
+pub(super) const FUNCTION_ID: u32 = 0;
+/// Text per `TraceText` event, so that a frame stays under `MAX_FRAME`.
+pub(super) const TRACE_TEXT_BUDGET: usize = 2800;
+/// How long (hypervisor time) a graph entry is held back for a leaf line
+/// once the ring has nothing more: a call without a return by then is
+/// printed open.
+pub(crate) const LEAF_HOLD_NS: u64 = 100_000_000;
 
 /// Bytes of text per `TraceText` the renderer makes, at most (a line
 /// longer than this is cut, as root cuts it).
@@ -504,5 +512,16 @@ impl<R: Borrow<Ring>> RingsReader<R> {
             out.push(Event::Lost { count: lost });
         }
         Ok(n)
+    }
+}
+
+/// Cuts an over-long line at a character boundary.
+pub(super) fn cut_line(line: &mut String, max: usize) {
+    if line.len() > max {
+        let mut end = max;
+        while !line.is_char_boundary(end) {
+            end -= 1;
+        }
+        line.truncate(end);
     }
 }

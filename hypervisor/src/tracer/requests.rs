@@ -8,49 +8,25 @@ use super::machine::{Env, KernelView};
 use super::modules;
 use super::probes::{Probe, MAX_PROBES};
 use super::retstack::MAX_USERS;
-use super::site::PatchError;
-use super::split::{SiteUse, MAX_SITES};
+use super::split::{AttachError, SiteUse, MAX_SITES};
 use super::symbols;
+use super::symbols::resolve_fetch_symbols;
 use super::users::User;
 use super::{
     insert_site, out_of_memory, stop_others, FunctionsAdded, GraphStarted, ProbeAdded, ReqError,
     Tracer,
 };
 use crate::addr::Gva;
-use crate::kprobe::{self, Command, IndexSymbols};
+use crate::kprobe::{self, Command};
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use core::sync::atomic::AtomicU64;
-use guest_introspect::fallible::OutOfMemory;
 use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::fentry::FentrySite;
 use guest_introspect::view::PagedView;
 use protocol::{ErrorKind, GraphFilter};
-
-/// Why a probe could not be put on its site.
-pub(super) enum AttachError {
-    /// The site could not be hooked.
-    Hook(PatchError),
-    /// The site's list of users could not grow.
-    Memory(OutOfMemory),
-}
-
-/// Resolves the `@SYM` bases of `spec`'s fetch arguments in the guest's
-/// symbols, as the kernel does when it registers a probe.
-pub(super) fn resolve_fetch_symbols(
-    spec: &mut kprobe::ProbeSpec,
-    k: &dyn KernelView,
-) -> Result<(), ReqError> {
-    let syms = IndexSymbols::new(k.index(), Some(k.modules()));
-    spec.resolve_symbols(&syms).map_err(|name| {
-        ReqError::new(
-            ErrorKind::NotFound,
-            format!("symbol {name} is not in the guest's kallsyms"),
-        )
-    })
-}
 
 /// What a request found to hook ([`Tracer::traceable_matches`]).
 #[derive(Default)]

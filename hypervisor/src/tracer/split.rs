@@ -14,7 +14,7 @@ use crate::ept;
 use crate::guest_phys::GuestDoor;
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
-use guest_introspect::fallible::{self, btree_entry_bytes};
+use guest_introspect::fallible::{self, btree_entry_bytes, OutOfMemory};
 use guest_introspect::paging;
 use trampolines::patch::SITE_LEN;
 
@@ -38,6 +38,14 @@ const RELEASE_BATCH: usize = 256;
 
 /// Why a hook or an unhook could not be made.
 pub(super) const STALLED: &str = "the other vCPUs did not come to root in time";
+
+/// Why a probe could not be put on its site.
+pub(super) enum AttachError {
+    /// The site could not be hooked.
+    Hook(PatchError),
+    /// The site's list of users could not grow.
+    Memory(OutOfMemory),
+}
 
 /// A hooked site: where it is, and who uses it.
 pub(super) struct SiteUse {

@@ -8,6 +8,7 @@ use super::fgraph::{Graph, Retired};
 use super::graph::{self as graph_fmt, GraphEventId};
 use super::machine::KernelView;
 use super::probes::Probes;
+use super::render::{cut_line, LEAF_HOLD_NS, TRACE_TEXT_BUDGET};
 use super::ring::Rings;
 use crate::kprobe::{self, IndexSymbols};
 use alloc::string::String;
@@ -19,14 +20,6 @@ const RING_BYTES: usize = 2 << 20;
 /// Bytes of one vCPU's ring at least, however many vCPUs share
 /// [`RING_BYTES`].
 const RING_BYTES_MIN: usize = 256 << 10;
-/// The probe id of function-tracer events (probes count from 1).
-pub(super) const FUNCTION_ID: u32 = 0;
-/// Text per `TraceText` event, so that a frame stays under `MAX_FRAME`.
-pub(super) const TRACE_TEXT_BUDGET: usize = 2800;
-/// How long (hypervisor time) a graph entry is held back for a leaf line
-/// once the ring has nothing more: a call without a return by then is
-/// printed open.
-pub(crate) const LEAF_HOLD_NS: u64 = 100_000_000;
 /// Output queue the drain leaves for responses.
 const TX_HEADROOM: usize = 8 * 1024;
 /// Record bytes (chunk headers included) per `TraceRecords` event, so that
@@ -473,7 +466,7 @@ impl Stream {
 /// The rings being empty: the first stopped session that holds entries
 /// back prints them and goes; with `aged`, when nothing was printed, the
 /// first session holding an entry for a leaf longer than
-/// [`LEAF_HOLD_NS`] prints it open. Counting time, not turns, because
+/// [`LEAF_HOLD_NS`](super::render::LEAF_HOLD_NS) prints it open. Counting time, not turns, because
 /// another session's events may have kept the ring busy while this one's
 /// children are not traced.
 fn flush_held(
@@ -612,15 +605,4 @@ fn render(
     }
     super::render::write_plain(out, format, &ev, probes.get(id).map(|p| &p.spec), syms);
     0
-}
-
-/// Cuts an over-long line at a character boundary.
-pub(super) fn cut_line(line: &mut String, max: usize) {
-    if line.len() > max {
-        let mut end = max;
-        while !line.is_char_boundary(end) {
-            end -= 1;
-        }
-        line.truncate(end);
-    }
 }

@@ -3,11 +3,15 @@
 //! symbol table, as of the last walk of the module list).
 
 use super::machine::KernelView;
+use super::ReqError;
+use crate::kprobe::{self, IndexSymbols};
+use alloc::format;
 use alloc::string::{String, ToString};
 use guest_introspect::fentry::{Classifier, FentrySite, NotTraceable};
 use guest_introspect::kallsyms::SymbolId;
 use guest_introspect::module::ModuleSymbolId;
 use guest_introspect::view::VirtMemory;
+use protocol::ErrorKind;
 
 /// A symbol of the kernel image or of a module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,4 +141,19 @@ pub fn lookup(k: &dyn KernelView, module: Option<&str>, symbol: &str) -> Result<
                 )
             }),
     }
+}
+
+/// Resolves the `@SYM` bases of `spec`'s fetch arguments in the guest's
+/// symbols, as the kernel does when it registers a probe.
+pub(super) fn resolve_fetch_symbols(
+    spec: &mut kprobe::ProbeSpec,
+    k: &dyn KernelView,
+) -> Result<(), ReqError> {
+    let syms = IndexSymbols::new(k.index(), Some(k.modules()));
+    spec.resolve_symbols(&syms).map_err(|name| {
+        ReqError::new(
+            ErrorKind::NotFound,
+            format!("symbol {name} is not in the guest's kallsyms"),
+        )
+    })
 }

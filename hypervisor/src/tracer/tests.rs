@@ -2543,7 +2543,7 @@ fn rendering_scenario(g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(
     g.hit(FUNC, RETP, CALLER_RET, 8);
     g.now_ns += 1_000;
     drain(g);
-    g.now_ns += 2 * super::stream::LEAF_HOLD_NS;
+    g.now_ns += 2 * super::render::LEAF_HOLD_NS;
     drain(g);
     g.now_ns += 1_000;
     g.ret(RETP, 3);

@@ -9,13 +9,60 @@
 //! module's unload ([`super::modules`]) walk a site's users in
 //! [`Users::iter`]'s order and dispatch on each.
 
-use super::count::LATENCY_ID;
-use super::modules::ModuleHook;
-use super::quiet::SwitchHook;
 use crate::addr::Gva;
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use guest_introspect::fallible::{self, OutOfMemory};
+
+/// The id a count with latency puts among a site's return probes: outside
+/// every probe's (`u32`) id, so that the return-probe path skips it, and
+/// the return hijack times the call for the count instead.
+pub(super) const LATENCY_ID: u64 = 1 << 32;
+
+/// Which of the kernel's module functions a hidden hook is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleHook {
+    /// `do_init_module`: a module is about to run its init.
+    Load,
+    /// `free_module`: a module's memory is about to be freed.
+    Unload,
+    /// `module_arch_freeing_init`: a module's init has returned and its
+    /// init text is about to go (freed later, from a work item).
+    InitFreeing,
+}
+
+impl ModuleHook {
+    /// The kernel function hooked.
+    pub fn function(self) -> &'static str {
+        match self {
+            ModuleHook::Load => "do_init_module",
+            ModuleHook::Unload => "free_module",
+            ModuleHook::InitFreeing => "module_arch_freeing_init",
+        }
+    }
+}
+
+/// Root's hooks that pick a vCPU's view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwitchHook {
+    /// The scheduler's `finish_task_switch`, which runs on the incoming
+    /// task after every switch (compilers may name it with a suffix,
+    /// `finish_task_switch.isra.0`).
+    Schedule,
+    /// `__set_task_comm`, which renames a task (at exec among others): a
+    /// comm filter may admit it under its new name, or no longer.
+    Comm,
+}
+
+impl SwitchHook {
+    /// The kernel function hooked.
+    pub fn function(self) -> &'static str {
+        match self {
+            SwitchHook::Schedule => "finish_task_switch",
+            SwitchHook::Comm => "__set_task_comm",
+        }
+    }
+}
 
 /// Graph sessions are numbered 1 to this (bit N of a mask: session N).
 pub(super) const MAX_GRAPH_SESSION: u8 = 15;
