@@ -98,7 +98,7 @@ pub fn nmis_in_root() -> u64 {
 pub fn power_off_and_halt() -> ! {
     let port = PM1A_CNT.load(Ordering::Relaxed);
     if port != 0 {
-        crate::exits::forward_out(port as u16, 2, hypervisor::policy::PM1_SLP_EN);
+        crate::ports::forward_out(port as u16, 2, hypervisor::policy::PM1_SLP_EN);
     }
     halt()
 }

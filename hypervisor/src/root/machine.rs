@@ -258,10 +258,7 @@ fn map_every<'v>(
     Ok(())
 }
 
-/// Where vCPU `vcpu`'s view `view` is among the VM's views.
-pub fn view_index(vcpu: usize, view: View) -> usize {
-    2 * vcpu + view as usize
-}
+pub use crate::vcpu::view_index;
 
 /// Runs `f` with the tracer's environment over root's resources and vCPU
 /// `me`'s EPT views (it runs on `view`), for what it does on its own (a

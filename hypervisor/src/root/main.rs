@@ -33,6 +33,7 @@ mod introspect;
 mod logger;
 mod machine;
 mod phys;
+mod ports;
 mod rootstack;
 mod smp;
 mod uart;
@@ -136,7 +137,7 @@ pub fn finish(cpu: &cpu_state::CpuState, reason: StopReason) -> ! {
     hvprintln!("guest stopped: {reason}");
     if let StopReason::PowerOff { port, value, size } = reason {
         // Let the platform power off as the guest asked.
-        exits::forward_out(port, size, value);
+        ports::forward_out(port, size, value);
         insn::halt_forever()
     }
     fatal::power_off_and_halt()
@@ -146,7 +147,7 @@ pub fn finish(cpu: &cpu_state::CpuState, reason: StopReason) -> ! {
 /// Bochs' firmware define it), or just halts when there is no FADT.
 fn power_off(fadt: Option<acpi::Fadt>) {
     if let Some(f) = fadt {
-        exits::forward_out(f.pm1a_cnt, 2, hypervisor::policy::PM1_SLP_EN);
+        ports::forward_out(f.pm1a_cnt, 2, hypervisor::policy::PM1_SLP_EN);
     }
 }
 
@@ -328,6 +329,15 @@ fn run(
         log::info!("{vcpus} vCPUs: the boot processor runs, the APs wait for the guest's SIPIs");
     }
     hvprintln!("guest started");
+    let reason = exits::run(&mut cpu);
+    finish(&cpu, reason)
+}
+
+/// An application processor runs vCPU `index` from `regs` (its state as
+/// set up, parked until the guest's SIPI) until the VM stops.
+pub fn run_ap(index: usize, regs: hypervisor::vmx::regs::GuestRegs) -> ! {
+    let mut cpu = cpu_state::CpuState::new(index);
+    cpu.regs = regs;
     let reason = exits::run(&mut cpu);
     finish(&cpu, reason)
 }

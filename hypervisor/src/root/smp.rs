@@ -305,9 +305,6 @@ extern "C" fn hv_ap_entry64(index: u64) -> ! {
             insn::halt_forever()
         }
     };
-    let mut cpu = crate::cpu_state::CpuState::new(index);
-    cpu.regs = regs;
     set_stage(index, Stage::Parked);
-    let reason = crate::exits::run(&mut cpu);
-    crate::finish(&cpu, reason)
+    crate::run_ap(index, regs)
 }

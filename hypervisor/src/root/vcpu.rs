@@ -275,14 +275,14 @@ pub fn protect_windows(views: &[Ept], windows: &hypervisor::irq::Windows) -> Res
     Ok(())
 }
 
-/// Every EPT view's pointer, by index (`crate::machine::view_index`): an
+/// Every EPT view's pointer, by index (`view_index`): an
 /// AP's VMCS takes its armed view's from here ([`setup_ap`]).
 static EPTPS: spin::Once<alloc::vec::Vec<u64>> = spin::Once::new();
 
 /// vCPU `index`'s two views' EPT pointers (armed, quiet).
 pub fn eptps(index: usize) -> Option<[u64; 2]> {
     let all = EPTPS.get()?;
-    let at = |v| all.get(crate::machine::view_index(index, v)).copied();
+    let at = |v| all.get(view_index(index, v)).copied();
     Some([at(View::Armed)?, at(View::Quiet)?])
 }
 
@@ -291,7 +291,7 @@ pub struct VmConfig {
     pub fixed: Fixed,
     pub fadt: Option<Fadt>,
     /// Each vCPU's two EPT views, armed and quiet, by
-    /// `crate::machine::view_index`: the same identity map, built the same
+    /// `view_index`: the same identity map, built the same
     /// way; the tracer's shared changes go into every view, its quiet
     /// pages into the quiet views, a single step's into its vCPU's alone
     /// (see `crate::machine`).
@@ -301,7 +301,7 @@ pub struct VmConfig {
     /// IA32_VMX_MISC[4:0]: the timer counts TSC >> this.
     pub timer_shift: u32,
     /// The bus-master IDE registers root keeps the guest away from.
-    pub dma_block: Option<crate::exits::DmaBlock>,
+    pub dma_block: Option<crate::ports::DmaBlock>,
     /// IA32_VMX_BASIC bit 54: INS/OUTS exits report the instruction
     /// information (address size, segment).
     pub ins_outs_info: bool,
@@ -419,7 +419,7 @@ pub fn setup_ap(host: &HostTables, t: &Template, index: usize) -> Result<GuestRe
     // The AP's own EPT view (the boot processor made one per vCPU).
     let eptp = EPTPS
         .get()
-        .and_then(|e| e.get(crate::machine::view_index(index, View::Armed)))
+        .and_then(|e| e.get(view_index(index, View::Armed)))
         .copied()
         .ok_or(VmxError::EptCaps("an EPT view for every vCPU"))?;
     f::EPT_POINTER.write(v, eptp)?;
@@ -457,7 +457,7 @@ pub fn setup(
             Refusal::Ept(m) => VmxError::EptCaps(m),
         })?;
     let cap = chosen.ept;
-    // Two views per vCPU, armed then quiet (`crate::machine::view_index`).
+    // Two views per vCPU, armed then quiet (`view_index`).
     let mut views = alloc::vec::Vec::new();
     for _ in 0..2 * vcpus.max(1) {
         views.push(build_ept(b, cap)?);
@@ -489,7 +489,7 @@ pub fn setup(
     // I/O bitmaps: the control UART, the log port, PCI configuration, the
     // bus-master IDE registers, and the ACPI PM1 control ports so that the
     // guest's power-off is seen.
-    let dma_block = crate::exits::find_bus_master_ide();
+    let dma_block = crate::ports::find_bus_master_ide();
     if let Some(d) = &dma_block {
         log::info!(
             "bus-master IDE at {:02x}:{:02x}.{}: ports {:#x}..={:#x} kept from the guest",
@@ -608,4 +608,9 @@ pub fn setup(
         dma_block,
         ins_outs_info: chosen.ins_outs_info,
     })
+}
+
+/// Where vCPU `vcpu`'s view `view` is among the VM's views.
+pub fn view_index(vcpu: usize, view: View) -> usize {
+    2 * vcpu + view as usize
 }
