@@ -3,6 +3,7 @@
 
 pub mod ap;
 pub mod caps;
+pub mod cr;
 pub mod debug;
 pub mod entry;
 pub mod event;

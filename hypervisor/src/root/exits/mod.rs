@@ -1,7 +1,7 @@
 //! The run loop and the exit handlers of the vCPU. Each exit is read once
 //! into a `RawExit`, decoded into a `VmExit`, counted, and handled here.
 
-use crate::arch::instructions::{self as insn, GuestRegs, RunOutcome};
+use crate::arch::instructions::{self as insn, RunOutcome};
 use crate::control::{Action, StatusSource};
 use crate::cpu_state::CpuState;
 use crate::hvprintln;
@@ -16,13 +16,14 @@ use core::fmt;
 use guest_introspect::paging::{self, Cr3, WalkError};
 use hypervisor::addr::Gva;
 use hypervisor::pci;
-use hypervisor::policy::{self, CrWrite};
+use hypervisor::policy;
 use hypervisor::stats::RootWork;
 use hypervisor::task_switch::LegacyPaging;
 use hypervisor::tracer::machine::{GuestGs, View};
 use hypervisor::tracer::modules::{ModuleEvent, ModuleHook};
 use hypervisor::tracer::{DebugState, Hit, Hypercall, Tracer, Violation};
 use hypervisor::vmx::ap;
+use hypervisor::vmx::cr::gpr;
 use hypervisor::vmx::debug;
 use hypervisor::vmx::entry::{self, Pending};
 use hypervisor::vmx::event::{self, Event};
@@ -30,7 +31,6 @@ use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, VmExit};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
 use hypervisor::vmx::handle::{self, HostCpu, MsrRefused, Outcome, DB, GP, UD};
 use protocol::GuardReport;
-use x86::vmx::vmcs::control::EntryControls;
 
 /// Why the guest stopped.
 #[derive(Debug, Clone, Copy)]
@@ -138,27 +138,6 @@ const BUSY_TURNS_PER_SEC: u64 = 5000;
 const LOCAL_EXITS_PER_CHECK: u64 = 64;
 /// At most this many busy turns are spent draining output before a stop.
 const STOP_DRAIN_TURNS: u32 = 500;
-
-fn gpr(regs: &mut GuestRegs, n: u8) -> Option<&mut u64> {
-    Some(match n {
-        0 => &mut regs.rax,
-        1 => &mut regs.rcx,
-        2 => &mut regs.rdx,
-        3 => &mut regs.rbx,
-        5 => &mut regs.rbp,
-        6 => &mut regs.rsi,
-        7 => &mut regs.rdi,
-        8 => &mut regs.r8,
-        9 => &mut regs.r9,
-        10 => &mut regs.r10,
-        11 => &mut regs.r11,
-        12 => &mut regs.r12,
-        13 => &mut regs.r13,
-        14 => &mut regs.r14,
-        15 => &mut regs.r15,
-        _ => return None, // 4 = RSP lives in the VMCS
-    })
-}
 
 const RFLAGS_TF: u64 = 1 << 8;
 /// DR7's local breakpoint enables, L0..L3 (bits 0, 2, 4, 6).
