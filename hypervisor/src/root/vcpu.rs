@@ -307,6 +307,17 @@ pub struct VmConfig {
     pub ins_outs_info: bool,
 }
 
+impl VmConfig {
+    /// The ports an I/O exit is decided against
+    /// (`hypervisor::vmx::port::Ports`).
+    pub fn ports(&self) -> hypervisor::vmx::port::Ports {
+        hypervisor::vmx::port::Ports {
+            dma: self.dma_block.as_ref().map(|d| d.ports.clone()),
+            pm1: self.fadt.map(|f| (f.pm1a_cnt, f.pm1b_cnt)),
+        }
+    }
+}
+
 /// What every vCPU's VMCS shares: the controls, the bitmaps, EPT and the
 /// fixed bits, set by the boot processor's [`setup`] and read by each AP
 /// ([`setup_ap`]).

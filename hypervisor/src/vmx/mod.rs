@@ -10,6 +10,7 @@ pub mod event;
 pub mod exit;
 pub mod fields;
 pub mod handle;
+pub mod port;
 pub mod profile;
 pub mod regs;
 pub mod shadow;

@@ -4,21 +4,9 @@
 
 use super::guest_mem::{legacy_paging, GuardedPhys, MemoryFault, OperandWalk};
 use super::*;
+use hypervisor::vmx::port::{ByteOut, PortRoute, PortStop};
 
 impl Vcpu<'_> {
-    /// Whether VMX root keeps `port` from the guest: the control UART, the
-    /// log port and the bus-master IDE registers.
-    pub(super) fn owns_port(&self, port: u16) -> bool {
-        policy::CONTROL_PORTS.contains(&port)
-            || port == policy::DEBUG_PORT
-            || self
-                .vm
-                .cfg
-                .dma_block
-                .as_ref()
-                .is_some_and(|d| d.ports.contains(&port))
-    }
-
     /// A guest access to PCI configuration space (mechanism #1): the address
     /// latch is forwarded and remembered; data reads are forwarded; data
     /// writes are merged into the dword and filtered (`hypervisor::pci`).
@@ -108,66 +96,45 @@ impl Vcpu<'_> {
     }
 
     /// One IN or OUT of `io.size` bytes with the value in (or for) RAX, as
-    /// the platform would answer it with root's policy applied: root's
-    /// ports float, PM1 writes of SLP_EN stop the VM, PCI configuration is
-    /// filtered, the rest goes to the platform. Does not move RIP.
+    /// the platform would answer it with root's policy applied
+    /// (`hypervisor::vmx::port::Ports::route`): root's ports float, PM1 writes of SLP_EN stop
+    /// the VM, PCI configuration is filtered, the rest goes to the
+    /// platform. Does not move RIP.
     pub(super) fn port(&mut self, io: IoAccess) -> Result<Option<StopReason>, VmcsError> {
-        let debug = policy::DEBUG_PORT..=policy::DEBUG_PORT;
-        if !io.input && policy::io_touches(io.port, io.size, &debug) {
-            self.cpu.guard.debug_port_writes += 1;
-        }
-        let dma = self.vm.cfg.dma_block.as_ref();
-        if !io.input && dma.is_some_and(|d| policy::io_touches(io.port, io.size, &d.ports)) {
-            self.cpu.guard.dma_port_writes_blocked += 1;
-        }
-        if !io.input {
-            // A software reset would restart the machine without root: the
-            // VM ends, as at a triple fault.
-            let out = self.cpu.regs.rax as u32;
-            if policy::resets(io.port, io.size, out) {
+        let ports = self.vm.cfg.ports();
+        match ports.route(&io, self.cpu.regs.rax, &mut self.cpu.guard) {
+            PortRoute::Stop(PortStop::Reset) => {
                 log::info!(
                     "vCPU {}: the guest reset the machine through port {:#x}",
                     self.cpu.index,
                     io.port
                 );
-                return Ok(Some(StopReason::Reset));
+                Ok(Some(StopReason::Reset))
             }
-        }
-        let ours = self.touches_owned(io);
-        let pm1 = self.vm.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
-        if let Some((a, b)) = pm1 {
-            let exact = (io.port == a || Some(io.port) == b) && !ours;
-            if exact {
-                if io.input {
-                    // SAFETY: forwarding the guest's own read of its PM1 control register.
-                    let val = unsafe {
-                        match io.size {
-                            1 => insn::inb(io.port) as u32,
-                            2 => insn::inw(io.port) as u32,
-                            _ => insn::inl(io.port),
-                        }
-                    } as u64;
-                    let mask = policy::floating_bus(io.size) as u64;
-                    self.cpu.regs.rax = (self.cpu.regs.rax & !mask) | (val & mask);
-                    return Ok(None);
-                }
-                let value = (self.cpu.regs.rax & policy::floating_bus(io.size) as u64) as u32;
-                if value & policy::PM1_SLP_EN != 0 {
-                    return Ok(Some(StopReason::PowerOff {
-                        port: io.port,
-                        value,
-                        size: io.size,
-                    }));
-                }
+            PortRoute::Stop(PortStop::PowerOff { port, value, size }) => {
+                Ok(Some(StopReason::PowerOff { port, value, size }))
+            }
+            PortRoute::Pm1Read => {
+                // SAFETY: forwarding the guest's own read of its PM1 control register.
+                let val = unsafe {
+                    match io.size {
+                        1 => insn::inb(io.port) as u32,
+                        2 => insn::inw(io.port) as u32,
+                        _ => insn::inl(io.port),
+                    }
+                } as u64;
+                let mask = policy::floating_bus(io.size) as u64;
+                self.cpu.regs.rax = (self.cpu.regs.rax & !mask) | (val & mask);
+                Ok(None)
+            }
+            PortRoute::Pm1Write(value) => {
                 forward_out(io.port, io.size, value);
-                return Ok(None);
+                Ok(None)
             }
+            PortRoute::Pci => self.pci_config(io),
+            // Everything else, straddles of root's ports included, byte by byte.
+            PortRoute::Bytes => Ok(self.io_bytes(io)),
         }
-        if io.port == pci::CONFIG_ADDRESS || pci::CONFIG_DATA.contains(&io.port) {
-            return self.pci_config(io);
-        }
-        // Everything else, straddles of root's ports included, byte by byte.
-        Ok(self.io_bytes(io))
     }
 
     /// INS or OUTS (with or without REP) on an intercepted port: one
@@ -303,17 +270,12 @@ impl Vcpu<'_> {
         self.inject(PF, Some(code))
     }
 
-    /// Whether any byte of the access is a port root keeps (`owns_port`).
-    pub(super) fn touches_owned(&self, io: IoAccess) -> bool {
-        (0..u16::from(io.size.max(1)))
-            .any(|i| io.port.checked_add(i).is_some_and(|p| self.owns_port(p)))
-    }
-
     /// A port access done byte by byte: root's ports float (reads all
     /// ones, writes dropped), the others go to the platform, as a bus
-    /// would split it; a write of SLP_EN to PM1 still powers off.
+    /// would split it; a write of SLP_EN to PM1 still powers off
+    /// (`Ports::byte_out`).
     pub(super) fn io_bytes(&mut self, io: IoAccess) -> Option<StopReason> {
-        let pm1 = self.vm.cfg.fadt.map(|fd| (fd.pm1a_cnt, fd.pm1b_cnt));
+        let ports = self.vm.cfg.ports();
         let mut value = 0u32;
         let out = self.cpu.regs.rax as u32;
         for i in 0..io.size.min(4) {
@@ -322,29 +284,28 @@ impl Vcpu<'_> {
             };
             let shift = 8 * u32::from(i);
             if io.input {
-                let byte = if self.owns_port(p) {
+                let byte = if ports.owns(p) {
                     0xff
                 } else {
                     // SAFETY: a port the guest owns, read on its behalf.
                     unsafe { insn::inb(p) }
                 };
                 value |= u32::from(byte) << shift;
-            } else if !self.owns_port(p) {
-                let byte = (out >> shift) as u8;
-                if let Some((a, b)) = pm1 {
-                    let high = p == a.wrapping_add(1) || Some(p) == b.map(|b| b.wrapping_add(1));
-                    if high && u32::from(byte) << 8 & policy::PM1_SLP_EN != 0 {
-                        let base = p - 1;
-                        // SAFETY: the guest's own PM1 register, read back.
-                        let low = u32::from(unsafe { insn::inb(base) });
-                        return Some(StopReason::PowerOff {
-                            port: base,
-                            value: low | u32::from(byte) << 8,
-                            size: 2,
-                        });
-                    }
+                continue;
+            }
+            let byte = (out >> shift) as u8;
+            match ports.byte_out(p, byte) {
+                ByteOut::Drop => {}
+                ByteOut::Forward => forward_out(p, 1, u32::from(byte)),
+                ByteOut::PowerOff { base } => {
+                    // SAFETY: the guest's own PM1 register, read back.
+                    let low = u32::from(unsafe { insn::inb(base) });
+                    return Some(StopReason::PowerOff {
+                        port: base,
+                        value: low | u32::from(byte) << 8,
+                        size: 2,
+                    });
                 }
-                forward_out(p, 1, u32::from(byte));
             }
         }
         if io.input {
