@@ -13,4 +13,5 @@ pub mod handle;
 pub mod port;
 pub mod profile;
 pub mod regs;
+pub mod route;
 pub mod shadow;

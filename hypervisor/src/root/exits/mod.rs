@@ -30,6 +30,7 @@ use hypervisor::vmx::event::{self, Event};
 use hypervisor::vmx::exit::{decode, reason_name, CrAccess, IoAccess, VmExit};
 use hypervisor::vmx::fields::{self as f, VmcsError, VmcsIo};
 use hypervisor::vmx::handle::{self, HostCpu, MsrRefused, Outcome, DB, GP, UD};
+use hypervisor::vmx::route::{self, Early, Late};
 use protocol::GuardReport;
 
 /// Why the guest stopped.
@@ -150,8 +151,6 @@ const PF: u8 = 14;
 const NMI_WINDOW_EXITING: u32 = 1 << 22;
 /// IA32_APIC_BASE bit 10: x2APIC mode.
 const APIC_BASE_EXTD: u64 = 1 << 10;
-/// IA32_APIC_BASE bits 12..=51: the APIC page's address.
-const APIC_BASE_ADDRESS: u64 = 0x000f_ffff_ffff_f000;
 
 /// Pin-based control bit 0: external-interrupt exiting.
 const PIN_EXTERNAL_INTERRUPT_EXITING: u32 = 1;
@@ -498,101 +497,15 @@ impl Vcpu<'_> {
     }
 
     fn handle(&mut self, exit: VmExit, policy_done: bool) -> Result<Next, VmcsError> {
-        // An AP's INIT and SIPI are root's to carry out (`smp`); the boot
-        // processor's INIT is the guest resetting the machine (below).
-        if self.cpu.index != 0 {
-            match exit {
-                VmExit::Sipi { .. } => {
-                    // Root's own SIPIs carry the guest's vector in the
-                    // slot; one without (sent again after the guest took
-                    // it back with an INIT, or late) starts nothing.
-                    let vector = self
-                        .vm
-                        .cpus
-                        .get_mut(self.cpu.index)
-                        .and_then(|s| s.sipi.take());
-                    return match vector {
-                        Some(v) => self.ap_start(v),
-                        None => self.stay_parked(),
-                    };
-                }
-                VmExit::Init => return self.init_exit(),
-                _ => {}
-            }
-        }
-        if let VmExit::EptViolation(e) = exit {
-            // Every other store to the APIC page was handled in
-            // `local_exit`, which sees each exit first.
-            if e.write
-                && self.cpu.lapic_base != 0
-                && e.gpa == self.cpu.lapic_base + hypervisor::apic::XAPIC_ICR_LOW
-            {
-                return self.icr_write();
-            }
-            // The I/O APICs' pages and the MSI MiB (`hypervisor::irq`).
-            if let Some(w) = self.vm.windows.and_then(|w| w.classify(e.gpa)) {
-                if e.write && !matches!(w, hypervisor::irq::Window::LocalApic { .. }) {
-                    return self.window_store(w);
-                }
-            }
-        }
-        if let VmExit::MsrWrite { msr, value } = exit {
-            if let Some(offset) = hypervisor::apic::x2apic_lvt_offset(msr) {
-                // An x2APIC LVT entry: no INIT, SMI or reserved delivery
-                // mode (bits 32..=63 are reserved: the CPU refuses them).
-                if value >> 32 == 0
-                    && hypervisor::apic::register_write(offset, value as u32)
-                        == hypervisor::apic::RegisterWrite::Refuse
-                {
-                    route_refused(self.cpu, "x2APIC LVT entry", value);
-                    return self.advance();
-                }
-                // SAFETY: the guest's own value for its own x2APIC's LVT
-                // entry, which it could write itself, with a delivery mode
-                // checked above; a CPU not in x2APIC mode, or a reserved
-                // bit, makes it a #GP, which goes to the guest.
-                if unsafe { insn::wrmsr_safe(msr, value) }.is_err() {
-                    return self.inject(GP, Some(0));
-                }
-                return self.advance();
-            }
-        }
-        if let VmExit::MsrWrite {
-            msr: policy::MSR_APIC_BASE,
-            value,
-        } = exit
-        {
-            // With more than one vCPU the APIC page is where root watches
-            // the guest's start-up IPIs: it stays where it is.
-            if self.vm.cpus.len() > 1 && value & APIC_BASE_ADDRESS != self.vm.lapic_base {
-                self.cpu.apic_refused += 1;
-                return self.inject(GP, Some(0));
-            }
-        }
-        if let VmExit::MsrWrite {
-            msr: hypervisor::apic::X2APIC_ICR_MSR,
-            value,
-        } = exit
-        {
-            // SAFETY: IA32_APIC_BASE exists on every CPU with a local APIC.
-            let base = unsafe { insn::rdmsr(policy::MSR_APIC_BASE) };
-            if base & APIC_BASE_EXTD == 0 {
-                // Not in x2APIC mode: the MSR does not exist for the guest.
-                return self.inject(GP, Some(0));
-            }
-            let icr = hypervisor::apic::Icr::from_x2apic(value);
-            let mut refused = false;
-            self.guest_ipi(&icr, || {
-                // SAFETY: the guest's own value for its own x2APIC's ICR,
-                // which it could write itself; a CPU not in x2APIC mode
-                // refuses it with #GP, which goes to the guest.
-                refused =
-                    unsafe { insn::wrmsr_safe(hypervisor::apic::X2APIC_ICR_MSR, value) }.is_err();
-            });
-            if refused {
-                return self.inject(GP, Some(0));
-            }
-            return self.advance();
+        let ctx = route::Context {
+            ap: self.cpu.index != 0,
+            vcpus: self.vm.cpus.len(),
+            lapic: self.cpu.lapic_base,
+            vm_lapic: self.vm.lapic_base,
+            windows: self.vm.windows,
+        };
+        if let Some(early) = route::early(&exit, &ctx) {
+            return self.early(early);
         }
         let outcome = if policy_done {
             Outcome::Root(exit)
@@ -616,15 +529,15 @@ impl Vcpu<'_> {
             Outcome::Reset => return Ok(Next::Stop(StopReason::Reset)),
             Outcome::Root(exit) => exit,
         };
-        match exit {
-            VmExit::Cr(access) => self.cr_access(access),
-            VmExit::Io(io) => self.io(io),
-            VmExit::TaskSwitch { qualification } => self.task_switch(qualification),
-            VmExit::Vmcall => self.vmcall(),
-            VmExit::Exception { vector: DB, info } => self.debug_exception(info),
-            VmExit::ExternalInterrupt => self.interrupt_in_step(),
-            VmExit::PreemptionTimer => self.service(),
-            VmExit::EptViolation(e) => {
+        match route::late(&exit) {
+            Late::Cr(access) => self.cr_access(access),
+            Late::Io(io) => self.io(io),
+            Late::TaskSwitch(qualification) => self.task_switch(qualification),
+            Late::Vmcall => self.vmcall(),
+            Late::Debug(info) => self.debug_exception(info),
+            Late::ExternalInterrupt => self.interrupt_in_step(),
+            Late::Timer => self.service(),
+            Late::EptViolation(e) => {
                 match with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
                     tracer!(self).on_violation(e.gpa, e.write, e.fetch, env)
                 }) {
@@ -648,25 +561,93 @@ impl Vcpu<'_> {
                     Violation::NotOurs => self.bad_violation(e),
                 }
             }
-            VmExit::EptMisconfig { gpa } => {
-                dump_vmcs();
-                Ok(Next::Stop(StopReason::EptMisconfig { gpa }))
+            Late::Stop => self.stop_on(exit),
+        }
+    }
+
+    /// Carries out an exit root takes before the policy exits
+    /// ([`route::early`]).
+    fn early(&mut self, early: Early) -> Result<Next, VmcsError> {
+        match early {
+            Early::ApSipi => {
+                // Root's own SIPIs carry the guest's vector in the slot;
+                // one without (sent again after the guest took it back
+                // with an INIT, or late) starts nothing.
+                let vector = self
+                    .vm
+                    .cpus
+                    .get_mut(self.cpu.index)
+                    .and_then(|s| s.sipi.take());
+                match vector {
+                    Some(v) => self.ap_start(v),
+                    None => self.stay_parked(),
+                }
             }
+            Early::ApInit => self.init_exit(),
+            Early::IcrStore => self.icr_write(),
+            Early::WindowStore(w) => self.window_store(w),
+            Early::LvtRefused { value } => {
+                route_refused(self.cpu, "x2APIC LVT entry", value);
+                self.advance()
+            }
+            Early::LvtWrite { msr, value } => {
+                // SAFETY: the guest's own value for its own x2APIC's LVT
+                // entry, which it could write itself, with a delivery mode
+                // checked (`route::early`); a CPU not in x2APIC mode, or a
+                // reserved bit, makes it a #GP, which goes to the guest.
+                if unsafe { insn::wrmsr_safe(msr, value) }.is_err() {
+                    return self.inject(GP, Some(0));
+                }
+                self.advance()
+            }
+            Early::ApicBaseRefused => {
+                self.cpu.apic_refused += 1;
+                self.inject(GP, Some(0))
+            }
+            Early::X2apicIcr { value } => {
+                // SAFETY: IA32_APIC_BASE exists on every CPU with a local APIC.
+                let base = unsafe { insn::rdmsr(policy::MSR_APIC_BASE) };
+                if base & APIC_BASE_EXTD == 0 {
+                    // Not in x2APIC mode: the MSR does not exist for the guest.
+                    return self.inject(GP, Some(0));
+                }
+                let icr = hypervisor::apic::Icr::from_x2apic(value);
+                let mut refused = false;
+                self.guest_ipi(&icr, || {
+                    // SAFETY: the guest's own value for its own x2APIC's
+                    // ICR, which it could write itself; a CPU not in
+                    // x2APIC mode refuses it with #GP, which goes to the
+                    // guest.
+                    refused = unsafe { insn::wrmsr_safe(hypervisor::apic::X2APIC_ICR_MSR, value) }
+                        .is_err();
+                });
+                if refused {
+                    return self.inject(GP, Some(0));
+                }
+                self.advance()
+            }
+        }
+    }
+
+    /// An exit root cannot serve: the VM stops, with the VMCS dumped.
+    fn stop_on(&mut self, exit: VmExit) -> Result<Next, VmcsError> {
+        let stop = match exit {
+            VmExit::EptMisconfig { gpa } => StopReason::EptMisconfig { gpa },
             VmExit::EntryFailure {
                 reason,
                 qualification,
             } => {
                 hvprintln!("error: VM entry failed: reason {} ({reason}), qualification {qualification:#x}", reason_name(reason));
-                dump_vmcs();
-                Ok(Next::Stop(StopReason::EntryFailed))
+                StopReason::EntryFailed
             }
             other => {
                 let r = f::EXIT_REASON.read(&Vmcs)? as u16;
                 hvprintln!("error: unhandled exit {} ({r}): {other:?}", reason_name(r));
-                dump_vmcs();
-                Ok(Next::Stop(StopReason::Unhandled(r)))
+                StopReason::Unhandled(r)
             }
-        }
+        };
+        dump_vmcs();
+        Ok(Next::Stop(stop))
     }
 }
 
