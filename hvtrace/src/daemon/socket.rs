@@ -554,10 +554,20 @@ mod tests {
         check_path(&dir.join("no/such/s.sock"), euid).unwrap();
         check_path(Path::new("bare-name.sock"), euid).unwrap();
 
-        // A socket file already there must be ours (or root's). /tmp is
-        // root's and sticky, so only the file's owner counts there.
-        let in_tmp = PathBuf::from(format!(
-            "/tmp/hvtrace-socket-test-{}-owner.sock",
+        // A socket file already there must be ours (or root's). In a
+        // sticky directory of root's, as /tmp, only the file's owner
+        // counts. Root makes one in the scratch directory; anyone else
+        // needs a directory of root's, so uses /tmp itself.
+        let sticky = if euid == 0 {
+            let sticky = dir.join("sticky");
+            std::fs::create_dir(&sticky).unwrap();
+            set_mode(&sticky, 0o1777);
+            sticky
+        } else {
+            PathBuf::from("/tmp")
+        };
+        let in_tmp = sticky.join(format!(
+            "hvtrace-socket-test-{}-owner.sock",
             std::process::id()
         ));
         let _ = std::fs::remove_file(&in_tmp);
