@@ -251,7 +251,7 @@ fn legacy_paging(v: &Vmcs, cr3: u64, cr4: u64) -> Result<LegacyPaging, VmcsError
     } else {
         LegacyPaging::Bits32 {
             cr3: cr3 as u32,
-            pse: cr4 & (1 << 4) != 0,
+            pse: cr4 & policy::CR4_PSE != 0,
         }
     })
 }
@@ -1812,7 +1812,7 @@ impl Vcpu<'_> {
                 self.advance()
             }
             CrAccess::Clts => {
-                let ts = 1u64 << 3;
+                let ts = policy::CR0_TS;
                 let c = f::GUEST_CR0.read(v)?;
                 f::GUEST_CR0.write(v, c & !ts)?;
                 let s = f::CR0_READ_SHADOW.read(v)?;
@@ -1821,8 +1821,9 @@ impl Vcpu<'_> {
             }
             CrAccess::Lmsw { source } => {
                 // LMSW loads CR0[3:0] but cannot clear PE.
+                let msw = policy::CR0_PE | policy::CR0_MP | policy::CR0_EM | policy::CR0_TS;
                 let s = f::CR0_READ_SHADOW.read(v)?;
-                let new = (s & !0xe) | (source as u64 & 0xf);
+                let new = (s & !(msw & !policy::CR0_PE)) | (source as u64 & msw);
                 let cr4 = f::CR4_READ_SHADOW.read(v)?;
                 let efer = f::GUEST_IA32_EFER.read(v)?;
                 match policy::cr0_write(new, f0, f1, cr4, efer) {
@@ -2019,9 +2020,9 @@ impl Vcpu<'_> {
         // code segment (an address-size prefix is then not seen).
         let mask = if self.vm.cfg.ins_outs_info {
             policy::address_size_mask(f::EXIT_INSTRUCTION_INFO.read(v)?)
-        } else if efer & policy::EFER_LMA != 0 && cs_ar & (1 << 13) != 0 {
+        } else if efer & policy::EFER_LMA != 0 && cs_ar & f::AR_L != 0 {
             u64::MAX
-        } else if cs_ar & (1 << 14) != 0 {
+        } else if cs_ar & f::AR_DB != 0 {
             0xffff_ffff
         } else {
             0xffff
@@ -2038,7 +2039,7 @@ impl Vcpu<'_> {
         let access = policy::StringAccess {
             write: io.input,
             user: cpu.cpl == 3,
-            write_protect: cr0 & (1 << 16) != 0,
+            write_protect: cr0 & policy::CR0_WP != 0,
             smap: cr4 & policy::CR4_SMAP != 0 && rflags & policy::RFLAGS_AC == 0 && cpu.cpl < 3,
         };
         let walk = if cr0 & policy::CR0_PG == 0 {
@@ -2085,7 +2086,7 @@ impl Vcpu<'_> {
             self.emulated_writes(&written);
         }
         self.cpu.regs.rax = saved;
-        let step = if rflags & (1 << 10) != 0 {
+        let step = if rflags & policy::RFLAGS_DF != 0 {
             (size as u64).wrapping_neg()
         } else {
             size as u64
