@@ -372,6 +372,9 @@ pub const AR_L: u32 = 1 << 13;
 /// Access rights bit 14, D/B: 32-bit default operand and address size
 /// (code), a 32-bit stack pointer (stack).
 pub const AR_DB: u32 = 1 << 14;
+/// Access rights of TR as the checks of VM entry require them: present,
+/// a system segment of type 11, a busy TSS.
+pub const AR_TSS_BUSY: u32 = 0x8b;
 
 impl GuestSegment {
     /// Writes all four fields.
