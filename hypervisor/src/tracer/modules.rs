@@ -107,6 +107,13 @@ pub(super) struct ModuleTrack {
 /// longest kernel symbol, its module's name and the mark).
 const UNLOADED_NAME_BYTES: usize = 512 + 64 + 16;
 
+/// The function tracer's user bit in a loading module's plan.
+const FUNCTION_BIT: u32 = 1 << 0;
+
+/// The graph sessions' user bits in a loading module's plan: session N's
+/// is bit N, for N from 1 to 15.
+const GRAPH_BITS: u32 = 0xfffe;
+
 /// The count's user bit in a loading module's plan (past the function
 /// tracer's bit 0 and the graph sessions' bits 1 to 15).
 const COUNT_BIT: u32 = 1 << 16;
@@ -377,8 +384,8 @@ impl Tracer<'_> {
     }
 
     /// What [`Self::follow_module`] hooks: each site with its function and
-    /// users (bit 0: the function tracer; bit N: graph session N;
-    /// [`COUNT_BIT`]: the count), and the
+    /// users ([`FUNCTION_BIT`]: the function tracer; bit N of
+    /// [`GRAPH_BITS`]: graph session N; [`COUNT_BIT`]: the count), and the
     /// graph sessions' new roots and `set_graph_notrace` functions (user,
     /// function, root).
     #[allow(clippy::type_complexity)]
@@ -416,7 +423,7 @@ impl Tracer<'_> {
         };
         for g in &self.vm.modules.function_globs {
             for fs in sites(core::slice::from_ref(g), true)? {
-                add(env, &fs, 1)?;
+                add(env, &fs, FUNCTION_BIT)?;
             }
         }
         for g in &self.vm.count.globs {
@@ -476,15 +483,14 @@ impl Tracer<'_> {
             let Some(u) = self.vm.view.sites.get_mut(&site) else {
                 continue;
             };
-            if bits & 1 != 0 && !u.function {
+            if bits & FUNCTION_BIT != 0 && !u.function {
                 u.function = true;
                 self.vm.probes.functions += 1;
             }
             if bits & COUNT_BIT != 0 && !u.counted {
                 self.vm.count.follow(u);
             }
-            // Graph sessions are bits 1 to 15.
-            u.graph |= (bits & 0xfffe) as u16;
+            u.graph |= (bits & GRAPH_BITS) as u16;
             hooked += 1;
         }
         for (user, func, root) in extra {
