@@ -48,9 +48,21 @@ pub const BTF_PREFIX: [u8; 8] = [0x9f, 0xeb, 0x01, 0x00, 0x18, 0x00, 0x00, 0x00]
 pub const MAX_BTF_BYTES: u64 = 32 << 20;
 /// Longest header accepted (the kernel's is 24 bytes).
 const MAX_HEADER: u32 = 4096;
-/// Most members one lookup visits, anonymous ones included (task_struct
-/// has a few hundred).
-const MAX_MEMBERS_VISITED: u32 = 100_000;
+/// Most members one lookup ([`Btf::member`]) visits, anonymous ones
+/// included (task_struct has a few hundred): past it the lookup fails with
+/// [`BtfError::Malformed`]. Anonymous members may nest, or in a forged blob
+/// contain themselves, so bounding the depth alone would leave the work
+/// exponential. Each visit is one step of the lookup (one
+/// [`Budget::pause`]), plus the steps of resolving an anonymous member's
+/// type ([`MAX_RESOLVE_STEPS`]).
+pub const MAX_MEMBERS_VISITED: u32 = 100_000;
+/// Most typedefs and qualifiers [`Btf::resolve`] follows (one step, one
+/// [`Budget::pause`], each) before it gives up with [`BtfError::BadId`]: a
+/// forged typedef may name itself.
+pub const MAX_RESOLVE_STEPS: u32 = 32;
+/// Most anonymous structs and unions [`Btf::member`] looks into, one inside
+/// the other.
+pub const MAX_ANONYMOUS_DEPTH: usize = 16;
 /// One checkpoint every this many type ids.
 const CHECKPOINT_EVERY: u32 = 64;
 /// Window of the sequential walks (parse, type search).
@@ -560,9 +572,10 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         block_on(self.resolve_paced(id, &Budget::unlimited()))
     }
 
-    /// [`Self::resolve`], pausing on `pace` between steps.
+    /// [`Self::resolve`], pausing on `pace` before each step (at most
+    /// [`MAX_RESOLVE_STEPS`]).
     pub async fn resolve_paced(&self, mut id: u32, pace: &Budget) -> Result<TypeInfo, BtfError> {
-        for _ in 0..32 {
+        for _ in 0..MAX_RESOLVE_STEPS {
             pace.pause().await;
             let t = self.type_info(id)?;
             if !t.kind.is_alias() {
@@ -575,12 +588,15 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
 
     /// The member `name` of struct or union `outer`, looking through
     /// anonymous struct and union members (depth-first, in declaration
-    /// order, at most 16 deep); the offset is from the start of `outer`.
+    /// order, at most [`MAX_ANONYMOUS_DEPTH`] deep, visiting at most
+    /// [`MAX_MEMBERS_VISITED`] members); the offset is from the start of
+    /// `outer`.
     pub fn member(&self, outer: &TypeInfo, name: &'static str) -> Result<Member, BtfError> {
         block_on(self.member_paced(outer, name, &Budget::unlimited()))
     }
 
-    /// [`Self::member`], pausing on `pace` between members.
+    /// [`Self::member`], pausing on `pace` before each member visited and
+    /// each struct or union left.
     pub async fn member_paced(
         &self,
         outer: &TypeInfo,
@@ -632,7 +648,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             if name_off == 0 {
                 // The frame on top is at depth `stack.len() - 1`.
                 let inner = self.resolve_paced(type_id, pace).await?;
-                if is_record(&inner) && stack.len() <= 16 {
+                if is_record(&inner) && stack.len() <= MAX_ANONYMOUS_DEPTH {
                     stack.push(Frame {
                         t: inner,
                         next: 0,

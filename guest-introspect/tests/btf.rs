@@ -5,7 +5,14 @@
 mod common;
 use test_support::synth;
 
-use guest_introspect::btf::{self, Btf, BtfError, Kind};
+use std::future::Future;
+use std::pin::pin;
+use std::task::Poll;
+
+use guest_introspect::btf::{
+    self, Btf, BtfError, Kind, MAX_ANONYMOUS_DEPTH, MAX_MEMBERS_VISITED, MAX_RESOLVE_STEPS,
+};
+use guest_introspect::budget::{poll_slice, Budget};
 use guest_introspect::scan::ScanStats;
 use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
@@ -140,8 +147,24 @@ fn corrupted_blobs_never_panic() {
     assert!(parsed < tried, "every corrupted blob parsed");
 }
 
+/// Runs `walk`, paced by `pace`, one step at a time: each poll is given a
+/// slice of no work, so it ends at the walk's next pause. Returns the
+/// result and the steps taken (polls, [`Budget::slices`]), or `None` when
+/// the walk has not ended after `max_steps`: a walk without a bound fails
+/// the test instead of hanging it.
+fn stepped<F: Future>(walk: F, pace: &Budget, max_steps: u64) -> (Option<F::Output>, u64) {
+    let mut walk = pin!(walk);
+    while pace.slices() < max_steps {
+        if let Poll::Ready(out) = poll_slice(walk.as_mut(), pace, 0) {
+            return (Some(out), pace.slices());
+        }
+    }
+    (None, pace.slices())
+}
+
 /// Self-referencing typedefs and deeply nested anonymous members end in an
-/// error, not a hang.
+/// error after a bounded number of steps, not a hang. The steps are
+/// counted, not timed.
 #[test]
 fn cycles_are_bounded() {
     let mut b = Builder::new();
@@ -162,11 +185,47 @@ fn cycles_are_bounded() {
     let blob = b.blob();
     let view = view_of(&blob, AT);
     let parsed = Btf::parse(&view, Gva(AT)).unwrap();
-    assert!(parsed.resolve(2).is_err());
-    assert!(btf::task_layout(&parsed).is_err());
-    let t0 = std::time::Instant::now();
-    assert!(btf::pcpu_hot_current_task(&parsed).is_err());
-    assert!(t0.elapsed().as_secs() < 5);
+    let types = u64::from(parsed.type_count());
+    let resolve_steps = u64::from(MAX_RESOLVE_STEPS);
+    let depth = MAX_ANONYMOUS_DEPTH as u64;
+    let visits = u64::from(MAX_MEMBERS_VISITED);
+    // Nothing is charged to it (the view is not metered): it only paces.
+    let pace = || Budget::new(u64::MAX);
+
+    // The typedef naming itself: one step per typedef followed, and a last
+    // poll for the result.
+    let bound = resolve_steps + 1;
+    let p = pace();
+    let (out, steps) = stepped(parsed.resolve_paced(2, &p), &p, bound);
+    assert_eq!(out, Some(Err(BtfError::BadId(2))), "after {steps} steps");
+
+    // task_struct's anonymous member contains itself: the search for `pid`
+    // goes MAX_ANONYMOUS_DEPTH deep (each anonymous member visited is two
+    // steps, the visit and the resolution of its type, and each struct
+    // entered one more to leave it), comes back, finds `pid`, and
+    // resolving its type, the looping typedef, fails. Before that, one step
+    // per type to find task_struct.
+    let bound = types + 3 * (depth + 1) + 1 + resolve_steps + 1;
+    let p = pace();
+    let (out, steps) = stepped(btf::task_layout_paced(&parsed, &p), &p, bound);
+    assert_eq!(out, Some(Err(BtfError::BadId(2))), "after {steps} steps");
+
+    // pcpu_hot's union holds three copies of itself: 3^16 paths within the
+    // depth bound, but the search gives up after MAX_MEMBERS_VISITED
+    // members. Each visit is a step and one more to resolve the member's
+    // type (a union: no typedef to follow), and each union entered takes
+    // a step to leave.
+    let bound = types + 3 * (visits + 1) + 1;
+    let p = pace();
+    let (out, steps) = stepped(btf::pcpu_hot_current_task_paced(&parsed, &p), &p, bound);
+    assert!(
+        matches!(out, Some(Err(BtfError::Malformed { .. }))),
+        "{out:?} after {steps} steps (at most {bound})"
+    );
+    // Run at once, the same walks give the same answers.
+    assert_eq!(btf::pcpu_hot_current_task(&parsed), out.unwrap());
+    assert_eq!(parsed.resolve(2), Err(BtfError::BadId(2)));
+    assert_eq!(btf::task_layout(&parsed), Err(BtfError::BadId(2)));
 }
 
 /// Enumerators: 32-bit (signed unless the kind flag says unsigned), 64-bit

@@ -35,11 +35,21 @@ impl Drop for Scratch {
     }
 }
 
+/// hvtrace, with nothing of the user's to find: no repository (guest
+/// images), and a default control socket under a directory that does not
+/// exist (the tests name theirs with `--socket`).
+fn hvtrace() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hvtrace"));
+    cmd.env("HVTRACE_ROOT", "/nonexistent-hvtrace-root")
+        .env_remove("XDG_RUNTIME_DIR")
+        .env("HVTRACE_TMPDIR", "/nonexistent-hvtrace-tmp");
+    cmd
+}
+
 /// Runs hvtrace and checks the one-line failure; returns the message.
 fn fails(args: &[&str]) -> String {
-    let output = Command::new(env!("CARGO_BIN_EXE_hvtrace"))
+    let output = hvtrace()
         .args(args)
-        .env("HVTRACE_ROOT", "/nonexistent-hvtrace-root")
         .stdin(Stdio::null())
         .output()
         .expect("cannot run hvtrace");
@@ -330,9 +340,8 @@ fn detach_refuses_a_taken_socket() {
 
 /// Runs hvtrace; returns the exit code, stdout and stderr.
 fn runs(args: &[&str]) -> (i32, String, String) {
-    let output = Command::new(env!("CARGO_BIN_EXE_hvtrace"))
+    let output = hvtrace()
         .args(args)
-        .env("HVTRACE_ROOT", "/nonexistent-hvtrace-root")
         .stdin(Stdio::null())
         .output()
         .expect("cannot run hvtrace");

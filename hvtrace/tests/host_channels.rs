@@ -68,10 +68,15 @@ fn spawn(cmd: &mut Command) -> std::io::Result<Child> {
 }
 
 /// Runs hvtrace with `env` added; returns the exit code, stdout and stderr.
+/// Without `XDG_RUNTIME_DIR` and `HVTRACE_TMPDIR` in `env`, the default
+/// socket is under a directory that does not exist, never the user's: a
+/// test that names none reaches no VM the user is running.
 fn runs_with(args: &[&str], env: &[(&str, &Path)]) -> (i32, Vec<u8>, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_hvtrace"));
     cmd.args(args)
         .env("HVTRACE_ROOT", "/nonexistent-hvtrace-root")
+        .env_remove("XDG_RUNTIME_DIR")
+        .env("HVTRACE_TMPDIR", "/nonexistent-hvtrace-tmp")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -110,7 +115,14 @@ fn the_default_socket_lives_in_a_private_runtime_directory() {
     std::fs::create_dir(&runtime).unwrap();
     set_mode(&runtime, 0o700);
     let sub = runtime.join("hvtrace");
-    let env = [("XDG_RUNTIME_DIR", runtime.as_path())];
+    // The fallback's base, in place of /tmp: a VM the user runs at the
+    // real default is never reached.
+    let tmp = scratch.0.join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let env = [
+        ("XDG_RUNTIME_DIR", runtime.as_path()),
+        ("HVTRACE_TMPDIR", tmp.as_path()),
+    ];
 
     // No VM: the client names the default socket and creates nothing.
     let (code, _, stderr) = runs_with(&["status"], &env);
@@ -150,11 +162,22 @@ fn the_default_socket_lives_in_a_private_runtime_directory() {
     assert!(msg.contains(&sub.display().to_string()), "{msg}");
 
     // A runtime directory that others can enter is not used at all: the
-    // default falls back to /tmp/hvtrace-$UID.
+    // default falls back to hvtrace-$UID in the temporary base (/tmp
+    // without HVTRACE_TMPDIR), which the client does not create either.
     set_mode(&runtime, 0o755);
-    let (_, _, stderr) = runs_with(&["status"], &env);
-    assert!(!stderr.contains(&runtime.display().to_string()), "{stderr}");
-    assert!(stderr.contains("/tmp/hvtrace-"), "{stderr}");
+    let euid = std::fs::metadata(&scratch.0).unwrap().uid();
+    let fallback = tmp.join(format!("hvtrace-{euid}"));
+    let (code, _, stderr) = runs_with(&["status"], &env);
+    let msg = failure(code, &stderr);
+    assert_eq!(
+        msg,
+        format!(
+            "no VM is running at {}: the control socket does not exist (start one with `hvtrace run --detach`)",
+            fallback.join("hvtrace.sock").display()
+        )
+    );
+    assert!(!msg.contains(&runtime.display().to_string()), "{msg}");
+    assert!(!fallback.exists());
 }
 
 #[test]
@@ -464,7 +487,11 @@ fn a_socket_pre_bound_by_another_uid_is_refused() {
     let squatter = as_nobody(&sub, &default_sock);
     set_mode(&runtime, 0o700);
     assert_eq!(std::fs::symlink_metadata(&sub).unwrap().uid(), NOBODY);
-    let env = [("XDG_RUNTIME_DIR", runtime.as_path())];
+    let tmp = scratch.0.join("tmp");
+    let env = [
+        ("XDG_RUNTIME_DIR", runtime.as_path()),
+        ("HVTRACE_TMPDIR", tmp.as_path()),
+    ];
     let owned_by_nobody = format!(
         "the control socket directory {} is owned by uid {NOBODY}, not you (uid 0); remove it or pass --socket",
         sub.display()

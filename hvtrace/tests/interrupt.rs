@@ -87,8 +87,12 @@ fn hello() -> Response {
 }
 
 fn spawn(args: &[&str]) -> Child {
+    // Every command names its socket; the default would be under a
+    // directory that does not exist, never the user's.
     Command::new(env!("CARGO_BIN_EXE_hvtrace"))
         .args(args)
+        .env_remove("XDG_RUNTIME_DIR")
+        .env("HVTRACE_TMPDIR", "/nonexistent-hvtrace-tmp")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

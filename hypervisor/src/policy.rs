@@ -9,14 +9,24 @@ pub const CPUID_1_ECX_VMX: u32 = 1 << 5;
 
 /// CR0.PE.
 pub const CR0_PE: u64 = 1 << 0;
+/// CR0.MP: monitor coprocessor.
+pub const CR0_MP: u64 = 1 << 1;
+/// CR0.EM: x87 emulation.
+pub const CR0_EM: u64 = 1 << 2;
+/// CR0.TS: task switched (CLTS clears it).
+pub const CR0_TS: u64 = 1 << 3;
 /// CR0.NE.
 pub const CR0_NE: u64 = 1 << 5;
+/// CR0.WP: supervisor writes honour read-only pages.
+pub const CR0_WP: u64 = 1 << 16;
 /// CR0.NW.
 pub const CR0_NW: u64 = 1 << 29;
 /// CR0.CD.
 pub const CR0_CD: u64 = 1 << 30;
 /// CR0.PG.
 pub const CR0_PG: u64 = 1 << 31;
+/// CR4.PSE: 4 MiB pages under 32-bit paging.
+pub const CR4_PSE: u64 = 1 << 4;
 /// CR4.PAE.
 pub const CR4_PAE: u64 = 1 << 5;
 /// CR4.LA57.
@@ -29,6 +39,8 @@ pub const CR4_PCIDE: u64 = 1 << 17;
 pub const CR4_SMAP: u64 = 1 << 21;
 /// RFLAGS.AC: alignment check, which with SMAP lets the kernel reach user pages.
 pub const RFLAGS_AC: u64 = 1 << 18;
+/// RFLAGS.DF: string instructions step down through memory.
+pub const RFLAGS_DF: u64 = 1 << 10;
 /// CR4.VMXE.
 pub const CR4_VMXE: u64 = 1 << 13;
 /// EFER.LME.

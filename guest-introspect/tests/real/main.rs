@@ -24,28 +24,20 @@ pub struct Recovered {
     pub tables: KallsymsTables,
     pub stats: LocateStats,
     pub index: SymbolIndex,
-    pub locate_time: std::time::Duration,
-    pub build_time: std::time::Duration,
 }
 
 fn recover(img: &common::Image) -> Recovered {
     let view = img.view();
     let ranges: Vec<GvaRange> = view.ranges().collect();
     let mut stats = LocateStats::default();
-    let t0 = std::time::Instant::now();
     let tables =
         locate(&view, &ranges, &mut stats).unwrap_or_else(|e| panic!("{}: {e}", img.release));
-    let locate_time = t0.elapsed();
-    let t0 = std::time::Instant::now();
     let index =
         SymbolIndex::build(&view, &tables).unwrap_or_else(|e| panic!("{}: {e}", img.release));
-    let build_time = t0.elapsed();
     Recovered {
         tables,
         stats,
         index,
-        locate_time,
-        build_time,
     }
 }
 

@@ -3,7 +3,10 @@
 //! A detached VM's supervisor serves one unix socket; whoever can connect
 //! can run commands in the guest and stop it. By default it is
 //! `$XDG_RUNTIME_DIR/hvtrace/hvtrace.sock` when `$XDG_RUNTIME_DIR` is a
-//! private directory of ours, else `/tmp/hvtrace-$UID/hvtrace.sock`. Its
+//! private directory of ours, else `/tmp/hvtrace-$UID/hvtrace.sock`
+//! (`$HVTRACE_TMPDIR/hvtrace-$UID/hvtrace.sock` when that variable names an
+//! absolute path: a test points the fallback at a scratch directory of its
+//! own with it, away from a VM the user may be running). Its
 //! directory is created with mode 0700 when a VM starts; one that is there
 //! already must be a real directory (not a symbolic link) of ours with mode
 //! 0700, or hvtrace refuses it (anyone can create `/tmp/hvtrace-$UID`
@@ -35,6 +38,9 @@ pub const RUNTIME_SUBDIR: &str = "hvtrace";
 /// Where the default socket's directory is without a usable
 /// `$XDG_RUNTIME_DIR`: `hvtrace-$UID` in here.
 pub const TMP_BASE: &str = "/tmp";
+/// The environment variable that names another base than [`TMP_BASE`] for
+/// the fallback; only an absolute path counts ([`tmp_base_from`]).
+pub const TMP_BASE_ENV: &str = "HVTRACE_TMPDIR";
 /// The mode of the default socket's directory: its owner's alone.
 pub const PRIVATE_DIR_MODE: u32 = 0o700;
 /// The mode of the socket file.
@@ -64,6 +70,17 @@ pub fn default_dir_from(runtime_dir: Option<OsString>, euid: u32, tmp: &Path) ->
             dir.join(RUNTIME_SUBDIR)
         }
         _ => tmp.join(format!("hvtrace-{euid}")),
+    }
+}
+
+/// The base of the fallback directory, given `$HVTRACE_TMPDIR`
+/// ([`TMP_BASE_ENV`]): that path when it is absolute, else [`TMP_BASE`]. The
+/// directory made in it is checked as the one in `/tmp` is
+/// ([`check_private_dir`]), whoever owns the base.
+pub fn tmp_base_from(var: Option<OsString>) -> PathBuf {
+    match var.map(PathBuf::from) {
+        Some(dir) if dir.is_absolute() => dir,
+        _ => PathBuf::from(TMP_BASE),
     }
 }
 
@@ -145,7 +162,7 @@ pub fn default_path(usage: Use) -> Result<PathBuf> {
     let dir = default_dir_from(
         std::env::var_os("XDG_RUNTIME_DIR"),
         euid,
-        Path::new(TMP_BASE),
+        &tmp_base_from(std::env::var_os(TMP_BASE_ENV)),
     );
     ensure_private_dir(&dir, euid, usage == Use::Serve)?;
     Ok(dir.join(SOCKET_NAME))
@@ -423,6 +440,12 @@ mod tests {
             fallback
         );
 
+        // The fallback's base: an absolute `$HVTRACE_TMPDIR`, else /tmp.
+        assert_eq!(tmp_base_from(Some(tmp.clone().into())), tmp);
+        for ignored in [None, Some("".into()), Some("relative/tmp".into())] {
+            assert_eq!(tmp_base_from(ignored), Path::new(TMP_BASE));
+        }
+
         // Connecting leaves a missing directory missing; serving creates it.
         ensure_private_dir(&fallback, euid, false).unwrap();
         assert!(!fallback.exists());
@@ -531,10 +554,20 @@ mod tests {
         check_path(&dir.join("no/such/s.sock"), euid).unwrap();
         check_path(Path::new("bare-name.sock"), euid).unwrap();
 
-        // A socket file already there must be ours (or root's). /tmp is
-        // root's and sticky, so only the file's owner counts there.
-        let in_tmp = PathBuf::from(format!(
-            "/tmp/hvtrace-socket-test-{}-owner.sock",
+        // A socket file already there must be ours (or root's). In a
+        // sticky directory of root's, as /tmp, only the file's owner
+        // counts. Root makes one in the scratch directory; anyone else
+        // needs a directory of root's, so uses /tmp itself.
+        let sticky = if euid == 0 {
+            let sticky = dir.join("sticky");
+            std::fs::create_dir(&sticky).unwrap();
+            set_mode(&sticky, 0o1777);
+            sticky
+        } else {
+            PathBuf::from("/tmp")
+        };
+        let in_tmp = sticky.join(format!(
+            "hvtrace-socket-test-{}-owner.sock",
             std::process::id()
         ));
         let _ = std::fs::remove_file(&in_tmp);

@@ -310,14 +310,28 @@ pub fn build_iso(dir: &Path, cfg: &RunConfig) -> Result<PathBuf> {
 mod tests {
     use super::*;
 
+    /// A private directory of the test's own in the system temp
+    /// directory, empty: the run directories of a test are made in it,
+    /// never beside those of real runs.
+    fn scratch(test: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("hvtrace-image-test-{}-{test}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        DirBuilder::new().mode(RUN_DIR_MODE).create(&dir).unwrap();
+        set_mode(&dir, RUN_DIR_MODE);
+        dir
+    }
+
     #[test]
     fn run_directories_are_private() {
-        let dir = create_run_dir().unwrap();
+        let euid = crate::sys::euid();
+        let parent = scratch("private");
+        let dir = create_run_dir_in(&parent, euid).unwrap();
         let meta = std::fs::symlink_metadata(&dir).unwrap();
         assert!(meta.is_dir());
         assert_eq!(meta.mode() & 0o7777, 0o700);
-        assert_eq!(meta.uid(), crate::sys::euid());
-        let other = create_run_dir().unwrap();
+        assert_eq!(meta.uid(), euid);
+        let other = create_run_dir_in(&parent, euid).unwrap();
         assert_ne!(dir, other);
 
         // A given directory that is missing is created private, parents too.
@@ -336,8 +350,7 @@ mod tests {
         std::fs::write(&file, b"x").unwrap();
         let e = format!("{:#}", ensure_run_dir(&file).unwrap_err());
         assert!(e.contains("is not a directory"), "{e}");
-        let _ = std::fs::remove_dir_all(&dir);
-        let _ = std::fs::remove_dir_all(&other);
+        let _ = std::fs::remove_dir_all(&parent);
     }
 
     /// A user who is neither us nor root.
@@ -355,7 +368,7 @@ mod tests {
     #[test]
     fn a_run_directory_others_could_swap_is_refused() {
         let euid = crate::sys::euid();
-        let base = create_run_dir().unwrap();
+        let base = scratch("swap");
         let parent = base.join("parent");
         let run = parent.join("run");
         std::fs::create_dir_all(&run).unwrap();

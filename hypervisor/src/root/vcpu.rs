@@ -595,8 +595,8 @@ pub fn setup(
         #[allow(clippy::indexing_slicing)]
         seg[i].write(v, data, 0, 0xffff_ffff, DATA_AR)?;
     }
-    seg[f::SEG_LDTR].write(v, 0, 0, 0, 1 << 16)?;
-    seg[f::SEG_TR].write(v, 0, 0, 0x67, 0x8b)?;
+    seg[f::SEG_LDTR].write(v, 0, 0, 0, hypervisor::task_switch::AR_UNUSABLE)?;
+    seg[f::SEG_TR].write(v, 0, 0, 0x67, f::AR_TSS_BUSY)?;
     f::GUEST_GDTR_BASE.write(v, entry.gdt.0)?;
     f::GUEST_GDTR_LIMIT.write(v, entry.gdt.1 as u32)?;
     f::GUEST_IDTR_BASE.write(v, 0)?;

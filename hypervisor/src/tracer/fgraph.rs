@@ -36,6 +36,7 @@ use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::StackMap;
 use protocol::{GraphFilter, TracerReport};
+use trampolines::ptregs::{KERNEL_CS, KERNEL_SS};
 use trampolines::PtRegs;
 
 /// The return-stack user of return probes; graph sessions are users 1..15.
@@ -946,10 +947,10 @@ fn retprobe_hits(
         di: g.rdi,
         orig_ax: u64::MAX,
         ip: caller,
-        cs: 0x10,
+        cs: KERNEL_CS,
         flags: 0,
         sp: retp.wrapping_add(8),
-        ss: 0x18,
+        ss: KERNEL_SS,
     };
     let syms = IndexSymbols::new(k.index(), Some(k.modules()));
     let mut mem = VcpuMem {

@@ -88,6 +88,11 @@ const UNLOADED_NAME_BYTES: usize = 512 + 64 + 16;
 
 /// The function tracer's user bit in a loading module's plan.
 const FUNCTION_BIT: u32 = 1 << 0;
+
+/// The graph sessions' user bits in a loading module's plan: session N's
+/// is bit N, for N from 1 to 15.
+const GRAPH_BITS: u32 = 0xfffe;
+
 /// The count's user bit in a loading module's plan (past the function
 /// tracer's bit 0 and the graph sessions' bits 1 to 15).
 const COUNT_BIT: u32 = 1 << 16;
@@ -361,8 +366,8 @@ impl Tracer<'_> {
     }
 
     /// What [`Self::follow_module`] hooks: each site with its function and
-    /// users (bit 0: the function tracer; bit N: graph session N;
-    /// [`COUNT_BIT`]: the count), and the
+    /// users ([`FUNCTION_BIT`]: the function tracer; bit N of
+    /// [`GRAPH_BITS`]: graph session N; [`COUNT_BIT`]: the count), and the
     /// graph sessions' new roots and `set_graph_notrace` functions (user,
     /// function, root).
     #[allow(clippy::type_complexity)]
@@ -468,7 +473,7 @@ impl Tracer<'_> {
                 self.vm.count.follow(u);
             }
             for n in 1..=MAX_GRAPH_SESSION {
-                if bits & 1 << n != 0 {
+                if bits & GRAPH_BITS & 1 << n != 0 {
                     let _ = u.users.join(User::Graph(n));
                 }
             }

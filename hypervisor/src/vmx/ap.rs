@@ -65,11 +65,10 @@ const INIT_CS_SELECTOR: u16 = 0xf000;
 const INIT_CS_BASE: u64 = 0xffff_0000;
 /// Real-mode access rights: present, S, type 11 (code, read, accessed)
 /// for CS, type 3 (data, write, accessed) for the others; LDTR type 2;
-/// TR type 11 (busy TSS, as VM entry requires of TR).
+/// TR type 11 (busy TSS, as VM entry requires of TR: [`f::AR_TSS_BUSY`]).
 const AR_CODE: u32 = 0x9b;
 const AR_DATA: u32 = 0x93;
 const AR_LDT: u32 = 0x82;
-const AR_TSS_BUSY: u32 = 0x8b;
 const REAL_LIMIT: u32 = 0xffff;
 
 /// The fixed bits of CR0 and CR4 under VMX (IA32_VMX_CR0_FIXED0/1,
@@ -110,7 +109,7 @@ pub fn write_init_state(
         match i {
             f::SEG_CS => seg.write(v, INIT_CS_SELECTOR, INIT_CS_BASE, REAL_LIMIT, AR_CODE)?,
             f::SEG_LDTR => seg.write(v, 0, 0, REAL_LIMIT, AR_LDT)?,
-            f::SEG_TR => seg.write(v, 0, 0, REAL_LIMIT, AR_TSS_BUSY)?,
+            f::SEG_TR => seg.write(v, 0, 0, REAL_LIMIT, f::AR_TSS_BUSY)?,
             _ => seg.write(v, 0, 0, REAL_LIMIT, AR_DATA)?,
         }
     }

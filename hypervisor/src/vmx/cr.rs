@@ -12,12 +12,10 @@ use crate::policy::{self, CrWrite};
 use protocol::GuardReport;
 use x86::vmx::vmcs::control::EntryControls;
 
-/// CR0.TS, which CLTS clears.
-pub const CR0_TS: u64 = 1 << 3;
 /// The CR0 bits LMSW loads (PE, MP, EM, TS).
-const LMSW_BITS: u64 = 0xf;
+const LMSW_BITS: u64 = policy::CR0_PE | policy::CR0_MP | policy::CR0_EM | policy::CR0_TS;
 /// The CR0 bits LMSW may clear (MP, EM, TS): it cannot clear PE.
-const LMSW_CLEARS: u64 = 0xe;
+const LMSW_CLEARS: u64 = LMSW_BITS & !policy::CR0_PE;
 /// CR8 (the task-priority register) has bits 3:0 only.
 const CR8_RESERVED: u64 = !0xf;
 
@@ -175,9 +173,9 @@ pub fn cr_access<C: CrRegs>(
         }
         CrAccess::Clts => {
             let c = cpu.get(CrReg::Cr0)?;
-            cpu.set(CrReg::Cr0, c & !CR0_TS)?;
+            cpu.set(CrReg::Cr0, c & !policy::CR0_TS)?;
             let s = cpu.get(CrReg::Cr0Shadow)?;
-            cpu.set(CrReg::Cr0Shadow, s & !CR0_TS)?;
+            cpu.set(CrReg::Cr0Shadow, s & !policy::CR0_TS)?;
             Ok(CrOutcome::Advance)
         }
         CrAccess::Lmsw { source } => {
@@ -214,7 +212,7 @@ fn paging_changed<C: CrRegs>(cpu: &mut C, efer: u64, cr0: u64) -> Result<(), C::
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{CR0_PE, CR0_PG, CR4_PAE, EFER_LMA, EFER_LME};
+    use crate::policy::{CR0_PE, CR0_PG, CR0_TS, CR4_PAE, EFER_LMA, EFER_LME};
     use std::collections::BTreeMap;
 
     /// The guest's registers in memory, with every access logged.

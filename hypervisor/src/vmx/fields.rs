@@ -366,6 +366,16 @@ pub const SEG_LDTR: usize = 6;
 /// TR.
 pub const SEG_TR: usize = 7;
 
+/// Access rights (VMCS format, SDM 25.4.1) bit 13, L: a 64-bit code
+/// segment.
+pub const AR_L: u32 = 1 << 13;
+/// Access rights bit 14, D/B: 32-bit default operand and address size
+/// (code), a 32-bit stack pointer (stack).
+pub const AR_DB: u32 = 1 << 14;
+/// Access rights of TR as the checks of VM entry require them: present,
+/// a system segment of type 11, a busy TSS.
+pub const AR_TSS_BUSY: u32 = 0x8b;
+
 impl GuestSegment {
     /// Writes all four fields.
     pub fn write(

@@ -18,6 +18,7 @@
 //! would choose the code an AP runs before it enters VMX.
 
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use hypervisor::apic::{X2APIC_ICR_MSR, XAPIC_ICR_HIGH, XAPIC_ICR_LOW};
 
 /// Root's CR3 for the AP (the page tables must lie below 4 GiB).
 #[unsafe(no_mangle)]
@@ -139,10 +140,6 @@ pub fn prepare(cr3: u64, stack_top: u64, index: usize) -> Result<(), ()> {
 
 /// IA32_APIC_BASE bit 10: the local APIC is in x2APIC mode.
 const APIC_BASE_EXTD: u64 = 1 << 10;
-/// The x2APIC ICR MSR.
-const X2APIC_ICR: u32 = 0x830;
-const XAPIC_ICR_LOW: u64 = 0x300;
-const XAPIC_ICR_HIGH: u64 = 0x310;
 /// ICR bit 12: the previous IPI is still being sent (xAPIC only).
 const ICR_BUSY: u32 = 1 << 12;
 
@@ -158,7 +155,9 @@ pub fn send_ipi(lapic: u64, dest: u32, low: u32) {
     if base & APIC_BASE_EXTD != 0 {
         // SAFETY: the x2APIC ICR takes any value; a bad one is an APIC
         // error, not a fault.
-        unsafe { super::instructions::wrmsr(X2APIC_ICR, (u64::from(dest) << 32) | u64::from(low)) };
+        unsafe {
+            super::instructions::wrmsr(X2APIC_ICR_MSR, (u64::from(dest) << 32) | u64::from(low))
+        };
         return;
     }
     let high = (lapic + XAPIC_ICR_HIGH) as *mut u32;

@@ -101,7 +101,7 @@ pub(super) fn legacy_paging(v: &Vmcs, cr3: u64, cr4: u64) -> Result<LegacyPaging
     } else {
         LegacyPaging::Bits32 {
             cr3: cr3 as u32,
-            pse: cr4 & (1 << 4) != 0,
+            pse: cr4 & policy::CR4_PSE != 0,
         }
     })
 }

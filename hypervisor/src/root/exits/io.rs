@@ -155,9 +155,9 @@ impl Vcpu<'_> {
         // code segment (an address-size prefix is then not seen).
         let mask = if self.vm.cfg.ins_outs_info {
             policy::address_size_mask(f::EXIT_INSTRUCTION_INFO.read(v)?)
-        } else if efer & policy::EFER_LMA != 0 && cs_ar & (1 << 13) != 0 {
+        } else if efer & policy::EFER_LMA != 0 && cs_ar & f::AR_L != 0 {
             u64::MAX
-        } else if cs_ar & (1 << 14) != 0 {
+        } else if cs_ar & f::AR_DB != 0 {
             0xffff_ffff
         } else {
             0xffff
@@ -174,7 +174,7 @@ impl Vcpu<'_> {
         let access = policy::StringAccess {
             write: io.input,
             user: cpu.cpl == 3,
-            write_protect: cr0 & (1 << 16) != 0,
+            write_protect: cr0 & policy::CR0_WP != 0,
             smap: cr4 & policy::CR4_SMAP != 0 && rflags & policy::RFLAGS_AC == 0 && cpu.cpl < 3,
         };
         let walk = if cr0 & policy::CR0_PG == 0 {
@@ -221,7 +221,7 @@ impl Vcpu<'_> {
             self.emulated_writes(&written);
         }
         self.cpu.regs.rax = saved;
-        let step = if rflags & (1 << 10) != 0 {
+        let step = if rflags & policy::RFLAGS_DF != 0 {
             (size as u64).wrapping_neg()
         } else {
             size as u64
