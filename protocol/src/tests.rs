@@ -887,7 +887,7 @@ fn fatal_wire(reason: &str) -> Vec<u8> {
 
 #[test]
 fn the_fatal_encoder_writes_what_encode_writes() {
-    // As docs/ARCHITECTURE.md (Fatal path) states it.
+    // As docs/MACHINE.md (Fatal path) states it.
     const _: () = assert!(FATAL_WIRE_MAX == 498);
     let mut reasons: Vec<String> = vec![
         String::new(),

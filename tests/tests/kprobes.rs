@@ -1886,7 +1886,7 @@ fn module_code(
     // The graph session that follows the module (below) hijacks the
     // returns of hvtarget_sum and hvtarget_leaf before the guest's
     // function tracer, chained after ours, reads their return slots: it
-    // prints our return trampoline as their parent (ARCHITECTURE.md, the
+    // prints our return trampoline as their parent (docs/TRACER.md, the
     // guest's unwinder). Ours names it; otherwise the lines are the same.
     let tramp = status(c).tracer.trampolines;
     let in_tramp = |parent: &str| {
