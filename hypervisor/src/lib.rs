@@ -1,13 +1,19 @@
 //! The host-testable logic of the hvtrace hypervisor.
 //!
 //! The bare-metal binary (`src/root/`, built only with the `bare-metal`
-//! feature for `x86_64-unknown-none`) is glue over these modules: the typed
-//! VMCS fields, the exit decoder, the EPT builder, the exit policy (CPUID,
-//! MSR, CR, I/O decisions), the task-switch emulation, ACPI table lookups,
-//! the exit counters, the kprobe_events language and the tracer. None of
-//! them executes a privileged instruction; they reach hardware only through
-//! the small traits they define (`VmcsIo`, `RawMemory`, `TableStore`,
-//! `tracer::machine::Machine`), which the tests implement in memory.
+//! feature for `x86_64-unknown-none`) holds root's VMCS and `asm!` glue,
+//! its run loop and its machinery (frames, heap, stacks, SMP bring-up, the
+//! consoles); its decisions are here: the typed VMCS fields, the exit
+//! decoder and where each exit goes (`vmx::route`), the exits the policy
+//! answers (`vmx::handle`), control-register and port exits (`vmx::cr`,
+//! `vmx::port`), the EPT builder, the CPUID, MSR, CR and I/O policy, PCI
+//! filtering, the APIC store decoder, the task-switch emulation, ACPI
+//! table lookups, the exit counters, the kprobe_events language and the
+//! tracer. None of them executes a privileged instruction; they reach
+//! hardware only through the small traits they define (among them
+//! `VmcsIo`, `HostCpu`, `CrRegs`, `RawMemory`, `TableStore`, `GuestDoor`,
+//! `tracer::machine::Machine` and `tracer::machine::KernelView`), which
+//! the tests implement in memory.
 #![cfg_attr(not(test), no_std)]
 #![cfg_attr(
     not(test),
