@@ -19,6 +19,7 @@ use hypervisor::outq::{Lane, OutQueue};
 use hypervisor::stats::RootWork;
 use hypervisor::tracer::door::{self, Needs};
 use hypervisor::tracer::machine::KernelView;
+use hypervisor::tracer::turn::Outbox;
 use hypervisor::tracer::{ReqError, Tracer};
 use protocol::{
     Body, ChannelReport, DecodeError, ErrorKind, Event, ExitCount, Frame, FrameDecoder, GuestState,
@@ -870,6 +871,25 @@ fn world_request<R>(
         tracer.settle_views(k.map(|k| k as &dyn KernelView), env);
         r
     })
+}
+
+/// The control channel as the stream's turn sends through it.
+impl Outbox for Control {
+    fn room(&self) -> usize {
+        self.tx_room()
+    }
+
+    fn send(&mut self, event: Event) {
+        self.send_event(event);
+    }
+
+    fn sending_modules(&self) -> bool {
+        Control::sending_modules(self)
+    }
+
+    fn take_context_resend(&mut self) -> bool {
+        Control::take_context_resend(self)
+    }
 }
 
 /// A request the tracer serves, through its door, with what it needs:

@@ -52,6 +52,7 @@ mod stream;
 pub mod symbols;
 #[cfg(test)]
 mod tests;
+pub mod turn;
 mod users;
 mod vm_state;
 

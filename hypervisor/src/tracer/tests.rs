@@ -3457,3 +3457,121 @@ fn the_request_door_serves_the_tracers_requests_with_what_they_need() {
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::Internal);
 }
+
+// ----- the turn door -----------------------------------------------------
+
+#[test]
+fn the_turn_door_reads_the_vcpu_only_when_its_view_is_due() {
+    let mut g = Guest::new();
+    filtered_session(&mut g, Some("worker"), None);
+    switch_to(&mut g, 0, TASK, STACK_BASE);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+    g.with(|t, env, _| {
+        t.graph_stop(None, env).unwrap();
+        t.settle_views(None, env);
+    });
+    // A session on pid 42, which vCPU 0 runs now: its next turn reads the
+    // vCPU once and arms it.
+    filtered_session(&mut g, None, Some(42));
+    let cpu = g.cpu(RETP);
+    let now = g.now_ns;
+    let mut reads = 0;
+    let done = g
+        .with(|t, env, k| {
+            t.turn(
+                env,
+                Some(k),
+                || {
+                    reads += 1;
+                    Ok::<_, ()>(cpu.clone())
+                },
+                now,
+            )
+        })
+        .unwrap();
+    assert!(done.view_picked && !done.debug_exits, "{done:?}");
+    assert_eq!(reads, 1);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    // Nothing changed since: the vCPU is not read, and a read that would
+    // fail does not matter.
+    let done = g
+        .with(|t, env, k| t.turn(env, Some(k), || Err("not read"), now))
+        .unwrap();
+    assert!(!done.view_picked);
+    // A change again, and a read that fails: the error comes back, and the
+    // view is left for the next turn.
+    g.with(|t, env, _| {
+        t.graph_stop(None, env).unwrap();
+        t.settle_views(None, env);
+    });
+    let e = g
+        .with(|t, env, k| t.turn(env, Some(k), || Err("VMREAD failed"), now))
+        .unwrap_err();
+    assert_eq!(e, "VMREAD failed");
+    assert!(g.tracer().view_due());
+}
+
+/// The control channel as a test sees it.
+#[derive(Default)]
+struct TestOutbox {
+    room: usize,
+    sent: Vec<Event>,
+    modules: bool,
+    resend: bool,
+}
+
+impl super::turn::Outbox for TestOutbox {
+    fn room(&self) -> usize {
+        self.room
+    }
+    fn send(&mut self, event: Event) {
+        self.sent.push(event);
+    }
+    fn sending_modules(&self) -> bool {
+        self.modules
+    }
+    fn take_context_resend(&mut self) -> bool {
+        core::mem::take(&mut self.resend)
+    }
+}
+
+#[test]
+fn the_stream_turn_waits_for_the_modules_then_sends_what_fits() {
+    let mut g = Guest::new();
+    g.probe("p:myprobe my_func x=%di").unwrap();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    g.hit(FUNC, RETP, CALLER_RET, 42);
+    let cpu = g.cpu(RETP);
+    let now = g.now_ns;
+    let mut out = TestOutbox {
+        room: 1 << 20,
+        modules: true,
+        ..TestOutbox::default()
+    };
+    // A copy of the modules' symbols on its way: the records wait, and
+    // the turns stay busy.
+    let waiting = g.with(|t, _, k| t.stream_turn(&mut out, Some(k), &cpu, now));
+    assert!(out.sent.is_empty(), "{:?}", out.sent);
+    assert!(waiting);
+    // No room: still nothing.
+    out.modules = false;
+    out.room = 0;
+    let waiting = g.with(|t, _, k| t.stream_turn(&mut out, Some(k), &cpu, now));
+    assert!(out.sent.is_empty() && waiting);
+    // Room: the probe's line goes out, and nothing waits any more.
+    out.room = 1 << 20;
+    let waiting = g.with(|t, _, k| t.stream_turn(&mut out, Some(k), &cpu, now));
+    let text: String = out
+        .sent
+        .iter()
+        .map(|e| match e {
+            Event::TraceText { text, .. } => text.clone(),
+            other => panic!("unexpected event {other:?}"),
+        })
+        .collect();
+    assert!(
+        text.contains("sleeper-42") && text.contains("myprobe: (my_func+0x0/"),
+        "{text}"
+    );
+    assert!(!waiting);
+}

@@ -87,25 +87,25 @@ impl Vcpu<'_> {
         let mut busy = false;
         self.cpu.last_turn_tsc = insn::rdtsc();
         self.cpu.last_turn = self.vm.clock.update(self.cpu.last_turn_tsc);
-        with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
-            tracer!(self).on_turn(env)
+        let now = self.now_ns();
+        let kernel = self.vm.introspection.take_kernel();
+        let done = with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
+            let k = kernel.as_ref().map(|k| k as &dyn KernelView);
+            tracer!(self).turn(env, k, cpu_view, now)
         });
-        if tracer!(self).view_due() {
+        self.vm.introspection.put_kernel(kernel);
+        let done = done?;
+        if done.view_picked {
             // The sessions that filter by pid or comm changed: the view for
             // the task this vCPU runs now.
-            let cpu = self.cpu_view()?;
-            let now = self.now_ns();
-            let kernel = self.vm.introspection.take_kernel();
-            tracer!(self).turn_view(kernel.as_ref().map(|k| k as &dyn KernelView), &cpu, now);
-            self.vm.introspection.put_kernel(kernel);
             switch_view(self.cpu)?;
         }
         // #DB exits follow the tracer: on every vCPU while a step ended by
         // force may have left TF in a context that resumes anywhere.
-        let want = tracer!(self).wants_debug_exits();
-        if want != self.cpu.debug_exits {
-            f::EXCEPTION_BITMAP.write(&mut Vmcs, if want { 1 << DB } else { 0 })?;
-            self.cpu.debug_exits = want;
+        if done.debug_exits != self.cpu.debug_exits {
+            let bitmap = if done.debug_exits { 1 << DB } else { 0 };
+            f::EXCEPTION_BITMAP.write(&mut Vmcs, bitmap)?;
+            self.cpu.debug_exits = done.debug_exits;
         }
         if self.cpu.index == 0 {
             self.resend_sipis();
@@ -135,28 +135,15 @@ impl Vcpu<'_> {
             };
             stop = c.poll(&mut src) == Action::Stop;
             let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
-            tracer!(self).reap(kernel, &cpu, now);
-            let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
             // A new copy of the modules' symbols goes before the records,
             // which may name the modules' code (the host renders them).
             c.export_turn(kernel);
             // When the host reads the record rings, the context goes out
             // in this turn whatever else is under way (see
-            // `Stream::next_records`); the host holds the records while a
-            // copy of the modules' symbols is on its way.
-            if !c.sending_modules() || tracer!(self).host_reads() {
-                while let Some(ev) = tracer!(self).next_text(c.tx_room(), kernel, now) {
-                    c.send_event(ev);
-                }
-            }
-            if c.take_context_resend() {
-                tracer!(self).resend_context();
-            }
-            if tracer!(self).doorbell(now) {
-                c.send_event(protocol::Event::TraceDoorbell);
-            }
+            // `Stream::next_records`).
+            let output = tracer!(self).stream_turn(c, kernel, &cpu, now);
             c.flush();
-            busy = c.busy() || tracer!(self).has_output();
+            busy = c.busy() || output;
         }
         let per_sec = if busy {
             BUSY_TURNS_PER_SEC
