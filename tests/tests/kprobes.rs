@@ -1517,6 +1517,15 @@ fn module_code(
     stream: &mut Stream,
     run_dir: Option<&std::path::Path>,
 ) {
+    module_pending_probe_fires_at_load(ck, c, stream);
+    module_symbols_match_the_guests(ck, c, run_dir);
+    let session = module_probe_and_functions_match_the_guests(ck, c, stream);
+    module_unload_with_everything_on(ck, c, session);
+    module_reload_follows_globs_and_init_probes(ck, c, stream);
+    module_churn_leaves_no_trace(ck, c, stream);
+}
+
+fn module_pending_probe_fires_at_load(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
     // Pending, ours and the guest's.
     match call(
         c,
@@ -1577,7 +1586,13 @@ fn module_code(
         t.module_loads >= 1 && t.module_armed == 1 && t.pending_probes == 0,
         format!("loads and armed probes: {t:?}"),
     );
+}
 
+fn module_symbols_match_the_guests(
+    ck: &mut Checks,
+    c: &mut Client,
+    run_dir: Option<&std::path::Path>,
+) {
     // Symbols.
     let t0 = Instant::now();
     let ours = module_symbols(c, "hvtarget");
@@ -1658,7 +1673,13 @@ fn module_code(
         report.error.is_none() && report.modules >= 1,
         format!("module walk: {report:?}"),
     );
+}
 
+fn module_probe_and_functions_match_the_guests(
+    ck: &mut Checks,
+    c: &mut Client,
+    stream: &mut Stream,
+) -> Option<(u32, u32)> {
     // The probe over pokes, against the guest's.
     match call(
         c,
@@ -1743,8 +1764,10 @@ fn module_code(
     // hvtarget_poke, hvtarget_sum and five hvtarget_leaf calls.
     ck.eq("guest function lines for one poke of 5", g.len(), 7);
     ck.eq("our module function lines equal the guest's", &o, &g);
-    let session = module_graph(ck, c, stream);
+    module_graph(ck, c, stream)
+}
 
+fn module_unload_with_everything_on(ck: &mut Checks, c: &mut Client, session: Option<(u32, u32)>) {
     // Unload with all of it on the module.
     let before = status(c).tracer;
     let out = exec(
@@ -1795,7 +1818,13 @@ fn module_code(
         matches!(call(c, Request::FunctionClear), Response::Ok),
         "function clear",
     );
+}
 
+fn module_reload_follows_globs_and_init_probes(
+    ck: &mut Checks,
+    c: &mut Client,
+    stream: &mut Stream,
+) {
     // Module globs, set while the module is out, cover it from its next
     // load on: our function tracer on `hvtarget:hvtarget_*` against the
     // guest's cached `:mod:` filter, and a graph session rooted at
@@ -1916,7 +1945,9 @@ fn module_code(
     if let Some((session, mut text)) = follow {
         followed_graph(ck, c, stream, session, &mut text);
     }
+}
 
+fn module_churn_leaves_no_trace(ck: &mut Checks, c: &mut Client, stream: &Stream) {
     // Churn: unload, load and poke, 20 times, with the probe armed.
     // Frames are not among the figures: EPT tables made to split a large
     // page for a module page stay (bounded by guest RAM), and a module
