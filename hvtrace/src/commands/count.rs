@@ -16,7 +16,8 @@ use protocol::{CountFilter, FunctionCount, HistFilter, HistRow, Request, Respons
 
 use crate::client::{response_error, Control};
 use crate::commands::cli::{AggregateArgs, CountArgs, HistArgs, HistKeyArg};
-use crate::commands::ctl::{self, open, PROBE_TIMEOUT, STATUS_TIMEOUT};
+use crate::commands::ctl::{self, open};
+use crate::commands::timeouts::{PROBE_TIMEOUT, STATUS_TIMEOUT};
 use crate::output::json::{self, Json};
 use crate::output::term;
 use crate::sys;

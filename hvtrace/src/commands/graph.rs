@@ -24,7 +24,8 @@ use protocol::{GraphFilter, Request, Response, TraceFormat};
 
 use crate::client::{response_error, Control};
 use crate::commands::cli::{GraphArgs, GraphFilterArgs};
-use crate::commands::ctl::{self, PROBE_TIMEOUT};
+use crate::commands::ctl;
+use crate::commands::timeouts::PROBE_TIMEOUT;
 use crate::commands::trace_read::{self, CopyEnd, TraceOutput, TraceReader};
 use crate::sys;
 

@@ -7,4 +7,5 @@ pub mod count;
 pub mod ctl;
 pub mod graph;
 pub mod run;
+pub mod timeouts;
 pub mod trace_read;

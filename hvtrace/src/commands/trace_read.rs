@@ -12,7 +12,7 @@ use protocol::{ErrorKind, Request, Response, TraceFormat};
 
 use crate::client::{response_error, Control, SupervisorGone};
 use crate::commands::cli::OutputFormatArg;
-use crate::commands::ctl::PROBE_TIMEOUT;
+use crate::commands::timeouts::PROBE_TIMEOUT;
 use crate::output::chrome::{Chrome, ChromeSummary};
 use crate::output::term::{self, Mode};
 use crate::sys;
