@@ -18,7 +18,7 @@ use ::hypervisor::kprobe;
 use anyhow::{bail, Result};
 use protocol::{Request, Response};
 
-use crate::client::{response_error, Client, Control};
+use crate::client::Client;
 use crate::commands::cli::{
     DetailedError, ExecArgs, ProbeAddArgs, ProbeDelArgs, ProbeListArgs, StatusArgs, StopArgs,
     SymsArgs, TraceArgs,
@@ -26,12 +26,13 @@ use crate::commands::cli::{
 use crate::commands::trace_read::{
     copy_trace, stdout_for, CopyEnd, TraceOutput, TraceReader, FOLLOW_WAIT_MS,
 };
+use crate::control::{response_error, Control};
 use crate::output::report::{
     added_line, function_summary, probe_line, render_stop, status_json, status_text, symbol_line,
     Status,
 };
-use crate::output::term::{self, Mode};
 use crate::sys;
+use crate::term::{self, Mode};
 
 // The request deadlines live in `timeouts`, which the trace reader uses
 // too; they stay reachable here under their old paths.

@@ -134,7 +134,7 @@ fn note_at(start: Instant, message: &str) {
     eprintln!(
         "[{:7.1}s] {}",
         start.elapsed().as_secs_f64(),
-        crate::output::term::sanitize(message)
+        crate::term::sanitize(message)
     );
 }
 
@@ -912,8 +912,8 @@ impl Refusal {
 
 /// The answer to `Exec`: output that does not fit one frame goes first, in
 /// `Log` events of at most [`EXEC_CHUNK`] bytes (cut at character
-/// boundaries), and the response carries the rest;
-/// [`crate::client::Client::call`] puts the pieces together again.
+/// boundaries), and the response carries the rest; the client
+/// (`Client::call`) puts the pieces together again.
 pub fn exec_reply(output: String, status: i32) -> Reply {
     let mut chunks = Vec::new();
     let mut rest = output.as_str();

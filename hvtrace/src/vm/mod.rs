@@ -162,7 +162,7 @@ impl Shared {
             eprintln!(
                 "[{:7.1}s] {}",
                 self.start.elapsed().as_secs_f64(),
-                crate::output::term::sanitize(message)
+                crate::term::sanitize(message)
             );
         }
     }
