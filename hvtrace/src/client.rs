@@ -21,20 +21,21 @@ use anyhow::{anyhow, bail, Result};
 use protocol::io::{FrameReader, FrameWriter, ReadError};
 use protocol::{Body, Event, Frame, Request, Response, PROTOCOL_VERSION};
 
+use crate::control::mismatch;
 use crate::daemon::link::SeqCounter;
 use crate::sys;
+
+// What answers requests and how a wrong answer reads are `control`'s; the
+// `Hello` word for persisting sessions is the supervisor's, which reads it.
+// They stay reachable here under their old paths.
+pub use crate::control::{response_error, Control};
+pub use crate::daemon::owners::PERSIST_WORD;
 
 /// The name the client gives in `Hello`.
 pub const CLIENT_NAME: &str = concat!("hvtrace ", env!("CARGO_PKG_VERSION"));
 
 /// How long `Hello` may take.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The word in the `Hello` client name that asks the supervisor to leave
-/// this connection's function-graph sessions running when it closes
-/// (`hvtrace graph --persist`). The supervisor reads it; the hypervisor
-/// only logs the name.
-pub const PERSIST_WORD: &str = "persist-graph-sessions";
 
 /// A read of the socket that a Ctrl-C should end waits at most this long
 /// before it looks again (a signal that arrives just before the read
@@ -253,17 +254,6 @@ impl Client {
     }
 }
 
-/// What answers requests: a [`Client`] of a VM's control socket, or a
-/// supervisor in this process ([`crate::daemon::local::LocalControl`]). The
-/// commands that both `hvtrace run` and the control commands use are
-/// written against it.
-pub trait Control {
-    /// Sends `request` and returns its response, waiting up to `timeout`.
-    /// Events that come with the response are left out (the output of an
-    /// `Exec` is put back together first).
-    fn request(&mut self, request: Request, timeout: Duration) -> Result<Response>;
-}
-
 impl Control for Client {
     fn request(&mut self, request: Request, timeout: Duration) -> Result<Response> {
         Ok(self.call(request, timeout)?.response)
@@ -305,21 +295,6 @@ pub fn connect_error(path: &Path, e: &io::Error) -> anyhow::Error {
     }
 }
 
-/// Turns a response that is not the expected one into an error.
-pub fn response_error(response: Response) -> anyhow::Error {
-    match response {
-        Response::Error { message, .. } => anyhow!("{}", one_line(&message)),
-        Response::VersionMismatch { ours, .. } => mismatch(ours),
-        other => anyhow!("unexpected answer: {other:?}"),
-    }
-}
-
-fn mismatch(theirs: u16) -> anyhow::Error {
-    anyhow!(
-        "protocol version mismatch: the hypervisor speaks version {theirs}, this hvtrace speaks version {PROTOCOL_VERSION} (use the hvtrace that started the VM)"
-    )
-}
-
 /// The supervisor hung up: the VM has ended (or the supervisor died).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SupervisorGone;
@@ -344,14 +319,6 @@ fn is_disconnect(e: &io::Error) -> bool {
             | io::ErrorKind::ConnectionAborted
             | io::ErrorKind::UnexpectedEof
     )
-}
-
-fn one_line(text: &str) -> String {
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 #[cfg(test)]

@@ -18,9 +18,11 @@
 
 pub mod client;
 pub mod commands;
+pub mod control;
 pub mod daemon;
 pub mod output;
 pub mod sys;
+pub mod term;
 pub mod vm;
 
 pub use vm::config::{Emulator, EmulatorChoice, Guest, RunConfig};

@@ -7,7 +7,7 @@ use clap::Parser;
 
 use hvtrace::commands::cli::{one_line_error, Cli, Command, DetailedError, ProbeCommand};
 use hvtrace::daemon::socket::Use;
-use hvtrace::output::term::sanitize;
+use hvtrace::term::sanitize;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -44,7 +44,7 @@ fn main() -> ExitCode {
     }
     let result = match &cli.command {
         Command::Run(args) if args.detach => {
-            socket().and_then(|s| hvtrace::daemon::detach::run(args, &s))
+            socket().and_then(|s| hvtrace::commands::detach::run(args, &s))
         }
         Command::Run(args) => hvtrace::commands::run::run(args),
         Command::Status(args) => socket().and_then(|s| hvtrace::commands::ctl::status(&s, args)),
@@ -66,7 +66,7 @@ fn main() -> ExitCode {
             socket().and_then(|s| hvtrace::commands::count::count(&s, args, true))
         }
         Command::Supervise(args) => {
-            socket().and_then(|s| hvtrace::daemon::serve::supervise(&s, args))
+            socket().and_then(|s| hvtrace::commands::detach::supervise(&s, args))
         }
     };
     match result {

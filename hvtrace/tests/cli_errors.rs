@@ -5,10 +5,17 @@
 //! The control commands are checked against a missing socket, a stale one
 //! and a fake supervisor (version mismatch, ended VM).
 //!
+//! The runs that only need a command line (and a few scratch files and
+//! sockets) are the rows of one table, [`ROWS`]: each gives the arguments,
+//! the exit code and what the error line must say, and a failing row is
+//! named in the failure. The runs with a fake supervisor, a timing or more
+//! than one line to check are tests of their own.
+//!
 //! Run: `cargo test -p hvtrace --test cli_errors`
 
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 
 /// A scratch directory, removed when dropped.
 struct Scratch(PathBuf);
@@ -35,39 +42,47 @@ impl Drop for Scratch {
     }
 }
 
-/// hvtrace, with nothing of the user's to find: no repository (guest
-/// images), and a default control socket under a directory that does not
-/// exist (the tests name theirs with `--socket`).
-fn hvtrace() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hvtrace"));
-    cmd.env("HVTRACE_ROOT", "/nonexistent-hvtrace-root")
+/// Runs hvtrace with `args` and nothing of the user's to find: no stdin,
+/// no repository (`HVTRACE_ROOT` pointing nowhere, so that no kernel,
+/// initramfs or hypervisor can be built), and a default control socket
+/// under a directory that does not exist (the tests name theirs with
+/// `--socket`).
+fn run_hvtrace(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hvtrace"))
+        .env("HVTRACE_ROOT", "/nonexistent-hvtrace-root")
         .env_remove("XDG_RUNTIME_DIR")
-        .env("HVTRACE_TMPDIR", "/nonexistent-hvtrace-tmp");
-    cmd
-}
-
-/// Runs hvtrace and checks the one-line failure; returns the message.
-fn fails(args: &[&str]) -> String {
-    let output = hvtrace()
+        .env("HVTRACE_TMPDIR", "/nonexistent-hvtrace-tmp")
         .args(args)
         .stdin(Stdio::null())
         .output()
-        .expect("cannot run hvtrace");
+        .expect("cannot run hvtrace")
+}
+
+/// Checks that a run of hvtrace with `args` failed with one
+/// `hvtrace: error:` line on stderr, nothing on stdout and no sign of a
+/// panic or of clap's usage text; returns the message after the prefix, or
+/// what is wrong.
+fn one_error_line(args: &[&str], output: &Output) -> Result<String, String> {
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(!output.status.success(), "{args:?} succeeded: {stderr}");
-    assert!(
-        output.stdout.is_empty(),
-        "{args:?} printed on stdout: {:?}",
-        String::from_utf8_lossy(&output.stdout)
-    );
+    if output.status.success() {
+        return Err(format!("{args:?} succeeded: {stderr}"));
+    }
+    if !output.stdout.is_empty() {
+        return Err(format!(
+            "{args:?} printed on stdout: {:?}",
+            String::from_utf8_lossy(&output.stdout)
+        ));
+    }
     let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(
-        lines.len(),
-        1,
-        "{args:?} did not print exactly one line: {stderr:?}"
-    );
+    if lines.len() != 1 {
+        return Err(format!(
+            "{args:?} did not print exactly one line: {stderr:?}"
+        ));
+    }
     let line = lines[0];
-    assert!(line.starts_with("hvtrace: error: "), "{args:?}: {line:?}");
+    let Some(msg) = line.strip_prefix("hvtrace: error: ") else {
+        return Err(format!("{args:?}: {line:?}"));
+    };
     for bad in [
         "panicked",
         "backtrace",
@@ -75,143 +90,563 @@ fn fails(args: &[&str]) -> String {
         "Caused by",
         "Usage:",
     ] {
-        assert!(!line.contains(bad), "{args:?}: {line:?}");
+        if line.contains(bad) {
+            return Err(format!("{args:?}: {line:?}"));
+        }
     }
-    line["hvtrace: error: ".len()..].to_string()
+    Ok(msg.to_string())
 }
 
-#[test]
-fn missing_kernel() {
-    let msg = fails(&["run", "--bare", "--kernel", "/nonexistent/bzImage"]);
-    assert!(
-        msg.contains("kernel /nonexistent/bzImage not found"),
-        "{msg}"
-    );
+/// Runs hvtrace and checks the one-line failure; returns the message.
+fn fails(args: &[&str]) -> String {
+    one_error_line(args, &run_hvtrace(args)).unwrap_or_else(|why| panic!("{why}"))
 }
 
-#[test]
-fn missing_initrd() {
-    let scratch = Scratch::new("initrd");
-    let kernel = scratch.file("bzImage");
-    let msg = fails(&[
-        "run",
-        "--bare",
-        "--kernel",
-        &kernel,
-        "--initrd",
-        "/nonexistent/initrd",
-    ]);
-    assert!(
-        msg.contains("initrd /nonexistent/initrd not found"),
-        "{msg}"
-    );
+// ----- the table: bad options, missing files, no VM -----
+
+/// What a row expects. `{scratch}` in a string stands for the table's
+/// scratch directory (see [`bad_command_lines_fail_with_one_line`]).
+enum Expect {
+    /// The error message contains this.
+    Has(&'static str),
+    /// The error message starts with this.
+    Starts(&'static str),
+    /// The error message is exactly this.
+    Is(&'static str),
+    /// After the run, this path is still a plain file: nothing replaced it.
+    FileStays(&'static str),
 }
 
-#[test]
-fn missing_hypervisor() {
-    let scratch = Scratch::new("hypervisor");
-    let kernel = scratch.file("bzImage");
-    let initrd = scratch.file("initrd");
-    let msg = fails(&[
-        "run",
-        "--kernel",
-        &kernel,
-        "--initrd",
-        &initrd,
-        "--hypervisor",
-        "/nonexistent/hypervisor",
-    ]);
-    assert!(
-        msg.contains("hypervisor image /nonexistent/hypervisor not found"),
-        "{msg}"
-    );
+use Expect::{FileStays, Has, Is, Starts};
+
+/// One run of hvtrace that must fail with one error line
+/// ([`one_error_line`]), exit with `code`, and meet every `expect`.
+struct Row {
+    /// Names the row in a failure: the test it came from, then the case.
+    name: &'static str,
+    /// The command line after `hvtrace`; `{scratch}` as in [`Expect`].
+    args: &'static [&'static str],
+    /// The exit status: 2 for a command line that clap refuses, 1 for an
+    /// error found after parsing.
+    code: i32,
+    expect: &'static [Expect],
 }
 
-#[test]
-fn bad_emulator() {
-    let msg = fails(&["run", "--emulator", "vmware"]);
-    assert!(msg.contains("invalid value 'vmware'"), "{msg}");
-    assert!(msg.contains("bochs") && msg.contains("qemu"), "{msg}");
-}
+/// The socket path in the scratch directory where nothing is.
+const MISSING: &str = "{scratch}/missing.sock";
 
-#[test]
-fn nokaslr_is_refused() {
-    let msg = fails(&["run", "--bare", "--append", "console=ttyS0,115200 nokaslr"]);
-    assert!(msg.contains("nokaslr"), "{msg}");
-    assert!(msg.contains("--allow-nokaslr"), "{msg}");
+const ROWS: &[Row] = &[
+    Row {
+        name: "missing_kernel",
+        args: &["run", "--bare", "--kernel", "/nonexistent/bzImage"],
+        code: 1,
+        expect: &[Has("kernel /nonexistent/bzImage not found")],
+    },
+    Row {
+        name: "missing_initrd",
+        args: &[
+            "run",
+            "--bare",
+            "--kernel",
+            "{scratch}/bzImage",
+            "--initrd",
+            "/nonexistent/initrd",
+        ],
+        code: 1,
+        expect: &[Has("initrd /nonexistent/initrd not found")],
+    },
+    Row {
+        name: "missing_hypervisor",
+        args: &[
+            "run",
+            "--kernel",
+            "{scratch}/bzImage",
+            "--initrd",
+            "{scratch}/initrd",
+            "--hypervisor",
+            "/nonexistent/hypervisor",
+        ],
+        code: 1,
+        expect: &[Has("hypervisor image /nonexistent/hypervisor not found")],
+    },
+    Row {
+        name: "bad_emulator",
+        args: &["run", "--emulator", "vmware"],
+        code: 2,
+        expect: &[Has("invalid value 'vmware'"), Has("bochs"), Has("qemu")],
+    },
+    Row {
+        name: "nokaslr_is_refused",
+        args: &["run", "--bare", "--append", "console=ttyS0,115200 nokaslr"],
+        code: 1,
+        expect: &[Has("nokaslr"), Has("--allow-nokaslr")],
+    },
     // With the override the next problem is reported instead.
-    let msg = fails(&[
-        "run",
-        "--bare",
-        "--allow-nokaslr",
-        "--append",
-        "nokaslr",
-        "--kernel",
-        "/nonexistent/bzImage",
-    ]);
-    assert!(
-        msg.contains("kernel /nonexistent/bzImage not found"),
-        "{msg}"
-    );
-}
-
-#[test]
-fn bare_conflicts_with_hypervisor() {
-    let msg = fails(&["run", "--bare", "--hypervisor", "/x"]);
-    assert!(msg.contains("cannot be used with"), "{msg}");
-}
-
-#[test]
-fn unknown_subcommand_and_option() {
-    let msg = fails(&["frobnicate"]);
-    assert!(msg.contains("frobnicate"), "{msg}");
-    let msg = fails(&["run", "--no-such-option"]);
-    assert!(msg.contains("--no-such-option"), "{msg}");
-}
-
-#[test]
-fn bad_numbers() {
-    let msg = fails(&["run", "--memory", "lots"]);
-    assert!(msg.contains("lots"), "{msg}");
-    let msg = fails(&["run", "--bare", "--timeout", "0"]);
-    assert!(msg.contains("--timeout"), "{msg}");
-    for cpus in ["0", "17"] {
-        let msg = fails(&["run", "--bare", "--cpus", cpus]);
-        assert!(msg.contains("--cpus must be between 1 and 16"), "{msg}");
-    }
-}
-
-#[test]
-fn modules_option_errors() {
-    let scratch = Scratch::new("modules");
-    let file = scratch.file("file");
+    Row {
+        name: "nokaslr_is_refused/allowed, then the kernel",
+        args: &[
+            "run",
+            "--bare",
+            "--allow-nokaslr",
+            "--append",
+            "nokaslr",
+            "--kernel",
+            "/nonexistent/bzImage",
+        ],
+        code: 1,
+        expect: &[Has("kernel /nonexistent/bzImage not found")],
+    },
+    Row {
+        name: "bare_conflicts_with_hypervisor",
+        args: &["run", "--bare", "--hypervisor", "/x"],
+        code: 2,
+        expect: &[Has("cannot be used with")],
+    },
+    Row {
+        name: "unknown_subcommand_and_option/subcommand",
+        args: &["frobnicate"],
+        code: 2,
+        expect: &[Has("frobnicate")],
+    },
+    Row {
+        name: "unknown_subcommand_and_option/option",
+        args: &["run", "--no-such-option"],
+        code: 2,
+        expect: &[Has("--no-such-option")],
+    },
+    Row {
+        name: "bad_numbers/memory",
+        args: &["run", "--memory", "lots"],
+        code: 2,
+        expect: &[Has("lots")],
+    },
+    Row {
+        name: "bad_numbers/timeout 0",
+        args: &["run", "--bare", "--timeout", "0"],
+        code: 1,
+        expect: &[Has("--timeout")],
+    },
+    Row {
+        name: "bad_numbers/cpus 0",
+        args: &["run", "--bare", "--cpus", "0"],
+        code: 2,
+        expect: &[Has("--cpus must be between 1 and 16")],
+    },
+    Row {
+        name: "bad_numbers/cpus 17",
+        args: &["run", "--bare", "--cpus", "17"],
+        code: 2,
+        expect: &[Has("--cpus must be between 1 and 16")],
+    },
     // Only the Debian guest's initramfs carries its package's modules.
-    let msg = fails(&["run", "--guest", "fast", "--modules", "xfs"]);
-    assert_eq!(
-        msg,
-        "--modules adds modules of Debian's kernel package to the Debian guest's initramfs; the fast-lane guest (--guest fast) takes none"
-    );
+    Row {
+        name: "modules_option_errors/fast guest",
+        args: &["run", "--guest", "fast", "--modules", "xfs"],
+        code: 1,
+        expect: &[Is(
+            "--modules adds modules of Debian's kernel package to the Debian guest's initramfs; the fast-lane guest (--guest fast) takes none",
+        )],
+    },
     // An initramfs or a kernel of the user's: the modules are theirs to add.
-    for other in ["--initrd", "--kernel"] {
-        let msg = fails(&["run", "--modules", "xfs", other, &file]);
-        assert!(
-            msg.contains("'--modules <LIST>' cannot be used with") && msg.contains(other),
-            "{msg}"
-        );
-    }
+    Row {
+        name: "modules_option_errors/with --initrd",
+        args: &["run", "--modules", "xfs", "--initrd", "{scratch}/file"],
+        code: 2,
+        expect: &[
+            Has("'--modules <LIST>' cannot be used with"),
+            Has("--initrd"),
+        ],
+    },
+    Row {
+        name: "modules_option_errors/with --kernel",
+        args: &["run", "--modules", "xfs", "--kernel", "{scratch}/file"],
+        code: 2,
+        expect: &[
+            Has("'--modules <LIST>' cannot be used with"),
+            Has("--kernel"),
+        ],
+    },
     // Names as modprobe takes them: no paths, no .ko, none empty.
-    for (list, bad) in [
-        ("xfs,ext4.ko", "'ext4.ko' is not a module name"),
-        ("xfs,../fs/xfs", "'../fs/xfs' is not a module name"),
-        ("xfs,,btrfs", "an empty module name"),
-        ("", "an empty module name"),
-    ] {
-        let msg = fails(&["run", "--modules", list]);
-        assert!(
-            msg.contains("--modules <LIST>") && msg.contains(bad),
-            "{list}: {msg}"
-        );
+    Row {
+        name: "modules_option_errors/name with .ko",
+        args: &["run", "--modules", "xfs,ext4.ko"],
+        code: 2,
+        expect: &[
+            Has("--modules <LIST>"),
+            Has("'ext4.ko' is not a module name"),
+        ],
+    },
+    Row {
+        name: "modules_option_errors/name with a path",
+        args: &["run", "--modules", "xfs,../fs/xfs"],
+        code: 2,
+        expect: &[
+            Has("--modules <LIST>"),
+            Has("'../fs/xfs' is not a module name"),
+        ],
+    },
+    Row {
+        name: "modules_option_errors/empty name in a list",
+        args: &["run", "--modules", "xfs,,btrfs"],
+        code: 2,
+        expect: &[Has("--modules <LIST>"), Has("an empty module name")],
+    },
+    Row {
+        name: "modules_option_errors/empty list",
+        args: &["run", "--modules", ""],
+        code: 2,
+        expect: &[Has("--modules <LIST>"), Has("an empty module name")],
+    },
+    Row {
+        name: "control_commands_without_a_vm/status",
+        args: &["--socket", MISSING, "status"],
+        code: 1,
+        expect: &[Starts("no VM is running at"), Has(MISSING)],
+    },
+    Row {
+        name: "control_commands_without_a_vm/exec",
+        args: &["--socket", MISSING, "exec", "true"],
+        code: 1,
+        expect: &[Starts("no VM is running at"), Has(MISSING)],
+    },
+    Row {
+        name: "control_commands_without_a_vm/stop",
+        args: &["--socket", MISSING, "stop"],
+        code: 1,
+        expect: &[Starts("no VM is running at"), Has(MISSING)],
+    },
+    // A socket file nobody listens on: the VM died without cleaning up.
+    Row {
+        name: "control_commands_without_a_vm/stale socket",
+        args: &["--socket", "{scratch}/stale.sock", "status", "--json"],
+        code: 1,
+        expect: &[Has("is gone")],
+    },
+    Row {
+        name: "detach_refuses_a_taken_socket/live socket",
+        args: &["--socket", "{scratch}/live.sock", "run", "--detach"],
+        code: 1,
+        expect: &[Has("already owns")],
+    },
+    Row {
+        name: "detach_refuses_a_taken_socket/plain file",
+        args: &["--socket", "{scratch}/plain", "run", "--detach"],
+        code: 1,
+        expect: &[Has("is not a socket"), FileStays("{scratch}/plain")],
+    },
+    Row {
+        name: "detach_refuses_a_taken_socket/bare",
+        args: &["run", "--detach", "--bare"],
+        code: 2,
+        expect: &[Has("cannot be used with")],
+    },
+    Row {
+        name: "probe_removal_spec_is_refused_with_a_hint",
+        args: &["--socket", "/nonexistent/x.sock", "probe", "add", "-:myopen"],
+        code: 1,
+        expect: &[Has("hvtrace probe del myopen")],
+    },
+    Row {
+        name: "probe_and_trace_commands_without_a_vm/probe add",
+        args: &["--socket", MISSING, "probe", "add", "p vfs_read"],
+        code: 1,
+        expect: &[Starts("no VM is running at")],
+    },
+    Row {
+        name: "probe_and_trace_commands_without_a_vm/probe del",
+        args: &["--socket", MISSING, "probe", "del", "p_vfs_read_0"],
+        code: 1,
+        expect: &[Starts("no VM is running at")],
+    },
+    Row {
+        name: "probe_and_trace_commands_without_a_vm/probe list",
+        args: &["--socket", MISSING, "probe", "list"],
+        code: 1,
+        expect: &[Starts("no VM is running at")],
+    },
+    Row {
+        name: "probe_and_trace_commands_without_a_vm/trace",
+        args: &["--socket", MISSING, "trace"],
+        code: 1,
+        expect: &[Starts("no VM is running at")],
+    },
+    Row {
+        name: "probe_and_trace_commands_without_a_vm/trace --follow",
+        args: &[
+            "--socket",
+            MISSING,
+            "trace",
+            "--follow",
+            "--function",
+            "vfs_*",
+        ],
+        code: 1,
+        expect: &[Starts("no VM is running at")],
+    },
+    Row {
+        name: "traced_run_option_errors/bare",
+        args: &["run", "--bare", "--probe", "p vfs_read", "--exec", "true"],
+        code: 2,
+        expect: &[Has("cannot be used with")],
+    },
+    Row {
+        name: "traced_run_option_errors/no --exec",
+        args: &["run", "--probe", "p vfs_read"],
+        code: 2,
+        expect: &[Has("--exec")],
+    },
+    Row {
+        name: "traced_run_option_errors/--format without a tracer",
+        args: &["run", "--format", "json", "--exec", "true"],
+        code: 2,
+        expect: &[Has("--probe")],
+    },
+    Row {
+        name: "traced_run_option_errors/detach",
+        args: &["run", "--detach", "--function", "vfs_*"],
+        code: 2,
+        expect: &[Has("cannot be used with")],
+    },
+    // An unwritable --output fails before anything is built.
+    Row {
+        name: "traced_run_option_errors/unwritable --output",
+        args: &[
+            "run",
+            "--function",
+            "vfs_*",
+            "--exec",
+            "true",
+            "--output",
+            "/nonexistent/dir/trace.txt",
+        ],
+        code: 1,
+        expect: &[Starts("cannot create /nonexistent/dir/trace.txt")],
+    },
+    Row {
+        name: "graph_without_a_vm_and_bad_filters/graph",
+        args: &["--socket", MISSING, "graph"],
+        code: 1,
+        expect: &[Starts("no VM is running at")],
+    },
+    Row {
+        name: "graph_without_a_vm_and_bad_filters/chrome, follow",
+        args: &[
+            "--socket",
+            MISSING,
+            "graph",
+            "--function",
+            "vfs_read",
+            "--format",
+            "chrome",
+            "-f",
+        ],
+        code: 1,
+        expect: &[Starts("no VM is running at")],
+    },
+    // Filters are checked before anything else.
+    Row {
+        name: "graph_without_a_vm_and_bad_filters/empty --function",
+        args: &["--socket", MISSING, "graph", "--function", ""],
+        code: 1,
+        expect: &[Is(r#"--function needs a glob (got "")"#)],
+    },
+    Row {
+        name: "graph_without_a_vm_and_bad_filters/two globs in --trace",
+        args: &["--socket", MISSING, "graph", "--trace", "a b"],
+        code: 1,
+        expect: &[Has("one glob per --trace")],
+    },
+    Row {
+        name: "graph_without_a_vm_and_bad_filters/empty --graph-notrace",
+        args: &["--socket", MISSING, "graph", "--graph-notrace", ""],
+        code: 1,
+        expect: &[Is(r#"--graph-notrace needs a glob (got "")"#)],
+    },
+    Row {
+        name: "graph_without_a_vm_and_bad_filters/long --comm",
+        args: &["--socket", MISSING, "graph", "--comm", "a-very-long-name"],
+        code: 1,
+        expect: &[Has("at most 15 bytes")],
+    },
+    Row {
+        name: "graph_without_a_vm_and_bad_filters/negative --pid",
+        args: &["graph", "--pid", "-3"],
+        code: 2,
+        expect: &[Has("-3 is not in 0..=")],
+    },
+    Row {
+        name: "graph_without_a_vm_and_bad_filters/--format xml",
+        args: &["graph", "--format", "xml"],
+        code: 2,
+        expect: &[Has("possible values: text, json, chrome")],
+    },
+    Row {
+        name: "graph_run_option_errors/no --exec",
+        args: &["run", "--graph", "vfs_read"],
+        code: 2,
+        expect: &[Has("--exec")],
+    },
+    Row {
+        name: "graph_run_option_errors/chrome without --graph",
+        args: &[
+            "run",
+            "--format",
+            "chrome",
+            "--function",
+            "x",
+            "--exec",
+            "true",
+        ],
+        code: 2,
+        expect: &[Has("--graph")],
+    },
+    Row {
+        name: "graph_run_option_errors/--graph-trace without --graph",
+        args: &["run", "--graph-trace", "vfs_*", "--exec", "true"],
+        code: 2,
+        expect: &[Has("--graph")],
+    },
+    Row {
+        name: "graph_run_option_errors/--graph-ftrace-notrace without --graph",
+        args: &["run", "--graph-ftrace-notrace", "x", "--exec", "true"],
+        code: 2,
+        expect: &[Has("--graph")],
+    },
+    Row {
+        name: "graph_run_option_errors/two globs in --graph-ftrace-notrace",
+        args: &[
+            "run",
+            "--graph",
+            "vfs_read",
+            "--graph-ftrace-notrace",
+            "a b",
+            "--exec",
+            "true",
+        ],
+        code: 1,
+        expect: &[Is(
+            r#"--graph-ftrace-notrace "a b": one glob per --graph-ftrace-notrace (repeat the option for more)"#,
+        )],
+    },
+    Row {
+        name: "graph_run_option_errors/detach",
+        args: &["run", "--detach", "--graph", "vfs_read"],
+        code: 2,
+        expect: &[Has("cannot be used with")],
+    },
+    Row {
+        name: "graph_run_option_errors/bare",
+        args: &["run", "--bare", "--graph", "vfs_read", "--exec", "true"],
+        code: 2,
+        expect: &[Has("cannot be used with")],
+    },
+    // Checked before anything is built.
+    Row {
+        name: "graph_run_option_errors/empty --graph-comm",
+        args: &[
+            "run",
+            "--graph",
+            "vfs_read",
+            "--graph-comm",
+            "",
+            "--exec",
+            "true",
+        ],
+        code: 1,
+        expect: &[Is("--graph-comm needs a task name")],
+    },
+    Row {
+        name: "graph_run_option_errors/empty --graph",
+        args: &["run", "--graph", "", "--exec", "true"],
+        code: 1,
+        expect: &[Is(r#"--graph needs a glob (got "")"#)],
+    },
+    Row {
+        name: "graph_run_option_errors/unwritable --output",
+        args: &[
+            "run",
+            "--graph",
+            "vfs_read",
+            "--format",
+            "chrome",
+            "--exec",
+            "true",
+            "--output",
+            "/nonexistent/dir/trace.json",
+        ],
+        code: 1,
+        expect: &[Starts("cannot create /nonexistent/dir/trace.json")],
+    },
+];
+
+/// Runs one row; `place` puts the scratch directory in for `{scratch}`.
+/// Returns what is wrong, if anything.
+fn check_row(row: &Row, place: &dyn Fn(&str) -> String) -> Result<(), String> {
+    let args: Vec<String> = row.args.iter().map(|a| place(a)).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let output = run_hvtrace(&args);
+    let msg = one_error_line(&args, &output)?;
+    let code = output.status.code();
+    if code != Some(row.code) {
+        return Err(format!(
+            "{args:?} exited with {code:?}, expected {}: {msg:?}",
+            row.code
+        ));
     }
+    for expect in row.expect {
+        let ok = match expect {
+            Has(s) => msg.contains(&place(s)),
+            Starts(s) => msg.starts_with(&place(s)),
+            Is(s) => msg == place(s),
+            FileStays(path) => std::path::Path::new(&place(path)).is_file(),
+        };
+        if !ok {
+            let what = match expect {
+                Has(s) => format!("the message to contain {:?}", place(s)),
+                Starts(s) => format!("the message to start with {:?}", place(s)),
+                Is(s) => format!("the message to be {:?}", place(s)),
+                FileStays(path) => format!("{} to stay a plain file", place(path)),
+            };
+            return Err(format!("{args:?}: expected {what}; got {msg:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// Every row of [`ROWS`], against a scratch directory that holds files that
+/// exist (`bzImage`, `initrd`, `file`, `plain`, none of them a kernel), a
+/// socket nobody listens on (`stale.sock`), a socket somebody listens on
+/// while the rows run (`live.sock`), and nothing at `missing.sock`. All rows
+/// run; the failure names each row that failed and why.
+#[test]
+fn bad_command_lines_fail_with_one_line() {
+    let mut names = std::collections::BTreeSet::new();
+    for row in ROWS {
+        assert!(names.insert(row.name), "two rows are named {:?}", row.name);
+    }
+    let scratch = Scratch::new("table");
+    for name in ["bzImage", "initrd", "file", "plain"] {
+        scratch.file(name);
+    }
+    drop(UnixListener::bind(scratch.0.join("stale.sock")).unwrap());
+    let _live = UnixListener::bind(scratch.0.join("live.sock")).unwrap();
+    let dir = scratch.0.to_str().unwrap().to_string();
+    let place = |s: &str| s.replace("{scratch}", &dir);
+    let failures: Vec<String> = ROWS
+        .iter()
+        .filter_map(|row| {
+            check_row(row, &place)
+                .err()
+                .map(|why| format!("row {:?}: {why}", row.name))
+        })
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} rows failed:\n{}",
+        failures.len(),
+        ROWS.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -238,9 +673,7 @@ fn help_works() {
     }
 }
 
-// ----- the control commands, against no VM or a fake supervisor -----
-
-use std::os::unix::net::UnixListener;
+// ----- the control commands, against a fake supervisor -----
 
 use protocol::io::{FrameReader, FrameWriter};
 use protocol::{Body, ErrorKind, Frame, Request, Response, PROTOCOL_VERSION};
@@ -266,27 +699,6 @@ fn fake_supervisor(
             }
         }
     })
-}
-
-#[test]
-fn control_commands_without_a_vm() {
-    let scratch = Scratch::new("novm");
-    let missing = scratch.0.join("missing.sock");
-    let missing = missing.to_str().unwrap();
-    for args in [
-        vec!["--socket", missing, "status"],
-        vec!["--socket", missing, "exec", "true"],
-        vec!["--socket", missing, "stop"],
-    ] {
-        let msg = fails(&args);
-        assert!(msg.starts_with("no VM is running at"), "{args:?}: {msg}");
-        assert!(msg.contains(missing), "{msg}");
-    }
-    // A socket file nobody listens on: the VM died without cleaning up.
-    let stale = scratch.0.join("stale.sock");
-    drop(UnixListener::bind(&stale).unwrap());
-    let msg = fails(&["--socket", stale.to_str().unwrap(), "status", "--json"]);
-    assert!(msg.contains("is gone"), "{msg}");
 }
 
 #[test]
@@ -321,30 +733,11 @@ fn ended_vm_is_one_line() {
     server.join().unwrap();
 }
 
-#[test]
-fn detach_refuses_a_taken_socket() {
-    let scratch = Scratch::new("taken");
-    let live = scratch.0.join("live.sock");
-    let _listener = UnixListener::bind(&live).unwrap();
-    let msg = fails(&["--socket", live.to_str().unwrap(), "run", "--detach"]);
-    assert!(msg.contains("already owns"), "{msg}");
-    let file = scratch.file("plain");
-    let msg = fails(&["--socket", &file, "run", "--detach"]);
-    assert!(msg.contains("is not a socket"), "{msg}");
-    assert!(std::path::Path::new(&file).is_file());
-    let msg = fails(&["run", "--detach", "--bare"]);
-    assert!(msg.contains("cannot be used with"), "{msg}");
-}
-
 // ----- probes and tracing -----
 
 /// Runs hvtrace; returns the exit code, stdout and stderr.
 fn runs(args: &[&str]) -> (i32, String, String) {
-    let output = hvtrace()
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("cannot run hvtrace");
+    let output = run_hvtrace(args);
     (
         output.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&output.stdout).into_owned(),
@@ -371,68 +764,6 @@ fn bad_probe_spec_points_at_the_token_without_a_vm() {
             "                              ^~~",
         ],
         "{stderr}"
-    );
-}
-
-#[test]
-fn probe_removal_spec_is_refused_with_a_hint() {
-    let msg = fails(&[
-        "--socket",
-        "/nonexistent/x.sock",
-        "probe",
-        "add",
-        "-:myopen",
-    ]);
-    assert!(msg.contains("hvtrace probe del myopen"), "{msg}");
-}
-
-#[test]
-fn probe_and_trace_commands_without_a_vm() {
-    let scratch = Scratch::new("probenovm");
-    let missing = scratch.0.join("missing.sock");
-    let missing = missing.to_str().unwrap();
-    for args in [
-        vec!["--socket", missing, "probe", "add", "p vfs_read"],
-        vec!["--socket", missing, "probe", "del", "p_vfs_read_0"],
-        vec!["--socket", missing, "probe", "list"],
-        vec!["--socket", missing, "trace"],
-        vec![
-            "--socket",
-            missing,
-            "trace",
-            "--follow",
-            "--function",
-            "vfs_*",
-        ],
-    ] {
-        let msg = fails(&args);
-        assert!(msg.starts_with("no VM is running at"), "{args:?}: {msg}");
-    }
-}
-
-#[test]
-fn traced_run_option_errors() {
-    let msg = fails(&["run", "--bare", "--probe", "p vfs_read", "--exec", "true"]);
-    assert!(msg.contains("cannot be used with"), "{msg}");
-    let msg = fails(&["run", "--probe", "p vfs_read"]);
-    assert!(msg.contains("--exec"), "{msg}");
-    let msg = fails(&["run", "--format", "json", "--exec", "true"]);
-    assert!(msg.contains("--probe"), "{msg}");
-    let msg = fails(&["run", "--detach", "--function", "vfs_*"]);
-    assert!(msg.contains("cannot be used with"), "{msg}");
-    // An unwritable --output fails before anything is built.
-    let msg = fails(&[
-        "run",
-        "--function",
-        "vfs_*",
-        "--exec",
-        "true",
-        "--output",
-        "/nonexistent/dir/trace.txt",
-    ]);
-    assert!(
-        msg.starts_with("cannot create /nonexistent/dir/trace.txt"),
-        "{msg}"
     );
 }
 
@@ -777,107 +1108,6 @@ fn check_chrome(doc: &str) -> Vec<(i64, String, String)> {
     }
     assert!(open.values().all(Vec::is_empty), "{doc}");
     out
-}
-
-#[test]
-fn graph_without_a_vm_and_bad_filters() {
-    let scratch = Scratch::new("graphnovm");
-    let missing = scratch.0.join("missing.sock");
-    let missing = missing.to_str().unwrap();
-    for args in [
-        vec!["--socket", missing, "graph"],
-        vec![
-            "--socket",
-            missing,
-            "graph",
-            "--function",
-            "vfs_read",
-            "--format",
-            "chrome",
-            "-f",
-        ],
-    ] {
-        let msg = fails(&args);
-        assert!(msg.starts_with("no VM is running at"), "{args:?}: {msg}");
-    }
-    // Filters are checked before anything else.
-    let msg = fails(&["--socket", missing, "graph", "--function", ""]);
-    assert_eq!(msg, r#"--function needs a glob (got "")"#);
-    let msg = fails(&["--socket", missing, "graph", "--trace", "a b"]);
-    assert!(msg.contains("one glob per --trace"), "{msg}");
-    let msg = fails(&["--socket", missing, "graph", "--graph-notrace", ""]);
-    assert_eq!(msg, r#"--graph-notrace needs a glob (got "")"#);
-    let msg = fails(&["--socket", missing, "graph", "--comm", "a-very-long-name"]);
-    assert!(msg.contains("at most 15 bytes"), "{msg}");
-    let msg = fails(&["graph", "--pid", "-3"]);
-    assert!(msg.contains("-3 is not in 0..="), "{msg}");
-    let msg = fails(&["graph", "--format", "xml"]);
-    assert!(msg.contains("possible values: text, json, chrome"), "{msg}");
-}
-
-#[test]
-fn graph_run_option_errors() {
-    let msg = fails(&["run", "--graph", "vfs_read"]);
-    assert!(msg.contains("--exec"), "{msg}");
-    let msg = fails(&[
-        "run",
-        "--format",
-        "chrome",
-        "--function",
-        "x",
-        "--exec",
-        "true",
-    ]);
-    assert!(msg.contains("--graph"), "{msg}");
-    let msg = fails(&["run", "--graph-trace", "vfs_*", "--exec", "true"]);
-    assert!(msg.contains("--graph"), "{msg}");
-    let msg = fails(&["run", "--graph-ftrace-notrace", "x", "--exec", "true"]);
-    assert!(msg.contains("--graph"), "{msg}");
-    let msg = fails(&[
-        "run",
-        "--graph",
-        "vfs_read",
-        "--graph-ftrace-notrace",
-        "a b",
-        "--exec",
-        "true",
-    ]);
-    assert_eq!(
-        msg,
-        r#"--graph-ftrace-notrace "a b": one glob per --graph-ftrace-notrace (repeat the option for more)"#
-    );
-    let msg = fails(&["run", "--detach", "--graph", "vfs_read"]);
-    assert!(msg.contains("cannot be used with"), "{msg}");
-    let msg = fails(&["run", "--bare", "--graph", "vfs_read", "--exec", "true"]);
-    assert!(msg.contains("cannot be used with"), "{msg}");
-    // Checked before anything is built.
-    let msg = fails(&[
-        "run",
-        "--graph",
-        "vfs_read",
-        "--graph-comm",
-        "",
-        "--exec",
-        "true",
-    ]);
-    assert_eq!(msg, "--graph-comm needs a task name");
-    let msg = fails(&["run", "--graph", "", "--exec", "true"]);
-    assert_eq!(msg, r#"--graph needs a glob (got "")"#);
-    let msg = fails(&[
-        "run",
-        "--graph",
-        "vfs_read",
-        "--format",
-        "chrome",
-        "--exec",
-        "true",
-        "--output",
-        "/nonexistent/dir/trace.json",
-    ]);
-    assert!(
-        msg.starts_with("cannot create /nonexistent/dir/trace.json"),
-        "{msg}"
-    );
 }
 
 #[test]

@@ -14,12 +14,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use protocol::{CountFilter, FunctionCount, HistFilter, HistRow, Request, Response};
 
-use crate::client::{response_error, Control};
 use crate::commands::cli::{AggregateArgs, CountArgs, HistArgs, HistKeyArg};
-use crate::commands::ctl::{self, open, PROBE_TIMEOUT, STATUS_TIMEOUT};
+use crate::commands::ctl::{self, open};
+use crate::commands::timeouts::{PROBE_TIMEOUT, STATUS_TIMEOUT};
+use crate::control::{response_error, Control};
 use crate::output::json::{self, Json};
-use crate::output::term;
 use crate::sys;
+use crate::term;
 
 /// Functions asked for per `CountRead` page.
 const PAGE: u32 = 200;

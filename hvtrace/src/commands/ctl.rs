@@ -18,7 +18,7 @@ use ::hypervisor::kprobe;
 use anyhow::{bail, Result};
 use protocol::{Request, Response};
 
-use crate::client::{response_error, Client, Control};
+use crate::client::Client;
 use crate::commands::cli::{
     DetailedError, ExecArgs, ProbeAddArgs, ProbeDelArgs, ProbeListArgs, StatusArgs, StopArgs,
     SymsArgs, TraceArgs,
@@ -26,29 +26,17 @@ use crate::commands::cli::{
 use crate::commands::trace_read::{
     copy_trace, stdout_for, CopyEnd, TraceOutput, TraceReader, FOLLOW_WAIT_MS,
 };
+use crate::control::{response_error, Control};
 use crate::output::report::{
     added_line, function_summary, probe_line, render_stop, status_json, status_text, symbol_line,
     Status,
 };
-use crate::output::term::{self, Mode};
 use crate::sys;
+use crate::term::{self, Mode};
 
-/// How long a status report may take: the hypervisor answers within
-/// [`crate::daemon::link::DEFAULT_TIMEOUT`] (stretched by the emulator's pace), or
-/// the supervisor says why not before this.
-pub const STATUS_TIMEOUT: Duration = crate::daemon::link::longest_wait(
-    crate::daemon::link::DEFAULT_TIMEOUT,
-    Duration::from_secs(30),
-);
-
-/// How long a guest command may take, a little past the supervisor's own
-/// limit so that its error arrives first.
-pub const EXEC_TIMEOUT: Duration =
-    Duration::from_secs(crate::daemon::supervisor::EXEC_TIMEOUT.as_secs() + 30);
-
-/// How long a stop may take.
-pub const STOP_TIMEOUT: Duration =
-    Duration::from_secs(crate::daemon::supervisor::STOP_TIMEOUT.as_secs() + 30);
+// The request deadlines live in `timeouts`, which the trace reader uses
+// too; they stay reachable here under their old paths.
+pub use crate::commands::timeouts::{EXEC_TIMEOUT, PROBE_TIMEOUT, STATUS_TIMEOUT, STOP_TIMEOUT};
 
 /// Connects and opens the session. The first Ctrl-C (once
 /// [`sys::catch_interrupt`] ran) ends the wait for an answer in progress
@@ -136,12 +124,6 @@ pub fn syms(socket: &Path, args: &SymsArgs) -> Result<u8> {
     out.flush()?;
     Ok(if printed == 0 { 1 } else { 0 })
 }
-
-/// How long a probe, function or graph request may take: the hypervisor
-/// answers within [`crate::daemon::link::HOOK_TIMEOUT`] (stretched by the
-/// emulator's pace), or the supervisor says why not before this.
-pub const PROBE_TIMEOUT: Duration =
-    crate::daemon::link::longest_wait(crate::daemon::link::HOOK_TIMEOUT, Duration::from_secs(30));
 
 /// Checks a probe definition locally, before anything is sent: a malformed
 /// one fails with the parser's message (`probe spec: bad register name

@@ -22,10 +22,11 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use protocol::{GraphFilter, Request, Response, TraceFormat};
 
-use crate::client::{response_error, Control};
 use crate::commands::cli::{GraphArgs, GraphFilterArgs};
-use crate::commands::ctl::{self, PROBE_TIMEOUT};
+use crate::commands::ctl;
+use crate::commands::timeouts::PROBE_TIMEOUT;
 use crate::commands::trace_read::{self, CopyEnd, TraceOutput, TraceReader};
+use crate::control::{response_error, Control};
 use crate::sys;
 
 /// The highest graph session number ([`Response::GraphStarted`]); 0 is
@@ -315,7 +316,7 @@ pub fn trace_session(
     let stopped = match &copied {
         // Nothing left to stop.
         Ok(CopyEnd::VmEnded(why)) => {
-            eprintln!("hvtrace: {}", crate::output::term::sanitize(why));
+            eprintln!("hvtrace: {}", crate::term::sanitize(why));
             Ok(())
         }
         _ => {

@@ -31,16 +31,16 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use protocol::GraphFilter;
 
-use crate::client::Control;
 use crate::commands::cli::{OutputFormatArg, RunArgs};
 use crate::commands::trace_read::{self, TraceEnd, TraceOutput, TraceReader};
 use crate::commands::{count, ctl};
+use crate::control::Control;
 use crate::daemon::local::LocalVm;
 use crate::daemon::supervisor::Ending;
 use crate::output::report;
 use crate::vm::config::{Emulator, RunConfig};
 use crate::vm::{StopReport, Vm};
-use crate::{commands::graph, output::term, sys};
+use crate::{commands::graph, sys, term};
 
 /// How long the guest shell gets to take in a Ctrl-C before the line that
 /// powers it off follows.
@@ -293,7 +293,7 @@ fn run_aggregated(
     args: &RunArgs,
     filter: protocol::CountFilter,
     label: &str,
-    show: &mut dyn FnMut(&mut dyn crate::client::Control, bool) -> Result<()>,
+    show: &mut dyn FnMut(&mut dyn crate::control::Control, bool) -> Result<()>,
 ) -> Result<u8> {
     let json = matches!(args.format, Some(OutputFormatArg::Json));
     let cfg = args.resolve()?;

@@ -10,12 +10,13 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use protocol::{ErrorKind, Request, Response, TraceFormat};
 
-use crate::client::{response_error, Control, SupervisorGone};
+use crate::client::SupervisorGone;
 use crate::commands::cli::OutputFormatArg;
-use crate::commands::ctl::PROBE_TIMEOUT;
+use crate::commands::timeouts::PROBE_TIMEOUT;
+use crate::control::{response_error, Control};
 use crate::output::chrome::{Chrome, ChromeSummary};
-use crate::output::term::{self, Mode};
 use crate::sys;
+use crate::term::{self, Mode};
 
 /// Starts the trace stream in `format`.
 pub fn start_trace(control: &mut dyn Control, format: TraceFormat) -> Result<()> {

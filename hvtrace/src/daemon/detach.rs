@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::commands::cli::RunArgs;
 use crate::daemon::serve::{read_state, LOG_FILE};
 use crate::vm::config::{Emulator, RunConfig};
 use crate::{daemon::socket, sys, vm::image};
@@ -39,8 +38,27 @@ pub struct Detached {
     pub boot_secs: Option<f64>,
 }
 
+/// What `run --detach` takes from its command line besides the VM's
+/// configuration (the command line's argument structs stay with the
+/// commands, which convert them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DetachOptions {
+    /// Accept `nokaslr` in the guest command line (`--allow-nokaslr`); the
+    /// supervisor is told so too.
+    pub allow_nokaslr: bool,
+    /// Keep the run directory (`--keep-dir`); the supervisor is told so.
+    pub keep_dir: bool,
+    /// Do not copy the supervisor's log to stderr while the guest boots
+    /// (`--quiet`).
+    pub quiet: bool,
+}
+
 /// The arguments that make the supervisor boot exactly `cfg`.
-pub fn supervisor_args(cfg: &RunConfig, args: &RunArgs, run_dir: &Path) -> Result<Vec<String>> {
+pub fn supervisor_args(
+    cfg: &RunConfig,
+    opts: &DetachOptions,
+    run_dir: &Path,
+) -> Result<Vec<String>> {
     let abs = |what: &str, p: &Path| -> Result<String> {
         let p = std::path::absolute(p)
             .with_context(|| format!("cannot resolve {what} {}", p.display()))?;
@@ -78,18 +96,23 @@ pub fn supervisor_args(cfg: &RunConfig, args: &RunArgs, run_dir: &Path) -> Resul
             }
         }
     }
-    if args.allow_nokaslr {
+    if opts.allow_nokaslr {
         out.push("--allow-nokaslr".to_string());
     }
-    if args.keep_dir {
+    if opts.keep_dir {
         out.push("--keep-dir".to_string());
     }
     Ok(out)
 }
 
-/// Runs `hvtrace run --detach`; returns the process exit code.
-pub fn run(args: &RunArgs, socket_path: &Path) -> Result<u8> {
-    let detached = detach(args, socket_path)?;
+/// Runs `hvtrace run --detach`; returns the process exit code. `resolve`
+/// gives the VM's configuration ([`detach`] says when it is called).
+pub fn run(
+    opts: &DetachOptions,
+    resolve: impl FnOnce() -> Result<RunConfig>,
+    socket_path: &Path,
+) -> Result<u8> {
+    let detached = detach(opts, resolve, socket_path)?;
     let sock = detached.socket.display();
     match detached.boot_secs {
         Some(secs) => eprintln!("hvtrace: VM ready (guest shell up after {secs:.1} s)"),
@@ -107,8 +130,15 @@ pub fn run(args: &RunArgs, socket_path: &Path) -> Result<u8> {
     Ok(0)
 }
 
-/// Starts the supervisor and waits until the guest shell is up.
-pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
+/// Starts the supervisor and waits until the guest shell is up. `resolve`
+/// gives the VM's configuration; it is called once the socket path has
+/// passed its checks, so that a taken socket is refused before anything is
+/// built.
+pub fn detach(
+    opts: &DetachOptions,
+    resolve: impl FnOnce() -> Result<RunConfig>,
+    socket_path: &Path,
+) -> Result<Detached> {
     // Refuse early, before building anything; the supervisor checks again
     // when it binds.
     socket::check_free(socket_path)?;
@@ -123,7 +153,7 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
     }
     let socket_path = std::path::absolute(socket_path)
         .with_context(|| format!("cannot resolve {}", socket_path.display()))?;
-    let cfg = args.resolve()?;
+    let cfg = resolve()?;
     let dir = image::create_run_dir()?;
     let log_path = dir.join(LOG_FILE);
     let log =
@@ -132,7 +162,7 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
     let mut cmd = Command::new(exe);
     cmd.arg("--socket")
         .arg(&socket_path)
-        .args(supervisor_args(&cfg, args, &dir)?)
+        .args(supervisor_args(&cfg, opts, &dir)?)
         .current_dir(&dir)
         .stdin(Stdio::null())
         .stdout(log.try_clone().context("cannot share the log file")?)
@@ -144,7 +174,7 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
     let deadline = Instant::now() + cfg.timeout + MARGIN;
     let mut tail = LogTail::new(&log_path);
     loop {
-        if !args.quiet {
+        if !opts.quiet {
             tail.copy_to(&mut std::io::stderr());
         }
         if let Some(state) = read_state(&dir) {
@@ -158,7 +188,7 @@ pub fn detach(args: &RunArgs, socket_path: &Path) -> Result<Detached> {
             }
         }
         if let Some(status) = child.try_wait().context("cannot check the supervisor")? {
-            if !args.quiet {
+            if !opts.quiet {
                 tail.copy_rest_to(&mut std::io::stderr());
             }
             let why = last_error(&log_path)
@@ -212,7 +242,7 @@ pub fn last_error(log: &Path) -> Option<String> {
 }
 
 /// Follows a growing file, copying its lines with control characters
-/// escaped ([`crate::output::term::sanitize`]): the supervisor's log quotes the
+/// escaped ([`crate::term::sanitize`]): the supervisor's log quotes the
 /// guest and the hypervisor.
 struct LogTail {
     path: PathBuf,
@@ -261,7 +291,7 @@ impl LogTail {
         self.offset += end as u64;
         let text = String::from_utf8_lossy(&buf[..end]);
         let _ = out
-            .write_all(crate::output::term::sanitize(&text).as_bytes())
+            .write_all(crate::term::sanitize(&text).as_bytes())
             .and_then(|_| out.flush());
         true
     }
@@ -270,43 +300,6 @@ impl LogTail {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[test]
-    fn supervisor_gets_explicit_absolute_paths() {
-        let cli =
-            crate::commands::cli::Cli::try_parse_from(["hvtrace", "run", "--detach"]).unwrap();
-        let crate::commands::cli::Command::Run(args) = cli.command else {
-            panic!("not run")
-        };
-        let mut cfg = RunConfig::new("k/bzImage", "/i/initrd").with_hypervisor("hv");
-        cfg.emulator = Emulator::Qemu { kvm: false };
-        cfg.append = "console=ttyS0,115200 quiet".into();
-        cfg.cpus = 3;
-        let a = supervisor_args(&cfg, &args, Path::new("/run/x")).unwrap();
-        assert_eq!(&a[..3], ["supervise", "--run-dir", "/run/x"]);
-        let kernel = &a[a.iter().position(|x| x == "--kernel").unwrap() + 1];
-        assert!(
-            kernel.starts_with('/') && kernel.ends_with("k/bzImage"),
-            "{kernel}"
-        );
-        assert!(a.contains(&"--append=console=ttyS0,115200 quiet".to_string()));
-        assert!(a.contains(&"--emulator=qemu".to_string()) && a.contains(&"--no-kvm".to_string()));
-        assert!(a.contains(&"--cpus=3".to_string()), "{a:?}");
-        // The child parses what the parent builds.
-        let mut argv = vec!["hvtrace".to_string(), "--socket".into(), "/s".into()];
-        argv.extend(a);
-        let child = crate::commands::cli::Cli::try_parse_from(argv).unwrap();
-        let crate::commands::cli::Command::Supervise(s) = child.command else {
-            panic!("not supervise")
-        };
-        assert_eq!(s.run.append, "console=ttyS0,115200 quiet");
-        assert_eq!(s.run.cpus, 3);
-        assert_eq!(s.run_dir, Path::new("/run/x"));
-        assert!(s.run.quiet && s.run.no_kvm);
-        // A bare run has no control channel to detach from.
-        assert!(supervisor_args(&cfg.clone().bare(), &args, Path::new("/r")).is_err());
-    }
 
     #[test]
     fn error_line_from_the_log() {

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use protocol::{Event, Request, Response};
 
-use crate::client::{response_error, Control};
+use crate::control::{response_error, Control};
 use crate::daemon::session::Backend;
 use crate::daemon::supervisor::{run_vm, Ending, Phase, Supervisor};
 use crate::vm::config::RunConfig;

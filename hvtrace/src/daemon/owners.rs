@@ -23,8 +23,13 @@ use std::sync::{Mutex, MutexGuard};
 
 use protocol::{ErrorKind, Frame, Request, Response};
 
-use crate::client::PERSIST_WORD;
 use crate::daemon::session::{Backend, Reply};
+
+/// The word in the `Hello` client name that asks the supervisor to leave
+/// this connection's function-graph sessions running when it closes
+/// (`hvtrace graph --persist`). The supervisor reads it; the hypervisor
+/// only logs the name.
+pub const PERSIST_WORD: &str = "persist-graph-sessions";
 
 /// Who started a running session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -13,11 +13,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use protocol::{encode, ErrorKind, Frame, Response};
 
-use crate::commands::cli::SuperviseArgs;
 use crate::daemon::owners::ClientBackend;
 use crate::daemon::session::Session;
 use crate::daemon::socket::ClaimedSocket;
 use crate::daemon::supervisor::{run_vm, Ending, Phase, Supervisor, END_GRACE};
+use crate::vm::config::RunConfig;
 
 /// The supervisor's log, in the run directory.
 pub const LOG_FILE: &str = "supervisor.log";
@@ -176,10 +176,24 @@ pub fn read_state(dir: &Path) -> Option<String> {
     Some(text.trim().to_string())
 }
 
+/// What the supervisor takes from its command line (the hidden
+/// `supervise` subcommand) besides the VM's configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SuperviseOptions {
+    /// The run directory (boot image, logs, state file).
+    pub run_dir: PathBuf,
+}
+
 /// Runs the supervisor (the hidden `supervise` subcommand); returns the
-/// process exit code once the VM has ended.
-pub fn supervise(socket_path: &Path, args: &SuperviseArgs) -> Result<u8> {
-    let dir: PathBuf = args.run_dir.clone();
+/// process exit code once the VM has ended. `resolve` gives the VM's
+/// configuration; it is called once the socket is claimed and clients are
+/// served, and its failure ends the supervisor as a failed boot does.
+pub fn supervise(
+    socket_path: &Path,
+    opts: &SuperviseOptions,
+    resolve: impl FnOnce() -> Result<RunConfig>,
+) -> Result<u8> {
+    let dir: PathBuf = opts.run_dir.clone();
     let sup = Arc::new(Supervisor::new());
     let socket = match ClaimedSocket::claim(socket_path) {
         Ok(s) => s,
@@ -200,7 +214,7 @@ pub fn supervise(socket_path: &Path, args: &SuperviseArgs) -> Result<u8> {
         .context("cannot use the control socket")?;
     accept_clients(sup.clone(), listener);
 
-    let result = args.run.resolve().and_then(|mut cfg| {
+    let result = resolve().and_then(|mut cfg| {
         cfg.run_dir = Some(dir.clone());
         cfg.progress = true;
         cfg.echo_boot_console = false;

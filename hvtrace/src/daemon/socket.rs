@@ -31,6 +31,10 @@ use anyhow::{bail, Context, Result};
 
 use crate::sys;
 
+// The directory rule that socket paths and run directories share lives
+// with the run directories; it stays reachable here under its old path.
+pub use crate::vm::image::others_may_replace;
+
 /// The socket's file name inside its directory.
 pub const SOCKET_NAME: &str = "hvtrace.sock";
 /// The default socket's directory inside `$XDG_RUNTIME_DIR`.
@@ -183,12 +187,6 @@ fn parent_dir(path: &Path) -> PathBuf {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     }
-}
-
-/// True when `mode` lets others than the owner create or remove entries:
-/// group- or world-writable without the sticky bit.
-pub fn others_may_replace(mode: u32) -> bool {
-    mode & 0o022 != 0 && mode & 0o1000 == 0
 }
 
 /// Checks that nobody but `euid` and root can have put something at the

@@ -1,7 +1,10 @@
-//! Output formats and the terminal: JSON, Chrome traces, escaping of guest
-//! text.
+//! Output formats: JSON, Chrome traces, the control commands' reports.
+//! The escaping of guest text for the terminal, which every part of the
+//! crate uses (the VM's own progress lines too), is [`crate::term`]; it
+//! stays reachable here as `output::term`.
 
 pub mod chrome;
 pub mod json;
 pub mod report;
-pub mod term;
+
+pub use crate::term;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use protocol::{Event, GuestState, ProbeInfo, StatusReport};
 
 use crate::output::json::{self, Json};
-use crate::output::term;
+use crate::term;
 use crate::vm::hvlog::{self, HvEvent};
 
 /// A status report and how long it took to get.

@@ -218,7 +218,7 @@ impl Listener {
                     let _ = channel.shutdown(Shutdown::Both);
                     eprintln!(
                         "hvtrace: warning: refused a connection to {what}: {}",
-                        crate::output::term::sanitize(&why)
+                        crate::term::sanitize(&why)
                     );
                 }
             }

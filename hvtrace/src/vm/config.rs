@@ -8,6 +8,10 @@ use anyhow::{bail, Context, Result};
 
 use crate::{vm::guest, vm::host};
 
+// The built-in guests belong to `guest`; a configuration names one
+// (`RunConfig::for_guest`), so the type is offered here too.
+pub use crate::vm::guest::Guest;
+
 /// The guest command line used when none is given.
 pub const DEFAULT_APPEND: &str = "console=ttyS0,115200 panic=-1";
 /// Guest RAM given to the emulator, in MiB.
@@ -101,26 +105,6 @@ pub fn check_emulator_with(
     bail!(
         "QEMU cannot run the hypervisor here: {why}; or run it in Bochs (--emulator bochs), or boot the guest alone (--bare)"
     )
-}
-
-/// The built-in guest kernels (see `scripts/guest/`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum Guest {
-    /// Debian's stock kernel (6.1).
-    #[default]
-    Debian,
-    /// The small fast-lane kernel built from Debian's 6.12 sources.
-    Fast,
-}
-
-impl Guest {
-    /// The script that prints the path of this guest's bzImage.
-    pub fn script(self) -> &'static str {
-        match self {
-            Guest::Debian => "scripts/guest/debian-kernel.sh",
-            Guest::Fast => "scripts/guest/fast-kernel.sh",
-        }
-    }
 }
 
 /// Everything one run needs, with every default already resolved.

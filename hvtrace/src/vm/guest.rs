@@ -16,7 +16,25 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
-use crate::vm::config::Guest;
+/// The built-in guest kernels (see `scripts/guest/`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Guest {
+    /// Debian's stock kernel (6.1).
+    #[default]
+    Debian,
+    /// The small fast-lane kernel built from Debian's 6.12 sources.
+    Fast,
+}
+
+impl Guest {
+    /// The script that prints the path of this guest's bzImage.
+    pub fn script(self) -> &'static str {
+        match self {
+            Guest::Debian => "scripts/guest/debian-kernel.sh",
+            Guest::Fast => "scripts/guest/fast-kernel.sh",
+        }
+    }
+}
 
 /// The repository root: `$HVTRACE_ROOT` when set, else the parent of this
 /// crate's directory at build time.

@@ -151,12 +151,19 @@ pub fn check_parent(dir: &Path, euid: u32, what: &str) -> Result<()> {
         );
     }
     let mode = meta.mode() & 0o7777;
-    if crate::daemon::socket::others_may_replace(mode) {
+    if others_may_replace(mode) {
         bail!(
             "refusing {d} for {what}: it is writable by others (mode {mode:04o}) without the sticky bit, so anyone could put a directory of their own in place of hvtrace's"
         );
     }
     Ok(())
+}
+
+/// True when `mode` lets others than the owner create or remove entries:
+/// group- or world-writable without the sticky bit. Run directories' parents
+/// ([`check_parent`]) and control socket directories are held to it.
+pub fn others_may_replace(mode: u32) -> bool {
+    mode & 0o022 != 0 && mode & 0o1000 == 0
 }
 
 /// Gives a directory this process just created (for user `euid`) mode

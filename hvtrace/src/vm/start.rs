@@ -1,0 +1,325 @@
+//! Starting a VM: the run directory, the serial listeners, the emulator
+//! process with its output readers, and the wait for the emulator to
+//! connect the guest console (COM1) and the control channel (COM2).
+
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::atomic::AtomicU8;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use super::channel::{self, Channel, Endpoint, Listener};
+use super::config::{vcpus, Emulator, RunConfig};
+use super::console::{self, ConsoleBuffer, Markers};
+use super::readers::{spawn_control_tap, spawn_line_reader, spawn_serial_reader};
+use super::{bochs, image, qemu, BulkTap, Echo, Inner, Shared, TapCopy, Vm};
+
+/// How long the emulator gets to connect to the serial listeners.
+const SERIAL_CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Vm {
+    /// Builds what the emulator needs in a fresh run directory (or in
+    /// [`RunConfig::run_dir`]) and starts it. Returns once the emulator has
+    /// connected the guest console and the control channel; use
+    /// [`Vm::wait_ready`] to wait for the guest shell.
+    ///
+    /// The emulator is killed when the thread that calls this ends (Linux's
+    /// parent-death signal follows the spawning thread), so that it never
+    /// outlives its launcher: keep the `Vm` in the thread that started it.
+    pub fn start(cfg: RunConfig) -> Result<Vm> {
+        cfg.validate()?;
+        let start = Instant::now();
+        let dir = match &cfg.run_dir {
+            Some(dir) => {
+                image::ensure_run_dir(dir)?;
+                dir.clone()
+            }
+            None => image::create_run_dir()?,
+        };
+        // Undoes what was made when the start fails before the emulator
+        // runs: a run directory made here, the guest's RAM file.
+        let undo = |ram: Option<&Path>| {
+            if cfg.run_dir.is_none() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            if let Some(ram) = ram {
+                qemu::remove_ram(&dir, ram);
+            }
+        };
+        // QEMU connects its serial ports to unix sockets in the run
+        // directory when their paths fit a socket address; Bochs has TCP
+        // only. Either way a connection is used only once it is shown to
+        // come from the emulator (see `channel`).
+        let qemu = matches!(cfg.emulator, Emulator::Qemu { .. });
+        let unix = qemu
+            && channel::unix_path_fits(&dir, channel::SERIAL_SOCKET)
+            && channel::unix_path_fits(&dir, channel::CONTROL_SOCKET);
+        let bind = |name: &str, what: &str| -> Result<Listener> {
+            if unix {
+                Listener::unix(&dir, name).with_context(|| format!("cannot listen for {what}"))
+            } else {
+                Listener::tcp().with_context(|| format!("cannot listen for {what}"))
+            }
+        };
+        let bound = bind(channel::SERIAL_SOCKET, "the serial console").and_then(|serial| {
+            let control = bind(channel::CONTROL_SOCKET, "the control channel")?;
+            Ok((serial, control))
+        });
+        let (listener, control_listener) = match bound {
+            Ok(listeners) => listeners,
+            Err(e) => {
+                undo(None);
+                return Err(e);
+            }
+        };
+        let endpoints = listener
+            .endpoint()
+            .and_then(|serial| Ok((serial, control_listener.endpoint()?)))
+            .context("cannot read the listeners' addresses")?;
+        let ram_path = match cfg.emulator {
+            Emulator::Qemu { .. } if cfg.hypervisor.is_some() => {
+                match qemu::place_ram(&dir, u64::from(cfg.memory_mib) << 20) {
+                    Ok(ram) => Some(ram),
+                    Err(e) => {
+                        undo(None);
+                        return Err(e);
+                    }
+                }
+            }
+            _ => None,
+        };
+        let mut command = match prepare(&cfg, &dir, &endpoints.0, &endpoints.1, ram_path.as_deref())
+        {
+            Ok(command) => command,
+            Err(e) => {
+                // Nothing ran yet: the messages say all there is to know.
+                undo(ram_path.as_deref());
+                return Err(e);
+            }
+        };
+        crate::sys::die_with_parent(&mut command);
+        // A process group of its own: the Ctrl-C of the terminal goes to
+        // hvtrace alone, which stops the guest as it should (the emulator
+        // would otherwise die at once, or enter its debugger).
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                console: ConsoleBuffer::with_keep(console_keep(&cfg)),
+                ..Inner::default()
+            }),
+            cv: Condvar::new(),
+            bulk: Mutex::new(BulkTap::default()),
+            echo: AtomicU8::new(if cfg.echo_boot_console {
+                Echo::Stderr as u8
+            } else {
+                Echo::Off as u8
+            }),
+            progress: cfg.progress,
+            start,
+        });
+        let what = if cfg.under_hypervisor() {
+            "under the hypervisor"
+        } else {
+            "bare, without the hypervisor"
+        };
+        shared.note(&format!(
+            "starting {} with {} ({what}); run directory {}",
+            cfg.emulator,
+            vcpus(cfg.cpus),
+            dir.display()
+        ));
+        if qemu && !unix {
+            shared.note(&format!(
+                "the run directory's path is too long for a unix socket address ({} bytes at most): the serial ports use TCP on 127.0.0.1, with the peer checked",
+                channel::MAX_SOCKET_PATH
+            ));
+        }
+
+        let mut child = match command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+        {
+            Ok(child) => child,
+            Err(e) => {
+                undo(ram_path.as_deref());
+                bail!("cannot start {}: {e}", cfg.emulator);
+            }
+        };
+        let mut readers = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            readers.push(spawn_line_reader(
+                out,
+                dir.join("emulator.stdout.log"),
+                shared.clone(),
+                true,
+            ));
+        }
+        if let Some(err) = child.stderr.take() {
+            readers.push(spawn_line_reader(
+                err,
+                dir.join("emulator.stderr.log"),
+                shared.clone(),
+                false,
+            ));
+        }
+        let deadline = start + cfg.timeout;
+        let mut vm = Vm {
+            cfg,
+            dir: dir.clone(),
+            ram_path,
+            ram: None,
+            child,
+            status: None,
+            shared,
+            serial: None,
+            control: None,
+            readers,
+            deadline,
+            boot_time: None,
+            markers: Markers::unique(),
+            seq: 0,
+            cursor: 0,
+            finished: false,
+            control_copy: Arc::new(Mutex::new(TapCopy::Waiting)),
+        };
+        let [stream, control] = vm.accept_serial([
+            (&listener, "the serial console (COM1)"),
+            (&control_listener, "the control channel (COM2)"),
+        ])?;
+        let reader_stream = stream
+            .try_clone()
+            .context("cannot clone the serial socket")?;
+        vm.readers.push(spawn_serial_reader(
+            reader_stream,
+            dir.join("console.log"),
+            vm.cfg.console_cap,
+            vm.shared.clone(),
+        ));
+        let tap_stream = control
+            .try_clone()
+            .context("cannot clone the control channel socket")?;
+        vm.readers.push(spawn_control_tap(
+            tap_stream,
+            vm.shared.clone(),
+            vm.control_copy.clone(),
+        ));
+        vm.serial = Some(stream);
+        vm.control = Some(control);
+        Ok(vm)
+    }
+
+    /// Waits for the emulator to connect each serial port to its listener.
+    /// A connection from any other process is closed and reported, and the
+    /// listener waits on.
+    fn accept_serial<const N: usize>(
+        &mut self,
+        listeners: [(&Listener, &str); N],
+    ) -> Result<[Channel; N]> {
+        for (listener, _) in &listeners {
+            listener.set_nonblocking(true)?;
+        }
+        let until = (Instant::now() + SERIAL_CONNECT_TIMEOUT).min(self.deadline);
+        let pid = self.child.id();
+        let mut streams: [Option<Channel>; N] = std::array::from_fn(|_| None);
+        loop {
+            for ((listener, what), slot) in listeners.iter().zip(streams.iter_mut()) {
+                if slot.is_some() {
+                    continue;
+                }
+                match listener.accept_from(pid, what) {
+                    Ok(channel) => *slot = channel,
+                    Err(e) => return Err(self.fail(anyhow!("listener for {what} failed: {e}"))),
+                }
+            }
+            if streams.iter().all(Option::is_some) {
+                return Ok(streams.map(|s| s.expect("checked above")));
+            }
+            let missing = listeners
+                .iter()
+                .zip(streams.iter())
+                .find(|(_, s)| s.is_none())
+                .map(|((_, what), _)| *what)
+                .unwrap_or("a serial port");
+            if let Some(status) = self.poll_exit()? {
+                self.drain_readers();
+                let why = self.emulator_message();
+                return Err(self.fail(anyhow!(
+                    "{} exited ({status}) before connecting {missing}{why}",
+                    self.cfg.emulator
+                )));
+            }
+            if Instant::now() >= until {
+                return Err(self.fail(anyhow!(
+                    "{} did not connect {missing} within {} s",
+                    self.cfg.emulator,
+                    SERIAL_CONNECT_TIMEOUT.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Writes what the emulator needs into the run directory and returns the
+/// command that starts it there. COM1 connects to `serial`, COM2 (the
+/// control channel) to `control`.
+fn prepare(
+    cfg: &RunConfig,
+    dir: &Path,
+    serial: &Endpoint,
+    control: &Endpoint,
+    ram: Option<&Path>,
+) -> Result<std::process::Command> {
+    match cfg.emulator {
+        Emulator::Bochs => {
+            let (Some(serial_port), Some(control_port)) = (serial.tcp_port(), control.tcp_port())
+            else {
+                bail!("Bochs connects its serial ports over TCP only");
+            };
+            image::build_iso(dir, cfg)?;
+            bochs::prepare(
+                dir,
+                &bochs::Machine {
+                    iso: "boot.iso",
+                    memory_mib: cfg.memory_mib,
+                    ips: cfg.bochs_ips,
+                    cpu_model: &cfg.bochs_cpu,
+                    cpus: cfg.cpus,
+                    serial_port,
+                    control_port,
+                },
+            )
+        }
+        Emulator::Qemu { kvm } => {
+            image::stage_file(&cfg.kernel, dir, image::KERNEL_NAME)?;
+            image::stage_file(&cfg.initrd, dir, image::INITRD_NAME)?;
+            let hv = match &cfg.hypervisor {
+                Some(hv) => Some(image::stage_file(hv, dir, image::HYPERVISOR_NAME)?),
+                None => None,
+            };
+            qemu::prepare(
+                dir,
+                cfg,
+                kvm,
+                hv.as_deref(),
+                qemu::Ports {
+                    serial,
+                    control,
+                    ram: ram.unwrap_or(Path::new(qemu::RAM_FILE)),
+                },
+            )
+        }
+    }
+}
+
+/// The bytes of console output a run keeps in memory: its console cap, at
+/// most [`console::CONSOLE_KEEP`].
+fn console_keep(cfg: &RunConfig) -> usize {
+    usize::try_from(cfg.console_cap)
+        .unwrap_or(usize::MAX)
+        .min(console::CONSOLE_KEEP)
+}
