@@ -45,5 +45,6 @@ pub mod stack_use;
 pub mod stats;
 pub mod task_switch;
 pub mod tracer;
+pub mod turns;
 pub mod vm_lock;
 pub mod vmx;

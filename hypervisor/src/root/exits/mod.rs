@@ -129,11 +129,6 @@ macro_rules! tracer {
     };
 }
 
-/// Preemption-timer periods: idle, and while the control channel has
-/// traffic in flight (SDM 26.5.1: the timer counts down at the TSC rate
-/// divided by 2^IA32_VMX_MISC[4:0]).
-const IDLE_TURNS_PER_SEC: u64 = 200;
-const BUSY_TURNS_PER_SEC: u64 = 5000;
 /// Local exits between two looks at the clock under the VM lock (the
 /// look itself is cheap; the lock is not).
 const LOCAL_EXITS_PER_CHECK: u64 = 64;
@@ -412,7 +407,7 @@ pub fn run(cpu: &mut CpuState) -> StopReason {
 /// raw TSC. A TSC the guest set back reads as a turn due (the difference
 /// wraps), and the turn starts the count again from there.
 fn turn_due(cpu: &CpuState) -> bool {
-    insn::rdtsc().wrapping_sub(cpu.last_turn_tsc) > cpu.turn_ticks
+    hypervisor::turns::due(insn::rdtsc(), cpu.last_turn_tsc, cpu.turn_ticks)
 }
 
 /// Where an exit is handled.

@@ -2,6 +2,7 @@
 //! and the timer that brings it; a module load or unload seen at a hook.
 
 use super::*;
+use hypervisor::turns;
 
 impl Vcpu<'_> {
     /// Root's guard counters, as the status reports them.
@@ -12,13 +13,9 @@ impl Vcpu<'_> {
         }
     }
 
+    /// The preemption timer's value for the next turn (`turns::timer_value`).
     pub(super) fn timer_value(&self, busy: bool) -> u32 {
-        let per_sec = if busy {
-            BUSY_TURNS_PER_SEC
-        } else {
-            IDLE_TURNS_PER_SEC
-        };
-        ((self.vm.tsc_hz / per_sec) >> self.vm.cfg.timer_shift).clamp(1, u32::MAX as u64) as u32
+        turns::timer_value(self.vm.tsc_hz, busy, self.vm.cfg.timer_shift)
     }
 
     /// A module load or unload this vCPU saw at a hidden hook (see
@@ -145,12 +142,7 @@ impl Vcpu<'_> {
             c.flush();
             busy = c.busy() || output;
         }
-        let per_sec = if busy {
-            BUSY_TURNS_PER_SEC
-        } else {
-            IDLE_TURNS_PER_SEC
-        };
-        self.cpu.turn_ticks = self.vm.tsc_hz / per_sec;
+        self.cpu.turn_ticks = turns::period_ticks(self.vm.tsc_hz, busy);
         if self.vm.cfg.has_timer {
             let t = self.timer_value(busy);
             if t != self.cpu.timer {
