@@ -64,7 +64,7 @@ pub use codec::{
     FATAL_WIRE_MAX, HEADER_LEN, MAX_FATAL_REASON, MAX_FRAME, MAX_WIRE_FRAME,
 };
 pub use message::{
-    Body, ChannelReport, CountFilter, ErrorKind, Event, ExitCount, Frame, FunctionCount,
+    Body, ChannelReport, CountFilter, CountPage, ErrorKind, Event, ExitCount, Frame, FunctionCount,
     GraphFilter, GraphSessionReport, GuardReport, GuestState, HistFilter, HistKey, HistRow,
     KernelReport, ModulesReport, ProbeInfo, RenderContext, Request, Response, RingAt, RootTime,
     StatusReport, SymbolInfo, SymbolsPart, TaskInfo, TraceChannel, TraceFormat, TracerReport,

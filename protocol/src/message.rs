@@ -460,29 +460,7 @@ pub enum Response {
         skipped_total: u32,
     },
     /// Answer to [`Request::CountRead`].
-    Counts {
-        /// Functions counted (hooked), called or not.
-        functions: u32,
-        /// Calls counted over every function.
-        calls: u64,
-        /// Calls of counted functions left out by the pid or comm filter.
-        filtered: u64,
-        /// Root time since the count started, in nanoseconds.
-        elapsed_ns: u64,
-        /// Bytes of hypervisor memory the count holds.
-        memory: u64,
-        /// The functions of this page called at least once.
-        entries: Vec<FunctionCount>,
-        /// The cursor for the next page; `None` after the last one.
-        next: Option<u64>,
-        /// With `latency`: calls timed, by duration, in the
-        /// [`LATENCY_BUCKETS`] log2 buckets (trailing empty buckets left
-        /// out); empty otherwise.
-        latency: Vec<u64>,
-        /// Calls that could not be timed (their return could not be
-        /// hijacked: a return stack full, no room for one).
-        latency_missed: u64,
-    },
+    Counts(CountPage),
     /// Answer to [`Request::TraceChannel`] with
     /// [`TraceChannel::SharedRing`]: where the ring is.
     TraceRing {
@@ -709,6 +687,33 @@ impl Response {
             message: message.into(),
         }
     }
+}
+
+/// One page of the call count's counters ([`Response::Counts`]). The host
+/// merges the pages of one read into one, with `next` left `None`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CountPage {
+    /// Functions counted (hooked), called or not.
+    pub functions: u32,
+    /// Calls counted over every function.
+    pub calls: u64,
+    /// Calls of counted functions left out by the pid or comm filter.
+    pub filtered: u64,
+    /// Root time since the count started, in nanoseconds.
+    pub elapsed_ns: u64,
+    /// Bytes of hypervisor memory the count holds.
+    pub memory: u64,
+    /// The functions of this page called at least once.
+    pub entries: Vec<FunctionCount>,
+    /// The cursor for the next page; `None` after the last one.
+    pub next: Option<u64>,
+    /// With `latency`: calls timed, by duration, in the
+    /// [`LATENCY_BUCKETS`] log2 buckets (trailing empty buckets left
+    /// out); empty otherwise.
+    pub latency: Vec<u64>,
+    /// Calls that could not be timed (their return could not be
+    /// hijacked: a return stack full, no room for one).
+    pub latency_missed: u64,
 }
 
 /// Classes of failure in [`Response::Error`].

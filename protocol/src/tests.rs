@@ -282,7 +282,7 @@ fn samples() -> Vec<Body> {
             skipped: vec!["vfs_x: the site crosses a page boundary".into()],
             skipped_total: 1,
         }),
-        Body::Response(Response::Counts {
+        Body::Response(Response::Counts(CountPage {
             functions: 61,
             calls: u64::MAX,
             filtered: 7,
@@ -296,7 +296,7 @@ fn samples() -> Vec<Body> {
             next: Some(0xffff_ffff_c000_1001),
             latency: vec![0, 1, u64::MAX, 3],
             latency_missed: 2,
-        }),
+        })),
         Body::Request(Request::Exec {
             command: "cat /etc/hostname; echo $?".into(),
         }),
@@ -432,7 +432,7 @@ fn variant(body: &Body) -> String {
             Response::Probes(_) => "Response::Probes",
             Response::FunctionAdded { .. } => "Response::FunctionAdded",
             Response::CountStarted { .. } => "Response::CountStarted",
-            Response::Counts { .. } => "Response::Counts",
+            Response::Counts(_) => "Response::Counts",
             Response::Hist { .. } => "Response::Hist",
             Response::TraceRing { .. } => "Response::TraceRing",
             Response::TraceRings { .. } => "Response::TraceRings",

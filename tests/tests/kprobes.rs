@@ -474,12 +474,12 @@ fn benchmark(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
             limit: 10,
         },
     ) {
-        Response::Counts {
+        Response::Counts(protocol::CountPage {
             calls,
             filtered,
             entries,
             ..
-        } => {
+        }) => {
             // The benchmark's own calls, and getppid calls by anything
             // else in the window (none are expected in this guest).
             ck.eq("count: calls of the benchmark", calls, N);
@@ -2521,12 +2521,12 @@ fn count_entries(c: &mut Client) -> Option<(u64, Vec<(String, u64)>)> {
     let mut cursor = 0;
     let mut out = Vec::new();
     for _ in 0..64 {
-        let Response::Counts {
+        let Response::Counts(protocol::CountPage {
             calls,
             entries,
             next,
             ..
-        } = call(c, Request::CountRead { cursor, limit: 50 })
+        }) = call(c, Request::CountRead { cursor, limit: 50 })
         else {
             return None;
         };

@@ -27,27 +27,9 @@ const PAGE: u32 = 200;
 /// Most pages one read takes (a guard against a cursor that never ends).
 const MAX_PAGES: usize = 10_000;
 
-/// The counters at one moment.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Counts {
-    /// Functions counted (hooked).
-    pub functions: u32,
-    /// Calls counted over every function.
-    pub calls: u64,
-    /// Calls the pid or comm filter left out.
-    pub filtered: u64,
-    /// Root time since the count started.
-    pub elapsed_ns: u64,
-    /// Hypervisor memory the count holds.
-    pub memory: u64,
-    /// The functions called at least once, in address order.
-    pub entries: Vec<FunctionCount>,
-    /// Timed calls by duration, in log2 buckets of nanoseconds (empty
-    /// unless the count times calls).
-    pub latency: Vec<u64>,
-    /// Calls that could not be timed.
-    pub latency_missed: u64,
-}
+/// The counters at one moment: the pages of one read merged into one
+/// (`next` left `None`).
+pub type Counts = protocol::CountPage;
 
 /// The filter of a count from its options, checked.
 pub fn filter(
@@ -116,25 +98,16 @@ pub fn read(control: &mut dyn Control) -> Result<Counts> {
             },
             STATUS_TIMEOUT,
         )? {
-            Response::Counts {
-                functions,
-                calls,
-                filtered,
-                elapsed_ns,
-                memory,
-                entries,
-                next,
-                latency,
-                latency_missed,
-            } => {
-                out.latency = latency;
-                out.latency_missed = latency_missed;
-                out.functions = functions;
-                out.calls = calls;
-                out.filtered = filtered;
-                out.elapsed_ns = elapsed_ns;
-                out.memory = memory;
-                out.entries.extend(entries);
+            Response::Counts(page) => {
+                let next = page.next;
+                out.latency = page.latency;
+                out.latency_missed = page.latency_missed;
+                out.functions = page.functions;
+                out.calls = page.calls;
+                out.filtered = page.filtered;
+                out.elapsed_ns = page.elapsed_ns;
+                out.memory = page.memory;
+                out.entries.extend(page.entries);
                 match next {
                     Some(n) if n > cursor => cursor = n,
                     Some(_) => bail!("the hypervisor's count pages do not move on"),
@@ -560,6 +533,7 @@ mod tests {
             ],
             latency: vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 1],
             latency_missed: 1,
+            next: None,
         }
     }
 
@@ -720,7 +694,7 @@ mod tests {
                     panic!("{r:?}")
                 };
                 let next = self.0.remove(0);
-                Ok(Response::Counts {
+                Ok(Response::Counts(protocol::CountPage {
                     functions: 2,
                     calls: 5,
                     filtered: 0,
@@ -734,7 +708,7 @@ mod tests {
                     next,
                     latency: vec![],
                     latency_missed: 0,
-                })
+                }))
             }
         }
         let c = read(&mut Pages(vec![Some(10), Some(20), None])).unwrap();

@@ -24,7 +24,7 @@ use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use guest_introspect::fallible;
 use guest_introspect::kallsyms::SymbolId;
 use protocol::{
-    CountFilter, ErrorKind, FunctionCount, HistFilter, HistKey, HistRow, LATENCY_BUCKETS,
+    CountFilter, CountPage, ErrorKind, FunctionCount, HistFilter, HistKey, HistRow, LATENCY_BUCKETS,
 };
 
 /// Most keys a histogram holds; calls of further keys are counted in
@@ -266,19 +266,6 @@ impl CountState {
         });
         pid_ok && comm_ok
     }
-}
-
-/// One page of counts.
-pub struct CountPage {
-    pub latency: Vec<u64>,
-    pub latency_missed: u64,
-    pub functions: u32,
-    pub calls: u64,
-    pub filtered: u64,
-    pub elapsed_ns: u64,
-    pub memory: u64,
-    pub entries: Vec<FunctionCount>,
-    pub next: Option<u64>,
 }
 
 impl Tracer<'_> {

@@ -85,18 +85,8 @@ impl Tracer<'_> {
                 Ok(Response::Ok)
             }
             Request::CountRead { cursor, limit } => {
-                let p = self.count_read(cursor, limit, given.kernel()?, now_ns)?;
-                Ok(Response::Counts {
-                    functions: p.functions,
-                    calls: p.calls,
-                    filtered: p.filtered,
-                    elapsed_ns: p.elapsed_ns,
-                    memory: p.memory,
-                    entries: p.entries,
-                    next: p.next,
-                    latency: p.latency,
-                    latency_missed: p.latency_missed,
-                })
+                let page = self.count_read(cursor, limit, given.kernel()?, now_ns)?;
+                Ok(Response::Counts(page))
             }
             Request::HistRead { cursor } => {
                 let p = self.hist_read(cursor, given.kernel()?)?;
