@@ -111,6 +111,7 @@ pub struct HypercallCounts {
 }
 
 /// Adds `n` to a hit counter.
+#[inline]
 pub(super) fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Relaxed);
 }

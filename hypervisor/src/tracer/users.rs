@@ -169,6 +169,7 @@ impl Users {
     }
 
     /// Whether `user` is here.
+    #[inline]
     pub(super) fn has(&self, user: User) -> bool {
         match user {
             User::Switch(h) => self.switch == Some(h),
@@ -186,36 +187,24 @@ impl Users {
     /// hook, root's module hook, the count, the entry probes (in the order
     /// they joined), the function tracer, then what the return hook
     /// serves (graph sessions, return probes, the count's timing).
-    pub(super) fn iter(&self) -> impl Iterator<Item = User> + '_ {
-        let graphs = (1..=MAX_GRAPH_SESSION)
-            .filter(|&n| self.graph & graph_bit(n) != 0)
-            .map(User::Graph);
-        let returns = self.returns.iter().map(|&w| {
-            if w == LATENCY_ID {
-                User::CountTiming
-            } else {
-                // Return probe ids are u32: the words were made from them.
-                User::ReturnProbe(w as u32)
-            }
-        });
-        self.switch
-            .map(User::Switch)
-            .into_iter()
-            .chain(self.module.map(User::Module))
-            .chain(self.count.then_some(User::Count))
-            .chain(self.probes.iter().map(|&id| User::Probe(id)))
-            .chain(self.function.then_some(User::Function))
-            .chain(graphs)
-            .chain(returns)
+    pub(super) fn iter(&self) -> UsersIter<'_> {
+        UsersIter {
+            users: self,
+            stage: Stage::Switch,
+            at: 0,
+            graphs: self.graph,
+        }
     }
 
     /// No user at all: the site may be unhooked.
+    #[inline]
     pub(super) fn is_empty(&self) -> bool {
         self.switch.is_none() && self.module.is_none() && self.graph == 0 && self.only_root_views()
     }
 
     /// No user but, maybe, root's view hook and the graph sessions: no
     /// probe, return probe, function tracer, module hook or count.
+    #[inline]
     fn only_root_views(&self) -> bool {
         self.probes.is_empty()
             && self.returns.is_empty()
@@ -225,6 +214,7 @@ impl Users {
     }
 
     /// Whether root's view hook is all the site is for.
+    #[inline]
     pub(super) fn only_switch(&self) -> bool {
         self.switch.is_some() && self.only_root_views() && self.graph == 0
     }
@@ -232,6 +222,7 @@ impl Users {
     /// Whether every user is one the entry fast path serves
     /// (`Hit::fast_entry`): the count with no timing of its calls, entry
     /// probes, the function tracer; and at least one of them.
+    #[inline]
     pub(super) fn fast(&self) -> bool {
         (self.count || !self.probes.is_empty() || self.function)
             && self.returns.is_empty()
@@ -259,44 +250,148 @@ impl Users {
 
     /// Whether a user records events at entry or at return: an entry
     /// probe, the function tracer, a graph session or a return hook.
+    #[inline]
     pub(super) fn records(&self) -> bool {
         !self.probes.is_empty() || self.function || self.graph != 0 || !self.returns.is_empty()
     }
 
     /// Whether a user other than the count's timing wants the return.
+    #[inline]
     pub(super) fn returns_beyond_timing(&self) -> bool {
         self.graph != 0 || self.returns.iter().any(|&w| w != LATENCY_ID)
     }
 
     /// The entry probes' ids, in the order they joined.
+    #[inline]
     pub(super) fn probes(&self) -> &[u32] {
         &self.probes
     }
 
     /// The words the return hook's frame carries (return probe ids, the
     /// count's timing).
+    #[inline]
     pub(super) fn returns(&self) -> &[u64] {
         &self.returns
     }
 
     /// The graph sessions (bit N: session N).
+    #[inline]
     pub(super) fn graphs(&self) -> u16 {
         self.graph
     }
 
     /// Root's view hook here, if any.
+    #[inline]
     pub(super) fn switch(&self) -> Option<SwitchHook> {
         self.switch
     }
 
     /// Root's module hook here, if any.
+    #[inline]
     pub(super) fn module(&self) -> Option<ModuleHook> {
         self.module
     }
 
     /// The count's calls here: its own per-site counter.
+    #[inline]
     pub(super) fn calls(&self) -> &AtomicU64 {
         &self.calls
+    }
+}
+
+/// Where [`UsersIter`] is in [`Users::iter`]'s order.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Switch,
+    Module,
+    Count,
+    Probes,
+    Function,
+    Graphs,
+    Returns,
+    Done,
+}
+
+/// The users of a site in [`Users::iter`]'s order: a state machine over
+/// the set's parts, each looked at once (the hit path walks it).
+pub(super) struct UsersIter<'a> {
+    users: &'a Users,
+    stage: Stage,
+    /// The index in the current list (probes, return words).
+    at: usize,
+    /// Graph sessions not yielded yet (bit N: session N).
+    graphs: u16,
+}
+
+impl Iterator for UsersIter<'_> {
+    type Item = User;
+
+    #[inline]
+    fn next(&mut self) -> Option<User> {
+        let u = self.users;
+        loop {
+            match self.stage {
+                Stage::Switch => {
+                    self.stage = Stage::Module;
+                    if let Some(h) = u.switch {
+                        return Some(User::Switch(h));
+                    }
+                }
+                Stage::Module => {
+                    self.stage = Stage::Count;
+                    if let Some(h) = u.module {
+                        return Some(User::Module(h));
+                    }
+                }
+                Stage::Count => {
+                    self.stage = Stage::Probes;
+                    if u.count {
+                        return Some(User::Count);
+                    }
+                }
+                Stage::Probes => match u.probes.get(self.at) {
+                    Some(&id) => {
+                        self.at += 1;
+                        return Some(User::Probe(id));
+                    }
+                    None => {
+                        self.at = 0;
+                        self.stage = Stage::Function;
+                    }
+                },
+                Stage::Function => {
+                    self.stage = Stage::Graphs;
+                    if u.function {
+                        return Some(User::Function);
+                    }
+                }
+                Stage::Graphs => {
+                    // Bit 0 is no session: `join` never sets it.
+                    let rest = self.graphs & !1;
+                    if rest == 0 {
+                        self.stage = Stage::Returns;
+                        continue;
+                    }
+                    let n = rest.trailing_zeros() as u8;
+                    self.graphs = rest & !(1 << n);
+                    return Some(User::Graph(n));
+                }
+                Stage::Returns => match u.returns.get(self.at) {
+                    Some(&w) => {
+                        self.at += 1;
+                        return Some(if w == LATENCY_ID {
+                            User::CountTiming
+                        } else {
+                            // Return probe ids are u32: the words were made
+                            // from them.
+                            User::ReturnProbe(w as u32)
+                        });
+                    }
+                    None => self.stage = Stage::Done,
+                },
+                Stage::Done => return None,
+            }
+        }
     }
 }
 

@@ -130,6 +130,7 @@ impl VmState {
 
     /// Moves the vCPU to `view` (root switches its EPT pointer when it
     /// resumes the guest), counting the move.
+    #[inline]
     pub(super) fn set_view(&self, state: &mut CpuState, view: View, now_ns: u64) {
         if state.view == view {
             return;
