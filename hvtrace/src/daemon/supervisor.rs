@@ -48,9 +48,9 @@ use std::time::{Duration, Instant};
 use super::recording::{Noting, Recorder};
 use super::symbols::HostSymbols;
 use anyhow::Result;
-use hypervisor::kprobe::IndexSymbols;
 use hypervisor::tracer::render::RecordRenderer;
 use protocol::{ErrorKind, Event, Frame, Request, Response, TraceChannel, TraceFormat};
+use tracelang::kprobe::IndexSymbols;
 
 use crate::daemon::link::{self, HvLink, LinkError};
 use crate::daemon::owners::GraphOwners;
@@ -1785,8 +1785,8 @@ mod tests {
     #[test]
     fn the_supervisor_reads_the_vcpus_rings_and_gives_them_back() {
         use crate::sys::SharedMap;
-        use hypervisor::kprobe::{EventHeader, RawEvent};
         use protocol::{RenderContext, RingAt, SymbolsPart};
+        use tracelang::kprobe::{EventHeader, RawEvent};
         const RAM: usize = 2 << 20;
         const LEN: u64 = 64 + 64 * 1024;
         let (frames_at, ring_at) = (0x1000u64, [0x40000u64, 0x80000]);
@@ -1831,7 +1831,7 @@ mod tests {
                         .iter()
                         .map(|&gpa| RingAt { gpa, len: LEN })
                         .collect(),
-                    stamp_at: hypervisor::kprobe::TIMESTAMP_AT as u32,
+                    stamp_at: tracelang::kprobe::TIMESTAMP_AT as u32,
                 }),
                 Request::TraceChannel {
                     channel: TraceChannel::SharedRing,

@@ -26,7 +26,6 @@ use super::retstack::{PopResult, PushError, RetStack, MAX_USERS};
 use super::ring::EventRing;
 use super::split::in_hypervisor;
 use crate::addr::Gva;
-use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use crate::vmx::regs::GuestRegs;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::string::String;
@@ -36,6 +35,7 @@ use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::StackMap;
 use protocol::{GraphFilter, TracerReport};
+use tracelang::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use trampolines::ptregs::{KERNEL_CS, KERNEL_SS};
 use trampolines::PtRegs;
 

@@ -25,11 +25,11 @@ use super::vm_state::VmState;
 use super::{CpuState, Hypercall, Tracer};
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
-use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use crate::stats::{add_own, RootWork};
 use crate::vmx::regs::GuestRegs;
 use alloc::vec::Vec;
 use guest_introspect::paging::{self, Cr3};
+use tracelang::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use trampolines::PtRegs;
 
 impl Tracer<'_> {

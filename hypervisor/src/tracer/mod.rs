@@ -286,7 +286,7 @@ impl<'a> Tracer<'a> {
     pub fn record_rings(&self) -> (Vec<(u64, u64)>, u32) {
         (
             self.vm.stream.rings.regions(),
-            crate::kprobe::TIMESTAMP_AT as u32,
+            tracelang::kprobe::TIMESTAMP_AT as u32,
         )
     }
 

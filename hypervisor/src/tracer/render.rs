@@ -13,7 +13,6 @@
 //! bounded.
 
 use super::graph::{write_graph_json, GraphEventId, GraphText};
-use crate::kprobe::{self, Command, ProbeSpec, RawEvent, SymbolResolver};
 use alloc::collections::BTreeMap;
 use alloc::string::String;
 use alloc::vec::Vec;
@@ -21,6 +20,7 @@ use core::borrow::Borrow;
 use core::fmt::Write;
 use protocol::ring::Ring;
 use protocol::{Event, RenderContext, TraceFormat};
+use tracelang::kprobe::{self, Command, ProbeSpec, RawEvent, SymbolResolver};
 
 /// The probe id of function-tracer events (probes count from 1).
 pub(super) const FUNCTION_ID: u32 = 0;

@@ -17,7 +17,6 @@ use super::{
     Tracer,
 };
 use crate::addr::Gva;
-use crate::kprobe::{self, Command};
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
 use alloc::string::{String, ToString};
@@ -27,6 +26,7 @@ use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::fentry::FentrySite;
 use guest_introspect::view::PagedView;
 use protocol::{ErrorKind, GraphFilter};
+use tracelang::kprobe::{self, Command};
 
 /// What a request found to hook ([`Tracer::traceable_matches`]).
 #[derive(Default)]

@@ -10,10 +10,10 @@ use super::machine::KernelView;
 use super::probes::Probes;
 use super::render::{cut_line, LEAF_HOLD_NS, TRACE_TEXT_BUDGET};
 use super::ring::Rings;
-use crate::kprobe::{self, IndexSymbols};
 use alloc::string::String;
 use alloc::vec::Vec;
 use protocol::TraceFormat;
+use tracelang::kprobe::{self, IndexSymbols};
 
 /// Bytes of all the vCPUs' event rings together (one vCPU has them all).
 const RING_BYTES: usize = 2 << 20;

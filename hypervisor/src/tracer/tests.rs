@@ -2588,7 +2588,7 @@ fn the_host_renders_root_records_as_root_renders_them() {
 #[test]
 fn the_host_reading_the_rings_renders_as_root_renders() {
     use super::render::{RecordRenderer, RingsReader};
-    use crate::kprobe::IndexSymbols;
+    use tracelang::kprobe::IndexSymbols;
     // The main scenario, then hits on two vCPUs stored out of time order.
     fn scenario(g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(&mut Guest)) {
         rendering_scenario(g, format, drain);
@@ -2734,7 +2734,7 @@ fn a_filling_ring_rings_the_doorbell_when_the_host_reads() {
 #[test]
 fn records_and_text_carry_the_records_and_roots_own_text() {
     use super::render::RecordRenderer;
-    use crate::kprobe::IndexSymbols;
+    use tracelang::kprobe::IndexSymbols;
     let mut g = Guest::new();
     let mut root_text = String::new();
     rendering_scenario(&mut g, TraceFormat::Text, &mut |g| {
@@ -2797,7 +2797,7 @@ fn records_and_text_carry_the_records_and_roots_own_text() {
 #[test]
 fn the_host_renderer_takes_split_records_and_refuses_misplaced_chunks() {
     use super::render::RecordRenderer;
-    use crate::kprobe::IndexSymbols;
+    use tracelang::kprobe::IndexSymbols;
     let mut g = Guest::new();
     g.probe("p:s my_func s=+0(%di):string").unwrap();
     let long = vec![b'x'; 3500];
@@ -2941,7 +2941,7 @@ fn render_on_the_host(
         Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), now)
     {
         events += 1;
-        let syms = crate::kprobe::IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
+        let syms = tracelang::kprobe::IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
         let mut out = Vec::new();
         match ev {
             Event::TraceContext(c) => renderer.context(&c),
