@@ -48,9 +48,9 @@ use std::time::{Duration, Instant};
 use super::recording::{Noting, Recorder};
 use super::symbols::HostSymbols;
 use anyhow::Result;
-use hypervisor::tracer::render::RecordRenderer;
 use protocol::{ErrorKind, Event, Frame, Request, Response, TraceChannel, TraceFormat};
 use tracelang::kprobe::IndexSymbols;
+use tracelang::render::RecordRenderer;
 
 use crate::daemon::link::{self, HvLink, LinkError};
 use crate::daemon::owners::GraphOwners;

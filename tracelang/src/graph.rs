@@ -22,8 +22,8 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt::Write;
 
-use tracelang::kprobe::json;
-use tracelang::kprobe::{FetchedValue, RawEvent, SymbolResolver};
+use crate::kprobe::json;
+use crate::kprobe::{FetchedValue, RawEvent, SymbolResolver};
 
 /// Width of the duration column between `N)` and `|`.
 const DURATION_WIDTH: usize = 15;
@@ -208,7 +208,7 @@ impl GraphText {
             Some((_, last)) => {
                 if *last != pid {
                     let mut comm = String::new();
-                    tracelang::kprobe::push_lossy(&mut comm, ev.header.comm_bytes());
+                    crate::kprobe::push_lossy(&mut comm, ev.header.comm_bytes());
                     let _ = write!(
                         out,
                         " ------------------------------------------\n {cpu})  pid {last} => {comm}-{pid}\n ------------------------------------------\n\n",
@@ -409,11 +409,11 @@ mod tests {
         assert_eq!(GraphEventId::unpack(7), None);
         assert_eq!(GraphEventId::unpack(0xffff_fd00), None);
     }
+    use crate::kprobe::{EventHeader, IntType, SymbolAt};
     use alloc::borrow::Cow;
     use alloc::vec;
     use alloc::vec::Vec;
     use guest_introspect::addr::Gva;
-    use tracelang::kprobe::{EventHeader, IntType, SymbolAt};
 
     struct Syms;
     impl SymbolResolver for Syms {
