@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Records a real trace stream of the fast-lane guest under Bochs and keeps
 # it as the fixture of the host renderer's test
-# (hypervisor/tests/stream_fixture.rs): the records root sent, root's own
+# (tracelang/tests/stream_fixture.rs): the records root sent, root's own
 # rendering of them, and the guest symbols they need.
 #
 #   bash scripts/record-stream-fixture.sh [FIXTURE_DIR]
 #
-# FIXTURE_DIR defaults to hypervisor/tests/fixtures/stream. The supervisor
+# FIXTURE_DIR defaults to tracelang/tests/fixtures/stream. The supervisor
 # records the stream when HVTRACE_RECORD_STREAM names a file (see
 # hvtrace/src/daemon/recording.rs); the workload: an entry probe with
 # fetch arguments and a return probe on do_sys_openat2, a function-tracer
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repo=$PWD
-out=${1:-$repo/hypervisor/tests/fixtures/stream}
+out=${1:-$repo/tracelang/tests/fixtures/stream}
 target=${CARGO_TARGET_DIR:-$repo/target}
 
 cargo build -q -p hypervisor --release --target x86_64-unknown-none --features bare-metal

@@ -8,8 +8,9 @@
 //! answers (`vmx::handle`), control-register and port exits (`vmx::cr`,
 //! `vmx::port`), the EPT builder, the CPUID, MSR, CR and I/O policy, PCI
 //! filtering, the APIC store decoder, the task-switch emulation, ACPI
-//! table lookups, the exit counters, the kprobe_events language and the
-//! tracer. None of them executes a privileged instruction; they reach
+//! table lookups, the exit counters and the tracer (the kprobe_events
+//! language it runs is the `tracelang` crate, which the host CLI shares).
+//! None of them executes a privileged instruction; they reach
 //! hardware only through the small traits they define (among them
 //! `VmcsIo`, `HostCpu`, `CrRegs`, `RawMemory`, `TableStore`, `GuestDoor`,
 //! `tracer::machine::Machine` and `tracer::machine::KernelView`), which
@@ -35,7 +36,6 @@ pub mod ept;
 pub mod guest_phys;
 pub mod host_paging;
 pub mod irq;
-pub mod kprobe;
 pub mod mono;
 pub mod outq;
 pub mod pci;

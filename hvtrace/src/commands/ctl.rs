@@ -14,9 +14,9 @@ use std::io::Write;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use ::hypervisor::kprobe;
 use anyhow::{bail, Result};
 use protocol::{Request, Response};
+use tracelang::kprobe;
 
 use crate::client::Client;
 use crate::commands::cli::{

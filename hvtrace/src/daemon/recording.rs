@@ -25,8 +25,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use guest_introspect::addr::Gva;
-use hypervisor::kprobe::{SymbolAt, SymbolResolver};
 use protocol::{Event, Frame};
+use tracelang::kprobe::{SymbolAt, SymbolResolver};
 
 /// The environment variable that names the recording.
 pub const RECORD_ENV: &str = "HVTRACE_RECORD_STREAM";
@@ -157,7 +157,7 @@ impl SymbolResolver for Noting<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hypervisor::kprobe::NoSymbols;
+    use tracelang::kprobe::NoSymbols;
 
     #[test]
     fn a_recording_has_one_line_per_event_and_notes_addresses_once() {

@@ -10,10 +10,10 @@
 //! 4 GiB up ([`file_offset`]).
 
 use anyhow::{bail, Context, Result};
-use hypervisor::tracer::render::RingsReader;
 use protocol::ring::{Ring, RingError};
 use protocol::Event;
 use std::borrow::Borrow;
+use tracelang::render::RingsReader;
 
 /// QEMU's machine types, for the RAM layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

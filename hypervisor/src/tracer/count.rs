@@ -14,8 +14,6 @@ use super::users::User;
 pub(super) use super::users::LATENCY_ID;
 use super::{FunctionsAdded, ReqError, Tracer};
 use crate::addr::Gva;
-use crate::kprobe::{self, Command, ProbeSpec};
-use crate::kprobe::{IndexSymbols, SymbolResolver};
 use alloc::collections::BTreeMap;
 use alloc::format;
 use alloc::string::String;
@@ -26,6 +24,8 @@ use guest_introspect::kallsyms::SymbolId;
 use protocol::{
     CountFilter, CountPage, ErrorKind, FunctionCount, HistFilter, HistKey, HistRow, LATENCY_BUCKETS,
 };
+use tracelang::kprobe::{self, Command, ProbeSpec};
+use tracelang::kprobe::{IndexSymbols, SymbolResolver};
 
 /// Most keys a histogram holds; calls of further keys are counted in
 /// `overflow`.

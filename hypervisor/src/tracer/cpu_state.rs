@@ -17,7 +17,7 @@ pub struct CpuState {
     pub(super) record: Vec<u8>,
     /// The fetched values of the last hit, whose room and strings' buffers
     /// the next one reuses.
-    pub(super) values: Vec<crate::kprobe::FetchedValue>,
+    pub(super) values: Vec<tracelang::kprobe::FetchedValue>,
     /// A module load or unload seen at a hidden hook by this vCPU's last
     /// hypercall, for the exit handler to serve before the vCPU enters
     /// the guest again.

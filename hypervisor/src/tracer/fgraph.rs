@@ -18,7 +18,6 @@
 //! stack is only ever used by the one CPU running on it.
 
 use super::count::{CountState, LATENCY_ID};
-use super::graph::{GraphEventId, GraphKind, GraphText};
 use super::hit_stats::{add, HitStats};
 use super::machine::{CpuView, Env, KernelView, Running};
 use super::probes::{store_parts, HitSink, Probes, VcpuMem};
@@ -26,7 +25,6 @@ use super::retstack::{PopResult, PushError, RetStack, MAX_USERS};
 use super::ring::EventRing;
 use super::split::in_hypervisor;
 use crate::addr::Gva;
-use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use crate::vmx::regs::GuestRegs;
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::string::String;
@@ -36,6 +34,8 @@ use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::paging::{self, Cr3};
 use guest_introspect::stacks::StackMap;
 use protocol::{GraphFilter, TracerReport};
+use tracelang::graph::{GraphEventId, GraphKind, GraphText};
+use tracelang::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use trampolines::ptregs::{KERNEL_CS, KERNEL_SS};
 use trampolines::PtRegs;
 

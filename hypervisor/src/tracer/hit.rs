@@ -16,7 +16,6 @@ use super::modules::ModuleEvent;
 use super::probes::{store_parts, HitSink, VcpuMem};
 use super::quiet::SwitchHook;
 use super::region::Region;
-use super::render::FUNCTION_ID;
 use super::ring::EventRing;
 use super::site::Patch;
 use super::split::SiteUse;
@@ -25,11 +24,12 @@ use super::vm_state::VmState;
 use super::{CpuState, Hypercall, Tracer};
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
-use crate::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
 use crate::stats::{add_own, RootWork};
 use crate::vmx::regs::GuestRegs;
 use alloc::vec::Vec;
 use guest_introspect::paging::{self, Cr3};
+use tracelang::kprobe::{self, EventHeader, FetchContext, GuestLayout, IndexSymbols};
+use tracelang::render::FUNCTION_ID;
 use trampolines::PtRegs;
 
 impl Tracer<'_> {

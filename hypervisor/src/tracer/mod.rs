@@ -33,7 +33,6 @@ pub mod count;
 mod cpu_state;
 pub mod door;
 mod fgraph;
-pub mod graph;
 mod hit;
 mod hit_stats;
 pub mod machine;
@@ -41,7 +40,6 @@ pub mod modules;
 mod probes;
 pub mod quiet;
 mod region;
-pub mod render;
 mod requests;
 pub mod retstack;
 pub mod ring;
@@ -287,7 +285,7 @@ impl<'a> Tracer<'a> {
     pub fn record_rings(&self) -> (Vec<(u64, u64)>, u32) {
         (
             self.vm.stream.rings.regions(),
-            crate::kprobe::TIMESTAMP_AT as u32,
+            tracelang::kprobe::TIMESTAMP_AT as u32,
         )
     }
 

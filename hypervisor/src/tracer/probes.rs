@@ -7,13 +7,15 @@ use super::machine::Machine;
 use super::ring::EventRing;
 use crate::addr::Gva;
 use crate::guest_phys::GuestDoor;
-use crate::kprobe::{self, EventHeader, FetchContext, GuestMem, IndexSymbols, MemFault, ProbeSpec};
 use alloc::format;
 use alloc::string::ToString;
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use guest_introspect::paging::{self, Cr3, WalkCache};
 use protocol::ProbeInfo;
+use tracelang::kprobe::{
+    self, EventHeader, FetchContext, GuestMem, IndexSymbols, MemFault, ProbeSpec,
+};
 
 /// Probes defined at most.
 pub(super) const MAX_PROBES: usize = 1024;

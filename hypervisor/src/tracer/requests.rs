@@ -3,7 +3,6 @@
 //! probes, sessions) and flushes EPT once before it answers.
 
 use super::fgraph::{self, GraphSession, MAX_STACK_FRAMES, STACK_FRAMES};
-use super::graph::GraphText;
 use super::machine::{Env, KernelView};
 use super::modules;
 use super::probes::{Probe, MAX_PROBES};
@@ -17,7 +16,6 @@ use super::{
     Tracer,
 };
 use crate::addr::Gva;
-use crate::kprobe::{self, Command};
 use alloc::collections::{BTreeMap, BTreeSet};
 use alloc::format;
 use alloc::string::{String, ToString};
@@ -27,6 +25,8 @@ use guest_introspect::fallible::{self, btree_entry_bytes};
 use guest_introspect::fentry::FentrySite;
 use guest_introspect::view::PagedView;
 use protocol::{ErrorKind, GraphFilter};
+use tracelang::graph::GraphText;
+use tracelang::kprobe::{self, Command};
 
 /// What a request found to hook ([`Tracer::traceable_matches`]).
 #[derive(Default)]

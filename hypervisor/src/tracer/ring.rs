@@ -16,6 +16,7 @@
 use alloc::vec;
 use alloc::vec::Vec;
 use protocol::ring::{Ring, RING_HEADER, RING_MIN};
+use tracelang::render::oldest;
 
 /// A bounded FIFO of byte records.
 pub struct EventRing {
@@ -252,18 +253,6 @@ impl Rings {
             (!r.is_empty()).then(|| r.peek_u64(stamp_at))
         }))
     }
-}
-
-/// The merge rule of the vCPUs' rings, root's and the host's: of the
-/// rings' oldest records (`None`: a ring with nothing to take; a record
-/// too short for a timestamp counts as oldest, so that it never blocks its
-/// ring), the index of the one stamped first (the lowest index on a tie).
-pub fn oldest(heads: impl Iterator<Item = Option<Option<u64>>>) -> Option<usize> {
-    heads
-        .enumerate()
-        .filter_map(|(i, head)| head.map(|ts| (i, ts.unwrap_or(0))))
-        .min_by_key(|&(_, ts)| ts)
-        .map(|(i, _)| i)
 }
 
 #[cfg(test)]

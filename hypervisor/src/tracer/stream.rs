@@ -5,15 +5,15 @@
 //! control channel are the VM's.
 
 use super::fgraph::{Graph, Retired};
-use super::graph::{self as graph_fmt, GraphEventId};
 use super::machine::KernelView;
 use super::probes::Probes;
-use super::render::{cut_line, LEAF_HOLD_NS, TRACE_TEXT_BUDGET};
 use super::ring::Rings;
-use crate::kprobe::{self, IndexSymbols};
 use alloc::string::String;
 use alloc::vec::Vec;
 use protocol::TraceFormat;
+use tracelang::graph::{self as graph_fmt, GraphEventId};
+use tracelang::kprobe::{self, IndexSymbols};
+use tracelang::render::{cut_line, LEAF_HOLD_NS, TRACE_TEXT_BUDGET};
 
 /// Bytes of all the vCPUs' event rings together (one vCPU has them all).
 const RING_BYTES: usize = 2 << 20;
@@ -466,7 +466,7 @@ impl Stream {
 /// The rings being empty: the first stopped session that holds entries
 /// back prints them and goes; with `aged`, when nothing was printed, the
 /// first session holding an entry for a leaf longer than
-/// [`LEAF_HOLD_NS`](super::render::LEAF_HOLD_NS) prints it open. Counting time, not turns, because
+/// [`LEAF_HOLD_NS`](tracelang::render::LEAF_HOLD_NS) prints it open. Counting time, not turns, because
 /// another session's events may have kept the ring busy while this one's
 /// children are not traced.
 fn flush_held(
@@ -573,7 +573,7 @@ fn render(
     probes: &Probes,
     graph: &mut Graph,
 ) -> u32 {
-    let Some(ev) = super::render::decode_or_say(record, out) else {
+    let Some(ev) = tracelang::render::decode_or_say(record, out) else {
         return 0;
     };
     let id = ev.header.probe_id;
@@ -603,6 +603,6 @@ fn render(
         }
         return user as u32;
     }
-    super::render::write_plain(out, format, &ev, probes.get(id).map(|p| &p.spec), syms);
+    tracelang::render::write_plain(out, format, &ev, probes.get(id).map(|p| &p.spec), syms);
     0
 }

@@ -4,7 +4,6 @@
 
 use super::machine::KernelView;
 use super::ReqError;
-use crate::kprobe::{self, IndexSymbols};
 use alloc::format;
 use alloc::string::{String, ToString};
 use guest_introspect::fentry::{Classifier, FentrySite, NotTraceable};
@@ -12,6 +11,7 @@ use guest_introspect::kallsyms::SymbolId;
 use guest_introspect::module::ModuleSymbolId;
 use guest_introspect::view::VirtMemory;
 use protocol::ErrorKind;
+use tracelang::kprobe::{self, IndexSymbols};
 
 /// A symbol of the kernel image or of a module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2543,7 +2543,7 @@ fn rendering_scenario(g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(
     g.hit(FUNC, RETP, CALLER_RET, 8);
     g.now_ns += 1_000;
     drain(g);
-    g.now_ns += 2 * super::render::LEAF_HOLD_NS;
+    g.now_ns += 2 * tracelang::render::LEAF_HOLD_NS;
     drain(g);
     g.now_ns += 1_000;
     g.ret(RETP, 3);
@@ -2555,7 +2555,7 @@ fn rendering_scenario(g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(
 /// JSON lines; records cut across events come back whole.
 #[test]
 fn the_host_renders_root_records_as_root_renders_them() {
-    use super::render::RecordRenderer;
+    use tracelang::render::RecordRenderer;
     for format in [TraceFormat::Text, TraceFormat::Json] {
         let mut g = Guest::new();
         let mut root_text = String::new();
@@ -2587,8 +2587,8 @@ fn the_host_renders_root_records_as_root_renders_them() {
 /// the frames) and renders them as root renders them, byte for byte.
 #[test]
 fn the_host_reading_the_rings_renders_as_root_renders() {
-    use super::render::{RecordRenderer, RingsReader};
-    use crate::kprobe::IndexSymbols;
+    use tracelang::kprobe::IndexSymbols;
+    use tracelang::render::{RecordRenderer, RingsReader};
     // The main scenario, then hits on two vCPUs stored out of time order.
     fn scenario(g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(&mut Guest)) {
         rendering_scenario(g, format, drain);
@@ -2733,8 +2733,8 @@ fn a_filling_ring_rings_the_doorbell_when_the_host_reads() {
 /// renderer turns the records into that text.
 #[test]
 fn records_and_text_carry_the_records_and_roots_own_text() {
-    use super::render::RecordRenderer;
-    use crate::kprobe::IndexSymbols;
+    use tracelang::kprobe::IndexSymbols;
+    use tracelang::render::RecordRenderer;
     let mut g = Guest::new();
     let mut root_text = String::new();
     rendering_scenario(&mut g, TraceFormat::Text, &mut |g| {
@@ -2796,8 +2796,8 @@ fn records_and_text_carry_the_records_and_roots_own_text() {
 /// and chunks out of place dropped without a panic.
 #[test]
 fn the_host_renderer_takes_split_records_and_refuses_misplaced_chunks() {
-    use super::render::RecordRenderer;
-    use crate::kprobe::IndexSymbols;
+    use tracelang::kprobe::IndexSymbols;
+    use tracelang::render::RecordRenderer;
     let mut g = Guest::new();
     g.probe("p:s my_func s=+0(%di):string").unwrap();
     let long = vec![b'x'; 3500];
@@ -2854,8 +2854,8 @@ fn the_host_renderer_takes_split_records_and_refuses_misplaced_chunks() {
 /// entries must still age.
 #[test]
 fn the_host_reader_passes_roots_clock_once_nothing_older_is_left() {
-    use super::render::RingsReader;
     use super::ring::Rings;
+    use tracelang::render::RingsReader;
     let rec = |ts: u64| {
         let mut v = 0u64.to_le_bytes().to_vec();
         v.extend_from_slice(&ts.to_le_bytes());
@@ -2892,7 +2892,7 @@ fn the_host_reader_passes_roots_clock_once_nothing_older_is_left() {
 /// turn closes an open entry on both sides, never a leaf on one.
 #[test]
 fn a_held_entry_ages_at_the_same_turn_on_the_host() {
-    use super::render::RecordRenderer;
+    use tracelang::render::RecordRenderer;
     let ms = 1_000_000;
     let scenario = |g: &mut Guest, format: TraceFormat, drain: &mut dyn FnMut(&mut Guest)| {
         g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
@@ -2932,7 +2932,7 @@ fn a_held_entry_ages_at_the_same_turn_on_the_host() {
 /// with the host's renderer into `text`; returns how many events.
 fn render_on_the_host(
     g: &mut Guest,
-    renderer: &mut super::render::RecordRenderer,
+    renderer: &mut tracelang::render::RecordRenderer,
     text: &mut String,
 ) -> usize {
     let now = g.now_ns;
@@ -2941,7 +2941,7 @@ fn render_on_the_host(
         Tracer::new(&mut g.vm, &mut g.cpus[0]).next_text(1 << 20, Some(&g.kernel), now)
     {
         events += 1;
-        let syms = crate::kprobe::IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
+        let syms = tracelang::kprobe::IndexSymbols::new(&g.kernel.index, Some(&g.kernel.modules));
         let mut out = Vec::new();
         match ev {
             Event::TraceContext(c) => renderer.context(&c),

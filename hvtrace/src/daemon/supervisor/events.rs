@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use hypervisor::kprobe::IndexSymbols;
-use hypervisor::tracer::render::RecordRenderer;
 use protocol::{Event, TraceFormat};
+use tracelang::kprobe::IndexSymbols;
+use tracelang::render::RecordRenderer;
 
 use crate::daemon::recording::{Noting, Recorder};
 use crate::daemon::symbols::HostSymbols;

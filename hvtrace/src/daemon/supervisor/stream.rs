@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hypervisor::tracer::render::RecordRenderer;
 use protocol::{ErrorKind, Request, Response, TraceChannel, TraceFormat};
+use tracelang::render::RecordRenderer;
 
 use super::events::HostRender;
 use super::{ended_message, Ending, Supervisor, MAX_TRACE_WAIT};

@@ -475,8 +475,8 @@ fn requests_before_the_vm_runs_get_a_clear_answer() {
 #[test]
 fn the_supervisor_reads_the_vcpus_rings_and_gives_them_back() {
     use crate::sys::SharedMap;
-    use hypervisor::kprobe::{EventHeader, RawEvent};
     use protocol::{RenderContext, RingAt, SymbolsPart};
+    use tracelang::kprobe::{EventHeader, RawEvent};
     const RAM: usize = 2 << 20;
     const LEN: u64 = 64 + 64 * 1024;
     let (frames_at, ring_at) = (0x1000u64, [0x40000u64, 0x80000]);
@@ -521,7 +521,7 @@ fn the_supervisor_reads_the_vcpus_rings_and_gives_them_back() {
                     .iter()
                     .map(|&gpa| RingAt { gpa, len: LEN })
                     .collect(),
-                stamp_at: hypervisor::kprobe::TIMESTAMP_AT as u32,
+                stamp_at: tracelang::kprobe::TIMESTAMP_AT as u32,
             }),
             Request::TraceChannel {
                 channel: TraceChannel::SharedRing,

@@ -16,9 +16,9 @@
 use guest_introspect::kallsyms::{locate, LocateStats, SymbolIndex};
 use guest_introspect::view::SegmentView;
 use guest_introspect::{Gva, GvaRange};
-use hypervisor::kprobe::IndexSymbols;
-use hypervisor::tracer::render::RecordRenderer;
 use protocol::{Body, Event, FrameDecoder, TraceFormat};
+use tracelang::kprobe::IndexSymbols;
+use tracelang::render::RecordRenderer;
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/stream");
 

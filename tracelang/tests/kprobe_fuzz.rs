@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use guest_introspect::addr::Gva;
-use hypervisor::kprobe::*;
+use tracelang::kprobe::*;
 use trampolines::PtRegs;
 
 use test_support::Rng;

@@ -6,13 +6,19 @@
 //! ([`Event::TraceContext`]: the probes' definitions and the graph
 //! sessions). A [`RecordRenderer`] turns both into the `TraceText` events
 //! root itself would have sent in the format asked for, with the renderers
-//! root uses (`kprobe`, [`super::graph`]): trace_pipe lines, function_graph
-//! text with its held-back leaves, JSON lines. Nothing in the input is
-//! trusted: a record that does not decode prints as root prints one, a
-//! chunk out of place is counted and dropped, and the held-back record is
-//! bounded.
+//! root uses ([`crate::kprobe`], [`crate::graph`]): trace_pipe lines,
+//! function_graph text with its held-back leaves, JSON lines. Nothing in
+//! the input is trusted: a record that does not decode prints as root
+//! prints one, a chunk out of place is counted and dropped, and the
+//! held-back record is bounded.
+//!
+//! Root's own stream renders with the same pieces ([`decode_or_say`],
+//! [`write_plain`], [`cut_line`]) and the same rules ([`FUNCTION_ID`],
+//! [`TRACE_TEXT_BUDGET`], [`LEAF_HOLD_NS`]), so that the two print the
+//! same bytes; and its rings and the host's [`RingsReader`] merge the
+//! vCPUs' records by the same rule ([`oldest`]).
 
-use super::graph::{write_graph_json, GraphEventId, GraphText};
+use crate::graph::{write_graph_json, GraphEventId, GraphText};
 use crate::kprobe::{self, Command, ProbeSpec, RawEvent, SymbolResolver};
 use alloc::collections::BTreeMap;
 use alloc::string::String;
@@ -23,13 +29,13 @@ use protocol::ring::Ring;
 use protocol::{Event, RenderContext, TraceFormat};
 
 /// The probe id of function-tracer events (probes count from 1).
-pub(super) const FUNCTION_ID: u32 = 0;
+pub const FUNCTION_ID: u32 = 0;
 /// Text per `TraceText` event, so that a frame stays under `MAX_FRAME`.
-pub(super) const TRACE_TEXT_BUDGET: usize = 2800;
+pub const TRACE_TEXT_BUDGET: usize = 2800;
 /// How long (hypervisor time) a graph entry is held back for a leaf line
 /// once the ring has nothing more: a call without a return by then is
 /// printed open.
-pub(crate) const LEAF_HOLD_NS: u64 = 100_000_000;
+pub const LEAF_HOLD_NS: u64 = 100_000_000;
 
 /// Bytes of text per `TraceText` the renderer makes, at most (a line
 /// longer than this is cut, as root cuts it).
@@ -351,7 +357,7 @@ impl RecordRenderer {
 
 /// The record decoded; `None`, having said so in `out`, when it does not
 /// decode.
-pub(super) fn decode_or_say(record: &[u8], out: &mut String) -> Option<RawEvent> {
+pub fn decode_or_say(record: &[u8], out: &mut String) -> Option<RawEvent> {
     match RawEvent::decode(record) {
         Ok((ev, _)) => Some(ev),
         Err(_) => {
@@ -364,7 +370,7 @@ pub(super) fn decode_or_say(record: &[u8], out: &mut String) -> Option<RawEvent>
 /// A function-tracer record, or a probe's (`probe`: its definition), as a
 /// trace_pipe or JSON line. A probe deleted since the hit is no longer
 /// printable: nothing is written for it.
-pub(super) fn write_plain(
+pub fn write_plain(
     out: &mut String,
     format: TraceFormat,
     ev: &RawEvent,
@@ -470,7 +476,7 @@ impl<R: Borrow<Ring>> RingsReader<R> {
                 let left = until.wrapping_sub(r.tail());
                 (left != 0 && left <= r.size() as u64).then(|| r.peek_u64(self.stamp_at))
             });
-            let Some(i) = super::ring::oldest(heads) else {
+            let Some(i) = oldest(heads) else {
                 break;
             };
             let Some(r) = self.rings.get(i) else { break };
@@ -515,8 +521,20 @@ impl<R: Borrow<Ring>> RingsReader<R> {
     }
 }
 
+/// The merge rule of the vCPUs' rings, root's and the host's: of the
+/// rings' oldest records (`None`: a ring with nothing to take; a record
+/// too short for a timestamp counts as oldest, so that it never blocks its
+/// ring), the index of the one stamped first (the lowest index on a tie).
+pub fn oldest(heads: impl Iterator<Item = Option<Option<u64>>>) -> Option<usize> {
+    heads
+        .enumerate()
+        .filter_map(|(i, head)| head.map(|ts| (i, ts.unwrap_or(0))))
+        .min_by_key(|&(_, ts)| ts)
+        .map(|(i, _)| i)
+}
+
 /// Cuts an over-long line at a character boundary.
-pub(super) fn cut_line(line: &mut String, max: usize) {
+pub fn cut_line(line: &mut String, max: usize) {
     if line.len() > max {
         let mut end = max;
         while !line.is_char_boundary(end) {
