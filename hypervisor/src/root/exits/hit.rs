@@ -30,6 +30,7 @@ pub(super) fn read_gs_base() -> u64 {
 /// VMREADs after the exit reason, RIP among them unless the exit already
 /// read it (`rip`), and one VMWRITE) when it serves, otherwise the general
 /// hypercall ([`hypercall`]) at the same RIP.
+#[inline]
 pub(super) fn vmcall_exit(
     shared: &crate::vm::Shared,
     cpu: &mut CpuState,

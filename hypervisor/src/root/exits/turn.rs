@@ -85,13 +85,10 @@ impl Vcpu<'_> {
         self.cpu.last_turn_tsc = insn::rdtsc();
         self.cpu.last_turn = self.vm.clock.update(self.cpu.last_turn_tsc);
         let now = self.now_ns();
-        let kernel = self.vm.introspection.take_kernel();
+        let kernel = self.vm.introspection.kernel().map(|k| k as &dyn KernelView);
         let done = with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
-            let k = kernel.as_ref().map(|k| k as &dyn KernelView);
-            tracer!(self).turn(env, k, cpu_view, now)
-        });
-        self.vm.introspection.put_kernel(kernel);
-        let done = done?;
+            Tracer::new(&mut self.vm.tracer, &mut self.cpu.tracer).turn(env, kernel, cpu_view, now)
+        })?;
         if done.view_picked {
             // The sessions that filter by pid or comm changed: the view for
             // the task this vCPU runs now.
