@@ -108,17 +108,8 @@ fn the_request_door_serves_the_tracers_requests_with_what_they_need() {
 
 #[test]
 fn the_turn_door_reads_the_vcpu_only_when_its_view_is_due() {
-    let mut g = Guest::new();
-    filtered_session(&mut g, Some("worker"), None);
-    switch_to(&mut g, 0, TASK, STACK_BASE);
-    assert_eq!(g.cpus[0].view(), View::Quiet);
-    g.with(|t, env, _| {
-        t.graph_stop(None, env).unwrap();
-        t.settle_views(None, env);
-    });
-    // A session on pid 42, which vCPU 0 runs now: its next turn reads the
-    // vCPU once and arms it.
-    filtered_session(&mut g, None, Some(42));
+    // Its next turn reads the vCPU once and arms it.
+    let mut g = quiet_vcpu_under_a_new_pid_session();
     let cpu = g.cpu(RETP);
     let now = g.now_ns;
     let mut reads = 0;

@@ -261,10 +261,11 @@ fn a_comm_filter_arms_the_vcpu_while_its_task_runs_and_from_its_exec() {
     assert_eq!(g.cpus[1].view(), View::Armed);
 }
 
-#[test]
-fn a_pid_filter_arms_the_running_task_at_the_next_turn_after_its_start() {
+/// vCPU 0 gone quiet under a session that filtered by comm, then a new
+/// session on pid 42, which vCPU 0 runs: no switch comes, but the vCPU's
+/// next turn must arm it.
+pub(super) fn quiet_vcpu_under_a_new_pid_session() -> Guest {
     let mut g = Guest::new();
-    // vCPU 0 went quiet under an earlier session.
     filtered_session(&mut g, Some("worker"), None);
     switch_to(&mut g, 0, TASK, STACK_BASE);
     assert_eq!(g.cpus[0].view(), View::Quiet);
@@ -272,9 +273,13 @@ fn a_pid_filter_arms_the_running_task_at_the_next_turn_after_its_start() {
         t.graph_stop(None, env).unwrap();
         t.settle_views(None, env);
     });
-    // A session on pid 42, which vCPU 0 runs now: no switch comes, but
-    // the vCPU's next turn arms it.
     filtered_session(&mut g, None, Some(42));
+    g
+}
+
+#[test]
+fn a_pid_filter_arms_the_running_task_at_the_next_turn_after_its_start() {
+    let mut g = quiet_vcpu_under_a_new_pid_session();
     let cpu = g.cpu(RETP);
     let now = g.now_ns;
     let due = g.with(|t, _, k| {
