@@ -32,6 +32,7 @@
 pub mod count;
 mod cpu_state;
 pub mod door;
+pub mod exit;
 mod fgraph;
 mod hit;
 mod hit_stats;

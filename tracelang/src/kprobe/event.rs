@@ -142,6 +142,7 @@ fn value_len(v: &FetchedValue) -> usize {
 }
 
 /// The record length in bytes of an event with `values`.
+#[inline]
 pub fn encoded_len(values: &[FetchedValue]) -> usize {
     let n = HEADER_LEN
         + values
@@ -153,11 +154,13 @@ pub fn encoded_len(values: &[FetchedValue]) -> usize {
 }
 
 /// Two 4-byte halves as one 8-byte word.
+#[inline]
 fn concat4(a: [u8; 4], b: [u8; 4]) -> [u8; 8] {
     [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
 }
 
 /// Eight bytes of `comm` from `at` (0 or 8).
+#[inline]
 fn comm_half(comm: &[u8; 16], at: usize) -> [u8; 8] {
     comm.get(at..at + 8)
         .and_then(|s| s.try_into().ok())
@@ -167,6 +170,7 @@ fn comm_half(comm: &[u8; 16], at: usize) -> [u8; 8] {
 /// Writes the record of an event with `header` and `values` into `buf`
 /// (what [`RawEvent::encode_into`] does, without a `RawEvent`: the hot
 /// path builds its values on the stack); `None` if it does not fit.
+#[inline]
 pub fn encode_parts(
     header: &EventHeader,
     values: &[FetchedValue],

@@ -21,7 +21,7 @@ use hypervisor::stats::RootWork;
 use hypervisor::task_switch::LegacyPaging;
 use hypervisor::tracer::machine::{GuestGs, View};
 use hypervisor::tracer::modules::{ModuleEvent, ModuleHook};
-use hypervisor::tracer::{DebugState, Hit, Hypercall, Tracer, Violation};
+use hypervisor::tracer::{Hit, Hypercall, Tracer, Violation};
 use hypervisor::vmx::ap;
 use hypervisor::vmx::cr::gpr;
 use hypervisor::vmx::debug;

@@ -3,6 +3,7 @@
 //! again.
 
 use super::*;
+use hypervisor::tracer::exit::StepExit;
 
 impl Vcpu<'_> {
     /// Sends again the SIPIs that wait for parked APs (a physical SIPI
@@ -127,11 +128,7 @@ impl Vcpu<'_> {
         }
         // A step in flight ends: INIT resets RFLAGS, and the pages must
         // not stay open while the AP sleeps.
-        if tracer!(self).debug_state().stepping {
-            with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
-                tracer!(self).finish_step(env)
-            });
-        }
+        self.step_exit(StepExit::Init);
         self.step_irq_exits(false)?;
         self.cpu.parked = true;
         self.forget_events()?;

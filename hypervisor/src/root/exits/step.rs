@@ -3,6 +3,7 @@
 
 use super::guest_mem::GuardedPhys;
 use super::*;
+use hypervisor::tracer::exit::{StepDone, StepExit};
 
 impl Vcpu<'_> {
     /// The instruction that exited on an EPT violation did not complete, so
@@ -136,21 +137,29 @@ impl Vcpu<'_> {
     /// the next entry in its own state. When the handler returns to the
     /// instruction, it faults into a new step.
     pub(super) fn interrupt_in_step(&mut self) -> Result<Next, VmcsError> {
-        let DebugState {
-            stepping, guest_tf, ..
-        } = tracer!(self).debug_state();
-        if stepping {
-            with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
-                tracer!(self).finish_step(env)
-            });
-            self.restore_guest_tf(guest_tf)?;
+        let done = self.step_exit(StepExit::Interrupt);
+        if let Some(tf) = done.tf {
+            self.restore_guest_tf(tf)?;
         }
         self.step_irq_exits(false)?;
-        if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
+        self.keep_debug_exits(done.debug_exits)?;
+        Ok(Next::Resume)
+    }
+
+    /// Hands the step's exit `exit` to the tracer (`Tracer::step_exit`).
+    pub(super) fn step_exit(&mut self, exit: StepExit) -> StepDone {
+        with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
+            tracer!(self).step_exit(env, exit)
+        })
+    }
+
+    /// Stops intercepting #DB once the tracer no longer wants it.
+    pub(super) fn keep_debug_exits(&mut self, wanted: bool) -> Result<(), VmcsError> {
+        if !wanted && self.cpu.debug_exits {
             f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
             self.cpu.debug_exits = false;
         }
-        Ok(Next::Resume)
+        Ok(())
     }
 
     /// #DB: the end of the tracer's step, the guest's own, or both
@@ -161,19 +170,12 @@ impl Vcpu<'_> {
         let v = &mut Vmcs;
         let qual = f::EXIT_QUALIFICATION.read(v)?;
         let int1 = event::info_type(info) == event::TYPE_PRIVILEGED_SOFTWARE_EXCEPTION;
-        let DebugState {
-            stepping,
-            guest_tf,
-            stray_tf: stray,
-        } = tracer!(self).debug_state();
-        let act = debug::decide(qual, int1, stepping, guest_tf, stray);
-        if act.end_step {
-            with_env(&self.vm.cfg.views, self.cpu.index, self.cpu.view, |env| {
-                tracer!(self).finish_step(env)
-            });
+        let act = self.step_exit(StepExit::Debug {
+            qualification: qual,
+            int1,
+        });
+        if act.ended {
             self.step_irq_exits(false)?;
-        } else if stray && act.tf == Some(false) {
-            tracer!(self).clear_stray_tf();
         }
         if let Some(tf) = act.tf {
             // Bochs 2.7 leaves a stale BS here after a TF step, and the next
@@ -200,10 +202,7 @@ impl Vcpu<'_> {
             }
             None => Next::Resume,
         };
-        if !tracer!(self).wants_debug_exits() && self.cpu.debug_exits {
-            f::EXCEPTION_BITMAP.write(&mut Vmcs, 0)?;
-            self.cpu.debug_exits = false;
-        }
+        self.keep_debug_exits(act.debug_exits)?;
         Ok(next)
     }
 }

@@ -212,3 +212,85 @@ fn the_stream_turn_waits_for_the_modules_then_sends_what_fits() {
     );
     assert!(!waiting);
 }
+
+// ----- the step's exit door ----------------------------------------------
+
+#[test]
+fn the_step_door_ends_the_step_and_says_what_becomes_of_tf_and_db() {
+    use crate::tracer::exit::{StepDone, StepExit};
+    use crate::vmx::debug::{DR6_B0_B3, DR6_BS};
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    let page = gpa(FUNC) & !0xfff;
+    let shadow = g.root.leaf(page).unwrap().hpa;
+    let step = |g: &mut Guest, guest_tf: bool| {
+        let v = g.with(|t, env, _| t.on_violation(gpa(OTHER), true, false, env));
+        assert!(matches!(v, Violation::Stepping));
+        g.tracer().set_old_tf(guest_tf);
+    };
+    let exit = |g: &mut Guest, e: StepExit| g.with(|t, env, _| t.step_exit(env, e));
+    let closed = |g: &mut Guest| g.root.leaf(page).unwrap().hpa == shadow;
+
+    // Root's own single step: swallowed, the guest's TF (clear) back, the
+    // page closed, no more #DB wanted.
+    step(&mut g, false);
+    let debug = |qualification| StepExit::Debug {
+        qualification,
+        int1: false,
+    };
+    assert_eq!(
+        exit(&mut g, debug(DR6_BS)),
+        StepDone {
+            ended: true,
+            tf: Some(false),
+            reflect: None,
+            as_int1: false,
+            debug_exits: false,
+        }
+    );
+    assert!(closed(&mut g));
+    // The guest single-steps itself: its step trap is delivered too, with
+    // a breakpoint that hit on the way.
+    step(&mut g, true);
+    let done = exit(&mut g, debug(DR6_BS | 1));
+    assert_eq!(
+        (done.ended, done.tf, done.reflect),
+        (true, Some(true), Some(DR6_BS | 1))
+    );
+    // INT1 in a step: the step ends, the guest's INT1 goes back as INT1.
+    step(&mut g, false);
+    let done = exit(
+        &mut g,
+        StepExit::Debug {
+            qualification: 0,
+            int1: true,
+        },
+    );
+    assert!(
+        done.ended && done.as_int1 && done.reflect == Some(0),
+        "{done:?}"
+    );
+    assert!(closed(&mut g));
+    // No step: the guest's own breakpoint, delivered whole.
+    let done = exit(&mut g, debug(DR6_B0_B3));
+    assert_eq!(
+        (done.ended, done.tf, done.reflect),
+        (false, None, Some(DR6_B0_B3))
+    );
+
+    // An interrupt before the stepped instruction ran: the step ends
+    // unfinished and the guest's TF goes back; without a step, nothing.
+    step(&mut g, true);
+    let done = exit(&mut g, StepExit::Interrupt);
+    assert_eq!(
+        (done.ended, done.tf, done.debug_exits),
+        (true, Some(true), false)
+    );
+    assert!(closed(&mut g));
+    assert_eq!(exit(&mut g, StepExit::Interrupt), StepDone::default());
+    // INIT: the step ends, TF is INIT's to reset.
+    step(&mut g, true);
+    let done = exit(&mut g, StepExit::Init);
+    assert_eq!((done.ended, done.tf), (true, None));
+    assert!(closed(&mut g));
+}
