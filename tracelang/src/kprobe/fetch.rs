@@ -200,7 +200,6 @@ pub fn try_fetch(
 /// strings are read into in the same order. A hit that fetches what the
 /// last one did (the same probe, strings no longer than before) takes no
 /// heap at all. On an error `out` is left empty.
-#[inline]
 pub fn try_fetch_into(
     args: &[FetchArg],
     ctx: &FetchContext<'_>,
@@ -256,7 +255,6 @@ pub fn worst_case_bytes(args: &[FetchArg]) -> usize {
 }
 
 /// Evaluates one argument.
-#[inline]
 pub fn fetch_one(
     arg: &FetchArg,
     ctx: &FetchContext<'_>,
