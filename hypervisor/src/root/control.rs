@@ -1028,6 +1028,47 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
     for c in src.cpus {
         exits.add(&c.counters);
     }
+    let mut per_vcpu: Vec<protocol::VcpuReport> = src
+        .cpus
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (i, c, crate::rootstack::used(i).unwrap_or((0, 0))))
+        .map(|(i, c, stack)| (i, c, stack, crate::vcpu::NestedCost::of(i)))
+        .map(
+            |(i, c, (root_stack_used, root_stack_size), (vmcs_unshadowed, invept))| {
+                protocol::VcpuReport {
+                    index: i as u32,
+                    apic_id: c.apic_id,
+                    parked: c.life.is_parked(),
+                    exits_total: c.counters.total(),
+                    lock_wait_ns: crate::clock::tsc_to_ns(c.lock_wait_ticks, src.tsc_hz),
+                    lock_takes: c.lock_takes,
+                    shared_takes: c.shared_takes,
+                    shared_wait_ns: crate::clock::tsc_to_ns(c.shared_wait_ticks, src.tsc_hz),
+                    held_ns: crate::clock::tsc_to_ns(c.held_ticks, src.tsc_hz),
+                    vmcalls: c.counters.get(hypervisor::vmx::exit::reason::VMCALL),
+                    // The tracer's figures: `Tracer::status_part`, below.
+                    lost: 0,
+                    hits: 0,
+                    returns: 0,
+                    refused: 0,
+                    view_switches: 0,
+                    armed_ns: 0,
+                    quiet_ns: 0,
+                    quiet: false,
+                    root_stack_used,
+                    root_stack_size,
+                    vmcs_unshadowed,
+                    invept,
+                    root_hit: root_time(i, RootWork::Hit, src.tsc_hz),
+                    root_return: root_time(i, RootWork::Return, src.tsc_hz),
+                    root_refused: root_time(i, RootWork::Refused, src.tsc_hz),
+                    root_turns: root_time(i, RootWork::Turn, src.tsc_hz),
+                }
+            },
+        )
+        .collect();
+    let (tracer, graph_sessions) = src.tracer.status_part(&mut per_vcpu, src.uptime_ns);
     StatusReport {
         hypervisor_version: String::from(crate::VERSION),
         protocol_version: protocol::PROTOCOL_VERSION,
@@ -1043,55 +1084,16 @@ fn status(src: &mut StatusSource<'_>, channel: ChannelReport) -> StatusReport {
             })
             .collect(),
         exits_total: exits.total(),
-        per_vcpu: src
-            .cpus
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (i, c, src.tracer.hypercalls_of(i, src.uptime_ns)))
-            .map(|(i, c, h)| (i, c, h, crate::rootstack::used(i).unwrap_or((0, 0))))
-            .map(|(i, c, h, stack)| (i, c, h, stack, crate::vcpu::NestedCost::of(i)))
-            .map(
-                |(i, c, h, (root_stack_used, root_stack_size), (vmcs_unshadowed, invept))| {
-                    protocol::VcpuReport {
-                        index: i as u32,
-                        apic_id: c.apic_id,
-                        parked: c.life.is_parked(),
-                        exits_total: c.counters.total(),
-                        lock_wait_ns: crate::clock::tsc_to_ns(c.lock_wait_ticks, src.tsc_hz),
-                        lock_takes: c.lock_takes,
-                        shared_takes: c.shared_takes,
-                        shared_wait_ns: crate::clock::tsc_to_ns(c.shared_wait_ticks, src.tsc_hz),
-                        held_ns: crate::clock::tsc_to_ns(c.held_ticks, src.tsc_hz),
-                        lost: src.tracer.lost_of(i),
-                        vmcalls: c.counters.get(hypervisor::vmx::exit::reason::VMCALL),
-                        hits: h.hits,
-                        returns: h.returns,
-                        refused: h.refused,
-                        view_switches: h.view_switches,
-                        armed_ns: h.armed_ns,
-                        quiet_ns: h.quiet_ns,
-                        quiet: h.quiet,
-                        root_stack_used,
-                        root_stack_size,
-                        vmcs_unshadowed,
-                        invept,
-                        root_hit: root_time(i, RootWork::Hit, src.tsc_hz),
-                        root_return: root_time(i, RootWork::Return, src.tsc_hz),
-                        root_refused: root_time(i, RootWork::Refused, src.tsc_hz),
-                        root_turns: root_time(i, RootWork::Turn, src.tsc_hz),
-                    }
-                },
-            )
-            .collect(),
+        per_vcpu,
         hv_memory_used: src.memory_used,
         hv_heap_used: src.heap_used,
         hv_memory_total: src.memory_total,
         current_task: src.introspection.current_task(&src.cpu),
         channel,
         kernel: src.introspection.report().cloned(),
-        tracer: src.tracer.report(),
+        tracer,
         guard: src.guard,
-        graph_sessions: src.tracer.graph_sessions(),
+        graph_sessions,
     }
 }
 

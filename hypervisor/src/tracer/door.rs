@@ -165,3 +165,32 @@ impl Tracer<'_> {
         }
     }
 }
+
+impl Tracer<'_> {
+    /// The tracer's part of `status`: in each vCPU's row (by its index)
+    /// the hypercalls by what they were, the EPT view moves and times at
+    /// `now_ns`, and the records its ring lost; and its own counters and
+    /// graph sessions. Root fills the rest of the report.
+    pub fn status_part(
+        &self,
+        vcpus: &mut [protocol::VcpuReport],
+        now_ns: u64,
+    ) -> (
+        protocol::TracerReport,
+        alloc::vec::Vec<protocol::GraphSessionReport>,
+    ) {
+        for row in vcpus.iter_mut() {
+            let i = row.index as usize;
+            let h = self.hypercalls_of(i, now_ns);
+            row.hits = h.hits;
+            row.returns = h.returns;
+            row.refused = h.refused;
+            row.view_switches = h.view_switches;
+            row.armed_ns = h.armed_ns;
+            row.quiet_ns = h.quiet_ns;
+            row.quiet = h.quiet;
+            row.lost = self.lost_of(i);
+        }
+        (self.report(), self.graph_sessions())
+    }
+}

@@ -294,3 +294,41 @@ fn the_step_door_ends_the_step_and_says_what_becomes_of_tf_and_db() {
     assert_eq!((done.ended, done.tf), (true, None));
     assert!(closed(&mut g));
 }
+
+// ----- the status part ---------------------------------------------------
+
+#[test]
+fn the_status_part_fills_each_vcpus_row_by_its_index() {
+    let mut g = Guest::new();
+    g.probe("p:a my_func").unwrap();
+    // Two hits on vCPU 1, one on vCPU 0.
+    for on in [1, 1, 0] {
+        g.on = on;
+        g.hit(FUNC, RETP, CALLER_RET, 0);
+    }
+    g.on = 0;
+    // The rows in another order than the vCPUs', and one for a vCPU the
+    // tracer does not know.
+    let mut rows: Vec<protocol::VcpuReport> = [1u32, 0, 7]
+        .iter()
+        .map(|&index| protocol::VcpuReport {
+            index,
+            hits: 99,
+            ..protocol::VcpuReport::default()
+        })
+        .collect();
+    let now = g.now_ns;
+    let (tracer, sessions) = g.tracer().status_part(&mut rows, now);
+    assert_eq!(
+        rows.iter().map(|r| (r.index, r.hits)).collect::<Vec<_>>(),
+        [(1, 2), (0, 1), (7, 0)]
+    );
+    assert_eq!(tracer.hits, 3);
+    assert_eq!(tracer.probes, 1);
+    assert!(sessions.is_empty());
+    // A graph session shows in the part.
+    g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
+        .unwrap();
+    let (_, sessions) = g.tracer().status_part(&mut rows, now);
+    assert_eq!(sessions.len(), 1);
+}
