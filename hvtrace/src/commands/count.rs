@@ -99,15 +99,15 @@ pub fn read(control: &mut dyn Control) -> Result<Counts> {
             STATUS_TIMEOUT,
         )? {
             Response::Counts(page) => {
+                // The last page's figures, every page's entries.
                 let next = page.next;
-                out.latency = page.latency;
-                out.latency_missed = page.latency_missed;
-                out.functions = page.functions;
-                out.calls = page.calls;
-                out.filtered = page.filtered;
-                out.elapsed_ns = page.elapsed_ns;
-                out.memory = page.memory;
-                out.entries.extend(page.entries);
+                let mut entries = std::mem::take(&mut out.entries);
+                entries.extend(page.entries);
+                out = Counts {
+                    entries,
+                    next: None,
+                    ..page
+                };
                 match next {
                     Some(n) if n > cursor => cursor = n,
                     Some(_) => bail!("the hypervisor's count pages do not move on"),

@@ -557,7 +557,6 @@ impl Control {
                 let why = "records go only on the log port or the shared ring (TraceChannel)";
                 (Response::error(ErrorKind::NotReady, why), Action::None)
             }
-            req if door::needs(&req).is_some() => (tracer_request(src, req), Action::None),
             Request::TraceChannel { channel } => {
                 let resp = self.set_channel(channel, &mut src.tracer);
                 (resp, Action::None)
@@ -566,16 +565,19 @@ impl Control {
                 let resp = with_kernel(src, |_, k| self.start_export(KernelView::index(k)));
                 (resp, Action::None)
             }
-            other => (
-                Response::error(
-                    ErrorKind::Unsupported,
-                    alloc::format!(
-                        "{} is not supported by this hypervisor yet",
-                        request_name(&other)
+            other => match door::needs(&other) {
+                Some(needs) => (tracer_request(src, other, needs), Action::None),
+                None => (
+                    Response::error(
+                        ErrorKind::Unsupported,
+                        alloc::format!(
+                            "{} is not supported by this hypervisor yet",
+                            request_name(&other)
+                        ),
                     ),
+                    Action::None,
                 ),
-                Action::None,
-            ),
+            },
         };
         self.send(&Frame::response(seq, resp));
         action
@@ -894,10 +896,7 @@ impl Outbox for Control {
 
 /// A request the tracer serves, through its door, with what it needs:
 /// the recovered kernel, the other vCPUs held, or both.
-fn tracer_request(src: &mut StatusSource<'_>, req: Request) -> Response {
-    let Some(needs) = door::needs(&req) else {
-        return Response::error(ErrorKind::Internal, "not a request of the tracer's");
-    };
+fn tracer_request(src: &mut StatusSource<'_>, req: Request, needs: Needs) -> Response {
     let now_ns = src.uptime_ns;
     let served = match needs {
         Needs::State => {

@@ -4,13 +4,17 @@
 
 use super::guest_mem::{legacy_paging, GuardedPhys, MemoryFault, OperandWalk};
 use super::*;
-use hypervisor::vmx::port::{ByteOut, PortRoute, PortStop};
+use hypervisor::vmx::port::{ByteOut, PortRoute, PortStop, Ports};
 
 impl Vcpu<'_> {
     /// A guest access to PCI configuration space (mechanism #1): the address
     /// latch is forwarded and remembered; data reads are forwarded; data
     /// writes are merged into the dword and filtered (`hypervisor::pci`).
-    pub(super) fn pci_config(&mut self, io: IoAccess) -> Result<Option<StopReason>, VmcsError> {
+    pub(super) fn pci_config(
+        &mut self,
+        io: IoAccess,
+        ports: &Ports,
+    ) -> Result<Option<StopReason>, VmcsError> {
         let mask = policy::floating_bus(io.size);
         if io.port == pci::CONFIG_ADDRESS && io.size == 4 {
             if io.input {
@@ -28,7 +32,7 @@ impl Vcpu<'_> {
         if !pci::CONFIG_DATA.contains(&io.port) || !addr.enabled {
             // 0xCF9 (reset control) and friends, or data with cycles off:
             // the platform's, byte by byte.
-            return Ok(self.io_bytes(io));
+            return Ok(self.io_bytes(io, ports));
         }
         let offset = (io.port - pci::CONFIG_DATA.start()) as u8;
         if io.input {
@@ -131,9 +135,9 @@ impl Vcpu<'_> {
                 forward_out(io.port, io.size, value);
                 Ok(None)
             }
-            PortRoute::Pci => self.pci_config(io),
+            PortRoute::Pci => self.pci_config(io, &ports),
             // Everything else, straddles of root's ports included, byte by byte.
-            PortRoute::Bytes => Ok(self.io_bytes(io)),
+            PortRoute::Bytes => Ok(self.io_bytes(io, &ports)),
         }
     }
 
@@ -274,8 +278,7 @@ impl Vcpu<'_> {
     /// ones, writes dropped), the others go to the platform, as a bus
     /// would split it; a write of SLP_EN to PM1 still powers off
     /// (`Ports::byte_out`).
-    pub(super) fn io_bytes(&mut self, io: IoAccess) -> Option<StopReason> {
-        let ports = self.vm.cfg.ports();
+    pub(super) fn io_bytes(&mut self, io: IoAccess, ports: &Ports) -> Option<StopReason> {
         let mut value = 0u32;
         let out = self.cpu.regs.rax as u32;
         for i in 0..io.size.min(4) {

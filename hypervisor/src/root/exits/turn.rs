@@ -105,7 +105,7 @@ impl Vcpu<'_> {
             self.resend_sipis();
         }
         if self.cpu.index == 0 && self.vm.control.is_some() {
-            let now = self.now_ns();
+            // `now` is the turn's: the clock moved at its start only.
             let cpu = self.cpu_view()?;
             let rip = f::GUEST_RIP.read(&Vmcs)?;
             let guard = self.guard();
@@ -113,7 +113,7 @@ impl Vcpu<'_> {
                 return Ok(Next::Resume);
             };
             let mut src = StatusSource {
-                uptime_ns: crate::clock::tsc_to_ns(self.vm.clock.now(), self.vm.tsc_hz),
+                uptime_ns: now,
                 memory_used: crate::frames::used(),
                 memory_total: loader::layout::HV_RESERVED_SIZE,
                 heap_used: crate::heap::used() as u64,
