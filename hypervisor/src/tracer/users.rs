@@ -441,7 +441,7 @@ mod tests {
         assert!(u.join(User::Module(ModuleHook::Unload)).unwrap());
         assert!(u.join(User::Switch(SwitchHook::Comm)).unwrap());
         assert_eq!(
-            u.iter().collect::<Vec<_>>(),
+            u.iter().take(64).collect::<Vec<_>>(),
             [
                 User::Switch(SwitchHook::Comm),
                 User::Module(ModuleHook::Unload),
@@ -454,7 +454,7 @@ mod tests {
             ]
         );
         assert_eq!(u.returns(), [3, LATENCY_ID]);
-        for user in u.iter().collect::<Vec<_>>() {
+        for user in u.iter().take(64).collect::<Vec<_>>() {
             assert!(u.has(user));
             assert!(!u.is_empty(), "{user:?} is still there");
             assert!(u.leave(user), "{user:?} was there");
