@@ -211,6 +211,7 @@ fn exercise(rng: &mut Rng, p: &ProbeSpec) {
         regs: &regs,
         comm: (rng.index(4) != 0).then_some(b"sh".as_slice()),
         layout,
+        entry_args: None,
     };
     let values = fetch(&p.args, &ctx, &mut mem, &Syms);
     assert_eq!(values.len(), p.args.len());

@@ -962,6 +962,7 @@ fn retprobe_hits(
         regs: &regs,
         comm: Some(&header.comm),
         layout: GuestLayout::X86_64_4LEVEL,
+        entry_args: None,
     };
     // Ids of probes deleted while the call was in flight find nothing.
     let ids = ids.iter().filter_map(|&i| u32::try_from(i).ok());

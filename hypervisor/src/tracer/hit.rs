@@ -415,6 +415,7 @@ impl<'a> Hit<'a> {
             regs: &regs,
             comm: Some(&comm),
             layout: GuestLayout::X86_64_4LEVEL,
+            entry_args: None,
         };
         let func = u.func.0;
         // The vCPU's ring, locked for the hit (only this vCPU records into
@@ -551,6 +552,7 @@ impl<'a> Hit<'a> {
                 regs,
                 comm: Some(&r.comm),
                 layout: GuestLayout::X86_64_4LEVEL,
+                entry_args: None,
             };
             let mut mem = VcpuMem {
                 ram: env.ram,

@@ -147,6 +147,9 @@ pub struct FetchContext<'a> {
     pub comm: Option<&'a [u8]>,
     /// The guest's address-space constants.
     pub layout: GuestLayout,
+    /// At a return: the first arguments (di, si, dx, cx, r8, r9) as they
+    /// were at the function's entry, when they were saved.
+    pub entry_args: Option<&'a [u64]>,
 }
 
 /// One fetched argument, ready to store in a ring and print later.
@@ -417,6 +420,9 @@ fn load(
             None => r.stack_nth(ctx.regs, u64::from(n.saturating_sub(6))),
         },
         FetchBase::RetVal => ctx.regs.ax,
+        FetchBase::EntryArg(n) => *ctx
+            .entry_args?
+            .get(usize::try_from(n.checked_sub(1)?).ok()?)?,
         FetchBase::Imm(v) => *v,
         FetchBase::Symbol {
             name,

@@ -92,6 +92,7 @@
 //!   sits where the kernel puts its own kprobe on the function: `SYM+0`,
 //!   or `SYM+4` behind an `endbr64` (IBT kernels), so the two agree.
 
+mod btf;
 mod event;
 mod fetch;
 mod index;
@@ -101,6 +102,7 @@ mod parse;
 mod render;
 mod spec;
 
+pub use btf::{needs_btf, resolve_btf};
 pub use event::{
     encode_parts, encoded_len, DecodeError, EventHeader, RawEvent, EVENT_VERSION, HEADER_LEN,
     TIMESTAMP_AT,

@@ -92,9 +92,7 @@ pub enum ParseErrorKind {
     BadStackNum,
     /// `$argN` with N zero or above 2048.
     BadArgNum,
-    /// `$argN` on a return probe.
-    ArgOnReturn,
-    /// `$arg*` (needs BTF).
+    /// `$arg*` with a name, a type or a member access.
     ArgStar,
     /// Unknown `$` variable.
     BadVar,
@@ -126,8 +124,36 @@ pub enum ParseErrorKind {
     CommCantDeref,
     /// Not a fetch argument at all.
     BadFetchArg,
-    /// A bare name (a BTF argument in kernels that have BTF probes).
-    BtfArg,
+    /// A `-` that does not start `->` in a BTF argument.
+    BadHyphen,
+    /// A member name that is empty or not a C identifier.
+    BadMemberName,
+    /// `.` right after a function's parameter (it is a pointer or a
+    /// scalar: a struct passed by value is not supported, as in Linux).
+    DotOnArg,
+    /// A BTF argument on a kernel without BTF.
+    NoBtf,
+    /// The function has no prototype in BTF.
+    NoBtfEntry,
+    /// The function has no parameter of that name (or number).
+    NoBtfArg,
+    /// `$retval` of a function that returns `void`.
+    NoRetval,
+    /// `->` on something that is not a pointer to a struct or union.
+    NoPtrStruct,
+    /// `.` on a pointer (write `->`), or on something that is not a
+    /// struct or union.
+    DotThroughPointer,
+    /// The struct or union has no member of that name.
+    NoBtfField,
+    /// `:string`/`:ustring` on a BTF value that is not `char *` or
+    /// `char[]`.
+    BadTypeForString,
+    /// `%pd`/`%pD` on a kernel whose BTF lacks `struct dentry` or
+    /// `struct file` as the kernel lays them out.
+    NoNameLayout,
+    /// The guest's BTF could not be read (the token says why).
+    BtfUnreadable,
     /// `-:EVENT` followed by more words.
     DeleteExtra,
 }
@@ -174,8 +200,7 @@ impl ParseErrorKind {
             RetvalOnEntry => "$retval is only available on return probes",
             BadStackNum => "bad stack number (at most 2048)",
             BadArgNum => "bad argument number (1 to 2048)",
-            ArgOnReturn => "$argN is only available on entry probes",
-            ArgStar => "$arg* needs BTF and is not supported",
+            ArgStar => "$arg* takes no name, type or member access",
             BadVar => "bad $-variable",
             BadRegName { .. } => "bad register name",
             BadMemAddr => "bad memory address",
@@ -189,7 +214,19 @@ impl ParseErrorKind {
             TrailingText => "unexpected text after ')'",
             CommCantDeref => "$comm and immediate strings can not be dereferenced",
             BadFetchArg => "bad fetch argument",
-            BtfArg => "BTF argument names are not supported, use %REG or $argN",
+            BadHyphen => "'-' must be part of '->'",
+            BadMemberName => "member name must be a C identifier",
+            DotOnArg => "'.' on a function argument is not supported, use '->'",
+            NoBtf => "the kernel has no BTF, so no BTF arguments",
+            NoBtfEntry => "BTF has no prototype for the probed function",
+            NoBtfArg => "the probed function has no such parameter",
+            NoRetval => "the probed function returns void",
+            NoPtrStruct => "'->' needs a pointer to a struct or union",
+            DotThroughPointer => "'.' needs a struct or union, not a pointer (use '->')",
+            NoBtfField => "no such member",
+            BadTypeForString => "string types need a char * or char[] value",
+            NoNameLayout => "BTF has no dentry name layout for %pd/%pD",
+            BtfUnreadable => "the guest's BTF could not be read",
             DeleteExtra => "unexpected text after the event to delete",
         }
     }
@@ -209,7 +246,7 @@ pub struct ParseError {
 }
 
 impl ParseError {
-    fn new(kind: ParseErrorKind, pos: usize, token: &str) -> Self {
+    pub(crate) fn new(kind: ParseErrorKind, pos: usize, token: &str) -> Self {
         Self {
             pos,
             len: token.len(),
@@ -614,17 +651,6 @@ fn parse_arg(
         }
         None => (tok.sub(0, 0), tok),
     };
-    let name_text = if name.text.is_empty() {
-        format!("arg{}", idx + 1)
-    } else {
-        name.text.to_string()
-    };
-    if RESERVED_ARG_NAMES.contains(&name_text.as_str())
-        || earlier.iter().any(|a| a.name == name_text)
-    {
-        let at = if name.text.is_empty() { tok } else { name };
-        return Err(ParseError::new(K::UsedArgName, at.pos, &name_text).with_len(at.text.len()));
-    }
     if body.text.is_empty() {
         return Err(ParseError::missing(K::NoArgBody, body.pos));
     }
@@ -637,14 +663,40 @@ fn parse_arg(
         Some(c) => (body.sub(0, c), Some(body.from(c + 1))),
         None => (body, None),
     };
+    // An unnamed argument that is a bare name (a BTF parameter) is named
+    // after it (`generate_probe_arg_name`).
+    let name_text = if !name.text.is_empty() {
+        name.text.to_string()
+    } else if is_good_name(expr_tok.text) {
+        expr_tok.text.to_string()
+    } else {
+        format!("arg{}", idx + 1)
+    };
+    if RESERVED_ARG_NAMES.contains(&name_text.as_str())
+        || earlier.iter().any(|a| a.name == name_text)
+    {
+        let at = if name.text.is_empty() { tok } else { name };
+        return Err(ParseError::new(K::UsedArgName, at.pos, &name_text).with_len(at.text.len()));
+    }
     let stringy = matches!(expr_tok.text, "$comm" | "$COMM") || expr_tok.text.starts_with("\\\"");
+    let mut name_of = None;
     let ty = match type_tok {
         Some(t) => {
             if let Some(b) = t.text.find('[') {
                 return Err(t.from(b).err(K::ArrayType));
             }
-            let ty = parse_type(t)?;
-            if stringy && ty != ArgType::String {
+            let ty = match t.text {
+                "%pd" => {
+                    name_of = Some(NameOf::Dentry);
+                    ArgType::String
+                }
+                "%pD" => {
+                    name_of = Some(NameOf::File);
+                    ArgType::String
+                }
+                _ => parse_type(t)?,
+            };
+            if stringy && (ty != ArgType::String || name_of.is_some()) {
                 return Err(t.err(K::NeedStringType));
             }
             ty
@@ -653,16 +705,38 @@ fn parse_arg(
         None => ArgType::DEFAULT,
     };
 
-    let expr = parse_expr(expr_tok, 0, is_return)?;
-    check_type_fits(&expr, ty, type_tok.unwrap_or(body))?;
-    if fetch_insns(&expr, ty) > FETCH_INSN_MAX - 1 {
-        return Err(expr_tok.err(K::TooDeep));
+    let mut btf = None;
+    let expr = parse_expr(expr_tok, 0, is_return, &mut btf)?;
+    if let Some(b) = btf.as_mut() {
+        b.typed = type_tok.is_some();
+        b.type_pos = type_tok.map_or(body.end(), |t| t.pos);
+        b.name_of = name_of;
+        if b.var == Some(BtfVar::All) && (!name.text.is_empty() || type_tok.is_some()) {
+            return Err(expr_tok.err(K::ArgStar));
+        }
+    } else if let (Some(n), Some(t)) = (name_of, type_tok) {
+        // `%pd`/`%pD` over a plain fetch: only the names' layout needs BTF.
+        btf = Some(BtfArg {
+            var: None,
+            pos: t.pos,
+            len: t.text.len(),
+            fields: Vec::new(),
+            typed: true,
+            type_pos: t.pos,
+            name_of: Some(n),
+        });
+    } else {
+        check_type_fits(&expr, ty, type_tok.unwrap_or(body))?;
+        if fetch_insns(&expr, ty) > FETCH_INSN_MAX - 1 {
+            return Err(expr_tok.err(K::TooDeep));
+        }
     }
     Ok(FetchArg {
         name: name_text,
         body: body.text.to_string(),
         expr,
         ty,
+        btf,
     })
 }
 
@@ -757,7 +831,7 @@ fn check_type_fits(expr: &FetchExpr, ty: ArgType, at: Tok<'_>) -> Result<(), Par
 /// counted: the load (two for `@SYM`: a symbol placeholder and the
 /// immediate), one per dereference, a store unless the last dereference
 /// becomes it, and the bitfield modifier.
-fn fetch_insns(expr: &FetchExpr, ty: ArgType) -> usize {
+pub(crate) fn fetch_insns(expr: &FetchExpr, ty: ArgType) -> usize {
     let load = if matches!(expr.base, FetchBase::Symbol { .. }) {
         2
     } else {
@@ -774,8 +848,14 @@ fn fetch_insns(expr: &FetchExpr, ty: ArgType) -> usize {
 /// Recursion guard; the 63-character limit keeps real nesting far below.
 const MAX_PARSE_DEPTH: usize = 32;
 
-/// A fetch argument without its name and type (`parse_probe_arg`).
-fn parse_expr(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, ParseError> {
+/// A fetch argument without its name and type (`parse_probe_arg`). A BTF
+/// variable found in it (at the top or inside dereferences) goes to `btf`.
+fn parse_expr(
+    t: Tok<'_>,
+    depth: usize,
+    is_return: bool,
+    btf: &mut Option<BtfArg>,
+) -> Result<FetchExpr, ParseError> {
     use ParseErrorKind as K;
     let plain = |base| {
         Ok(FetchExpr {
@@ -788,6 +868,13 @@ fn parse_expr(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, Pa
         return Err(ParseError::missing(K::BadFetchArg, t.pos));
     };
     match first {
+        b'$' if t.text.starts_with("$retval") && t.text.len() > "$retval".len() => {
+            parse_btf_var(t, is_return, btf)
+        }
+        b'$' if t.text == "$arg*" => parse_btf_var(t, is_return, btf),
+        b'$' if t.text.starts_with("$arg") && t.text.contains(['-', '.']) => {
+            parse_btf_var(t, is_return, btf)
+        }
         b'$' => plain(parse_var(t, is_return)?),
         b'%' => {
             let name = t.from(1).text;
@@ -833,7 +920,7 @@ fn parse_expr(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, Pa
                 }],
             })
         }
-        b'+' | b'-' => parse_deref(t, depth, is_return),
+        b'+' | b'-' => parse_deref(t, depth, is_return, btf),
         b'\\' => {
             if b.get(1) == Some(&b'"') {
                 let s = t.from(2).text;
@@ -860,13 +947,99 @@ fn parse_expr(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, Pa
                 }
             }
         }
-        c if c.is_ascii_alphabetic() || c == b'_' => Err(t.err(K::BtfArg)),
+        c if c.is_ascii_alphabetic() || c == b'_' => parse_btf_var(t, is_return, btf),
         _ => Err(t.err(K::BadFetchArg)),
     }
 }
 
+/// A BTF variable and its member accesses: `NAME`, `NAME->a.b->c`,
+/// `$retval->a`, `$argN->a`, `$arg*` (`parse_btf_arg` and
+/// `split_next_field`). The base is a placeholder until
+/// [`super::resolve_btf`] finds the parameter.
+fn parse_btf_var(
+    t: Tok<'_>,
+    is_return: bool,
+    btf: &mut Option<BtfArg>,
+) -> Result<FetchExpr, ParseError> {
+    use ParseErrorKind as K;
+    let text = t.text;
+    let var_end = text.find(['-', '.']).unwrap_or(text.len());
+    let var_tok = t.sub(0, var_end);
+    let (var, base) = match var_tok.text {
+        "$retval" => {
+            if !is_return {
+                return Err(var_tok.err(K::RetvalOnEntry));
+            }
+            (BtfVar::RetVal, FetchBase::RetVal)
+        }
+        "$arg*" => (BtfVar::All, FetchBase::Arg(1)),
+        v if v.starts_with('$') => match parse_var(var_tok, is_return)? {
+            FetchBase::Arg(n) => (BtfVar::Arg(n), FetchBase::Arg(n)),
+            FetchBase::EntryArg(n) => (BtfVar::Arg(n), FetchBase::EntryArg(n)),
+            _ => return Err(var_tok.err(K::BadVar)),
+        },
+        v if is_good_name(v) => (BtfVar::Param(v.to_string()), FetchBase::Arg(1)),
+        _ => return Err(var_tok.err(K::BadFetchArg)),
+    };
+    let mut fields = Vec::new();
+    let mut at = var_end;
+    while at < text.len() {
+        let rest = &text[at..];
+        let (arrow, skip) = if rest.starts_with("->") {
+            (true, 2)
+        } else if rest.starts_with('.') {
+            (false, 1)
+        } else {
+            return Err(t.sub(at, at + 1).err(K::BadHyphen));
+        };
+        let start = at + skip;
+        let end = text[start..]
+            .find(['-', '.'])
+            .map_or(text.len(), |e| start + e);
+        let member = t.sub(start, end);
+        if !is_good_name(member.text) {
+            return Err(if member.text.is_empty() {
+                ParseError::missing(K::BadMemberName, member.pos)
+            } else {
+                member.err(K::BadMemberName)
+            });
+        }
+        if !arrow && fields.is_empty() {
+            // A struct or union passed by value is not supported.
+            return Err(t.sub(at, at + 1).err(K::DotOnArg));
+        }
+        if var == BtfVar::All {
+            return Err(t.err(K::ArgStar));
+        }
+        fields.push(BtfField {
+            name: member.text.to_string(),
+            arrow,
+            pos: member.pos,
+        });
+        at = end;
+    }
+    *btf = Some(BtfArg {
+        var: Some(var),
+        pos: var_tok.pos,
+        len: var_tok.text.len(),
+        fields,
+        typed: false,
+        type_pos: t.end(),
+        name_of: None,
+    });
+    Ok(FetchExpr {
+        base,
+        derefs: Vec::new(),
+    })
+}
+
 /// `+|-[u]OFFS(FETCHARG)`.
-fn parse_deref(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, ParseError> {
+fn parse_deref(
+    t: Tok<'_>,
+    depth: usize,
+    is_return: bool,
+    btf: &mut Option<BtfArg>,
+) -> Result<FetchExpr, ParseError> {
     use ParseErrorKind as K;
     let b = t.text.as_bytes();
     let negative = b.first() == Some(&b'-');
@@ -905,7 +1078,7 @@ fn parse_deref(t: Tok<'_>, depth: usize, is_return: bool) -> Result<FetchExpr, P
         return Err(t.err(K::TooDeep));
     }
     let inner = t.sub(open + 1, close);
-    let mut expr = parse_expr(inner, depth + 1, is_return)?;
+    let mut expr = parse_expr(inner, depth + 1, is_return, btf)?;
     if expr.derefs.is_empty() && matches!(expr.base, FetchBase::Comm | FetchBase::ImmString(_)) {
         return Err(inner.err(K::CommCantDeref));
     }
@@ -956,7 +1129,8 @@ fn parse_var(t: Tok<'_>, is_return: bool) -> Result<FetchBase, ParseError> {
         return match kstrtoull(n, 10) {
             None => Err(t.err(K::BadVar)),
             Some(n) if n == 0 || n > u64::from(MAX_STACK_INDEX) => Err(t.err(K::BadArgNum)),
-            Some(_) if is_return => Err(t.err(K::ArgOnReturn)),
+            // At a return: the value saved at the entry (Linux 6.9+).
+            Some(n) if is_return => Ok(FetchBase::EntryArg(n as u32)),
             Some(n) => Ok(FetchBase::Arg(n as u32)),
         };
     }

@@ -161,14 +161,78 @@ impl fmt::Display for ProbeSpec {
 /// One fetch argument: `[NAME=]FETCHARG[:TYPE]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FetchArg {
-    /// The argument name (`argN`, 1-based by position, unless given).
+    /// The argument name (`argN`, 1-based by position, unless given; a
+    /// bare BTF name names itself, as the kernel's BTF arguments do).
     pub name: String,
     /// The source text after `NAME=`, type included (for listing).
     pub body: String,
-    /// What to fetch.
+    /// What to fetch. With [`Self::btf`] set, the part written around
+    /// the BTF variable only: `derefs` are the dereferences outside it
+    /// (`+8(file)`), until [`super::resolve_btf`] puts the variable's
+    /// own in front of them.
     pub expr: FetchExpr,
-    /// How to store and print it.
+    /// How to store and print it (the default until BTF says, when
+    /// [`Self::btf`] is set and no type was written).
     pub ty: ArgType,
+    /// What of the argument needs the guest's BTF, until it is resolved
+    /// at probe add ([`super::resolve_btf`]).
+    pub btf: Option<BtfArg>,
+}
+
+/// The BTF part of a fetch argument, as written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BtfArg {
+    /// The variable, when the fetch names one (`None`: only the type
+    /// needs BTF, `%pd` or `%pD` over a plain fetch).
+    pub var: Option<BtfVar>,
+    /// Byte offset of the variable in the spec (of the type for `%pd`
+    /// and `%pD` over a plain fetch).
+    pub pos: usize,
+    /// Its length in the spec.
+    pub len: usize,
+    /// The member accesses after the variable, in order.
+    pub fields: Vec<BtfField>,
+    /// Whether a type was written (`:TYPE`): BTF then only checks that a
+    /// string type fits.
+    pub typed: bool,
+    /// Byte offset of the written type in the spec.
+    pub type_pos: usize,
+    /// `%pd` or `%pD`: the name of the dentry or file the value points to.
+    pub name_of: Option<NameOf>,
+}
+
+/// What a BTF argument starts from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BtfVar {
+    /// A parameter of the probed function, by name.
+    Param(String),
+    /// `$argN` with a member access after it: parameter N (1-based).
+    Arg(u32),
+    /// `$retval` (return probes), typed from the return type.
+    RetVal,
+    /// `$arg*`: every parameter, each an argument named after it.
+    All,
+}
+
+/// `->NAME` or `.NAME`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BtfField {
+    /// The member's name.
+    pub name: String,
+    /// `->` (through a pointer) rather than `.` (into an embedded struct
+    /// or union).
+    pub arrow: bool,
+    /// Byte offset of the name in the spec.
+    pub pos: usize,
+}
+
+/// `%pd` and `%pD`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NameOf {
+    /// `%pd`: a `struct dentry *`, printed as its name.
+    Dentry,
+    /// `%pD`: a `struct file *`, printed as its dentry's name.
+    File,
 }
 
 /// A base fetch and its dereference chain (innermost first).
@@ -203,6 +267,9 @@ pub enum FetchBase {
     Arg(u32),
     /// `$retval` (return probes): `ax`.
     RetVal,
+    /// `$argN` at a return probe: argument N (1-based) as it was at the
+    /// function's entry, saved then (Linux 6.9+ does the same).
+    EntryArg(u32),
     /// `$comm`: the current task's name (a string).
     Comm,
     /// `\IMM`, and the address of `@ADDR`.

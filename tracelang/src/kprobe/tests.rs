@@ -122,6 +122,7 @@ fn ctx(regs: &PtRegs) -> FetchContext<'_> {
         regs,
         comm: Some(b"cat\0\0\0\0\0\0\0\0\0\0\0\0\0"),
         layout: GuestLayout::X86_64_4LEVEL,
+        entry_args: None,
     }
 }
 
@@ -1107,6 +1108,7 @@ fn the_kernels_address_rules() {
         regs: &r5,
         comm: None,
         layout: GuestLayout::X86_64_5LEVEL,
+        entry_args: None,
     };
     assert_eq!(
         fetch(&p.args, &c5, &mut m5, &NoSymbols),
@@ -1117,6 +1119,7 @@ fn the_kernels_address_rules() {
     );
     let c4 = FetchContext {
         layout: GuestLayout::X86_64_4LEVEL,
+        entry_args: None,
         ..c5
     };
     assert_eq!(

@@ -28,8 +28,11 @@
 //! charged to that budget, which bounds the work of a search over any
 //! number of forged headers ([`locate_budgeted`]).
 
+use alloc::borrow::Cow;
 use alloc::vec::Vec;
 use core::fmt;
+
+pub mod typed;
 
 use crate::addr::{Gva, GvaRange};
 use crate::budget::{block_on, Budget, Metered, RECOVERY_BUDGET};
@@ -288,14 +291,23 @@ impl Member {
 /// A BTF blob in guest memory.
 pub struct Btf<'v, V: ?Sized> {
     view: &'v V,
+    /// The blob a split blob (a module's) extends: its types are ids
+    /// `1..first_id`, its strings offsets `0..str_first`.
+    parent: Option<&'v Btf<'v, V>>,
+    /// The id of this blob's first type (1 unless split).
+    first_id: u32,
+    /// The string offset this blob's string section starts at (0 unless
+    /// split).
+    str_first: u32,
     base: Gva,
     types: Gva,
     types_len: u32,
     strings: Gva,
     strings_len: u32,
     count: u32,
-    /// Offset of type `1 + 64 k` in the type section.
-    checkpoints: Vec<u32>,
+    /// Offset of type `1 + 64 k` in the type section (borrowed from a
+    /// [`BtfIndex`], or the walk's own).
+    checkpoints: Cow<'v, [u32]>,
 }
 
 impl<V: ?Sized> fmt::Debug for Btf<'_, V> {
@@ -306,6 +318,31 @@ impl<V: ?Sized> fmt::Debug for Btf<'_, V> {
             .field("strings_len", &self.strings_len)
             .field("count", &self.count)
             .finish()
+    }
+}
+
+/// A walked base blob, without a view: where its sections are and a
+/// checkpoint every 64 types ([`Btf::index`], [`Btf::from_index`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BtfIndex {
+    base: Gva,
+    types: Gva,
+    types_len: u32,
+    strings: Gva,
+    strings_len: u32,
+    count: u32,
+    checkpoints: Vec<u32>,
+}
+
+impl BtfIndex {
+    /// Where the blob (its header) is.
+    pub fn base(&self) -> Gva {
+        self.base
+    }
+
+    /// Bytes of heap held.
+    pub fn heap_bytes(&self) -> usize {
+        self.checkpoints.capacity() * 4
     }
 }
 
@@ -442,13 +479,16 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         }
         let mut btf = Btf {
             view,
+            parent: None,
+            first_id: 1,
+            str_first: 0,
             base,
             types: Gva(data + type_off as u64),
             types_len: type_len,
             strings: Gva(data + str_off as u64),
             strings_len: str_len,
             count: 0,
-            checkpoints: Vec::new(),
+            checkpoints: Cow::Owned(Vec::new()),
         };
         let mut w = Window::new(view, btf.types, type_len, WINDOW_SEQUENTIAL);
         let mut off = 0u32;
@@ -457,7 +497,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             if btf.count.is_multiple_of(CHECKPOINT_EVERY) {
                 // One a `CHECKPOINT_EVERY` types: at most 170 KiB for
                 // `MAX_BTF_BYTES` of 12-byte types, reserved fallibly.
-                crate::fallible::try_push(&mut btf.checkpoints, off)?;
+                crate::fallible::try_push(btf.checkpoints.to_mut(), off)?;
             }
             let t = w.get(off)?;
             let info = u32_le(&t, 4);
@@ -473,19 +513,106 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         Ok(btf)
     }
 
+    /// A split blob (a module's `.BTF`) at `base`, extending `parent`:
+    /// its types take the ids after the parent's, its string offsets
+    /// continue the parent's string section, and its types may name the
+    /// parent's. Checked and walked as [`Self::parse_paced`] does.
+    pub async fn parse_split_paced(
+        view: &'v V,
+        parent: &'v Btf<'v, V>,
+        base: Gva,
+        within: Option<GvaRange>,
+        pace: &Budget,
+    ) -> Result<Self, BtfError> {
+        let mut btf = Self::parse_paced(view, base, within, pace).await?;
+        btf.first_id = parent
+            .type_count()
+            .checked_add(1)
+            .ok_or(BtfError::BadHeader)?;
+        btf.str_first = parent.str_first + parent.strings_len;
+        btf.parent = Some(parent);
+        Ok(btf)
+    }
+
+    /// [`Self::parse_split_paced`] at once.
+    pub fn parse_split(
+        view: &'v V,
+        parent: &'v Btf<'v, V>,
+        base: Gva,
+        within: Option<GvaRange>,
+    ) -> Result<Self, BtfError> {
+        block_on(Self::parse_split_paced(
+            view,
+            parent,
+            base,
+            within,
+            &Budget::unlimited(),
+        ))
+    }
+
+    /// What the walk found, kept so that the blob can be used again
+    /// without walking it ([`Self::from_index`]).
+    pub fn index(&self) -> Result<BtfIndex, BtfError> {
+        let mut checkpoints = Vec::new();
+        crate::fallible::try_reserve(&mut checkpoints, self.checkpoints.len())?;
+        checkpoints.extend_from_slice(&self.checkpoints);
+        Ok(BtfIndex {
+            base: self.base,
+            types: self.types,
+            types_len: self.types_len,
+            strings: self.strings,
+            strings_len: self.strings_len,
+            count: self.count,
+            checkpoints,
+        })
+    }
+
+    /// The blob `index` describes, read through `view` (a base blob: a
+    /// split one is parsed again over its parent). The guest may have
+    /// changed the memory since: every read is checked as on the first
+    /// walk.
+    pub fn from_index(view: &'v V, index: &'v BtfIndex) -> Self {
+        Btf {
+            view,
+            parent: None,
+            first_id: 1,
+            str_first: 0,
+            base: index.base,
+            types: index.types,
+            types_len: index.types_len,
+            strings: index.strings,
+            strings_len: index.strings_len,
+            count: index.count,
+            checkpoints: Cow::Borrowed(&index.checkpoints),
+        }
+    }
+
     /// Where the blob (its header) is.
     pub fn base(&self) -> Gva {
         self.base
     }
 
-    /// Number of types (ids 1..=count).
+    /// The last type id (ids 1..=last; a split blob's own types are the
+    /// ids from its parent's last + 1).
     pub fn type_count(&self) -> u32 {
-        self.count
+        self.first_id - 1 + self.count
+    }
+
+    /// The blob that holds type `id`: this one, or the blob it extends.
+    fn owner(&self, id: u32) -> Result<&Btf<'v, V>, BtfError> {
+        if id >= self.first_id {
+            Ok(self)
+        } else {
+            self.parent.ok_or(BtfError::BadId(id))
+        }
     }
 
     /// Bytes of heap held (the checkpoints).
     pub fn heap_bytes(&self) -> usize {
-        self.checkpoints.capacity() * 4
+        match &self.checkpoints {
+            Cow::Owned(v) => v.capacity() * 4,
+            Cow::Borrowed(_) => 0,
+        }
     }
 
     fn decode(&self, id: u32, off: u32, raw: &[u8; 12]) -> Result<TypeInfo, BtfError> {
@@ -508,17 +635,21 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
 
     /// Type `id` (1-based).
     pub fn type_info(&self, id: u32) -> Result<TypeInfo, BtfError> {
-        if id == 0 || id > self.count {
+        if id == 0 || id > self.type_count() {
             return Err(BtfError::BadId(id));
         }
-        let k = (id - 1) / CHECKPOINT_EVERY;
+        if id < self.first_id {
+            return self.owner(id)?.type_info(id);
+        }
+        let local = id - self.first_id + 1;
+        let k = (local - 1) / CHECKPOINT_EVERY;
         // One checkpoint for every 64 types counted: `k` always has one.
         let mut off = *self
             .checkpoints
             .get(k as usize)
             .ok_or(BtfError::BadId(id))?;
         let mut w = self.window();
-        for _ in 0..(id - 1) % CHECKPOINT_EVERY {
+        for _ in 0..(local - 1) % CHECKPOINT_EVERY {
             let t = w.get(off)?;
             let info = u32_le(&t, 4);
             let kind =
@@ -531,6 +662,13 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
 
     /// Whether the string at `off` is `name`.
     pub fn name_is(&self, off: u32, name: &str) -> Result<bool, BtfError> {
+        if off < self.str_first {
+            return match self.parent {
+                Some(p) => p.name_is(off, name),
+                None => Ok(false),
+            };
+        }
+        let off = off - self.str_first;
         let len = name.len() as u32 + 1;
         if off.checked_add(len).is_none_or(|e| e > self.strings_len) {
             return Ok(false);
@@ -553,18 +691,36 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         name: &'static str,
         pace: &Budget,
     ) -> Result<TypeInfo, BtfError> {
+        self.find_named_paced(kind, name, pace)
+            .await?
+            .ok_or(BtfError::NoType(name))
+    }
+
+    /// The first type of `kind` called `name` among this blob's own types
+    /// (a split blob's parent is not searched), or `None`.
+    pub fn find_named(&self, kind: Kind, name: &str) -> Result<Option<TypeInfo>, BtfError> {
+        block_on(self.find_named_paced(kind, name, &Budget::unlimited()))
+    }
+
+    /// [`Self::find_named`], pausing on `pace` between types.
+    pub async fn find_named_paced(
+        &self,
+        kind: Kind,
+        name: &str,
+        pace: &Budget,
+    ) -> Result<Option<TypeInfo>, BtfError> {
         let mut w = Window::new(self.view, self.types, self.types_len, WINDOW_SEQUENTIAL);
         let mut off = 0u32;
-        for id in 1..=self.count {
+        for id in self.first_id..self.first_id + self.count {
             pace.pause().await;
             let raw = w.get(off)?;
             let t = self.decode(id, off, &raw)?;
             if t.kind == kind && t.name_off != 0 && self.name_is(t.name_off, name)? {
-                return Ok(t);
+                return Ok(Some(t));
             }
             off = next_type(off, t.kind, t.vlen)?;
         }
-        Err(BtfError::NoType(name))
+        Ok(None)
     }
 
     /// Follows typedefs and qualifiers to the underlying type.
@@ -603,6 +759,25 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         name: &'static str,
         pace: &Budget,
     ) -> Result<Member, BtfError> {
+        self.member_named_paced(outer, name, pace)
+            .await?
+            .ok_or(BtfError::NoMember(name))
+    }
+
+    /// [`Self::member`] for any name: `None` when `outer` has no such
+    /// member.
+    pub fn member_named(&self, outer: &TypeInfo, name: &str) -> Result<Option<Member>, BtfError> {
+        block_on(self.member_named_paced(outer, name, &Budget::unlimited()))
+    }
+
+    /// [`Self::member_named`], pausing on `pace` before each member
+    /// visited and each struct or union left.
+    pub async fn member_named_paced(
+        &self,
+        outer: &TypeInfo,
+        name: &str,
+        pace: &Budget,
+    ) -> Result<Option<Member>, BtfError> {
         /// A struct or union being searched, and where in it.
         struct Frame {
             t: TypeInfo,
@@ -621,7 +796,9 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         // Anonymous members may nest (or, in a forged blob, repeat) without
         // end: bound the total work, not just the depth.
         let mut visits_left = MAX_MEMBERS_VISITED;
-        let mut w = self.window();
+        // One window on each blob a split lookup may read.
+        let mut w_own = self.window();
+        let mut w_parent = self.parent.map(Btf::window);
         while let Some(top) = stack.last_mut() {
             pace.pause().await;
             if top.next >= top.t.vlen {
@@ -630,6 +807,10 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
             }
             let (t, i, base_bits) = (top.t, top.next, top.base_bits);
             top.next += 1;
+            let w = match (&mut w_parent, t.id < self.first_id) {
+                (Some(p), true) => p,
+                _ => &mut w_own,
+            };
             let m = w.get(
                 t.extra_at
                     .checked_add(12 * i)
@@ -656,19 +837,22 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
                     });
                 }
             } else if self.name_is(name_off, name)? {
-                return Ok(Member {
+                return Ok(Some(Member {
                     bit_offset: at,
                     bitfield_bits: bits,
                     type_id,
-                });
+                }));
             }
         }
-        Err(BtfError::NoMember(name))
+        Ok(None)
     }
 
     /// The value of enumerator `name` of enum type `t` (`BTF_KIND_ENUM`,
     /// 32-bit values, or `BTF_KIND_ENUM64`).
     pub fn enumerator(&self, t: &TypeInfo, name: &'static str) -> Result<i64, BtfError> {
+        if t.id < self.first_id {
+            return self.owner(t.id)?.enumerator(t, name);
+        }
         let (stride, wide) = match t.kind {
             Kind::Enum => (8u32, false),
             Kind::Enum64 => (12u32, true),
@@ -705,7 +889,7 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
         if t.kind != Kind::Array {
             return Err(BtfError::UnexpectedType("array"));
         }
-        let mut w = self.window();
+        let mut w = self.owner(t.id)?.window();
         let a = w.get(t.extra_at)?;
         Ok((u32_le(&a, 0), u32_le(&a, 8)))
     }
