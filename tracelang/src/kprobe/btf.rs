@@ -49,21 +49,46 @@ pub fn resolve_btf<V: VirtMemory + ?Sized>(
     spec: &mut ProbeSpec,
     btf: Result<&Btf<'_, V>, BtfError>,
 ) -> Result<(), ParseError> {
-    let Some(first) = spec.args.iter().find_map(|a| a.btf.as_ref()) else {
+    let Some((pos, len)) = spec
+        .args
+        .iter()
+        .find_map(|a| a.btf.as_ref())
+        .map(|b| (b.pos, b.len))
+    else {
         return Ok(());
+    };
+    // Without BTF for the function, the arguments BTF only refines stay
+    // as they are written.
+    let plain_without = |spec: &mut ProbeSpec| {
+        if spec.args.iter().all(|a| a.btf.as_ref().is_none_or(|b| b.optional)) {
+            for a in &mut spec.args {
+                a.btf = None;
+            }
+            return true;
+        }
+        false
     };
     let btf = match btf {
         Ok(b) => b,
-        Err(BtfError::Absent) => return Err(err_at(K::NoBtf, first.pos, first.len, "")),
-        Err(e) => {
-            return Err(err_at(K::BtfUnreadable, first.pos, first.len, &e.to_string()));
-        }
+        Err(_) if plain_without(spec) => return Ok(()),
+        Err(BtfError::Absent) => return Err(err_at(K::NoBtf, pos, len, "")),
+        Err(e) => return Err(err_at(K::BtfUnreadable, pos, len, &e.to_string())),
     };
+    // The prototype, looked up once (a walk over the types).
+    let sig = match btf.signature(&spec.symbol) {
+        Ok(s) => s,
+        Err(_) if plain_without(spec) => return Ok(()),
+        Err(e) => return Err(err_at(K::BtfUnreadable, pos, len, &e.to_string())),
+    };
+    let has_function = sig.is_some();
+    if !has_function && plain_without(spec) {
+        return Ok(());
+    }
     let mut r = Resolver {
         btf,
         symbol: &spec.symbol,
         is_return: spec.kind.is_return(),
-        sig: None,
+        sig,
     };
     let mut out: Vec<FetchArg> = Vec::with_capacity(spec.args.len());
     for (i, arg) in spec.args.iter().enumerate() {
@@ -71,6 +96,12 @@ pub fn resolve_btf<V: VirtMemory + ?Sized>(
             out.push(arg.clone());
             continue;
         };
+        if b.optional && !has_function {
+            let mut a = arg.clone();
+            a.btf = None;
+            out.push(a);
+            continue;
+        }
         if b.var == Some(BtfVar::All) {
             let sig = r.signature(&b)?;
             if sig.params.is_empty() {
@@ -139,17 +170,11 @@ impl<V: VirtMemory + ?Sized> Resolver<'_, '_, '_, V> {
         r.map_err(|e| err_at(K::BtfUnreadable, b.pos, b.len, &e.to_string()))
     }
 
-    /// The probed function's prototype, looked up once.
+    /// The probed function's prototype.
     fn signature(&mut self, b: &BtfArg) -> Result<Signature, ParseError> {
-        if let Some(s) = &self.sig {
-            return Ok(s.clone());
-        }
-        let found = self.read(self.btf.signature(self.symbol), b)?;
-        let Some(s) = found else {
-            return Err(err_at(K::NoBtfEntry, b.pos, b.len, self.symbol));
-        };
-        self.sig = Some(s.clone());
-        Ok(s)
+        self.sig
+            .clone()
+            .ok_or_else(|| err_at(K::NoBtfEntry, b.pos, b.len, self.symbol))
     }
 
     /// One argument with a BTF part, made a plain fetch.

@@ -714,6 +714,13 @@ fn parse_arg(
         if b.var == Some(BtfVar::All) && (!name.text.is_empty() || type_tok.is_some()) {
             return Err(expr_tok.err(K::ArgStar));
         }
+    }
+    // A written type leaves BTF nothing to refine.
+    if btf.as_ref().is_some_and(|b| b.optional && b.typed) {
+        btf = None;
+    }
+    if btf.is_some() {
+        // Checked once BTF has said what the value is.
     } else if let (Some(n), Some(t)) = (name_of, type_tok) {
         // `%pd`/`%pD` over a plain fetch: only the names' layout needs BTF.
         btf = Some(BtfArg {
@@ -724,6 +731,7 @@ fn parse_arg(
             typed: true,
             type_pos: t.pos,
             name_of: Some(n),
+            optional: false,
         });
     } else {
         check_type_fits(&expr, ty, type_tok.unwrap_or(body))?;
@@ -874,6 +882,20 @@ fn parse_expr(
         b'$' if t.text == "$arg*" => parse_btf_var(t, is_return, btf),
         b'$' if t.text.starts_with("$arg") && t.text.contains(['-', '.']) => {
             parse_btf_var(t, is_return, btf)
+        }
+        b'$' if t.text == "$retval" && is_return => {
+            // Typed from the return type when BTF has the function.
+            *btf = Some(BtfArg {
+                var: Some(BtfVar::RetVal),
+                pos: t.pos,
+                len: t.text.len(),
+                fields: Vec::new(),
+                typed: false,
+                type_pos: t.end(),
+                name_of: None,
+                optional: true,
+            });
+            plain(FetchBase::RetVal)
         }
         b'$' => plain(parse_var(t, is_return)?),
         b'%' => {
@@ -1026,6 +1048,7 @@ fn parse_btf_var(
         typed: false,
         type_pos: t.end(),
         name_of: None,
+        optional: false,
     });
     Ok(FetchExpr {
         base,

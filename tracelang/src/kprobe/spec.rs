@@ -9,6 +9,7 @@
 //! value (its width is the argument's type), every earlier link reads a
 //! pointer.
 
+use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt;
@@ -135,6 +136,83 @@ impl ProbeSpec {
     }
 }
 
+impl ProbeSpec {
+    /// The spec with each argument written as the plain fetch it was
+    /// resolved to (`name=+0(+40(+24(%si))):string` for a BTF chain), so
+    /// that parsing it gives the same names and types without BTF: what
+    /// the host renders records with. An argument whose plain form is
+    /// longer than the kernel allows is written as a short fetch of the
+    /// same type (only its name and type matter to rendering).
+    pub fn render_form(&self) -> String {
+        use core::fmt::Write;
+        let mut out = String::new();
+        let _ = match self.kind {
+            ProbeKind::Entry => write!(out, "p"),
+            ProbeKind::Return { maxactive: 0 } => write!(out, "r"),
+            ProbeKind::Return { maxactive } => write!(out, "r{maxactive}"),
+        };
+        let _ = write!(out, ":{}/{} ", self.group, self.event);
+        if let Some(m) = &self.module {
+            let _ = write!(out, "{m}:");
+        }
+        out.push_str(&self.symbol);
+        for a in &self.args {
+            let body = lowered(&a.expr, a.ty)
+                .filter(|b| b.len() <= MAX_ARGSTR_LEN && a.btf.is_none())
+                .unwrap_or_else(|| short_of(a.ty));
+            let _ = write!(out, " {}={}", a.name, body);
+        }
+        out
+    }
+}
+
+/// `expr:ty` in the probe language, when it has a written form.
+fn lowered(expr: &FetchExpr, ty: ArgType) -> Option<String> {
+    use core::fmt::Write;
+    let mut inner = String::new();
+    let mut derefs = expr.derefs.as_slice();
+    match &expr.base {
+        FetchBase::Reg(r) => write!(inner, "%{}", r.name()).ok()?,
+        FetchBase::StackEntry(n) => write!(inner, "$stack{n}").ok()?,
+        FetchBase::StackPointer => inner.push_str("$stack"),
+        FetchBase::Arg(n) | FetchBase::EntryArg(n) => write!(inner, "$arg{n}").ok()?,
+        FetchBase::RetVal => inner.push_str("$retval"),
+        FetchBase::Comm => inner.push_str("$comm"),
+        FetchBase::Imm(v) => write!(inner, "\\{v}").ok()?,
+        FetchBase::ImmString(t) => write!(inner, "\\\"{t}\"").ok()?,
+        FetchBase::Symbol { name, offset, .. } => {
+            // `@SYM` carries its own first read.
+            let (first, rest) = derefs.split_first()?;
+            if first.offset != 0 || first.user {
+                return None;
+            }
+            derefs = rest;
+            match *offset {
+                0 => write!(inner, "@{name}").ok()?,
+                o if o > 0 => write!(inner, "@{name}+{o}").ok()?,
+                o => write!(inner, "@{name}{o}").ok()?,
+            }
+        }
+    }
+    for d in derefs {
+        let u = if d.user { "u" } else { "" };
+        inner = if d.offset < 0 {
+            format!("-{u}{}({inner})", d.offset.unsigned_abs())
+        } else {
+            format!("+{u}{}({inner})", d.offset)
+        };
+    }
+    Some(format!("{inner}:{ty}"))
+}
+
+/// A short fetch of type `ty`.
+fn short_of(ty: ArgType) -> String {
+    match ty {
+        ArgType::String | ArgType::UString => format!("+0(%di):{ty}"),
+        _ => format!("%di:{ty}"),
+    }
+}
+
 /// The kprobe_events listing form: `p:GRP/EVENT SYM NAME=BODY ...`, which
 /// is what the kernel prints when `kprobe_events` is read (every argument
 /// shown with its name, the default ones included). Parsing it gives the
@@ -152,7 +230,12 @@ impl fmt::Display for ProbeSpec {
         }
         f.write_str(&self.symbol)?;
         for a in &self.args {
-            write!(f, " {}={}", a.name, a.body)?;
+            if a.btf.as_ref().is_some_and(|b| b.var == Some(BtfVar::All)) {
+                // Not expanded yet: it takes no name.
+                write!(f, " {}", a.body)?;
+            } else {
+                write!(f, " {}={}", a.name, a.body)?;
+            }
         }
         Ok(())
     }
@@ -179,8 +262,9 @@ pub struct FetchArg {
     pub btf: Option<BtfArg>,
 }
 
-/// The BTF part of a fetch argument, as written.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The BTF part of a fetch argument, as written. Two are equal when they
+/// say the same, wherever in a spec they were written.
+#[derive(Debug, Clone, Eq)]
 pub struct BtfArg {
     /// The variable, when the fetch names one (`None`: only the type
     /// needs BTF, `%pd` or `%pD` over a plain fetch).
@@ -199,6 +283,9 @@ pub struct BtfArg {
     pub type_pos: usize,
     /// `%pd` or `%pD`: the name of the dentry or file the value points to.
     pub name_of: Option<NameOf>,
+    /// BTF only refines the argument (a bare `$retval`): without BTF for
+    /// the function it stays the plain fetch, as in the kernel.
+    pub optional: bool,
 }
 
 /// What a BTF argument starts from.
@@ -214,8 +301,18 @@ pub enum BtfVar {
     All,
 }
 
-/// `->NAME` or `.NAME`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+impl PartialEq for BtfArg {
+    fn eq(&self, o: &Self) -> bool {
+        self.var == o.var
+            && self.fields == o.fields
+            && self.typed == o.typed
+            && self.name_of == o.name_of
+            && self.optional == o.optional
+    }
+}
+
+/// `->NAME` or `.NAME` (equal by what they say, not where).
+#[derive(Debug, Clone, Eq)]
 pub struct BtfField {
     /// The member's name.
     pub name: String,
@@ -224,6 +321,12 @@ pub struct BtfField {
     pub arrow: bool,
     /// Byte offset of the name in the spec.
     pub pos: usize,
+}
+
+impl PartialEq for BtfField {
+    fn eq(&self, o: &Self) -> bool {
+        self.name == o.name && self.arrow == o.arrow
+    }
 }
 
 /// `%pd` and `%pD`.
