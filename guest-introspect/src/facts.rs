@@ -284,6 +284,9 @@ pub struct KernelFacts {
     pub kaslr_slide: Option<i64>,
     /// Where the BTF blob is, or why there is none.
     pub btf: Result<Gva, BtfError>,
+    /// The blob walked: what makes it usable again without a walk (the
+    /// probe language's BTF arguments), or why there is none.
+    pub btf_index: Result<btf::BtfIndex, BtfError>,
     /// `task_struct` pid/comm offsets, or why they are unknown.
     pub task: Result<TaskLayout, BtfError>,
     /// Where `current` is.
@@ -380,6 +383,10 @@ pub async fn discover_budgeted<V: VirtMemory + ?Sized>(
         Ok(b) => crate::module::module_layout_paced(b, budget).await,
         Err(e) => Err(*e),
     };
+    let btf_index = match &parsed {
+        Ok(b) => b.index(),
+        Err(e) => Err(*e),
+    };
     let current = current_task_paced(&symbols, parsed.as_ref().ok(), budget).await;
     budget.set_stage("stacks");
     let stacks = crate::stacks::layout_paced(&symbols, parsed.as_ref().ok(), budget).await;
@@ -391,6 +398,7 @@ pub async fn discover_budgeted<V: VirtMemory + ?Sized>(
         text_base,
         kaslr_slide,
         btf: btf_at,
+        btf_index,
         task,
         current,
         stacks,

@@ -17,7 +17,8 @@ use alloc::string::String;
 use alloc::vec::Vec;
 
 use super::{u32_le, Btf, BtfError, Kind, TypeInfo, MAX_RESOLVE_STEPS};
-use crate::view::VirtMemory;
+use crate::addr::{Gva, GvaRange};
+use crate::view::{read_u32, read_u64, VirtMemory};
 
 /// Longest name read ([`Btf::name`]): the kernel's `KSYM_NAME_LEN`.
 pub const MAX_NAME: usize = 512;
@@ -246,4 +247,65 @@ impl<V: VirtMemory + ?Sized> Btf<'_, V> {
             },
         }
     }
+}
+
+/// Most entries of the kernel's `btf_modules` list walked (one per loaded
+/// module with BTF; the kernel allows far fewer modules than this).
+pub const MAX_BTF_MODULES: u32 = 4096;
+/// Largest module BTF blob accepted.
+pub const MAX_MODULE_BTF: u32 = 16 << 20;
+
+/// Where the BTF blob of the module whose `struct module` is at `module`
+/// is (`CONFIG_DEBUG_INFO_BTF_MODULES`): the kernel copies each module's
+/// `.BTF` into a `struct btf` at load and lists it in `btf_modules` (a
+/// static `struct list_head` in kernel/bpf/btf.c, listed by kallsyms with
+/// `CONFIG_KALLSYMS_ALL`) as a `struct btf_module { list; module; btf;
+/// ... }`. Every layout comes from `base` (the kernel's BTF).
+/// `Ok(None)`: the module has no BTF in the list.
+pub fn module_btf<V: VirtMemory + ?Sized>(
+    view: &V,
+    base: &Btf<'_, V>,
+    btf_modules: Gva,
+    module: Gva,
+) -> Result<Option<GvaRange>, BtfError> {
+    let off = |t: &TypeInfo, name: &'static str| -> Result<u64, BtfError> {
+        base.member(t, name)?
+            .byte_offset()
+            .map(u64::from)
+            .ok_or(BtfError::UnexpectedType(name))
+    };
+    let entry_t = base.find(Kind::Struct, "btf_module")?;
+    let btf_t = base.find(Kind::Struct, "btf")?;
+    let (list, owner, blob) = (
+        off(&entry_t, "list")?,
+        off(&entry_t, "module")?,
+        off(&entry_t, "btf")?,
+    );
+    let (data, data_size) = (off(&btf_t, "data")?, off(&btf_t, "data_size")?);
+    let mut next = read_u64(view, btf_modules)?;
+    for _ in 0..MAX_BTF_MODULES {
+        if next == btf_modules.0 {
+            return Ok(None);
+        }
+        let entry = Gva(next.wrapping_sub(list));
+        if read_u64(view, entry.wrapping_add(owner))? == module.0 {
+            let b = Gva(read_u64(view, entry.wrapping_add(blob))?);
+            let at = read_u64(view, b.wrapping_add(data))?;
+            let size = read_u32(view, b.wrapping_add(data_size))?;
+            if size > MAX_MODULE_BTF {
+                return Err(BtfError::TooLarge {
+                    bytes: u64::from(size),
+                });
+            }
+            let end = at
+                .checked_add(u64::from(size))
+                .ok_or(BtfError::BadHeader)?;
+            return Ok(Some(GvaRange {
+                start: Gva(at),
+                end: Gva(end),
+            }));
+        }
+        next = read_u64(view, Gva(next))?;
+    }
+    Err(BtfError::Malformed { at: 0 })
 }

@@ -446,11 +446,18 @@ mod tests {
             })
             .collect();
         assert_eq!(c.seen, sent);
-        // The parser's own rules still hold: no $argN on a return.
-        let e = check_probe_spec("r vfs_read $arg1")
+        // The parser's own rules still hold: no $retval at an entry
+        // ($argN at a return reads the entry's saved value, as in Linux
+        // 6.9+, and BTF names are checked by root against the guest's BTF).
+        check_probe_spec("r vfs_read $arg1 count file->f_pos").unwrap();
+        let e = check_probe_spec("p vfs_read $retval")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("only available on entry probes"), "{e}");
+        assert!(e.contains("only available on return probes"), "{e}");
+        let e = check_probe_spec("p vfs_read file-f_pos")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'-' must be part of '->'"), "{e}");
     }
 
     #[test]

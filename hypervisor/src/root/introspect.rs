@@ -589,6 +589,10 @@ impl KernelView for Kernel {
     /// clears it when a dead task's stack is freed) of the task at `task`.
     /// `None` when the guest's BTF did not give the layout, or the task is
     /// unreadable.
+    fn btf(&self) -> Result<&guest_introspect::btf::BtfIndex, guest_introspect::btf::BtfError> {
+        self.facts.btf_index.as_ref().map_err(|e| *e)
+    }
+
     fn task_stack(&self, task: u64) -> Option<u64> {
         let layout = self.facts.task.as_ref().ok()?;
         let off = layout.stack?;

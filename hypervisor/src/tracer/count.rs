@@ -598,6 +598,7 @@ fn hist_of(h: &HistFilter, k: &dyn KernelView, env: &mut Env<'_>) -> Result<Hist
             "a histogram takes an entry probe (p), not a return probe".into(),
         ));
     }
+    super::btf_args::resolve(&mut spec, &h.spec, k, env)?;
     if spec.args.is_empty() {
         return Err(bad(
             "a histogram needs a fetch argument in its probe (p vfs_read count=%dx:u64)".into(),

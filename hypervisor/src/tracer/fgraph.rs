@@ -41,6 +41,16 @@ use trampolines::PtRegs;
 
 /// The return-stack user of return probes; graph sessions are users 1..15.
 pub(super) const RETPROBE_USER: u8 = 0;
+/// Arguments a return probe's entry saves: di, si, dx, cx, r8, r9.
+pub(super) const ENTRY_ARGS: usize = 6;
+/// Words of the return probes' block at most: ids, the mark, and the
+/// saved arguments (more ids than fit save no arguments: those probes'
+/// entry arguments then fault).
+const RETPROBE_BLOCK: usize = 64;
+/// Separates the return probes' ids from the arguments saved at the entry
+/// (no id is this large: ids are 32-bit, and the count's latency id is
+/// 1 << 32).
+const ENTRY_MARK: u64 = u64::from_le_bytes(*b"entryarg");
 /// A generation no event carries (generations are 4 bits).
 const RETIRED_GEN: u8 = 0xff;
 /// The first word of a session's data block on a frame of one of its
@@ -460,6 +470,7 @@ impl Graph {
         tramp: u64,
         sessions: u16,
         retprobes: &[u64],
+        entry_args: Option<&[u64; ENTRY_ARGS]>,
         func: u64,
         retp: u64,
         cr3: Cr3,
@@ -471,6 +482,23 @@ impl Graph {
         let comm = &header.comm;
         let mut users = 0u16;
         let mut entries: [(u8, u16); MAX_USERS] = [(0, 0); MAX_USERS];
+        // The return probes' block: their ids, then the arguments saved
+        // for those that read them at the return (when they fit).
+        let mut block = [0u64; RETPROBE_BLOCK];
+        let ids_and_args = match entry_args {
+            Some(a) if retprobes.len() + 1 + ENTRY_ARGS <= RETPROBE_BLOCK => {
+                let n = retprobes.len();
+                let words = retprobes
+                    .iter()
+                    .chain(core::iter::once(&ENTRY_MARK))
+                    .chain(a.iter());
+                for (slot, &w) in block.iter_mut().zip(words) {
+                    *slot = w;
+                }
+                block.get(..n + 1 + ENTRY_ARGS).unwrap_or(retprobes)
+            }
+            _ => retprobes,
+        };
         let mut n_entries = 0;
         // Data blocks: a mark for each session entering one of its
         // graph_notrace functions, then the return probes' ids.
@@ -529,7 +557,7 @@ impl Graph {
             if !retprobes.is_empty() {
                 users |= 1 << RETPROBE_USER;
                 if let Some(d) = data.get_mut(n_data) {
-                    *d = (RETPROBE_USER, retprobes);
+                    *d = (RETPROBE_USER, ids_and_args);
                     n_data += 1;
                 }
             }
@@ -792,12 +820,19 @@ impl Graph {
             // Its return probes and notrace marks could not be read back.
             add(&out.stats.graph_misses, 1);
         }
-        let ids = frame
+        let block = frame
             .data
             .iter()
             .find(|(u, _)| *u == RETPROBE_USER)
             .map(|(_, d)| d.as_slice())
             .unwrap_or(&[]);
+        let (ids, entry_args) = match block.iter().position(|&w| w == ENTRY_MARK) {
+            Some(i) => (
+                block.get(..i).unwrap_or(&[]),
+                block.get(i + 1..i + 1 + ENTRY_ARGS),
+            ),
+            None => (block, None),
+        };
         if ids.contains(&LATENCY_ID) {
             out.count.returned(
                 header.pid,
@@ -806,7 +841,13 @@ impl Graph {
             );
         }
         if let (false, Some(k)) = (ids.is_empty(), kernel) {
-            retprobe_hits(env, out, ids, regs, retp, caller, header, cpu, k);
+            let at = RetprobeAt {
+                regs,
+                retp,
+                caller,
+                entry_args,
+            };
+            retprobe_hits(env, out, ids, &at, header, cpu, k);
         }
         Some(Left {
             ret: frame.ret,
@@ -917,17 +958,31 @@ impl Graph {
 /// arguments see the registers at the return, as a kretprobe's do (`ip`
 /// the original return address, `sp` just above the return slot).
 #[allow(clippy::too_many_arguments)]
+/// Where a return probe's call returned: the registers at the return,
+/// the return slot, the caller, and the arguments saved at the entry.
+#[derive(Clone, Copy)]
+struct RetprobeAt<'a> {
+    regs: &'a GuestRegs,
+    retp: u64,
+    caller: u64,
+    entry_args: Option<&'a [u64]>,
+}
+
 fn retprobe_hits(
     env: &mut Env<'_>,
     out: Out<'_>,
     ids: &[u64],
-    g: &GuestRegs,
-    retp: u64,
-    caller: u64,
+    at: &RetprobeAt<'_>,
     mut header: EventHeader,
     cpu: &CpuView,
     k: &dyn KernelView,
 ) {
+    let RetprobeAt {
+        regs: g,
+        retp,
+        caller,
+        entry_args,
+    } = *at;
     header.ret_ip = caller;
     let regs = PtRegs {
         r15: g.r15,
@@ -962,7 +1017,7 @@ fn retprobe_hits(
         regs: &regs,
         comm: Some(&header.comm),
         layout: GuestLayout::X86_64_4LEVEL,
-        entry_args: None,
+        entry_args,
     };
     // Ids of probes deleted while the call was in flight find nothing.
     let ids = ids.iter().filter_map(|&i| u32::try_from(i).ok());

@@ -281,6 +281,17 @@ impl<'a> Hit<'a> {
                 .probes
                 .get(id)
                 .is_some_and(|p| !p.spec.args.is_empty())
+        }) || self.returns_read_entry(u)
+    }
+
+    /// Whether a return probe on the site reads arguments as they were
+    /// at the entry (saved in the call's return frame).
+    fn returns_read_entry(&self, u: &SiteUse) -> bool {
+        u.users.returns().iter().any(|&id| {
+            u32::try_from(id)
+                .ok()
+                .and_then(|id| self.vm.probes.get(id))
+                .is_some_and(|p| p.entry_args)
         })
     }
 
@@ -453,6 +464,9 @@ impl<'a> Hit<'a> {
         }
         // The count times this call from its clock read on this entry.
         self.cpu.timed_entry = users.has(User::CountTiming);
+        let entry_args = self
+            .returns_read_entry(u)
+            .then_some([regs.di, regs.si, regs.dx, regs.cx, regs.r8, regs.r9]);
         let graph_state = &self.vm.graph;
         graph_state.refresh_stack_map(k, cpu, now_ns, &self.vm.hit);
         if let Some(tramp) = self.vm.region.as_ref().map(Region::return_trampoline) {
@@ -471,6 +485,7 @@ impl<'a> Hit<'a> {
                 tramp,
                 users.graphs(),
                 users.returns(),
+                entry_args.as_ref(),
                 func,
                 regs.sp,
                 cr3,

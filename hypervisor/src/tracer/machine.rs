@@ -292,4 +292,6 @@ pub trait KernelView {
     /// `task_struct.stack` of the task at `task`: the base of its kernel
     /// stack, which the kernel clears when it frees a dead task's stack.
     fn task_stack(&self, task: u64) -> Option<u64>;
+    /// The kernel's BTF as recovery walked it, or why there is none.
+    fn btf(&self) -> Result<&guest_introspect::btf::BtfIndex, guest_introspect::btf::BtfError>;
 }

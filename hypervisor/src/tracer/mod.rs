@@ -29,6 +29,7 @@
 //! which reads the VM's state shared (`&VmState`): hits on several vCPUs
 //! run at the same time.
 
+mod btf_args;
 pub mod count;
 mod cpu_state;
 pub mod door;

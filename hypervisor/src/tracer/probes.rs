@@ -36,6 +36,17 @@ pub(super) struct Probe {
     pub(super) misses: AtomicU64,
     /// The heap one hit may take at most (`kprobe::worst_case_bytes`).
     pub(super) heap: usize,
+    /// A return probe that reads arguments as they were at the entry:
+    /// its entries save them.
+    pub(super) entry_args: bool,
+}
+
+/// Whether `spec` reads arguments saved at the entry (`$argN` or a
+/// parameter at a return probe).
+pub(super) fn reads_entry_args(spec: &ProbeSpec) -> bool {
+    spec.args
+        .iter()
+        .any(|a| matches!(a.expr.base, tracelang::kprobe::FetchBase::EntryArg(_)))
 }
 
 /// A hit whose arguments may take more heap than this (any string) has

@@ -98,12 +98,24 @@ impl Tracer<'_> {
                     .as_deref()
                     .is_some_and(|m| k.modules().module(m).is_none()) =>
             {
+                if kprobe::needs_btf(&spec) {
+                    return Err(ReqError::new(
+                        ErrorKind::InvalidArgument,
+                        format!(
+                            "BTF arguments need the module's BTF: load {} first",
+                            spec.module.as_deref().unwrap_or("the module")
+                        ),
+                    ));
+                }
                 // Its module is not loaded: pending until it loads, as
                 // the kernel keeps such a kprobe.
                 return self.probe_add_pending(spec, k, env);
             }
             Err(m) => return Err(ReqError::new(ErrorKind::NotFound, m)),
         };
+        // Offsets and types from the running guest's BTF, once, before
+        // anything is hooked.
+        super::btf_args::resolve(&mut spec, text, k, env)?;
         let module = match sym {
             symbols::SymRef::Module(id) => k.modules().get(id).map(|(m, _)| m.name.clone()),
             symbols::SymRef::Core(_) => None,
@@ -142,6 +154,7 @@ impl Tracer<'_> {
         self.vm.probes.list.push(Probe {
             id: pid,
             heap: kprobe::worst_case_bytes(&spec.args),
+            entry_args: super::probes::reads_entry_args(&spec),
             spec,
             site: Some(site),
             module,
@@ -196,6 +209,7 @@ impl Tracer<'_> {
         self.vm.probes.list.push(Probe {
             id: pid,
             heap: kprobe::worst_case_bytes(&spec.args),
+            entry_args: super::probes::reads_entry_args(&spec),
             spec,
             site: None,
             module,

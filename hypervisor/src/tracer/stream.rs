@@ -548,7 +548,7 @@ fn context_events(probes: &Probes, graph: &Graph) -> alloc::collections::VecDequ
     for p in &probes.list {
         out.push_back(TraceContext(RenderContext::Probe {
             id: p.id,
-            spec: alloc::string::ToString::to_string(&p.spec),
+            spec: p.spec.render_form(),
         }));
     }
     for (user, g) in graph.sessions.iter().enumerate() {

@@ -374,6 +374,10 @@ impl KernelView for FakeKernel {
     fn task_stack(&self, task: u64) -> Option<u64> {
         self.task_stacks.get(&task).copied()
     }
+
+    fn btf(&self) -> Result<&guest_introspect::btf::BtfIndex, guest_introspect::btf::BtfError> {
+        Err(guest_introspect::btf::BtfError::Absent)
+    }
 }
 
 /// A symbol index of `_stext`, `caller`, `my_func`, `other_func`, `_etext`.
