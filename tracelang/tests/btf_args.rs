@@ -54,9 +54,24 @@ fn blob() -> Vec<u8> {
     let schar = int(&mut b, "signed char", 1, true); // 6
     let cuchar = b.alias(Kind::Const, "", uchar); // 7
     let p_cuchar = b.alias(Kind::Ptr, "", cuchar); // 8
-    let hash = b.record(Kind::Struct, "", 8, &[m("hash", uint, 0), m("len", uint, 4)]); // 9
-    let hash_u = b.record(Kind::Union, "", 8, &[m("", hash, 0), m("hash_len", ulong, 0)]); // 10
-    let qstr = b.record(Kind::Struct, "qstr", 16, &[m("", hash_u, 0), m("name", p_cuchar, 8)]); // 11
+    let hash = b.record(
+        Kind::Struct,
+        "",
+        8,
+        &[m("hash", uint, 0), m("len", uint, 4)],
+    ); // 9
+    let hash_u = b.record(
+        Kind::Union,
+        "",
+        8,
+        &[m("", hash, 0), m("hash_len", ulong, 0)],
+    ); // 10
+    let qstr = b.record(
+        Kind::Struct,
+        "qstr",
+        16,
+        &[m("", hash_u, 0), m("name", p_cuchar, 8)],
+    ); // 11
     let dentry = b.record(
         Kind::Struct,
         "dentry",
@@ -71,7 +86,12 @@ fn blob() -> Vec<u8> {
         16,
         &[m("mnt", void_p, 0), m("dentry", p_dentry, 8)],
     ); // 15
-    let path_u = b.record(Kind::Union, "", 16, &[m("f_path", path, 0), m("f_u", ulong, 0)]); // 16
+    let path_u = b.record(
+        Kind::Union,
+        "",
+        16,
+        &[m("f_path", path, 0), m("f_u", ulong, 0)],
+    ); // 16
     let name_arr = b.array(uchar, int_t, 16); // 17
     let sname_arr = b.array(schar, int_t, 8); // 18
     let file = b.record(
@@ -108,12 +128,22 @@ fn blob() -> Vec<u8> {
     let p_loff = b.alias(Kind::Ptr, "", loff_t); // 29
     let char_t = int(&mut b, "char", 1, false); // 30
     let p_char = b.alias(Kind::Ptr, "", char_t); // 31
-    func(&mut b, "vfs_open", int_t, &[("path", p_cpath), ("file", p_file)]);
+    func(
+        &mut b,
+        "vfs_open",
+        int_t,
+        &[("path", p_cpath), ("file", p_file)],
+    );
     func(
         &mut b,
         "vfs_read",
         ssize_t,
-        &[("file", p_file), ("buf", p_char), ("count", size_t), ("pos", p_loff)],
+        &[
+            ("file", p_file),
+            ("buf", p_char),
+            ("count", size_t),
+            ("pos", p_loff),
+        ],
     );
     func(&mut b, "void_fn", 0, &[("f", p_flags)]);
     func(&mut b, "takes_enum", int_t, &[("k", kind), ("f", p_flags)]);
@@ -195,8 +225,14 @@ fn return_values_and_entry_arguments_at_a_return() {
     assert_eq!(p.args[2].expr.base, FetchBase::EntryArg(4));
     let p = resolved("r vfs_open $retval").unwrap();
     assert_eq!(p.args[0].ty, ArgType::Int(IntType::S32));
-    assert_eq!(resolved("r void_fn $retval").unwrap_err().0, ParseErrorKind::NoRetval);
-    assert_eq!(resolved("p vfs_read $retval").unwrap_err().0, ParseErrorKind::RetvalOnEntry);
+    assert_eq!(
+        resolved("r void_fn $retval").unwrap_err().0,
+        ParseErrorKind::NoRetval
+    );
+    assert_eq!(
+        resolved("p vfs_read $retval").unwrap_err().0,
+        ParseErrorKind::RetvalOnEntry
+    );
     // $argN with a member access is typed through its parameter.
     let p = resolved("p vfs_read $arg1->f_count").unwrap();
     assert_eq!(p.args[0].expr.derefs, d(&[0]));
@@ -234,7 +270,11 @@ fn refusals_name_the_token() {
     let cases: &[(&str, ParseErrorKind, usize)] = &[
         ("p vfs_open file->nope", NoBtfField, 17),
         ("p vfs_open file->f_path->dentry", NoPtrStruct, 23),
-        ("p vfs_open file->f_path.dentry.d_name", DotThroughPointer, 30),
+        (
+            "p vfs_open file->f_path.dentry.d_name",
+            DotThroughPointer,
+            30,
+        ),
         ("p vfs_open path.dentry", DotOnArg, 15),
         ("p vfs_open file:string", BadTypeForString, 16),
         ("p vfs_read file->f_tag:string", BadTypeForString, 23),

@@ -213,7 +213,10 @@ impl<V: VirtMemory + ?Sized> Btf<'_, V> {
             return Err(BtfError::UnexpectedType("int"));
         }
         let owner = self.owner(t.id)?;
-        if t.extra_at.checked_add(4).is_none_or(|e| e > owner.types_len) {
+        if t.extra_at
+            .checked_add(4)
+            .is_none_or(|e| e > owner.types_len)
+        {
             return Err(BtfError::Malformed { at: t.extra_at });
         }
         let mut b = [0u8; 4];
@@ -297,9 +300,7 @@ pub fn module_btf<V: VirtMemory + ?Sized>(
                     bytes: u64::from(size),
                 });
             }
-            let end = at
-                .checked_add(u64::from(size))
-                .ok_or(BtfError::BadHeader)?;
+            let end = at.checked_add(u64::from(size)).ok_or(BtfError::BadHeader)?;
             return Ok(Some(GvaRange {
                 start: Gva(at),
                 end: Gva(end),

@@ -5,9 +5,9 @@
 //! it. A hit then runs the plain fetch chain the resolution produced.
 
 use super::machine::{Env, KernelView};
-use crate::guest_phys::GuestDoor;
 use super::symbols::{self, SymRef};
 use super::ReqError;
+use crate::guest_phys::GuestDoor;
 use alloc::format;
 use guest_introspect::btf::typed::module_btf;
 use guest_introspect::btf::{Btf, BtfError};
@@ -31,7 +31,10 @@ pub(super) fn resolve(
     let refused = |e: kprobe::ParseError| ReqError::new(ErrorKind::InvalidArgument, e.report(text));
     let index = match k.btf() {
         Ok(i) => i,
-        Err(e) => return kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e)).map_err(refused),
+        Err(e) => {
+            return kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e))
+                .map_err(refused)
+        }
     };
     let base = Btf::from_index(&view, index);
     let Some((name, module)) = module_of(spec, k) else {
@@ -54,11 +57,16 @@ pub(super) fn resolve(
                 ),
             ))
         }
-        Err(e) => return kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e)).map_err(refused),
+        Err(e) => {
+            return kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e))
+                .map_err(refused)
+        }
     };
     match Btf::parse_split(&view, &base, range.start, Some(range)) {
         Ok(split) => kprobe::resolve_btf(spec, Ok(&split)).map_err(refused),
-        Err(e) => kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e)).map_err(refused),
+        Err(e) => {
+            kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e)).map_err(refused)
+        }
     }
 }
 

@@ -60,7 +60,11 @@ pub fn resolve_btf<V: VirtMemory + ?Sized>(
     // Without BTF for the function, the arguments BTF only refines stay
     // as they are written.
     let plain_without = |spec: &mut ProbeSpec| {
-        if spec.args.iter().all(|a| a.btf.as_ref().is_none_or(|b| b.optional)) {
+        if spec
+            .args
+            .iter()
+            .all(|a| a.btf.as_ref().is_none_or(|b| b.optional))
+        {
             for a in &mut spec.args {
                 a.btf = None;
             }
@@ -121,7 +125,10 @@ pub fn resolve_btf<V: VirtMemory + ?Sized>(
                 };
                 let clash = RESERVED_ARG_NAMES.contains(&name.as_str())
                     || out.iter().any(|a| a.name == name)
-                    || spec.args.get(i + 1..).is_some_and(|l| l.iter().any(|a| a.name == name));
+                    || spec
+                        .args
+                        .get(i + 1..)
+                        .is_some_and(|l| l.iter().any(|a| a.name == name));
                 if clash {
                     return Err(err_at(K::UsedArgName, b.pos, b.len, &name));
                 }
@@ -199,8 +206,7 @@ impl<V: VirtMemory + ?Sized> Resolver<'_, '_, '_, V> {
         if let Some((tid, bitoffs, bitsize)) = typed {
             if !b.typed {
                 arg.ty = self.type_of(tid, bitoffs, bitsize, &b)?;
-            } else if matches!(arg.ty, ArgType::String | ArgType::UString) && b.name_of.is_none()
-            {
+            } else if matches!(arg.ty, ArgType::String | ArgType::UString) && b.name_of.is_none() {
                 self.string_fetch(tid, &mut arg, &b)?;
             }
         }
@@ -289,10 +295,20 @@ impl<V: VirtMemory + ?Sized> Resolver<'_, '_, '_, V> {
                 let rt = match record {
                     Shape::Record(t) => t,
                     Shape::Ptr { .. } if !f.arrow => {
-                        return Err(err_at(K::DotThroughPointer, f.pos.saturating_sub(1), f.name.len() + 1, &f.name));
+                        return Err(err_at(
+                            K::DotThroughPointer,
+                            f.pos.saturating_sub(1),
+                            f.name.len() + 1,
+                            &f.name,
+                        ));
                     }
                     _ if !f.arrow => {
-                        return Err(err_at(K::DotThroughPointer, f.pos.saturating_sub(1), f.name.len() + 1, &f.name));
+                        return Err(err_at(
+                            K::DotThroughPointer,
+                            f.pos.saturating_sub(1),
+                            f.name.len() + 1,
+                            &f.name,
+                        ));
                     }
                     _ => return Err(err_at(K::NoPtrStruct, arrow_at, f.name.len() + 2, &f.name)),
                 };
@@ -396,13 +412,17 @@ impl<V: VirtMemory + ?Sized> Resolver<'_, '_, '_, V> {
     fn name_of(&self, n: NameOf, expr: &mut FetchExpr, b: &BtfArg) -> Result<(), ParseError> {
         let missing = || err_at(K::NoNameLayout, b.type_pos, 0, "");
         if n == NameOf::File {
-            let at = self.path(b, "file", &["f_path", "dentry"])?.ok_or_else(missing)?;
+            let at = self
+                .path(b, "file", &["f_path", "dentry"])?
+                .ok_or_else(missing)?;
             expr.derefs.push(Deref {
                 offset: at,
                 user: false,
             });
         }
-        let at = self.path(b, "dentry", &["d_name", "name"])?.ok_or_else(missing)?;
+        let at = self
+            .path(b, "dentry", &["d_name", "name"])?
+            .ok_or_else(missing)?;
         expr.derefs.push(Deref {
             offset: at,
             user: false,

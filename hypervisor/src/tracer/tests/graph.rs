@@ -156,6 +156,27 @@ fn a_return_probe_sees_the_return_value() {
 }
 
 #[test]
+fn a_return_probe_reads_the_arguments_saved_at_the_entry() {
+    let mut g = Guest::new();
+    g.probe("r:myret my_func ret=$retval a=$arg1 b=$arg2:u32 c=$arg3")
+        .unwrap();
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    g.hit_si(FUNC, RETP, CALLER_RET, 0xfeed, 7);
+    // At the return the registers are the callee's: the values printed
+    // are the entry's (and a third argument, 0 at the entry, is 0).
+    let (_, rax) = g.ret(RETP, 0x99);
+    assert_eq!(rax, CALLER_RET);
+    let text = g.text();
+    assert!(text.contains("ret=0x99 a=0xfeed b=7 c=0x0"), "{text}");
+    // A probe that reads none saves none: the same hit leaves its frame
+    // as before.
+    let mut g = Guest::new();
+    g.probe("r:plain my_func ret=$retval").unwrap();
+    g.hit_si(FUNC, RETP, CALLER_RET, 0xfeed, 7);
+    assert_eq!(g.tracer().report().graph_frames, 1);
+}
+
+#[test]
 fn the_reaper_drops_the_stacks_of_dead_tasks_only() {
     let mut g = Guest::new();
     g.with(|t, env, k| t.graph_start(graph(&["my_func"]), k, env))
