@@ -38,7 +38,7 @@ else
     #    value. The hypervisor image keeps the plain release profile.
     set +e
     cargo test --workspace --exclude guest-introspect --exclude hvtrace-tests --release \
-        --no-fail-fast --features loader/real-kernels,tracelang/real-kernels 2>--no-fail-fast --features loader/real-kernels 2>&11 | tee "$logs/host.log"
+        --no-fail-fast --features loader/real-kernels,tracelang/real-kernels 2>&1 | tee "$logs/host.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     cargo test -p guest-introspect --profile test-release --no-fail-fast \
         --features real-kernels 2>&1 | tee "$logs/introspect.log"
