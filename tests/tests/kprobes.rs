@@ -25,12 +25,17 @@
 //! calls. Then the benchmark (`benchmark` below): VM exits per hit and
 //! emulated instructions per hit against the guest's own kprobes.
 //!
+//! Both kernels run the BTF arguments against the guest's own
+//! kprobe_events (`kprobes_btf`).
+//!
 //! Debian boots its default initramfs, which carries modules of the stock
 //! kernel package (`ext4_module` below: modprobe, a loop mount and a
 //! pending `ext4:` probe against the guest's own); `--modules` is checked
 //! without a VM (`debian_modules_option_without_a_vm`).
 //!
 //! Run: `cargo test -p hvtrace-tests --test kprobes -- --nocapture`
+
+mod kprobes_btf;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -608,6 +613,7 @@ fn exercise(guest: &str, fast_lane: bool) {
     oracle(&mut ck, &mut c, &mut stream);
     coexistence(&mut ck, &mut c, &mut stream);
     function_tracer(&mut ck, &mut c, &mut stream);
+    kprobes_btf::btf_args(&mut ck, &mut c, &mut stream, fast_lane);
     if fast_lane {
         attacker(&mut ck, &mut c, &mut stream);
         module_code(&mut ck, &mut c, &mut stream, vm.run_dir.as_deref());
