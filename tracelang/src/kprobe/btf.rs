@@ -290,8 +290,7 @@ impl<V: VirtMemory + ?Sized> Resolver<'_, '_, '_, V> {
             };
             let mut record = self.read(self.btf.shape(to), b)?;
             let mut group_bits = 0u64;
-            loop {
-                let Some(f) = b.fields.get(i) else { break };
+            while let Some(f) = b.fields.get(i) {
                 let rt = match record {
                     Shape::Record(t) => t,
                     Shape::Ptr { .. } if !f.arrow => {
