@@ -31,9 +31,15 @@ use tracelang::kprobe::{parse_probe, resolve_btf};
 
 /// (event, spec) of our probes; the guest's have the same names.
 const SPECS: &[(&str, &str)] = &[
+    // At vfs_open's entry the file's f_path is not set yet (vfs_open
+    // sets it): the path names the file there, the file at vfs_read.
     (
         "bopen",
-        "p:hvbtf/bopen vfs_open name=file->f_path.dentry->d_name.name:string n2=file:%pD",
+        "p:hvbtf/bopen vfs_open name=path->dentry->d_name.name:string n2=path->dentry:%pd",
+    ),
+    (
+        "bfile",
+        "p:hvbtf/bfile vfs_read name=file->f_path.dentry->d_name.name:string n2=file:%pD",
     ),
     ("bread", "p:hvbtf/bread vfs_read $arg*"),
     ("bret", "r:hvbtf/bret vfs_read $retval"),
@@ -49,6 +55,8 @@ const MODULE_SPEC: (&str, &str) = (
     "bmisc",
     "p:hvbtf/bmisc binfmt_misc:load_misc_binary fname=bprm->filename:string",
 );
+/// The guest's: its BTF lookup takes the function's bare name.
+const GUEST_MODULE_SPEC: &str = "p:hvbtf/bmisc load_misc_binary fname=bprm->filename:string";
 
 /// The probes `spec` becomes in a 6.1 guest: the same, resolved against
 /// Debian's BTF on the host and written as plain fetches.
@@ -72,14 +80,25 @@ fn plain_for_61(spec: &str) -> String {
 
 fn workload() -> &'static str {
     "for i in 1 2 3; do cat /etc/hostname >/dev/null; done; \
-     dd if=/etc/hostname of=/dev/null bs=3 2>&1"
+     dd if=/etc/hostname of=/dev/null bs=3 2>&1; echo \"file bytes $(wc -c < /etc/hostname)\""
 }
 
-/// Lines of the workload's tasks for our events, sorted.
-fn of_workload(lines: &[Line], events: &[&str]) -> Vec<Line> {
-    let mut v: Vec<Line> = lines
+/// The workload's tasks: the pids that ran `cat` or `dd` (before its
+/// exec a task still has its shell's name, and its exec's events are its
+/// own).
+fn workload_pids(lines: &[Line]) -> std::collections::BTreeSet<i32> {
+    lines
         .iter()
         .filter(|l| l.comm == "cat" || l.comm == "dd")
+        .map(|l| l.pid)
+        .collect()
+}
+
+/// Lines of the tasks `pids` for our events, sorted.
+fn of_workload(lines: &[Line], pids: &std::collections::BTreeSet<i32>, events: &[&str]) -> Vec<Line> {
+    let mut v: Vec<Line> = lines
+        .iter()
+        .filter(|l| pids.contains(&l.pid))
         .filter(|l| events.iter().any(|e| l.body.starts_with(&format!("{e}: "))))
         .cloned()
         .collect();
@@ -120,8 +139,10 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
     let guest_specs: Vec<String> = specs
         .iter()
         .filter(|(e, _)| fast_lane || *e != "bentry")
-        .map(|(_, s)| {
-            if fast_lane {
+        .map(|(e, s)| {
+            if fast_lane && *e == "bmisc" {
+                GUEST_MODULE_SPEC.to_string()
+            } else if fast_lane {
                 (*s).to_string()
             } else {
                 plain_for_61(s)
@@ -133,14 +154,14 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
     }
     let define: String = guest_specs
         .iter()
-        .map(|s| format!("echo '{s}' >> kprobe_events && "))
+        .map(|s| format!("echo '{s}' >> kprobe_events; "))
         .collect();
     let _ = stream.read(c);
     let guest = exec(
         c,
         &format!(
-            "cd {TRACEFS} && echo > trace && {define} echo 1 > events/hvbtf/enable && \
-             {} ; echo 0 > events/hvbtf/enable; cat trace; \
+            "cd {TRACEFS} && echo > trace && {define} echo 1 > events/hvbtf/enable; \
+             {} ; echo 0 > events/hvbtf/enable; grep -E ' b[a-z]+: ' trace; \
              echo \"defined $(grep -c hvbtf/ kprobe_events)\"",
             workload()
         ),
@@ -155,8 +176,11 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
         .map(|(e, _)| *e)
         .filter(|e| fast_lane || *e != "bentry")
         .collect();
-    let o = of_workload(&parse_all(&ours), &compared);
-    let g = of_workload(&parse_all(&guest), &compared);
+    let (ours_all, guest_all) = (parse_all(&ours), parse_all(&guest));
+    let mut pids = workload_pids(&ours_all);
+    pids.extend(workload_pids(&guest_all));
+    let o = of_workload(&ours_all, &pids, &compared);
+    let g = of_workload(&guest_all, &pids, &compared);
     println!("btf: the workload's lines: ours {}, guest {}", o.len(), g.len());
     for e in &compared {
         let first = |v: &[Line]| {
@@ -176,16 +200,19 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
     let ev = |e: &str| -> Vec<&Line> {
         o.iter().filter(|l| l.body.starts_with(&format!("{e}: "))).collect()
     };
-    ck.check(
-        ev("bopen")
-            .iter()
-            .any(|l| l.comm == "cat" && field(l, "name") == Some("hostname")
-                && field(l, "n2") == Some("hostname")),
-        "cat's open of /etc/hostname names hostname (the chain and %pD)",
-    );
+    for e in ["bopen", "bfile"] {
+        ck.check(
+            ev(e).iter().any(|l| {
+                l.comm == "cat"
+                    && field(l, "name") == Some("hostname")
+                    && field(l, "n2") == Some("hostname")
+            }),
+            format!("{e}: cat's /etc/hostname is named hostname (the chain and %pd/%pD)"),
+        );
+    }
     let copied: Option<u64> = guest
         .lines()
-        .find_map(|l| l.split(" bytes").next().filter(|_| l.contains(" bytes ")))
+        .find_map(|l| l.strip_prefix("file bytes "))
         .and_then(|n| n.trim().parse().ok());
     let read: u64 = ev("bret")
         .iter()
@@ -194,8 +221,12 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
         .filter(|&n| n > 0)
         .map(|n| n as u64)
         .sum();
-    ck.check(copied.is_some(), format!("dd reported its bytes: {guest}"));
-    ck.eq("dd's bytes equal the sum of its reads' $retval", Some(read), copied);
+    ck.check(copied.is_some(), format!("the file's size: {guest}"));
+    ck.check(
+        guest.contains("+1 records in"),
+        "dd read the file in 3-byte blocks and a short last one",
+    );
+    ck.eq("the bytes dd read equal the sum of its reads' $retval", Some(read), copied);
     let exec_lines = ev("bexec");
     ck.check(
         !exec_lines.is_empty() && exec_lines.iter().all(|l| field(l, "nr") == Some("1")),
@@ -217,10 +248,22 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
         counts("bread", "count"),
     );
     if fast_lane {
+        // The module's view of each exec names what the kernel's own
+        // setup_new_exec then names, task by task.
+        let by_pid = |e: &str| -> Vec<(i32, String)> {
+            let mut v: Vec<(i32, String)> = ev(e)
+                .iter()
+                .filter_map(|l| Some((l.pid, field(l, "fname")?.to_string())))
+                .collect();
+            v.sort();
+            v
+        };
+        let misc = by_pid("bmisc");
         ck.check(
-            ev("bmisc").iter().any(|l| field(l, "fname") == Some("/bin/cat")),
-            "binfmt_misc's load_misc_binary names the program it is asked to load",
+            misc.iter().any(|(_, f)| f.ends_with("/cat")),
+            format!("load_misc_binary names the programs it is asked to load: {misc:?}"),
         );
+        ck.eq("load_misc_binary's names equal setup_new_exec's", misc, by_pid("bexec"));
     }
     let names: Vec<&str> = specs.iter().map(|(e, _)| *e).collect();
     for e in &names {
