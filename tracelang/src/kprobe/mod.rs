@@ -64,6 +64,20 @@
 //! | `symbol` | `sym+0xoff/0xsize` |
 //! | `symstr` | `"sym+0xoff/0xsize"` |
 //! | `b<W>@<S>/<C>` | a W-bit field at bit S of a C-bit container, unsigned decimal |
+//! | `%pd`, `%pD` | the name of the `struct dentry *` / `struct file *` the value is (a string) |
+//!
+//! # BTF arguments
+//!
+//! A spec that names parameters, members, `$arg*` or `%pd`/`%pD` is
+//! resolved once, at probe add, against the running guest's BTF
+//! ([`resolve_btf`]; a module's function through the module's split BTF).
+//! Without a written type the value's BTF type decides: integers by width
+//! and sign, an enum as `s32` (`s64` for a 64-bit enum), a pointer as
+//! `x64`, a bitfield by shift and mask, anything else `x64`. `:string` and
+//! `:ustring` need `char[]` (read in place) or `char *` (dereferenced).
+//! A dereference written around a BTF variable (`+8(file)`) drops its
+//! type. Refusals (an unknown member, `.` through a pointer, a string type
+//! on a non-string, `void` `$retval`) name the token, as parse errors do.
 //!
 //! A value whose memory cannot be read prints `(fault)`. Strings are read
 //! up to the kernel's `MAX_STRING_SIZE` ([`MAX_STRING_SIZE`], 4096 bytes
@@ -74,9 +88,16 @@
 //! - Only function entry (and, parsed, return): no `SYM+N`, no raw
 //!   addresses, no `MOD:SYM`; `SYM+4` on an `endbr64` function, which
 //!   Linux takes as the entry, is refused too.
-//! - Not supported: array types (`:x8[4]`), `%pd`/`%pD`, BTF argument
-//!   names and `$arg*`, `$argN` on return probes (6.12 has it, 6.1 not),
-//!   and uprobe file offsets (`@+OFFS`, which kprobes refuse as well).
+//! - Not supported: array types (`:x8[4]`) and uprobe file offsets
+//!   (`@+OFFS`, which kprobes refuse as well).
+//! - `$argN` at a return probe and BTF arguments exist in 6.9+ kernels
+//!   (BTF arguments from 6.5); we take them on every kernel with BTF.
+//! - `$argN->member` is ours (the kernel takes member chains only from a
+//!   parameter's name or `$retval`); a bare `$argN` stays `x64`, as in the
+//!   kernel, so that the same spec prints the same values.
+//! - A BTF bitfield is read from the bytes of its type (the kernel reads
+//!   8 bytes and may keep bits of the next member when a field crosses its
+//!   type's width).
 //! - A failed read of a numeric, `symbol` or `symstr` value prints
 //!   `(fault)`; the kernel prints whatever was in its ring buffer then
 //!   (only strings get `(fault)` there).
