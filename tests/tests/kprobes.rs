@@ -622,6 +622,7 @@ fn exercise(guest: &str, fast_lane: bool) {
         benchmark(&mut ck, &mut c, &mut stream);
     } else {
         ext4_module(&mut ck, &mut c, &mut stream);
+        kprobes_btf::btf_ext4(&mut ck, &mut c, &mut stream);
     }
     count_oracle(&mut ck, &mut c, &vm);
     latency_oracle(&mut ck, &mut c, &vm);

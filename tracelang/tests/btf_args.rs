@@ -211,9 +211,12 @@ fn parameters_by_name_are_named_and_typed() {
     // A written type wins over BTF's.
     let p = resolved("p vfs_read count:x32").unwrap();
     assert_eq!(p.args[0].ty, ArgType::Int(IntType::X32));
-    // A char array member is read in place.
+    // A char array member is read in place, signed chars (6.1's `char`)
+    // as well.
     let p = resolved("p vfs_read file->f_comm:string").unwrap();
     assert_eq!(p.args[0].expr.derefs, d(&[96]));
+    let p = resolved("p vfs_read file->f_tag:string").unwrap();
+    assert_eq!(p.args[0].expr.derefs, d(&[112]));
 }
 
 #[test]
@@ -277,7 +280,7 @@ fn refusals_name_the_token() {
         ),
         ("p vfs_open path.dentry", DotOnArg, 15),
         ("p vfs_open file:string", BadTypeForString, 16),
-        ("p vfs_read file->f_tag:string", BadTypeForString, 23),
+        ("p vfs_read file->f_count:string", BadTypeForString, 25),
         ("p vfs_open nosuch", NoBtfArg, 11),
         ("p nofunc x", NoBtfEntry, 9),
         ("p vfs_open file-f_path", BadHyphen, 15),

@@ -66,6 +66,10 @@ fn common_checks(btf: &Btf<'_, SegmentView<'_>>, f_path_dentry: i64) {
         "{:?}",
         p.args[0].ty
     );
+    // A `char *` is a string whether `char` is signed (6.1) or not (6.2+).
+    let p = resolve(btf, "p setup_new_exec f=bprm->filename:string");
+    assert_eq!(p.args[0].ty, ArgType::String);
+    assert_eq!(p.args[0].expr.derefs.len(), 2);
     // Errors name their token.
     let mut bad = parse_probe("p vfs_open file->f_nope").unwrap();
     let e = resolve_btf(&mut bad, Ok(btf)).unwrap_err();

@@ -231,11 +231,12 @@ impl<V: VirtMemory + ?Sized> Btf<'_, V> {
         })
     }
 
-    /// Whether type `id` is an 8-bit integer that is not signed (the
-    /// kernel's test for the characters of a string: `char` and
-    /// `unsigned char`).
+    /// Whether type `id` is an 8-bit integer: the characters of a string.
+    /// The kernel's own test (6.5+) also wants it unsigned, which `char`
+    /// is from 6.2 (`-funsigned-char`); before that `char` is signed, and
+    /// a `char *` is a string all the same.
     pub fn is_string_char(&self, id: u32) -> Result<bool, BtfError> {
-        Ok(matches!(self.shape(id)?, Shape::Int(_, i) if !i.signed() && i.bits == 8))
+        Ok(matches!(self.shape(id)?, Shape::Int(_, i) if i.bits == 8))
     }
 }
 

@@ -58,9 +58,9 @@ const MODULE_SPEC: (&str, &str) = (
 /// The guest's: its BTF lookup takes the function's bare name.
 const GUEST_MODULE_SPEC: &str = "p:hvbtf/bmisc load_misc_binary fname=bprm->filename:string";
 
-/// The probes `spec` becomes in a 6.1 guest: the same, resolved against
+/// The probes `specs` become in a 6.1 guest: the same, resolved against
 /// Debian's BTF on the host and written as plain fetches.
-fn plain_for_61(spec: &str) -> String {
+fn plain_for_61(specs: &[&str]) -> Vec<String> {
     let dir = hvtrace::vm::guest::run_script("scripts/guest/debian-kernel.sh")
         .expect("the Debian kernel")
         .parent()
@@ -73,9 +73,14 @@ fn plain_for_61(spec: &str) -> String {
         .expect("vmlinux segments");
     let at = elf.section(".BTF").expect(".BTF").addr;
     let btf = Btf::parse(&view, Gva(at)).expect("Debian's BTF");
-    let mut p = parse_probe(spec).expect("spec parses");
-    resolve_btf(&mut p, Ok(&btf)).unwrap_or_else(|e| panic!("{}", e.report(spec)));
-    p.render_form()
+    specs
+        .iter()
+        .map(|spec| {
+            let mut p = parse_probe(spec).expect("spec parses");
+            resolve_btf(&mut p, Ok(&btf)).unwrap_or_else(|e| panic!("{}", e.report(spec)));
+            p.render_form()
+        })
+        .collect()
 }
 
 fn workload() -> &'static str {
@@ -95,7 +100,11 @@ fn workload_pids(lines: &[Line]) -> std::collections::BTreeSet<i32> {
 }
 
 /// Lines of the tasks `pids` for our events, sorted.
-fn of_workload(lines: &[Line], pids: &std::collections::BTreeSet<i32>, events: &[&str]) -> Vec<Line> {
+fn of_workload(
+    lines: &[Line],
+    pids: &std::collections::BTreeSet<i32>,
+    events: &[&str],
+) -> Vec<Line> {
     let mut v: Vec<Line> = lines
         .iter()
         .filter(|l| pids.contains(&l.pid))
@@ -144,12 +153,20 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
     let mut specs: Vec<(&str, &str)> = SPECS.to_vec();
     if fast_lane {
         let out = exec(c, "modprobe binfmt_misc && echo loaded");
-        ck.check(out.contains("loaded"), format!("modprobe binfmt_misc: {out}"));
+        ck.check(
+            out.contains("loaded"),
+            format!("modprobe binfmt_misc: {out}"),
+        );
         specs.push(MODULE_SPEC);
     }
     let t0 = std::time::Instant::now();
     for (_, spec) in &specs {
-        match call(c, Request::ProbeAdd { spec: (*spec).into() }) {
+        match call(
+            c,
+            Request::ProbeAdd {
+                spec: (*spec).into(),
+            },
+        ) {
             Response::ProbeAdded { name, site } => {
                 println!("btf: {name} at {site:#x}");
             }
@@ -159,19 +176,25 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
     println!("btf: {} probes added in {:?}", specs.len(), t0.elapsed());
     // The guest's probes: the same specs on 6.12; on 6.1 the plain
     // fetches, without the entry arguments at a return (6.9+).
-    let guest_specs: Vec<String> = specs
+    let oracle: Vec<(&str, &str)> = specs
         .iter()
+        .copied()
         .filter(|(e, _)| fast_lane || *e != "bentry")
-        .map(|(e, s)| {
-            if fast_lane && *e == "bmisc" {
-                GUEST_MODULE_SPEC.to_string()
-            } else if fast_lane {
-                (*s).to_string()
-            } else {
-                plain_for_61(s)
-            }
-        })
         .collect();
+    let guest_specs: Vec<String> = if fast_lane {
+        oracle
+            .iter()
+            .map(|(e, s)| {
+                if *e == "bmisc" {
+                    GUEST_MODULE_SPEC.to_string()
+                } else {
+                    (*s).to_string()
+                }
+            })
+            .collect()
+    } else {
+        plain_for_61(&oracle.iter().map(|(_, s)| *s).collect::<Vec<_>>())
+    };
     for s in &guest_specs {
         println!("btf: guest probe {s}");
     }
@@ -192,7 +215,10 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
     let ours = stream.read(c);
     ck.check(
         guest.contains(&format!("defined {}", guest_specs.len())),
-        format!("the guest took every probe: {}", guest.lines().last().unwrap_or("")),
+        format!(
+            "the guest took every probe: {}",
+            guest.lines().last().unwrap_or("")
+        ),
     );
     let compared: Vec<&str> = specs
         .iter()
@@ -204,7 +230,11 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
     pids.extend(workload_pids(&guest_all));
     let o = of_workload(&ours_all, &pids, &compared);
     let g = of_workload(&guest_all, &pids, &compared);
-    println!("btf: the workload's lines: ours {}, guest {}", o.len(), g.len());
+    println!(
+        "btf: the workload's lines: ours {}, guest {}",
+        o.len(),
+        g.len()
+    );
     for e in &compared {
         let first = |v: &[Line]| {
             v.iter()
@@ -215,13 +245,19 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
         let mine = keys(&o, e);
         let theirs = keys(&g, e);
         ck.check(!mine.is_empty(), format!("{e}: the workload hit it"));
-        ck.eq(&format!("{e}: our events equal the guest's (pid, values)"), &mine, &theirs);
+        ck.eq(
+            &format!("{e}: our events equal the guest's (pid, values)"),
+            &mine,
+            &theirs,
+        );
     }
     ck.eq("stream losses", stream.lost, 0);
 
     // What the values must be, whoever computed them.
     let ev = |e: &str| -> Vec<&Line> {
-        o.iter().filter(|l| l.body.starts_with(&format!("{e}: "))).collect()
+        o.iter()
+            .filter(|l| l.body.starts_with(&format!("{e}: ")))
+            .collect()
     };
     // cat opens the file (and copies it with sendfile); dd reads it.
     for (e, who) in [("bopen", "cat"), ("bfile", "dd")] {
@@ -250,7 +286,11 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
         guest.contains("+1 records in"),
         "dd read the file in 3-byte blocks and a short last one",
     );
-    ck.eq("the bytes dd read equal the sum of its reads' $retval", Some(read), copied);
+    ck.eq(
+        "the bytes dd read equal the sum of its reads' $retval",
+        Some(read),
+        copied,
+    );
     let exec_lines = ev("bexec");
     ck.check(
         !exec_lines.is_empty() && exec_lines.iter().all(|l| field(l, "nr") == Some("1")),
@@ -288,7 +328,11 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
             misc.len() >= 3 && misc.iter().all(|(_, f)| f.starts_with('/')),
             format!("load_misc_binary names the programs it is asked to load: {misc:?}"),
         );
-        ck.eq("load_misc_binary's names equal setup_new_exec's", misc, by_pid("bexec"));
+        ck.eq(
+            "load_misc_binary's names equal setup_new_exec's",
+            misc,
+            by_pid("bexec"),
+        );
     }
     let names: Vec<&str> = specs.iter().map(|(e, _)| *e).collect();
     for e in &names {
@@ -308,7 +352,10 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
     );
     if fast_lane {
         let out = exec(c, "rmmod binfmt_misc && echo unloaded");
-        ck.check(out.contains("unloaded"), format!("rmmod binfmt_misc: {out}"));
+        ck.check(
+            out.contains("unloaded"),
+            format!("rmmod binfmt_misc: {out}"),
+        );
     }
 }
 
@@ -316,7 +363,11 @@ pub fn btf_args(ck: &mut Checks, c: &mut Client, stream: &mut Stream, fast_lane:
 /// the token, with nothing hooked.
 fn refusals(ck: &mut Checks, c: &mut Client) {
     let cases = [
-        ("p:hvbtf/bad vfs_open file->f_nope", "no such member", "f_nope"),
+        (
+            "p:hvbtf/bad vfs_open file->f_nope",
+            "no such member",
+            "f_nope",
+        ),
         (
             "p:hvbtf/bad vfs_read count:string",
             "string types need a char * or char[] value",
@@ -351,5 +402,110 @@ fn refusals(ck: &mut Checks, c: &mut Client) {
     ck.check(
         !matches!(call(c, Request::ProbeList), Response::Probes(p) if p.iter().any(|p| p.name == "hvbtf/bad")),
         "no refused probe is listed",
+    );
+}
+
+/// Debian's ext4.ko as the guest's initramfs carries it (the module tree
+/// `debian-modules.sh` builds in the cache, for the kernel `release`).
+fn debian_ext4_ko(release: &str) -> Vec<u8> {
+    let cache = std::env::var_os("HVTRACE_CACHE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME").map(|x| std::path::Path::new(&x).join("hvtrace"))
+        })
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/hvtrace"))
+        })
+        .expect("a cache directory");
+    let found = std::fs::read_dir(&cache)
+        .expect("the cache directory")
+        .filter_map(Result::ok)
+        .filter(|d| {
+            d.file_name()
+                .to_string_lossy()
+                .starts_with("debian-modules-")
+        })
+        .map(|d| {
+            d.path()
+                .join(format!("lib/modules/{release}/kernel/fs/ext4/ext4.ko"))
+        })
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("no ext4.ko for {release} under {}", cache.display()));
+    std::fs::read(found).expect("ext4.ko")
+}
+
+/// Debian: a function of ext4 through ext4's split BTF (its `.BTF` over
+/// the kernel's, as the kernel keeps it in `btf_modules`), against the
+/// guest's own probe with the plain fetches the host resolves from the
+/// same two blobs.
+pub fn btf_ext4(ck: &mut Checks, c: &mut Client, stream: &mut Stream) {
+    const SPEC: &str = "p:hvbtf/bext ext4:ext4_file_open ino=inode->i_ino name=filp:%pD";
+    const MOUNT: &str = "mkdir -p /mnt/ext && mount -t ext4 -o loop /tmp/ext.img /mnt/ext";
+    let up = exec(
+        c,
+        &format!("modprobe ext4 && modprobe loop && {MOUNT} && echo mounted"),
+    );
+    ck.check(up.contains("mounted"), format!("ext4 mounted: {up}"));
+    let dir = hvtrace::vm::guest::run_script("scripts/guest/debian-kernel.sh")
+        .expect("the Debian kernel")
+        .parent()
+        .expect("its directory")
+        .to_path_buf();
+    let release = std::fs::read_to_string(dir.join("release")).expect("release");
+    let vmlinux = std::fs::read(dir.join("vmlinux")).expect("Debian's vmlinux");
+    let ko = debian_ext4_ko(release.trim());
+    let elf = Elf::parse(&vmlinux).expect("vmlinux is ELF64");
+    let mut view = elf
+        .load_segments(Gva::is_kernel_image)
+        .expect("vmlinux segments");
+    let ko_elf = Elf::parse(&ko).expect("ext4.ko is ELF64");
+    let data = ko_elf
+        .data(&ko_elf.section(".BTF").expect("ext4.ko has .BTF"))
+        .expect("its bytes");
+    const AT: u64 = 0xffff_ffff_c000_0000;
+    assert!(view.add(Gva(AT), data, data.len() as u64));
+    let base = Btf::parse(&view, Gva(elf.section(".BTF").expect(".BTF").addr)).expect("BTF");
+    let split = Btf::parse_split(&view, &base, Gva(AT), None).expect("ext4's BTF");
+    let mut p = parse_probe(SPEC).expect("spec parses");
+    resolve_btf(&mut p, Ok(&split)).unwrap_or_else(|e| panic!("{}", e.report(SPEC)));
+    let guest_spec = p.render_form();
+    println!("btf: ext4 guest probe {guest_spec}");
+    match call(c, Request::ProbeAdd { spec: SPEC.into() }) {
+        Response::ProbeAdded { name, site } => println!("btf: {name} at {site:#x}"),
+        other => ck.check(false, format!("{SPEC}: {other:?}")),
+    }
+    let _ = stream.read(c);
+    let guest = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo > trace && echo '{guest_spec}' >> kprobe_events && \
+             echo 1 > events/hvbtf/bext/enable && cat /mnt/ext/f && cat /mnt/ext/f >/dev/null; \
+             echo 0 > events/hvbtf/bext/enable; grep ' bext: ' trace; echo '-:hvbtf/bext' >> kprobe_events; \
+             ls -i /mnt/ext/f; umount /mnt/ext"
+        ),
+    );
+    let ours = stream.read(c);
+    let (o, g) = (
+        keys(&parse_all(&ours), "bext"),
+        keys(&parse_all(&guest), "bext"),
+    );
+    println!("btf: ext4: ours {o:?}\n  guest {g:?}");
+    let inode: Option<&str> = guest
+        .lines()
+        .find(|l| l.trim_end().ends_with("/mnt/ext/f"))
+        .and_then(|l| l.split_whitespace().next());
+    ck.check(
+        o.len() >= 2
+            && o.iter().all(|(_, b)| {
+                b.contains("name=\"f\"") && inode.is_some_and(|i| b.contains(&format!("ino={i} ")))
+            }),
+        format!("ext4_file_open names f and its inode ({inode:?}): {o:?}"),
+    );
+    ck.eq("ext4: our events equal the guest's (pid, values)", &o, &g);
+    let _ = call(
+        c,
+        Request::ProbeDel {
+            name: "hvbtf/bext".into(),
+        },
     );
 }

@@ -14,7 +14,8 @@
 //!   pointer as `x64`, a bitfield (or an odd-width integer) by shift and
 //!   mask over the bytes at its offset, anything else `x64`.
 //! - `:string`/`:ustring` need `char[]` (read in place) or `char *` (one
-//!   more dereference); the characters must be 8-bit and not signed.
+//!   more dereference); the characters must be 8-bit (signed too: `char`
+//!   is signed before 6.2, where the kernel's own check would refuse it).
 //! - `$argN` and a parameter at a return probe read the value saved at
 //!   the entry.
 //! - `%pd` reads `dentry->d_name.name`, `%pD` `file->f_path.dentry` first;
