@@ -90,6 +90,7 @@ pub mod module;
 pub mod paging;
 pub mod scan;
 pub mod stacks;
+pub mod syscalls;
 pub mod view;
 
 pub use addr::{Gpa, Gva, GvaRange};

@@ -12,6 +12,7 @@ mod guest_path;
 mod kallsyms;
 mod malformed;
 mod stacks;
+mod syscalls;
 
 use std::sync::OnceLock;
 

@@ -1,0 +1,288 @@
+//! The guest's system calls: numbers and names from its own
+//! `sys_call_table` (each entry is the `__x64_sys_NAME` wrapper of call
+//! `NAME`, whose one argument is the caller's `struct pt_regs *`), and
+//! argument names and C types from the best source the guest has:
+//!
+//! 1. its ftrace syscall metadata (`CONFIG_FTRACE_SYSCALLS`): the array of
+//!    `struct syscall_metadata *` between `__start_syscalls_metadata` and
+//!    `__stop_syscalls_metadata`, whose layout (`name`, `nb_args`,
+//!    `types`, `args`) comes from BTF;
+//! 2. else the prototype of `__do_sys_NAME` in BTF, when the compiler kept
+//!    it out of line;
+//! 3. else nothing: the call is traced with its six raw registers.
+//!
+//! The number is always the table's index (the guest wins over any table
+//! of ours); metadata is matched to it by name. Every read goes through
+//! the view and is bounded; a table or metadata array the guest forged
+//! costs at most [`MAX_SYSCALLS`] entries.
+
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+
+use crate::addr::Gva;
+use crate::btf::typed::Shape;
+use crate::btf::{Btf, Kind};
+use crate::kallsyms::SymbolIndex;
+use crate::view::{read_u32, read_u64, VirtMemory};
+
+/// Most table entries or metadata pointers read.
+pub const MAX_SYSCALLS: usize = 1024;
+/// Most arguments a system call has.
+pub const MAX_ARGS: usize = 6;
+/// Longest name or type string read from metadata.
+const MAX_TEXT: usize = 64;
+
+/// Where a call's argument names and types came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArgSource {
+    /// The guest's ftrace syscall metadata.
+    Metadata,
+    /// The prototype of `__do_sys_NAME` in BTF.
+    Btf,
+    /// Neither: six raw registers.
+    None,
+}
+
+/// One system call of the guest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Syscall {
+    /// Its number (the index in `sys_call_table`).
+    pub nr: u32,
+    /// Its name (`openat`).
+    pub name: String,
+    /// The function the table points at (`__x64_sys_openat`).
+    pub entry: String,
+    /// (C type, name) of each argument, in order.
+    pub args: Vec<(String, String)>,
+    /// Where the arguments came from.
+    pub source: ArgSource,
+}
+
+/// Why the table could not be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SyscallError {
+    /// kallsyms has no `sys_call_table`.
+    NoTable,
+    /// The table could not be read.
+    Unreadable(Gva),
+}
+
+impl core::fmt::Display for SyscallError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::NoTable => f.write_str("kallsyms has no sys_call_table"),
+            Self::Unreadable(at) => write!(f, "sys_call_table unreadable at {:#x}", at.0),
+        }
+    }
+}
+
+/// The guest's 64-bit system calls, in number order (unimplemented
+/// numbers, `sys_ni_syscall`, left out).
+pub fn table<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: &SymbolIndex,
+    btf: Option<&Btf<'_, V>>,
+) -> Result<Vec<Syscall>, SyscallError> {
+    let id = index
+        .lookup("sys_call_table")
+        .ok_or(SyscallError::NoTable)?;
+    let at = index
+        .addr_of("sys_call_table")
+        .ok_or(SyscallError::NoTable)?;
+    let n = (index.size(id).unwrap_or(0) / 8).min(MAX_SYSCALLS as u64) as u32;
+    let meta = metadata(view, index, btf);
+    let mut out = Vec::new();
+    for nr in 0..n {
+        let slot = at.wrapping_add(u64::from(nr) * 8);
+        let f = read_u64(view, slot).map_err(|_| SyscallError::Unreadable(slot))?;
+        let Some(r) = index.resolve(Gva(f)).filter(|r| r.offset == 0) else {
+            continue;
+        };
+        // A call without arguments is an alias of its `__do_sys_` body
+        // (and of the ia32 entry): the `__x64_sys_` name among the
+        // symbols at the address.
+        let Some(entry) = (r.id.0..)
+            .take(8)
+            .map(crate::kallsyms::SymbolId)
+            .take_while(|&i| (i.0 as usize) < index.len() && index.symbol(i).addr == r.addr)
+            .map(|i| index.name(i))
+            .find(|n| n.starts_with("__x64_sys_"))
+        else {
+            continue;
+        };
+        let Some(name) = entry.strip_prefix("__x64_sys_") else {
+            continue;
+        };
+        if name == "ni_syscall" {
+            continue;
+        }
+        let (args, source) = match meta.iter().find(|(n, _)| n == name) {
+            Some((_, a)) => (a.clone(), ArgSource::Metadata),
+            None => match btf.and_then(|b| prototype(b, name)) {
+                Some(a) => (a, ArgSource::Btf),
+                None => (Vec::new(), ArgSource::None),
+            },
+        };
+        if out.try_reserve(1).is_err() {
+            break;
+        }
+        out.push(Syscall {
+            nr,
+            name: String::from(name),
+            entry: entry.clone(),
+            args,
+            source,
+        });
+    }
+    Ok(out)
+}
+
+/// (name without `sys_`, args) of each metadata entry; empty without
+/// metadata or BTF for its layout.
+fn metadata<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: &SymbolIndex,
+    btf: Option<&Btf<'_, V>>,
+) -> Vec<(String, Vec<(String, String)>)> {
+    let mut out = Vec::new();
+    let (Some(start), Some(stop), Some(b)) = (
+        index.addr_of("__start_syscalls_metadata"),
+        index.addr_of("__stop_syscalls_metadata"),
+        btf,
+    ) else {
+        return out;
+    };
+    let Some(layout) = MetaLayout::of(b) else {
+        return out;
+    };
+    let n = (stop.0.saturating_sub(start.0) / 8).min(MAX_SYSCALLS as u64);
+    for i in 0..n {
+        let Ok(m) = read_u64(view, start.wrapping_add(i * 8)) else {
+            continue;
+        };
+        let m = Gva(m);
+        let field = |off: u64| read_u64(view, m.wrapping_add(off)).ok();
+        let Some(name) = field(layout.name).and_then(|p| string(view, Gva(p))) else {
+            continue;
+        };
+        let Ok(nb) = read_u32(view, m.wrapping_add(layout.nb_args)) else {
+            continue;
+        };
+        let nb = (nb as usize).min(MAX_ARGS);
+        let (Some(types), Some(args)) = (field(layout.types), field(layout.args)) else {
+            continue;
+        };
+        let mut a = Vec::new();
+        for k in 0..nb as u64 {
+            let t = read_u64(view, Gva(types).wrapping_add(k * 8))
+                .ok()
+                .and_then(|p| string(view, Gva(p)));
+            let n = read_u64(view, Gva(args).wrapping_add(k * 8))
+                .ok()
+                .and_then(|p| string(view, Gva(p)));
+            match (t, n) {
+                (Some(t), Some(n)) => a.push((t, n)),
+                _ => break,
+            }
+        }
+        if a.len() != nb {
+            continue;
+        }
+        let name = name.strip_prefix("sys_").map(String::from).unwrap_or(name);
+        if out.try_reserve(1).is_err() {
+            break;
+        }
+        out.push((name, a));
+    }
+    out
+}
+
+/// Byte offsets in `struct syscall_metadata`.
+struct MetaLayout {
+    name: u64,
+    nb_args: u64,
+    types: u64,
+    args: u64,
+}
+
+impl MetaLayout {
+    fn of<V: VirtMemory + ?Sized>(b: &Btf<'_, V>) -> Option<MetaLayout> {
+        let t = b.find_named(Kind::Struct, "syscall_metadata").ok()??;
+        let off = |m: &str| -> Option<u64> {
+            Some(u64::from(b.member_named(&t, m).ok()??.byte_offset()?))
+        };
+        Some(MetaLayout {
+            name: off("name")?,
+            nb_args: off("nb_args")?,
+            types: off("types")?,
+            args: off("args")?,
+        })
+    }
+}
+
+/// A NUL-terminated string of at most [`MAX_TEXT`] bytes.
+fn string<V: VirtMemory + ?Sized>(view: &V, at: Gva) -> Option<String> {
+    let mut buf = [0u8; MAX_TEXT];
+    // Byte by byte past a page end the view may refuse: read what it
+    // gives, up to the terminator.
+    let mut len = 0;
+    for (i, b) in buf.iter_mut().enumerate() {
+        let mut one = [0u8; 1];
+        view.read_virt(at.wrapping_add(i as u64), &mut one).ok()?;
+        if one[0] == 0 {
+            break;
+        }
+        *b = one[0];
+        len = i + 1;
+    }
+    let s = buf.get(..len)?;
+    (len < MAX_TEXT).then(|| String::from_utf8_lossy(s).into_owned())
+}
+
+/// (type, name) of `__do_sys_NAME`'s parameters, when BTF has it.
+fn prototype<V: VirtMemory + ?Sized>(b: &Btf<'_, V>, name: &str) -> Option<Vec<(String, String)>> {
+    let sig = b.signature(&format!("__do_sys_{name}")).ok()??;
+    sig.params
+        .iter()
+        .take(MAX_ARGS)
+        .map(|p| Some((c_type(b, p.type_id, 0)?, p.name.clone())))
+        .collect()
+}
+
+/// The C spelling of type `id` (`const char *`, `size_t`, `struct
+/// open_how *`), as the kernel's syscall metadata writes it.
+pub fn c_type<V: VirtMemory + ?Sized>(b: &Btf<'_, V>, id: u32, depth: u32) -> Option<String> {
+    if depth > 8 {
+        return None;
+    }
+    if id == 0 {
+        return Some(String::from("void"));
+    }
+    let t = b.type_info(id).ok()?;
+    let named = |prefix: &str| -> Option<String> {
+        let n = b.name(t.name_off).ok()?;
+        Some(if prefix.is_empty() {
+            n
+        } else {
+            format!("{prefix} {n}")
+        })
+    };
+    match t.kind {
+        Kind::Int | Kind::Typedef | Kind::Float => named(""),
+        Kind::Struct | Kind::Fwd if t.name_off != 0 => named("struct"),
+        Kind::Union if t.name_off != 0 => named("union"),
+        Kind::Enum | Kind::Enum64 if t.name_off != 0 => named("enum"),
+        Kind::Ptr => Some(format!("{} *", c_type(b, t.size_or_type, depth + 1)?)),
+        Kind::Const => Some(format!("const {}", c_type(b, t.size_or_type, depth + 1)?)),
+        Kind::Volatile => Some(format!(
+            "volatile {}",
+            c_type(b, t.size_or_type, depth + 1)?
+        )),
+        Kind::Restrict | Kind::TypeTag => c_type(b, t.size_or_type, depth + 1),
+        _ => match b.shape(id).ok()? {
+            Shape::Array { elem, .. } => Some(format!("{} *", c_type(b, elem, depth + 1)?)),
+            _ => Some(String::from("void *")),
+        },
+    }
+}
