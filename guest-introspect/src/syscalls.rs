@@ -22,7 +22,7 @@ use alloc::vec::Vec;
 
 use crate::addr::Gva;
 use crate::btf::typed::Shape;
-use crate::btf::{Btf, Kind};
+use crate::btf::{Btf, Kind, TypeInfo};
 use crate::kallsyms::SymbolIndex;
 use crate::view::{read_u32, read_u64, VirtMemory};
 
@@ -92,6 +92,10 @@ pub fn table<V: VirtMemory + ?Sized>(
         .ok_or(SyscallError::NoTable)?;
     let n = (index.size(id).unwrap_or(0) / 8).min(MAX_SYSCALLS as u64) as u32;
     let meta = metadata(view, index, btf);
+    // The `__do_sys_` bodies BTF describes, found in one pass.
+    let funcs: Vec<(String, TypeInfo)> = btf
+        .and_then(|b| b.funcs_with_prefix("__do_sys_").ok())
+        .unwrap_or_default();
     let mut out = Vec::new();
     for nr in 0..n {
         let slot = at.wrapping_add(u64::from(nr) * 8);
@@ -119,7 +123,7 @@ pub fn table<V: VirtMemory + ?Sized>(
         }
         let (args, source) = match meta.iter().find(|(n, _)| n == name) {
             Some((_, a)) => (a.clone(), ArgSource::Metadata),
-            None => match btf.and_then(|b| prototype(b, name)) {
+            None => match btf.and_then(|b| prototype(b, &funcs, name)) {
                 Some(a) => (a, ArgSource::Btf),
                 None => (Vec::new(), ArgSource::None),
             },
@@ -221,28 +225,37 @@ impl MetaLayout {
     }
 }
 
-/// A NUL-terminated string of at most [`MAX_TEXT`] bytes.
+/// A NUL-terminated string of at most [`MAX_TEXT`] bytes, read a page
+/// piece at a time.
 fn string<V: VirtMemory + ?Sized>(view: &V, at: Gva) -> Option<String> {
-    let mut buf = [0u8; MAX_TEXT];
-    // Byte by byte past a page end the view may refuse: read what it
-    // gives, up to the terminator.
-    let mut len = 0;
-    for (i, b) in buf.iter_mut().enumerate() {
-        let mut one = [0u8; 1];
-        view.read_virt(at.wrapping_add(i as u64), &mut one).ok()?;
-        if one[0] == 0 {
-            break;
+    let mut out: Vec<u8> = Vec::new();
+    let mut p = at;
+    while out.len() < MAX_TEXT {
+        let to_page_end = 0x1000 - (p.0 & 0xfff) as usize;
+        let n = to_page_end.min(MAX_TEXT - out.len());
+        let mut buf = [0u8; MAX_TEXT];
+        let piece = buf.get_mut(..n)?;
+        view.read_virt(p, piece).ok()?;
+        if let Some(end) = piece.iter().position(|&c| c == 0) {
+            out.extend_from_slice(piece.get(..end)?);
+            return Some(String::from_utf8_lossy(&out).into_owned());
         }
-        *b = one[0];
-        len = i + 1;
+        out.extend_from_slice(piece);
+        p = p.wrapping_add(n as u64);
     }
-    let s = buf.get(..len)?;
-    (len < MAX_TEXT).then(|| String::from_utf8_lossy(s).into_owned())
+    None
 }
 
 /// (type, name) of `__do_sys_NAME`'s parameters, when BTF has it.
-fn prototype<V: VirtMemory + ?Sized>(b: &Btf<'_, V>, name: &str) -> Option<Vec<(String, String)>> {
-    let sig = b.signature(&format!("__do_sys_{name}")).ok()??;
+fn prototype<V: VirtMemory + ?Sized>(
+    b: &Btf<'_, V>,
+    funcs: &[(String, TypeInfo)],
+    name: &str,
+) -> Option<Vec<(String, String)>> {
+    let (_, func) = funcs
+        .iter()
+        .find(|(n, _)| n.strip_prefix("__do_sys_") == Some(name))?;
+    let sig = b.signature_of(func).ok()?;
     sig.params
         .iter()
         .take(MAX_ARGS)

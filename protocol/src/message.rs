@@ -219,6 +219,14 @@ pub enum Request {
     /// frames; then the modules' index, and a new copy of it whenever the
     /// loaded modules change. A new request starts over (new ids).
     SymbolsExport,
+    /// The guest's system calls (its `sys_call_table`, with argument names
+    /// and types from its own metadata or BTF), from number index `cursor`
+    /// (0 for the first page, then the answer's `next`). Answered by
+    /// [`Response::Syscalls`].
+    Syscalls {
+        /// Where to resume.
+        cursor: u32,
+    },
 }
 
 /// A histogram of one fetch argument (bpftrace's `hist()`), kept in root
@@ -512,6 +520,15 @@ pub enum Response {
         /// Byte offset of each record's little-endian `u64` timestamp
         /// (root's clock, nanoseconds): the rings merge on it.
         stamp_at: u32,
+    },
+    /// Answer to [`Request::Syscalls`]: one page of the guest's calls.
+    Syscalls {
+        /// Calls in all.
+        total: u32,
+        /// The cursor of the next page; `None` after the last one.
+        next: Option<u32>,
+        /// This page's calls, in number order.
+        calls: Vec<SyscallInfo>,
     },
 }
 
@@ -986,6 +1003,24 @@ pub enum SymbolsPart {
     Kernel,
     /// The loaded modules and their symbols, packed.
     Modules,
+}
+
+/// One system call of a [`Response::Syscalls`] answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyscallInfo {
+    /// Its number (its index in the guest's `sys_call_table`).
+    pub nr: u32,
+    /// Its name (`openat`).
+    pub name: String,
+    /// The function the table points at (`__x64_sys_openat`), whose one
+    /// argument is the caller's `struct pt_regs *`.
+    pub entry: String,
+    /// (C type, name) of each argument (empty when the guest describes
+    /// none: then its six argument registers are traced raw).
+    pub args: Vec<(String, String)>,
+    /// Where the arguments came from: `metadata` (the guest's ftrace
+    /// syscall metadata), `btf` (`__do_sys_NAME`'s prototype) or `none`.
+    pub source: String,
 }
 
 /// One symbol of a [`Response::Syms`] answer.

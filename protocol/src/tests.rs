@@ -196,6 +196,21 @@ fn samples() -> Vec<Body> {
             cursor: 0,
             limit: 100,
         }),
+        Body::Request(Request::Syscalls { cursor: 17 }),
+        Body::Response(Response::Syscalls {
+            total: 346,
+            next: Some(20),
+            calls: vec![SyscallInfo {
+                nr: 257,
+                name: "openat".into(),
+                entry: "__x64_sys_openat".into(),
+                args: vec![
+                    ("int".into(), "dfd".into()),
+                    ("const char *".into(), "filename".into()),
+                ],
+                source: "metadata".into(),
+            }],
+        }),
         Body::Request(Request::ProbeAdd {
             spec: "p:p1 vfs_read".into(),
         }),
@@ -409,6 +424,7 @@ fn variant(body: &Body) -> String {
             Request::CountStop => "Request::CountStop",
             Request::HistRead { .. } => "Request::HistRead",
             Request::SymbolsExport => "Request::SymbolsExport",
+            Request::Syscalls { .. } => "Request::Syscalls",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",
@@ -437,6 +453,7 @@ fn variant(body: &Body) -> String {
             Response::TraceRing { .. } => "Response::TraceRing",
             Response::TraceRings { .. } => "Response::TraceRings",
             Response::SymbolsExport { .. } => "Response::SymbolsExport",
+            Response::Syscalls { .. } => "Response::Syscalls",
             Response::Trace { .. } => "Response::Trace",
             Response::GraphStarted { .. } => "Response::GraphStarted",
         },
@@ -461,8 +478,8 @@ fn variant(body: &Body) -> String {
 /// kind, 4 events; then `TraceChannel` with `TraceRing`, and the count's 4
 /// requests and 3 responses; then the symbol export's request, answer and
 /// event; then the records and their context; then the per-vCPU rings'
-/// answer and doorbell.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2 + 2;
+/// answer and doorbell; then the system calls' request and answer.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2 + 2 + 2;
 
 #[test]
 fn samples_cover_every_variant() {

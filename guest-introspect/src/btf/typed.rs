@@ -22,6 +22,8 @@ use crate::view::{read_u32, read_u64, VirtMemory};
 
 /// Longest name read ([`Btf::name`]): the kernel's `KSYM_NAME_LEN`.
 pub const MAX_NAME: usize = 512;
+/// Most functions [`Btf::funcs_with_prefix`] returns.
+pub const MAX_PREFIXED: usize = 4096;
 /// Most parameters a prototype may have (`MAX_BPF_FUNC_ARGS` is 12; a
 /// forged blob may claim 65535).
 pub const MAX_PARAMS: u32 = 64;
@@ -137,9 +139,63 @@ impl<V: VirtMemory + ?Sized> Btf<'_, V> {
     /// module's split blob holds its functions), or `None` when BTF does
     /// not describe it.
     pub fn signature(&self, name: &str) -> Result<Option<Signature>, BtfError> {
-        let Some(func) = self.find_named(Kind::Func, name)? else {
-            return Ok(None);
+        match self.find_named(Kind::Func, name)? {
+            Some(func) => self.signature_of(&func).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Every function of this blob whose name starts with `prefix`, and
+    /// its name, in one pass over the types (at most [`MAX_PREFIXED`]).
+    pub fn funcs_with_prefix(&self, prefix: &str) -> Result<Vec<(String, TypeInfo)>, BtfError> {
+        let mut out = Vec::new();
+        let mut w = super::Window::new(
+            self.view,
+            self.types,
+            self.types_len,
+            super::WINDOW_SEQUENTIAL,
+        );
+        let mut off = 0u32;
+        for id in self.first_id..self.first_id + self.count {
+            let raw = w.get(off)?;
+            let t = self.decode(id, off, &raw)?;
+            if t.kind == Kind::Func && t.name_off != 0 && self.name_starts(t.name_off, prefix)? {
+                if out.len() >= MAX_PREFIXED {
+                    break;
+                }
+                crate::fallible::try_reserve(&mut out, 1)?;
+                out.push((self.name(t.name_off)?, t));
+            }
+            off = super::next_type(off, t.kind, t.vlen)?;
+        }
+        Ok(out)
+    }
+
+    /// Whether the string at `off` starts with `prefix`.
+    fn name_starts(&self, off: u32, prefix: &str) -> Result<bool, BtfError> {
+        if off < self.str_first {
+            return match self.parent {
+                Some(p) => p.name_starts(off, prefix),
+                None => Ok(false),
+            };
+        }
+        let local = off - self.str_first;
+        let len = prefix.len() as u32;
+        if local.checked_add(len).is_none_or(|e| e > self.strings_len) {
+            return Ok(false);
+        }
+        let mut buf = [0u8; 32];
+        let Some(b) = buf.get_mut(..prefix.len()) else {
+            return Ok(false);
         };
+        self.view
+            .read_virt(self.strings.wrapping_add(local as u64), b)?;
+        Ok(b == prefix.as_bytes())
+    }
+
+    /// The prototype of function `func`.
+    pub fn signature_of(&self, func: &TypeInfo) -> Result<Signature, BtfError> {
+        let func = *func;
         let proto = self.resolve(func.size_or_type)?;
         if proto.kind != Kind::FuncProto || proto.vlen > MAX_PARAMS {
             return Err(BtfError::UnexpectedType("function prototype"));
@@ -169,11 +225,11 @@ impl<V: VirtMemory + ?Sized> Btf<'_, V> {
             };
             params.push(Param { name, type_id });
         }
-        Ok(Some(Signature {
+        Ok(Signature {
             func,
             params,
             ret: proto.size_or_type,
-        }))
+        })
     }
 
     /// What type `id` is, its typedefs, qualifiers and type tags skipped
