@@ -565,6 +565,7 @@ impl Control {
                 let resp = with_kernel(src, |_, k| self.start_export(KernelView::index(k)));
                 (resp, Action::None)
             }
+            Request::Syscalls { cursor } => (syscalls(src, cursor), Action::None),
             other => match door::needs(&other) {
                 Some(needs) => (tracer_request(src, other, needs), Action::None),
                 None => (
@@ -854,6 +855,7 @@ fn needs_kernel(r: &Request) -> bool {
             | Request::HistRead { .. }
             | Request::GraphStart(_)
             | Request::SymbolsExport
+            | Request::Syscalls { .. }
     )
 }
 
@@ -973,6 +975,7 @@ fn with_kernel(
 fn request_name(r: &Request) -> &'static str {
     match r {
         Request::Syms { .. } => "syms",
+        Request::Syscalls { .. } => "syscalls",
         Request::TraceRead { .. } => "trace read (served by the host launcher)",
         Request::Exec { .. } => "exec (served by the host launcher)",
         _ => "this request",
@@ -1012,6 +1015,61 @@ fn syms(
             }
         }
         None => Response::error(ErrorKind::Internal, "introspection lost its kernel"),
+    }
+}
+
+/// Bytes of calls one `Syscalls` answer carries at most (a frame is 4 KiB).
+const SYSCALLS_PAGE_BYTES: usize = 3_000;
+
+/// `Syscalls`: a page of the guest's system calls from index `cursor`.
+fn syscalls(src: &mut StatusSource<'_>, cursor: u32) -> Response {
+    if let Err(e) = src
+        .introspection
+        .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
+    {
+        return Response::error(
+            ErrorKind::NotReady,
+            alloc::format!("guest kernel not found yet: {e}"),
+        );
+    }
+    let table = match src.introspection.syscalls(cursor == 0) {
+        Some(Ok(t)) => t,
+        Some(Err(e)) => return Response::error(ErrorKind::NotFound, e),
+        None => return Response::error(ErrorKind::Internal, "introspection lost its kernel"),
+    };
+    let mut calls = Vec::new();
+    let mut bytes = 0usize;
+    let mut next = None;
+    for (i, s) in table.iter().enumerate().skip(cursor as usize) {
+        let size = 24
+            + s.name.len()
+            + s.entry.len()
+            + s.args.iter().map(|(t, n)| t.len() + n.len() + 4).sum::<usize>();
+        if bytes + size > SYSCALLS_PAGE_BYTES && !calls.is_empty() {
+            next = u32::try_from(i).ok();
+            break;
+        }
+        if calls.try_reserve(1).is_err() {
+            return Response::error(ErrorKind::OutOfResources, "no memory for the calls' page");
+        }
+        bytes += size;
+        calls.push(protocol::SyscallInfo {
+            nr: s.nr,
+            name: s.name.clone(),
+            entry: s.entry.clone(),
+            args: s.args.clone(),
+            source: match s.source {
+                guest_introspect::syscalls::ArgSource::Metadata => "metadata",
+                guest_introspect::syscalls::ArgSource::Btf => "btf",
+                guest_introspect::syscalls::ArgSource::None => "none",
+            }
+            .into(),
+        });
+    }
+    Response::Syscalls {
+        total: u32::try_from(table.len()).unwrap_or(u32::MAX),
+        next,
+        calls,
     }
 }
 

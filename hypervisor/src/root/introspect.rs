@@ -91,9 +91,29 @@ pub struct Introspection {
     turns: u64,
     /// When a failed recovery may run again.
     backoff: Backoff,
+    /// The guest's system calls, read at the first page of a listing
+    /// ([`Self::syscalls`]) and kept for its later pages.
+    syscalls: Option<Vec<guest_introspect::syscalls::Syscall>>,
 }
 
 impl Introspection {
+    /// The guest's system calls: read again from its `sys_call_table`,
+    /// metadata and BTF when `fresh` (a listing's first page) or never
+    /// read, else as last read.
+    pub fn syscalls(
+        &mut self,
+        fresh: bool,
+    ) -> Option<Result<&[guest_introspect::syscalls::Syscall], String>> {
+        let k = self.kernel.as_ref()?;
+        if fresh || self.syscalls.is_none() {
+            match k.syscall_table() {
+                Ok(t) => self.syscalls = Some(t),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        self.syscalls.as_deref().map(Ok)
+    }
+
     /// The kernel report, once recovery ran.
     pub fn report(&self) -> Option<&KernelReport> {
         self.kernel.as_ref().map(|k| &k.report)
@@ -484,6 +504,22 @@ fn kernel_pgd(f: &KernelFacts, via: Cr3) -> Cr3 {
             log::warn!("introspection: init_top_pgt unusable ({e:?}); kernel walks use the CR3 of recovery");
             via
         }
+    }
+}
+
+impl Kernel {
+    /// The guest's system calls ([`guest_introspect::syscalls::table`]),
+    /// with BTF when the kernel has it.
+    fn syscall_table(&self) -> Result<Vec<guest_introspect::syscalls::Syscall>, String> {
+        let view = PagedView::new(&GuestRam, self.cr3);
+        let btf = self
+            .facts
+            .btf_index
+            .as_ref()
+            .ok()
+            .map(|i| guest_introspect::btf::Btf::from_index(&view, i));
+        guest_introspect::syscalls::table(&view, &self.facts.symbols, btf.as_ref())
+            .map_err(|e| alloc::format!("{e}"))
     }
 }
 
