@@ -57,6 +57,9 @@ fn main() -> ExitCode {
             ProbeCommand::List(args) => hvtrace::commands::ctl::probe_list(&s, args),
         }),
         Command::Trace(args) => socket().and_then(|s| hvtrace::commands::ctl::trace(&s, args)),
+        Command::Syscalls(args) => {
+            socket().and_then(|s| hvtrace::commands::syscalls::syscalls(&s, args))
+        }
         Command::Graph(args) => socket().and_then(|s| hvtrace::commands::graph::graph(&s, args)),
         Command::Count(args) => {
             socket().and_then(|s| hvtrace::commands::count::count(&s, args, false))

@@ -68,9 +68,47 @@ pub enum Command {
     /// bpftrace's `hist()`), keyed by function, comm or pid:
     /// `hvtrace hist p vfs_read count=%dx:u64 --key comm`.
     Hist(HistArgs),
+    /// Trace system calls from outside the guest, system-wide, one line
+    /// per call in the shape of the kernel's syscall events, with names,
+    /// argument names and types from the guest itself (its sys_call_table,
+    /// its syscall metadata or BTF): `hvtrace syscalls openat read --comm cat`.
+    Syscalls(SyscallsArgs),
     /// The supervisor of a detached VM (started by `run --detach`).
     #[command(hide = true)]
     Supervise(SuperviseArgs),
+}
+
+/// Options of `hvtrace syscalls`.
+#[derive(Clone, Debug, Args)]
+pub struct SyscallsArgs {
+    /// The calls to trace (`openat`, `sys_openat`, or `openat,read`)
+    /// [default: every call of the guest].
+    #[arg(value_name = "NAME")]
+    pub names: Vec<String>,
+    /// Only the calls of tasks with this name (comm).
+    #[arg(long, value_name = "NAME")]
+    pub comm: Option<String>,
+    /// Only the calls of this thread id.
+    #[arg(long, value_name = "PID", value_parser = value_parser!(i32).range(0..))]
+    pub pid: Option<i32>,
+    /// Only the calls that fail.
+    #[arg(long)]
+    pub failed: bool,
+    /// Print JSON objects instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// At the end, count calls and errors per call (as `strace -c`).
+    #[arg(long)]
+    pub summary: bool,
+    /// List the guest's calls, their arguments and where those came from.
+    #[arg(long)]
+    pub list: bool,
+    /// End after SECS seconds [default: at Ctrl-C].
+    #[arg(long, value_name = "SECS", conflicts_with = "exec")]
+    pub duration: Option<f64>,
+    /// Run this guest command, then end.
+    #[arg(long, value_name = "CMD")]
+    pub exec: Option<String>,
 }
 
 /// Options of `hvtrace hist`.

@@ -9,5 +9,6 @@ pub mod ctl;
 pub mod detach;
 pub mod graph;
 pub mod run;
+pub mod syscalls;
 pub mod timeouts;
 pub mod trace_read;

@@ -56,7 +56,8 @@ pub fn timeout_for(request: &Request, base: Duration) -> Duration {
         | Request::GraphStart(_)
         | Request::GraphStop { .. }
         | Request::CountStart(_)
-        | Request::CountStop => base.max(HOOK_TIMEOUT),
+        | Request::CountStop
+        | Request::Syscalls { cursor: 0 } => base.max(HOOK_TIMEOUT),
         _ => base,
     }
 }

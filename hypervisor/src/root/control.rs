@@ -1044,7 +1044,10 @@ fn syscalls(src: &mut StatusSource<'_>, cursor: u32) -> Response {
         let size = 24
             + s.name.len()
             + s.entry.len()
-            + s.args.iter().map(|(t, n)| t.len() + n.len() + 4).sum::<usize>();
+            + s.args
+                .iter()
+                .map(|(t, n)| t.len() + n.len() + 4)
+                .sum::<usize>();
         if bytes + size > SYSCALLS_PAGE_BYTES && !calls.is_empty() {
             next = u32::try_from(i).ok();
             break;
