@@ -36,6 +36,7 @@
 //! Run: `cargo test -p hvtrace-tests --test kprobes -- --nocapture`
 
 mod kprobes_btf;
+mod kprobes_syscalls;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -623,6 +624,7 @@ fn exercise(guest: &str, fast_lane: bool) {
     } else {
         ext4_module(&mut ck, &mut c, &mut stream);
         kprobes_btf::btf_ext4(&mut ck, &mut c, &mut stream);
+        kprobes_syscalls::syscalls_oracle(&mut ck, &mut c, &vm);
     }
     count_oracle(&mut ck, &mut c, &vm);
     latency_oracle(&mut ck, &mut c, &vm);

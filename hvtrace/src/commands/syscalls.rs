@@ -332,7 +332,7 @@ pub struct Pairer {
     failed: bool,
     /// Each task's call in flight.
     open: HashMap<i64, Entry>,
-    /// Per call: calls and errors (every call seen, whatever the filters).
+    /// Per call: calls and errors (of the calls the filters keep).
     pub tally: BTreeMap<String, Tally>,
     nr: HashMap<String, u32>,
     pending: Vec<u8>,
@@ -412,15 +412,15 @@ impl Pairer {
     fn emit(&mut self, pid: i64, e: Entry, ret: Option<i64>) -> std::io::Result<()> {
         let name = e.call.strip_prefix("sys_").unwrap_or(&e.call).to_string();
         let error = ret.filter(|&r| (-4095..0).contains(&r)).map(|r| -r);
-        let t = self.tally.entry(name.clone()).or_default();
-        t.calls += 1;
-        t.errors += u64::from(error.is_some());
         if self.comm.as_ref().is_some_and(|c| *c != e.comm)
             || self.pid.is_some_and(|p| p != pid)
             || (self.failed && error.is_none())
         {
             return Ok(());
         }
+        let t = self.tally.entry(name.clone()).or_default();
+        t.calls += 1;
+        t.errors += u64::from(error.is_some());
         let mut s = String::new();
         if self.json {
             let mut o = serde_json::Map::new();
@@ -735,6 +735,7 @@ mod tests {
         );
         let t = p.tally["openat"];
         assert_eq!((t.calls, t.errors), (2, 1));
+        // The summary counts what the filters keep.
         assert!(
             p.summary().contains("        2         1 openat"),
             "{}",

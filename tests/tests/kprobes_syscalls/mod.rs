@@ -1,0 +1,163 @@
+//! `hvtrace syscalls` (the CLI) against the guest's own syscall events
+//! (`syscalls:sys_enter_*`/`sys_exit_*`, CONFIG_FTRACE_SYSCALLS, which
+//! Debian's kernel has), both filtered on the same comm, over the same
+//! workload of opens (one failing), reads, writes, stats and closes: the
+//! same calls in the same order per task, the same numeric arguments and
+//! return values, the strings the workload passed, and `--summary`'s
+//! counts equal to the guest's.
+
+use std::collections::BTreeMap;
+
+use hvtrace::client::Client;
+use hvtrace_tests::{guest_exec as exec, parse_trace_lines as parse_all, Checks, Detached, TRACEFS};
+use serde_json::Value;
+
+const CALLS: [&str; 5] = ["openat", "read", "write", "close", "newfstatat"];
+const WORK: &str = "cat /etc/hostname >/tmp/hvsys; cat /nonexistent 2>/dev/null; \
+                    cat /tmp/hvsys >/dev/null; cat /tmp/hvsys; rm -f /tmp/hvsys";
+
+/// One call as both sides can say it: (pid, call, numeric args, return).
+type Call = (i32, String, Vec<u64>, i64);
+
+pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
+    let events: String = CALLS
+        .iter()
+        .map(|e| {
+            format!(
+                "echo 'comm == \"cat\"' > events/syscalls/sys_enter_{e}/filter; \
+                 echo 'comm == \"cat\"' > events/syscalls/sys_exit_{e}/filter; \
+                 echo 1 > events/syscalls/sys_enter_{e}/enable; echo 1 > events/syscalls/sys_exit_{e}/enable; "
+            )
+        })
+        .collect();
+    exec(c, &format!("cd {TRACEFS} && echo > trace && {events} echo on"));
+    let mut args = vec!["syscalls"];
+    args.extend(CALLS);
+    args.extend(["--comm", "cat", "--json", "--summary", "--exec", WORK]);
+    let t0 = std::time::Instant::now();
+    let (code, out, err) = vm.cli(&args);
+    let took = t0.elapsed();
+    let off: String = CALLS
+        .iter()
+        .map(|e| {
+            format!(
+                "echo 0 > events/syscalls/sys_enter_{e}/enable; echo 0 > events/syscalls/sys_exit_{e}/enable; \
+                 echo 0 > events/syscalls/sys_enter_{e}/filter; echo 0 > events/syscalls/sys_exit_{e}/filter; "
+            )
+        })
+        .collect();
+    let trace = exec(c, &format!("cd {TRACEFS} && {off} grep -v '^#' trace; echo > trace"));
+    ck.eq("syscalls exit code", code, 0);
+    println!("syscalls: ours in {:.1} s; stderr: {}", took.as_secs_f64(), err.trim());
+
+    // Ours: JSON lines, then the summary table.
+    let mut ours: Vec<Call> = Vec::new();
+    let mut strings: Vec<(String, String)> = Vec::new();
+    let mut summary: BTreeMap<String, u64> = BTreeMap::new();
+    for l in out.lines() {
+        if let Ok(v) = serde_json::from_str::<Value>(l) {
+            let call = v["syscall"].as_str().unwrap_or("").to_string();
+            let pid = v["pid"].as_i64().unwrap_or(-1) as i32;
+            let mut nums = Vec::new();
+            if let Some(a) = v["args"].as_object() {
+                for (k, x) in a {
+                    match x {
+                        // Registers, truncated to the width they were read at.
+                        Value::Number(n) => nums.push(n.as_i64().map_or(n.as_u64().unwrap_or(0), |i| i as u64)),
+                        Value::String(s) if s.starts_with("0x") => {
+                            nums.push(u64::from_str_radix(&s[2..], 16).unwrap_or(0))
+                        }
+                        Value::String(s) => strings.push((format!("{call}.{k}"), s.clone())),
+                        _ => nums.push(u64::MAX),
+                    }
+                }
+            }
+            ours.push((pid, call, nums, v["ret"].as_i64().unwrap_or(i64::MIN)));
+        } else {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            if let (Some(n), Some(name)) = (w.first().and_then(|n| n.parse::<u64>().ok()), w.last()) {
+                if *name != "total" {
+                    summary.insert(name.to_string(), n);
+                }
+            }
+        }
+    }
+
+    // The guest's: `sys_openat(dfd: ffffff9c, filename: 7ffc..., ...)` and
+    // `sys_openat -> 0x3`, paired per task.
+    let mut guest: Vec<Call> = Vec::new();
+    let mut open: BTreeMap<i32, (String, Vec<(String, u64)>)> = BTreeMap::new();
+    for l in parse_all(&trace) {
+        let b = l.body.as_str();
+        if let Some((call, rest)) = b.strip_prefix("sys_").and_then(|r| r.split_once(" -> ")) {
+            let ret = u64::from_str_radix(rest.trim().trim_start_matches("0x"), 16).unwrap_or(0) as i64;
+            if let Some((name, args)) = open.remove(&l.pid).filter(|(n, _)| n == call) {
+                // Numbers only: the pointer to a string is not compared.
+                let nums = args
+                    .iter()
+                    .filter(|(k, _)| !is_string_arg(&name, k))
+                    .map(|(_, v)| *v)
+                    .collect();
+                guest.push((l.pid, name, nums, ret));
+            }
+        } else if let Some((call, rest)) = b.strip_prefix("sys_").and_then(|r| r.split_once('(')) {
+            let args = rest
+                .trim_end_matches(')')
+                .split(", ")
+                .filter_map(|kv| kv.split_once(": "))
+                .map(|(k, v)| (k.to_string(), u64::from_str_radix(v, 16).unwrap_or(0)))
+                .collect();
+            open.insert(l.pid, (call.to_string(), args));
+        }
+    }
+    // Ours read registers at their C width: compare the guest's the same way.
+    // (Strings left out: openat's dfd, flags, mode; newfstatat's dfd,
+    // statbuf, flag; read's and write's fd, buf, count; close's fd.)
+    let width = |call: &str, i: usize| -> u32 {
+        match (call, i) {
+            ("openat", _) | ("newfstatat", 0) | ("newfstatat", 2) => 32,
+            ("close", 0) | ("read", 0) | ("write", 0) => 32,
+            _ => 64,
+        }
+    };
+    let norm = |v: &[Call]| -> Vec<Call> {
+        v.iter()
+            .map(|(p, c, a, r)| {
+                let a = a
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| match width(c, i) {
+                        32 => *x as u32 as u64,
+                        _ => *x,
+                    })
+                    .collect();
+                (*p, c.clone(), a, *r)
+            })
+            .collect()
+    };
+    let (o, g) = (norm(&ours), norm(&guest));
+    println!("syscalls: ours {} calls, guest {}", o.len(), g.len());
+    for (a, b) in o.iter().zip(&g).take(4) {
+        println!("  ours {a:?}\n  guest {b:?}");
+    }
+    ck.check(o.len() >= 8, format!("the workload's calls were traced: {out}"));
+    ck.eq("our calls equal the guest's syscall events (pid, call, numbers, return)", &o, &g);
+    ck.check(
+        strings.iter().any(|(k, s)| k == "openat.filename" && s == "/etc/hostname")
+            && strings.iter().any(|(k, s)| k == "openat.filename" && s == "/nonexistent"),
+        format!("the file names the workload passed: {strings:?}"),
+    );
+    ck.check(
+        ours.iter().any(|(_, c, _, r)| c == "openat" && *r == -2),
+        "the failing open returned -ENOENT",
+    );
+    let mut counts: BTreeMap<String, u64> = BTreeMap::new();
+    for (_, call, _, _) in &guest {
+        *counts.entry(call.clone()).or_default() += 1;
+    }
+    ck.eq("--summary's counts equal the guest's", summary, counts);
+}
+
+fn is_string_arg(call: &str, arg: &str) -> bool {
+    matches!((call, arg), ("openat", "filename") | ("newfstatat", "filename"))
+}
