@@ -3,9 +3,11 @@
 //! `NAME`, whose one argument is the caller's `struct pt_regs *`), and
 //! argument names and C types from the best source the guest has:
 //!
-//! 1. its ftrace syscall metadata (`CONFIG_FTRACE_SYSCALLS`): the array of
-//!    `struct syscall_metadata *` between `__start_syscalls_metadata` and
-//!    `__stop_syscalls_metadata`, whose layout (`name`, `nb_args`,
+//! 1. its ftrace syscall metadata (`CONFIG_FTRACE_SYSCALLS`): the
+//!    `struct syscall_metadata *` of each call, in the array the kernel
+//!    keeps at `syscalls_metadata` once booted (the linker's array between
+//!    `__start_syscalls_metadata` and `__stop_syscalls_metadata` is init
+//!    data, read only from an image), whose layout (`name`, `nb_args`,
 //!    `types`, `args`) comes from BTF;
 //! 2. else the prototype of `__do_sys_NAME` in BTF, when the compiler kept
 //!    it out of line;
@@ -150,21 +152,41 @@ fn metadata<V: VirtMemory + ?Sized>(
     btf: Option<&Btf<'_, V>>,
 ) -> Vec<(String, Vec<(String, String)>)> {
     let mut out = Vec::new();
-    let (Some(start), Some(stop), Some(b)) = (
-        index.addr_of("__start_syscalls_metadata"),
-        index.addr_of("__stop_syscalls_metadata"),
-        btf,
-    ) else {
+    let Some(b) = btf else {
         return out;
     };
     let Some(layout) = MetaLayout::of(b) else {
         return out;
     };
-    let n = (stop.0.saturating_sub(start.0) / 8).min(MAX_SYSCALLS as u64);
+    // The linker's array of pointers is init data, freed after boot; by
+    // then the kernel has copied them into `syscalls_metadata`, an array
+    // indexed by number (`init_ftrace_syscalls`). A kernel image not yet
+    // booted has only the first.
+    let runtime = index
+        .addr_of("syscalls_metadata")
+        .and_then(|v| read_u64(view, v).ok())
+        .filter(|&p| p != 0)
+        .zip(index.lookup("sys_call_table").and_then(|id| index.size(id)))
+        .map(|(p, size)| (Gva(p), (size / 8).min(MAX_SYSCALLS as u64)));
+    let linked = index
+        .addr_of("__start_syscalls_metadata")
+        .zip(index.addr_of("__stop_syscalls_metadata"))
+        .map(|(start, stop)| {
+            (
+                start,
+                (stop.0.saturating_sub(start.0) / 8).min(MAX_SYSCALLS as u64),
+            )
+        });
+    let Some((start, n)) = runtime.or(linked) else {
+        return out;
+    };
     for i in 0..n {
         let Ok(m) = read_u64(view, start.wrapping_add(i * 8)) else {
             continue;
         };
+        if m == 0 {
+            continue;
+        }
         let m = Gva(m);
         let field = |off: u64| read_u64(view, m.wrapping_add(off)).ok();
         let Some(name) = field(layout.name).and_then(|p| string(view, Gva(p))) else {

@@ -9,7 +9,9 @@
 use std::collections::BTreeMap;
 
 use hvtrace::client::Client;
-use hvtrace_tests::{guest_exec as exec, parse_trace_lines as parse_all, Checks, Detached, TRACEFS};
+use hvtrace_tests::{
+    guest_exec as exec, parse_trace_lines as parse_all, Checks, Detached, TRACEFS,
+};
 use serde_json::Value;
 
 const CALLS: [&str; 5] = ["openat", "read", "write", "close", "newfstatat"];
@@ -30,7 +32,10 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
             )
         })
         .collect();
-    exec(c, &format!("cd {TRACEFS} && echo > trace && {events} echo on"));
+    exec(
+        c,
+        &format!("cd {TRACEFS} && echo > trace && {events} echo on"),
+    );
     let mut args = vec!["syscalls"];
     args.extend(CALLS);
     args.extend(["--comm", "cat", "--json", "--summary", "--exec", WORK]);
@@ -46,9 +51,16 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
             )
         })
         .collect();
-    let trace = exec(c, &format!("cd {TRACEFS} && {off} grep -v '^#' trace; echo > trace"));
+    let trace = exec(
+        c,
+        &format!("cd {TRACEFS} && {off} grep -v '^#' trace; echo > trace"),
+    );
     ck.eq("syscalls exit code", code, 0);
-    println!("syscalls: ours in {:.1} s; stderr: {}", took.as_secs_f64(), err.trim());
+    println!(
+        "syscalls: ours in {:.1} s; stderr: {}",
+        took.as_secs_f64(),
+        err.trim()
+    );
 
     // Ours: JSON lines, then the summary table.
     let mut ours: Vec<Call> = Vec::new();
@@ -63,7 +75,9 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
                 for (k, x) in a {
                     match x {
                         // Registers, truncated to the width they were read at.
-                        Value::Number(n) => nums.push(n.as_i64().map_or(n.as_u64().unwrap_or(0), |i| i as u64)),
+                        Value::Number(n) => {
+                            nums.push(n.as_i64().map_or(n.as_u64().unwrap_or(0), |i| i as u64))
+                        }
                         Value::String(s) if s.starts_with("0x") => {
                             nums.push(u64::from_str_radix(&s[2..], 16).unwrap_or(0))
                         }
@@ -75,7 +89,8 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
             ours.push((pid, call, nums, v["ret"].as_i64().unwrap_or(i64::MIN)));
         } else {
             let w: Vec<&str> = l.split_whitespace().collect();
-            if let (Some(n), Some(name)) = (w.first().and_then(|n| n.parse::<u64>().ok()), w.last()) {
+            if let (Some(n), Some(name)) = (w.first().and_then(|n| n.parse::<u64>().ok()), w.last())
+            {
                 if *name != "total" {
                     summary.insert(name.to_string(), n);
                 }
@@ -90,7 +105,8 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
     for l in parse_all(&trace) {
         let b = l.body.as_str();
         if let Some((call, rest)) = b.strip_prefix("sys_").and_then(|r| r.split_once(" -> ")) {
-            let ret = u64::from_str_radix(rest.trim().trim_start_matches("0x"), 16).unwrap_or(0) as i64;
+            let ret =
+                u64::from_str_radix(rest.trim().trim_start_matches("0x"), 16).unwrap_or(0) as i64;
             if let Some((name, args)) = open.remove(&l.pid).filter(|(n, _)| n == call) {
                 // Numbers only: the pointer to a string is not compared.
                 let nums = args
@@ -140,11 +156,22 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
     for (a, b) in o.iter().zip(&g).take(4) {
         println!("  ours {a:?}\n  guest {b:?}");
     }
-    ck.check(o.len() >= 8, format!("the workload's calls were traced: {out}"));
-    ck.eq("our calls equal the guest's syscall events (pid, call, numbers, return)", &o, &g);
     ck.check(
-        strings.iter().any(|(k, s)| k == "openat.filename" && s == "/etc/hostname")
-            && strings.iter().any(|(k, s)| k == "openat.filename" && s == "/nonexistent"),
+        o.len() >= 8,
+        format!("the workload's calls were traced: {out}"),
+    );
+    ck.eq(
+        "our calls equal the guest's syscall events (pid, call, numbers, return)",
+        &o,
+        &g,
+    );
+    ck.check(
+        strings
+            .iter()
+            .any(|(k, s)| k == "openat.filename" && s == "/etc/hostname")
+            && strings
+                .iter()
+                .any(|(k, s)| k == "openat.filename" && s == "/nonexistent"),
         format!("the file names the workload passed: {strings:?}"),
     );
     ck.check(
@@ -159,5 +186,8 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
 }
 
 fn is_string_arg(call: &str, arg: &str) -> bool {
-    matches!((call, arg), ("openat", "filename") | ("newfstatat", "filename"))
+    matches!(
+        (call, arg),
+        ("openat", "filename") | ("newfstatat", "filename")
+    )
 }
