@@ -14,7 +14,7 @@ use hvtrace_tests::{
 };
 use serde_json::Value;
 
-const CALLS: [&str; 5] = ["openat", "read", "write", "close", "newfstatat"];
+const CALLS: [&str; 6] = ["openat", "read", "write", "close", "newfstatat", "sendfile64"];
 const WORK: &str = "cat /etc/hostname >/tmp/hvsys; cat /nonexistent 2>/dev/null; \
                     cat /tmp/hvsys >/dev/null; cat /tmp/hvsys; rm -f /tmp/hvsys";
 
@@ -128,11 +128,13 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
     }
     // Ours read registers at their C width: compare the guest's the same way.
     // (Strings left out: openat's dfd, flags, mode; newfstatat's dfd,
-    // statbuf, flag; read's and write's fd, buf, count; close's fd.)
+    // statbuf, flag; read's and write's fd, buf, count; close's fd;
+    // sendfile64's out_fd, in_fd, offset, count.)
     let width = |call: &str, i: usize| -> u32 {
         match (call, i) {
             ("openat", _) | ("newfstatat", 0) | ("newfstatat", 2) => 32,
             ("close", 0) | ("read", 0) | ("write", 0) => 32,
+            ("sendfile64", 0) | ("sendfile64", 1) => 32,
             _ => 64,
         }
     };
