@@ -624,7 +624,10 @@ fn exercise(guest: &str, fast_lane: bool) {
     } else {
         ext4_module(&mut ck, &mut c, &mut stream);
         kprobes_btf::btf_ext4(&mut ck, &mut c, &mut stream);
-        kprobes_syscalls::syscalls_oracle(&mut ck, &mut c, &vm);
+    }
+    kprobes_syscalls::syscalls_oracle(&mut ck, &mut c, &vm);
+    if fast_lane {
+        kprobes_syscalls::syscalls_cost(&mut ck, &mut c, &vm);
     }
     count_oracle(&mut ck, &mut c, &vm);
     latency_oracle(&mut ck, &mut c, &vm);

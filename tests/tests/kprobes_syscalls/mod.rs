@@ -1,6 +1,6 @@
 //! `hvtrace syscalls` (the CLI) against the guest's own syscall events
 //! (`syscalls:sys_enter_*`/`sys_exit_*`, CONFIG_FTRACE_SYSCALLS, which
-//! Debian's kernel has), both filtered on the same comm, over the same
+//! Debian's kernel and the fast lane's have), both filtered on the same comm, over the same
 //! workload of opens (one failing), reads, writes, stats and closes: the
 //! same calls in the same order per task, the same numeric arguments and
 //! return values, the strings the workload passed, and `--summary`'s
@@ -192,4 +192,45 @@ fn is_string_arg(call: &str, arg: &str) -> bool {
         (call, arg),
         ("openat", "filename") | ("newfstatat", "filename")
     )
+}
+
+/// Fast lane: what a traced call costs the guest, ours against its own
+/// syscall tracepoints, on `hvbench getppid N` (the guest's clock, ns per
+/// call, as the kprobes benchmark reads it).
+pub fn syscalls_cost(ck: &mut Checks, c: &mut Client, vm: &Detached) {
+    const N: u64 = 2_000;
+    let ns = |out: &str| -> f64 {
+        out.split_whitespace()
+            .find_map(|t| t.strip_prefix("ns="))
+            .and_then(|v| v.parse::<f64>().ok())
+            .map_or(f64::NAN, |v| v / N as f64)
+    };
+    let bench = format!("hvbench getppid {N}");
+    let bare = ns(&exec(c, &bench));
+    let (code, out, err) = vm.cli(&["syscalls", "getppid", "--comm", "hvbench", "--exec", &bench]);
+    let ours = ns(&err);
+    let lines = out.lines().filter(|l| l.contains("sys_getppid(")).count();
+    let guest_out = exec(
+        c,
+        &format!(
+            "cd {TRACEFS} && echo > trace && echo 1 > events/syscalls/sys_enter_getppid/enable && \
+             echo 1 > events/syscalls/sys_exit_getppid/enable && {bench}; \
+             echo 0 > events/syscalls/sys_enter_getppid/enable; echo 0 > events/syscalls/sys_exit_getppid/enable; \
+             echo \"events $(grep -c sys_getppid trace)\"; echo > trace"
+        ),
+    );
+    let guest = ns(&guest_out);
+    println!(
+        "syscall cost (hvbench getppid {N}, guest ns per call): bare {bare:.0}, \
+         hvtrace syscalls {ours:.0} (+{:.0}), the guest's syscall tracepoints {guest:.0} (+{:.0}); \
+         our lines {lines}; {}",
+        ours - bare,
+        guest - bare,
+        guest_out.lines().last().unwrap_or("")
+    );
+    ck.eq("syscalls (cost run) exit code", code, 0);
+    ck.check(
+        lines as u64 >= N,
+        format!("every getppid of hvbench printed: {lines} lines"),
+    );
 }
