@@ -116,11 +116,27 @@ fn fetch_type(ctype: &str) -> &'static str {
     }
 }
 
-/// Whether an argument of C type `ctype` is a string the caller passes in.
-fn is_input_string(ctype: &str) -> bool {
+/// Whether argument `name` of C type `ctype` is a string the caller
+/// passes in: a `const char *` that names something (a path, a name). A
+/// `const char *` buffer (`write`'s `buf`) is bytes, not a string.
+fn is_input_string(ctype: &str, name: &str) -> bool {
+    const NAMES: [&str; 12] = [
+        "filename",
+        "pathname",
+        "path",
+        "oldname",
+        "newname",
+        "name",
+        "dev_name",
+        "dir_name",
+        "type",
+        "specialfile",
+        "library",
+        "symlink",
+    ];
     let t = ctype.replace("__user", "");
     let t = t.split_whitespace().collect::<Vec<_>>().join(" ");
-    t == "const char *"
+    t == "const char *" && NAMES.contains(&name)
 }
 
 /// The entry and return probes of call `s`.
@@ -132,8 +148,9 @@ pub fn specs(s: &SyscallInfo) -> (String, String) {
         }
     } else {
         for ((ctype, name), (off, _)) in s.args.iter().zip(ARG_REGS) {
+            let string = is_input_string(ctype, name);
             let name = arg_name(name);
-            if is_input_string(ctype) {
+            if string {
                 entry.push_str(&format!(" {name}=+0(+{off}($arg1)):ustring"));
             } else {
                 entry.push_str(&format!(" {name}=+{off}($arg1):{}", fetch_type(ctype)));
@@ -673,6 +690,19 @@ mod tests {
         };
         let (entry, _) = specs(&raw);
         assert!(entry.ends_with("arg6=+64($arg1):x64"), "{entry}");
+        // write's buffer is bytes, its pointer is shown.
+        let write = SyscallInfo {
+            name: "write".into(),
+            entry: "__x64_sys_write".into(),
+            args: vec![
+                ("unsigned int".into(), "fd".into()),
+                ("const char *".into(), "buf".into()),
+                ("size_t".into(), "count".into()),
+            ],
+            ..openat()
+        };
+        let (entry, _) = specs(&write);
+        assert!(entry.contains(" buf=+104($arg1):x64 "), "{entry}");
         tracelang::kprobe::parse_probe(&entry).unwrap();
     }
 

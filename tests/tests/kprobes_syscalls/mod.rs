@@ -14,7 +14,14 @@ use hvtrace_tests::{
 };
 use serde_json::Value;
 
-const CALLS: [&str; 6] = ["openat", "read", "write", "close", "newfstatat", "sendfile64"];
+const CALLS: [&str; 6] = [
+    "openat",
+    "read",
+    "write",
+    "close",
+    "newfstatat",
+    "sendfile64",
+];
 const WORK: &str = "cat /etc/hostname >/tmp/hvsys; cat /nonexistent 2>/dev/null; \
                     cat /tmp/hvsys >/dev/null; cat /tmp/hvsys; rm -f /tmp/hvsys";
 
