@@ -950,14 +950,8 @@ fn with_kernel(
         &crate::introspect::Kernel,
     ) -> Result<Response, hypervisor::tracer::ReqError>,
 ) -> Response {
-    if let Err(e) = src
-        .introspection
-        .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
-    {
-        return Response::error(
-            ErrorKind::NotReady,
-            alloc::format!("guest kernel not found yet: {e}"),
-        );
+    if let Err(r) = recovered(src) {
+        return r;
     }
     // Every such request looks functions up: in the modules loaded now.
     src.introspection.refresh_modules(src.tsc_hz);
@@ -990,14 +984,8 @@ fn syms(
     cursor: u32,
     limit: u32,
 ) -> Response {
-    if let Err(e) = src
-        .introspection
-        .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
-    {
-        return Response::error(
-            ErrorKind::NotReady,
-            alloc::format!("guest kernel not found yet: {e}"),
-        );
+    if let Err(r) = recovered(src) {
+        return r;
     }
     if cursor == 0 {
         // A listing starts with the modules loaded now; its later pages
@@ -1018,19 +1006,26 @@ fn syms(
     }
 }
 
+/// Recovers the guest kernel if it is not yet: `Err` is the answer to send
+/// when it cannot be.
+fn recovered(src: &mut StatusSource<'_>) -> Result<(), Response> {
+    src.introspection
+        .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
+        .map_err(|e| {
+            Response::error(
+                ErrorKind::NotReady,
+                alloc::format!("guest kernel not found yet: {e}"),
+            )
+        })
+}
+
 /// Bytes of calls one `Syscalls` answer carries at most (a frame is 4 KiB).
 const SYSCALLS_PAGE_BYTES: usize = 3_000;
 
 /// `Syscalls`: a page of the guest's system calls from index `cursor`.
 fn syscalls(src: &mut StatusSource<'_>, cursor: u32) -> Response {
-    if let Err(e) = src
-        .introspection
-        .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
-    {
-        return Response::error(
-            ErrorKind::NotReady,
-            alloc::format!("guest kernel not found yet: {e}"),
-        );
+    if let Err(r) = recovered(src) {
+        return r;
     }
     let table = match src.introspection.syscalls(cursor == 0) {
         Some(Ok(t)) => t,
