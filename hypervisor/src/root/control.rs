@@ -1011,6 +1011,7 @@ fn syms(
 fn recovered(src: &mut StatusSource<'_>) -> Result<(), Response> {
     src.introspection
         .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
+        .map(|_| ())
         .map_err(|e| {
             Response::error(
                 ErrorKind::NotReady,
