@@ -950,7 +950,7 @@ fn with_kernel(
         &crate::introspect::Kernel,
     ) -> Result<Response, hypervisor::tracer::ReqError>,
 ) -> Response {
-    if let Err(r) = recovered(src) {
+    if let Some(r) = not_recovered(src) {
         return r;
     }
     // Every such request looks functions up: in the modules loaded now.
@@ -984,7 +984,7 @@ fn syms(
     cursor: u32,
     limit: u32,
 ) -> Response {
-    if let Err(r) = recovered(src) {
+    if let Some(r) = not_recovered(src) {
         return r;
     }
     if cursor == 0 {
@@ -1006,13 +1006,13 @@ fn syms(
     }
 }
 
-/// Recovers the guest kernel if it is not yet: `Err` is the answer to send
-/// when it cannot be.
-fn recovered(src: &mut StatusSource<'_>) -> Result<(), Response> {
+/// Recovers the guest kernel if it is not yet; the answer to send when it
+/// cannot be.
+fn not_recovered(src: &mut StatusSource<'_>) -> Option<Response> {
     src.introspection
         .ensure(&src.cpu, src.tsc_hz, src.uptime_ns)
-        .map(|_| ())
-        .map_err(|e| {
+        .err()
+        .map(|e| {
             Response::error(
                 ErrorKind::NotReady,
                 alloc::format!("guest kernel not found yet: {e}"),
@@ -1025,7 +1025,7 @@ const SYSCALLS_PAGE_BYTES: usize = 3_000;
 
 /// `Syscalls`: a page of the guest's system calls from index `cursor`.
 fn syscalls(src: &mut StatusSource<'_>, cursor: u32) -> Response {
-    if let Err(r) = recovered(src) {
+    if let Some(r) = not_recovered(src) {
         return r;
     }
     let table = match src.introspection.syscalls(cursor == 0) {
