@@ -470,7 +470,7 @@ impl Pairer {
                     Some(n) => format!(" = {r} {n}"),
                     None => format!(" = {r}"),
                 },
-                (Some(r), None) if r > 0xffff || r < -0xffff => format!(" = {:#x}", r),
+                (Some(r), None) if !(-0xffff..=0xffff).contains(&r) => format!(" = {r:#x}"),
                 (Some(r), None) => format!(" = {r}"),
             };
             s.push_str(&term::sanitize(&format!(
