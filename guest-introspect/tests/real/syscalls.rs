@@ -75,7 +75,12 @@ fn fast_lane_calls_from_the_table_and_the_metadata() {
         counts(ArgSource::Btf),
         counts(ArgSource::None)
     );
-    // Its config fragment turns CONFIG_FTRACE_SYSCALLS on.
-    assert!(counts(ArgSource::Metadata) * 10 >= t.len() * 9);
+    // Its config fragment turns CONFIG_FTRACE_SYSCALLS on; the calls a
+    // tiny config leaves out (System V IPC, AIO, NUMA, inotify, ...) are
+    // stubs that return -ENOSYS, with no metadata (77 of 358 here).
+    assert!(counts(ArgSource::Metadata) * 4 >= t.len() * 3);
+    for name in ["openat", "read", "write", "execve", "clone"] {
+        assert_eq!(by_name(&t, name).source, ArgSource::Metadata, "{name}");
+    }
     assert_eq!(by_name(&t, "openat").args.len(), 4);
 }
