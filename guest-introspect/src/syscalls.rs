@@ -89,11 +89,9 @@ pub fn table<V: VirtMemory + ?Sized>(
     let id = index
         .lookup("sys_call_table")
         .ok_or(SyscallError::NoTable)?;
-    let at = index
-        .addr_of("sys_call_table")
-        .ok_or(SyscallError::NoTable)?;
+    let at = index.symbol(id).addr;
     let n = (index.size(id).unwrap_or(0) / 8).min(MAX_SYSCALLS as u64) as u32;
-    let meta = metadata(view, index, btf);
+    let meta = metadata(view, index, btf, u64::from(n));
     // The `__do_sys_` bodies BTF describes, found in one pass.
     let funcs: Vec<(String, TypeInfo)> = btf
         .and_then(|b| b.funcs_with_prefix("__do_sys_").ok())
@@ -144,12 +142,14 @@ pub fn table<V: VirtMemory + ?Sized>(
     Ok(out)
 }
 
-/// (name without `sys_`, args) of each metadata entry; empty without
-/// metadata or BTF for its layout.
+/// (name without `sys_`, args) of each metadata entry (the kernel's own
+/// array has one per call of the table's `calls`); empty without metadata
+/// or BTF for its layout.
 fn metadata<V: VirtMemory + ?Sized>(
     view: &V,
     index: &SymbolIndex,
     btf: Option<&Btf<'_, V>>,
+    calls: u64,
 ) -> Vec<(String, Vec<(String, String)>)> {
     let mut out = Vec::new();
     let Some(b) = btf else {
@@ -166,8 +166,7 @@ fn metadata<V: VirtMemory + ?Sized>(
         .addr_of("syscalls_metadata")
         .and_then(|v| read_u64(view, v).ok())
         .filter(|&p| p != 0)
-        .zip(index.lookup("sys_call_table").and_then(|id| index.size(id)))
-        .map(|(p, size)| (Gva(p), (size / 8).min(MAX_SYSCALLS as u64)));
+        .map(|p| (Gva(p), calls));
     let linked = index
         .addr_of("__start_syscalls_metadata")
         .zip(index.addr_of("__stop_syscalls_metadata"))

@@ -662,21 +662,33 @@ impl<'v, V: VirtMemory + ?Sized> Btf<'v, V> {
 
     /// Whether the string at `off` is `name`.
     pub fn name_is(&self, off: u32, name: &str) -> Result<bool, BtfError> {
-        if off < self.str_first {
-            return match self.parent {
-                Some(p) => p.name_is(off, name),
-                None => Ok(false),
-            };
+        self.string_matches(off, name.as_bytes(), true)
+    }
+
+    /// The blob whose string section holds string offset `off` (a split
+    /// blob's offsets continue its parent's), and the offset in it.
+    fn strings_at(&self, off: u32) -> Option<(&Btf<'v, V>, u32)> {
+        match off.checked_sub(self.str_first) {
+            Some(local) => Some((self, local)),
+            None => self.parent.and_then(|p| p.strings_at(off)),
         }
-        let off = off - self.str_first;
-        let len = name.len() as u32 + 1;
-        if off.checked_add(len).is_none_or(|e| e > self.strings_len) {
+    }
+
+    /// Whether the string at `off` starts with `want` (and ends there, when
+    /// `whole`); false when those bytes are not all inside the string
+    /// section.
+    fn string_matches(&self, off: u32, want: &[u8], whole: bool) -> Result<bool, BtfError> {
+        let Some((b, local)) = self.strings_at(off) else {
+            return Ok(false);
+        };
+        let len = want.len() + usize::from(whole);
+        if u64::from(local) + len as u64 > u64::from(b.strings_len) {
             return Ok(false);
         }
-        let mut buf = alloc::vec![0u8; len as usize];
-        self.view
-            .read_virt(self.strings.wrapping_add(off as u64), &mut buf)?;
-        Ok(buf.split_last() == Some((&0, name.as_bytes())))
+        let mut buf = alloc::vec![0u8; len];
+        b.view
+            .read_virt(b.strings.wrapping_add(u64::from(local)), &mut buf)?;
+        Ok(buf.get(..want.len()) == Some(want) && (!whole || buf.last() == Some(&0)))
     }
 
     /// The first type of `kind` called `name` (one pass over the types).

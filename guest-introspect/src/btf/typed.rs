@@ -108,22 +108,17 @@ impl<V: VirtMemory + ?Sized> Btf<'_, V> {
     /// The string at offset `off` of the string section (a split blob's
     /// offsets continue its parent's), at most [`MAX_NAME`] bytes.
     pub fn name(&self, off: u32) -> Result<String, BtfError> {
-        if off < self.str_first {
-            return match self.parent {
-                Some(p) => p.name(off),
-                None => Err(BtfError::Malformed { at: off }),
-            };
-        }
-        let local = off - self.str_first;
-        let left = self.strings_len.saturating_sub(local) as usize;
+        let (b, local) = self
+            .strings_at(off)
+            .ok_or(BtfError::Malformed { at: off })?;
+        let left = b.strings_len.saturating_sub(local) as usize;
         let mut out = Vec::new();
         let mut at = local;
         let mut chunk = [0u8; 64];
         while out.len() < MAX_NAME.min(left) {
             let n = chunk.len().min(left - out.len());
             let buf = chunk.get_mut(..n).ok_or(BtfError::Malformed { at })?;
-            self.view
-                .read_virt(self.strings.wrapping_add(at as u64), buf)?;
+            b.view.read_virt(b.strings.wrapping_add(at as u64), buf)?;
             if let Some(end) = buf.iter().position(|&c| c == 0) {
                 out.extend_from_slice(buf.get(..end).unwrap_or(&[]));
                 return Ok(String::from_utf8_lossy(&out).into_owned());
@@ -159,7 +154,10 @@ impl<V: VirtMemory + ?Sized> Btf<'_, V> {
         for id in self.first_id..self.first_id + self.count {
             let raw = w.get(off)?;
             let t = self.decode(id, off, &raw)?;
-            if t.kind == Kind::Func && t.name_off != 0 && self.name_starts(t.name_off, prefix)? {
+            if t.kind == Kind::Func
+                && t.name_off != 0
+                && self.string_matches(t.name_off, prefix.as_bytes(), false)?
+            {
                 if out.len() >= MAX_PREFIXED {
                     break;
                 }
@@ -169,28 +167,6 @@ impl<V: VirtMemory + ?Sized> Btf<'_, V> {
             off = super::next_type(off, t.kind, t.vlen)?;
         }
         Ok(out)
-    }
-
-    /// Whether the string at `off` starts with `prefix`.
-    fn name_starts(&self, off: u32, prefix: &str) -> Result<bool, BtfError> {
-        if off < self.str_first {
-            return match self.parent {
-                Some(p) => p.name_starts(off, prefix),
-                None => Ok(false),
-            };
-        }
-        let local = off - self.str_first;
-        let len = prefix.len() as u32;
-        if local.checked_add(len).is_none_or(|e| e > self.strings_len) {
-            return Ok(false);
-        }
-        let mut buf = [0u8; 32];
-        let Some(b) = buf.get_mut(..prefix.len()) else {
-            return Ok(false);
-        };
-        self.view
-            .read_virt(self.strings.wrapping_add(local as u64), b)?;
-        Ok(b == prefix.as_bytes())
     }
 
     /// The prototype of function `func`.

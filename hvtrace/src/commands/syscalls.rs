@@ -88,10 +88,19 @@ pub fn select<'a>(table: &'a [SyscallInfo], names: &[String]) -> Result<Vec<&'a 
     Ok(out)
 }
 
+/// A C type as written in metadata, without `__user` and with single
+/// spaces (`const char *`).
+fn plain_c_type(ctype: &str) -> String {
+    ctype
+        .replace("__user", "")
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// The fetch type of an argument of C type `ctype`.
 fn fetch_type(ctype: &str) -> &'static str {
-    let t = ctype.replace("__user", "");
-    let t = t.split_whitespace().collect::<Vec<_>>().join(" ");
+    let t = plain_c_type(ctype);
     if t.contains('*') {
         return "x64";
     }
@@ -134,9 +143,7 @@ fn is_input_string(ctype: &str, name: &str) -> bool {
         "library",
         "symlink",
     ];
-    let t = ctype.replace("__user", "");
-    let t = t.split_whitespace().collect::<Vec<_>>().join(" ");
-    t == "const char *" && NAMES.contains(&name)
+    plain_c_type(ctype) == "const char *" && NAMES.contains(&name)
 }
 
 /// The entry and return probes of call `s`.

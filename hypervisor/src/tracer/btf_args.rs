@@ -29,12 +29,14 @@ pub(super) fn resolve(
     }
     let view = PagedView::new(env.ram, k.cr3());
     let refused = |e: kprobe::ParseError| ReqError::new(ErrorKind::InvalidArgument, e.report(text));
+    // Without the BTF it needs: an argument BTF only refines stays plain,
+    // any other is refused.
+    let without = |spec: &mut ProbeSpec, e: BtfError| {
+        kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e)).map_err(refused)
+    };
     let index = match k.btf() {
         Ok(i) => i,
-        Err(e) => {
-            return kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e))
-                .map_err(refused)
-        }
+        Err(e) => return without(spec, e),
     };
     let base = Btf::from_index(&view, index);
     let Some((name, module)) = module_of(spec, k) else {
@@ -57,16 +59,11 @@ pub(super) fn resolve(
                 ),
             ))
         }
-        Err(e) => {
-            return kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e))
-                .map_err(refused)
-        }
+        Err(e) => return without(spec, e),
     };
     match Btf::parse_split(&view, &base, range.start, Some(range)) {
         Ok(split) => kprobe::resolve_btf(spec, Ok(&split)).map_err(refused),
-        Err(e) => {
-            kprobe::resolve_btf::<PagedView<'_, dyn GuestDoor>>(spec, Err(e)).map_err(refused)
-        }
+        Err(e) => without(spec, e),
     }
 }
 

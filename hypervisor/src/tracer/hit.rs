@@ -281,7 +281,7 @@ impl<'a> Hit<'a> {
                 .probes
                 .get(id)
                 .is_some_and(|p| !p.spec.args.is_empty())
-        }) || self.returns_read_entry(u)
+        })
     }
 
     /// Whether a return probe on the site reads arguments as they were
@@ -336,12 +336,16 @@ impl<'a> Hit<'a> {
         let cr3 = Cr3(cpu.cr3);
         // The whole frame only for a use that reads registers: fetch
         // arguments, a histogram's, the hooks that take the called
-        // function's arguments. Otherwise its one word that proves the
-        // entry (ip), and `sp`, which the ABI fixes from the frame.
+        // function's arguments, a return probe that reads the entry's
+        // arguments (saved in the call's return frame below). Otherwise its
+        // one word that proves the entry (ip), and `sp`, which the ABI
+        // fixes from the frame.
+        let entry_args_saved = self.returns_read_entry(u);
         let frame_needed = u.users.switch().is_some()
             || u.users.module().is_some()
             || (u.users.has(User::Count) && self.vm.count.histogram.is_some())
-            || self.probes_fetch(u);
+            || self.probes_fetch(u)
+            || entry_args_saved;
         let regs = if frame_needed {
             let mut image = [0u8; trampolines::ptregs::PT_REGS_SIZE];
             self.cpu
@@ -464,9 +468,8 @@ impl<'a> Hit<'a> {
         }
         // The count times this call from its clock read on this entry.
         self.cpu.timed_entry = users.has(User::CountTiming);
-        let entry_args = self
-            .returns_read_entry(u)
-            .then_some([regs.di, regs.si, regs.dx, regs.cx, regs.r8, regs.r9]);
+        let entry_args =
+            entry_args_saved.then_some([regs.di, regs.si, regs.dx, regs.cx, regs.r8, regs.r9]);
         let graph_state = &self.vm.graph;
         graph_state.refresh_stack_map(k, cpu, now_ns, &self.vm.hit);
         if let Some(tramp) = self.vm.region.as_ref().map(Region::return_trampoline) {

@@ -25,7 +25,7 @@
 //! value untyped again, as in the kernel.
 
 use alloc::format;
-use alloc::string::{String, ToString};
+use alloc::string::ToString;
 use alloc::vec::Vec;
 
 use guest_introspect::btf::typed::{Shape, Signature};
@@ -89,7 +89,7 @@ pub fn resolve_btf<V: VirtMemory + ?Sized>(
     if !has_function && plain_without(spec) {
         return Ok(());
     }
-    let mut r = Resolver {
+    let r = Resolver {
         btf,
         symbol: &spec.symbol,
         is_return: spec.kind.is_return(),
@@ -112,17 +112,11 @@ pub fn resolve_btf<V: VirtMemory + ?Sized>(
             if sig.params.is_empty() {
                 return Err(err_at(K::NoBtfArg, b.pos, b.len, "$arg*"));
             }
-            let params: Vec<(usize, String)> = sig
-                .params
-                .iter()
-                .enumerate()
-                .map(|(n, p)| (n, p.name.clone()))
-                .collect();
-            for (n, pname) in params {
-                let (name, var) = if pname.is_empty() {
+            for (n, p) in sig.params.iter().enumerate() {
+                let (name, var) = if p.name.is_empty() {
                     (format!("arg{}", n + 1), BtfVar::Arg(n as u32 + 1))
                 } else {
-                    (pname.clone(), BtfVar::Param(pname))
+                    (p.name.clone(), BtfVar::Param(p.name.clone()))
                 };
                 let clash = RESERVED_ARG_NAMES.contains(&name.as_str())
                     || out.iter().any(|a| a.name == name)
@@ -179,14 +173,14 @@ impl<V: VirtMemory + ?Sized> Resolver<'_, '_, '_, V> {
     }
 
     /// The probed function's prototype.
-    fn signature(&mut self, b: &BtfArg) -> Result<Signature, ParseError> {
+    fn signature(&self, b: &BtfArg) -> Result<&Signature, ParseError> {
         self.sig
-            .clone()
+            .as_ref()
             .ok_or_else(|| err_at(K::NoBtfEntry, b.pos, b.len, self.symbol))
     }
 
     /// One argument with a BTF part, made a plain fetch.
-    fn resolve(&mut self, mut arg: FetchArg) -> Result<FetchArg, ParseError> {
+    fn resolve(&self, mut arg: FetchArg) -> Result<FetchArg, ParseError> {
         let Some(b) = arg.btf.take() else {
             return Ok(arg);
         };
@@ -234,7 +228,7 @@ impl<V: VirtMemory + ?Sized> Resolver<'_, '_, '_, V> {
     }
 
     /// The variable's base fetch and BTF type id.
-    fn variable(&mut self, var: &BtfVar, b: &BtfArg) -> Result<(FetchBase, u32), ParseError> {
+    fn variable(&self, var: &BtfVar, b: &BtfArg) -> Result<(FetchBase, u32), ParseError> {
         let sig = self.signature(b)?;
         let arg_base = |n: u32| {
             if self.is_return {
