@@ -484,9 +484,12 @@ impl Graph {
         let mut entries: [(u8, u16); MAX_USERS] = [(0, 0); MAX_USERS];
         // The return probes' block: their ids, then the arguments saved
         // for those that read them at the return (when they fit).
-        let mut block = [0u64; RETPROBE_BLOCK];
+        // (Filled only when arguments are saved: a graph entry does not pay
+        // for clearing it.)
+        let mut block: [u64; RETPROBE_BLOCK];
         let ids_and_args = match entry_args {
             Some(a) if retprobes.len() + 1 + ENTRY_ARGS <= RETPROBE_BLOCK => {
+                block = [0u64; RETPROBE_BLOCK];
                 let n = retprobes.len();
                 let words = retprobes
                     .iter()
