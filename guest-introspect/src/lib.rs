@@ -90,6 +90,7 @@ pub mod module;
 pub mod paging;
 pub mod scan;
 pub mod stacks;
+pub mod syscall_structs;
 pub mod syscalls;
 pub mod view;
 

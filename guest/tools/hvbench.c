@@ -8,6 +8,19 @@
  *                       exits 0 when the CPU (or hypervisor) raises #UD,
  *                       prints "returned" and exits 1 otherwise
  *   hvbench sleep MS    sleeps MS milliseconds in nanosleep
+ *   hvbench syscalls FILE
+ *                       the system-call oracle's workload, every call made
+ *                       under the comm "hvbench": openat, read and close of
+ *                       /etc/hostname; openat (O_CREAT), write and close of
+ *                       FILE; newfstatat of FILE; an openat that fails
+ *                       (ENOENT); openat2 of /etc/hostname with an open_how
+ *                       (O_RDONLY|O_CLOEXEC, RESOLVE_NO_SYMLINKS) and its
+ *                       close; a fork (clone) whose child execve()s
+ *                       "hvbench exec-child FILE", which reads FILE to
+ *                       stdout; a wait4 for it. Prints
+ *                       "hvsys child=PID status=S bytes=N"
+ *   hvbench exec-child FILE
+ *                       openat, read, write to stdout and close of FILE
  *   hvbench switch N    N round trips of one byte between two processes
  *                       over two pipes (2N context switches on one CPU):
  *                       the child sleeps in read(), the parent in poll()
@@ -43,6 +56,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/openat2.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -153,6 +168,58 @@ static int rounds(long n, const char *fifo, const char *cpu_arg)
 	return 1;
 }
 
+static int cat_file(const char *path)
+{
+	char buf[256];
+	int fd = open(path, O_RDONLY);
+	if (fd < 0)
+		return 1;
+	ssize_t n = read(fd, buf, sizeof buf);
+	if (n > 0 && write(1, buf, (size_t)n) != n)
+		return 1;
+	close(fd);
+	return n > 0 ? 0 : 1;
+}
+
+static int syscalls_workload(const char *file)
+{
+	char buf[256];
+	int fd = open("/etc/hostname", O_RDONLY);
+	if (fd < 0)
+		return 1;
+	ssize_t n = read(fd, buf, sizeof buf);
+	close(fd);
+	if (n <= 0)
+		return 1;
+	int out = open(file, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+	if (out < 0 || write(out, buf, (size_t)n) != n)
+		return 1;
+	close(out);
+	struct stat st;
+	if (stat(file, &st) || st.st_size != n)
+		return 1;
+	if (open("/nonexistent/hvsys", O_RDONLY) >= 0)
+		return 1;
+	struct open_how how = { .flags = O_RDONLY | O_CLOEXEC, .resolve = RESOLVE_NO_SYMLINKS };
+	long fd2 = syscall(SYS_openat2, AT_FDCWD, "/etc/hostname", &how, sizeof how);
+	if (fd2 < 0)
+		return 1;
+	close((int)fd2);
+	fflush(stdout);
+	pid_t child = fork();
+	if (child < 0)
+		return 1;
+	if (child == 0) {
+		execl("/bin/hvbench", "hvbench", "exec-child", file, (char *)NULL);
+		_exit(127);
+	}
+	int status = 0;
+	if (waitpid(child, &status, 0) != child)
+		return 1;
+	printf("hvsys child=%d status=%d bytes=%zd\n", (int)child, status, n);
+	return status != 0;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 2)
@@ -180,6 +247,10 @@ int main(int argc, char **argv)
 		nanosleep(&ts, NULL);
 		return 0;
 	}
+	if (!strcmp(argv[1], "syscalls") && argc == 3)
+		return syscalls_workload(argv[2]);
+	if (!strcmp(argv[1], "exec-child") && argc == 3)
+		return cat_file(argv[2]);
 	if (!strcmp(argv[1], "switch") && argc == 3) {
 		long n = strtol(argv[2], NULL, 0);
 		int there[2], back[2];

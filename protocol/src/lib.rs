@@ -67,13 +67,14 @@ pub use message::{
     Body, ChannelReport, CountFilter, CountPage, ErrorKind, Event, ExitCount, Frame, FunctionCount,
     GraphFilter, GraphSessionReport, GuardReport, GuestState, HistFilter, HistKey, HistRow,
     KernelReport, ModulesReport, ProbeInfo, RenderContext, Request, Response, RingAt, RootTime,
-    StatusReport, SymbolInfo, SymbolsPart, SyscallInfo, TaskInfo, TraceChannel, TraceFormat,
-    TracerReport, VcpuReport, LATENCY_BUCKETS, RECORD_CONTINUES, RECORD_LEN_MASK, RECORD_MORE,
+    StatusReport, SymbolInfo, SymbolsPart, SyscallField, SyscallInfo, SyscallStruct, TaskInfo,
+    TraceChannel, TraceFormat, TracerReport, VcpuReport, LATENCY_BUCKETS, RECORD_CONTINUES,
+    RECORD_LEN_MASK, RECORD_MORE,
 };
 
 /// The version of the wire format: the frame header, the framing and every
 /// message type. Both ends must agree exactly.
-pub const PROTOCOL_VERSION: u16 = 18;
+pub const PROTOCOL_VERSION: u16 = 19;
 
 #[cfg(test)]
 mod tests;

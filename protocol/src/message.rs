@@ -295,6 +295,13 @@ pub struct FunctionCount {
     pub addr: u64,
     /// Calls counted.
     pub calls: u64,
+    /// With [`CountFilter::latency`]: the timed calls that returned an
+    /// errno (a value from -4095 to -1 as a `long`, as system calls and
+    /// `ERR_PTR` do); 0 otherwise.
+    pub errors: u64,
+    /// With [`CountFilter::latency`]: the timed calls' durations, summed,
+    /// in nanoseconds; 0 otherwise.
+    pub total_ns: u64,
 }
 
 /// The path trace events take to the host.
@@ -1021,6 +1028,33 @@ pub struct SyscallInfo {
     /// Where the arguments came from: `metadata` (the guest's ftrace
     /// syscall metadata), `btf` (`__do_sys_NAME`'s prototype) or `none`.
     pub source: String,
+    /// The structs the call reads from its caller (`openat2`'s `struct
+    /// open_how`), laid out from the guest's BTF.
+    pub structs: Vec<SyscallStruct>,
+}
+
+/// A struct a system call reads from its caller, by a user pointer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyscallStruct {
+    /// The pointer argument's index (0 for the first).
+    pub arg: u8,
+    /// The struct's name (`open_how`).
+    pub name: String,
+    /// Its scalar members, in order.
+    pub fields: Vec<SyscallField>,
+}
+
+/// A scalar member of a [`SyscallStruct`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyscallField {
+    /// Its name.
+    pub name: String,
+    /// Its byte offset.
+    pub offset: u32,
+    /// Its bytes: 1, 2, 4 or 8.
+    pub size: u8,
+    /// Whether it is a signed integer.
+    pub signed: bool,
 }
 
 /// One symbol of a [`Response::Syms`] answer.

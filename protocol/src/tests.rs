@@ -209,6 +209,16 @@ fn samples() -> Vec<Body> {
                     ("const char *".into(), "filename".into()),
                 ],
                 source: "metadata".into(),
+                structs: vec![SyscallStruct {
+                    arg: 2,
+                    name: "open_how".into(),
+                    fields: vec![SyscallField {
+                        name: "flags".into(),
+                        offset: 0,
+                        size: 8,
+                        signed: false,
+                    }],
+                }],
             }],
         }),
         Body::Request(Request::ProbeAdd {
@@ -307,6 +317,8 @@ fn samples() -> Vec<Body> {
                 name: "ext4_file_read_iter [ext4]".into(),
                 addr: 0xffff_ffff_c000_1000,
                 calls: 12,
+                errors: 0,
+                total_ns: 0,
             }],
             next: Some(0xffff_ffff_c000_1001),
             latency: vec![0, 1, u64::MAX, 3],

@@ -182,3 +182,95 @@ fn one_shot_hist() {
     }
     ck.finish();
 }
+
+/// `hvtrace run --syscalls openat,read,write,close --count-comm dd
+/// --format json --exec 'dd if=/etc/hostname bs=64 count=1'` as a user
+/// types it: one boot, one line per call of dd, paired: dd opens the file
+/// (the name read from its memory), reads the bytes the command printed,
+/// writes them to fd 1, and closes what it opened.
+#[test]
+fn one_shot_syscalls() {
+    let _vm = vm_lock();
+    let output = Command::new(hvtrace_bin())
+        .args([
+            "run",
+            "--guest",
+            "fast",
+            "--syscalls=openat,read,write,close",
+            "--count-comm",
+            "dd",
+            "--format",
+            "json",
+            "--exec",
+            "dd if=/etc/hostname bs=64 count=1",
+        ])
+        .arg("--hypervisor")
+        .arg(hypervisor_image())
+        .output()
+        .expect("running hvtrace run");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    println!(
+        "hvtrace run --syscalls: {}\n{stderr}\n{stdout}",
+        output.status
+    );
+    let mut ck = Checks::new();
+    ck.check(
+        output.status.success(),
+        format!("hvtrace run --syscalls succeeded: {}", output.status),
+    );
+    // The command's output, as the run copied it to stderr.
+    let hostname = stderr
+        .lines()
+        .skip_while(|l| !l.contains("$ dd if=/etc/hostname"))
+        .nth(1)
+        .unwrap_or("")
+        .to_string();
+    ck.check(!hostname.is_empty(), "the command printed the hostname");
+    let calls: Vec<serde_json::Value> = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    ck.check(
+        !calls.is_empty() && calls.iter().all(|c| c["comm"] == "dd"),
+        "only dd's calls",
+    );
+    let open = calls
+        .iter()
+        .find(|c| c["syscall"] == "openat" && c["args"]["filename"] == "/etc/hostname");
+    let fd = open.and_then(|c| c["ret"].as_i64()).unwrap_or(-1);
+    ck.check(fd >= 3, format!("dd opened /etc/hostname: {open:?}"));
+    ck.eq(
+        "openat's number",
+        open.map(|c| c["nr"].clone()),
+        Some(257.into()),
+    );
+    let len = hostname.len() as i64 + 1;
+    let read = calls
+        .iter()
+        .find(|c| c["syscall"] == "read" && c["args"]["fd"].as_i64() == Some(fd));
+    ck.eq(
+        "the first read of that fd returned the hostname's bytes",
+        read.and_then(|c| c["ret"].as_i64()),
+        Some(len),
+    );
+    let write = calls
+        .iter()
+        .find(|c| c["syscall"] == "write" && c["args"]["fd"] == 1);
+    ck.eq(
+        "dd wrote them to fd 1",
+        write.map(|c| (c["args"]["count"].as_i64(), c["ret"].as_i64())),
+        Some((Some(len), Some(len))),
+    );
+    ck.check(
+        calls.iter().any(|c| {
+            c["syscall"] == "close" && c["args"]["fd"].as_i64() == Some(fd) && c["ret"] == 0
+        }),
+        "dd closed it",
+    );
+    ck.check(
+        stderr.contains("hvtrace: tracing 4 system calls"),
+        "the arming line on stderr",
+    );
+    ck.finish();
+}

@@ -169,6 +169,46 @@ impl<V: VirtMemory + ?Sized> Btf<'_, V> {
         Ok(out)
     }
 
+    /// The named direct members of struct or union `t` (anonymous ones
+    /// left out), in order: (name, member), at most [`MAX_PARAMS`].
+    pub fn fields(&self, t: &TypeInfo) -> Result<Vec<(String, super::Member)>, BtfError> {
+        if !matches!(t.kind, Kind::Struct | Kind::Union) || t.vlen > MAX_PARAMS {
+            return Err(BtfError::UnexpectedType("struct"));
+        }
+        let owner = self.owner(t.id)?;
+        let mut out = Vec::new();
+        crate::fallible::try_reserve(&mut out, t.vlen as usize)?;
+        for i in 0..t.vlen {
+            let at = t
+                .extra_at
+                .checked_add(12 * i)
+                .filter(|a| a.checked_add(12).is_some_and(|e| e <= owner.types_len))
+                .ok_or(BtfError::Malformed { at: t.extra_at })?;
+            let mut m = [0u8; 12];
+            owner
+                .view
+                .read_virt(owner.types.wrapping_add(at as u64), &mut m)?;
+            let (name_off, type_id, raw) = (u32_le(&m, 0), u32_le(&m, 4), u32_le(&m, 8));
+            if name_off == 0 {
+                continue;
+            }
+            let (bits, bit_offset) = if t.kind_flag {
+                (raw >> 24, raw & 0xff_ffff)
+            } else {
+                (0, raw)
+            };
+            out.push((
+                self.name(name_off)?,
+                super::Member {
+                    bit_offset: u64::from(bit_offset),
+                    bitfield_bits: bits,
+                    type_id,
+                },
+            ));
+        }
+        Ok(out)
+    }
+
     /// The prototype of function `func`.
     pub fn signature_of(&self, func: &TypeInfo) -> Result<Signature, BtfError> {
         let func = *func;

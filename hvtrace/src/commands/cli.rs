@@ -432,9 +432,9 @@ pub struct SuperviseArgs {
 
 /// Options of `hvtrace run`.
 #[derive(Clone, Debug, Args)]
-#[command(group(ArgGroup::new("tracing").args(["probes", "functions", "graphs"]).multiple(true).requires("exec")))]
-#[command(group(ArgGroup::new("aggregate").args(["counts", "hist"]).multiple(true)))]
-#[command(group(ArgGroup::new("formatted").args(["probes", "functions", "graphs", "counts", "hist"]).multiple(true)))]
+#[command(group(ArgGroup::new("tracing").args(["probes", "functions", "graphs", "syscalls"]).multiple(true).requires("exec")))]
+#[command(group(ArgGroup::new("aggregate").args(["counts", "hist", "syscalls"]).multiple(true)))]
+#[command(group(ArgGroup::new("formatted").args(["probes", "functions", "graphs", "counts", "hist", "syscalls"]).multiple(true)))]
 #[command(group(ArgGroup::new("graph_filter").args(["trace", "notrace", "graph_notrace", "max_depth", "stack_frames", "comm", "retval"]).multiple(true).requires("graphs")))]
 pub struct RunArgs {
     /// Built-in guest kernel (built or downloaded on first use).
@@ -501,8 +501,8 @@ pub struct RunArgs {
     #[arg(long = "count", value_name = "GLOB", conflicts_with_all = ["bare", "probes", "functions", "graphs"])]
     pub counts: Vec<String>,
 
-    /// With --count or --hist: only the calls of tasks with this name
-    /// (comm).
+    /// With --count, --hist or --syscalls: only the calls of tasks with
+    /// this name (comm).
     #[arg(long, value_name = "NAME", requires = "aggregate")]
     pub count_comm: Option<String>,
 
@@ -520,6 +520,14 @@ pub struct RunArgs {
     /// With --hist: what the histogram's rows are grouped by [default: func].
     #[arg(long, value_enum, value_name = "KEY", requires = "hist")]
     pub hist_key: Option<HistKeyArg>,
+
+    /// Trace these system calls (`openat,read`; every call of the guest
+    /// when no list is given) while the --exec commands run, one line per
+    /// call as `hvtrace syscalls` prints them (text, or JSON with
+    /// `--format json`), to stdout or --output.
+    #[arg(long = "syscalls", value_name = "NAMES", num_args = 0..=1, default_missing_value = "",
+          conflicts_with_all = ["bare", "probes", "functions", "graphs", "counts", "hist"])]
+    pub syscalls: Option<String>,
 
     /// Add this probe (kprobe_events syntax) before the --exec commands run,
     /// and write the trace of the commands to stdout or --output (repeatable).
@@ -546,8 +554,8 @@ pub struct RunArgs {
     #[arg(long, value_enum, value_name = "FORMAT", requires = "formatted")]
     pub format: Option<OutputFormatArg>,
 
-    /// Write the trace to FILE instead of stdout (with --probe, --function
-    /// or --graph).
+    /// Write the trace to FILE instead of stdout (with --probe, --function,
+    /// --graph or --syscalls).
     #[arg(long, value_name = "FILE", requires = "tracing")]
     pub output: Option<PathBuf>,
 

@@ -436,7 +436,7 @@ pub fn count(socket: &Path, args: &CountArgs, latency: bool) -> Result<u8> {
 /// (its summary line on stderr after `label`), waits for its end, shows
 /// it with `show` at each interval and at the end, and stops it whatever
 /// happened (its error comes second).
-fn aggregate(
+pub fn aggregate(
     socket: &Path,
     filter: CountFilter,
     label: &str,
@@ -519,16 +519,22 @@ mod tests {
                     name: "vfs_read".into(),
                     addr: 0xffff_ffff_8130_0000,
                     calls: 12,
+                    errors: 0,
+                    total_ns: 0,
                 },
                 FunctionCount {
                     name: "vfs_open".into(),
                     addr: 0xffff_ffff_8130_1000,
                     calls: 1,
+                    errors: 0,
+                    total_ns: 0,
                 },
                 FunctionCount {
                     name: "ext4_file_open [ext4]".into(),
                     addr: 0xffff_ffff_c000_1000,
                     calls: 3,
+                    errors: 0,
+                    total_ns: 0,
                 },
             ],
             latency: vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 1],
@@ -704,6 +710,8 @@ mod tests {
                         name: format!("f{cursor}"),
                         addr: cursor,
                         calls: 1,
+                        errors: 0,
+                        total_ns: 0,
                     }],
                     next,
                     latency: vec![],

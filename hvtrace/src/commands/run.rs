@@ -25,15 +25,15 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use protocol::GraphFilter;
 
-use crate::commands::cli::{OutputFormatArg, RunArgs};
+use crate::commands::cli::{OutputFormatArg, RunArgs, SyscallsArgs};
 use crate::commands::trace_read::{self, TraceEnd, TraceOutput, TraceReader};
-use crate::commands::{count, ctl};
+use crate::commands::{count, ctl, syscalls};
 use crate::control::Control;
 use crate::daemon::local::LocalVm;
 use crate::daemon::supervisor::Ending;
@@ -71,6 +71,9 @@ pub fn run(args: &RunArgs) -> Result<u8> {
     }
     if let Some(spec) = &args.hist {
         return run_hist(args, spec);
+    }
+    if let Some(names) = &args.syscalls {
+        return run_syscalls(args, names);
     }
     if args.traces() {
         return run_traced(args);
@@ -341,7 +344,19 @@ fn trace_commands(
     }
     trace_read::start_trace(&mut control, format).context("cannot start the trace")?;
     let reader = TraceReader::new(format).with_source(trace_source(session, output_format));
+    trace_while_running(vm, &args.exec, control, reader, out, session)
+}
 
+/// Copies the trace from `reader` to `out` while the commands run, and
+/// until it is quiet after them.
+fn trace_while_running(
+    vm: &LocalVm,
+    commands: &[String],
+    control: crate::daemon::local::LocalControl,
+    reader: TraceReader,
+    out: &mut TraceOutput,
+    session: Option<u32>,
+) -> Result<Traced> {
     let done = OnceLock::new();
     let abort = AtomicBool::new(false);
     std::thread::scope(|scope| {
@@ -352,7 +367,7 @@ fn trace_commands(
             abort.store(true, Ordering::Relaxed);
             result
         });
-        let commands = run_commands(vm, &args.exec, &abort);
+        let commands = run_commands(vm, commands, &abort);
         // An error or a Ctrl-C: the trace goes no further either.
         if !matches!(commands, Ok((_, false))) {
             abort.store(true, Ordering::Relaxed);
@@ -371,6 +386,80 @@ fn trace_commands(
             interrupted,
         })
     })
+}
+
+/// `hvtrace run --syscalls [NAMES] --exec ...`: traces the system calls
+/// while the commands run, one line per call as `hvtrace syscalls`
+/// prints them; then stops the VM.
+fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
+    let json = match args.format {
+        None | Some(OutputFormatArg::Text) => false,
+        Some(OutputFormatArg::Json) => true,
+        Some(other) => bail!("--syscalls prints text or json, not {other:?}"),
+    };
+    let sink: Box<dyn Write + Send> = match &args.output {
+        Some(path) => Box::new(std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        )),
+        None => trace_read::stdout_for(if json {
+            protocol::TraceFormat::Json
+        } else {
+            protocol::TraceFormat::Text
+        }),
+    };
+    let shown = SyscallsArgs {
+        names: vec![names.to_string()],
+        comm: args.count_comm.clone(),
+        pid: None,
+        failed: false,
+        json,
+        summary: false,
+        list: false,
+        duration: None,
+        exec: None,
+    };
+    let cfg = args.resolve()?;
+    note_tcg(&cfg);
+    let vm = LocalVm::start(cfg)?;
+    let mut control = vm.control();
+    let table = syscalls::table(&mut control)?;
+    let Some(armed) = syscalls::arm(&mut control, &table, &shown.names)? else {
+        let report = vm.stop()?;
+        return finish(&report, ctl::INTERRUPTED_EXIT);
+    };
+    let pairer = Arc::new(Mutex::new(syscalls::Pairer::new(
+        &shown,
+        armed.nr.clone(),
+        armed.folds.clone(),
+        sink,
+    )));
+    let mut out = TraceOutput::copy(syscalls::pair_writer(pairer.clone()));
+    let format = protocol::TraceFormat::Json;
+    trace_read::start_trace(&mut control, format).context("cannot start the trace")?;
+    let reader = TraceReader::new(format).with_source(Some(0));
+    let traced = trace_while_running(&vm, &args.exec, control, reader, &mut out, None);
+    out.finish().context("cannot write the trace")?;
+    let traced = traced?;
+    let calls: u64 = pairer
+        .lock()
+        .map_err(|_| anyhow!("the trace writer failed"))?
+        .tally
+        .values()
+        .map(|t| t.calls)
+        .sum();
+    let report = vm.stop()?;
+    let lost = match traced.lost {
+        0 => String::new(),
+        n => format!(", {n} events lost"),
+    };
+    eprintln!("hvtrace: {calls} system calls{lost}");
+    end_of_commands(
+        &report,
+        args,
+        traced.failed,
+        traced.interrupted || sys::interrupted(),
+    )
 }
 
 /// Runs the commands in the guest shell, each announced on stderr and its
@@ -487,6 +576,43 @@ mod tests {
             crate::commands::cli::Command::Run(args) => args,
             other => panic!("not run: {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_run_traces_the_system_calls_named_or_all() {
+        assert_eq!(
+            run_args(&["--syscalls", "--exec", "true"])
+                .syscalls
+                .as_deref(),
+            Some("")
+        );
+        let a = run_args(&[
+            "--syscalls=openat,read",
+            "--count-comm",
+            "cat",
+            "--format",
+            "json",
+            "--exec",
+            "cat /etc/hostname",
+        ]);
+        assert_eq!(a.syscalls.as_deref(), Some("openat,read"));
+        assert_eq!(a.count_comm.as_deref(), Some("cat"));
+        assert_eq!(run_args(&["--exec", "true"]).syscalls, None);
+        let parse = |argv: &[&str]| {
+            let mut full = vec!["hvtrace", "run"];
+            full.extend_from_slice(argv);
+            crate::commands::cli::Cli::try_parse_from(full).is_ok()
+        };
+        // A one-shot: it needs commands, and traces nothing else at once.
+        assert!(!parse(&["--syscalls"]));
+        assert!(!parse(&[
+            "--syscalls",
+            "--probe",
+            "p vfs_read",
+            "--exec",
+            "true"
+        ]));
+        assert!(!parse(&["--syscalls", "--bare", "--exec", "true"]));
     }
 
     #[test]

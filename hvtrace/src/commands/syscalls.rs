@@ -19,7 +19,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use protocol::{Request, Response, SyscallInfo, TraceFormat};
 use serde_json::Value;
 
@@ -146,6 +146,80 @@ fn is_input_string(ctype: &str, name: &str) -> bool {
     plain_c_type(ctype) == "const char *" && NAMES.contains(&name)
 }
 
+/// Most `argv` strings read of an `execve`.
+pub const MAX_ARGV: usize = 8;
+
+/// Whether argument `name` of C type `ctype` is an exec's `argv` (`const
+/// char *const *`).
+fn is_argv(ctype: &str, name: &str) -> bool {
+    name == "argv" && plain_c_type(ctype).replace(' ', "") == "constchar*const*"
+}
+
+/// How the entry probe's fields of call `s` fold back into its
+/// arguments: `argv` strings into a list, struct members into an object.
+#[derive(Clone, Debug, Default)]
+pub struct Folds {
+    /// The argument that is an `argv`.
+    argv: Option<String>,
+    /// (argument, (field as probed, member name)) of each struct read.
+    structs: Vec<(String, Vec<(String, String)>)>,
+}
+
+impl Folds {
+    /// The folds of call `s`, named as [`specs`] names the fields.
+    pub fn of(s: &SyscallInfo) -> Folds {
+        let mut f = Folds::default();
+        for (i, (ctype, name)) in s.args.iter().enumerate() {
+            let arg = arg_name(name);
+            if is_argv(ctype, name) {
+                f.argv = Some(arg.clone());
+            }
+            for st in s.structs.iter().filter(|st| usize::from(st.arg) == i) {
+                let fields = st
+                    .fields
+                    .iter()
+                    .map(|m| (arg_name(&format!("{arg}_{}", m.name)), m.name.clone()))
+                    .collect();
+                f.structs.push((arg.clone(), fields));
+            }
+        }
+        f
+    }
+
+    /// Folds `args` (the entry probe's fields) in place.
+    fn apply(&self, args: &mut serde_json::Map<String, Value>) {
+        if let Some(argv) = &self.argv {
+            let mut list = Vec::new();
+            let mut ended = false;
+            for k in 0..MAX_ARGV {
+                match args.remove(&format!("{argv}_{k}")) {
+                    Some(Value::String(s)) if !ended => list.push(Value::String(s)),
+                    _ => ended = true,
+                }
+            }
+            let more = args.remove(&format!("{argv}_more"));
+            if !ended && more.is_some_and(|m| m.as_str().is_some_and(|m| m != "0x0")) {
+                list.push(Value::from("..."));
+            }
+            // A pointer that did not read (null, a fault) stays a pointer.
+            if !list.is_empty() {
+                args.insert(argv.clone(), Value::Array(list));
+            }
+        }
+        for (arg, fields) in &self.structs {
+            let mut o = serde_json::Map::new();
+            for (probed, member) in fields {
+                if let Some(v) = args.remove(probed).filter(|v| !v.is_null()) {
+                    o.insert(member.clone(), v);
+                }
+            }
+            if o.len() == fields.len() {
+                args.insert(arg.clone(), Value::Object(o));
+            }
+        }
+    }
+}
+
 /// The entry and return probes of call `s`.
 pub fn specs(s: &SyscallInfo) -> (String, String) {
     let mut entry = format!("p:{GROUP}/sys_{} {}", s.name, s.entry);
@@ -154,13 +228,42 @@ pub fn specs(s: &SyscallInfo) -> (String, String) {
             entry.push_str(&format!(" arg{}=+{off}($arg1):x64", i + 1));
         }
     } else {
-        for ((ctype, name), (off, _)) in s.args.iter().zip(ARG_REGS) {
+        for (i, ((ctype, name), (off, _))) in s.args.iter().zip(ARG_REGS).enumerate() {
             let string = is_input_string(ctype, name);
+            let argv = is_argv(ctype, name);
             let name = arg_name(name);
             if string {
                 entry.push_str(&format!(" {name}=+0(+{off}($arg1)):ustring"));
-            } else {
-                entry.push_str(&format!(" {name}=+{off}($arg1):{}", fetch_type(ctype)));
+                continue;
+            }
+            entry.push_str(&format!(" {name}=+{off}($arg1):{}", fetch_type(ctype)));
+            if argv {
+                // The strings up to the first null pointer (the host cuts
+                // there), and whether there are more.
+                for k in 0..MAX_ARGV {
+                    entry.push_str(&format!(
+                        " {name}_{k}=+0(+{}(+{off}($arg1))):ustring",
+                        8 * k
+                    ));
+                }
+                entry.push_str(&format!(
+                    " {name}_more=+{}(+{off}($arg1)):x64",
+                    8 * MAX_ARGV
+                ));
+            }
+            for st in s.structs.iter().filter(|st| usize::from(st.arg) == i) {
+                for f in &st.fields {
+                    let t = format!(
+                        "{}{}",
+                        if f.signed { 's' } else { 'u' },
+                        8 * u32::from(f.size)
+                    );
+                    entry.push_str(&format!(
+                        " {}=+{}(+{off}($arg1)):{t}",
+                        arg_name(&format!("{name}_{}", f.name)),
+                        f.offset
+                    ));
+                }
             }
         }
     }
@@ -311,6 +414,31 @@ pub fn at_flags(v: u64) -> String {
     parts.join("|")
 }
 
+/// `RESOLVE_*` flags of `openat2` (include/uapi/linux/openat2.h).
+pub fn resolve_flags(v: u64) -> String {
+    const BITS: [(u64, &str); 6] = [
+        (0x01, "RESOLVE_NO_XDEV"),
+        (0x02, "RESOLVE_NO_MAGICLINKS"),
+        (0x04, "RESOLVE_NO_SYMLINKS"),
+        (0x08, "RESOLVE_BENEATH"),
+        (0x10, "RESOLVE_IN_ROOT"),
+        (0x20, "RESOLVE_CACHED"),
+    ];
+    if v == 0 {
+        return "0".into();
+    }
+    let mut parts: Vec<String> = BITS
+        .iter()
+        .filter(|(b, _)| v & b != 0)
+        .map(|(_, n)| n.to_string())
+        .collect();
+    let left = v & !0x3f;
+    if left != 0 {
+        parts.push(format!("{left:#x}"));
+    }
+    parts.join("|")
+}
+
 /// One argument as the text line shows it.
 fn show_arg(call: &str, name: &str, v: &Value) -> String {
     match v {
@@ -324,10 +452,36 @@ fn show_arg(call: &str, name: &str, v: &Value) -> String {
             match name {
                 "dfd" | "olddfd" | "newdfd" | "fd" if i == -100 => "AT_FDCWD".into(),
                 "flags" if matches!(call, "open" | "openat") => open_flags(u),
+                "resolve" if call == "openat2" => resolve_flags(u),
                 "flag" | "flags" if is_at => at_flags(u),
                 _ => n.to_string(),
             }
         }
+        Value::Array(items) => format!(
+            "[{}]",
+            items
+                .iter()
+                .map(|v| match v.as_str() {
+                    Some("...") => "...".to_string(),
+                    _ => show_arg(call, "", v),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        Value::Object(fields) => format!(
+            "{{{}}}",
+            fields
+                .iter()
+                .map(|(k, v)| {
+                    let shown = match (k.as_str(), v.as_u64()) {
+                        ("flags", Some(u)) if call == "openat2" => open_flags(u),
+                        _ => show_arg(call, k, v),
+                    };
+                    format!("{k}: {shown}")
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
         other => other.to_string(),
     }
 }
@@ -356,9 +510,12 @@ pub struct Pairer {
     failed: bool,
     /// Each task's call in flight.
     open: HashMap<i64, Entry>,
-    /// Per call: calls and errors (of the calls the filters keep).
+    /// Per call: calls and errors (of the calls the filters keep), for the
+    /// line a run ends with.
     pub tally: BTreeMap<String, Tally>,
     nr: HashMap<String, u32>,
+    /// Per call (`sys_openat2`): how its fields fold.
+    folds: HashMap<String, Folds>,
     pending: Vec<u8>,
     out: Box<dyn Write + Send>,
 }
@@ -367,6 +524,7 @@ impl Pairer {
     pub fn new(
         args: &SyscallsArgs,
         nr: HashMap<String, u32>,
+        folds: HashMap<String, Folds>,
         out: Box<dyn Write + Send>,
     ) -> Pairer {
         Pairer {
@@ -377,6 +535,7 @@ impl Pairer {
             open: HashMap::new(),
             tally: BTreeMap::new(),
             nr,
+            folds,
             pending: Vec::new(),
             out,
         }
@@ -407,6 +566,10 @@ impl Pairer {
         let Some(call) = event.strip_prefix("sys_") else {
             return Ok(());
         };
+        let mut args = args;
+        if let Some(f) = self.folds.get(event) {
+            f.apply(&mut args);
+        }
         let e = Entry {
             ts: v
                 .get("ts")
@@ -491,28 +654,6 @@ impl Pairer {
         s.push('\n');
         self.out.write_all(s.as_bytes())
     }
-
-    /// `--summary`: calls and errors per call, most called first.
-    pub fn summary(&self) -> String {
-        let mut rows: Vec<(&String, &Tally)> = self.tally.iter().collect();
-        rows.sort_by(|a, b| b.1.calls.cmp(&a.1.calls).then(a.0.cmp(b.0)));
-        let mut s = format!("{:>9} {:>9} syscall\n", "calls", "errors");
-        s.push_str(&format!("{:-<9} {:-<9} {:-<16}\n", "", "", ""));
-        let (mut calls, mut errors) = (0, 0);
-        for (name, t) in rows {
-            let e = if t.errors == 0 {
-                String::new()
-            } else {
-                t.errors.to_string()
-            };
-            s.push_str(&format!("{:>9} {:>9} {name}\n", t.calls, e));
-            calls += t.calls;
-            errors += t.errors;
-        }
-        s.push_str(&format!("{:-<9} {:-<9} {:-<16}\n", "", "", ""));
-        s.push_str(&format!("{calls:>9} {errors:>9} total\n"));
-        s
-    }
 }
 
 /// A writer of the probes' JSON lines that pairs them ([`Pairer`]).
@@ -549,38 +690,43 @@ fn delete(control: &mut dyn Control, names: &[String]) {
     }
 }
 
-/// `hvtrace syscalls`.
-pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
-    let mut client = open(socket)?;
-    let table = table(&mut client)?;
-    if args.list {
-        for s in &table {
-            let a: Vec<String> = s.args.iter().map(|(t, n)| format!("{t} {n}")).collect();
-            println!("{:>4} {}({}) [{}]", s.nr, s.name, a.join(", "), s.source);
-        }
-        return Ok(0);
-    }
-    let chosen = select(&table, &args.names)?;
-    // The stream from now on: the calls the probes below will record.
-    let mut reader = TraceReader::at_end(&mut client, TraceFormat::Json)?.with_source(Some(0));
-    let nr: HashMap<String, u32> = chosen.iter().map(|s| (s.name.clone(), s.nr)).collect();
+/// The probes of the calls chosen, added.
+pub struct Armed {
+    /// The probes added (`GROUP/EVENT`), to delete at the end.
+    pub added: Vec<String>,
+    /// Number of each call traced, by name.
+    pub nr: HashMap<String, u32>,
+    /// How each call's fields fold (by event, `sys_openat2`).
+    pub folds: HashMap<String, Folds>,
+}
+
+/// Adds the entry and return probes of the calls `names` (every call when
+/// empty) of the guest's `table`, and says on stderr how many and where
+/// their arguments came from. `None`: a Ctrl-C came first (what was added
+/// is deleted).
+pub fn arm(
+    control: &mut dyn Control,
+    table: &[SyscallInfo],
+    names: &[String],
+) -> Result<Option<Armed>> {
+    let chosen = select(table, names)?;
     let mut added = Vec::new();
     let mut skipped = Vec::new();
     let t0 = Instant::now();
     for s in &chosen {
         if sys::interrupted() {
-            delete(&mut client, &added);
-            return Ok(INTERRUPTED_EXIT);
+            delete(control, &added);
+            return Ok(None);
         }
         let (entry, ret) = specs(s);
-        match add_probe(&mut client, &entry) {
+        match add_probe(control, &entry) {
             Ok((name, _)) => added.push(name),
             Err(e) => {
                 skipped.push(format!("{}: {e:#}", s.name));
                 continue;
             }
         }
-        match add_probe(&mut client, &ret) {
+        match add_probe(control, &ret) {
             Ok((name, _)) => added.push(name),
             Err(e) => skipped.push(format!("{} (return): {e:#}", s.name)),
         }
@@ -595,14 +741,188 @@ pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
         t0.elapsed().as_secs_f64()
     );
     for s in skipped.iter().take(8) {
-        eprintln!("hvtrace: skipped {s}");
+        eprintln!("hvtrace: skipped {}", term::sanitize(s));
     }
     if added.is_empty() {
         bail!("no system call could be traced");
     }
+    Ok(Some(Armed {
+        added,
+        nr: chosen.iter().map(|s| (s.name.clone(), s.nr)).collect(),
+        folds: chosen
+            .iter()
+            .map(|s| (format!("sys_{}", s.name), Folds::of(s)))
+            .collect(),
+    }))
+}
+
+/// A writer that takes the probes' JSON lines and writes one line per
+/// call to the pairer's output.
+pub fn pair_writer(pairer: Arc<Mutex<Pairer>>) -> Box<dyn Write + Send> {
+    Box::new(PairWriter(pairer))
+}
+
+/// Deletes the probes [`arm`] added.
+pub fn disarm(control: &mut dyn Control, armed: &Armed) {
+    delete(control, &armed.added);
+}
+
+/// Most calls `--summary` names one by one (a count's globs); more, and
+/// it counts every call and shows those named.
+const SUMMARY_NAMED: usize = 32;
+
+/// `--summary`: calls, errors and time per call, counted in VMX root (a
+/// count of the calls' `__x64_sys_` entries, timed through their returns,
+/// filtered there by pid and comm); no call is recorded.
+fn summary(socket: &Path, table: &[SyscallInfo], args: &SyscallsArgs) -> Result<u8> {
+    let chosen = select(table, &args.names)?;
+    let every = args.names.is_empty() || chosen.len() > SUMMARY_NAMED;
+    let functions = if every {
+        vec!["__x64_sys_*".to_string()]
+    } else {
+        chosen.iter().map(|s| s.entry.clone()).collect()
+    };
+    let wanted: HashMap<&str, &str> = chosen
+        .iter()
+        .map(|s| (s.entry.as_str(), s.name.as_str()))
+        .collect();
+    let filter = super::count::filter(&functions, args.pid, args.comm.as_deref(), true)?;
+    let o = crate::commands::cli::AggregateArgs {
+        pid: args.pid,
+        comm: args.comm.clone(),
+        interval: None,
+        duration: args.duration,
+        exec: args.exec.clone(),
+        json: args.json,
+    };
+    let json = args.json;
+    super::count::aggregate(socket, filter, "syscalls: ", &o, &mut |c, _| {
+        let counts = super::count::read(c)?;
+        let rows: Vec<SummaryRow> = counts
+            .entries
+            .iter()
+            .filter_map(|e| {
+                let name = wanted.get(e.name.as_str())?;
+                Some(SummaryRow {
+                    name: name.to_string(),
+                    calls: e.calls,
+                    errors: e.errors,
+                    ns: e.total_ns,
+                })
+            })
+            .collect();
+        if json {
+            println!("{}", summary_json(&rows));
+        } else {
+            print!("{}", summary_text(&rows));
+        }
+        Ok(())
+    })
+}
+
+/// One call's line of `--summary`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SummaryRow {
+    pub name: String,
+    pub calls: u64,
+    pub errors: u64,
+    /// Time in the call, summed over its returns (ns).
+    pub ns: u64,
+}
+
+/// `--summary` as `strace -c` prints it: most time first.
+pub fn summary_text(rows: &[SummaryRow]) -> String {
+    let mut rows: Vec<&SummaryRow> = rows.iter().collect();
+    rows.sort_by(|a, b| {
+        b.ns.cmp(&a.ns)
+            .then(b.calls.cmp(&a.calls))
+            .then(a.name.cmp(&b.name))
+    });
+    let total_ns: u64 = rows.iter().map(|r| r.ns).sum();
+    let rule = format!(
+        "{:-<6} {:-<11} {:-<11} {:-<9} {:-<9} {:-<16}\n",
+        "", "", "", "", "", ""
+    );
+    let mut s = format!(
+        "{:>6} {:>11} {:>11} {:>9} {:>9} syscall\n",
+        "% time", "seconds", "usecs/call", "calls", "errors"
+    );
+    s.push_str(&rule);
+    let pct = |ns: u64| {
+        if total_ns == 0 {
+            0.0
+        } else {
+            100.0 * ns as f64 / total_ns as f64
+        }
+    };
+    let errors = |e: u64| if e == 0 { String::new() } else { e.to_string() };
+    for r in &rows {
+        s.push_str(&format!(
+            "{:>6.2} {:>11.6} {:>11} {:>9} {:>9} {}\n",
+            pct(r.ns),
+            r.ns as f64 / 1e9,
+            (r.ns / 1000).checked_div(r.calls).unwrap_or(0),
+            r.calls,
+            errors(r.errors),
+            r.name
+        ));
+    }
+    s.push_str(&rule);
+    let calls: u64 = rows.iter().map(|r| r.calls).sum();
+    let errs: u64 = rows.iter().map(|r| r.errors).sum();
+    s.push_str(&format!(
+        "{:>6.2} {:>11.6} {:>11} {:>9} {:>9} total\n",
+        if total_ns == 0 { 0.0 } else { 100.0 },
+        total_ns as f64 / 1e9,
+        (total_ns / 1000).checked_div(calls).unwrap_or(0),
+        calls,
+        errors(errs)
+    ));
+    s
+}
+
+/// `--summary --json`: one object, a row per call.
+pub fn summary_json(rows: &[SummaryRow]) -> String {
+    let rows: Vec<Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "syscall": r.name,
+                "calls": r.calls,
+                "errors": r.errors,
+                "ns": r.ns,
+            })
+        })
+        .collect();
+    serde_json::json!({ "summary": rows }).to_string()
+}
+
+/// `hvtrace syscalls`.
+pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
+    let mut client = open(socket)?;
+    let table = table(&mut client)?;
+    if args.list {
+        for s in &table {
+            let a: Vec<String> = s.args.iter().map(|(t, n)| format!("{t} {n}")).collect();
+            println!("{:>4} {}({}) [{}]", s.nr, s.name, a.join(", "), s.source);
+        }
+        return Ok(0);
+    }
+    if args.summary {
+        drop(client);
+        return summary(socket, &table, args);
+    }
+    // The stream from now on: the calls the probes below will record.
+    let mut reader = TraceReader::at_end(&mut client, TraceFormat::Json)?.with_source(Some(0));
+    let Some(armed) = arm(&mut client, &table, &args.names)? else {
+        return Ok(INTERRUPTED_EXIT);
+    };
+    let added = armed.added.clone();
+    let (nr, folds) = (armed.nr, armed.folds);
     let pairer = Arc::new(Mutex::new(Pairer::new(
         args,
         nr,
+        folds,
         Box::new(std::io::stdout()),
     )));
     let mut out = TraceOutput::copy(Box::new(PairWriter(pairer.clone())));
@@ -640,12 +960,7 @@ pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
         )
     };
     delete(&mut client, &added);
-    let p = pairer
-        .lock()
-        .map_err(|_| anyhow!("the trace writer failed"))?;
-    if args.summary {
-        print!("{}", p.summary());
-    }
+    drop(pairer);
     match end? {
         CopyEnd::VmEnded(why) => {
             eprintln!("hvtrace: {}", term::sanitize(&why));
@@ -672,6 +987,7 @@ mod tests {
                 ("umode_t".into(), "mode".into()),
             ],
             source: "metadata".into(),
+            structs: vec![],
         }
     }
 
@@ -754,7 +1070,12 @@ mod tests {
     #[test]
     fn entries_and_returns_pair_per_task() {
         let sink = Sink::default();
-        let mut p = Pairer::new(&args(false, false), HashMap::new(), Box::new(sink.clone()));
+        let mut p = Pairer::new(
+            &args(false, false),
+            HashMap::new(),
+            HashMap::new(),
+            Box::new(sink.clone()),
+        );
         let lines = [
             r#"{"ts":"129.620001","ts_ns":1,"cpu":0,"pid":97,"comm":"cat","group":"hvsys","event":"sys_openat","kind":"kprobe","ip":"0x1","probe":"x","args":{"dfd":-100,"filename":"/etc/hostname","flags":0,"mode":0}}"#,
             r#"{"ts":"129.620002","ts_ns":2,"cpu":0,"pid":98,"comm":"sh","group":"hvsys","event":"sys_openat","kind":"kprobe","ip":"0x1","probe":"x","args":{"dfd":-100,"filename":"/nope","flags":524288,"mode":0}}"#,
@@ -772,17 +1093,12 @@ mod tests {
         );
         let t = p.tally["openat"];
         assert_eq!((t.calls, t.errors), (2, 1));
-        // The summary counts what the filters keep.
-        assert!(
-            p.summary().contains("        2         1 openat"),
-            "{}",
-            p.summary()
-        );
         // --failed keeps the failure only; JSON carries every field typed.
         let sink = Sink::default();
         let mut p = Pairer::new(
             &args(true, true),
             [("openat".to_string(), 257)].into(),
+            HashMap::new(),
             Box::new(sink.clone()),
         );
         for l in lines {
@@ -795,5 +1111,122 @@ mod tests {
         assert_eq!(v["error"], "ENOENT");
         assert_eq!(v["args"]["filename"], "/nope");
         assert_eq!(out.lines().count(), 1);
+    }
+
+    #[test]
+    fn argv_and_input_structs_fold_into_their_argument() {
+        let execve = SyscallInfo {
+            nr: 59,
+            name: "execve".into(),
+            entry: "__x64_sys_execve".into(),
+            args: vec![
+                ("const char *".into(), "filename".into()),
+                ("const char *const *".into(), "argv".into()),
+                ("const char *const *".into(), "envp".into()),
+            ],
+            source: "metadata".into(),
+            structs: vec![],
+        };
+        let (entry, _) = specs(&execve);
+        assert!(
+            entry.contains(" argv=+104($arg1):x64 argv_0=+0(+0(+104($arg1))):ustring argv_1=+0(+8(+104($arg1))):ustring"),
+            "{entry}"
+        );
+        assert!(
+            entry.contains(" argv_more=+64(+104($arg1)):x64 envp=+96($arg1):x64"),
+            "{entry}"
+        );
+        assert!(!entry.contains("envp_0"), "{entry}");
+        tracelang::kprobe::parse_probe(&entry).unwrap();
+        let field = |name: &str, offset| protocol::SyscallField {
+            name: name.into(),
+            offset,
+            size: 8,
+            signed: false,
+        };
+        let openat2 = SyscallInfo {
+            nr: 437,
+            name: "openat2".into(),
+            entry: "__x64_sys_openat2".into(),
+            args: vec![
+                ("int".into(), "dfd".into()),
+                ("const char *".into(), "filename".into()),
+                ("struct open_how *".into(), "how".into()),
+                ("size_t".into(), "usize".into()),
+            ],
+            source: "metadata".into(),
+            structs: vec![protocol::SyscallStruct {
+                arg: 2,
+                name: "open_how".into(),
+                fields: vec![field("flags", 0), field("mode", 8), field("resolve", 16)],
+            }],
+        };
+        let (entry, _) = specs(&openat2);
+        assert!(
+            entry.contains(" how=+96($arg1):x64 how_flags=+0(+96($arg1)):u64 how_mode=+8(+96($arg1)):u64 how_resolve=+16(+96($arg1)):u64 usize="),
+            "{entry}"
+        );
+        tracelang::kprobe::parse_probe(&entry).unwrap();
+
+        let sink = Sink::default();
+        let folds = [
+            ("sys_execve".to_string(), Folds::of(&execve)),
+            ("sys_openat2".to_string(), Folds::of(&openat2)),
+        ]
+        .into();
+        let mut p = Pairer::new(
+            &args(false, false),
+            HashMap::new(),
+            folds,
+            Box::new(sink.clone()),
+        );
+        let lines = [
+            // argv ends at its null pointer: the read of argv[2]'s string faults.
+            r#"{"ts":"1.000001","cpu":0,"pid":7,"comm":"sh","group":"hvsys","event":"sys_execve","args":{"filename":"/bin/hvbench","argv":"0x7ffd0010","argv_0":"hvbench","argv_1":"exec-child","argv_2":null,"argv_3":"junk","argv_4":null,"argv_5":null,"argv_6":null,"argv_7":null,"argv_more":"0x1234","envp":"0x7ffd0040"}}"#,
+            r#"{"ts":"1.000002","cpu":0,"pid":7,"comm":"hvbench","group":"hvsys","event":"sys_execve_ret","args":{"ret":0}}"#,
+            r#"{"ts":"1.000003","cpu":0,"pid":7,"comm":"hvbench","group":"hvsys","event":"sys_openat2","args":{"dfd":-100,"filename":"/etc/hostname","how":"0x7ffd0100","how_flags":524288,"how_mode":0,"how_resolve":4,"usize":24}}"#,
+            r#"{"ts":"1.000004","cpu":0,"pid":7,"comm":"hvbench","group":"hvsys","event":"sys_openat2_ret","args":{"ret":3}}"#,
+            // A null `how`: every member faults, the pointer stays.
+            r#"{"ts":"1.000005","cpu":0,"pid":7,"comm":"hvbench","group":"hvsys","event":"sys_openat2","args":{"dfd":-100,"filename":"/x","how":"0x0","how_flags":null,"how_mode":null,"how_resolve":null,"usize":24}}"#,
+            r#"{"ts":"1.000006","cpu":0,"pid":7,"comm":"hvbench","group":"hvsys","event":"sys_openat2_ret","args":{"ret":-14}}"#,
+        ];
+        for l in lines {
+            p.line(l).unwrap();
+        }
+        let out = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        let want = "sh-7 [000] 1.000001: sys_execve(filename: \"/bin/hvbench\", argv: [\"hvbench\", \"exec-child\"], envp: 0x7ffd0040) = 0\n\
+             hvbench-7 [000] 1.000003: sys_openat2(dfd: AT_FDCWD, filename: \"/etc/hostname\", how: {flags: O_RDONLY|O_CLOEXEC, mode: 0, resolve: RESOLVE_NO_SYMLINKS}, usize: 24) = 3\n\
+             hvbench-7 [000] 1.000005: sys_openat2(dfd: AT_FDCWD, filename: \"/x\", how: 0x0, usize: 24) = -14 EFAULT\n";
+        assert_eq!(out, want);
+    }
+
+    #[test]
+    fn the_summary_reads_as_strace_c() {
+        let rows = [
+            SummaryRow {
+                name: "openat".into(),
+                calls: 4,
+                errors: 1,
+                ns: 3_000_000,
+            },
+            SummaryRow {
+                name: "read".into(),
+                calls: 2,
+                errors: 0,
+                ns: 1_000_000,
+            },
+        ];
+        let want = "\
+% time     seconds  usecs/call     calls    errors syscall
+------ ----------- ----------- --------- --------- ----------------
+\x2075.00    0.003000         750         4         1 openat
+\x2025.00    0.001000         500         2           read
+------ ----------- ----------- --------- --------- ----------------
+100.00    0.004000         666         6         1 total
+";
+        assert_eq!(summary_text(&rows), want);
+        let v: Value = serde_json::from_str(&summary_json(&rows)).unwrap();
+        assert_eq!(v["summary"][0]["errors"], 1);
+        assert_eq!(v["summary"][1]["calls"], 2);
     }
 }

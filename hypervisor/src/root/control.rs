@@ -1036,13 +1036,20 @@ fn syscalls(src: &mut StatusSource<'_>, cursor: u32) -> Response {
     let mut calls = Vec::new();
     let mut bytes = 0usize;
     let mut next = None;
-    for (i, s) in table.iter().enumerate().skip(cursor as usize) {
+    for (i, e) in table.iter().enumerate().skip(cursor as usize) {
+        let s = &e.call;
         let size = 24
             + s.name.len()
             + s.entry.len()
             + s.args
                 .iter()
                 .map(|(t, n)| t.len() + n.len() + 4)
+                .sum::<usize>()
+            + e.structs
+                .iter()
+                .map(|st| {
+                    8 + st.name.len() + st.fields.iter().map(|f| f.name.len() + 12).sum::<usize>()
+                })
                 .sum::<usize>();
         if bytes + size > SYSCALLS_PAGE_BYTES && !calls.is_empty() {
             next = u32::try_from(i).ok();
@@ -1063,6 +1070,24 @@ fn syscalls(src: &mut StatusSource<'_>, cursor: u32) -> Response {
                 guest_introspect::syscalls::ArgSource::None => "none",
             }
             .into(),
+            structs: e
+                .structs
+                .iter()
+                .map(|st| protocol::SyscallStruct {
+                    arg: st.arg,
+                    name: st.name.clone(),
+                    fields: st
+                        .fields
+                        .iter()
+                        .map(|f| protocol::SyscallField {
+                            name: f.name.clone(),
+                            offset: f.offset,
+                            size: f.size,
+                            signed: f.signed,
+                        })
+                        .collect(),
+                })
+                .collect(),
         });
     }
     Response::Syscalls {

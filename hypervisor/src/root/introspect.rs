@@ -93,17 +93,24 @@ pub struct Introspection {
     backoff: Backoff,
     /// The guest's system calls, read at the first page of a listing
     /// ([`Self::syscalls`]) and kept for its later pages.
-    syscalls: Option<Vec<guest_introspect::syscalls::Syscall>>,
+    syscalls: Option<Vec<SyscallEntry>>,
+}
+
+/// One of the guest's system calls, with the structs it reads from its
+/// caller.
+pub struct SyscallEntry {
+    /// The call.
+    pub call: guest_introspect::syscalls::Syscall,
+    /// Its input structs' layouts
+    /// ([`guest_introspect::syscall_structs::input_structs`]).
+    pub structs: Vec<guest_introspect::syscall_structs::ArgStruct>,
 }
 
 impl Introspection {
     /// The guest's system calls: read again from its `sys_call_table`,
     /// metadata and BTF when `fresh` (a listing's first page) or never
     /// read, else as last read.
-    pub fn syscalls(
-        &mut self,
-        fresh: bool,
-    ) -> Option<Result<&[guest_introspect::syscalls::Syscall], String>> {
+    pub fn syscalls(&mut self, fresh: bool) -> Option<Result<&[SyscallEntry], String>> {
         let k = self.kernel.as_ref()?;
         if fresh || self.syscalls.is_none() {
             match k.syscall_table() {
@@ -509,8 +516,8 @@ fn kernel_pgd(f: &KernelFacts, via: Cr3) -> Cr3 {
 
 impl Kernel {
     /// The guest's system calls ([`guest_introspect::syscalls::table`]),
-    /// with BTF when the kernel has it.
-    fn syscall_table(&self) -> Result<Vec<guest_introspect::syscalls::Syscall>, String> {
+    /// with BTF when the kernel has it, and their input structs.
+    fn syscall_table(&self) -> Result<Vec<SyscallEntry>, String> {
         let view = PagedView::new(&GuestRam, self.cr3);
         let btf = self
             .facts
@@ -518,8 +525,19 @@ impl Kernel {
             .as_ref()
             .ok()
             .map(|i| guest_introspect::btf::Btf::from_index(&view, i));
-        guest_introspect::syscalls::table(&view, &self.facts.symbols, btf.as_ref())
-            .map_err(|e| alloc::format!("{e}"))
+        let calls = guest_introspect::syscalls::table(&view, &self.facts.symbols, btf.as_ref())
+            .map_err(|e| alloc::format!("{e}"))?;
+        let mut out = Vec::new();
+        out.try_reserve(calls.len())
+            .map_err(|_| alloc::string::String::from("no memory for the system calls"))?;
+        for call in calls {
+            let structs = btf
+                .as_ref()
+                .map(|b| guest_introspect::syscall_structs::input_structs(b, &call.args))
+                .unwrap_or_default();
+            out.push(SyscallEntry { call, structs });
+        }
+        Ok(out)
     }
 }
 

@@ -132,6 +132,10 @@ pub(super) struct CountState {
     pub(super) times: [AtomicU64; LATENCY_BUCKETS],
     /// Calls that could not be timed.
     pub(super) missed: AtomicU64,
+    /// With latency: each counted function's errors and time, by
+    /// function address (the functions hooked at the start; a module's
+    /// function that loads later is timed in `times` only).
+    pub(super) tallies: Vec<ReturnTally>,
     /// The histogram of a fetch argument, when asked for.
     pub(super) histogram: Option<Hist>,
     /// Counted functions whose module was unloaded: their calls until
@@ -145,6 +149,22 @@ pub(super) struct CountState {
     /// functions of the modules that load later (as the function tracer's
     /// do).
     pub(super) globs: Vec<String>,
+}
+
+/// What the timed returns of one counted function add up to.
+pub(super) struct ReturnTally {
+    /// The function's address.
+    pub(super) func: u64,
+    /// Returns of an errno (-4095..-1 as a `long`).
+    pub(super) errors: AtomicU64,
+    /// Their durations, summed (ns).
+    pub(super) ns: AtomicU64,
+}
+
+/// Whether a function's return value is an errno, as the kernel's
+/// `IS_ERR_VALUE` sees one.
+pub fn is_errno(retval: u64) -> bool {
+    (-4095..0).contains(&(retval as i64))
 }
 
 /// Unloaded functions a count keeps by name.
@@ -172,6 +192,7 @@ impl Default for CountState {
             latency: false,
             times: core::array::from_fn(|_| AtomicU64::new(0)),
             missed: AtomicU64::new(0),
+            tallies: Vec::new(),
             histogram: None,
             unloaded: BTreeMap::new(),
             unloaded_other: 0,
@@ -239,11 +260,18 @@ impl CountState {
         self.pid.is_some() || self.comm.is_some()
     }
 
-    /// A timed call by (`pid`, `comm`) returned after `ns`.
-    pub(super) fn returned(&self, pid: i32, comm: &[u8; 16], ns: u64) {
+    /// A timed call of `func` by (`pid`, `comm`) returned `retval` after
+    /// `ns`.
+    pub(super) fn returned(&self, pid: i32, comm: &[u8; 16], func: u64, retval: u64, ns: u64) {
         if self.latency && self.admits(pid, comm) {
             if let Some(b) = self.times.get(latency_bucket(ns)) {
                 b.fetch_add(1, Relaxed);
+            }
+            if let Ok(i) = self.tallies.binary_search_by_key(&func, |t| t.func) {
+                if let Some(t) = self.tallies.get(i) {
+                    t.errors.fetch_add(u64::from(is_errno(retval)), Relaxed);
+                    t.ns.fetch_add(ns, Relaxed);
+                }
             }
         }
     }
@@ -334,6 +362,7 @@ impl Tracer<'_> {
         // The name that matched, for each function of the kernel image:
         // of several aliases at one address, the user's.
         let mut names = Vec::new();
+        let mut tallies = Vec::new();
         let mut untimed = 0u32;
         let latency = filter.latency;
         let added = self.hook_matches(matches, k, env, |u, id| {
@@ -341,12 +370,23 @@ impl Tracer<'_> {
             if latency && u.users.join(User::CountTiming).is_err() {
                 untimed += 1;
             }
+            if latency {
+                let t = ReturnTally {
+                    func: u.func.0,
+                    errors: AtomicU64::new(0),
+                    ns: AtomicU64::new(0),
+                };
+                // Without room the function is timed in the histogram only.
+                let _ = fallible::try_push(&mut tallies, t);
+            }
             if let symbols::SymRef::Core(id) = id {
                 // Without room the name is looked up by address instead.
                 let _ = fallible::try_push(&mut names, (u.func.0, id));
             }
         })?;
         names.sort_unstable_by_key(|&(a, _)| a);
+        tallies.sort_unstable_by_key(|t| t.func);
+        tallies.dedup_by_key(|t| t.func);
         let c = &mut self.vm.count;
         c.on = true;
         c.pid = filter.pid;
@@ -354,6 +394,7 @@ impl Tracer<'_> {
         c.functions = added.traced;
         c.started_ns = now_ns;
         c.names = names;
+        c.tallies = tallies;
         c.latency = latency;
         c.histogram = histogram;
         // Module globs follow the modules' loads (a histogram's function
@@ -473,10 +514,18 @@ impl Tracer<'_> {
                 continue;
             }
             bytes += name.len() + 24;
+            let (errors, total_ns) = c
+                .tallies
+                .binary_search_by_key(&func, |t| t.func)
+                .ok()
+                .and_then(|i| c.tallies.get(i))
+                .map_or((0, 0), |t| (t.errors.load(Relaxed), t.ns.load(Relaxed)));
             let entry = FunctionCount {
                 name,
                 addr: func,
                 calls: n,
+                errors,
+                total_ns,
             };
             if fallible::try_push(&mut entries, entry).is_err() {
                 next = Some(func);
@@ -502,7 +551,8 @@ impl Tracer<'_> {
             filtered: c.filtered.load(Relaxed),
             elapsed_ns: now_ns.saturating_sub(c.started_ns),
             memory: counted * super::split::SITE_BYTES as u64
-                + (c.names.capacity() * core::mem::size_of::<(u64, SymbolId)>()) as u64,
+                + (c.names.capacity() * core::mem::size_of::<(u64, SymbolId)>()) as u64
+                + (c.tallies.capacity() * core::mem::size_of::<ReturnTally>()) as u64,
             entries,
             next,
         })

@@ -840,6 +840,8 @@ impl Graph {
             out.count.returned(
                 header.pid,
                 &header.comm,
+                frame.func,
+                retval,
                 now_ns.saturating_sub(frame.calltime),
             );
         }

@@ -1,10 +1,13 @@
 //! `hvtrace syscalls` (the CLI) against the guest's own syscall events
 //! (`syscalls:sys_enter_*`/`sys_exit_*`, CONFIG_FTRACE_SYSCALLS, which
-//! Debian's kernel and the fast lane's have), both filtered on the same comm, over the same
-//! workload of opens (one failing), reads, writes, stats and closes: the
-//! same calls in the same order per task, the same numeric arguments and
-//! return values, the strings the workload passed, and `--summary`'s
-//! counts equal to the guest's.
+//! Debian's kernel and the fast lane's have), both filtered on the same
+//! comm, over the same workload (`hvbench syscalls`: opens, one failing,
+//! one through `openat2` with an `open_how`, reads, writes, a stat, a
+//! fork whose child execs `hvbench` again, and a wait; every call under
+//! the comm `hvbench`): the same calls in the same order per task, the
+//! same numeric arguments and return values, the strings, `argv` and
+//! `open_how` the workload passed, and `--summary`'s counts equal to the
+//! guest's.
 
 use std::collections::BTreeMap;
 
@@ -14,16 +17,19 @@ use hvtrace_tests::{
 };
 use serde_json::Value;
 
-const CALLS: [&str; 6] = [
+const CALLS: [&str; 9] = [
     "openat",
     "read",
     "write",
     "close",
     "newfstatat",
-    "sendfile64",
+    "openat2",
+    "clone",
+    "execve",
+    "wait4",
 ];
-const WORK: &str = "cat /etc/hostname >/tmp/hvsys; cat /nonexistent 2>/dev/null; \
-                    cat /tmp/hvsys >/dev/null; cat /tmp/hvsys; rm -f /tmp/hvsys";
+const WORK: &str = "hvbench syscalls /tmp/hvsys; rm -f /tmp/hvsys";
+const COMM: &str = "hvbench";
 
 /// One call as both sides can say it: (pid, call, numeric args, return).
 type Call = (i32, String, Vec<u64>, i64);
@@ -33,8 +39,8 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
         .iter()
         .map(|e| {
             format!(
-                "echo 'comm == \"cat\"' > events/syscalls/sys_enter_{e}/filter; \
-                 echo 'comm == \"cat\"' > events/syscalls/sys_exit_{e}/filter; \
+                "echo 'comm == \"{COMM}\"' > events/syscalls/sys_enter_{e}/filter; \
+                 echo 'comm == \"{COMM}\"' > events/syscalls/sys_exit_{e}/filter; \
                  echo 1 > events/syscalls/sys_enter_{e}/enable; echo 1 > events/syscalls/sys_exit_{e}/enable; "
             )
         })
@@ -45,10 +51,20 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
     );
     let mut args = vec!["syscalls"];
     args.extend(CALLS);
-    args.extend(["--comm", "cat", "--json", "--summary", "--exec", WORK]);
+    args.extend(["--comm", COMM, "--json", "--exec", WORK]);
     let t0 = std::time::Instant::now();
     let (code, out, err) = vm.cli(&args);
     let took = t0.elapsed();
+    let trace = exec(
+        c,
+        &format!("cd {TRACEFS} && grep -v '^#' trace; echo > trace"),
+    );
+    // The same workload again, counted in root (`--summary`): calls,
+    // errors and time per call, no call recorded.
+    let mut args = vec!["syscalls"];
+    args.extend(CALLS);
+    args.extend(["--comm", COMM, "--json", "--summary", "--exec", WORK]);
+    let (sum_code, sum_out, sum_err) = vm.cli(&args);
     let off: String = CALLS
         .iter()
         .map(|e| {
@@ -58,21 +74,23 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
             )
         })
         .collect();
-    let trace = exec(
+    let sum_trace = exec(
         c,
         &format!("cd {TRACEFS} && {off} grep -v '^#' trace; echo > trace"),
     );
     ck.eq("syscalls exit code", code, 0);
+    ck.eq("syscalls --summary exit code", sum_code, 0);
+    println!("syscalls --summary: {sum_out}{sum_err}");
     println!(
         "syscalls: ours in {:.1} s; stderr: {}",
         took.as_secs_f64(),
         err.trim()
     );
 
-    // Ours: JSON lines, then the summary table.
+    // Ours: JSON lines.
     let mut ours: Vec<Call> = Vec::new();
     let mut strings: Vec<(String, String)> = Vec::new();
-    let mut summary: BTreeMap<String, u64> = BTreeMap::new();
+    let mut decoded: Vec<(i32, String, String, Value)> = Vec::new();
     for l in out.lines() {
         if let Ok(v) = serde_json::from_str::<Value>(l) {
             let call = v["syscall"].as_str().unwrap_or("").to_string();
@@ -89,59 +107,31 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
                             nums.push(u64::from_str_radix(&s[2..], 16).unwrap_or(0))
                         }
                         Value::String(s) => strings.push((format!("{call}.{k}"), s.clone())),
+                        Value::Array(_) | Value::Object(_) => {
+                            decoded.push((pid, call.clone(), k.clone(), x.clone()))
+                        }
                         _ => nums.push(u64::MAX),
                     }
                 }
             }
             ours.push((pid, call, nums, v["ret"].as_i64().unwrap_or(i64::MIN)));
-        } else {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            if let (Some(n), Some(name)) = (w.first().and_then(|n| n.parse::<u64>().ok()), w.last())
-            {
-                if *name != "total" {
-                    summary.insert(name.to_string(), n);
-                }
-            }
         }
     }
 
     // The guest's: `sys_openat(dfd: ffffff9c, filename: 7ffc..., ...)` and
     // `sys_openat -> 0x3`, paired per task.
-    let mut guest: Vec<Call> = Vec::new();
-    let mut open: BTreeMap<i32, (String, Vec<(String, u64)>)> = BTreeMap::new();
-    for l in parse_all(&trace) {
-        let b = l.body.as_str();
-        if let Some((call, rest)) = b.strip_prefix("sys_").and_then(|r| r.split_once(" -> ")) {
-            let ret =
-                u64::from_str_radix(rest.trim().trim_start_matches("0x"), 16).unwrap_or(0) as i64;
-            if let Some((name, args)) = open.remove(&l.pid).filter(|(n, _)| n == call) {
-                // Numbers only: the pointer to a string is not compared.
-                let nums = args
-                    .iter()
-                    .filter(|(k, _)| !is_string_arg(&name, k))
-                    .map(|(_, v)| *v)
-                    .collect();
-                guest.push((l.pid, name, nums, ret));
-            }
-        } else if let Some((call, rest)) = b.strip_prefix("sys_").and_then(|r| r.split_once('(')) {
-            let args = rest
-                .trim_end_matches(')')
-                .split(", ")
-                .filter_map(|kv| kv.split_once(": "))
-                .map(|(k, v)| (k.to_string(), u64::from_str_radix(v, 16).unwrap_or(0)))
-                .collect();
-            open.insert(l.pid, (call.to_string(), args));
-        }
-    }
+    let guest = guest_calls(&trace);
+    let sum_guest = guest_calls(&sum_trace);
     // Ours read registers at their C width: compare the guest's the same way.
-    // (Strings left out: openat's dfd, flags, mode; newfstatat's dfd,
-    // statbuf, flag; read's and write's fd, buf, count; close's fd;
-    // sendfile64's out_fd, in_fd, offset, count.)
+    // (Strings, argv and structs left out: openat's dfd, flags, mode;
+    // newfstatat's dfd, statbuf, flag; read's and write's fd, buf, count;
+    // close's fd; openat2's dfd, usize; execve's envp; clone's five;
+    // wait4's upid, stat_addr, options, ru.)
     let width = |call: &str, i: usize| -> u32 {
         match (call, i) {
             ("openat", _) | ("newfstatat", 0) | ("newfstatat", 2) => 32,
             ("close", 0) | ("read", 0) | ("write", 0) => 32,
-            ("sendfile64", 0) | ("sendfile64", 1) => 32,
+            ("openat2", 0) | ("wait4", 0) | ("wait4", 2) => 32,
             _ => 64,
         }
     };
@@ -166,7 +156,7 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
         println!("  ours {a:?}\n  guest {b:?}");
     }
     ck.check(
-        o.len() >= 8,
+        o.len() >= 16,
         format!("the workload's calls were traced: {out}"),
     );
     ck.eq(
@@ -187,17 +177,95 @@ pub fn syscalls_oracle(ck: &mut Checks, c: &mut Client, vm: &Detached) {
         ours.iter().any(|(_, c, _, r)| c == "openat" && *r == -2),
         "the failing open returned -ENOENT",
     );
-    let mut counts: BTreeMap<String, u64> = BTreeMap::new();
-    for (_, call, _, _) in &guest {
-        *counts.entry(call.clone()).or_default() += 1;
+    ck.check(
+        err.contains("status=0"),
+        format!("the workload ran to its end: {err}"),
+    );
+    ck.check(
+        strings
+            .iter()
+            .any(|(k, s)| k == "openat.filename" && s == "/tmp/hvsys")
+            && strings
+                .iter()
+                .any(|(k, s)| k == "execve.filename" && s == "/bin/hvbench"),
+        format!("the exec's file and the child's open: {strings:?}"),
+    );
+    // The fork's return is the child's pid, which then execs with the argv
+    // the workload passed, and reads the file under its own pid.
+    let child = ours
+        .iter()
+        .find(|(_, c, _, _)| c == "clone")
+        .map_or(-1, |(_, _, _, r)| *r as i32);
+    let argv = decoded
+        .iter()
+        .find(|(p, c, k, _)| *p == child && c == "execve" && k == "argv")
+        .map(|(_, _, _, v)| v.clone());
+    ck.eq(
+        "execve's argv, read in the child the fork returned",
+        argv,
+        Some(serde_json::json!(["hvbench", "exec-child", "/tmp/hvsys"])),
+    );
+    ck.check(
+        ours.iter()
+            .any(|(p, c, _, r)| *p == child && c == "read" && *r > 0),
+        format!("the exec'd child read the file under pid {child}"),
+    );
+    let how = decoded
+        .iter()
+        .find(|(_, c, k, _)| c == "openat2" && k == "how")
+        .map(|(_, _, _, v)| v.clone());
+    ck.eq(
+        "openat2's open_how, laid out from the guest's BTF",
+        how,
+        // O_RDONLY | O_CLOEXEC, RESOLVE_NO_SYMLINKS.
+        Some(serde_json::json!({"flags": 0o2000000, "mode": 0, "resolve": 4})),
+    );
+    // --summary: (calls, errors) per call, against the guest's for the
+    // same (second) run.
+    let mut want: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for (_, call, _, ret) in &sum_guest {
+        let e = want.entry(call.clone()).or_default();
+        e.0 += 1;
+        e.1 += u64::from((-4095..0).contains(ret));
     }
-    ck.eq("--summary's counts equal the guest's", summary, counts);
+    let mut got: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let mut time_ns = 0;
+    if let Some(v) = sum_out
+        .lines()
+        .find_map(|l| serde_json::from_str::<Value>(l).ok())
+    {
+        for r in v["summary"].as_array().into_iter().flatten() {
+            got.insert(
+                r["syscall"].as_str().unwrap_or("").to_string(),
+                (
+                    r["calls"].as_u64().unwrap_or(0),
+                    r["errors"].as_u64().unwrap_or(0),
+                ),
+            );
+            time_ns += r["ns"].as_u64().unwrap_or(0);
+        }
+    }
+    ck.check(
+        want.get("openat").is_some_and(|e| e.1 == 1),
+        format!("the guest saw the failing open in the second run: {want:?}"),
+    );
+    ck.eq(
+        "--summary's calls and errors (counted in root) equal the guest's",
+        got,
+        want,
+    );
+    ck.check(time_ns > 0, "--summary timed the calls");
 }
 
 fn is_string_arg(call: &str, arg: &str) -> bool {
     matches!(
         (call, arg),
-        ("openat", "filename") | ("newfstatat", "filename")
+        ("openat", "filename")
+            | ("newfstatat", "filename")
+            | ("openat2", "filename")
+            | ("openat2", "how")
+            | ("execve", "filename")
+            | ("execve", "argv")
     )
 }
 
@@ -240,4 +308,36 @@ pub fn syscalls_cost(ck: &mut Checks, c: &mut Client, vm: &Detached) {
         lines as u64 >= N,
         format!("every getppid of hvbench printed: {lines} lines"),
     );
+}
+
+/// The guest's calls in its trace: `sys_openat(dfd: ffffff9c, filename:
+/// 7ffc..., ...)` and `sys_openat -> 0x3`, paired per task (the pointers
+/// to strings left out).
+fn guest_calls(trace: &str) -> Vec<Call> {
+    let mut guest: Vec<Call> = Vec::new();
+    let mut open: BTreeMap<i32, (String, Vec<(String, u64)>)> = BTreeMap::new();
+    for l in parse_all(trace) {
+        let b = l.body.as_str();
+        if let Some((call, rest)) = b.strip_prefix("sys_").and_then(|r| r.split_once(" -> ")) {
+            let ret =
+                u64::from_str_radix(rest.trim().trim_start_matches("0x"), 16).unwrap_or(0) as i64;
+            if let Some((name, args)) = open.remove(&l.pid).filter(|(n, _)| n == call) {
+                let nums = args
+                    .iter()
+                    .filter(|(k, _)| !is_string_arg(&name, k))
+                    .map(|(_, v)| *v)
+                    .collect();
+                guest.push((l.pid, name, nums, ret));
+            }
+        } else if let Some((call, rest)) = b.strip_prefix("sys_").and_then(|r| r.split_once('(')) {
+            let args = rest
+                .trim_end_matches(')')
+                .split(", ")
+                .filter_map(|kv| kv.split_once(": "))
+                .map(|(k, v)| (k.to_string(), u64::from_str_radix(v, 16).unwrap_or(0)))
+                .collect();
+            open.insert(l.pid, (call.to_string(), args));
+        }
+    }
+    guest
 }

@@ -425,15 +425,16 @@ fn a_count_with_latency_times_each_call_through_its_return() {
     };
     g.with(|t, env, k| t.count_start(&filter, k, env, 0))
         .unwrap();
-    // Three calls of 1, 1000 and 5000 ns; a fourth by another task is
-    // neither counted nor hijacked.
-    for d in [1u64, 1000, 5000] {
+    // Three calls of 1, 1000 and 5000 ns, returning 0, -ENOENT and
+    // -4096 (below the errno range); a fourth by another task is neither
+    // counted nor hijacked.
+    for (d, ret) in [(1u64, 0u64), (1000, -2i64 as u64), (5000, -4096i64 as u64)] {
         g.now_ns += 10_000;
         g.hit(FUNC, RETP, CALLER_RET, 0);
         let tramp = g.region().return_trampoline().0;
         assert_eq!(g.ram.word(gpa(RETP)), tramp, "the return is hijacked");
         g.now_ns += d;
-        let (_, rax) = g.ret(RETP, 0);
+        let (_, rax) = g.ret(RETP, ret);
         assert_eq!(rax, CALLER_RET, "the call returns to its caller");
     }
     let me = g.kernel.running.comm;
@@ -453,6 +454,13 @@ fn a_count_with_latency_times_each_call_through_its_return() {
     want[10] = 1;
     want[13] = 1;
     assert_eq!(page.latency, want);
+    // Per function: the errno returns and the time, summed.
+    let f: Vec<(u64, u64, u64)> = page
+        .entries
+        .iter()
+        .map(|e| (e.calls, e.errors, e.total_ns))
+        .collect();
+    assert_eq!(f, [(3, 1, 6001)]);
     assert_eq!(crate::tracer::count::latency_bucket(0), 0);
     assert_eq!(crate::tracer::count::latency_bucket(u64::MAX), 63);
     g.with(|t, env, _| t.count_stop(env)).unwrap();
