@@ -1019,7 +1019,9 @@ pub struct SyscallInfo {
     /// none: then its six argument registers are traced raw).
     pub args: Vec<(String, String)>,
     /// Where the arguments came from: `metadata` (the guest's ftrace
-    /// syscall metadata), `btf` (`__do_sys_NAME`'s prototype) or `none`.
+    /// syscall metadata), `btf` (`__do_sys_NAME`'s prototype), `table`
+    /// (the kernel source's syscalls.h prototype, from hvtrace's generated
+    /// ABI table) or `none`.
     pub source: String,
 }
 
