@@ -18,6 +18,10 @@
 //!   calls.
 //! - [`fallible`]: allocation that reports [`fallible::OutOfMemory`]
 //!   instead of aborting, for every size that follows guest data.
+//! - [`syscalls`]: the guest's system calls from its own `sys_call_table`,
+//!   with argument names and types; [`syscall_abi`], the x86 system call
+//!   ABI generated from the kernel source, their last source of arguments
+//!   and a cross-check of the guest's numbers.
 //!
 //! Nothing here trusts guest memory: every length and offset read from the
 //! guest is bounded before use, allocations of guest-chosen sizes are capped
@@ -90,6 +94,7 @@ pub mod module;
 pub mod paging;
 pub mod scan;
 pub mod stacks;
+pub mod syscall_abi;
 pub mod syscall_structs;
 pub mod syscalls;
 pub mod view;

@@ -11,12 +11,18 @@
 //!    `types`, `args`) comes from BTF;
 //! 2. else the prototype of `__do_sys_NAME` in BTF, when the compiler kept
 //!    it out of line;
-//! 3. else nothing: the call is traced with its six raw registers.
+//! 3. else the prototype in syscalls.h of the call the guest's table points
+//!    at, from the x86-64 table generated from the kernel source
+//!    ([`crate::syscall_abi::x86_64`]);
+//! 4. else nothing: the call is traced with its six raw registers.
 //!
 //! The number is always the table's index (the guest wins over any table
-//! of ours); metadata is matched to it by name. Every read goes through
-//! the view and is bounded; a table or metadata array the guest forged
-//! costs at most [`MAX_SYSCALLS`] entries.
+//! of ours, which [`crate::syscall_abi::crosscheck`] compares it with);
+//! metadata is matched to it by name, the generated table by wrapper
+//! symbol. Every read goes through the view and is bounded; a table or
+//! metadata array the guest forged costs at most [`MAX_SYSCALLS`] entries.
+//! Without `sys_call_table` in kallsyms there are no calls: the generated
+//! table never stands in for the guest's.
 
 use alloc::format;
 use alloc::string::String;
@@ -42,6 +48,9 @@ pub enum ArgSource {
     Metadata,
     /// The prototype of `__do_sys_NAME` in BTF.
     Btf,
+    /// The `sys_NAME` prototype of the kernel source's syscalls.h, from
+    /// the generated x86-64 table ([`crate::syscall_abi::x86_64::CALLS`]).
+    Table,
     /// Neither: six raw registers.
     None,
 }
@@ -125,7 +134,10 @@ pub fn table<V: VirtMemory + ?Sized>(
             Some((_, a)) => (a.clone(), ArgSource::Metadata),
             None => match btf.and_then(|b| prototype(b, &funcs, name)) {
                 Some(a) => (a, ArgSource::Btf),
-                None => (Vec::new(), ArgSource::None),
+                None => match abi_args(&entry) {
+                    Some(a) => (a, ArgSource::Table),
+                    None => (Vec::new(), ArgSource::None),
+                },
             },
         };
         if out.try_reserve(1).is_err() {
@@ -265,6 +277,21 @@ fn string<V: VirtMemory + ?Sized>(view: &V, at: Gva) -> Option<String> {
         p = p.wrapping_add(n as u64);
     }
     None
+}
+
+/// (type, name) of the arguments the generated x86-64 table gives the
+/// call whose wrapper is `entry`, when it has its prototype.
+fn abi_args(entry: &str) -> Option<Vec<(String, String)>> {
+    let call = crate::syscall_abi::lookup_entry(crate::syscall_abi::x86_64::CALLS, entry)
+        .filter(|c| c.typed)?;
+    let mut out = Vec::new();
+    out.try_reserve(call.args.len()).ok()?;
+    out.extend(
+        call.args
+            .iter()
+            .map(|&(t, n)| (String::from(t), String::from(n))),
+    );
+    Some(out)
 }
 
 /// (type, name) of `__do_sys_NAME`'s parameters, when BTF has it.

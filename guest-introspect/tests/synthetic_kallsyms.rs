@@ -260,3 +260,34 @@ fn decoy_token_tables_are_bounded() {
     assert_eq!(stats.token_tables, copies as u32);
     eprintln!("{copies} decoys rejected in {:?}: {stats:?}", t0.elapsed());
 }
+
+/// A kernel whose kallsyms has `__x64_sys_*` wrappers but no
+/// `sys_call_table` has no system calls: the generated ABI table never
+/// stands in for the guest's.
+#[test]
+fn no_sys_call_table_no_system_calls() {
+    use guest_introspect::syscalls::{self, SyscallError};
+    let mut rng = Rng(test_support::seed());
+    let rb = 0xffff_ffff_8100_0000;
+    let mut syms = random_syms(&mut rng, 600, false, rb);
+    for (s, name) in
+        syms.iter_mut()
+            .skip(100)
+            .zip(["__x64_sys_read", "__x64_sys_write", "__x64_sys_openat"])
+    {
+        s.name = name.to_owned();
+        s.kind = b'T';
+    }
+    let (blob, _) = generate(&syms, Order::V612, false, rb);
+    let (mem, _) = place(&mut rng, &blob);
+    let mut view = SegmentView::new();
+    view.add(Gva(BASE), &mem, mem.len() as u64);
+    let range = GvaRange::with_len(Gva(BASE), mem.len() as u64);
+    let t = locate(&view, &[range], &mut LocateStats::default()).unwrap();
+    let idx = SymbolIndex::build(&view, &t).unwrap();
+    assert!(idx.lookup("__x64_sys_openat").is_some());
+    assert_eq!(
+        syscalls::table(&view, &idx, None),
+        Err(SyscallError::NoTable)
+    );
+}

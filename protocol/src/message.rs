@@ -1026,7 +1026,9 @@ pub struct SyscallInfo {
     /// none: then its six argument registers are traced raw).
     pub args: Vec<(String, String)>,
     /// Where the arguments came from: `metadata` (the guest's ftrace
-    /// syscall metadata), `btf` (`__do_sys_NAME`'s prototype) or `none`.
+    /// syscall metadata), `btf` (`__do_sys_NAME`'s prototype), `table`
+    /// (the kernel source's syscalls.h prototype, from hvtrace's generated
+    /// ABI table) or `none`.
     pub source: String,
     /// The structs the call reads from its caller (`openat2`'s `struct
     /// open_how`), laid out from the guest's BTF.

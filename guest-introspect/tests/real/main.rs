@@ -12,6 +12,7 @@ mod guest_path;
 mod kallsyms;
 mod malformed;
 mod stacks;
+mod syscall_abi;
 mod syscall_structs;
 mod syscalls;
 

@@ -7,7 +7,7 @@ use guest_introspect::btf::Btf;
 use guest_introspect::syscalls::{self, ArgSource, Syscall};
 use guest_introspect::Gva;
 
-fn table(img: &common::Image, index: &guest_introspect::kallsyms::SymbolIndex) -> Vec<Syscall> {
+pub fn table(img: &common::Image, index: &guest_introspect::kallsyms::SymbolIndex) -> Vec<Syscall> {
     let view = img.view();
     let sec = img.elf().section(".BTF").expect(".BTF section");
     let btf = Btf::parse(&view, Gva(sec.addr)).expect("BTF");
@@ -69,10 +69,11 @@ fn fast_lane_calls_from_the_table_and_the_metadata() {
     abi_numbers(&t);
     let counts = |s: ArgSource| t.iter().filter(|c| c.source == s).count();
     println!(
-        "fast lane: {} calls, {} with metadata, {} with BTF prototypes, {} raw",
+        "fast lane: {} calls, {} with metadata, {} with BTF prototypes, {} from the ABI table, {} raw",
         t.len(),
         counts(ArgSource::Metadata),
         counts(ArgSource::Btf),
+        counts(ArgSource::Table),
         counts(ArgSource::None)
     );
     // Its config fragment turns CONFIG_FTRACE_SYSCALLS on; the calls a

@@ -733,10 +733,11 @@ pub fn arm(
     }
     let sources = |src: &str| chosen.iter().filter(|s| s.source == src).count();
     eprintln!(
-        "hvtrace: tracing {} system calls ({} with the guest's metadata, {} from BTF, {} raw) in {:.1} s",
+        "hvtrace: tracing {} system calls ({} with the guest's metadata, {} from BTF, {} from the ABI table, {} raw) in {:.1} s",
         chosen.len() - skipped.len().min(chosen.len()),
         sources("metadata"),
         sources("btf"),
+        sources("table"),
         sources("none"),
         t0.elapsed().as_secs_f64()
     );

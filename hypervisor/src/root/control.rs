@@ -1067,6 +1067,7 @@ fn syscalls(src: &mut StatusSource<'_>, cursor: u32) -> Response {
             source: match s.source {
                 guest_introspect::syscalls::ArgSource::Metadata => "metadata",
                 guest_introspect::syscalls::ArgSource::Btf => "btf",
+                guest_introspect::syscalls::ArgSource::Table => "table",
                 guest_introspect::syscalls::ArgSource::None => "none",
             }
             .into(),
