@@ -55,10 +55,50 @@ pub enum ArgSource {
     None,
 }
 
+/// The system-call ABIs of an x86-64 kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Abi {
+    /// 64-bit calls (`syscall`): `sys_call_table`, `__x64_sys_*`,
+    /// arguments in di, si, dx, r10, r8, r9.
+    X64,
+    /// 32-bit calls of IA32 emulation (`int $0x80`, `sysenter`, 32-bit
+    /// `syscall`): `ia32_sys_call_table`, `__ia32_sys_*` and
+    /// `__ia32_compat_sys_*`, arguments in bx, cx, dx, si, di, bp.
+    Ia32,
+}
+
+impl Abi {
+    /// The kernel's table of the ABI's entries.
+    pub fn table_symbol(self) -> &'static str {
+        match self {
+            Abi::X64 => "sys_call_table",
+            Abi::Ia32 => "ia32_sys_call_table",
+        }
+    }
+
+    /// The prefixes of its wrappers' names.
+    pub fn prefixes(self) -> &'static [&'static str] {
+        match self {
+            Abi::X64 => &["__x64_sys_"],
+            Abi::Ia32 => &["__ia32_compat_sys_", "__ia32_sys_"],
+        }
+    }
+
+    /// The generated ABI table ([`crate::syscall_abi`]).
+    fn abi_table(self) -> &'static [crate::syscall_abi::AbiCall] {
+        match self {
+            Abi::X64 => crate::syscall_abi::x86_64::CALLS,
+            Abi::Ia32 => crate::syscall_abi::i386::CALLS,
+        }
+    }
+}
+
 /// One system call of the guest.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Syscall {
-    /// Its number (the index in `sys_call_table`).
+    /// Its ABI.
+    pub abi: Abi,
+    /// Its number (the index in its ABI's table).
     pub nr: u32,
     /// Its name (`openat`).
     pub name: String,
@@ -95,46 +135,122 @@ pub fn table<V: VirtMemory + ?Sized>(
     index: &SymbolIndex,
     btf: Option<&Btf<'_, V>>,
 ) -> Result<Vec<Syscall>, SyscallError> {
+    table_of(view, index, btf, Abi::X64, &[])
+}
+
+/// The guest's 32-bit (IA32 emulation) system calls, in number order;
+/// empty when the kernel has no `ia32_sys_call_table`
+/// (`CONFIG_IA32_EMULATION` off). A call whose wrapper is also a 64-bit
+/// call's (the argument-less calls share one body under both names, so
+/// that a hook there cannot tell the ABIs apart) is left out: it is
+/// traced as the 64-bit call. `native` is [`table`]'s answer.
+pub fn compat_table<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: &SymbolIndex,
+    btf: Option<&Btf<'_, V>>,
+    native: &[Syscall],
+) -> Result<Vec<Syscall>, SyscallError> {
+    match table_of(view, index, btf, Abi::Ia32, native) {
+        // Since the indirect-call hardening (6.9, and its stable
+        // backports: Debian's 6.1 has it) a kernel dispatches ia32 calls
+        // through a switch,
+        // `ia32_sys_call`, and keeps no table: the numbers come from the
+        // generated i386 table, each call kept when the guest has its
+        // wrapper.
+        Err(SyscallError::NoTable) if index.lookup("ia32_sys_call").is_some() => {
+            let abi = crate::syscall_abi::i386::CALLS;
+            let slots = abi.iter().filter_map(|c| {
+                let id = index.lookup(c.entry)?;
+                Some((c.nr, index.symbol(id).addr))
+            });
+            describe(view, index, btf, Abi::Ia32, native, slots)
+        }
+        Err(SyscallError::NoTable) => Ok(Vec::new()),
+        other => other,
+    }
+}
+
+/// The calls of `abi`'s table, those whose wrapper is one of `shared`'s
+/// left out.
+fn table_of<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: &SymbolIndex,
+    btf: Option<&Btf<'_, V>>,
+    abi: Abi,
+    shared: &[Syscall],
+) -> Result<Vec<Syscall>, SyscallError> {
     let id = index
-        .lookup("sys_call_table")
+        .lookup(abi.table_symbol())
         .ok_or(SyscallError::NoTable)?;
     let at = index.symbol(id).addr;
     let n = (index.size(id).unwrap_or(0) / 8).min(MAX_SYSCALLS as u64) as u32;
-    let meta = metadata(view, index, btf, u64::from(n));
+    let mut slots = Vec::new();
+    slots
+        .try_reserve(n as usize)
+        .map_err(|_| SyscallError::Unreadable(at))?;
+    for nr in 0..n {
+        let slot = at.wrapping_add(u64::from(nr) * 8);
+        let f = read_u64(view, slot).map_err(|_| SyscallError::Unreadable(slot))?;
+        slots.push((nr, Gva(f)));
+    }
+    describe(view, index, btf, abi, shared, slots.into_iter())
+}
+
+/// The calls at `slots` ((number, wrapper address)) of `abi`, named from
+/// kallsyms and described from the best source; those whose wrapper is
+/// one of `shared`'s left out.
+fn describe<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: &SymbolIndex,
+    btf: Option<&Btf<'_, V>>,
+    abi: Abi,
+    shared: &[Syscall],
+    slots: impl Iterator<Item = (u32, Gva)>,
+) -> Result<Vec<Syscall>, SyscallError> {
+    // The metadata array has a slot per 64-bit number, whichever the ABI.
+    let native_n = index
+        .lookup(Abi::X64.table_symbol())
+        .and_then(|i| index.size(i))
+        .map_or(MAX_SYSCALLS as u64, |b| (b / 8).min(MAX_SYSCALLS as u64));
+    let meta = metadata(view, index, btf, native_n);
     // The `__do_sys_` bodies BTF describes, found in one pass.
     let funcs: Vec<(String, TypeInfo)> = btf
         .and_then(|b| b.funcs_with_prefix("__do_sys_").ok())
         .unwrap_or_default();
     let mut out = Vec::new();
-    for nr in 0..n {
-        let slot = at.wrapping_add(u64::from(nr) * 8);
-        let f = read_u64(view, slot).map_err(|_| SyscallError::Unreadable(slot))?;
-        let Some(r) = index.resolve(Gva(f)).filter(|r| r.offset == 0) else {
+    for (nr, f) in slots.take(MAX_SYSCALLS) {
+        let Some(r) = index.resolve(f).filter(|r| r.offset == 0) else {
             continue;
         };
         // A call without arguments is an alias of its `__do_sys_` body
-        // (and of the ia32 entry): the `__x64_sys_` name among the
+        // (and of the other ABI's entry): the ABI's name among the
         // symbols at the address.
-        let Some(entry) = (r.id.0..)
-            .take(8)
-            .map(crate::kallsyms::SymbolId)
-            .take_while(|&i| (i.0 as usize) < index.len() && index.symbol(i).addr == r.addr)
-            .map(|i| index.name(i))
-            .find(|n| n.starts_with("__x64_sys_"))
-        else {
+        let aliases = || {
+            (r.id.0..)
+                .take(8)
+                .map(crate::kallsyms::SymbolId)
+                .take_while(|&i| (i.0 as usize) < index.len() && index.symbol(i).addr == r.addr)
+                .map(|i| index.name(i))
+        };
+        let Some((entry, name)) = aliases().find_map(|n| {
+            let rest = abi.prefixes().iter().find_map(|p| n.strip_prefix(p))?;
+            let rest = String::from(rest);
+            Some((n, rest))
+        }) else {
             continue;
         };
-        let Some(name) = entry.strip_prefix("__x64_sys_") else {
-            continue;
-        };
+        let name = name.as_str();
         if name == "ni_syscall" {
+            continue;
+        }
+        if aliases().any(|n| shared.iter().any(|s| s.entry == n)) {
             continue;
         }
         let (args, source) = match meta.iter().find(|(n, _)| n == name) {
             Some((_, a)) => (a.clone(), ArgSource::Metadata),
             None => match btf.and_then(|b| prototype(b, &funcs, name)) {
                 Some(a) => (a, ArgSource::Btf),
-                None => match abi_args(&entry) {
+                None => match abi_args(abi, &entry) {
                     Some(a) => (a, ArgSource::Table),
                     None => (Vec::new(), ArgSource::None),
                 },
@@ -144,6 +260,7 @@ pub fn table<V: VirtMemory + ?Sized>(
             break;
         }
         out.push(Syscall {
+            abi,
             nr,
             name: String::from(name),
             entry: entry.clone(),
@@ -279,11 +396,10 @@ fn string<V: VirtMemory + ?Sized>(view: &V, at: Gva) -> Option<String> {
     None
 }
 
-/// (type, name) of the arguments the generated x86-64 table gives the
+/// (type, name) of the arguments the generated table of `abi` gives the
 /// call whose wrapper is `entry`, when it has its prototype.
-fn abi_args(entry: &str) -> Option<Vec<(String, String)>> {
-    let call = crate::syscall_abi::lookup_entry(crate::syscall_abi::x86_64::CALLS, entry)
-        .filter(|c| c.typed)?;
+fn abi_args(abi: Abi, entry: &str) -> Option<Vec<(String, String)>> {
+    let call = crate::syscall_abi::lookup_entry(abi.abi_table(), entry).filter(|c| c.typed)?;
     let mut out = Vec::new();
     out.try_reserve(call.args.len()).ok()?;
     out.extend(

@@ -210,7 +210,18 @@ static int syscalls_workload(const char *file)
 	if (child < 0)
 		return 1;
 	if (child == 0) {
-		execl("/bin/hvbench", "hvbench", "exec-child", file, (char *)NULL);
+		/*
+		 * The exec's strings in the child's own memory, as a shell has
+		 * them: a literal of this static binary sits in a file-backed
+		 * page that fork() does not copy into the child's page tables,
+		 * so until the kernel faults it in, a read from outside (or the
+		 * kernel's own nofault string fetch) finds nothing there.
+		 */
+		char path[] = "/bin/hvbench", arg0[] = "hvbench", arg1[] = "exec-child";
+		char arg2[256];
+		snprintf(arg2, sizeof arg2, "%s", file);
+		char *args[] = { arg0, arg1, arg2, NULL };
+		execv(path, args);
 		_exit(127);
 	}
 	int status = 0;

@@ -85,3 +85,54 @@ fn fast_lane_calls_from_the_table_and_the_metadata() {
     }
     assert_eq!(by_name(&t, "openat").args.len(), 4);
 }
+
+fn compat(img: &common::Image, index: &guest_introspect::kallsyms::SymbolIndex) -> Vec<Syscall> {
+    let view = img.view();
+    let sec = img.elf().section(".BTF").expect(".BTF section");
+    let btf = Btf::parse(&view, Gva(sec.addr)).expect("BTF");
+    let native = syscalls::table(&view, index, Some(&btf)).expect("sys_call_table");
+    syscalls::compat_table(&view, index, Some(&btf), &native).expect("ia32_sys_call_table")
+}
+
+/// Debian's kernel has IA32 emulation: the i386 ABI's numbers
+/// (arch/x86/entry/syscalls/syscall_32.tbl) and wrappers, compat ones
+/// included; the argument-less calls, whose wrapper is the 64-bit one's
+/// too, are left to the 64-bit table.
+#[test]
+fn debian_compat_calls() {
+    let index = &crate::debian().index;
+    // No table (the switch of the indirect-call hardening): the numbers
+    // are the generated i386 table's, for the wrappers the guest has.
+    assert!(index.lookup("ia32_sys_call_table").is_none());
+    assert!(index.lookup("ia32_sys_call").is_some());
+    let t = compat(common::debian(), index);
+    let find = |name: &str| t.iter().find(|s| s.name == name);
+    for (nr, name, entry) in [
+        (3, "read", "__ia32_sys_read"),
+        (4, "write", "__ia32_sys_write"),
+        (5, "open", "__ia32_compat_sys_open"),
+        (6, "close", "__ia32_sys_close"),
+        (11, "execve", "__ia32_compat_sys_execve"),
+    ] {
+        let s = find(name).unwrap_or_else(|| panic!("no compat {name}"));
+        assert_eq!(
+            (s.nr, s.entry.as_str(), s.abi),
+            (nr, entry, syscalls::Abi::Ia32)
+        );
+    }
+    let open = find("open").unwrap();
+    assert_eq!(open.args.len(), 3, "{:?}", open.args);
+    assert_eq!(open.args[0].1, "filename");
+    assert!(
+        find("getpid").is_none(),
+        "getpid's wrapper is the 64-bit one's"
+    );
+    println!("Debian: {} compat calls", t.len());
+    assert!(t.len() > 300, "{}", t.len());
+}
+
+/// The fast lane is built without IA32 emulation: no compat calls.
+#[test]
+fn fast_lane_has_no_compat_calls() {
+    assert!(compat(common::fast(), &crate::fast().index).is_empty());
+}
