@@ -1033,6 +1033,10 @@ pub struct SyscallInfo {
     /// The structs the call reads from its caller (`openat2`'s `struct
     /// open_how`), laid out from the guest's BTF.
     pub structs: Vec<SyscallStruct>,
+    /// A 32-bit call of IA32 emulation (`__ia32_sys_*`,
+    /// `__ia32_compat_sys_*`; its number is the i386 ABI's, its
+    /// arguments in bx, cx, dx, si, di, bp).
+    pub compat: bool,
 }
 
 /// A struct a system call reads from its caller, by a user pointer.

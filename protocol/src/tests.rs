@@ -219,6 +219,7 @@ fn samples() -> Vec<Body> {
                         signed: false,
                     }],
                 }],
+                compat: false,
             }],
         }),
         Body::Request(Request::ProbeAdd {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the hvtrace guest initramfs: Debian's static busybox plus
-# guest/initramfs/init and guest/tools/hvbench.c (built static), as a gzip-compressed newc cpio archive
+# guest/initramfs/init and guest/tools/hvbench.c (built static) and guest/tools/hvcompat.S (32-bit, binutils), as a gzip-compressed newc cpio archive
 # (or a bare one, see HVTRACE_INITRAMFS_COMPRESS below).
 #
 # Output: $CACHE/initramfs-<busybox version>-<hash>.cpio.gz (.cpio when
@@ -18,6 +18,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 INIT=$HVTRACE_REPO/guest/initramfs/init
 # The guest side of the tests and benchmarks, built static with the host's gcc.
 BENCH_SRC=$HVTRACE_REPO/guest/tools/hvbench.c
+COMPAT_SRC=$HVTRACE_REPO/guest/tools/hvcompat.S
 BUSYBOX=/bin/busybox
 # Bump when the archive layout in write_cpio below changes.
 LAYOUT=2
@@ -68,7 +69,7 @@ if [[ -n $EXTRA_TREE ]]; then
     kind=$kind-tree
 fi
 tree_hash=$(cd "${EXTRA_TREE:-/}" && if ((${#tree_files[@]})); then sha256sum "${tree_files[@]}"; fi | sha256sum | cut -c1-12)
-hash=$(hv_hash "$INIT" "$BUSYBOX" "$BENCH_SRC" "${extra[@]}" -- "layout $LAYOUT" "busybox $bb_version" "gcc $gcc_version" "tree $tree_hash")
+hash=$(hv_hash "$INIT" "$BUSYBOX" "$BENCH_SRC" "$COMPAT_SRC" "${extra[@]}" -- "layout $LAYOUT" "busybox $bb_version" "gcc $gcc_version" "tree $tree_hash")
 out=$CACHE/initramfs-$(hv_sanitize_version "$bb_version")$kind-$hash$suffix
 
 if [[ -f $out ]]; then
@@ -80,13 +81,17 @@ fi
 log "building initramfs (busybox $bb_version, init $(sha256sum "$INIT" | cut -c1-12))"
 tmp=$(mktemp "$out.tmp.XXXXXX")
 bench=$(mktemp "$out.hvbench.XXXXXX")
-trap 'rm -f "$tmp" "$bench"' EXIT
+compat=$(mktemp "$out.hvcompat.XXXXXX")
+trap 'rm -f "$tmp" "$bench" "$compat" "$compat.o"' EXIT
 gcc -static -O2 -Wall -Werror -o "$bench" "$BENCH_SRC" || die "building hvbench failed"
+# A 32-bit program, for the kernels with IA32 emulation: binutils alone.
+as --32 -o "$compat.o" "$COMPAT_SRC" && ld -m elf_i386 -o "$compat" "$compat.o" ||
+    die "building hvcompat failed"
 
-python3 - "$BUSYBOX" "$INIT" "$tmp" "$bench" "$EXTRA_MODULES" "$EXTRA_TREE" "$COMPRESS" <<'PY'
+python3 - "$BUSYBOX" "$INIT" "$tmp" "$bench" "$EXTRA_MODULES" "$EXTRA_TREE" "$COMPRESS" "$compat" <<'PY'
 import gzip, os, sys
 
-busybox, init, out, bench, modules, tree, compress = sys.argv[1:8]
+busybox, init, out, bench, modules, tree, compress, compat = sys.argv[1:9]
 entries = []  # (name, mode, data, rdev_major, rdev_minor)
 
 def d(name, mode=0o755):
@@ -112,6 +117,7 @@ f("bin/busybox", open(busybox, "rb").read(), 0o755)
 l("bin/sh", "busybox")
 f("init", open(init, "rb").read(), 0o755)
 f("bin/hvbench", open(bench, "rb").read(), 0o755)
+f("bin/hvcompat", open(compat, "rb").read(), 0o755)
 if modules:
     d("lib")
     for module in modules.split(":"):

@@ -628,6 +628,8 @@ fn exercise(guest: &str, fast_lane: bool) {
     kprobes_syscalls::syscalls_oracle(&mut ck, &mut c, &vm);
     if fast_lane {
         kprobes_syscalls::syscalls_cost(&mut ck, &mut c, &vm);
+    } else {
+        kprobes_syscalls::syscalls_compat(&mut ck, &mut c, &vm);
     }
     count_oracle(&mut ck, &mut c, &vm);
     latency_oracle(&mut ck, &mut c, &vm);

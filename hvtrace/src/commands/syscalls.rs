@@ -45,6 +45,37 @@ pub const ARG_REGS: [(u32, &str); 6] = [
     (64, "r9"),
 ];
 
+/// The same for a 32-bit call of IA32 emulation (bx, cx, dx, si, di, bp),
+/// whose values the entry code zero-extended into the 64-bit slots.
+pub const ARG_REGS_IA32: [(u32, &str); 6] = [
+    (40, "bx"),
+    (88, "cx"),
+    (96, "dx"),
+    (104, "si"),
+    (112, "di"),
+    (32, "bp"),
+];
+
+/// The event of call `s`: `sys_openat`, or `sys32_open` for a 32-bit
+/// call.
+pub fn event_name(s: &SyscallInfo) -> String {
+    if s.compat {
+        format!("sys32_{}", s.name)
+    } else {
+        format!("sys_{}", s.name)
+    }
+}
+
+/// A fetch type at the width a 32-bit caller passed (`long` and pointers
+/// are 32 bits there).
+fn compat_type(t: &str) -> &'static str {
+    match t {
+        "s32" | "s64" => "s32",
+        "x64" => "x32",
+        _ => "u32",
+    }
+}
+
 /// Calls that do not return to their caller.
 const NO_RETURN: [&str; 2] = ["exit", "exit_group"];
 
@@ -66,7 +97,8 @@ pub fn table(control: &mut dyn Control) -> Result<Vec<SyscallInfo>> {
     }
 }
 
-/// The calls named (`openat` or `sys_openat`), or every call.
+/// The calls named (`openat` or `sys_openat`: the 64-bit call and the
+/// 32-bit one of that name, where the guest has them), or every call.
 pub fn select<'a>(table: &'a [SyscallInfo], names: &[String]) -> Result<Vec<&'a SyscallInfo>> {
     if names.is_empty() {
         return Ok(table.iter().collect());
@@ -78,11 +110,10 @@ pub fn select<'a>(table: &'a [SyscallInfo], names: &[String]) -> Result<Vec<&'a 
         .filter(|n| !n.is_empty())
     {
         let want = n.strip_prefix("sys_").unwrap_or(n);
-        match table.iter().find(|s| s.name == want) {
-            Some(s) => out.push(s),
-            None => bail!(
-                "the guest has no system call {n:?} (`hvtrace syscalls --list` lists its calls)"
-            ),
+        let before = out.len();
+        out.extend(table.iter().filter(|s| s.name == want));
+        if out.len() == before {
+            bail!("the guest has no system call {n:?} (`hvtrace syscalls --list` lists its calls)");
         }
     }
     Ok(out)
@@ -169,6 +200,9 @@ impl Folds {
     /// The folds of call `s`, named as [`specs`] names the fields.
     pub fn of(s: &SyscallInfo) -> Folds {
         let mut f = Folds::default();
+        if s.compat {
+            return f;
+        }
         for (i, (ctype, name)) in s.args.iter().enumerate() {
             let arg = arg_name(name);
             if is_argv(ctype, name) {
@@ -222,21 +256,32 @@ impl Folds {
 
 /// The entry and return probes of call `s`.
 pub fn specs(s: &SyscallInfo) -> (String, String) {
-    let mut entry = format!("p:{GROUP}/sys_{} {}", s.name, s.entry);
+    let event = event_name(s);
+    let mut entry = format!("p:{GROUP}/{event} {}", s.entry);
+    let regs = if s.compat { ARG_REGS_IA32 } else { ARG_REGS };
+    let width = |t: &'static str| if s.compat { compat_type(t) } else { t };
     if s.args.is_empty() {
-        for (i, (off, _)) in ARG_REGS.iter().enumerate() {
-            entry.push_str(&format!(" arg{}=+{off}($arg1):x64", i + 1));
+        for (i, (off, _)) in regs.iter().enumerate() {
+            entry.push_str(&format!(" arg{}=+{off}($arg1):{}", i + 1, width("x64")));
         }
     } else {
-        for (i, ((ctype, name), (off, _))) in s.args.iter().zip(ARG_REGS).enumerate() {
+        for (i, ((ctype, name), (off, _))) in s.args.iter().zip(regs).enumerate() {
             let string = is_input_string(ctype, name);
-            let argv = is_argv(ctype, name);
+            // A 32-bit caller's arrays and structs have its own layout:
+            // their pointers are shown.
+            let argv = is_argv(ctype, name) && !s.compat;
             let name = arg_name(name);
             if string {
                 entry.push_str(&format!(" {name}=+0(+{off}($arg1)):ustring"));
                 continue;
             }
-            entry.push_str(&format!(" {name}=+{off}($arg1):{}", fetch_type(ctype)));
+            entry.push_str(&format!(
+                " {name}=+{off}($arg1):{}",
+                width(fetch_type(ctype))
+            ));
+            if s.compat {
+                continue;
+            }
             if argv {
                 // The strings up to the first null pointer (the host cuts
                 // there), and whether there are more.
@@ -267,7 +312,7 @@ pub fn specs(s: &SyscallInfo) -> (String, String) {
             }
         }
     }
-    let ret = format!("r:{GROUP}/sys_{}_ret {} ret=$retval:s64", s.name, s.entry);
+    let ret = format!("r:{GROUP}/{event}_ret {} ret=$retval:s64", s.entry);
     (entry, ret)
 }
 
@@ -563,7 +608,10 @@ impl Pairer {
             let ret = args.get("ret").and_then(Value::as_i64).unwrap_or(0);
             return self.emit(pid, e, Some(ret));
         }
-        let Some(call) = event.strip_prefix("sys_") else {
+        let Some(call) = event
+            .strip_prefix("sys_")
+            .or_else(|| event.strip_prefix("sys32_"))
+        else {
             return Ok(());
         };
         let mut args = args;
@@ -597,7 +645,13 @@ impl Pairer {
     }
 
     fn emit(&mut self, pid: i64, e: Entry, ret: Option<i64>) -> std::io::Result<()> {
-        let name = e.call.strip_prefix("sys_").unwrap_or(&e.call).to_string();
+        let compat = e.call.starts_with("sys32_");
+        let name = e
+            .call
+            .strip_prefix("sys_")
+            .or_else(|| e.call.strip_prefix("sys32_"))
+            .unwrap_or(&e.call)
+            .to_string();
         let error = ret.filter(|&r| (-4095..0).contains(&r)).map(|r| -r);
         if self.comm.as_ref().is_some_and(|c| *c != e.comm)
             || self.pid.is_some_and(|p| p != pid)
@@ -605,7 +659,12 @@ impl Pairer {
         {
             return Ok(());
         }
-        let t = self.tally.entry(name.clone()).or_default();
+        let key = if compat {
+            format!("{name} (ia32)")
+        } else {
+            name.clone()
+        };
+        let t = self.tally.entry(key).or_default();
         t.calls += 1;
         t.errors += u64::from(error.is_some());
         let mut s = String::new();
@@ -616,7 +675,11 @@ impl Pairer {
             o.insert("pid".into(), Value::from(pid));
             o.insert("comm".into(), Value::from(e.comm.clone()));
             o.insert("syscall".into(), Value::from(name.clone()));
-            if let Some(nr) = self.nr.get(&name) {
+            o.insert(
+                "abi".into(),
+                Value::from(if compat { "ia32" } else { "x64" }),
+            );
+            if let Some(nr) = self.nr.get(&e.call) {
                 o.insert("nr".into(), Value::from(*nr));
             }
             o.insert("args".into(), Value::Object(e.args.clone()));
@@ -644,10 +707,11 @@ impl Pairer {
                 (Some(r), None) => format!(" = {r}"),
             };
             s.push_str(&term::sanitize(&format!(
-                "{}-{pid} [{:03}] {}: sys_{name}({}){tail}",
+                "{}-{pid} [{:03}] {}: {}sys_{name}({}){tail}",
                 e.comm,
                 e.cpu,
                 e.ts,
+                if compat { "ia32 " } else { "" },
                 args.join(", ")
             )));
         }
@@ -694,7 +758,7 @@ fn delete(control: &mut dyn Control, names: &[String]) {
 pub struct Armed {
     /// The probes added (`GROUP/EVENT`), to delete at the end.
     pub added: Vec<String>,
-    /// Number of each call traced, by name.
+    /// Number of each call traced, by event (`sys_openat`, `sys32_open`).
     pub nr: HashMap<String, u32>,
     /// How each call's fields fold (by event, `sys_openat2`).
     pub folds: HashMap<String, Folds>,
@@ -732,6 +796,10 @@ pub fn arm(
         }
     }
     let sources = |src: &str| chosen.iter().filter(|s| s.source == src).count();
+    let compat = chosen.iter().filter(|s| s.compat).count();
+    if compat > 0 {
+        eprintln!("hvtrace: {compat} of the calls are IA32 emulation's (32-bit callers)");
+    }
     eprintln!(
         "hvtrace: tracing {} system calls ({} with the guest's metadata, {} from BTF, {} from the ABI table, {} raw) in {:.1} s",
         chosen.len() - skipped.len().min(chosen.len()),
@@ -749,10 +817,10 @@ pub fn arm(
     }
     Ok(Some(Armed {
         added,
-        nr: chosen.iter().map(|s| (s.name.clone(), s.nr)).collect(),
+        nr: chosen.iter().map(|s| (event_name(s), s.nr)).collect(),
         folds: chosen
             .iter()
-            .map(|s| (format!("sys_{}", s.name), Folds::of(s)))
+            .map(|s| (event_name(s), Folds::of(s)))
             .collect(),
     }))
 }
@@ -779,13 +847,27 @@ fn summary(socket: &Path, table: &[SyscallInfo], args: &SyscallsArgs) -> Result<
     let chosen = select(table, &args.names)?;
     let every = args.names.is_empty() || chosen.len() > SUMMARY_NAMED;
     let functions = if every {
-        vec!["__x64_sys_*".to_string()]
+        let mut g = vec!["__x64_sys_*".to_string()];
+        if chosen.iter().any(|s| s.compat) {
+            g.extend([
+                "__ia32_sys_*".to_string(),
+                "__ia32_compat_sys_*".to_string(),
+            ]);
+        }
+        g
     } else {
         chosen.iter().map(|s| s.entry.clone()).collect()
     };
-    let wanted: HashMap<&str, &str> = chosen
+    let wanted: HashMap<&str, String> = chosen
         .iter()
-        .map(|s| (s.entry.as_str(), s.name.as_str()))
+        .map(|s| {
+            let name = if s.compat {
+                format!("{} (ia32)", s.name)
+            } else {
+                s.name.clone()
+            };
+            (s.entry.as_str(), name)
+        })
         .collect();
     let filter = super::count::filter(&functions, args.pid, args.comm.as_deref(), true)?;
     let o = crate::commands::cli::AggregateArgs {
@@ -905,7 +987,14 @@ pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
     if args.list {
         for s in &table {
             let a: Vec<String> = s.args.iter().map(|(t, n)| format!("{t} {n}")).collect();
-            println!("{:>4} {}({}) [{}]", s.nr, s.name, a.join(", "), s.source);
+            let abi = if s.compat { "ia32 " } else { "" };
+            println!(
+                "{:>4} {abi}{}({}) [{}]",
+                s.nr,
+                s.name,
+                a.join(", "),
+                s.source
+            );
         }
         return Ok(0);
     }
@@ -989,6 +1078,7 @@ mod tests {
             ],
             source: "metadata".into(),
             structs: vec![],
+            compat: false,
         }
     }
 
@@ -1098,7 +1188,7 @@ mod tests {
         let sink = Sink::default();
         let mut p = Pairer::new(
             &args(true, true),
-            [("openat".to_string(), 257)].into(),
+            [("sys_openat".to_string(), 257)].into(),
             HashMap::new(),
             Box::new(sink.clone()),
         );
@@ -1127,6 +1217,7 @@ mod tests {
             ],
             source: "metadata".into(),
             structs: vec![],
+            compat: false,
         };
         let (entry, _) = specs(&execve);
         assert!(
@@ -1161,6 +1252,7 @@ mod tests {
                 name: "open_how".into(),
                 fields: vec![field("flags", 0), field("mode", 8), field("resolve", 16)],
             }],
+            compat: false,
         };
         let (entry, _) = specs(&openat2);
         assert!(
@@ -1229,5 +1321,54 @@ mod tests {
         let v: Value = serde_json::from_str(&summary_json(&rows)).unwrap();
         assert_eq!(v["summary"][0]["errors"], 1);
         assert_eq!(v["summary"][1]["calls"], 2);
+    }
+
+    #[test]
+    fn a_32_bit_call_reads_its_registers_at_32_bits() {
+        let open = SyscallInfo {
+            nr: 5,
+            name: "open".into(),
+            entry: "__ia32_compat_sys_open".into(),
+            args: vec![
+                ("const char *".into(), "filename".into()),
+                ("int".into(), "flags".into()),
+                ("umode_t".into(), "mode".into()),
+            ],
+            source: "metadata".into(),
+            structs: vec![],
+            compat: true,
+        };
+        let (entry, ret) = specs(&open);
+        assert_eq!(
+            entry,
+            "p:hvsys/sys32_open __ia32_compat_sys_open filename=+0(+40($arg1)):ustring \
+             flags=+88($arg1):s32 mode=+96($arg1):u32"
+        );
+        assert_eq!(
+            ret,
+            "r:hvsys/sys32_open_ret __ia32_compat_sys_open ret=$retval:s64"
+        );
+        for s in [&entry, &ret] {
+            tracelang::kprobe::parse_probe(s).unwrap();
+        }
+        let sink = Sink::default();
+        let mut p = Pairer::new(
+            &args(false, false),
+            [("sys32_open".to_string(), 5)].into(),
+            HashMap::new(),
+            Box::new(sink.clone()),
+        );
+        for l in [
+            r#"{"ts":"2.000001","cpu":0,"pid":9,"comm":"hvcompat","group":"hvsys","event":"sys32_open","args":{"filename":"/etc/hostname","flags":0,"mode":0}}"#,
+            r#"{"ts":"2.000002","cpu":0,"pid":9,"comm":"hvcompat","group":"hvsys","event":"sys32_open_ret","args":{"ret":3}}"#,
+        ] {
+            p.line(l).unwrap();
+        }
+        let out = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(
+            out,
+            "hvcompat-9 [000] 2.000001: ia32 sys_open(filename: \"/etc/hostname\", flags: O_RDONLY, mode: 0) = 3\n"
+        );
+        assert_eq!(p.tally["open (ia32)"].calls, 1);
     }
 }

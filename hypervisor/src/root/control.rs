@@ -1071,6 +1071,7 @@ fn syscalls(src: &mut StatusSource<'_>, cursor: u32) -> Response {
                 guest_introspect::syscalls::ArgSource::None => "none",
             }
             .into(),
+            compat: s.abi == guest_introspect::syscalls::Abi::Ia32,
             structs: e
                 .structs
                 .iter()

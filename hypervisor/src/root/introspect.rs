@@ -525,8 +525,22 @@ impl Kernel {
             .as_ref()
             .ok()
             .map(|i| guest_introspect::btf::Btf::from_index(&view, i));
-        let calls = guest_introspect::syscalls::table(&view, &self.facts.symbols, btf.as_ref())
+        let mut calls = guest_introspect::syscalls::table(&view, &self.facts.symbols, btf.as_ref())
             .map_err(|e| alloc::format!("{e}"))?;
+        // The 32-bit calls too, when the kernel has IA32 emulation.
+        match guest_introspect::syscalls::compat_table(
+            &view,
+            &self.facts.symbols,
+            btf.as_ref(),
+            &calls,
+        ) {
+            Ok(compat) => {
+                if calls.try_reserve(compat.len()).is_ok() {
+                    calls.extend(compat);
+                }
+            }
+            Err(e) => log::warn!("introspection: no 32-bit system calls: {e}"),
+        }
         let mut out = Vec::new();
         out.try_reserve(calls.len())
             .map_err(|_| alloc::string::String::from("no memory for the system calls"))?;

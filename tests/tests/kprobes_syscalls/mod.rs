@@ -365,3 +365,89 @@ fn guest_calls(trace: &str) -> Vec<Call> {
     }
     guest
 }
+
+/// Debian (IA32 emulation on): a 32-bit program's calls (`hvcompat`,
+/// `int $0x80`), traced through `__ia32_*` wrappers with their arguments
+/// read from bx, cx, dx at 32 bits: the i386 numbers, the file name it
+/// passed, the bytes `wc` counts, and the fd it opened. `getpid`, whose
+/// wrapper is the 64-bit call's too, shows as the 64-bit call and returns
+/// the task's own pid. The 64-bit probes of the same names stay silent.
+/// The kernel's own syscall events skip 32-bit callers, so the program
+/// and the guest's `wc` are the oracle.
+pub fn syscalls_compat(ck: &mut Checks, c: &mut Client, vm: &Detached) {
+    let len: i64 = exec(c, "wc -c < /etc/hostname")
+        .trim()
+        .parse()
+        .unwrap_or(-1);
+    let (code, out, err) = vm.cli(&[
+        "syscalls",
+        "open,read,write,close,getpid",
+        "--comm",
+        "hvcompat",
+        "--json",
+        "--exec",
+        "hvcompat",
+    ]);
+    println!("syscalls (ia32): {out}{err}");
+    ck.eq("syscalls (ia32) exit code", code, 0);
+    ck.check(
+        err.contains("of the calls are IA32 emulation's"),
+        "the 32-bit calls were armed",
+    );
+    let calls: Vec<Value> = out
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let shape: Vec<(String, String, u64)> = calls
+        .iter()
+        .map(|v| {
+            (
+                v["abi"].as_str().unwrap_or("").to_string(),
+                v["syscall"].as_str().unwrap_or("").to_string(),
+                v["nr"].as_u64().unwrap_or(u64::MAX),
+            )
+        })
+        .collect();
+    let s = |a: &str, n: &str, nr| (a.to_string(), n.to_string(), nr);
+    ck.eq(
+        "hvcompat's calls: ABI, name, number (i386's, and getpid's 64-bit)",
+        shape,
+        vec![
+            s("ia32", "open", 5),
+            s("ia32", "read", 3),
+            s("ia32", "write", 4),
+            s("ia32", "close", 6),
+            s("x64", "getpid", 39),
+        ],
+    );
+    let arg = |i: usize, k: &str| calls.get(i).map(|v| v["args"][k].clone());
+    let ret = |i: usize| calls.get(i).and_then(|v| v["ret"].as_i64());
+    let fd = ret(0).unwrap_or(-1);
+    ck.eq(
+        "open's file name, read from the 32-bit caller",
+        arg(0, "filename"),
+        Some(Value::from("/etc/hostname")),
+    );
+    ck.check(fd >= 3, format!("open returned an fd: {fd}"));
+    ck.eq(
+        "read: (fd, count) = (the fd, 64), returning the file's bytes",
+        (arg(1, "fd"), arg(1, "count"), ret(1)),
+        (Some(Value::from(fd)), Some(Value::from(64)), Some(len)),
+    );
+    ck.eq(
+        "write: fd 1 and the bytes read",
+        (arg(2, "fd"), arg(2, "count"), ret(2)),
+        (Some(Value::from(1)), Some(Value::from(len)), Some(len)),
+    );
+    ck.eq(
+        "close of the fd returned 0",
+        (arg(3, "fd"), ret(3)),
+        (Some(Value::from(fd)), Some(0)),
+    );
+    ck.eq(
+        "getpid returned the task's pid",
+        ret(4),
+        calls.get(4).and_then(|v| v["pid"].as_i64()),
+    );
+    ck.check(len > 0, format!("wc counted the hostname: {len}"));
+}
