@@ -52,6 +52,7 @@ fail:
 	movl	$1, %ebx
 	int	$0x80
 
+	.section .note.GNU-stack,"",@progbits
 	.data
 path:	.asciz	"/etc/hostname"
 	.bss

@@ -384,6 +384,8 @@ pub fn json_line(c: &Counts) -> String {
                 ("name", Json::String(e.name.clone())),
                 ("addr", json::int(e.addr)),
                 ("calls", json::int(e.calls)),
+                ("errors", json::int(e.errors)),
+                ("total_ns", json::int(e.total_ns)),
             ])
         })
         .collect();
@@ -533,8 +535,8 @@ mod tests {
                     name: "ext4_file_open [ext4]".into(),
                     addr: 0xffff_ffff_c000_1000,
                     calls: 3,
-                    errors: 0,
-                    total_ns: 0,
+                    errors: 1,
+                    total_ns: 4_500,
                 },
             ],
             latency: vec![0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 1],
@@ -666,7 +668,7 @@ mod tests {
             r#""calls":16"#,
             r#""filtered":2"#,
             r#""memory":4880"#,
-            r#"{"name":"ext4_file_open [ext4]","addr":18446744072635813888,"calls":3}"#,
+            r#"{"name":"ext4_file_open [ext4]","addr":18446744072635813888,"calls":3,"errors":1,"total_ns":4500}"#,
         ] {
             assert!(j.contains(needle), "{needle} in {j}");
         }

@@ -260,7 +260,9 @@ pub fn specs(s: &SyscallInfo) -> (String, String) {
     let mut entry = format!("p:{GROUP}/{event} {}", s.entry);
     let regs = if s.compat { ARG_REGS_IA32 } else { ARG_REGS };
     let width = |t: &'static str| if s.compat { compat_type(t) } else { t };
-    if s.args.is_empty() {
+    // A call the guest describes as taking no argument shows none; one it
+    // does not describe shows its six registers.
+    if s.args.is_empty() && s.source == "none" {
         for (i, (off, _)) in regs.iter().enumerate() {
             entry.push_str(&format!(" arg{}=+{off}($arg1):{}", i + 1, width("x64")));
         }
@@ -1100,10 +1102,17 @@ mod tests {
         }
         let raw = SyscallInfo {
             args: vec![],
+            source: "none".into(),
             ..openat()
         };
         let (entry, _) = specs(&raw);
         assert!(entry.ends_with("arg6=+64($arg1):x64"), "{entry}");
+        // getpid takes nothing: nothing is read.
+        let none = SyscallInfo {
+            args: vec![],
+            ..openat()
+        };
+        assert_eq!(specs(&none).0, "p:hvsys/sys_openat __x64_sys_openat");
         // write's buffer is bytes, its pointer is shown.
         let write = SyscallInfo {
             name: "write".into(),
