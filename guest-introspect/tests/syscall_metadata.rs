@@ -22,6 +22,11 @@ const DATA: u64 = RB + 0x20_0000;
 /// The BTF blob.
 const BTF_AT: u64 = 0xffff_ffff_8180_0000;
 
+/// (C type, name) of each argument.
+type Args<'a> = &'a [(&'a str, &'a str)];
+/// (number, name, entry, source, arguments) of a call as found.
+type Found<'a> = (u32, &'a str, &'a str, ArgSource, Vec<(&'a str, &'a str)>);
+
 fn sym(kind: u8, name: &str, addr: u64) -> Sym {
     Sym {
         kind,
@@ -105,7 +110,7 @@ fn metadata_names_and_types_through_a_btf_layout() {
     }
     let array = DATA + 0x100;
     put(&mut data, meta_ptr, &array.to_le_bytes());
-    let calls: [(u64, &str, &[(&str, &str)]); 4] = [
+    let calls: [(u64, &str, Args<'_>); 4] = [
         (
             0,
             "sys_read",
@@ -163,7 +168,7 @@ fn metadata_names_and_types_through_a_btf_layout() {
     let btf = Btf::parse(&view, Gva(BTF_AT)).unwrap();
 
     let calls = syscalls::table(&view, &idx, Some(&btf)).unwrap();
-    let got: Vec<(u32, &str, &str, ArgSource, Vec<(&str, &str)>)> = calls
+    let got: Vec<Found<'_>> = calls
         .iter()
         .map(|s| {
             (
