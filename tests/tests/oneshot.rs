@@ -10,51 +10,62 @@ use std::process::Command;
 
 use hvtrace_tests::{hvtrace_bin, hypervisor_image, vm_lock, Checks};
 
+/// Runs `hvtrace run ARGS --hypervisor IMAGE` and returns (status,
+/// stdout, stderr).
+fn hvtrace_run(args: &[&str]) -> (std::process::ExitStatus, String, String) {
+    let output = Command::new(hvtrace_bin())
+        .arg("run")
+        .args(args)
+        .arg("--hypervisor")
+        .arg(hypervisor_image())
+        .output()
+        .expect("running hvtrace run");
+    (
+        output.status,
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
 #[test]
 fn one_shot_graph_to_chrome() {
     let _vm = vm_lock();
     let dir = std::env::temp_dir().join(format!("hvtrace-oneshot-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temporary directory");
     let out_file = dir.join("graph.json");
-    let output = Command::new(hvtrace_bin())
-        .args([
-            "run",
-            "--guest",
-            "fast",
-            "--graph",
-            "vfs_read",
-            "--graph-trace",
-            "vfs_read",
-            "--graph-trace",
-            "shmem_*",
-            "--graph-trace",
-            "folio_*",
-            "--graph-trace",
-            "touch_atime",
-            "--graph-comm",
-            "dd",
-            "--graph-retval",
-            "--probe",
-            "r:readret vfs_read ret=$retval:x64",
-            "--exec",
-            "dd if=/etc/hostname of=/dev/null bs=64 count=1",
-            "--exec",
-            "dd if=/etc/hostname of=/dev/null bs=64 count=1",
-            "--format",
-            "chrome",
-            "--output",
-        ])
-        .arg(&out_file)
-        .arg("--hypervisor")
-        .arg(hypervisor_image())
-        .output()
-        .expect("running hvtrace run");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    println!("hvtrace run: {}\n{stderr}", output.status);
+    let out_path = out_file.to_string_lossy().into_owned();
+    let (status, _, stderr) = hvtrace_run(&[
+        "--guest",
+        "fast",
+        "--graph",
+        "vfs_read",
+        "--graph-trace",
+        "vfs_read",
+        "--graph-trace",
+        "shmem_*",
+        "--graph-trace",
+        "folio_*",
+        "--graph-trace",
+        "touch_atime",
+        "--graph-comm",
+        "dd",
+        "--graph-retval",
+        "--probe",
+        "r:readret vfs_read ret=$retval:x64",
+        "--exec",
+        "dd if=/etc/hostname of=/dev/null bs=64 count=1",
+        "--exec",
+        "dd if=/etc/hostname of=/dev/null bs=64 count=1",
+        "--format",
+        "chrome",
+        "--output",
+        &out_path,
+    ]);
+    println!("hvtrace run: {status}\n{stderr}");
     let mut ck = Checks::new();
     ck.check(
-        output.status.success(),
-        format!("hvtrace run succeeded: {}", output.status),
+        status.success(),
+        format!("hvtrace run succeeded: {}", status),
     );
     ck.check(
         stderr.contains("function graph session 1:"),
@@ -116,37 +127,29 @@ fn one_shot_graph_to_chrome() {
 #[test]
 fn one_shot_hist() {
     let _vm = vm_lock();
-    let output = Command::new(hvtrace_bin())
-        .args([
-            "run",
-            "--guest",
-            "fast",
-            "--hist",
-            "p vfs_read count=%dx:u64",
-            "--hist-key",
-            "comm",
-            "--count-comm",
-            "dd",
-            "--exec",
-            "dd if=/dev/zero of=/dev/null bs=512 count=10",
-            "--exec",
-            "dd if=/dev/zero of=/dev/null bs=4096 count=5",
-            "--exec",
-            "dd if=/dev/zero of=/dev/null bs=65536 count=3",
-            "--format",
-            "json",
-        ])
-        .arg("--hypervisor")
-        .arg(hypervisor_image())
-        .output()
-        .expect("running hvtrace run");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    println!("hvtrace run --hist: {}\n{stderr}\n{stdout}", output.status);
+    let (status, stdout, stderr) = hvtrace_run(&[
+        "--guest",
+        "fast",
+        "--hist",
+        "p vfs_read count=%dx:u64",
+        "--hist-key",
+        "comm",
+        "--count-comm",
+        "dd",
+        "--exec",
+        "dd if=/dev/zero of=/dev/null bs=512 count=10",
+        "--exec",
+        "dd if=/dev/zero of=/dev/null bs=4096 count=5",
+        "--exec",
+        "dd if=/dev/zero of=/dev/null bs=65536 count=3",
+        "--format",
+        "json",
+    ]);
+    println!("hvtrace run --hist: {status}\n{stderr}\n{stdout}");
     let mut ck = Checks::new();
     ck.check(
-        output.status.success(),
-        format!("hvtrace run --hist succeeded: {}", output.status),
+        status.success(),
+        format!("hvtrace run --hist succeeded: {}", status),
     );
     ck.check(
         stderr.contains("hvtrace: histogram: counting 1 functions"),
@@ -192,33 +195,22 @@ fn one_shot_hist() {
 #[test]
 fn one_shot_syscalls() {
     let _vm = vm_lock();
-    let output = Command::new(hvtrace_bin())
-        .args([
-            "run",
-            "--guest",
-            "fast",
-            "--syscalls=openat,read,write,close",
-            "--count-comm",
-            "dd",
-            "--format",
-            "json",
-            "--exec",
-            "dd if=/etc/hostname bs=64 count=1",
-        ])
-        .arg("--hypervisor")
-        .arg(hypervisor_image())
-        .output()
-        .expect("running hvtrace run");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    println!(
-        "hvtrace run --syscalls: {}\n{stderr}\n{stdout}",
-        output.status
-    );
+    let (status, stdout, stderr) = hvtrace_run(&[
+        "--guest",
+        "fast",
+        "--syscalls=openat,read,write,close",
+        "--count-comm",
+        "dd",
+        "--format",
+        "json",
+        "--exec",
+        "dd if=/etc/hostname bs=64 count=1",
+    ]);
+    println!("hvtrace run --syscalls: {status}\n{stderr}\n{stdout}");
     let mut ck = Checks::new();
     ck.check(
-        output.status.success(),
-        format!("hvtrace run --syscalls succeeded: {}", output.status),
+        status.success(),
+        format!("hvtrace run --syscalls succeeded: {}", status),
     );
     // The command's output, as the run copied it to stderr.
     let hostname = stderr
