@@ -60,8 +60,25 @@ fn committed_tables_are_what_the_generator_writes() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/syscall_abi");
     for arch in Arch::ALL {
         let tbl = read(&src, arch.tbl());
-        let fresh = generate(arch, &tbl, &header, &version);
         let committed = read(&dir, arch.file());
+        // Debian's linux-source-6.12 moves on with its stable updates: a
+        // newer source whose ABI files give the same calls is not a stale
+        // table, so it is generated under the version the committed file
+        // names, and only the calls are compared.
+        let named = committed
+            .lines()
+            .next()
+            .and_then(|l| l.split("of Linux ").nth(1))
+            .and_then(|r| r.split(':').next())
+            .unwrap_or(&version)
+            .to_string();
+        if named != version {
+            println!(
+                "{}: generated from {named}, the source is {version}",
+                arch.file()
+            );
+        }
+        let fresh = generate(arch, &tbl, &header, &named);
         if fresh != committed {
             let line = fresh
                 .lines()
