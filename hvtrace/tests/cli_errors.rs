@@ -1182,6 +1182,7 @@ fn graph_reads_until_quiet_then_stops() {
             comm: Some("dd".into()),
             retval: true,
             stack_frames: 0,
+            gate: false,
         })
     );
     assert!(

@@ -227,6 +227,19 @@ pub enum Request {
         /// Where to resume.
         cursor: u32,
     },
+    /// Gates probe `name` on graph session `session` (a gate session,
+    /// [`GraphFilter::gate`], or any session that filters by pid or comm
+    /// without roots): the probe then records only for the tasks the
+    /// session's filter admits, and its site is left unhooked on the quiet
+    /// views, where no such task runs. `None` opens the gate again: the
+    /// probe records for every task. A stopped session opens the gates of
+    /// its probes. Answered by [`Response::Ok`].
+    ProbeGate {
+        /// The probe's name (`GROUP/EVENT` or `EVENT`).
+        name: String,
+        /// The session.
+        session: Option<u32>,
+    },
 }
 
 /// A histogram of one fetch argument (bpftrace's `hist()`), kept in root
@@ -359,6 +372,10 @@ pub struct GraphFilter {
     /// flight, 0 keeps the size in use and another size is refused;
     /// otherwise 0 is the default, 32.
     pub stack_frames: u32,
+    /// A gate: the session hooks and records nothing (no globs may be
+    /// given); its pid or comm filter gates the probes put behind it
+    /// ([`Request::ProbeGate`]), and picks the views of their sites.
+    pub gate: bool,
 }
 
 /// How trace events are rendered.

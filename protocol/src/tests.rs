@@ -197,6 +197,10 @@ fn samples() -> Vec<Body> {
             limit: 100,
         }),
         Body::Request(Request::Syscalls { cursor: 17 }),
+        Body::Request(Request::ProbeGate {
+            name: "hvsys/sys_openat".into(),
+            session: Some(3),
+        }),
         Body::Response(Response::Syscalls {
             total: 346,
             next: Some(20),
@@ -438,6 +442,7 @@ fn variant(body: &Body) -> String {
             Request::HistRead { .. } => "Request::HistRead",
             Request::SymbolsExport => "Request::SymbolsExport",
             Request::Syscalls { .. } => "Request::Syscalls",
+            Request::ProbeGate { .. } => "Request::ProbeGate",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",
@@ -491,8 +496,9 @@ fn variant(body: &Body) -> String {
 /// kind, 4 events; then `TraceChannel` with `TraceRing`, and the count's 4
 /// requests and 3 responses; then the symbol export's request, answer and
 /// event; then the records and their context; then the per-vCPU rings'
-/// answer and doorbell; then the system calls' request and answer.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2 + 2 + 2;
+/// answer and doorbell; then the system calls' request and answer; then
+/// the probes' gate.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2 + 2 + 2 + 1;
 
 #[test]
 fn samples_cover_every_variant() {

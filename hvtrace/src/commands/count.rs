@@ -55,7 +55,7 @@ pub fn filter(
 }
 
 /// Refuses a comm the kernel could not hold (1 to 15 bytes).
-fn check_comm(comm: Option<&str>) -> Result<()> {
+pub fn check_comm(comm: Option<&str>) -> Result<()> {
     match comm {
         Some(c) if c.is_empty() || c.len() > 15 => {
             bail!("--comm takes a name of 1 to 15 bytes (got {c:?})")

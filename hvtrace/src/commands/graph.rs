@@ -127,6 +127,7 @@ pub fn checked_filter(
         comm: f.comm.clone(),
         retval: f.retval,
         stack_frames: f.stack_frames,
+        gate: false,
     })
 }
 
@@ -402,6 +403,7 @@ mod tests {
                 comm: Some("dd".into()),
                 retval: true,
                 stack_frames: 0,
+                gate: false,
             }
         );
         assert_eq!(filter(&args(&[])).unwrap(), GraphFilter::default());

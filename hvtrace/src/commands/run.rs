@@ -419,6 +419,7 @@ fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
         duration: None,
         exec: None,
     };
+    count::check_comm(shown.comm.as_deref())?;
     let cfg = args.resolve()?;
     note_tcg(&cfg);
     let vm = LocalVm::start(cfg)?;
@@ -428,6 +429,8 @@ fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
         let report = vm.stop()?;
         return finish(&report, ctl::INTERRUPTED_EXIT);
     };
+    // The VM stops at the end: the gate goes with it.
+    let _ = syscalls::gate(&mut control, &armed, None, shown.comm.as_deref());
     let pairer = Arc::new(Mutex::new(syscalls::Pairer::new(
         &shown,
         armed.nr.clone(),
@@ -655,6 +658,7 @@ mod tests {
                 comm: Some("dd".into()),
                 retval: true,
                 stack_frames: 0,
+                gate: false,
             })
         );
         let defaults = graph_filter(&run_args(&["--graph", "f", "--exec", "true"])).unwrap();

@@ -833,9 +833,65 @@ pub fn pair_writer(pairer: Arc<Mutex<Pairer>>) -> Box<dyn Write + Send> {
     Box::new(PairWriter(pairer))
 }
 
-/// Deletes the probes [`arm`] added.
-pub fn disarm(control: &mut dyn Control, armed: &Armed) {
-    delete(control, &armed.added);
+/// With a task filter (`--comm`, `--pid`): a gate session with that
+/// filter, and every probe [`arm`] added put behind it, so that root
+/// records only those tasks' calls and leaves the calls' wrappers unhooked
+/// on the vCPUs that run other tasks (the quiet views). Returns the
+/// session, to stop at the end; `None` without a filter, or when root
+/// cannot gate (then the filter runs on the host alone, and every task's
+/// calls still exit).
+pub fn gate(
+    control: &mut dyn Control,
+    armed: &Armed,
+    pid: Option<i32>,
+    comm: Option<&str>,
+) -> Option<u32> {
+    if pid.is_none() && comm.is_none() {
+        return None;
+    }
+    let filter = protocol::GraphFilter {
+        pid,
+        comm: comm.map(str::to_string),
+        gate: true,
+        ..protocol::GraphFilter::default()
+    };
+    let session = match control.request(Request::GraphStart(filter), PROBE_TIMEOUT) {
+        Ok(Response::GraphStarted { session, .. }) => session,
+        other => {
+            let why = match other {
+                Ok(r) => format!("{:#}", response_error(r)),
+                Err(e) => format!("{e:#}"),
+            };
+            eprintln!(
+                "hvtrace: note: the filter runs on the host only (every task's calls exit): {}",
+                term::sanitize(&why)
+            );
+            return None;
+        }
+    };
+    for name in &armed.added {
+        let gated = control.request(
+            Request::ProbeGate {
+                name: name.clone(),
+                session: Some(session),
+            },
+            PROBE_TIMEOUT,
+        );
+        if !matches!(gated, Ok(Response::Ok)) {
+            eprintln!(
+                "hvtrace: note: {} records every task's calls (the host filters them)",
+                term::sanitize(name)
+            );
+        }
+    }
+    Some(session)
+}
+
+/// Stops the gate session [`gate`] started, quietly.
+pub fn ungate(control: &mut dyn Control, session: Option<u32>) {
+    if let Some(s) = session {
+        let _ = control.request(Request::GraphStop { session: Some(s) }, PROBE_TIMEOUT);
+    }
 }
 
 /// Most calls `--summary` names one by one (a count's globs); more, and
@@ -1006,9 +1062,11 @@ pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
     }
     // The stream from now on: the calls the probes below will record.
     let mut reader = TraceReader::at_end(&mut client, TraceFormat::Json)?.with_source(Some(0));
+    super::count::check_comm(args.comm.as_deref())?;
     let Some(armed) = arm(&mut client, &table, &args.names)? else {
         return Ok(INTERRUPTED_EXIT);
     };
+    let gated = gate(&mut client, &armed, args.pid, args.comm.as_deref());
     let added = armed.added.clone();
     let (nr, folds) = (armed.nr, armed.folds);
     let pairer = Arc::new(Mutex::new(Pairer::new(
@@ -1052,6 +1110,7 @@ pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
         )
     };
     delete(&mut client, &added);
+    ungate(&mut client, gated);
     drop(pairer);
     match end? {
         CopyEnd::VmEnded(why) => {
@@ -1379,5 +1438,70 @@ mod tests {
             "hvcompat-9 [000] 2.000001: ia32 sys_open(filename: \"/etc/hostname\", flags: O_RDONLY, mode: 0) = 3\n"
         );
         assert_eq!(p.tally["open (ia32)"].calls, 1);
+    }
+
+    #[test]
+    fn a_task_filter_puts_every_probe_behind_a_gate() {
+        use crate::client::testing::Canned;
+        let armed = Armed {
+            added: vec!["hvsys/sys_openat".into(), "hvsys/sys_openat_ret".into()],
+            nr: HashMap::new(),
+            folds: HashMap::new(),
+        };
+        let mut c = Canned {
+            answers: [
+                Ok(Response::GraphStarted {
+                    session: 3,
+                    hooked: 0,
+                    roots: 0,
+                    skipped: 0,
+                }),
+                Ok(Response::Ok),
+                Ok(Response::Ok),
+                Ok(Response::Ok),
+            ]
+            .into(),
+            seen: vec![],
+        };
+        assert_eq!(gate(&mut c, &armed, None, Some("cat")), Some(3));
+        ungate(&mut c, Some(3));
+        assert_eq!(
+            c.seen,
+            [
+                Request::GraphStart(protocol::GraphFilter {
+                    comm: Some("cat".into()),
+                    gate: true,
+                    ..protocol::GraphFilter::default()
+                }),
+                Request::ProbeGate {
+                    name: "hvsys/sys_openat".into(),
+                    session: Some(3),
+                },
+                Request::ProbeGate {
+                    name: "hvsys/sys_openat_ret".into(),
+                    session: Some(3),
+                },
+                Request::GraphStop { session: Some(3) },
+            ]
+        );
+        // No filter: no gate, nothing asked.
+        let mut c = Canned {
+            answers: [].into(),
+            seen: vec![],
+        };
+        assert_eq!(gate(&mut c, &armed, None, None), None);
+        ungate(&mut c, None);
+        assert!(c.seen.is_empty());
+        // A root that cannot gate: the host filters alone.
+        let mut c = Canned {
+            answers: [Ok(Response::error(
+                protocol::ErrorKind::OutOfResources,
+                "15 function-graph sessions already run",
+            ))]
+            .into(),
+            seen: vec![],
+        };
+        assert_eq!(gate(&mut c, &armed, Some(7), None), None);
+        assert_eq!(c.seen.len(), 1);
     }
 }

@@ -849,6 +849,7 @@ fn needs_kernel(r: &Request) -> bool {
         Request::Status
             | Request::Syms { .. }
             | Request::ProbeAdd { .. }
+            | Request::ProbeGate { .. }
             | Request::FunctionAdd { .. }
             | Request::CountStart(_)
             | Request::CountRead { .. }

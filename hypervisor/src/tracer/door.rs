@@ -33,6 +33,7 @@ pub fn needs(req: &Request) -> Option<Needs> {
         | Request::CountStop
         | Request::GraphStop { .. } => Needs::World,
         Request::ProbeAdd { .. }
+        | Request::ProbeGate { .. }
         | Request::FunctionAdd { .. }
         | Request::CountStart(_)
         | Request::GraphStart(_) => Needs::KernelAndWorld,
@@ -121,6 +122,9 @@ impl Tracer<'_> {
                 Ok(Response::ProbeAdded { name, site })
             }
             Request::ProbeDel { name } => self.probe_del(&name, env).map(|()| Response::Ok),
+            Request::ProbeGate { name, session } => {
+                self.probe_gate(&name, session, env).map(|()| Response::Ok)
+            }
             Request::FunctionAdd { glob } => {
                 let FunctionsAdded {
                     traced,

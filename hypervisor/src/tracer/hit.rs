@@ -250,6 +250,9 @@ impl<'a> Hit<'a> {
                 let Some(p) = self.vm.probes.get(id) else {
                     continue;
                 };
+                if !p.admits(header.pid, &header.comm) {
+                    continue;
+                }
                 header.probe_id = id;
                 if store_parts(&mut ring, &mut self.cpu.record, &header, &[]) {
                     add(&p.hits, 1);

@@ -39,6 +39,39 @@ pub(super) struct Probe {
     /// A return probe that reads arguments as they were at the entry:
     /// its entries save them.
     pub(super) entry_args: bool,
+    /// The session that gates it (`ProbeGate`): it records only for the
+    /// tasks that session admits.
+    pub(super) gate: Option<Gate>,
+}
+
+/// A probe's gate: a graph session's task filter, copied.
+pub(super) struct Gate {
+    /// The session (1 to 15).
+    pub(super) session: u8,
+    /// Only this thread id.
+    pub(super) pid: Option<i32>,
+    /// Only this comm (its bytes, at most 15).
+    pub(super) comm: Option<Vec<u8>>,
+}
+
+impl Gate {
+    /// Whether a hit by (`pid`, `comm`) records.
+    #[inline]
+    pub(super) fn admits(&self, pid: i32, comm: &[u8; 16]) -> bool {
+        self.pid.is_none_or(|p| p == pid)
+            && self.comm.as_deref().is_none_or(|c| {
+                // The name ends at the first NUL, or fills the array.
+                c == comm.split(|&b| b == 0).next().unwrap_or(comm)
+            })
+    }
+}
+
+impl Probe {
+    /// Whether a hit of this probe by (`pid`, `comm`) records.
+    #[inline]
+    pub(super) fn admits(&self, pid: i32, comm: &[u8; 16]) -> bool {
+        self.gate.as_ref().is_none_or(|g| g.admits(pid, comm))
+    }
 }
 
 /// Whether `spec` reads arguments saved at the entry (`$argN` or a
@@ -89,6 +122,13 @@ impl Probes {
     /// The probe with id `id`.
     pub(super) fn get(&self, id: u32) -> Option<&Probe> {
         self.list.iter().find(|p| p.id == id)
+    }
+
+    /// The session bit (1 << N) of the gate of probe `id`, 0 when open.
+    pub(super) fn gate_bit(&self, id: u32) -> u16 {
+        self.get(id)
+            .and_then(|p| p.gate.as_ref())
+            .map_or(0, |g| 1u16.checked_shl(u32::from(g.session)).unwrap_or(0))
     }
 
     /// Return probes defined.
@@ -182,6 +222,9 @@ impl HitSink<'_> {
             let Some(p) = self.probes.iter().find(|p| p.id == id) else {
                 continue;
             };
+            if !p.admits(header.pid, &header.comm) {
+                continue;
+            }
             header.probe_id = id;
             // Hits run on every vCPU at once, each fetching up to
             // MAX_TRACE_ARGS strings the guest chooses: one that the

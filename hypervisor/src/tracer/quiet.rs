@@ -9,9 +9,10 @@
 //! a page of such sites alone is mapped to the guest's own frame
 //! (execute-only: the guest's reads and writes still step, and the shadow
 //! is resynced), a page with other sites too to a partial shadow with our
-//! calls at those only (`QuietMap`). Probes, the function tracer, counts,
-//! return probes, hidden hooks and the roots themselves stay hooked in
-//! both.
+//! calls at those only (`QuietMap`). Probes and return probes behind the
+//! gate of such a session (`ProbeGate`: they record only for the tasks its
+//! filter admits) are quiet there too; open probes, the function tracer,
+//! counts, hidden hooks and the roots themselves stay hooked in both.
 //!
 //! A vCPU runs on the armed view while its context is inside such a root
 //! (`Graph::inside_roots`) or runs a task such a filter admits, on the
@@ -86,10 +87,11 @@ fn matters_everywhere(
     p: &Patch,
     users: u16,
     is_root: impl Fn(u16, Gva) -> bool,
+    gate_of: impl Fn(u32) -> u16,
 ) -> bool {
     !sites
         .get(&p.site)
-        .is_some_and(|u| u.quiet_ok(users, is_root))
+        .is_some_and(|u| u.quiet_ok(users, is_root, gate_of))
 }
 
 /// What the quiet views should map a page to.
@@ -121,6 +123,8 @@ impl Tracer<'_> {
         let users = graph.quiet_users();
         let quiet_on = self.vm.quiet.on;
         let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
+        let probes = &self.vm.probes;
+        let gate_of = |id: u32| probes.gate_bit(id);
         // One pass over the sites: (hooked, quiet) by session number.
         let mut counts = [(0u32, 0u32); MAX_USERS];
         for u in self
@@ -130,7 +134,7 @@ impl Tracer<'_> {
             .values()
             .filter(|u| u.users.graphs() != 0)
         {
-            let quiet = u32::from(quiet_on && u.quiet_ok(users, is_root));
+            let quiet = u32::from(quiet_on && u.quiet_ok(users, is_root, gate_of));
             for (n, c) in counts.iter_mut().enumerate() {
                 if u.users.graphs() & (1 << n) != 0 {
                     c.0 += 1;
@@ -170,13 +174,15 @@ impl Tracer<'_> {
         let any = {
             let graph = &self.vm.graph;
             let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
+            let probes = &self.vm.probes;
+            let gate_of = |id: u32| probes.gate_bit(id);
             users != 0
                 && self
                     .vm
                     .view
                     .sites
                     .values()
-                    .any(|u| u.quiet_ok(users, is_root))
+                    .any(|u| u.quiet_ok(users, is_root, gate_of))
         };
         let comm = any && self.vm.graph.comm_users(self.vm.graph.filter_users()) != 0;
         // Hooks off first (their sites may go with them), then on.
@@ -205,6 +211,8 @@ impl Tracer<'_> {
         self.vm.quiet.filtering = filtering;
         let graph = &self.vm.graph;
         let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
+        let probes = &self.vm.probes;
+        let gate_of = |id: u32| probes.gate_bit(id);
         let view = &mut self.vm.view;
         let quiet = &mut self.vm.quiet;
         let (mut guest_pages, mut partial_pages, mut flips) = (0u32, 0u32, 0usize);
@@ -221,7 +229,7 @@ impl Tracer<'_> {
             let Some(h) = pages.get(&page) else {
                 continue;
             };
-            let loud = |p: &Patch| matters_everywhere(sites, p, users, is_root);
+            let loud = |p: &Patch| matters_everywhere(sites, p, users, is_root, gate_of);
             let n_loud = h.patches.iter().filter(|p| loud(p)).count();
             let want = if !armed || n_loud == h.patches.len() {
                 Want::Shadow
@@ -287,7 +295,8 @@ impl Tracer<'_> {
                             bytes.copy_from_slice(&orig);
                             if let Some(h) = pages.get_mut(&page) {
                                 for p in h.patches.iter_mut() {
-                                    p.in_quiet = matters_everywhere(sites, p, users, is_root);
+                                    p.in_quiet =
+                                        matters_everywhere(sites, p, users, is_root, gate_of);
                                     let at = usize::from(p.offset);
                                     let slot = bytes.get_mut(at..at + trampolines::patch::SITE_LEN);
                                     if let (true, Some(slot)) = (p.in_quiet, slot) {

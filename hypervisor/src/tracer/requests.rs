@@ -5,7 +5,7 @@
 use super::fgraph::{self, GraphSession, MAX_STACK_FRAMES, STACK_FRAMES};
 use super::machine::{Env, KernelView};
 use super::modules;
-use super::probes::{Probe, MAX_PROBES};
+use super::probes::{Gate, Probe, MAX_PROBES};
 use super::retstack::MAX_USERS;
 use super::split::{AttachError, SiteUse, MAX_SITES};
 use super::symbols;
@@ -160,6 +160,7 @@ impl Tracer<'_> {
             module,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            gate: None,
         });
         Ok(ProbeAdded { name, site: site.0 })
     }
@@ -215,6 +216,7 @@ impl Tracer<'_> {
             module,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            gate: None,
         });
         if let Err(e) = self
             .ensure_region(k, env)
@@ -449,6 +451,9 @@ impl Tracer<'_> {
                 ),
             ));
         };
+        if filter.gate {
+            return self.gate_start(user, filter);
+        }
         let busy = self.vm.graph.busy();
         let frames = match filter.stack_frames {
             0 if busy => self.vm.graph.stack_frames,
@@ -623,6 +628,107 @@ impl Tracer<'_> {
         })
     }
 
+    /// A gate session ([`GraphFilter::gate`]): a task filter and nothing
+    /// hooked; it gates probes (`ProbeGate`) and, being a session that
+    /// filters without roots, picks the views of their sites.
+    fn gate_start(&mut self, user: usize, filter: GraphFilter) -> Result<GraphStarted, ReqError> {
+        if filter.pid.is_none() && filter.comm.is_none() {
+            return Err(ReqError::new(
+                ErrorKind::InvalidArgument,
+                "a gate filters by pid or comm: give one",
+            ));
+        }
+        let globs = [
+            &filter.functions,
+            &filter.trace,
+            &filter.notrace,
+            &filter.graph_notrace,
+        ];
+        if globs.iter().any(|g| !g.is_empty()) {
+            return Err(ReqError::new(
+                ErrorKind::InvalidArgument,
+                "a gate hooks nothing: give it no globs",
+            ));
+        }
+        log::info!("tracer: graph session {user}: a gate");
+        self.vm.graph.start(
+            user,
+            GraphSession {
+                text: GraphText::new(false),
+                notrace: BTreeSet::new(),
+                rooted: false,
+                filter,
+                roots: BTreeSet::new(),
+            },
+        );
+        Ok(GraphStarted {
+            session: user as u32,
+            hooked: 0,
+            roots: 0,
+            skipped: 0,
+        })
+    }
+
+    /// `ProbeGate`: probe `name` records only for the tasks session
+    /// `session` admits (a session without roots that filters by pid or
+    /// comm), or for every task again (`None`).
+    pub fn probe_gate(
+        &mut self,
+        name: &str,
+        session: Option<u32>,
+        env: &mut Env<'_>,
+    ) -> Result<(), ReqError> {
+        let Some(i) = self.vm.probes.position(name) else {
+            return Err(ReqError::new(
+                ErrorKind::NotFound,
+                format!("no probe named {name}"),
+            ));
+        };
+        let gate = match session {
+            None => None,
+            Some(n) => {
+                let u = n as usize;
+                let g = (1..MAX_USERS)
+                    .contains(&u)
+                    .then(|| self.vm.graph.sessions.get(u))
+                    .flatten()
+                    .and_then(Option::as_ref)
+                    .ok_or_else(|| {
+                        ReqError::new(
+                            ErrorKind::NotFound,
+                            format!("no function-graph session {n}"),
+                        )
+                    })?;
+                if g.rooted || (g.filter.pid.is_none() && g.filter.comm.is_none()) {
+                    return Err(ReqError::new(
+                        ErrorKind::InvalidArgument,
+                        format!(
+                            "session {n} does not filter tasks without roots: it gates nothing"
+                        ),
+                    ));
+                }
+                let comm = match &g.filter.comm {
+                    Some(c) => Some(
+                        fallible::try_collect(c.bytes().take(15))
+                            .map_err(|e| out_of_memory(env, "a probe's gate", e))?,
+                    ),
+                    None => None,
+                };
+                Some(Gate {
+                    session: u as u8,
+                    pid: g.filter.pid,
+                    comm,
+                })
+            }
+        };
+        // Hits on the other vCPUs read the gate.
+        stop_others(env)?;
+        if let Some(p) = self.vm.probes.list.get_mut(i) {
+            p.gate = gate;
+        }
+        Ok(())
+    }
+
     /// `GraphStop`: session `session` (`None`: every session) hijacks no
     /// new calls; frames in flight stay and still return through us.
     pub fn graph_stop(&mut self, session: Option<u32>, env: &mut Env<'_>) -> Result<(), ReqError> {
@@ -642,6 +748,16 @@ impl Tracer<'_> {
         stop_others(env)?;
         let mask = users.iter().fold(0u16, |m, &u| m | 1 << u);
         self.vm.graph.stop(mask);
+        // The probes behind a stopped session's gate record for every task
+        // again.
+        for p in &mut self.vm.probes.list {
+            if p.gate
+                .as_ref()
+                .is_some_and(|g| mask & (1u16 << g.session) != 0)
+            {
+                p.gate = None;
+            }
+        }
         if mask != 0 {
             self.vm.view.release(env, |s| s.leave_graphs(mask));
         }

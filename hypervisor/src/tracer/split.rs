@@ -57,8 +57,13 @@ pub(super) struct SiteUse {
 impl SiteUse {
     /// Whether the site matters only beneath a root of the sessions in
     /// `rooted` (see [`Users::quiet_ok`]).
-    pub(super) fn quiet_ok(&self, rooted: u16, is_root: impl Fn(u16, Gva) -> bool) -> bool {
-        self.users.quiet_ok(rooted, self.func, is_root)
+    pub(super) fn quiet_ok(
+        &self,
+        rooted: u16,
+        is_root: impl Fn(u16, Gva) -> bool,
+        gate_of: impl Fn(u32) -> u16,
+    ) -> bool {
+        self.users.quiet_ok(rooted, self.func, is_root, gate_of)
     }
 }
 

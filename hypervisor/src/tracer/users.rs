@@ -232,18 +232,35 @@ impl Users {
     }
 
     /// Whether the site matters only beneath a root of the sessions in
-    /// `rooted` (bit N: session N has roots), and is not such a root
-    /// itself (`is_root` of the sessions and the site's function `func`):
-    /// then the quiet view need not hook it.
+    /// `rooted` (bit N: session N has roots, or filters the tasks), and is
+    /// not such a root itself (`is_root` of the sessions and the site's
+    /// function `func`): its graph sessions are among them, and so are the
+    /// gates of its probes and return probes (`gate_of`: a probe's session
+    /// bit, 0 when it records for every task). Then the quiet view need
+    /// not hook it.
     pub(super) fn quiet_ok(
         &self,
         rooted: u16,
         func: Gva,
         is_root: impl Fn(u16, Gva) -> bool,
+        gate_of: impl Fn(u32) -> u16,
     ) -> bool {
-        self.graph != 0
+        let gated = |id: u32| {
+            let bit = gate_of(id);
+            bit != 0 && bit & !rooted == 0
+        };
+        // The count's timing word is no probe's id: it matters everywhere.
+        let returns_gated = self
+            .returns
+            .iter()
+            .all(|&w| u32::try_from(w).is_ok_and(gated));
+        (self.graph != 0 || !self.probes.is_empty() || !self.returns.is_empty())
             && self.graph & !rooted == 0
-            && self.only_root_views()
+            && self.probes.iter().all(|&id| gated(id))
+            && returns_gated
+            && !self.function
+            && self.module.is_none()
+            && !self.count
             && self.switch.is_none()
             && !is_root(self.graph, func)
     }
@@ -500,17 +517,39 @@ mod tests {
 
         u.join(User::Graph(1)).unwrap();
         let not_root = |_: u16, _: Gva| false;
-        assert!(u.quiet_ok(1 << 1, Gva(0x1000), not_root));
+        let open = |_: u32| 0u16;
+        assert!(u.quiet_ok(1 << 1, Gva(0x1000), not_root, open));
         assert!(
-            !u.quiet_ok(0, Gva(0x1000), not_root),
+            !u.quiet_ok(0, Gva(0x1000), not_root, open),
             "session 1 has no roots"
         );
         assert!(
-            !u.quiet_ok(1 << 1, Gva(0x1000), |_, _| true),
+            !u.quiet_ok(1 << 1, Gva(0x1000), |_, _| true, open),
             "a root itself"
         );
+        // Probes: quiet only behind a quiet session's gate.
+        u.join(User::Probe(7)).unwrap();
+        u.join(User::ReturnProbe(7)).unwrap();
+        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root, open), "open");
+        let behind_2 = |id: u32| if id == 7 { 1 << 2 } else { 0 };
+        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root, behind_2));
+        assert!(u.quiet_ok(1 << 1 | 1 << 2, Gva(0x1000), not_root, behind_2));
+        u.leave(User::Graph(1));
+        assert!(
+            u.quiet_ok(1 << 2, Gva(0x1000), not_root, behind_2),
+            "probes alone"
+        );
+        u.join(User::CountTiming).unwrap();
+        assert!(
+            !u.quiet_ok(1 << 2, Gva(0x1000), not_root, behind_2),
+            "a count's timing"
+        );
+        u.leave(User::CountTiming);
+        u.leave(User::Probe(7));
+        u.leave(User::ReturnProbe(7));
+        u.join(User::Graph(1)).unwrap();
         u.join(User::Switch(SwitchHook::Schedule)).unwrap();
-        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root));
+        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root, open));
         assert!(!u.only_switch(), "a session uses it too");
         assert!(u.leave_graphs(1 << 1 | 1 << 3));
         assert!(u.only_switch());

@@ -189,6 +189,7 @@ pub fn sample_bodies() -> Vec<Body> {
             comm: Some("dd".into()),
             retval: true,
             stack_frames: 4,
+            gate: false,
         })),
         Body::Request(Request::GraphStop { session: None }),
         Body::Request(Request::GraphStop { session: Some(2) }),

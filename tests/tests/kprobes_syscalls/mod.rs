@@ -298,6 +298,24 @@ pub fn syscalls_cost(ck: &mut Checks, c: &mut Client, vm: &Detached) {
         ),
     );
     let guest = ns(&guest_out);
+    // A filter that admits another task: the probes wait behind a gate,
+    // and hvbench's calls run on the quiet view, unhooked.
+    let (other_code, other_out, other_err) =
+        vm.cli(&["syscalls", "getppid", "--comm", "nobody", "--exec", &bench]);
+    let other = ns(&other_err);
+    println!(
+        "syscall cost with --comm of another task (gated, quiet views): {other:.0} (+{:.0})",
+        other - bare
+    );
+    ck.eq("syscalls (another comm) exit code", other_code, 0);
+    ck.check(
+        other_out.lines().all(|l| !l.contains("sys_getppid(")),
+        format!("no line for a task the filter leaves out: {other_out}"),
+    );
+    ck.check(
+        other < 2.0 * bare,
+        format!("a task the filter leaves out runs unhooked: {other:.0} ns a call, bare {bare:.0}"),
+    );
     // The same calls counted and timed in root (`--summary`): no record.
     let (sum_code, sum_out, sum_err) = vm.cli(&[
         "syscalls",

@@ -399,3 +399,110 @@ fn a_step_open_on_one_view_opens_again_on_the_other() {
     assert_eq!((q.hpa.0, q.perms), (leaf, ept::EXEC));
     assert_ne!(g.root.leaf_in(1, leaf).unwrap().hpa.0, leaf);
 }
+
+/// `hvtrace syscalls --comm`: probes behind a gate (a session that hooks
+/// nothing and filters by comm) record only the calls of the tasks it
+/// admits, and their site is unhooked on the quiet view, where no such
+/// task runs; the gate's stop opens it, and the site is hooked everywhere
+/// again.
+#[test]
+fn probes_behind_a_gate_record_its_tasks_alone_and_go_quiet_elsewhere() {
+    let mut g = Guest::new();
+    let gate = GraphFilter {
+        comm: Some("worker".into()),
+        gate: true,
+        ..GraphFilter::default()
+    };
+    let session = g.with(|t, env, k| {
+        let s = t.graph_start(gate, k, env).unwrap();
+        assert_eq!((s.hooked, s.roots), (0, 0));
+        t.probe_add("p:entry quiet_leaf n=%di:u64", k, env).unwrap();
+        t.probe_add("r:ret quiet_leaf r=$retval:s64", k, env)
+            .unwrap();
+        t.settle_views(Some(k), env);
+        s.session
+    });
+    let leaf = gpa(QUIET_LEAF) & !0xfff;
+    assert_ne!(
+        g.root.quiet_leaf(0, leaf).unwrap().hpa.0,
+        leaf,
+        "open probes: hooked on every view"
+    );
+    g.with(|t, env, k| {
+        t.probe_gate("entry", Some(session), env).unwrap();
+        t.probe_gate("ret", Some(session), env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let r = g.tracer().report();
+    assert_eq!((r.quiet_pages, r.switch_hook), (1, true), "{r:?}");
+    for vcpu in 0..VCPUS {
+        assert_eq!(g.root.quiet_leaf(vcpu, leaf).unwrap().hpa.0, leaf);
+        assert_ne!(g.root.leaf_in(vcpu, leaf).unwrap().hpa.0, leaf);
+    }
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    // "sleeper" comes in: quiet. A hit all the same (a view not yet
+    // switched) records nothing, at its entry or its return.
+    switch_to(&mut g, 0, TASK, STACK_BASE);
+    assert_eq!(g.cpus[0].view(), View::Quiet);
+    g.hit(QUIET_LEAF, RETP, CALLER_RET, 7);
+    g.ret(RETP, 1);
+    assert_eq!(g.text(), "", "the gate keeps the other tasks out");
+    // "worker" comes in: armed, and its call records both probes.
+    g.kernel.running.comm = *b"worker\0\0\0\0\0\0\0\0\0\0";
+    switch_to(&mut g, 0, TASK_2, STACK_BASE_2);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    g.hit(QUIET_LEAF, RETP, CALLER_RET, 7);
+    g.ret(RETP, 5);
+    let text = g.text();
+    assert!(text.contains("n=7") && text.contains("r=5"), "{text}");
+    // What cannot gate: a session with roots, no such session, no such
+    // probe.
+    let rooted = quiet_session(&mut g);
+    g.with(|t, env, _| {
+        let e = t.probe_gate("entry", Some(rooted), env).unwrap_err();
+        assert_eq!(
+            e.kind,
+            protocol::ErrorKind::InvalidArgument,
+            "{}",
+            e.message
+        );
+        let e = t.probe_gate("entry", Some(14), env).unwrap_err();
+        assert_eq!(e.kind, protocol::ErrorKind::NotFound);
+        let e = t.probe_gate("nope", Some(session), env).unwrap_err();
+        assert_eq!(e.kind, protocol::ErrorKind::NotFound);
+        t.graph_stop(Some(rooted), env).unwrap();
+    });
+    // The gate stops: the probes record for every task, hooked everywhere.
+    g.with(|t, env, k| {
+        t.graph_stop(Some(session), env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let r = g.tracer().report();
+    assert_eq!((r.quiet_pages, r.switch_hook), (0, false), "{r:?}");
+    assert_ne!(g.root.quiet_leaf(0, leaf).unwrap().hpa.0, leaf);
+    g.kernel.running.comm = *b"sleeper\0\0\0\0\0\0\0\0\0";
+    g.hit(QUIET_LEAF, RETP, CALLER_RET, 9);
+    g.ret(RETP, 0);
+    assert!(g.text().contains("n=9"));
+}
+
+/// A gate needs a task filter and hooks nothing.
+#[test]
+fn a_gate_filters_tasks_and_takes_no_globs() {
+    let mut g = Guest::new();
+    g.with(|t, env, k| {
+        let bare = GraphFilter {
+            gate: true,
+            ..GraphFilter::default()
+        };
+        assert!(t.graph_start(bare, k, env).is_err());
+        let globs = GraphFilter {
+            gate: true,
+            pid: Some(3),
+            trace: vec!["quiet_leaf".into()],
+            ..GraphFilter::default()
+        };
+        assert!(t.graph_start(globs, k, env).is_err());
+    });
+    assert_eq!(g.tracer().report().sites, 0);
+}
