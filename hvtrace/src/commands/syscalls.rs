@@ -97,6 +97,44 @@ pub fn table(control: &mut dyn Control) -> Result<Vec<SyscallInfo>> {
     }
 }
 
+/// The guest's numbers against the ABI tables generated from the kernel
+/// source (`guest_introspect::syscall_abi`), one line for each ABI the
+/// guest has: where they disagree, the guest's number is the one used.
+pub fn crosscheck_lines(table: &[SyscallInfo]) -> Vec<String> {
+    use guest_introspect::syscall_abi::{crosscheck_with, i386, x86_64};
+    let mut out = Vec::new();
+    for (compat, abi, calls) in [
+        (false, "x86-64", x86_64::CALLS),
+        (true, "i386", i386::CALLS),
+    ] {
+        let guest: Vec<(u32, &str)> = table
+            .iter()
+            .filter(|s| s.compat == compat)
+            .map(|s| (s.nr, s.name.as_str()))
+            .collect();
+        if guest.is_empty() {
+            continue;
+        }
+        let Ok(c) = crosscheck_with(calls, guest.iter().copied()) else {
+            continue;
+        };
+        let mut line = format!("the guest's {abi} calls against the ABI table: {c}");
+        for m in c.differ.iter().take(4) {
+            let table = match (m.table_name, m.table_nr) {
+                (Some(n), _) => format!("the table has {n} there"),
+                (None, Some(nr)) => format!("the table numbers it {nr}"),
+                (None, None) => "the table has neither".to_string(),
+            };
+            line.push_str(&format!(
+                "; {} is {} in the guest ({table}, the guest's used)",
+                m.name, m.nr
+            ));
+        }
+        out.push(line);
+    }
+    out
+}
+
 /// The calls named (`openat` or `sys_openat`: the 64-bit call and the
 /// 32-bit one of that name, where the guest has them), or every call.
 pub fn select<'a>(table: &'a [SyscallInfo], names: &[String]) -> Result<Vec<&'a SyscallInfo>> {
@@ -797,6 +835,9 @@ pub fn arm(
             Err(e) => skipped.push(format!("{} (return): {e:#}", s.name)),
         }
     }
+    for line in crosscheck_lines(table) {
+        eprintln!("hvtrace: {}", term::sanitize(&line));
+    }
     let sources = |src: &str| chosen.iter().filter(|s| s.source == src).count();
     let compat = chosen.iter().filter(|s| s.compat).count();
     if compat > 0 {
@@ -1053,6 +1094,9 @@ pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
                 a.join(", "),
                 s.source
             );
+        }
+        for line in crosscheck_lines(&table) {
+            eprintln!("hvtrace: {}", term::sanitize(&line));
         }
         return Ok(0);
     }
@@ -1503,5 +1547,45 @@ mod tests {
         };
         assert_eq!(gate(&mut c, &armed, Some(7), None), None);
         assert_eq!(c.seen.len(), 1);
+    }
+
+    #[test]
+    fn the_guests_numbers_are_checked_against_the_abi() {
+        let call = |nr, name: &str, compat| SyscallInfo {
+            nr,
+            name: name.into(),
+            entry: String::new(),
+            args: vec![],
+            source: "none".into(),
+            structs: vec![],
+            compat,
+        };
+        // read and openat where the ABI has them; write moved to 9.
+        let lines = crosscheck_lines(&[
+            call(0, "read", false),
+            call(257, "openat", false),
+            call(9, "write", false),
+        ]);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0]
+                .starts_with("the guest's x86-64 calls against the ABI table: 2 agree, 1 differ"),
+            "{}",
+            lines[0]
+        );
+        assert!(
+            lines[0]
+                .contains("; write is 9 in the guest (the table has mmap there, the guest's used)"),
+            "{}",
+            lines[0]
+        );
+        // A 32-bit call is checked against i386's numbers.
+        let lines = crosscheck_lines(&[call(0, "read", false), call(5, "open", true)]);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(
+            lines[1].contains("i386 calls against the ABI table: 1 agree, 0 differ"),
+            "{}",
+            lines[1]
+        );
     }
 }
