@@ -293,6 +293,12 @@ pub struct CountFilter {
     /// A histogram of a fetch argument instead of globs: `functions` is
     /// left empty, and the spec's function is counted.
     pub hist: Option<HistFilter>,
+    /// A session that filters tasks without roots (a gate,
+    /// [`GraphFilter::gate`], with the count's own `pid` and `comm`): the
+    /// counted functions are then left unhooked on the vCPUs that run
+    /// other tasks (the quiet views), so that those tasks' calls cost
+    /// nothing. The count still applies its own filter.
+    pub gate: Option<u32>,
 }
 
 /// Buckets of a latency histogram: bucket 0 holds durations of 0 ns,

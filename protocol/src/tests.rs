@@ -256,6 +256,7 @@ fn samples() -> Vec<Body> {
                 spec: "p vfs_read count=%dx:u64".into(),
                 key: HistKey::Comm,
             }),
+            gate: Some(2),
         })),
         Body::Request(Request::HistRead { cursor: 3 }),
         Body::Request(Request::SymbolsExport),

@@ -51,6 +51,7 @@ pub fn filter(
         comm: comm.map(str::to_string),
         latency,
         hist: None,
+        gate: None,
     })
 }
 
@@ -351,6 +352,7 @@ pub fn hist_filter(
             spec: spec.to_string(),
             key: key.protocol(),
         }),
+        gate: None,
     })
 }
 
@@ -360,7 +362,7 @@ pub fn hist(socket: &Path, args: &HistArgs) -> Result<u8> {
     let o = &args.run;
     let filter = hist_filter(&spec, args.key, o.pid, o.comm.as_deref())
         .with_context(|| format!("hist {spec:?}"))?;
-    aggregate(socket, filter, "histogram: ", o, &mut |c, at| {
+    aggregate(socket, filter, "histogram: ", o, false, &mut |c, at| {
         let h = read_hist(c)?;
         if o.json {
             println!("{}", hist_json(&h));
@@ -428,7 +430,7 @@ fn print(c: &Counts, args: &CountArgs, latency: bool, at: Option<Duration>) {
 pub fn count(socket: &Path, args: &CountArgs, latency: bool) -> Result<u8> {
     let o = &args.run;
     let filter = filter(&args.globs, o.pid, o.comm.as_deref(), latency)?;
-    aggregate(socket, filter, "", o, &mut |c, at| {
+    aggregate(socket, filter, "", o, false, &mut |c, at| {
         print(&read(c)?, args, latency, at);
         Ok(())
     })
@@ -440,21 +442,69 @@ pub fn count(socket: &Path, args: &CountArgs, latency: bool) -> Result<u8> {
 /// happened (its error comes second).
 pub fn aggregate(
     socket: &Path,
-    filter: CountFilter,
+    mut filter: CountFilter,
     label: &str,
     o: &AggregateArgs,
+    gated: bool,
     show: &mut dyn FnMut(&mut crate::client::Client, Option<Duration>) -> Result<()>,
 ) -> Result<u8> {
     let interval = seconds("--interval", o.interval)?;
     let duration = seconds("--duration", o.duration)?;
     let mut client = open(socket)?;
-    let line = start(&mut client, filter)?;
-    eprintln!("hvtrace: {label}{}", term::sanitize(&line));
-    let result = run_until_done(&mut client, o.exec.as_deref(), interval, duration, show);
+    // With `gated` and a task filter: a gate with the same filter, so
+    // that the counted functions are unhooked where those tasks do not
+    // run (the quiet views).
+    let gate = if gated {
+        gate_session(&mut client, filter.pid, filter.comm.as_deref())
+    } else {
+        None
+    };
+    filter.gate = gate;
+    let started = start(&mut client, filter);
+    let result = started.and_then(|line| {
+        eprintln!("hvtrace: {label}{}", term::sanitize(&line));
+        run_until_done(&mut client, o.exec.as_deref(), interval, duration, show)
+    });
     let stopped = stop(&mut client);
+    if let Some(s) = gate {
+        let _ = client.request(Request::GraphStop { session: Some(s) }, PROBE_TIMEOUT);
+    }
     let code = result?;
     stopped?;
     Ok(code)
+}
+
+/// A gate session (`GraphFilter::gate`) filtering by `pid` and `comm`;
+/// `None` without a filter, or when root cannot start one (the note says
+/// so: the filter then runs after each call's exit).
+pub fn gate_session(
+    control: &mut dyn Control,
+    pid: Option<i32>,
+    comm: Option<&str>,
+) -> Option<u32> {
+    if pid.is_none() && comm.is_none() {
+        return None;
+    }
+    let filter = protocol::GraphFilter {
+        pid,
+        comm: comm.map(str::to_string),
+        gate: true,
+        ..protocol::GraphFilter::default()
+    };
+    match control.request(Request::GraphStart(filter), PROBE_TIMEOUT) {
+        Ok(Response::GraphStarted { session, .. }) => Some(session),
+        other => {
+            let why = match other {
+                Ok(r) => format!("{:#}", response_error(r)),
+                Err(e) => format!("{e:#}"),
+            };
+            eprintln!(
+                "hvtrace: note: the task filter applies after each call's exit (no gate): {}",
+                term::sanitize(&why)
+            );
+            None
+        }
+    }
 }
 
 /// Waits for the end of a count (its `--exec` command, `--duration`, or

@@ -887,29 +887,7 @@ pub fn gate(
     pid: Option<i32>,
     comm: Option<&str>,
 ) -> Option<u32> {
-    if pid.is_none() && comm.is_none() {
-        return None;
-    }
-    let filter = protocol::GraphFilter {
-        pid,
-        comm: comm.map(str::to_string),
-        gate: true,
-        ..protocol::GraphFilter::default()
-    };
-    let session = match control.request(Request::GraphStart(filter), PROBE_TIMEOUT) {
-        Ok(Response::GraphStarted { session, .. }) => session,
-        other => {
-            let why = match other {
-                Ok(r) => format!("{:#}", response_error(r)),
-                Err(e) => format!("{e:#}"),
-            };
-            eprintln!(
-                "hvtrace: note: the filter runs on the host only (every task's calls exit): {}",
-                term::sanitize(&why)
-            );
-            return None;
-        }
-    };
+    let session = super::count::gate_session(control, pid, comm)?;
     for name in &armed.added {
         let gated = control.request(
             Request::ProbeGate {
@@ -978,7 +956,7 @@ fn summary(socket: &Path, table: &[SyscallInfo], args: &SyscallsArgs) -> Result<
         json: args.json,
     };
     let json = args.json;
-    super::count::aggregate(socket, filter, "syscalls: ", &o, &mut |c, _| {
+    super::count::aggregate(socket, filter, "syscalls: ", &o, true, &mut |c, _| {
         let counts = super::count::read(c)?;
         let rows: Vec<SummaryRow> = counts
             .entries

@@ -149,6 +149,9 @@ pub(super) struct CountState {
     /// functions of the modules that load later (as the function tracer's
     /// do).
     pub(super) globs: Vec<String>,
+    /// The gate session (`CountFilter::gate`): the count's sites are quiet
+    /// where that session's tasks do not run.
+    pub(super) gate: Option<u8>,
 }
 
 /// What the timed returns of one counted function add up to.
@@ -197,6 +200,7 @@ impl Default for CountState {
             unloaded: BTreeMap::new(),
             unloaded_other: 0,
             globs: Vec::new(),
+            gate: None,
         }
     }
 }
@@ -253,6 +257,12 @@ impl CountState {
         } else {
             self.unloaded_other = self.unloaded_other.saturating_add(calls);
         }
+    }
+
+    /// The session bit (1 << N) of the count's gate, 0 without one.
+    pub(super) fn gate_bit(&self) -> u16 {
+        self.gate
+            .map_or(0, |g| 1u16.checked_shl(u32::from(g)).unwrap_or(0))
     }
 
     /// Whether the filter needs the running task.
@@ -312,6 +322,10 @@ impl Tracer<'_> {
                 "a count runs already; stop it first",
             ));
         }
+        let gate = match filter.gate {
+            None => None,
+            Some(n) => Some(self.gating_session(n)?),
+        };
         let histogram = match &filter.hist {
             Some(h) if filter.functions.is_empty() => Some(hist_of(h, k, env)?),
             Some(_) => {
@@ -395,6 +409,7 @@ impl Tracer<'_> {
         c.started_ns = now_ns;
         c.names = names;
         c.tallies = tallies;
+        c.gate = gate;
         c.latency = latency;
         c.histogram = histogram;
         // Module globs follow the modules' loads (a histogram's function

@@ -88,10 +88,11 @@ fn matters_everywhere(
     users: u16,
     is_root: impl Fn(u16, Gva) -> bool,
     gate_of: impl Fn(u32) -> u16,
+    count_gate: u16,
 ) -> bool {
     !sites
         .get(&p.site)
-        .is_some_and(|u| u.quiet_ok(users, is_root, gate_of))
+        .is_some_and(|u| u.quiet_ok(users, is_root, gate_of, count_gate))
 }
 
 /// What the quiet views should map a page to.
@@ -125,6 +126,7 @@ impl Tracer<'_> {
         let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
         let probes = &self.vm.probes;
         let gate_of = |id: u32| probes.gate_bit(id);
+        let count_gate = self.vm.count.gate_bit();
         // One pass over the sites: (hooked, quiet) by session number.
         let mut counts = [(0u32, 0u32); MAX_USERS];
         for u in self
@@ -134,7 +136,7 @@ impl Tracer<'_> {
             .values()
             .filter(|u| u.users.graphs() != 0)
         {
-            let quiet = u32::from(quiet_on && u.quiet_ok(users, is_root, gate_of));
+            let quiet = u32::from(quiet_on && u.quiet_ok(users, is_root, gate_of, count_gate));
             for (n, c) in counts.iter_mut().enumerate() {
                 if u.users.graphs() & (1 << n) != 0 {
                     c.0 += 1;
@@ -176,13 +178,14 @@ impl Tracer<'_> {
             let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
             let probes = &self.vm.probes;
             let gate_of = |id: u32| probes.gate_bit(id);
+            let count_gate = self.vm.count.gate_bit();
             users != 0
                 && self
                     .vm
                     .view
                     .sites
                     .values()
-                    .any(|u| u.quiet_ok(users, is_root, gate_of))
+                    .any(|u| u.quiet_ok(users, is_root, gate_of, count_gate))
         };
         let comm = any && self.vm.graph.comm_users(self.vm.graph.filter_users()) != 0;
         // Hooks off first (their sites may go with them), then on.
@@ -213,6 +216,7 @@ impl Tracer<'_> {
         let is_root = |g: u16, f: Gva| graph.is_root_of(g, f);
         let probes = &self.vm.probes;
         let gate_of = |id: u32| probes.gate_bit(id);
+        let count_gate = self.vm.count.gate_bit();
         let view = &mut self.vm.view;
         let quiet = &mut self.vm.quiet;
         let (mut guest_pages, mut partial_pages, mut flips) = (0u32, 0u32, 0usize);
@@ -229,7 +233,8 @@ impl Tracer<'_> {
             let Some(h) = pages.get(&page) else {
                 continue;
             };
-            let loud = |p: &Patch| matters_everywhere(sites, p, users, is_root, gate_of);
+            let loud =
+                |p: &Patch| matters_everywhere(sites, p, users, is_root, gate_of, count_gate);
             let n_loud = h.patches.iter().filter(|p| loud(p)).count();
             let want = if !armed || n_loud == h.patches.len() {
                 Want::Shadow
@@ -295,8 +300,9 @@ impl Tracer<'_> {
                             bytes.copy_from_slice(&orig);
                             if let Some(h) = pages.get_mut(&page) {
                                 for p in h.patches.iter_mut() {
-                                    p.in_quiet =
-                                        matters_everywhere(sites, p, users, is_root, gate_of);
+                                    p.in_quiet = matters_everywhere(
+                                        sites, p, users, is_root, gate_of, count_gate,
+                                    );
                                     let at = usize::from(p.offset);
                                     let slot = bytes.get_mut(at..at + trampolines::patch::SITE_LEN);
                                     if let (true, Some(slot)) = (p.in_quiet, slot) {

@@ -669,6 +669,30 @@ impl Tracer<'_> {
         })
     }
 
+    /// Session `n`, when it can gate: it runs, has no roots and filters
+    /// by pid or comm.
+    pub(super) fn gating_session(&self, n: u32) -> Result<u8, ReqError> {
+        let u = n as usize;
+        let g = (1..MAX_USERS)
+            .contains(&u)
+            .then(|| self.vm.graph.sessions.get(u))
+            .flatten()
+            .and_then(Option::as_ref)
+            .ok_or_else(|| {
+                ReqError::new(
+                    ErrorKind::NotFound,
+                    format!("no function-graph session {n}"),
+                )
+            })?;
+        if g.rooted || (g.filter.pid.is_none() && g.filter.comm.is_none()) {
+            return Err(ReqError::new(
+                ErrorKind::InvalidArgument,
+                format!("session {n} does not filter tasks without roots: it gates nothing"),
+            ));
+        }
+        Ok(u as u8)
+    }
+
     /// `ProbeGate`: probe `name` records only for the tasks session
     /// `session` admits (a session without roots that filters by pid or
     /// comm), or for every task again (`None`).
@@ -687,26 +711,16 @@ impl Tracer<'_> {
         let gate = match session {
             None => None,
             Some(n) => {
-                let u = n as usize;
-                let g = (1..MAX_USERS)
-                    .contains(&u)
-                    .then(|| self.vm.graph.sessions.get(u))
-                    .flatten()
+                let u = self.gating_session(n)?;
+                let Some(g) = self
+                    .vm
+                    .graph
+                    .sessions
+                    .get(usize::from(u))
                     .and_then(Option::as_ref)
-                    .ok_or_else(|| {
-                        ReqError::new(
-                            ErrorKind::NotFound,
-                            format!("no function-graph session {n}"),
-                        )
-                    })?;
-                if g.rooted || (g.filter.pid.is_none() && g.filter.comm.is_none()) {
-                    return Err(ReqError::new(
-                        ErrorKind::InvalidArgument,
-                        format!(
-                            "session {n} does not filter tasks without roots: it gates nothing"
-                        ),
-                    ));
-                }
+                else {
+                    return Err(ReqError::new(ErrorKind::Internal, "the gate went"));
+                };
                 let comm = match &g.filter.comm {
                     Some(c) => Some(
                         fallible::try_collect(c.bytes().take(15))
@@ -715,7 +729,7 @@ impl Tracer<'_> {
                     None => None,
                 };
                 Some(Gate {
-                    session: u as u8,
+                    session: u,
                     pid: g.filter.pid,
                     comm,
                 })
@@ -757,6 +771,9 @@ impl Tracer<'_> {
             {
                 p.gate = None;
             }
+        }
+        if self.vm.count.gate_bit() & mask != 0 {
+            self.vm.count.gate = None;
         }
         if mask != 0 {
             self.vm.view.release(env, |s| s.leave_graphs(mask));

@@ -62,8 +62,10 @@ impl SiteUse {
         rooted: u16,
         is_root: impl Fn(u16, Gva) -> bool,
         gate_of: impl Fn(u32) -> u16,
+        count_gate: u16,
     ) -> bool {
-        self.users.quiet_ok(rooted, self.func, is_root, gate_of)
+        self.users
+            .quiet_ok(rooted, self.func, is_root, gate_of, count_gate)
     }
 }
 

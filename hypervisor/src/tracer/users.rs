@@ -244,23 +244,24 @@ impl Users {
         func: Gva,
         is_root: impl Fn(u16, Gva) -> bool,
         gate_of: impl Fn(u32) -> u16,
+        count_gate: u16,
     ) -> bool {
-        let gated = |id: u32| {
-            let bit = gate_of(id);
-            bit != 0 && bit & !rooted == 0
-        };
-        // The count's timing word is no probe's id: it matters everywhere.
-        let returns_gated = self
-            .returns
-            .iter()
-            .all(|&w| u32::try_from(w).is_ok_and(gated));
-        (self.graph != 0 || !self.probes.is_empty() || !self.returns.is_empty())
+        let behind = |bit: u16| bit != 0 && bit & !rooted == 0;
+        // The count's timing word is no probe's id: its gate is the count's.
+        let returns_gated = self.returns.iter().all(|&w| {
+            if w == LATENCY_ID {
+                behind(count_gate)
+            } else {
+                u32::try_from(w).is_ok_and(|id| behind(gate_of(id)))
+            }
+        });
+        (self.graph != 0 || !self.probes.is_empty() || !self.returns.is_empty() || self.count)
             && self.graph & !rooted == 0
-            && self.probes.iter().all(|&id| gated(id))
+            && self.probes.iter().all(|&id| behind(gate_of(id)))
             && returns_gated
+            && (!self.count || behind(count_gate))
             && !self.function
             && self.module.is_none()
-            && !self.count
             && self.switch.is_none()
             && !is_root(self.graph, func)
     }
@@ -518,30 +519,34 @@ mod tests {
         u.join(User::Graph(1)).unwrap();
         let not_root = |_: u16, _: Gva| false;
         let open = |_: u32| 0u16;
-        assert!(u.quiet_ok(1 << 1, Gva(0x1000), not_root, open));
+        assert!(u.quiet_ok(1 << 1, Gva(0x1000), not_root, open, 0));
         assert!(
-            !u.quiet_ok(0, Gva(0x1000), not_root, open),
+            !u.quiet_ok(0, Gva(0x1000), not_root, open, 0),
             "session 1 has no roots"
         );
         assert!(
-            !u.quiet_ok(1 << 1, Gva(0x1000), |_, _| true, open),
+            !u.quiet_ok(1 << 1, Gva(0x1000), |_, _| true, open, 0),
             "a root itself"
         );
         // Probes: quiet only behind a quiet session's gate.
         u.join(User::Probe(7)).unwrap();
         u.join(User::ReturnProbe(7)).unwrap();
-        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root, open), "open");
+        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root, open, 0), "open");
         let behind_2 = |id: u32| if id == 7 { 1 << 2 } else { 0 };
-        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root, behind_2));
-        assert!(u.quiet_ok(1 << 1 | 1 << 2, Gva(0x1000), not_root, behind_2));
+        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root, behind_2, 0));
+        assert!(u.quiet_ok(1 << 1 | 1 << 2, Gva(0x1000), not_root, behind_2, 0));
         u.leave(User::Graph(1));
         assert!(
-            u.quiet_ok(1 << 2, Gva(0x1000), not_root, behind_2),
+            u.quiet_ok(1 << 2, Gva(0x1000), not_root, behind_2, 0),
             "probes alone"
         );
         u.join(User::CountTiming).unwrap();
         assert!(
-            !u.quiet_ok(1 << 2, Gva(0x1000), not_root, behind_2),
+            u.quiet_ok(1 << 2, Gva(0x1000), not_root, behind_2, 1 << 2),
+            "a count's timing behind the same gate"
+        );
+        assert!(
+            !u.quiet_ok(1 << 2, Gva(0x1000), not_root, behind_2, 0),
             "a count's timing"
         );
         u.leave(User::CountTiming);
@@ -549,7 +554,7 @@ mod tests {
         u.leave(User::ReturnProbe(7));
         u.join(User::Graph(1)).unwrap();
         u.join(User::Switch(SwitchHook::Schedule)).unwrap();
-        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root, open));
+        assert!(!u.quiet_ok(1 << 1, Gva(0x1000), not_root, open, 0));
         assert!(!u.only_switch(), "a session uses it too");
         assert!(u.leave_graphs(1 << 1 | 1 << 3));
         assert!(u.only_switch());

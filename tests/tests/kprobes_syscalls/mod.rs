@@ -316,6 +316,31 @@ pub fn syscalls_cost(ck: &mut Checks, c: &mut Client, vm: &Detached) {
         other < 2.0 * bare,
         format!("a task the filter leaves out runs unhooked: {other:.0} ns a call, bare {bare:.0}"),
     );
+    // The same for `--summary`: the count sits behind a gate.
+    let (q_code, q_out, q_err) = vm.cli(&[
+        "syscalls",
+        "getppid",
+        "--comm",
+        "nobody",
+        "--summary",
+        "--json",
+        "--exec",
+        &bench,
+    ]);
+    let quiet_sum = ns(&q_err);
+    println!(
+        "syscall cost --summary with --comm of another task: {quiet_sum:.0} (+{:.0}); {q_out}",
+        quiet_sum - bare
+    );
+    ck.eq("syscalls --summary (another comm) exit code", q_code, 0);
+    ck.check(
+        q_out.contains(r#"{"summary":[]}"#),
+        format!("nothing counted for a task the filter leaves out: {q_out}"),
+    );
+    ck.check(
+        quiet_sum < 2.0 * bare,
+        format!("the count's task filter leaves hvbench unhooked: {quiet_sum:.0} ns a call, bare {bare:.0}"),
+    );
     // The same calls counted and timed in root (`--summary`): no record.
     let (sum_code, sum_out, sum_err) = vm.cli(&[
         "syscalls",

@@ -506,3 +506,60 @@ fn a_gate_filters_tasks_and_takes_no_globs() {
     });
     assert_eq!(g.tracer().report().sites, 0);
 }
+
+/// `hvtrace syscalls --summary --comm`: a count (timed, filtered by comm)
+/// behind a gate with the same filter leaves its functions unhooked on
+/// the quiet view; the gate's stop hooks them everywhere again, and the
+/// count goes on.
+#[test]
+fn a_count_behind_a_gate_goes_quiet_where_its_tasks_do_not_run() {
+    let mut g = Guest::new();
+    let gate = GraphFilter {
+        comm: Some("worker".into()),
+        gate: true,
+        ..GraphFilter::default()
+    };
+    let session = g.with(|t, env, k| t.graph_start(gate, k, env).unwrap().session);
+    let count = protocol::CountFilter {
+        functions: vec!["quiet_leaf".into()],
+        comm: Some("worker".into()),
+        latency: true,
+        gate: Some(session),
+        ..Default::default()
+    };
+    g.with(|t, env, k| {
+        t.count_start(&count, k, env, 0).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let leaf = gpa(QUIET_LEAF) & !0xfff;
+    let r = g.tracer().report();
+    assert_eq!((r.quiet_pages, r.switch_hook), (1, true), "{r:?}");
+    assert_eq!(g.root.quiet_leaf(0, leaf).unwrap().hpa.0, leaf);
+    // The worker's calls are counted (and timed).
+    g.kernel.running.comm = *b"worker\0\0\0\0\0\0\0\0\0\0";
+    switch_to(&mut g, 0, TASK, STACK_BASE);
+    assert_eq!(g.cpus[0].view(), View::Armed);
+    g.hit(QUIET_LEAF, RETP, CALLER_RET, 0);
+    g.ret(RETP, -2i64 as u64);
+    let page = g.with(|t, _, k| t.count_read(0, 10, k, 0)).unwrap();
+    let e: Vec<(u64, u64)> = page.entries.iter().map(|e| (e.calls, e.errors)).collect();
+    assert_eq!(e, [(1, 1)]);
+    // A count's gate must gate: a rooted session cannot.
+    g.with(|t, env, _| t.count_stop(env)).unwrap();
+    let rooted = quiet_session(&mut g);
+    let bad = protocol::CountFilter {
+        gate: Some(rooted),
+        ..count.clone()
+    };
+    assert!(g.with(|t, env, k| t.count_start(&bad, k, env, 0)).is_err());
+    g.with(|t, env, k| {
+        t.graph_stop(Some(rooted), env).unwrap();
+        t.count_start(&count, k, env, 0).unwrap();
+        // The gate stops: the count's functions are hooked everywhere.
+        t.graph_stop(Some(session), env).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let r = g.tracer().report();
+    assert_eq!((r.quiet_pages, r.switch_hook), (0, false), "{r:?}");
+    assert_ne!(g.root.quiet_leaf(0, leaf).unwrap().hpa.0, leaf);
+}
