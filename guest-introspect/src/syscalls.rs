@@ -135,22 +135,72 @@ pub fn table<V: VirtMemory + ?Sized>(
     index: &SymbolIndex,
     btf: Option<&Btf<'_, V>>,
 ) -> Result<Vec<Syscall>, SyscallError> {
-    table_of(view, index, btf, Abi::X64, &[])
+    let src = Sources::read(view, index, btf);
+    table_of(view, index, btf, &src, Abi::X64, &[])
 }
 
-/// The guest's 32-bit (IA32 emulation) system calls, in number order;
-/// empty when the kernel has no `ia32_sys_call_table`
-/// (`CONFIG_IA32_EMULATION` off). A call whose wrapper is also a 64-bit
-/// call's (the argument-less calls share one body under both names, so
-/// that a hook there cannot tell the ABIs apart) is left out: it is
-/// traced as the 64-bit call. `native` is [`table`]'s answer.
-pub fn compat_table<V: VirtMemory + ?Sized>(
+/// [`table`], then the guest's 32-bit (IA32 emulation) system calls in
+/// number order (none when the kernel has no IA32 emulation), the
+/// argument sources read once for both. A 32-bit call whose wrapper is
+/// also a 64-bit call's (the argument-less calls share one body under
+/// both names, so that a hook there cannot tell the ABIs apart) is left
+/// out: it is traced as the 64-bit call. A 32-bit table that cannot be
+/// read leaves the 64-bit calls, and says why beside them.
+pub fn tables<V: VirtMemory + ?Sized>(
     view: &V,
     index: &SymbolIndex,
     btf: Option<&Btf<'_, V>>,
+) -> Result<(Vec<Syscall>, Option<SyscallError>), SyscallError> {
+    let src = Sources::read(view, index, btf);
+    let mut calls = table_of(view, index, btf, &src, Abi::X64, &[])?;
+    match compat_of(view, index, btf, &src, &calls) {
+        Ok(compat) => {
+            if calls.try_reserve(compat.len()).is_ok() {
+                calls.extend(compat);
+            }
+            Ok((calls, None))
+        }
+        Err(e) => Ok((calls, Some(e))),
+    }
+}
+
+/// The argument sources shared by every call: the metadata and the
+/// `__do_sys_` prototypes BTF describes.
+struct Sources {
+    meta: Vec<(String, Vec<(String, String)>)>,
+    funcs: Vec<(String, TypeInfo)>,
+}
+
+impl Sources {
+    fn read<V: VirtMemory + ?Sized>(
+        view: &V,
+        index: &SymbolIndex,
+        btf: Option<&Btf<'_, V>>,
+    ) -> Sources {
+        // The metadata array has a slot per 64-bit number, whichever the ABI.
+        let native_n = index
+            .lookup(Abi::X64.table_symbol())
+            .and_then(|i| index.size(i))
+            .map_or(MAX_SYSCALLS as u64, |b| (b / 8).min(MAX_SYSCALLS as u64));
+        Sources {
+            meta: metadata(view, index, btf, native_n),
+            // Found in one pass over the types.
+            funcs: btf
+                .and_then(|b| b.funcs_with_prefix("__do_sys_").ok())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// The 32-bit calls; `native` are the 64-bit ones.
+fn compat_of<V: VirtMemory + ?Sized>(
+    view: &V,
+    index: &SymbolIndex,
+    btf: Option<&Btf<'_, V>>,
+    src: &Sources,
     native: &[Syscall],
 ) -> Result<Vec<Syscall>, SyscallError> {
-    match table_of(view, index, btf, Abi::Ia32, native) {
+    match table_of(view, index, btf, src, Abi::Ia32, native) {
         // Since the indirect-call hardening (6.9, and its stable
         // backports: Debian's 6.1 has it) a kernel dispatches ia32 calls
         // through a switch,
@@ -163,7 +213,7 @@ pub fn compat_table<V: VirtMemory + ?Sized>(
                 let id = index.lookup(c.entry)?;
                 Some((c.nr, index.symbol(id).addr))
             });
-            describe(view, index, btf, Abi::Ia32, native, slots)
+            describe(index, btf, src, Abi::Ia32, native, slots)
         }
         Err(SyscallError::NoTable) => Ok(Vec::new()),
         other => other,
@@ -176,6 +226,7 @@ fn table_of<V: VirtMemory + ?Sized>(
     view: &V,
     index: &SymbolIndex,
     btf: Option<&Btf<'_, V>>,
+    src: &Sources,
     abi: Abi,
     shared: &[Syscall],
 ) -> Result<Vec<Syscall>, SyscallError> {
@@ -193,30 +244,21 @@ fn table_of<V: VirtMemory + ?Sized>(
         let f = read_u64(view, slot).map_err(|_| SyscallError::Unreadable(slot))?;
         slots.push((nr, Gva(f)));
     }
-    describe(view, index, btf, abi, shared, slots.into_iter())
+    describe(index, btf, src, abi, shared, slots.into_iter())
 }
 
 /// The calls at `slots` ((number, wrapper address)) of `abi`, named from
 /// kallsyms and described from the best source; those whose wrapper is
 /// one of `shared`'s left out.
 fn describe<V: VirtMemory + ?Sized>(
-    view: &V,
     index: &SymbolIndex,
     btf: Option<&Btf<'_, V>>,
+    src: &Sources,
     abi: Abi,
     shared: &[Syscall],
     slots: impl Iterator<Item = (u32, Gva)>,
 ) -> Result<Vec<Syscall>, SyscallError> {
-    // The metadata array has a slot per 64-bit number, whichever the ABI.
-    let native_n = index
-        .lookup(Abi::X64.table_symbol())
-        .and_then(|i| index.size(i))
-        .map_or(MAX_SYSCALLS as u64, |b| (b / 8).min(MAX_SYSCALLS as u64));
-    let meta = metadata(view, index, btf, native_n);
-    // The `__do_sys_` bodies BTF describes, found in one pass.
-    let funcs: Vec<(String, TypeInfo)> = btf
-        .and_then(|b| b.funcs_with_prefix("__do_sys_").ok())
-        .unwrap_or_default();
+    let (meta, funcs) = (&src.meta, &src.funcs);
     let mut out = Vec::new();
     for (nr, f) in slots.take(MAX_SYSCALLS) {
         let Some(r) = index.resolve(f).filter(|r| r.offset == 0) else {
@@ -248,7 +290,7 @@ fn describe<V: VirtMemory + ?Sized>(
         }
         let (args, source) = match meta.iter().find(|(n, _)| n == name) {
             Some((_, a)) => (a.clone(), ArgSource::Metadata),
-            None => match btf.and_then(|b| prototype(b, &funcs, name)) {
+            None => match btf.and_then(|b| prototype(b, funcs, name)) {
                 Some(a) => (a, ArgSource::Btf),
                 None => match abi_args(abi, &entry) {
                     Some(a) => (a, ArgSource::Table),

@@ -3,18 +3,24 @@
 //! include/uapi/linux/openat2.h) and `clone3`'s `struct clone_args`.
 
 use crate::common;
-use guest_introspect::btf::Btf;
+use crate::syscalls::with_btf;
 use guest_introspect::syscall_structs::{input_structs, StructField};
 use guest_introspect::syscalls;
-use guest_introspect::Gva;
 
 fn layouts(img: &common::Image, index: &guest_introspect::kallsyms::SymbolIndex) {
-    let view = img.view();
-    let sec = img.elf().section(".BTF").expect(".BTF section");
-    let btf = Btf::parse(&view, Gva(sec.addr)).expect("BTF");
-    let t = syscalls::table(&view, index, Some(&btf)).expect("sys_call_table");
+    with_btf(img, |view, btf| {
+        let t = syscalls::table(view, index, Some(btf)).expect("sys_call_table");
+        check(&t, btf, &img.release);
+    });
+}
+
+fn check<V: guest_introspect::view::VirtMemory + ?Sized>(
+    t: &[syscalls::Syscall],
+    btf: &guest_introspect::btf::Btf<'_, V>,
+    release: &str,
+) {
     let openat2 = t.iter().find(|s| s.name == "openat2").expect("openat2");
-    let s = input_structs(&btf, &openat2.args);
+    let s = input_structs(btf, &openat2.args);
     assert_eq!(s.len(), 1, "{:?} -> {s:?}", openat2.args);
     assert_eq!((s[0].arg, s[0].name.as_str()), (2, "open_how"));
     let f = |name: &str, offset: u32| StructField {
@@ -25,7 +31,7 @@ fn layouts(img: &common::Image, index: &guest_introspect::kallsyms::SymbolIndex)
     };
     assert_eq!(s[0].fields, [f("flags", 0), f("mode", 8), f("resolve", 16)]);
     let clone3 = t.iter().find(|s| s.name == "clone3").expect("clone3");
-    let s = input_structs(&btf, &clone3.args);
+    let s = input_structs(btf, &clone3.args);
     assert_eq!(s.len(), 1, "{:?}", clone3.args);
     assert_eq!(s[0].fields[0], f("flags", 0));
     assert!(s[0].fields.iter().any(|x| x.name == "exit_signal"));
@@ -34,13 +40,13 @@ fn layouts(img: &common::Image, index: &guest_introspect::kallsyms::SymbolIndex)
         .iter()
         .find(|s| s.name == "newfstatat")
         .expect("newfstatat");
-    assert!(input_structs(&btf, &stat.args).is_empty());
+    assert!(input_structs(btf, &stat.args).is_empty());
     let with: Vec<&str> = t
         .iter()
-        .filter(|s| !input_structs(&btf, &s.args).is_empty())
+        .filter(|s| !input_structs(btf, &s.args).is_empty())
         .map(|s| s.name.as_str())
         .collect();
-    println!("{}: calls with an input struct: {with:?}", img.release);
+    println!("{release}: calls with an input struct: {with:?}");
 }
 
 #[test]

@@ -5,13 +5,24 @@
 use crate::common;
 use guest_introspect::btf::Btf;
 use guest_introspect::syscalls::{self, ArgSource, Syscall};
+use guest_introspect::view::SegmentView;
 use guest_introspect::Gva;
 
-pub fn table(img: &common::Image, index: &guest_introspect::kallsyms::SymbolIndex) -> Vec<Syscall> {
+/// Runs `f` over the image's unslid view and its `.BTF`.
+pub fn with_btf<R>(
+    img: &common::Image,
+    f: impl FnOnce(&SegmentView<'_>, &Btf<'_, SegmentView<'_>>) -> R,
+) -> R {
     let view = img.view();
     let sec = img.elf().section(".BTF").expect(".BTF section");
     let btf = Btf::parse(&view, Gva(sec.addr)).expect("BTF");
-    syscalls::table(&view, index, Some(&btf)).expect("sys_call_table")
+    f(&view, &btf)
+}
+
+pub fn table(img: &common::Image, index: &guest_introspect::kallsyms::SymbolIndex) -> Vec<Syscall> {
+    with_btf(img, |view, btf| {
+        syscalls::table(view, index, Some(btf)).expect("sys_call_table")
+    })
 }
 
 fn by_name<'a>(t: &'a [Syscall], name: &str) -> &'a Syscall {
@@ -87,11 +98,13 @@ fn fast_lane_calls_from_the_table_and_the_metadata() {
 }
 
 fn compat(img: &common::Image, index: &guest_introspect::kallsyms::SymbolIndex) -> Vec<Syscall> {
-    let view = img.view();
-    let sec = img.elf().section(".BTF").expect(".BTF section");
-    let btf = Btf::parse(&view, Gva(sec.addr)).expect("BTF");
-    let native = syscalls::table(&view, index, Some(&btf)).expect("sys_call_table");
-    syscalls::compat_table(&view, index, Some(&btf), &native).expect("ia32_sys_call_table")
+    with_btf(img, |view, btf| {
+        let (all, compat_error) = syscalls::tables(view, index, Some(btf)).expect("sys_call_table");
+        assert_eq!(compat_error, None);
+        all.into_iter()
+            .filter(|s| s.abi == syscalls::Abi::Ia32)
+            .collect()
+    })
 }
 
 /// Debian's kernel has IA32 emulation: the i386 ABI's numbers

@@ -397,17 +397,12 @@ fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
         Some(OutputFormatArg::Json) => true,
         Some(other) => bail!("--syscalls prints text or json, not {other:?}"),
     };
-    let sink: Box<dyn Write + Send> = match &args.output {
-        Some(path) => Box::new(std::io::BufWriter::new(
-            std::fs::File::create(path)
-                .with_context(|| format!("cannot create {}", path.display()))?,
-        )),
-        None => trace_read::stdout_for(if json {
-            protocol::TraceFormat::Json
-        } else {
-            protocol::TraceFormat::Text
-        }),
+    let format = if json {
+        protocol::TraceFormat::Json
+    } else {
+        protocol::TraceFormat::Text
     };
+    let sink = trace_read::sink(args.output.as_deref(), format)?;
     let shown = SyscallsArgs {
         names: vec![names.to_string()],
         comm: args.count_comm.clone(),

@@ -66,6 +66,24 @@ pub fn event_name(s: &SyscallInfo) -> String {
     }
 }
 
+/// The call of event `event` ([`event_name`]): whether it is a 32-bit
+/// call, and its name; `None` for another event.
+fn parse_event(event: &str) -> Option<(bool, &str)> {
+    match event.strip_prefix("sys32_") {
+        Some(name) => Some((true, name)),
+        None => event.strip_prefix("sys_").map(|name| (false, name)),
+    }
+}
+
+/// A call's name in `--summary` and the tallies: a 32-bit call's marked.
+fn summary_name(name: &str, compat: bool) -> String {
+    if compat {
+        format!("{name} (ia32)")
+    } else {
+        name.to_string()
+    }
+}
+
 /// A fetch type at the width a 32-bit caller passed (`long` and pointers
 /// are 32 bits there).
 fn compat_type(t: &str) -> &'static str {
@@ -648,10 +666,7 @@ impl Pairer {
             let ret = args.get("ret").and_then(Value::as_i64).unwrap_or(0);
             return self.emit(pid, e, Some(ret));
         }
-        let Some(call) = event
-            .strip_prefix("sys_")
-            .or_else(|| event.strip_prefix("sys32_"))
-        else {
+        let Some((_, call)) = parse_event(event) else {
             return Ok(());
         };
         let mut args = args;
@@ -685,13 +700,8 @@ impl Pairer {
     }
 
     fn emit(&mut self, pid: i64, e: Entry, ret: Option<i64>) -> std::io::Result<()> {
-        let compat = e.call.starts_with("sys32_");
-        let name = e
-            .call
-            .strip_prefix("sys_")
-            .or_else(|| e.call.strip_prefix("sys32_"))
-            .unwrap_or(&e.call)
-            .to_string();
+        let (compat, name) = parse_event(&e.call).unwrap_or((false, &e.call));
+        let name = name.to_string();
         let error = ret.filter(|&r| (-4095..0).contains(&r)).map(|r| -r);
         if self.comm.as_ref().is_some_and(|c| *c != e.comm)
             || self.pid.is_some_and(|p| p != pid)
@@ -699,12 +709,7 @@ impl Pairer {
         {
             return Ok(());
         }
-        let key = if compat {
-            format!("{name} (ia32)")
-        } else {
-            name.clone()
-        };
-        let t = self.tally.entry(key).or_default();
+        let t = self.tally.entry(summary_name(&name, compat)).or_default();
         t.calls += 1;
         t.errors += u64::from(error.is_some());
         let mut s = String::new();
@@ -937,14 +942,7 @@ fn summary(socket: &Path, table: &[SyscallInfo], args: &SyscallsArgs) -> Result<
     };
     let wanted: HashMap<&str, String> = chosen
         .iter()
-        .map(|s| {
-            let name = if s.compat {
-                format!("{} (ia32)", s.name)
-            } else {
-                s.name.clone()
-            };
-            (s.entry.as_str(), name)
-        })
+        .map(|s| (s.entry.as_str(), summary_name(&s.name, s.compat)))
         .collect();
     let filter = super::count::filter(&functions, args.pid, args.comm.as_deref(), true)?;
     let o = crate::commands::cli::AggregateArgs {

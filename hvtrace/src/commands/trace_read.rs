@@ -178,12 +178,7 @@ impl TraceOutput {
     /// The output for `format`, into `path` (created now) or stdout (with
     /// control characters escaped: [`stdout_for`]).
     pub fn create(path: Option<&Path>, format: OutputFormatArg) -> Result<TraceOutput> {
-        let out: Box<dyn Write + Send> = match path {
-            Some(path) => Box::new(BufWriter::new(
-                File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
-            )),
-            None => stdout_for(format.protocol()),
-        };
+        let out = sink(path, format.protocol())?;
         Ok(match format {
             OutputFormatArg::Chrome => TraceOutput::chrome(out),
             OutputFormatArg::Text | OutputFormatArg::Json => TraceOutput::copy(out),
@@ -214,6 +209,17 @@ impl TraceOutput {
         self.out.flush()?;
         Ok(summary)
     }
+}
+
+/// Where trace lines in `format` go: `path` (created now), or stdout
+/// ([`stdout_for`]).
+pub fn sink(path: Option<&Path>, format: TraceFormat) -> Result<Box<dyn Write + Send>> {
+    Ok(match path {
+        Some(path) => Box::new(BufWriter::new(
+            File::create(path).with_context(|| format!("cannot create {}", path.display()))?,
+        )),
+        None => stdout_for(format),
+    })
 }
 
 /// Stdout for trace lines in `format`: the lines quote the guest (task

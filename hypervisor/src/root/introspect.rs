@@ -515,7 +515,7 @@ fn kernel_pgd(f: &KernelFacts, via: Cr3) -> Cr3 {
 }
 
 impl Kernel {
-    /// The guest's system calls ([`guest_introspect::syscalls::table`]),
+    /// The guest's system calls ([`guest_introspect::syscalls::tables`]),
     /// with BTF when the kernel has it, and their input structs.
     fn syscall_table(&self) -> Result<Vec<SyscallEntry>, String> {
         let view = PagedView::new(&GuestRam, self.cr3);
@@ -525,21 +525,12 @@ impl Kernel {
             .as_ref()
             .ok()
             .map(|i| guest_introspect::btf::Btf::from_index(&view, i));
-        let mut calls = guest_introspect::syscalls::table(&view, &self.facts.symbols, btf.as_ref())
-            .map_err(|e| alloc::format!("{e}"))?;
         // The 32-bit calls too, when the kernel has IA32 emulation.
-        match guest_introspect::syscalls::compat_table(
-            &view,
-            &self.facts.symbols,
-            btf.as_ref(),
-            &calls,
-        ) {
-            Ok(compat) => {
-                if calls.try_reserve(compat.len()).is_ok() {
-                    calls.extend(compat);
-                }
-            }
-            Err(e) => log::warn!("introspection: no 32-bit system calls: {e}"),
+        let (calls, compat_error) =
+            guest_introspect::syscalls::tables(&view, &self.facts.symbols, btf.as_ref())
+                .map_err(|e| alloc::format!("{e}"))?;
+        if let Some(e) = compat_error {
+            log::warn!("introspection: no 32-bit system calls: {e}");
         }
         let mut out = Vec::new();
         out.try_reserve(calls.len())

@@ -261,8 +261,7 @@ impl CountState {
 
     /// The session bit (1 << N) of the count's gate, 0 without one.
     pub(super) fn gate_bit(&self) -> u16 {
-        self.gate
-            .map_or(0, |g| 1u16.checked_shl(u32::from(g)).unwrap_or(0))
+        self.gate.map_or(0, super::users::graph_bit)
     }
 
     /// Whether the filter needs the running task.
@@ -277,11 +276,9 @@ impl CountState {
             if let Some(b) = self.times.get(latency_bucket(ns)) {
                 b.fetch_add(1, Relaxed);
             }
-            if let Ok(i) = self.tallies.binary_search_by_key(&func, |t| t.func) {
-                if let Some(t) = self.tallies.get(i) {
-                    t.errors.fetch_add(u64::from(is_errno(retval)), Relaxed);
-                    t.ns.fetch_add(ns, Relaxed);
-                }
+            if let Some(t) = self.tally(func) {
+                t.errors.fetch_add(u64::from(is_errno(retval)), Relaxed);
+                t.ns.fetch_add(ns, Relaxed);
             }
         }
     }
@@ -296,13 +293,13 @@ impl CountState {
 
     /// Whether a call by (`pid`, `comm`) is counted.
     pub(super) fn admits(&self, pid: i32, comm: &[u8; 16]) -> bool {
-        let pid_ok = self.pid.is_none_or(|p| p == pid);
-        let comm_ok = self.comm.as_deref().is_none_or(|c| {
-            // The name ends at the first NUL, or fills the array.
-            let name = comm.split(|&b| b == 0).next().unwrap_or(comm);
-            c == name
-        });
-        pid_ok && comm_ok
+        super::fgraph::task_admitted(self.pid, self.comm.as_deref(), pid, comm)
+    }
+
+    /// The tally of counted function `func`, when it has one.
+    fn tally(&self, func: u64) -> Option<&ReturnTally> {
+        let i = self.tallies.binary_search_by_key(&func, |t| t.func).ok()?;
+        self.tallies.get(i)
     }
 }
 
@@ -324,7 +321,7 @@ impl Tracer<'_> {
         }
         let gate = match filter.gate {
             None => None,
-            Some(n) => Some(self.gating_session(n)?),
+            Some(n) => Some(self.gating_session(n)?.0),
         };
         let histogram = match &filter.hist {
             Some(h) if filter.functions.is_empty() => Some(hist_of(h, k, env)?),
@@ -530,10 +527,7 @@ impl Tracer<'_> {
             }
             bytes += name.len() + 24;
             let (errors, total_ns) = c
-                .tallies
-                .binary_search_by_key(&func, |t| t.func)
-                .ok()
-                .and_then(|i| c.tallies.get(i))
+                .tally(func)
                 .map_or((0, 0), |t| (t.errors.load(Relaxed), t.ns.load(Relaxed)));
             let entry = FunctionCount {
                 name,

@@ -141,13 +141,21 @@ pub(super) fn follows_modules(filter: &GraphFilter) -> bool {
 /// Whether a task with `pid` and `comm` passes the pid and comm filters
 /// of `f`.
 pub(super) fn admits(f: &GraphFilter, pid: i32, comm: &[u8; 16]) -> bool {
-    let pid_ok = f.pid.is_none_or(|p| p == pid);
-    let comm_ok = f.comm.as_deref().is_none_or(|c| {
-        // The name ends at the first NUL, or fills the array.
-        let name = comm.split(|&b| b == 0).next().unwrap_or(comm);
-        c.as_bytes() == name
-    });
-    pid_ok && comm_ok
+    task_admitted(f.pid, f.comm.as_deref().map(str::as_bytes), pid, comm)
+}
+
+/// Whether a task with `pid` and `comm` (the kernel's array: the name ends
+/// at the first NUL, or fills it) passes a pid filter and a comm filter
+/// (`None`: no filter). The graph sessions', the count's and the probes'
+/// gates' filter.
+pub(super) fn task_admitted(
+    want_pid: Option<i32>,
+    want_comm: Option<&[u8]>,
+    pid: i32,
+    comm: &[u8; 16],
+) -> bool {
+    want_pid.is_none_or(|p| p == pid)
+        && want_comm.is_none_or(|c| c == comm.split(|&b| b == 0).next().unwrap_or(comm))
 }
 
 /// A return handed back: where to, the users of the frame popped, and the

@@ -58,11 +58,7 @@ impl Gate {
     /// Whether a hit by (`pid`, `comm`) records.
     #[inline]
     pub(super) fn admits(&self, pid: i32, comm: &[u8; 16]) -> bool {
-        self.pid.is_none_or(|p| p == pid)
-            && self.comm.as_deref().is_none_or(|c| {
-                // The name ends at the first NUL, or fills the array.
-                c == comm.split(|&b| b == 0).next().unwrap_or(comm)
-            })
+        super::fgraph::task_admitted(self.pid, self.comm.as_deref(), pid, comm)
     }
 }
 
@@ -128,7 +124,7 @@ impl Probes {
     pub(super) fn gate_bit(&self, id: u32) -> u16 {
         self.get(id)
             .and_then(|p| p.gate.as_ref())
-            .map_or(0, |g| 1u16.checked_shl(u32::from(g.session)).unwrap_or(0))
+            .map_or(0, |g| super::users::graph_bit(g.session))
     }
 
     /// Return probes defined.

@@ -669,9 +669,9 @@ impl Tracer<'_> {
         })
     }
 
-    /// Session `n`, when it can gate: it runs, has no roots and filters
-    /// by pid or comm.
-    pub(super) fn gating_session(&self, n: u32) -> Result<u8, ReqError> {
+    /// Session `n` (its number, and itself), when it can gate: it runs,
+    /// has no roots and filters by pid or comm.
+    pub(super) fn gating_session(&self, n: u32) -> Result<(u8, &GraphSession), ReqError> {
         let u = n as usize;
         let g = (1..MAX_USERS)
             .contains(&u)
@@ -690,7 +690,7 @@ impl Tracer<'_> {
                 format!("session {n} does not filter tasks without roots: it gates nothing"),
             ));
         }
-        Ok(u as u8)
+        Ok((u as u8, g))
     }
 
     /// `ProbeGate`: probe `name` records only for the tasks session
@@ -711,16 +711,7 @@ impl Tracer<'_> {
         let gate = match session {
             None => None,
             Some(n) => {
-                let u = self.gating_session(n)?;
-                let Some(g) = self
-                    .vm
-                    .graph
-                    .sessions
-                    .get(usize::from(u))
-                    .and_then(Option::as_ref)
-                else {
-                    return Err(ReqError::new(ErrorKind::Internal, "the gate went"));
-                };
+                let (u, g) = self.gating_session(n)?;
                 let comm = match &g.filter.comm {
                     Some(c) => Some(
                         fallible::try_collect(c.bytes().take(15))
@@ -767,7 +758,7 @@ impl Tracer<'_> {
         for p in &mut self.vm.probes.list {
             if p.gate
                 .as_ref()
-                .is_some_and(|g| mask & (1u16 << g.session) != 0)
+                .is_some_and(|g| mask & super::users::graph_bit(g.session) != 0)
             {
                 p.gate = None;
             }

@@ -108,7 +108,7 @@ pub(super) struct Users {
 }
 
 /// The bit of graph session `n` in a mask, or 0 for a number out of range.
-fn graph_bit(n: u8) -> u16 {
+pub(super) fn graph_bit(n: u8) -> u16 {
     if (1..=MAX_GRAPH_SESSION).contains(&n) {
         1 << n
     } else {
