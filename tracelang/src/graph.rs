@@ -325,7 +325,7 @@ impl GraphText {
 
 /// One graph event as a JSON object (no newline):
 /// `{"ts":..,"ts_ns":..,"cpu":..,"pid":..,"comm":..,"kind":"graph_entry",
-/// "func":"vfs_read","depth":0,"session":1}`; returns add `"duration_ns"` and
+/// "func":"vfs_read","ip":"0x..","depth":0,"session":1}`; returns add `"duration_ns"` and
 /// `"retval"`.
 pub fn write_graph_json(
     out: &mut String,
@@ -356,7 +356,10 @@ pub fn write_graph_json(
                 GraphKind::Return => "graph_return",
             },
         )
-        .str("func", &func)
+        .str("func", &func);
+    scratch.clear();
+    let _ = write!(scratch, "{:#x}", h.ip);
+    o.str("ip", &scratch)
         .u64("depth", v.depth)
         .u64("session", u64::from(session));
     if kind == GraphKind::Return {
@@ -580,11 +583,13 @@ mod tests {
         write_graph_json(&mut out, R, &ev(R, 90, 0x1000, &[2, 1500, 0x10]), 3, &Syms);
         assert_eq!(
             out,
-            r#"{"ts":"5.000000","ts_ns":5000000000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"vfs_read","depth":2,"session":3,"duration_ns":1500,"retval":"0x10"}"#
+            r#"{"ts":"5.000000","ts_ns":5000000000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"vfs_read","ip":"0x1000","depth":2,"session":3,"duration_ns":1500,"retval":"0x10"}"#
         );
         out.clear();
         write_graph_json(&mut out, E, &ev(E, 90, 0x1000, &[0]), 1, &Syms);
-        assert!(out.ends_with(r#""kind":"graph_entry","func":"vfs_read","depth":0,"session":1}"#));
+        assert!(out.ends_with(
+            r#""kind":"graph_entry","func":"vfs_read","ip":"0x1000","depth":0,"session":1}"#
+        ));
         // A malformed record renders nothing.
         out.clear();
         write_graph_json(&mut out, R, &ev(R, 90, 0x1000, &[2]), 1, &Syms);

@@ -6,5 +6,6 @@
 pub mod chrome;
 pub mod json;
 pub mod report;
+pub mod tracedat;
 
 pub use crate::term;
