@@ -68,6 +68,8 @@ fn main() -> ExitCode {
         Command::Latency(args) => {
             socket().and_then(|s| hvtrace::commands::count::count(&s, args, true))
         }
+        Command::Record(args) => socket().and_then(|s| hvtrace::commands::record::record(&s, args)),
+        Command::Convert(args) => hvtrace::commands::record::convert(args),
         Command::Supervise(args) => {
             socket().and_then(|s| hvtrace::commands::detach::supervise(&s, args))
         }

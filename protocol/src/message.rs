@@ -240,6 +240,14 @@ pub enum Request {
         /// The session.
         session: Option<u32>,
     },
+    /// The guest's symbols as `/proc/kallsyms` prints them (the kernel
+    /// image's, then the modules' with `[module]`), from byte `offset` of
+    /// that text: answered by the supervisor from its copy of root's
+    /// index ([`Response::Kallsyms`]), which the trace stream brings.
+    Kallsyms {
+        /// Where this page starts.
+        offset: u64,
+    },
 }
 
 /// A histogram of one fetch argument (bpftrace's `hist()`), kept in root
@@ -559,6 +567,15 @@ pub enum Response {
         next: Option<u32>,
         /// This page's calls, in number order.
         calls: Vec<SyscallInfo>,
+    },
+    /// Answer to [`Request::Kallsyms`]: one page of the listing.
+    Kallsyms {
+        /// Whole lines from the offset asked for.
+        text: String,
+        /// Where the next page starts; `None` after the last one.
+        next: Option<u64>,
+        /// Bytes of the whole listing.
+        total: u64,
     },
 }
 

@@ -201,6 +201,12 @@ fn samples() -> Vec<Body> {
             name: "hvsys/sys_openat".into(),
             session: Some(3),
         }),
+        Body::Request(Request::Kallsyms { offset: 4000 }),
+        Body::Response(Response::Kallsyms {
+            text: "ffffffff81000000 T _stext\nffffffffc0000000 t f\t[ext4]\n".into(),
+            next: Some(4057),
+            total: 90_000,
+        }),
         Body::Response(Response::Syscalls {
             total: 346,
             next: Some(20),
@@ -444,6 +450,7 @@ fn variant(body: &Body) -> String {
             Request::SymbolsExport => "Request::SymbolsExport",
             Request::Syscalls { .. } => "Request::Syscalls",
             Request::ProbeGate { .. } => "Request::ProbeGate",
+            Request::Kallsyms { .. } => "Request::Kallsyms",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",
@@ -475,6 +482,7 @@ fn variant(body: &Body) -> String {
             Response::Syscalls { .. } => "Response::Syscalls",
             Response::Trace { .. } => "Response::Trace",
             Response::GraphStarted { .. } => "Response::GraphStarted",
+            Response::Kallsyms { .. } => "Response::Kallsyms",
         },
         Body::Event(e) => match e {
             Event::Log { .. } => "Event::Log",
@@ -498,8 +506,8 @@ fn variant(body: &Body) -> String {
 /// requests and 3 responses; then the symbol export's request, answer and
 /// event; then the records and their context; then the per-vCPU rings'
 /// answer and doorbell; then the system calls' request and answer; then
-/// the probes' gate.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2 + 2 + 2 + 1;
+/// the probes' gate; then the kallsyms listing's request and answer.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2 + 2 + 2 + 1 + 2;
 
 #[test]
 fn samples_cover_every_variant() {

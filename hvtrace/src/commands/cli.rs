@@ -73,6 +73,13 @@ pub enum Command {
     /// argument names and types from the guest itself (its sys_call_table,
     /// its syscall metadata or BTF): `hvtrace syscalls openat read --comm cat`.
     Syscalls(SyscallsArgs),
+    /// Record a detached VM's trace into a trace.dat for `trace-cmd report`
+    /// and KernelShark, as `trace-cmd record` does, until Ctrl-C, the
+    /// duration or the VM's end: `hvtrace record -o trace.dat --function
+    /// 'vfs_*' --duration 10`.
+    Record(RecordArgs),
+    /// Convert JSON lines (`--format json` output) into a trace.dat.
+    Convert(ConvertArgs),
     /// The supervisor of a detached VM (started by `run --detach`).
     #[command(hide = true)]
     Supervise(SuperviseArgs),
@@ -285,6 +292,9 @@ pub enum OutputFormatArg {
     /// A Chrome trace of the function-graph calls (for Perfetto or
     /// chrome://tracing), written when the trace ends.
     Chrome,
+    /// A trace.dat (version 6) for `trace-cmd report` and KernelShark,
+    /// written to --output when the trace ends.
+    TraceDat,
 }
 
 impl OutputFormatArg {
@@ -293,7 +303,9 @@ impl OutputFormatArg {
     pub fn protocol(self) -> protocol::TraceFormat {
         match self {
             OutputFormatArg::Text => protocol::TraceFormat::Text,
-            OutputFormatArg::Json | OutputFormatArg::Chrome => protocol::TraceFormat::Json,
+            OutputFormatArg::Json | OutputFormatArg::Chrome | OutputFormatArg::TraceDat => {
+                protocol::TraceFormat::Json
+            }
         }
     }
 }
@@ -404,6 +416,54 @@ pub struct GraphArgs {
     /// still stops its session when it ends.
     #[arg(long)]
     pub persist: bool,
+}
+
+/// Options of `hvtrace record`.
+#[derive(Clone, Debug, Args)]
+pub struct RecordArgs {
+    /// The trace.dat to write (written beside it first, then renamed).
+    #[arg(long, short = 'o', value_name = "FILE", default_value = "trace.dat")]
+    pub output: PathBuf,
+    /// Add a probe for the recording, in kprobe_events syntax (repeatable);
+    /// it is deleted at the end.
+    #[arg(long = "probe", value_name = "SPEC")]
+    pub probes: Vec<String>,
+    /// Trace every traceable function matching GLOB with the function
+    /// tracer (repeatable); the function tracer is taken off at the end.
+    #[arg(long = "function", value_name = "GLOB")]
+    pub functions: Vec<String>,
+    /// Record the call trees of the functions matching GLOB with a
+    /// function-graph session (repeatable), stopped at the end.
+    #[arg(long = "graph", value_name = "GLOB")]
+    pub graphs: Vec<String>,
+    #[command(flatten)]
+    pub graph_filter: GraphFilterArgs,
+    /// End after SECS seconds [default: at Ctrl-C or the VM's end].
+    #[arg(long, value_name = "SECS")]
+    pub duration: Option<f64>,
+}
+
+/// Options of `hvtrace convert`.
+#[derive(Clone, Debug, Args)]
+pub struct ConvertArgs {
+    /// The JSON lines to convert.
+    #[arg(value_name = "JSONL")]
+    pub input: PathBuf,
+    /// The trace.dat to write.
+    #[arg(long, short = 'o', value_name = "FILE")]
+    pub output: PathBuf,
+    /// The guest's /proc/kallsyms text (a run directory's `kallsyms`)
+    /// [default: the functions the lines name].
+    #[arg(long, value_name = "FILE")]
+    pub kallsyms: Option<PathBuf>,
+    /// A probe definition, for its argument types (repeatable) [default:
+    /// types from the values].
+    #[arg(long = "probe", value_name = "SPEC")]
+    pub probes: Vec<String>,
+    /// CPUs in the file at least (a CPU with no event gets an empty
+    /// buffer).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub cpus: u32,
 }
 
 /// Options of `hvtrace exec`.

@@ -305,6 +305,7 @@ pub fn trace_session(
     // Only this session's lines: probes, the function tracer and other
     // sessions may be writing to the stream too.
     let mut reader = reader.with_source(Some(started.session));
+    output.learn(control);
     let copied = trace_read::copy_trace(
         control,
         &mut reader,
@@ -327,7 +328,7 @@ pub fn trace_session(
             stop(control, started.session)
         }
     };
-    let finished = output.finish();
+    let finished = output.finish(Some(control));
     let end = copied?;
     stopped?;
     match finished {

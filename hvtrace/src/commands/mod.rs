@@ -8,6 +8,7 @@ pub mod count;
 pub mod ctl;
 pub mod detach;
 pub mod graph;
+pub mod record;
 pub mod run;
 pub mod syscalls;
 pub mod timeouts;

@@ -158,7 +158,9 @@ pub fn trace_source(session: Option<u32>, format: OutputFormatArg) -> Option<u32
     match (session, format) {
         (None, _) => Some(0),
         (Some(session), OutputFormatArg::Chrome) => Some(session),
-        (Some(_), OutputFormatArg::Text | OutputFormatArg::Json) => None,
+        (Some(_), OutputFormatArg::Text | OutputFormatArg::Json | OutputFormatArg::TraceDat) => {
+            None
+        }
     }
 }
 
@@ -191,7 +193,7 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
     let traced = match trace_commands(&vm, args, graph, output_format, &mut out) {
         Ok(traced) => traced,
         Err(e) => {
-            let _ = out.finish();
+            let _ = out.finish(None);
             return Err(e);
         }
     };
@@ -202,7 +204,9 @@ fn run_traced(args: &RunArgs) -> Result<u8> {
             eprintln!("hvtrace: note: {}", term::sanitize(&format!("{e:#}")));
         }
     }
-    let chrome = out.finish().context("cannot write the trace")?;
+    let chrome = out
+        .finish(Some(&mut vm.control()))
+        .context("cannot write the trace")?;
     let report = vm.stop()?;
     let to = match &args.output {
         Some(path) => format!(" to {}", path.display()),
@@ -343,6 +347,7 @@ fn trace_commands(
         session = Some(started.session);
     }
     trace_read::start_trace(&mut control, format).context("cannot start the trace")?;
+    out.learn(&mut control);
     let reader = TraceReader::new(format).with_source(trace_source(session, output_format));
     trace_while_running(vm, &args.exec, control, reader, out, session)
 }
@@ -437,7 +442,7 @@ fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
     trace_read::start_trace(&mut control, format).context("cannot start the trace")?;
     let reader = TraceReader::new(format).with_source(Some(0));
     let traced = trace_while_running(&vm, &args.exec, control, reader, &mut out, None);
-    out.finish().context("cannot write the trace")?;
+    out.finish(None).context("cannot write the trace")?;
     let traced = traced?;
     let calls: u64 = pairer
         .lock()

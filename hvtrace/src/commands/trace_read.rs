@@ -4,7 +4,7 @@
 
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -15,6 +15,7 @@ use crate::commands::cli::OutputFormatArg;
 use crate::commands::timeouts::PROBE_TIMEOUT;
 use crate::control::{response_error, Control};
 use crate::output::chrome::{Chrome, ChromeSummary};
+use crate::output::tracedat::{TraceDat, TraceDatSummary};
 use crate::sys;
 use crate::term::{self, Mode};
 
@@ -154,16 +155,51 @@ pub const FIRST_WAIT_MS: u32 = 3000;
 pub const DRAIN_WAIT_MS: u32 = 1000;
 
 /// Where trace lines go: copied to a writer as they come, or collected
-/// for a Chrome trace that is written when the trace ends.
+/// for a Chrome trace or a trace.dat that is written when the trace ends.
 pub struct TraceOutput {
     out: Box<dyn Write + Send>,
     chrome: Option<Chrome>,
+    dat: Option<DatOut>,
+}
+
+/// A trace.dat on its way: the events, and the file it goes to (written
+/// beside it under another name, then renamed, so that the path never
+/// holds half a file).
+struct DatOut {
+    builder: TraceDat,
+    target: PathBuf,
+    part: PathBuf,
+    /// The guest's listing, once taken.
+    kallsyms: Option<String>,
+}
+
+/// What an output held when it ended, for the line on stderr.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputSummary {
+    /// A Chrome trace.
+    Chrome(ChromeSummary),
+    /// A trace.dat.
+    TraceDat(TraceDatSummary),
+}
+
+impl OutputSummary {
+    /// One line for people.
+    pub fn line(&self) -> String {
+        match self {
+            OutputSummary::Chrome(s) => s.line(),
+            OutputSummary::TraceDat(s) => s.line(),
+        }
+    }
 }
 
 impl TraceOutput {
     /// Lines are copied to `out` as they come.
     pub fn copy(out: Box<dyn Write + Send>) -> TraceOutput {
-        TraceOutput { out, chrome: None }
+        TraceOutput {
+            out,
+            chrome: None,
+            dat: None,
+        }
     }
 
     /// Lines (JSON) are collected; [`TraceOutput::finish`] writes the
@@ -172,21 +208,81 @@ impl TraceOutput {
         TraceOutput {
             out,
             chrome: Some(Chrome::new()),
+            dat: None,
         }
     }
 
+    /// Lines (JSON) are collected; [`TraceOutput::finish`] writes a
+    /// trace.dat at `path`. Its directory is checked now: the file is
+    /// written beside `path` first (`.NAME.part-PID`), then renamed.
+    pub fn trace_dat(path: &Path) -> Result<TraceOutput> {
+        let part = part_path(path)?;
+        File::create(&part).with_context(|| format!("cannot write beside {}", path.display()))?;
+        Ok(TraceOutput {
+            out: Box::new(std::io::sink()),
+            chrome: None,
+            dat: Some(DatOut {
+                builder: TraceDat::new([]),
+                target: path.to_path_buf(),
+                part,
+                kallsyms: None,
+            }),
+        })
+    }
+
     /// The output for `format`, into `path` (created now) or stdout (with
-    /// control characters escaped: [`stdout_for`]).
+    /// control characters escaped: [`stdout_for`]). A trace.dat needs a
+    /// path.
     pub fn create(path: Option<&Path>, format: OutputFormatArg) -> Result<TraceOutput> {
+        if format == OutputFormatArg::TraceDat {
+            let Some(path) = path else {
+                bail!("--format trace-dat writes a file: give it with --output FILE");
+            };
+            return TraceOutput::trace_dat(path);
+        }
         let out = sink(path, format.protocol())?;
         Ok(match format {
             OutputFormatArg::Chrome => TraceOutput::chrome(out),
-            OutputFormatArg::Text | OutputFormatArg::Json => TraceOutput::copy(out),
+            _ => TraceOutput::copy(out),
         })
+    }
+
+    /// Learns from the VM what a trace.dat needs before its events come:
+    /// the probes' definitions (their argument types) and the vCPU count.
+    /// Only a trace.dat asks; what cannot be learnt is left to the events
+    /// (a note on stderr says so).
+    pub fn learn(&mut self, control: &mut dyn Control) {
+        let Some(dat) = &mut self.dat else {
+            return;
+        };
+        match control.request(Request::ProbeList, PROBE_TIMEOUT) {
+            Ok(Response::Probes(probes)) => {
+                dat.builder
+                    .add_specs(probes.iter().map(|p| p.spec.as_str()));
+            }
+            Ok(other) => note_dat(&format!("probe list: {:#}", response_error(other))),
+            Err(e) => note_dat(&format!("probe list: {e:#}")),
+        }
+        match control.request(Request::Status, PROBE_TIMEOUT) {
+            Ok(Response::Status(s)) => dat.builder.cpus_at_least(s.vcpus as usize),
+            Ok(other) => note_dat(&format!("status: {:#}", response_error(other))),
+            Err(e) => note_dat(&format!("status: {e:#}")),
+        }
+        // Now, while the VM is surely there; again at the end if it changed.
+        match kallsyms(control) {
+            Ok(text) => dat.kallsyms = Some(text),
+            Err(e) => note_dat(&format!(
+                "kallsyms: {e:#}; the file names only the functions its events name"
+            )),
+        }
     }
 
     /// Takes complete lines.
     pub fn write(&mut self, text: &str) -> std::io::Result<()> {
+        if let Some(dat) = &mut self.dat {
+            dat.builder.push_text(text);
+            return Ok(());
+        }
         match &mut self.chrome {
             Some(chrome) => {
                 chrome.push_text(text);
@@ -199,16 +295,146 @@ impl TraceOutput {
         }
     }
 
-    /// Ends the output: writes the Chrome trace, if that is what it is
-    /// (and says what it holds), and flushes.
-    pub fn finish(mut self) -> std::io::Result<Option<ChromeSummary>> {
+    /// Takes a loss the stream reported here.
+    pub fn lost(&mut self, count: u64) {
+        if let Some(dat) = &mut self.dat {
+            dat.builder.lost(count);
+        }
+    }
+
+    /// Events taken so far per CPU (a trace.dat only), for progress lines.
+    pub fn events_per_cpu(&self) -> Option<Vec<u64>> {
+        self.dat.as_ref().map(|d| d.builder.events_per_cpu())
+    }
+
+    /// Bytes the trace.dat's pages would take now (a trace.dat only).
+    pub fn bytes(&self) -> Option<u64> {
+        self.dat.as_ref().map(|d| d.builder.payload_bytes())
+    }
+
+    /// Ends the output: writes the Chrome trace or the trace.dat, if that
+    /// is what it is (and says what it holds), and flushes. A trace.dat
+    /// takes the guest's kallsyms from `control` when it is given and the
+    /// VM has them; else the symbols its lines named.
+    pub fn finish(
+        mut self,
+        control: Option<&mut dyn Control>,
+    ) -> std::io::Result<Option<OutputSummary>> {
+        if let Some(mut dat) = self.dat.take() {
+            let earlier = dat.kallsyms.take();
+            let kallsyms = match (control, earlier) {
+                (Some(c), Some(earlier)) => match kallsyms_total(c) {
+                    Some(total) if total != earlier.len() as u64 => {
+                        kallsyms(c).ok().or(Some(earlier))
+                    }
+                    _ => Some(earlier),
+                },
+                (Some(c), None) => match kallsyms(c) {
+                    Ok(text) => Some(text),
+                    Err(e) => {
+                        note_dat(&format!(
+                            "kallsyms: {e:#}; the file names only the functions its events name"
+                        ));
+                        None
+                    }
+                },
+                (None, earlier) => earlier,
+            };
+            let summary = write_trace_dat(std::mem::take(&mut dat.builder), &dat.target, kallsyms)?;
+            return Ok(Some(OutputSummary::TraceDat(summary)));
+        }
         let summary = match self.chrome.take() {
-            Some(chrome) => Some(chrome.write(&mut self.out)?),
+            Some(chrome) => Some(OutputSummary::Chrome(chrome.write(&mut self.out)?)),
             None => None,
         };
         self.out.flush()?;
         Ok(summary)
     }
+}
+
+/// The part name a trace.dat at `path` is written under first:
+/// `.NAME.part-PID` beside it.
+pub fn part_path(path: &Path) -> Result<PathBuf> {
+    let name = path
+        .file_name()
+        .ok_or_else(|| anyhow!("{} names no file", path.display()))?;
+    Ok(path.with_file_name(format!(
+        ".{}.part-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
+/// Writes `builder`'s trace.dat to `path`: under its part name, synced,
+/// then renamed over `path`. On failure the part is removed and `path`
+/// left as it was.
+pub fn write_trace_dat(
+    builder: TraceDat,
+    path: &Path,
+    kallsyms: Option<String>,
+) -> std::io::Result<TraceDatSummary> {
+    let part = part_path(path).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let written = (|| {
+        let file = File::create(&part)?;
+        let mut w = BufWriter::new(file);
+        let summary = builder.write(&mut w, kallsyms)?;
+        let file = w.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()?;
+        std::fs::rename(&part, path)?;
+        Ok(summary)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&part);
+    }
+    written.map_err(|e: std::io::Error| {
+        std::io::Error::new(e.kind(), format!("cannot write {}: {e}", path.display()))
+    })
+}
+
+/// The listing's size, from a read past its end (`None` when it cannot
+/// be read).
+fn kallsyms_total(control: &mut dyn Control) -> Option<u64> {
+    match control.request(Request::Kallsyms { offset: u64::MAX }, PROBE_TIMEOUT) {
+        Ok(Response::Kallsyms { total, .. }) => Some(total),
+        _ => None,
+    }
+}
+
+impl Drop for TraceOutput {
+    fn drop(&mut self) {
+        // An output dropped unfinished leaves no part file behind.
+        if let Some(dat) = &self.dat {
+            let _ = std::fs::remove_file(&dat.part);
+        }
+    }
+}
+
+fn note_dat(what: &str) {
+    eprintln!("hvtrace: note: trace.dat: {}", term::sanitize(what));
+}
+
+/// The guest's `/proc/kallsyms` text, as the VM's supervisor lists it
+/// ([`Request::Kallsyms`]), page by page.
+pub fn kallsyms(control: &mut dyn Control) -> Result<String> {
+    let mut text = String::new();
+    let mut offset = Some(0u64);
+    while let Some(at) = offset {
+        match control.request(Request::Kallsyms { offset: at }, PROBE_TIMEOUT)? {
+            Response::Kallsyms {
+                text: page,
+                next,
+                total,
+            } => {
+                if next.is_some_and(|n| n <= at) || total > 1 << 30 {
+                    bail!("the listing's pages do not add up");
+                }
+                text.push_str(&page);
+                offset = next;
+            }
+            other => return Err(response_error(other)),
+        }
+    }
+    Ok(text)
 }
 
 /// Where trace lines in `format` go: `path` (created now), or stdout
@@ -302,6 +528,7 @@ pub fn copy_trace(
         if !follow {
             wait = DRAIN_WAIT_MS;
         }
+        out.lost(read.lost);
         if !read.text.is_empty() {
             match out.write(&read.text) {
                 Ok(()) => {}

@@ -87,6 +87,8 @@ pub struct HostSymbols {
     cv: Condvar,
     /// Where the listing is written once the index is rebuilt.
     listing: Option<PathBuf>,
+    /// The listing's text, for the modules' copy it was made with.
+    text: Mutex<Option<(u32, Arc<String>)>>,
 }
 
 impl HostSymbols {
@@ -97,6 +99,7 @@ impl HostSymbols {
             modules: Mutex::new(Modules::default()),
             cv: Condvar::new(),
             listing,
+            text: Mutex::new(None),
         }
     }
 
@@ -342,6 +345,26 @@ impl HostSymbols {
                 }
             }
         }
+    }
+
+    /// The listing's text ([`listing`]) once the index is rebuilt (waiting
+    /// up to `timeout` for it), made once for each copy of the modules'
+    /// index; why not, as [`HostSymbols::wait`] says.
+    pub fn listing_text(&self, timeout: Duration) -> Result<Arc<String>, String> {
+        let (index, _) = self.wait(timeout)?;
+        let (copies, modules) = {
+            let m = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            (m.copies, m.index.clone())
+        };
+        let mut text = self.text.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((made_with, t)) = &*text {
+            if *made_with == copies {
+                return Ok(t.clone());
+            }
+        }
+        let t = Arc::new(listing(&index, modules.as_deref()));
+        *text = Some((copies, t.clone()));
+        Ok(t)
     }
 
     /// A line for the supervisor's log.

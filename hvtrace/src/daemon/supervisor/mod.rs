@@ -438,6 +438,7 @@ impl Backend for Supervisor {
             Request::TraceStart { format } => self.trace_start(format).into(),
             Request::TraceStop => self.trace_stop().into(),
             Request::TraceChannel { channel } => self.trace_channel(channel).into(),
+            Request::Kallsyms { offset } => self.kallsyms(offset).into(),
             other => self.forward(other).into(),
         }
     }

@@ -13,6 +13,12 @@ use tracelang::render::RecordRenderer;
 
 use super::events::HostRender;
 use super::{ended_message, Ending, Supervisor, MAX_TRACE_WAIT};
+
+/// Most bytes of a `Kallsyms` page (a frame holds 4 KiB).
+pub const KALLSYMS_PAGE: usize = 3072;
+
+/// How long a `Kallsyms` request waits for the symbol index to come.
+pub const KALLSYMS_WAIT: Duration = Duration::from_secs(30);
 use crate::daemon::tracebuf::{TraceChunk, READ_BUDGET};
 
 /// How long a stream's start waits for root's symbols to reach the host
@@ -153,6 +159,48 @@ impl Supervisor {
                 Err(e) => symbols.refused(e.to_string()),
             }
             break;
+        }
+    }
+
+    /// `Kallsyms` from a client: a page of the guest's listing from
+    /// `offset`, whole lines of at most [`KALLSYMS_PAGE`] bytes, made from
+    /// the host's copy of root's index (asked for now if the stream has
+    /// not asked yet; it comes only on a path of the stream's own).
+    pub(super) fn kallsyms(&self, offset: u64) -> Response {
+        let Some(symbols) = self.trace.symbols.get() else {
+            return Response::error(ErrorKind::Unsupported, "this VM keeps no symbol index here");
+        };
+        self.export_symbols();
+        let text = match symbols.listing_text(KALLSYMS_WAIT) {
+            Ok(text) => text,
+            Err(why) => {
+                return Response::error(ErrorKind::NotReady, format!("no symbol listing: {why}"))
+            }
+        };
+        let total = text.len() as u64;
+        let start = usize::try_from(offset)
+            .unwrap_or(usize::MAX)
+            .min(text.len());
+        let Some(rest) = text.get(start..) else {
+            return Response::error(ErrorKind::InvalidArgument, "offset inside a character");
+        };
+        let mut end = rest.len().min(KALLSYMS_PAGE);
+        if end < rest.len() {
+            // Whole lines; a line longer than a page is cut where it must be.
+            match rest[..end].rfind('\n') {
+                Some(nl) => end = nl + 1,
+                None => {
+                    while !rest.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                }
+            }
+        }
+        let next = start + end;
+        Response::Kallsyms {
+            text: rest[..end].to_string(),
+            next: (next < text.len()).then_some(next as u64),
+            total,
         }
     }
 

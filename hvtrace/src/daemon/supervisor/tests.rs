@@ -674,6 +674,37 @@ fn the_supervisor_reads_the_vcpus_rings_and_gives_them_back() {
     assert!(!rings[1].is_empty(), "held while the modules' copy comes");
     put_frame(piece(8, &copy[8..]));
     assert!(emptied(&rings[1]), "taken once the copy is whole");
+    // The listing, paged: whole lines, the kernel's then the modules'.
+    let want = crate::daemon::symbols::listing(
+        &idx,
+        hv.sup.trace.symbols.get().unwrap().modules().as_deref(),
+    );
+    assert!(want.contains("\t[m2]\n"), "{want}");
+    let (mut got, mut offset, mut pages) = (String::new(), Some(0u64), 0);
+    while let Some(at) = offset {
+        match hv.sup.serve(Request::Kallsyms { offset: at }).response {
+            Response::Kallsyms { text, next, total } => {
+                assert_eq!(total, want.len() as u64);
+                assert!(text.len() <= super::stream::KALLSYMS_PAGE && text.ends_with('\n'));
+                got.push_str(&text);
+                offset = next;
+                pages += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(got, want);
+    assert!(pages > 1 || want.len() <= super::stream::KALLSYMS_PAGE);
+    assert!(got.contains(&format!(" {}\n", idx.name(func.id))));
+    // Past the end: an empty last page.
+    assert_eq!(
+        hv.sup.serve(Request::Kallsyms { offset: 1 << 40 }).response,
+        Response::Kallsyms {
+            text: String::new(),
+            next: None,
+            total: want.len() as u64
+        }
+    );
     // A channel change gives the rings back: records stay for root
     // (which drains them into the frame ring with `SharedRing`).
     assert!(matches!(

@@ -119,16 +119,22 @@ impl TraceDat {
     /// kprobe_events syntax, as the VM lists them; unparsable ones are
     /// skipped).
     pub fn new<'a>(specs: impl IntoIterator<Item = &'a str>) -> TraceDat {
-        let mut specs_by_name = HashMap::new();
-        for text in specs {
-            if let Ok(spec) = tracelang::kprobe::parse_probe(text) {
-                specs_by_name.insert(format!("{}/{}", spec.group, spec.event), spec);
-            }
-        }
-        TraceDat {
-            specs: specs_by_name,
+        let mut t = TraceDat {
             next_id: FIRST_DYNAMIC_ID,
             ..TraceDat::default()
+        };
+        t.add_specs(specs);
+        t
+    }
+
+    /// Learns more probe definitions (a probe's first event fixes its
+    /// layout: definitions learnt after it change nothing).
+    pub fn add_specs<'a>(&mut self, specs: impl IntoIterator<Item = &'a str>) {
+        for text in specs {
+            if let Ok(spec) = tracelang::kprobe::parse_probe(text) {
+                self.specs
+                    .insert(format!("{}/{}", spec.group, spec.event), spec);
+            }
         }
     }
 
@@ -384,6 +390,30 @@ impl TraceDat {
             s.push_str(&format!("{addr:016x} t {name}\n"));
         }
         s
+    }
+
+    /// Events taken so far on each CPU.
+    pub fn events_per_cpu(&self) -> Vec<u64> {
+        self.cpus
+            .iter()
+            .map(|c| {
+                c.iter()
+                    .filter(|p| matches!(p, Pending::Record(..)))
+                    .count() as u64
+            })
+            .collect()
+    }
+
+    /// Bytes of the events taken so far (their payloads).
+    pub fn payload_bytes(&self) -> u64 {
+        self.cpus
+            .iter()
+            .flatten()
+            .map(|p| match p {
+                Pending::Record(_, payload) => payload.len() as u64 + 4,
+                Pending::Lost => 0,
+            })
+            .sum()
     }
 
     /// Events taken so far.
