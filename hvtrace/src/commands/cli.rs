@@ -269,14 +269,17 @@ pub enum TraceFormatArg {
     Text,
     /// One JSON object per line.
     Json,
+    /// A trace.dat for `trace-cmd report` and KernelShark, written to
+    /// --output when the trace ends.
+    TraceDat,
 }
 
 impl TraceFormatArg {
-    /// The protocol's name for it.
+    /// The protocol's name for it (a trace.dat is made from JSON lines).
     pub fn protocol(self) -> protocol::TraceFormat {
         match self {
             TraceFormatArg::Text => protocol::TraceFormat::Text,
-            TraceFormatArg::Json => protocol::TraceFormat::Json,
+            TraceFormatArg::Json | TraceFormatArg::TraceDat => protocol::TraceFormat::Json,
         }
     }
 }
@@ -320,6 +323,9 @@ pub struct TraceArgs {
     /// Output format.
     #[arg(long, value_enum, value_name = "FORMAT", default_value_t = TraceFormatArg::Text)]
     pub format: TraceFormatArg,
+    /// Write the trace to FILE instead of stdout (a trace.dat needs it).
+    #[arg(long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
     /// Trace every traceable function matching GLOB first, with the
     /// function tracer (repeatable).
     #[arg(long = "function", value_name = "GLOB")]

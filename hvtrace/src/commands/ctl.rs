@@ -23,9 +23,7 @@ use crate::commands::cli::{
     DetailedError, ExecArgs, ProbeAddArgs, ProbeDelArgs, ProbeListArgs, StatusArgs, StopArgs,
     SymsArgs, TraceArgs,
 };
-use crate::commands::trace_read::{
-    copy_trace, stdout_for, CopyEnd, TraceOutput, TraceReader, FOLLOW_WAIT_MS,
-};
+use crate::commands::trace_read::{copy_trace, CopyEnd, TraceOutput, TraceReader, FOLLOW_WAIT_MS};
 use crate::control::{response_error, Control};
 use crate::output::report::{
     added_line, function_summary, probe_line, render_stop, status_json, status_text, symbol_line,
@@ -274,15 +272,34 @@ pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
     // Probe, return-probe and function-tracer lines only: graph sessions
     // are read by `hvtrace graph`.
     let mut reader = TraceReader::new(args.format.protocol()).with_source(Some(0));
-    let mut out = TraceOutput::copy(stdout_for(args.format.protocol()));
-    let end = copy_trace(
+    let mut out = match (args.format, &args.output) {
+        (crate::commands::cli::TraceFormatArg::TraceDat, Some(path)) => {
+            let mut out = TraceOutput::trace_dat(path)?;
+            out.learn(&mut client);
+            out
+        }
+        (crate::commands::cli::TraceFormatArg::TraceDat, None) => {
+            bail!("--format trace-dat writes a file: give it with --output FILE")
+        }
+        (_, path) => TraceOutput::copy(crate::commands::trace_read::sink(
+            path.as_deref(),
+            args.format.protocol(),
+        )?),
+    };
+    let copied = copy_trace(
         &mut client,
         &mut reader,
         args.follow,
         FOLLOW_WAIT_MS,
         &mut out,
         &sys::interrupted,
-    )?;
+    );
+    let vm_alive = !matches!(copied, Ok(CopyEnd::VmEnded(_)));
+    let finished = out.finish(vm_alive.then_some(&mut client as &mut dyn Control));
+    let end = copied?;
+    if let Some(summary) = anyhow::Context::context(finished, "cannot write the trace")? {
+        eprintln!("hvtrace: {}", summary.line());
+    }
     match end {
         CopyEnd::VmEnded(why) => eprintln!("hvtrace: {}", term::sanitize(&why)),
         CopyEnd::Stopped => {
