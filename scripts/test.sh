@@ -50,7 +50,7 @@ else
     #    equal length; the tests that time the emulator against itself (the
     #    boot cost, the control channel's pace) run alone after them. Within
     #    a binary the tests take the VM lock and run one at a time.
-    lane_a=(graph vm_boot debug_build bare_boot malformed_kernel qemu_novmx smp)
+    lane_a=(graph vm_boot debug_build bare_boot malformed_kernel qemu_novmx smp tracedat)
     lane_b=(introspection kprobes hardening oneshot root_panic root_stack_guard smp_debian)
     alone=(control boot_cost)
     # Every VM test binary runs in exactly one lane: a new one must be added.

@@ -447,6 +447,9 @@ pub struct RecordArgs {
     /// End after SECS seconds [default: at Ctrl-C or the VM's end].
     #[arg(long, value_name = "SECS")]
     pub duration: Option<f64>,
+    /// Also write the JSON lines recorded to FILE, as they come.
+    #[arg(long, value_name = "FILE")]
+    pub also_json: Option<PathBuf>,
 }
 
 /// Options of `hvtrace convert`.

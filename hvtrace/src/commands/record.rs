@@ -61,6 +61,9 @@ pub fn record(socket: &Path, args: &RecordArgs) -> Result<u8> {
         )?)
     };
     let mut out = TraceOutput::trace_dat(&args.output)?;
+    if let Some(path) = &args.also_json {
+        out = out.with_json_copy(trace_read::sink(Some(path), TraceFormat::Json)?);
+    }
     let mut client = ctl::open(socket)?;
     let format = TraceFormat::Json;
     // Only what comes from here on.
@@ -69,6 +72,14 @@ pub fn record(socket: &Path, args: &RecordArgs) -> Result<u8> {
     let result = arm(&mut client, args, filter, &mut armed).and_then(|()| {
         trace_read::start_trace(&mut client, format).context("cannot start the trace")?;
         out.learn(&mut client);
+        eprintln!(
+            "hvtrace: recording to {}; {}",
+            term::sanitize(&args.output.display().to_string()),
+            match args.duration {
+                Some(d) => format!("for {d} s (or until Ctrl-C)"),
+                None => "Ctrl-C ends it".to_string(),
+            }
+        );
         copy(&mut client, &mut reader, &mut out, args.duration)
     });
     let vm_alive = !matches!(result, Ok(Ended::VmEnded(_)));

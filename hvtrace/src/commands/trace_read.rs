@@ -277,11 +277,20 @@ impl TraceOutput {
         }
     }
 
+    /// A trace.dat keeps its JSON lines in `out` too, as they come.
+    pub fn with_json_copy(mut self, out: Box<dyn Write + Send>) -> TraceOutput {
+        if self.dat.is_some() {
+            self.out = out;
+        }
+        self
+    }
+
     /// Takes complete lines.
     pub fn write(&mut self, text: &str) -> std::io::Result<()> {
         if let Some(dat) = &mut self.dat {
             dat.builder.push_text(text);
-            return Ok(());
+            self.out.write_all(text.as_bytes())?;
+            return self.out.flush();
         }
         match &mut self.chrome {
             Some(chrome) => {
@@ -321,6 +330,7 @@ impl TraceOutput {
         control: Option<&mut dyn Control>,
     ) -> std::io::Result<Option<OutputSummary>> {
         if let Some(mut dat) = self.dat.take() {
+            self.out.flush()?;
             let earlier = dat.kallsyms.take();
             let kallsyms = match (control, earlier) {
                 (Some(c), Some(earlier)) => match kallsyms_total(c) {
