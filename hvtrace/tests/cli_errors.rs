@@ -481,6 +481,56 @@ const ROWS: &[Row] = &[
         expect: &[Has("possible values: text, json, chrome")],
     },
     Row {
+        name: "trace_dat/run without --output",
+        args: &[
+            "run",
+            "--format",
+            "trace-dat",
+            "--function",
+            "x",
+            "--exec",
+            "true",
+        ],
+        code: 1,
+        expect: &[Is("--format trace-dat writes a file: give it with --output FILE")],
+    },
+    Row {
+        name: "trace_dat/graph without --output",
+        args: &["--socket", MISSING, "graph", "--format", "trace-dat"],
+        code: 1,
+        expect: &[Is("--format trace-dat writes a file: give it with --output FILE")],
+    },
+    Row {
+        name: "trace_dat/trace without --output",
+        args: &["--socket", MISSING, "trace", "--format", "trace-dat"],
+        code: 1,
+        expect: &[Is("--format trace-dat writes a file: give it with --output FILE")],
+    },
+    Row {
+        name: "trace_dat/record for no time",
+        args: &["--socket", MISSING, "record", "--duration", "0"],
+        code: 1,
+        expect: &[Is("--duration needs a number of seconds above 0")],
+    },
+    Row {
+        name: "trace_dat/record graph options without --graph",
+        args: &["--socket", MISSING, "record", "--graph-comm", "dd"],
+        code: 1,
+        expect: &[Is("the graph options need --graph GLOB")],
+    },
+    Row {
+        name: "trace_dat/record into a directory that is not there",
+        args: &["--socket", MISSING, "record", "-o", "/nonexistent-dir/t.dat"],
+        code: 1,
+        expect: &[Starts("cannot write beside /nonexistent-dir/t.dat")],
+    },
+    Row {
+        name: "trace_dat/convert a missing file",
+        args: &["convert", "/nonexistent/lines.jsonl", "-o", "{scratch}/c.dat"],
+        code: 1,
+        expect: &[Starts("cannot read /nonexistent/lines.jsonl")],
+    },
+    Row {
         name: "graph_run_option_errors/no --exec",
         args: &["run", "--graph", "vfs_read"],
         code: 2,
@@ -1500,5 +1550,167 @@ fn a_file_that_is_not_an_initramfs_fails_at_once() {
     assert!(
         msg.contains("not an initramfs (expected a cpio archive, bare or compressed with gzip"),
         "{msg}"
+    );
+}
+
+// ----- trace.dat -----
+
+/// `trace-cmd ARGS` (Debian's, which scripts/setup.sh installs): (success,
+/// stdout, stderr).
+fn trace_cmd(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new("trace-cmd")
+        .args(args)
+        .output()
+        .expect("trace-cmd not found: scripts/setup.sh installs it");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn function_lines(n: usize) -> String {
+    (0..n)
+        .map(|i| {
+            format!(
+                "{{\"ts\":\"5.0\",\"ts_ns\":{},\"cpu\":{},\"pid\":{},\"comm\":\"t{}\",\"kind\":\"function\",\"func\":\"vfs_read\",\"parent\":\"ksys_read+0x6d/0xf0\",\"ip\":\"0xffffffff81200000\",\"parent_ip\":\"0xffffffff8120106d\"}}\n",
+                5_000_000_000u64 + i as u64 * 1000,
+                i % 2,
+                100 + i % 3,
+                i % 3
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_graph_session_writes_a_trace_dat_that_trace_cmd_reads() {
+    let scratch = Scratch::new("graphdat");
+    let path = scratch.0.join("graph.sock");
+    let lines = [
+        r#"{"ts":"5.000000","ts_ns":5000000000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_entry","func":"vfs_read","ip":"0xffffffff81200000","depth":0}"#,
+        r#"{"ts":"5.000001","ts_ns":5000001000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_entry","func":"rw_verify_area","ip":"0xffffffff81201000","depth":1}"#,
+        r#"{"ts":"5.000002","ts_ns":5000001812,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"rw_verify_area","ip":"0xffffffff81201000","depth":1,"duration_ns":812,"retval":"0x0"}"#,
+        r#"{"ts":"5.000015","ts_ns":5000015062,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"vfs_read","ip":"0xffffffff81200000","depth":0,"duration_ns":15062,"retval":"0x40"}"#,
+    ]
+    .map(|l| format!("{l}\n"))
+    .concat();
+    let (server, _seen) = fake_graph_supervisor(
+        &path,
+        vec![Response::Trace {
+            next: GRAPH_CURSOR + 4,
+            text: lines,
+            lost: 2,
+        }],
+    );
+    let file = scratch.0.join("graph.dat");
+    let (code, stdout, stderr) = runs(&[
+        "--socket",
+        path.to_str().unwrap(),
+        "graph",
+        "--function",
+        "vfs_read",
+        "--format",
+        "trace-dat",
+        "--output",
+        file.to_str().unwrap(),
+    ]);
+    server.join().unwrap();
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    // This supervisor lists no probes and no symbols: said once each, and
+    // the file names the functions its lines name.
+    assert!(
+        stderr.contains("hvtrace: note: trace.dat: kallsyms: ")
+            && stderr.contains("the file names only the functions its events name"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("hvtrace: trace.dat: 4 events on 1 CPU, ") && stderr.contains("; 2 lost"),
+        "{stderr}"
+    );
+    let (ok, report, err) = trace_cmd(&["report", file.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let graph: Vec<&str> = report
+        .lines()
+        .filter_map(|l| l.split_once('|'))
+        .map(|(_, r)| r.trim_end())
+        .collect();
+    assert_eq!(
+        graph,
+        ["  vfs_read() {", "    rw_verify_area();", "  }"],
+        "{report}"
+    );
+    assert!(
+        report.contains("0.812 us") && report.contains("15.062 us"),
+        "{report}"
+    );
+    // The loss marks a page on the CPU.
+    assert!(report.contains("EVENTS DROPPED"), "{report}");
+}
+
+#[test]
+fn a_full_disk_leaves_no_half_file() {
+    let scratch = Scratch::new("fulldisk");
+    let input = scratch.0.join("lines.jsonl");
+    std::fs::write(&input, function_lines(20_000)).unwrap();
+    let out = scratch.0.join("t.dat");
+    std::fs::write(&out, b"an earlier file").unwrap();
+    // A file size limit of 64 KiB stands for a full disk: writes past it
+    // fail with EFBIG (the signal it raises is ignored).
+    let output = Command::new("sh")
+        .arg("-c")
+        .arg("trap '' XFSZ; ulimit -f 128; exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_hvtrace"))
+        .args([
+            "convert",
+            input.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with(&format!("hvtrace: error: cannot write {}: ", out.display()))
+            && stderr.contains("too large"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(&out).unwrap(), b"an earlier file");
+    let names: Vec<String> = std::fs::read_dir(&scratch.0)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names.iter().all(|n| n == "lines.jsonl" || n == "t.dat"),
+        "{names:?}"
+    );
+    // With room, the same input converts, and trace-cmd reads it whole.
+    let (code, _, stderr) = runs(&[
+        "convert",
+        input.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--cpus",
+        "2",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.starts_with("hvtrace: trace.dat: 20000 events on 2 CPUs, "),
+        "{stderr}"
+    );
+    let (ok, report, err) = trace_cmd(&["report", "--cpu", "1", out.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let lines: Vec<&str> = report.lines().filter(|l| l.contains("function:")).collect();
+    assert_eq!(lines.len(), 10_000);
+    assert!(lines.iter().all(|l| l.contains("[001]")));
+    assert!(
+        lines[0].contains("t1-101") && lines[0].contains("vfs_read"),
+        "{}",
+        lines[0]
     );
 }

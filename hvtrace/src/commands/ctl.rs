@@ -261,6 +261,9 @@ pub fn clear_functions(control: &mut dyn Control) -> Result<String> {
 /// the VM ends. A Ctrl-C ends the copy at once (exit code 130); what was
 /// read is out already.
 pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
+    if args.format == crate::commands::cli::TraceFormatArg::TraceDat && args.output.is_none() {
+        bail!("--format trace-dat writes a file: give it with --output FILE");
+    }
     let mut client = open(socket)?;
     if args.clear_functions {
         eprintln!("hvtrace: {}", clear_functions(&mut client)?);

@@ -22,7 +22,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use protocol::{GraphFilter, Request, Response, TraceFormat};
 
-use crate::commands::cli::{GraphArgs, GraphFilterArgs};
+use crate::commands::cli::{GraphArgs, GraphFilterArgs, OutputFormatArg};
 use crate::commands::ctl;
 use crate::commands::timeouts::PROBE_TIMEOUT;
 use crate::commands::trace_read::{self, CopyEnd, TraceOutput, TraceReader};
@@ -260,6 +260,9 @@ pub fn stop(control: &mut dyn Control, session: u32) -> Result<()> {
 pub fn graph(socket: &Path, args: &GraphArgs) -> Result<u8> {
     // What can be checked without a VM, first.
     let filter = filter(args)?;
+    if args.format == OutputFormatArg::TraceDat && args.output.is_none() {
+        bail!("--format trace-dat writes a file: give it with --output FILE");
+    }
     let mut client = ctl::open_with(socket, args.persist)?;
     let output = TraceOutput::create(args.output.as_deref(), args.format)?;
     // One Ctrl-C ends one wait: either the read in progress takes it or

@@ -141,8 +141,15 @@ impl TraceDat {
     /// Makes room for `n` CPUs at least (a CPU with no event still gets
     /// its (empty) buffer in the file).
     pub fn cpus_at_least(&mut self, n: usize) {
-        if self.cpus.len() < n {
-            self.cpus.resize_with(n, Vec::new);
+        // A CPU first seen after a loss starts with it: the stream does
+        // not say whose events were lost.
+        let lost = self.summary.lost > 0;
+        while self.cpus.len() < n {
+            self.cpus.push(if lost {
+                vec![Pending::Lost]
+            } else {
+                Vec::new()
+            });
         }
     }
 
@@ -455,6 +462,9 @@ impl TraceDat {
             for (i, mut run) in runs.into_iter().enumerate() {
                 if i > 0 {
                     writer.lost(None);
+                }
+                if run.is_empty() {
+                    continue;
                 }
                 run.sort_by_key(|(ts, _)| *ts);
                 for (ts, payload) in run {
