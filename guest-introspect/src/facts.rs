@@ -266,6 +266,65 @@ pub fn running_task<V: VirtMemory + ?Sized>(
     Ok(RunningTask { task, pid, comm })
 }
 
+/// What the scheduler's events say of a task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TaskSched {
+    /// Its pid.
+    pub pid: i32,
+    /// Its comm, NUL-padded.
+    pub comm: [u8; 16],
+    /// Its `prio`, when the layout has it and it reads.
+    pub prio: Option<i32>,
+    /// Its scheduler state (`__state`, or `state` before 5.14), when the
+    /// layout has it and it reads.
+    pub state: Option<u64>,
+    /// Its `exit_state` (zombie, dead), when the layout has it and it
+    /// reads.
+    pub exit_state: Option<u32>,
+}
+
+/// Reads the task at `task`: pid and comm (which must read), prio and
+/// state (which may not).
+pub fn task_sched<V: VirtMemory + ?Sized>(
+    view: &V,
+    task: Gva,
+    layout: &TaskLayout,
+) -> Result<TaskSched, ViewError> {
+    let pid = i32::from_le_bytes(read_array(view, task.wrapping_add(layout.pid as u64))?);
+    let mut comm = [0u8; 16];
+    let n = core::cmp::min(layout.comm_len as usize, comm.len());
+    // `n` is at most 16: the slice is always there.
+    let out = comm.get_mut(..n).unwrap_or_default();
+    view.read_virt(task.wrapping_add(layout.comm as u64), out)?;
+    let prio = layout.prio.and_then(|off| {
+        read_array(view, task.wrapping_add(u64::from(off)))
+            .ok()
+            .map(i32::from_le_bytes)
+    });
+    let state = layout.state.and_then(|(off, size)| {
+        let at = task.wrapping_add(u64::from(off));
+        if size == 8 {
+            read_array(view, at).ok().map(u64::from_le_bytes)
+        } else {
+            read_array(view, at)
+                .ok()
+                .map(|b| u64::from(u32::from_le_bytes(b)))
+        }
+    });
+    let exit_state = layout.exit_state.and_then(|off| {
+        read_array(view, task.wrapping_add(u64::from(off)))
+            .ok()
+            .map(u32::from_le_bytes)
+    });
+    Ok(TaskSched {
+        pid,
+        comm,
+        prio,
+        state,
+        exit_state,
+    })
+}
+
 /// Everything [`discover`] finds.
 #[derive(Debug)]
 pub struct KernelFacts {

@@ -44,6 +44,10 @@ fn nested_anonymous_members() {
                 comm_len: 16,
                 size: 4096,
                 stack: None,
+                prio: None,
+                // The synthetic task_struct's `__state`, an int at 0.
+                state: Some((0, 4)),
+                exit_state: None,
             }
         );
         // A bitfield member reports its width and has no byte offset.

@@ -162,6 +162,9 @@ const TASK: TaskLayout = TaskLayout {
     comm_len: 16,
     size: 4096,
     stack: None,
+    prio: None,
+    state: Some((0, 4)),
+    exit_state: None,
 };
 
 fn mixed(n: usize) -> Vec<Decoy> {

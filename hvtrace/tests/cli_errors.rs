@@ -1146,6 +1146,15 @@ fn check_chrome(doc: &str) -> Vec<(i64, String, String)> {
         if ph == "M" {
             continue;
         }
+        // Instants (probes, function hits) sit on a thread, unnested.
+        if ph == "i" {
+            assert_eq!(e["s"], "t", "{e}");
+            assert!(
+                e["ts"].as_f64().is_some() && e["tid"].as_i64().is_some(),
+                "{e}"
+            );
+            continue;
+        }
         let tid = e["tid"].as_i64().unwrap();
         let name = e["name"].as_str().unwrap().to_string();
         let stack = open.entry(tid).or_default();
@@ -1294,8 +1303,8 @@ fn graph_writes_a_chrome_trace() {
     assert_eq!(
         stderr,
         "hvtrace: function graph session 2: 12 functions hooked, 1 root, 0 skipped\n\
-         hvtrace: chrome trace: 3 calls in 1 task; 1 return without a traced call dropped; \
-         1 call without a return closed; 1 line of other tracers left out\n"
+         hvtrace: chrome trace: 3 calls in 2 tasks, 1 probe or function hit; \
+         1 return without a traced call dropped; 1 call without a return closed\n"
     );
     server.join().unwrap();
     let doc = std::fs::read_to_string(&file).unwrap();

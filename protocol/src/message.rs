@@ -248,6 +248,14 @@ pub enum Request {
         /// Where this page starts.
         offset: u64,
     },
+    /// Records the scheduler's task switches (`switch`), as the kernel's
+    /// `sched/sched_switch` events, from root's hook on the scheduler's
+    /// switch path (the quiet views' hook, placed for this too): one VM
+    /// exit per switch while on. Answered by [`Response::Ok`].
+    Sched {
+        /// On or off.
+        switch: bool,
+    },
 }
 
 /// A histogram of one fetch argument (bpftrace's `hist()`), kept in root

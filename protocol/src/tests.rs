@@ -202,6 +202,7 @@ fn samples() -> Vec<Body> {
             session: Some(3),
         }),
         Body::Request(Request::Kallsyms { offset: 4000 }),
+        Body::Request(Request::Sched { switch: true }),
         Body::Response(Response::Kallsyms {
             text: "ffffffff81000000 T _stext\nffffffffc0000000 t f\t[ext4]\n".into(),
             next: Some(4057),
@@ -451,6 +452,7 @@ fn variant(body: &Body) -> String {
             Request::Syscalls { .. } => "Request::Syscalls",
             Request::ProbeGate { .. } => "Request::ProbeGate",
             Request::Kallsyms { .. } => "Request::Kallsyms",
+            Request::Sched { .. } => "Request::Sched",
         },
         Body::Response(r) => match r {
             Response::Hello { .. } => "Response::Hello",
@@ -506,8 +508,9 @@ fn variant(body: &Body) -> String {
 /// requests and 3 responses; then the symbol export's request, answer and
 /// event; then the records and their context; then the per-vCPU rings'
 /// answer and doorbell; then the system calls' request and answer; then
-/// the probes' gate; then the kallsyms listing's request and answer.
-const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2 + 2 + 2 + 1 + 2;
+/// the probes' gate; then the kallsyms listing's request and answer; then
+/// the scheduler events' request.
+const VARIANTS: usize = 11 + 6 + 3 + 8 + 4 + 1 + 8 + 3 + 2 + 2 + 2 + 1 + 2 + 1;
 
 #[test]
 fn samples_cover_every_variant() {

@@ -3,7 +3,8 @@
 //!
 //! - `record_matches_our_json_lines`: `hvtrace record` with a probe that
 //!   fetches a string, the function tracer on `vfs_*` and a graph session
-//!   on `vfs_read`, over `dd` on each CPU, ended by SIGINT. The file is
+//!   on `vfs_read` and the scheduler's switches (record's default), over
+//!   `dd` on each CPU, ended by SIGINT. The file is
 //!   whole; `trace-cmd report -R` lists the same events as our own JSON
 //!   lines of the same recording (`--also-json`): the same count, the same
 //!   functions, arguments and strings, the same order per task, graph
@@ -15,6 +16,12 @@
 //! - `report --cpu 1` shows CPU 1's events only, among them the `dd` run
 //!   on CPU 1; `trace-cmd convert` to version 7 succeeds and reports the
 //!   same lines.
+//! - `sched_switch_oracle_and_cost`: with our `sched_switch` events and
+//!   the guest's own on at once, a pipe ping-pong pinned to CPU 0
+//!   (`hvbench switch`) gives the same switches in both, in the same order,
+//!   with the same pids, comms and states; then the cost per switch of ours
+//!   and of the guest's, each alone, against the bare ping-pong, and the
+//!   VM exits ours takes per switch.
 //! - `record_outlives_its_vm`: a recording whose VM is stopped under it
 //!   leaves a whole file with the events so far, and says so.
 //!
@@ -25,7 +32,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use hvtrace_tests::{hvtrace_bin, vm_lock, Checks, Detached};
+use hvtrace_tests::{
+    guest_exec, hv_call, hv_status, hvtrace_bin, vm_lock, Checks, Detached, TRACEFS,
+};
 use serde_json::Value;
 
 const PROBE: &str = "p:myopen do_sys_openat2 dfd=%di:s32 filename=+0(%si):string";
@@ -138,6 +147,33 @@ fn expected_raw(v: &Value) -> Option<(String, Vec<(String, String)>)> {
                 ],
             )
         }
+        "sched_switch" => {
+            let state = match s("prev_state").as_str() {
+                "R" => 0,
+                "S" => 1,
+                "D" => 2,
+                "T" => 4,
+                "t" => 8,
+                "X" => 16,
+                "Z" => 32,
+                "P" => 64,
+                "I" => 128,
+                _ => return None,
+            };
+            let n = |k: &str| v.get(k).map(Value::to_string).unwrap_or_default();
+            (
+                "sched_switch".into(),
+                vec![
+                    ("prev_comm".into(), s("prev_comm")),
+                    ("prev_pid".into(), n("prev_pid")),
+                    ("prev_prio".into(), n("prev_prio")),
+                    ("prev_state".into(), state.to_string()),
+                    ("next_comm".into(), s("next_comm")),
+                    ("next_pid".into(), n("next_pid")),
+                    ("next_prio".into(), n("next_prio")),
+                ],
+            )
+        }
         "graph_entry" => (
             "funcgraph_entry".into(),
             vec![
@@ -166,10 +202,12 @@ enum Drawn {
 }
 
 /// The drawing trace-cmd makes of our graph events: an entry whose next
-/// event on its CPU is its own return is a leaf. Durations in ns.
-fn expected_drawing(per_cpu: &BTreeMap<u64, Vec<Value>>, pid: i64) -> Vec<(u64, Drawn)> {
+/// event (in the report's order: by time, over every CPU) is its own
+/// return is a leaf. Durations in ns.
+fn expected_drawing(all: &[Value], pid: i64) -> Vec<(u64, Drawn)> {
     let mut out = Vec::new();
-    for events in per_cpu.values() {
+    {
+        let events = all;
         let mut i = 0;
         while i < events.len() {
             let v = &events[i];
@@ -256,6 +294,7 @@ fn trace_dat_fast_lane() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut checks = Checks::new();
     record_matches_our_json_lines(&vm, &dir, &mut checks);
+    sched_switch_oracle_and_cost(&vm, &mut checks);
     record_outlives_its_vm(&vm, &dir, &mut checks);
     let _ = std::fs::remove_dir_all(&dir);
     checks.finish();
@@ -427,18 +466,16 @@ fn record_matches_our_json_lines(vm: &Detached, dir: &Path, checks: &mut Checks)
     let (ok, text, _) = trace_cmd(&["report", &dat_path]);
     checks.check(ok, "trace-cmd report");
     let report = parse_report(&text);
-    let mut per_cpu: BTreeMap<u64, Vec<Value>> = BTreeMap::new();
-    for v in &lines {
-        per_cpu
-            .entry(v["cpu"].as_u64().unwrap_or(0))
-            .or_default()
-            .push(v.clone());
-    }
-    for events in per_cpu.values_mut() {
-        events.sort_by_key(|v| v["ts_ns"].as_u64().unwrap_or(0));
-    }
+    // The file's order: each CPU's events by time (stably), merged by time.
+    let mut ordered: Vec<Value> = lines.clone();
+    ordered.sort_by_key(|v| {
+        (
+            v["ts_ns"].as_u64().unwrap_or(0),
+            v["cpu"].as_u64().unwrap_or(0),
+        )
+    });
     for pid in &dds {
-        let want: Vec<Drawn> = expected_drawing(&per_cpu, *pid)
+        let want: Vec<Drawn> = expected_drawing(&ordered, *pid)
             .into_iter()
             .map(|(_, d)| d)
             .collect();
@@ -510,5 +547,164 @@ fn record_outlives_its_vm(vm: &Detached, dir: &Path, checks: &mut Checks) {
             .iter()
             .any(|r| r.event == "function" && r.rest.contains("vfs_read")),
         format!("the file holds the events: {err}"),
+    );
+}
+
+/// `ns_per_switch=X` of `hvbench switch`.
+fn ns_per_switch(out: &str) -> Option<u64> {
+    out.split_whitespace()
+        .find_map(|w| w.strip_prefix("ns_per_switch="))
+        .and_then(|v| v.parse().ok())
+}
+
+/// One switch: (prev pid, prev comm, prev state, next pid, next comm).
+type Switch = (i64, String, String, i64, String);
+
+/// The guest's own sched_switch lines, as tracefs prints them.
+fn guest_switches(trace: &str) -> Vec<Switch> {
+    trace
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split_once("sched_switch: ")?.1;
+            let f: BTreeMap<&str, &str> = rest
+                .split_whitespace()
+                .filter_map(|kv| kv.split_once('='))
+                .collect();
+            Some((
+                f.get("prev_pid")?.parse().ok()?,
+                f.get("prev_comm")?.to_string(),
+                f.get("prev_state")?.trim_end_matches('+').to_string(),
+                f.get("next_pid")?.parse().ok()?,
+                f.get("next_comm")?.to_string(),
+            ))
+        })
+        .collect()
+}
+
+/// The VMCALL exits of every vCPU so far.
+fn vmcalls(c: &mut hvtrace::client::Client) -> u64 {
+    hv_status(c).per_vcpu.iter().map(|v| v.vmcalls).sum()
+}
+
+fn sched_switch_oracle_and_cost(vm: &Detached, checks: &mut Checks) {
+    let mut c = vm.client();
+    let json = protocol::TraceFormat::Json;
+    // The stream's end, and the stream on in JSON.
+    let cursor = match hv_call(
+        &mut c,
+        protocol::Request::TraceRead {
+            cursor: u64::MAX,
+            format: json,
+            wait_ms: 0,
+            source: Some(0),
+        },
+    ) {
+        protocol::Response::Trace { next, .. } => next,
+        other => panic!("{other:?}"),
+    };
+    // Both tracers at once over a short ping-pong on CPU 0.
+    let on = hv_call(&mut c, protocol::Request::Sched { switch: true });
+    checks.eq("sched on", on, protocol::Response::Ok);
+    let out = guest_exec(
+        &mut c,
+        &format!(
+            "cd {TRACEFS} && echo > trace && echo 1 > events/sched/sched_switch/enable && \
+             taskset 1 hvbench switch 200; echo 0 > events/sched/sched_switch/enable"
+        ),
+    );
+    let off = hv_call(&mut c, protocol::Request::Sched { switch: false });
+    checks.eq("sched off", off, protocol::Response::Ok);
+    checks.check(
+        ns_per_switch(&out).is_some(),
+        format!("ping-pong ran: {out}"),
+    );
+    let theirs = guest_switches(&guest_exec(&mut c, &format!("cat {TRACEFS}/trace")));
+    let mut stream = hvtrace_tests::Stream::of(0, json, cursor);
+    let lines = stream.read(&mut c);
+    let ours: Vec<Switch> = lines
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "sched_switch")
+        .map(|v| {
+            (
+                v["prev_pid"].as_i64().unwrap_or(-1),
+                v["prev_comm"].as_str().unwrap_or("").to_string(),
+                v["prev_state"].as_str().unwrap_or("").to_string(),
+                v["next_pid"].as_i64().unwrap_or(-1),
+                v["next_comm"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    // The switches between the two hvbench processes, as each tracer saw
+    // them.
+    let between = |list: &[Switch]| -> Vec<Switch> {
+        list.iter()
+            .filter(|s| s.1 == "hvbench" && s.4 == "hvbench")
+            .cloned()
+            .collect()
+    };
+    let (ours_hv, theirs_hv) = (between(&ours), between(&theirs));
+    println!(
+        "sched_switch: ours {} ({} between the ping-pong's tasks), the guest's {} ({})",
+        ours.len(),
+        ours_hv.len(),
+        theirs.len(),
+        theirs_hv.len()
+    );
+    checks.check(
+        theirs_hv.len() >= 300,
+        format!("the guest saw the ping-pong: {} switches", theirs_hv.len()),
+    );
+    let first_difference = ours_hv
+        .iter()
+        .zip(&theirs_hv)
+        .position(|(a, b)| a != b)
+        .or((ours_hv.len() != theirs_hv.len()).then_some(ours_hv.len().min(theirs_hv.len())));
+    checks.check(
+        first_difference.is_none(),
+        format!(
+            "the ping-pong's switches: ours ({}) = the guest's ({}); first difference at {:?}: ours {:?}, the guest's {:?}",
+            ours_hv.len(),
+            theirs_hv.len(),
+            first_difference,
+            first_difference.map(|i| &ours_hv[i.saturating_sub(2)..(i + 3).min(ours_hv.len())]),
+            first_difference.map(|i| &theirs_hv[i.saturating_sub(2)..(i + 3).min(theirs_hv.len())]),
+        ),
+    );
+    checks.eq("no loss", stream.lost, 0);
+
+    // The cost per switch: bare, ours alone, the guest's alone.
+    const N: u32 = 2000;
+    let run = |c: &mut hvtrace::client::Client, prefix: &str| {
+        let out = guest_exec(c, &format!("{prefix}taskset 1 hvbench switch {N}"));
+        ns_per_switch(&out).unwrap_or(0)
+    };
+    let bare = run(&mut c, "");
+    hv_call(&mut c, protocol::Request::Sched { switch: true });
+    let before = vmcalls(&mut c);
+    let with_ours = run(&mut c, "");
+    let exits = vmcalls(&mut c) - before;
+    hv_call(&mut c, protocol::Request::Sched { switch: false });
+    let _ = stream.read(&mut c);
+    let with_guests = run(
+        &mut c,
+        &format!("cd {TRACEFS} && echo 1 > events/sched/sched_switch/enable && "),
+    );
+    guest_exec(
+        &mut c,
+        &format!("echo 0 > {TRACEFS}/events/sched/sched_switch/enable && echo > {TRACEFS}/trace"),
+    );
+    let switches = 2 * u64::from(N);
+    println!(
+        "sched_switch cost per switch: bare {bare} ns; ours {with_ours} ns (+{}), {:.2} exits per switch; the guest's {with_guests} ns (+{})",
+        with_ours.saturating_sub(bare),
+        exits as f64 / switches as f64,
+        with_guests.saturating_sub(bare)
+    );
+    checks.check(bare > 0 && with_ours > bare, "our events cost something");
+    // One exit per switch, and a few for the commands around it.
+    checks.check(
+        exits >= switches && exits < switches + switches / 10,
+        format!("{exits} exits for {switches} switches"),
     );
 }

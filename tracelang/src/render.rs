@@ -30,6 +30,9 @@ use protocol::{Event, RenderContext, TraceFormat};
 
 /// The probe id of function-tracer events (probes count from 1).
 pub const FUNCTION_ID: u32 = 0;
+/// The probe id of scheduler switch events ([`kprobe::SwitchValues`]):
+/// outside the probes' ids and the graph events' (`0xffff_feXX` and up).
+pub const SCHED_SWITCH_ID: u32 = 0xffff_fd01;
 /// Text per `TraceText` event, so that a frame stays under `MAX_FRAME`.
 pub const TRACE_TEXT_BUDGET: usize = 2800;
 /// How long (hypervisor time) a graph entry is held back for a leaf line
@@ -381,6 +384,13 @@ pub fn write_plain(
         match format {
             TraceFormat::Json => kprobe::write_function_json(out, ev, syms),
             _ => kprobe::write_function_text(out, ev, syms),
+        }
+        return;
+    }
+    if ev.header.probe_id == SCHED_SWITCH_ID {
+        match format {
+            TraceFormat::Json => kprobe::write_switch_json(out, ev),
+            _ => kprobe::write_switch_text(out, ev),
         }
         return;
     }

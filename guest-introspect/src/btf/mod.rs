@@ -988,6 +988,14 @@ pub struct TaskLayout {
     /// Byte offset of `stack` (the kernel stack's base, a pointer), when the
     /// type has it.
     pub stack: Option<u32>,
+    /// Byte offset of `prio` (a 4-byte int), when the type has it.
+    pub prio: Option<u32>,
+    /// Byte offset and size (4 or 8) of the scheduler state: `__state`
+    /// (5.14 on, an unsigned int) or `state` (a long before), when the
+    /// type has one.
+    pub state: Option<(u32, u32)>,
+    /// Byte offset of `exit_state` (a 4-byte int), when the type has it.
+    pub exit_state: Option<u32>,
 }
 
 /// `task_struct.pid` and `task_struct.comm`, checked: `pid` must be a 4-byte
@@ -1023,13 +1031,44 @@ pub async fn task_layout_paced<V: VirtMemory + ?Sized>(
         },
         Err(_) => None,
     };
+    // Optional too: integers of the sizes the kernel has used.
+    let prio = int_member(btf, &task, "prio", &[4], pace)
+        .await
+        .map(|(off, _)| off);
+    let state = match int_member(btf, &task, "__state", &[4], pace).await {
+        Some(s) => Some(s),
+        None => int_member(btf, &task, "state", &[8], pace).await,
+    };
+    let exit_state = int_member(btf, &task, "exit_state", &[4], pace)
+        .await
+        .map(|(off, _)| off);
     Ok(TaskLayout {
         pid: pid.byte_offset().ok_or(BtfError::UnexpectedType("pid"))?,
         comm: comm.byte_offset().ok_or(BtfError::UnexpectedType("comm"))?,
         comm_len,
         size: task.size_or_type,
         stack,
+        prio,
+        state,
+        exit_state,
     })
+}
+
+/// The offset and size of `ty`'s member `name` when it is an integer of
+/// one of `sizes` bytes.
+async fn int_member<V: VirtMemory + ?Sized>(
+    btf: &Btf<'_, V>,
+    ty: &TypeInfo,
+    name: &'static str,
+    sizes: &[u32],
+    pace: &Budget,
+) -> Option<(u32, u32)> {
+    let m = btf.member_paced(ty, name, pace).await.ok()?;
+    let t = btf.resolve_paced(m.type_id, pace).await.ok()?;
+    if t.kind != Kind::Int || !sizes.contains(&t.size_or_type) {
+        return None;
+    }
+    Some((m.byte_offset()?, t.size_or_type))
 }
 
 /// Byte offset of `current_task` in `struct pcpu_hot` (6.2 to 6.14), which

@@ -66,6 +66,15 @@ fn debian_btf_task_layout() {
     let stack = layout.stack.unwrap();
     assert!(stack >= 16 && stack < layout.pid, "{layout:?}");
     assert!(stack.is_multiple_of(8));
+    // `unsigned int __state` right after thread_info, before stack; the
+    // priorities between stack and pid.
+    assert_eq!(layout.state, Some((stack - 8, 4)), "{layout:?}");
+    let prio = layout.prio.unwrap();
+    assert!(layout.exit_state.unwrap() > prio, "{layout:?}");
+    assert!(
+        prio > stack && prio < layout.pid && prio.is_multiple_of(4),
+        "{layout:?}"
+    );
     // 6.1 has no pcpu_hot.
     assert_eq!(
         btf::pcpu_hot_current_task(&b),
@@ -112,6 +121,12 @@ fn discover_fast_lane_with_btf() {
         "implausible task layout {task:?}"
     );
     assert_eq!(task.comm_len, 16);
+    let (state, size) = task.state.unwrap();
+    assert_eq!(size, 4, "6.12's __state is an unsigned int");
+    assert!(
+        task.prio.unwrap() > state && task.prio.unwrap() < task.pid,
+        "{task:?}"
+    );
     assert_eq!(
         f.current,
         Ok(CurrentTask {
@@ -169,6 +184,9 @@ fn running_task_from_gs_base() {
         comm_len: 16,
         size: 9792,
         stack: Some(32),
+        prio: None,
+        state: None,
+        exit_state: None,
     };
     let cur = CurrentTask {
         percpu_offset: 0x1fb80,

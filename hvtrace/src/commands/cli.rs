@@ -334,6 +334,13 @@ pub struct TraceArgs {
     /// `nop` to ftrace's current_tracer), before any --function.
     #[arg(long)]
     pub clear_functions: bool,
+    /// Record the scheduler's task switches (sched_switch events) from
+    /// now on, until `trace --no-sched`; one VM exit per switch.
+    #[arg(long, conflicts_with = "no_sched")]
+    pub sched: bool,
+    /// Stop recording the scheduler's task switches first.
+    #[arg(long)]
+    pub no_sched: bool,
 }
 
 /// The function-graph filter's options: one definition, flattened into
@@ -450,6 +457,10 @@ pub struct RecordArgs {
     /// Also write the JSON lines recorded to FILE, as they come.
     #[arg(long, value_name = "FILE")]
     pub also_json: Option<PathBuf>,
+    /// Leave out the scheduler's task switches (recorded by default, as
+    /// sched_switch events: one VM exit per switch).
+    #[arg(long)]
+    pub no_sched: bool,
 }
 
 /// Options of `hvtrace convert`.
@@ -501,9 +512,9 @@ pub struct SuperviseArgs {
 
 /// Options of `hvtrace run`.
 #[derive(Clone, Debug, Args)]
-#[command(group(ArgGroup::new("tracing").args(["probes", "functions", "graphs", "syscalls"]).multiple(true).requires("exec")))]
+#[command(group(ArgGroup::new("tracing").args(["probes", "functions", "graphs", "syscalls", "sched"]).multiple(true).requires("exec")))]
 #[command(group(ArgGroup::new("aggregate").args(["counts", "hist", "syscalls"]).multiple(true)))]
-#[command(group(ArgGroup::new("formatted").args(["probes", "functions", "graphs", "counts", "hist", "syscalls"]).multiple(true)))]
+#[command(group(ArgGroup::new("formatted").args(["probes", "functions", "graphs", "counts", "hist", "syscalls", "sched"]).multiple(true)))]
 #[command(group(ArgGroup::new("graph_filter").args(["trace", "notrace", "graph_notrace", "max_depth", "stack_frames", "comm", "retval"]).multiple(true).requires("graphs")))]
 pub struct RunArgs {
     /// Built-in guest kernel (built or downloaded on first use).
@@ -608,6 +619,11 @@ pub struct RunArgs {
     #[arg(long = "function", value_name = "GLOB", conflicts_with = "bare")]
     pub functions: Vec<String>,
 
+    /// Record the scheduler's task switches as sched_switch events while
+    /// the --exec commands run (one VM exit per switch).
+    #[arg(long, conflicts_with = "bare")]
+    pub sched: bool,
+
     /// Trace the call trees of the functions matching GLOB with the
     /// function-graph tracer while the --exec commands run (repeatable).
     #[arg(
@@ -687,7 +703,10 @@ impl RunArgs {
     /// True when the run traces its commands (`--probe`, `--function`,
     /// `--graph`).
     pub fn traces(&self) -> bool {
-        !self.probes.is_empty() || !self.functions.is_empty() || !self.graphs.is_empty()
+        !self.probes.is_empty()
+            || !self.functions.is_empty()
+            || !self.graphs.is_empty()
+            || self.sched
     }
 
     /// Turns the options into a configuration: checks the given files first,

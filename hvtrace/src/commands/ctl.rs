@@ -246,6 +246,19 @@ pub fn add_functions(control: &mut dyn Control, glob: &str) -> Result<String> {
     }
 }
 
+/// Turns the scheduler's switch events on or off; returns the one-line
+/// summary.
+pub fn sched_events(control: &mut dyn Control, on: bool) -> Result<String> {
+    match control.request(Request::Sched { switch: on }, PROBE_TIMEOUT)? {
+        Response::Ok => Ok(if on {
+            "scheduler switches recorded".to_string()
+        } else {
+            "scheduler switches no longer recorded".to_string()
+        }),
+        other => Err(response_error(other)),
+    }
+}
+
 /// Takes the function tracer off every function it is on; returns the
 /// one-line summary.
 pub fn clear_functions(control: &mut dyn Control) -> Result<String> {
@@ -271,6 +284,9 @@ pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
     for glob in &args.functions {
         let summary = add_functions(&mut client, glob)?;
         eprintln!("hvtrace: {summary}");
+    }
+    if args.sched || args.no_sched {
+        eprintln!("hvtrace: {}", sched_events(&mut client, args.sched)?);
     }
     // Probe, return-probe and function-tracer lines only: graph sessions
     // are read by `hvtrace graph`.

@@ -82,7 +82,7 @@ pub fn record(socket: &Path, args: &RecordArgs) -> Result<u8> {
         );
         copy(&mut client, &mut reader, &mut out, args.duration)
     });
-    let vm_alive = !matches!(result, Ok(Ended::VmEnded(_)));
+    let vm_alive = !matches!(result, Ok(Ended::Vm(_)));
     if vm_alive {
         armed.disarm(&mut client);
     }
@@ -99,7 +99,7 @@ pub fn record(socket: &Path, args: &RecordArgs) -> Result<u8> {
     }
     Ok(match end {
         // The file is whole: the end of the VM ends the recording.
-        Ended::VmEnded(why) => {
+        Ended::Vm(why) => {
             eprintln!(
                 "hvtrace: note: {} during the recording; the file holds the events recorded until then",
                 term::sanitize(&why)
@@ -117,6 +117,7 @@ struct Armed {
     probes: Vec<String>,
     functions: bool,
     session: Option<u32>,
+    sched: bool,
 }
 
 impl Armed {
@@ -131,6 +132,9 @@ impl Armed {
         }
         if std::mem::take(&mut self.functions) {
             let _ = ctl::clear_functions(control);
+        }
+        if std::mem::take(&mut self.sched) {
+            let _ = ctl::sched_events(control, false);
         }
     }
 }
@@ -161,6 +165,10 @@ fn arm(
         eprintln!("hvtrace: {}", started.line());
         armed.session = Some(started.session);
     }
+    if !args.no_sched {
+        eprintln!("hvtrace: {}", ctl::sched_events(control, true)?);
+        armed.sched = true;
+    }
     Ok(())
 }
 
@@ -169,7 +177,7 @@ fn arm(
 enum Ended {
     Duration,
     Interrupted,
-    VmEnded(String),
+    Vm(String),
 }
 
 /// Reads until Ctrl-C, `duration` or the VM's end, with a progress line
@@ -193,7 +201,7 @@ fn copy(
         }
         let read = match reader.read(control, READ_WAIT_MS) {
             Ok(Ok(read)) => read,
-            Ok(Err(TraceEnd::VmEnded(why))) => return Ok(Ended::VmEnded(why)),
+            Ok(Err(TraceEnd::VmEnded(why))) => return Ok(Ended::Vm(why)),
             Err(e) if sys::is_interrupted(&e) => return Ok(Ended::Interrupted),
             Err(e) => return Err(e),
         };

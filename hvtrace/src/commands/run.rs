@@ -8,9 +8,9 @@
 //! control channel, starts the trace stream and runs the commands (their
 //! output goes to stderr), while a second thread copies the trace to stdout
 //! or `--output` (or collects it, for a Chrome trace written at the end).
-//! The trace is one stream: the probe and function-tracer lines and the
-//! graph session's, as they came; a Chrome trace reads the graph session's
-//! lines only ([`trace_source`]). The run ends when no trace line came for
+//! The trace is one stream: the probe and function-tracer lines, the
+//! scheduler's switches and the graph session's, as they came, in every
+//! format ([`trace_source`]). The run ends when no trace line came for
 //! [`TRACE_QUIET`] after the last command (at most [`TRACE_DRAIN_LIMIT`]
 //! after it); then the graph session is stopped and the hypervisor stops
 //! the guest.
@@ -149,18 +149,14 @@ struct Traced {
 }
 
 /// The source of the trace lines a traced run writes
-/// ([`protocol::Event::TraceText`]), given its graph session and output
-/// format: without a graph, the probes' and the function tracer's (0);
-/// with one, every source (the run's own VM has no source but 0 and its
-/// session), except for a Chrome trace, which is made of the session's
-/// calls alone.
-pub fn trace_source(session: Option<u32>, format: OutputFormatArg) -> Option<u32> {
-    match (session, format) {
-        (None, _) => Some(0),
-        (Some(session), OutputFormatArg::Chrome) => Some(session),
-        (Some(_), OutputFormatArg::Text | OutputFormatArg::Json | OutputFormatArg::TraceDat) => {
-            None
-        }
+/// ([`protocol::Event::TraceText`]), given its graph session: without a
+/// graph, the probes' and the function tracer's (0); with one, every
+/// source (the run's own VM has no source but 0 and its session). Every
+/// format keeps every line.
+pub fn trace_source(session: Option<u32>) -> Option<u32> {
+    match session {
+        None => Some(0),
+        Some(_) => None,
     }
 }
 
@@ -340,6 +336,9 @@ fn trace_commands(
             .with_context(|| format!("--function {glob:?}"))?;
         eprintln!("hvtrace: {summary}");
     }
+    if args.sched {
+        eprintln!("hvtrace: {}", ctl::sched_events(&mut control, true)?);
+    }
     let mut session = None;
     if let Some(filter) = graph {
         let started = graph::start(&mut control, filter).context("--graph")?;
@@ -348,8 +347,8 @@ fn trace_commands(
     }
     trace_read::start_trace(&mut control, format).context("cannot start the trace")?;
     out.learn(&mut control);
-    let reader = TraceReader::new(format).with_source(trace_source(session, output_format));
-    trace_while_running(vm, &args.exec, control, reader, out, session)
+    let reader = TraceReader::new(format).with_source(trace_source(session));
+    trace_while_running(vm, &args.exec, control, reader, out, session, args.sched)
 }
 
 /// Copies the trace from `reader` to `out` while the commands run, and
@@ -361,6 +360,7 @@ fn trace_while_running(
     reader: TraceReader,
     out: &mut TraceOutput,
     session: Option<u32>,
+    sched: bool,
 ) -> Result<Traced> {
     let done = OnceLock::new();
     let abort = AtomicBool::new(false);
@@ -376,6 +376,13 @@ fn trace_while_running(
         // An error or a Ctrl-C: the trace goes no further either.
         if !matches!(commands, Ok((_, false))) {
             abort.store(true, Ordering::Relaxed);
+        }
+        // The scheduler switches on an idle guest go on for ever: they end
+        // with the commands, so that the trace can go quiet.
+        if sched {
+            if let Err(e) = ctl::sched_events(&mut vm.control(), false) {
+                eprintln!("hvtrace: note: {}", term::sanitize(&format!("{e:#}")));
+            }
         }
         let _ = done.set(Instant::now());
         let collected = collector
@@ -441,7 +448,7 @@ fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
     let format = protocol::TraceFormat::Json;
     trace_read::start_trace(&mut control, format).context("cannot start the trace")?;
     let reader = TraceReader::new(format).with_source(Some(0));
-    let traced = trace_while_running(&vm, &args.exec, control, reader, &mut out, None);
+    let traced = trace_while_running(&vm, &args.exec, control, reader, &mut out, None, false);
     out.finish(None).context("cannot write the trace")?;
     let traced = traced?;
     let calls: u64 = pairer
@@ -698,16 +705,12 @@ mod tests {
 
     #[test]
     fn the_source_a_run_reads() {
-        use OutputFormatArg::{Chrome, Json, Text};
         // Probes and the function tracer only.
-        assert_eq!(trace_source(None, Text), Some(0));
-        assert_eq!(trace_source(None, Json), Some(0));
-        // With a graph: one stream, probes and graph as they came.
-        assert_eq!(trace_source(Some(2), Text), None);
-        assert_eq!(trace_source(Some(2), Json), None);
-        // A Chrome trace: the graph session's lines alone.
-        assert_eq!(trace_source(Some(2), Chrome), Some(2));
-        assert_eq!(trace_source(Some(15), Chrome), Some(15));
+        assert_eq!(trace_source(None), Some(0));
+        // With a graph: one stream, probes and graph as they came (a
+        // Chrome trace and a trace.dat keep every event too).
+        assert_eq!(trace_source(Some(2)), None);
+        assert_eq!(trace_source(Some(15)), None);
     }
 
     /// Answers every trace read with one line and asks the collector to
@@ -746,8 +749,7 @@ mod tests {
         };
         let buf = crate::commands::trace_read::SharedBuf::default();
         let mut out = TraceOutput::copy(Box::new(buf.clone()));
-        let reader = TraceReader::new(protocol::TraceFormat::Json)
-            .with_source(trace_source(Some(3), OutputFormatArg::Chrome));
+        let reader = TraceReader::new(protocol::TraceFormat::Json).with_source(Some(3));
         let done = OnceLock::new();
         let reader = collect(&mut control, reader, &mut out, &done, &abort).unwrap();
         assert_eq!(buf.text(), "line 1\nline 2\n");

@@ -1,21 +1,32 @@
-//! Function-graph JSON lines to a Chrome trace: the Trace Event Format's
-//! JSON object form (`{"traceEvents":[...],"displayTimeUnit":"ns"}`), which
-//! Perfetto and chrome://tracing load.
+//! The trace stream's JSON lines to a Chrome trace: the Trace Event
+//! Format's JSON object form (`{"traceEvents":[...],"displayTimeUnit":"ns"}`),
+//! which Perfetto and chrome://tracing load. Every event of the stream is
+//! kept:
 //!
-//! The input is the hypervisor's JSON trace stream, one object per line.
-//! Only `graph_entry` and `graph_return` objects are used:
+//! - function-graph calls become nested slices: each `graph_entry` a `B`
+//!   (begin) event and each `graph_return` an `E` (end) event, with the
+//!   return value and duration as the `E`'s args;
+//! - probes (`kprobe`, `kretprobe`) and function-tracer hits (`function`)
+//!   become thread-scoped instant events (`ph` `i`), with their arguments,
+//!   location and parent as args;
+//! - task switches (`sched_switch`) become a track per CPU in a process
+//!   named `CPUs` (a complete `X` slice per task run, named after the task)
+//!   and, for each task, a state track beside its calls (`Running`, or the
+//!   state it was switched out in: `S`, `D`, `R` ...) from one switch to
+//!   the next;
+//! - counts and histograms sampled over time ([`Chrome::counter`]) become
+//!   counter tracks (`ph` `C`) in a process named `counts`.
+//!
+//! `ts` is in microseconds (`ts_ns / 1000`, so nanoseconds are the
+//! decimals). Each task is a process and a thread of its own (`pid` = `tid`
+//! = the task's pid, the stream having no thread group), named with `M`
+//! (`process_name`, `thread_name`) events after its comm (the last one
+//! seen, so a task that `exec`s is named after what it became).
 //!
 //! ```text
 //! {"ts":"5.000000","ts_ns":5000000000,"cpu":0,"pid":90,"comm":"dd","kind":"graph_entry","func":"vfs_read","depth":0}
 //! {"ts":"5.000002","ts_ns":5000001500,"cpu":0,"pid":90,"comm":"dd","kind":"graph_return","func":"vfs_read","depth":0,"duration_ns":1500,"retval":"0x10"}
 //! ```
-//!
-//! Each entry becomes a `B` (begin) event and each return an `E` (end)
-//! event, with `ts` in microseconds (`ts_ns / 1000`, so nanoseconds are the
-//! decimals) and `pid` = `tid` = the task's pid; one `M` (`thread_name`)
-//! event per task names it with its comm (the last one seen, so a task that
-//! `exec`s is named after what it became). Lines of other kinds (kprobe and
-//! function tracer events) are counted and left out.
 //!
 //! A viewer needs the `B` and `E` events of each thread to nest, which the
 //! stream does not promise: it may start inside a call, lose events, or
@@ -36,28 +47,55 @@
 //! - timestamps never go backwards within a task (an earlier one is raised
 //!   to the task's last).
 //!
-//! Linux runs one idle task per CPU, all with pid 0; their events are kept
-//! apart as threads of process 0 whose tid is the CPU number.
+//! The CPU and state tracks are made of complete slices, which never
+//! overlap on their track. Linux runs one idle task per CPU, all with pid
+//! 0; their events are kept apart as threads of process 0 whose tid is the
+//! CPU number.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Write};
 
 use crate::output::json::{self, Json};
 
-/// The category of every event written.
+/// The category of the graph's slices.
 const CATEGORY: &str = "graph";
 
-/// Which graph event a line is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The process of the CPU tracks (no task has this pid: the kernel's
+/// largest is 2^22).
+const CPUS_PID: i64 = 0x7fff_fff0;
+
+/// The process of the counter tracks.
+const COUNTS_PID: i64 = 0x7fff_fff1;
+
+/// Added to a task's tid for its state track.
+const STATE_TID: i64 = 1 << 32;
+
+/// Which event a line is.
+#[derive(Clone, Debug, PartialEq)]
 enum Kind {
     Entry,
     Return,
+    /// A probe or function-tracer hit: its category and args.
+    Instant(&'static str, Json),
+    /// A task switch on a CPU.
+    Switch(Switched),
 }
 
-/// One graph event, its strings interned.
+/// A task switch: the tasks and the state the outgoing one left in.
+#[derive(Clone, Debug, PartialEq)]
+struct Switched {
+    prev: TaskKey,
+    prev_comm: usize,
+    prev_state: String,
+    next: TaskKey,
+    next_comm: usize,
+}
+
+/// One event, its strings interned.
 #[derive(Clone, Debug)]
 struct GraphEvent {
     ts_ns: u64,
+    cpu: u64,
     task: TaskKey,
     comm: usize,
     kind: Kind,
@@ -97,15 +135,21 @@ impl TaskKey {
 pub struct ChromeSummary {
     /// Calls written (`B` events).
     pub calls: u64,
-    /// Tasks with at least one call.
+    /// Tasks with at least one event.
     pub tasks: u64,
+    /// Probe and function-tracer hits written (instant events).
+    pub instants: u64,
+    /// Task switches.
+    pub switches: u64,
+    /// Counter samples.
+    pub counters: u64,
     /// Returns dropped because no open call matched them.
     pub unmatched_returns: u64,
     /// Open calls closed early, when a call they were inside returned.
     pub closed_early: u64,
     /// Calls still open at the end, closed there.
     pub closed_at_end: u64,
-    /// JSON lines of other kinds (kprobe, function), left out.
+    /// JSON lines of kinds with no event here, left out.
     pub other_lines: u64,
     /// Lines that are not JSON objects, or graph events without the
     /// fields needed.
@@ -127,6 +171,21 @@ impl ChromeSummary {
             plural(self.calls, "call"),
             plural(self.tasks, "task")
         );
+        if self.instants > 0 {
+            line.push_str(&format!(
+                ", {}",
+                plural(self.instants, "probe or function hit")
+            ));
+        }
+        if self.switches > 0 {
+            line.push_str(
+                &format!(", {}", plural(self.switches, "task switch"))
+                    .replace("switchs", "switches"),
+            );
+        }
+        if self.counters > 0 {
+            line.push_str(&format!(", {}", plural(self.counters, "counter sample")));
+        }
         let mut notes = Vec::new();
         if self.unmatched_returns > 0 {
             notes.push(format!(
@@ -143,7 +202,7 @@ impl ChromeSummary {
         }
         if self.other_lines > 0 {
             notes.push(format!(
-                "{} of other tracers left out",
+                "{} of other kinds left out",
                 plural(self.other_lines, "line")
             ));
         }
@@ -164,6 +223,8 @@ impl ChromeSummary {
 #[derive(Debug, Default)]
 pub struct Chrome {
     events: Vec<GraphEvent>,
+    /// Counter samples: time, track name, value.
+    counters: Vec<(u64, String, Json)>,
     strings: Vec<String>,
     ids: HashMap<String, usize>,
     other_lines: u64,
@@ -215,6 +276,11 @@ impl Chrome {
         self.partial.push_str(last);
     }
 
+    /// A counter sample: track `name` had `value` at `ts_ns`.
+    pub fn counter(&mut self, ts_ns: u64, name: &str, value: Json) {
+        self.counters.push((ts_ns, name.to_string(), value));
+    }
+
     /// Takes one line (without its newline). Blank lines are skipped.
     pub fn push_line(&mut self, line: &str) {
         let line = line.trim();
@@ -229,9 +295,48 @@ impl Chrome {
             self.malformed += 1;
             return;
         }
-        let kind = match value.get("kind").and_then(Json::as_str) {
-            Some("graph_entry") => Kind::Entry,
-            Some("graph_return") => Kind::Return,
+        let str_of = |k: &str| value.get(k).and_then(Json::as_str);
+        let (kind, name) = match str_of("kind") {
+            Some("graph_entry") => (Kind::Entry, str_of("func")),
+            Some("graph_return") => (Kind::Return, str_of("func")),
+            Some("function") => {
+                let args = json::object([
+                    ("parent", value.get("parent").cloned().unwrap_or(Json::Null)),
+                    ("ip", value.get("ip").cloned().unwrap_or(Json::Null)),
+                ]);
+                (Kind::Instant("function", args), str_of("func"))
+            }
+            Some(k @ ("kprobe" | "kretprobe")) => {
+                let mut args = match value.get("args") {
+                    Some(Json::Object(m)) => m.clone(),
+                    _ => serde_json::Map::new(),
+                };
+                for key in ["probe", "ip", "ret_ip"] {
+                    if let Some(v) = value.get(key) {
+                        args.insert(key.to_string(), v.clone());
+                    }
+                }
+                let cat = if k == "kprobe" { "kprobe" } else { "kretprobe" };
+                (Kind::Instant(cat, Json::Object(args)), str_of("event"))
+            }
+            Some("sched_switch") => {
+                let cpu = value.get("cpu").and_then(Json::as_u64).unwrap_or(0);
+                let pid_of = |k: &str| value.get(k).and_then(Json::as_i64);
+                let (Some(prev), Some(next)) = (pid_of("prev_pid"), pid_of("next_pid")) else {
+                    self.malformed += 1;
+                    return;
+                };
+                let prev_comm = self.intern(str_of("prev_comm").unwrap_or(""));
+                let next_comm = self.intern(str_of("next_comm").unwrap_or(""));
+                let switched = Switched {
+                    prev: TaskKey::new(prev, cpu),
+                    prev_comm,
+                    prev_state: str_of("prev_state").unwrap_or("?").to_string(),
+                    next: TaskKey::new(next, cpu),
+                    next_comm,
+                };
+                (Kind::Switch(switched), Some("sched_switch"))
+            }
             _ => {
                 self.other_lines += 1;
                 return;
@@ -239,15 +344,15 @@ impl Chrome {
         };
         let ts_ns = value.get("ts_ns").and_then(Json::as_u64);
         let pid = value.get("pid").and_then(Json::as_i64);
-        let func = value.get("func").and_then(Json::as_str);
-        let (Some(ts_ns), Some(pid), Some(func)) = (ts_ns, pid, func) else {
+        let (Some(ts_ns), Some(pid), Some(func)) = (ts_ns, pid, name) else {
             self.malformed += 1;
             return;
         };
         let cpu = value.get("cpu").and_then(Json::as_u64).unwrap_or(0);
-        let comm = value.get("comm").and_then(Json::as_str).unwrap_or("");
+        let comm = str_of("comm").unwrap_or("");
         let event = GraphEvent {
             ts_ns,
+            cpu,
             task: TaskKey::new(pid, cpu),
             comm: self.intern(comm),
             kind,
@@ -271,22 +376,32 @@ impl Chrome {
         };
         let mut events = std::mem::take(&mut self.events);
         events.sort_by_key(|e| e.ts_ns);
+        let end_ns = events.last().map_or(0, |e| e.ts_ns);
 
         let mut doc = Document::begin(out)?;
-        // The names first: each task's last comm, for the tasks that have
-        // a call to show.
+        // The names first: each task's last comm (tasks met in switches
+        // too), and whether it has a state track.
         let mut names: BTreeMap<TaskKey, (usize, bool)> = BTreeMap::new();
-        for e in &events {
-            let name = names.entry(e.task).or_insert((e.comm, false));
-            if !self.strings[e.comm].is_empty() {
-                name.0 = e.comm;
+        {
+            let strings = &self.strings;
+            let mut note = |task: TaskKey, comm: usize, switched: bool| {
+                let name = names.entry(task).or_insert((comm, false));
+                if !strings[comm].is_empty() {
+                    name.0 = comm;
+                }
+                name.1 |= switched;
+            };
+            for e in &events {
+                match &e.kind {
+                    Kind::Switch(sw) => {
+                        note(sw.prev, sw.prev_comm, true);
+                        note(sw.next, sw.next_comm, true);
+                    }
+                    _ => note(e.task, e.comm, false),
+                }
             }
-            name.1 |= e.kind == Kind::Entry;
         }
-        for (task, (comm, has_calls)) in &names {
-            if !has_calls {
-                continue;
-            }
+        for (task, (comm, switched)) in &names {
             summary.tasks += 1;
             let comm = &self.strings[*comm];
             let name = if comm.is_empty() {
@@ -294,22 +409,81 @@ impl Chrome {
             } else {
                 comm.clone()
             };
-            doc.event(&json::object([
-                ("name", json::str("thread_name")),
-                ("ph", json::str("M")),
-                ("pid", json::int(task.pid)),
-                ("tid", json::int(task.tid())),
-                ("args", json::object([("name", Json::String(name))])),
-            ]))?;
+            let process = if task.pid == 0 {
+                "idle".to_string()
+            } else {
+                name.clone()
+            };
+            doc.event(&meta("process_name", task.pid, None, &process))?;
+            doc.event(&meta("thread_name", task.pid, Some(task.tid()), &name))?;
+            if *switched {
+                let state = format!("{name} state");
+                doc.event(&meta(
+                    "thread_name",
+                    task.pid,
+                    Some(task.tid() + STATE_TID),
+                    &state,
+                ))?;
+            }
+        }
+        let cpus: std::collections::BTreeSet<u64> = events
+            .iter()
+            .filter(|e| matches!(e.kind, Kind::Switch(_)))
+            .map(|e| e.cpu)
+            .collect();
+        if !cpus.is_empty() {
+            doc.event(&meta("process_name", CPUS_PID, None, "CPUs"))?;
+            for cpu in &cpus {
+                let tid = i64::try_from(*cpu).unwrap_or(i64::MAX);
+                doc.event(&meta(
+                    "thread_name",
+                    CPUS_PID,
+                    Some(tid),
+                    &format!("CPU {cpu}"),
+                ))?;
+            }
         }
 
         let mut tasks: BTreeMap<TaskKey, TaskState> = BTreeMap::new();
+        // Per CPU: the task running since when; per task: its state since
+        // when.
+        let mut on_cpu: BTreeMap<u64, (TaskKey, usize, u64)> = BTreeMap::new();
+        let mut states: BTreeMap<TaskKey, (String, u64)> = BTreeMap::new();
         for e in events {
+            if let Kind::Switch(sw) = &e.kind {
+                summary.switches += 1;
+                let ts = e.ts_ns;
+                if let Some((task, comm, since)) = on_cpu.insert(e.cpu, (sw.next, sw.next_comm, ts))
+                {
+                    doc.event(&cpu_slice(&self.strings[comm], task, e.cpu, since, ts))?;
+                }
+                if let Some((state, since)) = states.insert(sw.prev, (sw.prev_state.clone(), ts)) {
+                    doc.event(&state_slice(&state, sw.prev, since, ts))?;
+                }
+                if let Some((state, since)) = states.insert(sw.next, ("Running".into(), ts)) {
+                    doc.event(&state_slice(&state, sw.next, since, ts))?;
+                }
+                continue;
+            }
             let task = tasks.entry(e.task).or_default();
             task.last_ts = task.last_ts.max(e.ts_ns);
             let ts = task.last_ts;
             let func = &self.strings[e.func];
             match e.kind {
+                Kind::Switch(_) => {}
+                Kind::Instant(cat, args) => {
+                    summary.instants += 1;
+                    doc.event(&json::object([
+                        ("name", json::str(func)),
+                        ("cat", json::str(cat)),
+                        ("ph", json::str("i")),
+                        ("s", json::str("t")),
+                        ("ts", micros(ts)),
+                        ("pid", json::int(e.task.pid)),
+                        ("tid", json::int(e.task.tid())),
+                        ("args", args),
+                    ]))?;
+                }
                 Kind::Entry => {
                     doc.event(&slice_event(func, "B", ts, e.task, None))?;
                     task.open.push((e.func, e.depth));
@@ -342,6 +516,17 @@ impl Chrome {
                 }
             }
         }
+        // What runs at the end runs until the last event.
+        for (cpu, (task, comm, since)) in on_cpu {
+            if end_ns > since {
+                doc.event(&cpu_slice(&self.strings[comm], task, cpu, since, end_ns))?;
+            }
+        }
+        for (task, (state, since)) in states {
+            if end_ns > since {
+                doc.event(&state_slice(&state, task, since, end_ns))?;
+            }
+        }
         for (key, mut task) in tasks {
             while let Some((func, _)) = task.open.pop() {
                 let func = &self.strings[func];
@@ -355,9 +540,93 @@ impl Chrome {
                 summary.closed_at_end += 1;
             }
         }
+        if !self.counters.is_empty() {
+            doc.event(&meta("process_name", COUNTS_PID, None, "counts"))?;
+        }
+        for (ts, name, value) in std::mem::take(&mut self.counters) {
+            summary.counters += 1;
+            doc.event(&json::object([
+                ("name", json::str(name)),
+                ("cat", json::str("count")),
+                ("ph", json::str("C")),
+                ("ts", micros(ts)),
+                ("pid", json::int(COUNTS_PID)),
+                ("args", json::object([("value", value)])),
+            ]))?;
+        }
         doc.end()?;
         Ok(summary)
     }
+}
+
+/// A metadata event naming process `pid` or its thread `tid`.
+fn meta(what: &str, pid: i64, tid: Option<i64>, name: &str) -> Json {
+    let mut fields = vec![
+        ("name", json::str(what)),
+        ("ph", json::str("M")),
+        ("pid", json::int(pid)),
+    ];
+    if let Some(tid) = tid {
+        fields.push(("tid", json::int(tid)));
+    }
+    fields.push(("args", json::object([("name", json::str(name))])));
+    json::object(fields)
+}
+
+/// A complete slice of `[from, to)` in nanoseconds.
+fn complete(name: &str, cat: &str, pid: i64, tid: i64, from: u64, to: u64, args: Json) -> Json {
+    json::object([
+        ("name", json::str(name)),
+        ("cat", json::str(cat)),
+        ("ph", json::str("X")),
+        ("ts", micros(from)),
+        ("dur", micros(to.saturating_sub(from))),
+        ("pid", json::int(pid)),
+        ("tid", json::int(tid)),
+        ("args", args),
+    ])
+}
+
+/// `task` running on `cpu` over `[from, to)`, on the CPU's track.
+fn cpu_slice(comm: &str, task: TaskKey, cpu: u64, from: u64, to: u64) -> Json {
+    let name = if task.pid == 0 {
+        "<idle>".to_string()
+    } else if comm.is_empty() {
+        format!("pid {}", task.pid)
+    } else {
+        comm.to_string()
+    };
+    let tid = i64::try_from(cpu).unwrap_or(i64::MAX);
+    let args = json::object([("pid", json::int(task.pid))]);
+    complete(&name, "sched", CPUS_PID, tid, from, to, args)
+}
+
+/// `task` in `state` (a `sched_switch` letter, or `Running`) over
+/// `[from, to)`, on its state track.
+fn state_slice(state: &str, task: TaskKey, from: u64, to: u64) -> Json {
+    let name = match state {
+        "Running" => "Running",
+        "R" => "Runnable (R)",
+        "S" => "Sleeping (S)",
+        "D" => "Uninterruptible (D)",
+        "I" => "Idle (I)",
+        "T" => "Stopped (T)",
+        "t" => "Traced (t)",
+        "Z" => "Zombie (Z)",
+        "X" => "Dead (X)",
+        "P" => "Parked (P)",
+        other => other,
+    };
+    let args = json::object(Vec::<(String, Json)>::new());
+    complete(
+        name,
+        "sched",
+        task.pid,
+        task.tid() + STATE_TID,
+        from,
+        to,
+        args,
+    )
 }
 
 /// A task while the events are paired.
@@ -470,7 +739,8 @@ mod tests {
         let mut seqs: BTreeMap<(i64, i64), Vec<String>> = BTreeMap::new();
         for e in events(doc) {
             let ph = e["ph"].as_str().unwrap();
-            if ph == "M" {
+            // Names, instants, complete slices and counters do not nest.
+            if matches!(ph, "M" | "i" | "X" | "C") {
                 continue;
             }
             let key = (e["pid"].as_i64().unwrap(), e["tid"].as_i64().unwrap());
@@ -499,10 +769,11 @@ mod tests {
     fn thread_names(doc: &serde_json::Value) -> BTreeMap<i64, String> {
         events(doc)
             .iter()
-            .filter(|e| e["ph"] == "M")
+            .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+            // The tasks' own threads (not the idle tasks', the CPUs' or
+            // the state tracks).
+            .filter(|e| e["pid"] == e["tid"])
             .map(|e| {
-                assert_eq!(e["name"], "thread_name");
-                assert_eq!(e["pid"], e["tid"]);
                 (
                     e["tid"].as_i64().unwrap(),
                     e["args"]["name"].as_str().unwrap().to_string(),
@@ -599,11 +870,12 @@ mod tests {
             summary.line(),
             "chrome trace: 1 call in 1 task; 2 returns without a traced call dropped"
         );
-        // A task with returns only gets no name.
+        // A task with returns only is named, and has no slice.
         let (text, summary) = convert(&ret(5, 8, "x", "f", 0, 1));
         let doc = parse(&text);
-        assert!(events(&doc).is_empty(), "{text}");
-        assert_eq!(summary.tasks, 0);
+        assert!(events(&doc).iter().all(|e| e["ph"] == "M"), "{text}");
+        assert_eq!(thread_names(&doc)[&8], "x");
+        assert_eq!(summary.tasks, 1);
     }
 
     #[test]
@@ -718,16 +990,24 @@ mod tests {
         let names: Vec<_> = events(&doc)
             .iter()
             .filter(|e| e["ph"] == "M")
-            .map(|e| (e["tid"].as_i64().unwrap(), e["args"]["name"].clone()))
+            .map(|e| (e["tid"].as_i64(), e["args"]["name"].clone()))
             .collect();
-        assert_eq!(names, [(0, "swapper/0".into()), (1, "swapper/1".into())]);
+        assert_eq!(
+            names,
+            [
+                (None, "idle".into()),
+                (Some(0), "swapper/0".into()),
+                (None, "idle".into()),
+                (Some(1), "swapper/1".into())
+            ]
+        );
     }
 
     #[test]
     fn other_lines_are_left_out_and_counted() {
         let lines = [
-            r#"{"ts":"1.000000","ts_ns":1000000000,"cpu":0,"pid":1,"comm":"sh","kind":"kprobe","event":"kprobes/p_vfs_read_0"}"#.to_string(),
-            r#"{"ts":"1.000000","ts_ns":1000000000,"cpu":0,"pid":1,"comm":"sh","kind":"function","func":"vfs_read","parent":"ksys_read"}"#.to_string(),
+            r#"{"ts":"1.000000","ts_ns":1000000000,"cpu":0,"pid":1,"comm":"sh","kind":"count","calls":3}"#.to_string(),
+            r#"{"ts":"1.000000","ts_ns":1000000000,"cpu":0,"pid":1,"comm":"sh","kind":"lost"}"#.to_string(),
             "not json".to_string(),
             "[1,2]".to_string(),
             r#"{"kind":"graph_entry","func":"x"}"#.to_string(),
@@ -745,8 +1025,125 @@ mod tests {
         assert_eq!(thread_names(&doc)[&1], "sh2");
         assert_eq!(
             summary.line(),
-            "chrome trace: 1 call in 1 task; 2 lines of other tracers left out; 3 lines unreadable"
+            "chrome trace: 1 call in 1 task; 2 lines of other kinds left out; 3 lines unreadable"
         );
+    }
+
+    /// Probes, function-tracer hits, task switches and counter samples are
+    /// kept: instants on their task's thread, a track per CPU and a state
+    /// track per task of complete slices that never overlap, counters.
+    #[test]
+    fn every_event_is_kept() {
+        let switch = |ts: u64, cpu: u32, prev: (i64, &str, &str), next: (i64, &str)| {
+            format!(
+                r#"{{"ts":"0","ts_ns":{ts},"cpu":{cpu},"pid":{},"comm":"{}","kind":"sched_switch","prev_comm":"{}","prev_pid":{},"prev_prio":120,"prev_state":"{}","next_comm":"{}","next_pid":{},"next_prio":120}}"#,
+                prev.0, prev.1, prev.1, prev.0, prev.2, next.1, next.0
+            )
+        };
+        let lines = [
+            switch(1_000, 0, (0, "swapper/0", "R"), (90, "dd")),
+            entry(1_100, 90, "dd", "vfs_read", 0),
+            r#"{"ts":"0","ts_ns":1200,"cpu":0,"pid":90,"comm":"dd","group":"kprobes","event":"myopen","kind":"kprobe","ip":"0xffffffff81300000","probe":"do_sys_openat2+0x0/0x150","args":{"dfd":-100,"filename":"/etc/hostname"}}"#.to_string(),
+            r#"{"ts":"0","ts_ns":1300,"cpu":0,"pid":90,"comm":"dd","kind":"function","func":"vfs_open","parent":"path_openat+0x6d/0xf0","ip":"0x1","parent_ip":"0x2"}"#.to_string(),
+            switch(1_400, 0, (90, "dd", "D"), (0, "swapper/0")),
+            switch(1_900, 0, (0, "swapper/0", "R"), (90, "dd")),
+            ret(2_000, 90, "dd", "vfs_read", 0, 900),
+            switch(2_500, 1, (0, "swapper/1", "R"), (91, "cat")),
+        ]
+        .join("\n");
+        let mut chrome = Chrome::new();
+        chrome.push_text(&lines);
+        chrome.counter(1_500, "vfs_read", json::int(3u64));
+        chrome.counter(2_500, "vfs_read", json::int(7u64));
+        let mut out = Vec::new();
+        let summary = chrome.write(&mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let doc = parse(&text);
+        balanced(&doc);
+        assert_eq!(
+            (
+                summary.calls,
+                summary.instants,
+                summary.switches,
+                summary.counters
+            ),
+            (1, 2, 4, 2)
+        );
+        assert_eq!(
+            summary.line(),
+            "chrome trace: 1 call in 4 tasks, 2 probe or function hits, 4 task switches, 2 counter samples"
+        );
+        let of = |ph: &str| -> Vec<&serde_json::Value> {
+            events(&doc).iter().filter(|e| e["ph"] == ph).collect()
+        };
+        let instants = of("i");
+        assert_eq!(instants[0]["name"], "myopen");
+        assert_eq!(instants[0]["cat"], "kprobe");
+        assert_eq!(instants[0]["s"], "t");
+        assert_eq!(instants[0]["tid"], 90);
+        assert_eq!(instants[0]["args"]["filename"], "/etc/hostname");
+        assert_eq!(instants[0]["args"]["dfd"], -100);
+        assert_eq!(instants[0]["args"]["probe"], "do_sys_openat2+0x0/0x150");
+        assert_eq!(instants[1]["name"], "vfs_open");
+        assert_eq!(instants[1]["args"]["parent"], "path_openat+0x6d/0xf0");
+        // The CPU tracks: what ran, from switch to switch, until the end.
+        let slices: Vec<(i64, i64, String, f64, f64)> = of("X")
+            .iter()
+            .map(|e| {
+                (
+                    e["pid"].as_i64().unwrap(),
+                    e["tid"].as_i64().unwrap(),
+                    e["name"].as_str().unwrap().to_string(),
+                    e["ts"].as_f64().unwrap(),
+                    e["dur"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        let cpu0: Vec<_> = slices
+            .iter()
+            .filter(|s| s.0 == CPUS_PID && s.1 == 0)
+            .map(|s| (s.2.as_str(), s.3, s.4))
+            .collect();
+        assert_eq!(
+            cpu0,
+            [("dd", 1.0, 0.4), ("<idle>", 1.4, 0.5), ("dd", 1.9, 0.6)]
+        );
+        // dd's state: running, blocked in D, running again.
+        let dd: Vec<_> = slices
+            .iter()
+            .filter(|s| s.0 == 90 && s.1 == 90 + STATE_TID)
+            .map(|s| (s.2.as_str(), s.3, s.4))
+            .collect();
+        assert_eq!(
+            dd,
+            [
+                ("Running", 1.0, 0.4),
+                ("Uninterruptible (D)", 1.4, 0.5),
+                ("Running", 1.9, 0.6)
+            ]
+        );
+        // No two slices of one track overlap.
+        let mut tracks: BTreeMap<(i64, i64), Vec<(f64, f64)>> = BTreeMap::new();
+        for s in &slices {
+            tracks.entry((s.0, s.1)).or_default().push((s.3, s.3 + s.4));
+        }
+        for spans in tracks.values_mut() {
+            spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+            assert!(
+                spans.windows(2).all(|w| w[0].1 <= w[1].0 + 1e-9),
+                "{spans:?}"
+            );
+        }
+        let counters = of("C");
+        assert_eq!(counters[1]["name"], "vfs_read");
+        assert_eq!(counters[1]["args"]["value"], 7);
+        assert_eq!(counters[1]["pid"], COUNTS_PID);
+        let names = thread_names(&doc);
+        assert_eq!((names[&90].as_str(), names[&91].as_str()), ("dd", "cat"));
+        assert!(text.contains(
+            r#"{"name":"process_name","ph":"M","pid":2147483632,"args":{"name":"CPUs"}}"#
+        ));
+        assert!(text.contains(r#"{"name":"thread_name","ph":"M","pid":90,"tid":4294967386,"args":{"name":"dd state"}}"#));
     }
 
     #[test]

@@ -850,6 +850,7 @@ fn needs_kernel(r: &Request) -> bool {
             | Request::Syms { .. }
             | Request::ProbeAdd { .. }
             | Request::ProbeGate { .. }
+            | Request::Sched { .. }
             | Request::FunctionAdd { .. }
             | Request::CountStart(_)
             | Request::CountRead { .. }

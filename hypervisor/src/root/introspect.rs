@@ -652,6 +652,12 @@ impl KernelView for Kernel {
         self.facts.btf_index.as_ref().map_err(|e| *e)
     }
 
+    fn task_sched(&self, task: u64) -> Option<guest_introspect::facts::TaskSched> {
+        let layout = self.facts.task.as_ref().ok()?;
+        let view = LinearView::new(&GuestRam, self.cr3, &self.linear);
+        facts::task_sched(&view, Gva(task), layout).ok()
+    }
+
     fn task_stack(&self, task: u64) -> Option<u64> {
         let layout = self.facts.task.as_ref().ok()?;
         let off = layout.stack?;

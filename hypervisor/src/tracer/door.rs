@@ -36,7 +36,8 @@ pub fn needs(req: &Request) -> Option<Needs> {
         | Request::ProbeGate { .. }
         | Request::FunctionAdd { .. }
         | Request::CountStart(_)
-        | Request::GraphStart(_) => Needs::KernelAndWorld,
+        | Request::GraphStart(_)
+        | Request::Sched { .. } => Needs::KernelAndWorld,
         _ => return None,
     })
 }
@@ -138,6 +139,11 @@ impl Tracer<'_> {
                 })
             }
             Request::FunctionClear => self.function_clear(env).map(|()| Response::Ok),
+            // The settling that follows puts the scheduler hook in or out.
+            Request::Sched { switch } => {
+                self.vm.quiet.sched_switch = switch;
+                Ok(Response::Ok)
+            }
             Request::CountStart(filter) => {
                 let a = self.count_start(&filter, kernel()?, env, now_ns)?;
                 Ok(Response::CountStarted {

@@ -521,7 +521,12 @@ impl<'a> Hit<'a> {
         now_ns: u64,
     ) {
         match hook {
-            SwitchHook::Schedule => self.vm.pick_view(self.cpu, Some(k), cpu, now_ns),
+            SwitchHook::Schedule => {
+                self.vm.pick_view(self.cpu, Some(k), cpu, now_ns);
+                if self.vm.quiet.sched_switch {
+                    self.record_switch(regs, cpu, k, now_ns);
+                }
+            }
             // `__set_task_comm(tsk, buf, ...)`, the name not written yet:
             // armed if a filter admits the new name. Never quiet here: the
             // calls made under the old name up to the rename are still
@@ -542,6 +547,47 @@ impl<'a> Hit<'a> {
                 }
             }
         }
+    }
+
+    /// A `sched_switch` event at the scheduler hook: `finish_task_switch`
+    /// runs on the incoming task (`current`, the record's task) with the
+    /// outgoing one as its first argument. The site is the record's ip.
+    fn record_switch(&mut self, regs: &PtRegs, cpu: &CpuView, k: &dyn KernelView, now_ns: u64) {
+        let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
+        let prev = k.task_sched(regs.di);
+        let next = (task != 0).then(|| k.task_sched(task)).flatten();
+        let prev_name = prev.map_or([0u8; 16], |p| p.comm);
+        let n = prev_name
+            .iter()
+            .position(|&c| c == 0)
+            .unwrap_or(prev_name.len());
+        let prev_comm = prev_name.get(..n).unwrap_or_default();
+        let mut comm_bytes = alloc::vec::Vec::new();
+        if guest_introspect::fallible::try_extend_from_slice(&mut comm_bytes, prev_comm).is_err() {
+            self.vm.stream.rings.lock(self.cpu.index).count_lost();
+            return;
+        }
+        let values = tracelang::kprobe::SwitchValues {
+            prev_pid: prev.map_or(-1, |p| p.pid),
+            prev_comm: comm_bytes,
+            prev_prio: prev.and_then(|p| p.prio).unwrap_or(-1),
+            prev_state: prev.and_then(|p| p.state).map_or(0, |state| {
+                let exit = prev.and_then(|p| p.exit_state).unwrap_or(0);
+                tracelang::kprobe::report_state(state, u64::from(exit))
+            }),
+            next_prio: next.and_then(|n| n.prio).unwrap_or(-1),
+        };
+        let header = EventHeader {
+            probe_id: tracelang::render::SCHED_SWITCH_ID,
+            cpu: k.cpu_number(cpu).unwrap_or(self.cpu.index as u32),
+            pid,
+            timestamp_ns: now_ns,
+            ip: regs.ip.wrapping_sub(5),
+            ret_ip: 0,
+            comm,
+        };
+        let mut ring = self.vm.stream.rings.lock(self.cpu.index);
+        store_parts(&mut ring, &mut self.cpu.record, &header, &values.values());
     }
 
     /// The count's entry of the call at site `u` (frame `regs`): counted,

@@ -294,4 +294,7 @@ pub trait KernelView {
     fn task_stack(&self, task: u64) -> Option<u64>;
     /// The kernel's BTF as recovery walked it, or why there is none.
     fn btf(&self) -> Result<&guest_introspect::btf::BtfIndex, guest_introspect::btf::BtfError>;
+    /// The pid, comm, prio and state of the task at `task`, read now
+    /// (`None` when unreadable or the layout is unknown).
+    fn task_sched(&self, task: u64) -> Option<guest_introspect::facts::TaskSched>;
 }

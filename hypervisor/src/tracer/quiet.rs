@@ -78,6 +78,10 @@ pub(super) struct QuietState {
     /// Pages left as they were because a vCPU was inside one of their
     /// sites when they would have changed.
     pub(super) busy: u64,
+    /// Task switches are recorded as `sched_switch` events
+    /// ([`protocol::Request::Sched`]): the scheduler hook stays in for
+    /// them too.
+    pub(super) sched_switch: bool,
 }
 
 /// Whether the site patched by `p` matters everywhere (it is not
@@ -188,14 +192,16 @@ impl Tracer<'_> {
                     .any(|u| u.quiet_ok(users, is_root, gate_of, count_gate))
         };
         let comm = any && self.vm.graph.comm_users(self.vm.graph.filter_users()) != 0;
+        // The switch events want the hook too, without quiet views.
+        let hook = any || self.vm.quiet.sched_switch;
         // Hooks off first (their sites may go with them), then on.
-        if !any && self.vm.quiet.switch_site.is_some() {
+        if !hook && self.vm.quiet.switch_site.is_some() {
             self.remove_switch_hook(env, SwitchHook::Schedule);
         }
         if !comm && self.vm.quiet.comm_site.is_some() {
             self.remove_switch_hook(env, SwitchHook::Comm);
         }
-        if let (true, None, Some(k)) = (any, self.vm.quiet.switch_site, k) {
+        if let (true, None, Some(k)) = (hook, self.vm.quiet.switch_site, k) {
             self.install_switch_hook(k, env, SwitchHook::Schedule);
         }
         // Renames matter only while views switch at all.

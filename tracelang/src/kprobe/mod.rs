@@ -136,8 +136,9 @@ pub use fetch::{
 pub use index::IndexSymbols;
 pub use parse::{parse, parse_probe, ParseError, ParseErrorKind};
 pub use render::{
-    json_line, push_lossy, text_line, write_function_json, write_function_text, write_json,
-    write_symbol, write_text, write_value, FAULT_STRING,
+    json_line, push_lossy, report_state, state_letter, state_of_letter, text_line,
+    write_function_json, write_function_text, write_json, write_switch_json, write_switch_text,
+    write_symbol, write_text, write_value, SwitchValues, FAULT_STRING,
 };
 pub use spec::*;
 

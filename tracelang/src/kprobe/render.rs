@@ -199,6 +199,167 @@ pub fn write_function_text(out: &mut String, ev: &RawEvent, syms: &dyn SymbolRes
     write_ip_sym(out, syms, ev.header.ret_ip, false);
 }
 
+/// What a scheduler switch record holds besides its header (whose task is
+/// the incoming one, `next`): the outgoing task's pid, comm, prio and
+/// state as the kernel's `sched_switch` reports it (one `TASK_REPORT` bit:
+/// [`report_state`]), and the incoming task's prio. A prio that did not
+/// read is -1.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SwitchValues {
+    /// The outgoing task's pid.
+    pub prev_pid: i32,
+    /// Its comm.
+    pub prev_comm: alloc::vec::Vec<u8>,
+    /// Its prio.
+    pub prev_prio: i32,
+    /// Its state, as [`report_state`] makes it.
+    pub prev_state: u64,
+    /// The incoming task's prio.
+    pub next_prio: i32,
+}
+
+impl SwitchValues {
+    /// The record's values, in order.
+    pub fn values(&self) -> [FetchedValue; 5] {
+        let int = |ty, value| FetchedValue::Int { ty, value };
+        [
+            int(IntType::S32, u64::from(self.prev_pid as u32)),
+            FetchedValue::Str(self.prev_comm.clone()),
+            int(IntType::S32, u64::from(self.prev_prio as u32)),
+            int(IntType::X64, self.prev_state),
+            int(IntType::S32, u64::from(self.next_prio as u32)),
+        ]
+    }
+
+    /// The record as the outgoing task's: the kernel emits the event
+    /// before the switch, so its context (pid, comm) is `prev`'s.
+    pub fn outgoing(&self, ev: &RawEvent) -> RawEvent {
+        let mut comm = [0u8; 16];
+        for (to, from) in comm.iter_mut().take(15).zip(&self.prev_comm) {
+            *to = *from;
+        }
+        RawEvent {
+            header: super::event::EventHeader {
+                pid: self.prev_pid,
+                comm,
+                ..ev.header
+            },
+            values: alloc::vec::Vec::new(),
+        }
+    }
+
+    /// The values of a record, when they are a switch's.
+    pub fn of(ev: &RawEvent) -> Option<SwitchValues> {
+        let int = |v: &FetchedValue| match v {
+            FetchedValue::Int { value, .. } => Some(*value),
+            _ => None,
+        };
+        match ev.values.as_slice() {
+            [pid, FetchedValue::Str(comm), prio, state, next_prio] => Some(SwitchValues {
+                prev_pid: int(pid)? as u32 as i32,
+                prev_comm: comm.clone(),
+                prev_prio: int(prio)? as u32 as i32,
+                prev_state: int(state)?,
+                next_prio: int(next_prio)? as u32 as i32,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// A task's scheduler state as the kernel's `sched_switch` stores it
+/// (`__trace_sched_switch_state` without preemption, which root cannot
+/// see), from its `__state` and `exit_state`: one bit, that of the highest
+/// reportable state (0x7f) of the two; `TASK_IDLE` reports as 0x80 (`I`),
+/// an rtlock wait as uninterruptible; 0 for a runnable task.
+pub fn report_state(state: u64, exit_state: u64) -> u64 {
+    // TASK_UNINTERRUPTIBLE | TASK_NOLOAD
+    const TASK_IDLE: u64 = 0x402;
+    const TASK_RTLOCK_WAIT: u64 = 0x1000;
+    let mut s = (state | exit_state) & 0x7f;
+    if state & TASK_IDLE == TASK_IDLE {
+        s = 0x80;
+    }
+    if state & TASK_RTLOCK_WAIT != 0 {
+        s = 0x02;
+    }
+    if s == 0 {
+        0
+    } else {
+        1 << (63 - s.leading_zeros())
+    }
+}
+
+/// The letter of a reported state, as `sched_switch` prints it.
+pub fn state_letter(report: u64) -> &'static str {
+    match report {
+        0 => "R",
+        0x01 => "S",
+        0x02 => "D",
+        0x04 => "T",
+        0x08 => "t",
+        0x10 => "X",
+        0x20 => "Z",
+        0x40 => "P",
+        0x80 => "I",
+        _ => "?",
+    }
+}
+
+/// The reported state a letter stands for (see [`state_letter`]).
+pub fn state_of_letter(letter: &str) -> Option<u64> {
+    [0u64, 1, 2, 4, 8, 0x10, 0x20, 0x40, 0x80]
+        .into_iter()
+        .find(|&s| state_letter(s) == letter)
+}
+
+/// A scheduler switch as the kernel's `sched_switch` event prints in
+/// trace_pipe, in the outgoing task's context (no newline):
+///
+/// ```text
+///               sh-52      [000]     14.785078: sched_switch: prev_comm=sh prev_pid=52 prev_prio=120 prev_state=S ==> next_comm=dd next_pid=55 next_prio=120
+/// ```
+pub fn write_switch_text(out: &mut String, ev: &RawEvent) {
+    let Some(v) = SwitchValues::of(ev) else {
+        return;
+    };
+    write_context(out, &v.outgoing(ev));
+    out.push_str("sched_switch: prev_comm=");
+    push_lossy(out, &v.prev_comm);
+    let _ = write!(
+        out,
+        " prev_pid={} prev_prio={} prev_state={} ==> next_comm=",
+        v.prev_pid,
+        v.prev_prio,
+        state_letter(v.prev_state)
+    );
+    push_lossy(out, ev.header.comm_bytes());
+    let _ = write!(out, " next_pid={} next_prio={}", ev.header.pid, v.next_prio);
+}
+
+/// A scheduler switch as one JSON object (no newline):
+/// `{"ts":..,"ts_ns":..,"cpu":..,"pid":..,"comm":..,"kind":"sched_switch",
+/// "prev_comm":"sh","prev_pid":52,"prev_prio":120,"prev_state":"S",
+/// "next_comm":"dd","next_pid":55,"next_prio":120}` (`pid` and `comm` are
+/// the outgoing task's, as in the kernel's event).
+pub fn write_switch_json(out: &mut String, ev: &RawEvent) {
+    let Some(v) = SwitchValues::of(ev) else {
+        return;
+    };
+    let mut scratch = String::new();
+    let mut o = json::Object::begin(out);
+    json_context(&mut o, &v.outgoing(ev), &mut scratch);
+    o.str("kind", "sched_switch");
+    o.bytes("prev_comm", &v.prev_comm)
+        .i64("prev_pid", i64::from(v.prev_pid))
+        .i64("prev_prio", i64::from(v.prev_prio))
+        .str("prev_state", state_letter(v.prev_state));
+    o.bytes("next_comm", ev.header.comm_bytes())
+        .i64("next_pid", i64::from(ev.header.pid))
+        .i64("next_prio", i64::from(v.next_prio));
+    o.end();
+}
+
 /// The fields every JSON line starts with: `ts`, `ts_ns`, `cpu`, `pid`, `comm`.
 fn json_context(o: &mut json::Object<'_>, ev: &RawEvent, scratch: &mut String) {
     let h = &ev.header;

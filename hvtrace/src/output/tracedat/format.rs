@@ -183,6 +183,8 @@ pub const ID_FUNCTION: u16 = 1;
 pub const ID_FUNCGRAPH_EXIT: u16 = 10;
 /// `funcgraph_entry` (`TRACE_GRAPH_ENT`).
 pub const ID_FUNCGRAPH_ENTRY: u16 = 11;
+/// `sched/sched_switch`.
+pub const ID_SCHED_SWITCH: u16 = 200;
 /// The first id given to the other events (as the kernel numbers its
 /// dynamic events after the fixed ones).
 pub const FIRST_DYNAMIC_ID: u16 = 300;

@@ -10,6 +10,7 @@
 //! | `graph_return` | `ftrace/funcgraph_exit` (func, retval, depth, calltime = the return's time less the duration, rettime) |
 //! | `kprobe` | `GROUP/EVENT` with `__probe_ip` and the fetch arguments |
 //! | `kretprobe` | `GROUP/EVENT` with `__probe_func`, `__probe_ret_ip` and the arguments |
+//! | `sched_switch` | `sched/sched_switch` (the outgoing task's event, as the kernel's) |
 //!
 //! A probe's argument types come from its definition (the probes the VM
 //! lists); a probe the list no longer has takes them from its values
@@ -110,6 +111,7 @@ pub struct TraceDat {
     seen_symbols: BTreeMap<u64, String>,
     used_function: bool,
     used_graph: bool,
+    used_sched: bool,
     summary: TraceDatSummary,
     partial: String,
 }
@@ -191,6 +193,7 @@ impl TraceDat {
             "function" => self.function(&v),
             "graph_entry" | "graph_return" => self.graph(&v, kind == "graph_return"),
             "kprobe" | "kretprobe" => self.probe(&v, kind == "kretprobe"),
+            "sched_switch" => self.switch(&v),
             _ => {
                 self.summary.other_lines += 1;
                 return;
@@ -271,6 +274,42 @@ impl TraceDat {
             p.extend_from_slice(&depth.to_le_bytes());
             p
         };
+        self.record(cpu, ts, p);
+        Some(())
+    }
+
+    fn switch(&mut self, v: &Json) -> Option<()> {
+        let str_of = |k: &str| v.get(k).and_then(Json::as_str);
+        let int_of = |k: &str| {
+            v.get(k)
+                .and_then(Json::as_i64)
+                .and_then(|n| i32::try_from(n).ok())
+        };
+        let prev_comm = str_of("prev_comm")?.to_string();
+        let next_comm = str_of("next_comm")?.to_string();
+        let (prev_pid, next_pid) = (int_of("prev_pid")?, int_of("next_pid")?);
+        let (prev_prio, next_prio) = (int_of("prev_prio")?, int_of("next_prio")?);
+        let state = tracelang::kprobe::state_of_letter(str_of("prev_state")?)?;
+        let (ts, cpu, _) = self.context(v)?;
+        if next_pid != 0 {
+            self.cmdlines.insert(next_pid, next_comm.clone());
+        }
+        self.used_sched = true;
+        let comm16 = |s: &str| {
+            let mut c = [0u8; 16];
+            for (to, from) in c.iter_mut().take(15).zip(s.bytes()) {
+                *to = from;
+            }
+            c
+        };
+        let mut p = common(format::ID_SCHED_SWITCH, prev_pid);
+        p.extend_from_slice(&comm16(&prev_comm));
+        p.extend_from_slice(&prev_pid.to_le_bytes());
+        p.extend_from_slice(&prev_prio.to_le_bytes());
+        p.extend_from_slice(&state.to_le_bytes());
+        p.extend_from_slice(&comm16(&next_comm));
+        p.extend_from_slice(&next_pid.to_le_bytes());
+        p.extend_from_slice(&next_prio.to_le_bytes());
         self.record(cpu, ts, p);
         Some(())
     }
@@ -387,6 +426,7 @@ impl TraceDat {
         for ((group, event), l) in &self.probes {
             out.push(format::kprobe(group, event, l.id, l.is_return, &l.args));
         }
+        out.push(format::sched_switch(format::ID_SCHED_SWITCH));
         out
     }
 
@@ -454,7 +494,9 @@ impl TraceDat {
             for p in cpu {
                 match p {
                     Pending::Record(ts, payload) => {
-                        runs.last_mut().map(|r| r.push((ts, payload)));
+                        if let Some(r) = runs.last_mut() {
+                            r.push((ts, payload));
+                        }
                     }
                     Pending::Lost => runs.push(Vec::new()),
                 }

@@ -46,7 +46,7 @@ struct Read {
 
 /// A page's events, and whether it says events were missed (and how many
 /// when stored).
-fn read_page(page: &[u8]) -> (Vec<Read>, Option<Option<u64>>) {
+fn read_page(page: &[u8]) -> PageRead {
     let mut c = Cur { b: page, at: 0 };
     let mut ts = c.u64();
     let commit = c.u64();
@@ -99,7 +99,7 @@ fn read_page(page: &[u8]) -> (Vec<Read>, Option<Option<u64>>) {
     (out, missed)
 }
 
-fn read_pages(pages: &[u8]) -> Vec<(Vec<Read>, Option<Option<u64>>)> {
+fn read_pages(pages: &[u8]) -> Vec<PageRead> {
     assert_eq!(pages.len() % PAGE_SIZE, 0);
     pages.chunks(PAGE_SIZE).map(read_page).collect()
 }
@@ -205,15 +205,14 @@ fn the_reader_takes_padding_and_absolute_stamps() {
     );
 }
 
+/// A field as a format text gives it: (type, name, offset, size, signed).
+type FieldText = (String, String, usize, usize, bool);
+
+/// A page read back: its events, and its missed-events mark.
+type PageRead = (Vec<Read>, Option<Option<u64>>);
+
 /// A format text's fields: (type, name, offset, size, signed).
-fn parse_format(
-    text: &str,
-) -> (
-    String,
-    u16,
-    Vec<(String, String, usize, usize, bool)>,
-    String,
-) {
+fn parse_format(text: &str) -> (String, u16, Vec<FieldText>, String) {
     let mut name = String::new();
     let mut id = 0;
     let mut fields = Vec::new();
@@ -332,11 +331,11 @@ fn format_texts_parse_as_tracefs_writes_them() {
 /// A whole file read back: formats by id, kallsyms, cmdlines, options,
 /// per-CPU events.
 struct File {
-    formats: HashMap<u16, (String, String, Vec<(String, String, usize, usize, bool)>)>,
+    formats: HashMap<u16, (String, String, Vec<FieldText>)>,
     kallsyms: String,
     cmdlines: String,
     options: Vec<(u16, Vec<u8>)>,
-    cpus: Vec<Vec<(Vec<Read>, Option<Option<u64>>)>>,
+    cpus: Vec<Vec<PageRead>>,
 }
 
 fn read_file(b: &[u8]) -> File {

@@ -336,6 +336,8 @@ struct FakeKernel {
     running: Running,
     /// `task_struct.stack` by task (absent: unreadable).
     task_stacks: BTreeMap<u64, u64>,
+    /// Other tasks' scheduler view by task (absent: unreadable).
+    tasks: BTreeMap<u64, guest_introspect::facts::TaskSched>,
 }
 
 impl KernelView for FakeKernel {
@@ -373,6 +375,9 @@ impl KernelView for FakeKernel {
     fn log_stacks(&self, _map: &StackMap) {}
     fn task_stack(&self, task: u64) -> Option<u64> {
         self.task_stacks.get(&task).copied()
+    }
+    fn task_sched(&self, task: u64) -> Option<guest_introspect::facts::TaskSched> {
+        self.tasks.get(&task).copied()
     }
 
     fn btf(&self) -> Result<&guest_introspect::btf::BtfIndex, guest_introspect::btf::BtfError> {
@@ -497,6 +502,7 @@ impl Guest {
                     comm: *b"sleeper\0\0\0\0\0\0\0\0\0",
                 },
                 task_stacks: BTreeMap::from([(TASK, STACK_BASE), (TASK_2, STACK_BASE_2)]),
+                tasks: BTreeMap::new(),
             },
             vm: VmState::new(VCPUS),
             cpus: (0..VCPUS).map(CpuState::new).collect(),
