@@ -537,18 +537,20 @@ const ROWS: &[Row] = &[
         expect: &[Has("--exec")],
     },
     Row {
-        name: "graph_run_option_errors/chrome without --graph",
+        name: "trace_dat/a count into a trace.dat",
         args: &[
             "run",
             "--format",
-            "chrome",
-            "--function",
-            "x",
+            "trace-dat",
+            "--count",
+            "vfs_*",
             "--exec",
             "true",
         ],
-        code: 2,
-        expect: &[Has("--graph")],
+        code: 1,
+        expect: &[Is(
+            "--count and --hist print text, json or chrome, not a trace.dat",
+        )],
     },
     Row {
         name: "graph_run_option_errors/--graph-trace without --graph",

@@ -257,6 +257,9 @@ fn run_counted(args: &RunArgs) -> Result<u8> {
     )?;
     run_aggregated(args, filter, "", &mut |control, json| {
         let counts = count::read(control)?;
+        if json && args.format == Some(OutputFormatArg::Chrome) {
+            return Ok(());
+        }
         if json {
             println!("{}", count::json_line(&counts));
         } else {
@@ -280,6 +283,9 @@ fn run_hist(args: &RunArgs, spec: &str) -> Result<u8> {
         .with_context(|| format!("--hist {spec:?}"))?;
     run_aggregated(args, filter, "histogram: ", &mut |control, json| {
         let h = count::read_hist(control)?;
+        if json && args.format == Some(OutputFormatArg::Chrome) {
+            return Ok(());
+        }
         if json {
             println!("{}", count::hist_json(&h));
         } else {
@@ -298,18 +304,103 @@ fn run_aggregated(
     label: &str,
     show: &mut dyn FnMut(&mut dyn crate::control::Control, bool) -> Result<()>,
 ) -> Result<u8> {
-    let json = matches!(args.format, Some(OutputFormatArg::Json));
+    let chrome = match args.format {
+        Some(OutputFormatArg::Chrome) => Some(trace_read::sink(
+            args.output.as_deref(),
+            protocol::TraceFormat::Json,
+        )?),
+        Some(OutputFormatArg::TraceDat) => {
+            bail!("--count and --hist print text, json or chrome, not a trace.dat")
+        }
+        _ => None,
+    };
+    let json = matches!(
+        args.format,
+        Some(OutputFormatArg::Json | OutputFormatArg::Chrome)
+    );
     let cfg = args.resolve()?;
     note_tcg(&cfg);
     let vm = LocalVm::start(cfg)?;
     let mut control = vm.control();
+    let is_hist = filter.hist.is_some();
     let line = count::start(&mut control, filter)?;
     eprintln!("hvtrace: {label}{}", term::sanitize(&line));
     let abort = AtomicBool::new(false);
-    let (failed, interrupted) = run_commands(&vm, &args.exec, &abort)?;
+    let (failed, interrupted) = match chrome {
+        None => run_commands(&vm, &args.exec, &abort)?,
+        Some(mut out) => {
+            // Sampled while the commands run, and once after them.
+            let mut timeline = crate::output::chrome::Chrome::new();
+            let done = AtomicBool::new(false);
+            let start = Instant::now();
+            let ran = std::thread::scope(|scope| {
+                let sampler = scope.spawn(|| {
+                    let mut control = vm.control();
+                    let mut samples = Vec::new();
+                    loop {
+                        let last = done.load(Ordering::Relaxed);
+                        let at = start.elapsed().as_nanos() as u64;
+                        match sample(&mut control, is_hist) {
+                            Ok(rows) => samples.push((at, rows)),
+                            Err(e) => {
+                                eprintln!("hvtrace: note: a count sample failed: {e:#}");
+                                break;
+                            }
+                        }
+                        if last {
+                            break;
+                        }
+                        let until = Instant::now() + COUNT_SAMPLE;
+                        while Instant::now() < until && !done.load(Ordering::Relaxed) {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                    }
+                    samples
+                });
+                let ran = run_commands(&vm, &args.exec, &abort);
+                done.store(true, Ordering::Relaxed);
+                let samples = sampler.join().unwrap_or_default();
+                (ran, samples)
+            });
+            let (ran, samples) = ran;
+            for (at, rows) in samples {
+                for (name, value) in rows {
+                    timeline.counter(at, &name, crate::output::json::int(value));
+                }
+            }
+            let summary = timeline
+                .write(&mut out)
+                .context("cannot write the Chrome trace")?;
+            eprintln!("hvtrace: {}", summary.line());
+            ran?
+        }
+    };
     show(&mut control, json)?;
     let report = vm.stop()?;
     end_of_commands(&report, args, failed, interrupted)
+}
+
+/// How often `run --count/--hist --format chrome` samples the counts.
+pub const COUNT_SAMPLE: Duration = Duration::from_millis(500);
+
+/// One sample of the count (calls per function) or of the histogram
+/// (calls per key, all buckets), nonzero rows only.
+fn sample(control: &mut dyn crate::control::Control, hist: bool) -> Result<Vec<(String, u64)>> {
+    Ok(if hist {
+        count::read_hist(control)?
+            .rows
+            .into_iter()
+            .map(|r| (r.key, r.buckets.iter().sum::<u64>()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    } else {
+        count::read(control)?
+            .entries
+            .into_iter()
+            .filter(|e| e.calls > 0)
+            .map(|e| (e.name, e.calls))
+            .collect()
+    })
 }
 
 /// Adds the probes and functions, starts the graph and the trace, runs the
