@@ -20,7 +20,7 @@ PACKAGES=(
     xz-utils zstd lz4
     bc flex bison libelf-dev libssl-dev dwarves rsync kmod build-essential
     python3 file
-    trace-cmd
+    trace-cmd python3-jsonschema
 )
 
 command -v dpkg-query >/dev/null 2>&1 || die "this script expects a Debian-based host (dpkg-query not found)"

@@ -1381,7 +1381,7 @@ mod tests {
 
     #[test]
     fn bad_graph_combinations_are_one_line() {
-        let cases: [(&[&str], &str); 11] = [
+        let cases: [(&[&str], &str); 10] = [
             (&["--graph", "vfs_read"], "--exec"),
             (
                 &["--bare", "--graph", "vfs_read", "--exec", "true"],
