@@ -1,8 +1,10 @@
 //! The one-shot traced run, end to end, as a user types it (fast lane, one
-//! boot): `hvtrace run --graph vfs_read ... --probe 'r:...' --exec CMD
-//! --format chrome --output FILE`. The file must be a Chrome trace that
+//! boot): `hvtrace run --graph vfs_read ... --probe 'r:...' --sched --exec
+//! CMD --format chrome --output FILE`. The file must be a Chrome trace that
 //! parses, whose B/E events nest per task, with `dd`'s vfs_read tree in it;
-//! the return probe rides on the same frames.
+//! the return probe rides on the same frames and its hits are instants on
+//! dd's thread; the task switches draw a CPU track; and the document passes
+//! scripts/check-chrome-trace.py (jsonschema and the nesting rules).
 //!
 //! Run: `cargo test -p hvtrace-tests --test oneshot -- --nocapture`
 
@@ -52,6 +54,7 @@ fn one_shot_graph_to_chrome() {
         "--graph-retval",
         "--probe",
         "r:readret vfs_read ret=$retval:x64",
+        "--sched",
         "--exec",
         "dd if=/etc/hostname of=/dev/null bs=64 count=1",
         "--exec",
@@ -115,6 +118,50 @@ fn one_shot_graph_to_chrome() {
     );
     ck.check(bad.is_empty(), format!("B/E nest per task: {bad:?}"));
     ck.check(open.values().all(Vec::is_empty), "no call left open");
+    // Every event is kept: the return probe's hits as instants on dd's
+    // threads, the switches as CPU tracks that show dd running.
+    let dd_tids: std::collections::BTreeSet<i64> = events
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name" && e["args"]["name"] == "dd")
+        .filter_map(|e| e["tid"].as_i64())
+        .collect();
+    let readrets = events
+        .iter()
+        .filter(|e| e["ph"] == "i" && e["name"] == "readret" && e["cat"] == "kretprobe")
+        .filter(|e| dd_tids.contains(&e["tid"].as_i64().unwrap_or(-1)))
+        .count();
+    ck.check(
+        readrets >= 2,
+        format!("dd's vfs_read returns as instants: {readrets}"),
+    );
+    let cpus_pid = events
+        .iter()
+        .find(|e| e["ph"] == "M" && e["name"] == "process_name" && e["args"]["name"] == "CPUs")
+        .and_then(|e| e["pid"].as_i64());
+    let dd_ran = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"].as_i64() == cpus_pid && e["name"] == "dd")
+        .count();
+    ck.check(
+        cpus_pid.is_some() && dd_ran >= 2,
+        format!("the CPU track shows dd running: {dd_ran} slices"),
+    );
+    // A checker that is not ours: the schema of the format's phases, and
+    // the nesting and overlap rules.
+    let checked = Command::new("/usr/bin/python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../scripts/check-chrome-trace.py"
+        ))
+        .arg(&out_file)
+        .output()
+        .expect("/usr/bin/python3");
+    let verdict = String::from_utf8_lossy(&checked.stdout).into_owned();
+    println!("{verdict}");
+    ck.check(
+        checked.status.success(),
+        format!("the trace passes the schema and the nesting rules: {verdict}"),
+    );
     let _ = std::fs::remove_dir_all(&dir);
     ck.finish();
 }
