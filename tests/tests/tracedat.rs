@@ -22,6 +22,9 @@
 //!   with the same pids, comms and states; then the cost per switch of ours
 //!   and of the guest's, each alone, against the bare ping-pong, and the
 //!   VM exits ours takes per switch.
+//! - `syscalls_to_trace_dat`: `hvtrace syscalls --trace-dat` writes the
+//!   calls' entry and return events, which trace-cmd reports with the
+//!   file name read and the descriptor returned, as our line shows them.
 //! - `record_outlives_its_vm`: a recording whose VM is stopped under it
 //!   leaves a whole file with the events so far, and says so.
 //!
@@ -295,6 +298,7 @@ fn trace_dat_fast_lane() {
     let mut checks = Checks::new();
     record_matches_our_json_lines(&vm, &dir, &mut checks);
     sched_switch_oracle_and_cost(&vm, &mut checks);
+    syscalls_to_trace_dat(&vm, &dir, &mut checks);
     record_outlives_its_vm(&vm, &dir, &mut checks);
     let _ = std::fs::remove_dir_all(&dir);
     checks.finish();
@@ -706,5 +710,51 @@ fn sched_switch_oracle_and_cost(vm: &Detached, checks: &mut Checks) {
     checks.check(
         exits >= switches && exits < switches + switches / 10,
         format!("{exits} exits for {switches} switches"),
+    );
+}
+
+fn syscalls_to_trace_dat(vm: &Detached, dir: &Path, checks: &mut Checks) {
+    let dat = dir.join("sys.dat");
+    let dat_path = dat.to_string_lossy().into_owned();
+    let (status, stdout, stderr) = vm.cli(&[
+        "syscalls",
+        "openat",
+        "--comm",
+        "cat",
+        "--trace-dat",
+        &dat_path,
+        "--exec",
+        "cat /etc/hostname",
+    ]);
+    println!("{stderr}{stdout}");
+    checks.eq("syscalls --trace-dat", status, 0);
+    // Our own line: cat-N [C] T: sys_openat(dfd: AT_FDCWD, filename: "/etc/hostname", ...) = FD
+    let ours = stdout
+        .lines()
+        .find(|l| l.contains("sys_openat(") && l.contains("\"/etc/hostname\""));
+    let fd = ours
+        .and_then(|l| l.rsplit_once(" = "))
+        .and_then(|(_, r)| r.trim().parse::<i64>().ok());
+    checks.check(fd.is_some_and(|f| f >= 3), format!("our line: {ours:?}"));
+    let (ok, raw, err) = trace_cmd(&["report", "-R", &dat_path]);
+    checks.check(ok, format!("trace-cmd report: {err}"));
+    let report = parse_report(&raw);
+    let entry = report.iter().find(|r| {
+        r.event == "sys_openat"
+            && raw_fields(&r.rest).get("filename").map(String::as_str) == Some("/etc/hostname")
+    });
+    let ret = entry.and_then(|e| {
+        report
+            .iter()
+            .find(|r| r.event == "sys_openat_ret" && r.pid == e.pid && r.us >= e.us)
+    });
+    let got = ret.and_then(|r| {
+        raw_fields(&r.rest)
+            .get("ret")
+            .and_then(|v| v.parse::<i64>().ok())
+    });
+    checks.check(
+        entry.is_some() && got == fd,
+        format!("trace-cmd's sys_openat of /etc/hostname returned {got:?}, ours {fd:?}"),
     );
 }

@@ -104,6 +104,11 @@ pub struct SyscallsArgs {
     /// Print JSON objects instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Also write the calls' entry and return events to FILE as a
+    /// trace.dat (`hvsys/sys_NAME` and `hvsys/sys_NAME_ret`, with the
+    /// arguments as read, strings included).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["summary", "list"])]
+    pub trace_dat: Option<PathBuf>,
     /// At the end, count calls and errors per call (as `strace -c`).
     #[arg(long)]
     pub summary: bool,
@@ -1471,5 +1476,79 @@ mod tests {
         assert!(!help.contains("supervise"), "{help}");
         assert!(help.contains("status") && help.contains("exec") && help.contains("stop"));
         assert!(help.contains("probe") && help.contains("trace") && help.contains("graph"));
+    }
+
+    #[test]
+    fn record_and_convert_parse() {
+        let cli = Cli::try_parse_from(["hvtrace", "record"]).unwrap();
+        let Command::Record(args) = cli.command else {
+            panic!("not record");
+        };
+        assert_eq!(args.output, PathBuf::from("trace.dat"));
+        assert!(!args.no_sched && args.duration.is_none() && args.also_json.is_none());
+        let cli = Cli::try_parse_from([
+            "hvtrace",
+            "record",
+            "-o",
+            "x.dat",
+            "--probe",
+            "p vfs_read",
+            "--function",
+            "vfs_*",
+            "--graph",
+            "vfs_read",
+            "--graph-comm",
+            "dd",
+            "--no-sched",
+            "--duration",
+            "2.5",
+        ])
+        .unwrap();
+        let Command::Record(args) = cli.command else {
+            panic!("not record");
+        };
+        assert_eq!(
+            (
+                args.output.to_str(),
+                args.probes.len(),
+                args.functions.len()
+            ),
+            (Some("x.dat"), 1, 1)
+        );
+        assert_eq!(args.graph_filter.comm.as_deref(), Some("dd"));
+        assert!(args.no_sched && args.duration == Some(2.5));
+        let cli = Cli::try_parse_from([
+            "hvtrace", "convert", "l.jsonl", "-o", "t.dat", "--cpus", "4",
+        ])
+        .unwrap();
+        let Command::Convert(args) = cli.command else {
+            panic!("not convert");
+        };
+        assert_eq!((args.cpus, args.kallsyms), (4, None));
+        // convert needs its output.
+        assert!(Cli::try_parse_from(["hvtrace", "convert", "l.jsonl"]).is_err());
+        // trace: --sched and --no-sched exclude each other.
+        assert!(Cli::try_parse_from(["hvtrace", "trace", "--sched", "--no-sched"]).is_err());
+        // syscalls --trace-dat does not go with --summary.
+        assert!(
+            Cli::try_parse_from(["hvtrace", "syscalls", "--summary", "--trace-dat", "x"]).is_err()
+        );
+        let cli = Cli::try_parse_from([
+            "hvtrace",
+            "run",
+            "--sched",
+            "--format",
+            "trace-dat",
+            "--output",
+            "r.dat",
+            "--exec",
+            "true",
+        ])
+        .unwrap();
+        let Command::Run(args) = cli.command else {
+            panic!("not run");
+        };
+        assert!(args.sched && args.traces());
+        assert_eq!(args.format, Some(OutputFormatArg::TraceDat));
     }
 }

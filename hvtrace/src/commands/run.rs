@@ -495,17 +495,24 @@ fn trace_while_running(
 /// while the commands run, one line per call as `hvtrace syscalls`
 /// prints them; then stops the VM.
 fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
+    // A trace.dat goes to --output; the lines then go to stdout.
+    let dat = args.format == Some(OutputFormatArg::TraceDat);
     let json = match args.format {
-        None | Some(OutputFormatArg::Text) => false,
+        None | Some(OutputFormatArg::Text | OutputFormatArg::TraceDat) => false,
         Some(OutputFormatArg::Json) => true,
-        Some(other) => bail!("--syscalls prints text or json, not {other:?}"),
+        Some(other) => bail!("--syscalls prints text, json or a trace.dat, not {other:?}"),
     };
     let format = if json {
         protocol::TraceFormat::Json
     } else {
         protocol::TraceFormat::Text
     };
-    let sink = trace_read::sink(args.output.as_deref(), format)?;
+    let dat_out = match (dat, args.output.as_deref()) {
+        (true, Some(path)) => Some(TraceOutput::trace_dat(path)?),
+        (true, None) => bail!("--format trace-dat writes a file: give it with --output FILE"),
+        (false, _) => None,
+    };
+    let sink = trace_read::sink(if dat { None } else { args.output.as_deref() }, format)?;
     let shown = SyscallsArgs {
         names: vec![names.to_string()],
         comm: args.count_comm.clone(),
@@ -516,6 +523,7 @@ fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
         list: false,
         duration: None,
         exec: None,
+        trace_dat: None,
     };
     count::check_comm(shown.comm.as_deref())?;
     let cfg = args.resolve()?;
@@ -535,12 +543,24 @@ fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
         armed.folds.clone(),
         sink,
     )));
-    let mut out = TraceOutput::copy(syscalls::pair_writer(pairer.clone()));
     let format = protocol::TraceFormat::Json;
     trace_read::start_trace(&mut control, format).context("cannot start the trace")?;
+    let mut out = match dat_out {
+        Some(out) => {
+            let mut out = out.with_json_copy(syscalls::pair_writer(pairer.clone()));
+            out.learn(&mut control);
+            out
+        }
+        None => TraceOutput::copy(syscalls::pair_writer(pairer.clone())),
+    };
     let reader = TraceReader::new(format).with_source(Some(0));
     let traced = trace_while_running(&vm, &args.exec, control, reader, &mut out, None, false);
-    out.finish(None).context("cannot write the trace")?;
+    if let Some(summary) = out
+        .finish(Some(&mut vm.control()))
+        .context("cannot write the trace")?
+    {
+        eprintln!("hvtrace: {}", summary.line());
+    }
     let traced = traced?;
     let calls: u64 = pairer
         .lock()

@@ -1095,7 +1095,16 @@ pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
         folds,
         Box::new(std::io::stdout()),
     )));
-    let mut out = TraceOutput::copy(Box::new(PairWriter(pairer.clone())));
+    let mut out = match &args.trace_dat {
+        Some(path) => {
+            // The probes' lines go to the file, and on to the pairer.
+            let mut out =
+                TraceOutput::trace_dat(path)?.with_json_copy(Box::new(PairWriter(pairer.clone())));
+            out.learn(&mut client);
+            out
+        }
+        None => TraceOutput::copy(Box::new(PairWriter(pairer.clone()))),
+    };
     let start = Instant::now();
     let duration = args.duration.map(Duration::from_secs_f64);
     let end = if let Some(cmd) = &args.exec {
@@ -1129,9 +1138,15 @@ pub fn syscalls(socket: &Path, args: &SyscallsArgs) -> Result<u8> {
             &stop,
         )
     };
+    // The file is written while the VM and its probes are still there.
+    let vm_alive = !matches!(end, Ok(CopyEnd::VmEnded(_)));
+    let written = out.finish(vm_alive.then_some(&mut client as &mut dyn Control));
     delete(&mut client, &added);
     ungate(&mut client, gated);
     drop(pairer);
+    if let Some(summary) = written? {
+        eprintln!("hvtrace: {}", summary.line());
+    }
     match end? {
         CopyEnd::VmEnded(why) => {
             eprintln!("hvtrace: {}", term::sanitize(&why));
@@ -1239,6 +1254,7 @@ mod tests {
             pid: None,
             failed,
             json,
+            trace_dat: None,
             summary: false,
             list: false,
             duration: None,
