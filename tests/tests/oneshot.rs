@@ -10,7 +10,7 @@
 
 use std::process::Command;
 
-use hvtrace_tests::{hvtrace_bin, hypervisor_image, vm_lock, Checks};
+use hvtrace_tests::{hvtrace_bin, hypervisor_image, vm_lock, Checks, DD_READ_GRAPH};
 
 /// Runs `hvtrace run ARGS --hypervisor IMAGE` and returns (status,
 /// stdout, stderr).
@@ -36,34 +36,25 @@ fn one_shot_graph_to_chrome() {
     std::fs::create_dir_all(&dir).expect("temporary directory");
     let out_file = dir.join("graph.json");
     let out_path = out_file.to_string_lossy().into_owned();
-    let (status, _, stderr) = hvtrace_run(&[
-        "--guest",
-        "fast",
-        "--graph",
-        "vfs_read",
-        "--graph-trace",
-        "vfs_read",
-        "--graph-trace",
-        "shmem_*",
-        "--graph-trace",
-        "folio_*",
-        "--graph-trace",
-        "touch_atime",
-        "--graph-comm",
-        "dd",
-        "--graph-retval",
-        "--probe",
-        "r:readret vfs_read ret=$retval:x64",
-        "--sched",
-        "--exec",
-        "dd if=/etc/hostname of=/dev/null bs=64 count=1",
-        "--exec",
-        "dd if=/etc/hostname of=/dev/null bs=64 count=1",
-        "--format",
-        "chrome",
-        "--output",
-        &out_path,
-    ]);
+    let args: Vec<&str> = ["--guest", "fast"]
+        .iter()
+        .chain(DD_READ_GRAPH)
+        .copied()
+        .chain([
+            "--probe",
+            "r:readret vfs_read ret=$retval:x64",
+            "--sched",
+            "--exec",
+            "dd if=/etc/hostname of=/dev/null bs=64 count=1",
+            "--exec",
+            "dd if=/etc/hostname of=/dev/null bs=64 count=1",
+            "--format",
+            "chrome",
+            "--output",
+            &out_path,
+        ])
+        .collect();
+    let (status, _, stderr) = hvtrace_run(&args);
     println!("hvtrace run: {status}\n{stderr}");
     let mut ck = Checks::new();
     ck.check(

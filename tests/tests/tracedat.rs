@@ -36,7 +36,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hvtrace_tests::{
-    guest_exec, hv_call, hv_status, hvtrace_bin, vm_lock, Checks, Detached, TRACEFS,
+    guest_exec, hv_call, hv_status, hvtrace_bin, vm_lock, Checks, Detached, DD_READ_GRAPH, TRACEFS,
 };
 use serde_json::Value;
 
@@ -315,25 +315,8 @@ fn record_matches_our_json_lines(vm: &Detached, dir: &Path, checks: &mut Checks)
         .arg(&dat)
         .arg("--also-json")
         .arg(&jsonl)
-        .args([
-            "--probe",
-            PROBE,
-            "--function",
-            "vfs_*",
-            "--graph",
-            "vfs_read",
-            "--graph-trace",
-            "vfs_read",
-            "--graph-trace",
-            "shmem_*",
-            "--graph-trace",
-            "folio_*",
-            "--graph-trace",
-            "touch_atime",
-            "--graph-comm",
-            "dd",
-            "--graph-retval",
-        ])
+        .args(["--probe", PROBE, "--function", "vfs_*"])
+        .args(DD_READ_GRAPH)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&err).unwrap())
