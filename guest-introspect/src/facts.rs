@@ -281,6 +281,9 @@ pub struct TaskSched {
     /// Its `exit_state` (zombie, dead), when the layout has it and it
     /// reads.
     pub exit_state: Option<u32>,
+    /// The CPU it is on (`task_cpu()`), when the layout has it and it
+    /// reads.
+    pub cpu: Option<u32>,
 }
 
 /// Reads the task at `task`: pid and comm (which must read), prio and
@@ -316,12 +319,18 @@ pub fn task_sched<V: VirtMemory + ?Sized>(
             .ok()
             .map(u32::from_le_bytes)
     });
+    let cpu = layout.cpu.and_then(|off| {
+        read_array(view, task.wrapping_add(u64::from(off)))
+            .ok()
+            .map(u32::from_le_bytes)
+    });
     Ok(TaskSched {
         pid,
         comm,
         prio,
         state,
         exit_state,
+        cpu,
     })
 }
 

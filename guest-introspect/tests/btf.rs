@@ -48,6 +48,7 @@ fn nested_anonymous_members() {
                 // The synthetic task_struct's `__state`, an int at 0.
                 state: Some((0, 4)),
                 exit_state: None,
+                cpu: None,
             }
         );
         // A bitfield member reports its width and has no byte offset.

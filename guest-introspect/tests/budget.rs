@@ -165,6 +165,7 @@ const TASK: TaskLayout = TaskLayout {
     prio: None,
     state: Some((0, 4)),
     exit_state: None,
+    cpu: None,
 };
 
 fn mixed(n: usize) -> Vec<Decoy> {

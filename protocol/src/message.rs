@@ -248,13 +248,17 @@ pub enum Request {
         /// Where this page starts.
         offset: u64,
     },
-    /// Records the scheduler's task switches (`switch`), as the kernel's
-    /// `sched/sched_switch` events, from root's hook on the scheduler's
-    /// switch path (the quiet views' hook, placed for this too): one VM
-    /// exit per switch while on. Answered by [`Response::Ok`].
+    /// Records the scheduler's task switches (`switch`) and wakeups
+    /// (`wakeup`), as the kernel's `sched/sched_switch` and
+    /// `sched/sched_wakeup` events, from root's hooks on the scheduler's
+    /// switch path (the quiet views' hook, placed for this too) and on
+    /// `try_to_wake_up`: one VM exit per switch, and one per wakeup call,
+    /// while on. Answered by [`Response::Ok`].
     Sched {
-        /// On or off.
+        /// Switches on or off.
         switch: bool,
+        /// Wakeups on or off.
+        wakeup: bool,
     },
 }
 

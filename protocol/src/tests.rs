@@ -202,7 +202,10 @@ fn samples() -> Vec<Body> {
             session: Some(3),
         }),
         Body::Request(Request::Kallsyms { offset: 4000 }),
-        Body::Request(Request::Sched { switch: true }),
+        Body::Request(Request::Sched {
+            switch: true,
+            wakeup: false,
+        }),
         Body::Response(Response::Kallsyms {
             text: "ffffffff81000000 T _stext\nffffffffc0000000 t f\t[ext4]\n".into(),
             next: Some(4057),

@@ -16,12 +16,13 @@
 //! - `report --cpu 1` shows CPU 1's events only, among them the `dd` run
 //!   on CPU 1; `trace-cmd convert` to version 7 succeeds and reports the
 //!   same lines.
-//! - `sched_switch_oracle_and_cost`: with our `sched_switch` events and
-//!   the guest's own on at once, a pipe ping-pong pinned to CPU 0
-//!   (`hvbench switch`) gives the same switches in both, in the same order,
-//!   with the same pids, comms and states; then the cost per switch of ours
-//!   and of the guest's, each alone, against the bare ping-pong, and the
-//!   VM exits ours takes per switch.
+//! - `sched_switch_oracle_and_cost`: with our `sched_switch` and
+//!   `sched_wakeup` events and the guest's own on at once, a pipe
+//!   ping-pong pinned to CPU 0 (`hvbench switch`) gives the same switches
+//!   in both, in the same order, with the same pids, comms and states, and
+//!   the same wakeups of each task by the other; then the cost per switch
+//!   of our switches and of the guest's, each alone, against the bare
+//!   ping-pong, and the VM exits ours take per switch.
 //! - `syscalls_to_trace_dat`: `hvtrace syscalls --trace-dat` writes the
 //!   calls' entry and return events, which trace-cmd reports with the
 //!   file name read and the descriptor returned, as our line shows them.
@@ -174,6 +175,18 @@ fn expected_raw(v: &Value) -> Option<(String, Vec<(String, String)>)> {
                     ("next_comm".into(), s("next_comm")),
                     ("next_pid".into(), n("next_pid")),
                     ("next_prio".into(), n("next_prio")),
+                ],
+            )
+        }
+        "sched_wakeup" => {
+            let n = |k: &str| v.get(k).map(Value::to_string).unwrap_or_default();
+            (
+                "sched_wakeup".into(),
+                vec![
+                    ("comm".into(), s("target_comm")),
+                    ("pid".into(), n("target_pid")),
+                    ("prio".into(), n("target_prio")),
+                    ("target_cpu".into(), n("target_cpu")),
                 ],
             )
         }
@@ -568,6 +581,26 @@ fn guest_switches(trace: &str) -> Vec<Switch> {
         .collect()
 }
 
+/// One wakeup: (waker pid, woken pid, woken comm, target CPU).
+type Wakeup = (i64, i64, String, i64);
+
+/// The guest's own sched_wakeup lines, as tracefs prints them.
+fn guest_wakeups(trace: &str) -> Vec<Wakeup> {
+    parse_report(trace)
+        .into_iter()
+        .filter(|r| r.event == "sched_wakeup")
+        .filter_map(|r| {
+            let f = raw_fields(&r.rest);
+            Some((
+                r.pid,
+                f.get("pid")?.parse().ok()?,
+                f.get("comm")?.clone(),
+                f.get("target_cpu")?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
 /// The VMCALL exits of every vCPU so far.
 fn vmcalls(c: &mut hvtrace::client::Client) -> u64 {
     hv_status(c).per_vcpu.iter().map(|v| v.vmcalls).sum()
@@ -590,24 +623,45 @@ fn sched_switch_oracle_and_cost(vm: &Detached, checks: &mut Checks) {
         other => panic!("{other:?}"),
     };
     // Both tracers at once over a short ping-pong on CPU 0.
-    let on = hv_call(&mut c, protocol::Request::Sched { switch: true });
+    let sched = |on: bool| protocol::Request::Sched {
+        switch: on,
+        wakeup: on,
+    };
+    let on = hv_call(&mut c, sched(true));
     checks.eq("sched on", on, protocol::Response::Ok);
     let out = guest_exec(
         &mut c,
         &format!(
             "cd {TRACEFS} && echo > trace && echo 1 > events/sched/sched_switch/enable && \
-             taskset 1 hvbench switch 200; echo 0 > events/sched/sched_switch/enable"
+             echo 1 > events/sched/sched_wakeup/enable && \
+             taskset 1 hvbench switch 200; echo 0 > events/sched/sched_switch/enable; \
+             echo 0 > events/sched/sched_wakeup/enable"
         ),
     );
-    let off = hv_call(&mut c, protocol::Request::Sched { switch: false });
+    let off = hv_call(&mut c, sched(false));
     checks.eq("sched off", off, protocol::Response::Ok);
     checks.check(
         ns_per_switch(&out).is_some(),
         format!("ping-pong ran: {out}"),
     );
-    let theirs = guest_switches(&guest_exec(&mut c, &format!("cat {TRACEFS}/trace")));
+    let guest_trace = guest_exec(&mut c, &format!("cat {TRACEFS}/trace"));
+    let theirs = guest_switches(&guest_trace);
+    let their_wakeups = guest_wakeups(&guest_trace);
     let mut stream = hvtrace_tests::Stream::of(0, json, cursor);
     let lines = stream.read(&mut c);
+    let our_wakeups: Vec<Wakeup> = lines
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["kind"] == "sched_wakeup")
+        .map(|v| {
+            (
+                v["pid"].as_i64().unwrap_or(-1),
+                v["target_pid"].as_i64().unwrap_or(-1),
+                v["target_comm"].as_str().unwrap_or("").to_string(),
+                v["target_cpu"].as_i64().unwrap_or(-1),
+            )
+        })
+        .collect();
     let ours: Vec<Switch> = lines
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
@@ -659,6 +713,42 @@ fn sched_switch_oracle_and_cost(vm: &Detached, checks: &mut Checks) {
         ),
     );
     checks.eq("no loss", stream.lost, 0);
+    // The wakeups of one ping-pong task by the other.
+    let pingpong: Vec<i64> = ours_hv.iter().flat_map(|s| [s.0, s.3]).collect();
+    let of_pingpong = |list: &[Wakeup]| -> Vec<Wakeup> {
+        list.iter()
+            .filter(|w| pingpong.contains(&w.0) && pingpong.contains(&w.1))
+            .cloned()
+            .collect()
+    };
+    let (ours_w, theirs_w) = (of_pingpong(&our_wakeups), of_pingpong(&their_wakeups));
+    println!(
+        "sched_wakeup: ours {} ({} within the ping-pong), the guest's {} ({})",
+        our_wakeups.len(),
+        ours_w.len(),
+        their_wakeups.len(),
+        theirs_w.len()
+    );
+    checks.check(
+        theirs_w.len() >= 300,
+        format!("the guest saw the ping-pong's wakeups: {}", theirs_w.len()),
+    );
+    let first_difference = ours_w
+        .iter()
+        .zip(&theirs_w)
+        .position(|(a, b)| a != b)
+        .or((ours_w.len() != theirs_w.len()).then_some(ours_w.len().min(theirs_w.len())));
+    checks.check(
+        first_difference.is_none(),
+        format!(
+            "the ping-pong's wakeups: ours ({}) = the guest's ({}); first difference at {:?}: ours {:?}, the guest's {:?}",
+            ours_w.len(),
+            theirs_w.len(),
+            first_difference,
+            first_difference.map(|i| &ours_w[i.saturating_sub(2)..(i + 3).min(ours_w.len())]),
+            first_difference.map(|i| &theirs_w[i.saturating_sub(2)..(i + 3).min(theirs_w.len())]),
+        ),
+    );
 
     // The cost per switch: bare, ours alone, the guest's alone.
     const N: u32 = 2000;
@@ -667,11 +757,17 @@ fn sched_switch_oracle_and_cost(vm: &Detached, checks: &mut Checks) {
         ns_per_switch(&out).unwrap_or(0)
     };
     let bare = run(&mut c, "");
-    hv_call(&mut c, protocol::Request::Sched { switch: true });
+    hv_call(
+        &mut c,
+        protocol::Request::Sched {
+            switch: true,
+            wakeup: false,
+        },
+    );
     let before = vmcalls(&mut c);
     let with_ours = run(&mut c, "");
     let exits = vmcalls(&mut c) - before;
-    hv_call(&mut c, protocol::Request::Sched { switch: false });
+    hv_call(&mut c, sched(false));
     let _ = stream.read(&mut c);
     let with_guests = run(
         &mut c,

@@ -33,6 +33,8 @@ pub const FUNCTION_ID: u32 = 0;
 /// The probe id of scheduler switch events ([`kprobe::SwitchValues`]):
 /// outside the probes' ids and the graph events' (`0xffff_feXX` and up).
 pub const SCHED_SWITCH_ID: u32 = 0xffff_fd01;
+/// The probe id of scheduler wakeup events ([`kprobe::WakeupValues`]).
+pub const SCHED_WAKEUP_ID: u32 = 0xffff_fd02;
 /// Text per `TraceText` event, so that a frame stays under `MAX_FRAME`.
 pub const TRACE_TEXT_BUDGET: usize = 2800;
 /// How long (hypervisor time) a graph entry is held back for a leaf line
@@ -391,6 +393,13 @@ pub fn write_plain(
         match format {
             TraceFormat::Json => kprobe::write_switch_json(out, ev),
             _ => kprobe::write_switch_text(out, ev),
+        }
+        return;
+    }
+    if ev.header.probe_id == SCHED_WAKEUP_ID {
+        match format {
+            TraceFormat::Json => kprobe::write_wakeup_json(out, ev),
+            _ => kprobe::write_wakeup_text(out, ev),
         }
         return;
     }

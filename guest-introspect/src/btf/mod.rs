@@ -996,6 +996,9 @@ pub struct TaskLayout {
     pub state: Option<(u32, u32)>,
     /// Byte offset of `exit_state` (a 4-byte int), when the type has it.
     pub exit_state: Option<u32>,
+    /// Byte offset of the CPU the task is on (`task_cpu()`): `cpu`, in
+    /// `thread_info` on x86 since 5.16 and in `task_struct` before.
+    pub cpu: Option<u32>,
 }
 
 /// `task_struct.pid` and `task_struct.comm`, checked: `pid` must be a 4-byte
@@ -1042,6 +1045,10 @@ pub async fn task_layout_paced<V: VirtMemory + ?Sized>(
     let exit_state = int_member(btf, &task, "exit_state", &[4], pace)
         .await
         .map(|(off, _)| off);
+    let cpu = match int_member(btf, &task, "cpu", &[4], pace).await {
+        Some((off, _)) => Some(off),
+        None => thread_info_cpu(btf, &task, pace).await,
+    };
     Ok(TaskLayout {
         pid: pid.byte_offset().ok_or(BtfError::UnexpectedType("pid"))?,
         comm: comm.byte_offset().ok_or(BtfError::UnexpectedType("comm"))?,
@@ -1051,7 +1058,24 @@ pub async fn task_layout_paced<V: VirtMemory + ?Sized>(
         prio,
         state,
         exit_state,
+        cpu,
     })
+}
+
+/// The offset of `task_struct.thread_info.cpu` (a 4-byte integer), when
+/// the type has it.
+async fn thread_info_cpu<V: VirtMemory + ?Sized>(
+    btf: &Btf<'_, V>,
+    task: &TypeInfo,
+    pace: &Budget,
+) -> Option<u32> {
+    let ti = btf.member_paced(task, "thread_info", pace).await.ok()?;
+    let ti_type = btf.resolve_paced(ti.type_id, pace).await.ok()?;
+    if ti_type.kind != Kind::Struct {
+        return None;
+    }
+    let (off, _) = int_member(btf, &ti_type, "cpu", &[4], pace).await?;
+    ti.byte_offset()?.checked_add(off)
 }
 
 /// The offset and size of `ty`'s member `name` when it is an integer of

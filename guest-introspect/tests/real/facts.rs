@@ -71,6 +71,8 @@ fn debian_btf_task_layout() {
     assert_eq!(layout.state, Some((stack - 8, 4)), "{layout:?}");
     let prio = layout.prio.unwrap();
     assert!(layout.exit_state.unwrap() > prio, "{layout:?}");
+    // thread_info's cpu, after flags, syscall_work and status (6.1, x86).
+    assert_eq!(layout.cpu, Some(20), "{layout:?}");
     assert!(
         prio > stack && prio < layout.pid && prio.is_multiple_of(4),
         "{layout:?}"
@@ -121,6 +123,7 @@ fn discover_fast_lane_with_btf() {
         "implausible task layout {task:?}"
     );
     assert_eq!(task.comm_len, 16);
+    assert_eq!(task.cpu, Some(20), "thread_info.cpu: {task:?}");
     let (state, size) = task.state.unwrap();
     assert_eq!(size, 4, "6.12's __state is an unsigned int");
     assert!(
@@ -187,6 +190,7 @@ fn running_task_from_gs_base() {
         prio: None,
         state: None,
         exit_state: None,
+        cpu: None,
     };
     let cur = CurrentTask {
         percpu_offset: 0x1fb80,

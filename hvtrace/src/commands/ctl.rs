@@ -246,14 +246,18 @@ pub fn add_functions(control: &mut dyn Control, glob: &str) -> Result<String> {
     }
 }
 
-/// Turns the scheduler's switch events on or off; returns the one-line
-/// summary.
+/// Turns the scheduler's switch and wakeup events on or off; returns the
+/// one-line summary.
 pub fn sched_events(control: &mut dyn Control, on: bool) -> Result<String> {
-    match control.request(Request::Sched { switch: on }, PROBE_TIMEOUT)? {
+    let request = Request::Sched {
+        switch: on,
+        wakeup: on,
+    };
+    match control.request(request, PROBE_TIMEOUT)? {
         Response::Ok => Ok(if on {
-            "scheduler switches recorded".to_string()
+            "scheduler switches and wakeups recorded".to_string()
         } else {
-            "scheduler switches no longer recorded".to_string()
+            "scheduler switches and wakeups no longer recorded".to_string()
         }),
         other => Err(response_error(other)),
     }

@@ -13,7 +13,8 @@
 //!   named `CPUs` (a complete `X` slice per task run, named after the task)
 //!   and, for each task, a state track beside its calls (`Running`, or the
 //!   state it was switched out in: `S`, `D`, `R` ...) from one switch to
-//!   the next;
+//!   the next; a wakeup (`sched_wakeup`) is an instant on the woken task's
+//!   state track, after which it is runnable;
 //! - counts and histograms sampled over time ([`Chrome::counter`]) become
 //!   counter tracks (`ph` `C`) in a process named `counts`.
 //!
@@ -79,6 +80,8 @@ enum Kind {
     Instant(&'static str, Json),
     /// A task switch on a CPU.
     Switch(Switched),
+    /// A task woken, with its comm and CPU.
+    Wakeup(TaskKey, usize, i64),
 }
 
 /// A task switch: the tasks and the state the outgoing one left in.
@@ -141,6 +144,8 @@ pub struct ChromeSummary {
     pub instants: u64,
     /// Task switches.
     pub switches: u64,
+    /// Wakeups.
+    pub wakeups: u64,
     /// Counter samples.
     pub counters: u64,
     /// Returns dropped because no open call matched them.
@@ -182,6 +187,9 @@ impl ChromeSummary {
                 &format!(", {}", plural(self.switches, "task switch"))
                     .replace("switchs", "switches"),
             );
+        }
+        if self.wakeups > 0 {
+            line.push_str(&format!(", {}", plural(self.wakeups, "wakeup")));
         }
         if self.counters > 0 {
             line.push_str(&format!(", {}", plural(self.counters, "counter sample")));
@@ -337,6 +345,19 @@ impl Chrome {
                 };
                 (Kind::Switch(switched), Some("sched_switch"))
             }
+            Some("sched_wakeup") => {
+                let cpu = value.get("cpu").and_then(Json::as_u64).unwrap_or(0);
+                let Some(pid) = value.get("target_pid").and_then(Json::as_i64) else {
+                    self.malformed += 1;
+                    return;
+                };
+                let comm = self.intern(str_of("target_comm").unwrap_or(""));
+                let target = value.get("target_cpu").and_then(Json::as_i64).unwrap_or(-1);
+                (
+                    Kind::Wakeup(TaskKey::new(pid, cpu), comm, target),
+                    Some("sched_wakeup"),
+                )
+            }
             _ => {
                 self.other_lines += 1;
                 return;
@@ -396,6 +417,10 @@ impl Chrome {
                     Kind::Switch(sw) => {
                         note(sw.prev, sw.prev_comm, true);
                         note(sw.next, sw.next_comm, true);
+                    }
+                    Kind::Wakeup(task, comm, _) => {
+                        note(e.task, e.comm, false);
+                        note(*task, *comm, true);
                     }
                     _ => note(e.task, e.comm, false),
                 }
@@ -465,12 +490,41 @@ impl Chrome {
                 }
                 continue;
             }
+            if let Kind::Wakeup(woken, _, target_cpu) = &e.kind {
+                summary.wakeups += 1;
+                let ts = e.ts_ns;
+                // Asleep until now, runnable from now.
+                if let Some((state, since)) = states.get(woken).cloned() {
+                    if state != "Running" {
+                        doc.event(&state_slice(&state, *woken, since, ts))?;
+                        states.insert(*woken, ("R".into(), ts));
+                    }
+                }
+                let by = format!("{}-{}", self.strings[e.comm], e.task.pid);
+                doc.event(&json::object([
+                    ("name", json::str("wakeup")),
+                    ("cat", json::str("sched")),
+                    ("ph", json::str("i")),
+                    ("s", json::str("t")),
+                    ("ts", micros(ts)),
+                    ("pid", json::int(woken.pid)),
+                    ("tid", json::int(woken.tid() + STATE_TID)),
+                    (
+                        "args",
+                        json::object([
+                            ("by", json::str(by)),
+                            ("target_cpu", json::int(*target_cpu)),
+                        ]),
+                    ),
+                ]))?;
+                continue;
+            }
             let task = tasks.entry(e.task).or_default();
             task.last_ts = task.last_ts.max(e.ts_ns);
             let ts = task.last_ts;
             let func = &self.strings[e.func];
             match e.kind {
-                Kind::Switch(_) => {}
+                Kind::Switch(_) | Kind::Wakeup(..) => {}
                 Kind::Instant(cat, args) => {
                     summary.instants += 1;
                     doc.event(&json::object([
@@ -1046,6 +1100,7 @@ mod tests {
             r#"{"ts":"0","ts_ns":1200,"cpu":0,"pid":90,"comm":"dd","group":"kprobes","event":"myopen","kind":"kprobe","ip":"0xffffffff81300000","probe":"do_sys_openat2+0x0/0x150","args":{"dfd":-100,"filename":"/etc/hostname"}}"#.to_string(),
             r#"{"ts":"0","ts_ns":1300,"cpu":0,"pid":90,"comm":"dd","kind":"function","func":"vfs_open","parent":"path_openat+0x6d/0xf0","ip":"0x1","parent_ip":"0x2"}"#.to_string(),
             switch(1_400, 0, (90, "dd", "D"), (0, "swapper/0")),
+            r#"{"ts":"0","ts_ns":1800,"cpu":0,"pid":0,"comm":"swapper/0","kind":"sched_wakeup","target_comm":"dd","target_pid":90,"target_prio":120,"target_cpu":0}"#.to_string(),
             switch(1_900, 0, (0, "swapper/0", "R"), (90, "dd")),
             ret(2_000, 90, "dd", "vfs_read", 0, 900),
             switch(2_500, 1, (0, "swapper/1", "R"), (91, "cat")),
@@ -1071,7 +1126,7 @@ mod tests {
         );
         assert_eq!(
             summary.line(),
-            "chrome trace: 1 call in 4 tasks, 2 probe or function hits, 4 task switches, 2 counter samples"
+            "chrome trace: 1 call in 4 tasks, 2 probe or function hits, 4 task switches, 1 wakeup, 2 counter samples"
         );
         let of = |ph: &str| -> Vec<&serde_json::Value> {
             events(&doc).iter().filter(|e| e["ph"] == ph).collect()
@@ -1108,7 +1163,7 @@ mod tests {
             cpu0,
             [("dd", 1.0, 0.4), ("<idle>", 1.4, 0.5), ("dd", 1.9, 0.6)]
         );
-        // dd's state: running, blocked in D, running again.
+        // dd's state: running, blocked in D, woken, running again.
         let dd: Vec<_> = slices
             .iter()
             .filter(|s| s.0 == 90 && s.1 == 90 + STATE_TID)
@@ -1118,9 +1173,15 @@ mod tests {
             dd,
             [
                 ("Running", 1.0, 0.4),
-                ("Uninterruptible (D)", 1.4, 0.5),
+                ("Uninterruptible (D)", 1.4, 0.4),
+                ("Runnable (R)", 1.8, 0.1),
                 ("Running", 1.9, 0.6)
             ]
+        );
+        let wakeup = events(&doc).iter().find(|e| e["name"] == "wakeup").unwrap();
+        assert_eq!(
+            (wakeup["tid"].as_i64(), wakeup["args"]["by"].as_str()),
+            (Some(90 + STATE_TID), Some("swapper/0-0"))
         );
         // No two slices of one track overlap.
         let mut tracks: BTreeMap<(i64, i64), Vec<(f64, f64)>> = BTreeMap::new();

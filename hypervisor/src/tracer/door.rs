@@ -140,8 +140,9 @@ impl Tracer<'_> {
             }
             Request::FunctionClear => self.function_clear(env).map(|()| Response::Ok),
             // The settling that follows puts the scheduler hook in or out.
-            Request::Sched { switch } => {
+            Request::Sched { switch, wakeup } => {
                 self.vm.quiet.sched_switch = switch;
+                self.vm.quiet.sched_wakeup = wakeup;
                 Ok(Response::Ok)
             }
             Request::CountStart(filter) => {

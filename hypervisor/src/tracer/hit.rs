@@ -532,6 +532,11 @@ impl<'a> Hit<'a> {
             // calls made under the old name up to the rename are still
             // its; the next switch picks the view for a name no filter
             // admits.
+            SwitchHook::Wakeup => {
+                if self.vm.quiet.sched_wakeup {
+                    self.record_wakeup(regs, cpu, k, now_ns);
+                }
+            }
             SwitchHook::Comm => {
                 let running = k.current(cpu);
                 let mut name = [0u8; 16];
@@ -579,6 +584,47 @@ impl<'a> Hit<'a> {
         };
         let header = EventHeader {
             probe_id: tracelang::render::SCHED_SWITCH_ID,
+            cpu: k.cpu_number(cpu).unwrap_or(self.cpu.index as u32),
+            pid,
+            timestamp_ns: now_ns,
+            ip: regs.ip.wrapping_sub(5),
+            ret_ip: 0,
+            comm,
+        };
+        let mut ring = self.vm.stream.rings.lock(self.cpu.index);
+        store_parts(&mut ring, &mut self.cpu.record, &header, &values.values());
+    }
+
+    /// A `sched_wakeup` event at `try_to_wake_up(p, state, flags)`'s entry,
+    /// when `p` is in one of the states the call wakes (`p->__state &
+    /// state`: the kernel's own test; a task not in them is not woken and
+    /// has no event). The record's task is the waker (`current`); its
+    /// values are the wakee's pid, comm, prio and CPU. The CPU is the one
+    /// the task is on at the call, where the kernel reports the one it
+    /// chose (the same unless the wakeup moves the task).
+    fn record_wakeup(&mut self, regs: &PtRegs, cpu: &CpuView, k: &dyn KernelView, now_ns: u64) {
+        let Some(p) = k.task_sched(regs.di) else {
+            return;
+        };
+        if p.state.unwrap_or(0) & regs.si == 0 {
+            return;
+        }
+        let Running { pid, comm, .. } = k.current(cpu).unwrap_or(Running::UNKNOWN);
+        let n = p.comm.iter().position(|&c| c == 0).unwrap_or(p.comm.len());
+        let mut wakee_comm = alloc::vec::Vec::new();
+        let name = p.comm.get(..n).unwrap_or_default();
+        if guest_introspect::fallible::try_extend_from_slice(&mut wakee_comm, name).is_err() {
+            self.vm.stream.rings.lock(self.cpu.index).count_lost();
+            return;
+        }
+        let values = tracelang::kprobe::WakeupValues {
+            pid: p.pid,
+            comm: wakee_comm,
+            prio: p.prio.unwrap_or(-1),
+            target_cpu: p.cpu.map_or(-1, |c| c as i32),
+        };
+        let header = EventHeader {
+            probe_id: tracelang::render::SCHED_WAKEUP_ID,
             cpu: k.cpu_number(cpu).unwrap_or(self.cpu.index as u32),
             pid,
             timestamp_ns: now_ns,

@@ -82,6 +82,11 @@ pub(super) struct QuietState {
     /// ([`protocol::Request::Sched`]): the scheduler hook stays in for
     /// them too.
     pub(super) sched_switch: bool,
+    /// Wakeups are recorded as `sched_wakeup` events: root's hook on
+    /// `try_to_wake_up` is in while they are.
+    pub(super) sched_wakeup: bool,
+    /// That hook's site, while installed.
+    pub(super) wakeup_site: Option<Gva>,
 }
 
 /// Whether the site patched by `p` matters everywhere (it is not
@@ -203,6 +208,13 @@ impl Tracer<'_> {
         }
         if let (true, None, Some(k)) = (hook, self.vm.quiet.switch_site, k) {
             self.install_switch_hook(k, env, SwitchHook::Schedule);
+        }
+        let wakeups = self.vm.quiet.sched_wakeup;
+        if !wakeups && self.vm.quiet.wakeup_site.is_some() {
+            self.remove_switch_hook(env, SwitchHook::Wakeup);
+        }
+        if let (true, None, Some(k)) = (wakeups, self.vm.quiet.wakeup_site, k) {
+            self.install_switch_hook(k, env, SwitchHook::Wakeup);
         }
         // Renames matter only while views switch at all.
         let switching = self.vm.quiet.switch_site.is_some();
@@ -429,12 +441,10 @@ impl Tracer<'_> {
                         self.vm.quiet.unavailable = false;
                     }
                     SwitchHook::Comm => self.vm.quiet.comm_site = Some(site),
+                    SwitchHook::Wakeup => self.vm.quiet.wakeup_site = Some(site),
                 }
                 env.m.invept();
-                log::info!(
-                    "tracer: {name} hooked at {:#x} to pick the vCPUs' views",
-                    site.0
-                );
+                log::info!("tracer: {name} hooked at {:#x} for root", site.0);
             }
             Err(why) => {
                 if hook == SwitchHook::Schedule {
@@ -442,6 +452,10 @@ impl Tracer<'_> {
                         log::warn!("tracer: {why}: sessions with roots or filters hook their trace sets on every vCPU");
                     }
                     self.vm.quiet.unavailable = true;
+                } else if hook == SwitchHook::Wakeup {
+                    log::warn!("tracer: {why}: no sched_wakeup events");
+                    // Asked once: the next request does not try again.
+                    self.vm.quiet.sched_wakeup = false;
                 } else {
                     log::warn!("tracer: {why}: a task renamed into a comm filter is armed at its next switch");
                 }
@@ -455,6 +469,7 @@ impl Tracer<'_> {
         let slot = match hook {
             SwitchHook::Schedule => &mut self.vm.quiet.switch_site,
             SwitchHook::Comm => &mut self.vm.quiet.comm_site,
+            SwitchHook::Wakeup => &mut self.vm.quiet.wakeup_site,
         };
         let Some(site) = slot.take() else {
             return;

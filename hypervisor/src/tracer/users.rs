@@ -42,16 +42,19 @@ impl ModuleHook {
     }
 }
 
-/// Root's hooks that pick a vCPU's view.
+/// Root's own hooks on the scheduler and on tasks: those that pick a
+/// vCPU's view, and the wakeups' events.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SwitchHook {
     /// The scheduler's `finish_task_switch`, which runs on the incoming
     /// task after every switch (compilers may name it with a suffix,
-    /// `finish_task_switch.isra.0`).
+    /// `finish_task_switch.isra.0`): views, and `sched_switch` events.
     Schedule,
     /// `__set_task_comm`, which renames a task (at exec among others): a
     /// comm filter may admit it under its new name, or no longer.
     Comm,
+    /// `try_to_wake_up(p, state, flags)`: `sched_wakeup` events.
+    Wakeup,
 }
 
 impl SwitchHook {
@@ -60,6 +63,7 @@ impl SwitchHook {
         match self {
             SwitchHook::Schedule => "finish_task_switch",
             SwitchHook::Comm => "__set_task_comm",
+            SwitchHook::Wakeup => "try_to_wake_up",
         }
     }
 }

@@ -138,7 +138,8 @@ pub use parse::{parse, parse_probe, ParseError, ParseErrorKind};
 pub use render::{
     json_line, push_lossy, report_state, state_letter, state_of_letter, text_line,
     write_function_json, write_function_text, write_json, write_switch_json, write_switch_text,
-    write_symbol, write_text, write_value, SwitchValues, FAULT_STRING,
+    write_symbol, write_text, write_value, write_wakeup_json, write_wakeup_text, SwitchValues,
+    WakeupValues, FAULT_STRING,
 };
 pub use spec::*;
 

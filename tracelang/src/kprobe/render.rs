@@ -267,6 +267,93 @@ impl SwitchValues {
     }
 }
 
+/// What a scheduler wakeup record holds besides its header (whose task is
+/// the waker): the woken task's pid, comm, prio and CPU, as the kernel's
+/// `sched_wakeup` reports them. A prio or CPU that did not read is -1.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WakeupValues {
+    /// The woken task's pid.
+    pub pid: i32,
+    /// Its comm.
+    pub comm: alloc::vec::Vec<u8>,
+    /// Its prio.
+    pub prio: i32,
+    /// Its CPU.
+    pub target_cpu: i32,
+}
+
+impl WakeupValues {
+    /// The record's values, in order.
+    pub fn values(&self) -> [FetchedValue; 4] {
+        let int = |value: i32| FetchedValue::Int {
+            ty: IntType::S32,
+            value: u64::from(value as u32),
+        };
+        [
+            int(self.pid),
+            FetchedValue::Str(self.comm.clone()),
+            int(self.prio),
+            int(self.target_cpu),
+        ]
+    }
+
+    /// The values of a record, when they are a wakeup's.
+    pub fn of(ev: &RawEvent) -> Option<WakeupValues> {
+        let int = |v: &FetchedValue| match v {
+            FetchedValue::Int { value, .. } => Some(*value as u32 as i32),
+            _ => None,
+        };
+        match ev.values.as_slice() {
+            [pid, FetchedValue::Str(comm), prio, cpu] => Some(WakeupValues {
+                pid: int(pid)?,
+                comm: comm.clone(),
+                prio: int(prio)?,
+                target_cpu: int(cpu)?,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// A wakeup as the kernel's `sched_wakeup` prints in trace_pipe, in the
+/// waker's context (no newline):
+///
+/// ```text
+///               sh-52      [000]     14.785078: sched_wakeup: comm=dd pid=55 prio=120 target_cpu=000
+/// ```
+pub fn write_wakeup_text(out: &mut String, ev: &RawEvent) {
+    let Some(v) = WakeupValues::of(ev) else {
+        return;
+    };
+    write_context(out, ev);
+    out.push_str("sched_wakeup: comm=");
+    push_lossy(out, &v.comm);
+    let _ = write!(
+        out,
+        " pid={} prio={} target_cpu={:03}",
+        v.pid, v.prio, v.target_cpu
+    );
+}
+
+/// A wakeup as one JSON object (no newline):
+/// `{"ts":..,"ts_ns":..,"cpu":..,"pid":..,"comm":..,"kind":"sched_wakeup",
+/// "target_comm":"dd","target_pid":55,"target_prio":120,"target_cpu":0}`
+/// (`pid` and `comm` are the waker's, as in the kernel's event).
+pub fn write_wakeup_json(out: &mut String, ev: &RawEvent) {
+    let Some(v) = WakeupValues::of(ev) else {
+        return;
+    };
+    let mut scratch = String::new();
+    let mut o = json::Object::begin(out);
+    json_context(&mut o, ev, &mut scratch);
+    o.str("kind", "sched_wakeup");
+    o.bytes("target_comm", &v.comm)
+        .i64("target_pid", i64::from(v.pid))
+        .i64("target_prio", i64::from(v.prio))
+        .i64("target_cpu", i64::from(v.target_cpu));
+    o.end();
+}
+
 /// A task's scheduler state as the kernel's `sched_switch` stores it
 /// (`__trace_sched_switch_state` without preemption, which root cannot
 /// see), from its `__state` and `exit_state`: one bit, that of the highest

@@ -1438,3 +1438,78 @@ fn module_probe_points() {
     let plain = probe("p vfs_read");
     assert_eq!(plain.module, None);
 }
+
+#[test]
+fn scheduler_events_in_the_kernels_format() {
+    let switch = SwitchValues {
+        prev_pid: 52,
+        prev_comm: b"sh".to_vec(),
+        prev_prio: 120,
+        prev_state: report_state(1, 0),
+        next_prio: 100,
+    };
+    // The record's task is the incoming one (`cat`, 123).
+    let (ev, _) = RawEvent::decode(&event(0xffff_fd01, switch.values().to_vec()).encode()).unwrap();
+    assert_eq!(SwitchValues::of(&ev), Some(switch));
+    let mut text = String::new();
+    write_switch_text(&mut text, &ev);
+    assert_eq!(
+        text,
+        "              sh-52      [000]     12.345678: sched_switch: prev_comm=sh prev_pid=52 prev_prio=120 prev_state=S ==> next_comm=cat next_pid=123 next_prio=100"
+    );
+    let mut json = String::new();
+    write_switch_json(&mut json, &ev);
+    assert_eq!(
+        json,
+        r#"{"ts":"12.345678","ts_ns":12345678000,"cpu":0,"pid":52,"comm":"sh","kind":"sched_switch","prev_comm":"sh","prev_pid":52,"prev_prio":120,"prev_state":"S","next_comm":"cat","next_pid":123,"next_prio":100}"#
+    );
+    let wakeup = WakeupValues {
+        pid: 52,
+        comm: b"sh".to_vec(),
+        prio: 120,
+        target_cpu: 1,
+    };
+    // The record's task is the waker.
+    let (ev, _) = RawEvent::decode(&event(0xffff_fd02, wakeup.values().to_vec()).encode()).unwrap();
+    assert_eq!(WakeupValues::of(&ev), Some(wakeup));
+    let mut text = String::new();
+    write_wakeup_text(&mut text, &ev);
+    assert_eq!(
+        text,
+        "             cat-123     [000]     12.345678: sched_wakeup: comm=sh pid=52 prio=120 target_cpu=001"
+    );
+    let mut json = String::new();
+    write_wakeup_json(&mut json, &ev);
+    assert_eq!(
+        json,
+        r#"{"ts":"12.345678","ts_ns":12345678000,"cpu":0,"pid":123,"comm":"cat","kind":"sched_wakeup","target_comm":"sh","target_pid":52,"target_prio":120,"target_cpu":1}"#
+    );
+    // Records of another shape render nothing.
+    let odd = event(0xffff_fd01, vec![FetchedValue::Fault]);
+    let mut text = String::new();
+    write_switch_text(&mut text, &odd);
+    write_wakeup_json(&mut text, &odd);
+    assert!(text.is_empty());
+}
+
+#[test]
+fn states_are_reported_as_the_kernel_reports_them() {
+    // Running, interruptible, uninterruptible.
+    assert_eq!(report_state(0, 0), 0);
+    assert_eq!(report_state(0x1, 0), 0x1);
+    assert_eq!(report_state(0x2, 0), 0x2);
+    // TASK_IDLE (uninterruptible and no load) is its own letter.
+    assert_eq!(report_state(0x402, 0), 0x80);
+    assert_eq!(state_letter(report_state(0x402, 0)), "I");
+    // A dead task: its exit state (zombie) counts, TASK_DEAD does not.
+    assert_eq!(report_state(0x80, 0x20), 0x20);
+    assert_eq!(state_letter(0x20), "Z");
+    // Several bits: the highest reportable.
+    assert_eq!(report_state(0x1 | 0x4, 0), 0x4);
+    // An rtlock wait is uninterruptible.
+    assert_eq!(report_state(0x1000, 0), 0x2);
+    for s in [0u64, 1, 2, 4, 8, 0x10, 0x20, 0x40, 0x80] {
+        assert_eq!(state_of_letter(state_letter(s)), Some(s));
+    }
+    assert_eq!(state_of_letter("W"), None);
+}

@@ -185,6 +185,8 @@ pub const ID_FUNCGRAPH_EXIT: u16 = 10;
 pub const ID_FUNCGRAPH_ENTRY: u16 = 11;
 /// `sched/sched_switch`.
 pub const ID_SCHED_SWITCH: u16 = 200;
+/// `sched/sched_wakeup`.
+pub const ID_SCHED_WAKEUP: u16 = 201;
 /// The first id given to the other events (as the kernel numbers its
 /// dynamic events after the fixed ones).
 pub const FIRST_DYNAMIC_ID: u16 = 300;

@@ -11,6 +11,7 @@
 //! | `kprobe` | `GROUP/EVENT` with `__probe_ip` and the fetch arguments |
 //! | `kretprobe` | `GROUP/EVENT` with `__probe_func`, `__probe_ret_ip` and the arguments |
 //! | `sched_switch` | `sched/sched_switch` (the outgoing task's event, as the kernel's) |
+//! | `sched_wakeup` | `sched/sched_wakeup` (the waker's event, as the kernel's) |
 //!
 //! A probe's argument types come from its definition (the probes the VM
 //! lists); a probe the list no longer has takes them from its values
@@ -194,6 +195,7 @@ impl TraceDat {
             "graph_entry" | "graph_return" => self.graph(&v, kind == "graph_return"),
             "kprobe" | "kretprobe" => self.probe(&v, kind == "kretprobe"),
             "sched_switch" => self.switch(&v),
+            "sched_wakeup" => self.wakeup(&v),
             _ => {
                 self.summary.other_lines += 1;
                 return;
@@ -295,13 +297,6 @@ impl TraceDat {
             self.cmdlines.insert(next_pid, next_comm.clone());
         }
         self.used_sched = true;
-        let comm16 = |s: &str| {
-            let mut c = [0u8; 16];
-            for (to, from) in c.iter_mut().take(15).zip(s.bytes()) {
-                *to = from;
-            }
-            c
-        };
         let mut p = common(format::ID_SCHED_SWITCH, prev_pid);
         p.extend_from_slice(&comm16(&prev_comm));
         p.extend_from_slice(&prev_pid.to_le_bytes());
@@ -310,6 +305,31 @@ impl TraceDat {
         p.extend_from_slice(&comm16(&next_comm));
         p.extend_from_slice(&next_pid.to_le_bytes());
         p.extend_from_slice(&next_prio.to_le_bytes());
+        self.record(cpu, ts, p);
+        Some(())
+    }
+
+    fn wakeup(&mut self, v: &Json) -> Option<()> {
+        let int_of = |k: &str| {
+            v.get(k)
+                .and_then(Json::as_i64)
+                .and_then(|n| i32::try_from(n).ok())
+        };
+        let comm = v.get("target_comm").and_then(Json::as_str)?.to_string();
+        let (pid, prio, target) = (
+            int_of("target_pid")?,
+            int_of("target_prio")?,
+            int_of("target_cpu")?,
+        );
+        let (ts, cpu, waker) = self.context(v)?;
+        if pid != 0 {
+            self.cmdlines.insert(pid, comm.clone());
+        }
+        let mut p = common(format::ID_SCHED_WAKEUP, waker);
+        p.extend_from_slice(&comm16(&comm));
+        p.extend_from_slice(&pid.to_le_bytes());
+        p.extend_from_slice(&prio.to_le_bytes());
+        p.extend_from_slice(&target.to_le_bytes());
         self.record(cpu, ts, p);
         Some(())
     }
@@ -427,6 +447,7 @@ impl TraceDat {
             out.push(format::kprobe(group, event, l.id, l.is_return, &l.args));
         }
         out.push(format::sched_switch(format::ID_SCHED_SWITCH));
+        out.push(format::sched_wakeup(format::ID_SCHED_WAKEUP));
         out
     }
 
@@ -537,6 +558,15 @@ fn common(id: u16, pid: i32) -> Vec<u8> {
     p.extend_from_slice(&[0, 0]);
     p.extend_from_slice(&pid.to_le_bytes());
     p
+}
+
+/// A comm as the kernel's `char[16]`: at most 15 bytes and a NUL.
+fn comm16(s: &str) -> [u8; 16] {
+    let mut c = [0u8; 16];
+    for (to, from) in c.iter_mut().take(15).zip(s.bytes()) {
+        *to = from;
+    }
+    c
 }
 
 /// A `0x` hex string or a number.

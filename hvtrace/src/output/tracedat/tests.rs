@@ -421,6 +421,9 @@ fn fields_of(f: &File, data: &[u8]) -> (String, BTreeMap<String, String>) {
             } else {
                 String::from_utf8(data[at..at + len - 1].to_vec()).unwrap()
             }
+        } else if *size > 8 {
+            // A char array: its bytes up to the NUL.
+            String::from_utf8(raw.iter().take_while(|&&c| c != 0).copied().collect()).unwrap()
         } else {
             let mut b = [0u8; 8];
             b[..*size].copy_from_slice(raw);
@@ -542,4 +545,51 @@ fn the_guest_listing_is_used_when_given() {
     // The idle task is not a saved cmdline.
     assert_eq!(f.cmdlines, "");
     assert!(f.cpus[1].is_empty() && f.cpus[2].is_empty());
+}
+
+#[test]
+fn scheduler_events_become_the_kernels() {
+    let mut t = TraceDat::new([]);
+    t.push_text(concat!(
+        r#"{"ts":"0","ts_ns":1000,"cpu":1,"pid":52,"comm":"sh","kind":"sched_switch","prev_comm":"sh","prev_pid":52,"prev_prio":120,"prev_state":"S","next_comm":"a-very-long-name-x","next_pid":55,"next_prio":100}"#,
+        "\n",
+        r#"{"ts":"0","ts_ns":2000,"cpu":1,"pid":55,"comm":"dd","kind":"sched_wakeup","target_comm":"sh","target_pid":52,"target_prio":120,"target_cpu":1}"#,
+        "\n",
+        r#"{"ts":"0","ts_ns":3000,"cpu":1,"pid":52,"comm":"sh","kind":"sched_switch","prev_comm":"sh","prev_pid":52,"prev_prio":120,"prev_state":"nonsense","next_comm":"dd","next_pid":55,"next_prio":100}"#,
+        "\n"
+    ));
+    let mut out = Vec::new();
+    let s = t.write(&mut out, None).unwrap();
+    // The switch with an unknown state is refused.
+    assert_eq!((s.events, s.malformed), (2, 1));
+    let f = read_file(&out);
+    let events: Vec<(String, BTreeMap<String, String>)> = f.cpus[1]
+        .iter()
+        .flat_map(|(evs, _)| evs)
+        .map(|e| fields_of(&f, &e.data))
+        .collect();
+    let (name, sw) = &events[0];
+    assert_eq!(name, "sched/sched_switch");
+    assert_eq!(sw["common_pid"], "0x34");
+    assert_eq!(sw["prev_comm[16]"], "sh");
+    assert_eq!(sw["prev_state"], "0x1");
+    // 15 bytes and the NUL, as the kernel keeps a comm.
+    assert_eq!(sw["next_comm[16]"], "a-very-long-nam");
+    assert_eq!(
+        (sw["next_pid"].as_str(), sw["next_prio"].as_str()),
+        ("0x37", "0x64")
+    );
+    let (name, wk) = &events[1];
+    assert_eq!(name, "sched/sched_wakeup");
+    assert_eq!(wk["common_pid"], "0x37");
+    assert_eq!(
+        (wk["comm[16]"].as_str(), wk["pid"].as_str()),
+        ("sh", "0x34")
+    );
+    assert_eq!(
+        (wk["prio"].as_str(), wk["target_cpu"].as_str()),
+        ("0x78", "0x1")
+    );
+    // The last comm seen of each pid: 55 woke 52 as dd.
+    assert_eq!(f.cmdlines, "52 sh\n55 dd\n");
 }

@@ -55,6 +55,8 @@ const QUIET_LEAF: u64 = TEXT + 0x4000;
 const SWITCH: u64 = TEXT + 0x5000;
 /// The kernel's renaming of a task.
 const SET_COMM: u64 = TEXT + 0x6000;
+/// The scheduler's wakeup.
+const WAKE: u64 = TEXT + 0x7000;
 /// Where a test puts a new task name.
 const NAME_AT: u64 = STACK_BASE + 0x100;
 /// A second task, whose kernel stack is `STACK_BASE_2`.
@@ -404,6 +406,7 @@ fn index() -> SymbolIndex {
         sym(b't', "quiet_leaf", QUIET_LEAF),
         sym(b't', "finish_task_switch.isra.0", SWITCH),
         sym(b'T', "__set_task_comm", SET_COMM),
+        sym(b'T', "try_to_wake_up", WAKE),
         sym(b'T', "ftrace_caller", FTRACE_CALLER),
         sym(b'T', "_etext", ETEXT),
     ];
@@ -478,6 +481,7 @@ impl Guest {
             QUIET_LEAF,
             SWITCH,
             SET_COMM,
+            WAKE,
         ] {
             ram.put(gpa(f), &NOP5);
             ram.put(gpa(f) + 5, &[0xc3]);

@@ -563,3 +563,80 @@ fn a_count_behind_a_gate_goes_quiet_where_its_tasks_do_not_run() {
     assert_eq!((r.quiet_pages, r.switch_hook), (0, false), "{r:?}");
     assert_ne!(g.root.quiet_leaf(0, leaf).unwrap().hpa.0, leaf);
 }
+
+/// `Request::Sched`: the scheduler hook records each switch as the
+/// kernel's `sched_switch` (the outgoing task from the hook's first
+/// argument, the incoming one running), the hook on `try_to_wake_up` each
+/// wakeup of a task in a state the call wakes; off, both hooks go.
+#[test]
+fn switches_and_wakeups_are_recorded_as_the_kernels_events() {
+    use guest_introspect::facts::TaskSched;
+    let mut g = Guest::new();
+    let task = |pid: i32, name: &[u8], prio: i32, state: u64| {
+        let mut comm = [0u8; 16];
+        comm[..name.len()].copy_from_slice(name);
+        TaskSched {
+            pid,
+            comm,
+            prio: Some(prio),
+            state: Some(state),
+            exit_state: Some(0),
+            cpu: Some(1),
+        }
+    };
+    g.kernel.tasks.insert(TASK_2, task(7, b"prev", 120, 1));
+    g.kernel.tasks.insert(TASK, task(42, b"sleeper", 100, 0));
+    let sched = |switch: bool, wakeup: bool| protocol::Request::Sched { switch, wakeup };
+
+    g.with(|t, env, k| {
+        let given = crate::tracer::door::Given {
+            kernel: Some(k as &dyn KernelView),
+            env: Some(&mut *env),
+            now_ns: 0,
+        };
+        let on = t.request(sched(true, true), given);
+        assert_eq!(on.unwrap(), protocol::Response::Ok);
+        t.settle_views(Some(k), env);
+    });
+    let r = g.tracer().report();
+    assert_eq!(
+        (r.switch_hook, r.sites, r.quiet_pages),
+        (true, 2, 0),
+        "{r:?}"
+    );
+    g.tracer().set_stream(Some(TraceFormat::Text));
+    let retp = STACK_BASE + 0x3e00;
+    // TASK_2 switched out asleep; the running task (sleeper) comes in.
+    g.hit(SWITCH, retp, CALLER_RET, TASK_2);
+    // A wakeup of TASK_2 for TASK_NORMAL (3): it sleeps in S, woken.
+    g.hit_si(WAKE, retp, CALLER_RET, TASK_2, 3);
+    // For TASK_UNINTERRUPTIBLE alone (2): not its state, no wakeup.
+    g.hit_si(WAKE, retp, CALLER_RET, TASK_2, 2);
+    // An unreadable task: nothing.
+    g.hit_si(WAKE, retp, CALLER_RET, TASK_2 + 0x100, 3);
+    let text = g.text();
+    assert!(
+        text.contains(
+            "sched_switch: prev_comm=prev prev_pid=7 prev_prio=120 prev_state=S ==> next_comm=sleeper next_pid=42 next_prio=100"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("sleeper-42      [003]")
+            && text.contains("sched_wakeup: comm=prev pid=7 prio=120 target_cpu=001"),
+        "{text}"
+    );
+    assert_eq!(text.matches("sched_wakeup:").count(), 1, "{text}");
+    // Off: no session needs the scheduler hook, so both go.
+    g.with(|t, env, k| {
+        let given = crate::tracer::door::Given {
+            kernel: Some(k as &dyn KernelView),
+            env: Some(&mut *env),
+            now_ns: 0,
+        };
+        t.request(sched(false, false), given).unwrap();
+        t.settle_views(Some(k), env);
+    });
+    let r = g.tracer().report();
+    assert_eq!((r.switch_hook, r.sites), (false, 0), "{r:?}");
+}
