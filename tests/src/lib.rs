@@ -645,6 +645,26 @@ pub fn guest_vfs_read_graph(c: &mut hvtrace::client::Client, workload: &str) -> 
     )
 }
 
+/// The options of a graph session over dd's `vfs_read` (as `run` and
+/// `record` spell them): rooted at vfs_read, hooking what it reaches in a
+/// read of a tmpfs file (shmem, folios, the atime), dd's calls only, with
+/// return values.
+pub const DD_READ_GRAPH: &[&str] = &[
+    "--graph",
+    "vfs_read",
+    "--graph-trace",
+    "vfs_read",
+    "--graph-trace",
+    "shmem_*",
+    "--graph-trace",
+    "folio_*",
+    "--graph-trace",
+    "touch_atime",
+    "--graph-comm",
+    "dd",
+    "--graph-retval",
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -669,23 +689,3 @@ mod tests {
         assert!(result.is_err());
     }
 }
-
-/// The options of a graph session over dd's `vfs_read` (as `run` and
-/// `record` spell them): rooted at vfs_read, hooking what it reaches in a
-/// read of a tmpfs file (shmem, folios, the atime), dd's calls only, with
-/// return values.
-pub const DD_READ_GRAPH: &[&str] = &[
-    "--graph",
-    "vfs_read",
-    "--graph-trace",
-    "vfs_read",
-    "--graph-trace",
-    "shmem_*",
-    "--graph-trace",
-    "folio_*",
-    "--graph-trace",
-    "touch_atime",
-    "--graph-comm",
-    "dd",
-    "--graph-retval",
-];

@@ -305,3 +305,67 @@ fn one_shot_syscalls() {
     );
     ck.finish();
 }
+
+/// `hvtrace run --count 'vfs_*' --count-comm dd --format chrome --output
+/// FILE --exec ...`: the count sampled while dd runs becomes counter
+/// tracks. vfs_read's track never goes down and ends at dd's 200 reads
+/// and more; the document passes the schema and nesting checker.
+#[test]
+fn one_shot_count_to_chrome() {
+    let _vm = vm_lock();
+    let dir = std::env::temp_dir().join(format!("hvtrace-oneshot-count-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temporary directory");
+    let out_file = dir.join("count.json");
+    let out_path = out_file.to_string_lossy().into_owned();
+    let (status, _, stderr) = hvtrace_run(&[
+        "--guest",
+        "fast",
+        "--count",
+        "vfs_*",
+        "--count-comm",
+        "dd",
+        "--format",
+        "chrome",
+        "--output",
+        &out_path,
+        "--exec",
+        "dd if=/dev/zero of=/dev/null bs=512 count=200",
+    ]);
+    println!("hvtrace run --count --format chrome: {status}\n{stderr}");
+    let mut ck = Checks::new();
+    ck.check(status.success(), format!("the run succeeded: {status}"));
+    let text = std::fs::read_to_string(&out_file).unwrap_or_default();
+    let doc: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let reads: Vec<i64> = doc["traceEvents"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter(|e| e["ph"] == "C" && e["name"] == "vfs_read")
+        .filter_map(|e| e["args"]["value"].as_i64())
+        .collect();
+    println!("vfs_read samples: {reads:?}");
+    ck.check(
+        reads.windows(2).all(|w| w[0] <= w[1]),
+        "the count never goes down",
+    );
+    ck.check(
+        reads.last().is_some_and(|&n| n >= 200),
+        format!("dd's 200 reads are counted: {reads:?}"),
+    );
+    let checked = Command::new("/usr/bin/python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../scripts/check-chrome-trace.py"
+        ))
+        .arg(&out_file)
+        .output()
+        .expect("/usr/bin/python3");
+    let verdict = String::from_utf8_lossy(&checked.stdout).into_owned();
+    ck.check(
+        checked.status.success() && verdict.contains(" C"),
+        format!("the trace passes the checker with counters: {verdict}"),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    ck.finish();
+}
