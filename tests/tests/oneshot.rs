@@ -308,8 +308,8 @@ fn one_shot_syscalls() {
 
 /// `hvtrace run --count 'vfs_*' --count-comm dd --format chrome --output
 /// FILE --exec ...`: the count sampled while dd runs becomes counter
-/// tracks. vfs_read's track never goes down and ends at dd's 200 reads
-/// and more; the document passes the schema and nesting checker.
+/// tracks. vfs_read's track has samples while dd runs, never goes down
+/// and ends at dd's 4000 reads and more; the document passes the schema and nesting checker.
 #[test]
 fn one_shot_count_to_chrome() {
     let _vm = vm_lock();
@@ -329,7 +329,7 @@ fn one_shot_count_to_chrome() {
         "--output",
         &out_path,
         "--exec",
-        "dd if=/dev/zero of=/dev/null bs=512 count=200",
+        "dd if=/dev/zero of=/dev/null bs=512 count=4000",
     ]);
     println!("hvtrace run --count --format chrome: {status}\n{stderr}");
     let mut ck = Checks::new();
@@ -350,8 +350,13 @@ fn one_shot_count_to_chrome() {
         "the count never goes down",
     );
     ck.check(
-        reads.last().is_some_and(|&n| n >= 200),
-        format!("dd's 200 reads are counted: {reads:?}"),
+        reads.last().is_some_and(|&n| n >= 4000),
+        format!("dd's 4000 reads are counted: {reads:?}"),
+    );
+    // Sampled along the way, not only at the end.
+    ck.check(
+        reads.len() >= 2,
+        format!("samples while dd runs: {reads:?}"),
     );
     let checked = Command::new("/usr/bin/python3")
         .arg(concat!(
