@@ -1725,3 +1725,45 @@ fn a_full_disk_leaves_no_half_file() {
         lines[0]
     );
 }
+
+/// The scheduler's events print as the kernel's format says, read by
+/// libtraceevent from the format text alone (`-N`: no plugins), and with
+/// trace-cmd's own sched plugin.
+#[test]
+fn sched_events_print_as_the_kernel_prints_them() {
+    let scratch = Scratch::new("schedfmt");
+    let input = scratch.0.join("sched.jsonl");
+    let lines = [
+        r#"{"ts":"0","ts_ns":1000,"cpu":0,"pid":52,"comm":"sh","kind":"sched_switch","prev_comm":"sh","prev_pid":52,"prev_prio":120,"prev_state":"S","next_comm":"dd","next_pid":55,"next_prio":120}"#,
+        r#"{"ts":"0","ts_ns":2000,"cpu":0,"pid":55,"comm":"dd","kind":"sched_wakeup","target_comm":"sh","target_pid":52,"target_prio":120,"target_cpu":0}"#,
+        r#"{"ts":"0","ts_ns":3000,"cpu":0,"pid":55,"comm":"dd","kind":"sched_switch","prev_comm":"dd","prev_pid":55,"prev_prio":120,"prev_state":"R","next_comm":"sh","next_pid":52,"next_prio":120}"#,
+        r#"{"ts":"0","ts_ns":4000,"cpu":0,"pid":52,"comm":"sh","kind":"sched_switch","prev_comm":"sh","prev_pid":52,"prev_prio":120,"prev_state":"D","next_comm":"dd","next_pid":55,"next_prio":120}"#,
+    ]
+    .join("\n");
+    std::fs::write(&input, lines + "\n").unwrap();
+    let out = scratch.0.join("sched.dat");
+    let (code, _, stderr) = runs(&[
+        "convert",
+        input.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let (ok, plain, err) = trace_cmd(&["report", "-N", out.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let events: Vec<&str> = plain
+        .lines()
+        .filter_map(|l| l.split_once(": sched_").map(|(_, r)| r.trim()))
+        .map(|r| r.split_once(':').map_or(r, |(_, rest)| rest.trim()))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            "prev_comm=sh prev_pid=52 prev_prio=120 prev_state=S ==> next_comm=dd next_pid=55 next_prio=120",
+            "comm=sh pid=52 prio=120 target_cpu=000",
+            "prev_comm=dd prev_pid=55 prev_prio=120 prev_state=R ==> next_comm=sh next_pid=52 next_prio=120",
+            "prev_comm=sh prev_pid=52 prev_prio=120 prev_state=D ==> next_comm=dd next_pid=55 next_prio=120",
+        ],
+        "{plain}"
+    );
+}

@@ -487,7 +487,7 @@ pub struct ConvertArgs {
     pub probes: Vec<String>,
     /// CPUs in the file at least (a CPU with no event gets an empty
     /// buffer).
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = value_parser!(u32).range(1..=4096))]
     pub cpus: u32,
 }
 

@@ -254,11 +254,15 @@ pub fn sched_events(control: &mut dyn Control, on: bool) -> Result<String> {
         wakeup: on,
     };
     match control.request(request, PROBE_TIMEOUT)? {
-        Response::Ok => Ok(if on {
-            "scheduler switches and wakeups recorded".to_string()
-        } else {
-            "scheduler switches and wakeups no longer recorded".to_string()
-        }),
+        // The hooks go in after the answer: say so if the switch path's
+        // could not (the hypervisor's log says why).
+        Response::Ok if on => match control.request(Request::Status, STATUS_TIMEOUT)? {
+            Response::Status(s) if !s.tracer.switch_hook => {
+                bail!("the scheduler's switch path could not be hooked (the hypervisor's log says why)")
+            }
+            _ => Ok("scheduler switches and wakeups recorded".to_string()),
+        },
+        Response::Ok => Ok("scheduler switches and wakeups no longer recorded".to_string()),
         other => Err(response_error(other)),
     }
 }

@@ -86,6 +86,14 @@ pub fn record(socket: &Path, args: &RecordArgs) -> Result<u8> {
     if vm_alive {
         armed.disarm(&mut client);
     }
+    // A recording that never ran (a probe refused, the trace not started)
+    // writes no file, and leaves an earlier one as it was.
+    if let Err(e) = &result {
+        if !out.recorded() {
+            drop(out);
+            return Err(anyhow::anyhow!("{e:#}"));
+        }
+    }
     let summary = out
         .finish(vm_alive.then_some(&mut client as &mut dyn Control))
         .with_context(|| format!("cannot write {}", args.output.display()))?;

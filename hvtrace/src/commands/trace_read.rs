@@ -217,7 +217,7 @@ impl TraceOutput {
     /// written beside `path` first (`.NAME.part-PID`), then renamed.
     pub fn trace_dat(path: &Path) -> Result<TraceOutput> {
         let part = part_path(path)?;
-        File::create(&part).with_context(|| format!("cannot write beside {}", path.display()))?;
+        create_part(&part).with_context(|| format!("cannot write beside {}", path.display()))?;
         Ok(TraceOutput {
             out: Box::new(std::io::sink()),
             chrome: None,
@@ -311,12 +311,20 @@ impl TraceOutput {
         }
     }
 
+    /// Whether a trace.dat output took any event or loss.
+    pub fn recorded(&self) -> bool {
+        self.dat
+            .as_ref()
+            .is_some_and(|d| d.builder.events() > 0 || d.builder.lost_so_far() > 0)
+    }
+
     /// Events taken so far per CPU (a trace.dat only), for progress lines.
     pub fn events_per_cpu(&self) -> Option<Vec<u64>> {
         self.dat.as_ref().map(|d| d.builder.events_per_cpu())
     }
 
-    /// Bytes the trace.dat's pages would take now (a trace.dat only).
+    /// Bytes of the events taken so far, their headers included (a
+    /// trace.dat only; the pages' own headers and ends are not counted).
     pub fn bytes(&self) -> Option<u64> {
         self.dat.as_ref().map(|d| d.builder.payload_bytes())
     }
@@ -329,8 +337,12 @@ impl TraceOutput {
         mut self,
         control: Option<&mut dyn Control>,
     ) -> std::io::Result<Option<OutputSummary>> {
-        if let Some(mut dat) = self.dat.take() {
+        if self.dat.is_some() {
+            // The JSON copy first: on its failure the part file goes with
+            // the output (`Drop`).
             self.out.flush()?;
+        }
+        if let Some(mut dat) = self.dat.take() {
             let earlier = dat.kallsyms.take();
             let kallsyms = match (control, earlier) {
                 (Some(c), Some(earlier)) => match kallsyms_total(c) {
@@ -385,7 +397,7 @@ pub fn write_trace_dat(
 ) -> std::io::Result<TraceDatSummary> {
     let part = part_path(path).map_err(|e| std::io::Error::other(e.to_string()))?;
     let written = (|| {
-        let file = File::create(&part)?;
+        let file = create_part(&part)?;
         let mut w = BufWriter::new(file);
         let summary = builder.write(&mut w, kallsyms)?;
         let file = w.into_inner().map_err(|e| e.into_error())?;
@@ -399,6 +411,18 @@ pub fn write_trace_dat(
     written.map_err(|e: std::io::Error| {
         std::io::Error::new(e.kind(), format!("cannot write {}: {e}", path.display()))
     })
+}
+
+/// Creates the part file `part` anew: whatever is at that name (ours
+/// from before, or a link someone put there) is unlinked first, and the
+/// file is created only if nothing is there then, so that no link is
+/// followed.
+fn create_part(part: &Path) -> std::io::Result<File> {
+    let _ = std::fs::remove_file(part);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(part)
 }
 
 /// The listing's size, from a read past its end (`None` when it cannot

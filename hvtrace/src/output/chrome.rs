@@ -446,7 +446,7 @@ impl Chrome {
                 doc.event(&meta(
                     "thread_name",
                     task.pid,
-                    Some(task.tid() + STATE_TID),
+                    Some(task.tid().saturating_add(STATE_TID)),
                     &state,
                 ))?;
             }
@@ -508,7 +508,7 @@ impl Chrome {
                     ("s", json::str("t")),
                     ("ts", micros(ts)),
                     ("pid", json::int(woken.pid)),
-                    ("tid", json::int(woken.tid() + STATE_TID)),
+                    ("tid", json::int(woken.tid().saturating_add(STATE_TID))),
                     (
                         "args",
                         json::object([
@@ -676,7 +676,7 @@ fn state_slice(state: &str, task: TaskKey, from: u64, to: u64) -> Json {
         name,
         "sched",
         task.pid,
-        task.tid() + STATE_TID,
+        task.tid().saturating_add(STATE_TID),
         from,
         to,
         args,

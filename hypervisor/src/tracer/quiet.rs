@@ -173,7 +173,8 @@ impl Tracer<'_> {
     }
 
     /// After a change to who uses the hooked sites: the scheduler hook is
-    /// in exactly while a session's trace set can go quiet, and each
+    /// in exactly while a session's trace set can go quiet or switches are
+    /// recorded (the wakeup hook while wakeups are), and each
     /// hooked page is quiet exactly when all its sites are
     /// [`quiet_ok`](super::split::SiteUse::quiet_ok). `k` is needed only to
     /// install the hook (without it, nothing goes quiet until a request

@@ -17,6 +17,24 @@ use super::{ended_message, Ending, Supervisor, MAX_TRACE_WAIT};
 /// Most bytes of a `Kallsyms` page (a frame holds 4 KiB).
 pub const KALLSYMS_PAGE: usize = 3072;
 
+/// Where a page of at most `max` bytes of `text` ends: after its last
+/// newline, or (a line longer than a page) at the last character boundary.
+/// The listing quotes the guest's symbol names, whose bytes decide where
+/// the characters are: nothing here slices inside one.
+pub fn page_end(text: &str, max: usize) -> usize {
+    if text.len() <= max {
+        return text.len();
+    }
+    if let Some(nl) = text.as_bytes()[..max].iter().rposition(|&b| b == b'\n') {
+        return nl + 1;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    end
+}
+
 /// How long a `Kallsyms` request waits for the symbol index to come.
 pub const KALLSYMS_WAIT: Duration = Duration::from_secs(30);
 use crate::daemon::tracebuf::{TraceChunk, READ_BUDGET};
@@ -184,21 +202,10 @@ impl Supervisor {
         let Some(rest) = text.get(start..) else {
             return Response::error(ErrorKind::InvalidArgument, "offset inside a character");
         };
-        let mut end = rest.len().min(KALLSYMS_PAGE);
-        if end < rest.len() {
-            // Whole lines; a line longer than a page is cut where it must be.
-            match rest[..end].rfind('\n') {
-                Some(nl) => end = nl + 1,
-                None => {
-                    while !rest.is_char_boundary(end) {
-                        end -= 1;
-                    }
-                }
-            }
-        }
+        let end = page_end(rest, KALLSYMS_PAGE);
         let next = start + end;
         Response::Kallsyms {
-            text: rest[..end].to_string(),
+            text: rest.get(..end).unwrap_or_default().to_string(),
             next: (next < text.len()).then_some(next as u64),
             total,
         }

@@ -753,3 +753,26 @@ fn the_supervisor_reads_the_vcpus_rings_and_gives_them_back() {
     assert!(plain.requests.lock().unwrap().is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A page of the listing ends after a newline, or inside a line too long
+/// for a page at a character boundary: a name the guest chose (replaced
+/// characters are three bytes) never makes the supervisor slice inside a
+/// character.
+#[test]
+fn listing_pages_end_on_lines_or_characters() {
+    use super::stream::page_end;
+    assert_eq!(page_end("ab\ncd\n", 100), 6);
+    assert_eq!(page_end("ab\ncd\nef", 7), 6);
+    // A multi-byte character across the page's end, no newline before it.
+    let long = format!("{}\u{fffd}tail\n", "x".repeat(9));
+    for max in 9..=12 {
+        let end = page_end(&long, max);
+        assert!(
+            long.is_char_boundary(end) && end <= max && end > 0,
+            "{max}: {end}"
+        );
+    }
+    // And with a newline before it: the line's end.
+    let text = format!("abc\n{}\u{fffd}\n", "y".repeat(5));
+    assert_eq!(page_end(&text, 10), 4);
+}

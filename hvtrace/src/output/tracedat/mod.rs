@@ -39,13 +39,30 @@ use self::format::{ArgField, EventFormat, FIRST_DYNAMIC_ID};
 use self::page::PageWriter;
 use crate::output::json::{self, Json};
 
-/// One event waiting for its CPU's pages.
-#[derive(Debug)]
-enum Pending {
-    /// A record: its time and payload.
-    Record(u64, Vec<u8>),
-    /// Events lost here.
-    Lost,
+/// A CPU's events waiting for their pages: the payloads end to end, and
+/// per event its time, where its payload starts and how long it is (a
+/// length of [`LOST`]: events were lost here).
+#[derive(Debug, Default)]
+struct CpuEvents {
+    data: Vec<u8>,
+    index: Vec<(u64, u32, u32)>,
+}
+
+/// The length that marks a loss in [`CpuEvents::index`].
+const LOST: u32 = u32::MAX;
+
+/// Most bytes of payloads held before the file is written; events past it
+/// are counted as dropped (the guest decides how many events come).
+pub const MAX_HELD: usize = 1 << 30;
+
+impl CpuEvents {
+    fn records(&self) -> u64 {
+        self.index.iter().filter(|e| e.2 != LOST).count() as u64
+    }
+
+    fn lost(&mut self) {
+        self.index.push((0, 0, LOST));
+    }
 }
 
 /// A probe event's layout.
@@ -71,6 +88,10 @@ pub struct TraceDatSummary {
     pub other_lines: u64,
     /// Lines that are not JSON, or events without their fields.
     pub malformed: u64,
+    /// Events dropped: past [`MAX_HELD`] bytes, or too long for a page.
+    pub dropped: u64,
+    /// String arguments shortened to fit their record in a page.
+    pub shortened: u64,
 }
 
 impl TraceDatSummary {
@@ -95,6 +116,18 @@ impl TraceDatSummary {
         if self.malformed > 0 {
             s.push_str(&format!("; {} malformed lines", self.malformed));
         }
+        if self.dropped > 0 {
+            s.push_str(&format!(
+                "; {} events dropped (too many or too long)",
+                self.dropped
+            ));
+        }
+        if self.shortened > 0 {
+            s.push_str(&format!(
+                "; {} strings shortened to fit a page",
+                self.shortened
+            ));
+        }
         s
     }
 }
@@ -106,7 +139,9 @@ pub struct TraceDat {
     specs: HashMap<String, ProbeSpec>,
     probes: BTreeMap<(String, String), ProbeLayout>,
     next_id: u16,
-    cpus: Vec<Vec<Pending>>,
+    cpus: Vec<CpuEvents>,
+    /// Bytes of payloads held.
+    held: usize,
     cmdlines: BTreeMap<i32, String>,
     /// Names of the addresses the lines carry (for a kallsyms of our own).
     seen_symbols: BTreeMap<u64, String>,
@@ -148,11 +183,11 @@ impl TraceDat {
         // not say whose events were lost.
         let lost = self.summary.lost > 0;
         while self.cpus.len() < n {
-            self.cpus.push(if lost {
-                vec![Pending::Lost]
-            } else {
-                Vec::new()
-            });
+            let mut c = CpuEvents::default();
+            if lost {
+                c.lost();
+            }
+            self.cpus.push(c);
         }
     }
 
@@ -179,7 +214,7 @@ impl TraceDat {
         }
         self.summary.lost += count;
         for cpu in &mut self.cpus {
-            cpu.push(Pending::Lost);
+            cpu.lost();
         }
     }
 
@@ -216,7 +251,7 @@ impl TraceDat {
         let pid = i32::try_from(v.get("pid")?.as_i64()?).ok()?;
         if let Some(comm) = v.get("comm").and_then(Json::as_str) {
             if pid != 0 {
-                self.cmdlines.insert(pid, comm.to_string());
+                self.cmdlines.insert(pid, plain(comm));
             }
         }
         self.cpus_at_least(cpu + 1);
@@ -224,8 +259,15 @@ impl TraceDat {
     }
 
     fn record(&mut self, cpu: usize, ts: u64, payload: Vec<u8>) {
+        if self.held + payload.len() > MAX_HELD || payload.len() > page::MAX_PAYLOAD {
+            self.summary.dropped += 1;
+            return;
+        }
         if let Some(c) = self.cpus.get_mut(cpu) {
-            c.push(Pending::Record(ts, payload));
+            let at = c.data.len() as u32;
+            c.data.extend_from_slice(&payload);
+            c.index.push((ts, at, payload.len() as u32));
+            self.held += payload.len();
         }
     }
 
@@ -294,7 +336,7 @@ impl TraceDat {
         let state = tracelang::kprobe::state_of_letter(str_of("prev_state")?)?;
         let (ts, cpu, _) = self.context(v)?;
         if next_pid != 0 {
-            self.cmdlines.insert(next_pid, next_comm.clone());
+            self.cmdlines.insert(next_pid, plain(&next_comm));
         }
         self.used_sched = true;
         let mut p = common(format::ID_SCHED_SWITCH, prev_pid);
@@ -323,7 +365,7 @@ impl TraceDat {
         );
         let (ts, cpu, waker) = self.context(v)?;
         if pid != 0 {
-            self.cmdlines.insert(pid, comm.clone());
+            self.cmdlines.insert(pid, plain(&comm));
         }
         let mut p = common(format::ID_SCHED_WAKEUP, waker);
         p.extend_from_slice(&comm16(&comm));
@@ -373,6 +415,17 @@ impl TraceDat {
                 }
                 ArgField::Str => match value.and_then(Json::as_str) {
                     Some(s) => {
+                        // What the page has room for, its NUL included
+                        // (the guest chooses its strings' lengths).
+                        let room = page::MAX_PAYLOAD.saturating_sub(fixed + tail.len() + 1);
+                        let mut cut = s.len().min(room);
+                        while !s.is_char_boundary(cut) {
+                            cut -= 1;
+                        }
+                        if cut < s.len() {
+                            self.summary.shortened += 1;
+                        }
+                        let s = &s[..cut];
                         let at = fixed + tail.len();
                         let len = s.len() + 1;
                         let loc = ((len.min(0xffff) as u32) << 16) | (at.min(0xffff) as u32);
@@ -432,9 +485,7 @@ impl TraceDat {
 
     fn saw(&mut self, addr: u64, name: &str) {
         if addr != 0 && !name.is_empty() && !name.starts_with("0x") {
-            self.seen_symbols
-                .entry(addr)
-                .or_insert_with(|| name.to_string());
+            self.seen_symbols.entry(addr).or_insert_with(|| plain(name));
         }
     }
 
@@ -462,35 +513,22 @@ impl TraceDat {
 
     /// Events taken so far on each CPU.
     pub fn events_per_cpu(&self) -> Vec<u64> {
-        self.cpus
-            .iter()
-            .map(|c| {
-                c.iter()
-                    .filter(|p| matches!(p, Pending::Record(..)))
-                    .count() as u64
-            })
-            .collect()
+        self.cpus.iter().map(CpuEvents::records).collect()
     }
 
-    /// Bytes of the events taken so far (their payloads).
+    /// Bytes of the events taken so far (their payloads and headers).
     pub fn payload_bytes(&self) -> u64 {
-        self.cpus
-            .iter()
-            .flatten()
-            .map(|p| match p {
-                Pending::Record(_, payload) => payload.len() as u64 + 4,
-                Pending::Lost => 0,
-            })
-            .sum()
+        self.held as u64 + 4 * self.events()
+    }
+
+    /// Losses the stream reported so far.
+    pub fn lost_so_far(&self) -> u64 {
+        self.summary.lost
     }
 
     /// Events taken so far.
     pub fn events(&self) -> u64 {
-        self.cpus
-            .iter()
-            .flatten()
-            .filter(|p| matches!(p, Pending::Record(..)))
-            .count() as u64
+        self.cpus.iter().map(CpuEvents::records).sum()
     }
 
     /// Writes the file to `out`, with `kallsyms` (the guest's listing;
@@ -511,27 +549,17 @@ impl TraceDat {
             let mut writer = PageWriter::new();
             // Stable: records with one timestamp keep their stream order.
             // A loss keeps its place before the records that follow it.
-            let mut runs: Vec<Vec<(u64, Vec<u8>)>> = vec![Vec::new()];
-            for p in cpu {
-                match p {
-                    Pending::Record(ts, payload) => {
-                        if let Some(r) = runs.last_mut() {
-                            r.push((ts, payload));
-                        }
-                    }
-                    Pending::Lost => runs.push(Vec::new()),
-                }
-            }
-            for (i, mut run) in runs.into_iter().enumerate() {
+            for (i, run) in cpu.index.split(|e| e.2 == LOST).enumerate() {
                 if i > 0 {
                     writer.lost(None);
                 }
-                if run.is_empty() {
-                    continue;
-                }
-                run.sort_by_key(|(ts, _)| *ts);
-                for (ts, payload) in run {
-                    writer.push(ts, &payload);
+                let mut run = run.to_vec();
+                run.sort_by_key(|e| e.0);
+                for (ts, at, len) in run {
+                    let payload = &cpu.data[at as usize..at as usize + len as usize];
+                    if !writer.push(ts, payload) {
+                        self.summary.dropped += 1;
+                    }
                 }
             }
             events += writer.events();
@@ -558,6 +586,15 @@ fn common(id: u16, pid: i32) -> Vec<u8> {
     p.extend_from_slice(&[0, 0]);
     p.extend_from_slice(&pid.to_le_bytes());
     p
+}
+
+/// A name from the guest as one field of a text line (saved cmdlines,
+/// kallsyms): its control characters and spaces, which would start a line
+/// or a field of the guest's choosing, become `?`.
+fn plain(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_control() || c == ' ' { '?' } else { c })
+        .collect()
 }
 
 /// A comm as the kernel's `char[16]`: at most 15 bytes and a NUL.

@@ -8,8 +8,8 @@
 //! - an event starts with a `u32` whose low 5 bits are `type_len` and the
 //!   other 27 its time since the previous event (or the page's timestamp).
 //!   `type_len` 1 to 28 says the payload has that many 4-byte words and
-//!   follows at once; 0 says the next `u32` holds the payload's length
-//!   plus 4 (payloads over 112 bytes); 30 is a time extend (the next `u32`
+//!   follows at once; 0 says the next `u32` holds the payload's padded
+//!   length plus 4 (payloads over 112 bytes); 30 is a time extend (the next `u32`
 //!   holds the delta's bits above 27, and the event after it carries a
 //!   delta of 0); 29 is padding and 31 an absolute timestamp (this writer
 //!   writes neither);
@@ -48,7 +48,7 @@ pub const MISSED_STORED: u64 = 1 << 30;
 /// The payload's place on the page: its header word(s) and padded size.
 fn record_size(payload: usize) -> usize {
     let padded = payload.max(1).div_ceil(4) * 4;
-    if payload <= MAX_SMALL_DATA && payload > 0 {
+    if payload <= MAX_SMALL_DATA {
         4 + padded
     } else {
         8 + padded
@@ -93,9 +93,10 @@ impl PageWriter {
             self.refused += 1;
             return false;
         }
-        let ts = ts.max(self.last_ts);
+        // A time extend holds 59 bits of delta: a longer gap is shortened.
+        let mut delta = ts.saturating_sub(self.last_ts).min((1 << 59) - 1);
+        let ts = self.last_ts + delta;
         let size = record_size(payload.len());
-        let mut delta = ts - self.last_ts;
         let extend = if delta >> DELTA_BITS != 0 { 8 } else { 0 };
         // The missed count, when stored, takes 8 bytes after the events.
         let reserve = if matches!(self.missed, Some(Some(_))) {
@@ -116,15 +117,17 @@ impl PageWriter {
             delta = 0;
         }
         let delta = delta as u32;
-        if payload.len() <= MAX_SMALL_DATA && !payload.is_empty() {
-            let words = payload.len().div_ceil(4) as u32;
-            self.word(words | (delta << 5));
+        // An empty payload takes one word, as the kernel rounds a length
+        // of 0 up to 1.
+        let padded = payload.len().max(1).div_ceil(4) * 4;
+        if payload.len() <= MAX_SMALL_DATA {
+            self.word((padded / 4) as u32 | (delta << 5));
         } else {
+            // The long form's length word counts itself, as the kernel's.
             self.word(delta << 5);
-            self.word(payload.len() as u32 + 4);
+            self.word(padded as u32 + 4);
         }
         self.data.extend_from_slice(payload);
-        let padded = payload.len().max(1).div_ceil(4) * 4;
         self.data
             .resize(self.data.len() + padded - payload.len(), 0);
         self.last_ts = ts;

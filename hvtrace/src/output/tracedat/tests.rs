@@ -133,6 +133,9 @@ fn pages_round_trip_with_extends_long_records_and_losses() {
     ts += 1 << 40;
     assert!(w.push(ts, b"after an unknown loss, far later"));
     expect.push((ts, b"after an unknown loss, far later".to_vec()));
+    // An empty payload: one zero word, as the kernel stores it.
+    assert!(w.push(ts, b""));
+    expect.push((ts, Vec::new()));
     // Too long for a page.
     assert!(!w.push(ts, &vec![0u8; PAGE_SIZE]));
     assert_eq!((w.events(), w.refused()), (expect.len() as u64, 1));
@@ -155,7 +158,7 @@ fn pages_round_trip_with_extends_long_records_and_losses() {
         assert_eq!(gt, et);
         assert_eq!(&gd[..ed.len()], &ed[..]);
         assert!(gd[ed.len()..].iter().all(|&b| b == 0));
-        assert!(gd.len() - ed.len() < 4);
+        assert!(gd.len() - ed.len() < 4 || (ed.is_empty() && gd.len() == 4));
     }
     assert_eq!(
         losses,
@@ -464,6 +467,8 @@ fn json_lines_become_the_kernels_events() {
             lost: 4,
             other_lines: 1,
             malformed: 1,
+            dropped: 0,
+            shortened: 0,
         }
     );
     let f = read_file(&out);
@@ -592,4 +597,40 @@ fn scheduler_events_become_the_kernels() {
     );
     // The last comm seen of each pid: 55 woke 52 as dd.
     assert_eq!(f.cmdlines, "52 sh\n55 dd\n");
+}
+
+/// The guest chooses its strings and names: a string too long for a page
+/// is shortened to fit (and counted), and a comm or symbol with a newline
+/// or a space cannot add lines or fields to saved_cmdlines or kallsyms.
+#[test]
+fn guest_text_cannot_break_the_file() {
+    let spec = "p:kprobes/myopen do_sys_openat2 filename=+0(%si):string";
+    let mut t = TraceDat::new([spec]);
+    let long = "/x".repeat(3000);
+    t.push_line(&format!(
+        r#"{{"ts_ns":1,"cpu":0,"pid":9,"comm":"evil\n1 init","group":"kprobes","event":"myopen","kind":"kprobe","ip":"0xffffffff81300000","probe":"do_sys_openat2+0x0/0x150","args":{{"filename":"{long}"}}}}"#
+    ));
+    t.push_line(r#"{"ts_ns":2,"cpu":0,"pid":10,"comm":"x","kind":"function","func":"f\nffffffff81000000 T fake","parent":"g+0x1/0x2","ip":"0x1000","parent_ip":"0x2001"}"#);
+    let mut out = Vec::new();
+    let s = t.write(&mut out, None).unwrap();
+    assert_eq!((s.events, s.shortened, s.dropped), (2, 1, 0));
+    let f = read_file(&out);
+    assert_eq!(f.cmdlines, "9 evil?1?init\n10 x\n");
+    assert!(
+        !f.kallsyms
+            .lines()
+            .any(|l| l.starts_with("ffffffff81000000 T"))
+            && f.kallsyms.contains(" f?ffffffff81000000?T?fake\n"),
+        "{}",
+        f.kallsyms
+    );
+    let events: Vec<_> = f.cpus[0].iter().flat_map(|(e, _)| e).collect();
+    let (_, fields) = fields_of(&f, &events[0].data);
+    let name = &fields["filename"];
+    assert!(
+        name.len() < long.len() && long.starts_with(name.as_str()),
+        "{}",
+        name.len()
+    );
+    assert!(events[0].data.len() <= page::MAX_PAYLOAD + 4);
 }
