@@ -29,6 +29,23 @@ fn hvtrace_run(args: &[&str]) -> (std::process::ExitStatus, String, String) {
     )
 }
 
+/// Runs scripts/check-chrome-trace.py (jsonschema and the nesting rules)
+/// on `file`: whether it passed, and its line.
+fn check_chrome_trace(file: &std::path::Path) -> (bool, String) {
+    let checked = Command::new("/usr/bin/python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../scripts/check-chrome-trace.py"
+        ))
+        .arg(file)
+        .output()
+        .expect("/usr/bin/python3");
+    (
+        checked.status.success(),
+        String::from_utf8_lossy(&checked.stdout).into_owned(),
+    )
+}
+
 #[test]
 fn one_shot_graph_to_chrome() {
     let _vm = vm_lock();
@@ -139,18 +156,10 @@ fn one_shot_graph_to_chrome() {
     );
     // A checker that is not ours: the schema of the format's phases, and
     // the nesting and overlap rules.
-    let checked = Command::new("/usr/bin/python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../scripts/check-chrome-trace.py"
-        ))
-        .arg(&out_file)
-        .output()
-        .expect("/usr/bin/python3");
-    let verdict = String::from_utf8_lossy(&checked.stdout).into_owned();
+    let (passed, verdict) = check_chrome_trace(&out_file);
     println!("{verdict}");
     ck.check(
-        checked.status.success(),
+        passed,
         format!("the trace passes the schema and the nesting rules: {verdict}"),
     );
     let _ = std::fs::remove_dir_all(&dir);
@@ -358,17 +367,9 @@ fn one_shot_count_to_chrome() {
         reads.len() >= 2,
         format!("samples while dd runs: {reads:?}"),
     );
-    let checked = Command::new("/usr/bin/python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../scripts/check-chrome-trace.py"
-        ))
-        .arg(&out_file)
-        .output()
-        .expect("/usr/bin/python3");
-    let verdict = String::from_utf8_lossy(&checked.stdout).into_owned();
+    let (passed, verdict) = check_chrome_trace(&out_file);
     ck.check(
-        checked.status.success() && verdict.contains(" C"),
+        passed && verdict.contains(" C"),
         format!("the trace passes the checker with counters: {verdict}"),
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -558,23 +558,17 @@ impl<'a> Hit<'a> {
     /// runs on the incoming task (`current`, the record's task) with the
     /// outgoing one as its first argument. The site is the record's ip.
     fn record_switch(&mut self, regs: &PtRegs, cpu: &CpuView, k: &dyn KernelView, now_ns: u64) {
-        let Running { task, pid, comm } = k.current(cpu).unwrap_or(Running::UNKNOWN);
+        let running = k.current(cpu).unwrap_or(Running::UNKNOWN);
         let prev = k.task_sched(regs.di);
-        let next = (task != 0).then(|| k.task_sched(task)).flatten();
-        let prev_name = prev.map_or([0u8; 16], |p| p.comm);
-        let n = prev_name
-            .iter()
-            .position(|&c| c == 0)
-            .unwrap_or(prev_name.len());
-        let prev_comm = prev_name.get(..n).unwrap_or_default();
-        let mut comm_bytes = alloc::vec::Vec::new();
-        if guest_introspect::fallible::try_extend_from_slice(&mut comm_bytes, prev_comm).is_err() {
-            self.vm.stream.rings.lock(self.cpu.index).count_lost();
+        let next = (running.task != 0)
+            .then(|| k.task_sched(running.task))
+            .flatten();
+        let Some(prev_comm) = self.comm_of(&prev.map_or([0u8; 16], |p| p.comm)) else {
             return;
-        }
+        };
         let values = tracelang::kprobe::SwitchValues {
             prev_pid: prev.map_or(-1, |p| p.pid),
-            prev_comm: comm_bytes,
+            prev_comm,
             prev_prio: prev.and_then(|p| p.prio).unwrap_or(-1),
             prev_state: prev.and_then(|p| p.state).map_or(0, |state| {
                 let exit = prev.and_then(|p| p.exit_state).unwrap_or(0);
@@ -582,17 +576,8 @@ impl<'a> Hit<'a> {
             }),
             next_prio: next.and_then(|n| n.prio).unwrap_or(-1),
         };
-        let header = EventHeader {
-            probe_id: tracelang::render::SCHED_SWITCH_ID,
-            cpu: k.cpu_number(cpu).unwrap_or(self.cpu.index as u32),
-            pid,
-            timestamp_ns: now_ns,
-            ip: regs.ip.wrapping_sub(5),
-            ret_ip: 0,
-            comm,
-        };
-        let mut ring = self.vm.stream.rings.lock(self.cpu.index);
-        store_parts(&mut ring, &mut self.cpu.record, &header, &values.values());
+        let id = tracelang::render::SCHED_SWITCH_ID;
+        self.store_sched(id, (regs, cpu, k), &running, now_ns, &values.values());
     }
 
     /// A `sched_wakeup` event at `try_to_wake_up(p, state, flags)`'s entry,
@@ -609,31 +594,54 @@ impl<'a> Hit<'a> {
         if p.state.unwrap_or(0) & regs.si == 0 {
             return;
         }
-        let Running { pid, comm, .. } = k.current(cpu).unwrap_or(Running::UNKNOWN);
-        let n = p.comm.iter().position(|&c| c == 0).unwrap_or(p.comm.len());
-        let mut wakee_comm = alloc::vec::Vec::new();
-        let name = p.comm.get(..n).unwrap_or_default();
-        if guest_introspect::fallible::try_extend_from_slice(&mut wakee_comm, name).is_err() {
-            self.vm.stream.rings.lock(self.cpu.index).count_lost();
+        let running = k.current(cpu).unwrap_or(Running::UNKNOWN);
+        let Some(wakee_comm) = self.comm_of(&p.comm) else {
             return;
-        }
+        };
         let values = tracelang::kprobe::WakeupValues {
             pid: p.pid,
             comm: wakee_comm,
             prio: p.prio.unwrap_or(-1),
             target_cpu: p.cpu.map_or(-1, |c| c as i32),
         };
+        let id = tracelang::render::SCHED_WAKEUP_ID;
+        self.store_sched(id, (regs, cpu, k), &running, now_ns, &values.values());
+    }
+
+    /// A comm's bytes up to its NUL, in a vector the heap may refuse
+    /// (then the record is counted lost and `None`).
+    fn comm_of(&mut self, comm: &[u8; 16]) -> Option<alloc::vec::Vec<u8>> {
+        let n = comm.iter().position(|&c| c == 0).unwrap_or(comm.len());
+        let mut out = alloc::vec::Vec::new();
+        let name = comm.get(..n).unwrap_or_default();
+        if guest_introspect::fallible::try_extend_from_slice(&mut out, name).is_err() {
+            self.vm.stream.rings.lock(self.cpu.index).count_lost();
+            return None;
+        }
+        Some(out)
+    }
+
+    /// Stores a scheduler event `id` of the running task at root's hook
+    /// (`regs`' site is its ip) with `values`.
+    fn store_sched(
+        &mut self,
+        id: u32,
+        (regs, cpu, k): (&PtRegs, &CpuView, &dyn KernelView),
+        running: &Running,
+        now_ns: u64,
+        values: &[tracelang::kprobe::FetchedValue],
+    ) {
         let header = EventHeader {
-            probe_id: tracelang::render::SCHED_WAKEUP_ID,
+            probe_id: id,
             cpu: k.cpu_number(cpu).unwrap_or(self.cpu.index as u32),
-            pid,
+            pid: running.pid,
             timestamp_ns: now_ns,
             ip: regs.ip.wrapping_sub(5),
             ret_ip: 0,
-            comm,
+            comm: running.comm,
         };
         let mut ring = self.vm.stream.rings.lock(self.cpu.index);
-        store_parts(&mut ring, &mut self.cpu.record, &header, &values.values());
+        store_parts(&mut ring, &mut self.cpu.record, &header, values);
     }
 
     /// The count's entry of the call at site `u` (frame `regs`): counted,
