@@ -31,7 +31,9 @@
 //! Debian boots its default initramfs, which carries modules of the stock
 //! kernel package (`ext4_module` below: modprobe, a loop mount and a
 //! pending `ext4:` probe against the guest's own); `--modules` is checked
-//! without a VM (`debian_modules_option_without_a_vm`).
+//! without a VM (`debian_modules_option_without_a_vm`). It ends with
+//! `hvtrace record` into a trace.dat that Debian's `trace-cmd` reads
+//! (`record_on_debian`).
 //!
 //! Run: `cargo test -p hvtrace-tests --test kprobes -- --nocapture`
 
@@ -638,6 +640,8 @@ fn exercise(guest: &str, fast_lane: bool) {
     ck.eq("ring losses before the scale test", t.lost, 0);
     if fast_lane {
         scale(&mut ck, &mut c, &mut stream, vm.supervisor);
+    } else {
+        record_on_debian(&mut ck, &mut c, &vm);
     }
     let t = status(&mut c).tracer;
     println!("{guest}: tracer counters at the end: {t:?}");
@@ -2948,4 +2952,84 @@ fn ext4_graph(ck: &mut Checks, c: &mut Client, stream: &mut Stream) -> Option<Mo
         hooked,
         stream: ours,
     })
+}
+
+/// `hvtrace record` on the stock kernel: a probe with a string, the
+/// function tracer and the scheduler's events for `--duration`, while the
+/// guest opens and reads its hostname. Debian's `trace-cmd report` lists
+/// the probe's file name at the guest's own address of the function, dd's
+/// vfs_read, and the switches and wakeups.
+fn record_on_debian(ck: &mut Checks, c: &mut Client, vm: &Detached) {
+    let dir = std::env::temp_dir().join(format!("hvtrace-record-debian-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let dat = dir.join("debian.dat");
+    let err = dir.join("record.err");
+    let mut child = std::process::Command::new(hvtrace_tests::hvtrace_bin())
+        .arg("--socket")
+        .arg(&vm.socket)
+        .args(["record", "-o"])
+        .arg(&dat)
+        .args([
+            "--probe",
+            "p:tdopen do_sys_openat2 filename=+0(%si):string",
+            "--function",
+            "vfs_read",
+            "--duration",
+            "10",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while Instant::now() < deadline
+        && !std::fs::read_to_string(&err).is_ok_and(|t| t.contains("recording to"))
+    {
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    exec(
+        c,
+        "dd if=/etc/hostname of=/dev/null bs=64 count=1 2>/dev/null",
+    );
+    let kallsyms = exec(c, "grep -w do_sys_openat2 /proc/kallsyms");
+    let status = child.wait().unwrap();
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    println!("{stderr}");
+    ck.eq("record on Debian", status.code(), Some(0));
+    let out = std::process::Command::new("trace-cmd")
+        .arg("report")
+        .arg(&dat)
+        .output()
+        .expect("trace-cmd (scripts/setup.sh installs it)");
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    let addr = kallsyms
+        .lines()
+        .find(|l| l.ends_with(" do_sys_openat2"))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or("none")
+        .to_string();
+    let opens = report
+        .lines()
+        .filter(|l| l.contains("dd-") && l.contains("tdopen:"))
+        .filter(|l| l.contains("filename=\"/etc/hostname\"") && l.contains(&format!("({addr})")))
+        .count();
+    ck.eq(
+        "trace-cmd: dd's open of /etc/hostname at the guest's address",
+        opens,
+        1,
+    );
+    ck.check(
+        report
+            .lines()
+            .any(|l| l.contains("dd-") && l.contains("function:") && l.contains("vfs_read")),
+        "trace-cmd: dd's vfs_read",
+    );
+    for event in ["sched_switch:", "sched_wakeup:"] {
+        ck.check(
+            report.lines().filter(|l| l.contains(event)).count() >= 2,
+            format!("trace-cmd: {event} events"),
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
