@@ -146,13 +146,17 @@ fn one_shot_graph_to_chrome() {
         .iter()
         .find(|e| e["ph"] == "M" && e["name"] == "process_name" && e["args"]["name"] == "CPUs")
         .and_then(|e| e["pid"].as_i64());
-    let dd_ran = events
+    // Each dd task ran on a CPU: a slice carries its pid (named after its
+    // comm when it came in, which is still the shell's before the exec).
+    let dd_ran: std::collections::BTreeSet<i64> = events
         .iter()
-        .filter(|e| e["ph"] == "X" && e["pid"].as_i64() == cpus_pid && e["name"] == "dd")
-        .count();
+        .filter(|e| e["ph"] == "X" && e["pid"].as_i64() == cpus_pid)
+        .filter_map(|e| e["args"]["pid"].as_i64())
+        .filter(|pid| dd_tids.contains(pid))
+        .collect();
     ck.check(
-        cpus_pid.is_some() && dd_ran >= 2,
-        format!("the CPU track shows dd running: {dd_ran} slices"),
+        cpus_pid.is_some() && dd_ran.len() == 2,
+        format!("the CPU track shows both dd tasks running: {dd_ran:?}"),
     );
     // A checker that is not ours: the schema of the format's phases, and
     // the nesting and overlap rules.
