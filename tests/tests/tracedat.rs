@@ -611,6 +611,33 @@ fn guest_wakeups(trace: &str) -> Vec<Wakeup> {
         .collect()
 }
 
+/// Checks that `ours` equals `theirs`, element by element; a failure
+/// shows both lengths and the elements around the first difference.
+fn same_sequence<T: PartialEq + std::fmt::Debug>(
+    checks: &mut Checks,
+    what: &str,
+    ours: &[T],
+    theirs: &[T],
+) {
+    let first = ours
+        .iter()
+        .zip(theirs)
+        .position(|(a, b)| a != b)
+        .or((ours.len() != theirs.len()).then_some(ours.len().min(theirs.len())));
+    let around =
+        |list: &[T], i: usize| format!("{:?}", &list[i.saturating_sub(2)..(i + 3).min(list.len())]);
+    checks.check(
+        first.is_none(),
+        format!(
+            "{what}: ours ({}) = the guest's ({}); first difference at {first:?}: ours {}, the guest's {}",
+            ours.len(),
+            theirs.len(),
+            first.map_or(String::new(), |i| around(ours, i)),
+            first.map_or(String::new(), |i| around(theirs, i)),
+        ),
+    );
+}
+
 /// The VMCALL exits of every vCPU so far.
 fn vmcalls(c: &mut hvtrace::client::Client) -> u64 {
     hv_status(c).per_vcpu.iter().map(|v| v.vmcalls).sum()
@@ -706,22 +733,7 @@ fn sched_switch_oracle_and_cost(vm: &Detached, checks: &mut Checks) {
         theirs_hv.len() >= 300,
         format!("the guest saw the ping-pong: {} switches", theirs_hv.len()),
     );
-    let first_difference = ours_hv
-        .iter()
-        .zip(&theirs_hv)
-        .position(|(a, b)| a != b)
-        .or((ours_hv.len() != theirs_hv.len()).then_some(ours_hv.len().min(theirs_hv.len())));
-    checks.check(
-        first_difference.is_none(),
-        format!(
-            "the ping-pong's switches: ours ({}) = the guest's ({}); first difference at {:?}: ours {:?}, the guest's {:?}",
-            ours_hv.len(),
-            theirs_hv.len(),
-            first_difference,
-            first_difference.map(|i| &ours_hv[i.saturating_sub(2)..(i + 3).min(ours_hv.len())]),
-            first_difference.map(|i| &theirs_hv[i.saturating_sub(2)..(i + 3).min(theirs_hv.len())]),
-        ),
-    );
+    same_sequence(checks, "the ping-pong's switches", &ours_hv, &theirs_hv);
     checks.eq("no loss", stream.lost, 0);
     // The wakeups of one ping-pong task by the other.
     let pingpong: Vec<i64> = ours_hv.iter().flat_map(|s| [s.0, s.3]).collect();
@@ -743,22 +755,7 @@ fn sched_switch_oracle_and_cost(vm: &Detached, checks: &mut Checks) {
         theirs_w.len() >= 100,
         format!("the guest saw the ping-pong's wakeups: {}", theirs_w.len()),
     );
-    let first_difference = ours_w
-        .iter()
-        .zip(&theirs_w)
-        .position(|(a, b)| a != b)
-        .or((ours_w.len() != theirs_w.len()).then_some(ours_w.len().min(theirs_w.len())));
-    checks.check(
-        first_difference.is_none(),
-        format!(
-            "the ping-pong's wakeups: ours ({}) = the guest's ({}); first difference at {:?}: ours {:?}, the guest's {:?}",
-            ours_w.len(),
-            theirs_w.len(),
-            first_difference,
-            first_difference.map(|i| &ours_w[i.saturating_sub(2)..(i + 3).min(ours_w.len())]),
-            first_difference.map(|i| &theirs_w[i.saturating_sub(2)..(i + 3).min(theirs_w.len())]),
-        ),
-    );
+    same_sequence(checks, "the ping-pong's wakeups", &ours_w, &theirs_w);
 
     // The cost per switch: bare, ours alone, the guest's alone.
     const N: u32 = 2000;

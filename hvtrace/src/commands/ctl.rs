@@ -282,9 +282,10 @@ pub fn clear_functions(control: &mut dyn Control) -> Result<String> {
 /// the VM ends. A Ctrl-C ends the copy at once (exit code 130); what was
 /// read is out already.
 pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
-    if args.format == crate::commands::cli::TraceFormatArg::TraceDat && args.output.is_none() {
-        bail!("--format trace-dat writes a file: give it with --output FILE");
-    }
+    let dat = crate::commands::trace_read::trace_dat_path(
+        args.format == crate::commands::cli::TraceFormatArg::TraceDat,
+        args.output.as_deref(),
+    )?;
     let mut client = open(socket)?;
     if args.clear_functions {
         eprintln!("hvtrace: {}", clear_functions(&mut client)?);
@@ -299,17 +300,14 @@ pub fn trace(socket: &Path, args: &TraceArgs) -> Result<u8> {
     // Probe, return-probe and function-tracer lines only: graph sessions
     // are read by `hvtrace graph`.
     let mut reader = TraceReader::new(args.format.protocol()).with_source(Some(0));
-    let mut out = match (args.format, &args.output) {
-        (crate::commands::cli::TraceFormatArg::TraceDat, Some(path)) => {
+    let mut out = match dat {
+        Some(path) => {
             let mut out = TraceOutput::trace_dat(path)?;
             out.learn(&mut client);
             out
         }
-        (crate::commands::cli::TraceFormatArg::TraceDat, None) => {
-            bail!("--format trace-dat writes a file: give it with --output FILE")
-        }
-        (_, path) => TraceOutput::copy(crate::commands::trace_read::sink(
-            path.as_deref(),
+        None => TraceOutput::copy(crate::commands::trace_read::sink(
+            args.output.as_deref(),
             args.format.protocol(),
         )?),
     };

@@ -260,9 +260,11 @@ pub fn stop(control: &mut dyn Control, session: u32) -> Result<()> {
 pub fn graph(socket: &Path, args: &GraphArgs) -> Result<u8> {
     // What can be checked without a VM, first.
     let filter = filter(args)?;
-    if args.format == OutputFormatArg::TraceDat && args.output.is_none() {
-        bail!("--format trace-dat writes a file: give it with --output FILE");
-    }
+    // Checked before connecting; the output is made once connected.
+    trace_read::trace_dat_path(
+        args.format == OutputFormatArg::TraceDat,
+        args.output.as_deref(),
+    )?;
     let mut client = ctl::open_with(socket, args.persist)?;
     let output = TraceOutput::create(args.output.as_deref(), args.format)?;
     // One Ctrl-C ends one wait: either the read in progress takes it or

@@ -507,10 +507,9 @@ fn run_syscalls(args: &RunArgs, names: &str) -> Result<u8> {
     } else {
         protocol::TraceFormat::Text
     };
-    let dat_out = match (dat, args.output.as_deref()) {
-        (true, Some(path)) => Some(TraceOutput::trace_dat(path)?),
-        (true, None) => bail!("--format trace-dat writes a file: give it with --output FILE"),
-        (false, _) => None,
+    let dat_out = match trace_read::trace_dat_path(dat, args.output.as_deref())? {
+        Some(path) => Some(TraceOutput::trace_dat(path)?),
+        None => None,
     };
     let sink = trace_read::sink(if dat { None } else { args.output.as_deref() }, format)?;
     let shown = SyscallsArgs {

@@ -234,10 +234,7 @@ impl TraceOutput {
     /// control characters escaped: [`stdout_for`]). A trace.dat needs a
     /// path.
     pub fn create(path: Option<&Path>, format: OutputFormatArg) -> Result<TraceOutput> {
-        if format == OutputFormatArg::TraceDat {
-            let Some(path) = path else {
-                bail!("--format trace-dat writes a file: give it with --output FILE");
-            };
+        if let Some(path) = trace_dat_path(format == OutputFormatArg::TraceDat, path)? {
             return TraceOutput::trace_dat(path);
         }
         let out = sink(path, format.protocol())?;
@@ -469,6 +466,17 @@ pub fn kallsyms(control: &mut dyn Control) -> Result<String> {
         }
     }
     Ok(text)
+}
+
+/// The file a trace.dat goes to when `dat` asks for one: `path`, which
+/// it needs (there is no trace.dat on a terminal); `None` for other
+/// formats.
+pub fn trace_dat_path(dat: bool, path: Option<&Path>) -> Result<Option<&Path>> {
+    match (dat, path) {
+        (false, _) => Ok(None),
+        (true, Some(path)) => Ok(Some(path)),
+        (true, None) => bail!("--format trace-dat writes a file: give it with --output FILE"),
+    }
 }
 
 /// Where trace lines in `format` go: `path` (created now), or stdout
