@@ -160,6 +160,33 @@ impl Ept {
         Ok(())
     }
 
+    /// Identity-maps `[start, end)`, both 1 GiB-aligned, with 1 GiB leaves
+    /// (the CPU must offer them: EPT_VPID_CAP bit 17). Nothing may be
+    /// mapped there yet: a later finer mapping inside replaces the leaf.
+    pub fn map_identity_gib(
+        &self,
+        store: &mut impl TableStore,
+        start: Gpa,
+        end: Gpa,
+        perms: u64,
+        memtype: MemType,
+    ) -> Result<(), EptError> {
+        if !start.is_aligned(GIB) || !end.is_aligned(GIB) {
+            return Err(EptError::Unaligned);
+        }
+        if end.0 > 1 << 48 {
+            return Err(EptError::TooHigh);
+        }
+        let leaf_bits = perms | ((memtype as u64) << MEMTYPE_SHIFT) | LARGE;
+        let mut a = start.0;
+        while a < end.0 {
+            let pdpt = Self::next(store, self.root, a, 3)?;
+            *slot(store.table(pdpt), a, 2) = a | leaf_bits;
+            a += GIB;
+        }
+        Ok(())
+    }
+
     /// Maps the one 4 KiB page at `gpa` to `hpa` (any frame: a shadow copy,
     /// a hypervisor page shown to the guest) with `perms`, splitting a 2 MiB
     /// leaf if one covers it. `perms` may be execute-only (`EXEC`) where the
@@ -283,6 +310,23 @@ impl Ept {
         }
         None
     }
+}
+
+/// The most guest-physical space mapped with 1 GiB pages above
+/// [`identity_limit`]: 8 TiB (16 tables), whatever the CPU's width.
+pub const BEYOND_CAP: u64 = 1 << 43;
+
+/// The guest-physical range above `limit` that nothing backs but that the
+/// guest can still address (up to its physical-address width, at most
+/// [`BEYOND_CAP`]), for 1 GiB identity pages: there the guest finds no
+/// device, as on the bare machine (loads read all-ones, stores go
+/// nowhere), instead of an EPT violation root cannot serve. `None` when
+/// nothing is left.
+pub fn beyond_limit(limit: u64, phys_bits: u8) -> Option<(u64, u64)> {
+    let width = 1u64 << u32::from(phys_bits.clamp(32, 48));
+    let end = width.min(BEYOND_CAP);
+    let start = limit.div_ceil(GIB) * GIB;
+    (start < end).then_some((start, end))
 }
 
 /// Upper bound of guest-physical space we map for a given top of RAM: at
@@ -505,6 +549,48 @@ pub(crate) mod tests {
         assert_eq!(
             ept.map_identity(&mut s, Gpa(0), Gpa(1 << 30), RWX, MemType::WriteBack, true),
             Err(EptError::OutOfTables)
+        );
+    }
+
+    /// Found by the fuzzing guest (seed 1): an instruction fetch from
+    /// 0x1_027F_D720, above 4 GiB where the guest has no RAM, was an EPT
+    /// violation root could not serve, and root stopped the VM; the bare
+    /// machine reads all-ones there (and the fetch is a #UD).
+    #[test]
+    fn the_space_beyond_ram_is_mapped_with_gib_pages() {
+        let mut s = VecStore::default();
+        let ept = Ept::new(&mut s).unwrap();
+        let limit = identity_limit(256 << 20);
+        ept.map_identity(&mut s, Gpa(0), Gpa(limit), RWX, MemType::Uncacheable, true)
+            .unwrap();
+        let before = s.0.len();
+        let (start, end) = beyond_limit(limit, 39).unwrap();
+        assert_eq!((start, end), (4 << 30, 1 << 39));
+        ept.map_identity_gib(&mut s, Gpa(start), Gpa(end), RWX, MemType::Uncacheable)
+            .unwrap();
+        // One PDPT's worth of 1 GiB leaves: no new table at all here.
+        assert_eq!(s.0.len(), before);
+        let leaf = ept.translate(&mut s, Gpa(0x1_027F_D720)).unwrap();
+        assert_eq!(leaf.hpa, Hpa(0x1_027F_D720));
+        assert_eq!(leaf.perms, RWX);
+        assert_eq!(leaf.memtype, MemType::Uncacheable as u8);
+        assert_eq!(leaf.size, 1 << 30);
+        assert!(ept.translate(&mut s, Gpa((1 << 39) - 1)).is_some());
+        assert!(ept.translate(&mut s, Gpa(1 << 39)).is_none());
+        // RAM below is untouched.
+        assert_eq!(ept.translate(&mut s, Gpa(0x40_0000)).unwrap().size, 2 << 20);
+        // Wider CPUs: capped; nothing left when RAM reaches the cap.
+        assert_eq!(beyond_limit(limit, 46), Some((4 << 30, BEYOND_CAP)));
+        assert_eq!(beyond_limit(BEYOND_CAP, 46), None);
+        assert_eq!(
+            ept.map_identity_gib(
+                &mut s,
+                Gpa(1 << 20),
+                Gpa(1 << 30),
+                RWX,
+                MemType::Uncacheable
+            ),
+            Err(EptError::Unaligned)
         );
     }
 

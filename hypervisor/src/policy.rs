@@ -95,6 +95,14 @@ pub fn cr0_write(value: u64, fixed0: u64, fixed1: u64, cr4: u64, efer: u64) -> C
     }
 }
 
+/// Whether a guest MOV of `value` to CR0 clears PG where the CPU refuses
+/// that with #GP(0): in 64-bit mode (`cs_long`: CS.L of the running code)
+/// or with CR4.PCIDE set (SDM Vol. 2B, MOV to control registers).
+/// Leaving long mode is only done from compatibility mode.
+pub fn cr0_clears_paging_in_64bit(value: u64, cr4: u64, cs_long: bool) -> bool {
+    value & CR0_PG == 0 && (cs_long || cr4 & CR4_PCIDE != 0)
+}
+
 /// A guest MOV to CR4: VMXE, SMXE and LA57 are hidden from the guest, so
 /// setting them faults as on a CPU without VMX, SMX and 5-level paging.
 /// In IA-32e mode (`lma`), clearing PAE or changing LA57 faults, as the
@@ -463,6 +471,25 @@ mod tests {
         ));
         // PG with EFER.LME but no CR4.PAE.
         assert_eq!(cr0_write(base, CR0_F0, CR0_F1, 0, EFER_LME), CrWrite::Fault);
+        // Found by the fuzzing guest (seed 1, operation 2512: CR0 ^=
+        // PG | NE from 64-bit code): root loaded the value, paging went
+        // off under 64-bit code and the guest triple-faulted; the CPU
+        // refuses it with #GP(0).
+        assert!(cr0_clears_paging_in_64bit(CR0_PE | 0x10, CR4_PAE, true));
+        assert!(cr0_clears_paging_in_64bit(
+            CR0_PE | 0x10,
+            CR4_PAE | CR4_PCIDE,
+            false
+        ));
+        assert!(
+            !cr0_clears_paging_in_64bit(CR0_PE | 0x10, CR4_PAE, false),
+            "compatibility mode may leave long mode"
+        );
+        assert!(!cr0_clears_paging_in_64bit(
+            CR0_PE | CR0_PG,
+            CR4_PAE | CR4_PCIDE,
+            true
+        ));
         // Without LME, 32-bit paging without PAE is fine.
         assert!(matches!(
             cr0_write(base, CR0_F0, CR0_F1, 0, 0),

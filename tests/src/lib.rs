@@ -21,6 +21,8 @@ use std::time::Duration;
 
 use hvtrace::{Guest, RunConfig};
 
+pub mod fuzz;
+
 /// Serializes the VM tests of one test binary.
 pub fn vm_lock() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());

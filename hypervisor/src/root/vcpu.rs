@@ -221,7 +221,9 @@ fn vmxon(basic: VmxBasic) -> Result<Fixed, VmxError> {
 }
 
 /// Builds the identity EPT: guest RAM write-back, the rest of the low 4 GiB
-/// (and anything else below the top of RAM) uncacheable, hypervisor memory absent.
+/// (and anything else below the top of RAM) uncacheable, the space above
+/// up to the physical width uncacheable in 1 GiB pages, hypervisor memory
+/// absent.
 fn build_ept(b: &BootInfo, cap: EptVpidCap) -> Result<Ept, VmxError> {
     if let Some(missing) = cap.missing() {
         return Err(VmxError::EptCaps(missing));
@@ -256,6 +258,19 @@ fn build_ept(b: &BootInfo, cap: EptVpidCap) -> Result<Ept, VmxError> {
                 big,
             )?;
         }
+    }
+    // Above that, up to the guest's physical width, nothing: 1 GiB
+    // uncacheable pages where the CPU has them, so that the guest finds no
+    // device there (all-ones) as on the bare machine, not a stop.
+    let phys_bits = (insn::cpuid(0x8000_0008, 0)[0] & 0xFF) as u8;
+    if let Some((start, end)) = ept::beyond_limit(limit, phys_bits).filter(|_| cap.pages_1g()) {
+        ept.map_identity_gib(
+            &mut store,
+            Gpa(start),
+            Gpa(end),
+            ept::RWX,
+            MemType::Uncacheable,
+        )?;
     }
     ept.unmap(&mut store, Gpa(hv.0), Gpa(hv.1))?;
     let ap = layout::AP_TRAMPOLINE.as_u64();

@@ -46,6 +46,10 @@ impl EptVpidCap {
     pub const fn pages_2m(self) -> bool {
         self.0 & (1 << 16) != 0
     }
+    /// Bit 17: 1 GiB EPT pages.
+    pub const fn pages_1g(self) -> bool {
+        self.0 & (1 << 17) != 0
+    }
     /// Bit 20: INVEPT.
     pub const fn invept(self) -> bool {
         self.0 & (1 << 20) != 0

@@ -40,7 +40,20 @@ pub enum CrReg {
     Cr8,
     /// GUEST_RSP (register 4 of an operand).
     Rsp,
+    /// GUEST_CS_ACCESS_RIGHTS (bit 13 is CS.L: 64-bit code). Read only.
+    CsAccessRights,
+    /// CR0.CD and CR0.NW of the CPU itself. VM entry and exit leave these
+    /// two bits alone (SDM 28.3.2.1, 29.5.1), so root and the guest share
+    /// them: a guest write that exits changes them here, not in GUEST_CR0.
+    /// Write only.
+    CacheControl,
 }
+
+/// CS.L in the access rights: the code runs in 64-bit mode.
+const CS_L: u64 = 1 << 13;
+
+/// CR0.CD | CR0.NW: the bits VM entries and exits do not load.
+const CACHE_BITS: u64 = policy::CR0_CD | policy::CR0_NW;
 
 /// The guest's registers as [`cr_access`] reaches them.
 pub trait CrRegs {
@@ -118,11 +131,20 @@ pub fn cr_access<C: CrRegs>(
                 0 => {
                     let cr4 = cpu.get(CrReg::Cr4Shadow)?;
                     let efer = cpu.get(CrReg::Efer)?;
+                    // CS only matters to a write that clears PG.
+                    let cs_long =
+                        value & policy::CR0_PG == 0 && cpu.get(CrReg::CsAccessRights)? & CS_L != 0;
+                    if policy::cr0_clears_paging_in_64bit(value, cr4, cs_long) {
+                        return Ok(refuse());
+                    }
                     match policy::cr0_write(value, fixed.cr0.0, fixed.cr0.1, cr4, efer) {
                         CrWrite::Load { actual, shadow } => {
                             let old = cpu.get(CrReg::Cr0)?;
                             cpu.set(CrReg::Cr0, actual)?;
                             cpu.set(CrReg::Cr0Shadow, shadow)?;
+                            if (old ^ actual) & CACHE_BITS != 0 {
+                                cpu.set(CrReg::CacheControl, actual & CACHE_BITS)?;
+                            }
                             if (old ^ actual) & policy::CR0_PG != 0 {
                                 paging_changed(cpu, efer, actual)?;
                             }
@@ -233,6 +255,8 @@ mod tests {
             CrReg::EntryControls => "entry",
             CrReg::Cr8 => "cr8",
             CrReg::Rsp => "rsp",
+            CrReg::CsAccessRights => "cs_ar",
+            CrReg::CacheControl => "cache",
         }
     }
 
@@ -329,6 +353,36 @@ mod tests {
         // And on again.
         g.rax = CR0_PE | CR0_PG;
         assert_eq!(run(&mut r, &mut g, to0), (CrOutcome::Advance, 0));
+        // Paging off from 64-bit code (CS.L): #GP(0), nothing written.
+        r.r.insert("cs_ar", 0xA09B);
+        r.writes.clear();
+        g.rax = CR0_PE;
+        assert_eq!(
+            run(&mut r, &mut g, to0),
+            (CrOutcome::Inject(GP, Some(0)), 1)
+        );
+        assert!(r.writes.is_empty());
+        r.r.insert("cs_ar", 0xC09B);
+        // Found by the fuzzing guest (seed 1, operation 63: CR0 ^= CD |
+        // NE): the write exits for NE, and CD went only into GUEST_CR0,
+        // which VM entry does not load CD from; the guest read CD back as
+        // 0. The CPU's own CD and NW change instead.
+        r.writes.clear();
+        g.rax = CR0_PE | CR0_PG | policy::CR0_CD;
+        assert_eq!(run(&mut r, &mut g, to0), (CrOutcome::Advance, 0));
+        assert!(
+            r.writes.contains(&(CrReg::CacheControl, policy::CR0_CD)),
+            "{:?}",
+            r.writes
+        );
+        r.writes.clear();
+        g.rax = CR0_PE | CR0_PG;
+        assert_eq!(run(&mut r, &mut g, to0), (CrOutcome::Advance, 0));
+        assert!(
+            r.writes.contains(&(CrReg::CacheControl, 0)),
+            "{:?}",
+            r.writes
+        );
         assert_eq!(r.r["efer"], EFER_LME | EFER_LMA);
         assert_ne!(r.r["entry"] & ia32e, 0);
         // No change of PG: EFER and the controls are not touched.

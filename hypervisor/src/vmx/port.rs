@@ -67,6 +67,8 @@ pub enum ByteOut {
         /// The PM1 control port.
         base: u16,
     },
+    /// A byte that resets the machine ([`policy::resets`]): the VM stops.
+    Reset,
 }
 
 impl Ports {
@@ -133,6 +135,9 @@ impl Ports {
         if self.owns(port) {
             return ByteOut::Drop;
         }
+        if policy::resets(port, 1, u32::from(byte)) {
+            return ByteOut::Reset;
+        }
         let base = port.wrapping_sub(1);
         if self.is_pm1(base) && u32::from(byte) << 8 & policy::PM1_SLP_EN != 0 {
             return ByteOut::PowerOff { base };
@@ -144,6 +149,20 @@ impl Ports {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A wider OUT at 0xCF8 that is not the dword configuration address
+    /// is split into bytes; the one that lands on the reset control
+    /// register with its CPU-reset bit must stop the VM as a byte OUT to
+    /// 0xCF9 does, not reach the platform (it reset Bochs under root).
+    #[test]
+    fn split_bytes_that_reset_stop_the_vm() {
+        let ports = Ports::default();
+        assert_eq!(ports.byte_out(0xCF9, 0x06), ByteOut::Reset);
+        assert_eq!(ports.byte_out(0xCF9, 0x02), ByteOut::Forward);
+        assert_eq!(ports.byte_out(0x64, 0xFE), ByteOut::Reset);
+        assert_eq!(ports.byte_out(0x92, 0x01), ByteOut::Reset);
+        assert_eq!(ports.byte_out(0xCF8, 0x06), ByteOut::Forward);
+    }
 
     fn io(port: u16, size: u8, input: bool) -> IoAccess {
         IoAccess {

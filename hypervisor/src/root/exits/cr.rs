@@ -2,6 +2,7 @@
 //! performed by `hypervisor::vmx::cr` over the VMCS ([`VmcsCr`]).
 
 use super::*;
+use hypervisor::policy;
 use hypervisor::vmx::cr::{self, CrOutcome, CrReg, CrRegs, FixedCr};
 
 /// The guest's control registers as the VMCS (and, for CR8, the CPU) hold
@@ -23,6 +24,8 @@ impl CrRegs for VmcsCr {
             CrReg::EntryControls => f::ENTRY_CONTROLS.read(v).map(u64::from),
             CrReg::Cr8 => Ok(insn::read_cr8()),
             CrReg::Rsp => f::GUEST_RSP.read(v),
+            CrReg::CsAccessRights => f::GUEST_CS_ACCESS_RIGHTS.read(v).map(u64::from),
+            CrReg::CacheControl => Ok(insn::read_cr0() & (policy::CR0_CD | policy::CR0_NW)),
         }
     }
 
@@ -45,6 +48,16 @@ impl CrRegs for VmcsCr {
                 Ok(())
             }
             CrReg::Rsp => f::GUEST_RSP.write(v, value),
+            // Never written: the rules only read it.
+            CrReg::CsAccessRights => Ok(()),
+            CrReg::CacheControl => {
+                let bits = policy::CR0_CD | policy::CR0_NW;
+                // SAFETY: only CD and NW change, to a combination the
+                // rule checked (NW never without CD); paging and
+                // protection stay as root runs with them.
+                unsafe { insn::write_cr0((insn::read_cr0() & !bits) | (value & bits)) };
+                Ok(())
+            }
         }
     }
 }

@@ -274,11 +274,34 @@ impl Vcpu<'_> {
         self.inject(PF, Some(code))
     }
 
-    /// A port access done byte by byte: root's ports float (reads all
-    /// ones, writes dropped), the others go to the platform, as a bus
-    /// would split it; a write of SLP_EN to PM1 still powers off
+    /// A port access outside root's special cases: a read that touches
+    /// none of root's ports goes to the platform whole; anything else byte
+    /// by byte, root's ports floating (reads all ones, writes dropped) and
+    /// the others going to the platform, as a bus would split it; a byte
+    /// that resets or writes SLP_EN to PM1 still stops the VM
     /// (`Ports::byte_out`).
     pub(super) fn io_bytes(&mut self, io: IoAccess, ports: &Ports) -> Option<StopReason> {
+        let mask = policy::floating_bus(io.size);
+        let owned = (0..io.size.min(4)).any(|i| {
+            io.port
+                .checked_add(u16::from(i))
+                .is_none_or(|p| ports.owns(p))
+        });
+        if io.input && !owned {
+            // A read that touches none of root's ports: the platform
+            // answers it whole, as it answers the bare guest (a dword IN at
+            // 0xCFA reads all ones there, not two registers' bytes).
+            // SAFETY: the guest's own ports, read for it at its size.
+            let v = unsafe {
+                match io.size {
+                    1 => u32::from(insn::inb(io.port)),
+                    2 => u32::from(insn::inw(io.port)),
+                    _ => insn::inl(io.port),
+                }
+            };
+            self.cpu.regs.rax = (self.cpu.regs.rax & !u64::from(mask)) | u64::from(v & mask);
+            return None;
+        }
         let mut value = 0u32;
         let out = self.cpu.regs.rax as u32;
         for i in 0..io.size.min(4) {
@@ -300,6 +323,13 @@ impl Vcpu<'_> {
             match ports.byte_out(p, byte) {
                 ByteOut::Drop => {}
                 ByteOut::Forward => forward_out(p, 1, u32::from(byte)),
+                ByteOut::Reset => {
+                    log::info!(
+                        "vCPU {}: the guest reset the machine through port {p:#x}",
+                        self.cpu.index
+                    );
+                    return Some(StopReason::Reset);
+                }
                 ByteOut::PowerOff { base } => {
                     // SAFETY: the guest's own PM1 register, read back.
                     let low = u32::from(unsafe { insn::inb(base) });

@@ -1,0 +1,97 @@
+//! The program's command line: `fuzz.seed=S fuzz.ops=N fuzz.cpus=C`, plus
+//! `fuzz.window=W` (operations per digest line) and `fuzz.log=K` (print
+//! every operation of window K with its outcome). Other words are ignored,
+//! so a loader's own additions do no harm.
+
+/// What the command line asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Params {
+    /// The seed of every vCPU's stream.
+    pub seed: u64,
+    /// Operations per vCPU.
+    pub ops: u64,
+    /// vCPUs to run on (1..=[`crate::MAX_CPUS`]).
+    pub cpus: u32,
+    /// Operations per digest window.
+    pub window: u64,
+    /// The window whose operations are printed one by one.
+    pub log: Option<u64>,
+}
+
+impl Default for Params {
+    fn default() -> Params {
+        Params {
+            seed: 1,
+            ops: 10_000,
+            cpus: 1,
+            window: 1000,
+            log: None,
+        }
+    }
+}
+
+/// Parses a decimal or `0x` hexadecimal number.
+pub fn number(s: &str) -> Option<u64> {
+    if let Some(hex) = s.strip_prefix("0x") {
+        u64::from_str_radix(hex, 16).ok()
+    } else {
+        s.parse().ok()
+    }
+}
+
+/// Reads the parameters; the first bad value is returned as the error.
+pub fn parse(line: &str) -> Result<Params, &str> {
+    let mut p = Params::default();
+    for word in line.split_ascii_whitespace() {
+        let Some(rest) = word.strip_prefix("fuzz.") else {
+            continue;
+        };
+        let Some((key, value)) = rest.split_once('=') else {
+            return Err(word);
+        };
+        let n = number(value).ok_or(word)?;
+        match key {
+            "seed" => p.seed = n,
+            "ops" => p.ops = n,
+            "cpus" if (1..=crate::MAX_CPUS as u64).contains(&n) => p.cpus = n as u32,
+            "window" if n > 0 => p.window = n,
+            "log" => p.log = Some(n),
+            _ => return Err(word),
+        }
+    }
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_its_words_and_ignores_others() {
+        let p = parse(
+            "console=ttyS0 fuzz.seed=0x10 fuzz.ops=500 fuzz.cpus=2 fuzz.window=50 fuzz.log=3",
+        )
+        .unwrap();
+        assert_eq!(
+            p,
+            Params {
+                seed: 16,
+                ops: 500,
+                cpus: 2,
+                window: 50,
+                log: Some(3)
+            }
+        );
+        assert_eq!(parse("").unwrap(), Params::default());
+    }
+
+    #[test]
+    fn refuses_bad_values() {
+        assert_eq!(parse("fuzz.cpus=9"), Err("fuzz.cpus=9"));
+        assert_eq!(parse("fuzz.cpus=0"), Err("fuzz.cpus=0"));
+        assert_eq!(parse("fuzz.window=0"), Err("fuzz.window=0"));
+        assert_eq!(parse("fuzz.seed=x"), Err("fuzz.seed=x"));
+        assert_eq!(parse("fuzz.what=1"), Err("fuzz.what=1"));
+        assert_eq!(parse("fuzz.seed"), Err("fuzz.seed"));
+    }
+}

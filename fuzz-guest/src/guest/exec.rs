@@ -1,0 +1,370 @@
+//! Running one instruction under the recovery point: `fz_exec` loads the
+//! registers, calls a stub (a few instructions and `ret`, or any address
+//! at all), and stores the registers back, whether the stub returned or a
+//! fault resumed at the recovery label. This module owns the program's
+//! instruction stubs.
+
+use crate::percpu::{RECOVER_RIP, RECOVER_RSP, STACK_SIZE};
+
+/// The registers a stub sees and leaves.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Regs {
+    pub rax: u64,
+    pub rbx: u64,
+    pub rcx: u64,
+    pub rdx: u64,
+    pub rsi: u64,
+    pub rdi: u64,
+}
+
+core::arch::global_asm!(
+    r#"
+    .text
+    .global fz_exec
+fz_exec:
+    push rbx
+    push rbp
+    push r12
+    push r13
+    push r14
+    push r15
+    push rdi
+    mov rax, rsp
+    and rax, -{stack}
+    lea rcx, [rip + 1f]
+    mov qword ptr [rax + {rip}], rcx
+    mov qword ptr [rax + {rsp}], rsp
+    mov r11, rsi
+    mov rax, qword ptr [rdi]
+    mov rbx, qword ptr [rdi + 8]
+    mov rcx, qword ptr [rdi + 16]
+    mov rdx, qword ptr [rdi + 24]
+    mov rsi, qword ptr [rdi + 32]
+    mov rdi, qword ptr [rdi + 40]
+    call r11
+1:
+    xchg rdi, qword ptr [rsp]
+    mov qword ptr [rdi], rax
+    mov qword ptr [rdi + 8], rbx
+    mov qword ptr [rdi + 16], rcx
+    mov qword ptr [rdi + 24], rdx
+    mov qword ptr [rdi + 32], rsi
+    pop rax
+    mov qword ptr [rdi + 40], rax
+    mov rax, rsp
+    and rax, -{stack}
+    mov qword ptr [rax + {rip}], 0
+    pop r15
+    pop r14
+    pop r13
+    pop r12
+    pop rbp
+    pop rbx
+    ret
+
+    .global fz_s_cpuid
+fz_s_cpuid: cpuid
+    ret
+    .global fz_s_rdmsr
+fz_s_rdmsr: rdmsr
+    ret
+    .global fz_s_wrmsr
+fz_s_wrmsr: wrmsr
+    ret
+    .global fz_s_in8
+fz_s_in8: in al, dx
+    ret
+    .global fz_s_in16
+fz_s_in16: in ax, dx
+    ret
+    .global fz_s_in32
+fz_s_in32: in eax, dx
+    ret
+    .global fz_s_out8
+fz_s_out8: out dx, al
+    ret
+    .global fz_s_out16
+fz_s_out16: out dx, ax
+    ret
+    .global fz_s_out32
+fz_s_out32: out dx, eax
+    ret
+    .global fz_s_rdcr0
+fz_s_rdcr0: mov rax, cr0
+    ret
+    .global fz_s_wrcr0
+fz_s_wrcr0: mov cr0, rax
+    ret
+    .global fz_s_rdcr3
+fz_s_rdcr3: mov rax, cr3
+    ret
+    .global fz_s_wrcr3
+fz_s_wrcr3: mov cr3, rax
+    ret
+    .global fz_s_rdcr4
+fz_s_rdcr4: mov rax, cr4
+    ret
+    .global fz_s_wrcr4
+fz_s_wrcr4: mov cr4, rax
+    ret
+    .global fz_s_xsetbv
+fz_s_xsetbv: xsetbv
+    ret
+    .global fz_s_xgetbv
+fz_s_xgetbv: xgetbv
+    ret
+    .global fz_s_invlpg
+fz_s_invlpg: invlpg [rax]
+    ret
+    .global fz_s_invpcid
+fz_s_invpcid: invpcid rax, [rbx]
+    ret
+    .global fz_s_st8
+fz_s_st8: mov byte ptr [rdi], al
+    ret
+    .global fz_s_st16
+fz_s_st16: mov word ptr [rdi], ax
+    ret
+    .global fz_s_st32
+fz_s_st32: mov dword ptr [rdi], eax
+    ret
+    .global fz_s_st64
+fz_s_st64: mov qword ptr [rdi], rax
+    ret
+    .global fz_s_st32imm
+fz_s_st32imm: mov dword ptr [rdi], 0x5A5AA5A5
+    ret
+    .global fz_s_xchg32
+fz_s_xchg32: xchg dword ptr [rdi], eax
+    ret
+    .global fz_s_ld8
+fz_s_ld8: movzx eax, byte ptr [rdi]
+    ret
+    .global fz_s_ld16
+fz_s_ld16: movzx eax, word ptr [rdi]
+    ret
+    .global fz_s_ld32
+fz_s_ld32: mov eax, dword ptr [rdi]
+    ret
+    .global fz_s_ld64
+fz_s_ld64: mov rax, qword ptr [rdi]
+    ret
+    .global fz_s_step
+fz_s_step: pushfq
+    or qword ptr [rsp], 0x100
+    popfq
+    nop
+    nop
+    ret
+    .global fz_s_ud2
+fz_s_ud2: ud2
+    .global fz_s_div
+fz_s_div: xor edx, edx
+    xor eax, eax
+    xor ecx, ecx
+    div rcx
+    ret
+    .global fz_s_int3
+fz_s_int3: int3
+    ret
+    .global fz_s_hlt
+fz_s_hlt: sti
+    hlt
+    cli
+    ret
+    .global fz_s_sti
+fz_s_sti: sti
+    nop
+    nop
+    cli
+    ret
+    .balign 4
+    .global fz_s_softint
+fz_s_softint:
+    .set fz_n, 0x30
+    .rept 16
+    .balign 4
+    .byte 0xCD, fz_n
+    ret
+    .set fz_n, fz_n + 1
+    .endr
+    .balign 8
+    .global fz_s_wrdr
+fz_s_wrdr:
+    mov dr0, rax
+    ret
+    .balign 8
+    mov dr1, rax
+    ret
+    .balign 8
+    mov dr2, rax
+    ret
+    .balign 8
+    mov dr3, rax
+    ret
+    .balign 8
+    mov dr4, rax
+    ret
+    .balign 8
+    mov dr5, rax
+    ret
+    .balign 8
+    mov dr6, rax
+    ret
+    .balign 8
+    mov dr7, rax
+    ret
+    .balign 8
+    .global fz_s_rddr
+fz_s_rddr:
+    mov rax, dr0
+    ret
+    .balign 8
+    mov rax, dr1
+    ret
+    .balign 8
+    mov rax, dr2
+    ret
+    .balign 8
+    mov rax, dr3
+    ret
+    .balign 8
+    mov rax, dr4
+    ret
+    .balign 8
+    mov rax, dr5
+    ret
+    .balign 8
+    mov rax, dr6
+    ret
+    .balign 8
+    mov rax, dr7
+    ret
+
+    /* Far jumps into compatibility mode and back. */
+    .global fz_s_far32
+fz_s_far32:
+    jmp fword ptr [rip + fz_far32_ptr]
+    .code32
+fz_compat32:
+    xor ecx, ecx
+    cpuid
+    .byte 0xEA
+    .long fz_back64
+    .word 0x08
+    .code64
+fz_back64:
+    ret
+    .global fz_s_far16
+fz_s_far16:
+    jmp fword ptr [rip + fz_far16_ptr]
+    .balign 16
+    .global fz_code16
+fz_code16:
+    .code16
+    xor ecx, ecx
+    cpuid
+    .byte 0x66, 0xEA
+    .long fz_back64
+    .word 0x08
+    .code64
+    .balign 8
+fz_far32_ptr:
+    .long fz_compat32
+    .word 0x18
+    .balign 8
+fz_far16_ptr:
+    .long 0
+    .word 0x20
+"#,
+    stack = const STACK_SIZE,
+    rip = const RECOVER_RIP,
+    rsp = const RECOVER_RSP,
+);
+
+extern "C" {
+    fn fz_exec(regs: *mut Regs, target: u64);
+    pub fn fz_s_cpuid();
+    pub fn fz_s_rdmsr();
+    pub fn fz_s_wrmsr();
+    pub fn fz_s_in8();
+    pub fn fz_s_in16();
+    pub fn fz_s_in32();
+    pub fn fz_s_out8();
+    pub fn fz_s_out16();
+    pub fn fz_s_out32();
+    pub fn fz_s_rdcr0();
+    pub fn fz_s_wrcr0();
+    pub fn fz_s_rdcr3();
+    pub fn fz_s_wrcr3();
+    pub fn fz_s_rdcr4();
+    pub fn fz_s_wrcr4();
+    pub fn fz_s_xsetbv();
+    pub fn fz_s_xgetbv();
+    pub fn fz_s_invlpg();
+    pub fn fz_s_invpcid();
+    pub fn fz_s_st8();
+    pub fn fz_s_st16();
+    pub fn fz_s_st32();
+    pub fn fz_s_st64();
+    pub fn fz_s_st32imm();
+    pub fn fz_s_xchg32();
+    pub fn fz_s_ld8();
+    pub fn fz_s_ld16();
+    pub fn fz_s_ld32();
+    pub fn fz_s_ld64();
+    pub fn fz_s_step();
+    pub fn fz_s_ud2();
+    pub fn fz_s_div();
+    pub fn fz_s_int3();
+    pub fn fz_s_hlt();
+    pub fn fz_s_sti();
+    pub fn fz_s_softint();
+    pub fn fz_s_wrdr();
+    pub fn fz_s_rddr();
+    pub fn fz_s_far32();
+    pub fn fz_s_far16();
+    pub static fz_code16: u8;
+}
+
+/// The address of a stub.
+pub fn stub(f: unsafe extern "C" fn()) -> u64 {
+    f as usize as u64
+}
+
+/// What one guarded call came to.
+#[derive(Clone, Copy, Debug)]
+pub struct Done {
+    /// The registers after it.
+    pub regs: Regs,
+    /// The fault that ended it: (vector, error code, CR2 or DR6).
+    pub fault: Option<(u8, u64, u64)>,
+}
+
+/// Runs the code at `target` with `regs` under the recovery point.
+pub fn run(target: u64, mut regs: Regs) -> Done {
+    let pc = crate::percpu::this();
+    pc.vector = 0xFF;
+    // SAFETY: `fz_exec` saves the callee-saved registers, arms the
+    // recovery point, calls `target` and restores everything; a fault in
+    // the target resumes at the recovery label on the same stack. Each
+    // target is a stub of this module, or an address chosen to fault.
+    unsafe { fz_exec(&mut regs, target) };
+    let pc = crate::percpu::this();
+    let fault = (pc.vector != 0xFF).then(|| (pc.vector as u8, pc.error, pc.addr));
+    Done { regs, fault }
+}
+
+/// Points the 16-bit code segment (GDT entry 4) at `fz_code16` (the far
+/// pointer's offset is 0).
+pub fn init_code16() {
+    // SAFETY: only the address of the code is taken.
+    let base = core::ptr::addr_of!(fz_code16) as u64;
+    let desc = 0x0000_9A00_0000_FFFFu64 | (base & 0xFF_FFFF) << 16 | ((base >> 24) & 0xFF) << 56;
+    // SAFETY: the boot CPU patches the GDT before any vCPU uses entry 4.
+    unsafe {
+        let gdt = core::ptr::addr_of_mut!(crate::boot::fz_gdt);
+        (*gdt)[4] = desc;
+    }
+}

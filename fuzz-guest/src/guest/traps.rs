@@ -1,0 +1,191 @@
+//! The IDT and the one handler behind it.
+//!
+//! Exceptions and software interrupts during an operation resume at the
+//! operation's recovery point with the vector, error code and CR2/DR6
+//! recorded. NMIs and external interrupts are counted and return. A fault
+//! outside an operation is a bug in the program: it prints it and stops.
+
+use crate::percpu::{self, RECOVER_RIP, RECOVER_RSP};
+use crate::{apic, serial};
+
+core::arch::global_asm!(
+    r#"
+    .text
+    .balign 16
+    .global fz_isr_table
+fz_isr_table:
+    .set fz_i, 0
+    .rept 256
+    .balign 16
+    .if (fz_i == 8) || (fz_i == 10) || (fz_i == 11) || (fz_i == 12) || (fz_i == 13) || (fz_i == 14) || (fz_i == 17) || (fz_i == 21) || (fz_i == 29) || (fz_i == 30)
+    .byte 0x6A, fz_i
+    .else
+    .byte 0x6A, 0
+    .byte 0x6A, fz_i
+    .endif
+    jmp fz_isr_common
+    .set fz_i, fz_i + 1
+    .endr
+
+fz_isr_common:
+    push rax
+    push rbx
+    push rcx
+    push rdx
+    push rsi
+    push rdi
+    push rbp
+    push r8
+    push r9
+    push r10
+    push r11
+    push r12
+    push r13
+    push r14
+    push r15
+    mov rdi, rsp
+    cld
+    call fz_trap
+    pop r15
+    pop r14
+    pop r13
+    pop r12
+    pop r11
+    pop r10
+    pop r9
+    pop r8
+    pop rbp
+    pop rdi
+    pop rsi
+    pop rdx
+    pop rcx
+    pop rbx
+    pop rax
+    add rsp, 16
+    iretq
+"#
+);
+
+/// What the stubs leave on the stack.
+#[repr(C)]
+pub struct Frame {
+    pub r15: u64,
+    pub r14: u64,
+    pub r13: u64,
+    pub r12: u64,
+    pub r11: u64,
+    pub r10: u64,
+    pub r9: u64,
+    pub r8: u64,
+    pub rbp: u64,
+    pub rdi: u64,
+    pub rsi: u64,
+    pub rdx: u64,
+    pub rcx: u64,
+    pub rbx: u64,
+    pub rax: u64,
+    pub vector: u64,
+    pub error: u64,
+    pub rip: u64,
+    pub cs: u64,
+    pub rflags: u64,
+    pub rsp: u64,
+    pub ss: u64,
+}
+
+/// Each stub's size in `fz_isr_table` (`.balign 16`).
+const STUB: u64 = 16;
+
+/// The IDT: 256 interrupt gates.
+static mut IDT: [[u64; 2]; 256] = [[0; 2]; 256];
+
+extern "C" {
+    static fz_isr_table: u8;
+}
+
+/// Fills and loads the IDT (each vCPU loads the same table).
+pub fn load() {
+    // SAFETY: the table is only the address of the stubs.
+    let base = core::ptr::addr_of!(fz_isr_table) as u64;
+    let idt = core::ptr::addr_of_mut!(IDT);
+    for v in 0..256u64 {
+        let at = base + v * STUB;
+        let low = (at & 0xFFFF) | (0x08 << 16) | (0x8E00 << 32) | ((at >> 16) & 0xFFFF) << 48;
+        let high = at >> 32;
+        // SAFETY: in bounds; every vCPU writes the same values.
+        unsafe { (*idt)[v as usize] = [low, high] };
+    }
+    let ptr: [u64; 2] = [(256 * 16 - 1) | (idt as u64) << 16, (idt as u64) >> 48];
+    // SAFETY: the IDT is static and filled; the pointer's 10 bytes are read.
+    unsafe {
+        core::arch::asm!("lidt [{}]", in(reg) ptr.as_ptr().cast::<u8>().add(0), options(nostack))
+    };
+}
+
+/// Vectors the operations raise on purpose with `int n`.
+const SOFT_INTS: core::ops::RangeInclusive<u64> = 0x30..=0x3F;
+
+#[no_mangle]
+extern "C" fn fz_trap(frame: &mut Frame) {
+    let pc = percpu::of_sp(frame as *mut Frame as u64);
+    // SAFETY: the handler runs on the vCPU's own stack, whose bottom holds
+    // its state.
+    let pc = unsafe { &mut *pc };
+    let v = frame.vector & 0xFF;
+    if v == 2 {
+        pc.nmis += 1;
+        return;
+    }
+    if v >= 0x40 {
+        pc.irqs += 1;
+        pc.last_irq = v;
+        if v != 0xFF {
+            apic::eoi();
+        }
+        return;
+    }
+    if v >= 0x20 && !SOFT_INTS.contains(&v) {
+        pc.stray += 1;
+        return;
+    }
+    if pc.recover_rip == 0 {
+        let cr2: u64;
+        // SAFETY: reads CR2.
+        unsafe { core::arch::asm!("mov {}, cr2", out(reg) cr2, options(nomem, nostack)) };
+        serial::line(format_args!(
+            "FATAL cpu {} vector {} error {:#x} rip {:#x} cr2 {:#x} rsp {:#x}",
+            pc.cpu, v, frame.error, frame.rip, cr2, frame.rsp
+        ));
+        loop {
+            // SAFETY: stops this vCPU.
+            unsafe { core::arch::asm!("cli", "hlt", options(nomem, nostack)) };
+        }
+    }
+    pc.vector = v;
+    pc.error = frame.error;
+    pc.addr = match v {
+        14 => {
+            let cr2: u64;
+            // SAFETY: reads CR2.
+            unsafe { core::arch::asm!("mov {}, cr2", out(reg) cr2, options(nomem, nostack)) };
+            cr2
+        }
+        1 => {
+            let dr6: u64;
+            // SAFETY: reads DR6 and resets it to its fixed value, as a
+            // handler must.
+            unsafe {
+                core::arch::asm!("mov {0}, dr6", "mov dr6, {1}", out(reg) dr6, in(reg) 0xFFFF_0FF0u64, options(nomem, nostack))
+            };
+            dr6
+        }
+        _ => 0,
+    };
+    frame.rip = pc.recover_rip;
+    frame.rsp = pc.recover_rsp;
+    frame.cs = 0x08;
+    frame.ss = 0x10;
+    frame.rflags = 0x2;
+    pc.recover_rip = 0;
+    let _ = (RECOVER_RIP, RECOVER_RSP);
+}

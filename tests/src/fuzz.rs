@@ -1,0 +1,652 @@
+//! The fuzzing guest's host half: building its bzImage, running it bare and
+//! under the hypervisor in Bochs, and comparing the digests it prints.
+//!
+//! `scripts/fuzz-guest.sh` (the `fuzz-driver` binary) and the VM test
+//! `tests/fuzz.rs` both use it.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use fuzz_guest::known::CLASSES;
+use fuzz_guest::ops::{self, Op, Shape};
+use fuzz_guest::rng::Rng;
+use fuzz_guest::LINK_BASE;
+use hvtrace::{RunConfig, Vm};
+
+/// What one run asks the program for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Params {
+    pub seed: u64,
+    pub ops: u64,
+    pub cpus: u32,
+    pub window: u64,
+    pub log: Option<u64>,
+}
+
+impl Params {
+    /// The program's command line.
+    pub fn cmdline(&self) -> String {
+        let mut s = format!(
+            "fuzz.seed={} fuzz.ops={} fuzz.cpus={} fuzz.window={}",
+            self.seed, self.ops, self.cpus, self.window
+        );
+        if let Some(w) = self.log {
+            s.push_str(&format!(" fuzz.log={w}"));
+        }
+        s
+    }
+
+    /// Operation `index` of vCPU `cpu`'s stream, regenerated here.
+    pub fn op(&self, cpu: u32, index: u64) -> Op {
+        let mut r = Rng::new(self.seed, cpu);
+        let shape = Shape {
+            cpu,
+            cpus: self.cpus,
+        };
+        let mut op = ops::draw(&mut r, shape);
+        for _ in 0..index {
+            op = ops::draw(&mut r, shape);
+        }
+        op
+    }
+}
+
+// ---------------------------------------------------------------- the image
+
+/// The setup header's offsets (Documentation/arch/x86/boot.rst).
+mod hdr {
+    pub const SETUP_SECTS: usize = 0x1F1;
+    pub const SYSSIZE: usize = 0x1F4;
+    pub const BOOT_FLAG: usize = 0x1FE;
+    pub const JUMP: usize = 0x200;
+    pub const MAGIC: usize = 0x202;
+    pub const VERSION: usize = 0x206;
+    pub const TYPE_OF_LOADER: usize = 0x210;
+    pub const LOADFLAGS: usize = 0x211;
+    pub const CODE32_START: usize = 0x214;
+    pub const INITRD_ADDR_MAX: usize = 0x22C;
+    pub const KERNEL_ALIGNMENT: usize = 0x230;
+    pub const RELOCATABLE: usize = 0x234;
+    pub const MIN_ALIGNMENT: usize = 0x235;
+    pub const XLOADFLAGS: usize = 0x236;
+    pub const CMDLINE_SIZE: usize = 0x238;
+    pub const PREF_ADDRESS: usize = 0x258;
+    pub const INIT_SIZE: usize = 0x260;
+    /// Where the header ends (protocol 2.15 has `kernel_info_offset` last).
+    pub const END: usize = 0x26C;
+}
+
+fn u16_at(b: &[u8], at: usize) -> Result<u16> {
+    let s = b
+        .get(at..at + 2)
+        .ok_or_else(|| anyhow!("ELF truncated at {at:#x}"))?;
+    Ok(u16::from_le_bytes([s[0], s[1]]))
+}
+
+fn u32_at(b: &[u8], at: usize) -> Result<u32> {
+    let s = b
+        .get(at..at + 4)
+        .ok_or_else(|| anyhow!("ELF truncated at {at:#x}"))?;
+    Ok(u32::from_le_bytes(s.try_into()?))
+}
+
+fn u64_at(b: &[u8], at: usize) -> Result<u64> {
+    let s = b
+        .get(at..at + 8)
+        .ok_or_else(|| anyhow!("ELF truncated at {at:#x}"))?;
+    Ok(u64::from_le_bytes(s.try_into()?))
+}
+
+/// The program's memory image from `LINK_BASE`: the loadable segments'
+/// file bytes (gaps zero), and the size it needs with its bss.
+pub fn flatten(elf: &[u8]) -> Result<(Vec<u8>, u64)> {
+    if elf.get(..4) != Some(b"\x7fELF") || elf.get(4) != Some(&2) {
+        bail!("not a 64-bit ELF file");
+    }
+    let phoff = u64_at(elf, 0x20)? as usize;
+    let phentsize = usize::from(u16_at(elf, 0x36)?);
+    let phnum = usize::from(u16_at(elf, 0x38)?);
+    let mut image = Vec::new();
+    let mut memsz_end = LINK_BASE;
+    for i in 0..phnum {
+        let ph = phoff + i * phentsize;
+        if u32_at(elf, ph)? != 1 {
+            continue;
+        }
+        let offset = u64_at(elf, ph + 8)? as usize;
+        let vaddr = u64_at(elf, ph + 0x10)?;
+        let filesz = u64_at(elf, ph + 0x20)? as usize;
+        let memsz = u64_at(elf, ph + 0x28)?;
+        if vaddr < LINK_BASE {
+            bail!("segment at {vaddr:#x} below the link base {LINK_BASE:#x}");
+        }
+        memsz_end = memsz_end.max(vaddr + memsz);
+        if filesz == 0 {
+            continue;
+        }
+        let at = (vaddr - LINK_BASE) as usize;
+        let bytes = elf
+            .get(offset..offset + filesz)
+            .ok_or_else(|| anyhow!("segment {i} runs past the file"))?;
+        if image.len() < at + filesz {
+            image.resize(at + filesz, 0);
+        }
+        image[at..at + filesz].copy_from_slice(bytes);
+    }
+    if image.is_empty() {
+        bail!("no loadable segment");
+    }
+    Ok((image, memsz_end - LINK_BASE))
+}
+
+/// Wraps the program in a bzImage: a boot sector and one setup sector that
+/// hold the setup header (no real-mode code: neither loader runs it), then
+/// the protected-mode image (32-bit entry at 0, 64-bit entry at 0x200).
+pub fn bzimage(elf: &[u8]) -> Result<Vec<u8>> {
+    let (mut image, mem) = flatten(elf)?;
+    while image.len() % 16 != 0 {
+        image.push(0);
+    }
+    let setup_sects = 1usize;
+    let mut out = vec![0u8; (setup_sects + 1) * 512];
+    let put = |out: &mut Vec<u8>, at: usize, bytes: &[u8]| {
+        out[at..at + bytes.len()].copy_from_slice(bytes)
+    };
+    out[hdr::SETUP_SECTS] = setup_sects as u8;
+    put(
+        &mut out,
+        hdr::SYSSIZE,
+        &((image.len() / 16) as u32).to_le_bytes(),
+    );
+    put(&mut out, hdr::BOOT_FLAG, &0xAA55u16.to_le_bytes());
+    // A short jump over the header, as the kernel's.
+    put(&mut out, hdr::JUMP, &[0xEB, (hdr::END - 0x202) as u8]);
+    put(&mut out, hdr::MAGIC, b"HdrS");
+    put(&mut out, hdr::VERSION, &0x020Fu16.to_le_bytes());
+    out[hdr::TYPE_OF_LOADER] = 0;
+    // LOADED_HIGH: the protected-mode part goes at 1 MiB or above.
+    out[hdr::LOADFLAGS] = 0x01;
+    put(&mut out, hdr::CODE32_START, &0x10_0000u32.to_le_bytes());
+    put(
+        &mut out,
+        hdr::INITRD_ADDR_MAX,
+        &0x7FFF_FFFFu32.to_le_bytes(),
+    );
+    put(&mut out, hdr::KERNEL_ALIGNMENT, &0x20_0000u32.to_le_bytes());
+    out[hdr::RELOCATABLE] = 1;
+    out[hdr::MIN_ALIGNMENT] = 21;
+    // XLF_KERNEL_64: the 64-bit entry at +0x200.
+    put(&mut out, hdr::XLOADFLAGS, &1u16.to_le_bytes());
+    put(&mut out, hdr::CMDLINE_SIZE, &2047u32.to_le_bytes());
+    put(&mut out, hdr::PREF_ADDRESS, &LINK_BASE.to_le_bytes());
+    let init_size = u32::try_from(mem.max(image.len() as u64)).context("the program is too big")?;
+    put(&mut out, hdr::INIT_SIZE, &init_size.to_le_bytes());
+    out.extend_from_slice(&image);
+    Ok(out)
+}
+
+/// An initramfs with nothing in it: a newc archive of its trailer alone
+/// (the loaders want one; the program never looks at it).
+pub fn empty_initrd() -> Vec<u8> {
+    let name = b"TRAILER!!!\0";
+    let mut h = format!(
+        "070701{:08X}{:08X}{:08X}{:08X}{:08X}{:08X}{:08X}{:08X}{:08X}{:08X}{:08X}{:08X}{:08X}",
+        0,
+        0,
+        0,
+        0,
+        1,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        name.len(),
+        0
+    )
+    .into_bytes();
+    h.extend_from_slice(name);
+    while h.len() % 4 != 0 {
+        h.push(0);
+    }
+    while h.len() % 512 != 0 {
+        h.push(0);
+    }
+    h
+}
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Builds the program with cargo and writes `fuzz-guest.bzImage` and an
+/// empty initramfs next to it; returns both paths (built once per process).
+pub fn guest_files() -> Result<(PathBuf, PathBuf)> {
+    static FILES: OnceLock<Result<(PathBuf, PathBuf), String>> = OnceLock::new();
+    FILES
+        .get_or_init(|| build_guest_files().map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(|e| anyhow!("{e}"))
+}
+
+fn build_guest_files() -> Result<(PathBuf, PathBuf)> {
+    let root = repo_root();
+    let status = Command::new("cargo")
+        .args([
+            "build",
+            "-q",
+            "-p",
+            "fuzz-guest",
+            "--release",
+            "--target",
+            "x86_64-unknown-none",
+            "--features",
+            "bare-metal",
+        ])
+        .current_dir(&root)
+        .stdin(Stdio::null())
+        .status()
+        .context("cannot run cargo to build the fuzzing guest")?;
+    if !status.success() {
+        bail!("building the fuzzing guest failed ({status})");
+    }
+    let target = match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) if !d.is_empty() => root.join(d),
+        _ => root.join("target"),
+    };
+    let dir = target.join("x86_64-unknown-none").join("release");
+    let elf = dir.join("fuzz-guest");
+    let bytes = std::fs::read(&elf).with_context(|| format!("cannot read {}", elf.display()))?;
+    let image = bzimage(&bytes).with_context(|| format!("wrapping {}", elf.display()))?;
+    let kernel = dir.join("fuzz-guest.bzImage");
+    std::fs::write(&kernel, image).with_context(|| format!("cannot write {}", kernel.display()))?;
+    let initrd = dir.join("fuzz-guest.initrd");
+    std::fs::write(&initrd, empty_initrd())
+        .with_context(|| format!("cannot write {}", initrd.display()))?;
+    Ok((kernel, initrd))
+}
+
+// ---------------------------------------------------------------- one run
+
+/// What one run of the program came to.
+#[derive(Debug, Default, Clone)]
+pub struct RunResult {
+    /// Bare or under the hypervisor.
+    pub under: bool,
+    /// The program's lines (`fuzz: ` stripped).
+    pub lines: Vec<String>,
+    /// The program printed `end`.
+    pub finished: bool,
+    /// Why the run did not finish, if it did not.
+    pub failure: Option<String>,
+    /// The hypervisor's error lines.
+    pub hv_errors: Vec<String>,
+    /// Root's exit counts, by reason, after the program ended (from a
+    /// status request: root answered).
+    pub exits: Option<BTreeMap<String, u64>>,
+    /// From the program's `start` line to its `end`.
+    pub fuzz_time: Option<Duration>,
+    /// The whole run.
+    pub wall: Duration,
+}
+
+/// How long root gets to answer the status request after the program
+/// ended: past it, root counts as hung.
+pub const ROOT_ANSWER: Duration = Duration::from_secs(30);
+
+/// Boots the program once, bare or under `hypervisor`, and collects its
+/// lines until `end`, a `FATAL` line, the emulator's end or `timeout`.
+pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Result<RunResult> {
+    let (kernel, initrd) = guest_files()?;
+    let mut cfg = RunConfig::new(kernel, initrd);
+    cfg.append = p.cmdline();
+    cfg.cpus = p.cpus;
+    cfg.memory_mib = 256;
+    cfg.timeout = timeout + Duration::from_secs(60);
+    cfg.progress = false;
+    cfg.hypervisor = hypervisor.map(Path::to_path_buf);
+    let under = cfg.under_hypervisor();
+    let started = Instant::now();
+    let mut vm = Vm::start(cfg)?;
+    let control = if under {
+        Some(vm.take_control()?)
+    } else {
+        None
+    };
+    let mut result = RunResult {
+        under,
+        ..RunResult::default()
+    };
+    let watch = vm.watch();
+    let mut start_seen: Option<Instant> = None;
+    let deadline = started + timeout;
+    loop {
+        let text = vm.console_text();
+        let lines = fuzz_lines(&text);
+        if start_seen.is_none() && lines.iter().any(|l| l.starts_with("start ")) {
+            start_seen = Some(Instant::now());
+        }
+        if lines.iter().any(|l| l == "end") {
+            result.finished = true;
+            result.fuzz_time = start_seen.map(|s| s.elapsed());
+            result.lines = lines;
+            break;
+        }
+        if let Some(l) = lines.iter().find(|l| l.starts_with("FATAL")) {
+            // Let the rest of the line arrive.
+            std::thread::sleep(Duration::from_millis(300));
+            result.lines = fuzz_lines(&vm.console_text());
+            result.failure = Some(format!("the program stopped: {l}"));
+            break;
+        }
+        if !vm.hv_errors().is_empty() {
+            result.lines = lines;
+            result.failure = Some(format!("root reported errors: {:?}", vm.hv_errors()));
+            break;
+        }
+        if let Some(why) = watch.ended() {
+            result.lines = lines;
+            result.failure = Some(format!("the VM ended before the program's end: {why}"));
+            break;
+        }
+        if Instant::now() > deadline {
+            result.lines = lines;
+            result.failure = Some(format!(
+                "no `end` within {} s (last line: {:?})",
+                timeout.as_secs(),
+                result.lines.last()
+            ));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    result.hv_errors = vm.hv_errors();
+    if let Some(control) = control {
+        if result.failure.is_none() {
+            match status(control) {
+                Ok(exits) => result.exits = Some(exits),
+                Err(e) => {
+                    result.failure = Some(format!("root did not answer a status request: {e:#}"))
+                }
+            }
+        }
+    }
+    vm.close();
+    result.wall = started.elapsed();
+    Ok(result)
+}
+
+/// Asks root for its status over COM2 and returns its exit counts.
+fn status(control: hvtrace::vm::ControlChannel) -> Result<BTreeMap<String, u64>> {
+    use protocol::io::{FrameReader, FrameWriter};
+    use protocol::{Body, Frame, Request, Response};
+    let reader = control.reader;
+    reader.set_read_timeout(Some(Duration::from_secs(2)))?;
+    let mut w = FrameWriter::new(control.writer);
+    let mut r = FrameReader::new(reader);
+    let deadline = Instant::now() + ROOT_ANSWER;
+    let mut seq = 7u32;
+    while Instant::now() < deadline {
+        seq += 1;
+        w.write_frame(&Frame::request(seq, Request::Status))?;
+        let asked = Instant::now();
+        while asked.elapsed() < Duration::from_secs(5) {
+            match r.read_frame() {
+                Ok(Frame {
+                    seq: s,
+                    body: Body::Response(Response::Status(report)),
+                    ..
+                }) if s == seq => {
+                    return Ok(report
+                        .exits
+                        .into_iter()
+                        .map(|e| (e.name, e.count))
+                        .collect());
+                }
+                Ok(_) => {}
+                Err(protocol::io::ReadError::Io(e))
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => return Err(anyhow!("reading COM2: {e}")),
+            }
+        }
+    }
+    bail!("no answer within {} s", ROOT_ANSWER.as_secs())
+}
+
+/// The program's lines in a console text, without the prefix.
+pub fn fuzz_lines(console: &str) -> Vec<String> {
+    console
+        .lines()
+        .filter_map(|l| {
+            l.trim_end_matches('\r')
+                .split_once(fuzz_guest::LINE_PREFIX)
+                .map(|(_, r)| r.to_string())
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- comparing
+
+/// One window's digests.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    pub main: String,
+    pub classes: BTreeMap<String, String>,
+}
+
+/// Everything a run's digest lines say.
+#[derive(Clone, Debug, Default)]
+pub struct Digests {
+    pub e820: Option<String>,
+    /// (cpu, window) → digests.
+    pub windows: BTreeMap<(u32, u64), Window>,
+    /// cpu → its `done` line.
+    pub done: BTreeMap<u32, String>,
+}
+
+/// Reads the digest lines.
+pub fn digests(lines: &[String]) -> Digests {
+    let mut d = Digests::default();
+    for l in lines {
+        let mut w = l.split_whitespace();
+        match w.next() {
+            Some("e820") => d.e820 = w.next().map(str::to_string),
+            Some("win") => {
+                let (Some(cpu), Some(win), Some(main)) = (w.next(), w.next(), w.next()) else {
+                    continue;
+                };
+                let (Ok(cpu), Ok(win)) = (cpu.parse(), win.parse()) else {
+                    continue;
+                };
+                let classes = w
+                    .filter_map(|kv| kv.split_once('='))
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+                d.windows.insert(
+                    (cpu, win),
+                    Window {
+                        main: main.to_string(),
+                        classes,
+                    },
+                );
+            }
+            Some("done") => {
+                if let Some(Ok(cpu)) = w.next().map(str::parse) {
+                    d.done.insert(cpu, l.clone());
+                }
+            }
+            _ => {}
+        }
+    }
+    d
+}
+
+/// How two runs' digests compare.
+#[derive(Clone, Debug, Default)]
+pub struct Comparison {
+    /// Windows whose main digests differ or that one run lacks: bugs.
+    pub main_diffs: Vec<(u32, u64)>,
+    /// Documented classes with differing digests, with how many windows.
+    pub known: BTreeMap<String, u64>,
+    /// The e820 tables differ (documented: root takes its memory and the
+    /// AP page out).
+    pub e820_differs: bool,
+    /// Windows compared.
+    pub windows: u64,
+}
+
+/// Compares the bare run's digests with the hypervisor run's.
+pub fn compare(bare: &Digests, hv: &Digests) -> Comparison {
+    let mut c = Comparison {
+        e820_differs: bare.e820 != hv.e820,
+        ..Comparison::default()
+    };
+    let keys: std::collections::BTreeSet<_> = bare
+        .windows
+        .keys()
+        .chain(hv.windows.keys())
+        .copied()
+        .collect();
+    for k in keys {
+        c.windows += 1;
+        match (bare.windows.get(&k), hv.windows.get(&k)) {
+            (Some(b), Some(h)) => {
+                if b.main != h.main {
+                    c.main_diffs.push(k);
+                }
+                for class in CLASSES {
+                    if b.classes.get(class) != h.classes.get(class) {
+                        *c.known.entry(class.to_string()).or_default() += 1;
+                    }
+                }
+            }
+            _ => c.main_diffs.push(k),
+        }
+    }
+    c
+}
+
+/// The first operation whose outcome differs between two `fuzz.log` runs
+/// of the same window: (cpu, index, bare line, hypervisor line).
+pub fn first_op_diff(bare: &[String], hv: &[String]) -> Option<(String, String)> {
+    let ops = |lines: &[String]| -> BTreeMap<(u32, u64), String> {
+        lines
+            .iter()
+            .filter_map(|l| {
+                let rest = l.strip_prefix("op ")?;
+                let mut w = rest.splitn(3, ' ');
+                let cpu = w.next()?.parse().ok()?;
+                let i = w.next()?.parse().ok()?;
+                Some(((cpu, i), l.clone()))
+            })
+            .collect()
+    };
+    let (b, h) = (ops(bare), ops(hv));
+    // What follows " | " is a documented difference's part.
+    let main = |l: &str| l.split(" | ").next().unwrap_or("").to_string();
+    for (k, bl) in &b {
+        match h.get(k) {
+            Some(hl) if main(hl) == main(bl) => {}
+            other => {
+                return Some((
+                    bl.clone(),
+                    other.cloned().unwrap_or_else(|| "(missing)".into()),
+                ))
+            }
+        }
+    }
+    h.iter()
+        .find(|(k, _)| !b.contains_key(k))
+        .map(|(_, hl)| ("(missing)".to_string(), hl.clone()))
+}
+
+/// Reads a whole file into a string (for the driver's saved logs).
+pub fn read_text(path: &Path) -> Result<String> {
+    let mut s = String::new();
+    std::fs::File::open(path)?.read_to_string(&mut s)?;
+    Ok(s)
+}
+
+/// Writes lines to a file.
+pub fn write_lines(path: &Path, lines: &[String]) -> Result<()> {
+    let mut f = std::fs::File::create(path)?;
+    for l in lines {
+        writeln!(f, "{l}")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_header_is_one_both_loaders_take() {
+        // A fake ELF with one segment at the link base.
+        let mut elf = vec![0u8; 0x1000 + 0x400];
+        elf[..4].copy_from_slice(b"\x7fELF");
+        elf[4] = 2;
+        elf[0x20..0x28].copy_from_slice(&0x40u64.to_le_bytes());
+        elf[0x36..0x38].copy_from_slice(&0x38u16.to_le_bytes());
+        elf[0x38..0x3A].copy_from_slice(&1u16.to_le_bytes());
+        let ph = 0x40;
+        elf[ph..ph + 4].copy_from_slice(&1u32.to_le_bytes());
+        elf[ph + 8..ph + 16].copy_from_slice(&0x1000u64.to_le_bytes());
+        elf[ph + 0x10..ph + 0x18].copy_from_slice(&LINK_BASE.to_le_bytes());
+        elf[ph + 0x20..ph + 0x28].copy_from_slice(&0x400u64.to_le_bytes());
+        elf[ph + 0x28..ph + 0x30].copy_from_slice(&0x9000u64.to_le_bytes());
+        elf[0x1000] = 0xFA;
+        elf[0x1200] = 0x48;
+        let bz = bzimage(&elf).unwrap();
+        let parsed = loader::bzimage::parse(&bz).expect("root's loader takes it");
+        assert_eq!(parsed.protected_mode()[0], 0xFA);
+        assert_eq!(parsed.protected_mode()[0x200], 0x48);
+        assert_eq!(parsed.pref_address(), LINK_BASE);
+        assert_eq!(parsed.init_size(), 0x9000);
+        assert_eq!(&bz[0x202..0x206], b"HdrS");
+    }
+
+    #[test]
+    fn digests_compare_by_window_and_class() {
+        let bare = digests(&[
+            "e820 00aa 5".into(),
+            "win 0 0 1111 cpuid=aa".into(),
+            "win 0 1 2222".into(),
+            "done 0 ops=2".into(),
+        ]);
+        let hv = digests(&[
+            "e820 00bb 6".into(),
+            "win 0 0 1111 cpuid=ab".into(),
+            "win 0 1 2223".into(),
+        ]);
+        let c = compare(&bare, &hv);
+        assert!(c.e820_differs);
+        assert_eq!(c.main_diffs, vec![(0, 1)]);
+        assert_eq!(c.windows, 2);
+        assert_eq!(bare.done.len(), 1);
+    }
+
+    #[test]
+    fn the_empty_initrd_is_a_newc_archive() {
+        let i = empty_initrd();
+        assert!(i.starts_with(b"070701"));
+        let path = std::env::temp_dir().join(format!("fuzz-initrd-{}", std::process::id()));
+        std::fs::write(&path, &i).unwrap();
+        let checked = hvtrace::vm::config::check_initrd(&path);
+        let _ = std::fs::remove_file(&path);
+        checked.expect("hvtrace takes it as an initramfs");
+    }
+}
