@@ -9,7 +9,7 @@
 //! ("Threat model", the fuzzing guest's differences).
 
 use crate::digest::Digest;
-use crate::ops::Op;
+use crate::ops::{IpiKind, Op};
 
 /// `Outcome::vector` when nothing faulted.
 pub const NO_FAULT: u8 = 0xFF;
@@ -47,13 +47,14 @@ impl core::fmt::Debug for Outcome {
 }
 
 /// The documented differences, by name (the digest line's keys).
-pub const CLASSES: [&str; 6] = [
+pub const CLASSES: [&str; 7] = [
     "cpuid-filter",
     "com2-logport",
     "ide-busmaster",
     "msr-refused",
     "apic-refused",
     "cr4-vmxe",
+    "init-sipi",
 ];
 
 /// "cpuid-filter": root's CPUID filter (VMX, SMX, the debug store and the
@@ -72,6 +73,11 @@ pub const MSR_REFUSED: usize = 3;
 pub const APIC_REFUSED: usize = 4;
 /// "cr4-vmxe": CR4.VMXE, which root keeps for itself (#GP on setting it).
 pub const CR4_VMXE: usize = 5;
+
+/// "init-sipi": with more than one vCPU, INIT and SIPI IPIs are root's
+/// (it starts and parks the APs itself): they never reach the APIC, so
+/// its error status (send accept) and ICR do not show them.
+pub const INIT_SIPI: usize = 6;
 
 /// What the classification needs to know of the machine.
 #[derive(Clone, Copy, Debug, Default)]
@@ -170,6 +176,11 @@ pub fn split(op: &Op, out: &Outcome, env: &Env) -> (Outcome, Option<(usize, Outc
         }
         Op::MmioStore { .. } if env.cpus > 1 => (blank(), Some((APIC_REFUSED, *out))),
         Op::Cr4 { flip } if flip & (1 << 13) != 0 => (blank(), Some((CR4_VMXE, *out))),
+        Op::Ipi(IpiKind::InitNobody(_) | IpiKind::SipiSelf(_) | IpiKind::InitDeassertAll)
+            if env.cpus > 1 =>
+        {
+            (blank(), Some((INIT_SIPI, *out)))
+        }
         _ => (*out, None),
     }
 }

@@ -316,6 +316,12 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
     cfg.progress = false;
     cfg.hypervisor = hypervisor.map(Path::to_path_buf);
     let under = cfg.under_hypervisor();
+    // HVTRACE_FUZZ_KEEP=DIR keeps each run's directory (the emulator's
+    // log among it) under DIR/bare or DIR/hv.
+    if let Some(dir) = std::env::var_os("HVTRACE_FUZZ_KEEP").filter(|d| !d.is_empty()) {
+        cfg.run_dir = Some(PathBuf::from(dir).join(if under { "hv" } else { "bare" }));
+        cfg.keep_dir = true;
+    }
     let started = Instant::now();
     let mut vm = Vm::start(cfg)?;
     let control = if under {
@@ -343,8 +349,8 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
             break;
         }
         if let Some(l) = lines.iter().find(|l| l.starts_with("FATAL")) {
-            // Let the rest of the line arrive.
-            std::thread::sleep(Duration::from_millis(300));
+            // Let the rest of the line (and the other vCPUs' lines) arrive.
+            std::thread::sleep(Duration::from_millis(1500));
             result.lines = fuzz_lines(&vm.console_text());
             result.failure = Some(format!("the program stopped: {l}"));
             break;

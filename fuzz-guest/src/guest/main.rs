@@ -121,7 +121,8 @@ fn ap_page(map: &[E820]) -> Option<u64> {
     for e in map.iter().filter(|e| e.kind == 1) {
         let lo = (e.addr + 0xFFF) & !0xFFF;
         let hi = (e.addr + e.size).min(0x9F000) & !0xFFF;
-        if hi >= lo + 0x1000 && lo >= 0x1_0000 {
+        let lo = lo.max(0x1_0000);
+        if hi >= lo + 0x1000 {
             best = best.max(Some(hi - 0x1000));
         }
     }

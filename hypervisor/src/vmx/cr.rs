@@ -106,6 +106,14 @@ pub fn gpr(regs: &mut GuestRegs, n: u8) -> Option<&mut u64> {
     })
 }
 
+/// CR4 as the guest has it: its read shadow for the bits root owns (the
+/// guest/host mask), the real register for the rest, which the guest
+/// changes without an exit (PAE, PGE, ...).
+fn effective_cr4<C: CrRegs>(cpu: &mut C, fixed: FixedCr) -> Result<u64, C::Error> {
+    let mask = policy::cr4_guest_host_mask(fixed.cr4.0);
+    Ok((cpu.get(CrReg::Cr4)? & !mask) | (cpu.get(CrReg::Cr4Shadow)? & mask))
+}
+
 /// Decides and performs the control-register exit `access`; a value the
 /// CPU would refuse is a #GP(0) counted in `guard.cr_writes_refused`.
 pub fn cr_access<C: CrRegs>(
@@ -129,7 +137,7 @@ pub fn cr_access<C: CrRegs>(
             };
             match cr {
                 0 => {
-                    let cr4 = cpu.get(CrReg::Cr4Shadow)?;
+                    let cr4 = effective_cr4(cpu, fixed)?;
                     let efer = cpu.get(CrReg::Efer)?;
                     // CS only matters to a write that clears PG.
                     let cs_long =
@@ -183,7 +191,7 @@ pub fn cr_access<C: CrRegs>(
             let value = match cr {
                 0 => cpu.get(CrReg::Cr0Shadow)?,
                 3 => cpu.get(CrReg::Cr3)?,
-                4 => cpu.get(CrReg::Cr4Shadow)?,
+                4 => effective_cr4(cpu, fixed)?,
                 8 => cpu.get(CrReg::Cr8)?,
                 _ => return Ok(ud),
             };
@@ -203,7 +211,7 @@ pub fn cr_access<C: CrRegs>(
         CrAccess::Lmsw { source } => {
             let s = cpu.get(CrReg::Cr0Shadow)?;
             let new = (s & !LMSW_CLEARS) | (u64::from(source) & LMSW_BITS);
-            let cr4 = cpu.get(CrReg::Cr4Shadow)?;
+            let cr4 = effective_cr4(cpu, fixed)?;
             let efer = cpu.get(CrReg::Efer)?;
             match policy::cr0_write(new, fixed.cr0.0, fixed.cr0.1, cr4, efer) {
                 CrWrite::Load { actual, shadow } => {
@@ -334,6 +342,32 @@ mod tests {
             run(&mut r, &mut g, from(5, 0)).0,
             CrOutcome::Inject(UD, None)
         );
+    }
+
+    /// Found by the fuzzing guest on two vCPUs: an AP set CR4.PAE (no
+    /// exit: root does not own PAE), then its MOV to CR0 of PG | NE exited
+    /// for NE, and root judged it with the read shadow's stale PAE = 0 as
+    /// paging on in long mode without PAE: #GP. Linux's own APs escape it
+    /// only by the order of their writes.
+    #[test]
+    fn cr0_writes_see_the_cr4_bits_the_guest_set_without_an_exit() {
+        let mut r = Regs::default();
+        r.r.insert("cr0", CR0_PE | 1 << 5);
+        r.r.insert("cr0s", CR0_PE);
+        r.r.insert("cr4", CR4_PAE | 1 << 13);
+        r.r.insert("cr4s", 0);
+        r.r.insert("efer", EFER_LME);
+        let mut g = GuestRegs {
+            rax: CR0_PE | CR0_PG | 1 << 5,
+            ..GuestRegs::default()
+        };
+        let to0 = CrAccess::MovTo { cr: 0, gpr: 0 };
+        assert_eq!(run(&mut r, &mut g, to0), (CrOutcome::Advance, 0));
+        assert_eq!(r.r["efer"], EFER_LME | EFER_LMA);
+        // A MOV from CR4 (were it to exit) reads PAE too, not VMXE.
+        let from4 = CrAccess::MovFrom { cr: 4, gpr: 0 };
+        assert_eq!(run(&mut r, &mut g, from4), (CrOutcome::Advance, 0));
+        assert_eq!(g.rax, CR4_PAE);
     }
 
     #[test]
