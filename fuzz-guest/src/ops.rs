@@ -212,19 +212,26 @@ pub const MSR_NEVER_WRITTEN: &[u32] = &[0x10, 0x1B, 0x79, 0xC000_0080, 0x3B, 0x6
 /// Ports root watches or that are worth a try with every width.
 pub const PORTS: &[u16] = &[
     0xCF8, 0xCFA, 0xCFC, 0xCFD, 0xCFE, 0xCFF, 0x2F8, 0x2F9, 0x2FA, 0x2FB, 0x2FC, 0x2FD, 0x2FE,
-    0x2FF, 0xE9, 0x3F8, 0x3FD, 0x3FF, 0x402, 0x80, 0x70, 0x71,
+    0x2FF, 0xE9, 0x3F8, 0x3FD, 0x3FF, 0x402, 0x80, 0x61,
 ];
 
 /// Whether an OUT to `port` of `width` bytes is kept out of the program:
 /// resets (0x64, 0x92, 0xCF9), the PIC (it would unmask interrupts), SMI
-/// (0xB2), Bochs' shutdown and debugger ports, the ACPI PM block (power
-/// off), COM1 (the digests' line; its scratch register is allowed), the
+/// (0xB2), Bochs' shutdown and debugger ports and its BIOS's and VGA
+/// BIOS's message ports (a write to their panic port stops Bochs), the ACPI PM block (power
+/// off), the DMA controllers, the floppy controller and the CMOS clock
+/// (DMA, and Bochs stops on a command or divider it does not expect), COM1 (the digests' line; its scratch register is allowed), the
 /// IDE command blocks and every PCI I/O BAR at 0xC000 and up (DMA).
 pub fn out_forbidden(port: u16, width: u8) -> bool {
     let last = u32::from(port) + u32::from(width) - 1;
     let hits = |lo: u32, hi: u32| u32::from(port) <= hi && last >= lo;
-    hits(0x20, 0x21)
+    hits(0x00, 0x1F)
+        || hits(0x20, 0x21)
         || hits(0x60, 0x64)
+        || hits(0x70, 0x71)
+        || hits(0x81, 0x8F)
+        || hits(0xC0, 0xDF)
+        || hits(0x3F0, 0x3F7)
         || hits(0x92, 0x92)
         || hits(0xA0, 0xA1)
         || hits(0xB2, 0xB3)
@@ -234,8 +241,9 @@ pub fn out_forbidden(port: u16, width: u8) -> bool {
         || hits(0x3F6, 0x3F6)
         || hits(0x3F8, 0x3FE)
         || hits(0x400, 0x4FF)
+        || hits(0x500, 0x503)
         || hits(0x8900, 0x8900)
-        || hits(0xCF9, 0xCF9)
+        || (hits(0xCF9, 0xCF9) && !(port == 0xCF8 && width == 4))
         || hits(0xCFC, 0xCFF)
         || last >= 0xB000
         || last > 0xFFFF
@@ -641,6 +649,8 @@ mod tests {
             (0xB004, 2),
             (0x3F8, 1),
             (0x21, 1),
+            (0x502, 1),
+            (0xCF8, 2),
             (0x1F7, 1),
             (0xC000, 1),
         ] {

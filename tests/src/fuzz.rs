@@ -56,6 +56,55 @@ impl Params {
     }
 }
 
+/// The seed corpus: each entry reproduces a bug the fuzzer found in root
+/// (each fixed, with a host test of its own as well).
+pub const CORPUS: &[(&str, Params)] = &[
+    (
+        "corpus seed 1, one vCPU (a fetch above 4 GiB stopped the VM; CR0.PG cleared from 64-bit code; CR0.CD lost with NE; split port reads)",
+        Params {
+            seed: 1,
+            ops: 5000,
+            cpus: 1,
+            window: 1000,
+            log: None,
+        },
+    ),
+    (
+        "corpus seed 1, two vCPUs (an AP's CR0 write judged with a stale CR4.PAE)",
+        Params {
+            seed: 1,
+            ops: 5000,
+            cpus: 2,
+            window: 1000,
+            log: None,
+        },
+    ),
+];
+
+/// The fixed seeds CI runs besides the corpus.
+pub const CI_SEEDS: &[(&str, Params)] = &[
+    (
+        "seed 101, one vCPU",
+        Params {
+            seed: 101,
+            ops: 40_000,
+            cpus: 1,
+            window: 2000,
+            log: None,
+        },
+    ),
+    (
+        "seed 202, two vCPUs",
+        Params {
+            seed: 202,
+            ops: 25_000,
+            cpus: 2,
+            window: 2000,
+            log: None,
+        },
+    ),
+];
+
 // ---------------------------------------------------------------- the image
 
 /// The setup header's offsets (Documentation/arch/x86/boot.rst).

@@ -37,7 +37,7 @@ fn parse_args() -> Result<Args> {
     };
     let mut a = Args {
         params: p,
-        timeout: Duration::from_secs(600),
+        timeout: Duration::ZERO,
         minimize: false,
         only: None,
         keep: None,
@@ -63,7 +63,7 @@ fn parse_args() -> Result<Args> {
                 }
             }
             "--log" => p.log = Some(num(value("--log")?)?),
-            "--timeout" => a.timeout = Duration::from_secs(num(value("--timeout")?)?),
+            "--timeout" => a.timeout = Duration::from_secs(num(value("--timeout")?)?.max(1)),
             "--minimize" => a.minimize = true,
             "--only" => {
                 a.only = Some(match value("--only")?.as_str() {
@@ -88,6 +88,12 @@ fn parse_args() -> Result<Args> {
         }
     }
     a.params = p;
+    if a.timeout.is_zero() {
+        // Bochs runs about 5,000 operations a second on each vCPU at the
+        // slowest (under root, all vCPUs in one thread): room for that
+        // plus the boot.
+        a.timeout = Duration::from_secs(120 + p.ops * u64::from(p.cpus) / 2000);
+    }
     Ok(a)
 }
 
