@@ -16,6 +16,10 @@ pub struct Params {
     pub window: u64,
     /// The window whose operations are printed one by one.
     pub log: Option<u64>,
+    /// Tracer mode: the host hooks the program's functions while it runs.
+    /// The program waits for a byte on COM1 before its stream, and never
+    /// writes IA32_LSTAR (where root's introspection starts).
+    pub tracer: bool,
 }
 
 impl Default for Params {
@@ -26,6 +30,7 @@ impl Default for Params {
             cpus: 1,
             window: 1000,
             log: None,
+            tracer: false,
         }
     }
 }
@@ -56,6 +61,7 @@ pub fn parse(line: &str) -> Result<Params, &str> {
             "cpus" if (1..=crate::MAX_CPUS as u64).contains(&n) => p.cpus = n as u32,
             "window" if n > 0 => p.window = n,
             "log" => p.log = Some(n),
+            "tracer" => p.tracer = n != 0,
             _ => return Err(word),
         }
     }
@@ -79,7 +85,8 @@ mod tests {
                 ops: 500,
                 cpus: 2,
                 window: 50,
-                log: Some(3)
+                log: Some(3),
+                tracer: true,
             }
         );
         assert_eq!(parse("").unwrap(), Params::default());

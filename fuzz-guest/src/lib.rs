@@ -18,6 +18,17 @@ pub mod rng;
 /// above the hypervisor's memory, inside the smallest guest RAM).
 pub const LINK_BASE: u64 = 0x400_0000;
 
+/// Where the hooked part of the program is loaded (physical) ...
+pub const HOOKED_LMA: u64 = 0x420_0000;
+/// ... and where it runs: kernel-text addresses, within a call's reach of
+/// root's trampolines (one 2 MiB page maps it).
+pub const HOOKED_VMA: u64 = 0xFFFF_FFFF_8020_0000;
+/// Bytes the host may fill with kallsyms tables (`fz_kallsyms`).
+pub const KALLSYMS_ROOM: usize = 0x8000;
+/// The hooked functions, by name (the host hooks them; the program calls
+/// them through [`ops::Op::HookCall`]).
+pub const HOOKED_FUNCTIONS: [&str; 4] = ["fz_hook_0", "fz_hook_1", "fz_hook_2", "fz_hook_3"];
+
 /// A 2 MiB region the program maps with 4 KiB pages to play with its own
 /// page tables (identity-mapped like the rest of the low 4 GiB).
 pub const SCRATCH_BASE: u64 = 0x600_0000;

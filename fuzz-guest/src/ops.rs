@@ -125,6 +125,13 @@ pub enum Op {
     Fetch { addr: u64 },
     /// A page-table game.
     PageTable(PtKind),
+    /// A call of hooked function `f` (at kernel-text addresses; the host
+    /// may have hooked it).
+    HookCall { f: u8, arg: u64 },
+    /// A read of 8 bytes of the hooked text page (its code included).
+    HookRead { offset: u16 },
+    /// A store to a word in the hooked text page, read back.
+    HookWrite { value: u64 },
     /// A far jump into 32-bit (`bits` 32) or 16-bit compatibility-mode code
     /// that runs CPUID with `leaf` (32-bit only) and jumps back.
     Far { bits: u8, leaf: u32 },
@@ -138,6 +145,8 @@ pub struct Shape {
     pub cpu: u32,
     /// How many vCPUs run.
     pub cpus: u32,
+    /// Tracer mode (IA32_LSTAR is never written).
+    pub tracer: bool,
 }
 
 /// MSRs worth trying: the ones root intercepts or emulates, the
@@ -208,6 +217,9 @@ pub const MSRS: &[u32] = &[
 /// the APIC), EFER (long mode), microcode loads and the TSC (time moves for
 /// the rest of the run).
 pub const MSR_NEVER_WRITTEN: &[u32] = &[0x10, 0x1B, 0x79, 0xC000_0080, 0x3B, 0x6E0];
+
+/// IA32_LSTAR: in tracer mode it must keep pointing at the hooked text.
+pub const LSTAR: u32 = 0xC000_0082;
 
 /// Ports root watches or that are worth a try with every width.
 pub const PORTS: &[u16] = &[
@@ -298,7 +310,7 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
     // Weights: (weight, kind). Port I/O and PCI are shared machine state,
     // so only the boot CPU touches them; every other op is per-vCPU.
     let boot = shape.cpu == 0;
-    let total = if boot { 100 } else { 86 };
+    let total = if boot { 106 } else { 92 };
     let mut roll = r.below(total);
     let mut take = |w: u64| {
         if roll < w {
@@ -328,7 +340,7 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
     }
     if take(8) {
         let mut m = msr(r);
-        while MSR_NEVER_WRITTEN.contains(&m) {
+        while MSR_NEVER_WRITTEN.contains(&m) || (shape.tracer && m == LSTAR) {
             m = msr(r);
         }
         return Op::Wrmsr {
@@ -494,6 +506,19 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
             _ => PtKind::CopyCr3,
         });
     }
+    if take(6) {
+        // The word fz_hook_3 and the store use are the boot CPU's alone.
+        return match r.below(if boot { 4 } else { 2 }) {
+            0 | 1 => Op::HookCall {
+                f: r.below(if boot { 4 } else { 3 }) as u8,
+                arg: r.below(1 << 20),
+            },
+            2 => Op::HookRead {
+                offset: r.below(4096 - 8) as u16,
+            },
+            _ => Op::HookWrite { value: r.next() },
+        };
+    }
     if take(3) {
         return Op::Far {
             bits: if r.chance(1, 2) { 32 } else { 16 },
@@ -570,7 +595,11 @@ mod tests {
 
     #[test]
     fn the_stream_is_reproducible_and_varied() {
-        let shape = Shape { cpu: 0, cpus: 1 };
+        let shape = Shape {
+            cpu: 0,
+            cpus: 1,
+            tracer: false,
+        };
         let mut a = Rng::new(5, 0);
         let mut b = Rng::new(5, 0);
         let mut kinds = [0u32; 32];
@@ -602,16 +631,23 @@ mod tests {
                 Op::Fetch { .. } => 21,
                 Op::PageTable(_) => 22,
                 Op::Far { .. } => 23,
+                Op::HookCall { .. } => 24,
+                Op::HookRead { .. } => 25,
+                Op::HookWrite { .. } => 26,
             };
             kinds[k] += 1;
         }
-        assert!(kinds[..24].iter().all(|&n| n > 50), "{kinds:?}");
+        assert!(kinds[..27].iter().all(|&n| n > 50), "{kinds:?}");
     }
 
     #[test]
     fn drawn_ops_respect_the_safety_lists() {
         for cpu in 0..2 {
-            let shape = Shape { cpu, cpus: 2 };
+            let shape = Shape {
+                cpu,
+                cpus: 2,
+                tracer: cpu == 1,
+            };
             let mut r = Rng::new(9, cpu);
             for _ in 0..50_000 {
                 match draw(&mut r, shape) {
@@ -620,7 +656,11 @@ mod tests {
                         assert!(!out_forbidden(port, width), "{port:#x}/{width}");
                     }
                     Op::In { .. } => assert_eq!(cpu, 0),
-                    Op::Wrmsr { msr, .. } => assert!(!MSR_NEVER_WRITTEN.contains(&msr)),
+                    Op::Wrmsr { msr, .. } => {
+                        assert!(!MSR_NEVER_WRITTEN.contains(&msr));
+                        assert!(!(shape.tracer && msr == LSTAR));
+                    }
+                    Op::HookCall { f: 3, .. } | Op::HookWrite { .. } => assert_eq!(cpu, 0),
                     Op::ApicStore { offset, .. } => {
                         assert!(!apic_store_forbidden(offset));
                         assert_eq!(offset % 16, 0);

@@ -26,6 +26,9 @@ pub struct Params {
     pub cpus: u32,
     pub window: u64,
     pub log: Option<u64>,
+    /// Hooks on the program's own functions while it runs (under the
+    /// hypervisor; the bare run gets the same command line).
+    pub tracer: bool,
 }
 
 impl Params {
@@ -38,6 +41,9 @@ impl Params {
         if let Some(w) = self.log {
             s.push_str(&format!(" fuzz.log={w}"));
         }
+        if self.tracer {
+            s.push_str(" fuzz.tracer=1");
+        }
         s
     }
 
@@ -47,6 +53,7 @@ impl Params {
         let shape = Shape {
             cpu,
             cpus: self.cpus,
+            tracer: self.tracer,
         };
         let mut op = ops::draw(&mut r, shape);
         for _ in 0..index {
@@ -67,6 +74,7 @@ pub const CORPUS: &[(&str, Params)] = &[
             cpus: 1,
             window: 1000,
             log: None,
+            tracer: false,
         },
     ),
     (
@@ -77,6 +85,7 @@ pub const CORPUS: &[(&str, Params)] = &[
             cpus: 2,
             window: 1000,
             log: None,
+            tracer: false,
         },
     ),
 ];
@@ -91,6 +100,7 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             cpus: 1,
             window: 2000,
             log: None,
+            tracer: false,
         },
     ),
     (
@@ -101,6 +111,7 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             cpus: 2,
             window: 2000,
             log: None,
+            tracer: false,
         },
     ),
 ];
@@ -168,7 +179,9 @@ pub fn flatten(elf: &[u8]) -> Result<(Vec<u8>, u64)> {
             continue;
         }
         let offset = u64_at(elf, ph + 8)? as usize;
-        let vaddr = u64_at(elf, ph + 0x10)?;
+        // Placed by physical (load) address: the hooked part runs at
+        // kernel-text addresses but loads right after the rest.
+        let vaddr = u64_at(elf, ph + 0x18)?;
         let filesz = u64_at(elf, ph + 0x20)? as usize;
         let memsz = u64_at(elf, ph + 0x28)?;
         if vaddr < LINK_BASE {
@@ -193,11 +206,111 @@ pub fn flatten(elf: &[u8]) -> Result<(Vec<u8>, u64)> {
     Ok((image, memsz_end - LINK_BASE))
 }
 
+/// The ELF's symbols (name → value) from its symbol table.
+pub fn elf_symbols(elf: &[u8]) -> Result<BTreeMap<String, u64>> {
+    let shoff = u64_at(elf, 0x28)? as usize;
+    let shentsize = usize::from(u16_at(elf, 0x3A)?);
+    let shnum = usize::from(u16_at(elf, 0x3C)?);
+    let mut out = BTreeMap::new();
+    for i in 0..shnum {
+        let sh = shoff + i * shentsize;
+        if u32_at(elf, sh + 4)? != 2 {
+            continue;
+        }
+        let off = u64_at(elf, sh + 0x18)? as usize;
+        let size = u64_at(elf, sh + 0x20)? as usize;
+        let link = u32_at(elf, sh + 0x28)? as usize;
+        let entsize = (u64_at(elf, sh + 0x38)? as usize).max(24);
+        let strsh = shoff + link * shentsize;
+        let stroff = u64_at(elf, strsh + 0x18)? as usize;
+        for k in 0..size / entsize {
+            let e = off + k * entsize;
+            let name_at = stroff + u32_at(elf, e)? as usize;
+            let end = elf[name_at..]
+                .iter()
+                .position(|&b| b == 0)
+                .map(|n| name_at + n);
+            let Some(end) = end else { continue };
+            let name = String::from_utf8_lossy(&elf[name_at..end]).into_owned();
+            if !name.is_empty() {
+                out.insert(name, u64_at(elf, e + 8)?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The kallsyms tables of the program's hooked part, in the layout of a
+/// 6.12 kernel, for root's introspection to find as it finds a kernel's:
+/// `_stext`, the hooked functions, `_etext`, `linux_banner`, and data
+/// symbols after them (a kernel's tables are never tiny).
+pub fn kallsyms(syms: &BTreeMap<String, u64>) -> Result<(u64, Vec<u8>)> {
+    use test_support::synth::{generate, Order, Sym};
+    let get = |n: &str| {
+        syms.get(n)
+            .copied()
+            .ok_or_else(|| anyhow!("the fuzzing guest has no symbol {n}"))
+    };
+    let stext = get("fz_stext")?;
+    let at = get("fz_kallsyms")?;
+    let mut list = vec![Sym {
+        kind: b'T',
+        name: "_stext".into(),
+        addr: stext,
+    }];
+    for f in fuzz_guest::HOOKED_FUNCTIONS {
+        list.push(Sym {
+            kind: b'T',
+            name: f.into(),
+            addr: get(f)?,
+        });
+    }
+    for (kind, name, sym) in [
+        (b'd', "fz_hook_word", "fz_hook_word"),
+        (b'd', "fz_hook_spare", "fz_hook_spare"),
+        (b'T', "_etext", "fz_etext"),
+        (b'D', "linux_banner", "fz_linux_banner"),
+    ] {
+        list.push(Sym {
+            kind,
+            name: name.into(),
+            addr: get(sym)?,
+        });
+    }
+    for i in 0..300u64 {
+        list.push(Sym {
+            kind: b'd',
+            name: format!("fz_table_{i:04}"),
+            addr: at + i * 8,
+        });
+    }
+    list.sort_by_key(|s| s.addr);
+    let (blob, _) = generate(&list, Order::V612, false, stext);
+    if blob.len() > fuzz_guest::KALLSYMS_ROOM {
+        bail!(
+            "the kallsyms tables take {} bytes, more than the {} reserved",
+            blob.len(),
+            fuzz_guest::KALLSYMS_ROOM
+        );
+    }
+    Ok((at, blob))
+}
+
 /// Wraps the program in a bzImage: a boot sector and one setup sector that
 /// hold the setup header (no real-mode code: neither loader runs it), then
 /// the protected-mode image (32-bit entry at 0, 64-bit entry at 0x200).
 pub fn bzimage(elf: &[u8]) -> Result<Vec<u8>> {
     let (mut image, mem) = flatten(elf)?;
+    // The kallsyms tables, written where the program reserved room.
+    let syms = elf_symbols(elf)?;
+    if syms.contains_key("fz_kallsyms") {
+        let (at, blob) = kallsyms(&syms)?;
+        let off = (at - fuzz_guest::HOOKED_VMA + fuzz_guest::HOOKED_LMA - LINK_BASE) as usize;
+        image
+            .get_mut(off..off + blob.len())
+            .ok_or_else(|| anyhow!("the kallsyms room at {at:#x} is outside the image"))?
+            .copy_from_slice(&blob);
+    }
     while image.len() % 16 != 0 {
         image.push(0);
     }
@@ -347,6 +460,8 @@ pub struct RunResult {
     pub fuzz_time: Option<Duration>,
     /// The whole run.
     pub wall: Duration,
+    /// What the tracer did (tracer mode under the hypervisor).
+    pub tracer: Option<TracerReport>,
 }
 
 /// How long root gets to answer the status request after the program
@@ -365,6 +480,7 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
     cfg.progress = false;
     cfg.hypervisor = hypervisor.map(Path::to_path_buf);
     let under = cfg.under_hypervisor();
+    let tracer = p.tracer;
     // HVTRACE_FUZZ_KEEP=DIR keeps each run's directory (the emulator's
     // log among it) under DIR/bare or DIR/hv.
     if let Some(dir) = std::env::var_os("HVTRACE_FUZZ_KEEP").filter(|d| !d.is_empty()) {
@@ -373,8 +489,8 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
     }
     let started = Instant::now();
     let mut vm = Vm::start(cfg)?;
-    let control = if under {
-        Some(vm.take_control()?)
+    let mut ctl = if under {
+        Some(Ctl::new(vm.take_control()?)?)
     } else {
         None
     };
@@ -382,14 +498,48 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
         under,
         ..RunResult::default()
     };
+    let mut report = TracerReport::default();
+    let mut went = false;
+    let mut armed_at = Instant::now();
+    let mut armed = false;
     let watch = vm.watch();
     let mut start_seen: Option<Instant> = None;
     let deadline = started + timeout;
     loop {
         let text = vm.console_text();
         let lines = fuzz_lines(&text);
-        if start_seen.is_none() && lines.iter().any(|l| l.starts_with("start ")) {
+        if !went && lines.iter().any(|l| l.starts_with("ready ")) {
+            // Tracer mode: hooks on (under the hypervisor), then go.
+            if let Some(ctl) = ctl.as_mut() {
+                if let Err(e) = tracer_start(ctl, &mut report) {
+                    result.lines = lines;
+                    result.failure = Some(format!("the tracer did not start: {e:#}"));
+                    break;
+                }
+                armed = true;
+                armed_at = Instant::now();
+            }
+            vm.send(b"g")?;
+            went = true;
             start_seen = Some(Instant::now());
+        }
+        if start_seen.is_none() && !tracer && lines.iter().any(|l| l.starts_with("start ")) {
+            start_seen = Some(Instant::now());
+        }
+        if let (Some(ctl), true) = (ctl.as_mut(), went && tracer) {
+            // Under fire: off and on again every 300 ms, the events read
+            // in between.
+            ctl.pump(Duration::from_millis(100))?;
+            if armed_at.elapsed() > Duration::from_millis(300) {
+                if armed {
+                    disarm(ctl, &mut report);
+                    report.cycles += 1;
+                } else {
+                    arm(ctl, &mut report);
+                }
+                armed = !armed;
+                armed_at = Instant::now();
+            }
         }
         if lines.iter().any(|l| l == "end") {
             result.finished = true;
@@ -426,9 +576,18 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
         std::thread::sleep(Duration::from_millis(200));
     }
     result.hv_errors = vm.hv_errors();
-    if let Some(control) = control {
+    if let Some(ctl) = ctl.as_mut() {
         if result.failure.is_none() {
-            match status(control) {
+            if tracer {
+                if armed {
+                    disarm(ctl, &mut report);
+                }
+                let _ = ctl.call(protocol::Request::TraceStop, Duration::from_secs(30));
+                let _ = ctl.pump(Duration::from_millis(500));
+                tally(ctl, &mut report);
+                result.tracer = Some(report);
+            }
+            match ctl.exits() {
                 Ok(exits) => result.exits = Some(exits),
                 Err(e) => {
                     result.failure = Some(format!("root did not answer a status request: {e:#}"))
@@ -441,44 +600,224 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
     Ok(result)
 }
 
-/// Asks root for its status over COM2 and returns its exit counts.
-fn status(control: hvtrace::vm::ControlChannel) -> Result<BTreeMap<String, u64>> {
-    use protocol::io::{FrameReader, FrameWriter};
-    use protocol::{Body, Frame, Request, Response};
-    let reader = control.reader;
-    reader.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut w = FrameWriter::new(control.writer);
-    let mut r = FrameReader::new(reader);
-    let deadline = Instant::now() + ROOT_ANSWER;
-    let mut seq = 7u32;
-    while Instant::now() < deadline {
-        seq += 1;
-        w.write_frame(&Frame::request(seq, Request::Status))?;
-        let asked = Instant::now();
-        while asked.elapsed() < Duration::from_secs(5) {
-            match r.read_frame() {
-                Ok(Frame {
-                    seq: s,
-                    body: Body::Response(Response::Status(report)),
-                    ..
-                }) if s == seq => {
-                    return Ok(report
-                        .exits
-                        .into_iter()
-                        .map(|e| (e.name, e.count))
-                        .collect());
+/// A client of root's control line (COM2) for one run: requests and
+/// their answers, with the trace events that come in between kept.
+struct Ctl {
+    w: protocol::io::FrameWriter<hvtrace::vm::channel::Channel>,
+    r: protocol::io::FrameReader<std::os::unix::net::UnixStream>,
+    seq: u32,
+    /// (source, line) of every trace line so far.
+    lines: Vec<(u32, String)>,
+    lost: u64,
+}
+
+impl Ctl {
+    fn new(control: hvtrace::vm::ControlChannel) -> Result<Ctl> {
+        control
+            .reader
+            .set_read_timeout(Some(Duration::from_millis(200)))?;
+        Ok(Ctl {
+            w: protocol::io::FrameWriter::new(control.writer),
+            r: protocol::io::FrameReader::new(control.reader),
+            seq: 100,
+            lines: Vec::new(),
+            lost: 0,
+        })
+    }
+
+    /// Reads one frame (or times out after 200 ms); keeps trace lines.
+    fn frame(&mut self) -> Result<Option<protocol::Frame>> {
+        use protocol::{Body, Event};
+        match self.r.read_frame() {
+            Ok(f) => {
+                if let Body::Event(Event::TraceText {
+                    source, lost, text, ..
+                }) = &f.body
+                {
+                    self.lost += lost;
+                    self.lines
+                        .extend(text.lines().map(|l| (*source, l.to_string())));
                 }
-                Ok(_) => {}
-                Err(protocol::io::ReadError::Io(e))
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) => {}
-                Err(e) => return Err(anyhow!("reading COM2: {e}")),
+                Ok(Some(f))
             }
+            Err(protocol::io::ReadError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Ok(None)
+            }
+            Err(protocol::io::ReadError::Decode(_)) => Ok(None),
+            Err(e) => Err(anyhow!("reading COM2: {e}")),
         }
     }
-    bail!("no answer within {} s", ROOT_ANSWER.as_secs())
+
+    /// Sends `req` and waits up to `limit` for its answer.
+    fn call(&mut self, req: protocol::Request, limit: Duration) -> Result<protocol::Response> {
+        use protocol::{Body, Frame};
+        self.seq += 1;
+        let seq = self.seq;
+        self.w.write_frame(&Frame::request(seq, req))?;
+        let asked = Instant::now();
+        while asked.elapsed() < limit {
+            if let Some(Frame {
+                seq: s,
+                body: Body::Response(r),
+                ..
+            }) = self.frame()?
+            {
+                if s == seq {
+                    return Ok(r);
+                }
+            }
+        }
+        bail!("no answer within {} s", limit.as_secs())
+    }
+
+    /// Keeps reading trace events for `d`.
+    fn pump(&mut self, d: Duration) -> Result<()> {
+        let until = Instant::now() + d;
+        while Instant::now() < until {
+            self.frame()?;
+        }
+        Ok(())
+    }
+
+    /// Root's exit counts.
+    fn exits(&mut self) -> Result<BTreeMap<String, u64>> {
+        match self.call(protocol::Request::Status, ROOT_ANSWER)? {
+            protocol::Response::Status(report) => Ok(report
+                .exits
+                .into_iter()
+                .map(|e| (e.name, e.count))
+                .collect()),
+            other => bail!("unexpected answer to status: {other:?}"),
+        }
+    }
+}
+
+/// What the tracer did during a run under the hypervisor.
+#[derive(Debug, Default, Clone)]
+pub struct TracerReport {
+    /// Root found the program's symbols (its "kernel").
+    pub recovered: bool,
+    /// Times the probe, the function tracer and the graph session were
+    /// all armed and disarmed again while the program ran.
+    pub cycles: u64,
+    /// Trace lines of the probe on fz_hook_0.
+    pub probe_lines: u64,
+    /// Trace lines of the function tracer on fz_hook_1.
+    pub function_lines: u64,
+    /// Trace lines of the graph sessions on fz_hook_2.
+    pub graph_lines: u64,
+    /// Events root said it lost.
+    pub lost: u64,
+    /// A few lines of each kind.
+    pub sample: Vec<String>,
+    /// Requests that failed.
+    pub errors: Vec<String>,
+}
+
+/// The requests that arm the hooks: a probe on fz_hook_0, the function
+/// tracer on fz_hook_1, a graph session on fz_hook_2.
+fn arm(ctl: &mut Ctl, report: &mut TracerReport) {
+    use protocol::{GraphFilter, Request, Response};
+    let t = Duration::from_secs(30);
+    let reqs = [
+        Request::ProbeAdd {
+            spec: "p:fz/h0 fz_hook_0 arg=%di".into(),
+        },
+        Request::FunctionAdd {
+            glob: "fz_hook_1".into(),
+        },
+        Request::GraphStart(GraphFilter {
+            functions: vec!["fz_hook_2".into()],
+            ..GraphFilter::default()
+        }),
+    ];
+    for req in reqs {
+        let what = format!("{req:?}");
+        match ctl.call(req, t) {
+            Ok(
+                Response::ProbeAdded { .. }
+                | Response::FunctionAdded { traced: 1, .. }
+                | Response::GraphStarted { .. },
+            ) => {}
+            Ok(other) => report.errors.push(format!("{what}: {other:?}")),
+            Err(e) => report.errors.push(format!("{what}: {e:#}")),
+        }
+    }
+}
+
+/// The requests that take them off.
+fn disarm(ctl: &mut Ctl, report: &mut TracerReport) {
+    use protocol::{Request, Response};
+    let t = Duration::from_secs(30);
+    for req in [
+        Request::ProbeDel {
+            name: "fz/h0".into(),
+        },
+        Request::FunctionClear,
+        Request::GraphStop { session: None },
+    ] {
+        let what = format!("{req:?}");
+        match ctl.call(req, t) {
+            Ok(Response::Ok) => {}
+            Ok(other) => report.errors.push(format!("{what}: {other:?}")),
+            Err(e) => report.errors.push(format!("{what}: {e:#}")),
+        }
+    }
+}
+
+/// Waits for root to find the program's symbols, then arms the hooks and
+/// starts the trace.
+fn tracer_start(ctl: &mut Ctl, report: &mut TracerReport) -> Result<()> {
+    use protocol::{Request, Response, TraceFormat};
+    let until = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < until {
+        if let Response::Status(s) = ctl.call(Request::Status, ROOT_ANSWER)? {
+            if s.kernel.is_some() {
+                report.recovered = true;
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    if !report.recovered {
+        bail!("root did not find the program's symbols within 120 s");
+    }
+    match ctl.call(
+        Request::TraceStart {
+            format: TraceFormat::Text,
+        },
+        Duration::from_secs(30),
+    )? {
+        Response::Ok => {}
+        other => bail!("TraceStart: {other:?}"),
+    }
+    arm(ctl, report);
+    Ok(())
+}
+
+/// Counts the trace lines by kind.
+fn tally(ctl: &Ctl, report: &mut TracerReport) {
+    report.lost = ctl.lost;
+    for (source, line) in &ctl.lines {
+        let kind = if *source > 0 && line.contains("fz_hook_2") {
+            &mut report.graph_lines
+        } else if *source == 0 && line.contains("h0:") {
+            &mut report.probe_lines
+        } else if *source == 0 && line.contains("fz_hook_1") {
+            &mut report.function_lines
+        } else {
+            continue;
+        };
+        if *kind < 2 {
+            report.sample.push(format!("[{source}] {line}"));
+        }
+        *kind += 1;
+    }
 }
 
 /// The program's lines in a console text, without the prefix.

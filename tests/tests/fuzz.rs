@@ -27,10 +27,14 @@ fn pair(p: &Params, checks: &mut Checks) -> Option<Pair> {
     let timeout = Duration::from_secs(120);
     let pb = *p;
     let bare = std::thread::spawn(move || fuzz::run_once(&pb, None, timeout));
-    let hv = checks.ok("the run under the hypervisor", fuzz::run_once(p, Some(&hv_image), timeout));
+    let hv = checks.ok(
+        "the run under the hypervisor",
+        fuzz::run_once(p, Some(&hv_image), timeout),
+    );
     let bare = checks.ok(
         "the bare run",
-        bare.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the bare run panicked"))),
+        bare.join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the bare run panicked"))),
     );
     let (bare, hv) = (bare?, hv?);
     let cmp = compare(&digests(&bare.lines), &digests(&hv.lines));
@@ -46,21 +50,44 @@ fn agree(label: &str, p: &Params, r: &Pair, checks: &mut Checks) -> u64 {
     );
     checks.check(
         r.hv.finished && r.hv.failure.is_none(),
-        format!("{label}: the run under the hypervisor did not finish: {:?} (last lines {:?})", r.hv.failure, r.hv.lines.iter().rev().take(3).collect::<Vec<_>>()),
+        format!(
+            "{label}: the run under the hypervisor did not finish: {:?} (last lines {:?})",
+            r.hv.failure,
+            r.hv.lines.iter().rev().take(3).collect::<Vec<_>>()
+        ),
     );
-    checks.check(r.hv.hv_errors.is_empty(), format!("{label}: root reported {:?}", r.hv.hv_errors));
+    checks.check(
+        r.hv.hv_errors.is_empty(),
+        format!("{label}: root reported {:?}", r.hv.hv_errors),
+    );
     let exits = r.hv.exits.clone().unwrap_or_default();
-    checks.check(r.hv.exits.is_some(), format!("{label}: root did not answer a status request after the program's end"));
+    checks.check(
+        r.hv.exits.is_some(),
+        format!("{label}: root did not answer a status request after the program's end"),
+    );
     let windows = p.ops.div_ceil(p.window) * u64::from(p.cpus);
-    checks.eq(&format!("{label}: windows compared"), r.cmp.windows, windows);
+    checks.eq(
+        &format!("{label}: windows compared"),
+        r.cmp.windows,
+        windows,
+    );
     if let Some(&(cpu, win)) = r.cmp.main_diffs.first() {
         // Say which operation, as the driver would.
-        let lp = Params { log: Some(win), ..*p };
+        let lp = Params {
+            log: Some(win),
+            ..*p
+        };
         let hv_image = hypervisor_image();
         let t = Duration::from_secs(120);
-        let detail = match (fuzz::run_once(&lp, None, t), fuzz::run_once(&lp, Some(&hv_image), t)) {
+        let detail = match (
+            fuzz::run_once(&lp, None, t),
+            fuzz::run_once(&lp, Some(&hv_image), t),
+        ) {
             (Ok(b), Ok(h)) => format!("{:?}", first_op_diff(&b.lines, &h.lines)),
-            other => format!("(the logged runs failed: {:?})", other.0.err().or(other.1.err())),
+            other => format!(
+                "(the logged runs failed: {:?})",
+                other.0.err().or(other.1.err())
+            ),
         };
         checks.check(
             false,
@@ -73,18 +100,27 @@ fn agree(label: &str, p: &Params, r: &Pair, checks: &mut Checks) -> u64 {
     // The documented differences are real: root hides VMX (and more) from
     // CPUID, refuses the VMX capability MSRs and takes its memory and the
     // AP page out of the e820.
-    checks.check(r.cmp.e820_differs, format!("{label}: the e820 tables agree, but root takes its memory out"));
+    checks.check(
+        r.cmp.e820_differs,
+        format!("{label}: the e820 tables agree, but root takes its memory out"),
+    );
     for class in ["cpuid-filter", "msr-refused"] {
         checks.check(
             r.cmp.known.get(class).copied().unwrap_or(0) > 0,
-            format!("{label}: the documented difference {class} never showed: {:?}", r.cmp.known),
+            format!(
+                "{label}: the documented difference {class} never showed: {:?}",
+                r.cmp.known
+            ),
         );
     }
     if p.cpus > 1 {
         for class in ["apic-refused", "init-sipi"] {
             checks.check(
                 r.cmp.known.get(class).copied().unwrap_or(0) > 0,
-                format!("{label}: the documented difference {class} never showed: {:?}", r.cmp.known),
+                format!(
+                    "{label}: the documented difference {class} never showed: {:?}",
+                    r.cmp.known
+                ),
             );
         }
         checks.check(
@@ -92,14 +128,26 @@ fn agree(label: &str, p: &Params, r: &Pair, checks: &mut Checks) -> u64 {
             format!("{label}: no APIC store exited with two vCPUs: {exits:?}"),
         );
     }
-    for reason in ["CPUID", "MSR_READ", "MSR_WRITE", "IO_INSTRUCTION", "CR_ACCESS", "XSETBV", "VMCALL"] {
+    for reason in [
+        "CPUID",
+        "MSR_READ",
+        "MSR_WRITE",
+        "IO_INSTRUCTION",
+        "CR_ACCESS",
+        "XSETBV",
+        "VMCALL",
+    ] {
         checks.check(
             exits.get(reason).copied().unwrap_or(0) > 0,
             format!("{label}: no {reason} exit: {exits:?}"),
         );
     }
     let done = digests(&r.hv.lines).done.len();
-    checks.eq(&format!("{label}: vCPUs that finished under the hypervisor"), done, p.cpus as usize);
+    checks.eq(
+        &format!("{label}: vCPUs that finished under the hypervisor"),
+        done,
+        p.cpus as usize,
+    );
     let total: u64 = exits.values().sum();
     eprintln!(
         "{label}: {} operations, {total} exits, {:.1} s of operations under the hypervisor; documented differences {:?}",
@@ -125,7 +173,13 @@ fn the_fuzzing_guest_sees_root_as_the_bare_cpu() {
             ops += agree(label, p, &r, &mut checks);
         }
     }
-    checks.check(ops >= 100_000, format!("only {ops} operations agreed (at least 100,000 wanted)"));
-    eprintln!("fuzz: {ops} operations agreed in {:.0} s", started.elapsed().as_secs_f64());
+    checks.check(
+        ops >= 100_000,
+        format!("only {ops} operations agreed (at least 100,000 wanted)"),
+    );
+    eprintln!(
+        "fuzz: {ops} operations agreed in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
     checks.finish();
 }

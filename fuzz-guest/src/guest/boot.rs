@@ -335,6 +335,12 @@ fz_pd:
     .global fz_scratch_pt
 fz_scratch_pt:
     .skip 4096
+    .global fz_pdpt_hi
+fz_pdpt_hi:
+    .skip 4096
+    .global fz_pd_hi
+fz_pd_hi:
+    .skip 4096
     .balign {stack}
     .global fz_stacks
 fz_stacks:
@@ -362,5 +368,8 @@ extern "C" {
     pub static mut fz_pml4_copy: [u64; 512];
     pub static mut fz_pd: [u64; 4096];
     pub static mut fz_scratch_pt: [u64; 512];
+    pub static mut fz_pml4: [u64; 512];
+    pub static mut fz_pdpt_hi: [u64; 512];
+    pub static mut fz_pd_hi: [u64; 512];
     pub static mut fz_stacks: u8;
 }

@@ -19,6 +19,7 @@
 mod apic;
 mod boot;
 mod exec;
+mod hooked;
 mod percpu;
 mod run;
 mod serial;
@@ -41,7 +42,12 @@ static mut PARAMS: Params = Params {
     cpus: 1,
     window: 1,
     log: None,
+    tracer: false,
 };
+
+/// Set once the boot CPU may start its stream (in tracer mode, once the
+/// host said go); the APs wait for it too.
+static GO: AtomicU32 = AtomicU32::new(0);
 
 /// APs that reached Rust code.
 static ALIVE: AtomicU32 = AtomicU32::new(0);
@@ -229,8 +235,10 @@ extern "C" fn fz_main(boot_params: u64, cpu: u64) -> ! {
         // The first scratch page is read-only (the ReadOnly fault).
         // SAFETY: the program's own page table, before any vCPU uses it.
         unsafe { (*core::ptr::addr_of_mut!(boot::fz_scratch_pt))[0] &= !2 };
+        hooked::map();
     }
     cpu_init(cpu);
+    hooked::set_lstar();
     let params = if cpu == 0 {
         let mut buf = [0u8; 1024];
         let line = command_line(boot_params, &mut buf);
@@ -279,11 +287,23 @@ extern "C" fn fz_main(boot_params: u64, cpu: u64) -> ! {
                 }
             }
         }
+        if params.tracer {
+            serial::line(format_args!(
+                "ready hooked={:#x}+{:#x}: send a byte on COM1 to go",
+                fuzz_guest::HOOKED_VMA,
+                hooked::len()
+            ));
+            serial::wait_byte();
+        }
+        GO.store(1, Ordering::Release);
         params
     } else {
         // SAFETY: the boot CPU wrote it before starting us.
         let p = unsafe { PARAMS };
         ALIVE.fetch_add(1, Ordering::AcqRel);
+        while GO.load(Ordering::Acquire) == 0 {
+            core::hint::spin_loop();
+        }
         p
     };
     fuzz(params, cpu);
@@ -291,7 +311,11 @@ extern "C" fn fz_main(boot_params: u64, cpu: u64) -> ! {
 
 /// Runs this vCPU's stream.
 fn fuzz(p: Params, cpu: u32) -> ! {
-    let shape = Shape { cpu, cpus: p.cpus };
+    let shape = Shape {
+        cpu,
+        cpus: p.cpus,
+        tracer: p.tracer,
+    };
     let env = Env {
         cpus: p.cpus,
         ide_busmaster: IDE_BUSMASTER.load(Ordering::Acquire) as u16,

@@ -414,6 +414,28 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
             outcome(&d, no)
         }
         Op::PageTable(kind) => page_table(kind, cpu),
+        Op::HookCall { f, arg } => {
+            let ret = crate::hooked::call(f, arg);
+            let word = if f == 3 { crate::hooked::word() } else { 0 };
+            Outcome {
+                vector: NO_FAULT,
+                error: 0,
+                addr: 0,
+                vals: [ret, word, 0, 0],
+            }
+        }
+        Op::HookRead { offset } => Outcome {
+            vector: NO_FAULT,
+            error: 0,
+            addr: 0,
+            vals: [crate::hooked::read(offset), 0, 0, 0],
+        },
+        Op::HookWrite { value } => Outcome {
+            vector: NO_FAULT,
+            error: 0,
+            addr: 0,
+            vals: [crate::hooked::write(value), 0, 0, 0],
+        },
         Op::Far { bits, leaf } => {
             let s = if bits == 32 {
                 stub(exec::fz_s_far32)

@@ -54,6 +54,14 @@ fn put(b: u8) {
     outb(COM1, b);
 }
 
+/// Waits for a byte on COM1 and returns it.
+pub fn wait_byte() -> u8 {
+    while inb(COM1 + 5) & 1 == 0 {
+        core::hint::spin_loop();
+    }
+    inb(COM1)
+}
+
 /// Prints `fuzz: <args>` and a newline as one line.
 pub fn line(args: fmt::Arguments<'_>) {
     while LOCK

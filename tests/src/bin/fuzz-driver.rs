@@ -34,6 +34,7 @@ fn parse_args() -> Result<Args> {
         cpus: 1,
         window: 1000,
         log: None,
+        tracer: false,
     };
     let mut a = Args {
         params: p,
@@ -65,6 +66,7 @@ fn parse_args() -> Result<Args> {
             "--log" => p.log = Some(num(value("--log")?)?),
             "--timeout" => a.timeout = Duration::from_secs(num(value("--timeout")?)?.max(1)),
             "--minimize" => a.minimize = true,
+            "--tracer" => p.tracer = true,
             "--only" => {
                 a.only = Some(match value("--only")?.as_str() {
                     "bare" => false,
@@ -190,6 +192,30 @@ fn drive(a: &Args) -> Result<bool> {
             ops as f64 / secs,
             total as f64 / secs
         );
+        if let Some(t) = &hv.tracer {
+            eprintln!(
+                "fuzz: tracer: {} arm/disarm cycles; {} probe, {} function, {} graph lines; {} lost{}",
+                t.cycles,
+                t.probe_lines,
+                t.function_lines,
+                t.graph_lines,
+                t.lost,
+                if t.errors.is_empty() { String::new() } else { format!("; errors: {:?}", t.errors) }
+            );
+            for l in &t.sample {
+                eprintln!("fuzz:   {l}");
+            }
+            if !t.errors.is_empty()
+                || t.probe_lines == 0
+                || t.function_lines == 0
+                || t.graph_lines == 0
+            {
+                ok = false;
+                eprintln!(
+                    "fuzz: the tracer failed: a request was refused or a hook never reported"
+                );
+            }
+        }
         let listed: Vec<String> = exits
             .iter()
             .filter(|(_, n)| **n > 0)
