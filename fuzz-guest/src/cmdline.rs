@@ -75,7 +75,7 @@ mod tests {
     #[test]
     fn reads_its_words_and_ignores_others() {
         let p = parse(
-            "console=ttyS0 fuzz.seed=0x10 fuzz.ops=500 fuzz.cpus=2 fuzz.window=50 fuzz.log=3",
+            "console=ttyS0 fuzz.seed=0x10 fuzz.ops=500 fuzz.cpus=2 fuzz.window=50 fuzz.log=3 fuzz.tracer=1",
         )
         .unwrap();
         assert_eq!(

@@ -47,7 +47,7 @@ impl core::fmt::Debug for Outcome {
 }
 
 /// The documented differences, by name (the digest line's keys).
-pub const CLASSES: [&str; 7] = [
+pub const CLASSES: [&str; 8] = [
     "cpuid-filter",
     "com2-logport",
     "ide-busmaster",
@@ -55,6 +55,7 @@ pub const CLASSES: [&str; 7] = [
     "apic-refused",
     "cr4-vmxe",
     "init-sipi",
+    "trampoline",
 ];
 
 /// "cpuid-filter": root's CPUID filter (VMX, SMX, the debug store and the
@@ -78,6 +79,12 @@ pub const CR4_VMXE: usize = 5;
 /// (it starts and parks the APs itself): they never reach the APIC, so
 /// its error status (send accept) and ICR do not show them.
 pub const INIT_SIPI: usize = 6;
+
+/// "trampoline": with hooks in, root maps its trampoline page in the
+/// guest's kernel page directory (read-only, executable): the guest can
+/// read it and run it (root refuses its hypercalls from there with #UD),
+/// where the bare machine has nothing mapped.
+pub const TRAMPOLINE: usize = 7;
 
 /// What the classification needs to know of the machine.
 #[derive(Clone, Copy, Debug, Default)]
@@ -176,6 +183,7 @@ pub fn split(op: &Op, out: &Outcome, env: &Env) -> (Outcome, Option<(usize, Outc
         }
         Op::MmioStore { .. } if env.cpus > 1 => (blank(), Some((APIC_REFUSED, *out))),
         Op::Cr4 { flip } if flip & (1 << 13) != 0 => (blank(), Some((CR4_VMXE, *out))),
+        Op::Trampoline { .. } => (blank(), Some((TRAMPOLINE, *out))),
         Op::Ipi(IpiKind::InitNobody(_) | IpiKind::SipiSelf(_) | IpiKind::InitDeassertAll)
             if env.cpus > 1 =>
         {

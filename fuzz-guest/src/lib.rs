@@ -29,6 +29,11 @@ pub const KALLSYMS_ROOM: usize = 0x8000;
 /// them through [`ops::Op::HookCall`]).
 pub const HOOKED_FUNCTIONS: [&str; 4] = ["fz_hook_0", "fz_hook_1", "fz_hook_2", "fz_hook_3"];
 
+/// Where root maps its trampoline page when hooks are in: the highest
+/// free entry of the page directory that maps [`HOOKED_VMA`] (the program
+/// leaves all but its own entry free), i.e. entry 511.
+pub const TRAMPOLINE_PAGE: u64 = 0xFFFF_FFFF_8000_0000 + 511 * 0x20_0000;
+
 /// A 2 MiB region the program maps with 4 KiB pages to play with its own
 /// page tables (identity-mapped like the rest of the low 4 GiB).
 pub const SCRATCH_BASE: u64 = 0x600_0000;

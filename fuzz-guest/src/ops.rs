@@ -46,7 +46,18 @@ pub enum IpiKind {
     InitDeassertAll,
     /// A fixed vector to an APIC ID no CPU has.
     FixedNobody(u8, u8),
+    /// A fixed vector (0xF0..0xFE: the other vCPUs count it apart) to all
+    /// but itself.
+    FixedOthers(u8),
+    /// The same to all, itself included.
+    FixedAll(u8),
+    /// An NMI to all but itself.
+    NmiOthers,
 }
+
+/// Vectors from here up are the ones vCPUs send each other: their arrival
+/// is counted apart and never reaches a digest (it depends on timing).
+pub const FOREIGN_VECTORS: u8 = 0xF0;
 
 /// The page-table games.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,6 +143,10 @@ pub enum Op {
     HookRead { offset: u16 },
     /// A store to a word in the hooked text page, read back.
     HookWrite { value: u64 },
+    /// In tracer mode: a load from (`run` false) or a call into (`run`
+    /// true) root's trampoline page at `offset`, where root maps it with
+    /// hooks in ([`crate::TRAMPOLINE_PAGE`]); the middle of its code too.
+    Trampoline { offset: u16, run: bool },
     /// A far jump into 32-bit (`bits` 32) or 16-bit compatibility-mode code
     /// that runs CPUID with `leaf` (32-bit only) and jumps back.
     Far { bits: u8, leaf: u32 },
@@ -310,7 +325,7 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
     // Weights: (weight, kind). Port I/O and PCI are shared machine state,
     // so only the boot CPU touches them; every other op is per-vCPU.
     let boot = shape.cpu == 0;
-    let total = if boot { 106 } else { 92 };
+    let total = if boot { 106 } else { 92 } + if shape.tracer { 2 } else { 0 };
     let mut roll = r.below(total);
     let mut take = |w: u64| {
         if roll < w {
@@ -437,7 +452,11 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
     }
     if take(4) {
         let v = 0x40 + r.below(0xB0) as u8;
-        return Op::Ipi(match r.below(6) {
+        let foreign = FOREIGN_VECTORS + r.below(0xF) as u8;
+        return Op::Ipi(match r.below(9) {
+            6 => IpiKind::FixedOthers(foreign),
+            7 => IpiKind::FixedAll(foreign),
+            8 => IpiKind::NmiOthers,
             0 => IpiKind::FixedSelf(v),
             1 => IpiKind::NmiSelf,
             2 => IpiKind::InitNobody(0x80 + r.below(0x7F) as u8),
@@ -517,6 +536,12 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
                 offset: r.below(4096 - 8) as u16,
             },
             _ => Op::HookWrite { value: r.next() },
+        };
+    }
+    if shape.tracer && take(2) {
+        return Op::Trampoline {
+            offset: r.below(0x200) as u16,
+            run: r.chance(1, 2),
         };
     }
     if take(3) {
@@ -634,6 +659,7 @@ mod tests {
                 Op::HookCall { .. } => 24,
                 Op::HookRead { .. } => 25,
                 Op::HookWrite { .. } => 26,
+                Op::Trampoline { .. } => 27,
             };
             kinds[k] += 1;
         }

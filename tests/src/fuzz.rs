@@ -93,6 +93,28 @@ pub const CORPUS: &[(&str, Params)] = &[
 /// The fixed seeds CI runs besides the corpus.
 pub const CI_SEEDS: &[(&str, Params)] = &[
     (
+        "seed 303, one vCPU, hooks under fire",
+        Params {
+            seed: 303,
+            ops: 60_000,
+            cpus: 1,
+            window: 2000,
+            log: None,
+            tracer: true,
+        },
+    ),
+    (
+        "seed 404, two vCPUs, hooks under fire",
+        Params {
+            seed: 404,
+            ops: 15_000,
+            cpus: 2,
+            window: 1000,
+            log: None,
+            tracer: true,
+        },
+    ),
+    (
         "seed 101, one vCPU",
         Params {
             seed: 101,

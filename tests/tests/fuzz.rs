@@ -8,6 +8,10 @@
 //! its memory out of the e820, and with two vCPUs owns INIT and SIPI and
 //! the APIC stores it does not carry out).
 //!
+//! Two of the fixed seeds run with hooks under fire: while the program
+//! runs, a probe, the function tracer and a graph session on its own
+//! functions are armed and disarmed every 300 ms, and each must report.
+//!
 //! Run: `cargo test --release -p hvtrace-tests --test fuzz -- --nocapture`
 
 use std::time::{Duration, Instant};
@@ -141,6 +145,31 @@ fn agree(label: &str, p: &Params, r: &Pair, checks: &mut Checks) -> u64 {
             exits.get(reason).copied().unwrap_or(0) > 0,
             format!("{label}: no {reason} exit: {exits:?}"),
         );
+    }
+    if p.tracer {
+        // The hooks were there, and reported, while the program ran.
+        match &r.hv.tracer {
+            Some(t) => {
+                checks.check(t.recovered, format!("{label}: root never found the program's symbols"));
+                checks.check(t.cycles >= 1, format!("{label}: the hooks were never taken off and put on again while the program ran"));
+                checks.check(t.errors.is_empty(), format!("{label}: tracer requests failed: {:?}", t.errors));
+                checks.check(
+                    t.probe_lines > 0 && t.function_lines > 0 && t.graph_lines > 0,
+                    format!("{label}: a hook never reported: {t:?}"),
+                );
+                checks.eq(&format!("{label}: trace events lost"), t.lost, 0);
+                // The probe fetches its argument: a line says `arg=0x...`.
+                checks.check(
+                    t.sample.iter().any(|l| l.contains("h0: (fz_hook_0+0x0/") && l.contains(" arg=0x")),
+                    format!("{label}: no probe line names fz_hook_0 with its argument: {:?}", t.sample),
+                );
+                eprintln!(
+                    "{label}: tracer: {} cycles, {} probe, {} function, {} graph lines",
+                    t.cycles, t.probe_lines, t.function_lines, t.graph_lines
+                );
+            }
+            None => checks.check(false, format!("{label}: no tracer report")),
+        }
     }
     let done = digests(&r.hv.lines).done.len();
     checks.eq(

@@ -312,7 +312,8 @@ fz_gdt:
     .quad 0x00CF9A000000FFFF  /* 0x18 32-bit code */
     .quad 0x00009A000000FFFF  /* 0x20 16-bit code (base patched) */
     .quad 0x000092000000FFFF  /* 0x28 16-bit data */
-    .quad 0, 0, 0, 0          /* spare */
+    .quad 0, 0, 0, 0          /* 0x30.. one TSS (16 bytes) per vCPU */
+    .quad 0, 0, 0, 0
 fz_gdt_end:
     .global fz_gdt_ptr
 fz_gdt_ptr:
@@ -364,7 +365,7 @@ pub const AP_CPU_SLOT: usize = 0xFF4;
 extern "C" {
     pub static fz_ap16: u8;
     pub static fz_ap16_end: u8;
-    pub static mut fz_gdt: [u64; 10];
+    pub static mut fz_gdt: [u64; 14];
     pub static mut fz_pml4_copy: [u64; 512];
     pub static mut fz_pd: [u64; 4096];
     pub static mut fz_scratch_pt: [u64; 512];

@@ -63,6 +63,34 @@ fz_exec:
     pop rbx
     ret
 
+    /* The same, with the target jumped to on a sacrificial stack (rdx:
+       its top) instead of called: for foreign code, which may pop, return
+       or switch stacks anywhere. It only ends by a fault. */
+    .global fz_exec_foreign
+fz_exec_foreign:
+    push rbx
+    push rbp
+    push r12
+    push r13
+    push r14
+    push r15
+    push rdi
+    mov rax, rsp
+    and rax, -{stack}
+    lea rcx, [rip + 1b]
+    mov qword ptr [rax + {rip}], rcx
+    mov qword ptr [rax + {rsp}], rsp
+    mov r11, rsi
+    mov rsp, rdx
+    xor eax, eax
+    xor ebx, ebx
+    xor ecx, ecx
+    xor edx, edx
+    xor esi, esi
+    xor edi, edi
+    xor ebp, ebp
+    jmp r11
+
     .global fz_s_cpuid
 fz_s_cpuid: cpuid
     ret
@@ -285,6 +313,7 @@ fz_far16_ptr:
 
 extern "C" {
     fn fz_exec(regs: *mut Regs, target: u64);
+    fn fz_exec_foreign(regs: *mut Regs, target: u64, stack_top: u64);
     pub fn fz_s_cpuid();
     pub fn fz_s_rdmsr();
     pub fn fz_s_wrmsr();
@@ -351,6 +380,28 @@ pub fn run(target: u64, mut regs: Regs) -> Done {
     // the target resumes at the recovery label on the same stack. Each
     // target is a stub of this module, or an address chosen to fault.
     unsafe { fz_exec(&mut regs, target) };
+    let pc = crate::percpu::this();
+    let fault = (pc.vector != 0xFF).then(|| (pc.vector as u8, pc.error, pc.addr));
+    Done { regs, fault }
+}
+
+/// Jumps to foreign code at `target` (root's trampolines) on this vCPU's
+/// sacrificial stack, every register 0, until it faults.
+pub fn run_foreign(target: u64) -> Done {
+    let pc = crate::percpu::this();
+    pc.vector = 0xFF;
+    let block = pc as *mut _ as u64;
+    let low = block + (crate::percpu::SACRIFICIAL - crate::percpu::SACRIFICIAL_LEN) as u64;
+    for i in 0..crate::percpu::SACRIFICIAL_LEN as u64 / 8 {
+        // SAFETY: the sacrificial part of this vCPU's own stack block.
+        unsafe { core::ptr::write_volatile((low + 8 * i) as *mut u64, crate::percpu::SACRIFICIAL_FILL) };
+    }
+    let mut regs = Regs::default();
+    // SAFETY: as `run`; the target runs on the sacrificial stack with the
+    // recovery point armed, and its exceptions land on IST stacks in this
+    // vCPU's block: any fault comes back to the recovery label with our
+    // stack.
+    unsafe { fz_exec_foreign(&mut regs, target, block + crate::percpu::SACRIFICIAL as u64 - 64) };
     let pc = crate::percpu::this();
     let fault = (pc.vector != 0xFF).then(|| (pc.vector as u8, pc.error, pc.addr));
     Done { regs, fault }

@@ -202,6 +202,7 @@ fn cpu_init(cpu: u32) {
     pc.cpu = u64::from(cpu);
     pc.vector = 0xFF;
     traps::load();
+    traps::load_tss(cpu as usize);
     apic::init();
     // SAFETY: the same control registers on every path in: CR0 = PG, WP
     // (our read-only scratch page must fault), NE, ET, MP, PE (the loaders

@@ -4,6 +4,18 @@
 /// Bytes per vCPU stack (the state sits at its bottom).
 pub const STACK_SIZE: usize = 0x1_0000;
 
+/// Where, in each vCPU's stack block, the exception stack (IST1) ends ...
+pub const IST_EXCEPTIONS: usize = 0x6000;
+/// ... the NMI stack (IST2) ends ...
+pub const IST_NMI: usize = 0x8000;
+/// ... and the sacrificial stack foreign code runs on ([0x1000, 0x3000)).
+pub const SACRIFICIAL: usize = 0x3000;
+/// Its size.
+pub const SACRIFICIAL_LEN: usize = 0x2000;
+/// What fills the sacrificial stack: a non-canonical address, so that any
+/// return or stack switch to a value from it faults at once.
+pub const SACRIFICIAL_FILL: u64 = 0xDEAD_0000_0000_0000;
+
 /// Offsets the assembly uses.
 pub const RECOVER_RIP: usize = 0;
 pub const RECOVER_RSP: usize = 8;

@@ -370,7 +370,14 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
             } else {
                 apic::ipi(0, 0x4_0000 | u32::from(vector));
             }
-            let d = run(stub(exec::fz_s_hlt), Regs::default());
+            // Another vCPU's IPI may wake the HLT first: again until ours.
+            let mut d = run(stub(exec::fz_s_hlt), Regs::default());
+            for _ in 0..1000 {
+                if percpu::this().last_irq != 0 {
+                    break;
+                }
+                d = run(stub(exec::fz_s_hlt), Regs::default());
+            }
             apic::write(apic::LVT_TIMER, 0x1_0000);
             apic::write(apic::TIMER_INIT, 0);
             let got = percpu::this().last_irq;
@@ -423,6 +430,22 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
                 addr: 0,
                 vals: [ret, word, 0, 0],
             }
+        }
+        Op::Trampoline { offset, run: go } => {
+            let at = fuzz_guest::TRAMPOLINE_PAGE + u64::from(offset);
+            let d = if go {
+                exec::run_foreign(at)
+            } else {
+                run(
+                    load(8),
+                    Regs {
+                        rdi: at,
+                        ..Regs::default()
+                    },
+                )
+            };
+            let v = if go { 0 } else { d.regs.rax };
+            outcome(&d, [v, 0, 0, 0])
         }
         Op::HookRead { offset } => Outcome {
             vector: NO_FAULT,
@@ -477,6 +500,12 @@ fn ipi(kind: IpiKind) -> Outcome {
         IpiKind::SipiSelf(v) => apic::ipi(me, 0x600 | u32::from(v)),
         IpiKind::InitDeassertAll => apic::ipi(0, 0x8_8500),
         IpiKind::FixedNobody(id, v) => apic::ipi(u32::from(id), u32::from(v)),
+        IpiKind::FixedOthers(v) => apic::ipi(0, 0xC_0000 | u32::from(v)),
+        IpiKind::FixedAll(v) => {
+            apic::ipi(0, 0x8_0000 | u32::from(v));
+            run(stub(exec::fz_s_sti), Regs::default());
+        }
+        IpiKind::NmiOthers => apic::ipi(0, 0xC_0400),
     }
     apic::write(apic::ESR, 0);
     let esr = u64::from(apic::read(apic::ESR));
@@ -485,7 +514,9 @@ fn ipi(kind: IpiKind) -> Outcome {
         vector: NO_FAULT,
         error: 0,
         addr: 0,
-        vals: [pc.last_irq, pc.nmis - nmis, esr, 0],
+        // Whether an NMI came (not how many: another vCPU's may come too,
+        // and NMIs pending together merge).
+        vals: [pc.last_irq, u64::from(pc.nmis > nmis), esr, 0],
     }
 }
 

@@ -103,14 +103,68 @@ extern "C" {
     static fz_isr_table: u8;
 }
 
-/// Fills and loads the IDT (each vCPU loads the same table).
+/// A 64-bit TSS: only the interrupt stack table matters here.
+#[repr(C, packed(4))]
+struct Tss {
+    _reserved0: u32,
+    _rsp: [u64; 3],
+    _reserved1: u64,
+    ist: [u64; 7],
+    _reserved2: u64,
+    _reserved3: u16,
+    iomap: u16,
+}
+
+const _: () = assert!(core::mem::size_of::<Tss>() == 104);
+
+static mut TSS: [Tss; crate::MAX_CPUS] = [const {
+    Tss {
+        _reserved0: 0,
+        _rsp: [0; 3],
+        _reserved1: 0,
+        ist: [0; 7],
+        _reserved2: 0,
+        _reserved3: 0,
+        iomap: 104,
+    }
+}; crate::MAX_CPUS];
+
+/// Gives vCPU `cpu` its TSS with the exception and NMI stacks inside its
+/// own stack block (so that a handler finds its state from RSP even when
+/// the code it interrupted had lost its stack) and loads it.
+pub fn load_tss(cpu: usize) {
+    let block = crate::percpu::this() as *mut _ as u64;
+    let tss = core::ptr::addr_of_mut!(TSS);
+    // SAFETY: this vCPU's own TSS and GDT slot, written before its LTR.
+    unsafe {
+        (*tss)[cpu].ist[0] = block + crate::percpu::IST_EXCEPTIONS as u64;
+        (*tss)[cpu].ist[1] = block + crate::percpu::IST_NMI as u64;
+        let base = core::ptr::addr_of!((*tss)[cpu]) as u64;
+        let limit = 103u64;
+        let low = limit | (base & 0xFF_FFFF) << 16 | 0x89 << 40 | ((base >> 24) & 0xFF) << 56;
+        let gdt = core::ptr::addr_of_mut!(crate::boot::fz_gdt);
+        (*gdt)[6 + 2 * cpu] = low;
+        (*gdt)[7 + 2 * cpu] = base >> 32;
+        let sel = (0x30 + 16 * cpu) as u16;
+        core::arch::asm!("ltr {0:x}", in(reg) sel, options(nostack));
+    }
+}
+
+/// Fills and loads the IDT (each vCPU loads the same table): exceptions
+/// and the program's software interrupts on IST1, NMIs on IST2, external
+/// interrupts on the stack they come on.
 pub fn load() {
     // SAFETY: the table is only the address of the stubs.
     let base = core::ptr::addr_of!(fz_isr_table) as u64;
     let idt = core::ptr::addr_of_mut!(IDT);
     for v in 0..256u64 {
         let at = base + v * STUB;
-        let low = (at & 0xFFFF) | (0x08 << 16) | (0x8E00 << 32) | ((at >> 16) & 0xFFFF) << 48;
+        let ist: u64 = match v {
+            2 => 2,
+            0..=0x1F | 0x30..=0x3F => 1,
+            _ => 0,
+        };
+        let low = (at & 0xFFFF) | (0x08 << 16) | (ist << 32) | (0x8E00 << 32) | ((at >> 16) & 0xFFFF) << 48;
         let high = at >> 32;
         // SAFETY: in bounds; every vCPU writes the same values.
         unsafe { (*idt)[v as usize] = [low, high] };
@@ -138,7 +192,9 @@ extern "C" fn fz_trap(frame: &mut Frame) {
     }
     if v >= 0x40 {
         pc.irqs += 1;
-        pc.last_irq = v;
+        if v < u64::from(fuzz_guest::ops::FOREIGN_VECTORS) {
+            pc.last_irq = v;
+        }
         if v != 0xFF {
             apic::eoi();
         }
