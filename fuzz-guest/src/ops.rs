@@ -143,6 +143,12 @@ pub enum Op {
     HookRead { offset: u16 },
     /// A store to a word in the hooked text page, read back.
     HookWrite { value: u64 },
+    /// A hardware task switch from legacy protected mode (one vCPU only:
+    /// the program has no 32-bit IDT, and another vCPU's NMI there would
+    /// end it): JMP (`call` false) or CALL to a second task whose registers
+    /// (`regs`) and arithmetic flags (`flags`) come from its TSS, and back
+    /// (by JMP, or IRET through the back link).
+    TaskSwitch { call: bool, regs: [u32; 4], flags: u32 },
     /// In tracer mode: a load from (`run` false) or a call into (`run`
     /// true) root's trampoline page at `offset`, where root maps it with
     /// hooks in ([`crate::TRAMPOLINE_PAGE`]); the middle of its code too.
@@ -325,7 +331,9 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
     // Weights: (weight, kind). Port I/O and PCI are shared machine state,
     // so only the boot CPU touches them; every other op is per-vCPU.
     let boot = shape.cpu == 0;
-    let total = if boot { 106 } else { 92 } + if shape.tracer { 2 } else { 0 };
+    let total = if boot { 106 } else { 92 }
+        + if shape.tracer { 2 } else { 0 }
+        + if shape.cpus == 1 { 2 } else { 0 };
     let mut roll = r.below(total);
     let mut take = |w: u64| {
         if roll < w {
@@ -538,6 +546,15 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
             _ => Op::HookWrite { value: r.next() },
         };
     }
+    if shape.cpus == 1 && take(2) {
+        // CF, PF, AF, ZF, SF, DF, OF and AC at random; never IF, TF or NT.
+        let arith = 0x1 | 0x4 | 0x10 | 0x40 | 0x80 | 0x400 | 0x800 | 0x4_0000;
+        return Op::TaskSwitch {
+            call: r.chance(1, 2),
+            regs: [r.next() as u32, r.next() as u32, r.next() as u32, r.next() as u32],
+            flags: (r.next() as u32) & arith,
+        };
+    }
     if shape.tracer && take(2) {
         return Op::Trampoline {
             offset: r.below(0x200) as u16,
@@ -628,6 +645,7 @@ mod tests {
         let mut a = Rng::new(5, 0);
         let mut b = Rng::new(5, 0);
         let mut kinds = [0u32; 32];
+        // (Trampoline ops only come in tracer mode.)
         for _ in 0..20_000 {
             let op = draw(&mut a, shape);
             assert_eq!(op, draw(&mut b, shape));
@@ -660,10 +678,12 @@ mod tests {
                 Op::HookRead { .. } => 25,
                 Op::HookWrite { .. } => 26,
                 Op::Trampoline { .. } => 27,
+                Op::TaskSwitch { .. } => 28,
             };
             kinds[k] += 1;
         }
         assert!(kinds[..27].iter().all(|&n| n > 50), "{kinds:?}");
+        assert!(kinds[28] > 50, "{kinds:?}");
     }
 
     #[test]

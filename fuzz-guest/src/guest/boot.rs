@@ -314,6 +314,8 @@ fz_gdt:
     .quad 0x000092000000FFFF  /* 0x28 16-bit data */
     .quad 0, 0, 0, 0          /* 0x30.. one TSS (16 bytes) per vCPU */
     .quad 0, 0, 0, 0
+    .quad 0, 0, 0, 0          /* 0x70.. two 32-bit TSSs per vCPU (the */
+    .quad 0, 0, 0, 0          /* task-switch operation's) */
 fz_gdt_end:
     .global fz_gdt_ptr
 fz_gdt_ptr:
@@ -365,7 +367,7 @@ pub const AP_CPU_SLOT: usize = 0xFF4;
 extern "C" {
     pub static fz_ap16: u8;
     pub static fz_ap16_end: u8;
-    pub static mut fz_gdt: [u64; 14];
+    pub static mut fz_gdt: [u64; 22];
     pub static mut fz_pml4_copy: [u64; 512];
     pub static mut fz_pd: [u64; 4096];
     pub static mut fz_scratch_pt: [u64; 512];

@@ -270,6 +270,63 @@ fz_s_rddr:
     mov rax, dr7
     ret
 
+    /* A hardware task switch, from legacy protected mode: compatibility
+       mode, paging off (IA-32e off), TR = task 1's TSS (rbx), then JMP
+       (rax = 0) or CALL to task 2's TSS (rcx), and back: paging on, 64-bit
+       code. Task 2 stores its registers on its stack and returns by IRET
+       when it was called (NT), else by a JMP through the far pointer at
+       its initial stack top. */
+    .global fz_s_task
+fz_s_task:
+    sub rsp, 16
+    mov dword ptr [rsp], 0
+    mov word ptr [rsp + 4], cx
+    mov esi, eax
+    jmp fword ptr [rip + fz_task32_ptr]
+    .code32
+fz_task32:
+    mov eax, cr0
+    and eax, 0x7FFFFFFF
+    mov cr0, eax
+    ltr bx
+    test esi, esi
+    jnz 2f
+    jmp fword ptr [esp]
+    jmp 3f
+2:
+    call fword ptr [esp]
+3:
+    mov eax, cr0
+    or eax, 0x80000000
+    mov cr0, eax
+    .byte 0xEA
+    .long fz_task_back64
+    .word 0x08
+    .global fz_task2_entry
+fz_task2_entry:
+    pushfd
+    push eax
+    push ecx
+    push edx
+    push ebx
+    push esi
+    push edi
+    push ebp
+    test dword ptr [esp + 28], 0x4000
+    jnz 4f
+    jmp fword ptr [esp + 32]
+4:
+    iretd
+    .code64
+fz_task_back64:
+    mov esp, esp
+    add rsp, 16
+    ret
+    .balign 8
+fz_task32_ptr:
+    .long fz_task32
+    .word 0x18
+
     /* Far jumps into compatibility mode and back. */
     .global fz_s_far32
 fz_s_far32:
@@ -354,6 +411,8 @@ extern "C" {
     pub fn fz_s_rddr();
     pub fn fz_s_far32();
     pub fn fz_s_far16();
+    pub fn fz_s_task();
+    pub static fz_task2_entry: u8;
     pub static fz_code16: u8;
 }
 

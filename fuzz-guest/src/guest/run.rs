@@ -447,6 +447,7 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
             let v = if go { 0 } else { d.regs.rax };
             outcome(&d, [v, 0, 0, 0])
         }
+        Op::TaskSwitch { call, regs, flags } => task_switch(call, regs, flags, cpu),
         Op::HookRead { offset } => Outcome {
             vector: NO_FAULT,
             error: 0,
@@ -478,6 +479,116 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
             )
         }
     }
+}
+
+/// A 32-bit TSS (SDM Figure 9-2), as the task switches read and write it.
+#[repr(C, align(128))]
+#[derive(Clone, Copy, Default)]
+struct Tss32 {
+    link: u32,
+    stacks: [u32; 6],
+    cr3: u32,
+    eip: u32,
+    eflags: u32,
+    gprs: [u32; 8],
+    segs: [u32; 6],
+    ldt: u32,
+    trap: u16,
+    iomap: u16,
+}
+
+const _: () = assert!(core::mem::offset_of!(Tss32, eip) == 0x20);
+const _: () = assert!(core::mem::offset_of!(Tss32, gprs) == 0x28);
+const _: () = assert!(core::mem::offset_of!(Tss32, segs) == 0x48);
+const _: () = assert!(core::mem::offset_of!(Tss32, iomap) == 0x66);
+
+/// Each vCPU's two tasks, and task 2's stack (its registers land there).
+static mut TASKS: [[Tss32; 2]; crate::MAX_CPUS] = [[Tss32 {
+    link: 0,
+    stacks: [0; 6],
+    cr3: 0,
+    eip: 0,
+    eflags: 0,
+    gprs: [0; 8],
+    segs: [0; 6],
+    ldt: 0,
+    trap: 0,
+    iomap: 0,
+}; 2]; crate::MAX_CPUS];
+static mut TASK_STACKS: [[u32; 64]; crate::MAX_CPUS] = [[0; 64]; crate::MAX_CPUS];
+
+fn fold32(words: &[u32]) -> u64 {
+    let mut d = fuzz_guest::digest::Digest::new();
+    for w in words {
+        d.add(u64::from(*w));
+    }
+    d.0
+}
+
+fn task_switch(call: bool, regs: [u32; 4], flags: u32, cpu: usize) -> Outcome {
+    let tasks = core::ptr::addr_of_mut!(TASKS);
+    let stacks = core::ptr::addr_of_mut!(TASK_STACKS);
+    let gdt = core::ptr::addr_of_mut!(boot::fz_gdt);
+    let sel1 = 0x70 + 16 * cpu as u16;
+    let sel2 = sel1 + 8;
+    let cr3 = read_cr(exec::fz_s_rdcr3);
+    // SAFETY: this vCPU's own TSSs, stack and GDT slots, set up before the
+    // switch (all below 4 GiB, as legacy mode needs) and read after it.
+    unsafe {
+        let stack = &mut (*stacks)[cpu];
+        *stack = [0; 64];
+        // Task 2 returns (when jumped to) through the far pointer at its
+        // initial stack top: offset 0, task 1's selector.
+        stack[60] = 0;
+        stack[61] = u32::from(sel1);
+        let top = core::ptr::addr_of!(stack[60]) as u64;
+        let t = &mut (*tasks)[cpu];
+        t[0] = Tss32 {
+            iomap: 104,
+            ..Tss32::default()
+        };
+        t[1] = Tss32 {
+            cr3: cr3 as u32,
+            eip: core::ptr::addr_of!(exec::fz_task2_entry) as u32,
+            eflags: 0x2 | flags,
+            gprs: [regs[0], regs[1], regs[2], regs[3], top as u32, 0, 0x1000 | regs[0] >> 16, regs[1] >> 8],
+            segs: [0x10, 0x18, 0x10, 0x10, 0x10, 0x10],
+            iomap: 104,
+            ..Tss32::default()
+        };
+        for (k, sel) in [(0usize, sel1), (1, sel2)] {
+            let base = core::ptr::addr_of!(t[k]) as u64;
+            (*gdt)[usize::from(sel) / 8] = 103 | (base & 0xFF_FFFF) << 16 | 0x89 << 40 | ((base >> 24) & 0xFF) << 56;
+        }
+    }
+    let d = run(
+        stub(exec::fz_s_task),
+        Regs {
+            rax: u64::from(call),
+            rbx: u64::from(sel1),
+            rcx: u64::from(sel2),
+            ..Regs::default()
+        },
+    );
+    // Back in long mode: our own TSS again (its busy bit cleared first).
+    crate::traps::reload_tss(cpu);
+    // SAFETY: as above, after the switches.
+    let (t1, t2, pushed, types) = unsafe {
+        let t = &(*tasks)[cpu];
+        let words = |x: &Tss32| {
+            let mut v = [0u32; 26];
+            v[0] = x.link;
+            v[1] = x.eip;
+            v[2] = x.eflags;
+            v[3..11].copy_from_slice(&x.gprs);
+            v[11..17].copy_from_slice(&x.segs);
+            v
+        };
+        let stack = &(*stacks)[cpu];
+        let types = ((*gdt)[usize::from(sel1) / 8] >> 40) & 0xF | (((*gdt)[usize::from(sel2) / 8] >> 40) & 0xF) << 4;
+        (fold32(&words(&t[0])), fold32(&words(&t[1])), fold32(&stack[52..60]), types)
+    };
+    outcome(&d, [t1, t2, pushed, types])
 }
 
 fn ipi(kind: IpiKind) -> Outcome {

@@ -150,6 +150,18 @@ pub fn load_tss(cpu: usize) {
     }
 }
 
+/// Loads vCPU `cpu`'s own TSS again (after the task-switch operation left
+/// another in TR): its descriptor made available first, as LTR wants.
+pub fn reload_tss(cpu: usize) {
+    let gdt = core::ptr::addr_of_mut!(crate::boot::fz_gdt);
+    let sel = (0x30 + 16 * cpu) as u16;
+    // SAFETY: this vCPU's own descriptor: type 0xB (busy) back to 0x9.
+    unsafe {
+        (*gdt)[6 + 2 * cpu] &= !(1 << 41);
+        core::arch::asm!("ltr {0:x}", in(reg) sel, options(nostack));
+    }
+}
+
 /// Fills and loads the IDT (each vCPU loads the same table): exceptions
 /// and the program's software interrupts on IST1, NMIs on IST2, external
 /// interrupts on the stack they come on.
