@@ -43,6 +43,10 @@ else
     cargo test -p guest-introspect --profile test-release --no-fail-fast \
         --features real-kernels 2>&1 | tee "$logs/introspect.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+    # The VM suite's own library: the fuzzing guest's host half (its
+    # bzImage, kallsyms, digests and seed corpus), no emulator.
+    cargo test -p hvtrace-tests --release --lib --no-fail-fast 2>&1 | tee "$logs/suite-lib.log"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
     set -e
 
     # 2. The VM suite. An emulator runs its CPUs in one host thread, so two
@@ -52,7 +56,7 @@ else
     #    a binary the tests take the VM lock and run one at a time.
     lane_a=(graph vm_boot debug_build bare_boot malformed_kernel qemu_novmx smp tracedat)
     lane_b=(introspection kprobes hardening oneshot root_panic root_stack_guard smp_debian)
-    alone=(control boot_cost)
+    alone=(control boot_cost fuzz)
     # Every VM test binary runs in exactly one lane: a new one must be added.
     for f in tests/tests/*.rs; do
         t=$(basename "$f" .rs)

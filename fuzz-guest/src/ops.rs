@@ -148,7 +148,11 @@ pub enum Op {
     /// end it): JMP (`call` false) or CALL to a second task whose registers
     /// (`regs`) and arithmetic flags (`flags`) come from its TSS, and back
     /// (by JMP, or IRET through the back link).
-    TaskSwitch { call: bool, regs: [u32; 4], flags: u32 },
+    TaskSwitch {
+        call: bool,
+        regs: [u32; 4],
+        flags: u32,
+    },
     /// In tracer mode: a load from (`run` false) or a call into (`run`
     /// true) root's trampoline page at `offset`, where root maps it with
     /// hooks in ([`crate::TRAMPOLINE_PAGE`]); the middle of its code too.
@@ -349,12 +353,12 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
                 0 => r.below(0x24) as u32,
                 1 => 0x4000_0000 + r.below(0x12) as u32,
                 2 => 0x8000_0000 + r.below(0x24) as u32,
-                _ => r.next() as u32,
+                _ => r.next_u64() as u32,
             },
             sub: if r.chance(1, 2) {
                 r.below(4) as u32
             } else {
-                r.next() as u32
+                r.next_u64() as u32
             },
         };
     }
@@ -468,7 +472,7 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
             0 => IpiKind::FixedSelf(v),
             1 => IpiKind::NmiSelf,
             2 => IpiKind::InitNobody(0x80 + r.below(0x7F) as u8),
-            3 => IpiKind::SipiSelf(r.next() as u8),
+            3 => IpiKind::SipiSelf(r.next_u64() as u8),
             4 => IpiKind::InitDeassertAll,
             _ => IpiKind::FixedNobody(0x80 + r.below(0x7F) as u8, v),
         });
@@ -543,7 +547,9 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
             2 => Op::HookRead {
                 offset: r.below(4096 - 8) as u16,
             },
-            _ => Op::HookWrite { value: r.next() },
+            _ => Op::HookWrite {
+                value: r.next_u64(),
+            },
         };
     }
     if shape.cpus == 1 && take(2) {
@@ -551,8 +557,13 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
         let arith = 0x1 | 0x4 | 0x10 | 0x40 | 0x80 | 0x400 | 0x800 | 0x4_0000;
         return Op::TaskSwitch {
             call: r.chance(1, 2),
-            regs: [r.next() as u32, r.next() as u32, r.next() as u32, r.next() as u32],
-            flags: (r.next() as u32) & arith,
+            regs: [
+                r.next_u64() as u32,
+                r.next_u64() as u32,
+                r.next_u64() as u32,
+                r.next_u64() as u32,
+            ],
+            flags: (r.next_u64() as u32) & arith,
         };
     }
     if shape.tracer && take(2) {
@@ -588,7 +599,7 @@ pub fn draw(r: &mut Rng, shape: Shape) -> Op {
         Op::Out {
             port,
             width,
-            value: r.next() as u32,
+            value: r.next_u64() as u32,
         }
     }
 }
@@ -605,7 +616,7 @@ fn msr(r: &mut Rng) -> u32 {
                 0xC000_0000 + r.below(0x200) as u32
             }
         }
-        _ => r.next() as u32,
+        _ => r.next_u64() as u32,
     }
 }
 

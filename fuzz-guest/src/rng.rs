@@ -16,12 +16,12 @@ impl Rng {
             state: seed ^ (u64::from(cpu).wrapping_add(1)).wrapping_mul(0xA076_1D64_78BD_642F),
         };
         // Mix the seed in before the first value is used.
-        r.next();
+        r.next_u64();
         r
     }
 
     /// The next 64 random bits.
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -34,7 +34,7 @@ impl Rng {
         if n == 0 {
             return 0;
         }
-        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
     }
 
     /// True with probability `num`/`den`.
@@ -53,10 +53,10 @@ impl Rng {
     pub fn bits(&mut self) -> u64 {
         match self.below(6) {
             0 => 0,
-            1 => self.next(),
+            1 => self.next_u64(),
             2 => 1 << self.below(64),
             3 => !(1u64 << self.below(64)),
-            4 => self.next() & 0xFFFF_FFFF,
+            4 => self.next_u64() & 0xFFFF_FFFF,
             _ => (1 << self.below(64)) | (1 << self.below(64)),
         }
     }
@@ -71,14 +71,14 @@ mod tests {
         let mut a = Rng::new(42, 0);
         let mut b = Rng::new(42, 0);
         let mut c = Rng::new(42, 1);
-        let xs: [u64; 8] = core::array::from_fn(|_| a.next());
-        let ys: [u64; 8] = core::array::from_fn(|_| b.next());
-        let zs: [u64; 8] = core::array::from_fn(|_| c.next());
+        let xs: [u64; 8] = core::array::from_fn(|_| a.next_u64());
+        let ys: [u64; 8] = core::array::from_fn(|_| b.next_u64());
+        let zs: [u64; 8] = core::array::from_fn(|_| c.next_u64());
         assert_eq!(xs, ys);
         assert_ne!(xs, zs);
         // SplitMix64's first output for state 0 after one step is known.
         let mut z = Rng { state: 0 };
-        assert_eq!(z.next(), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(z.next_u64(), 0xE220_A839_7B1D_CDAF);
     }
 
     #[test]

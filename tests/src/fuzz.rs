@@ -90,6 +90,52 @@ pub const CORPUS: &[(&str, Params)] = &[
     ),
 ];
 
+/// A test over one operation.
+pub type OpTest = fn(&Op) -> bool;
+
+/// For a corpus entry (by its index in [`CORPUS`]), the operations its
+/// bugs need, each with a name: the test checks that the stream still
+/// holds them (the stream changes when operations are added).
+pub fn corpus_needs(index: usize) -> Vec<(&'static str, OpTest)> {
+    match index {
+        0 => vec![
+            (
+                "a fetch above 4 GiB",
+                |op| matches!(op, Op::Fetch { addr } if *addr >= 1 << 32),
+            ),
+            (
+                "a CR0 write clearing PG",
+                |op| matches!(op, Op::Cr0 { flip } if flip & (1 << 31) != 0),
+            ),
+            (
+                "a CR0 write of CD with NE",
+                |op| matches!(op, Op::Cr0 { flip } if flip & (1 << 30) != 0 && flip & (1 << 5) != 0),
+            ),
+            (
+                "a narrow read at 0xCF8..0xCFB",
+                |op| matches!(op, Op::In { port, width } if (0xCF8..=0xCFB).contains(port) && (*port != 0xCF8 || *width < 4)),
+            ),
+        ],
+        // The AP's own start-up reproduced it: every run on two vCPUs.
+        _ => vec![],
+    }
+}
+
+/// Every operation of a run's streams, in order per vCPU.
+pub fn stream(p: &Params) -> Vec<Op> {
+    let mut out = Vec::new();
+    for cpu in 0..p.cpus {
+        let mut r = Rng::new(p.seed, cpu);
+        let shape = Shape {
+            cpu,
+            cpus: p.cpus,
+            tracer: p.tracer,
+        };
+        out.extend((0..p.ops).map(|_| ops::draw(&mut r, shape)));
+    }
+    out
+}
+
 /// The fixed seeds CI runs besides the corpus.
 pub const CI_SEEDS: &[(&str, Params)] = &[
     (
@@ -1022,6 +1068,7 @@ mod tests {
         elf[ph..ph + 4].copy_from_slice(&1u32.to_le_bytes());
         elf[ph + 8..ph + 16].copy_from_slice(&0x1000u64.to_le_bytes());
         elf[ph + 0x10..ph + 0x18].copy_from_slice(&LINK_BASE.to_le_bytes());
+        elf[ph + 0x18..ph + 0x20].copy_from_slice(&LINK_BASE.to_le_bytes());
         elf[ph + 0x20..ph + 0x28].copy_from_slice(&0x400u64.to_le_bytes());
         elf[ph + 0x28..ph + 0x30].copy_from_slice(&0x9000u64.to_le_bytes());
         elf[0x1000] = 0xFA;
@@ -1033,6 +1080,19 @@ mod tests {
         assert_eq!(parsed.pref_address(), LINK_BASE);
         assert_eq!(parsed.init_size(), 0x9000);
         assert_eq!(&bz[0x202..0x206], b"HdrS");
+    }
+
+    #[test]
+    fn the_corpus_still_holds_the_operations_its_bugs_need() {
+        for (i, (label, p)) in CORPUS.iter().enumerate() {
+            let ops = stream(p);
+            for (what, test) in corpus_needs(i) {
+                assert!(
+                    ops.iter().any(test),
+                    "{label}: no {what} in the stream any more"
+                );
+            }
+        }
     }
 
     #[test]

@@ -150,9 +150,15 @@ fn agree(label: &str, p: &Params, r: &Pair, checks: &mut Checks) -> u64 {
         // The hooks were there, and reported, while the program ran.
         match &r.hv.tracer {
             Some(t) => {
-                checks.check(t.recovered, format!("{label}: root never found the program's symbols"));
+                checks.check(
+                    t.recovered,
+                    format!("{label}: root never found the program's symbols"),
+                );
                 checks.check(t.cycles >= 1, format!("{label}: the hooks were never taken off and put on again while the program ran"));
-                checks.check(t.errors.is_empty(), format!("{label}: tracer requests failed: {:?}", t.errors));
+                checks.check(
+                    t.errors.is_empty(),
+                    format!("{label}: tracer requests failed: {:?}", t.errors),
+                );
                 checks.check(
                     t.probe_lines > 0 && t.function_lines > 0 && t.graph_lines > 0,
                     format!("{label}: a hook never reported: {t:?}"),
@@ -160,8 +166,13 @@ fn agree(label: &str, p: &Params, r: &Pair, checks: &mut Checks) -> u64 {
                 checks.eq(&format!("{label}: trace events lost"), t.lost, 0);
                 // The probe fetches its argument: a line says `arg=0x...`.
                 checks.check(
-                    t.sample.iter().any(|l| l.contains("h0: (fz_hook_0+0x0/") && l.contains(" arg=0x")),
-                    format!("{label}: no probe line names fz_hook_0 with its argument: {:?}", t.sample),
+                    t.sample
+                        .iter()
+                        .any(|l| l.contains("h0: (fz_hook_0+0x0/") && l.contains(" arg=0x")),
+                    format!(
+                        "{label}: no probe line names fz_hook_0 with its argument: {:?}",
+                        t.sample
+                    ),
                 );
                 eprintln!(
                     "{label}: tracer: {} cycles, {} probe, {} function, {} graph lines",

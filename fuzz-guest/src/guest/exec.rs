@@ -440,7 +440,7 @@ pub fn run(target: u64, mut regs: Regs) -> Done {
     // target is a stub of this module, or an address chosen to fault.
     unsafe { fz_exec(&mut regs, target) };
     let pc = crate::percpu::this();
-    let fault = (pc.vector != 0xFF).then(|| (pc.vector as u8, pc.error, pc.addr));
+    let fault = (pc.vector != 0xFF).then_some((pc.vector as u8, pc.error, pc.addr));
     Done { regs, fault }
 }
 
@@ -453,16 +453,24 @@ pub fn run_foreign(target: u64) -> Done {
     let low = block + (crate::percpu::SACRIFICIAL - crate::percpu::SACRIFICIAL_LEN) as u64;
     for i in 0..crate::percpu::SACRIFICIAL_LEN as u64 / 8 {
         // SAFETY: the sacrificial part of this vCPU's own stack block.
-        unsafe { core::ptr::write_volatile((low + 8 * i) as *mut u64, crate::percpu::SACRIFICIAL_FILL) };
+        unsafe {
+            core::ptr::write_volatile((low + 8 * i) as *mut u64, crate::percpu::SACRIFICIAL_FILL)
+        };
     }
     let mut regs = Regs::default();
     // SAFETY: as `run`; the target runs on the sacrificial stack with the
     // recovery point armed, and its exceptions land on IST stacks in this
     // vCPU's block: any fault comes back to the recovery label with our
     // stack.
-    unsafe { fz_exec_foreign(&mut regs, target, block + crate::percpu::SACRIFICIAL as u64 - 64) };
+    unsafe {
+        fz_exec_foreign(
+            &mut regs,
+            target,
+            block + crate::percpu::SACRIFICIAL as u64 - 64,
+        )
+    };
     let pc = crate::percpu::this();
-    let fault = (pc.vector != 0xFF).then(|| (pc.vector as u8, pc.error, pc.addr));
+    let fault = (pc.vector != 0xFF).then_some((pc.vector as u8, pc.error, pc.addr));
     Done { regs, fault }
 }
 

@@ -551,14 +551,24 @@ fn task_switch(call: bool, regs: [u32; 4], flags: u32, cpu: usize) -> Outcome {
             cr3: cr3 as u32,
             eip: core::ptr::addr_of!(exec::fz_task2_entry) as u32,
             eflags: 0x2 | flags,
-            gprs: [regs[0], regs[1], regs[2], regs[3], top as u32, 0, 0x1000 | regs[0] >> 16, regs[1] >> 8],
+            gprs: [
+                regs[0],
+                regs[1],
+                regs[2],
+                regs[3],
+                top as u32,
+                0,
+                0x1000 | regs[0] >> 16,
+                regs[1] >> 8,
+            ],
             segs: [0x10, 0x18, 0x10, 0x10, 0x10, 0x10],
             iomap: 104,
             ..Tss32::default()
         };
         for (k, sel) in [(0usize, sel1), (1, sel2)] {
             let base = core::ptr::addr_of!(t[k]) as u64;
-            (*gdt)[usize::from(sel) / 8] = 103 | (base & 0xFF_FFFF) << 16 | 0x89 << 40 | ((base >> 24) & 0xFF) << 56;
+            (*gdt)[usize::from(sel) / 8] =
+                103 | (base & 0xFF_FFFF) << 16 | 0x89 << 40 | ((base >> 24) & 0xFF) << 56;
         }
     }
     let d = run(
@@ -585,8 +595,14 @@ fn task_switch(call: bool, regs: [u32; 4], flags: u32, cpu: usize) -> Outcome {
             v
         };
         let stack = &(*stacks)[cpu];
-        let types = ((*gdt)[usize::from(sel1) / 8] >> 40) & 0xF | (((*gdt)[usize::from(sel2) / 8] >> 40) & 0xF) << 4;
-        (fold32(&words(&t[0])), fold32(&words(&t[1])), fold32(&stack[52..60]), types)
+        let types = ((*gdt)[usize::from(sel1) / 8] >> 40) & 0xF
+            | (((*gdt)[usize::from(sel2) / 8] >> 40) & 0xF) << 4;
+        (
+            fold32(&words(&t[0])),
+            fold32(&words(&t[1])),
+            fold32(&stack[52..60]),
+            types,
+        )
     };
     outcome(&d, [t1, t2, pushed, types])
 }
@@ -634,12 +650,16 @@ fn ipi(kind: IpiKind) -> Outcome {
 fn page_table(kind: PtKind, cpu: usize) -> Outcome {
     let pt = core::ptr::addr_of_mut!(boot::fz_scratch_pt);
     let page = |i: u16| SCRATCH_BASE + u64::from(i) * 4096 + 64 * cpu as u64;
-    // SAFETY (all the PTE accesses below): the scratch page table is the
-    // program's own; each vCPU plays with its own pages (indices drawn
-    // from its stream; a shared page only sees equal PTE values restored)
-    // and invalidates what it changed.
-    let get = |i: u16| unsafe { (*pt)[usize::from(i)] };
-    let set = |i: u16, v: u64| unsafe { (*pt)[usize::from(i)] = v };
+    let get = |i: u16| {
+        // SAFETY: the scratch page table is the program's own; each vCPU
+        // plays with pages of its stream (a shared page only sees equal
+        // PTE values restored) and invalidates what it changed.
+        unsafe { (*pt)[usize::from(i)] }
+    };
+    let set = |i: u16, v: u64| {
+        // SAFETY: as `get`.
+        unsafe { (*pt)[usize::from(i)] = v }
+    };
     match kind {
         PtKind::NotPresent(i) => {
             let old = get(i);

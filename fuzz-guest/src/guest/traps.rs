@@ -176,7 +176,11 @@ pub fn load() {
             0..=0x1F | 0x30..=0x3F => 1,
             _ => 0,
         };
-        let low = (at & 0xFFFF) | (0x08 << 16) | (ist << 32) | (0x8E00 << 32) | ((at >> 16) & 0xFFFF) << 48;
+        let low = (at & 0xFFFF)
+            | (0x08 << 16)
+            | (ist << 32)
+            | (0x8E00 << 32)
+            | ((at >> 16) & 0xFFFF) << 48;
         let high = at >> 32;
         // SAFETY: in bounds; every vCPU writes the same values.
         unsafe { (*idt)[v as usize] = [low, high] };
