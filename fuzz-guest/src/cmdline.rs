@@ -16,6 +16,9 @@ pub struct Params {
     pub window: u64,
     /// The window whose operations are printed one by one.
     pub log: Option<u64>,
+    /// Operation kinds (bits by `ops::kind`) drawn but not carried out:
+    /// to find which kind a failure needs. Their outcome is blank.
+    pub skip: u64,
     /// Tracer mode: the host hooks the program's functions while it runs.
     /// The program waits for a byte on COM1 before its stream, and never
     /// writes IA32_LSTAR (where root's introspection starts).
@@ -30,6 +33,7 @@ impl Default for Params {
             cpus: 1,
             window: 1000,
             log: None,
+            skip: 0,
             tracer: false,
         }
     }
@@ -62,6 +66,7 @@ pub fn parse(line: &str) -> Result<Params, &str> {
             "window" if n > 0 => p.window = n,
             "log" => p.log = Some(n),
             "tracer" => p.tracer = n != 0,
+            "skip" => p.skip = n,
             _ => return Err(word),
         }
     }
@@ -86,6 +91,7 @@ mod tests {
                 cpus: 2,
                 window: 50,
                 log: Some(3),
+                skip: 0,
                 tracer: true,
             }
         );

@@ -641,9 +641,15 @@ fn ipi(kind: IpiKind) -> Outcome {
         vector: NO_FAULT,
         error: 0,
         addr: 0,
-        // Whether an NMI came (not how many: another vCPU's may come too,
-        // and NMIs pending together merge).
-        vals: [pc.last_irq, u64::from(pc.nmis > nmis), esr, 0],
+        // For an NMI to itself, whether one came (not how many: another
+        // vCPU's may come too, and NMIs pending together merge); for the
+        // others nothing, another vCPU's NMI may come at any time.
+        vals: [
+            pc.last_irq,
+            u64::from(matches!(kind, IpiKind::NmiSelf) && pc.nmis > nmis),
+            esr,
+            0,
+        ],
     }
 }
 
