@@ -359,10 +359,11 @@ pub fn apic_store_forbidden(offset: u16) -> bool {
 }
 
 /// APIC registers whose reads move with time or with interrupts from the
-/// other vCPUs: the timer's current count, and the IRR/ISR/TMR words.
+/// other vCPUs: the arbitration and processor priorities (they follow the
+/// requests pending), the timer's current count, and the ISR/TMR/IRR words.
 pub fn volatile_apic(offset: u16) -> bool {
     let reg = offset & !0xF;
-    matches!(reg, 0x390 | 0x100..=0x270 | 0x280 | 0x300)
+    matches!(reg, 0x90 | 0xA0 | 0x390 | 0x100..=0x270 | 0x280 | 0x300)
 }
 
 /// Draws the next operation.

@@ -97,6 +97,17 @@ pub const CORPUS: &[(&str, Params)] = &[
             tracer: false,
         },
     ),
+    (
+        "corpus seed 404, two vCPUs, hooks under fire (a step of a hooked page's read with IF clear and another vCPU's IPI pending never ended; root's TF then trapped in the guest)",
+        Params {
+            seed: 404,
+            ops: 15_000,
+            cpus: 2,
+            window: 1000,
+            log: None,
+            tracer: true,
+        },
+    ),
 ];
 
 /// A test over one operation.
@@ -126,7 +137,21 @@ pub fn corpus_needs(index: usize) -> Vec<(&'static str, OpTest)> {
             ),
         ],
         // The AP's own start-up reproduced it: every run on two vCPUs.
-        _ => vec![],
+        1 => vec![],
+        _ => vec![
+            ("an IPI to the other vCPUs", |op| {
+                matches!(
+                    op,
+                    Op::Ipi(
+                        fuzz_guest::ops::IpiKind::FixedOthers(_)
+                            | fuzz_guest::ops::IpiKind::FixedAll(_)
+                    )
+                )
+            }),
+            ("a read of the hooked page", |op| {
+                matches!(op, Op::HookRead { .. } | Op::HookCall { f: 3, .. })
+            }),
+        ],
     }
 }
 
@@ -154,6 +179,17 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             ops: 60_000,
             cpus: 1,
             window: 2000,
+            log: None,
+            tracer: true,
+        },
+    ),
+    (
+        "seed 505, two vCPUs, hooks under fire",
+        Params {
+            seed: 505,
+            ops: 10_000,
+            cpus: 2,
+            window: 1000,
             log: None,
             tracer: true,
         },

@@ -63,7 +63,7 @@ impl Vcpu<'_> {
             f::EXCEPTION_BITMAP.write(v, 1 << DB)?;
             self.cpu.debug_exits = true;
         }
-        self.step_irq_exits(true)?;
+        self.step_irq_exits(hypervisor::vmx::debug::step_interrupt_exits(rflags))?;
         Ok(Next::Resume)
     }
 
