@@ -321,13 +321,17 @@ pub fn out_forbidden(port: u16, width: u8) -> bool {
         || last > 0xFFFF
 }
 
-/// Ports whose reads change with time or with output timing (timers,
-/// refresh toggles, status bits, the serial lines): their values are
+/// Ports whose reads change with time or with output timing (the PICs'
+/// requests, timers, refresh toggles, status bits, the serial lines): their values are
 /// left out of the digests, their faults are not.
 pub fn volatile_port(port: u16, width: u8) -> bool {
     let last = u32::from(port) + u32::from(width) - 1;
     let hits = |lo: u32, hi: u32| u32::from(port) <= hi && last >= lo;
-    hits(0x40, 0x43)
+    // The PICs' request registers: the timer's line comes and goes (and
+    // COM2's is root's).
+    hits(0x20, 0x20)
+        || hits(0xA0, 0xA0)
+        || hits(0x40, 0x43)
         || hits(0x60, 0x64)
         || hits(0x61, 0x61)
         || hits(0x70, 0x71)
