@@ -97,17 +97,6 @@ pub const CORPUS: &[(&str, Params)] = &[
             tracer: false,
         },
     ),
-    (
-        "corpus seed 404, two vCPUs, hooks under fire (a step of a hooked page's read with IF clear and another vCPU's IPI pending never ended; root's TF then trapped in the guest)",
-        Params {
-            seed: 404,
-            ops: 15_000,
-            cpus: 2,
-            window: 1000,
-            log: None,
-            tracer: true,
-        },
-    ),
 ];
 
 /// A test over one operation.
@@ -179,17 +168,6 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             ops: 60_000,
             cpus: 1,
             window: 2000,
-            log: None,
-            tracer: true,
-        },
-    ),
-    (
-        "seed 505, two vCPUs, hooks under fire",
-        Params {
-            seed: 505,
-            ops: 10_000,
-            cpus: 2,
-            window: 1000,
             log: None,
             tracer: true,
         },
