@@ -673,6 +673,22 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
                     result.failure = Some(format!("root did not answer a status request: {e:#}"))
                 }
             }
+        } else if result
+            .failure
+            .as_deref()
+            .is_some_and(|f| f.starts_with("no `end`"))
+        {
+            // The program stopped making progress: whether root still
+            // answers, and what the vCPUs were exiting for, tell a guest
+            // stuck from a root stuck.
+            let answer = match ctl.exits() {
+                Ok(exits) => format!("root still answers; exits so far: {exits:?}"),
+                Err(e) => format!("root does not answer either: {e:#}"),
+            };
+            if let Some(f) = result.failure.as_mut() {
+                f.push_str("; ");
+                f.push_str(&answer);
+            }
         }
     }
     vm.close();
