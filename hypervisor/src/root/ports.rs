@@ -74,6 +74,19 @@ pub fn find_bus_master_ide() -> Option<DmaBlock> {
     None
 }
 
+/// Performs an IN of `size` bytes on behalf of the guest.
+pub fn forward_in(port: u16, size: u8) -> u32 {
+    // SAFETY: the guest asked for exactly this read of a port the platform
+    // answers for it (the callers keep root's own ports out).
+    unsafe {
+        match size {
+            1 => u32::from(insn::inb(port)),
+            2 => u32::from(insn::inw(port)),
+            _ => insn::inl(port),
+        }
+    }
+}
+
 /// Performs an OUT on behalf of the guest.
 pub fn forward_out(port: u16, size: u8, value: u32) {
     // SAFETY: the guest asked for exactly this write to a port it owns

@@ -36,16 +36,9 @@ impl Vcpu<'_> {
         }
         let offset = (io.port - pci::CONFIG_DATA.start()) as u8;
         if io.input {
+            // A configuration read for the guest, at the address it set.
             forward_out(pci::CONFIG_ADDRESS, 4, self.vm.pci_address);
-            // SAFETY: a configuration read for the guest, at the address it set.
-            let v = unsafe {
-                match io.size {
-                    1 => u32::from(insn::inb(io.port)),
-                    2 => u32::from(insn::inw(io.port)),
-                    _ => insn::inl(io.port),
-                }
-            };
-            self.cpu.regs.rax = (self.cpu.regs.rax & !u64::from(mask)) | u64::from(v & mask);
+            self.read_for_guest(io);
             return Ok(None);
         }
         // Decide on the whole dword, but write only the bytes the guest
@@ -119,16 +112,8 @@ impl Vcpu<'_> {
                 Ok(Some(StopReason::PowerOff { port, value, size }))
             }
             PortRoute::Pm1Read => {
-                // SAFETY: forwarding the guest's own read of its PM1 control register.
-                let val = unsafe {
-                    match io.size {
-                        1 => insn::inb(io.port) as u32,
-                        2 => insn::inw(io.port) as u32,
-                        _ => insn::inl(io.port),
-                    }
-                } as u64;
-                let mask = policy::floating_bus(io.size) as u64;
-                self.cpu.regs.rax = (self.cpu.regs.rax & !mask) | (val & mask);
+                // The guest's own read of its PM1 control register.
+                self.read_for_guest(io);
                 Ok(None)
             }
             PortRoute::Pm1Write(value) => {
@@ -274,6 +259,14 @@ impl Vcpu<'_> {
         self.inject(PF, Some(code))
     }
 
+    /// The guest's IN `io`, done by root at its size, into the guest's
+    /// RAX (the bytes it did not read kept).
+    fn read_for_guest(&mut self, io: IoAccess) {
+        let mask = u64::from(policy::floating_bus(io.size));
+        let v = u64::from(forward_in(io.port, io.size));
+        self.cpu.regs.rax = (self.cpu.regs.rax & !mask) | (v & mask);
+    }
+
     /// A port access outside root's special cases: a read that touches
     /// none of root's ports goes to the platform whole; anything else byte
     /// by byte, root's ports floating (reads all ones, writes dropped) and
@@ -281,7 +274,6 @@ impl Vcpu<'_> {
     /// that resets or writes SLP_EN to PM1 still stops the VM
     /// (`Ports::byte_out`).
     pub(super) fn io_bytes(&mut self, io: IoAccess, ports: &Ports) -> Option<StopReason> {
-        let mask = policy::floating_bus(io.size);
         let owned = (0..io.size.min(4)).any(|i| {
             io.port
                 .checked_add(u16::from(i))
@@ -291,15 +283,7 @@ impl Vcpu<'_> {
             // A read that touches none of root's ports: the platform
             // answers it whole, as it answers the bare guest (a dword IN at
             // 0xCFA reads all ones there, not two registers' bytes).
-            // SAFETY: the guest's own ports, read for it at its size.
-            let v = unsafe {
-                match io.size {
-                    1 => u32::from(insn::inb(io.port)),
-                    2 => u32::from(insn::inw(io.port)),
-                    _ => insn::inl(io.port),
-                }
-            };
-            self.cpu.regs.rax = (self.cpu.regs.rax & !u64::from(mask)) | u64::from(v & mask);
+            self.read_for_guest(io);
             return None;
         }
         let mut value = 0u32;

@@ -8,7 +8,7 @@ use crate::hvprintln;
 use crate::introspect::{CpuView, GuestRam, KernelView};
 use crate::machine::{with_env, with_env_clocked, with_world};
 use crate::phys;
-use crate::ports::{forward_out, pci_data_write, pci_read, pci_write};
+use crate::ports::{forward_in, forward_out, pci_data_write, pci_read, pci_write};
 use crate::vcpu::Vmcs;
 use crate::vm::{HitView, Vm};
 use alloc::vec::Vec;
