@@ -46,6 +46,8 @@ pub struct ProgramHeader {
     pub offset: u64,
     /// `p_vaddr`.
     pub vaddr: u64,
+    /// `p_paddr`: where a loader that places by physical address puts it.
+    pub paddr: u64,
     /// `p_filesz`.
     pub file_size: u64,
     /// `p_memsz`.
@@ -147,6 +149,7 @@ impl<'a> Elf<'a> {
                 flags: u32_at(self.bytes, o + 4)?,
                 offset: u64_at(self.bytes, o + 8)?,
                 vaddr: u64_at(self.bytes, o + 16)?,
+                paddr: u64_at(self.bytes, o + 24)?,
                 file_size: u64_at(self.bytes, o + 32)?,
                 mem_size: u64_at(self.bytes, o + 40)?,
             })

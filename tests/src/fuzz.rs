@@ -16,7 +16,9 @@ use fuzz_guest::known::CLASSES;
 use fuzz_guest::ops::{self, Op, Shape};
 use fuzz_guest::rng::Rng;
 use fuzz_guest::LINK_BASE;
+use guest_introspect::elf::{Elf, PT_LOAD};
 use hvtrace::{RunConfig, Vm};
+use loader::bzimage::{hdr, XLoadFlags, BOOT_FLAG, HEADER_MAGIC};
 
 /// What one run asks the program for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -198,35 +200,9 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
 
 // ---------------------------------------------------------------- the image
 
-/// The setup header's offsets (Documentation/arch/x86/boot.rst).
-mod hdr {
-    pub const SETUP_SECTS: usize = 0x1F1;
-    pub const SYSSIZE: usize = 0x1F4;
-    pub const BOOT_FLAG: usize = 0x1FE;
-    pub const JUMP: usize = 0x200;
-    pub const MAGIC: usize = 0x202;
-    pub const VERSION: usize = 0x206;
-    pub const TYPE_OF_LOADER: usize = 0x210;
-    pub const LOADFLAGS: usize = 0x211;
-    pub const CODE32_START: usize = 0x214;
-    pub const INITRD_ADDR_MAX: usize = 0x22C;
-    pub const KERNEL_ALIGNMENT: usize = 0x230;
-    pub const RELOCATABLE: usize = 0x234;
-    pub const MIN_ALIGNMENT: usize = 0x235;
-    pub const XLOADFLAGS: usize = 0x236;
-    pub const CMDLINE_SIZE: usize = 0x238;
-    pub const PREF_ADDRESS: usize = 0x258;
-    pub const INIT_SIZE: usize = 0x260;
-    /// Where the header ends (protocol 2.15 has `kernel_info_offset` last).
-    pub const END: usize = 0x26C;
-}
-
-fn u16_at(b: &[u8], at: usize) -> Result<u16> {
-    let s = b
-        .get(at..at + 2)
-        .ok_or_else(|| anyhow!("ELF truncated at {at:#x}"))?;
-    Ok(u16::from_le_bytes([s[0], s[1]]))
-}
+/// Where the setup header ends: protocol 2.15's last field,
+/// `kernel_info_offset`, is 4 bytes.
+const HEADER_END: usize = hdr::KERNEL_INFO_OFFSET + 4;
 
 fn u32_at(b: &[u8], at: usize) -> Result<u32> {
     let s = b
@@ -245,34 +221,33 @@ fn u64_at(b: &[u8], at: usize) -> Result<u64> {
 /// The program's memory image from `LINK_BASE`: the loadable segments'
 /// file bytes (gaps zero), and the size it needs with its bss.
 pub fn flatten(elf: &[u8]) -> Result<(Vec<u8>, u64)> {
-    if elf.get(..4) != Some(b"\x7fELF") || elf.get(4) != Some(&2) {
-        bail!("not a 64-bit ELF file");
-    }
-    let phoff = u64_at(elf, 0x20)? as usize;
-    let phentsize = usize::from(u16_at(elf, 0x36)?);
-    let phnum = usize::from(u16_at(elf, 0x38)?);
+    let elf = Elf::parse(elf).map_err(|e| anyhow!("{e}"))?;
     let mut image = Vec::new();
     let mut memsz_end = LINK_BASE;
-    for i in 0..phnum {
-        let ph = phoff + i * phentsize;
-        if u32_at(elf, ph)? != 1 {
+    for (i, ph) in elf.program_headers().enumerate() {
+        let ph = ph.map_err(|e| anyhow!("{e}"))?;
+        if ph.kind != PT_LOAD {
             continue;
         }
-        let offset = u64_at(elf, ph + 8)? as usize;
         // Placed by physical (load) address: the hooked part runs at
         // kernel-text addresses but loads right after the rest.
-        let vaddr = u64_at(elf, ph + 0x18)?;
-        let filesz = u64_at(elf, ph + 0x20)? as usize;
-        let memsz = u64_at(elf, ph + 0x28)?;
-        if vaddr < LINK_BASE {
-            bail!("segment at {vaddr:#x} below the link base {LINK_BASE:#x}");
+        if ph.paddr < LINK_BASE {
+            bail!(
+                "segment at {:#x} below the link base {LINK_BASE:#x}",
+                ph.paddr
+            );
         }
-        memsz_end = memsz_end.max(vaddr + memsz);
-        if filesz == 0 {
+        memsz_end = memsz_end.max(ph.paddr + ph.mem_size);
+        if ph.file_size == 0 {
             continue;
         }
-        let at = (vaddr - LINK_BASE) as usize;
+        let (at, offset, filesz) = (
+            (ph.paddr - LINK_BASE) as usize,
+            ph.offset as usize,
+            ph.file_size as usize,
+        );
         let bytes = elf
+            .bytes()
             .get(offset..offset + filesz)
             .ok_or_else(|| anyhow!("segment {i} runs past the file"))?;
         if image.len() < at + filesz {
@@ -288,32 +263,30 @@ pub fn flatten(elf: &[u8]) -> Result<(Vec<u8>, u64)> {
 
 /// The ELF's symbols (name → value) from its symbol table.
 pub fn elf_symbols(elf: &[u8]) -> Result<BTreeMap<String, u64>> {
-    let shoff = u64_at(elf, 0x28)? as usize;
-    let shentsize = usize::from(u16_at(elf, 0x3A)?);
-    let shnum = usize::from(u16_at(elf, 0x3C)?);
+    const SHT_SYMTAB: u32 = 2;
+    const SYM_SIZE: usize = 24;
+    let elf = Elf::parse(elf).map_err(|e| anyhow!("{e}"))?;
+    let sections: Vec<_> = elf
+        .sections()
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow!("{e}"))?;
     let mut out = BTreeMap::new();
-    for i in 0..shnum {
-        let sh = shoff + i * shentsize;
-        if u32_at(elf, sh + 4)? != 2 {
-            continue;
-        }
-        let off = u64_at(elf, sh + 0x18)? as usize;
-        let size = u64_at(elf, sh + 0x20)? as usize;
-        let link = u32_at(elf, sh + 0x28)? as usize;
-        let entsize = (u64_at(elf, sh + 0x38)? as usize).max(24);
-        let strsh = shoff + link * shentsize;
-        let stroff = u64_at(elf, strsh + 0x18)? as usize;
-        for k in 0..size / entsize {
-            let e = off + k * entsize;
-            let name_at = stroff + u32_at(elf, e)? as usize;
-            let end = elf[name_at..]
-                .iter()
-                .position(|&b| b == 0)
-                .map(|n| name_at + n);
-            let Some(end) = end else { continue };
-            let name = String::from_utf8_lossy(&elf[name_at..end]).into_owned();
+    for sh in sections.iter().filter(|sh| sh.kind == SHT_SYMTAB) {
+        let syms = elf.data(sh).map_err(|e| anyhow!("{e}"))?;
+        let strtab = sections
+            .get(sh.link as usize)
+            .ok_or_else(|| anyhow!("the symbol table's string table is missing"))?;
+        let strs = elf.data(strtab).map_err(|e| anyhow!("{e}"))?;
+        for e in syms.chunks_exact((sh.entsize as usize).max(SYM_SIZE)) {
+            let name_at = u32_at(e, 0)? as usize;
+            let Some(name) = strs
+                .get(name_at..)
+                .and_then(|r| r.split(|&b| b == 0).next())
+            else {
+                continue;
+            };
             if !name.is_empty() {
-                out.insert(name, u64_at(elf, e + 8)?);
+                out.insert(String::from_utf8_lossy(name).into_owned(), u64_at(e, 8)?);
             }
         }
     }
@@ -405,10 +378,14 @@ pub fn bzimage(elf: &[u8]) -> Result<Vec<u8>> {
         hdr::SYSSIZE,
         &((image.len() / 16) as u32).to_le_bytes(),
     );
-    put(&mut out, hdr::BOOT_FLAG, &0xAA55u16.to_le_bytes());
+    put(&mut out, hdr::BOOT_FLAG, &BOOT_FLAG.to_le_bytes());
     // A short jump over the header, as the kernel's.
-    put(&mut out, hdr::JUMP, &[0xEB, (hdr::END - 0x202) as u8]);
-    put(&mut out, hdr::MAGIC, b"HdrS");
+    put(
+        &mut out,
+        hdr::JUMP_OFFSET - 1,
+        &[0xEB, (HEADER_END - hdr::JUMP_BASE) as u8],
+    );
+    put(&mut out, hdr::HEADER_MAGIC, &HEADER_MAGIC);
     put(&mut out, hdr::VERSION, &0x020Fu16.to_le_bytes());
     out[hdr::TYPE_OF_LOADER] = 0;
     // LOADED_HIGH: the protected-mode part goes at 1 MiB or above.
@@ -420,10 +397,14 @@ pub fn bzimage(elf: &[u8]) -> Result<Vec<u8>> {
         &0x7FFF_FFFFu32.to_le_bytes(),
     );
     put(&mut out, hdr::KERNEL_ALIGNMENT, &0x20_0000u32.to_le_bytes());
-    out[hdr::RELOCATABLE] = 1;
+    out[hdr::RELOCATABLE_KERNEL] = 1;
     out[hdr::MIN_ALIGNMENT] = 21;
     // XLF_KERNEL_64: the 64-bit entry at +0x200.
-    put(&mut out, hdr::XLOADFLAGS, &1u16.to_le_bytes());
+    put(
+        &mut out,
+        hdr::XLOADFLAGS,
+        &XLoadFlags::KERNEL_64.bits().to_le_bytes(),
+    );
     put(&mut out, hdr::CMDLINE_SIZE, &2047u32.to_le_bytes());
     put(&mut out, hdr::PREF_ADDRESS, &LINK_BASE.to_le_bytes());
     let init_size = u32::try_from(mem.max(image.len() as u64)).context("the program is too big")?;
@@ -694,6 +675,39 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
     vm.close();
     result.wall = started.elapsed();
     Ok(result)
+}
+
+/// Runs `p` bare and under `hypervisor` side by side (one emulator each)
+/// and returns both outcomes: (bare, under the hypervisor).
+pub fn run_pair(
+    p: &Params,
+    hypervisor: &Path,
+    timeout: Duration,
+) -> (Result<RunResult>, Result<RunResult>) {
+    let pb = *p;
+    let bare = std::thread::spawn(move || run_once(&pb, None, timeout));
+    let under = run_once(p, Some(hypervisor), timeout);
+    let bare = bare
+        .join()
+        .unwrap_or_else(|_| Err(anyhow!("the bare run panicked")));
+    (bare, under)
+}
+
+/// Runs `p` again with window `win` logged operation by operation, bare
+/// and under `hypervisor`, and returns the first operation whose outcome
+/// differs (`None`: they agree when logged).
+pub fn first_differing_op(
+    p: &Params,
+    win: u64,
+    hypervisor: &Path,
+    timeout: Duration,
+) -> Result<Option<(String, String)>> {
+    let lp = Params {
+        log: Some(win),
+        ..*p
+    };
+    let (bare, under) = run_pair(&lp, hypervisor, timeout);
+    Ok(first_op_diff(&bare?.lines, &under?.lines))
 }
 
 /// A client of root's control line (COM2) for one run: requests and
@@ -1089,6 +1103,7 @@ mod tests {
         let mut elf = vec![0u8; 0x1000 + 0x400];
         elf[..4].copy_from_slice(b"\x7fELF");
         elf[4] = 2;
+        elf[5] = 1;
         elf[0x20..0x28].copy_from_slice(&0x40u64.to_le_bytes());
         elf[0x36..0x38].copy_from_slice(&0x38u16.to_le_bytes());
         elf[0x38..0x3A].copy_from_slice(&1u16.to_le_bytes());

@@ -19,8 +19,11 @@
 
 use std::time::{Duration, Instant};
 
-use hvtrace_tests::fuzz::{self, compare, digests, first_op_diff, Params, RunResult};
+use hvtrace_tests::fuzz::{self, compare, digests, Params, RunResult};
 use hvtrace_tests::{hypervisor_image, vm_lock, Checks};
+
+/// Each run's limit.
+const TIMEOUT: Duration = Duration::from_secs(120);
 
 /// One comparison: the runs, the digests compared.
 struct Pair {
@@ -30,19 +33,9 @@ struct Pair {
 }
 
 fn pair(p: &Params, checks: &mut Checks) -> Option<Pair> {
-    let hv_image = hypervisor_image();
-    let timeout = Duration::from_secs(120);
-    let pb = *p;
-    let bare = std::thread::spawn(move || fuzz::run_once(&pb, None, timeout));
-    let hv = checks.ok(
-        "the run under the hypervisor",
-        fuzz::run_once(p, Some(&hv_image), timeout),
-    );
-    let bare = checks.ok(
-        "the bare run",
-        bare.join()
-            .unwrap_or_else(|_| Err(anyhow::anyhow!("the bare run panicked"))),
-    );
+    let (bare, hv) = fuzz::run_pair(p, &hypervisor_image(), TIMEOUT);
+    let hv = checks.ok("the run under the hypervisor", hv);
+    let bare = checks.ok("the bare run", bare);
     let (bare, hv) = (bare?, hv?);
     let cmp = compare(&digests(&bare.lines), &digests(&hv.lines));
     Some(Pair { bare, hv, cmp })
@@ -80,21 +73,9 @@ fn agree(label: &str, p: &Params, r: &Pair, checks: &mut Checks) -> u64 {
     );
     if let Some(&(cpu, win)) = r.cmp.main_diffs.first() {
         // Say which operation, as the driver would.
-        let lp = Params {
-            log: Some(win),
-            ..*p
-        };
-        let hv_image = hypervisor_image();
-        let t = Duration::from_secs(120);
-        let detail = match (
-            fuzz::run_once(&lp, None, t),
-            fuzz::run_once(&lp, Some(&hv_image), t),
-        ) {
-            (Ok(b), Ok(h)) => format!("{:?}", first_op_diff(&b.lines, &h.lines)),
-            other => format!(
-                "(the logged runs failed: {:?})",
-                other.0.err().or(other.1.err())
-            ),
+        let detail = match fuzz::first_differing_op(p, win, &hypervisor_image(), TIMEOUT) {
+            Ok(first) => format!("{first:?}"),
+            Err(e) => format!("(the logged runs failed: {e:#})"),
         };
         checks.check(
             false,

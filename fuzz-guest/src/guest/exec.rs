@@ -430,6 +430,14 @@ pub struct Done {
     pub fault: Option<(u8, u64, u64)>,
 }
 
+/// What a guarded call came to: its registers, and the fault the handler
+/// recorded, if one came (`vector` was 0xFF before the call).
+fn done(regs: Regs) -> Done {
+    let pc = crate::percpu::this();
+    let fault = (pc.vector != 0xFF).then_some((pc.vector as u8, pc.error, pc.addr));
+    Done { regs, fault }
+}
+
 /// Runs the code at `target` with `regs` under the recovery point.
 pub fn run(target: u64, mut regs: Regs) -> Done {
     let pc = crate::percpu::this();
@@ -439,9 +447,7 @@ pub fn run(target: u64, mut regs: Regs) -> Done {
     // the target resumes at the recovery label on the same stack. Each
     // target is a stub of this module, or an address chosen to fault.
     unsafe { fz_exec(&mut regs, target) };
-    let pc = crate::percpu::this();
-    let fault = (pc.vector != 0xFF).then_some((pc.vector as u8, pc.error, pc.addr));
-    Done { regs, fault }
+    done(regs)
 }
 
 /// Jumps to foreign code at `target` (root's trampolines) on this vCPU's
@@ -469,9 +475,7 @@ pub fn run_foreign(target: u64) -> Done {
             block + crate::percpu::SACRIFICIAL as u64 - 64,
         )
     };
-    let pc = crate::percpu::this();
-    let fault = (pc.vector != 0xFF).then_some((pc.vector as u8, pc.error, pc.addr));
-    Done { regs, fault }
+    done(regs)
 }
 
 /// Points the 16-bit code segment (GDT entry 4) at `fz_code16` (the far

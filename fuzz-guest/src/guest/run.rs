@@ -73,7 +73,30 @@ fn read_cr(target: unsafe extern "C" fn()) -> u64 {
     run(stub(target), Regs::default()).regs.rax
 }
 
-/// A stored value of `width` bytes.
+/// A load of `width` bytes at `at`, under the recovery point.
+fn load_at(width: u8, at: u64) -> Done {
+    run(
+        load(width),
+        Regs {
+            rdi: at,
+            ..Regs::default()
+        },
+    )
+}
+
+/// A store of `width` bytes of `value` at `at`, under the recovery point.
+fn store_at(width: u8, at: u64, value: u64) -> Done {
+    run(
+        store(width),
+        Regs {
+            rax: value,
+            rdi: at,
+            ..Regs::default()
+        },
+    )
+}
+
+/// The stub that stores `width` bytes.
 fn store(width: u8) -> u64 {
     match width {
         1 => stub(exec::fz_s_st8),
@@ -260,13 +283,7 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
                     ..Regs::default()
                 },
             );
-            let back = run(
-                load(4),
-                Regs {
-                    rdi: at,
-                    ..Regs::default()
-                },
-            );
+            let back = load_at(4, at);
             let v = if ops::volatile_apic(offset) {
                 0
             } else {
@@ -285,13 +302,7 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
             outcome(&d, [fault_vector(&back), v, old, esr])
         }
         Op::ApicLoad { offset, width } => {
-            let d = run(
-                load(width),
-                Regs {
-                    rdi: apic::BASE + u64::from(offset),
-                    ..Regs::default()
-                },
-            );
+            let d = load_at(width, apic::BASE + u64::from(offset));
             let v = if ops::volatile_apic(offset) {
                 0
             } else {
@@ -305,21 +316,8 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
             value,
         } => {
             let at = apic::BASE + u64::from(offset);
-            let d = run(
-                store(width),
-                Regs {
-                    rax: value,
-                    rdi: at,
-                    ..Regs::default()
-                },
-            );
-            let back = run(
-                load(width),
-                Regs {
-                    rdi: at,
-                    ..Regs::default()
-                },
-            );
+            let d = store_at(width, at, value);
+            let back = load_at(width, at);
             outcome(&d, [fault_vector(&back), mask(width, back.regs.rax), 0, 0])
         }
         Op::Ipi(kind) => ipi(kind),
@@ -348,14 +346,7 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
             run(stub(exec::fz_s_wrdr), regs(at, 0, 0));
             let dr7 = 1 | u64::from(rw) << 16 | u64::from(len) << 18;
             run(stub(exec::fz_s_wrdr) + 8 * 7, regs(dr7, 0, 0));
-            let d = run(
-                store(8),
-                Regs {
-                    rax: 0x5A5A,
-                    rdi: at,
-                    ..Regs::default()
-                },
-            );
+            let d = store_at(8, at, 0x5A5A);
             run(stub(exec::fz_s_wrdr) + 8 * 7, regs(0x400, 0, 0));
             run(stub(exec::fz_s_wrdr), regs(0, 0, 0));
             outcome(&d, no)
@@ -386,27 +377,9 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
         Op::Fault(kind) => {
             let d = match kind {
                 FaultKind::Ud2 => run(stub(exec::fz_s_ud2), Regs::default()),
-                FaultKind::NonCanonical => run(
-                    load(8),
-                    Regs {
-                        rdi: 0x8000_0000_0000,
-                        ..Regs::default()
-                    },
-                ),
-                FaultKind::Unmapped => run(
-                    load(8),
-                    Regs {
-                        rdi: 0x2_0000_1000 + 8 * cpu as u64 + (1 << 33),
-                        ..Regs::default()
-                    },
-                ),
-                FaultKind::ReadOnly => run(
-                    store(1),
-                    Regs {
-                        rdi: SCRATCH_BASE,
-                        ..Regs::default()
-                    },
-                ),
+                FaultKind::NonCanonical => load_at(8, 0x8000_0000_0000),
+                FaultKind::Unmapped => load_at(8, 0x2_0000_1000 + 8 * cpu as u64 + (1 << 33)),
+                FaultKind::ReadOnly => store_at(1, SCRATCH_BASE, 0),
                 FaultKind::Divide => run(stub(exec::fz_s_div), Regs::default()),
                 FaultKind::Breakpoint => run(stub(exec::fz_s_int3), Regs::default()),
                 FaultKind::SoftInt(n) => run(
@@ -436,13 +409,7 @@ pub fn execute(op: &Op, cpu: usize) -> Outcome {
             let d = if go {
                 exec::run_foreign(at)
             } else {
-                run(
-                    load(8),
-                    Regs {
-                        rdi: at,
-                        ..Regs::default()
-                    },
-                )
+                load_at(8, at)
             };
             let v = if go { 0 } else { d.regs.rax };
             outcome(&d, [v, 0, 0, 0])
@@ -671,13 +638,7 @@ fn page_table(kind: PtKind, cpu: usize) -> Outcome {
             let old = get(i);
             set(i, old & !1);
             invlpg(page(i));
-            let d = run(
-                load(8),
-                Regs {
-                    rdi: page(i),
-                    ..Regs::default()
-                },
-            );
+            let d = load_at(8, page(i));
             set(i, old);
             invlpg(page(i));
             outcome(&d, [0; 4])
@@ -686,14 +647,7 @@ fn page_table(kind: PtKind, cpu: usize) -> Outcome {
             let old = get(i);
             set(i, old & !2);
             invlpg(page(i));
-            let d = run(
-                store(8),
-                Regs {
-                    rdi: page(i),
-                    rax: 7,
-                    ..Regs::default()
-                },
-            );
+            let d = store_at(8, page(i), 7);
             set(i, old);
             invlpg(page(i));
             outcome(&d, [0; 4])
@@ -703,23 +657,10 @@ fn page_table(kind: PtKind, cpu: usize) -> Outcome {
             set(a, (get(b) & !0xFFF) | 3);
             invlpg(page(a));
             let value = 0x1234_0000 | u64::from(a) << 16 | u64::from(b);
-            run(
-                store(8),
-                Regs {
-                    rdi: page(a),
-                    rax: value,
-                    ..Regs::default()
-                },
-            );
+            store_at(8, page(a), value);
             set(a, old);
             invlpg(page(a));
-            let d = run(
-                load(8),
-                Regs {
-                    rdi: page(b),
-                    ..Regs::default()
-                },
-            );
+            let d = load_at(8, page(b));
             outcome(&d, [d.regs.rax, 0, 0, 0])
         }
         PtKind::OwnCode => {

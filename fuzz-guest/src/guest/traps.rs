@@ -5,7 +5,7 @@
 //! recorded. NMIs and external interrupts are counted and return. A fault
 //! outside an operation is a bug in the program: it prints it and stops.
 
-use crate::percpu::{self, RECOVER_RIP, RECOVER_RSP};
+use crate::percpu;
 use crate::{apic, serial};
 
 core::arch::global_asm!(
@@ -259,5 +259,4 @@ extern "C" fn fz_trap(frame: &mut Frame) {
     frame.ss = 0x10;
     frame.rflags = 0x2;
     pc.recover_rip = 0;
-    let _ = (RECOVER_RIP, RECOVER_RSP);
 }

@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use hvtrace_tests::fuzz::{self, compare, digests, first_op_diff, Params, RunResult};
+use hvtrace_tests::fuzz::{self, compare, digests, Params, RunResult};
 
 struct Args {
     params: Params,
@@ -128,13 +128,8 @@ fn hypervisor() -> Result<PathBuf> {
 fn both(p: &Params, timeout: Duration) -> Result<(RunResult, RunResult)> {
     let hv = hypervisor()?;
     fuzz::guest_files()?;
-    let pb = *p;
-    let bare = std::thread::spawn(move || fuzz::run_once(&pb, None, timeout));
-    let under = fuzz::run_once(p, Some(&hv), timeout)?;
-    let bare = bare
-        .join()
-        .map_err(|_| anyhow!("the bare run panicked"))??;
-    Ok((bare, under))
+    let (bare, under) = fuzz::run_pair(p, &hv, timeout);
+    Ok((bare?, under?))
 }
 
 fn report_run(name: &str, r: &RunResult) {
@@ -247,12 +242,7 @@ fn drive(a: &Args) -> Result<bool> {
             (win + 1) * p.window
         );
         if bare.finished && hv.finished {
-            let lp = Params {
-                log: Some(win),
-                ..p
-            };
-            let (bl, hl) = both(&lp, a.timeout)?;
-            match first_op_diff(&bl.lines, &hl.lines) {
+            match fuzz::first_differing_op(&p, win, &hypervisor()?, a.timeout)? {
                 Some((b, h)) => {
                     eprintln!(
                         "fuzz: first differing operation:\n  bare:       {b}\n  hypervisor: {h}"
