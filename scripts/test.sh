@@ -56,7 +56,7 @@ else
     #    a binary the tests take the VM lock and run one at a time.
     lane_a=(graph vm_boot debug_build bare_boot malformed_kernel qemu_novmx smp tracedat)
     lane_b=(introspection kprobes hardening oneshot root_panic root_stack_guard smp_debian)
-    alone=(control boot_cost fuzz)
+    alone=(control boot_cost fuzz display_ports)
     # Every VM test binary runs in exactly one lane: a new one must be added.
     for f in tests/tests/*.rs; do
         t=$(basename "$f" .rs)

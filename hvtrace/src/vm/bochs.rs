@@ -34,6 +34,17 @@ pub const BIOS: &str = "/usr/share/bochs/BIOS-bochs-latest";
 /// See [`BIOS`].
 pub const VGA_BIOS: &str = "/usr/share/bochs/VGABIOS-lgpl-latest";
 
+/// The TCP ports Bochs' RFB display tries, in order, on every address
+/// (fixed when Bochs is built). It takes the first free one; with none
+/// free it ends at start, whatever else the run would have done.
+pub const RFB_PORTS: std::ops::RangeInclusive<u16> = 5900..=5949;
+
+/// Whether Bochs' exit message says that its display found every port of
+/// [`RFB_PORTS`] taken.
+pub fn display_ports_busy(message: &str) -> bool {
+    message.contains("RFB could not bind any port")
+}
+
 /// The debugger commands Bochs reads at start: continue, then quit.
 pub const RC_FILE: &str = "c\nq\n";
 
@@ -136,6 +147,29 @@ pub fn exit_message<'a>(lines: impl IntoIterator<Item = &'a str>) -> Option<Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn taken_display_ports_are_told_from_other_exits() {
+        // The tail of a Bochs that found 5900-5949 taken.
+        let taken = [
+            "00000000000i[RFB   ] Trying port 5949",
+            "00000000000i[RFB   ] Could not bind socket.",
+            "========================================================================",
+            "Bochs is exiting with the following message:",
+            "[RFB   ] RFB could not bind any port between 5900 and 5949",
+            "========================================================================",
+        ];
+        let message = exit_message(taken).expect("the exit message");
+        assert_eq!(message, "RFB could not bind any port between 5900 and 5949");
+        assert!(display_ports_busy(&message));
+        let other = exit_message([
+            "Bochs is exiting with the following message:",
+            "[HD    ] ata0-0: could not open hard drive image file 'x'",
+        ])
+        .expect("the exit message");
+        assert!(!display_ports_busy(&other));
+        assert_eq!((*RFB_PORTS.start(), *RFB_PORTS.end()), (5900, 5949));
+    }
 
     fn machine(cpus: u32) -> Machine<'static> {
         Machine {

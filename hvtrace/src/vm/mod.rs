@@ -216,6 +216,9 @@ pub struct Vm {
     cursor: usize,
     /// The run ended as it should; the run directory may go.
     finished: bool,
+    /// How many times the emulator was started (more than 1 when Bochs
+    /// found its display ports taken).
+    start_attempts: u32,
 }
 
 /// Starts the emulator and waits until the guest shell answers.
@@ -394,6 +397,12 @@ impl Vm {
         }
         let file = self.ram.as_ref()?.try_clone().ok()?;
         Some((file, qemu::MACHINE, u64::from(self.cfg.memory_mib) << 20))
+    }
+
+    /// How many times [`Vm::start`] started the emulator: 1, or more when
+    /// Bochs found every port of its display taken and the start waited.
+    pub fn start_attempts(&self) -> u32 {
+        self.start_attempts
     }
 
     /// A handle that tells, from any thread, whether the VM has ended.

@@ -19,6 +19,38 @@ use super::{bochs, image, qemu, BulkTap, Echo, Inner, Shared, TapCopy, Vm};
 /// How long the emulator gets to connect to the serial listeners.
 const SERIAL_CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How long a start waits, at most, for one of Bochs' display ports to come
+/// free (within the run's own time limit).
+const DISPLAY_PORTS_WAIT: Duration = Duration::from_secs(300);
+
+/// Bochs ended at start because every port of its display
+/// ([`bochs::RFB_PORTS`]) was taken by other processes. The start is tried
+/// again: the ports come free as those processes end.
+#[derive(Debug)]
+struct DisplayPortsBusy(String);
+
+impl std::fmt::Display for DisplayPortsBusy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DisplayPortsBusy {}
+
+/// The pause before start `attempt` (2, 3, ...) after Bochs found its
+/// display ports taken: 1, 2, 4, 8 s, then 10 s, plus up to 0.5 s taken
+/// from the clock, so that two launchers that failed together (the bare
+/// and the hypervisor run of one comparison) do not retry together.
+fn display_retry_pause(attempt: u32) -> Duration {
+    let base =
+        Duration::from_secs(1u64 << attempt.saturating_sub(2).min(4)).min(Duration::from_secs(10));
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |t| t.subsec_nanos());
+    let spread = u64::from(nanos % 500_000_000);
+    base + Duration::from_nanos(spread)
+}
+
 impl Vm {
     /// Builds what the emulator needs in a fresh run directory (or in
     /// [`RunConfig::run_dir`]) and starts it. Returns once the emulator has
@@ -28,9 +60,41 @@ impl Vm {
     /// The emulator is killed when the thread that calls this ends (Linux's
     /// parent-death signal follows the spawning thread), so that it never
     /// outlives its launcher: keep the `Vm` in the thread that started it.
+    ///
+    /// Bochs' display takes the first free TCP port of
+    /// [`bochs::RFB_PORTS`], and Bochs ends at once when they are all
+    /// taken (by other emulators on the machine, say). The start then says
+    /// so and tries again, for up to [`DISPLAY_PORTS_WAIT`] within the
+    /// run's time limit.
     pub fn start(cfg: RunConfig) -> Result<Vm> {
         cfg.validate()?;
         let start = Instant::now();
+        let wait = DISPLAY_PORTS_WAIT.min(cfg.timeout);
+        let mut attempt = 1;
+        loop {
+            match Vm::start_once(cfg.clone(), start) {
+                Ok(mut vm) => {
+                    vm.start_attempts = attempt;
+                    return Ok(vm);
+                }
+                Err(e) if e.is::<DisplayPortsBusy>() && start.elapsed() < wait => {
+                    attempt += 1;
+                    let pause = display_retry_pause(attempt);
+                    eprintln!(
+                        "hvtrace: warning: {e}; starting {} again in {:.1} s (attempt {attempt}, for up to {} s)",
+                        cfg.emulator,
+                        pause.as_secs_f64(),
+                        wait.as_secs()
+                    );
+                    std::thread::sleep(pause);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One try of [`Vm::start`], whose first try began at `start`.
+    fn start_once(cfg: RunConfig, start: Instant) -> Result<Vm> {
         let dir = match &cfg.run_dir {
             Some(dir) => {
                 image::ensure_run_dir(dir)?;
@@ -185,6 +249,7 @@ impl Vm {
             cursor: 0,
             finished: false,
             control_copy: Arc::new(Mutex::new(TapCopy::Waiting)),
+            start_attempts: 1,
         };
         let [stream, control] = vm.accept_serial([
             (&listener, "the serial console (COM1)"),
@@ -247,6 +312,17 @@ impl Vm {
             if let Some(status) = self.poll_exit()? {
                 self.drain_readers();
                 let why = self.emulator_message();
+                if matches!(self.cfg.emulator, Emulator::Bochs) && bochs::display_ports_busy(&why) {
+                    // Nothing of the guest ran: a run directory made for
+                    // this try goes with it.
+                    self.finished = self.cfg.run_dir.is_none();
+                    return Err(anyhow::Error::new(DisplayPortsBusy(format!(
+                        "{} exited ({status}) at start: every port of its display ({}-{}) is taken by other processes",
+                        self.cfg.emulator,
+                        bochs::RFB_PORTS.start(),
+                        bochs::RFB_PORTS.end()
+                    ))));
+                }
                 return Err(self.fail(anyhow!(
                     "{} exited ({status}) before connecting {missing}{why}",
                     self.cfg.emulator
@@ -322,4 +398,17 @@ fn console_keep(cfg: &RunConfig) -> usize {
     usize::try_from(cfg.console_cap)
         .unwrap_or(usize::MAX)
         .min(console::CONSOLE_KEEP)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_after_busy_display_ports_back_off_and_spread() {
+        let secs = |a| display_retry_pause(a).as_secs();
+        assert_eq!([2, 3, 4, 5, 6, 7, 40].map(secs), [1, 2, 4, 8, 10, 10, 10]);
+        let spread = display_retry_pause(2) - Duration::from_secs(1);
+        assert!(spread < Duration::from_millis(500), "{spread:?}");
+    }
 }
