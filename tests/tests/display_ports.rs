@@ -1,6 +1,8 @@
 //! Bochs' display takes the first free TCP port of 5900-5949 and ends at
-//! once when none is free: a machine busy with other emulators failed a
-//! run that way. The launcher must wait for a port, not fail.
+//! once when it cannot listen on any: when all are taken, and when
+//! another Bochs starting at the same moment bound the same port first
+//! (the fuzzing test's side-by-side starts failed a CI run that way). The
+//! launcher must wait and start Bochs again, not fail.
 //!
 //! The test takes every free port of the range itself, starts the
 //! fast-lane kernel bare in Bochs, gives the ports back a few seconds

@@ -400,7 +400,7 @@ impl Vm {
     }
 
     /// How many times [`Vm::start`] started the emulator: 1, or more when
-    /// Bochs found every port of its display taken and the start waited.
+    /// Bochs' display found no port to listen on and the start waited.
     pub fn start_attempts(&self) -> u32 {
         self.start_attempts
     }

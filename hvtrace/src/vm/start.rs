@@ -23,9 +23,11 @@ const SERIAL_CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
 /// free (within the run's own time limit).
 const DISPLAY_PORTS_WAIT: Duration = Duration::from_secs(300);
 
-/// Bochs ended at start because every port of its display
-/// ([`bochs::RFB_PORTS`]) was taken by other processes. The start is tried
-/// again: the ports come free as those processes end.
+/// Bochs ended at start because its display found no port of
+/// [`bochs::RFB_PORTS`] to listen on: another Bochs that started at the
+/// same moment took the one it bound, or all are taken. The start is
+/// tried again: the race does not repeat (the pause differs), and taken
+/// ports come free as their processes end.
 #[derive(Debug)]
 struct DisplayPortsBusy(String);
 
@@ -37,8 +39,8 @@ impl std::fmt::Display for DisplayPortsBusy {
 
 impl std::error::Error for DisplayPortsBusy {}
 
-/// The pause before start `attempt` (2, 3, ...) after Bochs found its
-/// display ports taken: 1, 2, 4, 8 s, then 10 s, plus up to 0.5 s taken
+/// The pause before start `attempt` (2, 3, ...) after Bochs' display
+/// found no port: 1, 2, 4, 8 s, then 10 s, plus up to 0.5 s taken
 /// from the clock, so that two launchers that failed together (the bare
 /// and the hypervisor run of one comparison) do not retry together.
 fn display_retry_pause(attempt: u32) -> Duration {
@@ -62,10 +64,10 @@ impl Vm {
     /// outlives its launcher: keep the `Vm` in the thread that started it.
     ///
     /// Bochs' display takes the first free TCP port of
-    /// [`bochs::RFB_PORTS`], and Bochs ends at once when they are all
-    /// taken (by other emulators on the machine, say). The start then says
-    /// so and tries again, for up to [`DISPLAY_PORTS_WAIT`] within the
-    /// run's time limit.
+    /// [`bochs::RFB_PORTS`], and Bochs ends at once when it cannot listen
+    /// on any (all taken, or lost to another Bochs starting at the same
+    /// moment). The start then says so and tries again, for up to
+    /// [`DISPLAY_PORTS_WAIT`] within the run's time limit.
     pub fn start(cfg: RunConfig) -> Result<Vm> {
         cfg.validate()?;
         let start = Instant::now();
@@ -317,7 +319,7 @@ impl Vm {
                     // this try goes with it.
                     self.finished = self.cfg.run_dir.is_none();
                     return Err(anyhow::Error::new(DisplayPortsBusy(format!(
-                        "{} exited ({status}) at start: every port of its display ({}-{}) is taken by other processes",
+                        "{} exited ({status}) at start: its display found no port of {}-{} to listen on (another Bochs starting at the same moment bound the same one, or all are taken)",
                         self.cfg.emulator,
                         bochs::RFB_PORTS.start(),
                         bochs::RFB_PORTS.end()
