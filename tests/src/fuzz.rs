@@ -99,6 +99,17 @@ pub const CORPUS: &[(&str, Params)] = &[
             tracer: false,
         },
     ),
+    (
+        "corpus seed 404, two vCPUs, hooks under fire (a step of a hooked page's read with IF clear and another vCPU's IPI pending never ended; root's TF then trapped in the guest. And the program's own: root's trampoline code, run from a wild offset, popped IF set and took an IPI on a stack near 0, which left it in service for good)",
+        Params {
+            seed: 404,
+            ops: 15_000,
+            cpus: 2,
+            window: 1000,
+            log: None,
+            tracer: true,
+        },
+    ),
 ];
 
 /// A test over one operation.
@@ -142,6 +153,9 @@ pub fn corpus_needs(index: usize) -> Vec<(&'static str, OpTest)> {
             ("a read of the hooked page", |op| {
                 matches!(op, Op::HookRead { .. } | Op::HookCall { f: 3, .. })
             }),
+            ("a run of root's trampoline code", |op| {
+                matches!(op, Op::Trampoline { run: true, .. })
+            }),
         ],
     }
 }
@@ -170,6 +184,17 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             ops: 60_000,
             cpus: 1,
             window: 2000,
+            log: None,
+            tracer: true,
+        },
+    ),
+    (
+        "seed 505, two vCPUs, hooks under fire",
+        Params {
+            seed: 505,
+            ops: 10_000,
+            cpus: 2,
+            window: 1000,
             log: None,
             tracer: true,
         },

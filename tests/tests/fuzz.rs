@@ -8,12 +8,9 @@
 //! its memory out of the e820, and with two vCPUs owns INIT and SIPI and
 //! the APIC stores it does not carry out).
 //!
-//! One of the fixed seeds runs with hooks under fire: while the program
+//! Runs on one and two vCPUs go with hooks under fire: while the program
 //! runs, a probe, the function tracer and a graph session on its own
 //! functions are armed and disarmed every 300 ms, and each must report.
-//! Two vCPUs under fire are not in CI yet: there the fuzzer still finds a
-//! vCPU that stops making progress now and then
-//! (`scripts/fuzz-guest.sh --seed 404 --ops 15000 --cpus 2 --tracer`).
 //!
 //! Run: `cargo test --release -p hvtrace-tests --test fuzz -- --nocapture`
 

@@ -452,6 +452,16 @@ pub fn run(target: u64, mut regs: Regs) -> Done {
 
 /// Jumps to foreign code at `target` (root's trampolines) on this vCPU's
 /// sacrificial stack, every register 0, until it faults.
+///
+/// The task priority is at its highest (CR8 = 15) while the foreign code
+/// runs, so that the local APIC holds every fixed interrupt until it is
+/// back where it was. That code may load RFLAGS from anywhere: entered at
+/// its `popfq` with RSP in the first page it popped a real-mode vector
+/// (0xF000FF53: IF and TF set), and another vCPU's IPI was then taken on
+/// a stack near address 0. Its delivery faulted, as it would on any CPU,
+/// the interrupt stayed in service without its handler, and the vCPU
+/// later waited forever for one of its own. NMIs and exceptions have
+/// stacks of their own (IST) and are recorded as before.
 pub fn run_foreign(target: u64) -> Done {
     let pc = crate::percpu::this();
     pc.vector = 0xFF;
@@ -464,6 +474,13 @@ pub fn run_foreign(target: u64) -> Done {
         };
     }
     let mut regs = Regs::default();
+    let tpr: u64;
+    // SAFETY: CR8 is this vCPU's own task priority; 15 blocks every fixed
+    // interrupt, which stay pending in the APIC (restored below).
+    unsafe {
+        core::arch::asm!("mov {}, cr8", out(reg) tpr, options(nomem, nostack, preserves_flags));
+        core::arch::asm!("mov cr8, {}", in(reg) 15u64, options(nomem, nostack, preserves_flags));
+    }
     // SAFETY: as `run`; the target runs on the sacrificial stack with the
     // recovery point armed, and its exceptions land on IST stacks in this
     // vCPU's block: any fault comes back to the recovery label with our
@@ -474,6 +491,10 @@ pub fn run_foreign(target: u64) -> Done {
             target,
             block + crate::percpu::SACRIFICIAL as u64 - 64,
         )
+    };
+    // SAFETY: the task priority it had before.
+    unsafe {
+        core::arch::asm!("mov cr8, {}", in(reg) tpr, options(nomem, nostack, preserves_flags))
     };
     done(regs)
 }
