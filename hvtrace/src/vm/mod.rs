@@ -216,8 +216,8 @@ pub struct Vm {
     cursor: usize,
     /// The run ended as it should; the run directory may go.
     finished: bool,
-    /// How many times the emulator was started (more than 1 when Bochs
-    /// found its display ports taken).
+    /// How many times the emulator was started (more than 1 when Bochs'
+    /// display found no port to listen on).
     start_attempts: u32,
 }
 
