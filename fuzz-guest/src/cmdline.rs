@@ -1,7 +1,12 @@
 //! The program's command line: `fuzz.seed=S fuzz.ops=N fuzz.cpus=C`, plus
 //! `fuzz.window=W` (operations per digest line) and `fuzz.log=K` (print
-//! every operation of window K with its outcome). Other words are ignored,
-//! so a loader's own additions do no harm.
+//! every operation of window K with its outcome, as it runs). `fuzz.blocks=B`
+//! keeps a digest per B operations from operation `fuzz.from=A` on (the
+//! first [`BLOCKS_MAX`] blocks) and prints them after the stream, and
+//! `fuzz.hold=K` keeps the outcomes of block K's operations and prints them
+//! after the stream too: the output during the stream, and so its timing,
+//! stays that of a plain run. Other words are ignored, so a
+//! loader's own additions do no harm.
 
 /// What the command line asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,6 +21,13 @@ pub struct Params {
     pub window: u64,
     /// The window whose operations are printed one by one.
     pub log: Option<u64>,
+    /// Operations per block digest, printed after the stream (0: none).
+    pub blocks: u64,
+    /// The first operation of block 0.
+    pub from: u64,
+    /// The block whose operations are printed after the stream (needs
+    /// `blocks`, at most [`HOLD_MAX`] of them).
+    pub hold: Option<u64>,
     /// Operation kinds (bits by `ops::kind`) drawn but not carried out:
     /// to find which kind a failure needs. Their outcome is blank.
     pub skip: u64,
@@ -33,11 +45,21 @@ impl Default for Params {
             cpus: 1,
             window: 1000,
             log: None,
+            blocks: 0,
+            from: 0,
+            hold: None,
             skip: 0,
             tracer: false,
         }
     }
 }
+
+/// The most operations `fuzz.hold` keeps per vCPU.
+pub const HOLD_MAX: u64 = 2048;
+
+/// The most block digests `fuzz.blocks` keeps per vCPU (later blocks are
+/// not kept).
+pub const BLOCKS_MAX: u64 = 64;
 
 /// Parses a decimal or `0x` hexadecimal number.
 pub fn number(s: &str) -> Option<u64> {
@@ -65,10 +87,16 @@ pub fn parse(line: &str) -> Result<Params, &str> {
             "cpus" if (1..=crate::MAX_CPUS as u64).contains(&n) => p.cpus = n as u32,
             "window" if n > 0 => p.window = n,
             "log" => p.log = Some(n),
+            "blocks" => p.blocks = n,
+            "from" => p.from = n,
+            "hold" => p.hold = Some(n),
             "tracer" => p.tracer = n != 0,
             "skip" => p.skip = n,
             _ => return Err(word),
         }
+    }
+    if p.hold.is_some() && !(1..=HOLD_MAX).contains(&p.blocks) {
+        return Err("fuzz.hold");
     }
     Ok(p)
 }
@@ -91,6 +119,9 @@ mod tests {
                 cpus: 2,
                 window: 50,
                 log: Some(3),
+                blocks: 0,
+                from: 0,
+                hold: None,
                 skip: 0,
                 tracer: true,
             }
@@ -106,5 +137,10 @@ mod tests {
         assert_eq!(parse("fuzz.seed=x"), Err("fuzz.seed=x"));
         assert_eq!(parse("fuzz.what=1"), Err("fuzz.what=1"));
         assert_eq!(parse("fuzz.seed"), Err("fuzz.seed"));
+        // A held block needs a block size the program can keep.
+        assert_eq!(parse("fuzz.hold=2"), Err("fuzz.hold"));
+        assert_eq!(parse("fuzz.blocks=4096 fuzz.hold=2"), Err("fuzz.hold"));
+        let p = parse("fuzz.blocks=500 fuzz.from=7 fuzz.hold=2").unwrap();
+        assert_eq!((p.blocks, p.from, p.hold), (500, 7, Some(2)));
     }
 }

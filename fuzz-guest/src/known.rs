@@ -212,6 +212,12 @@ fn add(d: &mut Digest, index: u64, o: &Outcome) {
     }
 }
 
+/// Adds the part of operation `index`'s outcome every run must agree on
+/// to `d` (a block digest: the same part a window's main digest takes).
+pub fn fold_main(index: u64, op: &Op, out: &Outcome, d: &mut Digest, env: &Env) {
+    add(d, index, &split(op, out, env).0);
+}
+
 /// Adds operation `index`'s outcome to the window's digests.
 pub fn fold(
     index: u64,

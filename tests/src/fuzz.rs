@@ -28,6 +28,14 @@ pub struct Params {
     pub cpus: u32,
     pub window: u64,
     pub log: Option<u64>,
+    /// Operations per block digest, kept and printed after the stream
+    /// (`fuzz.blocks`; 0: none).
+    pub blocks: u64,
+    /// The first operation of block 0 (`fuzz.from`).
+    pub from: u64,
+    /// The block whose operations are kept and printed after the stream
+    /// (`fuzz.hold`).
+    pub hold: Option<u64>,
     /// Hooks on the program's own functions while it runs (under the
     /// hypervisor; the bare run gets the same command line).
     pub tracer: bool,
@@ -42,6 +50,15 @@ impl Params {
         );
         if let Some(w) = self.log {
             s.push_str(&format!(" fuzz.log={w}"));
+        }
+        if self.blocks != 0 {
+            s.push_str(&format!(
+                " fuzz.blocks={} fuzz.from={}",
+                self.blocks, self.from
+            ));
+        }
+        if let Some(k) = self.hold {
+            s.push_str(&format!(" fuzz.hold={k}"));
         }
         if self.tracer {
             s.push_str(" fuzz.tracer=1");
@@ -85,6 +102,9 @@ pub const CORPUS: &[(&str, Params)] = &[
             cpus: 1,
             window: 1000,
             log: None,
+            blocks: 0,
+            from: 0,
+            hold: None,
             tracer: false,
         },
     ),
@@ -96,6 +116,9 @@ pub const CORPUS: &[(&str, Params)] = &[
             cpus: 2,
             window: 1000,
             log: None,
+            blocks: 0,
+            from: 0,
+            hold: None,
             tracer: false,
         },
     ),
@@ -107,6 +130,9 @@ pub const CORPUS: &[(&str, Params)] = &[
             cpus: 2,
             window: 1000,
             log: None,
+            blocks: 0,
+            from: 0,
+            hold: None,
             tracer: true,
         },
     ),
@@ -185,6 +211,9 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             cpus: 1,
             window: 2000,
             log: None,
+            blocks: 0,
+            from: 0,
+            hold: None,
             tracer: true,
         },
     ),
@@ -196,6 +225,9 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             cpus: 2,
             window: 1000,
             log: None,
+            blocks: 0,
+            from: 0,
+            hold: None,
             tracer: true,
         },
     ),
@@ -207,6 +239,9 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             cpus: 1,
             window: 2000,
             log: None,
+            blocks: 0,
+            from: 0,
+            hold: None,
             tracer: false,
         },
     ),
@@ -218,6 +253,9 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             cpus: 2,
             window: 2000,
             log: None,
+            blocks: 0,
+            from: 0,
+            hold: None,
             tracer: false,
         },
     ),
@@ -718,21 +756,120 @@ pub fn run_pair(
     (bare, under)
 }
 
-/// Runs `p` again with window `win` logged operation by operation, bare
-/// and under `hypervisor`, and returns the first operation whose outcome
-/// differs (`None`: they agree when logged).
+/// Blocks per narrowing run of [`first_differing_op`].
+pub const NARROW_BLOCKS: u64 = 64;
+
+/// What [`first_differing_op`] found.
+#[derive(Debug, Default)]
+pub struct OpSearch {
+    /// Each narrowing run's result, in order.
+    pub steps: Vec<String>,
+    /// The first operation whose outcome differs: (bare line, hypervisor
+    /// line). `None`: the difference did not come back.
+    pub first: Option<(String, String)>,
+}
+
+/// Finds the first operation of vCPU `cpu` in window `win` whose outcome
+/// differs, bare and under `hypervisor`. The runs repeat `p` whole, with
+/// the same output while the stream runs (so the same timing, which a
+/// difference between vCPUs can need): the program keeps block digests of
+/// the range in memory and prints them after the stream
+/// (`fuzz.blocks`/`fuzz.from`), each run narrows the range to its first
+/// differing block, and the last keeps that block's outcomes
+/// (`fuzz.hold`) and prints them, to be compared operation by operation.
 pub fn first_differing_op(
     p: &Params,
+    cpu: u32,
     win: u64,
     hypervisor: &Path,
     timeout: Duration,
-) -> Result<Option<(String, String)>> {
-    let lp = Params {
-        log: Some(win),
-        ..*p
-    };
-    let (bare, under) = run_pair(&lp, hypervisor, timeout);
-    Ok(first_op_diff(&bare?.lines, &under?.lines))
+) -> Result<OpSearch> {
+    let mut lo = win * p.window;
+    let mut hi = ((win + 1) * p.window).min(p.ops);
+    let mut search = OpSearch::default();
+    // The lines printed after the stream take time too.
+    let timeout = timeout + Duration::from_secs(180);
+    loop {
+        let len = hi.saturating_sub(lo).max(1);
+        let hold = len <= fuzz_guest::cmdline::HOLD_MAX;
+        let blocks = if hold {
+            len
+        } else {
+            len.div_ceil(NARROW_BLOCKS)
+        };
+        let q = Params {
+            log: None,
+            blocks,
+            from: lo,
+            hold: hold.then_some(0),
+            ..*p
+        };
+        let (bare, under) = run_pair(&q, hypervisor, timeout);
+        let (bare, under) = (bare?, under?);
+        for (name, r) in [("bare", &bare), ("hypervisor", &under)] {
+            if !r.finished {
+                search.steps.push(format!(
+                    "operations {lo}..{hi}: the {name} run did not finish: {}",
+                    r.failure.as_deref().unwrap_or("no end line")
+                ));
+            }
+        }
+        if hold {
+            let mine = |lines: &[String]| -> Vec<String> {
+                let prefix = format!("op {cpu} ");
+                lines
+                    .iter()
+                    .filter(|l| l.starts_with(&prefix))
+                    .cloned()
+                    .collect()
+            };
+            search.first = first_op_diff(&mine(&bare.lines), &mine(&under.lines));
+            search.steps.push(format!(
+                "operations {lo}..{hi}, kept one by one: {}",
+                if search.first.is_some() {
+                    "the first differing one follows"
+                } else {
+                    "they agree in this run"
+                }
+            ));
+            return Ok(search);
+        }
+        let (b, h) = (
+            block_digests(&bare.lines, cpu),
+            block_digests(&under.lines, cpu),
+        );
+        let first = (0..NARROW_BLOCKS).find(|k| b.get(k) != h.get(k));
+        match first {
+            Some(k) => {
+                lo += k * blocks;
+                hi = (lo + blocks).min(hi);
+                search.steps.push(format!(
+                    "blocks of {blocks}: operations {lo}..{hi} differ first"
+                ));
+            }
+            None => {
+                search.steps.push(format!(
+                    "blocks of {blocks} over operations {lo}..{hi}: they agree in this run"
+                ));
+                return Ok(search);
+            }
+        }
+    }
+}
+
+/// vCPU `cpu`'s block digests (`blk <cpu> <k> <digest>`), by block.
+pub fn block_digests(lines: &[String], cpu: u32) -> BTreeMap<u64, String> {
+    lines
+        .iter()
+        .filter_map(|l| {
+            let mut w = l.strip_prefix("blk ")?.split(' ');
+            if w.next()?.parse::<u32>().ok()? != cpu {
+                return None;
+            }
+            let k = w.next()?.parse().ok()?;
+            Some((k, w.next()?.to_string()))
+        })
+        .collect()
 }
 
 /// A client of root's control line (COM2) for one run: requests and
@@ -1181,6 +1318,57 @@ mod tests {
         assert_eq!(c.main_diffs, vec![(0, 1)]);
         assert_eq!(c.windows, 2);
         assert_eq!(bare.done.len(), 1);
+    }
+
+    #[test]
+    fn block_digests_are_read_per_vcpu() {
+        let lines: Vec<String> = [
+            "blk 0 0 00000000000000aa",
+            "blk 1 0 00000000000000bb",
+            "blk 0 1 00000000000000cc",
+            "blk 0 x 00000000000000dd",
+            "win 0 0 1111",
+            "op 0 5 Step => ok",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let b0 = block_digests(&lines, 0);
+        assert_eq!(b0.len(), 2);
+        assert_eq!(b0[&0], "00000000000000aa");
+        assert_eq!(b0[&1], "00000000000000cc");
+        let b1 = block_digests(&lines, 1);
+        assert_eq!(
+            b1.into_iter().collect::<Vec<_>>(),
+            vec![(0, "00000000000000bb".to_string())]
+        );
+    }
+
+    #[test]
+    fn the_program_reads_the_narrowing_runs_command_line() {
+        let p = Params {
+            seed: 88,
+            ops: 200_000,
+            cpus: 2,
+            window: 50_000,
+            log: None,
+            blocks: 782,
+            from: 150_000,
+            hold: Some(0),
+            tracer: true,
+        };
+        let got = fuzz_guest::cmdline::parse(&p.cmdline()).expect("the program takes it");
+        assert_eq!(
+            (got.seed, got.ops, got.cpus, got.window, got.blocks, got.from, got.hold, got.tracer),
+            (88, 200_000, 2, 50_000, 782, 150_000, Some(0), true)
+        );
+        // A block too big to hold is refused by the program, so the
+        // narrowing never asks for one.
+        let big = Params {
+            blocks: fuzz_guest::cmdline::HOLD_MAX + 1,
+            ..p
+        };
+        assert!(fuzz_guest::cmdline::parse(&big.cmdline()).is_err());
     }
 
     #[test]

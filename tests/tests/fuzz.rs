@@ -70,9 +70,12 @@ fn agree(label: &str, p: &Params, r: &Pair, checks: &mut Checks) -> u64 {
     );
     if let Some(&(cpu, win)) = r.cmp.main_diffs.first() {
         // Say which operation, as the driver would.
-        let detail = match fuzz::first_differing_op(p, win, &hypervisor_image(), TIMEOUT) {
-            Ok(first) => format!("{first:?}"),
-            Err(e) => format!("(the logged runs failed: {e:#})"),
+        let detail = match fuzz::first_differing_op(p, cpu, win, &hypervisor_image(), TIMEOUT) {
+            Ok(search) => format!(
+                "{:?}; first differing operation {:?}",
+                search.steps, search.first
+            ),
+            Err(e) => format!("(the narrowing runs failed: {e:#})"),
         };
         checks.check(
             false,

@@ -365,6 +365,7 @@ pub const AP_STACK_SLOT: usize = 0xFF0;
 pub const AP_CPU_SLOT: usize = 0xFF4;
 
 extern "C" {
+    pub static fz_entry32: u8;
     pub static fz_ap16: u8;
     pub static fz_ap16_end: u8;
     pub static mut fz_gdt: [u64; 22];
@@ -375,4 +376,34 @@ extern "C" {
     pub static mut fz_pdpt_hi: [u64; 512];
     pub static mut fz_pd_hi: [u64; 512];
     pub static mut fz_stacks: u8;
+}
+
+/// Where the boot code lies: both entries and the boot CPU's way into
+/// `fz_main` (up to the APs' start code, which stays).
+pub fn boot_code() -> core::ops::Range<u64> {
+    core::ptr::addr_of!(fz_entry32) as u64..core::ptr::addr_of!(fz_ap16) as u64
+}
+
+/// Fills the boot code with INT3 once every vCPU runs: no operation may
+/// reach it, and one that did would run it in 64-bit mode, wiping the
+/// program's tables and GDT (a triple fault, with nothing left to tell
+/// why). The trap handler names what reached it instead.
+pub fn trip_wire() {
+    let code = boot_code();
+    for a in code {
+        // SAFETY: the boot code, finished: the boot CPU runs in `fz_main`
+        // and the APs came in through `fz_ap16`, outside this range. The
+        // identity map is writable.
+        unsafe { core::ptr::write_volatile(a as *mut u8, 0xCC) };
+    }
+}
+
+extern "C" {
+    static __image_start: u8;
+    static __bss_end: u8;
+}
+
+/// The program's memory: its image and its bss.
+pub fn image() -> core::ops::Range<u64> {
+    core::ptr::addr_of!(__image_start) as u64..core::ptr::addr_of!(__bss_end) as u64
 }

@@ -10,6 +10,8 @@
 //! fuzz: e820 <digest> <entries>
 //! fuzz: win <cpu> <window> <main digest> [<class>=<digest> ...]
 //! fuzz: op <cpu> <index> <op> => <outcome>      (fuzz.log=K only)
+//! fuzz: blk <cpu> <block> <main digest>          (fuzz.blocks=B, after the stream)
+//! fuzz: op <cpu> <index> <op> => <outcome>      (fuzz.hold=K, after the stream)
 //! fuzz: done <cpu> ops=N nmis=.. irqs=.. stray=..
 //! fuzz: end
 //! ```
@@ -42,9 +44,23 @@ static mut PARAMS: Params = Params {
     cpus: 1,
     window: 1,
     log: None,
+    blocks: 0,
+    from: 0,
+    hold: None,
     skip: 0,
     tracer: false,
 };
+
+/// Each vCPU's block digests (`fuzz.blocks`), a row per vCPU, each row
+/// written by its own vCPU only.
+static mut BLOCK_DIGESTS: [[u64; cmdline::BLOCKS_MAX as usize]; MAX_CPUS] =
+    [[0; cmdline::BLOCKS_MAX as usize]; MAX_CPUS];
+
+/// The held block's outcomes (`fuzz.hold`): vector, error, address and
+/// values, a row per vCPU, each row written by its own vCPU only. Plain
+/// words, so the table is zeroed bss, not image.
+static mut HELD: [[[u64; 7]; cmdline::HOLD_MAX as usize]; MAX_CPUS] =
+    [[[0; 7]; cmdline::HOLD_MAX as usize]; MAX_CPUS];
 
 /// Set once the boot CPU may start its stream (in tracer mode, once the
 /// host said go); the APs wait for it too.
@@ -297,6 +313,7 @@ extern "C" fn fz_main(boot_params: u64, cpu: u64) -> ! {
             ));
             serial::wait_byte();
         }
+        boot::trip_wire();
         GO.store(1, Ordering::Release);
         params
     } else {
@@ -326,7 +343,11 @@ fn fuzz(p: Params, cpu: u32) -> ! {
     let mut main = Digest::new();
     let mut classes = [Digest::new(); CLASSES.len()];
     let mut seen = [false; CLASSES.len()];
+    let mut block = Digest::new();
+    let row = cpu as usize;
+    let pc = percpu::this();
     for i in 0..p.ops {
+        pc.op = i;
         let op = ops::draw(&mut rng, shape);
         let out = if p.skip & (1 << ops::kind(&op)) != 0 {
             known::Outcome {
@@ -340,15 +361,36 @@ fn fuzz(p: Params, cpu: u32) -> ! {
         };
         let window = i / p.window;
         known::fold(i, &op, &out, &mut main, &mut classes, &mut seen, &env);
-        if p.log == Some(window) {
-            // The part every run must agree on, then the documented part.
-            match known::split(&op, &out, &env) {
-                (main, None) => serial::line(format_args!("op {cpu} {i} {op:?} => {main:?}")),
-                (main, Some((c, k))) => serial::line(format_args!(
-                    "op {cpu} {i} {op:?} => {main:?} | {}: {k:?}",
-                    CLASSES[c]
-                )),
+        if p.blocks != 0 && i >= p.from {
+            // Kept in memory, printed after the stream.
+            let k = (i - p.from) / p.blocks;
+            known::fold_main(i, &op, &out, &mut block, &env);
+            if p.hold == Some(k) {
+                let at = ((i - p.from) % p.blocks) as usize;
+                // SAFETY: this vCPU's own row; `at` < blocks <= HOLD_MAX
+                // (the command line's check).
+                unsafe {
+                    (*core::ptr::addr_of_mut!(HELD))[row][at] = [
+                        u64::from(out.vector),
+                        out.error,
+                        out.addr,
+                        out.vals[0],
+                        out.vals[1],
+                        out.vals[2],
+                        out.vals[3],
+                    ];
+                }
             }
+            if (i + 1 - p.from) % p.blocks == 0 || i + 1 == p.ops {
+                if k < cmdline::BLOCKS_MAX {
+                    // SAFETY: this vCPU's own row, k in bounds.
+                    unsafe { (*core::ptr::addr_of_mut!(BLOCK_DIGESTS))[row][k as usize] = block.0 };
+                }
+                block = Digest::new();
+            }
+        }
+        if p.log == Some(window) {
+            print_op(cpu, i, &op, &out, &env);
         }
         if (i + 1) % p.window == 0 || i + 1 == p.ops {
             print_window(cpu, window, &main, &classes, &seen);
@@ -356,6 +398,9 @@ fn fuzz(p: Params, cpu: u32) -> ! {
             classes = [Digest::new(); CLASSES.len()];
             seen = [false; CLASSES.len()];
         }
+    }
+    if p.blocks != 0 {
+        print_kept(&p, shape, &env, cpu);
     }
     let pc = percpu::this();
     serial::line(format_args!(
@@ -370,6 +415,54 @@ fn fuzz(p: Params, cpu: u32) -> ! {
         serial::line(format_args!("end"));
     }
     halt()
+}
+
+/// Prints what `fuzz.blocks` and `fuzz.hold` kept: the block digests, then
+/// the held block's operations (drawn again from the seed) with their
+/// outcomes, in `fuzz.log`'s format.
+fn print_kept(p: &Params, shape: Shape, env: &Env, cpu: u32) {
+    let row = cpu as usize;
+    let blocks = p
+        .ops
+        .saturating_sub(p.from)
+        .div_ceil(p.blocks)
+        .min(cmdline::BLOCKS_MAX);
+    for k in 0..blocks {
+        // SAFETY: this vCPU's own row, written above by this vCPU.
+        let d = unsafe { (*core::ptr::addr_of!(BLOCK_DIGESTS))[row][k as usize] };
+        serial::line(format_args!("blk {cpu} {k} {d:016x}"));
+    }
+    let Some(k) = p.hold else { return };
+    let first = p.from.saturating_add(k.saturating_mul(p.blocks));
+    let end = first.saturating_add(p.blocks).min(p.ops);
+    let mut rng = Rng::new(p.seed, cpu);
+    for i in 0..end {
+        let op = ops::draw(&mut rng, shape);
+        if i < first {
+            continue;
+        }
+        // SAFETY: as above; i - first < blocks <= HOLD_MAX.
+        let w = unsafe { (*core::ptr::addr_of!(HELD))[row][(i - first) as usize] };
+        let out = known::Outcome {
+            vector: w[0] as u8,
+            error: w[1],
+            addr: w[2],
+            vals: [w[3], w[4], w[5], w[6]],
+        };
+        print_op(cpu, i, &op, &out, env);
+    }
+}
+
+/// One operation with its outcome: the part every run must agree on, then
+/// the documented part.
+fn print_op(cpu: u32, i: u64, op: &ops::Op, out: &known::Outcome, env: &Env) {
+    match known::split(op, out, env) {
+        (main, None) => serial::line(format_args!("op {cpu} {i} {op:?} => {main:?}")),
+        (main, Some((c, k))) => serial::line(format_args!(
+            "op {cpu} {i} {op:?} => {main:?} | {}: {k:?}",
+            CLASSES[c]
+        )),
+    }
 }
 
 fn print_window(cpu: u32, window: u64, main: &Digest, classes: &[Digest], seen: &[bool]) {

@@ -43,6 +43,8 @@ pub struct PerCpu {
     pub cpu: u64,
     /// Faults taken while no operation ran.
     pub stray: u64,
+    /// The index of the operation this vCPU runs.
+    pub op: u64,
 }
 
 const _: () = assert!(core::mem::offset_of!(PerCpu, recover_rip) == RECOVER_RIP);

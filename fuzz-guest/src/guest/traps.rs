@@ -220,6 +220,31 @@ extern "C" fn fz_trap(frame: &mut Frame) {
         pc.stray += 1;
         return;
     }
+    if v == 3 && crate::boot::boot_code().contains(&frame.rip.wrapping_sub(1)) {
+        // Something jumped into the finished boot code (`boot::trip_wire`).
+        let mut top = [0u64; 4];
+        let image = crate::boot::image();
+        for (i, w) in top.iter_mut().enumerate() {
+            let at = frame.rsp.wrapping_add(8 * i as u64);
+            if image.contains(&at) && image.contains(&(at + 7)) {
+                // SAFETY: inside the program's own image and bss.
+                *w = unsafe { core::ptr::read_unaligned(at as *const u64) };
+            }
+        }
+        serial::line(format_args!(
+            "FATAL cpu {} reached the boot code at {:#x} in operation {} (rsp {:#x}, stack {:#x?}, rflags {:#x})",
+            pc.cpu,
+            frame.rip - 1,
+            pc.op,
+            frame.rsp,
+            top,
+            frame.rflags
+        ));
+        loop {
+            // SAFETY: stops this vCPU.
+            unsafe { core::arch::asm!("cli", "hlt", options(nomem, nostack)) };
+        }
+    }
     if pc.recover_rip == 0 {
         let cr2: u64;
         // SAFETY: reads CR2.

@@ -119,7 +119,14 @@ pub fn prepare(dir: &Path, machine: &Machine<'_>) -> Result<Command> {
         }
     }
     std::fs::write(dir.join("bochsrc"), bochsrc(machine)).context("cannot write bochsrc")?;
-    std::fs::write(dir.join("bochs.rc"), RC_FILE).context("cannot write bochs.rc")?;
+    // A debugging aid: HVTRACE_BOCHS_RC=FILE gives Bochs' debugger FILE's
+    // commands instead (breakpoints, then `c`; docs/BOCHS.md).
+    let rc = match std::env::var_os("HVTRACE_BOCHS_RC").filter(|f| !f.is_empty()) {
+        Some(file) => std::fs::read_to_string(&file)
+            .with_context(|| format!("cannot read HVTRACE_BOCHS_RC file {}", Path::new(&file).display()))?,
+        None => RC_FILE.to_string(),
+    };
+    std::fs::write(dir.join("bochs.rc"), rc).context("cannot write bochs.rc")?;
     let mut cmd = Command::new("bochs");
     cmd.args(["-q", "-f", "bochsrc", "-rc", "bochs.rc"])
         .current_dir(dir);

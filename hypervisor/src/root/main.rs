@@ -134,6 +134,16 @@ pub fn finish(cpu: &cpu_state::CpuState, reason: StopReason) -> ! {
         );
     }
     rootstack::log_use();
+    if matches!(reason, StopReason::TripleFault) {
+        // The guest's state at its end, for whoever reads why (the VMCS is
+        // this vCPU's, still current here).
+        hvprintln!(
+            "vCPU {}: triple fault; the event root saw in delivery: {:?}",
+            cpu.index,
+            cpu.vectoring
+        );
+        exits::dump_vmcs();
+    }
     hvprintln!("guest stopped: {reason}");
     if let StopReason::PowerOff { port, value, size } = reason {
         // Let the platform power off as the guest asked.

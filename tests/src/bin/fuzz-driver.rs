@@ -34,6 +34,9 @@ fn parse_args() -> Result<Args> {
         cpus: 1,
         window: 1000,
         log: None,
+        blocks: 0,
+        from: 0,
+        hold: None,
         tracer: false,
     };
     let mut a = Args {
@@ -242,13 +245,17 @@ fn drive(a: &Args) -> Result<bool> {
             (win + 1) * p.window
         );
         if bare.finished && hv.finished {
-            match fuzz::first_differing_op(&p, win, &hypervisor()?, a.timeout)? {
+            let search = fuzz::first_differing_op(&p, cpu, win, &hypervisor()?, a.timeout)?;
+            for step in &search.steps {
+                eprintln!("fuzz: narrowing: {step}");
+            }
+            match search.first {
                 Some((b, h)) => {
                     eprintln!(
                         "fuzz: first differing operation:\n  bare:       {b}\n  hypervisor: {h}"
                     );
                 }
-                None => eprintln!("fuzz: the window's operations agree when logged one by one"),
+                None => eprintln!("fuzz: the difference did not come back when narrowed"),
             }
         }
         if a.minimize {
@@ -257,8 +264,12 @@ fn drive(a: &Args) -> Result<bool> {
     }
     if !ok {
         eprintln!(
-            "fuzz: reproduce with: scripts/fuzz-guest.sh --seed {} --ops {} --cpus {}",
-            p.seed, p.ops, p.cpus
+            "fuzz: reproduce with: scripts/fuzz-guest.sh --seed {} --ops {} --cpus {} --window {}{}",
+            p.seed,
+            p.ops,
+            p.cpus,
+            p.window,
+            if p.tracer { " --tracer" } else { "" }
         );
     }
     Ok(ok)
@@ -271,6 +282,9 @@ fn minimize(p: &Params, timeout: Duration) -> Result<()> {
             ops,
             window: ops.max(1),
             log: None,
+            blocks: 0,
+            from: 0,
+            hold: None,
             ..*p
         };
         let (b, h) = both(&q, timeout)?;

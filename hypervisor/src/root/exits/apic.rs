@@ -66,7 +66,13 @@ pub(super) fn refuse_store(cpu: &mut CpuState) -> Next {
             cpu.inject = Some(e);
             Next::Resume
         }
-        event::Nested::Shutdown => Next::Stop(StopReason::TripleFault),
+        event::Nested::Shutdown => {
+            log::warn!(
+                "vCPU {}: a refused APIC store faulted while a double fault was delivered: shutdown",
+                cpu.index
+            );
+            Next::Stop(StopReason::TripleFault)
+        }
     }
 }
 
