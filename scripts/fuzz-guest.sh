@@ -11,8 +11,13 @@
 # the hypervisor only; the bare run is the same program untraced). It
 # prints each run's end, the operations and VM exits per second, the exit
 # reasons, the documented differences that showed, and on any other
-# difference the first window and operation that differ (both runs again,
-# that window logged operation by operation). --minimize then bisects the
+# difference the first window and operation that differ: both runs again,
+# whole and with the same output while they run (a difference between
+# vCPUs can need the same timing), the program keeping 64 block digests of
+# the range in memory and printing them after its stream, until a block of
+# at most 2048 operations is left, whose outcomes it keeps and prints one
+# by one (--log K instead prints window K's operations as they run, which
+# changes the timing). --minimize then bisects the
 # operation count. --show INDEX prints operation INDEX of each vCPU's
 # stream without running anything.
 #

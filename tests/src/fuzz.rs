@@ -555,11 +555,19 @@ fn build_guest_files() -> Result<(PathBuf, PathBuf)> {
     let bytes = std::fs::read(&elf).with_context(|| format!("cannot read {}", elf.display()))?;
     let image = bzimage(&bytes).with_context(|| format!("wrapping {}", elf.display()))?;
     let kernel = dir.join("fuzz-guest.bzImage");
-    std::fs::write(&kernel, image).with_context(|| format!("cannot write {}", kernel.display()))?;
+    write_whole(&kernel, &image)?;
     let initrd = dir.join("fuzz-guest.initrd");
-    std::fs::write(&initrd, empty_initrd())
-        .with_context(|| format!("cannot write {}", initrd.display()))?;
+    write_whole(&initrd, &empty_initrd())?;
     Ok((kernel, initrd))
+}
+
+/// Writes `path` under a name of its own, then renames it into place: a
+/// second driver running at the same time (and the emulator it started)
+/// never reads a file half written.
+fn write_whole(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot rename into {}", path.display()))
 }
 
 // ---------------------------------------------------------------- one run

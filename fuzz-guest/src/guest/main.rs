@@ -27,7 +27,7 @@ mod run;
 mod serial;
 mod traps;
 
-use core::sync::atomic::{AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use fuzz_guest::cmdline::{self, Params};
 use fuzz_guest::digest::Digest;
@@ -75,6 +75,18 @@ static IDE_BUSMASTER: AtomicU32 = AtomicU32::new(0);
 
 /// vCPUs that finished their stream.
 static DONE: AtomicU32 = AtomicU32::new(0);
+
+/// Set per vCPU once its stream ended.
+static FINISHED: [AtomicBool; MAX_CPUS] = [const { AtomicBool::new(false) }; MAX_CPUS];
+
+/// Set by a watching vCPU before it sends an NMI to a stalled one: the
+/// stalled vCPU's NMI handler then prints where it was (`traps`).
+pub static STALL_ASKED: [AtomicBool; MAX_CPUS] = [const { AtomicBool::new(false) }; MAX_CPUS];
+
+/// TSC ticks without a new operation after which a vCPU counts as stalled
+/// (Bochs runs 50 M instructions per emulated second here; no operation
+/// takes a thousandth of this).
+const STALL_TICKS: u64 = 1 << 34;
 
 fn halt() -> ! {
     loop {
@@ -407,14 +419,54 @@ fn fuzz(p: Params, cpu: u32) -> ! {
         "done {cpu} ops={} nmis={} irqs={} stray={}",
         p.ops, pc.nmis, pc.irqs, pc.stray
     ));
+    FINISHED[cpu as usize].store(true, Ordering::Release);
     DONE.fetch_add(1, Ordering::AcqRel);
+    watch_others(cpu, p.cpus);
     if cpu == 0 {
-        while DONE.load(Ordering::Acquire) < p.cpus {
-            core::hint::spin_loop();
-        }
         serial::line(format_args!("end"));
     }
     halt()
+}
+
+fn rdtsc() -> u64 {
+    let (lo, hi): (u32, u32);
+    // SAFETY: reads the time-stamp counter.
+    unsafe { core::arch::asm!("rdtsc", out("eax") lo, out("edx") hi, options(nomem, nostack)) };
+    u64::from(hi) << 32 | u64::from(lo)
+}
+
+/// Waits for every vCPU's stream to end. One that runs no new operation
+/// for [`STALL_TICKS`] is named, and sent an NMI that makes it print where
+/// it is: a stall shows its operation and state, not only a timeout.
+fn watch_others(cpu: u32, cpus: u32) {
+    let mut last = [u64::MAX; MAX_CPUS];
+    let mut since = [0u64; MAX_CPUS];
+    let mut told = [false; MAX_CPUS];
+    while DONE.load(Ordering::Acquire) < cpus {
+        for other in 0..cpus {
+            let k = other as usize;
+            if other == cpu || told[k] || FINISHED[k].load(Ordering::Acquire) {
+                continue;
+            }
+            // SAFETY: a volatile read of another vCPU's operation index
+            // (a plain word it stores once per operation).
+            let op = unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*percpu::of_cpu(other)).op)) };
+            let now = rdtsc();
+            if op != last[k] {
+                last[k] = op;
+                since[k] = now;
+            } else if now.wrapping_sub(since[k]) > STALL_TICKS {
+                told[k] = true;
+                serial::line(format_args!(
+                    "STALL cpu {other}: no new operation since {op} for {STALL_TICKS} TSC ticks; asking it where it is (NMI)"
+                ));
+                STALL_ASKED[k].store(true, Ordering::Release);
+                // All but self: with more vCPUs, the others count an NMI.
+                apic::ipi(0, 0xC_0400);
+            }
+        }
+        core::hint::spin_loop();
+    }
 }
 
 /// Prints what `fuzz.blocks` and `fuzz.hold` kept: the block digests, then

@@ -55,6 +55,13 @@ pub fn of_sp(sp: u64) -> *mut PerCpu {
     (sp & !(STACK_SIZE as u64 - 1)) as *mut PerCpu
 }
 
+/// vCPU `cpu`'s state (read by another vCPU: only with volatile loads).
+pub fn of_cpu(cpu: u32) -> *mut PerCpu {
+    // SAFETY: only the address of the stacks is taken.
+    let stacks = core::ptr::addr_of!(crate::boot::fz_stacks) as u64;
+    (stacks + u64::from(cpu) * STACK_SIZE as u64) as *mut PerCpu
+}
+
 /// The running vCPU's state.
 pub fn this() -> &'static mut PerCpu {
     let sp: u64;

@@ -192,6 +192,45 @@ pub fn load() {
     };
 }
 
+/// The stack's first words at `rsp`, where they lie in the program's memory.
+fn stack_top(rsp: u64) -> [u64; 4] {
+    let mut top = [0u64; 4];
+    let image = crate::boot::image();
+    for (i, w) in top.iter_mut().enumerate() {
+        let at = rsp.wrapping_add(8 * i as u64);
+        if image.contains(&at) && image.contains(&(at + 7)) {
+            // SAFETY: inside the program's own image and bss.
+            *w = unsafe { core::ptr::read_unaligned(at as *const u64) };
+        }
+    }
+    top
+}
+
+/// Prints where a stalled vCPU is: its operation, the interrupted context,
+/// and its local APIC's priority and in-service and request bits.
+fn stalled(pc: &percpu::PerCpu, frame: &Frame) {
+    let mut isr = [0u32; 8];
+    let mut irr = [0u32; 8];
+    for i in 0..8u32 {
+        isr[i as usize] = apic::read(0x100 + 0x10 * i);
+        irr[i as usize] = apic::read(0x200 + 0x10 * i);
+    }
+    serial::line(format_args!(
+        "STALL cpu {} op {}: rip {:#x} cs {:#x} rflags {:#x} rsp {:#x} stack {:#x?}; ppr {:#x} isr {:x?} irr {:x?} last-irq {:#x}",
+        pc.cpu,
+        pc.op,
+        frame.rip,
+        frame.cs,
+        frame.rflags,
+        frame.rsp,
+        stack_top(frame.rsp),
+        apic::read(0xA0),
+        isr,
+        irr,
+        pc.last_irq
+    ));
+}
+
 /// Vectors the operations raise on purpose with `int n`.
 const SOFT_INTS: core::ops::RangeInclusive<u64> = 0x30..=0x3F;
 
@@ -204,6 +243,10 @@ extern "C" fn fz_trap(frame: &mut Frame) {
     let v = frame.vector & 0xFF;
     if v == 2 {
         pc.nmis += 1;
+        let k = pc.cpu as usize % crate::MAX_CPUS;
+        if crate::STALL_ASKED[k].swap(false, core::sync::atomic::Ordering::AcqRel) {
+            stalled(pc, frame);
+        }
         return;
     }
     if v >= 0x40 {
@@ -222,15 +265,7 @@ extern "C" fn fz_trap(frame: &mut Frame) {
     }
     if v == 3 && crate::boot::boot_code().contains(&frame.rip.wrapping_sub(1)) {
         // Something jumped into the finished boot code (`boot::trip_wire`).
-        let mut top = [0u64; 4];
-        let image = crate::boot::image();
-        for (i, w) in top.iter_mut().enumerate() {
-            let at = frame.rsp.wrapping_add(8 * i as u64);
-            if image.contains(&at) && image.contains(&(at + 7)) {
-                // SAFETY: inside the program's own image and bss.
-                *w = unsafe { core::ptr::read_unaligned(at as *const u64) };
-            }
-        }
+        let top = stack_top(frame.rsp);
         serial::line(format_args!(
             "FATAL cpu {} reached the boot code at {:#x} in operation {} (rsp {:#x}, stack {:#x?}, rflags {:#x})",
             pc.cpu,
