@@ -5,7 +5,10 @@
 //! first [`BLOCKS_MAX`] blocks) and prints them after the stream, and
 //! `fuzz.hold=K` keeps the outcomes of block K's operations and prints them
 //! after the stream too: the output during the stream, and so its timing,
-//! stays that of a plain run. Other words are ignored, so a
+//! stays that of a plain run. `fuzz.record=1` keeps every operation's
+//! outcome in memory and, after `end`, answers the host's questions about
+//! them on COM1 ([`crate::query`]): the run that showed a difference tells
+//! which operation, with no second run. Other words are ignored, so a
 //! loader's own additions do no harm.
 
 /// What the command line asks for.
@@ -31,6 +34,8 @@ pub struct Params {
     /// Operation kinds (bits by `ops::kind`) drawn but not carried out:
     /// to find which kind a failure needs. Their outcome is blank.
     pub skip: u64,
+    /// Keep every outcome and answer questions after the stream.
+    pub record: bool,
     /// Tracer mode: the host hooks the program's functions while it runs.
     /// The program waits for a byte on COM1 before its stream, and never
     /// writes IA32_LSTAR (where root's introspection starts).
@@ -49,6 +54,7 @@ impl Default for Params {
             from: 0,
             hold: None,
             skip: 0,
+            record: false,
             tracer: false,
         }
     }
@@ -91,6 +97,7 @@ pub fn parse(line: &str) -> Result<Params, &str> {
             "from" => p.from = n,
             "hold" => p.hold = Some(n),
             "tracer" => p.tracer = n != 0,
+            "record" => p.record = n != 0,
             "skip" => p.skip = n,
             _ => return Err(word),
         }
@@ -123,6 +130,7 @@ mod tests {
                 from: 0,
                 hold: None,
                 skip: 0,
+                record: false,
                 tracer: true,
             }
         );

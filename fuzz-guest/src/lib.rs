@@ -12,6 +12,7 @@ pub mod cmdline;
 pub mod digest;
 pub mod known;
 pub mod ops;
+pub mod query;
 pub mod rng;
 
 /// The address the program is linked at and asks to be loaded at (64 MiB:

@@ -36,6 +36,12 @@ pub struct Params {
     /// The block whose operations are kept and printed after the stream
     /// (`fuzz.hold`).
     pub hold: Option<u64>,
+    /// Keep every outcome, and keep the VM after the stream to be asked
+    /// about them (`fuzz.record`; see [`pinpoint`]).
+    pub record: bool,
+    /// Operation kinds drawn but not carried out (`fuzz.skip`, bits by
+    /// `fuzz_guest::ops::kind`).
+    pub skip: u64,
     /// Hooks on the program's own functions while it runs (under the
     /// hypervisor; the bare run gets the same command line).
     pub tracer: bool,
@@ -60,13 +66,18 @@ impl Params {
         if let Some(k) = self.hold {
             s.push_str(&format!(" fuzz.hold={k}"));
         }
+        if self.record {
+            s.push_str(" fuzz.record=1");
+        }
         if self.tracer {
             s.push_str(" fuzz.tracer=1");
         }
         // A debugging aid: HVTRACE_FUZZ_SKIP=MASK draws the operation
         // kinds of MASK (bits by `fuzz_guest::ops::kind`) without carrying
         // them out, to find which kind a failure needs.
-        if let Some(mask) = std::env::var("HVTRACE_FUZZ_SKIP")
+        if self.skip != 0 {
+            s.push_str(&format!(" fuzz.skip={:#x}", self.skip));
+        } else if let Some(mask) = std::env::var("HVTRACE_FUZZ_SKIP")
             .ok()
             .filter(|m| !m.is_empty())
         {
@@ -105,6 +116,8 @@ pub const CORPUS: &[(&str, Params)] = &[
             blocks: 0,
             from: 0,
             hold: None,
+            record: true,
+            skip: 0,
             tracer: false,
         },
     ),
@@ -119,6 +132,8 @@ pub const CORPUS: &[(&str, Params)] = &[
             blocks: 0,
             from: 0,
             hold: None,
+            record: true,
+            skip: 0,
             tracer: false,
         },
     ),
@@ -133,6 +148,8 @@ pub const CORPUS: &[(&str, Params)] = &[
             blocks: 0,
             from: 0,
             hold: None,
+            record: true,
+            skip: 0,
             tracer: true,
         },
     ),
@@ -214,6 +231,8 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             blocks: 0,
             from: 0,
             hold: None,
+            record: true,
+            skip: 0,
             tracer: true,
         },
     ),
@@ -228,6 +247,8 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             blocks: 0,
             from: 0,
             hold: None,
+            record: true,
+            skip: 0,
             tracer: true,
         },
     ),
@@ -242,6 +263,8 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             blocks: 0,
             from: 0,
             hold: None,
+            record: true,
+            skip: 0,
             tracer: false,
         },
     ),
@@ -256,6 +279,8 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             blocks: 0,
             from: 0,
             hold: None,
+            record: true,
+            skip: 0,
             tracer: false,
         },
     ),
@@ -594,6 +619,103 @@ pub struct RunResult {
     pub wall: Duration,
     /// What the tracer did (tracer mode under the hypervisor).
     pub tracer: Option<TracerReport>,
+    /// A recording run that finished: its VM, the program waiting for
+    /// questions ([`pinpoint`]).
+    pub kept: Option<Kept>,
+}
+
+/// A finished recording run's VM, kept to ask the program about its
+/// outcomes; closed when the last clone goes.
+#[derive(Clone)]
+pub struct Kept(std::sync::Arc<std::sync::Mutex<Closing>>);
+
+/// Closes the VM (its run directory removed) when dropped, then lets the
+/// thread that started it end ([`run_in_thread`]).
+pub struct Closing(Option<Vm>, Option<std::sync::mpsc::Sender<()>>);
+
+impl Drop for Closing {
+    fn drop(&mut self) {
+        if let Some(vm) = self.0.take() {
+            vm.close();
+        }
+    }
+}
+
+/// Runs [`run_once`] in a thread of its own and returns its result. The
+/// emulator gets SIGKILL when the thread that started it ends (its
+/// parent-death signal, `hvtrace::sys`), so for a kept VM the thread
+/// waits until the VM is closed.
+pub fn run_in_thread(
+    p: &Params,
+    hypervisor: Option<&Path>,
+    timeout: Duration,
+) -> Result<RunResult> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let p = *p;
+    let hypervisor = hypervisor.map(Path::to_path_buf);
+    std::thread::spawn(move || {
+        let (hold, wait) = std::sync::mpsc::channel::<()>();
+        let r = run_once(&p, hypervisor.as_deref(), timeout);
+        if let Some(k) = r.as_ref().ok().and_then(|r| r.kept.as_ref()) {
+            if let Ok(mut c) = k.0.lock() {
+                c.1 = Some(hold);
+            }
+        } else {
+            drop(hold);
+        }
+        let _ = tx.send(r);
+        // Returns once every sender is gone: the kept VM closed.
+        let _ = wait.recv();
+    });
+    rx.recv()
+        .unwrap_or_else(|_| Err(anyhow!("the run's thread ended without a result")))
+}
+
+impl std::fmt::Debug for Kept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Kept(..)")
+    }
+}
+
+/// How long the program gets to answer one question.
+pub const ANSWER_TIME: Duration = Duration::from_secs(120);
+
+impl Kept {
+    /// Asks one question (`fuzz_guest::query`) and returns the answer's
+    /// lines, up to its `qdone`.
+    pub fn ask(&self, question: &str) -> Result<Vec<String>> {
+        let mut guard = self
+            .0
+            .lock()
+            .map_err(|_| anyhow!("the kept VM's lock is poisoned"))?;
+        let vm = guard
+            .0
+            .as_mut()
+            .ok_or_else(|| anyhow!("the kept VM is closed"))?;
+        let before = fuzz_lines(&vm.console_text()).len();
+        vm.send(format!("{question}\n").as_bytes())?;
+        let deadline = Instant::now() + ANSWER_TIME;
+        loop {
+            let lines = fuzz_lines(&vm.console_text());
+            if let Some(end) = lines.iter().skip(before).position(|l| l == "qdone") {
+                let answer: Vec<String> = lines[before..before + end].to_vec();
+                if let Some(e) = answer.iter().find(|l| l.starts_with("qerr ")) {
+                    bail!("the program refused {question:?}: {e}");
+                }
+                return Ok(answer);
+            }
+            if let Some(why) = vm.watch().ended() {
+                bail!("the VM ended while answering {question:?}: {why}");
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "no answer to {question:?} within {} s",
+                    ANSWER_TIME.as_secs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
 }
 
 /// How long root gets to answer the status request after the program
@@ -608,6 +730,15 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
     cfg.append = p.cmdline();
     cfg.cpus = p.cpus;
     cfg.memory_mib = 256;
+    if p.record {
+        // The record lies from 128 MiB up; 16 MiB to spare above it.
+        let bytes = fuzz_guest::query::record_bytes(p.ops, p.cpus)
+            .ok_or_else(|| anyhow!("fuzz.record: too many operations to keep"))?;
+        let top = fuzz_guest::query::RECORD_BASE + bytes;
+        cfg.memory_mib = cfg
+            .memory_mib
+            .max(u32::try_from(top.div_ceil(1 << 20) + 16)?);
+    }
     cfg.timeout = timeout + Duration::from_secs(60);
     cfg.progress = false;
     cfg.hypervisor = hypervisor.map(Path::to_path_buf);
@@ -616,7 +747,17 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
     // HVTRACE_FUZZ_KEEP=DIR keeps each run's directory (the emulator's
     // log among it) under DIR/bare or DIR/hv.
     if let Some(dir) = std::env::var_os("HVTRACE_FUZZ_KEEP").filter(|d| !d.is_empty()) {
-        cfg.run_dir = Some(PathBuf::from(dir).join(if under { "hv" } else { "bare" }));
+        // A second run of the same kind (the driver's narrowing runs, two
+        // bare runs compared) gets a name of its own.
+        static RUNS: [std::sync::atomic::AtomicU32; 2] =
+            [const { std::sync::atomic::AtomicU32::new(0) }; 2];
+        let n = RUNS[usize::from(under)].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = if under { "hv" } else { "bare" };
+        cfg.run_dir = Some(PathBuf::from(dir).join(if n == 0 {
+            name.to_string()
+        } else {
+            format!("{name}-{n}")
+        }));
         cfg.keep_dir = true;
     }
     let started = Instant::now();
@@ -673,7 +814,9 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
                 armed_at = Instant::now();
             }
         }
-        if lines.iter().any(|l| l == "end") {
+        if lines.iter().any(|l| l == "end")
+            && (!p.record || lines.iter().any(|l| l == "serving") || Instant::now() > deadline)
+        {
             result.finished = true;
             result.fuzz_time = start_seen.map(|s| s.elapsed());
             result.lines = lines;
@@ -743,8 +886,15 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
             }
         }
     }
-    vm.close();
     result.wall = started.elapsed();
+    if p.record && result.finished && result.failure.is_none() {
+        result.kept = Some(Kept(std::sync::Arc::new(std::sync::Mutex::new(Closing(
+            Some(vm),
+            None,
+        )))));
+    } else {
+        vm.close();
+    }
     Ok(result)
 }
 
@@ -756,7 +906,7 @@ pub fn run_pair(
     timeout: Duration,
 ) -> (Result<RunResult>, Result<RunResult>) {
     let pb = *p;
-    let bare = std::thread::spawn(move || run_once(&pb, None, timeout));
+    let bare = std::thread::spawn(move || run_in_thread(&pb, None, timeout));
     let under = run_once(p, Some(hypervisor), timeout);
     let bare = bare
         .join()
@@ -862,6 +1012,78 @@ pub fn first_differing_op(
                 return Ok(search);
             }
         }
+    }
+}
+
+/// Operations a question prints one by one, at most ([`pinpoint`]).
+pub const PINPOINT_OPS: u64 = 256;
+
+/// Finds the first operation of vCPU `cpu` in window `win` whose outcome
+/// differs, by asking the two recording runs that showed it (both VMs
+/// kept, the programs serving): block digests of the range, 64 at a time,
+/// narrow it to [`PINPOINT_OPS`] operations, which both print. No second
+/// run, so a difference that needs one run's timing is found too.
+pub fn pinpoint(p: &Params, cpu: u32, win: u64, bare: &Kept, hv: &Kept) -> Result<OpSearch> {
+    let mut lo = win * p.window;
+    let mut hi = ((win + 1) * p.window).min(p.ops);
+    let mut search = OpSearch::default();
+    while hi - lo > PINPOINT_OPS {
+        let len = (hi - lo).div_ceil(NARROW_BLOCKS);
+        let n = (hi - lo).div_ceil(len);
+        let q = format!("b {cpu} {lo} {len} {n}");
+        let (b, h) = (
+            block_digests(&bare.ask(&q)?, cpu),
+            block_digests(&hv.ask(&q)?, cpu),
+        );
+        let Some(k) = (0..n).find(|k| b.get(k) != h.get(k)) else {
+            search
+                .steps
+                .push(format!("blocks of {len} over operations {lo}..{hi} agree"));
+            return Ok(search);
+        };
+        lo += k * len;
+        hi = (lo + len).min(hi);
+        search.steps.push(format!(
+            "blocks of {len}: operations {lo}..{hi} differ first"
+        ));
+    }
+    let q = format!("o {cpu} {lo} {}", hi - lo);
+    search.first = first_op_diff(&bare.ask(&q)?, &hv.ask(&q)?);
+    search.steps.push(format!(
+        "operations {lo}..{hi}, one by one: {}",
+        if search.first.is_some() {
+            "the first differing one follows"
+        } else {
+            "they agree"
+        }
+    ));
+    Ok(search)
+}
+
+/// Names the first differing operation of vCPU `cpu` in window `win`:
+/// from the runs themselves when both kept their VMs ([`pinpoint`]), else
+/// by running them again ([`first_differing_op`]).
+pub fn explain(
+    p: &Params,
+    cpu: u32,
+    win: u64,
+    runs: (&RunResult, &RunResult),
+    hypervisor: &Path,
+    timeout: Duration,
+) -> Result<OpSearch> {
+    match (&runs.0.kept, &runs.1.kept) {
+        (Some(b), Some(h)) => pinpoint(p, cpu, win, b, h),
+        _ => first_differing_op(
+            &Params {
+                record: false,
+                skip: 0,
+                ..*p
+            },
+            cpu,
+            win,
+            hypervisor,
+            timeout,
+        ),
     }
 }
 
@@ -1363,6 +1585,8 @@ mod tests {
             blocks: 782,
             from: 150_000,
             hold: Some(0),
+            record: true,
+            skip: 1 << 20,
             tracer: true,
         };
         let got = fuzz_guest::cmdline::parse(&p.cmdline()).expect("the program takes it");
@@ -1370,6 +1594,7 @@ mod tests {
             (got.seed, got.ops, got.cpus, got.window, got.blocks, got.from, got.hold, got.tracer),
             (88, 200_000, 2, 50_000, 782, 150_000, Some(0), true)
         );
+        assert_eq!((got.record, got.skip), (true, 1 << 20));
         // A block too big to hold is refused by the program, so the
         // narrowing never asks for one.
         let big = Params {

@@ -33,6 +33,7 @@ use fuzz_guest::cmdline::{self, Params};
 use fuzz_guest::digest::Digest;
 use fuzz_guest::known::{self, Env, CLASSES};
 use fuzz_guest::ops::{self, Shape};
+use fuzz_guest::query::{self, Query};
 use fuzz_guest::rng::Rng;
 
 pub use fuzz_guest::MAX_CPUS;
@@ -48,6 +49,7 @@ static mut PARAMS: Params = Params {
     from: 0,
     hold: None,
     skip: 0,
+    record: false,
     tracer: false,
 };
 
@@ -302,6 +304,14 @@ extern "C" fn fz_main(boot_params: u64, cpu: u64) -> ! {
             d.add(u64::from(e.kind));
         }
         serial::line(format_args!("e820 {:016x} {}", d.0, n));
+        if params.record && !record_fits(&map[..n], &params) {
+            serial::line(format_args!(
+                "FATAL fuzz.record needs {:?} bytes of RAM from {:#x}",
+                query::record_bytes(params.ops, params.cpus),
+                query::RECORD_BASE
+            ));
+            halt()
+        }
         let bm = ide_busmaster();
         IDE_BUSMASTER.store(u32::from(bm), Ordering::Release);
         serial::line(format_args!("ide-busmaster {bm:#x}"));
@@ -373,6 +383,12 @@ fn fuzz(p: Params, cpu: u32) -> ! {
         };
         let window = i / p.window;
         known::fold(i, &op, &out, &mut main, &mut classes, &mut seen, &env);
+        if p.record {
+            let at = query::record_at(p.ops, cpu, i) as *mut [u64; 7];
+            // SAFETY: this vCPU's own slot of the record, in RAM the e820
+            // gives the program (checked at boot) and identity-mapped.
+            unsafe { core::ptr::write_volatile(at, pack(&out)) };
+        }
         if p.blocks != 0 && i >= p.from {
             // Kept in memory, printed after the stream.
             let k = (i - p.from) / p.blocks;
@@ -424,8 +440,117 @@ fn fuzz(p: Params, cpu: u32) -> ! {
     watch_others(cpu, p.cpus);
     if cpu == 0 {
         serial::line(format_args!("end"));
+        if p.record {
+            serve(&p, &env);
+        }
     }
     halt()
+}
+
+fn pack(o: &known::Outcome) -> [u64; 7] {
+    [
+        u64::from(o.vector),
+        o.error,
+        o.addr,
+        o.vals[0],
+        o.vals[1],
+        o.vals[2],
+        o.vals[3],
+    ]
+}
+
+fn unpack(w: &[u64; 7]) -> known::Outcome {
+    known::Outcome {
+        vector: w[0] as u8,
+        error: w[1],
+        addr: w[2],
+        vals: [w[3], w[4], w[5], w[6]],
+    }
+}
+
+/// Whether the e820 gives the program RAM for the record.
+fn record_fits(map: &[E820], p: &Params) -> bool {
+    let Some(len) = query::record_bytes(p.ops, p.cpus) else {
+        return false;
+    };
+    let (lo, hi) = (query::RECORD_BASE, query::RECORD_BASE.saturating_add(len));
+    map.iter()
+        .any(|e| e.kind == 1 && e.addr <= lo && e.addr.saturating_add(e.size) >= hi)
+}
+
+/// Outcome `i` of vCPU `cpu`, from the record.
+fn recorded(p: &Params, cpu: u32, i: u64) -> known::Outcome {
+    // SAFETY: written by that vCPU during its stream, which has ended;
+    // inside the record (i < ops, cpu < cpus: `query::parse`).
+    unsafe {
+        unpack(&core::ptr::read_volatile(
+            query::record_at(p.ops, cpu, i) as *const [u64; 7]
+        ))
+    }
+}
+
+/// Answers the host's questions about the record, for good
+/// ([`fuzz_guest::query`]).
+fn serve(p: &Params, env: &Env) -> ! {
+    serial::line(format_args!("serving"));
+    let mut line = [0u8; 128];
+    loop {
+        let mut n = 0;
+        loop {
+            let b = serial::wait_byte();
+            if b == b'\n' || b == b'\r' {
+                break;
+            }
+            if n < line.len() {
+                line[n] = b;
+                n += 1;
+            }
+        }
+        let text = core::str::from_utf8(&line[..n]).unwrap_or("");
+        if text.trim().is_empty() {
+            continue;
+        }
+        match query::parse(text, p.cpus, p.ops) {
+            Ok(q) => answer(p, env, q),
+            Err(why) => serial::line(format_args!("qerr {why}")),
+        }
+        serial::line(format_args!("qdone"));
+    }
+}
+
+fn answer(p: &Params, env: &Env, q: Query) {
+    let (cpu, from, end) = match q {
+        Query::Blocks { cpu, from, len, n } => (cpu, from, from.saturating_add(len * n).min(p.ops)),
+        Query::Ops { cpu, from, count } => (cpu, from, from + count),
+    };
+    let shape = Shape {
+        cpu,
+        cpus: p.cpus,
+        tracer: p.tracer,
+    };
+    let mut rng = Rng::new(p.seed, cpu);
+    let mut block = Digest::new();
+    for i in 0..end {
+        let op = ops::draw(&mut rng, shape);
+        if i < from {
+            continue;
+        }
+        let out = recorded(p, cpu, i);
+        match q {
+            Query::Blocks { len, .. } => {
+                known::fold_main(i, &op, &out, &mut block, env);
+                if (i + 1 - from) % len == 0 || i + 1 == end {
+                    serial::line(format_args!(
+                        "blk {cpu} {} {:016x}",
+                        (i - from) / len,
+                        block.0
+                    ));
+                    block = Digest::new();
+                }
+            }
+            Query::Ops { .. } => print_op(cpu, i, &op, &out, env),
+        }
+    }
 }
 
 fn rdtsc() -> u64 {
@@ -450,7 +575,9 @@ fn watch_others(cpu: u32, cpus: u32) {
             }
             // SAFETY: a volatile read of another vCPU's operation index
             // (a plain word it stores once per operation).
-            let op = unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*percpu::of_cpu(other)).op)) };
+            let op = unsafe {
+                core::ptr::read_volatile(core::ptr::addr_of!((*percpu::of_cpu(other)).op))
+            };
             let now = rdtsc();
             if op != last[k] {
                 last[k] = op;

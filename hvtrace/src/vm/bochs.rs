@@ -122,8 +122,12 @@ pub fn prepare(dir: &Path, machine: &Machine<'_>) -> Result<Command> {
     // A debugging aid: HVTRACE_BOCHS_RC=FILE gives Bochs' debugger FILE's
     // commands instead (breakpoints, then `c`; docs/BOCHS.md).
     let rc = match std::env::var_os("HVTRACE_BOCHS_RC").filter(|f| !f.is_empty()) {
-        Some(file) => std::fs::read_to_string(&file)
-            .with_context(|| format!("cannot read HVTRACE_BOCHS_RC file {}", Path::new(&file).display()))?,
+        Some(file) => std::fs::read_to_string(&file).with_context(|| {
+            format!(
+                "cannot read HVTRACE_BOCHS_RC file {}",
+                Path::new(&file).display()
+            )
+        })?,
         None => RC_FILE.to_string(),
     };
     std::fs::write(dir.join("bochs.rc"), rc).context("cannot write bochs.rc")?;

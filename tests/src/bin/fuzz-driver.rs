@@ -25,7 +25,11 @@ struct Args {
     minimize: bool,
     only: Option<bool>,
     keep: Option<PathBuf>,
+    no_record: bool,
 }
+
+/// The most guest memory the outcomes of a run may take by default.
+const RECORD_LIMIT: u64 = 256 << 20;
 
 fn parse_args() -> Result<Args> {
     let mut p = Params {
@@ -37,6 +41,8 @@ fn parse_args() -> Result<Args> {
         blocks: 0,
         from: 0,
         hold: None,
+        record: false,
+        skip: 0,
         tracer: false,
     };
     let mut a = Args {
@@ -45,6 +51,7 @@ fn parse_args() -> Result<Args> {
         minimize: false,
         only: None,
         keep: None,
+        no_record: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -85,13 +92,19 @@ fn parse_args() -> Result<Args> {
                 std::process::exit(0);
             }
             "--keep" => a.keep = Some(PathBuf::from(value("--keep")?)),
+            "--no-record" => a.no_record = true,
             "-h" | "--help" => {
-                println!("usage: fuzz-guest.sh --seed S --ops N --cpus C [--window W] [--timeout SECS] [--minimize] [--only bare|hv] [--keep DIR]");
+                println!("usage: fuzz-guest.sh --seed S --ops N --cpus C [--window W] [--timeout SECS] [--minimize] [--only bare|hv] [--keep DIR] [--no-record]");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other}"),
         }
     }
+    // Keep every outcome in the guest (so a differing window is explained
+    // from the runs that showed it) while that takes at most 256 MiB.
+    p.record = !a.no_record
+        && p.log.is_none()
+        && fuzz_guest::query::record_bytes(p.ops, p.cpus).is_some_and(|b| b <= RECORD_LIMIT);
     a.params = p;
     if a.timeout.is_zero() {
         // Bochs runs about 5,000 operations a second on each vCPU at the
@@ -245,7 +258,7 @@ fn drive(a: &Args) -> Result<bool> {
             (win + 1) * p.window
         );
         if bare.finished && hv.finished {
-            let search = fuzz::first_differing_op(&p, cpu, win, &hypervisor()?, a.timeout)?;
+            let search = fuzz::explain(&p, cpu, win, (&bare, &hv), &hypervisor()?, a.timeout)?;
             for step in &search.steps {
                 eprintln!("fuzz: narrowing: {step}");
             }
@@ -285,6 +298,8 @@ fn minimize(p: &Params, timeout: Duration) -> Result<()> {
             blocks: 0,
             from: 0,
             hold: None,
+            record: false,
+            skip: 0,
             ..*p
         };
         let (b, h) = both(&q, timeout)?;
