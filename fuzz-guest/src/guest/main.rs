@@ -409,7 +409,7 @@ fn fuzz(p: Params, cpu: u32) -> ! {
                     ];
                 }
             }
-            if (i + 1 - p.from) % p.blocks == 0 || i + 1 == p.ops {
+            if (i + 1 - p.from).is_multiple_of(p.blocks) || i + 1 == p.ops {
                 if k < cmdline::BLOCKS_MAX {
                     // SAFETY: this vCPU's own row, k in bounds.
                     unsafe { (*core::ptr::addr_of_mut!(BLOCK_DIGESTS))[row][k as usize] = block.0 };
@@ -539,7 +539,7 @@ fn answer(p: &Params, env: &Env, q: Query) {
         match q {
             Query::Blocks { len, .. } => {
                 known::fold_main(i, &op, &out, &mut block, env);
-                if (i + 1 - from) % len == 0 || i + 1 == end {
+                if (i + 1 - from).is_multiple_of(len) || i + 1 == end {
                     serial::line(format_args!(
                         "blk {cpu} {} {:016x}",
                         (i - from) / len,
