@@ -5,18 +5,22 @@
 #   bash scripts/fuzz-guest.sh --seed S --ops N --cpus C [--tracer]
 #                              [--window W] [--timeout SECS] [--minimize]
 #                              [--only bare|hv] [--keep DIR] [--show INDEX]
+#                              [--no-record]
 #
 # --ops is per vCPU. --tracer arms and disarms probes, the function tracer
 # and graph sessions on the program's own functions while it runs (under
 # the hypervisor only; the bare run is the same program untraced). It
 # prints each run's end, the operations and VM exits per second, the exit
 # reasons, the documented differences that showed, and on any other
-# difference the first window and operation that differ: both runs again,
-# whole and with the same output while they run (a difference between
-# vCPUs can need the same timing), the program keeping 64 block digests of
-# the range in memory and printing them after its stream, until a block of
-# at most 2048 operations is left, whose outcomes it keeps and prints one
-# by one (--log K instead prints window K's operations as they run, which
+# difference the first window and operation that differ. Both runs keep
+# every outcome in guest memory (up to 256 MiB of it; --no-record turns
+# this off) and after their end answer the driver's questions about them,
+# so the runs that showed the difference name its operation, whatever
+# timing it needed. Without a record, both run again, whole and with the
+# same output while they run, the program keeping 64 block digests of the
+# range and printing them after its stream, until a block of at most 2048
+# operations is left, whose outcomes it prints one by one (--log K instead
+# prints window K's operations as they run, which
 # changes the timing). --minimize then bisects the
 # operation count. --show INDEX prints operation INDEX of each vCPU's
 # stream without running anything.

@@ -829,6 +829,19 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
             result.failure = Some(format!("the program stopped: {l}"));
             break;
         }
+        if lines.iter().any(|l| l.starts_with("STALL")) {
+            // A vCPU named another as stalled and asked it where it is:
+            // give its answer time to arrive.
+            std::thread::sleep(Duration::from_secs(5));
+            result.lines = fuzz_lines(&vm.console_text());
+            let stalls: Vec<&String> = result
+                .lines
+                .iter()
+                .filter(|l| l.starts_with("STALL"))
+                .collect();
+            result.failure = Some(format!("a vCPU stalled: {stalls:?}"));
+            break;
+        }
         if !vm.hv_errors().is_empty() {
             result.lines = lines;
             result.failure = Some(format!("root reported errors: {:?}", vm.hv_errors()));
