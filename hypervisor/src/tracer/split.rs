@@ -156,9 +156,12 @@ pub(super) fn page_bytes(ram: &dyn GuestDoor, page: Gpa) -> Option<[u8; PAGE]> {
     ram.read(page.0, &mut b).ok().map(|()| b)
 }
 
-/// Whether `gpa` is hypervisor memory.
+/// Whether `gpa` is root's memory: the hypervisor's, or the AP start-up
+/// page (neither is in the guest's e820, and EPT maps neither).
 pub(super) fn in_hypervisor(gpa: u64) -> bool {
-    (loader::layout::HV_RESERVED.0..loader::layout::HV_RESERVED_END.0).contains(&gpa)
+    use loader::layout::{AP_TRAMPOLINE, HV_RESERVED, HV_RESERVED_END, PAGE_SIZE};
+    (HV_RESERVED.0..HV_RESERVED_END.0).contains(&gpa)
+        || (AP_TRAMPOLINE.0..AP_TRAMPOLINE.0 + PAGE_SIZE).contains(&gpa)
 }
 
 impl SplitView {

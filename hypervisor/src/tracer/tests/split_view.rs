@@ -230,6 +230,25 @@ fn a_guest_access_to_hypervisor_memory_sees_scratch() {
     assert!(matches!(v, Violation::NotOurs));
 }
 
+/// Root's AP start-up page is root's memory too, not the guest's: an
+/// access there (the fuzzing guest's code, run from a wild address,
+/// read 0xF7E3) is stepped against scratch, and a fetch is refused, as
+/// in the rest of root's memory, never a stop of the VM.
+#[test]
+fn a_guest_access_to_the_ap_start_up_page_sees_scratch() {
+    let mut g = Guest::new();
+    let ap = loader::layout::AP_TRAMPOLINE.0 + 0x7e3;
+    let v = g.with(|t, env, _| t.on_violation(ap, false, false, env));
+    assert!(matches!(v, Violation::Stepping));
+    let leaf = g.root.leaf(ap).unwrap();
+    assert_eq!(leaf.perms, ept::READ | ept::WRITE);
+    assert_eq!(g.root.frames[&(leaf.hpa.0 & !0xfff)][..16], [0xcc; 16]);
+    g.with(|t, env, _| t.finish_step(env));
+    assert!(g.root.leaf(ap).is_none());
+    let v = g.with(|t, env, _| t.on_violation(ap, false, true, env));
+    assert!(matches!(v, Violation::FetchRefused { .. }));
+}
+
 #[test]
 fn a_changed_region_pde_is_put_back_on_the_next_turn() {
     let mut g = Guest::new();
