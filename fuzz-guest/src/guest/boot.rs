@@ -378,6 +378,24 @@ extern "C" {
     pub static mut fz_stacks: u8;
 }
 
+/// Unmaps the first 2 MiB once every vCPU runs (each flushes its TLB as
+/// it starts its stream): nothing of the program lies there after its
+/// start, and a jump to a null or small address faults at once, where
+/// the real-mode vectors would otherwise run as code.
+pub fn guard_null() {
+    // SAFETY: the program's own page directory; entry 0 maps [0, 2 MiB),
+    // which it no longer uses (the APs came in through their start page
+    // there and are in `fz_main`).
+    unsafe { (*core::ptr::addr_of_mut!(fz_pd))[0] = 0 };
+    flush_tlb();
+}
+
+/// Drops this vCPU's TLB (no entry of the program's is global).
+pub fn flush_tlb() {
+    // SAFETY: CR3 written with its own value.
+    unsafe { core::arch::asm!("mov {t}, cr3", "mov cr3, {t}", t = out(reg) _, options(nostack)) };
+}
+
 /// Where the boot code lies: both entries and the boot CPU's way into
 /// `fz_main` (up to the APs' start code, which stays).
 pub fn boot_code() -> core::ops::Range<u64> {

@@ -89,6 +89,13 @@ fz_exec_foreign:
     xor esi, esi
     xor edi, edi
     xor ebp, ebp
+    xor r8d, r8d
+    xor r9d, r9d
+    xor r10d, r10d
+    xor r12d, r12d
+    xor r13d, r13d
+    xor r14d, r14d
+    xor r15d, r15d
     jmp r11
 
     .global fz_s_cpuid
@@ -462,6 +469,15 @@ pub fn run(target: u64, mut regs: Regs) -> Done {
 /// the interrupt stayed in service without its handler, and the vCPU
 /// later waited forever for one of its own. NMIs and exceptions have
 /// stacks of their own (IST) and are recorded as before.
+///
+/// What that code can reach is the fill: it starts with RSP in the middle
+/// of the sacrificial stack (4 KiB of fill either way) and every general
+/// register 0, and the first 2 MiB are not mapped (`boot::guard_null`).
+/// Started near the top, popping a saved frame took it past the fill into
+/// zeros, and its RET went to address 0: the real-mode vectors ran as
+/// code, or a return address left further up sent it into the program's
+/// boot code (found by the long runs on two vCPUs under fire as a read of
+/// root's AP page, a triple fault and a stall).
 pub fn run_foreign(target: u64) -> Done {
     let pc = crate::percpu::this();
     pc.vector = 0xFF;
@@ -489,7 +505,7 @@ pub fn run_foreign(target: u64) -> Done {
         fz_exec_foreign(
             &mut regs,
             target,
-            block + crate::percpu::SACRIFICIAL as u64 - 64,
+            block + crate::percpu::SACRIFICIAL as u64 - crate::percpu::SACRIFICIAL_LEN as u64 / 2,
         )
     };
     // SAFETY: the task priority it had before.

@@ -336,6 +336,7 @@ extern "C" fn fz_main(boot_params: u64, cpu: u64) -> ! {
             serial::wait_byte();
         }
         boot::trip_wire();
+        boot::guard_null();
         GO.store(1, Ordering::Release);
         params
     } else {
@@ -367,6 +368,8 @@ fn fuzz(p: Params, cpu: u32) -> ! {
     let mut seen = [false; CLASSES.len()];
     let mut block = Digest::new();
     let row = cpu as usize;
+    // The boot CPU unmapped the first 2 MiB before the go.
+    boot::flush_tlb();
     let pc = percpu::this();
     for i in 0..p.ops {
         pc.op = i;
