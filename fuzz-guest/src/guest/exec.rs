@@ -478,6 +478,10 @@ pub fn run(target: u64, mut regs: Regs) -> Done {
 /// code, or a return address left further up sent it into the program's
 /// boot code (found by the long runs on two vCPUs under fire as a read of
 /// root's AP page, a triple fault and a stall).
+///
+/// It may also halt with IF clear or loop: with more than one vCPU, one
+/// whose stream ended names this one as stalled and sends an NMI, whose
+/// handler takes it back to the recovery point (`traps::stalled`).
 pub fn run_foreign(target: u64) -> Done {
     let pc = crate::percpu::this();
     pc.vector = 0xFF;
@@ -497,6 +501,7 @@ pub fn run_foreign(target: u64) -> Done {
         core::arch::asm!("mov {}, cr8", out(reg) tpr, options(nomem, nostack, preserves_flags));
         core::arch::asm!("mov cr8, {}", in(reg) 15u64, options(nomem, nostack, preserves_flags));
     }
+    pc.foreign = 1;
     // SAFETY: as `run`; the target runs on the sacrificial stack with the
     // recovery point armed, and its exceptions land on IST stacks in this
     // vCPU's block: any fault comes back to the recovery label with our
@@ -508,6 +513,7 @@ pub fn run_foreign(target: u64) -> Done {
             block + crate::percpu::SACRIFICIAL as u64 - crate::percpu::SACRIFICIAL_LEN as u64 / 2,
         )
     };
+    crate::percpu::this().foreign = 0;
     // SAFETY: the task priority it had before.
     unsafe {
         core::arch::asm!("mov cr8, {}", in(reg) tpr, options(nomem, nostack, preserves_flags))

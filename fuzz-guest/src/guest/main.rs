@@ -12,7 +12,7 @@
 //! fuzz: op <cpu> <index> <op> => <outcome>      (fuzz.log=K only)
 //! fuzz: blk <cpu> <block> <main digest>          (fuzz.blocks=B, after the stream)
 //! fuzz: op <cpu> <index> <op> => <outcome>      (fuzz.hold=K, after the stream)
-//! fuzz: done <cpu> ops=N nmis=.. irqs=.. stray=..
+//! fuzz: done <cpu> ops=N nmis=.. irqs=.. stray=.. rescued=..
 //! fuzz: end
 //! ```
 #![no_std]
@@ -86,9 +86,9 @@ static FINISHED: [AtomicBool; MAX_CPUS] = [const { AtomicBool::new(false) }; MAX
 pub static STALL_ASKED: [AtomicBool; MAX_CPUS] = [const { AtomicBool::new(false) }; MAX_CPUS];
 
 /// TSC ticks without a new operation after which a vCPU counts as stalled
-/// (Bochs runs 50 M instructions per emulated second here; no operation
-/// takes a thousandth of this).
-const STALL_TICKS: u64 = 1 << 34;
+/// (about 20 s of emulated time at Bochs' 50 M instructions a second
+/// here; no operation takes a hundredth of this).
+const STALL_TICKS: u64 = 1 << 30;
 
 fn halt() -> ! {
     loop {
@@ -435,8 +435,8 @@ fn fuzz(p: Params, cpu: u32) -> ! {
     }
     let pc = percpu::this();
     serial::line(format_args!(
-        "done {cpu} ops={} nmis={} irqs={} stray={}",
-        p.ops, pc.nmis, pc.irqs, pc.stray
+        "done {cpu} ops={} nmis={} irqs={} stray={} rescued={}",
+        p.ops, pc.nmis, pc.irqs, pc.stray, pc.rescued
     ));
     FINISHED[cpu as usize].store(true, Ordering::Release);
     DONE.fetch_add(1, Ordering::AcqRel);
@@ -586,10 +586,20 @@ fn watch_others(cpu: u32, cpus: u32) {
                 last[k] = op;
                 since[k] = now;
             } else if now.wrapping_sub(since[k]) > STALL_TICKS {
-                told[k] = true;
-                serial::line(format_args!(
-                    "STALL cpu {other}: no new operation since {op} for {STALL_TICKS} TSC ticks; asking it where it is (NMI)"
-                ));
+                // Foreign code gets taken back and the vCPU goes on (a
+                // new operation, so it may be named again); anything else
+                // is a stall, named once.
+                // SAFETY: a volatile read of the other vCPU's flag.
+                let foreign = unsafe {
+                    core::ptr::read_volatile(core::ptr::addr_of!((*percpu::of_cpu(other)).foreign))
+                };
+                told[k] = foreign == 0;
+                since[k] = now;
+                if foreign == 0 {
+                    serial::line(format_args!(
+                        "STALL cpu {other}: no new operation since {op} for {STALL_TICKS} TSC ticks; asking it where it is (NMI)"
+                    ));
+                }
                 STALL_ASKED[k].store(true, Ordering::Release);
                 // All but self: with more vCPUs, the others count an NMI.
                 apic::ipi(0, 0xC_0400);

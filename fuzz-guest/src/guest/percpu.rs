@@ -45,6 +45,11 @@ pub struct PerCpu {
     pub stray: u64,
     /// The index of the operation this vCPU runs.
     pub op: u64,
+    /// Set while foreign code runs (`exec::run_foreign`).
+    pub foreign: u64,
+    /// Foreign code that another vCPU found halted or looping, and took
+    /// back to its recovery point with an NMI.
+    pub rescued: u64,
 }
 
 const _: () = assert!(core::mem::offset_of!(PerCpu, recover_rip) == RECOVER_RIP);

@@ -245,6 +245,26 @@ extern "C" fn fz_trap(frame: &mut Frame) {
         pc.nmis += 1;
         let k = pc.cpu as usize % crate::MAX_CPUS;
         if crate::STALL_ASKED[k].swap(false, core::sync::atomic::Ordering::AcqRel) {
+            if pc.foreign != 0 && pc.recover_rip != 0 {
+                // Root's trampoline code halted with IF clear or looped
+                // (`exec::run_foreign`): back to the recovery point, as
+                // for a fault, the NMI as its vector.
+                pc.rescued += 1;
+                serial::line(format_args!(
+                    "rescued cpu {} op {}: foreign code at {:#x} halted or looped",
+                    pc.cpu, pc.op, frame.rip
+                ));
+                pc.vector = 2;
+                pc.error = 0;
+                pc.addr = 0;
+                frame.rip = pc.recover_rip;
+                frame.rsp = pc.recover_rsp;
+                frame.cs = 0x08;
+                frame.ss = 0x10;
+                frame.rflags = 0x2;
+                pc.recover_rip = 0;
+                return;
+            }
             stalled(pc, frame);
         }
         return;
