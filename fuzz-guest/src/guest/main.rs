@@ -400,17 +400,7 @@ fn fuzz(p: Params, cpu: u32) -> ! {
                 let at = ((i - p.from) % p.blocks) as usize;
                 // SAFETY: this vCPU's own row; `at` < blocks <= HOLD_MAX
                 // (the command line's check).
-                unsafe {
-                    (*core::ptr::addr_of_mut!(HELD))[row][at] = [
-                        u64::from(out.vector),
-                        out.error,
-                        out.addr,
-                        out.vals[0],
-                        out.vals[1],
-                        out.vals[2],
-                        out.vals[3],
-                    ];
-                }
+                unsafe { (*core::ptr::addr_of_mut!(HELD))[row][at] = pack(&out) };
             }
             if (i + 1 - p.from).is_multiple_of(p.blocks) || i + 1 == p.ops {
                 if k < cmdline::BLOCKS_MAX {
@@ -634,13 +624,7 @@ fn print_kept(p: &Params, shape: Shape, env: &Env, cpu: u32) {
             continue;
         }
         // SAFETY: as above; i - first < blocks <= HOLD_MAX.
-        let w = unsafe { (*core::ptr::addr_of!(HELD))[row][(i - first) as usize] };
-        let out = known::Outcome {
-            vector: w[0] as u8,
-            error: w[1],
-            addr: w[2],
-            vals: [w[3], w[4], w[5], w[6]],
-        };
+        let out = unpack(unsafe { &(*core::ptr::addr_of!(HELD))[row][(i - first) as usize] });
         print_op(cpu, i, &op, &out, env);
     }
 }
