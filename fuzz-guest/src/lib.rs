@@ -15,6 +15,26 @@ pub mod ops;
 pub mod query;
 pub mod rng;
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_vcpu_plays_with_scratch_entries_of_its_own() {
+        let mut owner = [None; 512];
+        for cpu in 0..MAX_CPUS as u32 {
+            for i in 1..=510u16 {
+                let e = scratch_entry(i, cpu);
+                assert!((1..=510).contains(&e), "page {i} on cpu {cpu}: entry {e}");
+                match owner[usize::from(e)] {
+                    None => owner[usize::from(e)] = Some(cpu),
+                    Some(c) => assert_eq!(c, cpu, "entry {e} shared by cpus {c} and {cpu}"),
+                }
+            }
+        }
+    }
+}
+
 /// The address the program is linked at and asks to be loaded at (64 MiB:
 /// above the hypervisor's memory, inside the smallest guest RAM).
 pub const LINK_BASE: u64 = 0x400_0000;
@@ -41,6 +61,16 @@ pub const SCRATCH_BASE: u64 = 0x600_0000;
 
 /// The most vCPUs the program runs on.
 pub const MAX_CPUS: usize = 4;
+
+/// The scratch page-table entry that page-table game page `i` (1..=510,
+/// as the stream draws it) is on vCPU `cpu`: every vCPU plays with entries
+/// of its own. When they shared them, one vCPU's entry made not present
+/// for a moment turned another's read-only store into a not-present
+/// fault, or not, by the timing (seed 2009 on two vCPUs).
+pub fn scratch_entry(i: u16, cpu: u32) -> u16 {
+    let slots = 510 / MAX_CPUS as u16;
+    1 + (i.saturating_sub(1) % slots) * MAX_CPUS as u16 + (cpu % MAX_CPUS as u32) as u16
+}
 
 /// The prefix of every line the program prints.
 pub const LINE_PREFIX: &str = "fuzz: ";

@@ -622,16 +622,17 @@ fn ipi(kind: IpiKind) -> Outcome {
 
 fn page_table(kind: PtKind, cpu: usize) -> Outcome {
     let pt = core::ptr::addr_of_mut!(boot::fz_scratch_pt);
-    let page = |i: u16| SCRATCH_BASE + u64::from(i) * 4096 + 64 * cpu as u64;
+    let entry = |i: u16| usize::from(fuzz_guest::scratch_entry(i, cpu as u32));
+    let page = |i: u16| SCRATCH_BASE + entry(i) as u64 * 4096 + 64 * cpu as u64;
     let get = |i: u16| {
         // SAFETY: the scratch page table is the program's own; each vCPU
-        // plays with pages of its stream (a shared page only sees equal
-        // PTE values restored) and invalidates what it changed.
-        unsafe { (*pt)[usize::from(i)] }
+        // plays with entries of its own (`scratch_entry`) and invalidates
+        // what it changed.
+        unsafe { (*pt)[entry(i)] }
     };
     let set = |i: u16, v: u64| {
         // SAFETY: as `get`.
-        unsafe { (*pt)[usize::from(i)] = v }
+        unsafe { (*pt)[entry(i)] = v }
     };
     match kind {
         PtKind::NotPresent(i) => {
