@@ -15,26 +15,6 @@ pub mod ops;
 pub mod query;
 pub mod rng;
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_vcpu_plays_with_scratch_entries_of_its_own() {
-        let mut owner = [None; 512];
-        for cpu in 0..MAX_CPUS as u32 {
-            for i in 1..=510u16 {
-                let e = scratch_entry(i, cpu);
-                assert!((1..=510).contains(&e), "page {i} on cpu {cpu}: entry {e}");
-                match owner[usize::from(e)] {
-                    None => owner[usize::from(e)] = Some(cpu),
-                    Some(c) => assert_eq!(c, cpu, "entry {e} shared by cpus {c} and {cpu}"),
-                }
-            }
-        }
-    }
-}
-
 /// The address the program is linked at and asks to be loaded at (64 MiB:
 /// above the hypervisor's memory, inside the smallest guest RAM).
 pub const LINK_BASE: u64 = 0x400_0000;
@@ -74,3 +54,23 @@ pub fn scratch_entry(i: u16, cpu: u32) -> u16 {
 
 /// The prefix of every line the program prints.
 pub const LINE_PREFIX: &str = "fuzz: ";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_vcpu_plays_with_scratch_entries_of_its_own() {
+        let mut owner = [None; 512];
+        for cpu in 0..MAX_CPUS as u32 {
+            for i in 1..=510u16 {
+                let e = scratch_entry(i, cpu);
+                assert!((1..=510).contains(&e), "page {i} on cpu {cpu}: entry {e}");
+                match owner[usize::from(e)] {
+                    None => owner[usize::from(e)] = Some(cpu),
+                    Some(c) => assert_eq!(c, cpu, "entry {e} shared by cpus {c} and {cpu}"),
+                }
+            }
+        }
+    }
+}

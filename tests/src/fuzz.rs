@@ -48,6 +48,21 @@ pub struct Params {
 }
 
 impl Params {
+    /// Nothing asked: the fields a run leaves alone (`..Params::BASE`).
+    pub const BASE: Params = Params {
+        seed: 0,
+        ops: 0,
+        cpus: 1,
+        window: 1,
+        log: None,
+        blocks: 0,
+        from: 0,
+        hold: None,
+        record: false,
+        skip: 0,
+        tracer: false,
+    };
+
     /// The program's command line.
     pub fn cmdline(&self) -> String {
         let mut s = format!(
@@ -112,13 +127,9 @@ pub const CORPUS: &[(&str, Params)] = &[
             ops: 5000,
             cpus: 1,
             window: 1000,
-            log: None,
-            blocks: 0,
-            from: 0,
-            hold: None,
             record: true,
-            skip: 0,
             tracer: false,
+            ..Params::BASE
         },
     ),
     (
@@ -128,13 +139,9 @@ pub const CORPUS: &[(&str, Params)] = &[
             ops: 5000,
             cpus: 2,
             window: 1000,
-            log: None,
-            blocks: 0,
-            from: 0,
-            hold: None,
             record: true,
-            skip: 0,
             tracer: false,
+            ..Params::BASE
         },
     ),
     (
@@ -144,13 +151,9 @@ pub const CORPUS: &[(&str, Params)] = &[
             ops: 15_000,
             cpus: 2,
             window: 1000,
-            log: None,
-            blocks: 0,
-            from: 0,
-            hold: None,
             record: true,
-            skip: 0,
             tracer: true,
+            ..Params::BASE
         },
     ),
 ];
@@ -227,13 +230,9 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             ops: 60_000,
             cpus: 1,
             window: 2000,
-            log: None,
-            blocks: 0,
-            from: 0,
-            hold: None,
             record: true,
-            skip: 0,
             tracer: true,
+            ..Params::BASE
         },
     ),
     (
@@ -243,13 +242,9 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             ops: 10_000,
             cpus: 2,
             window: 1000,
-            log: None,
-            blocks: 0,
-            from: 0,
-            hold: None,
             record: true,
-            skip: 0,
             tracer: true,
+            ..Params::BASE
         },
     ),
     (
@@ -259,13 +254,9 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             ops: 40_000,
             cpus: 1,
             window: 2000,
-            log: None,
-            blocks: 0,
-            from: 0,
-            hold: None,
             record: true,
-            skip: 0,
             tracer: false,
+            ..Params::BASE
         },
     ),
     (
@@ -275,13 +266,9 @@ pub const CI_SEEDS: &[(&str, Params)] = &[
             ops: 25_000,
             cpus: 2,
             window: 2000,
-            log: None,
-            blocks: 0,
-            from: 0,
-            hold: None,
             record: true,
-            skip: 0,
             tracer: false,
+            ..Params::BASE
         },
     ),
 ];

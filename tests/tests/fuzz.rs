@@ -226,13 +226,9 @@ fn a_differing_operation_is_named_from_the_runs_that_showed_it() {
         ops: 40_000,
         cpus: 1,
         window: 20_000,
-        log: None,
-        blocks: 0,
-        from: 0,
-        hold: None,
         record: true,
-        skip: 0,
         tracer: false,
+        ..Params::BASE
     };
     let stream = fuzz::stream(&p);
     let first = stream

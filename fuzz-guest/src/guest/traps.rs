@@ -257,12 +257,7 @@ extern "C" fn fz_trap(frame: &mut Frame) {
                 pc.vector = 2;
                 pc.error = 0;
                 pc.addr = 0;
-                frame.rip = pc.recover_rip;
-                frame.rsp = pc.recover_rsp;
-                frame.cs = 0x08;
-                frame.ss = 0x10;
-                frame.rflags = 0x2;
-                pc.recover_rip = 0;
+                resume_at_recovery(pc, frame);
                 return;
             }
             stalled(pc, frame);
@@ -333,6 +328,12 @@ extern "C" fn fz_trap(frame: &mut Frame) {
         }
         _ => 0,
     };
+    resume_at_recovery(pc, frame);
+}
+
+/// Makes the handler's return go to the operation's recovery point, with
+/// its stack, interrupts off; disarms it.
+fn resume_at_recovery(pc: &mut percpu::PerCpu, frame: &mut Frame) {
     frame.rip = pc.recover_rip;
     frame.rsp = pc.recover_rsp;
     frame.cs = 0x08;

@@ -37,13 +37,9 @@ fn parse_args() -> Result<Args> {
         ops: 20_000,
         cpus: 1,
         window: 1000,
-        log: None,
-        blocks: 0,
-        from: 0,
-        hold: None,
         record: false,
-        skip: 0,
         tracer: false,
+        ..Params::BASE
     };
     let mut a = Args {
         params: p,
@@ -292,15 +288,12 @@ fn drive(a: &Args) -> Result<bool> {
 fn minimize(p: &Params, timeout: Duration) -> Result<()> {
     let differs = |ops: u64| -> Result<bool> {
         let q = Params {
+            seed: p.seed,
             ops,
+            cpus: p.cpus,
             window: ops.max(1),
-            log: None,
-            blocks: 0,
-            from: 0,
-            hold: None,
-            record: false,
-            skip: 0,
-            ..*p
+            tracer: p.tracer,
+            ..Params::BASE
         };
         let (b, h) = both(&q, timeout)?;
         let c = compare(&digests(&b.lines), &digests(&h.lines));
