@@ -17,10 +17,9 @@
 # this off) and after their end answer the driver's questions about them,
 # so the runs that showed the difference name its operation, whatever
 # timing it needed. Without a record, both run again, whole and with the
-# same output while they run, the program keeping 64 block digests of the
-# range and printing them after its stream, until a block of at most 2048
-# operations is left, whose outcomes it prints one by one (--log K instead
-# prints window K's operations as they run, which
+# same output while they run, keeping the outcomes of that window only,
+# and are asked the same way (--log K instead prints window K's operations
+# as they run, which
 # changes the timing). --minimize then bisects the
 # operation count. --show INDEX prints operation INDEX of each vCPU's
 # stream without running anything.

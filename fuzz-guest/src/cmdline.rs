@@ -1,15 +1,11 @@
 //! The program's command line: `fuzz.seed=S fuzz.ops=N fuzz.cpus=C`, plus
 //! `fuzz.window=W` (operations per digest line) and `fuzz.log=K` (print
-//! every operation of window K with its outcome, as it runs). `fuzz.blocks=B`
-//! keeps a digest per B operations from operation `fuzz.from=A` on (the
-//! first [`BLOCKS_MAX`] blocks) and prints them after the stream, and
-//! `fuzz.hold=K` keeps the outcomes of block K's operations and prints them
-//! after the stream too: the output during the stream, and so its timing,
-//! stays that of a plain run. `fuzz.record=1` keeps every operation's
-//! outcome in memory and, after `end`, answers the host's questions about
-//! them on COM1 ([`crate::query`]): the run that showed a difference tells
-//! which operation, with no second run. Other words are ignored, so a
-//! loader's own additions do no harm.
+//! every operation of window K with its outcome, as it runs).
+//! `fuzz.record=1` keeps the outcomes of operations `fuzz.from=A` up to
+//! `fuzz.until=E` (all by default) in memory and, after `end`, answers the
+//! host's questions about them on COM1 ([`crate::query`]); the output
+//! during the stream, and so its timing, stays that of a plain run. Other
+//! words are ignored, so a loader's own additions do no harm.
 
 /// What the command line asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,13 +20,10 @@ pub struct Params {
     pub window: u64,
     /// The window whose operations are printed one by one.
     pub log: Option<u64>,
-    /// Operations per block digest, printed after the stream (0: none).
-    pub blocks: u64,
-    /// The first operation of block 0.
+    /// The first operation the record keeps.
     pub from: u64,
-    /// The block whose operations are printed after the stream (needs
-    /// `blocks`, at most [`HOLD_MAX`] of them).
-    pub hold: Option<u64>,
+    /// The operation the record stops before (0: the stream's end).
+    pub until: u64,
     /// Operation kinds (bits by `ops::kind`) drawn but not carried out:
     /// to find which kind a failure needs. Their outcome is blank.
     pub skip: u64,
@@ -50,9 +43,8 @@ impl Default for Params {
             cpus: 1,
             window: 1000,
             log: None,
-            blocks: 0,
             from: 0,
-            hold: None,
+            until: 0,
             skip: 0,
             record: false,
             tracer: false,
@@ -60,12 +52,18 @@ impl Default for Params {
     }
 }
 
-/// The most operations `fuzz.hold` keeps per vCPU.
-pub const HOLD_MAX: u64 = 2048;
-
-/// The most block digests `fuzz.blocks` keeps per vCPU (later blocks are
-/// not kept).
-pub const BLOCKS_MAX: u64 = 64;
+impl Params {
+    /// The operations the record keeps: `from` up to `until`, or to the
+    /// stream's end.
+    pub fn recorded(&self) -> core::ops::Range<u64> {
+        let end = if self.until == 0 {
+            self.ops
+        } else {
+            self.until.min(self.ops)
+        };
+        self.from.min(end)..end
+    }
+}
 
 /// Parses a decimal or `0x` hexadecimal number.
 pub fn number(s: &str) -> Option<u64> {
@@ -93,17 +91,13 @@ pub fn parse(line: &str) -> Result<Params, &str> {
             "cpus" if (1..=crate::MAX_CPUS as u64).contains(&n) => p.cpus = n as u32,
             "window" if n > 0 => p.window = n,
             "log" => p.log = Some(n),
-            "blocks" => p.blocks = n,
             "from" => p.from = n,
-            "hold" => p.hold = Some(n),
+            "until" => p.until = n,
             "tracer" => p.tracer = n != 0,
             "record" => p.record = n != 0,
             "skip" => p.skip = n,
             _ => return Err(word),
         }
-    }
-    if p.hold.is_some() && !(1..=HOLD_MAX).contains(&p.blocks) {
-        return Err("fuzz.hold");
     }
     Ok(p)
 }
@@ -126,9 +120,8 @@ mod tests {
                 cpus: 2,
                 window: 50,
                 log: Some(3),
-                blocks: 0,
                 from: 0,
-                hold: None,
+                until: 0,
                 skip: 0,
                 record: false,
                 tracer: true,
@@ -145,10 +138,19 @@ mod tests {
         assert_eq!(parse("fuzz.seed=x"), Err("fuzz.seed=x"));
         assert_eq!(parse("fuzz.what=1"), Err("fuzz.what=1"));
         assert_eq!(parse("fuzz.seed"), Err("fuzz.seed"));
-        // A held block needs a block size the program can keep.
-        assert_eq!(parse("fuzz.hold=2"), Err("fuzz.hold"));
-        assert_eq!(parse("fuzz.blocks=4096 fuzz.hold=2"), Err("fuzz.hold"));
-        let p = parse("fuzz.blocks=500 fuzz.from=7 fuzz.hold=2").unwrap();
-        assert_eq!((p.blocks, p.from, p.hold), (500, 7, Some(2)));
+        let p = parse("fuzz.ops=100 fuzz.record=1 fuzz.from=7 fuzz.until=20").unwrap();
+        assert_eq!((p.record, p.recorded()), (true, 7..20));
+        // Past the stream's end, the record stops at the end.
+        assert_eq!(
+            parse("fuzz.ops=10 fuzz.from=7 fuzz.until=20")
+                .unwrap()
+                .recorded(),
+            7..10
+        );
+        assert_eq!(
+            parse("fuzz.ops=10 fuzz.from=30").unwrap().recorded(),
+            10..10
+        );
+        assert_eq!(parse("fuzz.ops=10").unwrap().recorded(), 0..10);
     }
 }

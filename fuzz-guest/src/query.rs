@@ -10,6 +10,8 @@
 //! Each answer ends with `qdone`; a question the program cannot read gets
 //! `qerr <why>` and `qdone`. The program says `serving` once it listens.
 
+use core::ops::Range;
+
 use crate::cmdline::number;
 
 /// Where the kept outcomes start (128 MiB: above the program, its bss and
@@ -29,9 +31,11 @@ pub fn record_bytes(ops: u64, cpus: u32) -> Option<u64> {
         .checked_mul(RECORD_WORDS * 8)
 }
 
-/// Where outcome `index` of vCPU `cpu` lies.
-pub fn record_at(ops: u64, cpu: u32, index: u64) -> u64 {
-    RECORD_BASE + (u64::from(cpu) * ops + index) * RECORD_WORDS * 8
+/// Where outcome `index` (inside `kept`, the operations the record keeps)
+/// of vCPU `cpu` lies.
+pub fn record_at(kept: &Range<u64>, cpu: u32, index: u64) -> u64 {
+    let len = kept.end - kept.start;
+    RECORD_BASE + (u64::from(cpu) * len + index - kept.start) * RECORD_WORDS * 8
 }
 
 /// One question.
@@ -48,9 +52,9 @@ pub enum Query {
     Ops { cpu: u32, from: u64, count: u64 },
 }
 
-/// Reads a question, for a program of `cpus` vCPUs and `ops` operations
-/// each; ranges past the stream's end are cut to it.
-pub fn parse(line: &str, cpus: u32, ops: u64) -> Result<Query, &'static str> {
+/// Reads a question, for a program of `cpus` vCPUs whose record keeps
+/// operations `kept`; ranges past its end are cut to it.
+pub fn parse(line: &str, cpus: u32, kept: &Range<u64>) -> Result<Query, &'static str> {
     let mut w = line.split_ascii_whitespace();
     let kind = w.next().ok_or("empty question")?;
     let mut num = || {
@@ -64,8 +68,8 @@ pub fn parse(line: &str, cpus: u32, ops: u64) -> Result<Query, &'static str> {
     }
     let cpu = cpu as u32;
     let from = num()?;
-    if from >= ops {
-        return Err("past the stream's end");
+    if !kept.contains(&from) {
+        return Err("outside the record");
     }
     match kind {
         "b" => {
@@ -77,7 +81,7 @@ pub fn parse(line: &str, cpus: u32, ops: u64) -> Result<Query, &'static str> {
             Ok(Query::Blocks { cpu, from, len, n })
         }
         "o" => {
-            let count = num()?.min(ops - from);
+            let count = num()?.min(kept.end - from);
             if count == 0 || count > MAX_SPAN {
                 return Err("bad operation count");
             }
@@ -94,7 +98,7 @@ mod tests {
     #[test]
     fn questions_are_read_and_bounded() {
         assert_eq!(
-            parse("b 1 150000 782 64", 2, 200_000),
+            parse("b 1 150000 782 64", 2, &(0..200_000)),
             Ok(Query::Blocks {
                 cpu: 1,
                 from: 150_000,
@@ -103,27 +107,35 @@ mod tests {
             })
         );
         assert_eq!(
-            parse("o 0 199990 100", 2, 200_000),
+            parse("o 0 199990 100", 2, &(150_000..200_000)),
             Ok(Query::Ops {
                 cpu: 0,
                 from: 199_990,
                 count: 10
             })
         );
-        assert_eq!(parse("o 2 0 1", 2, 10), Err("no such vCPU"));
-        assert_eq!(parse("o 0 10 1", 2, 10), Err("past the stream's end"));
-        assert_eq!(parse("b 0 0 0 4", 2, 10), Err("bad block size or count"));
-        assert_eq!(parse("b 0 0 1 257", 2, 10), Err("bad block size or count"));
-        assert_eq!(parse("x 0 0 1", 2, 10), Err("unknown question"));
-        assert_eq!(parse("b 0", 2, 10), Err("a number is missing or bad"));
-        assert_eq!(parse("", 2, 10), Err("empty question"));
+        let all = 0..10;
+        assert_eq!(parse("o 2 0 1", 2, &all), Err("no such vCPU"));
+        assert_eq!(parse("o 0 10 1", 2, &all), Err("outside the record"));
+        assert_eq!(parse("o 0 4 1", 2, &(5..10)), Err("outside the record"));
+        assert_eq!(parse("b 0 0 0 4", 2, &all), Err("bad block size or count"));
+        assert_eq!(
+            parse("b 0 0 1 257", 2, &all),
+            Err("bad block size or count")
+        );
+        assert_eq!(parse("x 0 0 1", 2, &all), Err("unknown question"));
+        assert_eq!(parse("b 0", 2, &all), Err("a number is missing or bad"));
+        assert_eq!(parse("", 2, &all), Err("empty question"));
     }
 
     #[test]
     fn outcomes_are_laid_out_per_vcpu() {
-        assert_eq!(record_at(100, 0, 0), RECORD_BASE);
-        assert_eq!(record_at(100, 1, 0), RECORD_BASE + 100 * 56);
-        assert_eq!(record_at(100, 1, 2), RECORD_BASE + 102 * 56);
+        assert_eq!(record_at(&(0..100), 0, 0), RECORD_BASE);
+        assert_eq!(record_at(&(0..100), 1, 0), RECORD_BASE + 100 * 56);
+        assert_eq!(record_at(&(0..100), 1, 2), RECORD_BASE + 102 * 56);
+        // A record of a range starts at its first operation.
+        assert_eq!(record_at(&(50..150), 0, 50), RECORD_BASE);
+        assert_eq!(record_at(&(50..150), 1, 52), RECORD_BASE + 102 * 56);
         assert_eq!(record_bytes(1_000_000, 2), Some(112_000_000));
         assert_eq!(record_bytes(u64::MAX, 2), None);
     }

@@ -28,14 +28,10 @@ pub struct Params {
     pub cpus: u32,
     pub window: u64,
     pub log: Option<u64>,
-    /// Operations per block digest, kept and printed after the stream
-    /// (`fuzz.blocks`; 0: none).
-    pub blocks: u64,
-    /// The first operation of block 0 (`fuzz.from`).
+    /// The first operation the record keeps (`fuzz.from`).
     pub from: u64,
-    /// The block whose operations are kept and printed after the stream
-    /// (`fuzz.hold`).
-    pub hold: Option<u64>,
+    /// The operation the record stops before (`fuzz.until`; 0: the end).
+    pub until: u64,
     /// Keep every outcome, and keep the VM after the stream to be asked
     /// about them (`fuzz.record`; see [`pinpoint`]).
     pub record: bool,
@@ -55,9 +51,8 @@ impl Params {
         cpus: 1,
         window: 1,
         log: None,
-        blocks: 0,
         from: 0,
-        hold: None,
+        until: 0,
         record: false,
         skip: 0,
         tracer: false,
@@ -72,17 +67,14 @@ impl Params {
         if let Some(w) = self.log {
             s.push_str(&format!(" fuzz.log={w}"));
         }
-        if self.blocks != 0 {
-            s.push_str(&format!(
-                " fuzz.blocks={} fuzz.from={}",
-                self.blocks, self.from
-            ));
-        }
-        if let Some(k) = self.hold {
-            s.push_str(&format!(" fuzz.hold={k}"));
-        }
         if self.record {
             s.push_str(" fuzz.record=1");
+            if self.from != 0 {
+                s.push_str(&format!(" fuzz.from={}", self.from));
+            }
+            if self.until != 0 {
+                s.push_str(&format!(" fuzz.until={}", self.until));
+            }
         }
         if self.tracer {
             s.push_str(" fuzz.tracer=1");
@@ -99,6 +91,12 @@ impl Params {
             s.push_str(&format!(" fuzz.skip={mask}"));
         }
         s
+    }
+
+    /// The program's own reading of [`Self::cmdline`].
+    pub fn guest(&self) -> Result<fuzz_guest::cmdline::Params> {
+        fuzz_guest::cmdline::parse(&self.cmdline())
+            .map_err(|w| anyhow!("the program would refuse its command line at {w:?}"))
     }
 
     /// Operation `index` of vCPU `cpu`'s stream, regenerated here.
@@ -719,7 +717,8 @@ pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Res
     cfg.memory_mib = 256;
     if p.record {
         // The record lies from 128 MiB up; 16 MiB to spare above it.
-        let bytes = fuzz_guest::query::record_bytes(p.ops, p.cpus)
+        let kept = p.guest()?.recorded();
+        let bytes = fuzz_guest::query::record_bytes(kept.end - kept.start, p.cpus)
             .ok_or_else(|| anyhow!("fuzz.record: too many operations to keep"))?;
         let top = fuzz_guest::query::RECORD_BASE + bytes;
         cfg.memory_mib = cfg
@@ -914,13 +913,13 @@ pub fn run_pair(
     (bare, under)
 }
 
-/// Blocks per narrowing run of [`first_differing_op`].
+/// Blocks per question of [`pinpoint`].
 pub const NARROW_BLOCKS: u64 = 64;
 
-/// What [`first_differing_op`] found.
+/// What [`pinpoint`] and [`first_differing_op`] found.
 #[derive(Debug, Default)]
 pub struct OpSearch {
-    /// Each narrowing run's result, in order.
+    /// Each step's result, in order.
     pub steps: Vec<String>,
     /// The first operation whose outcome differs: (bare line, hypervisor
     /// line). `None`: the difference did not come back.
@@ -928,13 +927,10 @@ pub struct OpSearch {
 }
 
 /// Finds the first operation of vCPU `cpu` in window `win` whose outcome
-/// differs, bare and under `hypervisor`. The runs repeat `p` whole, with
-/// the same output while the stream runs (so the same timing, which a
-/// difference between vCPUs can need): the program keeps block digests of
-/// the range in memory and prints them after the stream
-/// (`fuzz.blocks`/`fuzz.from`), each run narrows the range to its first
-/// differing block, and the last keeps that block's outcomes
-/// (`fuzz.hold`) and prints them, to be compared operation by operation.
+/// differs, bare and under `hypervisor`, for runs that kept no record:
+/// both run again, whole and with the same output while the stream runs
+/// (so the same timing, which a difference between vCPUs can need), the
+/// record keeping that window only, and [`pinpoint`] asks them.
 pub fn first_differing_op(
     p: &Params,
     cpu: u32,
@@ -942,75 +938,28 @@ pub fn first_differing_op(
     hypervisor: &Path,
     timeout: Duration,
 ) -> Result<OpSearch> {
-    let mut lo = win * p.window;
-    let mut hi = ((win + 1) * p.window).min(p.ops);
-    let mut search = OpSearch::default();
-    // The lines printed after the stream take time too.
-    let timeout = timeout + Duration::from_secs(180);
-    loop {
-        let len = hi.saturating_sub(lo).max(1);
-        let hold = len <= fuzz_guest::cmdline::HOLD_MAX;
-        let blocks = if hold {
-            len
-        } else {
-            len.div_ceil(NARROW_BLOCKS)
-        };
-        let q = Params {
-            log: None,
-            blocks,
-            from: lo,
-            hold: hold.then_some(0),
-            ..*p
-        };
-        let (bare, under) = run_pair(&q, hypervisor, timeout);
-        let (bare, under) = (bare?, under?);
-        for (name, r) in [("bare", &bare), ("hypervisor", &under)] {
-            if !r.finished {
-                search.steps.push(format!(
-                    "operations {lo}..{hi}: the {name} run did not finish: {}",
-                    r.failure.as_deref().unwrap_or("no end line")
-                ));
-            }
-        }
-        if hold {
-            let mine = |lines: &[String]| -> Vec<String> {
-                let prefix = format!("op {cpu} ");
-                lines
-                    .iter()
-                    .filter(|l| l.starts_with(&prefix))
-                    .cloned()
-                    .collect()
-            };
-            search.first = first_op_diff(&mine(&bare.lines), &mine(&under.lines));
-            search.steps.push(format!(
-                "operations {lo}..{hi}, kept one by one: {}",
-                if search.first.is_some() {
-                    "the first differing one follows"
-                } else {
-                    "they agree in this run"
+    let q = Params {
+        log: None,
+        record: true,
+        from: win * p.window,
+        until: ((win + 1) * p.window).min(p.ops),
+        ..*p
+    };
+    let (bare, under) = run_pair(&q, hypervisor, timeout);
+    let (bare, under) = (bare?, under?);
+    match (&bare.kept, &under.kept) {
+        (Some(b), Some(h)) => pinpoint(&q, cpu, win, b, h),
+        _ => {
+            let mut search = OpSearch::default();
+            for (name, r) in [("bare", &bare), ("hypervisor", &under)] {
+                if r.kept.is_none() {
+                    search.steps.push(format!(
+                        "the {name} run again did not finish: {}",
+                        r.failure.as_deref().unwrap_or("no end line")
+                    ));
                 }
-            ));
-            return Ok(search);
-        }
-        let (b, h) = (
-            block_digests(&bare.lines, cpu),
-            block_digests(&under.lines, cpu),
-        );
-        let first = (0..NARROW_BLOCKS).find(|k| b.get(k) != h.get(k));
-        match first {
-            Some(k) => {
-                lo += k * blocks;
-                hi = (lo + blocks).min(hi);
-                search.steps.push(format!(
-                    "blocks of {blocks}: operations {lo}..{hi} differ first"
-                ));
             }
-            None => {
-                search.steps.push(format!(
-                    "blocks of {blocks} over operations {lo}..{hi}: they agree in this run"
-                ));
-                return Ok(search);
-            }
+            Ok(search)
         }
     }
 }
@@ -1581,27 +1530,28 @@ mod tests {
             ops: 200_000,
             cpus: 2,
             window: 50_000,
-            log: None,
-            blocks: 782,
             from: 150_000,
-            hold: Some(0),
+            until: 200_000,
             record: true,
             skip: 1 << 20,
             tracer: true,
+            ..Params::BASE
         };
-        let got = fuzz_guest::cmdline::parse(&p.cmdline()).expect("the program takes it");
+        let got = p.guest().expect("the program takes it");
         assert_eq!(
-            (got.seed, got.ops, got.cpus, got.window, got.blocks, got.from, got.hold, got.tracer),
-            (88, 200_000, 2, 50_000, 782, 150_000, Some(0), true)
+            (got.seed, got.ops, got.cpus, got.window, got.tracer),
+            (88, 200_000, 2, 50_000, true)
         );
         assert_eq!((got.record, got.skip), (true, 1 << 20));
-        // A block too big to hold is refused by the program, so the
-        // narrowing never asks for one.
-        let big = Params {
-            blocks: fuzz_guest::cmdline::HOLD_MAX + 1,
+        assert_eq!(got.recorded(), 150_000..200_000);
+        // A whole record says no range.
+        let whole = Params {
+            from: 0,
+            until: 0,
             ..p
         };
-        assert!(fuzz_guest::cmdline::parse(&big.cmdline()).is_err());
+        assert!(!whole.cmdline().contains("fuzz.from") && !whole.cmdline().contains("fuzz.until"));
+        assert_eq!(whole.guest().unwrap().recorded(), 0..200_000);
     }
 
     #[test]

@@ -10,8 +10,6 @@
 //! fuzz: e820 <digest> <entries>
 //! fuzz: win <cpu> <window> <main digest> [<class>=<digest> ...]
 //! fuzz: op <cpu> <index> <op> => <outcome>      (fuzz.log=K only)
-//! fuzz: blk <cpu> <block> <main digest>          (fuzz.blocks=B, after the stream)
-//! fuzz: op <cpu> <index> <op> => <outcome>      (fuzz.hold=K, after the stream)
 //! fuzz: done <cpu> ops=N nmis=.. irqs=.. stray=.. rescued=..
 //! fuzz: end
 //! ```
@@ -45,24 +43,12 @@ static mut PARAMS: Params = Params {
     cpus: 1,
     window: 1,
     log: None,
-    blocks: 0,
     from: 0,
-    hold: None,
+    until: 0,
     skip: 0,
     record: false,
     tracer: false,
 };
-
-/// Each vCPU's block digests (`fuzz.blocks`), a row per vCPU, each row
-/// written by its own vCPU only.
-static mut BLOCK_DIGESTS: [[u64; cmdline::BLOCKS_MAX as usize]; MAX_CPUS] =
-    [[0; cmdline::BLOCKS_MAX as usize]; MAX_CPUS];
-
-/// The held block's outcomes (`fuzz.hold`): vector, error, address and
-/// values, a row per vCPU, each row written by its own vCPU only. Plain
-/// words, so the table is zeroed bss, not image.
-static mut HELD: [[[u64; 7]; cmdline::HOLD_MAX as usize]; MAX_CPUS] =
-    [[[0; 7]; cmdline::HOLD_MAX as usize]; MAX_CPUS];
 
 /// Set once the boot CPU may start its stream (in tracer mode, once the
 /// host said go); the APs wait for it too.
@@ -307,7 +293,7 @@ extern "C" fn fz_main(boot_params: u64, cpu: u64) -> ! {
         if params.record && !record_fits(&map[..n], &params) {
             serial::line(format_args!(
                 "FATAL fuzz.record needs {:?} bytes of RAM from {:#x}",
-                query::record_bytes(params.ops, params.cpus),
+                query::record_bytes(params.recorded().end - params.recorded().start, params.cpus),
                 query::RECORD_BASE
             ));
             halt()
@@ -366,8 +352,7 @@ fn fuzz(p: Params, cpu: u32) -> ! {
     let mut main = Digest::new();
     let mut classes = [Digest::new(); CLASSES.len()];
     let mut seen = [false; CLASSES.len()];
-    let mut block = Digest::new();
-    let row = cpu as usize;
+    let kept = p.recorded();
     // The boot CPU unmapped the first 2 MiB before the go.
     boot::flush_tlb();
     let pc = percpu::this();
@@ -386,29 +371,11 @@ fn fuzz(p: Params, cpu: u32) -> ! {
         };
         let window = i / p.window;
         known::fold(i, &op, &out, &mut main, &mut classes, &mut seen, &env);
-        if p.record {
-            let at = query::record_at(p.ops, cpu, i) as *mut [u64; 7];
+        if p.record && kept.contains(&i) {
+            let at = query::record_at(&kept, cpu, i) as *mut [u64; 7];
             // SAFETY: this vCPU's own slot of the record, in RAM the e820
             // gives the program (checked at boot) and identity-mapped.
             unsafe { core::ptr::write_volatile(at, pack(&out)) };
-        }
-        if p.blocks != 0 && i >= p.from {
-            // Kept in memory, printed after the stream.
-            let k = (i - p.from) / p.blocks;
-            known::fold_main(i, &op, &out, &mut block, &env);
-            if p.hold == Some(k) {
-                let at = ((i - p.from) % p.blocks) as usize;
-                // SAFETY: this vCPU's own row; `at` < blocks <= HOLD_MAX
-                // (the command line's check).
-                unsafe { (*core::ptr::addr_of_mut!(HELD))[row][at] = pack(&out) };
-            }
-            if (i + 1 - p.from).is_multiple_of(p.blocks) || i + 1 == p.ops {
-                if k < cmdline::BLOCKS_MAX {
-                    // SAFETY: this vCPU's own row, k in bounds.
-                    unsafe { (*core::ptr::addr_of_mut!(BLOCK_DIGESTS))[row][k as usize] = block.0 };
-                }
-                block = Digest::new();
-            }
         }
         if p.log == Some(window) {
             print_op(cpu, i, &op, &out, &env);
@@ -419,9 +386,6 @@ fn fuzz(p: Params, cpu: u32) -> ! {
             classes = [Digest::new(); CLASSES.len()];
             seen = [false; CLASSES.len()];
         }
-    }
-    if p.blocks != 0 {
-        print_kept(&p, shape, &env, cpu);
     }
     let pc = percpu::this();
     serial::line(format_args!(
@@ -463,7 +427,8 @@ fn unpack(w: &[u64; 7]) -> known::Outcome {
 
 /// Whether the e820 gives the program RAM for the record.
 fn record_fits(map: &[E820], p: &Params) -> bool {
-    let Some(len) = query::record_bytes(p.ops, p.cpus) else {
+    let kept = p.recorded();
+    let Some(len) = query::record_bytes(kept.end - kept.start, p.cpus) else {
         return false;
     };
     let (lo, hi) = (query::RECORD_BASE, query::RECORD_BASE.saturating_add(len));
@@ -474,10 +439,11 @@ fn record_fits(map: &[E820], p: &Params) -> bool {
 /// Outcome `i` of vCPU `cpu`, from the record.
 fn recorded(p: &Params, cpu: u32, i: u64) -> known::Outcome {
     // SAFETY: written by that vCPU during its stream, which has ended;
-    // inside the record (i < ops, cpu < cpus: `query::parse`).
+    // inside the record (i in `p.recorded()`, cpu < cpus: `query::parse`
+    // and `answer`).
     unsafe {
         unpack(&core::ptr::read_volatile(
-            query::record_at(p.ops, cpu, i) as *const [u64; 7]
+            query::record_at(&p.recorded(), cpu, i) as *const [u64; 7],
         ))
     }
 }
@@ -503,7 +469,7 @@ fn serve(p: &Params, env: &Env) -> ! {
         if text.trim().is_empty() {
             continue;
         }
-        match query::parse(text, p.cpus, p.ops) {
+        match query::parse(text, p.cpus, &p.recorded()) {
             Ok(q) => answer(p, env, q),
             Err(why) => serial::line(format_args!("qerr {why}")),
         }
@@ -513,7 +479,11 @@ fn serve(p: &Params, env: &Env) -> ! {
 
 fn answer(p: &Params, env: &Env, q: Query) {
     let (cpu, from, end) = match q {
-        Query::Blocks { cpu, from, len, n } => (cpu, from, from.saturating_add(len * n).min(p.ops)),
+        Query::Blocks { cpu, from, len, n } => (
+            cpu,
+            from,
+            from.saturating_add(len * n).min(p.recorded().end),
+        ),
         Query::Ops { cpu, from, count } => (cpu, from, from + count),
     };
     let shape = Shape {
@@ -596,36 +566,6 @@ fn watch_others(cpu: u32, cpus: u32) {
             }
         }
         core::hint::spin_loop();
-    }
-}
-
-/// Prints what `fuzz.blocks` and `fuzz.hold` kept: the block digests, then
-/// the held block's operations (drawn again from the seed) with their
-/// outcomes, in `fuzz.log`'s format.
-fn print_kept(p: &Params, shape: Shape, env: &Env, cpu: u32) {
-    let row = cpu as usize;
-    let blocks = p
-        .ops
-        .saturating_sub(p.from)
-        .div_ceil(p.blocks)
-        .min(cmdline::BLOCKS_MAX);
-    for k in 0..blocks {
-        // SAFETY: this vCPU's own row, written above by this vCPU.
-        let d = unsafe { (*core::ptr::addr_of!(BLOCK_DIGESTS))[row][k as usize] };
-        serial::line(format_args!("blk {cpu} {k} {d:016x}"));
-    }
-    let Some(k) = p.hold else { return };
-    let first = p.from.saturating_add(k.saturating_mul(p.blocks));
-    let end = first.saturating_add(p.blocks).min(p.ops);
-    let mut rng = Rng::new(p.seed, cpu);
-    for i in 0..end {
-        let op = ops::draw(&mut rng, shape);
-        if i < first {
-            continue;
-        }
-        // SAFETY: as above; i - first < blocks <= HOLD_MAX.
-        let out = unpack(unsafe { &(*core::ptr::addr_of!(HELD))[row][(i - first) as usize] });
-        print_op(cpu, i, &op, &out, env);
     }
 }
 
