@@ -40,19 +40,27 @@ impl Default for Params {
         Params {
             seed: 1,
             ops: 10_000,
-            cpus: 1,
             window: 1000,
-            log: None,
-            from: 0,
-            until: 0,
-            skip: 0,
-            record: false,
-            tracer: false,
+            ..Params::BASE
         }
     }
 }
 
 impl Params {
+    /// Nothing asked: the fields a run leaves alone (`..Params::BASE`).
+    pub const BASE: Params = Params {
+        seed: 0,
+        ops: 0,
+        cpus: 1,
+        window: 1,
+        log: None,
+        from: 0,
+        until: 0,
+        skip: 0,
+        record: false,
+        tracer: false,
+    };
+
     /// The operations the record keeps: `from` up to `until`, or to the
     /// stream's end.
     pub fn recorded(&self) -> core::ops::Range<u64> {
@@ -62,6 +70,37 @@ impl Params {
             self.until.min(self.ops)
         };
         self.from.min(end)..end
+    }
+}
+
+/// The command line that asks for these parameters ([`parse`] reads it
+/// back); fields at their [`Params::BASE`] value are left out.
+impl core::fmt::Display for Params {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "fuzz.seed={} fuzz.ops={} fuzz.cpus={} fuzz.window={}",
+            self.seed, self.ops, self.cpus, self.window
+        )?;
+        if let Some(w) = self.log {
+            write!(f, " fuzz.log={w}")?;
+        }
+        if self.record {
+            f.write_str(" fuzz.record=1")?;
+        }
+        if self.from != 0 {
+            write!(f, " fuzz.from={}", self.from)?;
+        }
+        if self.until != 0 {
+            write!(f, " fuzz.until={}", self.until)?;
+        }
+        if self.tracer {
+            f.write_str(" fuzz.tracer=1")?;
+        }
+        if self.skip != 0 {
+            write!(f, " fuzz.skip={:#x}", self.skip)?;
+        }
+        Ok(())
     }
 }
 
@@ -128,6 +167,35 @@ mod tests {
             }
         );
         assert_eq!(parse("").unwrap(), Params::default());
+    }
+
+    #[test]
+    fn a_command_line_written_reads_back_the_same() {
+        let p = Params {
+            seed: 88,
+            ops: 200_000,
+            cpus: 2,
+            window: 50_000,
+            log: Some(3),
+            from: 150_000,
+            until: 200_000,
+            skip: 1 << 20,
+            record: true,
+            tracer: true,
+        };
+        extern crate std;
+        use std::string::ToString;
+        assert_eq!(parse(&p.to_string()), Ok(p));
+        let base = Params {
+            seed: 5,
+            ops: 10,
+            ..Params::BASE
+        };
+        assert_eq!(
+            base.to_string(),
+            "fuzz.seed=5 fuzz.ops=10 fuzz.cpus=1 fuzz.window=1"
+        );
+        assert_eq!(parse(&base.to_string()), Ok(base));
     }
 
     #[test]

@@ -20,99 +20,39 @@ use guest_introspect::elf::{Elf, PT_LOAD};
 use hvtrace::{RunConfig, Vm};
 use loader::bzimage::{hdr, XLoadFlags, BOOT_FLAG, HEADER_MAGIC};
 
-/// What one run asks the program for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Params {
-    pub seed: u64,
-    pub ops: u64,
-    pub cpus: u32,
-    pub window: u64,
-    pub log: Option<u64>,
-    /// The first operation the record keeps (`fuzz.from`).
-    pub from: u64,
-    /// The operation the record stops before (`fuzz.until`; 0: the end).
-    pub until: u64,
-    /// Keep every outcome, and keep the VM after the stream to be asked
-    /// about them (`fuzz.record`; see [`pinpoint`]).
-    pub record: bool,
-    /// Operation kinds drawn but not carried out (`fuzz.skip`, bits by
-    /// `fuzz_guest::ops::kind`).
-    pub skip: u64,
-    /// Hooks on the program's own functions while it runs (under the
-    /// hypervisor; the bare run gets the same command line).
-    pub tracer: bool,
-}
+/// What one run asks the program for: the program's own parameters.
+pub use fuzz_guest::cmdline::Params;
 
-impl Params {
-    /// Nothing asked: the fields a run leaves alone (`..Params::BASE`).
-    pub const BASE: Params = Params {
-        seed: 0,
-        ops: 0,
-        cpus: 1,
-        window: 1,
-        log: None,
-        from: 0,
-        until: 0,
-        record: false,
-        skip: 0,
-        tracer: false,
-    };
-
-    /// The program's command line.
-    pub fn cmdline(&self) -> String {
-        let mut s = format!(
-            "fuzz.seed={} fuzz.ops={} fuzz.cpus={} fuzz.window={}",
-            self.seed, self.ops, self.cpus, self.window
-        );
-        if let Some(w) = self.log {
-            s.push_str(&format!(" fuzz.log={w}"));
-        }
-        if self.record {
-            s.push_str(" fuzz.record=1");
-            if self.from != 0 {
-                s.push_str(&format!(" fuzz.from={}", self.from));
-            }
-            if self.until != 0 {
-                s.push_str(&format!(" fuzz.until={}", self.until));
-            }
-        }
-        if self.tracer {
-            s.push_str(" fuzz.tracer=1");
-        }
-        // A debugging aid: HVTRACE_FUZZ_SKIP=MASK draws the operation
-        // kinds of MASK (bits by `fuzz_guest::ops::kind`) without carrying
-        // them out, to find which kind a failure needs.
-        if self.skip != 0 {
-            s.push_str(&format!(" fuzz.skip={:#x}", self.skip));
-        } else if let Some(mask) = std::env::var("HVTRACE_FUZZ_SKIP")
+/// The program's command line for `p`. A debugging aid:
+/// HVTRACE_FUZZ_SKIP=MASK draws the operation kinds of MASK (bits by
+/// `fuzz_guest::ops::kind`) without carrying them out, to find which kind a
+/// failure needs (when `p` skips none itself).
+pub fn cmdline(p: &Params) -> String {
+    let mut s = p.to_string();
+    if p.skip == 0 {
+        if let Some(mask) = std::env::var("HVTRACE_FUZZ_SKIP")
             .ok()
             .filter(|m| !m.is_empty())
         {
             s.push_str(&format!(" fuzz.skip={mask}"));
         }
-        s
     }
+    s
+}
 
-    /// The program's own reading of [`Self::cmdline`].
-    pub fn guest(&self) -> Result<fuzz_guest::cmdline::Params> {
-        fuzz_guest::cmdline::parse(&self.cmdline())
-            .map_err(|w| anyhow!("the program would refuse its command line at {w:?}"))
+/// Operation `index` of vCPU `cpu`'s stream of `p`, regenerated here.
+pub fn op(p: &Params, cpu: u32, index: u64) -> Op {
+    let mut r = Rng::new(p.seed, cpu);
+    let shape = Shape {
+        cpu,
+        cpus: p.cpus,
+        tracer: p.tracer,
+    };
+    let mut op = ops::draw(&mut r, shape);
+    for _ in 0..index {
+        op = ops::draw(&mut r, shape);
     }
-
-    /// Operation `index` of vCPU `cpu`'s stream, regenerated here.
-    pub fn op(&self, cpu: u32, index: u64) -> Op {
-        let mut r = Rng::new(self.seed, cpu);
-        let shape = Shape {
-            cpu,
-            cpus: self.cpus,
-            tracer: self.tracer,
-        };
-        let mut op = ops::draw(&mut r, shape);
-        for _ in 0..index {
-            op = ops::draw(&mut r, shape);
-        }
-        op
-    }
+    op
 }
 
 /// The seed corpus: each entry reproduces a bug the fuzzer found in root
@@ -712,12 +652,12 @@ pub const ROOT_ANSWER: Duration = Duration::from_secs(30);
 pub fn run_once(p: &Params, hypervisor: Option<&Path>, timeout: Duration) -> Result<RunResult> {
     let (kernel, initrd) = guest_files()?;
     let mut cfg = RunConfig::new(kernel, initrd);
-    cfg.append = p.cmdline();
+    cfg.append = cmdline(p);
     cfg.cpus = p.cpus;
     cfg.memory_mib = 256;
     if p.record {
         // The record lies from 128 MiB up; 16 MiB to spare above it.
-        let kept = p.guest()?.recorded();
+        let kept = p.recorded();
         let bytes = fuzz_guest::query::record_bytes(kept.end - kept.start, p.cpus)
             .ok_or_else(|| anyhow!("fuzz.record: too many operations to keep"))?;
         let top = fuzz_guest::query::RECORD_BASE + bytes;
@@ -1524,7 +1464,7 @@ mod tests {
     }
 
     #[test]
-    fn the_program_reads_the_narrowing_runs_command_line() {
+    fn the_program_reads_the_runs_command_line() {
         let p = Params {
             seed: 88,
             ops: 200_000,
@@ -1537,21 +1477,20 @@ mod tests {
             tracer: true,
             ..Params::BASE
         };
-        let got = p.guest().expect("the program takes it");
-        assert_eq!(
-            (got.seed, got.ops, got.cpus, got.window, got.tracer),
-            (88, 200_000, 2, 50_000, true)
-        );
-        assert_eq!((got.record, got.skip), (true, 1 << 20));
-        assert_eq!(got.recorded(), 150_000..200_000);
+        assert_eq!(fuzz_guest::cmdline::parse(&cmdline(&p)), Ok(p));
+        assert_eq!(p.recorded(), 150_000..200_000);
         // A whole record says no range.
         let whole = Params {
             from: 0,
             until: 0,
             ..p
         };
-        assert!(!whole.cmdline().contains("fuzz.from") && !whole.cmdline().contains("fuzz.until"));
-        assert_eq!(whole.guest().unwrap().recorded(), 0..200_000);
+        let line = cmdline(&whole);
+        assert!(
+            !line.contains("fuzz.from") && !line.contains("fuzz.until"),
+            "{line}"
+        );
+        assert_eq!(whole.recorded(), 0..200_000);
     }
 
     #[test]

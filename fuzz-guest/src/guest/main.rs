@@ -37,18 +37,7 @@ use fuzz_guest::rng::Rng;
 pub use fuzz_guest::MAX_CPUS;
 
 /// The parameters, written by the boot CPU before any AP starts.
-static mut PARAMS: Params = Params {
-    seed: 0,
-    ops: 0,
-    cpus: 1,
-    window: 1,
-    log: None,
-    from: 0,
-    until: 0,
-    skip: 0,
-    record: false,
-    tracer: false,
-};
+static mut PARAMS: Params = Params::BASE;
 
 /// Set once the boot CPU may start its stream (in tracer mode, once the
 /// host said go); the APs wait for it too.

@@ -83,7 +83,7 @@ fn parse_args() -> Result<Args> {
             "--show" => {
                 let n = num(value("--show")?)?;
                 for cpu in 0..p.cpus {
-                    println!("cpu {cpu} op {n}: {:?}", p.op(cpu, n));
+                    println!("cpu {cpu} op {n}: {:?}", fuzz::op(&p, cpu, n));
                 }
                 std::process::exit(0);
             }
@@ -311,7 +311,7 @@ fn minimize(p: &Params, timeout: Duration) -> Result<()> {
     }
     eprintln!(
         "fuzz: minimized: {hi} operations per vCPU show it; the last one drawn is vCPU 0's {:?}",
-        p.op(0, hi - 1)
+        fuzz::op(p, 0, hi - 1)
     );
     Ok(())
 }
