@@ -962,17 +962,7 @@ pub fn explain(
 ) -> Result<OpSearch> {
     match (&runs.0.kept, &runs.1.kept) {
         (Some(b), Some(h)) => pinpoint(p, cpu, win, b, h),
-        _ => first_differing_op(
-            &Params {
-                record: false,
-                skip: 0,
-                ..*p
-            },
-            cpu,
-            win,
-            hypervisor,
-            timeout,
-        ),
+        _ => first_differing_op(p, cpu, win, hypervisor, timeout),
     }
 }
 
